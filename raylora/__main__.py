@@ -1,0 +1,3 @@
+from raylora.cli import main
+
+raise SystemExit(main())

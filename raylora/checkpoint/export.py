@@ -1,0 +1,182 @@
+"""Final checkpoint → published adapter, metrics and loss curve.
+
+Output layout under ``output.uri``::
+
+    adapter/pytorch_lora_weights.safetensors   stock diffusers ``load_lora_weights(dir)``
+    adapter/README.md                          model card
+    adapter/raylora.json                       {"config", "metrics", "data", ...}
+    metrics.jsonl                              one row per optimizer step
+    loss.png                                   the loss curve
+    train/checkpoint_*                         Ray Train checkpoints (resumable state)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from importlib.metadata import PackageNotFoundError, version
+
+from raylora import storage
+from raylora.checkpoint.state import ADAPTER_DIR, HISTORY_FILE
+from raylora.config import RayLoraConfig
+from raylora.model.lora import WEIGHT_NAME
+
+SUMMARY_KEYS = (
+    "train_loss_first",
+    "train_loss_last",
+    "steps",
+    "images_seen",
+    "wall_seconds",
+    "epoch",
+    "resumed_from_step",
+)
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        return version(pkg)
+    except PackageNotFoundError:
+        return None
+
+
+def data_fingerprint(files: list[str]) -> str:
+    """sha256 over shard names, sizes and mtimes: changes when the data changes."""
+    h = hashlib.sha256()
+    for f in files:
+        st = os.stat(f)
+        h.update(f"{os.path.basename(f)}:{st.st_size}:{int(st.st_mtime)}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def summarize_metrics(reported: dict) -> dict:
+    m = {k: reported.get(k) for k in SUMMARY_KEYS}
+    m["steps"] = reported.get("global_step", reported.get("step"))
+    digests = reported.get("replica_lora_digests") or []
+    m["replica_lora_digests"] = digests
+    m["replicas_in_sync"] = bool(digests) and len(set(digests)) == 1
+    return m
+
+
+def model_card(cfg: RayLoraConfig, metrics: dict, data: dict) -> str:
+    t, lo = cfg.train, cfg.lora
+    loss_first = metrics.get("train_loss_first")
+    loss_last = metrics.get("train_loss_last")
+    fmt = lambda x: "n/a" if x is None else f"{x:.5f}"  # noqa: E731
+    return f"""---
+base_model: {cfg.model.pretrained}
+library_name: diffusers
+license: other
+tags:
+- text-to-image
+- diffusers
+- lora
+- raylora
+inference: true
+---
+
+# LoRA adapter for {cfg.model.pretrained}
+
+Trained with [raylora](https://github.com/) on Ray Train ({cfg.scaling.num_workers} worker(s),
+{"GPU" if cfg.scaling.use_gpu else "CPU"}, mixed precision `{t.mixed_precision}`).
+
+## Use
+
+```python
+from diffusers import StableDiffusionPipeline
+pipe = StableDiffusionPipeline.from_pretrained("{cfg.model.pretrained}")
+pipe.load_lora_weights("path/to/this/folder")
+image = pipe("your prompt").images[0]
+```
+
+## Training
+
+| | |
+|---|---|
+| LoRA rank / alpha / dropout | {lo.rank} / {lo.effective_alpha:g} / {lo.dropout:g} |
+| target modules | {", ".join(lo.target_modules)} |
+| learning rate (scale_lr) | {t.learning_rate:g} ({t.scale_lr}) |
+| LR schedule, warmup | {t.lr_scheduler}, {t.lr_warmup_steps} steps |
+| AdamW betas, weight decay, eps | {t.adam_beta1:g}/{t.adam_beta2:g}, {t.adam_weight_decay:g}, {t.adam_epsilon:g} |
+| batch per worker × accumulation × workers | {t.batch_size} × {t.gradient_accumulation_steps} × {cfg.scaling.num_workers} |
+| max grad norm | {t.max_grad_norm:g} |
+| resolution, center crop, random flip | {cfg.data.resolution}, {cfg.data.center_crop}, {cfg.data.random_flip} |
+| seed | {t.seed} |
+| optimizer steps | {metrics.get("steps")} |
+| images seen | {metrics.get("images_seen")} |
+
+## Data
+
+{data.get("rows")} image-caption rows in {data.get("files")} shard(s), fingerprint `{data.get("fingerprint")}`.
+
+## Results
+
+| metric | value |
+|---|---|
+| train loss, first step | {fmt(loss_first)} |
+| train loss, last step | {fmt(loss_last)} |
+| wall time (s) | {metrics.get("wall_seconds") or 0:.1f} |
+"""
+
+
+def plot_loss(history: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in history]
+    losses = [r["loss"] for r in history]
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    ax.plot(steps, losses, lw=1, alpha=0.5, label="loss")
+    if len(losses) >= 5:
+        k = max(2, len(losses) // 10)
+        smooth = [sum(losses[max(0, i - k + 1) : i + 1]) / len(losses[max(0, i - k + 1) : i + 1]) for i in range(len(losses))]
+        ax.plot(steps, smooth, lw=2, label=f"moving mean ({k})")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("denoising MSE")
+    ax.set_title("raylora training loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def export_run(ckpt_dir: str, cfg: RayLoraConfig, reported: dict, plan: dict) -> dict:
+    """Publish the adapter in ``ckpt_dir`` with its card and metadata under ``output.uri``."""
+    metrics = summarize_metrics(reported)
+    files = plan["shard_files"]
+    data = {"files": len(files), "rows": plan["total_rows"], "fingerprint": data_fingerprint(files)}
+    with open(os.path.join(ckpt_dir, HISTORY_FILE)) as f:
+        history = [json.loads(line) for line in f if line.strip()]
+
+    out = storage.normalize(cfg.output.uri)
+    with tempfile.TemporaryDirectory(prefix="raylora-export-") as tmp:
+        adapter = os.path.join(tmp, ADAPTER_DIR)
+        os.makedirs(adapter)
+        shutil.copy2(os.path.join(ckpt_dir, ADAPTER_DIR, WEIGHT_NAME), adapter)
+        with open(os.path.join(adapter, "README.md"), "w") as f:
+            f.write(model_card(cfg, metrics, data))
+        meta = {
+            "config": cfg.to_dict(),
+            "metrics": metrics,
+            "data": data,
+            "versions": {p: _version(p) for p in ("raylora", "ray", "torch", "diffusers", "peft")},
+        }
+        with open(os.path.join(adapter, "raylora.json"), "w") as f:
+            json.dump(meta, f, indent=2)
+        adapter_out = storage.publish_dir(adapter, storage.join(out, ADAPTER_DIR))
+
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+            for row in history:
+                f.write(json.dumps(row) + "\n")
+        plot_loss(history, os.path.join(out, "loss.png"))
+    return {
+        "adapter": adapter_out,
+        "metrics_jsonl": os.path.join(out, "metrics.jsonl"),
+        "loss_png": os.path.join(out, "loss.png"),
+        "metrics": metrics,
+    }

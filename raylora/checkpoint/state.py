@@ -1,0 +1,123 @@
+"""Training state ⇄ a checkpoint directory. Plain torch/safetensors, no Ray.
+
+Layout of one checkpoint directory::
+
+    adapter/pytorch_lora_weights.safetensors   diffusers layout (loadable as is)   rank 0
+    lora.safetensors                           peft layout, fp32, for exact resume rank 0
+    trainer_state.pt                           optimizer, LR scheduler, grad scaler,
+                                               step, epoch, data position           rank 0
+    history.jsonl                              one row per optimizer step           rank 0
+    rng_rank{R}.pt                             torch CPU (+ CUDA) RNG of rank R     every rank
+
+Everything read back is loaded with ``weights_only=True`` / safetensors: a checkpoint in
+shared storage is never a way to run code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+from safetensors.torch import load_file, save_file
+
+TRAINER_STATE = "trainer_state.pt"
+LORA_FILE = "lora.safetensors"
+HISTORY_FILE = "history.jsonl"
+ADAPTER_DIR = "adapter"
+
+
+@dataclass
+class LoopState:
+    """Where the run is: enough to continue exactly. All plain numbers."""
+
+    global_step: int = 0
+    epoch: int = 0
+    batches_in_epoch: int = 0  # micro-batches consumed in the current epoch, per worker
+    images_seen: int = 0
+    train_loss_first: float | None = None
+    train_loss_last: float | None = None
+    wall_seconds: float = 0.0
+    resumed_from_step: int | None = None
+    history: list[dict] = field(default_factory=list)
+
+    def scalars(self) -> dict:
+        d = asdict(self)
+        d.pop("history")
+        return d
+
+
+def rng_file(rank: int) -> str:
+    return f"rng_rank{rank}.pt"
+
+
+def capture_rng() -> dict[str, torch.Tensor]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_rank_state(directory: str, rank: int) -> None:
+    torch.save(capture_rng(), os.path.join(directory, rng_file(rank)))
+
+
+def save_main_state(
+    directory: str,
+    *,
+    lora_sd: dict[str, torch.Tensor],
+    optimizer_sd: dict,
+    scheduler_sd: dict,
+    scaler_sd: dict | None,
+    loop: LoopState,
+) -> None:
+    save_file(lora_sd, os.path.join(directory, LORA_FILE))
+    torch.save(
+        {
+            "optimizer": optimizer_sd,
+            "lr_scheduler": scheduler_sd,
+            "grad_scaler": scaler_sd,
+            "loop": loop.scalars(),
+        },
+        os.path.join(directory, TRAINER_STATE),
+    )
+    with open(os.path.join(directory, HISTORY_FILE), "w") as f:
+        for row in loop.history:
+            f.write(json.dumps(row) + "\n")
+
+
+@dataclass
+class RestoredState:
+    lora_sd: dict[str, torch.Tensor]
+    optimizer_sd: dict
+    scheduler_sd: dict
+    scaler_sd: dict | None
+    loop: LoopState
+    rng: dict[str, torch.Tensor] | None
+
+
+def load_state(directory: str, rank: int) -> RestoredState:
+    trainer = torch.load(os.path.join(directory, TRAINER_STATE), weights_only=True)
+    history = []
+    hist_path = os.path.join(directory, HISTORY_FILE)
+    if os.path.exists(hist_path):
+        with open(hist_path) as f:
+            history = [json.loads(line) for line in f if line.strip()]
+    loop = LoopState(**trainer["loop"], history=history)
+    rng_path = os.path.join(directory, rng_file(rank))
+    rng = torch.load(rng_path, weights_only=True) if os.path.exists(rng_path) else None
+    return RestoredState(
+        lora_sd=load_file(os.path.join(directory, LORA_FILE)),
+        optimizer_sd=trainer["optimizer"],
+        scheduler_sd=trainer["lr_scheduler"],
+        scaler_sd=trainer["grad_scaler"],
+        loop=loop,
+        rng=rng,
+    )

@@ -1,0 +1,105 @@
+"""Image and caption transforms: plain functions plus one callable stage class.
+
+No Ray imports: ``Preprocess`` is a callable class that Ray Data runs as an actor stage
+(so the tokenizer loads once per actor, not once per batch) and that tests call directly.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+
+def load_image(value: Any) -> Image.Image:
+    """Decode encoded image bytes, or a Hugging Face datasets struct ``{bytes, path}``."""
+    if isinstance(value, dict):
+        value = value.get("bytes")
+    if not isinstance(value, (bytes, bytearray, memoryview)) or len(value) == 0:
+        raise ValueError("image value is not encoded image bytes")
+    img = Image.open(io.BytesIO(bytes(value)))
+    img.load()
+    return img
+
+
+def transform_image(
+    img: Image.Image,
+    resolution: int,
+    center_crop: bool,
+    random_flip: bool,
+    rng: np.random.Generator,
+) -> np.ndarray:
+    """RGB, shorter side resized to ``resolution``, square crop, optional h-flip.
+
+    Returns float32 ``[3, resolution, resolution]`` in [-1, 1] (what the VAE expects).
+    """
+    img = img.convert("RGB")
+    w, h = img.size
+    scale = resolution / min(w, h)
+    # round() not int(): 511.9999 must become 512, never leave the crop short of a pixel.
+    nw, nh = max(resolution, round(w * scale)), max(resolution, round(h * scale))
+    if (nw, nh) != (w, h):
+        img = img.resize((nw, nh), Image.Resampling.BILINEAR)
+    if center_crop:
+        left, top = (nw - resolution) // 2, (nh - resolution) // 2
+    else:
+        left = int(rng.integers(0, nw - resolution + 1))
+        top = int(rng.integers(0, nh - resolution + 1))
+    img = img.crop((left, top, left + resolution, top + resolution))
+    arr = np.asarray(img, dtype=np.float32)
+    if random_flip and rng.random() < 0.5:
+        arr = arr[:, ::-1, :]
+    arr = arr.transpose(2, 0, 1) / 127.5 - 1.0
+    return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+def tokenize(tokenizer, captions: list[str]) -> np.ndarray:
+    """Pad/truncate to the tokenizer's max length: int64 ``[B, model_max_length]``."""
+    ids = tokenizer(
+        list(captions),
+        padding="max_length",
+        truncation=True,
+        max_length=tokenizer.model_max_length,
+        return_tensors="np",
+    ).input_ids
+    return ids.astype(np.int64)
+
+
+class Preprocess:
+    """Batch stage: ``{image, caption}`` columns → ``{pixel_values, input_ids}``."""
+
+    def __init__(
+        self,
+        tokenizer_path: str,
+        resolution: int,
+        center_crop: bool,
+        random_flip: bool,
+        image_column: str = "image",
+        caption_column: str = "text",
+        seed: int = 0,
+        tokenizer_subfolder: str | None = "tokenizer",
+    ):
+        from transformers import AutoTokenizer
+
+        kwargs = {"subfolder": tokenizer_subfolder} if tokenizer_subfolder else {}
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, **kwargs)
+        self.resolution = resolution
+        self.center_crop = center_crop
+        self.random_flip = random_flip
+        self.image_column = image_column
+        self.caption_column = caption_column
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        pixels = np.stack(
+            [
+                transform_image(
+                    load_image(v), self.resolution, self.center_crop, self.random_flip, self.rng
+                )
+                for v in batch[self.image_column]
+            ]
+        )
+        captions = [str(c) if c is not None else "" for c in batch[self.caption_column]]
+        return {"pixel_values": pixels, "input_ids": tokenize(self.tokenizer, captions)}

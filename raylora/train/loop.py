@@ -1,0 +1,99 @@
+"""The training loop: epochs → micro-batches → optimizer steps → checkpoints. No Ray.
+
+The loop owns the data position (epoch, micro-batches consumed) so a resumed run skips
+what it already trained on. Where batches come from and where checkpoints go are
+callables passed in, which is all ``worker.py`` adds on top.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+from raylora.checkpoint.state import LoopState
+from raylora.train.step import FrozenParts, train_micro_step
+
+
+def run_loop(
+    *,
+    accelerator,
+    unet: torch.nn.Module,
+    parts: FrozenParts,
+    optimizer,
+    lr_scheduler,
+    params: list[torch.nn.Parameter],
+    state: LoopState,
+    max_steps: int,
+    max_grad_norm: float,
+    images_per_step: int,
+    checkpoint_every: int,
+    epoch_batches: Callable[[int], Iterable[dict]],
+    on_checkpoint: Callable[[LoopState, bool], None],
+    on_step: Callable[[dict], None] = lambda row: None,
+) -> LoopState:
+    """Train until ``state.global_step == max_steps``; returns the final state.
+
+    ``on_checkpoint(state, final)`` is called on every rank at the same steps (Ray's report
+    is a barrier), and always once with ``final=True`` at the end.
+    """
+    last_ckpt_step = -1
+    t_start = time.perf_counter()
+    wall_before = state.wall_seconds
+    while state.global_step < max_steps:
+        micro_losses: list[torch.Tensor] = []
+        t_step = time.perf_counter()
+        skip = state.batches_in_epoch
+        exhausted, trained = True, False
+        for i, batch in enumerate(epoch_batches(state.epoch)):
+            if i < skip:  # resumed mid-epoch: these micro-batches were already trained on
+                continue
+            trained = True
+            micro_losses.append(
+                train_micro_step(
+                    accelerator, unet, parts, optimizer, lr_scheduler, params, batch, max_grad_norm
+                )
+            )
+            state.batches_in_epoch += 1
+            if not accelerator.sync_gradients:
+                continue
+            state.global_step += 1
+            state.images_seen += images_per_step
+            # Mean over micro-batches and workers: the loss of the global batch.
+            loss = accelerator.reduce(torch.stack(micro_losses).mean(), reduction="mean").item()
+            micro_losses = []
+            now = time.perf_counter()
+            row = {
+                "step": state.global_step,
+                "epoch": state.epoch,
+                "loss": loss,
+                "lr": lr_scheduler.get_last_lr()[0],
+                "images_per_s": images_per_step / max(now - t_step, 1e-9),
+            }
+            t_step = now
+            if state.train_loss_first is None:
+                state.train_loss_first = loss
+            state.train_loss_last = loss
+            state.history.append(row)
+            state.wall_seconds = wall_before + (now - t_start)
+            on_step(row)
+            if state.global_step % checkpoint_every == 0 or state.global_step >= max_steps:
+                final = state.global_step >= max_steps
+                on_checkpoint(state, final)
+                last_ckpt_step = state.global_step
+            if state.global_step >= max_steps:
+                exhausted = False
+                break
+        if exhausted and not trained and skip == 0:
+            raise RuntimeError(
+                f"epoch {state.epoch} gave this worker no batches: the data shard is empty"
+            )
+        if exhausted:
+            state.epoch += 1
+            state.batches_in_epoch = 0
+    if last_ckpt_step != state.global_step:
+        # Restored from a checkpoint that was already at max_steps: report it again so the
+        # run still ends with a final checkpoint and final metrics.
+        on_checkpoint(state, True)
+    return state

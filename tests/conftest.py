@@ -1,0 +1,42 @@
+"""Shared fixtures: a tiny model and demo shards built once per session, offline."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Tests must never reach for the hub (no network here, and not in CI).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    from raylora.model.tiny import build_tiny_sd
+
+    return str(build_tiny_sd(tmp_path_factory.mktemp("model") / "tiny-sd"))
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory) -> str:
+    from raylora.data.demo import write_parquet_shards
+
+    dest = tmp_path_factory.mktemp("data") / "shards"
+    write_parquet_shards(dest, n=32, num_shards=2, size=64, seed=1)
+    return str(dest)
+
+
+@pytest.fixture
+def base_config(tiny_model, demo_data, tmp_path) -> dict:
+    """A small valid config tree (plain dict) for the tiny model and demo shards."""
+    return {
+        "model": {"pretrained": tiny_model},
+        "data": {"uri": demo_data, "resolution": 64, "center_crop": True},
+        "train": {"batch_size": 2, "max_steps": 4, "learning_rate": 1e-3},
+        "scaling": {"num_workers": 1},
+        "checkpoint": {"every_n_steps": 2},
+        "output": {"uri": str(tmp_path / "out")},
+    }

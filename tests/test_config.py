@@ -1,0 +1,114 @@
+import glob
+import os
+
+import pytest
+import yaml
+
+from raylora.config import ConfigError, RayLoraConfig, apply_overrides, load_config, validate
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MIN = {"model": {"pretrained": "m"}, "data": {"uri": "d"}, "output": {"uri": "o"}}
+
+
+def test_defaults_follow_diffusers_lora_recipe():
+    cfg = validate(MIN)
+    t, lo = cfg.train, cfg.lora
+    assert (t.adam_beta1, t.adam_beta2, t.adam_weight_decay, t.adam_epsilon) == (0.9, 0.999, 1e-2, 1e-8)
+    assert (lo.rank, lo.effective_alpha, t.learning_rate, t.lr_scheduler) == (4, 4.0, 1e-4, "constant")
+    assert lo.target_modules == ["to_k", "to_q", "to_v", "to_out.0"]
+    assert (t.max_grad_norm, t.mixed_precision, t.gradient_accumulation_steps) == (1.0, "no", 1)
+    assert cfg.data.image_column == "image" and cfg.data.caption_column == "text"
+
+
+def test_overrides_parse_yaml_scalars_and_flow_lists(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(MIN))
+    cfg = load_config(
+        path,
+        [
+            "train.learning_rate=2e-4",
+            "scaling.num_workers=4",
+            "lora.target_modules=[to_q,to_v]",
+            "data.random_flip=true",
+            "lora.alpha=8",
+            "data.uri=[a, b]",
+        ],
+    )
+    assert cfg.train.learning_rate == pytest.approx(2e-4)
+    assert cfg.scaling.num_workers == 4
+    assert cfg.lora.target_modules == ["to_q", "to_v"]
+    assert cfg.data.random_flip is True
+    assert cfg.lora.effective_alpha == 8.0
+    assert cfg.data.uri == ["a", "b"]
+
+
+def test_every_problem_reported_at_once_naming_keys():
+    tree = apply_overrides(
+        MIN,
+        [
+            "train.learning_rat=1",  # typo → unknown key
+            "lora.rank=0",
+            "train.mixed_precision=fp8",
+            "data.resolution=abc",
+        ],
+    )
+    with pytest.raises(ConfigError) as ei:
+        validate(tree)
+    msg = str(ei.value)
+    assert len(ei.value.problems) == 4, msg
+    assert "train.learning_rat: unknown key" in msg
+    assert "lora.rank:" in msg and "greater than 0" in msg
+    assert "train.mixed_precision:" in msg and "fp8" in msg
+    assert "data.resolution:" in msg
+
+
+def test_missing_required_sections_named():
+    with pytest.raises(ConfigError) as ei:
+        validate({"data": {"uri": "x"}})
+    assert set(ei.value.problems) == {
+        "model: required key is missing",
+        "output: required key is missing",
+    }
+
+
+def test_fp16_on_cpu_rejected_with_key():
+    with pytest.raises(ConfigError, match=r"train.mixed_precision: fp16 needs a GPU"):
+        validate(apply_overrides(MIN, ["train.mixed_precision=fp16"]))
+    cfg = validate(apply_overrides(MIN, ["train.mixed_precision=fp16", "scaling.use_gpu=true"]))
+    assert cfg.train.mixed_precision == "fp16"
+
+
+def test_override_syntax_errors_named():
+    with pytest.raises(ConfigError, match="override must look like key.path=value"):
+        apply_overrides(MIN, ["train.learning_rate"])
+    with pytest.raises(ConfigError, match="model.pretrained: is a value, not a section"):
+        apply_overrides(MIN, ["model.pretrained.x=1"])
+
+
+def test_unreadable_or_bad_yaml_named(tmp_path):
+    with pytest.raises(ConfigError, match="nope.yaml: cannot read"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed")
+    with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
+        load_config(bad)
+
+
+def test_to_dict_round_trips():
+    cfg = validate(apply_overrides(MIN, ["lora.rank=16", "train.lr_scheduler=cosine"]))
+    again = RayLoraConfig.model_validate(cfg.to_dict())
+    assert again == cfg
+    assert set(cfg.to_dict()) == {"model", "data", "lora", "train", "scaling", "checkpoint", "output"}
+
+
+JOB_YAMLS = sorted(glob.glob(os.path.join(REPO, "jobs", "configs", "**", "*.yaml"), recursive=True))
+
+
+def test_jobs_directory_has_configs():
+    assert any(p.endswith("tiny-local.yaml") for p in JOB_YAMLS)
+
+
+@pytest.mark.parametrize("path", JOB_YAMLS, ids=[os.path.relpath(p, REPO) for p in JOB_YAMLS])
+def test_every_shipped_job_yaml_validates(path):
+    cfg = load_config(path)
+    assert cfg.output.uri and cfg.model.pretrained

@@ -1,0 +1,62 @@
+import torch
+from diffusers import DDPMScheduler
+
+from raylora.train.loss import denoising_loss, diffusion_target, sample_timesteps
+
+
+def _sched(pred="epsilon"):
+    return DDPMScheduler(
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", prediction_type=pred
+    )
+
+
+def test_epsilon_target_is_the_noise():
+    s = _sched()
+    x0, noise = torch.randn(2, 4, 8, 8), torch.randn(2, 4, 8, 8)
+    t = torch.tensor([10, 900])
+    assert torch.equal(diffusion_target(s, x0, noise, t, "epsilon"), noise)
+
+
+def test_v_prediction_target_matches_closed_form_and_scheduler():
+    s = _sched("v_prediction")
+    g = torch.Generator().manual_seed(0)
+    x0, noise = torch.randn(3, 4, 8, 8, generator=g), torch.randn(3, 4, 8, 8, generator=g)
+    t = torch.tensor([0, 499, 999])
+    v = diffusion_target(s, x0, noise, t, "v_prediction")
+    ab = s.alphas_cumprod[t].view(-1, 1, 1, 1)
+    expected = ab.sqrt() * noise - (1 - ab).sqrt() * x0
+    torch.testing.assert_close(v, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(v, s.get_velocity(x0, noise, t))
+
+
+def test_add_noise_is_the_forward_process():
+    s = _sched()
+    x0, noise = torch.randn(2, 4, 4, 4), torch.randn(2, 4, 4, 4)
+    t = torch.tensor([5, 700])
+    ab = s.alphas_cumprod[t].view(-1, 1, 1, 1)
+    torch.testing.assert_close(s.add_noise(x0, noise, t), ab.sqrt() * x0 + (1 - ab).sqrt() * noise)
+
+
+def test_unknown_prediction_type_named():
+    import pytest
+
+    with pytest.raises(ValueError, match="train.prediction_type"):
+        diffusion_target(_sched(), torch.zeros(1), torch.zeros(1), torch.zeros(1), "sample")
+
+
+def test_denoising_loss_is_fp32_mse():
+    pred = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.bfloat16)
+    target = torch.tensor([[0.0, 2.0], [1.0, 4.0]])
+    loss = denoising_loss(pred, target)
+    assert loss.dtype == torch.float32
+    assert loss.item() == (1.0 + 0 + 4.0 + 0) / 4
+
+
+def test_timesteps_uniform_integers_in_range():
+    g = torch.Generator().manual_seed(0)
+    t = sample_timesteps(20000, 1000, "cpu", generator=g)
+    assert t.dtype == torch.int64 and t.shape == (20000,)
+    assert t.min().item() == 0 and t.max().item() == 999
+    # Uniform: each quarter of [0, 1000) gets ~25% of the draws.
+    counts = torch.bincount(t // 250, minlength=4).float() / len(t)
+    assert torch.all((counts - 0.25).abs() < 0.02), counts

@@ -1,0 +1,95 @@
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from raylora.data.preprocess import Preprocess, load_image, transform_image
+
+
+def _png(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _rng():
+    return np.random.default_rng(0)
+
+
+def test_shape_dtype_and_exact_range():
+    img = Image.new("RGB", (80, 80), (255, 255, 255))
+    img.paste((0, 0, 0), (0, 0, 40, 80))
+    out = transform_image(img, 64, center_crop=True, random_flip=False, rng=_rng())
+    assert out.shape == (3, 64, 64) and out.dtype == np.float32
+    assert out.min() == -1.0 and out.max() == 1.0
+
+
+def test_shorter_side_resized_then_center_cropped():
+    # 200×100: left quarter red, middle half green, right quarter blue.
+    img = Image.new("RGB", (200, 100), (0, 255, 0))
+    img.paste((255, 0, 0), (0, 0, 50, 100))
+    img.paste((0, 0, 255), (150, 0, 200, 100))
+    out = transform_image(img, 32, center_crop=True, random_flip=False, rng=_rng())
+    # Resized to 64×32, the centre 32×32 is the green middle half (its outermost columns
+    # are blended with red/blue by the resampling filter).
+    assert out.shape == (3, 32, 32)
+    np.testing.assert_allclose(out[1, :, 2:-2], 1.0, atol=1e-6)
+    np.testing.assert_allclose(out[0, :, 2:-2], -1.0, atol=1e-6)
+    np.testing.assert_allclose(out[2, :, 2:-2], -1.0, atol=1e-6)
+
+
+def test_random_crop_stays_in_bounds_and_varies():
+    img = Image.fromarray(np.arange(100 * 300 * 3, dtype=np.uint32).reshape(100, 300, 3).astype(np.uint8))
+    rng = _rng()
+    crops = {transform_image(img, 50, False, False, rng).tobytes() for _ in range(10)}
+    assert len(crops) > 1
+
+
+def test_flip_is_a_horizontal_mirror():
+    img = Image.new("RGB", (64, 64), (0, 0, 0))
+    img.paste((255, 255, 255), (0, 0, 32, 64))  # left half white
+    flipped = [
+        transform_image(img, 64, True, True, np.random.default_rng(s)) for s in range(20)
+    ]
+    lefts = {float(f[0, 0, 0]) for f in flipped}
+    assert lefts == {1.0, -1.0}  # some flipped, some not
+    for f in flipped:
+        np.testing.assert_array_equal(f[:, :, :32], -f[:, :, 32:][:, :, ::-1])
+
+
+@pytest.mark.parametrize("mode", ["L", "LA", "P", "RGBA", "CMYK"])
+def test_non_rgb_modes_become_rgb(mode):
+    img = Image.new("RGB", (40, 40), (200, 100, 50)).convert(mode)
+    decoded = load_image(_png(img) if mode != "CMYK" else _jpeg(img))
+    out = transform_image(decoded, 32, True, False, _rng())
+    assert out.shape == (3, 32, 32)
+
+
+def _jpeg(img):
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG")
+    return buf.getvalue()
+
+
+def test_load_image_accepts_hf_struct_and_rejects_garbage():
+    data = _png(Image.new("RGB", (8, 8)))
+    assert load_image({"bytes": data, "path": "x.png"}).size == (8, 8)
+    with pytest.raises(ValueError):
+        load_image(b"")
+    with pytest.raises(Exception):
+        load_image(b"not an image at all")
+
+
+def test_preprocess_stage_outputs(tiny_model):
+    stage = Preprocess(tiny_model, resolution=64, center_crop=True, random_flip=False)
+    imgs = np.array([_png(Image.new("RGB", (96, 64), c)) for c in [(255, 0, 0), (0, 0, 255)]], dtype=object)
+    out = stage({"image": imgs, "text": np.array(["a red square", "a blue circle " * 40])})
+    assert out["pixel_values"].shape == (2, 3, 64, 64)
+    assert out["pixel_values"].dtype == np.float32
+    assert out["input_ids"].shape == (2, 77) and out["input_ids"].dtype == np.int64
+    tok = stage.tokenizer
+    assert out["input_ids"][0, 0] == tok.bos_token_id
+    # Short caption padded with the pad token, long one truncated to end with EOS.
+    assert out["input_ids"][0, -1] == tok.pad_token_id
+    assert out["input_ids"][1, -1] == tok.eos_token_id

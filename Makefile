@@ -19,8 +19,24 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+RAYLORA := $(VENV)/bin/raylora
+DEMO := runs/demo
+
+# Tiny random SD-1.x model + procedurally drawn shapes → 2 CPU workers (DDP) → adapter,
+# sample image and loss curve under runs/demo/. A rerun trains afresh.
 demo: $(STAMP)
-	$(VENV)/bin/raylora demo --dir runs/demo
+	rm -rf $(DEMO)
+	$(RAYLORA) tiny-model $(DEMO)/model
+	$(RAYLORA) demo-data $(DEMO)/data
+	$(RAYLORA) train jobs/configs/tiny-local.yaml
+	$(RAYLORA) sample --model $(DEMO)/model --adapter $(DEMO)/output/adapter \
+		--prompt "a red circle on a blue background" --out $(DEMO)/sample.png
+	@echo
+	@echo "demo outputs:"
+	@echo "  adapter      $(DEMO)/output/adapter/  (pytorch_lora_weights.safetensors, README.md, raylora.json)"
+	@echo "  sample image $(DEMO)/sample.png"
+	@echo "  loss curve   $(DEMO)/output/loss.png"
+	@echo "  step metrics $(DEMO)/output/metrics.jsonl"
 
 test: $(STAMP)
 	$(PY) -m pytest tests $(PYTEST_ARGS)

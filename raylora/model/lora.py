@@ -38,7 +38,10 @@ def add_lora(unet: torch.nn.Module, lora: LoraSection) -> list[torch.nn.Paramete
     raise "Attempting to unscale FP16 gradients".
     """
     unet.requires_grad_(False)
-    unet.add_adapter(peft_config(lora))
+    try:
+        unet.add_adapter(peft_config(lora))
+    except ValueError as exc:
+        raise ValueError(f"lora.target_modules: {lora.target_modules}: {exc}") from None
     params = [p for p in unet.parameters() if p.requires_grad]
     if not params:
         raise ValueError(
@@ -52,7 +55,9 @@ def add_lora(unet: torch.nn.Module, lora: LoraSection) -> list[torch.nn.Paramete
 def lora_state_dict(unet: torch.nn.Module) -> dict[str, torch.Tensor]:
     """peft-layout LoRA weights (fp32, detached, on CPU): for checkpoints and digests."""
     sd = get_peft_model_state_dict(unet)
-    return {k: v.detach().float().cpu().contiguous() for k, v in sd.items()}
+    # copy=True: for fp32 CPU tensors .float()/.cpu() are no-ops that would alias the live
+    # parameters, and a "snapshot" that keeps changing is no snapshot.
+    return {k: v.detach().to("cpu", torch.float32, copy=True).contiguous() for k, v in sd.items()}
 
 
 def load_lora_state_dict(unet: torch.nn.Module, sd: dict[str, torch.Tensor]) -> None:

@@ -1,0 +1,141 @@
+"""Build everything one worker trains with, restore it, and write it to a checkpoint.
+
+No Ray: ``worker.py`` calls these with Ray's checkpoint directory and dataset shard, and
+tests call them directly to check resume exactness in a single process.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from raylora.checkpoint.state import (
+    ADAPTER_DIR,
+    LoopState,
+    RestoredState,
+    restore_rng,
+    save_main_state,
+    save_rank_state,
+)
+from raylora.config import RayLoraConfig
+from raylora.model.load import load_components
+from raylora.model.lora import add_lora, load_lora_state_dict, lora_state_dict
+from raylora.model.lora import save_diffusers_adapter
+from raylora.train.step import FrozenParts
+
+DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def build_optimizer(cfg: RayLoraConfig, params, world_size: int) -> torch.optim.Optimizer:
+    t = cfg.train
+    lr = t.learning_rate
+    if t.scale_lr:
+        lr *= t.gradient_accumulation_steps * t.batch_size * world_size
+    return torch.optim.AdamW(
+        params,
+        lr=lr,
+        betas=(t.adam_beta1, t.adam_beta2),
+        weight_decay=t.adam_weight_decay,
+        eps=t.adam_epsilon,
+    )
+
+
+def build_lr_scheduler(cfg: RayLoraConfig, optimizer, max_steps: int, num_processes: int):
+    from diffusers.optimization import get_scheduler
+
+    t = cfg.train
+    # Accelerate's prepared scheduler steps once per process per optimizer step, so the
+    # counts are in optimizer steps × processes, as in diffusers' training scripts.
+    return get_scheduler(
+        t.lr_scheduler,
+        optimizer=optimizer,
+        num_warmup_steps=t.lr_warmup_steps * num_processes,
+        num_training_steps=max_steps * num_processes,
+        num_cycles=t.lr_num_cycles,
+        power=t.lr_power,
+    )
+
+
+@dataclass
+class TrainingRun:
+    accelerator: object
+    unet: torch.nn.Module  # prepared (DDP-wrapped when distributed)
+    parts: FrozenParts
+    optimizer: object
+    lr_scheduler: object
+    params: list[torch.nn.Parameter]
+    state: LoopState
+
+    def lora_state(self) -> dict[str, torch.Tensor]:
+        return lora_state_dict(self.accelerator.unwrap_model(self.unet))
+
+
+def build_run(
+    cfg: RayLoraConfig,
+    accelerator,
+    max_steps: int,
+    rank: int,
+    restored: RestoredState | None = None,
+) -> TrainingRun:
+    """Frozen base + fresh or restored LoRA, optimizer, schedule, RNG, loop state."""
+    from accelerate.utils import set_seed
+
+    t = cfg.train
+    weight_dtype = DTYPES[t.mixed_precision]
+    # Same seed on every rank for the adapter's initial weights...
+    set_seed(t.seed)
+    comps = load_components(cfg.model, weight_dtype)
+    params = add_lora(comps.unet, cfg.lora)
+    comps.vae.to(accelerator.device)
+    comps.text_encoder.to(accelerator.device)
+    prediction_type = t.prediction_type or comps.noise_scheduler.config.prediction_type
+    parts = FrozenParts(
+        comps.vae, comps.text_encoder, comps.noise_scheduler, weight_dtype, prediction_type
+    )
+    if restored is not None:
+        load_lora_state_dict(comps.unet, restored.lora_sd)
+
+    optimizer = build_optimizer(cfg, params, accelerator.num_processes)
+    lr_scheduler = build_lr_scheduler(cfg, optimizer, max_steps, accelerator.num_processes)
+    unet, optimizer, lr_scheduler = accelerator.prepare(comps.unet, optimizer, lr_scheduler)
+
+    state = LoopState()
+    if restored is not None:
+        optimizer.load_state_dict(restored.optimizer_sd)
+        lr_scheduler.scheduler.load_state_dict(restored.scheduler_sd)
+        if accelerator.scaler is not None and restored.scaler_sd:
+            accelerator.scaler.load_state_dict(restored.scaler_sd)
+        state = restored.loop
+        state.resumed_from_step = state.global_step
+        if restored.rng is not None:
+            restore_rng(restored.rng)
+        else:  # world size changed: no saved stream for this rank; seeded fresh one
+            torch.manual_seed(t.seed + 1000 * rank + state.global_step)
+    else:
+        # ...and a different noise/timestep stream per rank, so workers do not draw
+        # identical noise for their different images.
+        torch.manual_seed(t.seed + 1000 * rank)
+    unet.train()
+    return TrainingRun(accelerator, unet, parts, optimizer, lr_scheduler, params, state)
+
+
+def write_checkpoint(directory: str, run: TrainingRun, rank: int) -> dict[str, torch.Tensor]:
+    """Write this rank's share of a checkpoint into ``directory``; returns the LoRA state."""
+    sd = run.lora_state()
+    save_rank_state(directory, rank)
+    if rank == 0:
+        save_diffusers_adapter(
+            run.accelerator.unwrap_model(run.unet), os.path.join(directory, ADAPTER_DIR)
+        )
+        scaler = run.accelerator.scaler
+        save_main_state(
+            directory,
+            lora_sd=sd,
+            optimizer_sd=run.optimizer.state_dict(),
+            scheduler_sd=run.lr_scheduler.scheduler.state_dict(),
+            scaler_sd=scaler.state_dict() if scaler is not None else None,
+            loop=run.state,
+        )
+    return sd

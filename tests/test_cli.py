@@ -1,0 +1,63 @@
+"""The console script as users call it (no Ray needed for these paths)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import yaml
+
+RAYLORA = [sys.executable, "-m", "raylora"]
+
+
+def _run(args, **kw):
+    return subprocess.run(RAYLORA + args, capture_output=True, text=True, timeout=300, **kw)
+
+
+def test_validate_prints_resolved_config_with_overrides(tmp_path):
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump({"model": {"pretrained": "m"}, "data": {"uri": "d"}, "output": {"uri": "o"}}))
+    p = _run(["validate", str(cfg), "lora.target_modules=[to_q,to_v]", "train.learning_rate=2e-4"])
+    assert p.returncode == 0, p.stderr
+    tree = json.loads(p.stdout)
+    assert tree["lora"]["target_modules"] == ["to_q", "to_v"]
+    assert tree["train"]["learning_rate"] == 2e-4
+
+
+def test_bad_config_exits_2_before_ray_with_every_problem(tmp_path):
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump({"model": {"pretrained": "m"}, "data": {"uri": "d"}, "output": {"uri": "o"}}))
+    p = _run(["train", str(cfg), "lora.rank=-1", "train.bogus=1"])
+    assert p.returncode == 2
+    assert "lora.rank" in p.stderr and "train.bogus: unknown key" in p.stderr
+    assert "2 config problem(s)" in p.stderr
+    assert "Started a local Ray instance" not in p.stderr + p.stdout
+
+
+def test_missing_model_and_data_named_before_ray(tmp_path):
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "model": {"pretrained": str(tmp_path / "no-model")},
+        "data": {"uri": str(tmp_path / "no-data")},
+        "output": {"uri": str(tmp_path / "out")},
+    }))
+    p = _run(["train", str(cfg)])
+    assert p.returncode == 2, p.stderr
+    assert f"model.pretrained: {tmp_path / 'no-model'}: no such directory" in p.stderr
+    assert f"data.uri: {tmp_path / 'no-data'}: no such file or directory" in p.stderr
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_tiny_model_and_demo_data_commands(tmp_path):
+    p = _run(["tiny-model", str(tmp_path / "m")])
+    assert p.returncode == 0, p.stderr
+    index = json.load(open(tmp_path / "m" / "model_index.json"))
+    assert index["_class_name"] == "StableDiffusionPipeline"
+    assert index["unet"] == ["diffusers", "UNet2DConditionModel"]
+    p = _run(["demo-data", str(tmp_path / "d"), "--num", "10", "--shards", "3"])
+    assert p.returncode == 0, p.stderr
+    import pyarrow.parquet as pq
+
+    shards = sorted((tmp_path / "d").glob("*.parquet"))
+    assert len(shards) == 3
+    assert sum(pq.read_metadata(s).num_rows for s in shards) == 10

@@ -1,0 +1,117 @@
+"""The training loop in one process (no Ray): steps, accumulation, checkpoints, exact resume."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from raylora.checkpoint.state import load_state
+from raylora.config import validate
+from raylora.train.loop import run_loop
+from raylora.train.setup import build_run, write_checkpoint
+
+
+def _fresh_accelerator(accum: int):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    return Accelerator(cpu=True, gradient_accumulation_steps=accum)
+
+
+@pytest.fixture(scope="module")
+def batches(tiny_model, demo_data):
+    """10 micro-batches of 2 preprocessed samples (an "epoch"), fixed."""
+    import pyarrow.parquet as pq
+
+    from raylora.data.preprocess import Preprocess
+
+    stage = Preprocess(tiny_model, 64, center_crop=True, random_flip=False)
+    table = pq.read_table(os.path.join(demo_data, "part-00000.parquet"))
+    out = stage({"image": np.array(table["image"].to_pylist(), dtype=object),
+                 "text": np.array(table["text"].to_pylist())})
+    return [
+        {"pixel_values": torch.from_numpy(out["pixel_values"][i : i + 2]),
+         "input_ids": torch.from_numpy(out["input_ids"][i : i + 2])}
+        for i in range(0, 16, 2)
+    ]
+
+
+def _train(cfg, batches, max_steps, ckpt_root, restored=None, stop_at=None):
+    """Run the loop; checkpoints go to ckpt_root/step_N. Returns (run, steps checkpointed)."""
+    accel = _fresh_accelerator(cfg.train.gradient_accumulation_steps)
+    run = build_run(cfg, accel, max_steps, rank=0, restored=restored)
+    saved = []
+
+    def epoch_batches(epoch):
+        order = np.random.default_rng(epoch).permutation(len(batches))
+        return [batches[i] for i in order]
+
+    def on_checkpoint(state, final):
+        d = os.path.join(ckpt_root, f"step_{state.global_step}")
+        os.makedirs(d, exist_ok=True)
+        write_checkpoint(d, run, rank=0)
+        saved.append((state.global_step, final))
+
+    run_loop(
+        accelerator=accel, unet=run.unet, parts=run.parts, optimizer=run.optimizer,
+        lr_scheduler=run.lr_scheduler, params=run.params, state=run.state,
+        max_steps=max_steps if stop_at is None else stop_at,
+        max_grad_norm=cfg.train.max_grad_norm, images_per_step=2 * cfg.train.gradient_accumulation_steps,
+        checkpoint_every=cfg.checkpoint.every_n_steps, epoch_batches=epoch_batches,
+        on_checkpoint=on_checkpoint,
+    )
+    return run, saved
+
+
+def test_accumulation_checkpoints_and_exact_resume(base_config, batches, tmp_path):
+    base_config["train"].update(
+        gradient_accumulation_steps=2, lr_scheduler="cosine", lr_warmup_steps=2, max_steps=6
+    )
+    base_config["checkpoint"]["every_n_steps"] = 2
+    cfg = validate(base_config)
+
+    straight, saved = _train(cfg, batches, 6, str(tmp_path / "a"))
+    assert saved == [(2, False), (4, False), (6, True)]
+    st = straight.state
+    # 6 optimizer steps × 2 micro-batches = 12 micro-batches over 8-batch epochs.
+    assert (st.global_step, st.epoch, st.batches_in_epoch) == (6, 1, 4)
+    assert st.images_seen == 6 * 2 * 2
+    assert [r["step"] for r in st.history] == [1, 2, 3, 4, 5, 6]
+    assert all(np.isfinite(r["loss"]) for r in st.history)
+    lrs = [r["lr"] for r in st.history]
+    assert lrs[0] == pytest.approx(cfg.train.learning_rate / 2)  # warmup 1/2
+    assert lrs[1] == pytest.approx(cfg.train.learning_rate)  # warmup done
+    assert lrs[-1] < lrs[2]  # cosine decays
+    final = straight.lora_state()
+    assert any(float(v.abs().max()) > 0 for k, v in final.items() if "lora_B" in k)
+
+    # Stop after the step-2 checkpoint (mid-epoch), resume in a "new process", finish.
+    restored = load_state(str(tmp_path / "a" / "step_2"), rank=0)
+    assert restored.loop.global_step == 2 and restored.loop.batches_in_epoch == 4
+    resumed, saved_b = _train(cfg, batches, 6, str(tmp_path / "b"), restored=restored)
+    assert saved_b == [(4, False), (6, True)]
+    assert resumed.state.resumed_from_step == 2
+    for k, v in final.items():
+        torch.testing.assert_close(resumed.lora_state()[k], v, rtol=1e-5, atol=1e-7)
+    assert [r["loss"] for r in resumed.state.history] == pytest.approx(
+        [r["loss"] for r in st.history], rel=1e-5
+    )
+
+
+def test_only_lora_weights_change(base_config, batches, tmp_path):
+    cfg = validate(base_config)
+    accel = _fresh_accelerator(1)
+    run = build_run(cfg, accel, 2, rank=0)
+    before = {n: p.detach().clone() for n, p in run.unet.named_parameters()}
+    run_loop(
+        accelerator=accel, unet=run.unet, parts=run.parts, optimizer=run.optimizer,
+        lr_scheduler=run.lr_scheduler, params=run.params, state=run.state, max_steps=2,
+        max_grad_norm=1.0, images_per_step=2, checkpoint_every=100,
+        epoch_batches=lambda e: batches, on_checkpoint=lambda s, f: None,
+    )
+    changed = {n for n, p in run.unet.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all("lora_" in n for n in changed)
+    assert {n for n in changed if "lora_B" in n}

@@ -1,0 +1,151 @@
+"""Integration on a real local Ray: 2 DDP workers, export, stock-diffusers load, resume."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from raylora.config import validate
+
+pytestmark = pytest.mark.integration
+
+STOCK_LOAD = r"""
+import json, sys, torch
+from diffusers import StableDiffusionPipeline
+model, adapter = sys.argv[1], sys.argv[2]
+pipe = StableDiffusionPipeline.from_pretrained(model, safety_checker=None)
+g = torch.Generator().manual_seed(0)
+x = torch.randn(1, 4, 32, 32, generator=g)
+t = torch.tensor([500])
+ids = pipe.tokenizer(["a red circle on a blue background"], padding="max_length",
+                     max_length=pipe.tokenizer.model_max_length, return_tensors="pt").input_ids
+with torch.no_grad():
+    enc = pipe.text_encoder(ids)[0]
+    before = pipe.unet(x, t, enc).sample
+    pipe.load_lora_weights(adapter)
+    after = pipe.unet(x, t, enc).sample
+print(json.dumps({
+    "raylora_imported": any(m.split(".")[0] == "raylora" for m in sys.modules),
+    "adapters": pipe.get_active_adapters(),
+    "max_abs_diff": float((after - before).abs().max()),
+    "finite": bool(torch.isfinite(after).all()),
+}))
+"""
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def first_run(ray_local, tiny_model, demo_data, tmp_path_factory):
+    from raylora.launch import run
+
+    out = tmp_path_factory.mktemp("run") / "out"
+    tree = {
+        "model": {"pretrained": tiny_model},
+        "data": {"uri": demo_data, "resolution": 64, "center_crop": True, "random_flip": True},
+        "train": {"batch_size": 2, "max_steps": 6, "learning_rate": 1e-3, "seed": 7},
+        "scaling": {"num_workers": 2},
+        "checkpoint": {"every_n_steps": 2, "num_to_keep": 2},
+        "output": {"uri": str(out)},
+    }
+    return tree, run(validate(tree))
+
+
+def test_two_ddp_workers_train_and_stay_in_sync(first_run):
+    tree, summary = first_run
+    m = summary["metrics"]
+    assert m["steps"] == 6
+    assert m["images_seen"] == 6 * 2 * 2  # steps × batch × workers
+    assert len(m["replica_lora_digests"]) == 2
+    assert m["replicas_in_sync"] is True
+    assert m["train_loss_first"] > 0 and m["train_loss_last"] > 0
+    assert m["resumed_from_step"] is None
+
+
+def test_export_layout_and_metadata(first_run):
+    tree, summary = first_run
+    out = tree["output"]["uri"]
+    adapter = os.path.join(out, "adapter")
+    assert sorted(os.listdir(adapter)) == ["README.md", "pytorch_lora_weights.safetensors", "raylora.json"]
+    meta = json.load(open(os.path.join(adapter, "raylora.json")))
+    assert set(meta["config"]) == {"model", "data", "lora", "train", "scaling", "checkpoint", "output"}
+    assert meta["config"]["train"]["learning_rate"] == 1e-3
+    for key in ("train_loss_first", "train_loss_last", "steps", "images_seen", "wall_seconds"):
+        assert meta["metrics"][key] is not None, key
+    assert meta["data"]["rows"] == 32 and meta["data"]["files"] == 2
+    card = open(os.path.join(adapter, "README.md")).read()
+    assert "base_model:" in card and "| LoRA rank / alpha / dropout | 4 / 4 / 0 |" in card
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert all(r["lr"] == pytest.approx(1e-3) and r["loss"] > 0 for r in rows)
+    with open(os.path.join(out, "loss.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    # num_to_keep=2 of the checkpoints at steps 2, 4, 6; each holds every rank's RNG.
+    root = os.path.join(out, "train")
+    ckpts = sorted(
+        d for d in os.listdir(root) if d.startswith("checkpoint_") and os.path.isdir(os.path.join(root, d))
+    )
+    assert len(ckpts) == 2
+    latest = os.path.join(out, "train", ckpts[-1])
+    assert {"rng_rank0.pt", "rng_rank1.pt", "trainer_state.pt", "lora.safetensors", "adapter"} <= set(os.listdir(latest))
+
+
+def test_adapter_loads_in_stock_diffusers_and_changes_unet(first_run, tiny_model, tmp_path):
+    tree, summary = first_run
+    script = tmp_path / "stock_load.py"
+    script.write_text(STOCK_LOAD)
+    # Run from an empty directory so the repo's raylora package is not importable by path.
+    proc = subprocess.run(
+        [sys.executable, str(script), tiny_model, summary["adapter"]],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["raylora_imported"] is False
+    assert len(res["adapters"]) == 1
+    assert res["finite"] is True
+    assert res["max_abs_diff"] > 1e-5, res
+
+
+def test_second_run_resumes_from_stored_checkpoint(first_run):
+    from raylora.launch import run
+
+    tree, first = first_run
+    first_rows = [json.loads(line) for line in open(os.path.join(tree["output"]["uri"], "metrics.jsonl"))]
+    tree = {**tree, "train": {**tree["train"], "max_steps": 8}}
+    summary = run(validate(tree))
+    m = summary["metrics"]
+    assert m["resumed_from_step"] == 6
+    assert m["steps"] == 8
+    assert m["images_seen"] == 8 * 2 * 2
+    assert m["train_loss_first"] == first["metrics"]["train_loss_first"]
+    assert m["replicas_in_sync"] is True
+    rows = [json.loads(line) for line in open(os.path.join(tree["output"]["uri"], "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    # Steps 1-6 come from the checkpoint, not from training again.
+    assert rows[:6] == first_rows
+
+
+def test_sample_command_renders_with_adapter(first_run, tiny_model, tmp_path):
+    tree, summary = first_run
+    out = tmp_path / "sample.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "raylora", "sample", "--model", tiny_model, "--adapter",
+         summary["adapter"], "--prompt", "a red circle", "--out", str(out), "--steps", "3"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from PIL import Image
+
+    img = Image.open(out)
+    assert img.size == (64, 64) and img.mode == "RGB"

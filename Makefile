@@ -9,14 +9,22 @@ STAMP := $(VENV)/.raylora-installed
 
 install: $(STAMP)
 
-# torch==2.13.0 is the CPU build on CPU-only machines; installing it before raylora keeps
-# pip from resolving `torch` to the multi-GB CUDA build. With a GPU (nvidia-smi present),
-# pip resolves torch from the project's dependency as usual (see README "GPU install").
+# On CPU-only machines torch==2.13.0 is the CPU build. It is installed first *and* kept as
+# a constraint: without the constraint pip's resolver may still swap it for the newest
+# multi-GB CUDA build while resolving the rest. With a GPU (nvidia-smi present), pip
+# resolves torch from the project's dependency as usual (see README "GPU install").
+CPU_CONSTRAINTS := $(VENV)/cpu-constraints.txt
+
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
-	$(PY) -m pip install -q -e '.[dev]'
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+		$(PY) -m pip install -q -e '.[dev]'; \
+	else \
+		echo "torch==2.13.0" > $(CPU_CONSTRAINTS); \
+		$(PY) -m pip install -q torch==2.13.0 && \
+		$(PY) -m pip install -q -c $(CPU_CONSTRAINTS) -e '.[dev]'; \
+	fi
 	touch $(STAMP)
 
 RAYLORA := $(VENV)/bin/raylora

@@ -59,6 +59,26 @@ def _demo_data(args) -> int:
     return 0
 
 
+def _shards_build(args) -> int:
+    import ray
+
+    from raylora.data.shards import build_shards
+    from raylora.launch import init_ray
+    from raylora.storage import Storage
+
+    started = init_ray()
+    try:
+        m = build_shards(
+            args.src, args.dest, args.format, args.shard_size, Storage(args.endpoint_url, args.region)
+        )
+    finally:
+        if started:
+            ray.shutdown()
+    print(f"raylora: {m['count']} samples in {len(m['shards'])} {m['format']} shards "
+          f"({m['bytes']} bytes) → {args.dest}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="raylora", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -89,6 +109,17 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(fn=_tiny_model)
 
+    sh = sub.add_parser("shards", help="shard tools")
+    shsub = sh.add_subparsers(dest="shards_cmd", required=True)
+    b = shsub.add_parser("build", help="image folder → parquet or WebDataset shards on any URI")
+    b.add_argument("src", help="folder (or URI) of images with metadata.jsonl or .txt captions")
+    b.add_argument("dest", help="where the shards and manifest.json go (path, s3://, gs://)")
+    b.add_argument("--format", choices=["parquet", "webdataset"], default="parquet")
+    b.add_argument("--shard-size", type=int, default=1000, help="samples per shard")
+    b.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint")
+    b.add_argument("--region", default=None)
+    b.set_defaults(fn=_shards_build)
+
     d = sub.add_parser("demo-data", help="write procedurally drawn image-caption parquet shards")
     d.add_argument("dest")
     d.add_argument("--num", type=int, default=96)
@@ -107,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except ConfigError as exc:
         print(f"raylora: {exc}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError) as exc:
+        # Bad input named by URI/path: one line, not a stack trace.
+        print(f"raylora: error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -57,9 +57,11 @@ class ModelSection(_Section):
 
 class DataSection(_Section):
     uri: str | list[str] = Field(
-        description="Parquet file, directory of parquet shards, glob, or a list of those."
+        description="Shard file, directory, glob, or a list of those; any storage URI."
     )
-    format: Literal["auto", "parquet"] = "auto"
+    format: Literal["auto", "parquet", "webdataset", "imagefolder"] = Field(
+        "auto", description="auto: detected from the files the URI matches."
+    )
     image_column: str = "image"
     caption_column: str = "text"
     resolution: int = Field(512, gt=0, description="Square training size in pixels.")
@@ -133,6 +135,20 @@ class CheckpointSection(_Section):
     num_to_keep: int | None = Field(2, gt=0, description="Checkpoints kept in storage.")
 
 
+class StorageSection(_Section):
+    """Object-store settings. Credentials come only from the environment (AWS_* variables)."""
+
+    endpoint_url: str | None = Field(
+        None, description="S3-compatible endpoint (MinIO, Ceph, ...); default AWS_ENDPOINT_URL."
+    )
+    region: str | None = Field(None, description="Default: AWS_REGION, else us-east-1.")
+
+    def client(self):
+        from raylora.storage import Storage
+
+        return Storage(self.endpoint_url, self.region)
+
+
 class OutputSection(_Section):
     uri: str = Field(description="Where checkpoints, metrics and the final adapter go.")
 
@@ -144,6 +160,7 @@ class RayLoraConfig(_Section):
     train: TrainSection = Field(default_factory=TrainSection)
     scaling: ScalingSection = Field(default_factory=ScalingSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    storage: StorageSection = Field(default_factory=StorageSection)
     output: OutputSection
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,13 +1,18 @@
 """The one place that turns a URI into a filesystem.
 
-Plain paths and ``file://`` URIs are local; anything else goes through pyarrow's
-filesystem registry. Local paths are made absolute because Ray workers do not share the
+``s3://`` (AWS or any S3-compatible store: MinIO, Ceph, moto), ``gs://``, ``file://`` and
+plain local paths. Local paths are made absolute because Ray workers do not share the
 driver's working directory.
+
+Credentials are never taken from the config and never stored: the AWS SDK inside pyarrow
+reads ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN`` from the
+environment of whichever process touches storage. Filesystem objects built here carry only
+the endpoint and region, so pickling one into a Ray task or checkpoint leaks no secret.
 """
 
 from __future__ import annotations
 
-import glob as _glob
+import fnmatch
 import os
 import shutil
 import uuid
@@ -15,6 +20,18 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
+
+# Read by the AWS SDK in every process; forwarded to Ray workers through runtime_env when
+# joining a cluster that was started without them. Never logged or written anywhere.
+AWS_ENV_VARS = (
+    "AWS_ENDPOINT_URL",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+)
+SECRET_ENV_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 
 
 def is_local(uri: str) -> bool:
@@ -31,71 +48,185 @@ def local_path(uri: str) -> str:
 
 
 def normalize(uri: str) -> str:
-    """Local URIs become absolute paths; remote URIs are returned unchanged."""
-    return local_path(uri) if is_local(uri) else uri
-
-
-def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
-    """(filesystem, path inside it) for a URI."""
-    if is_local(uri):
-        return pafs.LocalFileSystem(), local_path(uri)
-    fs, path = pafs.FileSystem.from_uri(uri)
-    return fs, path
+    """Local URIs become absolute paths; remote URIs are returned without a trailing /."""
+    return local_path(uri) if is_local(uri) else uri.rstrip("/")
 
 
 def join(uri: str, *parts: str) -> str:
     base = normalize(uri).rstrip("/")
-    return "/".join([base, *[p.strip("/") for p in parts]])
+    return "/".join([base, *[p.strip("/") for p in parts if p]])
 
 
-def expand(uris: str | list[str], suffixes: tuple[str, ...]) -> list[str]:
-    """Files behind a file, directory, glob or list of those, with one of ``suffixes``.
+def _s3(endpoint_url: str | None, region: str | None) -> pafs.S3FileSystem:
+    endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
+    kwargs: dict = {
+        "region": region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+        # Transient errors (throttling, 5xx, resets) are retried with backoff by the SDK.
+        "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=6),
+        "connect_timeout": 10,
+        "request_timeout": 60,
+    }
+    if endpoint:
+        parsed = urlparse(endpoint)
+        kwargs["endpoint_override"] = parsed.netloc or parsed.path
+        kwargs["scheme"] = parsed.scheme or "https"
+    return pafs.S3FileSystem(**kwargs)
 
-    Returns sorted absolute paths; raises FileNotFoundError naming the URI that matched
-    nothing.
-    """
-    out: list[str] = []
-    for uri in [uris] if isinstance(uris, str) else uris:
-        if not is_local(uri):
-            raise NotImplementedError(f"{uri}: only local data URIs are supported so far")
-        path = local_path(uri)
-        if any(ch in path for ch in "*?["):
-            found = [p for p in _glob.glob(path, recursive=True) if os.path.isfile(p)]
-        elif os.path.isdir(path):
+
+def filesystem(
+    uri: str, endpoint_url: str | None = None, region: str | None = None
+) -> tuple[pafs.FileSystem, str]:
+    """(filesystem, path inside it) for a URI. ``path`` has no scheme (``bucket/key``)."""
+    if is_local(uri):
+        return pafs.LocalFileSystem(), local_path(uri)
+    parsed = urlparse(uri)
+    path = (parsed.netloc + parsed.path).rstrip("/")
+    if parsed.scheme in ("s3", "s3a"):
+        return _s3(endpoint_url, region), path
+    if parsed.scheme in ("gs", "gcs"):
+        return pafs.GcsFileSystem(), path
+    raise ValueError(f"{uri}: unsupported URI scheme {parsed.scheme!r} (use s3://, gs:// or a path)")
+
+
+def to_uri(uri_like: str, path: str) -> str:
+    """Re-attach the scheme of ``uri_like`` to a filesystem-internal ``path``."""
+    if is_local(uri_like):
+        return path
+    return f"{urlparse(uri_like).scheme}://{path}"
+
+
+class Storage:
+    """Filesystem operations on URIs, with the endpoint/region of one job's config."""
+
+    def __init__(self, endpoint_url: str | None = None, region: str | None = None):
+        self.endpoint_url = endpoint_url
+        self.region = region
+
+    def fs(self, uri: str) -> tuple[pafs.FileSystem, str]:
+        return filesystem(uri, self.endpoint_url, self.region)
+
+    def info(self, uri: str) -> pafs.FileInfo:
+        fs, path = self.fs(uri)
+        try:
+            return fs.get_file_info(path)
+        except OSError as exc:
+            raise OSError(f"{uri}: cannot reach storage: {_short(exc)}") from None
+
+    def exists(self, uri: str) -> bool:
+        return self.info(uri).type != pafs.FileType.NotFound
+
+    def list_files(self, uri: str) -> list[str]:
+        """Every file under ``uri`` (recursive), as URIs, sorted."""
+        fs, path = self.fs(uri)
+        try:
+            infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
+        except OSError as exc:
+            raise OSError(f"{uri}: cannot list: {_short(exc)}") from None
+        return sorted(to_uri(uri, i.path) for i in infos if i.type == pafs.FileType.File)
+
+    def expand(self, uris: str | list[str], suffixes: tuple[str, ...] | None = None) -> list[str]:
+        """Files behind a file, directory, glob or list of those (hidden ``.``/``_`` files
+        skipped), filtered by suffix. Raises FileNotFoundError naming the URI that matched
+        nothing."""
+        out: list[str] = []
+        for uri in [uris] if isinstance(uris, str) else uris:
+            uri = normalize(uri)
+            if any(ch in uri for ch in "*?["):
+                root = uri[: min(uri.index(c) for c in "*?[" if c in uri)].rsplit("/", 1)[0]
+                found = [f for f in self.list_files(root) if fnmatch.fnmatchcase(f, uri)]
+            else:
+                info = self.info(uri)
+                if info.type == pafs.FileType.NotFound:
+                    raise FileNotFoundError(f"{uri}: no such file or directory")
+                found = [uri] if info.type == pafs.FileType.File else self.list_files(uri)
             found = [
-                os.path.join(root, f)
-                for root, _, files in os.walk(path)
-                for f in files
-                if not f.startswith((".", "_"))
+                f
+                for f in found
+                if not os.path.basename(f).startswith((".", "_"))
+                and (suffixes is None or f.lower().endswith(suffixes))
             ]
-        elif os.path.isfile(path):
-            found = [path]
-        else:
-            raise FileNotFoundError(f"{uri}: no such file or directory")
-        found = sorted(p for p in found if p.lower().endswith(suffixes))
-        if not found:
-            raise FileNotFoundError(f"{uri}: matched no {'/'.join(suffixes)} files")
-        out.extend(found)
-    return out
+            if not found:
+                what = "/".join(suffixes) if suffixes else "data"
+                raise FileNotFoundError(f"{uri}: matched no {what} files")
+            out.extend(found)
+        return sorted(dict.fromkeys(out))
+
+    def read_bytes(self, uri: str) -> bytes:
+        fs, path = self.fs(uri)
+        with fs.open_input_stream(path) as f:
+            return f.read()
+
+    def write_bytes(self, uri: str, data: bytes) -> None:
+        fs, path = self.fs(uri)
+        if is_local(uri):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        with fs.open_output_stream(path) as f:
+            f.write(data)
+
+    def open_input(self, uri: str):
+        """A seekable file object (tar and parquet readers need random access)."""
+        fs, path = self.fs(uri)
+        return fs.open_input_file(path)
+
+    def upload_dir(self, local_dir: str, uri: str) -> None:
+        fs, path = self.fs(uri)
+        pafs.copy_files(local_dir, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+
+    def download_dir(self, uri: str, local_dir: str) -> None:
+        fs, path = self.fs(uri)
+        os.makedirs(local_dir, exist_ok=True)
+        pafs.copy_files(path, local_dir, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+
+    def delete_dir(self, uri: str) -> None:
+        fs, path = self.fs(uri)
+        if self.exists(uri):
+            fs.delete_dir(path)
+
+    def publish_dir(self, src_dir: str, dest_uri: str) -> str:
+        """Make a finished local directory visible at ``dest_uri`` without a reader ever
+        seeing half of it.
+
+        Local: copied under a temporary sibling name, then swapped in by rename (atomic on
+        POSIX). Object stores have no directory rename, so the files are uploaded to a
+        staging prefix, the old copy at ``dest_uri`` is removed, the files are copied into
+        place with the weights last, and ``manifest.json`` (names, sizes) is written after
+        everything else: readers treat the adapter as complete only once the manifest exists.
+        """
+        dest_uri = normalize(dest_uri)
+        if is_local(dest_uri):
+            dest = Path(local_path(dest_uri))
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
+            shutil.copytree(src_dir, tmp)
+            old = None
+            if dest.exists():
+                old = dest.with_name(f".{dest.name}.old-{uuid.uuid4().hex[:8]}")
+                os.replace(dest, old)
+            os.replace(tmp, dest)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+            return str(dest)
+        names = sorted(os.listdir(src_dir))
+        manifest = "manifest.json"
+        # Weights last among the payload, manifest after all.
+        ordered = sorted((n for n in names if n != manifest), key=lambda n: n.endswith(".safetensors"))
+        staging = f"{dest_uri}.staging-{uuid.uuid4().hex[:8]}"
+        self.upload_dir(src_dir, staging)
+        self.delete_dir(dest_uri)
+        fs, _ = self.fs(dest_uri)
+        for n in ordered:
+            fs.copy_file(self.fs(join(staging, n))[1], self.fs(join(dest_uri, n))[1])
+        if manifest in names:
+            fs.copy_file(self.fs(join(staging, manifest))[1], self.fs(join(dest_uri, manifest))[1])
+        self.delete_dir(staging)
+        return dest_uri
 
 
-def publish_dir(src_dir: str, dest_uri: str) -> str:
-    """Copy a finished local directory to ``dest_uri`` so that readers never see half of it.
+def _short(exc: Exception) -> str:
+    """First line of a storage error, which is the cause; the rest is SDK noise."""
+    return str(exc).strip().splitlines()[0][:300]
 
-    Local: copy under a temporary sibling name, then swap it in with renames (atomic on
-    POSIX for the final rename). Returns the destination path.
-    """
-    if not is_local(dest_uri):
-        raise NotImplementedError(f"{dest_uri}: only local output URIs are supported so far")
-    dest = Path(local_path(dest_uri))
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
-    shutil.copytree(src_dir, tmp)
-    old = None
-    if dest.exists():
-        old = dest.with_name(f".{dest.name}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(dest, old)
-    os.replace(tmp, dest)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return str(dest)
+
+def forwarded_env() -> dict[str, str]:
+    """AWS variables set in this process, to forward to Ray workers via runtime_env."""
+    return {k: os.environ[k] for k in AWS_ENV_VARS if os.environ.get(k)}

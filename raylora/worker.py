@@ -10,6 +10,7 @@ import logging
 import tempfile
 
 import ray.train
+from ray.train import CheckpointUploadMode
 
 from raylora.checkpoint.state import LoopState, load_state
 from raylora.config import RayLoraConfig
@@ -92,16 +93,26 @@ def train_loop_per_worker(loop_config: dict) -> None:
             "train_loss": st.train_loss_last,
             "lr": run.lr_scheduler.get_last_lr()[0],
         }
-        with tempfile.TemporaryDirectory(prefix="raylora-ckpt-") as d:
-            sd = write_checkpoint(d, run, rank)
-            if final:
-                # Every rank's adapter digest: equal digests prove the DDP replicas stayed
-                # bit-identical; the driver records them in raylora.json.
-                metrics["replica_lora_digests"] = gather_object([digest(sd)])
-                metrics.update(st.scalars())
-            # Every rank passes its directory: Ray merges them into one checkpoint (rank 0
-            # writes the model and optimizer, each rank its own RNG state).
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
+        d = tempfile.mkdtemp(prefix="raylora-ckpt-")
+        sd = write_checkpoint(d, run, rank)
+        if final:
+            # Every rank's adapter digest: equal digests prove the DDP replicas stayed
+            # bit-identical; the driver records them in raylora.json.
+            metrics["replica_lora_digests"] = gather_object([digest(sd)])
+            metrics.update(st.scalars())
+        # Every rank passes its directory: Ray merges them into one checkpoint (rank 0
+        # writes the model and optimizer, each rank its own RNG state). Intermediate
+        # checkpoints upload in the background so accelerators do not wait on storage;
+        # Ray deletes the local copy once uploaded, and records a checkpoint as the
+        # latest only after its upload completed. The final one is synchronous so the
+        # driver can export it as soon as fit() returns.
+        mode = CheckpointUploadMode.SYNC if final else CheckpointUploadMode.ASYNC
+        ray.train.report(
+            metrics,
+            checkpoint=ray.train.Checkpoint.from_directory(d),
+            checkpoint_upload_mode=mode,
+            delete_local_checkpoint_after_upload=True,
+        )
 
     run_loop(
         accelerator=accelerator,

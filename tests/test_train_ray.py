@@ -75,9 +75,9 @@ def test_export_layout_and_metadata(first_run):
     tree, summary = first_run
     out = tree["output"]["uri"]
     adapter = os.path.join(out, "adapter")
-    assert sorted(os.listdir(adapter)) == ["README.md", "pytorch_lora_weights.safetensors", "raylora.json"]
+    assert sorted(os.listdir(adapter)) == ["README.md", "manifest.json", "pytorch_lora_weights.safetensors", "raylora.json"]
     meta = json.load(open(os.path.join(adapter, "raylora.json")))
-    assert set(meta["config"]) == {"model", "data", "lora", "train", "scaling", "checkpoint", "output"}
+    assert set(meta["config"]) == {"model", "data", "lora", "train", "scaling", "checkpoint", "storage", "output"}
     assert meta["config"]["train"]["learning_rate"] == 1e-3
     for key in ("train_loss_first", "train_loss_last", "steps", "images_seen", "wall_seconds"):
         assert meta["metrics"][key] is not None, key

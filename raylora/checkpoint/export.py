@@ -20,6 +20,7 @@ import tempfile
 from importlib.metadata import PackageNotFoundError, version
 
 from raylora import storage
+from raylora.storage import Storage
 from raylora.checkpoint.state import ADAPTER_DIR, HISTORY_FILE
 from raylora.config import RayLoraConfig
 from raylora.model.lora import WEIGHT_NAME
@@ -42,12 +43,13 @@ def _version(pkg: str) -> str | None:
         return None
 
 
-def data_fingerprint(files: list[str]) -> str:
+def data_fingerprint(files: list[str], store: Storage) -> str:
     """sha256 over shard names, sizes and mtimes: changes when the data changes."""
     h = hashlib.sha256()
     for f in files:
-        st = os.stat(f)
-        h.update(f"{os.path.basename(f)}:{st.st_size}:{int(st.st_mtime)}\n".encode())
+        info = store.info(f)
+        mtime = int(info.mtime.timestamp()) if info.mtime else 0
+        h.update(f"{f}:{info.size}:{mtime}\n".encode())
     return h.hexdigest()[:16]
 
 
@@ -133,7 +135,8 @@ def plot_loss(history: list[dict], path: str) -> None:
     ax.plot(steps, losses, lw=1, alpha=0.5, label="loss")
     if len(losses) >= 5:
         k = max(2, len(losses) // 10)
-        smooth = [sum(losses[max(0, i - k + 1) : i + 1]) / len(losses[max(0, i - k + 1) : i + 1]) for i in range(len(losses))]
+        windows = [losses[max(0, i - k + 1) : i + 1] for i in range(len(losses))]
+        smooth = [sum(w) / len(w) for w in windows]
         ax.plot(steps, smooth, lw=2, label=f"moving mean ({k})")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("denoising MSE")
@@ -146,9 +149,15 @@ def plot_loss(history: list[dict], path: str) -> None:
 
 def export_run(ckpt_dir: str, cfg: RayLoraConfig, reported: dict, plan: dict) -> dict:
     """Publish the adapter in ``ckpt_dir`` with its card and metadata under ``output.uri``."""
+    store = cfg.storage.client()
     metrics = summarize_metrics(reported)
     files = plan["shard_files"]
-    data = {"files": len(files), "rows": plan["total_rows"], "fingerprint": data_fingerprint(files)}
+    data = {
+        "format": plan["data_format"],
+        "files": len(files),
+        "rows": plan["total_rows"],
+        "fingerprint": data_fingerprint(files, store),
+    }
     with open(os.path.join(ckpt_dir, HISTORY_FILE)) as f:
         history = [json.loads(line) for line in f if line.strip()]
 
@@ -167,16 +176,22 @@ def export_run(ckpt_dir: str, cfg: RayLoraConfig, reported: dict, plan: dict) ->
         }
         with open(os.path.join(adapter, "raylora.json"), "w") as f:
             json.dump(meta, f, indent=2)
-        adapter_out = storage.publish_dir(adapter, storage.join(out, ADAPTER_DIR))
+        # Written last: its presence means the adapter folder is complete.
+        listing = {n: os.path.getsize(os.path.join(adapter, n)) for n in sorted(os.listdir(adapter))}
+        with open(os.path.join(adapter, "manifest.json"), "w") as f:
+            json.dump({"files": listing}, f, indent=2)
+        adapter_out = store.publish_dir(adapter, storage.join(out, ADAPTER_DIR))
 
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "metrics.jsonl"), "w") as f:
-            for row in history:
-                f.write(json.dumps(row) + "\n")
-        plot_loss(history, os.path.join(out, "loss.png"))
+        png = os.path.join(tmp, "loss.png")
+        plot_loss(history, png)
+        with open(png, "rb") as f:
+            store.write_bytes(storage.join(out, "loss.png"), f.read())
+        store.write_bytes(
+            storage.join(out, "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in history).encode()
+        )
     return {
         "adapter": adapter_out,
-        "metrics_jsonl": os.path.join(out, "metrics.jsonl"),
-        "loss_png": os.path.join(out, "loss.png"),
+        "metrics_jsonl": storage.join(out, "metrics.jsonl"),
+        "loss_png": storage.join(out, "loss.png"),
         "metrics": metrics,
     }

@@ -69,19 +69,28 @@ def write_parquet_shards(
     seed: int = 0,
     image_column: str = "image",
     caption_column: str = "text",
+    hf_struct: bool = False,
 ) -> list[Path]:
-    """Write ``n`` samples as ``num_shards`` parquet files (image bytes + caption)."""
+    """Write ``n`` samples as ``num_shards`` parquet files (image bytes + caption).
+
+    ``hf_struct``: store images as the Hugging Face datasets struct ``{bytes, path}``, as
+    ``Dataset.to_parquet`` and the hub's parquet exports do.
+    """
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     samples = make_samples(n, size=size, seed=seed)
     paths = []
     for i in range(num_shards):
         part = samples[i::num_shards]
+        if hf_struct:
+            images = pa.array(
+                [{"bytes": b, "path": f"{i}-{j}.png"} for j, (b, _) in enumerate(part)],
+                type=pa.struct([("bytes", pa.binary()), ("path", pa.string())]),
+            )
+        else:
+            images = pa.array([b for b, _ in part], type=pa.binary())
         table = pa.table(
-            {
-                image_column: pa.array([b for b, _ in part], type=pa.binary()),
-                caption_column: pa.array([c for _, c in part], type=pa.string()),
-            }
+            {image_column: images, caption_column: pa.array([c for _, c in part], type=pa.string())}
         )
         path = dest / f"part-{i:05d}.parquet"
         pq.write_table(table, path)
@@ -90,3 +99,22 @@ def write_parquet_shards(
         json.dumps({"count": n, "shards": num_shards, "image_size": size, "seed": seed})
     )
     return paths
+
+
+def write_imagefolder(dest: str | Path, n: int = 32, size: int = 64, seed: int = 0,
+                      captions: str = "metadata") -> Path:
+    """Write PNGs plus captions as ``metadata.jsonl`` (``captions="metadata"``, Hugging Face
+    imagefolder) or as a ``.txt`` beside each image (``captions="txt"``)."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i, (png, caption) in enumerate(make_samples(n, size=size, seed=seed)):
+        name = f"img_{i:05d}.png"
+        (dest / name).write_bytes(png)
+        if captions == "txt":
+            (dest / f"img_{i:05d}.txt").write_text(caption)
+        else:
+            lines.append(json.dumps({"file_name": name, "text": caption}))
+    if lines:
+        (dest / "metadata.jsonl").write_text("\n".join(lines) + "\n")
+    return dest

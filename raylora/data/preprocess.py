@@ -80,9 +80,16 @@ class Preprocess:
         caption_column: str = "text",
         seed: int = 0,
         tokenizer_subfolder: str | None = "tokenizer",
+        endpoint_url: str | None = None,
+        region: str | None = None,
     ):
         from transformers import AutoTokenizer
 
+        from raylora.model.load import materialize
+        from raylora.storage import Storage
+
+        # A model in object storage is downloaded once per node (shared with the workers).
+        tokenizer_path = materialize(tokenizer_path, Storage(endpoint_url, region))
         kwargs = {"subfolder": tokenizer_subfolder} if tokenizer_subfolder else {}
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, **kwargs)
         self.resolution = resolution

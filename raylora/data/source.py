@@ -1,73 +1,160 @@
-"""Image-caption shards → a preprocessed, streaming ``ray.data.Dataset``.
+"""Image-caption shards in any storage → a preprocessed, streaming ``ray.data.Dataset``.
 
-The dataset is lazy: nothing is read until training workers iterate their shard, and
-Ray Train's default DataConfig splits it across workers with ``streaming_split(equal=True)``
-so every worker sees the same number of rows per epoch (needed: DDP steps must line up)
-and each row is seen once per epoch (up to ``num_workers - 1`` rows of remainder).
+The dataset is lazy: nothing is read until training workers iterate their shard. Shard
+files are read in parallel with their order reshuffled every epoch (seeded), rows pass a
+per-worker local shuffle buffer, and Ray Train's default DataConfig splits the stream with
+``streaming_split(equal=True)``, so every worker sees the same number of rows per epoch
+(DDP steps must line up) and each row is seen once per epoch (up to ``num_workers - 1``
+rows of remainder).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import pyarrow.parquet as pq
 import ray
 from ray.data import FileShuffleConfig
 
-from raylora import storage
 from raylora.config import DataSection
+from raylora.data import formats
 from raylora.data.preprocess import Preprocess
+from raylora.storage import Storage
 
-PARQUET_SUFFIXES = (".parquet", ".pq")
-
-
-def shard_files(data: DataSection) -> list[str]:
-    """Sorted shard paths; raises FileNotFoundError naming the URI that matched nothing."""
-    return storage.expand(data.uri, PARQUET_SUFFIXES)
-
-
-def count_rows(files: list[str]) -> int:
-    """Row count from parquet footers, without reading any image bytes."""
-    return sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+SUFFIXES = {
+    "parquet": formats.PARQUET_EXTS,
+    "webdataset": formats.TAR_EXTS,
+    "imagefolder": formats.IMAGE_EXTS + (formats.METADATA,),
+}
 
 
-def check_columns(data: DataSection, files: list[str]) -> None:
+@dataclass
+class DataPlan:
+    """What the driver learned about the data before any worker starts."""
+
+    format: str
+    files: list[str]
+    rows: int
+
+
+def plan_data(data: DataSection, storage: Storage) -> DataPlan:
+    """Resolve URIs, detect the format, check columns and count rows.
+
+    Raises FileNotFoundError / ValueError / OSError naming the URI or file at fault.
+    """
+    files = storage.expand(data.uri)
+    fmt = formats.detect_format(files) if data.format == "auto" else data.format
+    files = [f for f in files if f.lower().endswith(SUFFIXES[fmt])]
+    if not files:
+        raise FileNotFoundError(f"{data.uri}: matched no {fmt} files")
+    if fmt == "parquet":
+        rows = 0
+        for f in files:
+            with storage.open_input(f) as fh:
+                pf = pq.ParquetFile(fh)
+                if rows == 0:
+                    check_columns(data, f, pf.schema_arrow.names)
+                rows += pf.metadata.num_rows
+    elif fmt == "webdataset":
+        rows = _count_webdataset(storage, files)
+    else:
+        rows = len(formats.imagefolder_rows(storage, files, data.caption_column))
+    return DataPlan(fmt, files, rows)
+
+
+def _count_webdataset(storage: Storage, files: list[str]) -> int:
+    """From the shard builder's manifest when present, else by scanning tar headers."""
+    roots = {f.rsplit("/", 1)[0] for f in files}
+    if len(roots) == 1:
+        manifest = formats.read_manifest(storage, roots.pop())
+        if manifest and manifest.get("format") == "webdataset":
+            listed = {s["name"]: s["count"] for s in manifest.get("shards", [])}
+            names = [f.rsplit("/", 1)[1] for f in files]
+            if all(n in listed for n in names):
+                return sum(listed[n] for n in names)
+    total = 0
+    for f in files:
+        with storage.open_input(f) as fh:
+            total += formats.count_tar_samples(fh)
+    return total
+
+
+def check_columns(data: DataSection, file: str, names: list[str]) -> None:
     """Fail early, naming the file, when the configured columns are not in a shard."""
-    schema = pq.read_schema(files[0])
     missing = [
         f"data.{key}={col!r}"
         for key, col in (("image_column", data.image_column), ("caption_column", data.caption_column))
-        if col not in schema.names
+        if col not in names
     ]
     if missing:
-        raise ValueError(
-            f"{files[0]}: column(s) not found: {', '.join(missing)}; "
-            f"the shard has columns {schema.names}"
+        raise ValueError(f"{file}: column(s) not found: {', '.join(missing)}; the shard has {names}")
+
+
+def _tar_rows(row: dict) -> list[dict]:
+    """flat_map stage: one tar file's bytes → its samples."""
+    import io
+
+    return list(formats.iter_tar_samples(io.BytesIO(row["bytes"]), row["path"]))
+
+
+class _ReadImages:
+    """map_batches stage for imagefolder rows: image URI → image bytes."""
+
+    def __init__(self, endpoint_url: str | None, region: str | None):
+        self.storage = Storage(endpoint_url, region)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        images = [self.storage.read_bytes(u) for u in batch["uri"]]
+        return {"key": batch["key"], "image": np.array(images, dtype=object), "text": batch["text"]}
+
+
+def read_rows(data: DataSection, plan: DataPlan, storage: Storage, seed: int) -> ray.data.Dataset:
+    """Raw rows with columns ``key``, ``image`` (encoded bytes or struct), ``text``."""
+    shuffle = FileShuffleConfig(seed=seed, reseed_after_execution=True)
+    fs, _ = storage.fs(plan.files[0])
+    paths = [storage.fs(f)[1] for f in plan.files]
+    if plan.format == "parquet":
+        ds = ray.data.read_parquet(
+            paths, filesystem=fs, columns=[data.image_column, data.caption_column], shuffle=shuffle
         )
+        return ds.rename_columns({data.image_column: "image", data.caption_column: "text"})
+    if plan.format == "webdataset":
+        ds = ray.data.read_binary_files(paths, filesystem=fs, include_paths=True, shuffle=shuffle)
+        return ds.flat_map(_tar_rows)
+    rows = formats.imagefolder_rows(storage, plan.files, data.caption_column)
+    rng = np.random.default_rng(seed)
+    rows = [rows[i] for i in rng.permutation(len(rows))]
+    ds = ray.data.from_items(rows, override_num_blocks=max(1, min(64, len(rows) // 64)))
+    return ds.map_batches(
+        _ReadImages,
+        fn_constructor_kwargs={"endpoint_url": storage.endpoint_url, "region": storage.region},
+        batch_size=64,
+        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=2),
+        num_cpus=0.25,
+    )
 
 
 def build_dataset(
     data: DataSection,
-    files: list[str],
-    tokenizer_path: str,
+    plan: DataPlan,
+    storage: Storage,
+    model_path: str,
     seed: int,
     num_preprocess_actors: int = 1,
 ) -> ray.data.Dataset:
-    ds = ray.data.read_parquet(
-        files,
-        columns=[data.image_column, data.caption_column],
-        # Shard order changes every epoch; rows inside a file are shuffled by the
-        # trainer-side local buffer.
-        shuffle=FileShuffleConfig(seed=seed, reseed_after_execution=True),
-    )
-    return ds.map_batches(
+    return read_rows(data, plan, storage, seed).map_batches(
         Preprocess,
         fn_constructor_kwargs=dict(
-            tokenizer_path=tokenizer_path,
+            tokenizer_path=model_path,
             resolution=data.resolution,
             center_crop=data.center_crop,
             random_flip=data.random_flip,
-            image_column=data.image_column,
-            caption_column=data.caption_column,
+            image_column="image",
+            caption_column="text",
             seed=seed,
+            endpoint_url=storage.endpoint_url,
+            region=storage.region,
         ),
         batch_size=32,
         batch_format="numpy",

@@ -86,7 +86,7 @@ def build_run(
     weight_dtype = DTYPES[t.mixed_precision]
     # Same seed on every rank for the adapter's initial weights...
     set_seed(t.seed)
-    comps = load_components(cfg.model, weight_dtype)
+    comps = load_components(cfg.model, weight_dtype, cfg.storage.client())
     params = add_lora(comps.unet, cfg.lora)
     comps.vae.to(accelerator.device)
     comps.text_encoder.to(accelerator.device)

@@ -12,8 +12,8 @@ the endpoint and region, so pickling one into a Ray task or checkpoint leaks no 
 
 from __future__ import annotations
 
-import fnmatch
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -133,7 +133,8 @@ class Storage:
             uri = normalize(uri)
             if any(ch in uri for ch in "*?["):
                 root = uri[: min(uri.index(c) for c in "*?[" if c in uri)].rsplit("/", 1)[0]
-                found = [f for f in self.list_files(root) if fnmatch.fnmatchcase(f, uri)]
+                pattern = _glob_regex(uri)
+                found = [f for f in self.list_files(root) if pattern.fullmatch(f)]
             else:
                 info = self.info(uri)
                 if info.type == pafs.FileType.NotFound:
@@ -220,6 +221,33 @@ class Storage:
             fs.copy_file(self.fs(join(staging, manifest))[1], self.fs(join(dest_uri, manifest))[1])
         self.delete_dir(staging)
         return dest_uri
+
+
+def _glob_regex(pattern: str) -> re.Pattern:
+    """Shell-style glob as a regex: ``*`` and ``?`` stay within one path segment, ``**``
+    crosses segments (fnmatch's ``*`` would match ``/`` too)."""
+    out, i = [], 0
+    while i < len(pattern):
+        c = pattern[i]
+        if pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+            continue
+        if c == "*":
+            out.append("[^/]*")
+        elif c == "?":
+            out.append("[^/]")
+        elif c == "[":
+            j = pattern.find("]", i)
+            if j == -1:
+                out.append(re.escape(c))
+            else:
+                out.append("[" + pattern[i + 1 : j].replace("!", "^", 1) + "]")
+                i = j
+        else:
+            out.append(re.escape(c))
+        i += 1
+    return re.compile("".join(out))
 
 
 def _short(exc: Exception) -> str:

@@ -90,6 +90,8 @@ def keys(client, prefix: str) -> list[str]:
 def download_prefix(client, prefix: str, dest: str) -> list[str]:
     paths = []
     for k in keys(client, prefix):
+        if k.endswith("/"):  # directory marker objects that pyarrow creates
+            continue
         path = os.path.join(dest, os.path.relpath(k, prefix))
         os.makedirs(os.path.dirname(path), exist_ok=True)
         client.download_file(BUCKET, k, path)
@@ -273,3 +275,14 @@ def test_cli_run_from_s3_model_and_parquet_then_resume_without_leaking_secrets(
         for path in files + ray_logs:
             with open(path, "rb") as f:
                 assert secret.encode() not in f.read(), path
+
+
+def test_endpoint_from_config_without_env(s3, shards, monkeypatch):
+    """storage.endpoint_url alone (no AWS_ENDPOINT_URL) reaches an S3-compatible store."""
+    from raylora.config import StorageSection
+
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    st = StorageSection(endpoint_url=endpoint).client()
+    assert len(st.expand(f"s3://{BUCKET}/data/parquet")) == 3
+    assert json.loads(st.read_bytes(f"s3://{BUCKET}/data/wds/manifest.json"))["count"] == 24

@@ -1,0 +1,41 @@
+import os
+
+import pytest
+
+from raylora.storage import Storage, filesystem, normalize
+
+
+def test_local_uris_normalize_to_absolute_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert normalize("runs/x") == str(tmp_path / "runs" / "x")
+    assert normalize(f"file://{tmp_path}/a") == str(tmp_path / "a")
+    assert normalize("s3://bucket/prefix/") == "s3://bucket/prefix"
+    with pytest.raises(ValueError, match="ftp://h/x: unsupported URI scheme"):
+        filesystem("ftp://h/x")
+
+
+def test_expand_dir_glob_list_and_hidden_files(tmp_path):
+    for name in ("a.parquet", "b.parquet", "_manifest.json", ".hidden.parquet", "sub/c.parquet"):
+        p = tmp_path / name
+        p.parent.mkdir(exist_ok=True)
+        p.write_bytes(b"x")
+    st = Storage()
+    found = st.expand(str(tmp_path), (".parquet",))
+    assert [os.path.relpath(f, tmp_path) for f in found] == ["a.parquet", "b.parquet", "sub/c.parquet"]
+    assert st.expand(str(tmp_path / "*.parquet")) == [str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")]
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path}/none: no such file"):
+        st.expand([str(tmp_path / "a.parquet"), str(tmp_path / "none")])
+
+
+def test_publish_dir_replaces_atomically_and_leaves_no_temporaries(tmp_path):
+    st = Storage()
+    src1, src2 = tmp_path / "s1", tmp_path / "s2"
+    for src, text in ((src1, "one"), (src2, "two")):
+        src.mkdir()
+        (src / "w.safetensors").write_text(text)
+    dest = tmp_path / "out" / "adapter"
+    st.publish_dir(str(src1), str(dest))
+    assert (dest / "w.safetensors").read_text() == "one"
+    st.publish_dir(str(src2), str(dest))
+    assert (dest / "w.safetensors").read_text() == "two"
+    assert sorted(os.listdir(tmp_path / "out")) == ["adapter"]

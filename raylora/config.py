@@ -128,6 +128,9 @@ class ScalingSection(_Section):
     num_workers: int = Field(1, gt=0, description="Training workers (one per GPU).")
     use_gpu: bool = False
     cpus_per_worker: float = Field(1.0, gt=0)
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="How workers are placed on nodes (Ray placement group strategy)."
+    )
 
 
 class CheckpointSection(_Section):

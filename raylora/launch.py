@@ -99,17 +99,61 @@ def init_ray(need_cpus: float = 0) -> bool:
     if ray.is_initialized():
         return False
     if os.environ.get("RAY_ADDRESS"):
-        # A cluster started without our storage settings still needs them in every worker
-        # and Ray Data task: forward them as this job's environment (never logged by us).
-        env = storage.forwarded_env()
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env} if env else None)
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=storage_runtime_env())
         return False
     # Logical CPUs: training workers hold theirs for the whole run, so Ray Data's readers
     # and preprocess actors need room beside them even on a 2-core laptop. Workers of an
     # embedded Ray inherit this process's environment, storage variables included.
     num_cpus = max(os.cpu_count() or 1, int(need_cpus + 0.999) + 2)
-    ray.init(num_cpus=num_cpus, dashboard_host="127.0.0.1")
+    start_local_ray(num_cpus)
     return True
+
+
+def _env_setup_hook(values: dict[str, str]):
+    def raylora_storage_credentials() -> None:
+        os.environ.update(values)
+
+    return raylora_storage_credentials
+
+
+def storage_runtime_env() -> dict | None:
+    """This job's runtime_env for joining a cluster started without our storage settings.
+
+    Endpoint and region travel as plain ``env_vars``. Credentials do not: Ray's runtime-env
+    agent writes the env_vars of every runtime_env it sets up to its log. They travel in a
+    ``worker_process_setup_hook`` instead, a function Ray stores (pickled) in the cluster's
+    internal store and runs first in every worker process of this job (train workers, Ray
+    Data tasks), where it sets them in the environment; the logged runtime_env shows only
+    the hook's reference.
+    """
+    env = storage.forwarded_env()
+    if not env:
+        return None
+    secret = {k: v for k, v in env.items() if k in storage.SECRET_ENV_VARS}
+    plain = {k: v for k, v in env.items() if k not in secret}
+    runtime_env: dict = {"env_vars": plain} if plain else {}
+    if secret:
+        runtime_env["worker_process_setup_hook"] = _env_setup_hook(secret)
+    return runtime_env
+
+
+def start_local_ray(num_cpus: int) -> None:
+    """An embedded local Ray with its dashboard on a free loopback port.
+
+    The dashboard is not optional here: Ray Train's placement-group cleaner asks the State
+    API whether the train controller is alive, and without this cluster's own dashboard
+    that query can reach another Ray on the default port 8265, not find the controller,
+    and tear down a healthy run's workers.
+    """
+    import socket
+
+    import ray
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
+             dashboard_port=port)
 
 
 def run(cfg: RayLoraConfig) -> dict:
@@ -164,6 +208,7 @@ def _fit(cfg: RayLoraConfig, p: Plan):
             num_workers=cfg.scaling.num_workers,
             use_gpu=cfg.scaling.use_gpu,
             resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
+            placement_strategy=cfg.scaling.placement_strategy,
         ),
         run_config=ray.train.RunConfig(
             # Same storage_path + name = Ray Train V2 resumes from the latest checkpoint.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import tempfile
 
+import ray
 import ray.train
 from ray.train import CheckpointUploadMode
 
@@ -99,6 +100,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
             # Every rank's adapter digest: equal digests prove the DDP replicas stayed
             # bit-identical; the driver records them in raylora.json.
             metrics["replica_lora_digests"] = gather_object([digest(sd)])
+            metrics["worker_nodes"] = gather_object([ray.get_runtime_context().get_node_id()])
             metrics.update(st.scalars())
         # Every rank passes its directory: Ray merges them into one checkpoint (rank 0
         # writes the model and optimizer, each rank its own RNG state). Intermediate

@@ -40,3 +40,18 @@ def base_config(tiny_model, demo_data, tmp_path) -> dict:
         "checkpoint": {"every_n_steps": 2},
         "output": {"uri": str(tmp_path / "out")},
     }
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint():
+    """A real S3-compatible server (moto's server mode) on 127.0.0.1 for the session.
+
+    Only the endpoint is returned; tests decide which processes see AWS_* variables.
+    """
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()

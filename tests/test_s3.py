@@ -28,16 +28,12 @@ FAKE_SECRET = "rAyLoRa/FakeSecret+0001/doNotLeak"
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    """A moto S3 server on loopback with one bucket; AWS_* env set for this module."""
+def s3(moto_endpoint, tmp_path_factory):
+    """The session's S3 server with this module's bucket; AWS_* env set for this module."""
     import boto3
-    from moto.server import ThreadedMotoServer
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
     env = {
-        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        "AWS_ENDPOINT_URL": moto_endpoint,
         "AWS_ACCESS_KEY_ID": FAKE_KEY_ID,
         "AWS_SECRET_ACCESS_KEY": FAKE_SECRET,
         "AWS_REGION": "us-east-1",
@@ -53,7 +49,6 @@ def s3(tmp_path_factory):
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
-    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +56,9 @@ def ray_s3(s3):
     """Local Ray started *after* the AWS variables are set, so its workers inherit them."""
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    from raylora.launch import start_local_ray
+
+    start_local_ray(num_cpus=4)
     yield
     ray.shutdown()
 

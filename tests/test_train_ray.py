@@ -39,7 +39,9 @@ print(json.dumps({
 def ray_local():
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    from raylora.launch import start_local_ray
+
+    start_local_ray(num_cpus=4)
     yield
     ray.shutdown()
 

@@ -59,6 +59,7 @@ def summarize_metrics(reported: dict) -> dict:
     digests = reported.get("replica_lora_digests") or []
     m["replica_lora_digests"] = digests
     m["replicas_in_sync"] = bool(digests) and len(set(digests)) == 1
+    m["worker_nodes"] = reported.get("worker_nodes") or []
     return m
 
 

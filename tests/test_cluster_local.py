@@ -1,0 +1,147 @@
+"""`cluster/local-up.sh` + the real `ray job submit` CLI + `cluster/local-down.sh`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray_pids(state: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", "--", state], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+@pytest.fixture
+def local_cluster(request):
+    """Start a head (+ optional worker node) with the repo's scripts; always tear down and
+    check that no process of it is left, also when the test failed."""
+    # Short path: Ray's unix sockets must stay under 107 characters.
+    state = tempfile.mkdtemp(prefix="rl-", dir="/tmp")
+    env = {**os.environ, "RAYLORA_LOCAL_STATE": state, "RAY_BIN": os.path.join(BIN, "ray"),
+           "PATH": BIN + os.pathsep + os.environ["PATH"]}
+    env.pop("RAY_ADDRESS", None)
+    port, dash = _free_port(), _free_port()
+    args = ["--cpus", "4", "--port", str(port), "--dashboard-port", str(dash)]
+    args += list(getattr(request, "param", []))
+    try:
+        up = subprocess.run([os.path.join(REPO, "cluster", "local-up.sh"), *args],
+                            capture_output=True, text=True, env=env, timeout=240)
+        assert up.returncode == 0, up.stdout + up.stderr
+        # What `source $STATE/env` gives a client: the cluster's auth token.
+        env = {**env, "RAY_AUTH_MODE": "token",
+               "RAY_AUTH_TOKEN_PATH": os.path.join(state, "auth_token")}
+        yield {"env": env, "state": state, "address": f"127.0.0.1:{port}",
+               "dashboard": f"http://127.0.0.1:{dash}", "stdout": up.stdout}
+    finally:
+        down = subprocess.run([os.path.join(REPO, "cluster", "local-down.sh")],
+                              capture_output=True, text=True, env=env, timeout=120)
+        left = _ray_pids(state)
+        shutil.rmtree(state, ignore_errors=True)
+        assert down.returncode == 0, down.stderr
+        assert left == [], f"Ray processes left behind: {left}"
+
+
+def test_local_head_ray_job_submit_tiny_job(local_cluster, tiny_model, demo_data, tmp_path):
+    c = local_cluster
+    assert f"export RAY_ADDRESS={c['address']}" in c["stdout"]
+    out = tmp_path / "out"
+    # The job runs the repo as its working dir, exactly as a user submits it.
+    submit = subprocess.run(
+        ["ray", "job", "submit", "--address", c["dashboard"], "--working-dir", REPO,
+         "--submission-id", "raylora-tiny", "--",
+         "python", "-m", "raylora", "train", "jobs/configs/tiny-local.yaml",
+         f"model.pretrained={tiny_model}", f"data.uri={demo_data}", f"output.uri={out}",
+         "train.max_steps=3", "train.batch_size=2", "train.lr_warmup_steps=0",
+         "checkpoint.every_n_steps=3"],
+        capture_output=True, text=True, env=c["env"], timeout=600, cwd=tmp_path,
+    )
+    log = submit.stdout + submit.stderr
+    assert submit.returncode == 0, log[-4000:]
+    status = subprocess.run(["ray", "job", "status", "--address", c["dashboard"], "raylora-tiny"],
+                            capture_output=True, text=True, env=c["env"], timeout=60)
+    assert "job 'raylora-tiny' succeeded" in (status.stdout + status.stderr).lower()
+    assert "trained 3 steps" in log
+    meta = json.load(open(out / "adapter" / "raylora.json"))
+    assert meta["metrics"]["steps"] == 3 and meta["metrics"]["replicas_in_sync"]
+    assert (out / "adapter" / "pytorch_lora_weights.safetensors").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("local_cluster", [["--worker-node", "--worker-cpus", "2"]], indirect=True)
+def test_two_node_cluster_spreads_ddp_workers(local_cluster, tiny_model, demo_data, tmp_path):
+    """Head + a second `ray start --address` node on this machine: SPREAD placement puts one
+    training worker on each node, and DDP keeps them bit-identical across nodes."""
+    c = local_cluster
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "raylora", "train", os.path.join(REPO, "jobs/configs/tiny-local.yaml"),
+         f"model.pretrained={tiny_model}", f"data.uri={demo_data}", f"output.uri={out}",
+         "train.max_steps=3", "train.batch_size=2", "checkpoint.every_n_steps=3", "train.lr_warmup_steps=0",
+         "scaling.placement_strategy=STRICT_SPREAD"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        env={**c["env"], "RAY_ADDRESS": c["address"]},
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    m = json.load(open(out / "adapter" / "raylora.json"))["metrics"]
+    assert len(m["worker_nodes"]) == 2 and len(set(m["worker_nodes"])) == 2
+    assert m["replicas_in_sync"] is True and m["steps"] == 3
+
+
+def test_joined_cluster_gets_storage_settings_via_runtime_env(
+    local_cluster, moto_endpoint, tiny_model, demo_data, tmp_path
+):
+    """The cluster was started without any AWS_* variables; the driver has them and joins
+    through RAY_ADDRESS. Training must still read s3:// data and write s3:// output from
+    every worker (forwarded as the job's runtime_env), and the secret must not reach the
+    cluster's logs."""
+    import boto3
+
+    c = local_cluster
+    assert not any(k.startswith("AWS_") for k in c["env"] if k != "AWS_CA_BUNDLE")
+    secret = "rAyLoRa/JoinedClusterSecret+0002"
+    aws = {"AWS_ENDPOINT_URL": moto_endpoint, "AWS_ACCESS_KEY_ID": "AKIARAYLORAJOIN0002",
+           "AWS_SECRET_ACCESS_KEY": secret, "AWS_REGION": "us-east-1"}
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1",
+                      aws_access_key_id=aws["AWS_ACCESS_KEY_ID"], aws_secret_access_key=secret)
+    s3.create_bucket(Bucket="raylora-joined")
+    for f in sorted(os.listdir(demo_data)):
+        if f.endswith(".parquet"):
+            s3.upload_file(os.path.join(demo_data, f), "raylora-joined", f"data/{f}")
+    proc = subprocess.run(
+        [sys.executable, "-m", "raylora", "train", os.path.join(REPO, "jobs/configs/tiny-local.yaml"),
+         f"model.pretrained={tiny_model}", "data.uri=s3://raylora-joined/data",
+         "output.uri=s3://raylora-joined/run", "train.max_steps=2", "train.batch_size=2", "train.lr_warmup_steps=0",
+         "checkpoint.every_n_steps=2"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        env={**c["env"], **aws, "RAY_ADDRESS": c["address"]},
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket="raylora-joined", Prefix="run/")["Contents"]]
+    assert "run/adapter/pytorch_lora_weights.safetensors" in keys
+    assert any(k.startswith("run/train/checkpoint_") for k in keys)
+    assert secret not in log
+    for root, _, files in os.walk(c["state"]):
+        for f in files:
+            path = os.path.join(root, f)
+            if "/logs/" in path and os.path.isfile(path):
+                with open(path, "rb") as fh:
+                    assert secret.encode() not in fh.read(), path

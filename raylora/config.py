@@ -73,6 +73,15 @@ class DataSection(_Section):
     shuffle_buffer_size: int = Field(
         256, ge=0, description="Rows in each worker's local shuffle buffer (0 = off)."
     )
+    sharding: Literal["stream", "files"] = Field(
+        "stream",
+        description=(
+            "stream: one dataset split dynamically across workers (fastest). files: each "
+            "worker reads its own shard files (file i → worker i mod N), in order, so which "
+            "rows a worker sees does not depend on timing or cluster shape (reproducible "
+            "runs; needs at least N shard files, parquet or webdataset)."
+        ),
+    )
 
 
 class LoraSection(_Section):

@@ -30,6 +30,10 @@ class Plan:
     rows_per_worker: int
     updates_per_epoch: int
     max_steps: int
+    file_rows: list[int] | None = None
+    # data.sharding=files: micro-batches per worker per epoch (the smallest worker's), so
+    # every worker runs the same number of DDP steps.
+    batches_per_epoch: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -78,6 +82,20 @@ def plan(cfg: RayLoraConfig) -> Plan:
     t, world = cfg.train, cfg.scaling.num_workers
     total = data.rows if data else 0
     rows_per_worker = total // world
+    batches_per_epoch = None
+    if data and cfg.data.sharding == "files":
+        if data.file_rows is None:
+            problems.append(
+                f"data.sharding: 'files' needs parquet or webdataset shards, not {data.format}"
+            )
+        elif len(data.files) < world:
+            problems.append(
+                f"data.sharding: 'files' needs at least one shard file per worker "
+                f"({len(data.files)} files, scaling.num_workers={world})"
+            )
+        else:
+            rows_per_worker = min(data.for_rank(r, world).rows for r in range(world))
+            batches_per_epoch = rows_per_worker // t.batch_size
     updates = rows_per_worker // t.batch_size // t.gradient_accumulation_steps
     if data and updates == 0:
         problems.append(
@@ -88,7 +106,10 @@ def plan(cfg: RayLoraConfig) -> Plan:
     if problems:
         raise ConfigError(problems)
     max_steps = t.max_steps or t.num_epochs * updates
-    return Plan(model_path, data.format, data.files, total, rows_per_worker, updates, max_steps)
+    return Plan(
+        model_path, data.format, data.files, total, rows_per_worker, updates, max_steps,
+        data.file_rows, batches_per_epoch,
+    )
 
 
 def init_ray(need_cpus: float = 0) -> bool:
@@ -190,14 +211,29 @@ def _fit(cfg: RayLoraConfig, p: Plan):
     interactive = sys.stdout.isatty()
     ray.data.DataContext.get_current().enable_progress_bars = interactive
     seed = cfg.data.shuffle_seed if cfg.data.shuffle_seed is not None else cfg.train.seed
-    ds = build_dataset(
-        cfg.data,
-        DataPlan(p.data_format, p.shard_files, p.total_rows),
-        store,
-        model_path=p.model_path,
-        seed=seed,
-        num_preprocess_actors=max(1, cfg.scaling.num_workers),
-    )
+    data_plan = DataPlan(p.data_format, p.shard_files, p.total_rows, p.file_rows)
+    world = cfg.scaling.num_workers
+    if cfg.data.sharding == "files":
+        # One dataset per worker, read in order: worker r always gets files r, r+N, ...
+        datasets = {
+            f"train_{r}": build_dataset(
+                cfg.data, data_plan.for_rank(r, world), store, model_path=p.model_path,
+                seed=seed, num_preprocess_actors=1,
+            )
+            for r in range(world)
+        }
+        data_config = ray.train.DataConfig(
+            datasets_to_split=[],
+            execution_options=ray.data.ExecutionOptions(preserve_order=True),
+        )
+    else:
+        datasets = {
+            "train": build_dataset(
+                cfg.data, data_plan, store, model_path=p.model_path, seed=seed,
+                num_preprocess_actors=max(1, world),
+            )
+        }
+        data_config = None
     ckpt_fs, ckpt_path = store.fs(cfg.output.uri)
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -217,6 +253,7 @@ def _fit(cfg: RayLoraConfig, p: Plan):
             storage_filesystem=ckpt_fs,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
         ),
-        datasets={"train": ds},
+        datasets=datasets,
+        dataset_config=data_config,
     )
     return trainer.fit()

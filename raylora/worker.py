@@ -6,6 +6,7 @@ Ray appears only here: the dataset shard, the checkpoint to resume from, and
 
 from __future__ import annotations
 
+import itertools
 import logging
 import tempfile
 
@@ -58,17 +59,21 @@ def train_loop_per_worker(loop_config: dict) -> None:
     if restored is not None and rank == 0:
         log.info("resumed from step %d (epoch %d)", run.state.global_step, run.state.epoch)
 
-    shard = ray.train.get_dataset_shard("train")
+    by_files = cfg.data.sharding == "files"
+    shard = ray.train.get_dataset_shard(f"train_{rank}" if by_files else "train")
     data_seed = cfg.data.shuffle_seed if cfg.data.shuffle_seed is not None else t.seed
 
     def epoch_batches(epoch: int):
-        return shard.iter_torch_batches(
+        batches = shard.iter_torch_batches(
             batch_size=t.batch_size,
             drop_last=True,
             local_shuffle_buffer_size=cfg.data.shuffle_buffer_size or None,
             local_shuffle_seed=data_seed + 7919 * epoch + rank,
             device=accelerator.device,
         )
+        # With per-worker files, workers hold different row counts: all stop at the
+        # smallest one's batch count so their DDP steps line up.
+        return itertools.islice(batches, plan["batches_per_epoch"]) if by_files else batches
 
     bar = None
     if rank == 0 and loop_config.get("progress_bar"):

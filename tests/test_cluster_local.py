@@ -86,23 +86,41 @@ def test_local_head_ray_job_submit_tiny_job(local_cluster, tiny_model, demo_data
 
 
 @pytest.mark.parametrize("local_cluster", [["--worker-node", "--worker-cpus", "2"]], indirect=True)
-def test_two_node_cluster_spreads_ddp_workers(local_cluster, tiny_model, demo_data, tmp_path):
-    """Head + a second `ray start --address` node on this machine: SPREAD placement puts one
-    training worker on each node, and DDP keeps them bit-identical across nodes."""
+def test_two_node_spread_matches_single_node(local_cluster, tiny_model, demo_data, tmp_path):
+    """Head + a second `ray start --address` node on this machine: STRICT_SPREAD puts one
+    training worker on each node; the same job packed onto one node (same seed, per-worker
+    shard files) ends with the same adapter."""
+    from safetensors.torch import load_file
+
     c = local_cluster
-    out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, "-m", "raylora", "train", os.path.join(REPO, "jobs/configs/tiny-local.yaml"),
-         f"model.pretrained={tiny_model}", f"data.uri={demo_data}", f"output.uri={out}",
-         "train.max_steps=3", "train.batch_size=2", "checkpoint.every_n_steps=3", "train.lr_warmup_steps=0",
-         "scaling.placement_strategy=STRICT_SPREAD"],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path,
-        env={**c["env"], "RAY_ADDRESS": c["address"]},
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    m = json.load(open(out / "adapter" / "raylora.json"))["metrics"]
-    assert len(m["worker_nodes"]) == 2 and len(set(m["worker_nodes"])) == 2
-    assert m["replicas_in_sync"] is True and m["steps"] == 3
+
+    def train(name: str, strategy: str) -> tuple[dict, dict]:
+        out = tmp_path / name
+        proc = subprocess.run(
+            [sys.executable, "-m", "raylora", "train", os.path.join(REPO, "jobs/configs/tiny-local.yaml"),
+             f"model.pretrained={tiny_model}", f"data.uri={demo_data}", f"output.uri={out}",
+             "train.max_steps=3", "train.batch_size=2", "checkpoint.every_n_steps=3",
+             "train.lr_warmup_steps=0", "data.random_flip=false", "data.sharding=files",
+             f"scaling.placement_strategy={strategy}"],
+            capture_output=True, text=True, timeout=600, cwd=tmp_path,
+            env={**c["env"], "RAY_ADDRESS": c["address"]},
+        )
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        meta = json.load(open(out / "adapter" / "raylora.json"))["metrics"]
+        return meta, load_file(out / "adapter" / "pytorch_lora_weights.safetensors")
+
+    spread, spread_w = train("spread", "STRICT_SPREAD")
+    packed, packed_w = train("packed", "STRICT_PACK")
+    assert len(set(spread["worker_nodes"])) == 2  # one worker per node
+    assert len(set(packed["worker_nodes"])) == 1  # both on one node
+    assert spread["replicas_in_sync"] and packed["replicas_in_sync"]
+    assert spread["steps"] == packed["steps"] == 3
+    assert spread["train_loss_last"] == pytest.approx(packed["train_loss_last"], rel=1e-5)
+    assert spread_w.keys() == packed_w.keys()
+    for k in spread_w:
+        assert spread_w[k].abs().max() > 0 or "lora.up" in k
+        torch_close = (spread_w[k] - packed_w[k]).abs().max().item()
+        assert torch_close <= 1e-6, (k, torch_close)
 
 
 def test_joined_cluster_gets_storage_settings_via_runtime_env(

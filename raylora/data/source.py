@@ -36,6 +36,13 @@ class DataPlan:
     format: str
     files: list[str]
     rows: int
+    file_rows: list[int] | None = None  # rows per file, where known (parquet, webdataset)
+
+    def for_rank(self, rank: int, world: int) -> "DataPlan":
+        """The shard files of one worker under ``data.sharding=files``."""
+        files = self.files[rank::world]
+        counts = (self.file_rows or [])[rank::world]
+        return DataPlan(self.format, files, sum(counts), counts)
 
 
 def plan_data(data: DataSection, storage: Storage) -> DataPlan:
@@ -48,23 +55,27 @@ def plan_data(data: DataSection, storage: Storage) -> DataPlan:
     files = [f for f in files if f.lower().endswith(SUFFIXES[fmt])]
     if not files:
         raise FileNotFoundError(f"{data.uri}: matched no {fmt} files")
+    file_rows = None
     if fmt == "parquet":
-        rows = 0
+        file_rows = []
         for f in files:
             with storage.open_input(f) as fh:
                 pf = pq.ParquetFile(fh)
-                if rows == 0:
+                if not file_rows:
                     check_columns(data, f, pf.schema_arrow.names)
-                rows += pf.metadata.num_rows
+                file_rows.append(pf.metadata.num_rows)
+        rows = sum(file_rows)
     elif fmt == "webdataset":
-        rows = _count_webdataset(storage, files)
+        file_rows = _count_webdataset(storage, files)
+        rows = sum(file_rows)
     else:
         rows = len(formats.imagefolder_rows(storage, files, data.caption_column))
-    return DataPlan(fmt, files, rows)
+    return DataPlan(fmt, files, rows, file_rows)
 
 
-def _count_webdataset(storage: Storage, files: list[str]) -> int:
-    """From the shard builder's manifest when present, else by scanning tar headers."""
+def _count_webdataset(storage: Storage, files: list[str]) -> list[int]:
+    """Samples per tar: from the shard builder's manifest when present, else by scanning
+    tar headers."""
     roots = {f.rsplit("/", 1)[0] for f in files}
     if len(roots) == 1:
         manifest = formats.read_manifest(storage, roots.pop())
@@ -72,12 +83,12 @@ def _count_webdataset(storage: Storage, files: list[str]) -> int:
             listed = {s["name"]: s["count"] for s in manifest.get("shards", [])}
             names = [f.rsplit("/", 1)[1] for f in files]
             if all(n in listed for n in names):
-                return sum(listed[n] for n in names)
-    total = 0
+                return [listed[n] for n in names]
+    counts = []
     for f in files:
         with storage.open_input(f) as fh:
-            total += formats.count_tar_samples(fh)
-    return total
+            counts.append(formats.count_tar_samples(fh))
+    return counts
 
 
 def check_columns(data: DataSection, file: str, names: list[str]) -> None:

@@ -6,15 +6,12 @@ path costs a second, not a cluster start.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from dataclasses import asdict, dataclass
 
 from raylora import storage
 from raylora.config import ConfigError, RayLoraConfig
-
-log = logging.getLogger("raylora")
 
 TRAIN_RUN_NAME = "train"
 

@@ -5,7 +5,8 @@ files are read in parallel with their order reshuffled every epoch (seeded), row
 per-worker local shuffle buffer, and Ray Train's default DataConfig splits the stream with
 ``streaming_split(equal=True)``, so every worker sees the same number of rows per epoch
 (DDP steps must line up) and each row is seen once per epoch (up to ``num_workers - 1``
-rows of remainder).
+rows of remainder). With ``data.sharding=files`` the driver instead builds one dataset per
+worker from that worker's shard files (``DataPlan.for_rank``), read in order.
 """
 
 from __future__ import annotations

@@ -73,19 +73,26 @@ def _s3(endpoint_url: str | None, region: str | None) -> pafs.S3FileSystem:
     return pafs.S3FileSystem(**kwargs)
 
 
+def fs_path(uri: str) -> str:
+    """The path of ``uri`` inside its filesystem: ``bucket/key`` for remote URIs."""
+    if is_local(uri):
+        return local_path(uri)
+    parsed = urlparse(uri)
+    return (parsed.netloc + parsed.path).rstrip("/")
+
+
 def filesystem(
     uri: str, endpoint_url: str | None = None, region: str | None = None
 ) -> tuple[pafs.FileSystem, str]:
     """(filesystem, path inside it) for a URI. ``path`` has no scheme (``bucket/key``)."""
     if is_local(uri):
         return pafs.LocalFileSystem(), local_path(uri)
-    parsed = urlparse(uri)
-    path = (parsed.netloc + parsed.path).rstrip("/")
-    if parsed.scheme in ("s3", "s3a"):
-        return _s3(endpoint_url, region), path
-    if parsed.scheme in ("gs", "gcs"):
-        return pafs.GcsFileSystem(), path
-    raise ValueError(f"{uri}: unsupported URI scheme {parsed.scheme!r} (use s3://, gs:// or a path)")
+    scheme = urlparse(uri).scheme
+    if scheme in ("s3", "s3a"):
+        return _s3(endpoint_url, region), fs_path(uri)
+    if scheme in ("gs", "gcs"):
+        return pafs.GcsFileSystem(), fs_path(uri)
+    raise ValueError(f"{uri}: unsupported URI scheme {scheme!r} (use s3://, gs:// or a path)")
 
 
 def to_uri(uri_like: str, path: str) -> str:
@@ -101,9 +108,15 @@ class Storage:
     def __init__(self, endpoint_url: str | None = None, region: str | None = None):
         self.endpoint_url = endpoint_url
         self.region = region
+        # One filesystem per scheme: reads of single images (imagefolder, shard builder)
+        # would otherwise build a new S3 client per object.
+        self._fs: dict[str, pafs.FileSystem] = {}
 
     def fs(self, uri: str) -> tuple[pafs.FileSystem, str]:
-        return filesystem(uri, self.endpoint_url, self.region)
+        scheme = "" if is_local(uri) else urlparse(uri).scheme
+        if scheme not in self._fs:
+            self._fs[scheme] = filesystem(uri, self.endpoint_url, self.region)[0]
+        return self._fs[scheme], fs_path(uri)
 
     def info(self, uri: str) -> pafs.FileInfo:
         fs, path = self.fs(uri)
@@ -215,10 +228,8 @@ class Storage:
         self.upload_dir(src_dir, staging)
         self.delete_dir(dest_uri)
         fs, _ = self.fs(dest_uri)
-        for n in ordered:
-            fs.copy_file(self.fs(join(staging, n))[1], self.fs(join(dest_uri, n))[1])
-        if manifest in names:
-            fs.copy_file(self.fs(join(staging, manifest))[1], self.fs(join(dest_uri, manifest))[1])
+        for n in ordered + ([manifest] if manifest in names else []):
+            fs.copy_file(fs_path(join(staging, n)), fs_path(join(dest_uri, n)))
         self.delete_dir(staging)
         return dest_uri
 

@@ -21,7 +21,7 @@ from ray.data import FileShuffleConfig
 from raylora.config import DataSection
 from raylora.data import formats
 from raylora.data.preprocess import Preprocess
-from raylora.storage import Storage
+from raylora.storage import Storage, fs_path
 
 SUFFIXES = {
     "parquet": formats.PARQUET_EXTS,
@@ -125,7 +125,7 @@ def read_rows(data: DataSection, plan: DataPlan, storage: Storage, seed: int) ->
     """Raw rows with columns ``key``, ``image`` (encoded bytes or struct), ``text``."""
     shuffle = FileShuffleConfig(seed=seed, reseed_after_execution=True)
     fs, _ = storage.fs(plan.files[0])
-    paths = [storage.fs(f)[1] for f in plan.files]
+    paths = [fs_path(f) for f in plan.files]
     if plan.format == "parquet":
         ds = ray.data.read_parquet(
             paths, filesystem=fs, columns=[data.image_column, data.caption_column], shuffle=shuffle

@@ -1,4 +1,4 @@
-"""``raylora train|sample|tiny-model|demo-data``."""
+"""``raylora train|tune|lr-find|validate|sample|shards|tiny-model|demo-data``."""
 
 from __future__ import annotations
 
@@ -22,6 +22,43 @@ def _train(args) -> int:
     print(f"raylora: adapter      {summary['adapter']}")
     print(f"raylora: loss curve   {summary['loss_png']}")
     print(f"raylora: step metrics {summary['metrics_jsonl']}")
+    return 0
+
+
+def _tune(args) -> int:
+    from raylora.config import ConfigError, load_config
+    from raylora.tune import run_tune
+
+    cfg = load_config(args.config, args.overrides)
+    if cfg.tune is None:
+        raise ConfigError(["tune: section missing (search_space, num_samples, ...)"], args.config)
+    summary = run_tune(cfg)
+    print(summary["table"])
+    print(f"raylora: results      {summary['results_csv']}")
+    print(f"raylora:              {summary['results_json']}")
+    if "best_adapter" in summary:
+        b = summary["best"]
+        metric = next(k for k in b if k.startswith("final_"))
+        print(f"raylora: best trial   {b['trial_id']} ({metric} {b[metric]:.5f})")
+        print(f"raylora: best adapter {summary['best_adapter']}")
+        return 0
+    print("raylora: no trial produced a checkpoint to export", file=sys.stderr)
+    return 1
+
+
+def _lr_find(args) -> int:
+    from raylora.config import load_config
+    from raylora.launch import run_lr_find
+
+    cfg = load_config(args.config, args.overrides)
+    s = run_lr_find(cfg, args.start_lr, args.end_lr, args.steps)
+    note = " (clamped to the lowest lr tried)" if s["clamped"] else ""
+    print(f"raylora: lr-find ran {s['steps_run']} steps"
+          + (f", stopped: {s['stopped']}" if s["stopped"] else ""))
+    print(f"raylora: min smoothed loss {s['min_smoothed_loss']:.5f} at lr {s['lr_at_min_loss']:.3g}")
+    print(f"raylora: suggested lr {s['suggested_lr']:.3g}{note}")
+    print(f"raylora: lr-find table {s['csv']}")
+    print(f"raylora: lr-find plot  {s['png']}")
     return 0
 
 
@@ -88,6 +125,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.learning_rate=2e-4")
     t.set_defaults(fn=_train)
 
+    tu = sub.add_parser("tune", help="search hyperparameters with Ray Tune (a `tune:` section)")
+    tu.add_argument("config", help="job YAML with a tune: section")
+    tu.add_argument("overrides", nargs="*", help="dotted overrides, e.g. tune.num_samples=16")
+    tu.set_defaults(fn=_tune)
+
+    lf = sub.add_parser("lr-find", help="learning-rate range test on one worker")
+    lf.add_argument("config")
+    lf.add_argument("overrides", nargs="*")
+    lf.add_argument("--start-lr", type=float, default=1e-7)
+    lf.add_argument("--end-lr", type=float, default=1.0)
+    lf.add_argument("--steps", type=int, default=100, help="optimizer steps (at most)")
+    lf.set_defaults(fn=_lr_find)
+
     v = sub.add_parser("validate", help="check a config and print it resolved")
     v.add_argument("config")
     v.add_argument("overrides", nargs="*")
@@ -133,7 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     from raylora.config import ConfigError
 
     logging.basicConfig(level=logging.INFO, format="[raylora] %(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides may come after options (`lr-find job.yaml --steps 50 train.batch_size=2`);
+    # argparse stops collecting a positional list at the first option, so pick them up.
+    args, rest = parser.parse_known_args(argv)
+    if rest:
+        if not hasattr(args, "overrides") or any(r.startswith("-") or "=" not in r for r in rest):
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        args.overrides = list(args.overrides) + rest
     try:
         return args.fn(args)
     except ConfigError as exc:

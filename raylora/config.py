@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 LR_SCHEDULERS = (
     "constant",
@@ -82,6 +89,26 @@ class DataSection(_Section):
             "runs; needs at least N shard files, parquet or webdataset)."
         ),
     )
+    validation_split: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description=(
+            "Fraction of rows held out of training for the held-out loss. A row is held out "
+            "when a hash of its image bytes and caption falls below this fraction: the same "
+            "rows in every run, trial and epoch, whatever the file order or worker count."
+        ),
+    )
+    validation_uri: str | list[str] | None = Field(
+        None, description="Separate held-out shards (same format rules as data.uri)."
+    )
+    validation_max_samples: int = Field(
+        64,
+        gt=0,
+        le=4096,
+        description="Held-out rows evaluated: the first N in file order (each worker keeps "
+        "their latents in memory).",
+    )
 
 
 class LoraSection(_Section):
@@ -142,6 +169,24 @@ class ScalingSection(_Section):
     )
 
 
+class ValidationSection(_Section):
+    """The held-out denoising loss: the metric Tune optimizes and runs are compared by."""
+
+    every_n_steps: int | None = Field(
+        None,
+        gt=0,
+        description="Evaluate every N optimizer steps (and at the end); default: at every "
+        "checkpoint. Needs data.validation_split or data.validation_uri.",
+    )
+    num_timesteps: int = Field(
+        4,
+        gt=0,
+        le=100,
+        description="Fixed timesteps per held-out image, evenly spaced over the schedule.",
+    )
+    seed: int = Field(0, description="Seed of the fixed evaluation noise.")
+
+
 class CheckpointSection(_Section):
     every_n_steps: int = Field(500, gt=0, description="Checkpoint cadence in optimizer steps.")
     num_to_keep: int | None = Field(2, gt=0, description="Checkpoints kept in storage.")
@@ -165,6 +210,80 @@ class OutputSection(_Section):
     uri: str = Field(description="Where checkpoints, metrics and the final adapter go.")
 
 
+SPACE_KINDS = ("loguniform", "uniform", "randint", "choice", "grid")
+
+
+class SearchDim(_Section):
+    """One search dimension; exactly one of the fields is set.
+
+    ``{loguniform: [1e-5, 1e-3]}``, ``{uniform: [0, 1]}``, ``{randint: [lo, hi)}``,
+    ``{choice: [4, 8, 16]}`` (sampled) or ``{grid: [4, 8, 16]}`` (every value, × num_samples).
+    """
+
+    loguniform: tuple[float, float] | None = None
+    uniform: tuple[float, float] | None = None
+    randint: tuple[int, int] | None = None
+    choice: list[Any] | None = None
+    grid: list[Any] | None = None
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in SPACE_KINDS if getattr(self, k) is not None)
+
+    @property
+    def values(self) -> list[Any]:
+        """Values that bound the dimension: every option, or both ends of a range."""
+        return list(getattr(self, self.kind))
+
+    @model_validator(mode="after")
+    def _one_kind(self):
+        set_kinds = [k for k in SPACE_KINDS if getattr(self, k) is not None]
+        if len(set_kinds) != 1:
+            raise ValueError(f"give exactly one of {', '.join(SPACE_KINDS)}")
+        kind = set_kinds[0]
+        if kind in ("loguniform", "uniform", "randint"):
+            lo, hi = getattr(self, kind)
+            if not lo < hi:
+                raise ValueError(f"{kind}: lower bound {lo} must be below upper bound {hi}")
+            if kind == "loguniform" and lo <= 0:
+                raise ValueError("loguniform: bounds must be > 0")
+        elif not getattr(self, kind):
+            raise ValueError(f"{kind}: needs at least one value")
+        return self
+
+
+class TuneSection(_Section):
+    search_space: dict[str, SearchDim] = Field(
+        description="Dotted config key → dimension, e.g. train.learning_rate: "
+        "{loguniform: [1e-5, 1e-3]}, lora.rank: {choice: [4, 8, 16]}."
+    )
+    num_samples: int = Field(8, gt=0, description="Trials (× the grid size for grid dims).")
+    search_alg: Literal["random", "grid", "optuna", "hyperopt"] = Field(
+        "random",
+        description="random/grid: built in. optuna/hyperopt: need the package installed.",
+    )
+    metric: Literal["eval_loss", "train_loss"] = Field(
+        "eval_loss", description="Minimized. eval_loss needs a held-out split."
+    )
+    scheduler: Literal["asha", "fifo"] = Field("asha", description="asha: early stopping.")
+    grace_period: int = Field(
+        1, gt=0, description="ASHA: steps every trial runs before it can be stopped."
+    )
+    reduction_factor: float = Field(2.0, gt=1.0, description="ASHA: keep 1/factor per rung.")
+    max_t: int | None = Field(None, gt=0, description="ASHA: step budget; default max_steps.")
+    max_concurrent_trials: int | None = Field(
+        None, gt=0, description="Default: cluster resources ÷ resources per trial."
+    )
+    seed: int | None = Field(None, description="Search seed; default train.seed.")
+
+    @field_validator("search_space")
+    @classmethod
+    def _non_empty_space(cls, v: dict) -> dict:
+        if not v:
+            raise ValueError("needs at least one dimension")
+        return v
+
+
 class RayLoraConfig(_Section):
     model: ModelSection
     data: DataSection
@@ -173,7 +292,13 @@ class RayLoraConfig(_Section):
     scaling: ScalingSection = Field(default_factory=ScalingSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     storage: StorageSection = Field(default_factory=StorageSection)
+    validation: ValidationSection = Field(default_factory=ValidationSection)
     output: OutputSection
+    tune: TuneSection | None = Field(None, description="Search space etc. for `raylora tune`.")
+
+    @property
+    def has_heldout(self) -> bool:
+        return self.data.validation_split > 0 or self.data.validation_uri is not None
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as plain data, same tree as the YAML."""
@@ -193,6 +318,91 @@ def _cross_checks(cfg: RayLoraConfig) -> list[str]:
                 f"train.lr_warmup_steps: {cfg.train.lr_warmup_steps} is more than "
                 f"train.max_steps ({cfg.train.max_steps})"
             )
+    d = cfg.data
+    if d.validation_split and d.validation_uri is not None:
+        problems.append(
+            "data.validation_split: give either data.validation_split or data.validation_uri"
+        )
+    if d.validation_split and d.sharding == "files":
+        problems.append(
+            "data.validation_split: cannot be combined with data.sharding=files (every worker "
+            "must know its exact row count up front); hold data out with data.validation_uri"
+        )
+    if cfg.validation.every_n_steps and not cfg.has_heldout:
+        problems.append(
+            "validation.every_n_steps: needs held-out data (data.validation_split or "
+            "data.validation_uri)"
+        )
+    if cfg.tune is not None:
+        problems.extend(_tune_checks(cfg))
+    return problems
+
+
+# Keys a trial may not change: where results go, how storage is reached, and the resources
+# a trial holds (Tune sizes its concurrency from them).
+UNTUNABLE = ("tune", "output", "storage", "scaling")
+
+
+def set_dotted(tree: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
+    tree = copy.deepcopy(tree)
+    node = tree
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise KeyError(key)
+    node[parts[-1]] = value
+    return tree
+
+
+def trial_tree(base: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """The config tree of one trial: base config (no ``tune``) with sampled values set."""
+    tree = copy.deepcopy(base)
+    tree.pop("tune", None)
+    for key, value in params.items():
+        tree = set_dotted(tree, key, value)
+    return tree
+
+
+def _tune_checks(cfg: RayLoraConfig) -> list[str]:
+    """Every search dimension must name a real config value, and every value it can take
+    (each option, or both ends of a range) must give a valid config."""
+    import importlib.util
+
+    tn = cfg.tune
+    problems = []
+    if tn.metric == "eval_loss" and not cfg.has_heldout:
+        problems.append(
+            "tune.metric: eval_loss needs held-out data (data.validation_split or "
+            "data.validation_uri); or use tune.metric=train_loss"
+        )
+    if tn.search_alg in ("optuna", "hyperopt") and importlib.util.find_spec(tn.search_alg) is None:
+        problems.append(f"tune.search_alg: {tn.search_alg} is not installed (pip install {tn.search_alg})")
+    base = cfg.to_dict()
+    for key, dim in tn.search_space.items():
+        where = f"tune.search_space.{key}"
+        if key.split(".")[0] in UNTUNABLE:
+            problems.append(f"{where}: {key.split('.')[0]}.* cannot be searched")
+            continue
+        if tn.search_alg == "grid" and dim.kind not in ("grid", "choice"):
+            problems.append(f"{where}: search_alg grid needs grid or choice values, not {dim.kind}")
+        if tn.search_alg in ("optuna", "hyperopt") and dim.kind == "grid":
+            problems.append(f"{where}: {tn.search_alg} samples; use choice instead of grid")
+        node: Any = base
+        for part in key.split("."):
+            node = node.get(part, KeyError) if isinstance(node, dict) else KeyError
+        if node is KeyError or isinstance(node, dict):
+            problems.append(f"{where}: not a config value (unknown key or a whole section)")
+            continue
+        values = dim.values
+        if dim.kind in ("uniform", "loguniform"):
+            # A float range over an integer key fails only once a trial samples 2.7.
+            values.append((values[0] + values[1]) / 2)
+        for value in values:
+            try:
+                validate(trial_tree(base, {key: value}))
+            except ConfigError as exc:
+                problems.extend(f"{where}={value!r}: {p}" for p in exc.problems)
     return problems
 
 

@@ -6,12 +6,13 @@ path costs a second, not a cluster start.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from raylora import storage
-from raylora.config import ConfigError, RayLoraConfig
+from raylora.config import ConfigError, RayLoraConfig, validate
 
 TRAIN_RUN_NAME = "train"
 
@@ -31,9 +32,15 @@ class Plan:
     # data.sharding=files: micro-batches per worker per epoch (the smallest worker's), so
     # every worker runs the same number of DDP steps.
     batches_per_epoch: int | None = None
+    heldout_rows: int = 0
+    data_rows: int = 0  # rows in the shard files, before any held-out split
+    # The held-out rows themselves ({image: bytes, text}); sent to workers, never exported.
+    heldout: list[dict] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d.pop("heldout")
+        return d
 
 
 def resolve_paths(cfg: RayLoraConfig) -> RayLoraConfig:
@@ -75,12 +82,34 @@ def plan(cfg: RayLoraConfig) -> Plan:
         data = plan_data(cfg.data, store)
     except (FileNotFoundError, ValueError, OSError) as exc:
         problems.append(f"data.uri: {exc}")
+    heldout, problem = _plan_heldout(cfg, data, store)
+    if problem:
+        problems.append(problem)
 
+    if data is None:
+        raise ConfigError(problems)
+    return _arithmetic(cfg, model_path, data, heldout, problems)
+
+
+def replan(cfg: RayLoraConfig, base: Plan) -> Plan:
+    """``base`` with the step arithmetic redone for ``cfg`` (a Tune trial's batch size,
+    accumulation or step budget): no storage access, same data and held-out rows."""
+    from raylora.data.source import DataPlan
+
+    data = DataPlan(base.data_format, base.shard_files, base.data_rows, base.file_rows)
+    return _arithmetic(cfg, base.model_path, data, base.heldout, [])
+
+
+def _arithmetic(cfg: RayLoraConfig, model_path: str, data, heldout: list[dict], problems: list[str]) -> Plan:
     t, world = cfg.train, cfg.scaling.num_workers
-    total = data.rows if data else 0
+    total = data.rows
+    if cfg.data.validation_split:
+        # Expected training rows; the exact count depends on the hash of every row, which
+        # is only known by reading all of them (stream sharding does not need it exact).
+        total = round(total * (1 - cfg.data.validation_split))
     rows_per_worker = total // world
     batches_per_epoch = None
-    if data and cfg.data.sharding == "files":
+    if cfg.data.sharding == "files":
         if data.file_rows is None:
             problems.append(
                 f"data.sharding: 'files' needs parquet or webdataset shards, not {data.format}"
@@ -94,7 +123,7 @@ def plan(cfg: RayLoraConfig) -> Plan:
             rows_per_worker = min(data.for_rank(r, world).rows for r in range(world))
             batches_per_epoch = rows_per_worker // t.batch_size
     updates = rows_per_worker // t.batch_size // t.gradient_accumulation_steps
-    if data and updates == 0:
+    if updates == 0:
         problems.append(
             f"data.uri: {total} rows split over {world} workers is less than one optimizer "
             f"step (train.batch_size={t.batch_size} × "
@@ -105,8 +134,33 @@ def plan(cfg: RayLoraConfig) -> Plan:
     max_steps = t.max_steps or t.num_epochs * updates
     return Plan(
         model_path, data.format, data.files, total, rows_per_worker, updates, max_steps,
-        data.file_rows, batches_per_epoch,
+        data.file_rows, batches_per_epoch, len(heldout), data.rows, heldout,
     )
+
+
+def _plan_heldout(cfg: RayLoraConfig, data, store) -> tuple[list[dict], str | None]:
+    """Read the evaluation rows on the driver: (rows, problem or None)."""
+    from raylora.data.source import plan_data
+    from raylora.data.split import read_heldout_rows
+
+    d = cfg.data
+    try:
+        if d.validation_uri is not None:
+            vdata = plan_data(d.model_copy(update={"uri": d.validation_uri}), store)
+            rows = read_heldout_rows(d, vdata.format, vdata.files, store, split=None)
+            return rows, None if rows else f"data.validation_uri: {d.validation_uri}: no rows"
+        if d.validation_split and data is not None:
+            rows = read_heldout_rows(d, data.format, data.files, store, d.validation_split)
+            if not rows:
+                return [], (
+                    f"data.validation_split: none of the {data.rows} rows fell in the held-out "
+                    f"{d.validation_split:.1%}; raise it or use data.validation_uri"
+                )
+            return rows, None
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        key = "data.validation_uri" if d.validation_uri is not None else "data.validation_split"
+        return [], f"{key}: {exc}"
+    return [], None
 
 
 def init_ray(need_cpus: float = 0) -> bool:
@@ -195,6 +249,21 @@ def run(cfg: RayLoraConfig) -> dict:
 
 
 def _fit(cfg: RayLoraConfig, p: Plan):
+    return build_trainer(cfg, p, cfg.output.uri, TRAIN_RUN_NAME).fit()
+
+
+def build_trainer(
+    cfg: RayLoraConfig,
+    p: Plan,
+    storage_uri: str,
+    name: str,
+    callbacks: list | None = None,
+    train_fn=None,
+    extra_loop_config: dict | None = None,
+):
+    """The TorchTrainer of one run: datasets, workers, storage. ``raylora train`` fits one;
+    each Tune trial builds its own (with ``TuneReportCallback``); lr-find passes its own
+    per-worker function."""
     import ray.data
     import ray.train
     from ray.train.torch import TorchTrainer
@@ -231,12 +300,14 @@ def _fit(cfg: RayLoraConfig, p: Plan):
             )
         }
         data_config = None
-    ckpt_fs, ckpt_path = store.fs(cfg.output.uri)
-    trainer = TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config={
-            "config": cfg.to_dict(), "plan": p.to_dict(), "progress_bar": interactive
-        },
+    ckpt_fs, ckpt_path = store.fs(storage_uri)
+    loop_config = {
+        "config": cfg.to_dict(), "plan": p.to_dict(), "heldout": p.heldout,
+        "progress_bar": interactive, **(extra_loop_config or {}),
+    }
+    return TorchTrainer(
+        train_fn or train_loop_per_worker,
+        train_loop_config=loop_config,
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.scaling.num_workers,
             use_gpu=cfg.scaling.use_gpu,
@@ -245,12 +316,78 @@ def _fit(cfg: RayLoraConfig, p: Plan):
         ),
         run_config=ray.train.RunConfig(
             # Same storage_path + name = Ray Train V2 resumes from the latest checkpoint.
-            name=TRAIN_RUN_NAME,
+            name=name,
             storage_path=ckpt_path,
             storage_filesystem=ckpt_fs,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
+            callbacks=callbacks,
         ),
         datasets=datasets,
         dataset_config=data_config,
     )
-    return trainer.fit()
+
+
+LR_FIND_RUN_NAME = "lr_find"
+
+
+def run_lr_find(
+    cfg: RayLoraConfig,
+    start_lr: float = 1e-7,
+    end_lr: float = 1.0,
+    num_steps: int = 100,
+    smoothing: float = 0.9,
+    diverge_factor: float = 10.0,
+) -> dict:
+    """Learning-rate range test on one worker; writes ``lr_find.csv`` and ``lr_find.png``
+    under ``output.uri`` and returns the suggestion."""
+    import csv
+    import io
+    import tempfile
+
+    from raylora.train import lr_find
+    from raylora.worker import lr_find_per_worker
+
+    problems = []
+    if not 0 < start_lr < end_lr:
+        problems.append(f"lr-find: need 0 < start_lr < end_lr (got {start_lr:g}, {end_lr:g})")
+    if num_steps < 2:
+        problems.append(f"lr-find: num_steps must be at least 2 (got {num_steps})")
+    if problems:
+        raise ConfigError(problems)
+    tree = cfg.to_dict()
+    tree["scaling"]["num_workers"] = 1
+    tree["train"].update(max_steps=num_steps, learning_rate=start_lr, lr_scheduler="constant",
+                         lr_warmup_steps=0, scale_lr=False)
+    cfg = resolve_paths(validate(tree))
+    p = plan(cfg)
+    started = init_ray(cfg.scaling.cpus_per_worker)
+    try:
+        settings = dict(start_lr=start_lr, end_lr=end_lr, num_steps=num_steps,
+                        smoothing=smoothing, diverge_factor=diverge_factor)
+        trainer = build_trainer(
+            cfg, p, cfg.output.uri, LR_FIND_RUN_NAME, train_fn=lr_find_per_worker,
+            extra_loop_config={"lr_find": settings},
+        )
+        result = trainer.fit()
+        with result.checkpoint.as_directory() as d, open(os.path.join(d, "lr_find.json")) as f:
+            rows = json.load(f)
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+    suggestion = lr_find.suggest_lr(rows)
+    store = cfg.storage.client()
+    out = storage.normalize(cfg.output.uri)
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=["step", "lr", "loss", "smoothed_loss", "stopped"])
+    writer.writeheader()
+    writer.writerows(rows)
+    csv_uri, png_uri = storage.join(out, "lr_find.csv"), storage.join(out, "lr_find.png")
+    store.write_bytes(csv_uri, buf.getvalue().encode())
+    with tempfile.TemporaryDirectory(prefix="raylora-lrfind-") as tmp:
+        png = os.path.join(tmp, "lr_find.png")
+        lr_find.plot(rows, suggestion, png)
+        with open(png, "rb") as f:
+            store.write_bytes(png_uri, f.read())
+    return {**suggestion, "settings": settings, "csv": csv_uri, "png": png_uri, "rows": rows}

@@ -7,8 +7,12 @@ Ray appears only here: the dataset shard, the checkpoint to resume from, and
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+import math
 import tempfile
+
+import torch
 
 import ray
 import ray.train
@@ -30,6 +34,45 @@ def _setup_logging() -> None:
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False
+
+
+def _finite_or_inf(x: float | None) -> float | None:
+    """Reported losses: a diverged (NaN/inf) value becomes +inf, which Tune's schedulers and
+    searchers rank last and JSON can carry."""
+    return x if x is None or math.isfinite(x) else float("inf")
+
+
+def _heldout_evaluator(cfg: RayLoraConfig, plan: dict, rows: list[dict], run, rank: int, world: int):
+    """Preprocess the held-out rows once (centre crop, no flip), encode them once, and
+    return ``evaluate() -> float`` (same value on every rank)."""
+    import numpy as np
+
+    from raylora.data.preprocess import Preprocess
+    from raylora.train.evaluate import heldout_loss, prepare_heldout
+
+    pre = Preprocess(
+        tokenizer_path=plan["model_path"], resolution=cfg.data.resolution, center_crop=True,
+        random_flip=False, endpoint_url=cfg.storage.endpoint_url, region=cfg.storage.region,
+    )
+    batch = pre({
+        "image": np.array([r["image"] for r in rows], dtype=object),
+        "text": np.array([r["text"] for r in rows], dtype=object),
+    })
+    v, acc = cfg.validation, run.accelerator
+    held = prepare_heldout(
+        run.parts, torch.from_numpy(batch["pixel_values"]), torch.from_numpy(batch["input_ids"]),
+        v.num_timesteps, v.seed, batch_size=cfg.train.batch_size,
+    )
+    unet = acc.unwrap_model(run.unet)
+
+    def evaluate() -> float:
+        with acc.autocast():
+            return heldout_loss(
+                unet, held, run.parts.weight_dtype, batch_size=cfg.train.batch_size, rank=rank,
+                world=world, all_reduce_sum=lambda x: acc.reduce(x, reduction="sum"),
+            )
+
+    return evaluate
 
 
 def train_loop_per_worker(loop_config: dict) -> None:
@@ -92,13 +135,30 @@ def train_loop_per_worker(loop_config: dict) -> None:
                 row["step"], max_steps, row["loss"], row["lr"], row["images_per_s"],
             )
 
-    def on_checkpoint(st: LoopState, final: bool) -> None:
-        metrics = {
+    evaluate = None
+    if plan.get("heldout_rows"):
+        evaluate = _heldout_evaluator(cfg, plan, loop_config["heldout"], run, rank, world)
+
+    def step_metrics(st: LoopState) -> dict:
+        return {
             "step": st.global_step,
             "epoch": st.epoch,
-            "train_loss": st.train_loss_last,
+            "train_loss": _finite_or_inf(st.train_loss_last),
+            "eval_loss": _finite_or_inf(st.eval_loss_last),
+            "eval_loss_best": st.eval_loss_best,
             "lr": run.lr_scheduler.get_last_lr()[0],
         }
+
+    def on_eval(st: LoopState) -> None:
+        if rank == 0:
+            log.info("step %d held-out loss %.5f", st.global_step, st.eval_loss_last)
+        # Metrics only (a barrier like every report): Tune's schedulers see each evaluation.
+        ray.train.report(step_metrics(st))
+
+    def on_checkpoint(st: LoopState, final: bool) -> None:
+        metrics = step_metrics(st)
+        if rank == 0 and st.history and "eval_loss" in st.history[-1]:
+            log.info("step %d held-out loss %.5f", st.global_step, st.eval_loss_last)
         d = tempfile.mkdtemp(prefix="raylora-ckpt-")
         sd = write_checkpoint(d, run, rank)
         if final:
@@ -136,6 +196,65 @@ def train_loop_per_worker(loop_config: dict) -> None:
         epoch_batches=epoch_batches,
         on_checkpoint=on_checkpoint,
         on_step=on_step,
+        evaluate=evaluate,
+        eval_every=cfg.validation.every_n_steps,
+        on_eval=on_eval,
     )
     if bar is not None:
         bar.close()
+
+
+def lr_find_per_worker(loop_config: dict) -> None:
+    """``raylora lr-find`` on one worker: the range test of ``raylora.train.lr_find`` over
+    the real data pipeline, model and optimizer; rows reported once at the end."""
+    from accelerate import Accelerator
+
+    from raylora.train.lr_find import range_test
+    from raylora.train.step import train_micro_step
+
+    _setup_logging()
+    cfg = RayLoraConfig.model_validate(loop_config["config"])
+    t, lf = cfg.train, loop_config["lr_find"]
+    accelerator = Accelerator(
+        mixed_precision=t.mixed_precision,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        cpu=not cfg.scaling.use_gpu,
+    )
+    run = build_run(cfg, accelerator, lf["num_steps"], rank=0)
+    name = "train_0" if cfg.data.sharding == "files" else "train"
+    shard = ray.train.get_dataset_shard(name)
+    data_seed = cfg.data.shuffle_seed if cfg.data.shuffle_seed is not None else t.seed
+
+    def batches():
+        for epoch in itertools.count():
+            yield from shard.iter_torch_batches(
+                batch_size=t.batch_size, drop_last=True,
+                local_shuffle_buffer_size=cfg.data.shuffle_buffer_size or None,
+                local_shuffle_seed=data_seed + 7919 * epoch, device=accelerator.device,
+            )
+
+    stream = batches()
+
+    def step(lr: float) -> float:
+        for group in run.optimizer.param_groups:
+            group["lr"] = lr
+        losses = []
+        for _ in range(t.gradient_accumulation_steps):
+            losses.append(train_micro_step(
+                accelerator, run.unet, run.parts, run.optimizer, None, run.params,
+                next(stream), t.max_grad_norm,
+            ))
+        loss = float(torch.stack(losses).mean())
+        log.info("lr %.3g loss %.5f", lr, loss)
+        return loss
+
+    rows = range_test(
+        step, lf["start_lr"], lf["end_lr"], lf["num_steps"],
+        smoothing=lf["smoothing"], diverge_factor=lf["diverge_factor"],
+    )
+    # Rows travel as a checkpoint file: a run's Result carries the metrics and files of
+    # its latest checkpoint only.
+    d = tempfile.mkdtemp(prefix="raylora-lrfind-")
+    with open(f"{d}/lr_find.json", "w") as f:
+        json.dump(rows, f)
+    ray.train.report({"steps_run": len(rows)}, checkpoint=ray.train.Checkpoint.from_directory(d))

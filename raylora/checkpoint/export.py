@@ -33,6 +33,10 @@ SUMMARY_KEYS = (
     "wall_seconds",
     "epoch",
     "resumed_from_step",
+    "eval_loss_base",
+    "eval_loss_last",
+    "eval_loss_best",
+    "eval_loss_best_step",
 )
 
 
@@ -51,6 +55,15 @@ def data_fingerprint(files: list[str], store: Storage) -> str:
         mtime = int(info.mtime.timestamp()) if info.mtime else 0
         h.update(f"{f}:{info.size}:{mtime}\n".encode())
     return h.hexdigest()[:16]
+
+
+def _heldout_source(cfg: RayLoraConfig) -> str:
+    d = cfg.data
+    if d.validation_uri is not None:
+        return f"data.validation_uri={d.validation_uri}"
+    if d.validation_split:
+        return f"data.validation_split={d.validation_split:g} of the training rows"
+    return "none"
 
 
 def summarize_metrics(reported: dict) -> dict:
@@ -112,7 +125,8 @@ image = pipe("your prompt").images[0]
 
 ## Data
 
-{data.get("rows")} image-caption rows in {data.get("files")} shard(s), fingerprint `{data.get("fingerprint")}`.
+{data.get("rows")} image-caption rows in {data.get("files")} shard(s), fingerprint `{data.get("fingerprint")}`;
+{data.get("heldout_rows")} held-out rows evaluated ({data.get("heldout")}).
 
 ## Results
 
@@ -120,6 +134,7 @@ image = pipe("your prompt").images[0]
 |---|---|
 | train loss, first step | {fmt(loss_first)} |
 | train loss, last step | {fmt(loss_last)} |
+| held-out loss: base model → last (best at step) | {fmt(metrics.get("eval_loss_base"))} → {fmt(metrics.get("eval_loss_last"))} ({fmt(metrics.get("eval_loss_best"))} at {metrics.get("eval_loss_best_step")}) |
 | wall time (s) | {metrics.get("wall_seconds") or 0:.1f} |
 """
 
@@ -148,8 +163,11 @@ def plot_loss(history: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def export_run(ckpt_dir: str, cfg: RayLoraConfig, reported: dict, plan: dict) -> dict:
-    """Publish the adapter in ``ckpt_dir`` with its card and metadata under ``output.uri``."""
+def export_run(
+    ckpt_dir: str, cfg: RayLoraConfig, reported: dict, plan: dict, extra: dict | None = None
+) -> dict:
+    """Publish the adapter in ``ckpt_dir`` with its card and metadata under ``output.uri``.
+    ``extra`` entries are added to ``raylora.json`` (e.g. the Tune trial it came from)."""
     store = cfg.storage.client()
     metrics = summarize_metrics(reported)
     files = plan["shard_files"]
@@ -158,6 +176,8 @@ def export_run(ckpt_dir: str, cfg: RayLoraConfig, reported: dict, plan: dict) ->
         "files": len(files),
         "rows": plan["total_rows"],
         "fingerprint": data_fingerprint(files, store),
+        "heldout_rows": plan.get("heldout_rows", 0),
+        "heldout": _heldout_source(cfg),
     }
     with open(os.path.join(ckpt_dir, HISTORY_FILE)) as f:
         history = [json.loads(line) for line in f if line.strip()]
@@ -174,6 +194,7 @@ def export_run(ckpt_dir: str, cfg: RayLoraConfig, reported: dict, plan: dict) ->
             "metrics": metrics,
             "data": data,
             "versions": {p: _version(p) for p in ("raylora", "ray", "torch", "diffusers", "peft")},
+            **(extra or {}),
         }
         with open(os.path.join(adapter, "raylora.json"), "w") as f:
             json.dump(meta, f, indent=2)

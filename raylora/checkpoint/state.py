@@ -40,7 +40,18 @@ class LoopState:
     train_loss_last: float | None = None
     wall_seconds: float = 0.0
     resumed_from_step: int | None = None
+    # Held-out loss (raylora.train.evaluate): before training, latest, best and its step.
+    eval_loss_base: float | None = None
+    eval_loss_last: float | None = None
+    eval_loss_best: float | None = None
+    eval_loss_best_step: int | None = None
     history: list[dict] = field(default_factory=list)
+
+    def record_eval(self, loss: float) -> None:
+        self.eval_loss_last = loss
+        # NaN never becomes "best" (comparisons with NaN are false).
+        if loss == loss and (self.eval_loss_best is None or loss < self.eval_loss_best):
+            self.eval_loss_best, self.eval_loss_best_step = loss, self.global_step
 
     def scalars(self) -> dict:
         d = asdict(self)

@@ -21,6 +21,7 @@ from ray.data import FileShuffleConfig
 from raylora.config import DataSection
 from raylora.data import formats
 from raylora.data.preprocess import Preprocess
+from raylora.data.split import KeepSplit
 from raylora.storage import Storage, fs_path
 
 SUFFIXES = {
@@ -155,7 +156,11 @@ def build_dataset(
     seed: int,
     num_preprocess_actors: int = 1,
 ) -> ray.data.Dataset:
-    return read_rows(data, plan, storage, seed).map_batches(
+    rows = read_rows(data, plan, storage, seed)
+    if data.validation_split:
+        # Training never sees a held-out row (see raylora.data.split).
+        rows = rows.map_batches(KeepSplit(data.validation_split), batch_format="numpy")
+    return rows.map_batches(
         Preprocess,
         fn_constructor_kwargs=dict(
             tokenizer_path=model_path,

@@ -32,13 +32,23 @@ def run_loop(
     epoch_batches: Callable[[int], Iterable[dict]],
     on_checkpoint: Callable[[LoopState, bool], None],
     on_step: Callable[[dict], None] = lambda row: None,
+    evaluate: Callable[[], float] | None = None,
+    eval_every: int | None = None,
+    on_eval: Callable[[LoopState], None] = lambda state: None,
 ) -> LoopState:
     """Train until ``state.global_step == max_steps``; returns the final state.
 
     ``on_checkpoint(state, final)`` is called on every rank at the same steps (Ray's report
     is a barrier), and always once with ``final=True`` at the end.
+
+    With ``evaluate`` (the held-out loss), it runs before the first step, every
+    ``eval_every`` steps (default: at every checkpoint) and at the end; its value is in
+    ``state`` and the step's history row before ``on_checkpoint``, and ``on_eval(state)``
+    reports evaluations that fall between checkpoints.
     """
     last_ckpt_step = -1
+    if evaluate is not None and state.global_step == 0 and state.eval_loss_base is None:
+        state.eval_loss_base = evaluate()
     t_start = time.perf_counter()
     wall_before = state.wall_seconds
     while state.global_step < max_steps:
@@ -78,8 +88,16 @@ def run_loop(
             state.history.append(row)
             state.wall_seconds = wall_before + (now - t_start)
             on_step(row)
-            if state.global_step % checkpoint_every == 0 or state.global_step >= max_steps:
-                final = state.global_step >= max_steps
+            final = state.global_step >= max_steps
+            ckpt = state.global_step % checkpoint_every == 0 or final
+            if evaluate is not None and (
+                final or (state.global_step % eval_every == 0 if eval_every else ckpt)
+            ):
+                row["eval_loss"] = evaluate()
+                state.record_eval(row["eval_loss"])
+                if not ckpt:
+                    on_eval(state)
+            if ckpt:
                 on_checkpoint(state, final)
                 last_ckpt_step = state.global_step
             if state.global_step >= max_steps:

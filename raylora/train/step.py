@@ -67,6 +67,7 @@ def train_micro_step(
         if accelerator.sync_gradients:
             accelerator.clip_grad_norm_(params, max_grad_norm)
         optimizer.step()
-        lr_scheduler.step()
+        if lr_scheduler is not None:  # None: the caller sets the lr itself (lr-find)
+            lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     return loss.detach()

@@ -1,0 +1,310 @@
+"""``raylora tune``: a Ray Tune search where every trial is a multi-worker TorchTrainer.
+
+The Ray Train V2 pattern: Tune runs ``_trial`` (a plain function) once per sampled config;
+``_trial`` builds that trial's TorchTrainer (the same one ``raylora train`` runs) with
+``TuneReportCallback``, which forwards every ``ray.train.report`` of rank 0 to Tune. ASHA
+sees the held-out loss at every evaluation (``time_attr="step"``) and stops losing trials.
+
+Storage under ``output.uri``::
+
+    tune/                       Tune's experiment state (resumable with the same command)
+    tune/trials/trial_<id>/     each trial's Ray Train run: checkpoints, resumable
+    tune/results.csv|json       one row per trial: sampled values, metrics, steps, status
+    best/adapter/               the best trial's adapter, same contract as ``raylora train``
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import math
+import os
+
+from raylora import storage
+from raylora.config import RayLoraConfig, TuneSection, trial_tree, validate
+from raylora.launch import Plan, build_trainer, init_ray, plan, replan, resolve_paths
+
+log = logging.getLogger("raylora.tune")
+
+TUNE_DIR = "tune"
+TRIALS_DIR = "trials"
+BEST_DIR = "best"
+TRIAL_DRIVER_CPU = 0.01
+# Trials that change the step arithmetic get it checked for every bounding value up front.
+ARITHMETIC_KEYS = (
+    "train.batch_size", "train.gradient_accumulation_steps", "train.max_steps", "train.num_epochs",
+)
+
+
+def param_space(tn: TuneSection) -> dict:
+    """Config dims → Tune's search space, keyed by the dotted config key."""
+    from ray import tune
+
+    space = {}
+    for key, dim in tn.search_space.items():
+        kind, v = dim.kind, dim.values
+        if kind == "loguniform":
+            space[key] = tune.loguniform(v[0], v[1])
+        elif kind == "uniform":
+            space[key] = tune.uniform(v[0], v[1])
+        elif kind == "randint":
+            space[key] = tune.randint(v[0], v[1])
+        elif kind == "grid" or tn.search_alg == "grid":
+            space[key] = tune.grid_search(v)
+        else:
+            space[key] = tune.choice(v)
+    return space
+
+
+def search_algorithm(tn: TuneSection, seed: int, max_concurrent: int):
+    from ray.tune.search import BasicVariantGenerator
+
+    if tn.search_alg == "optuna":
+        from ray.tune.search.optuna import OptunaSearch
+
+        return OptunaSearch(seed=seed)
+    if tn.search_alg == "hyperopt":
+        from ray.tune.search.hyperopt import HyperOptSearch
+
+        return HyperOptSearch(random_state_seed=seed)
+    # Grid dims expand in order, sampled dims draw from one seeded stream: the same
+    # command proposes the same trials.
+    return BasicVariantGenerator(random_state=seed, max_concurrent=max_concurrent)
+
+
+def trial_resources(cfg: RayLoraConfig) -> dict[str, float]:
+    """What one trial holds while it runs: its training workers plus Ray Data's preprocess
+    actors (0.5 CPU each) and about one CPU of readers. The trial's driver function itself
+    holds nothing: it only waits on its TorchTrainer."""
+    s = cfg.scaling
+    actors = s.num_workers  # one preprocess actor per worker (launch.build_trainer)
+    res = {"CPU": s.num_workers * s.cpus_per_worker + 0.5 * actors + 1.0}
+    if s.use_gpu:
+        res["GPU"] = float(s.num_workers)
+    return res
+
+
+def max_concurrency(cfg: RayLoraConfig, cluster: dict[str, float], num_trials: int) -> int:
+    """Trials that fit side by side: cluster resources ÷ resources per trial (≥ 1)."""
+    if cfg.tune.max_concurrent_trials:
+        return cfg.tune.max_concurrent_trials
+    need = trial_resources(cfg)
+    fits = min(int(cluster.get(k, 0.0) // v) for k, v in need.items() if v > 0)
+    return max(1, min(fits, num_trials))
+
+
+def expected_trials(tn: TuneSection) -> int:
+    grid = 1
+    for dim in tn.search_space.values():
+        if dim.kind == "grid" or (tn.search_alg == "grid" and dim.kind == "choice"):
+            grid *= len(dim.values)
+    return tn.num_samples * grid
+
+
+def preflight(cfg: RayLoraConfig) -> Plan:
+    """Base plan (model, data, held-out rows) plus the step arithmetic of every bounding
+    value of the dims that change it, so a trial never fails on a batch size that is
+    larger than its data."""
+    from raylora.config import ConfigError
+
+    base = plan(cfg)
+    problems = []
+    tree = cfg.to_dict()
+    for key, dim in cfg.tune.search_space.items():
+        if key not in ARITHMETIC_KEYS:
+            continue
+        for value in dim.values:
+            try:
+                replan(validate(trial_tree(tree, {key: value})), base)
+            except ConfigError as exc:
+                problems.extend(f"tune.search_space.{key}={value!r}: {p}" for p in exc.problems)
+    if problems:
+        raise ConfigError(problems)
+    return base
+
+
+def _trial(params: dict, *, base_tree: dict, base_plan: Plan, trials_uri: str) -> None:
+    """One Tune trial (runs in Tune's trial actor): the sampled values applied to the base
+    config, then a full TorchTrainer run reporting to Tune."""
+    from ray import tune
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    trial_cfg = validate(trial_tree(base_tree, params))
+    p = replan(trial_cfg, base_plan)
+    name = f"trial_{tune.get_context().get_trial_id()}"
+    trainer = build_trainer(trial_cfg, p, trials_uri, name, callbacks=[TuneReportCallback()])
+    trainer.fit()
+
+
+def run_tune(cfg: RayLoraConfig) -> dict:
+    """Run the search; write the results table; export the best adapter. Returns a summary."""
+    import ray
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    cfg = resolve_paths(cfg)
+    base_plan = preflight(cfg)
+    tn = cfg.tune
+    out = storage.normalize(cfg.output.uri)
+    trials_uri = storage.join(out, TUNE_DIR, TRIALS_DIR)
+    n_trials = expected_trials(tn)
+    per_trial = trial_resources(cfg)
+    started = init_ray(per_trial["CPU"])
+    try:
+        concurrency = max_concurrency(cfg, ray.cluster_resources(), n_trials)
+        max_steps = base_plan.max_steps
+        max_t = tn.max_t or max_steps
+        metric = tn.metric
+        if tn.scheduler == "asha":
+            scheduler = ASHAScheduler(
+                time_attr="step", max_t=max_t, grace_period=min(tn.grace_period, max_t),
+                reduction_factor=tn.reduction_factor,
+            )
+        else:
+            scheduler = FIFOScheduler()
+        seed = tn.seed if tn.seed is not None else cfg.train.seed
+        store = cfg.storage.client()
+        fs, path = store.fs(out)
+        log.info(
+            "tune: %d trial(s), up to %d at a time (%s per trial), metric %s",
+            n_trials, concurrency, per_trial, metric,
+        )
+        tuner = tune.Tuner(
+            # Large inputs (held-out images) travel once through the object store.
+            tune.with_resources(
+                tune.with_parameters(
+                    _trial, base_tree=cfg.to_dict(), base_plan=base_plan, trials_uri=trials_uri
+                ),
+                # Tune refuses an empty request; a sliver of a CPU places the trial's
+                # driver anywhere without taking a core from training or data.
+                {"CPU": TRIAL_DRIVER_CPU},
+            ),
+            param_space=param_space(tn),
+            tune_config=tune.TuneConfig(
+                metric=metric,
+                mode="min",
+                num_samples=tn.num_samples,
+                scheduler=scheduler,
+                search_alg=search_algorithm(tn, seed, concurrency),
+                max_concurrent_trials=concurrency,
+            ),
+            run_config=tune.RunConfig(
+                name=TUNE_DIR, storage_path=path, storage_filesystem=fs, verbose=1,
+            ),
+        )
+        grid = tuner.fit()
+        rows = results_table(grid, tn, max_steps)
+        summary = write_results(rows, cfg, store, out)
+        best = pick_best(rows)
+        if best is not None:
+            summary["best"] = best
+            summary["best_adapter"] = export_best(best, grid, cfg, base_plan, out)
+        return summary
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _finite(x) -> float | None:
+    try:
+        x = float(x)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def results_table(grid, tn: TuneSection, max_steps: int) -> list[dict]:
+    """One row per trial, in trial order."""
+    metric = tn.metric
+    rows = []
+    for result in grid:
+        m = result.metrics or {}
+        df = result.metrics_dataframe
+        history = df.to_dict("records") if df is not None else []
+        values = [_finite(r.get(metric)) for r in history]
+        values = [v for v in values if v is not None]
+        ckpts = [r.get("checkpoint_path") for r in history if isinstance(r.get("checkpoint_path"), str)]
+        steps = int(m.get("step") or 0)
+        if result.error is not None:
+            status = "error"
+        elif steps < max_steps:
+            status = "stopped_early"
+        else:
+            status = "completed"
+        row = {"trial_id": m.get("trial_id") or os.path.basename(result.path)}
+        row.update({k: result.config.get(k) for k in tn.search_space})
+        row.update({
+            f"final_{metric}": _finite(m.get(metric)),
+            f"best_{metric}": min(values) if values else None,
+            "steps": steps,
+            "status": status,
+            "stopped_early": status == "stopped_early",
+            "checkpoint_path": ckpts[-1] if ckpts else None,
+            "error": None if result.error is None else str(result.error).splitlines()[0][:300],
+        })
+        rows.append(row)
+    return rows
+
+
+def pick_best(rows: list[dict]) -> dict | None:
+    """Lowest final metric among trials that ran their full budget (a stopped trial's
+    metric is from fewer steps, not comparable); any trial with a checkpoint otherwise."""
+    key = next(k for k in rows[0] if k.startswith("final_")) if rows else None
+    for pool in (
+        [r for r in rows if r["status"] == "completed"],
+        [r for r in rows if r["checkpoint_path"]],
+    ):
+        pool = [r for r in pool if r[key] is not None and r["checkpoint_path"]]
+        if pool:
+            return min(pool, key=lambda r: r[key])
+    return None
+
+
+def format_table(rows: list[dict]) -> str:
+    if not rows:
+        return "(no trials)"
+    cols = [c for c in rows[0] if c not in ("checkpoint_path", "error", "stopped_early")]
+
+    def cell(v) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return "-" if v is None else str(v)
+
+    table = [cols] + [[cell(r[c]) for c in cols] for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(cols))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(line, widths)) for line in table)
+
+
+def write_results(rows: list[dict], cfg: RayLoraConfig, store, out: str) -> dict:
+    buf = io.StringIO()
+    if rows:
+        writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    csv_uri = storage.join(out, TUNE_DIR, "results.csv")
+    json_uri = storage.join(out, TUNE_DIR, "results.json")
+    store.write_bytes(csv_uri, buf.getvalue().encode())
+    doc = {"metric": cfg.tune.metric, "mode": "min", "search": cfg.tune.model_dump(mode="json"), "trials": rows}
+    store.write_bytes(json_uri, json.dumps(doc, indent=2).encode())
+    return {"rows": rows, "results_csv": csv_uri, "results_json": json_uri, "table": format_table(rows)}
+
+
+def export_best(best: dict, grid, cfg: RayLoraConfig, base_plan: Plan, out: str) -> str:
+    """The best trial's last checkpoint → ``{output.uri}/best/`` (adapter, card, metrics)."""
+    import ray.train
+
+    from raylora.checkpoint.export import export_run
+
+    result = next(r for r in grid if (r.metrics or {}).get("trial_id") == best["trial_id"])
+    params = {k: result.config[k] for k in cfg.tune.search_space}
+    tree = trial_tree(cfg.to_dict(), params)
+    tree["output"]["uri"] = storage.join(out, BEST_DIR)
+    trial_cfg = validate(tree)
+    fs, _ = cfg.storage.client().fs(out)
+    ckpt = ray.train.Checkpoint(best["checkpoint_path"], filesystem=fs)
+    extra = {"tune": {"trial_id": best["trial_id"], "params": params, "metric": cfg.tune.metric}}
+    with ckpt.as_directory() as d:
+        summary = export_run(d, trial_cfg, result.metrics, replan(trial_cfg, base_plan).to_dict(), extra)
+    return summary["adapter"]

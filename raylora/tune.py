@@ -7,8 +7,8 @@ sees the held-out loss at every evaluation (``time_attr="step"``) and stops losi
 
 Storage under ``output.uri``::
 
-    tune/                       Tune's experiment state (resumable with the same command)
-    tune/trials/trial_<id>/     each trial's Ray Train run: checkpoints, resumable
+    tune/                       Tune's experiment state and per-trial result logs
+    tune/trials/trial_<id>/     each trial's Ray Train run (checkpoints)
     tune/results.csv|json       one row per trial: sampled values, metrics, steps, status
     best/adapter/               the best trial's adapter, same contract as ``raylora train``
 """
@@ -188,7 +188,9 @@ def run_tune(cfg: RayLoraConfig) -> dict:
                 num_samples=tn.num_samples,
                 scheduler=scheduler,
                 search_alg=search_algorithm(tn, seed, concurrency),
-                max_concurrent_trials=concurrency,
+                # The built-in generator limits itself (given above); Tune wraps the
+                # others in a ConcurrencyLimiter.
+                max_concurrent_trials=None if tn.search_alg in ("random", "grid") else concurrency,
             ),
             run_config=tune.RunConfig(
                 name=TUNE_DIR, storage_path=path, storage_filesystem=fs, verbose=1,
@@ -227,8 +229,11 @@ def results_table(grid, tn: TuneSection, max_steps: int) -> list[dict]:
         values = [v for v in values if v is not None]
         ckpts = [r.get("checkpoint_path") for r in history if isinstance(r.get("checkpoint_path"), str)]
         steps = int(m.get("step") or 0)
+        last = m.get(metric)
         if result.error is not None:
             status = "error"
+        elif last is not None and _finite(last) is None:
+            status = "diverged" if steps >= max_steps else "stopped_early"
         elif steps < max_steps:
             status = "stopped_early"
         else:
@@ -236,11 +241,13 @@ def results_table(grid, tn: TuneSection, max_steps: int) -> list[dict]:
         row = {"trial_id": m.get("trial_id") or os.path.basename(result.path)}
         row.update({k: result.config.get(k) for k in tn.search_space})
         row.update({
-            f"final_{metric}": _finite(m.get(metric)),
+            f"final_{metric}": _finite(last),
             f"best_{metric}": min(values) if values else None,
             "steps": steps,
             "status": status,
             "stopped_early": status == "stopped_early",
+            # The last reported metric was NaN/inf: the run blew up (table shows no final).
+            "diverged": last is not None and _finite(last) is None,
             "checkpoint_path": ckpts[-1] if ckpts else None,
             "error": None if result.error is None else str(result.error).splitlines()[0][:300],
         })
@@ -265,7 +272,7 @@ def pick_best(rows: list[dict]) -> dict | None:
 def format_table(rows: list[dict]) -> str:
     if not rows:
         return "(no trials)"
-    cols = [c for c in rows[0] if c not in ("checkpoint_path", "error", "stopped_early")]
+    cols = [c for c in rows[0] if c not in ("checkpoint_path", "error", "stopped_early", "diverged")]
 
     def cell(v) -> str:
         if isinstance(v, float):

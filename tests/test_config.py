@@ -98,7 +98,10 @@ def test_to_dict_round_trips():
     cfg = validate(apply_overrides(MIN, ["lora.rank=16", "train.lr_scheduler=cosine"]))
     again = RayLoraConfig.model_validate(cfg.to_dict())
     assert again == cfg
-    assert set(cfg.to_dict()) == {"model", "data", "lora", "train", "scaling", "checkpoint", "storage", "output"}
+    assert set(cfg.to_dict()) == {
+        "model", "data", "lora", "train", "scaling", "checkpoint", "storage", "validation",
+        "output", "tune",
+    }
 
 
 JOB_YAMLS = sorted(glob.glob(os.path.join(REPO, "jobs", "configs", "**", "*.yaml"), recursive=True))

@@ -26,10 +26,6 @@ CRD_DIR = os.path.join(REPO, "..", "shared", "kuberay-crds")
 K8S_VERSION = "1.30.0"  # oldest Kubernetes these manifests target (kubernetes-validate schema)
 SECRET_NAME = "raylora-s3"
 SECRET_ONLY = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")  # required on every Ray container
-# Job configs the manifests name that land with a later issue (#5: `raylora tune`); for
-# these only the config-file checks are left out. Remove an entry once its file lands, so
-# that losing it later fails.
-PENDING_CONFIGS = {"jobs/configs/sd15-tune-s3.yaml"}
 ENTRYPOINT = re.compile(r"^python -m raylora (train|tune) (jobs/configs/[\w.-]+\.ya?ml)(\s|$)")
 
 
@@ -315,14 +311,13 @@ def test_rayjob_contract(name, doc):
     assert "configMap" in vol, f"{mount_path} is not mounted from a ConfigMap"
 
     if not (REPO / config).is_file():
-        if config in PENDING_CONFIGS:
-            assert m.group(1) == "tune", f"{config}: only the Tune config may be pending"
-            return
         pytest.fail(f"{name}: entrypoint names {config}, which does not exist")
     job = yaml.safe_load((REPO / config).read_text())
+    assert ("tune" in job) == (m.group(1) == "tune"), f"{config}: tune section vs entrypoint"
     scaling = job.get("scaling", {})
-    if m.group(1) == "train" and scaling.get("use_gpu"):
-        # Each Ray Train worker takes 1 GPU + cpus_per_worker CPUs on one pod.
+    if scaling.get("use_gpu"):
+        # Each Ray Train worker (of the run, or of one Tune trial) takes 1 GPU +
+        # cpus_per_worker CPUs on one pod.
         pods = gpu_pods(doc)
         gpus = sum(n * gpu for n, gpu, _ in pods)
         assert scaling.get("num_workers", 1) <= gpus, f"{config} needs more GPUs than {name}"

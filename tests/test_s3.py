@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from raylora.config import validate
+from stock import stock_load
 
 pytestmark = pytest.mark.integration
 
@@ -193,20 +194,6 @@ def test_training_reads_each_format_from_s3(s3, ray_s3, shards, tiny_model, fmt)
     assert meta["data"]["format"] == fmt and meta["data"]["rows"] == 24
 
 
-STOCK_LOAD = r"""
-import json, sys, torch
-from diffusers import StableDiffusionPipeline
-pipe = StableDiffusionPipeline.from_pretrained(sys.argv[1], safety_checker=None)
-x = torch.randn(1, 4, 32, 32, generator=torch.Generator().manual_seed(0))
-ids = pipe.tokenizer(["a red circle"], padding="max_length", max_length=77, return_tensors="pt").input_ids
-with torch.no_grad():
-    enc = pipe.text_encoder(ids)[0]
-    before = pipe.unet(x, torch.tensor([500]), enc).sample
-    pipe.load_lora_weights(sys.argv[2])
-    after = pipe.unet(x, torch.tensor([500]), enc).sample
-print(json.dumps({"diff": float((after - before).abs().max()),
-                  "raylora": any(m.startswith("raylora") for m in sys.modules)}))
-"""
 
 
 def test_cli_run_from_s3_model_and_parquet_then_resume_without_leaking_secrets(
@@ -254,13 +241,8 @@ def test_cli_run_from_s3_model_and_parquet_then_resume_without_leaking_secrets(
     cached = glob.glob(os.path.join(os.environ["RAYLORA_CACHE"], "models", "*", ".complete"))
     assert len(cached) == 1
 
-    script = tmp_path / "load.py"
-    script.write_text(STOCK_LOAD)
-    proc = subprocess.run([sys.executable, str(script), tiny_model, os.path.join(dl, "adapter")],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert res["diff"] > 1e-5 and res["raylora"] is False
+    res = stock_load(tiny_model, os.path.join(dl, "adapter"), tmp_path)
+    assert res["max_abs_diff"] > 1e-5 and res["raylora_imported"] is False
 
     # Secrets: not in the command output, Ray's own logs, or any file written to the bucket.
     ray_logs = [p for p in glob.glob(os.path.join(ray_tmp, "**", "*"), recursive=True)

@@ -8,31 +8,10 @@ import sys
 import pytest
 
 from raylora.config import validate
+from stock import stock_load
 
 pytestmark = pytest.mark.integration
 
-STOCK_LOAD = r"""
-import json, sys, torch
-from diffusers import StableDiffusionPipeline
-model, adapter = sys.argv[1], sys.argv[2]
-pipe = StableDiffusionPipeline.from_pretrained(model, safety_checker=None)
-g = torch.Generator().manual_seed(0)
-x = torch.randn(1, 4, 32, 32, generator=g)
-t = torch.tensor([500])
-ids = pipe.tokenizer(["a red circle on a blue background"], padding="max_length",
-                     max_length=pipe.tokenizer.model_max_length, return_tensors="pt").input_ids
-with torch.no_grad():
-    enc = pipe.text_encoder(ids)[0]
-    before = pipe.unet(x, t, enc).sample
-    pipe.load_lora_weights(adapter)
-    after = pipe.unet(x, t, enc).sample
-print(json.dumps({
-    "raylora_imported": any(m.split(".")[0] == "raylora" for m in sys.modules),
-    "adapters": pipe.get_active_adapters(),
-    "max_abs_diff": float((after - before).abs().max()),
-    "finite": bool(torch.isfinite(after).all()),
-}))
-"""
 
 
 @pytest.fixture(scope="module")
@@ -103,16 +82,7 @@ def test_export_layout_and_metadata(first_run):
 
 def test_adapter_loads_in_stock_diffusers_and_changes_unet(first_run, tiny_model, tmp_path):
     tree, summary = first_run
-    script = tmp_path / "stock_load.py"
-    script.write_text(STOCK_LOAD)
-    # Run from an empty directory so the repo's raylora package is not importable by path.
-    proc = subprocess.run(
-        [sys.executable, str(script), tiny_model, summary["adapter"]],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300,
-        env={**os.environ, "PYTHONPATH": ""},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = stock_load(tiny_model, summary["adapter"], tmp_path)
     assert res["raylora_imported"] is False
     assert len(res["adapters"]) == 1
     assert res["finite"] is True

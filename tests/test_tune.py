@@ -1,0 +1,428 @@
+"""Held-out metric, held-out split, lr-find maths, Tune plumbing; then a real search and a
+real lr-find on local Ray."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from raylora.config import ConfigError, validate
+from raylora.data.preprocess import Preprocess
+from raylora.data.source import plan_data
+from raylora.data.split import KeepSplit, held_out_mask, read_heldout_rows, row_fraction
+from raylora.train import lr_find
+from raylora.train.evaluate import eval_timesteps, heldout_loss, prepare_heldout
+from stock import stock_load
+
+# ---------------------------------------------------------------- held-out split
+
+
+def test_split_is_by_content_and_holds_out_the_fraction():
+    rng = np.random.default_rng(0)
+    images = [rng.bytes(64) for _ in range(4000)]
+    captions = [f"caption {i}" for i in range(4000)]
+    mask = held_out_mask(images, captions, 0.1)
+    assert abs(mask.mean() - 0.1) < 0.015
+    # Order does not matter: the same rows are held out after a shuffle.
+    perm = rng.permutation(4000)
+    mask2 = held_out_mask([images[i] for i in perm], [captions[i] for i in perm], 0.1)
+    assert np.array_equal(mask2, mask[perm])
+    # A Hugging Face {bytes, path} struct is the same row as its bytes.
+    assert row_fraction({"bytes": images[0], "path": "x.png"}, captions[0]) == row_fraction(images[0], captions[0])
+    # Training and held-out stages partition a batch.
+    batch = {"image": np.array(images[:200], dtype=object), "text": np.array(captions[:200], dtype=object)}
+    train, held = KeepSplit(0.1)(batch), KeepSplit(0.1, heldout=True)(batch)
+    assert len(train["image"]) + len(held["image"]) == 200
+    assert set(held["text"]) == {c for c, m in zip(captions[:200], mask[:200]) if m}
+
+
+def test_heldout_rows_are_the_first_held_out_in_file_order(demo_data):
+    cfg = validate({
+        "model": {"pretrained": "m"}, "output": {"uri": "o"},
+        "data": {"uri": demo_data, "validation_split": 0.25, "validation_max_samples": 5},
+    })
+    store = cfg.storage.client()
+    dp = plan_data(cfg.data, store)
+    rows = read_heldout_rows(cfg.data, dp.format, dp.files, store, 0.25)
+    assert len(rows) == 5
+    assert all(row_fraction(r["image"], r["text"]) < 0.25 for r in rows)
+    assert read_heldout_rows(cfg.data, dp.format, dp.files, store, 0.25) == rows
+    # Without a split (data.validation_uri): simply the first rows.
+    first = read_heldout_rows(cfg.data, dp.format, dp.files, store, None)
+    assert len(first) == 5 and first != rows
+
+
+# ---------------------------------------------------------------- held-out metric
+
+
+@pytest.fixture(scope="module")
+def tiny_parts(tiny_model, demo_data):
+    from raylora.model.load import load_components
+    from raylora.model.lora import add_lora
+    from raylora.train.step import FrozenParts
+
+    cfg = validate({
+        "model": {"pretrained": tiny_model}, "output": {"uri": "o"},
+        "data": {"uri": demo_data, "resolution": 64, "validation_split": 0.3,
+                 "validation_max_samples": 6},
+    })
+    store = cfg.storage.client()
+    dp = plan_data(cfg.data, store)
+    rows = read_heldout_rows(cfg.data, dp.format, dp.files, store, 0.3)
+    batch = Preprocess(tiny_model, 64, center_crop=True, random_flip=False)({
+        "image": np.array([r["image"] for r in rows], dtype=object),
+        "text": np.array([r["text"] for r in rows], dtype=object),
+    })
+    torch.manual_seed(0)
+    comps = load_components(cfg.model, torch.float32, store)
+    add_lora(comps.unet, cfg.lora)
+    parts = FrozenParts(comps.vae, comps.text_encoder, comps.noise_scheduler, torch.float32, "epsilon")
+    return comps.unet, parts, torch.from_numpy(batch["pixel_values"]), torch.from_numpy(batch["input_ids"])
+
+
+def test_eval_timesteps_are_slice_centres():
+    assert eval_timesteps(1000, 4) == [125, 375, 625, 875]
+    assert eval_timesteps(1000, 1) == [500]
+
+
+def test_heldout_loss_is_deterministic_split_invariant_and_sees_the_adapter(tiny_parts):
+    unet, parts, px, ids = tiny_parts
+    unet.train()
+    a = prepare_heldout(parts, px, ids, num_timesteps=3, seed=5, batch_size=4)
+    b = prepare_heldout(parts, px, ids, num_timesteps=3, seed=5, batch_size=4)
+    assert len(a) == 6 * 3
+    assert torch.equal(a.noisy, b.noisy) and torch.equal(a.target, b.target)
+    assert torch.equal(a.text, b.text)
+    assert a.timesteps.tolist() == [166, 500, 833] * 6
+
+    first = heldout_loss(unet, a, torch.float32, batch_size=4)
+    again = heldout_loss(unet, b, torch.float32, batch_size=4)
+    assert first == again  # bit for bit: same adapter, same number
+    assert 0.5 < first < 5.0
+    # Other batch sizes run other kernels: equal to float rounding, not bit for bit.
+    c = prepare_heldout(parts, px, ids, num_timesteps=3, seed=5, batch_size=2)
+    assert heldout_loss(unet, c, torch.float32, batch_size=3) == pytest.approx(first, rel=1e-5)
+
+    # Two "ranks", each summing its share, then summed: the same mean.
+    parts_sums = []
+
+    def gather(total):
+        parts_sums.append(total.clone())
+        return total
+
+    for r in range(2):
+        heldout_loss(unet, a, torch.float32, batch_size=4, rank=r, world=2, all_reduce_sum=gather)
+    total = parts_sums[0] + parts_sums[1]
+    assert total[1] == 18
+    assert float(total[0] / total[1]) == pytest.approx(first, rel=1e-12)
+
+    # A different noise seed is a different (fixed) draw; a changed adapter a different loss.
+    other_seed = heldout_loss(unet, prepare_heldout(parts, px, ids, 3, seed=6), torch.float32)
+    assert other_seed != first
+    saved = {n: p.detach().clone() for n, p in unet.named_parameters() if "lora_B" in n}
+    try:
+        g = torch.Generator().manual_seed(1)
+        for n, p in unet.named_parameters():
+            if "lora_B" in n:
+                p.data = torch.randn(p.shape, generator=g)
+        changed = heldout_loss(unet, a, torch.float32, batch_size=4)
+    finally:
+        for n, p in unet.named_parameters():
+            if n in saved:
+                p.data = saved[n]
+    assert abs(changed - first) > 1e-4
+    assert heldout_loss(unet, a, torch.float32, batch_size=4) == first
+    assert unet.training  # put back in training mode after evaluating
+
+
+def test_loop_evaluates_at_base_cadence_and_end(base_config, tiny_model):
+    """evaluate() runs before step 1, every eval_every steps and at the end; evaluations
+    between checkpoints are reported through on_eval."""
+    from accelerate import Accelerator
+
+    from raylora.train.loop import run_loop
+    from raylora.train.setup import build_run
+
+    cfg = validate(base_config)
+    accel = Accelerator(cpu=True)
+    run = build_run(cfg, accel, 5, rank=0)
+    stage = Preprocess(tiny_model, 64, center_crop=True, random_flip=False)
+    rng = np.random.default_rng(0)
+    imgs = [_png(rng) for _ in range(4)]
+    out = stage({"image": np.array(imgs, dtype=object), "text": np.array(["a"] * 4, dtype=object)})
+    batch = {"pixel_values": torch.from_numpy(out["pixel_values"][:2]),
+             "input_ids": torch.from_numpy(out["input_ids"][:2])}
+    calls, evals, ckpts = [], [], []
+
+    def evaluate():
+        calls.append(run.state.global_step)
+        return 1.0 + 0.1 * len(calls)
+
+    run_loop(
+        accelerator=accel, unet=run.unet, parts=run.parts, optimizer=run.optimizer,
+        lr_scheduler=run.lr_scheduler, params=run.params, state=run.state, max_steps=5,
+        max_grad_norm=1.0, images_per_step=2, checkpoint_every=4,
+        epoch_batches=lambda e: [batch] * 3,
+        on_checkpoint=lambda s, f: ckpts.append(s.global_step),
+        evaluate=evaluate, eval_every=2, on_eval=lambda s: evals.append(s.global_step),
+    )
+    assert calls == [0, 2, 4, 5]
+    assert evals == [2] and ckpts == [4, 5]
+    st = run.state
+    assert st.eval_loss_base == pytest.approx(1.1)
+    assert (st.eval_loss_last, st.eval_loss_best, st.eval_loss_best_step) == (pytest.approx(1.4), pytest.approx(1.2), 2)
+    assert [r.get("eval_loss") for r in st.history] == [None, pytest.approx(1.2), None, pytest.approx(1.3), pytest.approx(1.4)]
+
+
+def _png(rng) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------- lr-find maths
+
+
+def test_lr_schedule_and_suggestion_on_a_known_curve():
+    assert lr_find.lr_at(0, 50, 1e-6, 1.0) == pytest.approx(1e-6)
+    assert lr_find.lr_at(49, 50, 1e-6, 1.0) == pytest.approx(1.0)
+    assert lr_find.lr_at(25, 51, 1e-6, 1.0) == pytest.approx(1e-3)
+
+    # Loss falls until lr=1e-3, then rises steeply: the test stops, the suggestion is 1e-4.
+    def step(lr):
+        x = math.log10(lr) + 3
+        return 1.0 + 0.05 * x * x if x < 0 else 1.0 + 40 * x**3
+
+    rows = lr_find.range_test(step, 1e-6, 1.0, 61, smoothing=0.5)
+    assert rows[-1]["stopped"] and "10x" in rows[-1]["stopped"]
+    assert rows[-1]["smoothed_loss"] > 10 * rows[0]["smoothed_loss"]
+    assert len(rows) < 61
+    s = lr_find.suggest_lr(rows)
+    assert 0.5e-4 < s["suggested_lr"] < 2e-4 and not s["clamped"]
+
+    nan_rows = lr_find.range_test(lambda lr: float("nan") if lr > 1e-2 else 1.0, 1e-4, 1.0, 9)
+    assert nan_rows[-1]["stopped"] == "loss is not finite" and nan_rows[-1]["lr"] > 1e-2
+    # A minimum at the very first lr: clamped to the range tried, and said so.
+    s = lr_find.suggest_lr(lr_find.range_test(lambda lr: 1 + lr, 1e-3, 1e-1, 5))
+    assert s["suggested_lr"] == pytest.approx(1e-3) and s["clamped"]
+
+
+# ---------------------------------------------------------------- Tune plumbing
+
+
+def test_search_space_and_concurrency():
+    from ray import tune as rtune
+
+    from raylora.tune import expected_trials, max_concurrency, param_space, trial_resources
+
+    tree = {
+        "model": {"pretrained": "m"}, "output": {"uri": "o"},
+        "data": {"uri": "d", "validation_split": 0.1},
+        "scaling": {"num_workers": 2, "use_gpu": True, "cpus_per_worker": 4},
+        "tune": {"search_space": {
+            "train.learning_rate": {"loguniform": [1e-5, 1e-3]},
+            "lora.rank": {"choice": [4, 8, 16]},
+            "lora.alpha": {"grid": [4, 8]},
+        }, "num_samples": 3},
+    }
+    cfg = validate(tree)
+    space = param_space(cfg.tune)
+    assert isinstance(space["train.learning_rate"], rtune.search.sample.Float)
+    assert space["train.learning_rate"].lower == 1e-5 and space["train.learning_rate"].upper == 1e-3
+    assert space["lora.rank"].categories == [4, 8, 16]
+    assert space["lora.alpha"] == {"grid_search": [4, 8]}
+    assert expected_trials(cfg.tune) == 6
+    assert trial_resources(cfg) == {"CPU": 2 * 4 + 0.5 * 2 + 1.0, "GPU": 2.0}
+    # 8 GPUs / 2 per trial = 4, CPUs allow 64 // 10 = 6: GPUs bound it.
+    assert max_concurrency(cfg, {"CPU": 64, "GPU": 8}, 6) == 4
+    assert max_concurrency(cfg, {"CPU": 25, "GPU": 8}, 6) == 2
+    assert max_concurrency(cfg, {"CPU": 4, "GPU": 1}, 6) == 1  # never 0
+    assert max_concurrency(cfg, {"CPU": 640, "GPU": 80}, 6) == 6  # never more than trials
+    tree["tune"]["max_concurrent_trials"] = 3
+    assert max_concurrency(validate(tree), {"CPU": 64, "GPU": 8}, 6) == 3
+
+    tree["tune"]["search_alg"] = "grid"
+    tree["tune"]["search_space"].pop("train.learning_rate")
+    assert param_space(validate(tree).tune)["lora.rank"] == {"grid_search": [4, 8, 16]}
+
+
+def test_tune_config_errors_name_the_key():
+    base = {"model": {"pretrained": "m"}, "output": {"uri": "o"}, "data": {"uri": "d"}}
+    with pytest.raises(ConfigError) as ei:
+        validate({**base, "tune": {"search_space": {
+            "lora.rnk": {"choice": [4]},
+            "lora.rank": {"choice": [0, 4]},
+            "train.batch_size": {"uniform": [1, 8]},
+            "scaling.num_workers": {"choice": [1, 2]},
+        }}})
+    msg = str(ei.value)
+    assert "tune.metric: eval_loss needs held-out data" in msg
+    assert "tune.search_space.lora.rnk: not a config value" in msg
+    assert "tune.search_space.lora.rank=0: lora.rank:" in msg
+    assert "tune.search_space.train.batch_size=4.5: train.batch_size:" in msg
+    assert "tune.search_space.scaling.num_workers: scaling.* cannot be searched" in msg
+    with pytest.raises(ConfigError, match=r"tune.search_space.x.y: Value error, loguniform: bounds"):
+        validate({**base, "tune": {"search_space": {"x.y": {"loguniform": [0, 1]}}}})
+    with pytest.raises(ConfigError, match="validation.every_n_steps: needs held-out data"):
+        validate({**base, "validation": {"every_n_steps": 5}})
+    with pytest.raises(ConfigError, match="data.validation_split: cannot be combined with data.sharding=files"):
+        validate({**base, "data": {"uri": "d", "validation_split": 0.1, "sharding": "files"}})
+
+
+def test_tune_preflight_checks_every_batch_size_against_the_data(base_config):
+    from raylora.tune import preflight
+
+    tree = {**base_config, "data": {**base_config["data"], "validation_split": 0.2}}
+    tree["tune"] = {"search_space": {"train.batch_size": {"choice": [2, 64]}}}
+    with pytest.raises(ConfigError, match=r"tune.search_space.train.batch_size=64: data.uri: .*less than one optimizer step"):
+        preflight(validate(tree))
+
+
+# ---------------------------------------------------------------- on Ray
+
+# 2 workers per trial where the machine has the cores for two trials side by side.
+WORKERS = 2 if (os.cpu_count() or 1) >= 4 else 1
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    from raylora.launch import start_local_ray
+    from raylora.tune import trial_resources
+
+    per_trial = trial_resources(validate({
+        "model": {"pretrained": "m"}, "data": {"uri": "d"}, "output": {"uri": "o"},
+        "scaling": {"num_workers": WORKERS},
+    }))["CPU"]
+    start_local_ray(num_cpus=int(2 * per_trial))  # room for exactly two trials at a time
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.integration
+def test_search_stops_the_diverging_trial_and_exports_the_best(ray_local, tiny_model, demo_data, tmp_path, capsys):
+    from raylora.cli import main
+
+    from raylora.data.demo import write_parquet_shards
+
+    out = tmp_path / "out"
+    heldout = tmp_path / "heldout"
+    write_parquet_shards(heldout, n=6, num_shards=1, size=64, seed=99)
+    job = tmp_path / "tune.yaml"
+    job.write_text(yaml.safe_dump({
+        "model": {"pretrained": tiny_model},
+        # Per-worker shard files read in order: every trial sees the same batches whatever
+        # the timing, so which trial ASHA stops is decided by the numbers alone.
+        "data": {"uri": demo_data, "resolution": 64, "center_crop": True, "sharding": "files",
+                 "validation_uri": str(heldout), "validation_max_samples": 6},
+        "train": {"batch_size": 2, "max_steps": 8, "seed": 3},
+        "validation": {"every_n_steps": 2, "num_timesteps": 2},
+        "scaling": {"num_workers": WORKERS},
+        "checkpoint": {"every_n_steps": 4},
+        "output": {"uri": str(out)},
+        "tune": {
+            # Grid order is trial order: the diverging lr (30) starts last, after the others
+            # have set the bar at the first rung.
+            "search_space": {
+                "train.learning_rate": {"grid": [1e-3, 2e-3, 5e-4, 30.0]},
+                "lora.rank": {"choice": [2, 4]},
+            },
+            "num_samples": 1,
+            "grace_period": 2,
+            "reduction_factor": 2,
+        },
+    }))
+    assert main(["tune", str(job)]) == 0
+    printed = capsys.readouterr().out
+    assert "raylora: best adapter" in printed and "final_eval_loss" in printed
+
+    with open(out / "tune" / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    doc = json.loads((out / "tune" / "results.json").read_text())
+    assert doc["metric"] == "eval_loss" and len(doc["trials"]) == 4
+    assert [float(r["train.learning_rate"]) for r in rows] == [1e-3, 2e-3, 5e-4, 30.0]
+    assert all(int(r["lora.rank"]) in (2, 4) for r in rows)
+    by_lr = {float(r["train.learning_rate"]): r for r in doc["trials"]}
+    bad = by_lr[30.0]
+    assert bad["status"] == "stopped_early" and bad["stopped_early"] is True
+    assert bad["steps"] < 8
+    completed = [r for r in doc["trials"] if r["status"] == "completed"]
+    assert completed and all(r["steps"] == 8 for r in completed)
+    # Diverged (a NaN/inf held-out loss) or simply worse than every finished trial.
+    assert bad["diverged"] or all(bad["final_eval_loss"] > r["final_eval_loss"] for r in completed)
+    assert not any(r["diverged"] for r in completed)
+    assert all(r["error"] is None for r in doc["trials"])
+
+    best = min(completed, key=lambda r: r["final_eval_loss"])
+    meta = json.loads((out / "best" / "adapter" / "raylora.json").read_text())
+    assert meta["tune"]["trial_id"] == best["trial_id"]
+    assert meta["config"]["train"]["learning_rate"] == best["train.learning_rate"]
+    assert meta["config"]["lora"]["rank"] == best["lora.rank"]
+    assert meta["metrics"]["steps"] == 8
+    assert meta["metrics"]["eval_loss_last"] == pytest.approx(best["final_eval_loss"], rel=1e-9)
+    assert {"README.md", "manifest.json", "pytorch_lora_weights.safetensors"} <= set(
+        os.listdir(out / "best" / "adapter"))
+    # Each trial is its own resumable Ray Train run under tune/trials/.
+    assert sorted(os.listdir(out / "tune" / "trials")) == sorted(f"trial_{r['trial_id']}" for r in rows)
+
+    res = stock_load(tiny_model, str(out / "best" / "adapter"), tmp_path)
+    assert res["raylora_imported"] is False and res["finite"] and res["max_abs_diff"] > 1e-6
+
+    # The metric is reproducible outside the run: the best checkpoint's LoRA weights,
+    # evaluated here on the same held-out rows, give the number the trial reported.
+    from safetensors.torch import load_file
+
+    from raylora.launch import plan, resolve_paths
+    from raylora.model.load import load_components
+    from raylora.model.lora import add_lora, load_lora_state_dict
+    from raylora.train.step import FrozenParts
+
+    cfg = resolve_paths(validate(meta["config"]))
+    p = plan(cfg)
+    assert p.heldout_rows == 6
+    batch = Preprocess(tiny_model, 64, center_crop=True, random_flip=False)({
+        "image": np.array([r["image"] for r in p.heldout], dtype=object),
+        "text": np.array([r["text"] for r in p.heldout], dtype=object),
+    })
+    comps = load_components(cfg.model, torch.float32, cfg.storage.client())
+    add_lora(comps.unet, cfg.lora)
+    load_lora_state_dict(comps.unet, load_file(os.path.join(best["checkpoint_path"], "lora.safetensors")))
+    parts = FrozenParts(comps.vae, comps.text_encoder, comps.noise_scheduler, torch.float32, "epsilon")
+    held = prepare_heldout(parts, torch.from_numpy(batch["pixel_values"]),
+                           torch.from_numpy(batch["input_ids"]), 2, 0, batch_size=2)
+    again = heldout_loss(comps.unet, held, torch.float32, batch_size=2)
+    assert again == pytest.approx(best["final_eval_loss"], rel=1e-5)
+
+
+@pytest.mark.integration
+def test_lr_find_writes_table_plot_and_a_suggestion_in_range(ray_local, base_config, tmp_path):
+    from raylora.launch import run_lr_find
+
+    base_config["output"]["uri"] = str(tmp_path / "lrf")
+    s = run_lr_find(validate(base_config), start_lr=1e-5, end_lr=1e3, num_steps=12)
+    assert 1e-5 <= s["suggested_lr"] <= 1e3
+    assert s["suggested_lr"] == pytest.approx(max(s["lr_at_min_loss"] / 10, 1e-5))
+    with open(tmp_path / "lrf" / "lr_find.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert 2 <= len(rows) <= 12 and len(rows) == s["steps_run"]
+    lrs = [float(r["lr"]) for r in rows]
+    assert lrs[0] == pytest.approx(1e-5)
+    assert all(b / a == pytest.approx((1e3 / 1e-5) ** (1 / 11)) for a, b in zip(lrs, lrs[1:]))
+    assert all(math.isfinite(float(r["loss"])) for r in rows[:-1])
+    png = (tmp_path / "lrf" / "lr_find.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    from PIL import Image
+
+    assert Image.open(tmp_path / "lrf" / "lr_find.png").size == (600, 350)

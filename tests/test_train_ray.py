@@ -58,7 +58,13 @@ def test_export_layout_and_metadata(first_run):
     adapter = os.path.join(out, "adapter")
     assert sorted(os.listdir(adapter)) == ["README.md", "manifest.json", "pytorch_lora_weights.safetensors", "raylora.json"]
     meta = json.load(open(os.path.join(adapter, "raylora.json")))
-    assert set(meta["config"]) == {"model", "data", "lora", "train", "scaling", "checkpoint", "storage", "output"}
+    assert set(meta["config"]) == {
+        "model", "data", "lora", "train", "scaling", "checkpoint", "storage", "validation",
+        "output", "tune",
+    }
+    # No held-out data configured: no held-out loss, and it says so.
+    assert meta["metrics"]["eval_loss_last"] is None and meta["data"]["heldout_rows"] == 0
+    assert meta["data"]["heldout"] == "none"
     assert meta["config"]["train"]["learning_rate"] == 1e-3
     for key in ("train_loss_first", "train_loss_last", "steps", "images_seen", "wall_seconds"):
         assert meta["metrics"][key] is not None, key

@@ -382,6 +382,44 @@ def test_search_stops_the_diverging_trial_and_exports_the_best(ray_local, tiny_m
 
     # The metric is reproducible outside the run: the best checkpoint's LoRA weights,
     # evaluated here on the same held-out rows, give the number the trial reported.
+    again = _recompute_heldout(meta["config"], os.path.join(best["checkpoint_path"], "lora.safetensors"), 6)
+    assert again == pytest.approx(best["final_eval_loss"], rel=1e-5)
+
+
+@pytest.mark.integration
+def test_two_workers_share_the_heldout_evaluation(ray_local, tiny_model, demo_data, tmp_path):
+    """2 DDP workers each evaluate half the held-out items and all-reduce the sums: the run's
+    number equals one process evaluating all of them."""
+    from raylora.data.demo import write_parquet_shards
+    from raylora.launch import run
+
+    heldout = tmp_path / "heldout"
+    write_parquet_shards(heldout, n=5, num_shards=1, size=64, seed=98)
+    tree = {
+        "model": {"pretrained": tiny_model},
+        "data": {"uri": demo_data, "resolution": 64, "center_crop": True,
+                 "validation_uri": str(heldout)},
+        "train": {"batch_size": 2, "max_steps": 4, "learning_rate": 1e-3},
+        "validation": {"every_n_steps": 2, "num_timesteps": 3, "seed": 4},
+        "scaling": {"num_workers": 2},
+        "checkpoint": {"every_n_steps": 4},
+        "output": {"uri": str(tmp_path / "out")},
+    }
+    summary = run(validate(tree))
+    m = summary["metrics"]
+    rows = [json.loads(x) for x in open(tmp_path / "out" / "metrics.jsonl")]
+    assert [r["step"] for r in rows if "eval_loss" in r] == [2, 4]
+    assert rows[-1]["eval_loss"] == m["eval_loss_last"]
+    assert m["eval_loss_base"] is not None and m["eval_loss_best"] == min(r["eval_loss"] for r in rows if "eval_loss" in r)
+    ckpts = sorted(d for d in os.listdir(tmp_path / "out" / "train") if d.startswith("checkpoint_2"))
+    lora = os.path.join(tmp_path, "out", "train", ckpts[-1], "lora.safetensors")
+    meta = json.loads((tmp_path / "out" / "adapter" / "raylora.json").read_text())
+    assert meta["data"]["heldout_rows"] == 5
+    assert _recompute_heldout(meta["config"], lora, 5) == pytest.approx(m["eval_loss_last"], rel=1e-5)
+
+
+def _recompute_heldout(config: dict, lora_file: str, expect_rows: int) -> float:
+    """The held-out loss of a stored LoRA state, computed in this process from the config."""
     from safetensors.torch import load_file
 
     from raylora.launch import plan, resolve_paths
@@ -389,21 +427,22 @@ def test_search_stops_the_diverging_trial_and_exports_the_best(ray_local, tiny_m
     from raylora.model.lora import add_lora, load_lora_state_dict
     from raylora.train.step import FrozenParts
 
-    cfg = resolve_paths(validate(meta["config"]))
+    cfg = resolve_paths(validate(config))
     p = plan(cfg)
-    assert p.heldout_rows == 6
-    batch = Preprocess(tiny_model, 64, center_crop=True, random_flip=False)({
+    assert p.heldout_rows == expect_rows
+    batch = Preprocess(cfg.model.pretrained, cfg.data.resolution, center_crop=True, random_flip=False)({
         "image": np.array([r["image"] for r in p.heldout], dtype=object),
         "text": np.array([r["text"] for r in p.heldout], dtype=object),
     })
     comps = load_components(cfg.model, torch.float32, cfg.storage.client())
     add_lora(comps.unet, cfg.lora)
-    load_lora_state_dict(comps.unet, load_file(os.path.join(best["checkpoint_path"], "lora.safetensors")))
+    load_lora_state_dict(comps.unet, load_file(lora_file))
     parts = FrozenParts(comps.vae, comps.text_encoder, comps.noise_scheduler, torch.float32, "epsilon")
+    v = cfg.validation
     held = prepare_heldout(parts, torch.from_numpy(batch["pixel_values"]),
-                           torch.from_numpy(batch["input_ids"]), 2, 0, batch_size=2)
-    again = heldout_loss(comps.unet, held, torch.float32, batch_size=2)
-    assert again == pytest.approx(best["final_eval_loss"], rel=1e-5)
+                           torch.from_numpy(batch["input_ids"]), v.num_timesteps, v.seed,
+                           batch_size=cfg.train.batch_size)
+    return heldout_loss(comps.unet, held, torch.float32, batch_size=cfg.train.batch_size)
 
 
 @pytest.mark.integration

@@ -20,6 +20,8 @@ def _train(args) -> int:
         f"{m['train_loss_last']:.5f}, {m['images_seen']} images in {m['wall_seconds']:.1f}s"
     )
     print(f"raylora: adapter      {summary['adapter']}")
+    if summary.get("kohya"):
+        print(f"raylora: kohya file   {summary['kohya']}")
     print(f"raylora: loss curve   {summary['loss_png']}")
     print(f"raylora: step metrics {summary['metrics_jsonl']}")
     return 0

@@ -158,6 +158,12 @@ class TrainSection(_Section):
     prediction_type: Literal["epsilon", "v_prediction"] | None = Field(
         None, description="Defaults to the model's scheduler config."
     )
+    snr_gamma: float | None = Field(
+        None, gt=0, description="Min-SNR-γ loss weighting (5.0 is the paper's value); off by default."
+    )
+    noise_offset: float = Field(
+        0.0, ge=0, description="Noise offset (e.g. 0.05-0.1): learn overall brightness shifts."
+    )
 
 
 class ScalingSection(_Section):
@@ -204,6 +210,21 @@ class StorageSection(_Section):
         from raylora.storage import Storage
 
         return Storage(self.endpoint_url, self.region)
+
+
+class ExportSection(_Section):
+    formats: list[Literal["diffusers", "kohya"]] = Field(
+        default_factory=lambda: ["diffusers"],
+        description="diffusers: adapter/ (always). kohya: also "
+        "adapter_kohya.safetensors (lora_unet_* keys + alpha) for ComfyUI / A1111.",
+    )
+
+    @field_validator("formats")
+    @classmethod
+    def _diffusers_always(cls, v: list[str]) -> list[str]:
+        if "diffusers" not in v:
+            raise ValueError("the diffusers adapter is always written; list diffusers too")
+        return v
 
 
 class OutputSection(_Section):
@@ -293,6 +314,7 @@ class RayLoraConfig(_Section):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     storage: StorageSection = Field(default_factory=StorageSection)
     validation: ValidationSection = Field(default_factory=ValidationSection)
+    export: ExportSection = Field(default_factory=ExportSection)
     output: OutputSection
     tune: TuneSection | None = Field(None, description="Search space etc. for `raylora tune`.")
 

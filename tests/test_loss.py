@@ -60,3 +60,45 @@ def test_timesteps_uniform_integers_in_range():
     # Uniform: each quarter of [0, 1000) gets ~25% of the draws.
     counts = torch.bincount(t // 250, minlength=4).float() / len(t)
     assert torch.all((counts - 0.25).abs() < 0.02), counts
+
+
+def test_snr_and_min_snr_weights_match_the_closed_form_and_diffusers():
+    from diffusers.training_utils import compute_snr
+
+    from raylora.train.loss import min_snr_weights, snr
+
+    s = _sched()
+    t = torch.tensor([0, 10, 250, 500, 999])
+    ab = s.alphas_cumprod[t].double()
+    expected = (ab / (1 - ab)).float()
+    torch.testing.assert_close(snr(s, t), expected, rtol=1e-5, atol=0)
+    torch.testing.assert_close(snr(s, t), compute_snr(s, t).float(), rtol=1e-5, atol=0)
+    gamma = 5.0
+    e = expected
+    torch.testing.assert_close(min_snr_weights(e, gamma, "epsilon"), torch.minimum(e, torch.tensor(gamma)) / e)
+    torch.testing.assert_close(min_snr_weights(e, gamma, "v_prediction"), torch.minimum(e, torch.tensor(gamma)) / (e + 1))
+    w = min_snr_weights(e, gamma, "epsilon")
+    # Low-noise timesteps (SNR > γ) are down-weighted; high-noise ones keep weight 1.
+    assert w[0] < 0.01 and w[-1] == 1.0
+
+
+def test_weighted_loss_is_the_mean_of_weighted_per_sample_mse():
+    g = torch.Generator().manual_seed(1)
+    pred, target = torch.randn(3, 4, 8, 8, generator=g), torch.randn(3, 4, 8, 8, generator=g)
+    w = torch.tensor([0.5, 1.0, 2.0])
+    per = ((pred - target) ** 2).mean(dim=(1, 2, 3))
+    torch.testing.assert_close(denoising_loss(pred, target, w), (per * w).mean())
+    torch.testing.assert_close(denoising_loss(pred, target, torch.ones(3)), denoising_loss(pred, target))
+
+
+def test_noise_offset_adds_a_per_channel_constant():
+    from raylora.train.loss import offset_noise
+
+    noise = torch.zeros(2, 4, 8, 8)
+    assert offset_noise(noise, 0.0) is noise
+    torch.manual_seed(0)
+    out = offset_noise(noise, 0.1)
+    torch.manual_seed(0)
+    shift = torch.randn(2, 4, 1, 1)
+    torch.testing.assert_close(out, 0.1 * shift.expand(2, 4, 8, 8))
+    assert out[0, 0].unique().numel() == 1  # constant over the spatial dims

@@ -399,13 +399,18 @@ def test_two_workers_share_the_heldout_evaluation(ray_local, tiny_model, demo_da
         "model": {"pretrained": tiny_model},
         "data": {"uri": demo_data, "resolution": 64, "center_crop": True,
                  "validation_uri": str(heldout)},
-        "train": {"batch_size": 2, "max_steps": 4, "learning_rate": 1e-3},
+        # Min-SNR weighting, noise offset and the kohya export ride along (#6 knobs).
+        "train": {"batch_size": 2, "max_steps": 4, "learning_rate": 1e-3, "snr_gamma": 5.0,
+                  "noise_offset": 0.05},
         "validation": {"every_n_steps": 2, "num_timesteps": 3, "seed": 4},
         "scaling": {"num_workers": 2},
         "checkpoint": {"every_n_steps": 4},
+        "export": {"formats": ["diffusers", "kohya"]},
         "output": {"uri": str(tmp_path / "out")},
     }
     summary = run(validate(tree))
+    assert summary["kohya"] == str(tmp_path / "out" / "adapter_kohya.safetensors")
+    assert os.path.getsize(summary["kohya"]) > 0
     m = summary["metrics"]
     rows = [json.loads(x) for x in open(tmp_path / "out" / "metrics.jsonl")]
     assert [r["step"] for r in rows if "eval_loss" in r] == [2, 4]

@@ -204,6 +204,16 @@ def export_run(
             json.dump({"files": listing}, f, indent=2)
         adapter_out = store.publish_dir(adapter, storage.join(out, ADAPTER_DIR))
 
+        kohya_out = None
+        if "kohya" in cfg.export.formats:
+            from raylora.checkpoint.kohya import KOHYA_FILE, export_kohya
+
+            kfile = os.path.join(tmp, KOHYA_FILE)
+            export_kohya(os.path.join(adapter, WEIGHT_NAME), kfile, cfg.model.pretrained)
+            kohya_out = storage.join(out, KOHYA_FILE)
+            with open(kfile, "rb") as f:
+                store.write_bytes(kohya_out, f.read())
+
         png = os.path.join(tmp, "loss.png")
         plot_loss(history, png)
         with open(png, "rb") as f:
@@ -215,5 +225,6 @@ def export_run(
         "adapter": adapter_out,
         "metrics_jsonl": storage.join(out, "metrics.jsonl"),
         "loss_png": storage.join(out, "loss.png"),
+        "kohya": kohya_out,
         "metrics": metrics,
     }

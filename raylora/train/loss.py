@@ -37,6 +37,43 @@ def diffusion_target(
     raise ValueError(f"train.prediction_type: unknown prediction type {prediction_type!r}")
 
 
-def denoising_loss(model_pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean squared error in fp32 (half-precision MSE loses the small late-timestep errors)."""
-    return F.mse_loss(model_pred.float(), target.float(), reduction="mean")
+def snr(noise_scheduler, timesteps: torch.Tensor) -> torch.Tensor:
+    """Signal-to-noise ratio ᾱ_t / (1 − ᾱ_t) of each timestep, fp32 ``[B]``."""
+    ab = noise_scheduler.alphas_cumprod.to(timesteps.device)[timesteps].float()
+    return ab / (1 - ab)
+
+
+def min_snr_weights(snr_t: torch.Tensor, gamma: float, prediction_type: str) -> torch.Tensor:
+    """Min-SNR-γ loss weights (Hang et al. 2023), per sample ``[B]``.
+
+    For an ε target the MSE is weighted by min(SNR, γ)/SNR; for a v target, whose MSE is
+    already (SNR+1)× the ε one, by min(SNR, γ)/(SNR + 1) (as in diffusers' scripts).
+    """
+    clipped = torch.clamp(snr_t, max=gamma)
+    if prediction_type == "epsilon":
+        return clipped / snr_t
+    if prediction_type == "v_prediction":
+        return clipped / (snr_t + 1)
+    raise ValueError(f"train.prediction_type: unknown prediction type {prediction_type!r}")
+
+
+def offset_noise(noise: torch.Tensor, offset: float) -> torch.Tensor:
+    """Noise offset (Guttenberg 2023): add a per-sample, per-channel constant so the model
+    learns to shift overall brightness. ``offset=0`` returns ``noise`` and draws nothing."""
+    if not offset:
+        return noise
+    b, c = noise.shape[:2]
+    shift = torch.randn((b, c) + (1,) * (noise.dim() - 2), device=noise.device, dtype=noise.dtype)
+    return noise + offset * shift
+
+
+def denoising_loss(
+    model_pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Mean squared error in fp32 (half-precision MSE loses the small late-timestep errors).
+    With per-sample ``weights`` ``[B]``: mean over samples of weight × per-sample MSE."""
+    if weights is None:
+        return F.mse_loss(model_pred.float(), target.float(), reduction="mean")
+    per_sample = F.mse_loss(model_pred.float(), target.float(), reduction="none")
+    per_sample = per_sample.mean(dim=tuple(range(1, per_sample.dim())))
+    return (per_sample * weights.float()).mean()

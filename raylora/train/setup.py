@@ -92,7 +92,8 @@ def build_run(
     comps.text_encoder.to(accelerator.device)
     prediction_type = t.prediction_type or comps.noise_scheduler.config.prediction_type
     parts = FrozenParts(
-        comps.vae, comps.text_encoder, comps.noise_scheduler, weight_dtype, prediction_type
+        comps.vae, comps.text_encoder, comps.noise_scheduler, weight_dtype, prediction_type,
+        snr_gamma=t.snr_gamma, noise_offset=t.noise_offset,
     )
     if restored is not None:
         load_lora_state_dict(comps.unet, restored.lora_sd)

@@ -13,7 +13,14 @@ from typing import Any
 
 import torch
 
-from raylora.train.loss import denoising_loss, diffusion_target, sample_timesteps
+from raylora.train.loss import (
+    denoising_loss,
+    diffusion_target,
+    min_snr_weights,
+    offset_noise,
+    sample_timesteps,
+    snr,
+)
 
 
 @dataclass
@@ -25,6 +32,8 @@ class FrozenParts:
     noise_scheduler: Any
     weight_dtype: torch.dtype
     prediction_type: str
+    snr_gamma: float | None = None  # min-SNR-γ weighting; None = plain MSE
+    noise_offset: float = 0.0
 
 
 def encode_batch(parts: FrozenParts, pixel_values: torch.Tensor, input_ids: torch.Tensor):
@@ -43,10 +52,16 @@ def compute_loss(unet: torch.nn.Module, parts: FrozenParts, batch: dict[str, tor
     timesteps = sample_timesteps(
         latents.shape[0], parts.noise_scheduler.config.num_train_timesteps, latents.device
     )
+    noise = offset_noise(noise, parts.noise_offset)
     noisy = parts.noise_scheduler.add_noise(latents, noise, timesteps)
     target = diffusion_target(parts.noise_scheduler, latents, noise, timesteps, parts.prediction_type)
     pred = unet(noisy, timesteps, text, return_dict=False)[0]
-    return denoising_loss(pred, target)
+    weights = None
+    if parts.snr_gamma is not None:
+        weights = min_snr_weights(
+            snr(parts.noise_scheduler, timesteps), parts.snr_gamma, parts.prediction_type
+        )
+    return denoising_loss(pred, target, weights)
 
 
 def train_micro_step(

@@ -89,6 +89,9 @@ class DataSection(_Section):
             "runs; needs at least N shard files, parquet or webdataset)."
         ),
     )
+    caption_dropout: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Probability of training on the empty prompt instead."
+    )
     validation_split: float = Field(
         0.0,
         ge=0.0,
@@ -157,6 +160,12 @@ class TrainSection(_Section):
     log_every_n_steps: int = Field(1, gt=0, description="Print a log line every N steps.")
     prediction_type: Literal["epsilon", "v_prediction"] | None = Field(
         None, description="Defaults to the model's scheduler config."
+    )
+    optimizer: Literal["adamw", "adamw8bit"] = Field(
+        "adamw", description="adamw8bit: bitsandbytes 8-bit AdamW (CUDA only)."
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute UNet activations in backward: less memory, ~20-30% slower."
     )
     snr_gamma: float | None = Field(
         None, gt=0, description="Min-SNR-γ loss weighting (5.0 is the paper's value); off by default."
@@ -333,6 +342,11 @@ def _cross_checks(cfg: RayLoraConfig) -> list[str]:
     if cfg.train.mixed_precision == "fp16" and not cfg.scaling.use_gpu:
         problems.append(
             "train.mixed_precision: fp16 needs a GPU (scaling.use_gpu is false); use bf16 or no"
+        )
+    if cfg.train.optimizer == "adamw8bit" and not cfg.scaling.use_gpu:
+        problems.append(
+            "train.optimizer: adamw8bit (bitsandbytes) needs CUDA (scaling.use_gpu is false); "
+            "use adamw"
         )
     if cfg.train.lr_warmup_steps and cfg.train.max_steps:
         if cfg.train.lr_warmup_steps > cfg.train.max_steps:

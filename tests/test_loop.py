@@ -115,3 +115,32 @@ def test_only_lora_weights_change(base_config, batches, tmp_path):
     changed = {n for n, p in run.unet.named_parameters() if not torch.equal(p, before[n])}
     assert changed and all("lora_" in n for n in changed)
     assert {n for n in changed if "lora_B" in n}
+
+
+def test_gradient_checkpointing_gives_the_same_step(base_config, batches):
+    """Recomputing activations in backward changes memory, not the maths."""
+    from raylora.train.step import train_micro_step
+
+    results = []
+    for gc in (False, True):
+        cfg = validate({**base_config, "train": {**base_config["train"], "gradient_checkpointing": gc}})
+        accel = _fresh_accelerator(1)
+        run = build_run(cfg, accel, 2, rank=0)
+        assert run.unet.is_gradient_checkpointing is gc
+        loss = train_micro_step(accel, run.unet, run.parts, run.optimizer, run.lr_scheduler,
+                                run.params, batches[0], 1.0)
+        results.append((float(loss), run.lora_state()))
+    (l0, sd0), (l1, sd1) = results
+    assert l0 == pytest.approx(l1, rel=1e-6)
+    changed = [k for k in sd0 if "lora_B" in k and float(sd0[k].abs().max()) > 0]
+    assert changed
+    for k in sd0:
+        torch.testing.assert_close(sd0[k], sd1[k], rtol=1e-5, atol=1e-7)
+
+
+def test_adamw8bit_is_refused_without_cuda():
+    from raylora.config import ConfigError
+
+    with pytest.raises(ConfigError, match="train.optimizer: adamw8bit .*needs CUDA"):
+        validate({"model": {"pretrained": "m"}, "data": {"uri": "d"}, "output": {"uri": "o"},
+                  "train": {"optimizer": "adamw8bit"}})

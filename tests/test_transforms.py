@@ -93,3 +93,25 @@ def test_preprocess_stage_outputs(tiny_model):
     # Short caption padded with the pad token, long one truncated to end with EOS.
     assert out["input_ids"][0, -1] == tok.pad_token_id
     assert out["input_ids"][1, -1] == tok.eos_token_id
+
+
+def test_caption_dropout_replaces_captions_with_the_empty_prompt(tiny_model):
+    import numpy as np
+
+    from raylora.data.preprocess import Preprocess
+    from PIL import Image
+    import io
+
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 10, 10)).save(buf, "PNG")
+    n = 400
+    batch = {"image": np.array([buf.getvalue()] * n, dtype=object),
+             "text": np.array(["a red square"] * n, dtype=object)}
+    stage = Preprocess(tiny_model, 64, center_crop=True, random_flip=False, seed=0, caption_dropout=0.25)
+    ids = stage(batch)["input_ids"]
+    empty = stage.tokenizer([""], padding="max_length", max_length=77, return_tensors="np").input_ids[0]
+    dropped = (ids == empty).all(axis=1)
+    assert 0.18 < dropped.mean() < 0.32
+    kept = Preprocess(tiny_model, 64, center_crop=True, random_flip=False, seed=0)(batch)["input_ids"]
+    assert not (kept == empty).all(axis=1).any()
+    assert (ids[~dropped] == kept[0]).all()

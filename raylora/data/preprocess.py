@@ -82,6 +82,7 @@ class Preprocess:
         tokenizer_subfolder: str | None = "tokenizer",
         endpoint_url: str | None = None,
         region: str | None = None,
+        caption_dropout: float = 0.0,
     ):
         from transformers import AutoTokenizer
 
@@ -98,6 +99,7 @@ class Preprocess:
         self.image_column = image_column
         self.caption_column = caption_column
         self.rng = np.random.default_rng(seed)
+        self.caption_dropout = caption_dropout
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         pixels = np.stack(
@@ -109,4 +111,9 @@ class Preprocess:
             ]
         )
         captions = [str(c) if c is not None else "" for c in batch[self.caption_column]]
+        if self.caption_dropout:
+            # The empty prompt, as the unconditional branch of classifier-free guidance sees
+            # it at inference: keeps the adapter usable with guidance.
+            drop = self.rng.random(len(captions)) < self.caption_dropout
+            captions = ["" if d else c for c, d in zip(captions, drop)]
         return {"pixel_values": pixels, "input_ids": tokenize(self.tokenizer, captions)}

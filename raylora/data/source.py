@@ -172,6 +172,7 @@ def build_dataset(
             seed=seed,
             endpoint_url=storage.endpoint_url,
             region=storage.region,
+            caption_dropout=data.caption_dropout,
         ),
         batch_size=32,
         batch_format="numpy",

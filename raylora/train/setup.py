@@ -33,13 +33,16 @@ def build_optimizer(cfg: RayLoraConfig, params, world_size: int) -> torch.optim.
     lr = t.learning_rate
     if t.scale_lr:
         lr *= t.gradient_accumulation_steps * t.batch_size * world_size
-    return torch.optim.AdamW(
-        params,
-        lr=lr,
-        betas=(t.adam_beta1, t.adam_beta2),
-        weight_decay=t.adam_weight_decay,
+    kwargs = dict(
+        lr=lr, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.adam_weight_decay,
         eps=t.adam_epsilon,
     )
+    if t.optimizer == "adamw8bit":
+        # Optimizer state in 8 bits: ~75% less optimizer memory (config refuses it off CUDA).
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, **kwargs)
+    return torch.optim.AdamW(params, **kwargs)
 
 
 def build_lr_scheduler(cfg: RayLoraConfig, optimizer, max_steps: int, num_processes: int):
@@ -88,6 +91,8 @@ def build_run(
     set_seed(t.seed)
     comps = load_components(cfg.model, weight_dtype, cfg.storage.client())
     params = add_lora(comps.unet, cfg.lora)
+    if t.gradient_checkpointing:
+        comps.unet.enable_gradient_checkpointing()
     comps.vae.to(accelerator.device)
     comps.text_encoder.to(accelerator.device)
     prediction_type = t.prediction_type or comps.noise_scheduler.config.prediction_type

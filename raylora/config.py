@@ -167,6 +167,11 @@ class TrainSection(_Section):
     gradient_checkpointing: bool = Field(
         False, description="Recompute UNet activations in backward: less memory, ~20-30% slower."
     )
+    ema_decay: float | None = Field(
+        None, gt=0, lt=1,
+        description="EMA of the LoRA weights (e.g. 0.999, with warmup); the exported adapter "
+        "is the EMA, the checkpoint keeps both.",
+    )
     snr_gamma: float | None = Field(
         None, gt=0, description="Min-SNR-γ loss weighting (5.0 is the paper's value); off by default."
     )

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import tempfile
+from contextlib import nullcontext
 
 import torch
 
@@ -66,7 +67,8 @@ def _heldout_evaluator(cfg: RayLoraConfig, plan: dict, rows: list[dict], run, ra
     unet = acc.unwrap_model(run.unet)
 
     def evaluate() -> float:
-        with acc.autocast():
+        # With EMA on, the EMA weights are what gets exported, so they are what is scored.
+        with acc.autocast(), (run.ema.swapped_in(run.params) if run.ema is not None else nullcontext()):
             return heldout_loss(
                 unet, held, run.parts.weight_dtype, batch_size=cfg.train.batch_size, rank=rank,
                 world=world, all_reduce_sum=lambda x: acc.reduce(x, reduction="sum"),
@@ -199,6 +201,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
         evaluate=evaluate,
         eval_every=cfg.validation.every_n_steps,
         on_eval=on_eval,
+        ema=run.ema,
     )
     if bar is not None:
         bar.close()

@@ -61,14 +61,15 @@ def _train(cfg, batches, max_steps, ckpt_root, restored=None, stop_at=None):
         max_steps=max_steps if stop_at is None else stop_at,
         max_grad_norm=cfg.train.max_grad_norm, images_per_step=2 * cfg.train.gradient_accumulation_steps,
         checkpoint_every=cfg.checkpoint.every_n_steps, epoch_batches=epoch_batches,
-        on_checkpoint=on_checkpoint,
+        on_checkpoint=on_checkpoint, ema=run.ema,
     )
     return run, saved
 
 
 def test_accumulation_checkpoints_and_exact_resume(base_config, batches, tmp_path):
     base_config["train"].update(
-        gradient_accumulation_steps=2, lr_scheduler="cosine", lr_warmup_steps=2, max_steps=6
+        gradient_accumulation_steps=2, lr_scheduler="cosine", lr_warmup_steps=2, max_steps=6,
+        ema_decay=0.9,
     )
     base_config["checkpoint"]["every_n_steps"] = 2
     cfg = validate(base_config)
@@ -99,6 +100,25 @@ def test_accumulation_checkpoints_and_exact_resume(base_config, batches, tmp_pat
     assert [r["loss"] for r in resumed.state.history] == pytest.approx(
         [r["loss"] for r in st.history], rel=1e-5
     )
+    # The EMA resumes too (its shadow and update count are in the checkpoint)...
+    assert straight.ema.num_updates == resumed.ema.num_updates == 6
+    for a, b in zip(straight.ema.shadow, resumed.ema.shadow):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    # ...and the published adapter is the EMA, while lora.safetensors keeps the raw weights.
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from safetensors.torch import load_file
+
+    final_dir = tmp_path / "a" / "step_6"
+    adapter = load_file(str(final_dir / "adapter" / "pytorch_lora_weights.safetensors"))
+    with straight.ema.swapped_in(straight.params):
+        ema_sd = convert_state_dict_to_diffusers(straight.lora_state())
+    for k, v in ema_sd.items():
+        torch.testing.assert_close(adapter["unet." + k], v)
+    raw = load_file(str(final_dir / "lora.safetensors"))
+    for k, v in final.items():
+        torch.testing.assert_close(raw[k], v)
+    assert any(not torch.equal(adapter["unet." + k], convert_state_dict_to_diffusers(final)[k])
+               for k in ema_sd if "up" in k)
 
 
 def test_only_lora_weights_change(base_config, batches, tmp_path):
@@ -144,3 +164,25 @@ def test_adamw8bit_is_refused_without_cuda():
     with pytest.raises(ConfigError, match="train.optimizer: adamw8bit .*needs CUDA"):
         validate({"model": {"pretrained": "m"}, "data": {"uri": "d"}, "output": {"uri": "o"},
                   "train": {"optimizer": "adamw8bit"}})
+
+
+def test_ema_update_matches_the_formula_with_warmup():
+    from raylora.train.ema import LoraEMA, ema_decay_at
+
+    assert [ema_decay_at(n, 0.999) for n in (0, 1, 10)] == pytest.approx([0.1, 2 / 11, 11 / 20])
+    assert ema_decay_at(10_000, 0.999) == 0.999
+    p = torch.nn.Parameter(torch.zeros(3))
+    ema = LoraEMA([p], 0.5)
+    expected = torch.zeros(3)
+    for n, value in enumerate([1.0, 2.0, 4.0]):
+        p.data.fill_(value)
+        d = ema.update([p])
+        assert d == pytest.approx(min(0.5, (1 + n) / (10 + n)))
+        expected = d * expected + (1 - d) * value
+        torch.testing.assert_close(ema.shadow[0], expected)
+    with ema.swapped_in([p]):
+        torch.testing.assert_close(p.data, expected)
+    assert torch.equal(p.data, torch.full((3,), 4.0))
+    again = LoraEMA([p], 0.5)
+    again.load_state_dict(ema.state_dict())
+    assert again.num_updates == 3 and torch.equal(again.shadow[0], ema.shadow[0])

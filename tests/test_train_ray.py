@@ -33,7 +33,7 @@ def first_run(ray_local, tiny_model, demo_data, tmp_path_factory):
     tree = {
         "model": {"pretrained": tiny_model},
         "data": {"uri": demo_data, "resolution": 64, "center_crop": True, "random_flip": True},
-        "train": {"batch_size": 2, "max_steps": 6, "learning_rate": 1e-3, "seed": 7},
+        "train": {"batch_size": 2, "max_steps": 6, "learning_rate": 1e-3, "seed": 7, "ema_decay": 0.95},
         "scaling": {"num_workers": 2},
         "checkpoint": {"every_n_steps": 2, "num_to_keep": 2},
         "output": {"uri": str(out)},
@@ -112,6 +112,12 @@ def test_second_run_resumes_from_stored_checkpoint(first_run):
     assert [r["step"] for r in rows] == list(range(1, 9))
     # Steps 1-6 come from the checkpoint, not from training again.
     assert rows[:6] == first_rows
+    # The EMA (train.ema_decay) came back with it: 6 updates restored + 2 new.
+    from safetensors.torch import load_file
+
+    train_dir = os.path.join(tree["output"]["uri"], "train")
+    latest = sorted(d for d in os.listdir(train_dir) if d.startswith("checkpoint_2"))[-1]
+    assert int(load_file(os.path.join(train_dir, latest, "ema.safetensors"))["num_updates"]) == 8
 
 
 def test_sample_command_renders_with_adapter(first_run, tiny_model, tmp_path):

@@ -2,8 +2,10 @@
 
 Layout of one checkpoint directory::
 
-    adapter/pytorch_lora_weights.safetensors   diffusers layout (loadable as is)   rank 0
+    adapter/pytorch_lora_weights.safetensors   diffusers layout (loadable as is;   rank 0
+                                               the EMA weights when EMA is on)
     lora.safetensors                           peft layout, fp32, for exact resume rank 0
+    ema.safetensors                            EMA shadow weights (train.ema_decay)  rank 0
     trainer_state.pt                           optimizer, LR scheduler, grad scaler,
                                                step, epoch, data position           rank 0
     history.jsonl                              one row per optimizer step           rank 0
@@ -24,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 TRAINER_STATE = "trainer_state.pt"
 LORA_FILE = "lora.safetensors"
+EMA_FILE = "ema.safetensors"
 HISTORY_FILE = "history.jsonl"
 ADAPTER_DIR = "adapter"
 
@@ -88,8 +91,11 @@ def save_main_state(
     scheduler_sd: dict,
     scaler_sd: dict | None,
     loop: LoopState,
+    ema_sd: dict[str, torch.Tensor] | None = None,
 ) -> None:
     save_file(lora_sd, os.path.join(directory, LORA_FILE))
+    if ema_sd is not None:
+        save_file(ema_sd, os.path.join(directory, EMA_FILE))
     torch.save(
         {
             "optimizer": optimizer_sd,
@@ -112,6 +118,7 @@ class RestoredState:
     scaler_sd: dict | None
     loop: LoopState
     rng: dict[str, torch.Tensor] | None
+    ema_sd: dict[str, torch.Tensor] | None = None
 
 
 def load_state(directory: str, rank: int) -> RestoredState:
@@ -131,4 +138,5 @@ def load_state(directory: str, rank: int) -> RestoredState:
         scaler_sd=trainer["grad_scaler"],
         loop=loop,
         rng=rng,
+        ema_sd=load_file(ema_path) if os.path.exists(ema_path := os.path.join(directory, EMA_FILE)) else None,
     )

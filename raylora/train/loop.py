@@ -35,6 +35,7 @@ def run_loop(
     evaluate: Callable[[], float] | None = None,
     eval_every: int | None = None,
     on_eval: Callable[[LoopState], None] = lambda state: None,
+    ema=None,
 ) -> LoopState:
     """Train until ``state.global_step == max_steps``; returns the final state.
 
@@ -70,6 +71,8 @@ def run_loop(
                 continue
             state.global_step += 1
             state.images_seen += images_per_step
+            if ema is not None:
+                ema.update(params)
             # Mean over micro-batches and workers: the loss of the global batch.
             loss = accelerator.reduce(torch.stack(micro_losses).mean(), reduction="mean").item()
             micro_losses = []

@@ -23,6 +23,7 @@ from raylora.config import RayLoraConfig
 from raylora.model.load import load_components
 from raylora.model.lora import add_lora, load_lora_state_dict, lora_state_dict
 from raylora.model.lora import save_diffusers_adapter
+from raylora.train.ema import LoraEMA
 from raylora.train.step import FrozenParts
 
 DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -70,6 +71,7 @@ class TrainingRun:
     lr_scheduler: object
     params: list[torch.nn.Parameter]
     state: LoopState
+    ema: LoraEMA | None = None
 
     def lora_state(self) -> dict[str, torch.Tensor]:
         return lora_state_dict(self.accelerator.unwrap_model(self.unet))
@@ -123,8 +125,18 @@ def build_run(
         # ...and a different noise/timestep stream per rank, so workers do not draw
         # identical noise for their different images.
         torch.manual_seed(t.seed + 1000 * rank)
+    ema = None
+    if t.ema_decay:
+        ema = LoraEMA(params, t.ema_decay)
+        if restored is not None and restored.ema_sd is not None:
+            ema.load_state_dict(restored.ema_sd)
+        elif restored is not None and state.global_step:
+            raise ValueError(
+                "train.ema_decay: the checkpoint to resume from has no EMA state (EMA was "
+                "off when it was written); resume without EMA or start a new output.uri"
+            )
     unet.train()
-    return TrainingRun(accelerator, unet, parts, optimizer, lr_scheduler, params, state)
+    return TrainingRun(accelerator, unet, parts, optimizer, lr_scheduler, params, state, ema)
 
 
 def write_checkpoint(directory: str, run: TrainingRun, rank: int) -> dict[str, torch.Tensor]:
@@ -132,9 +144,13 @@ def write_checkpoint(directory: str, run: TrainingRun, rank: int) -> dict[str, t
     sd = run.lora_state()
     save_rank_state(directory, rank)
     if rank == 0:
-        save_diffusers_adapter(
-            run.accelerator.unwrap_model(run.unet), os.path.join(directory, ADAPTER_DIR)
-        )
+        unet = run.accelerator.unwrap_model(run.unet)
+        if run.ema is not None:
+            # The published adapter is the EMA; lora.safetensors keeps the raw weights.
+            with run.ema.swapped_in(run.params):
+                save_diffusers_adapter(unet, os.path.join(directory, ADAPTER_DIR))
+        else:
+            save_diffusers_adapter(unet, os.path.join(directory, ADAPTER_DIR))
         scaler = run.accelerator.scaler
         save_main_state(
             directory,
@@ -143,5 +159,6 @@ def write_checkpoint(directory: str, run: TrainingRun, rank: int) -> dict[str, t
             scheduler_sd=run.lr_scheduler.scheduler.state_dict(),
             scaler_sd=scaler.state_dict() if scaler is not None else None,
             loop=run.state,
+            ema_sd=run.ema.state_dict() if run.ema is not None else None,
         )
     return sd

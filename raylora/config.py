@@ -172,6 +172,9 @@ class TrainSection(_Section):
         description="EMA of the LoRA weights (e.g. 0.999, with warmup); the exported adapter "
         "is the EMA, the checkpoint keeps both.",
     )
+    max_nonfinite_steps: int = Field(
+        5, gt=0, description="Stop after this many NaN/inf optimizer steps in a row (each is skipped)."
+    )
     snr_gamma: float | None = Field(
         None, gt=0, description="Min-SNR-γ loss weighting (5.0 is the paper's value); off by default."
     )

@@ -23,7 +23,7 @@ from raylora.checkpoint.state import LoopState, load_state
 from raylora.config import RayLoraConfig
 from raylora.model.lora import digest
 from raylora.train.loop import run_loop
-from raylora.train.setup import build_run, write_checkpoint
+from raylora.train.setup import build_run, nonfinite_advice, write_checkpoint
 
 log = logging.getLogger("raylora.worker")
 
@@ -202,6 +202,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
         eval_every=cfg.validation.every_n_steps,
         on_eval=on_eval,
         ema=run.ema,
+        max_nonfinite_steps=t.max_nonfinite_steps,
+        nonfinite_advice=nonfinite_advice(cfg),
     )
     if bar is not None:
         bar.close()

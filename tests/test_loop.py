@@ -186,3 +186,47 @@ def test_ema_update_matches_the_formula_with_warmup():
     again = LoraEMA([p], 0.5)
     again.load_state_dict(ema.state_dict())
     assert again.num_updates == 3 and torch.equal(again.shadow[0], ema.shadow[0])
+
+
+def test_nonfinite_steps_are_skipped_counted_and_abort_when_repeated(base_config, batches):
+    """A NaN in the batch (here: NaN pixels) makes the loss NaN: that optimizer step is
+    skipped, so the weights do not move, and counted; too many in a row stop the run."""
+    from raylora.train.loop import NonFiniteLossError
+    from raylora.train.setup import nonfinite_advice
+
+    poisoned = {**batches[1], "pixel_values": torch.full_like(batches[1]["pixel_values"], float("nan"))}
+    cfg = validate(base_config)
+    accel = _fresh_accelerator(1)
+    run = build_run(cfg, accel, 4, rank=0)
+    snapshots = []
+    run_loop(
+        accelerator=accel, unet=run.unet, parts=run.parts, optimizer=run.optimizer,
+        lr_scheduler=run.lr_scheduler, params=run.params, state=run.state, max_steps=4,
+        max_grad_norm=1.0, images_per_step=2, checkpoint_every=100,
+        epoch_batches=lambda e: [batches[0], poisoned, batches[2], batches[3]],
+        on_checkpoint=lambda s, f: None,
+        on_step=lambda row: snapshots.append([p.detach().clone() for p in run.params]),
+    )
+    st = run.state
+    assert st.global_step == 4 and st.nonfinite_steps == 1
+    losses = [r["loss"] for r in st.history]
+    assert np.isnan(losses[1]) and all(np.isfinite(losses[i]) for i in (0, 2, 3))
+    assert all(torch.equal(a, b) for a, b in zip(snapshots[0], snapshots[1]))  # step 2 skipped
+    assert not all(torch.equal(a, b) for a, b in zip(snapshots[1], snapshots[2]))  # step 3 trained
+    assert all(torch.isfinite(p).all() for p in run.params)
+
+    accel = _fresh_accelerator(1)
+    run = build_run(cfg, accel, 6, rank=0)
+    advice = nonfinite_advice(cfg)
+    with pytest.raises(NonFiniteLossError, match=r"NaN/inf for 3 optimizer steps in a row \(steps 2-4") as ei:
+        run_loop(
+            accelerator=accel, unet=run.unet, parts=run.parts, optimizer=run.optimizer,
+            lr_scheduler=run.lr_scheduler, params=run.params, state=run.state, max_steps=6,
+            max_grad_norm=1.0, images_per_step=2, checkpoint_every=100,
+            epoch_batches=lambda e: [batches[0]] + [poisoned] * 5,
+            on_checkpoint=lambda s, f: None, max_nonfinite_steps=3, nonfinite_advice=advice,
+        )
+    assert "lower train.learning_rate (now 0.001)" in str(ei.value)
+    fp16 = validate({**base_config, "train": {**base_config["train"], "mixed_precision": "fp16"},
+                     "scaling": {"use_gpu": True}})
+    assert "fp16 overflow" in nonfinite_advice(fp16)

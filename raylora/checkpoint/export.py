@@ -37,6 +37,7 @@ SUMMARY_KEYS = (
     "eval_loss_last",
     "eval_loss_best",
     "eval_loss_best_step",
+    "nonfinite_steps",
 )
 
 

@@ -48,6 +48,7 @@ class LoopState:
     eval_loss_last: float | None = None
     eval_loss_best: float | None = None
     eval_loss_best_step: int | None = None
+    nonfinite_steps: int = 0  # optimizer steps skipped for a NaN/inf loss or gradient
     history: list[dict] = field(default_factory=list)
 
     def record_eval(self, loss: float) -> None:

@@ -7,6 +7,7 @@ callables passed in, which is all ``worker.py`` adds on top.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable
 
@@ -14,6 +15,10 @@ import torch
 
 from raylora.checkpoint.state import LoopState
 from raylora.train.step import FrozenParts, train_micro_step
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training kept producing NaN/inf: stopping beats burning hours on a dead run."""
 
 
 def run_loop(
@@ -36,6 +41,8 @@ def run_loop(
     eval_every: int | None = None,
     on_eval: Callable[[LoopState], None] = lambda state: None,
     ema=None,
+    max_nonfinite_steps: int = 5,
+    nonfinite_advice: str = "",
 ) -> LoopState:
     """Train until ``state.global_step == max_steps``; returns the final state.
 
@@ -48,6 +55,7 @@ def run_loop(
     reports evaluations that fall between checkpoints.
     """
     last_ckpt_step = -1
+    nonfinite_in_a_row = 0
     if evaluate is not None and state.global_step == 0 and state.eval_loss_base is None:
         state.eval_loss_base = evaluate()
     t_start = time.perf_counter()
@@ -71,11 +79,23 @@ def run_loop(
                 continue
             state.global_step += 1
             state.images_seen += images_per_step
-            if ema is not None:
-                ema.update(params)
-            # Mean over micro-batches and workers: the loss of the global batch.
+            # Mean over micro-batches and workers: the loss of the global batch (NaN on
+            # every rank when the step was skipped for non-finite values).
             loss = accelerator.reduce(torch.stack(micro_losses).mean(), reduction="mean").item()
             micro_losses = []
+            if math.isfinite(loss):
+                nonfinite_in_a_row = 0
+                if ema is not None:
+                    ema.update(params)
+            else:
+                state.nonfinite_steps += 1
+                nonfinite_in_a_row += 1
+                if nonfinite_in_a_row >= max_nonfinite_steps:
+                    raise NonFiniteLossError(
+                        f"loss or gradients were NaN/inf for {nonfinite_in_a_row} optimizer "
+                        f"steps in a row (steps {state.global_step - nonfinite_in_a_row + 1}-"
+                        f"{state.global_step}; those steps were skipped). {nonfinite_advice}".rstrip()
+                    )
             now = time.perf_counter()
             row = {
                 "step": state.global_step,

@@ -139,6 +139,18 @@ def build_run(
     return TrainingRun(accelerator, unet, parts, optimizer, lr_scheduler, params, state, ema)
 
 
+def nonfinite_advice(cfg: RayLoraConfig) -> str:
+    """The likely causes of a run stuck on NaN/inf, for the error that stops it."""
+    t = cfg.train
+    hints = []
+    if t.mixed_precision == "fp16":
+        hints.append("fp16 overflow is the usual cause: try train.mixed_precision=bf16")
+    hints.append(f"lower train.learning_rate (now {t.learning_rate:g})")
+    if t.max_grad_norm > 10:
+        hints.append(f"clip harder (train.max_grad_norm now {t.max_grad_norm:g})")
+    return "Likely causes: " + "; ".join(hints) + "; or broken input images."
+
+
 def write_checkpoint(directory: str, run: TrainingRun, rank: int) -> dict[str, torch.Tensor]:
     """Write this rank's share of a checkpoint into ``directory``; returns the LoRA state."""
     sd = run.lora_state()

@@ -75,14 +75,24 @@ def train_micro_step(
     max_grad_norm: float,
 ) -> torch.Tensor:
     """Forward + backward for one micro-batch; the optimizer steps on the last of each
-    accumulation group. Returns the detached loss."""
+    accumulation group. Returns the detached loss, NaN when the optimizer step was skipped.
+
+    Non-finite gradients skip the optimizer step. Backward always runs (DDP expects it),
+    and the check happens after the gradients were all-reduced, so a NaN on any rank, in
+    any micro-batch of the group, reaches every rank and all of them skip together. Under
+    fp16 the GradScaler makes that call itself (and lowers its scale), so it still steps.
+    """
+    skip = False
     with accelerator.accumulate(unet):
         loss = compute_loss(unet, parts, batch)
         accelerator.backward(loss)
         if accelerator.sync_gradients:
-            accelerator.clip_grad_norm_(params, max_grad_norm)
-        optimizer.step()
+            norm = accelerator.clip_grad_norm_(params, max_grad_norm)
+            skip = norm is not None and not bool(torch.isfinite(torch.as_tensor(norm)))
+        if not skip or accelerator.scaler is not None:
+            optimizer.step()
         if lr_scheduler is not None:  # None: the caller sets the lr itself (lr-find)
             lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-    return loss.detach()
+    loss = loss.detach()
+    return torch.full_like(loss, float("nan")) if skip else loss

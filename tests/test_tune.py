@@ -177,7 +177,8 @@ def test_loop_evaluates_at_base_cadence_and_end(base_config, tiny_model):
     assert evals == [2] and ckpts == [4, 5]
     st = run.state
     assert st.eval_loss_base == pytest.approx(1.1)
-    assert (st.eval_loss_last, st.eval_loss_best, st.eval_loss_best_step) == (pytest.approx(1.4), pytest.approx(1.2), 2)
+    # The base evaluation counts: here it stays the best (1.1 at step 0).
+    assert (st.eval_loss_last, st.eval_loss_best, st.eval_loss_best_step) == (pytest.approx(1.4), pytest.approx(1.1), 0)
     assert [r.get("eval_loss") for r in st.history] == [None, pytest.approx(1.2), None, pytest.approx(1.3), pytest.approx(1.4)]
 
 
@@ -415,7 +416,8 @@ def test_two_workers_share_the_heldout_evaluation(ray_local, tiny_model, demo_da
     rows = [json.loads(x) for x in open(tmp_path / "out" / "metrics.jsonl")]
     assert [r["step"] for r in rows if "eval_loss" in r] == [2, 4]
     assert rows[-1]["eval_loss"] == m["eval_loss_last"]
-    assert m["eval_loss_base"] is not None and m["eval_loss_best"] == min(r["eval_loss"] for r in rows if "eval_loss" in r)
+    assert m["eval_loss_base"] is not None
+    assert m["eval_loss_best"] == min([m["eval_loss_base"]] + [r["eval_loss"] for r in rows if "eval_loss" in r])
     ckpts = sorted(d for d in os.listdir(tmp_path / "out" / "train") if d.startswith("checkpoint_2"))
     lora = os.path.join(tmp_path, "out", "train", ckpts[-1], "lora.safetensors")
     meta = json.loads((tmp_path / "out" / "adapter" / "raylora.json").read_text())

@@ -57,7 +57,10 @@ def run_loop(
     last_ckpt_step = -1
     nonfinite_in_a_row = 0
     if evaluate is not None and state.global_step == 0 and state.eval_loss_base is None:
+        # Also the "latest" value until the first periodic evaluation, so every report
+        # (e.g. a checkpoint before it) carries a held-out loss for Tune to compare.
         state.eval_loss_base = evaluate()
+        state.record_eval(state.eval_loss_base)
     t_start = time.perf_counter()
     wall_before = state.wall_seconds
     while state.global_step < max_steps:

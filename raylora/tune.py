@@ -230,7 +230,10 @@ def results_table(grid, tn: TuneSection, max_steps: int) -> list[dict]:
         ckpts = [r.get("checkpoint_path") for r in history if isinstance(r.get("checkpoint_path"), str)]
         steps = int(m.get("step") or 0)
         last = m.get(metric)
-        if result.error is not None:
+        nonfinite_abort = result.error is not None and "NonFiniteLossError" in str(result.error)
+        if nonfinite_abort:
+            status = "diverged"  # the trial stopped itself: NaN/inf steps in a row
+        elif result.error is not None:
             status = "error"
         elif last is not None and _finite(last) is None:
             status = "diverged" if steps >= max_steps else "stopped_early"
@@ -247,7 +250,7 @@ def results_table(grid, tn: TuneSection, max_steps: int) -> list[dict]:
             "status": status,
             "stopped_early": status == "stopped_early",
             # The last reported metric was NaN/inf: the run blew up (table shows no final).
-            "diverged": last is not None and _finite(last) is None,
+            "diverged": nonfinite_abort or (last is not None and _finite(last) is None),
             "checkpoint_path": ckpts[-1] if ckpts else None,
             "error": None if result.error is None else str(result.error).splitlines()[0][:300],
         })

@@ -142,11 +142,16 @@ def train_loop_per_worker(loop_config: dict) -> None:
         evaluate = _heldout_evaluator(cfg, plan, loop_config["heldout"], run, rank, world)
 
     def step_metrics(st: LoopState) -> dict:
+        # A run whose last step was skipped for NaN/inf is diverging: its held-out loss is
+        # reported as inf even though the skip left the (evaluated) weights finite, so
+        # Tune ranks it last instead of scoring the weights from before the blow-up.
+        diverging = bool(st.history) and not math.isfinite(st.history[-1]["loss"])
         return {
             "step": st.global_step,
             "epoch": st.epoch,
             "train_loss": _finite_or_inf(st.train_loss_last),
-            "eval_loss": _finite_or_inf(st.eval_loss_last),
+            "eval_loss": float("inf") if diverging and st.eval_loss_last is not None
+            else _finite_or_inf(st.eval_loss_last),
             "eval_loss_best": st.eval_loss_best,
             "lr": run.lr_scheduler.get_last_lr()[0],
         }

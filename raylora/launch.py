@@ -57,8 +57,9 @@ def resolve_paths(cfg: RayLoraConfig) -> RayLoraConfig:
     return cfg
 
 
-def plan(cfg: RayLoraConfig) -> Plan:
-    """Check model, data and step arithmetic; raise one ConfigError with every problem."""
+def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
+    """Check model, data and step arithmetic; raise one ConfigError with every problem.
+    ``heldout=False`` skips reading the held-out rows (a run that never evaluates)."""
     from raylora.data.source import plan_data
     from raylora.model.load import check_model, is_hub_id
 
@@ -82,13 +83,13 @@ def plan(cfg: RayLoraConfig) -> Plan:
         data = plan_data(cfg.data, store)
     except (FileNotFoundError, ValueError, OSError) as exc:
         problems.append(f"data.uri: {exc}")
-    heldout, problem = _plan_heldout(cfg, data, store)
+    rows, problem = _plan_heldout(cfg, data, store) if heldout else ([], None)
     if problem:
         problems.append(problem)
 
     if data is None:
         raise ConfigError(problems)
-    return _arithmetic(cfg, model_path, data, heldout, problems)
+    return _arithmetic(cfg, model_path, data, rows, problems)
 
 
 def replan(cfg: RayLoraConfig, base: Plan) -> Plan:
@@ -359,7 +360,9 @@ def run_lr_find(
     tree["train"].update(max_steps=num_steps, learning_rate=start_lr, lr_scheduler="constant",
                          lr_warmup_steps=0, scale_lr=False)
     cfg = resolve_paths(validate(tree))
-    p = plan(cfg)
+    # lr-find never evaluates: the held-out rows are neither read nor sent to the worker
+    # (a validation_split still keeps them out of its training data).
+    p = plan(cfg, heldout=False)
     started = init_ray(cfg.scaling.cpus_per_worker)
     try:
         settings = dict(start_lr=start_lr, end_lr=end_lr, num_steps=num_steps,

@@ -77,33 +77,20 @@ def _heldout_evaluator(cfg: RayLoraConfig, plan: dict, rows: list[dict], run, ra
     return evaluate
 
 
-def train_loop_per_worker(loop_config: dict) -> None:
+def _accelerator(cfg: RayLoraConfig):
+    """Accelerate picks up the torch.distributed process group that Ray Train created."""
     from accelerate import Accelerator
-    from accelerate.utils import gather_object
 
-    _setup_logging()
-    cfg = RayLoraConfig.model_validate(loop_config["config"])
-    plan = loop_config["plan"]
-    max_steps = plan["max_steps"]
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    t = cfg.train
-
-    # Accelerate picks up the torch.distributed process group that Ray Train created.
-    accelerator = Accelerator(
-        mixed_precision=t.mixed_precision,
-        gradient_accumulation_steps=t.gradient_accumulation_steps,
+    return Accelerator(
+        mixed_precision=cfg.train.mixed_precision,
+        gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
         cpu=not cfg.scaling.use_gpu,
     )
-    restored = None
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as d:
-            restored = load_state(d, rank)
-    run = build_run(cfg, accelerator, max_steps, rank, restored)
-    if restored is not None and rank == 0:
-        log.info("resumed from step %d (epoch %d)", run.state.global_step, run.state.epoch)
 
+
+def _epoch_batches(cfg: RayLoraConfig, plan: dict, rank: int, device):
+    """``epoch -> iterable of batches`` over this worker's dataset shard."""
+    t = cfg.train
     by_files = cfg.data.sharding == "files"
     shard = ray.train.get_dataset_shard(f"train_{rank}" if by_files else "train")
     data_seed = cfg.data.shuffle_seed if cfg.data.shuffle_seed is not None else t.seed
@@ -114,11 +101,37 @@ def train_loop_per_worker(loop_config: dict) -> None:
             drop_last=True,
             local_shuffle_buffer_size=cfg.data.shuffle_buffer_size or None,
             local_shuffle_seed=data_seed + 7919 * epoch + rank,
-            device=accelerator.device,
+            device=device,
         )
         # With per-worker files, workers hold different row counts: all stop at the
         # smallest one's batch count so their DDP steps line up.
         return itertools.islice(batches, plan["batches_per_epoch"]) if by_files else batches
+
+    return epoch_batches
+
+
+def train_loop_per_worker(loop_config: dict) -> None:
+    from accelerate.utils import gather_object
+
+    _setup_logging()
+    cfg = RayLoraConfig.model_validate(loop_config["config"])
+    plan = loop_config["plan"]
+    max_steps = plan["max_steps"]
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    t = cfg.train
+
+    accelerator = _accelerator(cfg)
+    restored = None
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d:
+            restored = load_state(d, rank)
+    run = build_run(cfg, accelerator, max_steps, rank, restored)
+    if restored is not None and rank == 0:
+        log.info("resumed from step %d (epoch %d)", run.state.global_step, run.state.epoch)
+
+    epoch_batches = _epoch_batches(cfg, plan, rank, accelerator.device)
 
     bar = None
     if rank == 0 and loop_config.get("progress_bar"):
@@ -217,33 +230,16 @@ def train_loop_per_worker(loop_config: dict) -> None:
 def lr_find_per_worker(loop_config: dict) -> None:
     """``raylora lr-find`` on one worker: the range test of ``raylora.train.lr_find`` over
     the real data pipeline, model and optimizer; rows reported once at the end."""
-    from accelerate import Accelerator
-
     from raylora.train.lr_find import range_test
     from raylora.train.step import train_micro_step
 
     _setup_logging()
     cfg = RayLoraConfig.model_validate(loop_config["config"])
     t, lf = cfg.train, loop_config["lr_find"]
-    accelerator = Accelerator(
-        mixed_precision=t.mixed_precision,
-        gradient_accumulation_steps=t.gradient_accumulation_steps,
-        cpu=not cfg.scaling.use_gpu,
-    )
+    accelerator = _accelerator(cfg)
     run = build_run(cfg, accelerator, lf["num_steps"], rank=0)
-    name = "train_0" if cfg.data.sharding == "files" else "train"
-    shard = ray.train.get_dataset_shard(name)
-    data_seed = cfg.data.shuffle_seed if cfg.data.shuffle_seed is not None else t.seed
-
-    def batches():
-        for epoch in itertools.count():
-            yield from shard.iter_torch_batches(
-                batch_size=t.batch_size, drop_last=True,
-                local_shuffle_buffer_size=cfg.data.shuffle_buffer_size or None,
-                local_shuffle_seed=data_seed + 7919 * epoch, device=accelerator.device,
-            )
-
-    stream = batches()
+    epoch_batches = _epoch_batches(cfg, loop_config["plan"], 0, accelerator.device)
+    stream = itertools.chain.from_iterable(map(epoch_batches, itertools.count()))
 
     def step(lr: float) -> float:
         for group in run.optimizer.param_groups:

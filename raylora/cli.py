@@ -84,9 +84,9 @@ def _sample(args) -> int:
 
 
 def _tiny_model(args) -> int:
-    from raylora.model.tiny import build_tiny_sd
+    from raylora.model.tiny import build_tiny
 
-    print(f"raylora: tiny model   {build_tiny_sd(args.dest, seed=args.seed)}")
+    print(f"raylora: tiny model   {build_tiny(args.dest, family=args.family, seed=args.seed)}")
     return 0
 
 
@@ -156,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--size", type=int, default=None, help="pixels; default: the model's size")
     s.set_defaults(fn=_sample)
 
-    m = sub.add_parser("tiny-model", help="write a tiny random SD-1.x pipeline (offline)")
+    m = sub.add_parser("tiny-model", help="write a tiny random SD-1.x or SDXL pipeline (offline)")
+    m.add_argument("--family", choices=["sd", "sdxl"], default="sd")
     m.add_argument("dest")
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(fn=_tiny_model)

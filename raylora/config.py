@@ -60,6 +60,16 @@ class ModelSection(_Section):
     )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
     variant: str | None = Field(None, description="Weight variant, e.g. 'fp16'.")
+    family: Literal["auto", "sd", "sdxl"] = Field(
+        "auto",
+        description="sd: SD 1.x/2.x (one text encoder). sdxl: two text encoders, pooled "
+        "embeddings and size/crop conditioning. auto: from model_index.json.",
+    )
+    attention: Literal["sdpa", "eager"] = Field(
+        "sdpa",
+        description="sdpa: torch scaled_dot_product_attention (flash / memory-efficient "
+        "kernels where the GPU has them). eager: the plain matmul-softmax processor.",
+    )
 
 
 class DataSection(_Section):
@@ -111,6 +121,19 @@ class DataSection(_Section):
         le=4096,
         description="Held-out rows evaluated: the first N in file order (each worker keeps "
         "their latents in memory).",
+    )
+    cache: Literal["none", "latents"] = Field(
+        "none",
+        description="latents: encode every image with the VAE and every caption with the text "
+        "encoder(s) once, in a Ray Data stage, into parquet shards under data.cache_uri; "
+        "training workers then load neither. Needs a deterministic view of each image "
+        "(data.center_crop=true, data.random_flip=false) and data.caption_dropout=0.",
+    )
+    cache_uri: str | None = Field(
+        None,
+        description="Root of the latent cache (any storage URI); default {output.uri}/cache. "
+        "Entries are keyed by a fingerprint of model, resolution, crop policy and data, so "
+        "reruns and Tune trials reuse them.",
     )
 
 
@@ -207,7 +230,26 @@ class ValidationSection(_Section):
         le=100,
         description="Fixed timesteps per held-out image, evenly spaced over the schedule.",
     )
-    seed: int = Field(0, description="Seed of the fixed evaluation noise.")
+    seed: int = Field(0, description="Seed of the fixed evaluation noise and sample images.")
+    prompts: list[str] = Field(
+        default_factory=list,
+        description="Prompts rendered (same seed each time) at every evaluation into a PNG "
+        "grid under {output.uri}/validation/step_NNNNNN.png.",
+    )
+    num_inference_steps: int = Field(20, gt=0, le=1000, description="Sampler steps per image.")
+    guidance_scale: float = Field(7.5, ge=0.0, description="Classifier-free guidance scale.")
+
+
+class TrackingSection(_Section):
+    """Experiment tracking besides the always-written metrics.jsonl."""
+
+    backend: Literal["none", "wandb", "tensorboard"] = "none"
+    project: str = Field("raylora", description="wandb project.")
+    run_name: str | None = Field(None, description="Default: the last part of output.uri.")
+    wandb_mode: Literal["online", "offline"] = Field(
+        "online",
+        description="offline: write the run locally (no network); `wandb sync` uploads it later.",
+    )
 
 
 class CheckpointSection(_Section):
@@ -332,6 +374,7 @@ class RayLoraConfig(_Section):
     storage: StorageSection = Field(default_factory=StorageSection)
     validation: ValidationSection = Field(default_factory=ValidationSection)
     export: ExportSection = Field(default_factory=ExportSection)
+    tracking: TrackingSection = Field(default_factory=TrackingSection)
     output: OutputSection
     tune: TuneSection | None = Field(None, description="Search space etc. for `raylora tune`.")
 
@@ -372,11 +415,23 @@ def _cross_checks(cfg: RayLoraConfig) -> list[str]:
             "data.validation_split: cannot be combined with data.sharding=files (every worker "
             "must know its exact row count up front); hold data out with data.validation_uri"
         )
-    if cfg.validation.every_n_steps and not cfg.has_heldout:
+    if cfg.validation.every_n_steps and not (cfg.has_heldout or cfg.validation.prompts):
         problems.append(
-            "validation.every_n_steps: needs held-out data (data.validation_split or "
-            "data.validation_uri)"
+            "validation.every_n_steps: needs validation.prompts or held-out data "
+            "(data.validation_split or data.validation_uri)"
         )
+    if d.cache == "latents":
+        # A cached latent is one fixed view of an image; a random crop/flip/dropout would be
+        # silently frozen into it, so those are refused instead.
+        if d.random_flip:
+            problems.append("data.random_flip: cannot be used with data.cache=latents "
+                            "(the cache holds one view of each image); set it false")
+        if not d.center_crop:
+            problems.append("data.center_crop: data.cache=latents needs center_crop=true "
+                            "(a random crop would be frozen into the cache)")
+        if d.caption_dropout:
+            problems.append("data.caption_dropout: cannot be used with data.cache=latents "
+                            "(captions are encoded once); set it to 0")
     if cfg.tune is not None:
         problems.extend(_tune_checks(cfg))
     return problems
@@ -427,6 +482,10 @@ def _tune_checks(cfg: RayLoraConfig) -> list[str]:
         where = f"tune.search_space.{key}"
         if key.split(".")[0] in UNTUNABLE:
             problems.append(f"{where}: {key.split('.')[0]}.* cannot be searched")
+            continue
+        if cfg.data.cache == "latents" and key.split(".")[0] in ("model", "data"):
+            problems.append(f"{where}: with data.cache=latents every trial shares one cache; "
+                            "model.* and data.* cannot be searched")
             continue
         if tn.search_alg == "grid" and dim.kind not in ("grid", "choice"):
             problems.append(f"{where}: search_alg grid needs grid or choice values, not {dim.kind}")

@@ -36,11 +36,22 @@ class Plan:
     data_rows: int = 0  # rows in the shard files, before any held-out split
     # The held-out rows themselves ({image: bytes, text}); sent to workers, never exported.
     heldout: list[dict] = field(default_factory=list, repr=False)
+    family: str = "sd"
+    # data.cache=latents: the cache entry the shard files belong to, and the held-out rows
+    # encoded by the same stages ({column: array}), so workers need no encoders at all.
+    cache_uri: str | None = None
+    cache_reused: bool | None = None
+    heldout_encoded: dict | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("heldout")
+        d.pop("heldout_encoded")
         return d
+
+    def worker_heldout(self):
+        """What workers evaluate: encoded tensors (cache) or raw rows."""
+        return self.heldout_encoded if self.heldout_encoded is not None else self.heldout
 
 
 def resolve_paths(cfg: RayLoraConfig) -> RayLoraConfig:
@@ -61,15 +72,18 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
     """Check model, data and step arithmetic; raise one ConfigError with every problem.
     ``heldout=False`` skips reading the held-out rows (a run that never evaluates)."""
     from raylora.data.source import plan_data
-    from raylora.model.load import check_model, is_hub_id
+    from raylora.model.load import check_model, is_hub_id, resolve_family
 
     problems: list[str] = []
     store = cfg.storage.client()
     model_path = cfg.model.pretrained
     factor = 8
+    family = resolve_family(cfg.model, None)
     if not is_hub_id(model_path):
         try:
-            factor = check_model(model_path, store)["vae_scale_factor"]
+            info = check_model(model_path, store)
+            factor = info["vae_scale_factor"]
+            family = resolve_family(cfg.model, info["index"])
         except (FileNotFoundError, KeyError, ValueError, OSError) as exc:
             problems.append(str(exc) if str(exc).startswith("model.") else f"model.pretrained: {exc}")
     if cfg.data.resolution % factor:
@@ -89,7 +103,9 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
 
     if data is None:
         raise ConfigError(problems)
-    return _arithmetic(cfg, model_path, data, rows, problems)
+    p = _arithmetic(cfg, model_path, data, rows, problems)
+    p.family = family
+    return p
 
 
 def replan(cfg: RayLoraConfig, base: Plan) -> Plan:
@@ -98,7 +114,28 @@ def replan(cfg: RayLoraConfig, base: Plan) -> Plan:
     from raylora.data.source import DataPlan
 
     data = DataPlan(base.data_format, base.shard_files, base.data_rows, base.file_rows)
-    return _arithmetic(cfg, base.model_path, data, base.heldout, [])
+    p = _arithmetic(cfg, base.model_path, data, base.heldout, [])
+    p.family, p.cache_uri, p.cache_reused = base.family, base.cache_uri, base.cache_reused
+    p.heldout_encoded = base.heldout_encoded
+    return p
+
+
+def apply_cache(cfg: RayLoraConfig, p: Plan) -> Plan:
+    """``data.cache=latents``: build or reuse the cache (needs Ray), then plan training over
+    its files. Row counts are exact from here on, held-out split included."""
+    from raylora.data.cache import encode_rows, ensure_cache
+    from raylora.data.source import DataPlan
+
+    if cfg.data.cache != "latents":
+        return p
+    store = cfg.storage.client()
+    entry = ensure_cache(cfg, p.family, p.model_path, p.data_format, p.shard_files, store)
+    data = DataPlan("parquet", entry.files, entry.rows, entry.file_rows)
+    cached = _arithmetic(cfg, p.model_path, data, p.heldout, [])
+    cached.family, cached.cache_uri, cached.cache_reused = p.family, entry.uri, entry.reused
+    if p.heldout:
+        cached.heldout_encoded = encode_rows(cfg, p.family, p.model_path, p.heldout, store)
+    return cached
 
 
 def _arithmetic(cfg: RayLoraConfig, model_path: str, data, heldout: list[dict], problems: list[str]) -> Plan:
@@ -237,6 +274,7 @@ def run(cfg: RayLoraConfig) -> dict:
     p = plan(cfg)
     started = init_ray(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker)
     try:
+        p = apply_cache(cfg, p)
         result = _fit(cfg, p)
         if result.checkpoint is None:
             raise RuntimeError("training finished without a checkpoint to export")
@@ -285,7 +323,7 @@ def build_trainer(
         datasets = {
             f"train_{r}": build_dataset(
                 cfg.data, data_plan.for_rank(r, world), store, model_path=p.model_path,
-                seed=seed, num_preprocess_actors=1,
+                seed=seed, num_preprocess_actors=1, family=p.family,
             )
             for r in range(world)
         }
@@ -297,13 +335,13 @@ def build_trainer(
         datasets = {
             "train": build_dataset(
                 cfg.data, data_plan, store, model_path=p.model_path, seed=seed,
-                num_preprocess_actors=max(1, world),
+                num_preprocess_actors=max(1, world), family=p.family,
             )
         }
         data_config = None
     ckpt_fs, ckpt_path = store.fs(storage_uri)
     loop_config = {
-        "config": cfg.to_dict(), "plan": p.to_dict(), "heldout": p.heldout,
+        "config": cfg.to_dict(), "plan": p.to_dict(), "heldout": p.worker_heldout(),
         "progress_bar": interactive, **(extra_loop_config or {}),
     }
     return TorchTrainer(
@@ -365,6 +403,7 @@ def run_lr_find(
     p = plan(cfg, heldout=False)
     started = init_ray(cfg.scaling.cpus_per_worker)
     try:
+        p = apply_cache(cfg, p)
         settings = dict(start_lr=start_lr, end_lr=end_lr, num_steps=num_steps,
                         smoothing=smoothing, diverge_factor=diverge_factor)
         trainer = build_trainer(

@@ -17,12 +17,13 @@ def sample(
     guidance_scale: float = 7.5,
     size: int | None = None,
 ) -> str:
-    from diffusers import StableDiffusionPipeline
+    from diffusers import AutoPipelineForText2Image
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.float16 if device == "cuda" else torch.float32
     path = os.path.abspath(model) if os.path.isdir(model) else model
-    pipe = StableDiffusionPipeline.from_pretrained(path, torch_dtype=dtype, safety_checker=None)
+    # The pipeline class (SD or SDXL) comes from the model's model_index.json.
+    pipe = AutoPipelineForText2Image.from_pretrained(path, torch_dtype=dtype)
     pipe.load_lora_weights(adapter)
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)

@@ -43,26 +43,36 @@ def _finite_or_inf(x: float | None) -> float | None:
     return x if x is None or math.isfinite(x) else float("inf")
 
 
-def _heldout_evaluator(cfg: RayLoraConfig, plan: dict, rows: list[dict], run, rank: int, world: int):
-    """Preprocess the held-out rows once (centre crop, no flip), encode them once, and
-    return ``evaluate() -> float`` (same value on every rank)."""
+def _heldout_batch(cfg: RayLoraConfig, plan: dict, heldout) -> dict[str, torch.Tensor]:
+    """The held-out rows as one batch: already encoded by the driver (latent cache, a dict
+    of arrays), or raw ``{image, text}`` rows preprocessed here (centre crop, no flip)."""
     import numpy as np
 
     from raylora.data.preprocess import Preprocess
-    from raylora.train.evaluate import heldout_loss, prepare_heldout
 
+    if isinstance(heldout, dict):
+        return {k: torch.from_numpy(np.asarray(v)) for k, v in heldout.items()}
     pre = Preprocess(
         tokenizer_path=plan["model_path"], resolution=cfg.data.resolution, center_crop=True,
         random_flip=False, endpoint_url=cfg.storage.endpoint_url, region=cfg.storage.region,
+        family=plan.get("family", "sd"),
     )
     batch = pre({
-        "image": np.array([r["image"] for r in rows], dtype=object),
-        "text": np.array([r["text"] for r in rows], dtype=object),
+        "image": np.array([r["image"] for r in heldout], dtype=object),
+        "text": np.array([r["text"] for r in heldout], dtype=object),
     })
+    return {k: torch.from_numpy(v) for k, v in batch.items()}
+
+
+def _heldout_evaluator(cfg: RayLoraConfig, plan: dict, heldout, run, rank: int, world: int):
+    """Encode the held-out rows once and return ``evaluate() -> float`` (same value on
+    every rank)."""
+    from raylora.train.evaluate import heldout_loss, prepare_heldout
+
     v, acc = cfg.validation, run.accelerator
     held = prepare_heldout(
-        run.parts, torch.from_numpy(batch["pixel_values"]), torch.from_numpy(batch["input_ids"]),
-        v.num_timesteps, v.seed, batch_size=cfg.train.batch_size,
+        run.parts, _heldout_batch(cfg, plan, heldout), v.num_timesteps, v.seed,
+        batch_size=cfg.train.batch_size, device=acc.device,
     )
     unet = acc.unwrap_model(run.unet)
 

@@ -83,7 +83,7 @@ def tiny_parts(tiny_model, demo_data):
     torch.manual_seed(0)
     comps = load_components(cfg.model, torch.float32, store)
     add_lora(comps.unet, cfg.lora)
-    parts = FrozenParts(comps.vae, comps.text_encoder, comps.noise_scheduler, torch.float32, "epsilon")
+    parts = FrozenParts(comps.vae, comps.text_encoders, comps.noise_scheduler, torch.float32, "epsilon")
     return comps.unet, parts, torch.from_numpy(batch["pixel_values"]), torch.from_numpy(batch["input_ids"])
 
 
@@ -95,11 +95,11 @@ def test_eval_timesteps_are_slice_centres():
 def test_heldout_loss_is_deterministic_split_invariant_and_sees_the_adapter(tiny_parts):
     unet, parts, px, ids = tiny_parts
     unet.train()
-    a = prepare_heldout(parts, px, ids, num_timesteps=3, seed=5, batch_size=4)
-    b = prepare_heldout(parts, px, ids, num_timesteps=3, seed=5, batch_size=4)
+    a = prepare_heldout(parts, {"pixel_values": px, "input_ids": ids}, num_timesteps=3, seed=5, batch_size=4)
+    b = prepare_heldout(parts, {"pixel_values": px, "input_ids": ids}, num_timesteps=3, seed=5, batch_size=4)
     assert len(a) == 6 * 3
     assert torch.equal(a.noisy, b.noisy) and torch.equal(a.target, b.target)
-    assert torch.equal(a.text, b.text)
+    assert torch.equal(a.text.hidden, b.text.hidden)
     assert a.timesteps.tolist() == [166, 500, 833] * 6
 
     first = heldout_loss(unet, a, torch.float32, batch_size=4)
@@ -107,7 +107,7 @@ def test_heldout_loss_is_deterministic_split_invariant_and_sees_the_adapter(tiny
     assert first == again  # bit for bit: same adapter, same number
     assert 0.5 < first < 5.0
     # Other batch sizes run other kernels: equal to float rounding, not bit for bit.
-    c = prepare_heldout(parts, px, ids, num_timesteps=3, seed=5, batch_size=2)
+    c = prepare_heldout(parts, {"pixel_values": px, "input_ids": ids}, num_timesteps=3, seed=5, batch_size=2)
     assert heldout_loss(unet, c, torch.float32, batch_size=3) == pytest.approx(first, rel=1e-5)
 
     # Two "ranks", each summing its share, then summed: the same mean.
@@ -124,7 +124,7 @@ def test_heldout_loss_is_deterministic_split_invariant_and_sees_the_adapter(tiny
     assert float(total[0] / total[1]) == pytest.approx(first, rel=1e-12)
 
     # A different noise seed is a different (fixed) draw; a changed adapter a different loss.
-    other_seed = heldout_loss(unet, prepare_heldout(parts, px, ids, 3, seed=6), torch.float32)
+    other_seed = heldout_loss(unet, prepare_heldout(parts, {"pixel_values": px, "input_ids": ids}, 3, seed=6), torch.float32)
     assert other_seed != first
     saved = {n: p.detach().clone() for n, p in unet.named_parameters() if "lora_B" in n}
     try:
@@ -275,8 +275,9 @@ def test_tune_config_errors_name_the_key():
     assert "tune.search_space.scaling.num_workers: scaling.* cannot be searched" in msg
     with pytest.raises(ConfigError, match=r"tune.search_space.x.y: Value error, loguniform: bounds"):
         validate({**base, "tune": {"search_space": {"x.y": {"loguniform": [0, 1]}}}})
-    with pytest.raises(ConfigError, match="validation.every_n_steps: needs held-out data"):
+    with pytest.raises(ConfigError, match="validation.every_n_steps: needs validation.prompts or held-out data"):
         validate({**base, "validation": {"every_n_steps": 5}})
+    assert validate({**base, "validation": {"every_n_steps": 5, "prompts": ["a"]}}).validation.prompts == ["a"]
     with pytest.raises(ConfigError, match="data.validation_split: cannot be combined with data.sharding=files"):
         validate({**base, "data": {"uri": "d", "validation_split": 0.1, "sharding": "files"}})
 
@@ -445,11 +446,11 @@ def _recompute_heldout(config: dict, lora_file: str, expect_rows: int) -> float:
     comps = load_components(cfg.model, torch.float32, cfg.storage.client())
     add_lora(comps.unet, cfg.lora)
     load_lora_state_dict(comps.unet, load_file(lora_file))
-    parts = FrozenParts(comps.vae, comps.text_encoder, comps.noise_scheduler, torch.float32, "epsilon")
+    parts = FrozenParts(comps.vae, comps.text_encoders, comps.noise_scheduler, torch.float32, "epsilon")
     v = cfg.validation
-    held = prepare_heldout(parts, torch.from_numpy(batch["pixel_values"]),
-                           torch.from_numpy(batch["input_ids"]), v.num_timesteps, v.seed,
-                           batch_size=cfg.train.batch_size)
+    held = prepare_heldout(parts, {"pixel_values": torch.from_numpy(batch["pixel_values"]),
+                                   "input_ids": torch.from_numpy(batch["input_ids"])},
+                           v.num_timesteps, v.seed, batch_size=cfg.train.batch_size)
     return heldout_loss(comps.unet, held, torch.float32, batch_size=cfg.train.batch_size)
 
 

@@ -35,6 +35,19 @@ def transform_image(
 
     Returns float32 ``[3, resolution, resolution]`` in [-1, 1] (what the VAE expects).
     """
+    return transform_image_coords(img, resolution, center_crop, random_flip, rng)[0]
+
+
+def transform_image_coords(
+    img: Image.Image,
+    resolution: int,
+    center_crop: bool,
+    random_flip: bool,
+    rng: np.random.Generator,
+) -> tuple[np.ndarray, tuple[int, int], tuple[int, int]]:
+    """``transform_image`` plus what SDXL is conditioned on: the original ``(h, w)`` and
+    the crop's ``(top, left)`` in the resized image, measured in the flipped image when
+    flipped (as diffusers' SDXL script does: flip, then crop)."""
     img = img.convert("RGB")
     w, h = img.size
     scale = resolution / min(w, h)
@@ -51,8 +64,9 @@ def transform_image(
     arr = np.asarray(img, dtype=np.float32)
     if random_flip and rng.random() < 0.5:
         arr = arr[:, ::-1, :]
+        left = nw - resolution - left
     arr = arr.transpose(2, 0, 1) / 127.5 - 1.0
-    return np.ascontiguousarray(arr, dtype=np.float32)
+    return np.ascontiguousarray(arr, dtype=np.float32), (h, w), (top, left)
 
 
 def tokenize(tokenizer, captions: list[str]) -> np.ndarray:
@@ -68,7 +82,8 @@ def tokenize(tokenizer, captions: list[str]) -> np.ndarray:
 
 
 class Preprocess:
-    """Batch stage: ``{image, caption}`` columns → ``{pixel_values, input_ids}``."""
+    """Batch stage: ``{image, caption}`` columns → ``{pixel_values, input_ids}``, plus
+    ``input_ids_2``, ``original_size`` and ``crop_top_left`` for SDXL (two tokenizers)."""
 
     def __init__(
         self,
@@ -83,6 +98,7 @@ class Preprocess:
         endpoint_url: str | None = None,
         region: str | None = None,
         caption_dropout: float = 0.0,
+        family: str = "sd",
     ):
         from transformers import AutoTokenizer
 
@@ -93,6 +109,9 @@ class Preprocess:
         tokenizer_path = materialize(tokenizer_path, Storage(endpoint_url, region))
         kwargs = {"subfolder": tokenizer_subfolder} if tokenizer_subfolder else {}
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, **kwargs)
+        self.tokenizer_2 = None
+        if family == "sdxl":
+            self.tokenizer_2 = AutoTokenizer.from_pretrained(tokenizer_path, subfolder="tokenizer_2")
         self.resolution = resolution
         self.center_crop = center_crop
         self.random_flip = random_flip
@@ -102,18 +121,24 @@ class Preprocess:
         self.caption_dropout = caption_dropout
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        pixels = np.stack(
-            [
-                transform_image(
-                    load_image(v), self.resolution, self.center_crop, self.random_flip, self.rng
-                )
-                for v in batch[self.image_column]
-            ]
-        )
+        out = [
+            transform_image_coords(
+                load_image(v), self.resolution, self.center_crop, self.random_flip, self.rng
+            )
+            for v in batch[self.image_column]
+        ]
         captions = [str(c) if c is not None else "" for c in batch[self.caption_column]]
         if self.caption_dropout:
             # The empty prompt, as the unconditional branch of classifier-free guidance sees
             # it at inference: keeps the adapter usable with guidance.
             drop = self.rng.random(len(captions)) < self.caption_dropout
             captions = ["" if d else c for c, d in zip(captions, drop)]
-        return {"pixel_values": pixels, "input_ids": tokenize(self.tokenizer, captions)}
+        result = {
+            "pixel_values": np.stack([o[0] for o in out]),
+            "input_ids": tokenize(self.tokenizer, captions),
+        }
+        if self.tokenizer_2 is not None:
+            result["input_ids_2"] = tokenize(self.tokenizer_2, captions)
+            result["original_size"] = np.array([o[1] for o in out], dtype=np.int64)
+            result["crop_top_left"] = np.array([o[2] for o in out], dtype=np.int64)
+        return result

@@ -122,9 +122,12 @@ class _ReadImages:
         return {"key": batch["key"], "image": np.array(images, dtype=object), "text": batch["text"]}
 
 
-def read_rows(data: DataSection, plan: DataPlan, storage: Storage, seed: int) -> ray.data.Dataset:
-    """Raw rows with columns ``key``, ``image`` (encoded bytes or struct), ``text``."""
-    shuffle = FileShuffleConfig(seed=seed, reseed_after_execution=True)
+def read_rows(
+    data: DataSection, plan: DataPlan, storage: Storage, seed: int, shuffle: bool = True
+) -> ray.data.Dataset:
+    """Raw rows with columns ``key``, ``image`` (encoded bytes or struct), ``text``.
+    ``shuffle``: reshuffle the file order every epoch (off: file order, for the cache)."""
+    shuffle = FileShuffleConfig(seed=seed, reseed_after_execution=True) if shuffle else None
     fs, _ = storage.fs(plan.files[0])
     paths = [fs_path(f) for f in plan.files]
     if plan.format == "parquet":
@@ -136,8 +139,9 @@ def read_rows(data: DataSection, plan: DataPlan, storage: Storage, seed: int) ->
         ds = ray.data.read_binary_files(paths, filesystem=fs, include_paths=True, shuffle=shuffle)
         return ds.flat_map(_tar_rows)
     rows = formats.imagefolder_rows(storage, plan.files, data.caption_column)
-    rng = np.random.default_rng(seed)
-    rows = [rows[i] for i in rng.permutation(len(rows))]
+    if shuffle is not None:
+        rng = np.random.default_rng(seed)
+        rows = [rows[i] for i in rng.permutation(len(rows))]
     ds = ray.data.from_items(rows, override_num_blocks=max(1, min(64, len(rows) // 64)))
     return ds.map_batches(
         _ReadImages,
@@ -155,7 +159,13 @@ def build_dataset(
     model_path: str,
     seed: int,
     num_preprocess_actors: int = 1,
+    family: str = "sd",
 ) -> ray.data.Dataset:
+    if data.cache == "latents":
+        # plan.files are the cache's parquet files (see raylora.data.cache).
+        from raylora.data.cache import read_cached_dataset
+
+        return read_cached_dataset(plan.files, storage, seed)
     rows = read_rows(data, plan, storage, seed)
     if data.validation_split:
         # Training never sees a held-out row (see raylora.data.split).
@@ -173,6 +183,7 @@ def build_dataset(
             endpoint_url=storage.endpoint_url,
             region=storage.region,
             caption_dropout=data.caption_dropout,
+            family=family,
         ),
         batch_size=32,
         batch_format="numpy",

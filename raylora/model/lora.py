@@ -67,13 +67,16 @@ def load_lora_state_dict(unet: torch.nn.Module, sd: dict[str, torch.Tensor]) -> 
         raise ValueError(f"checkpoint LoRA keys do not match the model: {unexpected[:5]}")
 
 
-def save_diffusers_adapter(unet: torch.nn.Module, directory: str) -> None:
-    """Write ``pytorch_lora_weights.safetensors`` in the diffusers layout to ``directory``."""
-    from diffusers import StableDiffusionPipeline
+def save_diffusers_adapter(unet: torch.nn.Module, directory: str, family: str = "sd") -> None:
+    """Write ``pytorch_lora_weights.safetensors`` in the diffusers layout to ``directory``:
+    the file stock ``StableDiffusionPipeline`` / ``StableDiffusionXLPipeline``
+    ``.load_lora_weights(directory)`` reads."""
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
     from diffusers.utils import convert_state_dict_to_diffusers
 
+    pipeline = StableDiffusionXLPipeline if family == "sdxl" else StableDiffusionPipeline
     layers = convert_state_dict_to_diffusers(lora_state_dict(unet))
-    StableDiffusionPipeline.save_lora_weights(
+    pipeline.save_lora_weights(
         save_directory=directory,
         unet_lora_layers=layers,
         safe_serialization=True,

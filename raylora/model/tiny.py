@@ -187,3 +187,90 @@ def build_tiny_sd(dest: str | Path, seed: int = 0) -> Path:
     pipe.save_pretrained(dest)
     shutil.rmtree(dest / "_tokenizer_build", ignore_errors=True)
     return dest
+
+
+def build_tiny_sdxl(dest: str | Path, seed: int = 0) -> Path:
+    """Save a tiny random SDXL pipeline to ``dest`` (the layout of diffusers' own SDXL
+    tests): two CLIP text encoders (hidden 32 each; the second with a 32-d projection),
+    a UNet with SDXL's ``text_time`` added conditioning (6 size/crop ids × 8 + pooled 32 =
+    80), cross-attention over both encoders' features (64), VAE factor 2.
+    """
+    from diffusers import (
+        AutoencoderKL,
+        EulerDiscreteScheduler,
+        StableDiffusionXLPipeline,
+        UNet2DConditionModel,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    dest = Path(dest)
+    torch.manual_seed(seed)
+    tokenizer = build_clip_tokenizer(dest / "_tokenizer_build")
+
+    def text_config() -> CLIPTextConfig:
+        return CLIPTextConfig(
+            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=37,
+            num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=77,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id, projection_dim=32,
+        )
+
+    text_encoder = CLIPTextModel(text_config())
+    text_encoder_2 = CLIPTextModelWithProjection(text_config())
+    unet = UNet2DConditionModel(
+        sample_size=32,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(32, 64),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(2, 4),
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=8,
+        transformer_layers_per_block=(1, 1),
+        projection_class_embeddings_input_dim=6 * 8 + 32,
+        cross_attention_dim=64,
+        norm_num_groups=32,
+    )
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        block_out_channels=(32, 64),
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=32,
+        sample_size=64,
+        scaling_factor=0.13025,  # SDXL's VAE value
+        force_upcast=True,
+    )
+    scheduler = EulerDiscreteScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        num_train_timesteps=1000,
+        prediction_type="epsilon",
+        steps_offset=1,
+        timestep_spacing="leading",
+    )
+    pipe = StableDiffusionXLPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        text_encoder_2=text_encoder_2,
+        tokenizer=tokenizer,
+        tokenizer_2=tokenizer,
+        unet=unet,
+        scheduler=scheduler,
+        force_zeros_for_empty_prompt=True,
+        add_watermarker=False,
+    )
+    pipe.save_pretrained(dest)
+    shutil.rmtree(dest / "_tokenizer_build", ignore_errors=True)
+    return dest
+
+
+def build_tiny(dest: str | Path, family: str = "sd", seed: int = 0) -> Path:
+    return build_tiny_sdxl(dest, seed) if family == "sdxl" else build_tiny_sd(dest, seed)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from raylora.train.encode import Cond, batch_condition, batch_posterior, sample_latents
 from raylora.train.loss import diffusion_target
 from raylora.train.step import FrozenParts
 
@@ -33,7 +34,7 @@ class HeldOut:
     noisy: torch.Tensor  # [N·K, C, h, w]
     timesteps: torch.Tensor  # [N·K] long
     target: torch.Tensor  # [N·K, C, h, w] fp32
-    text: torch.Tensor  # [N, L, D]
+    text: Cond  # per image: hidden [N, L, D] (+ SDXL pooled [N, P], time_ids [N, 6])
     text_index: torch.Tensor  # [N·K] long
 
     def __len__(self) -> int:
@@ -43,20 +44,22 @@ class HeldOut:
 @torch.no_grad()
 def prepare_heldout(
     parts: FrozenParts,
-    pixel_values: torch.Tensor,
-    input_ids: torch.Tensor,
+    batch: dict[str, torch.Tensor],
     num_timesteps: int,
     seed: int,
     batch_size: int = 8,
+    device=None,
 ) -> HeldOut:
-    """pixels ``[N,3,H,W]`` in [-1,1] and ids ``[N,L]`` → fixed noisy latents and targets."""
-    device = next(parts.vae.parameters()).device
+    """A raw (pixels + ids) or cached batch of N images → fixed noisy latents and targets."""
+    if device is None:
+        device = next(parts.vae.parameters()).device if parts.vae is not None else "cpu"
+    n_rows = next(iter(batch.values())).shape[0]
     latents, texts = [], []
-    for i in range(0, pixel_values.shape[0], batch_size):
-        px = pixel_values[i : i + batch_size].to(device, parts.weight_dtype)
-        dist = parts.vae.encode(px).latent_dist
-        latents.append(dist.mean.float() * parts.vae.config.scaling_factor)
-        texts.append(parts.text_encoder(input_ids[i : i + batch_size].to(device), return_dict=False)[0])
+    for i in range(0, n_rows, batch_size):
+        chunk = {k: v[i : i + batch_size].to(device) for k, v in batch.items()}
+        params = batch_posterior(parts.vae, chunk)
+        latents.append(sample_latents(params.float(), parts.latent_scale, sample=False))
+        texts.append(batch_condition(parts.text_encoders, chunk, parts.resolution))
     latents = torch.cat(latents)
     n = latents.shape[0]
     sched = parts.noise_scheduler
@@ -71,7 +74,7 @@ def prepare_heldout(
     noisy = sched.add_noise(lat, noise, t)
     target = diffusion_target(sched, lat, noise, t, parts.prediction_type).float()
     index = torch.arange(n, device=device).repeat_interleave(len(ts))
-    return HeldOut(noisy, t, target, torch.cat(texts), index)
+    return HeldOut(noisy, t, target, Cond.cat(texts), index)
 
 
 @torch.no_grad()
@@ -93,11 +96,12 @@ def heldout_loss(
     try:
         for i in range(0, idx.numel(), batch_size):
             j = idx[i : i + batch_size]
+            cond = heldout.text.select(heldout.text_index[j])
             pred = unet(
                 heldout.noisy[j].to(weight_dtype),
                 heldout.timesteps[j],
-                heldout.text[heldout.text_index[j]],
                 return_dict=False,
+                **cond.unet_kwargs(),
             )[0]
             err = (pred.float() - heldout.target[j]).pow(2).flatten(1).mean(1)
             total[0] += err.double().sum()

@@ -72,6 +72,7 @@ class TrainingRun:
     params: list[torch.nn.Parameter]
     state: LoopState
     ema: LoraEMA | None = None
+    family: str = "sd"
 
     def lora_state(self) -> dict[str, torch.Tensor]:
         return lora_state_dict(self.accelerator.unwrap_model(self.unet))
@@ -91,16 +92,21 @@ def build_run(
     weight_dtype = DTYPES[t.mixed_precision]
     # Same seed on every rank for the adapter's initial weights...
     set_seed(t.seed)
-    comps = load_components(cfg.model, weight_dtype, cfg.storage.client())
+    # Cached latents: the cache holds what the VAE and text encoders would compute.
+    comps = load_components(
+        cfg.model, weight_dtype, cfg.storage.client(), encoders=cfg.data.cache != "latents"
+    )
     params = add_lora(comps.unet, cfg.lora)
     if t.gradient_checkpointing:
         comps.unet.enable_gradient_checkpointing()
-    comps.vae.to(accelerator.device)
-    comps.text_encoder.to(accelerator.device)
+    for m in [comps.vae, *comps.text_encoders]:
+        if m is not None:
+            m.to(accelerator.device)
     prediction_type = t.prediction_type or comps.noise_scheduler.config.prediction_type
     parts = FrozenParts(
-        comps.vae, comps.text_encoder, comps.noise_scheduler, weight_dtype, prediction_type,
-        snr_gamma=t.snr_gamma, noise_offset=t.noise_offset,
+        comps.vae, comps.text_encoders, comps.noise_scheduler, weight_dtype, prediction_type,
+        snr_gamma=t.snr_gamma, noise_offset=t.noise_offset, latent_scale=comps.latent_scale,
+        resolution=cfg.data.resolution,
     )
     if restored is not None:
         load_lora_state_dict(comps.unet, restored.lora_sd)
@@ -136,7 +142,9 @@ def build_run(
                 "off when it was written); resume without EMA or start a new output.uri"
             )
     unet.train()
-    return TrainingRun(accelerator, unet, parts, optimizer, lr_scheduler, params, state, ema)
+    return TrainingRun(
+        accelerator, unet, parts, optimizer, lr_scheduler, params, state, ema, comps.family
+    )
 
 
 def nonfinite_advice(cfg: RayLoraConfig) -> str:
@@ -160,9 +168,9 @@ def write_checkpoint(directory: str, run: TrainingRun, rank: int) -> dict[str, t
         if run.ema is not None:
             # The published adapter is the EMA; lora.safetensors keeps the raw weights.
             with run.ema.swapped_in(run.params):
-                save_diffusers_adapter(unet, os.path.join(directory, ADAPTER_DIR))
+                save_diffusers_adapter(unet, os.path.join(directory, ADAPTER_DIR), run.family)
         else:
-            save_diffusers_adapter(unet, os.path.join(directory, ADAPTER_DIR))
+            save_diffusers_adapter(unet, os.path.join(directory, ADAPTER_DIR), run.family)
         scaler = run.accelerator.scaler
         save_main_state(
             directory,

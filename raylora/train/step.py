@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from raylora.train.encode import Cond, batch_condition, batch_posterior, sample_latents
 from raylora.train.loss import (
     denoising_loss,
     diffusion_target,
@@ -25,29 +26,38 @@ from raylora.train.loss import (
 
 @dataclass
 class FrozenParts:
-    """Everything the step needs besides the trainable UNet."""
+    """Everything the step needs besides the trainable UNet.
 
-    vae: torch.nn.Module
-    text_encoder: torch.nn.Module
+    ``vae`` and ``text_encoders`` are None when batches come from the latent cache.
+    """
+
+    vae: torch.nn.Module | None
+    text_encoders: list[torch.nn.Module]
     noise_scheduler: Any
     weight_dtype: torch.dtype
     prediction_type: str
     snr_gamma: float | None = None  # min-SNR-γ weighting; None = plain MSE
     noise_offset: float = 0.0
+    latent_scale: float = 0.18215  # the VAE's scaling_factor
+    resolution: int | None = None  # SDXL target size; default: the batch's pixel size
+
+    @property
+    def text_encoder(self) -> torch.nn.Module:
+        return self.text_encoders[0]
 
 
-def encode_batch(parts: FrozenParts, pixel_values: torch.Tensor, input_ids: torch.Tensor):
-    """pixels ``[B,3,H,W]`` in [-1,1], ids ``[B,L]`` → latents ``[B,4,H/f,W/f]``, text ``[B,L,D]``."""
+def encode_batch(parts: FrozenParts, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Cond]:
+    """A raw or cached batch → latents ``[B,C,h,w]`` (a posterior draw) and UNet conditioning."""
     with torch.no_grad():
-        dist = parts.vae.encode(pixel_values.to(parts.weight_dtype)).latent_dist
-        latents = dist.sample() * parts.vae.config.scaling_factor
-        text = parts.text_encoder(input_ids, return_dict=False)[0]
-    return latents, text
+        params = batch_posterior(parts.vae, batch)
+        latents = sample_latents(params, parts.latent_scale)
+        cond = batch_condition(parts.text_encoders, batch, parts.resolution)
+    return latents, cond
 
 
 def compute_loss(unet: torch.nn.Module, parts: FrozenParts, batch: dict[str, torch.Tensor]):
     """The diffusion training objective for one batch; randomness from torch's global RNG."""
-    latents, text = encode_batch(parts, batch["pixel_values"], batch["input_ids"])
+    latents, cond = encode_batch(parts, batch)
     noise = torch.randn_like(latents)
     timesteps = sample_timesteps(
         latents.shape[0], parts.noise_scheduler.config.num_train_timesteps, latents.device
@@ -55,7 +65,7 @@ def compute_loss(unet: torch.nn.Module, parts: FrozenParts, batch: dict[str, tor
     noise = offset_noise(noise, parts.noise_offset)
     noisy = parts.noise_scheduler.add_noise(latents, noise, timesteps)
     target = diffusion_target(parts.noise_scheduler, latents, noise, timesteps, parts.prediction_type)
-    pred = unet(noisy, timesteps, text, return_dict=False)[0]
+    pred = unet(noisy, timesteps, return_dict=False, **cond.unet_kwargs())[0]
     weights = None
     if parts.snr_gamma is not None:
         weights = min_snr_weights(

@@ -1,0 +1,228 @@
+"""Experiment tracking (wandb or TensorBoard) for the rank-0 training worker.
+
+``metrics.jsonl`` is always written elsewhere; this module only mirrors metrics and sample
+images into a tracker a person looks at while the job runs. Everything a backend writes
+lands under ``{output.uri}/tracking/``. Trackers write to local files, so for an object-store
+output they write into a temp dir and ``sync()`` / ``close()`` copy it to the bucket.
+
+No Ray imports here: the worker owns the tracker, the driver never sees one.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+import os
+import shutil
+import tempfile
+import time
+from typing import TYPE_CHECKING, Any
+
+from raylora import storage
+from raylora.config import TrackingSection
+from raylora.storage import Storage
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
+
+logger = logging.getLogger(__name__)
+
+
+class Tracker:
+    """The ``none`` backend, and the base of the others: every call is a no-op.
+
+    Subclasses write under ``self.local_dir``; when the output is remote, ``sync`` copies
+    that dir to ``self.remote_uri`` (``{output.uri}/tracking``).
+    """
+
+    def __init__(self, local_dir: str | None = None, remote_uri: str | None = None,
+                 store: Storage | None = None):
+        self.local_dir = local_dir
+        self.remote_uri = remote_uri
+        self._store = store
+        self._closed = False
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Scalars for one step; None and non-numeric values are skipped."""
+
+    def log_images(self, step: int, key: str, images: list[Image], captions: list[str]) -> None:
+        """A batch of sample images with one caption each, under ``key``.
+
+        wandb drops entries for a step lower than one already logged, so log images for a
+        step before logging metrics of a later step.
+        """
+
+    def sync(self) -> None:
+        """Copy what was written so far to the remote output (no-op for local outputs).
+
+        Safe to call at checkpoints: files still being appended to are copied as they are,
+        and the next sync overwrites them.
+        """
+        if self.remote_uri is not None and self.local_dir is not None:
+            for local, uri in self._uploads():
+                if os.path.isdir(local):
+                    self._store.upload_dir(local, uri)
+
+    def close(self) -> None:
+        """Finish the backend, upload a remote output's files and delete the temp dir."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finish()
+        if self.remote_uri is not None:
+            self.sync()
+            # Only after a successful upload: if it raised, the temp dir keeps the only copy.
+            shutil.rmtree(self.local_dir, ignore_errors=True)
+
+    def _finish(self) -> None:
+        """Flush and close the backend's writer."""
+
+    def _uploads(self) -> list[tuple[str, str]]:
+        """(local dir, URI) pairs that ``sync`` copies."""
+        return [(self.local_dir, self.remote_uri)]
+
+
+class TensorBoardTracker(Tracker):
+    """Event files under ``tracking/tensorboard/``, written with tensorboardX (a Ray
+    dependency; the ``tensorboard`` package that torch.utils.tensorboard needs is not
+    installed).
+
+    Not ``SummaryWriter``: it hands events to a background thread, and its ``flush()``
+    does not wait for that queue, so a ``sync()`` right after ``log()`` could upload a file
+    without the step. The synchronous ``EventsWriter`` under it has the file complete when
+    ``log`` returns.
+    """
+
+    def __init__(self, local_dir: str, remote_uri: str | None, store: Storage | None):
+        super().__init__(local_dir, remote_uri, store)
+        from tensorboardX.event_file_writer import EventsWriter
+
+        logdir = os.path.join(local_dir, "tensorboard")
+        os.makedirs(logdir, exist_ok=True)
+        # Names the file events.out.tfevents.<time>.<host>, like SummaryWriter does.
+        self._writer = EventsWriter(os.path.join(logdir, "events"))
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        from tensorboardX import summary
+
+        values = [summary.scalar(name, value).value[0] for name, value in scalars(metrics).items()]
+        if values:
+            self._write(step, values)
+
+    def log_images(self, step: int, key: str, images: list[Image], captions: list[str]) -> None:
+        import numpy as np
+        from tensorboardX import summary
+
+        _check_captions(images, captions)
+        values = [
+            summary.image(f"{key}/{i}", np.asarray(im.convert("RGB")), dataformats="HWC").value[0]
+            for i, im in enumerate(images)
+        ]
+        # TensorBoard's image tab shows no captions; its text tab does (tag gets a
+        # "/text_summary" suffix).
+        text = "\n\n".join(f"{i}: {c}" for i, c in enumerate(captions))
+        values.append(summary.text(f"{key}/captions", text).value[0])
+        self._write(step, values)
+
+    def _write(self, step: int, values: list) -> None:
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        self._writer.write_event(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
+        # A job killed between flushes would lose the end of its curve otherwise.
+        self._writer.flush()
+
+    def _finish(self) -> None:
+        self._writer.close()
+
+
+class WandbTracker(Tracker):
+    """A wandb run; its local files go to ``tracking/wandb/`` (wandb names the subdir)."""
+
+    def __init__(self, tracking: TrackingSection, run_name: str, config: dict,
+                 local_dir: str, remote_uri: str | None, store: Storage | None):
+        super().__init__(local_dir, remote_uri, store)
+        import wandb
+
+        self._wandb = wandb
+        # wandb takes the git root from `dir`; a missing dir prints a warning even when
+        # silent.
+        os.makedirs(local_dir, exist_ok=True)
+        self._run = wandb.init(
+            project=tracking.project,
+            name=run_name,
+            dir=local_dir,
+            # Explicit, so the config wins over a WANDB_MODE left in the environment.
+            mode=tracking.wandb_mode,
+            config=config,
+            # A trial reusing this worker process must not log into the previous run.
+            reinit="finish_previous",
+            # Its banner would land in the middle of the training log.
+            settings=wandb.Settings(silent=True),
+        )
+        if not self._run.offline:
+            logger.info("wandb run %s", self._run.url)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        values = scalars(metrics)
+        if values:
+            self._run.log(values, step=step)
+
+    def log_images(self, step: int, key: str, images: list[Image], captions: list[str]) -> None:
+        _check_captions(images, captions)
+        self._run.log({key: [self._wandb.Image(im, caption=c) for im, c in zip(images, captions)]},
+                      step=step)
+
+    def _finish(self) -> None:
+        self._run.finish()
+
+    def _uploads(self) -> list[tuple[str, str]]:
+        # Only this run's own dir: wandb/ also holds `latest-run` and log symlinks, which
+        # the copy would follow and upload a second time.
+        run_dir = os.path.dirname(self._run.dir)
+        rel = os.path.relpath(run_dir, self.local_dir)
+        return [(run_dir, storage.join(self.remote_uri, rel))]
+
+
+def open_tracker(tracking: TrackingSection, output_uri: str, config: dict,
+                 store: Storage | None = None) -> Tracker:
+    """The tracker ``tracking.backend`` asks for, writing under ``{output_uri}/tracking``.
+
+    ``config`` is the job's config tree (recorded by wandb; must hold no secrets, and the
+    config never does: credentials come from the environment). ``store`` reaches a remote
+    output; default ``Storage()``.
+    """
+    if tracking.backend == "none":
+        return Tracker()
+    target = storage.join(output_uri, "tracking")
+    if storage.is_local(output_uri):
+        local_dir, remote_uri = storage.local_path(target), None
+    else:
+        local_dir, remote_uri = tempfile.mkdtemp(prefix="raylora-track-"), target
+        store = store or Storage()
+    if tracking.backend == "tensorboard":
+        return TensorBoardTracker(local_dir, remote_uri, store)
+    run_name = tracking.run_name or storage.normalize(output_uri).rstrip("/").rsplit("/", 1)[-1]
+    return WandbTracker(tracking, run_name, config, local_dir, remote_uri, store)
+
+
+def scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    """The numeric entries of ``metrics`` as floats (NaN and inf kept: a diverging loss is
+    exactly what the curve should show). numpy and torch scalars become Python floats."""
+    out = {}
+    for name, value in metrics.items():
+        if isinstance(value, numbers.Real):
+            out[name] = float(value)
+            continue
+        try:  # numpy / torch scalars and one-element arrays
+            value = value.item()
+        except (AttributeError, ValueError, RuntimeError, TypeError):
+            continue
+        if isinstance(value, numbers.Real):
+            out[name] = float(value)
+    return out
+
+
+def _check_captions(images: list, captions: list[str]) -> None:
+    if len(images) != len(captions):
+        raise ValueError(f"{len(images)} images but {len(captions)} captions")

@@ -1,0 +1,278 @@
+"""Trackers write what was logged, where it was asked, readable by the tools' own formats.
+
+The files are read back without TensorBoard or a wandb server: TensorBoard event files and
+wandb's offline ``.wandb`` log are both length-prefixed, checksummed protobuf records, and
+both readers below verify every checksum.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+import math
+import os
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from raylora.config import TrackingSection
+from raylora.storage import Storage
+from raylora.track import Tracker, open_tracker, scalars
+
+LOSSES = [0.75, 0.5, 0.25]
+LRS = [1e-4, 2e-4, 3e-4]
+COLORS = [(255, 0, 0), (0, 0, 255)]
+FAKE_WANDB_KEY = "rAyLoRaFakeWandbKey0001doNotLeak" + "0" * 8
+
+
+def log_run(tracker: Tracker) -> None:
+    """Three steps of loss/lr (in numpy, torch and float flavours, plus values that must be
+    skipped) and two 16x16 solid images at step 2."""
+    for step in range(3):
+        tracker.log(step, {
+            "loss": torch.tensor(LOSSES[step]) if step == 1 else LOSSES[step],
+            "lr": np.float64(LRS[step]),
+            "note": "text is skipped",
+            "grad_norm": None,
+        })
+    tracker.log_images(2, "samples", [Image.new("RGB", (16, 16), c) for c in COLORS],
+                       ["a red square", "a blue square"])
+    tracker.close()
+
+
+def crc32c(data: bytes) -> int:
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc ^= b
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 & -(crc & 1))
+    return crc ^ 0xFFFFFFFF
+
+
+def masked_crc(data: bytes) -> int:
+    crc = crc32c(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def read_tfevents(path: str) -> list:
+    """Events of one TFRecord file: uint64 length, masked crc32c of it, payload, its crc."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    with open(path, "rb") as f:
+        data = f.read()
+    pos, events = 0, []
+    while pos < len(data):
+        header = data[pos:pos + 8]
+        (n,) = struct.unpack("<Q", header)
+        (header_crc,) = struct.unpack("<I", data[pos + 8:pos + 12])
+        payload = data[pos + 12:pos + 12 + n]
+        (payload_crc,) = struct.unpack("<I", data[pos + 12 + n:pos + 16 + n])
+        assert header_crc == masked_crc(header) and payload_crc == masked_crc(payload)
+        events.append(Event.FromString(payload))
+        pos += 16 + n
+    return events
+
+
+def read_wandb_log(path: str) -> list:
+    with open(path, "rb") as f:
+        return read_wandb_log_bytes(f.read())
+
+
+def read_wandb_log_bytes(data: bytes) -> list:
+    """Records of a ``.wandb`` file: a 7-byte header, then LevelDB-log framing (32 KiB
+    blocks; per chunk crc32(type + data), uint16 length, type FULL/FIRST/MIDDLE/LAST)."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    assert data[:4] == b":W&B" and struct.unpack("<HB", data[4:7]) == (0xBEE1, 0)
+    block, pos, buf, records = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # block tails too short for a header are padding
+            pos += block - pos % block
+            continue
+        crc, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk = data[pos + 7:pos + 7 + n]
+        assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) == crc, f"bad chunk at {pos}"
+        buf += chunk
+        pos += 7 + n
+        if kind in (1, 4):  # FULL, LAST
+            records.append(Record.FromString(buf))
+            buf = b""
+    return records
+
+
+def check_tensorboard_events(paths: list[str]) -> None:
+    events = [e for p in paths for e in read_tfevents(p)]
+    got: dict[str, list] = {}
+    images, texts = [], []
+    for e in events:
+        for v in e.summary.value:
+            if v.HasField("simple_value"):
+                got.setdefault(v.tag, []).append((e.step, v.simple_value))
+            elif v.HasField("image"):
+                images.append((e.step, v.tag, v.image.height, v.image.width, v.image.encoded_image_string))
+            elif v.HasField("tensor"):  # add_text
+                texts.append((e.step, v.tag, v.tensor.string_val[0].decode()))
+    assert set(got) == {"loss", "lr"}  # "note" and None were skipped
+    assert [s for s, _ in got["loss"]] == [0, 1, 2] and [s for s, _ in got["lr"]] == [0, 1, 2]
+    assert [v for _, v in got["loss"]] == pytest.approx(LOSSES, rel=1e-6)
+    assert [v for _, v in got["lr"]] == pytest.approx(LRS, rel=1e-6)
+    assert [i[:4] for i in sorted(images)] == [(2, "samples/0", 16, 16), (2, "samples/1", 16, 16)]
+    for (_, _, _, _, png), color in zip(sorted(images), COLORS):
+        assert Image.open(io.BytesIO(png)).convert("RGB").getpixel((8, 8)) == color
+    # tensorboardX files text under "<tag>/text_summary".
+    assert texts == [(2, "samples/captions/text_summary", "0: a red square\n\n1: a blue square")]
+
+
+def test_tensorboard_event_files_hold_the_logged_values(tmp_path):
+    out = tmp_path / "out"
+    tracker = open_tracker(TrackingSection(backend="tensorboard"), str(out), {"a": 1})
+    log_run(tracker)
+    paths = glob.glob(str(out / "tracking" / "tensorboard" / "events.out.tfevents.*"))
+    assert len(paths) == 1
+    check_tensorboard_events(paths)
+    tracker.close()  # a second close is harmless
+
+
+def test_wandb_offline_run_records_metrics_images_and_no_secret(tmp_path, monkeypatch):
+    # conftest leaves WANDB_MODE=disabled; setting it here too shows the config's mode wins.
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_API_KEY", FAKE_WANDB_KEY)
+    out = tmp_path / "runs" / "my-run"
+    tracking = TrackingSection(backend="wandb", wandb_mode="offline", project="proj")
+    log_run(open_tracker(tracking, str(out), {"train": {"learning_rate": 1e-3}}))
+
+    run_dirs = glob.glob(str(out / "tracking" / "wandb" / "offline-run-*"))
+    assert len(run_dirs) == 1
+    run_dir = run_dirs[0]
+    # wandb 0.31 offline writes no files/wandb-summary.json or config.yaml: the run lives
+    # in the binary .wandb log that `wandb sync` uploads, so that is what is checked.
+    (log_file,) = glob.glob(os.path.join(run_dir, "run-*.wandb"))
+    records = read_wandb_log(log_file)
+    run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    assert (run.project, run.display_name) == ("proj", "my-run")  # name defaults to the dir
+    config = {u.key: json.loads(u.value_json) for u in run.config.update}
+    assert config["train"] == {"learning_rate": 1e-3}
+
+    rows = []
+    for r in records:
+        if r.WhichOneof("record_type") == "history":
+            rows.append({"/".join(i.nested_key or [i.key]): json.loads(i.value_json) for i in r.history.item})
+    assert [row["_step"] for row in rows] == [0, 1, 2]
+    assert [row["loss"] for row in rows] == pytest.approx(LOSSES, rel=1e-6)  # torch → 0.5
+    assert [row["lr"] for row in rows] == pytest.approx(LRS, rel=1e-12)
+    assert not any("note" in row or "grad_norm" in row for row in rows)
+    assert rows[2]["samples/captions"] == ["a red square", "a blue square"]
+    assert (rows[2]["samples/width"], rows[2]["samples/height"]) == (16, 16)
+
+    summary: dict = {}
+    for r in records:
+        if r.WhichOneof("record_type") == "summary":
+            summary.update({"/".join(u.nested_key or [u.key]): json.loads(u.value_json)
+                            for u in r.summary.update})
+    assert summary["loss"] == pytest.approx(LOSSES[-1]) and summary["_step"] == 2
+
+    pngs = sorted(glob.glob(os.path.join(run_dir, "files", "media", "images", "samples_2_*.png")))
+    assert len(pngs) == 2
+    assert sorted(Image.open(p).convert("RGB").getpixel((8, 8)) for p in pngs) == sorted(COLORS)
+
+    written = [p for p in glob.glob(str(out / "**" / "*"), recursive=True) if os.path.isfile(p)]
+    assert log_file in written
+    for path in written:
+        with open(path, "rb") as f:
+            assert FAKE_WANDB_KEY.encode() not in f.read(), path
+
+
+def test_none_backend_does_nothing(tmp_path):
+    out = tmp_path / "out"
+    tracker = open_tracker(TrackingSection(), str(out), {})
+    assert type(tracker) is Tracker
+    log_run(tracker)
+    tracker.sync()
+    assert not out.exists()
+
+
+def test_scalars_keeps_numbers_of_every_flavour_and_drops_the_rest():
+    got = scalars({
+        "f": 0.5, "i": 3, "np": np.float32(0.25), "t": torch.tensor(2.0), "t1": torch.tensor([4.0]),
+        "nan": float("nan"), "inf": np.float64("inf"),
+        "none": None, "s": "x", "vec": torch.tensor([1.0, 2.0]), "list": [1.0], "d": {"a": 1},
+    })
+    assert set(got) == {"f", "i", "np", "t", "t1", "nan", "inf"}
+    assert all(type(v) is float for v in got.values())
+    assert (got["f"], got["i"], got["np"], got["t"], got["t1"]) == (0.5, 3.0, 0.25, 2.0, 4.0)
+    assert math.isnan(got["nan"]) and got["inf"] == math.inf
+
+
+def test_mismatched_captions_are_refused(tmp_path):
+    tracker = open_tracker(TrackingSection(backend="tensorboard"), str(tmp_path / "out"), {})
+    with pytest.raises(ValueError, match="2 images but 1 captions"):
+        tracker.log_images(0, "s", [Image.new("RGB", (4, 4))] * 2, ["one"])
+    tracker.close()
+
+
+@pytest.fixture
+def bucket(moto_endpoint, monkeypatch):
+    """A bucket on the session's S3 server, with fake credentials for this test only."""
+    import boto3
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIARAYLORAFAKE00002")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "rAyLoRa/FakeSecret+0002/doNotLeak")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1").create_bucket(
+        Bucket="raylora-track")
+    return "raylora-track"
+
+
+def test_tensorboard_to_s3_syncs_at_checkpoints_and_uploads_on_close(bucket, moto_endpoint, tmp_path):
+    store = Storage(endpoint_url=moto_endpoint)
+    uri = f"s3://{bucket}/runs/run1"
+    tracker = open_tracker(TrackingSection(backend="tensorboard"), uri, {}, store)
+    local = tracker.local_dir
+    tracker.log(0, {"loss": 1.0})
+    assert store.list_files(uri) == []  # nothing is uploaded until a sync
+    tracker.sync()  # as at a checkpoint
+    (event_uri,) = store.list_files(uri)
+    assert event_uri.startswith(f"{uri}/tracking/tensorboard/events.out.tfevents.")
+    synced = tmp_path / "synced.tfevents"
+    synced.write_bytes(store.read_bytes(event_uri))
+    assert [(e.step, v.simple_value) for e in read_tfevents(str(synced)) for v in e.summary.value] == [
+        (0, 1.0)]
+
+    tracker.log(1, {"loss": 0.5})
+    tracker.close()
+    assert not os.path.exists(local)  # the temp dir goes once uploaded
+    assert store.list_files(uri) == [event_uri]
+    final = tmp_path / "final.tfevents"
+    final.write_bytes(store.read_bytes(event_uri))
+    assert [(e.step, v.simple_value) for e in read_tfevents(str(final)) for v in e.summary.value] == [
+        (0, 1.0), (1, 0.5)]
+
+
+def test_wandb_offline_to_s3_uploads_the_run_dir_once(bucket, moto_endpoint, monkeypatch):
+    """Only the run's own dir goes up: wandb/ also holds a `latest-run` symlink to it, which
+    a plain directory copy would follow and upload twice."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    store = Storage(endpoint_url=moto_endpoint)
+    uri = f"s3://{bucket}/runs/wb"
+    tracking = TrackingSection(backend="wandb", wandb_mode="offline")
+    tracker = open_tracker(tracking, uri, {}, store)
+    log_run(tracker)
+    assert not os.path.exists(tracker.local_dir)
+
+    names = [f[len(uri) + 1:] for f in store.list_files(uri)]
+    run_dirs = {n.split("/")[2] for n in names}
+    assert len(run_dirs) == 1 and run_dirs.pop().startswith("offline-run-")
+    assert all(n.startswith("tracking/wandb/offline-run-") for n in names), names
+    (log_name,) = [n for n in names if n.endswith(".wandb")]
+    assert len([n for n in names if "/files/media/images/samples_2_" in n]) == 2
+    records = read_wandb_log_bytes(store.read_bytes(f"{uri}/{log_name}"))
+    losses = [json.loads(i.value_json) for r in records if r.WhichOneof("record_type") == "history"
+              for i in r.history.item if list(i.nested_key) == ["loss"]]
+    assert losses == pytest.approx(LOSSES)

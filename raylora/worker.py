@@ -87,6 +87,40 @@ def _heldout_evaluator(cfg: RayLoraConfig, plan: dict, heldout, run, rank: int, 
     return evaluate
 
 
+def _previewer(cfg: RayLoraConfig, plan: dict, run, tracker):
+    """``preview(step)``: rank 0 renders ``validation.prompts`` into
+    ``{output.uri}/validation/step_NNNNNN.png`` and the tracker (EMA weights when on)."""
+    import io
+
+    from raylora import storage
+    from raylora.model.load import materialize
+    from raylora.train import preview as pv
+
+    v, acc = cfg.validation, run.accelerator
+    store = cfg.storage.client()
+    model_path = materialize(plan["model_path"], store)
+    unet = acc.unwrap_model(run.unet)
+
+    def preview(step: int) -> None:
+        with run.ema.swapped_in(run.params) if run.ema is not None else nullcontext():
+            pipe = pv.build_pipeline(
+                model_path, run.family, unet, run.parts.vae, run.parts.text_encoders,
+                dtype=run.parts.weight_dtype, device=acc.device,
+            )
+            images = pv.render(pipe, v.prompts, v.seed, v.num_inference_steps, v.guidance_scale,
+                               cfg.data.resolution, autocast=acc.autocast)
+            del pipe
+            pv.free_memory()
+        buf = io.BytesIO()
+        pv.make_grid(images).save(buf, format="PNG")
+        uri = storage.join(cfg.output.uri, "validation", f"step_{step:06d}.png")
+        store.write_bytes(uri, buf.getvalue())
+        tracker.log_images(step, "validation", images, list(v.prompts))
+        log.info("step %d validation images → %s", step, uri)
+
+    return preview
+
+
 def _accelerator(cfg: RayLoraConfig):
     """Accelerate picks up the torch.distributed process group that Ray Train created."""
     from accelerate import Accelerator
@@ -151,7 +185,17 @@ def train_loop_per_worker(loop_config: dict) -> None:
         bar = tqdm(total=max_steps, desc="raylora train")
         bar.update(run.state.global_step)
 
+    from raylora.track import Tracker, open_tracker
+
+    # Rank 0 talks to the tracker; the other ranks' Tracker() does nothing.
+    tracker = open_tracker(cfg.tracking, cfg.output.uri, cfg.to_dict(), cfg.storage.client()) \
+        if rank == 0 else Tracker()
+    preview = None
+    if cfg.validation.prompts and rank == 0:
+        preview = _previewer(cfg, plan, run, tracker)
+
     def on_step(row: dict) -> None:
+        tracker.log(row["step"], {k: v for k, v in row.items() if k != "step"})
         if bar is not None:
             bar.update(1)
         if rank == 0 and row["step"] % t.log_every_n_steps == 0:
@@ -180,6 +224,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
         }
 
     def on_eval(st: LoopState) -> None:
+        tracker.log(st.global_step, {"eval_loss": st.eval_loss_last})
         if rank == 0:
             log.info("step %d held-out loss %.5f", st.global_step, st.eval_loss_last)
         # Metrics only (a barrier like every report): Tune's schedulers see each evaluation.
@@ -187,8 +232,11 @@ def train_loop_per_worker(loop_config: dict) -> None:
 
     def on_checkpoint(st: LoopState, final: bool) -> None:
         metrics = step_metrics(st)
-        if rank == 0 and st.history and "eval_loss" in st.history[-1]:
-            log.info("step %d held-out loss %.5f", st.global_step, st.eval_loss_last)
+        if st.history and "eval_loss" in st.history[-1]:
+            tracker.log(st.global_step, {"eval_loss": st.eval_loss_last})
+            if rank == 0:
+                log.info("step %d held-out loss %.5f", st.global_step, st.eval_loss_last)
+        tracker.sync()
         d = tempfile.mkdtemp(prefix="raylora-ckpt-")
         sd = write_checkpoint(d, run, rank)
         if final:
@@ -197,6 +245,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
             metrics["replica_lora_digests"] = gather_object([digest(sd)])
             metrics["worker_nodes"] = gather_object([ray.get_runtime_context().get_node_id()])
             metrics.update(st.scalars())
+            # False under the latent cache: the workers never loaded the VAE/text encoders.
+            metrics["encoders_on_worker"] = run.parts.vae is not None
         # Every rank passes its directory: Ray merges them into one checkpoint (rank 0
         # writes the model and optimizer, each rank its own RNG state). Intermediate
         # checkpoints upload in the background so accelerators do not wait on storage;
@@ -211,28 +261,33 @@ def train_loop_per_worker(loop_config: dict) -> None:
             delete_local_checkpoint_after_upload=True,
         )
 
-    run_loop(
-        accelerator=accelerator,
-        unet=run.unet,
-        parts=run.parts,
-        optimizer=run.optimizer,
-        lr_scheduler=run.lr_scheduler,
-        params=run.params,
-        state=run.state,
-        max_steps=max_steps,
-        max_grad_norm=t.max_grad_norm,
-        images_per_step=t.batch_size * t.gradient_accumulation_steps * world,
-        checkpoint_every=cfg.checkpoint.every_n_steps,
-        epoch_batches=epoch_batches,
-        on_checkpoint=on_checkpoint,
-        on_step=on_step,
-        evaluate=evaluate,
-        eval_every=cfg.validation.every_n_steps,
-        on_eval=on_eval,
-        ema=run.ema,
-        max_nonfinite_steps=t.max_nonfinite_steps,
-        nonfinite_advice=nonfinite_advice(cfg),
-    )
+    try:
+        run_loop(
+            accelerator=accelerator,
+            unet=run.unet,
+            parts=run.parts,
+            optimizer=run.optimizer,
+            lr_scheduler=run.lr_scheduler,
+            params=run.params,
+            state=run.state,
+            max_steps=max_steps,
+            max_grad_norm=t.max_grad_norm,
+            images_per_step=t.batch_size * t.gradient_accumulation_steps * world,
+            checkpoint_every=cfg.checkpoint.every_n_steps,
+            epoch_batches=epoch_batches,
+            on_checkpoint=on_checkpoint,
+            on_step=on_step,
+            evaluate=evaluate,
+            eval_every=cfg.validation.every_n_steps,
+            on_eval=on_eval,
+            ema=run.ema,
+            preview=preview,
+            max_nonfinite_steps=t.max_nonfinite_steps,
+            nonfinite_advice=nonfinite_advice(cfg),
+        )
+    finally:
+        # Also when the loop stops on NaN/inf: what was logged so far is kept.
+        tracker.close()
     if bar is not None:
         bar.close()
 

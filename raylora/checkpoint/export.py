@@ -38,6 +38,7 @@ SUMMARY_KEYS = (
     "eval_loss_best",
     "eval_loss_best_step",
     "nonfinite_steps",
+    "encoders_on_worker",
 )
 
 
@@ -179,6 +180,10 @@ def export_run(
         "fingerprint": data_fingerprint(files, store),
         "heldout_rows": plan.get("heldout_rows", 0),
         "heldout": _heldout_source(cfg),
+        "family": plan.get("family", "sd"),
+        # data.cache=latents: the entry trained from ("files"/"rows" above are its files).
+        "cache_uri": plan.get("cache_uri"),
+        "cache_reused": plan.get("cache_reused"),
     }
     with open(os.path.join(ckpt_dir, HISTORY_FILE)) as f:
         history = [json.loads(line) for line in f if line.strip()]

@@ -165,15 +165,23 @@ def _encode(ds, cfg: RayLoraConfig, model_path: str, family: str, store: Storage
     )
 
 
-class _OrderedNames:
-    """Parquet part names that sort in write order (with ``preserve_order``: data order),
-    so a cache lists its rows in the order of the source files."""
+def _ordered_names():
+    """Parquet part names that sort in write-task order (with ``preserve_order``: data
+    order), so a cache lists its rows in the order of the source files."""
+    from ray.data.datasource import FilenameProvider
 
-    def get_filename_for_block(self, block, write_uuid, task_index, block_index):
-        return f"part-{task_index:06d}-{block_index:06d}.parquet"
+    class OrderedNames(FilenameProvider):
+        def get_filename_for_task(self, write_uuid: str, task_index: int) -> str:
+            return f"part-{task_index:06d}-{write_uuid}.parquet"
 
-    def get_filename_for_row(self, row, write_uuid, task_index, block_index, row_index):
-        return f"part-{task_index:06d}-{block_index:06d}-{row_index:06d}.parquet"
+    return OrderedNames()
+
+
+def _natural_key(name: str) -> list:
+    """'part-000001_ab-10.parquet' after 'part-000001_ab-9.parquet'."""
+    import re
+
+    return [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", name)]
 
 
 def ensure_cache(cfg: RayLoraConfig, family: str, model_path: str, data_format: str,
@@ -203,11 +211,11 @@ def ensure_cache(cfg: RayLoraConfig, family: str, model_path: str, data_format: 
             ds = ds.map_batches(KeepSplit(cfg.data.validation_split), batch_format="numpy")
         ds = _encode(ds, cfg, model_path, family, store)
         fs, path = store.fs(parts)
-        ds.write_parquet(path, filesystem=fs, filename_provider=_OrderedNames(),
+        ds.write_parquet(path, filesystem=fs, filename_provider=_ordered_names(),
                          min_rows_per_file=rows_per_file)
     finally:
         ctx.execution_options.preserve_order = keep_order
-    files = sorted(f for f in store.list_files(parts) if f.endswith(".parquet"))
+    files = sorted((f for f in store.list_files(parts) if f.endswith(".parquet")), key=_natural_key)
     if not files:
         raise ValueError(f"data.cache: encoding {cfg.data.uri} produced no rows")
     file_rows = []

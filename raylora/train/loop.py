@@ -41,6 +41,7 @@ def run_loop(
     eval_every: int | None = None,
     on_eval: Callable[[LoopState], None] = lambda state: None,
     ema=None,
+    preview: Callable[[int], None] | None = None,
     max_nonfinite_steps: int = 5,
     nonfinite_advice: str = "",
 ) -> LoopState:
@@ -52,7 +53,8 @@ def run_loop(
     With ``evaluate`` (the held-out loss), it runs before the first step, every
     ``eval_every`` steps (default: at every checkpoint) and at the end; its value is in
     ``state`` and the step's history row before ``on_checkpoint``, and ``on_eval(state)``
-    reports evaluations that fall between checkpoints.
+    reports evaluations that fall between checkpoints. ``preview(step)`` (validation
+    images) runs at the same steps, including before the first step of a fresh run.
     """
     last_ckpt_step = -1
     nonfinite_in_a_row = 0
@@ -61,6 +63,8 @@ def run_loop(
         # (e.g. a checkpoint before it) carries a held-out loss for Tune to compare.
         state.eval_loss_base = evaluate()
         state.record_eval(state.eval_loss_base)
+    if preview is not None and state.global_step == 0:
+        preview(0)
     t_start = time.perf_counter()
     wall_before = state.wall_seconds
     while state.global_step < max_steps:
@@ -116,9 +120,10 @@ def run_loop(
             on_step(row)
             final = state.global_step >= max_steps
             ckpt = state.global_step % checkpoint_every == 0 or final
-            if evaluate is not None and (
-                final or (state.global_step % eval_every == 0 if eval_every else ckpt)
-            ):
+            due = final or (state.global_step % eval_every == 0 if eval_every else ckpt)
+            if due and preview is not None:
+                preview(state.global_step)
+            if due and evaluate is not None:
                 row["eval_loss"] = evaluate()
                 state.record_eval(row["eval_loss"])
                 if not ckpt:

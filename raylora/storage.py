@@ -30,8 +30,11 @@ AWS_ENV_VARS = (
     "AWS_SESSION_TOKEN",
     "AWS_REGION",
     "AWS_DEFAULT_REGION",
+    # Tracking (tracking.backend=wandb) runs in the rank-0 worker, which needs the key too.
+    "WANDB_API_KEY",
+    "WANDB_BASE_URL",
 )
-SECRET_ENV_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+SECRET_ENV_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "WANDB_API_KEY")
 
 
 def is_local(uri: str) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from raylora import storage
 from raylora.config import ConfigError, RayLoraConfig, validate
@@ -114,10 +114,13 @@ def replan(cfg: RayLoraConfig, base: Plan) -> Plan:
     from raylora.data.source import DataPlan
 
     data = DataPlan(base.data_format, base.shard_files, base.data_rows, base.file_rows)
-    p = _arithmetic(cfg, base.model_path, data, base.heldout, [])
-    p.family, p.cache_uri, p.cache_reused = base.family, base.cache_uri, base.cache_reused
-    p.heldout_encoded = base.heldout_encoded
-    return p
+    return _carry(_arithmetic(cfg, base.model_path, data, base.heldout, []), base)
+
+
+def _carry(p: Plan, base: Plan, **changes) -> Plan:
+    """``p`` (fresh step arithmetic) with what ``base`` learned beyond it: family, cache."""
+    keep = {k: getattr(base, k) for k in ("family", "cache_uri", "cache_reused", "heldout_encoded")}
+    return replace(p, **{**keep, **changes})
 
 
 def apply_cache(cfg: RayLoraConfig, p: Plan) -> Plan:
@@ -131,11 +134,9 @@ def apply_cache(cfg: RayLoraConfig, p: Plan) -> Plan:
     store = cfg.storage.client()
     entry = ensure_cache(cfg, p.family, p.model_path, p.data_format, p.shard_files, store)
     data = DataPlan("parquet", entry.files, entry.rows, entry.file_rows)
-    cached = _arithmetic(cfg, p.model_path, data, p.heldout, [])
-    cached.family, cached.cache_uri, cached.cache_reused = p.family, entry.uri, entry.reused
-    if p.heldout:
-        cached.heldout_encoded = encode_rows(cfg, p.family, p.model_path, p.heldout, store)
-    return cached
+    encoded = encode_rows(cfg, p.family, p.model_path, p.heldout, store) if p.heldout else None
+    return _carry(_arithmetic(cfg, p.model_path, data, p.heldout, []), p,
+                  cache_uri=entry.uri, cache_reused=entry.reused, heldout_encoded=encoded)
 
 
 def _arithmetic(cfg: RayLoraConfig, model_path: str, data, heldout: list[dict], problems: list[str]) -> Plan:

@@ -42,6 +42,18 @@ def base_config(tiny_model, demo_data, tmp_path) -> dict:
     }
 
 
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray with 4 logical CPUs, one per test module, always shut down."""
+    import ray
+
+    from raylora.launch import start_local_ray
+
+    start_local_ray(num_cpus=4)
+    yield
+    ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def moto_endpoint():
     """A real S3-compatible server (moto's server mode) on 127.0.0.1 for the session.

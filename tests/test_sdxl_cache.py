@@ -47,17 +47,6 @@ def test_sdxl_time_ids_layout():
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    from raylora.launch import start_local_ray
-
-    start_local_ray(num_cpus=4)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def tiny_sdxl(tmp_path_factory):
     from raylora.model.tiny import build_tiny
 

@@ -15,17 +15,6 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    from raylora.launch import start_local_ray
-
-    start_local_ray(num_cpus=4)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def first_run(ray_local, tiny_model, demo_data, tmp_path_factory):
     from raylora.launch import run
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +37,28 @@ log = logging.getLogger("raylora.cache")
 CACHE_VERSION = 1
 MANIFEST = "manifest.json"
 CACHED_COLUMNS = ("latent_params", "prompt_embeds", "pooled_prompt_embeds", "time_ids")
-DTYPES = {"no": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def _dtype_name(cfg: RayLoraConfig) -> str:
+    """The encoders' weight dtype (as training would load them), e.g. "bfloat16"."""
+    from raylora.train.setup import DTYPES
+
+    return str(DTYPES[cfg.train.mixed_precision]).removeprefix("torch.")
+
+
+@contextmanager
+def _ordered():
+    """Ray Data keeps rows in input order while inside (the cache lists rows in source
+    order, and held-out rows must come back in the order they were sent)."""
+    import ray.data
+
+    options = ray.data.DataContext.get_current().execution_options
+    before = options.preserve_order
+    options.preserve_order = True
+    try:
+        yield
+    finally:
+        options.preserve_order = before
 
 
 class EncodeStage:
@@ -104,7 +126,7 @@ def fingerprint(cfg: RayLoraConfig, family: str, model_path: str, data_files: li
     h = hashlib.sha256()
     h.update(json.dumps({
         "version": CACHE_VERSION, "model": model_path, "revision": cfg.model.revision,
-        "variant": cfg.model.variant, "family": family, "dtype": DTYPES[cfg.train.mixed_precision],
+        "variant": cfg.model.variant, "family": family, "dtype": _dtype_name(cfg),
         "resolution": d.resolution, "center_crop": d.center_crop, "random_flip": d.random_flip,
         "image_column": d.image_column, "caption_column": d.caption_column,
         "validation_split": d.validation_split,
@@ -138,7 +160,7 @@ def _stage_kwargs(cfg: RayLoraConfig, model_path: str, family: str, store: Stora
         endpoint_url=store.endpoint_url, region=store.region, family=family,
     )
     enc = dict(
-        model_path=model_path, family=family, dtype=DTYPES[cfg.train.mixed_precision],
+        model_path=model_path, family=family, dtype=_dtype_name(cfg),
         revision=cfg.model.revision, variant=cfg.model.variant,
         endpoint_url=store.endpoint_url, region=store.region, resolution=cfg.data.resolution,
     )
@@ -188,7 +210,6 @@ def ensure_cache(cfg: RayLoraConfig, family: str, model_path: str, data_format: 
                  data_files: list[str], store: Storage, rows_per_file: int = 1024) -> CacheEntry:
     """The complete cache entry for this config, built first when missing. Needs Ray."""
     import pyarrow.parquet as pq
-    import ray.data
 
     from raylora.data.source import DataPlan, read_rows
     from raylora.data.split import KeepSplit
@@ -202,10 +223,7 @@ def ensure_cache(cfg: RayLoraConfig, family: str, model_path: str, data_format: 
     if store.exists(parts):  # a build that died before its manifest: start over
         store.delete_dir(parts)
     log.info("latent cache: encoding %d file(s) into %s", len(data_files), uri)
-    ctx = ray.data.DataContext.get_current()
-    keep_order = ctx.execution_options.preserve_order
-    ctx.execution_options.preserve_order = True
-    try:
+    with _ordered():
         ds = read_rows(cfg.data, DataPlan(data_format, data_files, 0), store, seed=0, shuffle=False)
         if cfg.data.validation_split:
             ds = ds.map_batches(KeepSplit(cfg.data.validation_split), batch_format="numpy")
@@ -213,8 +231,6 @@ def ensure_cache(cfg: RayLoraConfig, family: str, model_path: str, data_format: 
         fs, path = store.fs(parts)
         ds.write_parquet(path, filesystem=fs, filename_provider=_ordered_names(),
                          min_rows_per_file=rows_per_file)
-    finally:
-        ctx.execution_options.preserve_order = keep_order
     files = sorted((f for f in store.list_files(parts) if f.endswith(".parquet")), key=_natural_key)
     if not files:
         raise ValueError(f"data.cache: encoding {cfg.data.uri} produced no rows")
@@ -236,14 +252,9 @@ def encode_rows(cfg: RayLoraConfig, family: str, model_path: str, rows: list[dic
     """Held-out rows ``{image, text}`` → cached columns, in order (same stages as the cache)."""
     import ray.data
 
-    ctx = ray.data.DataContext.get_current()
-    keep_order = ctx.execution_options.preserve_order
-    ctx.execution_options.preserve_order = True
-    try:
+    with _ordered():
         ds = _encode(ray.data.from_items(rows), cfg, model_path, family, store)
         batches = list(ds.iter_batches(batch_size=None, batch_format="numpy"))
-    finally:
-        ctx.execution_options.preserve_order = keep_order
     return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
 
 

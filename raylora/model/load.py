@@ -40,14 +40,6 @@ class Components:
     family: str = "sd"
     latent_scale: float = 0.18215  # the VAE's scaling_factor (known without loading it)
 
-    @property
-    def tokenizer(self):
-        return self.tokenizers[0]
-
-    @property
-    def text_encoder(self) -> torch.nn.Module:
-        return self.text_encoders[0]
-
 
 def detect_family(index: dict) -> str:
     """``model_index.json`` → "sd" | "sdxl". SDXL is the pipeline with a second text

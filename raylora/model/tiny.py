@@ -109,6 +109,42 @@ def build_clip_tokenizer(dest: str | Path, num_merges: int = 400):
     return tok
 
 
+def _text_config(tokenizer):
+    """CLIP text encoder config of the tiny models: hidden 32, 2 layers, 32-d projection."""
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=37,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=77,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        projection_dim=32,
+    )
+
+
+def _tiny_vae(**extra):
+    """VAE with channels (32, 64): downsample factor 2, 4 latent channels."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        block_out_channels=(32, 64),
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=32,
+        sample_size=64,
+        **extra,
+    )
+
+
 def build_tiny_sd(dest: str | Path, seed: int = 0) -> Path:
     """Save a tiny random SD-1.x pipeline to ``dest``; returns the path.
 
@@ -116,30 +152,16 @@ def build_tiny_sd(dest: str | Path, seed: int = 0) -> Path:
     downsample factor of 2, so 64 px images become 4×32×32 latents.
     """
     from diffusers import (
-        AutoencoderKL,
         DDPMScheduler,
         StableDiffusionPipeline,
         UNet2DConditionModel,
     )
-    from transformers import CLIPTextConfig, CLIPTextModel
+    from transformers import CLIPTextModel
 
     dest = Path(dest)
     torch.manual_seed(seed)
     tokenizer = build_clip_tokenizer(dest / "_tokenizer_build")
-    text_encoder = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=32,
-            intermediate_size=37,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=77,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            projection_dim=32,
-        )
-    )
+    text_encoder = CLIPTextModel(_text_config(tokenizer))
     unet = UNet2DConditionModel(
         sample_size=32,
         in_channels=4,
@@ -154,17 +176,7 @@ def build_tiny_sd(dest: str | Path, seed: int = 0) -> Path:
         attention_head_dim=8,
         norm_num_groups=32,
     )
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        block_out_channels=(32, 64),
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-        latent_channels=4,
-        layers_per_block=1,
-        norm_num_groups=32,
-        sample_size=64,
-    )
+    vae = _tiny_vae()
     scheduler = DDPMScheduler(
         beta_start=0.00085,
         beta_end=0.012,
@@ -196,27 +208,17 @@ def build_tiny_sdxl(dest: str | Path, seed: int = 0) -> Path:
     80), cross-attention over both encoders' features (64), VAE factor 2.
     """
     from diffusers import (
-        AutoencoderKL,
         EulerDiscreteScheduler,
         StableDiffusionXLPipeline,
         UNet2DConditionModel,
     )
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
     dest = Path(dest)
     torch.manual_seed(seed)
     tokenizer = build_clip_tokenizer(dest / "_tokenizer_build")
-
-    def text_config() -> CLIPTextConfig:
-        return CLIPTextConfig(
-            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=37,
-            num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=77,
-            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id, projection_dim=32,
-        )
-
-    text_encoder = CLIPTextModel(text_config())
-    text_encoder_2 = CLIPTextModelWithProjection(text_config())
+    text_encoder = CLIPTextModel(_text_config(tokenizer))
+    text_encoder_2 = CLIPTextModelWithProjection(_text_config(tokenizer))
     unet = UNet2DConditionModel(
         sample_size=32,
         in_channels=4,
@@ -234,19 +236,7 @@ def build_tiny_sdxl(dest: str | Path, seed: int = 0) -> Path:
         cross_attention_dim=64,
         norm_num_groups=32,
     )
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        block_out_channels=(32, 64),
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-        latent_channels=4,
-        layers_per_block=1,
-        norm_num_groups=32,
-        sample_size=64,
-        scaling_factor=0.13025,  # SDXL's VAE value
-        force_upcast=True,
-    )
+    vae = _tiny_vae(scaling_factor=0.13025, force_upcast=True)  # SDXL's VAE values
     scheduler = EulerDiscreteScheduler(
         beta_start=0.00085,
         beta_end=0.012,

@@ -41,10 +41,6 @@ class FrozenParts:
     latent_scale: float = 0.18215  # the VAE's scaling_factor
     resolution: int | None = None  # SDXL target size; default: the batch's pixel size
 
-    @property
-    def text_encoder(self) -> torch.nn.Module:
-        return self.text_encoders[0]
-
 
 def encode_batch(parts: FrozenParts, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Cond]:
     """A raw or cached batch → latents ``[B,C,h,w]`` (a posterior draw) and UNet conditioning."""

@@ -118,14 +118,11 @@ def test_tiny_sdxl_trains_renders_grids_tracks_and_loads_in_stock_pipeline(
 
 @pytest.mark.integration
 def test_latent_cache_build_reuse_and_training(ray_local, tiny_model, tmp_path):
-    """The cache holds what the encoders compute for every source row; cached runs never
-    load the encoders, are deterministic, and a second run reuses the cache.
-
-    Not asserted yet (#6 open): the cached loss trajectory equals the uncached one. Here it
-    does not (they differ from step 1 on) although the cache matches the encoders and the
-    held-out loss before training matches."""
+    """The cache holds what the encoders compute for every source row, in source order;
+    cached training repeats uncached training step for step (same seed, no augmentation),
+    never loads the encoders, and a second run reuses the cache."""
     import pyarrow.parquet as pq
-    import ray.data
+    import ray.data  # noqa: F401  (registers the tensor type the cache parts are written in)
 
     from raylora.data.cache import MANIFEST, EncodeStage
     from raylora.data.demo import write_parquet_shards
@@ -157,6 +154,9 @@ def test_latent_cache_build_reuse_and_training(ray_local, tiny_model, tmp_path):
 
     assert len(losses("cached")) == 6 and all(np.isfinite(losses("cached")))
     assert losses("again") == losses("cached")  # same cache, same seed: same run
+    # The trajectory of uncached training. Not bit-equal: the VAE's numerics depend a
+    # little on its batch size (8 rows when caching, 2 when training).
+    np.testing.assert_allclose(losses("cached"), losses("plain"), rtol=1e-4)
     m_plain, m_cached = plain["metrics"], cached["metrics"]
     # Held-out loss before training: the driver-encoded held-out rows equal the worker's.
     assert m_cached["eval_loss_base"] == pytest.approx(m_plain["eval_loss_base"], rel=1e-6)
@@ -171,17 +171,17 @@ def test_latent_cache_build_reuse_and_training(ray_local, tiny_model, tmp_path):
     manifest = json.loads(open(os.path.join(meta[0]["cache_uri"], MANIFEST)).read())
     assert sum(manifest["file_rows"]) == 16 and meta[0]["rows"] == 16
 
-    # Row for row, the cache is what the encoders give for the source rows (matched by
-    # content: a plain read of the files does not promise their order).
+    # Row for row, in source order, the cache is what the encoders give for the source rows.
     files = [os.path.join(meta[0]["cache_uri"], f) for f in manifest["files"]]
-    rows = ray.data.read_parquet(files).take_batch(100)
+
+    def column(name: str) -> np.ndarray:
+        return np.concatenate([c.to_numpy() for f in files for c in pq.read_table(f)[name].chunks])
+
     table = pq.read_table(data / "part-00000.parquet")
     pre = Preprocess(tiny_model, 64, center_crop=True, random_flip=False)
     raw = pre({"image": np.array(table["image"].to_pylist(), dtype=object),
                "text": np.array(table["text"].to_pylist(), dtype=object)})
     enc = EncodeStage(tiny_model, "sd", "float32", resolution=64)(dict(raw))
-    assert rows["latent_params"].shape == (16, 8, 32, 32)  # mean ‖ logvar, 4 channels, 64/2 px
-    a = np.argsort(rows["latent_params"].reshape(16, -1).mean(1))
-    b = np.argsort(enc["latent_params"].reshape(16, -1).mean(1))
-    np.testing.assert_allclose(rows["latent_params"][a], enc["latent_params"][b], atol=1e-5)
-    np.testing.assert_allclose(rows["prompt_embeds"][a], enc["prompt_embeds"][b], atol=1e-6)
+    assert column("latent_params").shape == (16, 8, 32, 32)  # mean ‖ logvar, 4 ch, 64/2 px
+    np.testing.assert_allclose(column("latent_params"), enc["latent_params"], atol=1e-5)
+    np.testing.assert_allclose(column("prompt_embeds"), enc["prompt_embeds"], atol=1e-6)

@@ -2,9 +2,11 @@
 
 Encoding is most of a LoRA step's frozen work (VAE encoder on every image, one or two
 text encoders on every caption) and it gives the same answer every epoch. The cache runs
-it once, as Ray Data stages (read → held-out filter → ``Preprocess`` → ``EncodeStage`` on
-accelerator actors where there are some → parquet), and training workers read the
-result instead of images, loading neither the VAE nor the text encoders.
+it once, as one Ray Data actor stage (``EncodeFiles``, on accelerators where there are
+some) over the source shard files: each actor reads a file's rows in order, drops the
+held-out split, preprocesses, encodes and writes parquet parts named by the file's
+position. Training workers read the parts instead of images, loading neither the VAE nor
+the text encoders, in the same row order as uncached training reads the source.
 
 What a cached row holds (float32): ``latent_params`` = the VAE posterior's mean ‖ logvar
 (so training still draws a fresh latent sample every step, as uncached training does),
@@ -23,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,21 +45,6 @@ def _dtype_name(cfg: RayLoraConfig) -> str:
     from raylora.train.setup import DTYPES
 
     return str(DTYPES[cfg.train.mixed_precision]).removeprefix("torch.")
-
-
-@contextmanager
-def _ordered():
-    """Ray Data keeps rows in input order while inside (the cache lists rows in source
-    order, and held-out rows must come back in the order they were sent)."""
-    import ray.data
-
-    options = ray.data.DataContext.get_current().execution_options
-    before = options.preserve_order
-    options.preserve_order = True
-    try:
-        yield
-    finally:
-        options.preserve_order = before
 
 
 class EncodeStage:
@@ -167,52 +153,103 @@ def _stage_kwargs(cfg: RayLoraConfig, model_path: str, family: str, store: Stora
     return pre, enc
 
 
-def _encode(ds, cfg: RayLoraConfig, model_path: str, family: str, store: Storage):
-    """Rows ``{image, text}`` → cached columns, as two Ray Data actor stages."""
-    import ray.data
+class EncodeFiles:
+    """Ray Data stage over work items ``(item, source file index, start, stop)``: reads the
+    item's rows in file order, holds out the split's rows, preprocesses, encodes, and
+    writes ``part-{item:06d}-{k:04d}.parquet`` itself.
 
-    from raylora.data.preprocess import Preprocess
+    Why not ``map_batches(...).write_parquet()``: with ``preserve_order`` on, Ray Data
+    still sometimes wrote a file's blocks out of order (seen 1 build in 4 here), and a
+    cache whose rows are permuted trains on a different sequence than the source does.
+    Naming parts by item makes the order a property of the names, not of scheduling.
+    """
 
-    pre, enc = _stage_kwargs(cfg, model_path, family, store)
-    actors = max(1, cfg.scaling.num_workers)
-    ds = ds.map_batches(
-        Preprocess, fn_constructor_kwargs=pre, batch_size=32, batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=actors), num_cpus=0.5,
-    )
-    gpu = {"num_gpus": 1} if cfg.scaling.use_gpu else {"num_cpus": 1}
-    return ds.map_batches(
-        EncodeStage, fn_constructor_kwargs=enc, batch_size=cfg.train.batch_size * 4,
-        batch_format="numpy", compute=ray.data.ActorPoolStrategy(min_size=1, max_size=actors),
-        **gpu,
-    )
+    def __init__(self, data: dict, fmt: str, files: list[str], parts_uri: str, pre: dict,
+                 enc: dict, rows_per_part: int, encode_batch: int):
+        from raylora.config import DataSection
+        from raylora.data.preprocess import Preprocess
+
+        self.data = DataSection.model_validate(data)
+        self.fmt, self.files, self.parts_uri = fmt, files, parts_uri
+        self.store = Storage(pre["endpoint_url"], pre["region"])
+        self.pre, self.enc = Preprocess(**pre), EncodeStage(**enc)
+        self.rows_per_part, self.encode_batch = rows_per_part, encode_batch
+
+    def _rows(self, index: int, start: int, stop: int):
+        from raylora.data import formats
+        from raylora.data.split import iter_rows
+
+        if self.fmt == "imagefolder":  # items are slices of the one row list
+            for row in formats.imagefolder_rows(self.store, self.files, self.data.caption_column)[start:stop]:
+                yield {"image": self.store.read_bytes(row["uri"]), "text": row["text"]}
+        else:
+            yield from iter_rows(self.data, self.fmt, [self.files[index]], self.store)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        import itertools
+
+        from raylora.data.split import held_out_mask
+
+        names, counts = [], []
+        for item, index, start, stop in zip(batch["item"], batch["index"], batch["start"], batch["stop"]):
+            rows, encoded, part = iter(self._rows(int(index), int(start), int(stop))), [], 0
+            while chunk := list(itertools.islice(rows, self.encode_batch)):
+                if self.data.validation_split:
+                    keep = ~held_out_mask([r["image"] for r in chunk], [r["text"] for r in chunk],
+                                          self.data.validation_split)
+                    chunk = [r for r, k in zip(chunk, keep) if k]
+                if chunk:
+                    encoded.append(encode_chunk(self.pre, self.enc, chunk))
+                while encoded and sum(len(e["latent_params"]) for e in encoded) >= self.rows_per_part:
+                    encoded = self._write(int(item), part, encoded, names, counts)
+                    part += 1
+            if encoded:
+                self._write(int(item), part, encoded, names, counts)
+        return {"name": np.array(names, dtype=object), "rows": np.array(counts, dtype=np.int64)}
+
+    def _write(self, item: int, part: int, encoded: list[dict], names: list, counts: list) -> list[dict]:
+        """Write the first ``rows_per_part`` buffered rows as one part; return the rest."""
+        import io
+
+        import pyarrow.parquet as pq
+        from ray.data.block import BlockAccessor
+
+        joined = {k: np.concatenate([e[k] for e in encoded]) for k in encoded[0]}
+        head = {k: v[: self.rows_per_part] for k, v in joined.items()}
+        rest = {k: v[self.rows_per_part :] for k, v in joined.items()}
+        name = f"part-{item:06d}-{part:04d}.parquet"
+        buf = io.BytesIO()
+        # Ray's tensor extension type: read_parquet gives the arrays back with their shapes.
+        pq.write_table(BlockAccessor.batch_to_block(head), buf)
+        self.store.write_bytes(storage.join(self.parts_uri, name), buf.getvalue())
+        names.append(name)
+        counts.append(len(head["latent_params"]))
+        return [rest] if len(rest["latent_params"]) else []
 
 
-def _ordered_names():
-    """Parquet part names that sort in write-task order (with ``preserve_order``: data
-    order), so a cache lists its rows in the order of the source files."""
-    from ray.data.datasource import FilenameProvider
-
-    class OrderedNames(FilenameProvider):
-        def get_filename_for_task(self, write_uuid: str, task_index: int) -> str:
-            return f"part-{task_index:06d}-{write_uuid}.parquet"
-
-    return OrderedNames()
+def encode_chunk(pre, enc: EncodeStage, rows: list[dict]) -> dict[str, np.ndarray]:
+    """``{image, text}`` rows → cached columns, in order."""
+    batch = {"image": np.array([r["image"] for r in rows], dtype=object),
+             "text": np.array([r["text"] for r in rows], dtype=object)}
+    return enc(pre(batch))
 
 
-def _natural_key(name: str) -> list:
-    """'part-000001_ab-10.parquet' after 'part-000001_ab-9.parquet'."""
-    import re
+def _work_items(fmt: str, files: list[str], store: Storage, caption_column: str,
+                per_item: int) -> list[dict]:
+    """One item per shard file; an imagefolder's row list in slices of ``per_item``."""
+    if fmt == "imagefolder":
+        from raylora.data import formats
 
-    return [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", name)]
+        n = len(formats.imagefolder_rows(store, files, caption_column))
+        return [{"item": i, "index": 0, "start": s, "stop": s + per_item}
+                for i, s in enumerate(range(0, n, per_item))]
+    return [{"item": i, "index": i, "start": 0, "stop": -1} for i in range(len(files))]
 
 
 def ensure_cache(cfg: RayLoraConfig, family: str, model_path: str, data_format: str,
-                 data_files: list[str], store: Storage, rows_per_file: int = 1024) -> CacheEntry:
+                 data_files: list[str], store: Storage, rows_per_part: int = 256) -> CacheEntry:
     """The complete cache entry for this config, built first when missing. Needs Ray."""
-    import pyarrow.parquet as pq
-
-    from raylora.data.source import DataPlan, read_rows
-    from raylora.data.split import KeepSplit
+    import ray.data
 
     uri = storage.join(cache_root(cfg), fingerprint(cfg, family, model_path, data_files, store))
     entry = read_entry(uri, store)
@@ -223,39 +260,51 @@ def ensure_cache(cfg: RayLoraConfig, family: str, model_path: str, data_format: 
     if store.exists(parts):  # a build that died before its manifest: start over
         store.delete_dir(parts)
     log.info("latent cache: encoding %d file(s) into %s", len(data_files), uri)
-    with _ordered():
-        ds = read_rows(cfg.data, DataPlan(data_format, data_files, 0), store, seed=0, shuffle=False)
-        if cfg.data.validation_split:
-            ds = ds.map_batches(KeepSplit(cfg.data.validation_split), batch_format="numpy")
-        ds = _encode(ds, cfg, model_path, family, store)
-        fs, path = store.fs(parts)
-        ds.write_parquet(path, filesystem=fs, filename_provider=_ordered_names(),
-                         min_rows_per_file=rows_per_file)
-    files = sorted((f for f in store.list_files(parts) if f.endswith(".parquet")), key=_natural_key)
-    if not files:
+    pre, enc = _stage_kwargs(cfg, model_path, family, store)
+    items = _work_items(data_format, list(data_files), store, cfg.data.caption_column, rows_per_part)
+    gpu = {"num_gpus": 1} if cfg.scaling.use_gpu else {"num_cpus": 1}
+    written = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+        EncodeFiles,
+        fn_constructor_kwargs=dict(
+            data=cfg.data.model_dump(), fmt=data_format, files=list(data_files), parts_uri=parts,
+            pre=pre, enc=enc, rows_per_part=rows_per_part,
+            encode_batch=max(8, cfg.train.batch_size * 4),
+        ),
+        batch_size=1, batch_format="numpy",
+        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.scaling.num_workers)),
+        **gpu,
+    ).take_all()
+    done = sorted((r["name"], int(r["rows"])) for r in written)  # zero-padded: source order
+    if not done:
         raise ValueError(f"data.cache: encoding {cfg.data.uri} produced no rows")
-    file_rows = []
-    for f in files:
-        with store.open_input(f) as fh:
-            file_rows.append(pq.ParquetFile(fh).metadata.num_rows)
-    rel = [f[len(uri.rstrip("/")) + 1 :] for f in files]
-    manifest = {"version": CACHE_VERSION, "family": family, "files": rel, "file_rows": file_rows,
+    names = [n for n, _ in done]
+    manifest = {"version": CACHE_VERSION, "family": family,
+                "files": [f"parts/{n}" for n in names], "file_rows": [c for _, c in done],
                 "source": {"uri": cfg.data.uri, "files": len(data_files)}}
     # Written last: its presence is what marks the entry complete.
     store.write_bytes(storage.join(uri, MANIFEST), json.dumps(manifest, indent=1).encode())
-    log.info("latent cache: wrote %d rows in %d file(s)", sum(file_rows), len(files))
-    return CacheEntry(uri, files, file_rows, reused=False)
+    log.info("latent cache: wrote %d rows in %d file(s)", sum(manifest["file_rows"]), len(names))
+    return CacheEntry(uri, [storage.join(parts, n) for n in names], manifest["file_rows"], reused=False)
+
+
+def _encode_rows_task(cfg_dict: dict, family: str, model_path: str, rows: list[dict]) -> dict:
+    from raylora.data.preprocess import Preprocess
+
+    cfg = RayLoraConfig.model_validate(cfg_dict)
+    store = cfg.storage.client()
+    pre, enc = _stage_kwargs(cfg, model_path, family, store)
+    return encode_chunk(Preprocess(**pre), EncodeStage(**enc), rows)
 
 
 def encode_rows(cfg: RayLoraConfig, family: str, model_path: str, rows: list[dict],
                 store: Storage) -> dict[str, np.ndarray]:
-    """Held-out rows ``{image, text}`` → cached columns, in order (same stages as the cache)."""
-    import ray.data
+    """Held-out rows ``{image, text}`` → cached columns, in order, by the same code as the
+    cache, in one Ray task (on a GPU when training uses them): a few hundred rows at most."""
+    import ray
 
-    with _ordered():
-        ds = _encode(ray.data.from_items(rows), cfg, model_path, family, store)
-        batches = list(ds.iter_batches(batch_size=None, batch_format="numpy"))
-    return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+    res = {"num_gpus": 1} if cfg.scaling.use_gpu else {"num_cpus": 1}
+    task = ray.remote(**res)(_encode_rows_task)
+    return ray.get(task.remote(cfg.to_dict(), family, model_path, rows))
 
 
 def read_cached_dataset(entry_files: list[str], store: Storage, seed: int):

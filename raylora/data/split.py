@@ -62,7 +62,7 @@ class KeepSplit:
         return {k: v[keep] for k, v in batch.items()}
 
 
-def _iter_rows(data: DataSection, fmt: str, files: list[str], storage: Storage) -> Iterator[dict]:
+def iter_rows(data: DataSection, fmt: str, files: list[str], storage: Storage) -> Iterator[dict]:
     """``{image, text}`` rows in file order, one file open at a time."""
     if fmt == "parquet":
         for f in files:
@@ -90,7 +90,7 @@ def read_heldout_rows(
     else (``data.validation_uri``) the first rows of the validation files. Each row is
     ``{"image": bytes, "text": str}``."""
     rows = []
-    for row in _iter_rows(data, fmt, files, storage):
+    for row in iter_rows(data, fmt, files, storage):
         if split is None or row_fraction(row["image"], row["text"]) < split:
             rows.append({"image": row["image"], "text": "" if row["text"] is None else str(row["text"])})
             if len(rows) >= data.validation_max_samples:

@@ -81,7 +81,8 @@ def encode_text(text_encoders: list[torch.nn.Module], ids: list[torch.Tensor]) -
 def vae_posterior(vae: torch.nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
     """pixels ``[B,3,H,W]`` in [-1,1] → posterior parameters ``[B,2C,h,w]`` (mean ‖ logvar)."""
     dtype = next(vae.parameters()).dtype
-    return vae.encode(pixel_values.to(dtype)).latent_dist.parameters
+    # contiguous: the conv may return channels-last; keep one layout for every consumer.
+    return vae.encode(pixel_values.to(dtype)).latent_dist.parameters.contiguous()
 
 
 def sample_latents(params: torch.Tensor, scale: float, sample: bool = True) -> torch.Tensor:
@@ -89,9 +90,9 @@ def sample_latents(params: torch.Tensor, scale: float, sample: bool = True) -> t
     draw ``latent_dist.sample()`` makes, so cached and uncached runs match), or the mean."""
     from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
-    dist = DiagonalGaussianDistribution(params)
+    dist = DiagonalGaussianDistribution(params.contiguous())
     latents = dist.sample() if sample else dist.mean
-    return latents * scale
+    return (latents * scale).contiguous()
 
 
 def batch_condition(text_encoders, batch: dict, resolution: int | None = None) -> Cond:

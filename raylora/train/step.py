@@ -54,7 +54,10 @@ def encode_batch(parts: FrozenParts, batch: dict[str, torch.Tensor]) -> tuple[to
 def compute_loss(unet: torch.nn.Module, parts: FrozenParts, batch: dict[str, torch.Tensor]):
     """The diffusion training objective for one batch; randomness from torch's global RNG."""
     latents, cond = encode_batch(parts, batch)
-    noise = torch.randn_like(latents)
+    # Not randn_like: it keeps the input's memory layout, and CPU randn draws a different
+    # sequence into a channels-last tensor (what the VAE's conv emits) than into a
+    # contiguous one (what a cached batch is), so cached and uncached runs would diverge.
+    noise = torch.randn(latents.shape, device=latents.device, dtype=latents.dtype)
     timesteps = sample_timesteps(
         latents.shape[0], parts.noise_scheduler.config.num_train_timesteps, latents.device
     )

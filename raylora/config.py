@@ -145,8 +145,18 @@ class LoraSection(_Section):
         default_factory=lambda: ["to_k", "to_q", "to_v", "to_out.0"],
         description="UNet module names that get LoRA layers (attention projections).",
     )
+    train_text_encoder: bool = Field(
+        False, description="Also train LoRA on the text encoder(s) (both for SDXL)."
+    )
+    text_encoder_target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "out_proj"],
+        description="Text-encoder module names that get LoRA layers (CLIP attention).",
+    )
+    text_encoder_lr: float | None = Field(
+        None, gt=0, description="Learning rate of the text-encoder LoRA; default train.learning_rate."
+    )
 
-    @field_validator("target_modules")
+    @field_validator("target_modules", "text_encoder_target_modules")
     @classmethod
     def _non_empty(cls, v: list[str]) -> list[str]:
         if not v:
@@ -432,6 +442,9 @@ def _cross_checks(cfg: RayLoraConfig) -> list[str]:
         if d.caption_dropout:
             problems.append("data.caption_dropout: cannot be used with data.cache=latents "
                             "(captions are encoded once); set it to 0")
+        if cfg.lora.train_text_encoder:
+            problems.append("lora.train_text_encoder: cannot be used with data.cache=latents "
+                            "(the cache holds the frozen text encoder's embeddings)")
     if cfg.tune is not None:
         problems.extend(_tune_checks(cfg))
     return problems

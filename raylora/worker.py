@@ -67,7 +67,7 @@ def _heldout_batch(cfg: RayLoraConfig, plan: dict, heldout) -> dict[str, torch.T
 def _heldout_evaluator(cfg: RayLoraConfig, plan: dict, heldout, run, rank: int, world: int):
     """Encode the held-out rows once and return ``evaluate() -> float`` (same value on
     every rank)."""
-    from raylora.train.evaluate import heldout_loss, prepare_heldout
+    from raylora.train.evaluate import encode_heldout_text, heldout_loss, prepare_heldout
 
     v, acc = cfg.validation, run.accelerator
     held = prepare_heldout(
@@ -79,6 +79,7 @@ def _heldout_evaluator(cfg: RayLoraConfig, plan: dict, heldout, run, rank: int, 
     def evaluate() -> float:
         # With EMA on, the EMA weights are what gets exported, so they are what is scored.
         with acc.autocast(), (run.ema.swapped_in(run.params) if run.ema is not None else nullcontext()):
+            encode_heldout_text(run.parts, held, cfg.train.batch_size)
             return heldout_loss(
                 unet, held, run.parts.weight_dtype, batch_size=cfg.train.batch_size, rank=rank,
                 world=world, all_reduce_sum=lambda x: acc.reduce(x, reduction="sum"),

@@ -67,3 +67,23 @@ def moto_endpoint():
     host, port = server.get_host_and_port()
     yield f"http://{host}:{port}"
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def batches(tiny_model, demo_data):
+    """8 micro-batches of 2 preprocessed samples (an "epoch"), fixed."""
+    import numpy as np
+    import pyarrow.parquet as pq
+    import torch
+
+    from raylora.data.preprocess import Preprocess
+
+    stage = Preprocess(tiny_model, 64, center_crop=True, random_flip=False)
+    table = pq.read_table(os.path.join(demo_data, "part-00000.parquet"))
+    out = stage({"image": np.array(table["image"].to_pylist(), dtype=object),
+                 "text": np.array(table["text"].to_pylist())})
+    return [
+        {"pixel_values": torch.from_numpy(out["pixel_values"][i : i + 2]),
+         "input_ids": torch.from_numpy(out["input_ids"][i : i + 2])}
+        for i in range(0, 16, 2)
+    ]

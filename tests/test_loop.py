@@ -1,7 +1,5 @@
 """The training loop in one process (no Ray): steps, accumulation, checkpoints, exact resume."""
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -9,61 +7,9 @@ import torch
 from raylora.checkpoint.state import load_state
 from raylora.config import validate
 from raylora.train.loop import run_loop
-from raylora.train.setup import build_run, write_checkpoint
+from raylora.train.setup import build_run
 
-
-def _fresh_accelerator(accum: int):
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    return Accelerator(cpu=True, gradient_accumulation_steps=accum)
-
-
-@pytest.fixture(scope="module")
-def batches(tiny_model, demo_data):
-    """10 micro-batches of 2 preprocessed samples (an "epoch"), fixed."""
-    import pyarrow.parquet as pq
-
-    from raylora.data.preprocess import Preprocess
-
-    stage = Preprocess(tiny_model, 64, center_crop=True, random_flip=False)
-    table = pq.read_table(os.path.join(demo_data, "part-00000.parquet"))
-    out = stage({"image": np.array(table["image"].to_pylist(), dtype=object),
-                 "text": np.array(table["text"].to_pylist())})
-    return [
-        {"pixel_values": torch.from_numpy(out["pixel_values"][i : i + 2]),
-         "input_ids": torch.from_numpy(out["input_ids"][i : i + 2])}
-        for i in range(0, 16, 2)
-    ]
-
-
-def _train(cfg, batches, max_steps, ckpt_root, restored=None, stop_at=None):
-    """Run the loop; checkpoints go to ckpt_root/step_N. Returns (run, steps checkpointed)."""
-    accel = _fresh_accelerator(cfg.train.gradient_accumulation_steps)
-    run = build_run(cfg, accel, max_steps, rank=0, restored=restored)
-    saved = []
-
-    def epoch_batches(epoch):
-        order = np.random.default_rng(epoch).permutation(len(batches))
-        return [batches[i] for i in order]
-
-    def on_checkpoint(state, final):
-        d = os.path.join(ckpt_root, f"step_{state.global_step}")
-        os.makedirs(d, exist_ok=True)
-        write_checkpoint(d, run, rank=0)
-        saved.append((state.global_step, final))
-
-    run_loop(
-        accelerator=accel, unet=run.unet, parts=run.parts, optimizer=run.optimizer,
-        lr_scheduler=run.lr_scheduler, params=run.params, state=run.state,
-        max_steps=max_steps if stop_at is None else stop_at,
-        max_grad_norm=cfg.train.max_grad_norm, images_per_step=2 * cfg.train.gradient_accumulation_steps,
-        checkpoint_every=cfg.checkpoint.every_n_steps, epoch_batches=epoch_batches,
-        on_checkpoint=on_checkpoint, ema=run.ema,
-    )
-    return run, saved
+from inproc import _fresh_accelerator, _train
 
 
 def test_accumulation_checkpoints_and_exact_resume(base_config, batches, tmp_path):

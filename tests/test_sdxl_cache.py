@@ -1,5 +1,5 @@
-"""#6 on Ray: a tiny SDXL run with validation grids and tracking, and cached-latent training
-that reproduces uncached training step for step."""
+"""#6 on Ray: a tiny SDXL run (text encoders trained too) with validation grids and
+tracking, and cached-latent training that reproduces uncached training step for step."""
 
 import json
 import os
@@ -82,6 +82,10 @@ def test_tiny_sdxl_trains_renders_grids_tracks_and_loads_in_stock_pipeline(
         "model": {"pretrained": tiny_sdxl},  # family auto-detected from model_index.json
         "data": {"uri": demo_data, "resolution": 64, "center_crop": True},
         "train": {"batch_size": 2, "max_steps": 4, "learning_rate": 5e-3},
+        # Both text encoders train too, on 2 DDP workers: their LoRA gradients are averaged
+        # outside DDP (encoder 1's last layer gets none, SDXL reads its penultimate layer).
+        "lora": {"train_text_encoder": True},
+        "scaling": {"num_workers": 2},
         "validation": {"prompts": ["a red circle", "a blue square"], "every_n_steps": 2,
                        "num_inference_steps": 2, "seed": 3},
         "tracking": {"backend": "tensorboard"},
@@ -91,6 +95,11 @@ def test_tiny_sdxl_trains_renders_grids_tracks_and_loads_in_stock_pipeline(
     summary = run(validate(tree))
     meta = json.loads((out / "adapter" / "raylora.json").read_text())
     assert meta["data"]["family"] == "sdxl"
+    assert summary["metrics"]["replicas_in_sync"] is True
+    from safetensors.torch import load_file
+
+    keys = load_file(str(out / "adapter" / "pytorch_lora_weights.safetensors")).keys()
+    assert {k.split(".")[0] for k in keys} == {"unet", "text_encoder", "text_encoder_2"}
     # Validation grids before training and at every evaluation step: 2 prompts → 2×1 grid.
     grids = sorted(os.listdir(out / "validation"))
     assert grids == ["step_000000.png", "step_000002.png", "step_000004.png"]
@@ -122,7 +131,7 @@ def test_latent_cache_build_reuse_and_training(ray_local, tiny_model, tmp_path):
     cached training repeats uncached training step for step (same seed, no augmentation),
     never loads the encoders, and a second run reuses the cache."""
     import pyarrow.parquet as pq
-    import ray.data  # noqa: F401  (registers the tensor type the cache parts are written in)
+    import ray.data
 
     from raylora.data.cache import MANIFEST, EncodeStage
     from raylora.data.demo import write_parquet_shards
@@ -173,6 +182,8 @@ def test_latent_cache_build_reuse_and_training(ray_local, tiny_model, tmp_path):
 
     # Row for row, in source order, the cache is what the encoders give for the source rows.
     files = [os.path.join(meta[0]["cache_uri"], f) for f in manifest["files"]]
+
+    ray.data.DataContext.get_current()  # importing ray.data registers the parts' tensor type
 
     def column(name: str) -> np.ndarray:
         return np.concatenate([c.to_numpy() for f in files for c in pq.read_table(f)[name].chunks])

@@ -215,7 +215,8 @@ def export_run(
             from raylora.checkpoint.kohya import KOHYA_FILE, export_kohya
 
             kfile = os.path.join(tmp, KOHYA_FILE)
-            export_kohya(os.path.join(adapter, WEIGHT_NAME), kfile, cfg.model.pretrained)
+            export_kohya(os.path.join(adapter, WEIGHT_NAME), kfile, cfg.model.pretrained,
+                         plan.get("family", "sd"))
             kohya_out = storage.join(out, KOHYA_FILE)
             with open(kfile, "rb") as f:
                 store.write_bytes(kohya_out, f.read())

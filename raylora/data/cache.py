@@ -76,7 +76,8 @@ class EncodeStage:
         tensors = {k: torch.from_numpy(np.asarray(v)).to(self.device) for k, v in batch.items()
                    if k in ("pixel_values", "input_ids", "input_ids_2", "original_size", "crop_top_left")}
         params = vae_posterior(self.vae, tensors["pixel_values"])
-        cond = batch_condition(self.text_encoders, tensors, self.resolution)
+        with torch.no_grad():
+            cond = batch_condition(self.text_encoders, tensors, self.resolution)
         out = {
             "latent_params": params,
             "prompt_embeds": cond.hidden,

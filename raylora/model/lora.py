@@ -1,8 +1,12 @@
 """LoRA adapter: inject with peft, extract in the diffusers layout, save loadably.
 
 What is written is exactly what stock ``StableDiffusionPipeline.load_lora_weights(dir)``
-reads: ``pytorch_lora_weights.safetensors`` with ``unet.``-prefixed diffusers keys and the
-peft config (rank, alpha, targets) in the safetensors metadata.
+reads: ``pytorch_lora_weights.safetensors`` with ``unet.``-prefixed diffusers keys (plus
+``text_encoder.``/``text_encoder_2.`` keys when the text encoders are trained too) and the
+peft configs (rank, alpha, targets) in the safetensors metadata.
+
+In raylora's own state dicts (checkpoints, digests) UNet keys carry no prefix (peft's
+layout) and text-encoder keys are prefixed with their pipeline component name.
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ from raylora.config import LoraSection
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 
 
-def peft_config(lora: LoraSection) -> LoraConfig:
+TEXT_ENCODER_NAMES = ("text_encoder", "text_encoder_2")
+
+
+def peft_config(lora: LoraSection, text_encoder: bool = False) -> LoraConfig:
     return LoraConfig(
         r=lora.rank,
         lora_alpha=lora.effective_alpha,
@@ -26,7 +33,7 @@ def peft_config(lora: LoraSection) -> LoraConfig:
         # B starts at zero, A Gaussian: the adapter begins as an exact no-op, as in
         # diffusers' training scripts.
         init_lora_weights="gaussian",
-        target_modules=list(lora.target_modules),
+        target_modules=list(lora.text_encoder_target_modules if text_encoder else lora.target_modules),
     )
 
 
@@ -52,35 +59,81 @@ def add_lora(unet: torch.nn.Module, lora: LoraSection) -> list[torch.nn.Paramete
     return params
 
 
-def lora_state_dict(unet: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """peft-layout LoRA weights (fp32, detached, on CPU): for checkpoints and digests."""
-    sd = get_peft_model_state_dict(unet)
+def add_text_encoder_lora(text_encoders: list[torch.nn.Module], lora: LoraSection) -> list[torch.nn.Parameter]:
+    """LoRA on the text encoder(s), as diffusers' scripts do with ``--train_text_encoder``
+    (fp32 LoRA parameters, see ``add_lora``); returns their trainable parameters."""
+    params = []
+    for name, te in zip(TEXT_ENCODER_NAMES, text_encoders):
+        te.requires_grad_(False)
+        try:
+            te.add_adapter(peft_config(lora, text_encoder=True))
+        except ValueError as exc:
+            raise ValueError(f"lora.text_encoder_target_modules: {exc}") from None
+        mine = [p for p in te.parameters() if p.requires_grad]
+        if not mine:
+            raise ValueError(f"lora.text_encoder_target_modules: {lora.text_encoder_target_modules} "
+                             f"matched no module in {name}")
+        for p in mine:
+            p.data = p.data.float()
+        params += mine
+    return params
+
+
+def _snapshot(sd: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
     # copy=True: for fp32 CPU tensors .float()/.cpu() are no-ops that would alias the live
     # parameters, and a "snapshot" that keeps changing is no snapshot.
-    return {k: v.detach().to("cpu", torch.float32, copy=True).contiguous() for k, v in sd.items()}
+    return {prefix + k: v.detach().to("cpu", torch.float32, copy=True).contiguous() for k, v in sd.items()}
 
 
-def load_lora_state_dict(unet: torch.nn.Module, sd: dict[str, torch.Tensor]) -> None:
-    result = set_peft_model_state_dict(unet, sd)
+def lora_state_dict(unet: torch.nn.Module, text_encoders=()) -> dict[str, torch.Tensor]:
+    """peft-layout LoRA weights (fp32, detached, on CPU): for checkpoints and digests.
+    ``text_encoders``: the trained ones, their keys prefixed ``text_encoder[_2].``."""
+    sd = _snapshot(get_peft_model_state_dict(unet))
+    for name, te in zip(TEXT_ENCODER_NAMES, text_encoders):
+        sd.update(_snapshot(get_peft_model_state_dict(te), name + "."))
+    return sd
+
+
+def _load_into(module: torch.nn.Module, sd: dict[str, torch.Tensor], what: str) -> None:
+    result = set_peft_model_state_dict(module, sd)
     unexpected = getattr(result, "unexpected_keys", None)
     if unexpected:
-        raise ValueError(f"checkpoint LoRA keys do not match the model: {unexpected[:5]}")
+        raise ValueError(f"checkpoint LoRA keys do not match the {what}: {unexpected[:5]}")
 
 
-def save_diffusers_adapter(unet: torch.nn.Module, directory: str, family: str = "sd") -> None:
+def load_lora_state_dict(unet: torch.nn.Module, sd: dict[str, torch.Tensor], text_encoders=()) -> None:
+    prefixes = tuple(n + "." for n in TEXT_ENCODER_NAMES)
+    if any(k.startswith(prefixes) for k in sd) and not text_encoders:
+        raise ValueError("the checkpoint has text-encoder LoRA weights; set lora.train_text_encoder: true")
+    _load_into(unet, {k: v for k, v in sd.items() if not k.startswith(prefixes)}, "UNet")
+    for name, te in zip(TEXT_ENCODER_NAMES, text_encoders):
+        part = {k[len(name) + 1 :]: v for k, v in sd.items() if k.startswith(name + ".")}
+        if not part:
+            raise ValueError(f"the checkpoint has no {name} LoRA weights (lora.train_text_encoder "
+                             "was off when it was written)")
+        _load_into(te, part, name)
+
+
+def save_diffusers_adapter(unet: torch.nn.Module, directory: str, family: str = "sd",
+                           text_encoders=()) -> None:
     """Write ``pytorch_lora_weights.safetensors`` in the diffusers layout to ``directory``:
     the file stock ``StableDiffusionPipeline`` / ``StableDiffusionXLPipeline``
-    ``.load_lora_weights(directory)`` reads."""
+    ``.load_lora_weights(directory)`` reads. ``text_encoders``: the trained ones."""
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
     from diffusers.utils import convert_state_dict_to_diffusers
 
     pipeline = StableDiffusionXLPipeline if family == "sdxl" else StableDiffusionPipeline
-    layers = convert_state_dict_to_diffusers(lora_state_dict(unet))
+    kwargs = {}
+    for name, te in zip(TEXT_ENCODER_NAMES, text_encoders):
+        kwargs[f"{name}_lora_layers"] = convert_state_dict_to_diffusers(
+            _snapshot(get_peft_model_state_dict(te)))
+        kwargs[f"{name}_lora_adapter_metadata"] = te.peft_config["default"].to_dict()
     pipeline.save_lora_weights(
         save_directory=directory,
-        unet_lora_layers=layers,
+        unet_lora_layers=convert_state_dict_to_diffusers(_snapshot(get_peft_model_state_dict(unet))),
         safe_serialization=True,
         unet_lora_adapter_metadata=unet.peft_config["default"].to_dict(),
+        **kwargs,
     )
 
 

@@ -60,12 +60,12 @@ def sdxl_time_ids(
     return torch.cat([original_size, crop_top_left, tgt], dim=1).float()
 
 
-@torch.no_grad()
 def encode_text(text_encoders: list[torch.nn.Module], ids: list[torch.Tensor]) -> Cond:
     """Token ids per encoder → hidden states (and SDXL's pooled embedding).
 
     SD: the last hidden state of the one encoder. SDXL: both encoders' penultimate hidden
-    states joined along features, and encoder 2's projected pooled output.
+    states joined along features, and encoder 2's projected pooled output. Builds a graph
+    when grad is enabled (text-encoder LoRA); frozen callers run it under ``no_grad``.
     """
     if len(text_encoders) == 1:
         return Cond(text_encoders[0](ids[0], return_dict=False)[0])

@@ -36,6 +36,9 @@ class HeldOut:
     target: torch.Tensor  # [N·K, C, h, w] fp32
     text: Cond  # per image: hidden [N, L, D] (+ SDXL pooled [N, P], time_ids [N, 6])
     text_index: torch.Tensor  # [N·K] long
+    # Token ids (and SDXL size/crop) per image, kept when the text encoders train: their
+    # output changes with the adapter, so ``encode_heldout_text`` redoes ``text``.
+    text_batch: dict[str, torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return self.timesteps.shape[0]
@@ -74,7 +77,32 @@ def prepare_heldout(
     noisy = sched.add_noise(lat, noise, t)
     target = diffusion_target(sched, lat, noise, t, parts.prediction_type).float()
     index = torch.arange(n, device=device).repeat_interleave(len(ts))
-    return HeldOut(noisy, t, target, Cond.cat(texts), index)
+    text_batch = None
+    if parts.text_encoder_params:
+        text_batch = {k: v.to(device) for k, v in batch.items() if k != "pixel_values"}
+    return HeldOut(noisy, t, target, Cond.cat(texts), index, text_batch)
+
+
+@torch.no_grad()
+def encode_heldout_text(parts: FrozenParts, heldout: HeldOut, batch_size: int = 8) -> None:
+    """Re-encode the held-out captions with the text encoders as they are now (LoRA
+    dropout off); a no-op unless the text encoders train."""
+    if heldout.text_batch is None:
+        return
+    modes = [te.training for te in parts.text_encoders]
+    for te in parts.text_encoders:
+        te.eval()
+    try:
+        n = next(iter(heldout.text_batch.values())).shape[0]
+        heldout.text = Cond.cat([
+            batch_condition(parts.text_encoders,
+                            {k: v[i : i + batch_size] for k, v in heldout.text_batch.items()},
+                            parts.resolution)
+            for i in range(0, n, batch_size)
+        ])
+    finally:
+        for te, mode in zip(parts.text_encoders, modes):
+            te.train(mode)
 
 
 @torch.no_grad()

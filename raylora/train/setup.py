@@ -21,7 +21,7 @@ from raylora.checkpoint.state import (
 )
 from raylora.config import RayLoraConfig
 from raylora.model.load import load_components
-from raylora.model.lora import add_lora, load_lora_state_dict, lora_state_dict
+from raylora.model.lora import add_lora, add_text_encoder_lora, load_lora_state_dict, lora_state_dict
 from raylora.model.lora import save_diffusers_adapter
 from raylora.train.ema import LoraEMA
 from raylora.train.step import FrozenParts
@@ -29,15 +29,22 @@ from raylora.train.step import FrozenParts
 DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def build_optimizer(cfg: RayLoraConfig, params, world_size: int) -> torch.optim.Optimizer:
+def build_optimizer(cfg: RayLoraConfig, params, world_size: int,
+                    text_encoder_params=()) -> torch.optim.Optimizer:
+    """AdamW over the UNet LoRA (``params``) and, in a second parameter group with
+    ``lora.text_encoder_lr``, the text-encoder LoRA."""
     t = cfg.train
-    lr = t.learning_rate
-    if t.scale_lr:
-        lr *= t.gradient_accumulation_steps * t.batch_size * world_size
+    scale = t.gradient_accumulation_steps * t.batch_size * world_size if t.scale_lr else 1
+    lr = t.learning_rate * scale
     kwargs = dict(
         lr=lr, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.adam_weight_decay,
         eps=t.adam_epsilon,
     )
+    te = set(map(id, text_encoder_params))
+    params = [{"params": [p for p in params if id(p) not in te]}]
+    if te:
+        te_lr = (cfg.lora.text_encoder_lr or t.learning_rate) * scale
+        params.append({"params": list(text_encoder_params), "lr": te_lr})
     if t.optimizer == "adamw8bit":
         # Optimizer state in 8 bits: ~75% less optimizer memory (config refuses it off CUDA).
         import bitsandbytes as bnb
@@ -69,13 +76,17 @@ class TrainingRun:
     parts: FrozenParts
     optimizer: object
     lr_scheduler: object
-    params: list[torch.nn.Parameter]
+    params: list[torch.nn.Parameter]  # UNet LoRA, then text-encoder LoRA when trained
     state: LoopState
     ema: LoraEMA | None = None
     family: str = "sd"
 
+    @property
+    def trained_text_encoders(self) -> list[torch.nn.Module]:
+        return self.parts.text_encoders if self.parts.text_encoder_params else []
+
     def lora_state(self) -> dict[str, torch.Tensor]:
-        return lora_state_dict(self.accelerator.unwrap_model(self.unet))
+        return lora_state_dict(self.accelerator.unwrap_model(self.unet), self.trained_text_encoders)
 
 
 def build_run(
@@ -97,6 +108,7 @@ def build_run(
         cfg.model, weight_dtype, cfg.storage.client(), encoders=cfg.data.cache != "latents"
     )
     params = add_lora(comps.unet, cfg.lora)
+    te_params = add_text_encoder_lora(comps.text_encoders, cfg.lora) if cfg.lora.train_text_encoder else []
     if t.gradient_checkpointing:
         comps.unet.enable_gradient_checkpointing()
     for m in [comps.vae, *comps.text_encoders]:
@@ -106,12 +118,12 @@ def build_run(
     parts = FrozenParts(
         comps.vae, comps.text_encoders, comps.noise_scheduler, weight_dtype, prediction_type,
         snr_gamma=t.snr_gamma, noise_offset=t.noise_offset, latent_scale=comps.latent_scale,
-        resolution=cfg.data.resolution,
+        resolution=cfg.data.resolution, text_encoder_params=te_params,
     )
     if restored is not None:
-        load_lora_state_dict(comps.unet, restored.lora_sd)
+        load_lora_state_dict(comps.unet, restored.lora_sd, comps.text_encoders if te_params else ())
 
-    optimizer = build_optimizer(cfg, params, accelerator.num_processes)
+    optimizer = build_optimizer(cfg, params, accelerator.num_processes, te_params)
     lr_scheduler = build_lr_scheduler(cfg, optimizer, max_steps, accelerator.num_processes)
     unet, optimizer, lr_scheduler = accelerator.prepare(comps.unet, optimizer, lr_scheduler)
 
@@ -133,7 +145,7 @@ def build_run(
         torch.manual_seed(t.seed + 1000 * rank)
     ema = None
     if t.ema_decay:
-        ema = LoraEMA(params, t.ema_decay)
+        ema = LoraEMA(params + te_params, t.ema_decay)
         if restored is not None and restored.ema_sd is not None:
             ema.load_state_dict(restored.ema_sd)
         elif restored is not None and state.global_step:
@@ -142,8 +154,11 @@ def build_run(
                 "off when it was written); resume without EMA or start a new output.uri"
             )
     unet.train()
+    for te in comps.text_encoders if te_params else ():
+        te.train()  # LoRA dropout on, as for the UNet
     return TrainingRun(
-        accelerator, unet, parts, optimizer, lr_scheduler, params, state, ema, comps.family
+        accelerator, unet, parts, optimizer, lr_scheduler, params + te_params, state, ema,
+        comps.family,
     )
 
 
@@ -168,9 +183,11 @@ def write_checkpoint(directory: str, run: TrainingRun, rank: int) -> dict[str, t
         if run.ema is not None:
             # The published adapter is the EMA; lora.safetensors keeps the raw weights.
             with run.ema.swapped_in(run.params):
-                save_diffusers_adapter(unet, os.path.join(directory, ADAPTER_DIR), run.family)
+                save_diffusers_adapter(unet, os.path.join(directory, ADAPTER_DIR), run.family,
+                                       run.trained_text_encoders)
         else:
-            save_diffusers_adapter(unet, os.path.join(directory, ADAPTER_DIR), run.family)
+            save_diffusers_adapter(unet, os.path.join(directory, ADAPTER_DIR), run.family,
+                                   run.trained_text_encoders)
         scaler = run.accelerator.scaler
         save_main_state(
             directory,

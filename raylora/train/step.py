@@ -8,7 +8,7 @@ scheduler only when gradients were synchronised.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,9 +26,12 @@ from raylora.train.loss import (
 
 @dataclass
 class FrozenParts:
-    """Everything the step needs besides the trainable UNet.
+    """Everything the step needs besides the UNet.
 
-    ``vae`` and ``text_encoders`` are None when batches come from the latent cache.
+    ``vae`` and ``text_encoders`` are None when batches come from the latent cache. With
+    ``lora.train_text_encoder`` the text encoders carry LoRA and are not frozen after all:
+    ``text_encoder_params`` are their trainable parameters (their gradients are averaged
+    across ranks here, since only the UNet is DDP-wrapped).
     """
 
     vae: torch.nn.Module | None
@@ -40,6 +43,7 @@ class FrozenParts:
     noise_offset: float = 0.0
     latent_scale: float = 0.18215  # the VAE's scaling_factor
     resolution: int | None = None  # SDXL target size; default: the batch's pixel size
+    text_encoder_params: list[torch.nn.Parameter] = field(default_factory=list)
 
 
 def encode_batch(parts: FrozenParts, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Cond]:
@@ -47,6 +51,7 @@ def encode_batch(parts: FrozenParts, batch: dict[str, torch.Tensor]) -> tuple[to
     with torch.no_grad():
         params = batch_posterior(parts.vae, batch)
         latents = sample_latents(params, parts.latent_scale)
+    with torch.set_grad_enabled(bool(parts.text_encoder_params) and torch.is_grad_enabled()):
         cond = batch_condition(parts.text_encoders, batch, parts.resolution)
     return latents, cond
 
@@ -96,6 +101,8 @@ def train_micro_step(
         loss = compute_loss(unet, parts, batch)
         accelerator.backward(loss)
         if accelerator.sync_gradients:
+            if parts.text_encoder_params and accelerator.num_processes > 1:
+                average_gradients(parts.text_encoder_params)
             norm = accelerator.clip_grad_norm_(params, max_grad_norm)
             skip = norm is not None and not bool(torch.isfinite(torch.as_tensor(norm)))
         if not skip or accelerator.scaler is not None:
@@ -105,3 +112,26 @@ def train_micro_step(
         optimizer.zero_grad(set_to_none=True)
     loss = loss.detach()
     return torch.full_like(loss, float("nan")) if skip else loss
+
+
+def average_gradients(params: list[torch.nn.Parameter]) -> None:
+    """All-reduce-mean the gradients of parameters outside DDP, as one flat tensor.
+
+    Not DDP for the text encoders: SDXL conditions on encoder 1's penultimate layer, so the
+    last layer's LoRA gets no gradient, which DDP (without a costly unused-parameter search)
+    treats as an error. A parameter without a gradient has none on every rank, since every
+    rank runs the same graph.
+    """
+    import torch.distributed as dist
+
+    with_grad = [p for p in params if p.grad is not None]
+    if not with_grad:
+        return
+    flat = torch.cat([p.grad.reshape(-1) for p in with_grad])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    offset = 0
+    for p in with_grad:
+        n = p.grad.numel()
+        p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+        offset += n

@@ -1,0 +1,44 @@
+"""The training loop driven in one process (no Ray), for tests that need a real run."""
+
+import os
+
+import numpy as np
+
+from raylora.train.loop import run_loop
+from raylora.train.setup import build_run, write_checkpoint
+
+
+def _fresh_accelerator(accum: int):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    return Accelerator(cpu=True, gradient_accumulation_steps=accum)
+
+
+def _train(cfg, batches, max_steps, ckpt_root, restored=None, stop_at=None):
+    """Run the loop; checkpoints go to ckpt_root/step_N. Returns (run, steps checkpointed)."""
+    accel = _fresh_accelerator(cfg.train.gradient_accumulation_steps)
+    run = build_run(cfg, accel, max_steps, rank=0, restored=restored)
+    saved = []
+
+    def epoch_batches(epoch):
+        order = np.random.default_rng(epoch).permutation(len(batches))
+        return [batches[i] for i in order]
+
+    def on_checkpoint(state, final):
+        d = os.path.join(ckpt_root, f"step_{state.global_step}")
+        os.makedirs(d, exist_ok=True)
+        write_checkpoint(d, run, rank=0)
+        saved.append((state.global_step, final))
+
+    run_loop(
+        accelerator=accel, unet=run.unet, parts=run.parts, optimizer=run.optimizer,
+        lr_scheduler=run.lr_scheduler, params=run.params, state=run.state,
+        max_steps=max_steps if stop_at is None else stop_at,
+        max_grad_norm=cfg.train.max_grad_norm, images_per_step=2 * cfg.train.gradient_accumulation_steps,
+        checkpoint_every=cfg.checkpoint.every_n_steps, epoch_batches=epoch_batches,
+        on_checkpoint=on_checkpoint, ema=run.ema,
+    )
+    return run, saved

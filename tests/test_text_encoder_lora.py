@@ -1,0 +1,124 @@
+"""``lora.train_text_encoder``: text-encoder LoRA trains with its own lr, resumes exactly,
+and exports to diffusers and kohya files that stock diffusers loads to the same encoder."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from inproc import _train
+
+from raylora.checkpoint.state import load_state
+from raylora.config import validate
+
+# Stock diffusers, fresh process: the text encoder's output for one prompt after loading the
+# diffusers adapter and after loading the kohya file, and the base output.
+STOCK_TE = r"""
+import json, sys, torch
+from diffusers import StableDiffusionPipeline
+model, adapter_dir, kohya_file = sys.argv[1:4]
+out = {}
+for name in ("base", "diffusers", "kohya"):
+    pipe = StableDiffusionPipeline.from_pretrained(model, safety_checker=None)
+    if name == "diffusers":
+        pipe.load_lora_weights(adapter_dir)
+    elif name == "kohya":
+        d, f = kohya_file.rsplit("/", 1)
+        pipe.load_lora_weights(d, weight_name=f)
+    ids = pipe.tokenizer(["a red circle"], padding="max_length", max_length=77, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out[name] = pipe.text_encoder(ids)[0]
+print(json.dumps({
+    "raylora": any(m.startswith("raylora") for m in sys.modules),
+    "diffusers": out["diffusers"].flatten().tolist(),
+    "effect": float((out["diffusers"] - out["base"]).abs().max()),
+    "kohya_vs_diffusers": float((out["kohya"] - out["diffusers"]).abs().max()),
+}))
+"""
+
+
+def test_text_encoder_lora_trains_resumes_and_exports(base_config, batches, tiny_model, tmp_path):
+    from transformers import CLIPTextModel
+
+    from raylora.checkpoint.kohya import export_kohya, from_kohya
+
+    base_config["lora"] = {"train_text_encoder": True, "text_encoder_lr": 3e-3}
+    base_config["train"].update(max_steps=4, learning_rate=2e-3)
+    base_config["checkpoint"]["every_n_steps"] = 2
+    cfg = validate(base_config)
+
+    straight, saved = _train(cfg, batches, 4, str(tmp_path / "a"))
+    assert saved == [(2, False), (4, True)]
+    # Two parameter groups: UNet LoRA at train.learning_rate, text-encoder LoRA at its own.
+    groups = straight.optimizer.param_groups
+    assert [g["lr"] for g in groups] == [pytest.approx(2e-3), pytest.approx(3e-3)]
+    te = straight.parts.text_encoders[0]
+    te_params = {id(p) for p in straight.parts.text_encoder_params}
+    assert {id(p) for p in groups[1]["params"]} == te_params and len(te_params) > 0
+    # The encoder's LoRA learned; its base weights did not move.
+    final = straight.lora_state()
+    te_keys = [k for k in final if k.startswith("text_encoder.")]
+    assert len(te_keys) == 2 * 4 * 2  # (A, B) × (q, k, v, out) × 2 tiny layers
+    assert all(float(final[k].abs().max()) > 0 for k in te_keys if "lora_B" in k)
+    fresh = CLIPTextModel.from_pretrained(tiny_model, subfolder="text_encoder")
+    trained = {k.replace(".base_layer", ""): v for k, v in te.state_dict().items() if "lora_" not in k}
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(trained[k], v), k
+
+    # Exact resume from the step-2 checkpoint, text-encoder LoRA and its optimizer state included.
+    restored = load_state(str(tmp_path / "a" / "step_2"), rank=0)
+    resumed, _ = _train(cfg, batches, 4, str(tmp_path / "b"), restored=restored)
+    for k, v in final.items():
+        torch.testing.assert_close(resumed.lora_state()[k], v, rtol=1e-5, atol=1e-7)
+
+    # A checkpoint written without text-encoder LoRA cannot silently drop it on resume.
+    base_config["lora"] = {}
+    with pytest.raises(ValueError, match="lora.train_text_encoder"):
+        _train(validate(base_config), batches, 4, str(tmp_path / "c"), restored=restored)
+
+    # Export: the diffusers file has text_encoder.* keys; the kohya file lora_te_* ones.
+    adapter = tmp_path / "a" / "step_4" / "adapter"
+    from safetensors.torch import load_file
+
+    diff_sd = load_file(str(adapter / "pytorch_lora_weights.safetensors"))
+    assert sum(k.startswith("text_encoder.") for k in diff_sd) == len(te_keys)
+    kohya = str(tmp_path / "adapter_kohya.safetensors")
+    meta = export_kohya(str(adapter / "pytorch_lora_weights.safetensors"), kohya, "tiny")
+    assert json.loads(meta["ss_network_args"]) == {"train_text_encoder": True}
+    k_sd = load_file(kohya)
+    assert "lora_te_text_model_encoder_layers_0_self_attn_q_proj.lora_down.weight" in k_sd
+    # "<component>.<module>.lora[_linear_layer].down.weight" → "<component>.<module>"
+    modules = sorted({k.rsplit(".", 3)[0] for k in diff_sd if k.endswith("down.weight")})
+    back, alphas = from_kohya(k_sd, modules)
+    assert set(back) == set(diff_sd) and all(torch.equal(back[k], v) for k, v in diff_sd.items())
+    assert set(alphas.values()) == {4.0}
+
+    # Stock diffusers (no raylora) loads both files to the encoder the run trained.
+    script = tmp_path / "stock_te.py"
+    script.write_text(STOCK_TE)
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = subprocess.run([sys.executable, str(script), tiny_model, str(adapter), kohya],
+                          capture_output=True, text=True, cwd=work, timeout=300,
+                          env={**os.environ, "PYTHONPATH": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["raylora"] is False and res["effect"] > 1e-4
+    assert res["kohya_vs_diffusers"] < 1e-5
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model, subfolder="tokenizer")
+    ids = tok(["a red circle"], padding="max_length", max_length=77, return_tensors="pt").input_ids
+    te.eval()
+    with torch.no_grad():
+        ours = te(ids)[0].flatten()
+    torch.testing.assert_close(torch.tensor(res["diffusers"]), ours, rtol=1e-4, atol=1e-5)
+
+
+def test_text_encoder_lora_is_refused_with_the_latent_cache(base_config):
+    base_config["lora"] = {"train_text_encoder": True}
+    base_config["data"]["cache"] = "latents"
+    with pytest.raises(ValueError, match=r"lora\.train_text_encoder: cannot be used with data\.cache=latents"):
+        validate(base_config)

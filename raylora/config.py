@@ -102,6 +102,24 @@ class DataSection(_Section):
     caption_dropout: float = Field(
         0.0, ge=0.0, lt=1.0, description="Probability of training on the empty prompt instead."
     )
+    max_image_pixels: int = Field(
+        178_956_970, gt=0,
+        description="Images with more pixels (width × height, read from the header) are "
+        "dropped as decompression bombs (PIL's own limit is set to this; never disabled).",
+    )
+    min_size: int = Field(0, ge=0, description="Shorter side below this is 'too small' (0: off).")
+    small_images: Literal["skip", "upscale"] = Field(
+        "skip", description="Images below data.min_size: drop them, or upscale them as usual."
+    )
+    background_color: tuple[int, int, int] = Field(
+        (255, 255, 255), description="RGB that transparent pixels are composited over."
+    )
+    max_bad_fraction: float = Field(
+        0.05, ge=0.0, le=1.0,
+        description="The run stops when more than this fraction of the rows read is unusable "
+        "(corrupt, not an image, too large/small, no caption); below it, those rows are "
+        "dropped and counted per reason in raylora.json (data.bad_records).",
+    )
     validation_split: float = Field(
         0.0,
         ge=0.0,
@@ -122,6 +140,18 @@ class DataSection(_Section):
         description="Held-out rows evaluated: the first N in file order (each worker keeps "
         "their latents in memory).",
     )
+    @field_validator("background_color")
+    @classmethod
+    def _rgb(cls, v: tuple[int, int, int]) -> tuple[int, int, int]:
+        if any(not 0 <= c <= 255 for c in v):
+            raise ValueError(f"{list(v)}: each channel must be 0-255")
+        return v
+
+    def decode_kwargs(self) -> dict:
+        """What ``Preprocess`` needs to validate rows (see ``raylora.data.decode``)."""
+        return dict(max_image_pixels=self.max_image_pixels, min_size=self.min_size,
+                    small_images=self.small_images, background_color=tuple(self.background_color))
+
     cache: Literal["none", "latents"] = Field(
         "none",
         description="latents: encode every image with the VAE and every caption with the text "

@@ -7,12 +7,15 @@ path costs a second, not a cluster start.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from dataclasses import asdict, dataclass, field, replace
 
 from raylora import storage
 from raylora.config import ConfigError, RayLoraConfig, validate
+
+log = logging.getLogger("raylora")
 
 TRAIN_RUN_NAME = "train"
 
@@ -42,6 +45,8 @@ class Plan:
     cache_uri: str | None = None
     cache_reused: bool | None = None
     heldout_encoded: dict | None = field(default=None, repr=False)
+    # Name of the run's bad-record counter actor (raylora.data.badrecords), once started.
+    bad_records: str | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -119,7 +124,8 @@ def replan(cfg: RayLoraConfig, base: Plan) -> Plan:
 
 def _carry(p: Plan, base: Plan, **changes) -> Plan:
     """``p`` (fresh step arithmetic) with what ``base`` learned beyond it: family, cache."""
-    keep = {k: getattr(base, k) for k in ("family", "cache_uri", "cache_reused", "heldout_encoded")}
+    keep = {k: getattr(base, k)
+            for k in ("family", "cache_uri", "cache_reused", "heldout_encoded", "bad_records")}
     return replace(p, **{**keep, **changes})
 
 
@@ -275,17 +281,65 @@ def run(cfg: RayLoraConfig) -> dict:
     p = plan(cfg)
     started = init_ray(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker)
     try:
+        p = start_bad_records(p)
         p = apply_cache(cfg, p)
-        result = _fit(cfg, p)
+        try:
+            result = _fit(cfg, p)
+        except Exception:
+            check_bad_records(cfg, p, final=True)  # the data's fault: say so, in one line
+            raise
+        bad = check_bad_records(cfg, p, final=True)
         if result.checkpoint is None:
             raise RuntimeError("training finished without a checkpoint to export")
         with result.checkpoint.as_directory() as ckpt_dir:
-            return export_run(ckpt_dir, cfg, result.metrics, p.to_dict())
+            return export_run(ckpt_dir, cfg, result.metrics, {**p.to_dict(), **bad})
     finally:
+        stop_bad_records(p)
         if started:
             import ray
 
             ray.shutdown()
+
+
+_COUNTERS: dict = {}
+
+
+def start_bad_records(p: Plan) -> Plan:
+    """Start the run's bad-record counter (needs Ray)."""
+    import uuid
+
+    from raylora.data.badrecords import start_counter
+
+    name = f"raylora-bad-records-{uuid.uuid4().hex[:12]}"
+    # Held here: a (non-detached) actor dies with its last handle, name or not.
+    _COUNTERS[name] = start_counter(name)
+    return replace(p, bad_records=name)
+
+
+def stop_bad_records(p: Plan) -> None:
+    import ray
+
+    actor = _COUNTERS.pop(p.bad_records, None)
+    if actor is not None and ray.is_initialized():
+        ray.kill(actor)
+
+
+def check_bad_records(cfg: RayLoraConfig, p: Plan, final: bool) -> dict:
+    """The counts so far as ``raylora.json`` entries; raises ``BadDataError`` when the bad
+    fraction is over ``data.max_bad_fraction`` (judged on every row read, at the end)."""
+    from raylora.data.badrecords import BadDataError, min_rows_to_judge, read_counter, verdict
+
+    summary = read_counter(p.bad_records) or {}
+    if not summary:
+        return {}
+    if summary["bad_records"]:
+        log.warning("bad records: %s of %d rows read", summary["bad_records"], summary["rows_seen"])
+    message = verdict(summary, cfg.data.max_bad_fraction, 1 if final else min_rows_to_judge(p.total_rows))
+    if message:
+        raise BadDataError(message)
+    # "bad_records" in the plan is the counter's name: the counts travel under their own key.
+    return {"bad_records_counts": summary["bad_records"], "bad_examples": summary["bad_examples"],
+            "rows_decoded": summary["rows_ok"]}
 
 
 def _fit(cfg: RayLoraConfig, p: Plan):
@@ -324,7 +378,7 @@ def build_trainer(
         datasets = {
             f"train_{r}": build_dataset(
                 cfg.data, data_plan.for_rank(r, world), store, model_path=p.model_path,
-                seed=seed, num_preprocess_actors=1, family=p.family,
+                seed=seed, num_preprocess_actors=1, family=p.family, bad_records=p.bad_records,
             )
             for r in range(world)
         }
@@ -336,7 +390,7 @@ def build_trainer(
         datasets = {
             "train": build_dataset(
                 cfg.data, data_plan, store, model_path=p.model_path, seed=seed,
-                num_preprocess_actors=max(1, world), family=p.family,
+                num_preprocess_actors=max(1, world), family=p.family, bad_records=p.bad_records,
             )
         }
         data_config = None

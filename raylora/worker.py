@@ -55,7 +55,7 @@ def _heldout_batch(cfg: RayLoraConfig, plan: dict, heldout) -> dict[str, torch.T
     pre = Preprocess(
         tokenizer_path=plan["model_path"], resolution=cfg.data.resolution, center_crop=True,
         random_flip=False, endpoint_url=cfg.storage.endpoint_url, region=cfg.storage.region,
-        family=plan.get("family", "sd"),
+        family=plan.get("family", "sd"), **cfg.data.decode_kwargs(),
     )
     batch = pre({
         "image": np.array([r["image"] for r in heldout], dtype=object),
@@ -196,6 +196,15 @@ def train_loop_per_worker(loop_config: dict) -> None:
         preview = _previewer(cfg, plan, run, tracker)
 
     def on_step(row: dict) -> None:
+        if rank == 0 and plan.get("bad_records"):
+            # Rows were read (by the Preprocess actors) for this step: judge the totals now,
+            # not after hours of training on a fraction of the data.
+            from raylora.data.badrecords import BadDataError, min_rows_to_judge, read_counter, verdict
+
+            message = verdict(read_counter(plan["bad_records"]) or {"rows_seen": 0},
+                              cfg.data.max_bad_fraction, min_rows_to_judge(plan["total_rows"]))
+            if message:
+                raise BadDataError(message)
         tracker.log(row["step"], {k: v for k, v in row.items() if k != "step"})
         if bar is not None:
             bar.update(1)

@@ -184,7 +184,13 @@ def export_run(
         # data.cache=latents: the entry trained from ("files"/"rows" above are its files).
         "cache_uri": plan.get("cache_uri"),
         "cache_reused": plan.get("cache_reused"),
+        # Rows dropped by the validating decode, per reason, with a few locations each, and
+        # rows that passed it. Counted per read: a row read in two epochs counts twice.
+        "bad_records": plan.get("bad_records_counts", {}),
+        "rows_decoded": plan.get("rows_decoded"),
+        "bad_examples": plan.get("bad_examples", {}),
     }
+    metrics["bad_records"] = sum(data["bad_records"].values())
     with open(os.path.join(ckpt_dir, HISTORY_FILE)) as f:
         history = [json.loads(line) for line in f if line.strip()]
 

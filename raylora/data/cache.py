@@ -145,6 +145,7 @@ def _stage_kwargs(cfg: RayLoraConfig, model_path: str, family: str, store: Stora
         tokenizer_path=model_path, resolution=cfg.data.resolution, center_crop=True,
         random_flip=False, image_column="image", caption_column="text", seed=0,
         endpoint_url=store.endpoint_url, region=store.region, family=family,
+        **cfg.data.decode_kwargs(),
     )
     enc = dict(
         model_path=model_path, family=family, dtype=_dtype_name(cfg),

@@ -42,6 +42,19 @@ def detect_format(files: list[str]) -> str:
     )
 
 
+# Marks a caption whose bytes were not UTF-8. Rows travel through Arrow, whose string
+# columns cannot hold the raw bytes (and a column of mixed str/bytes has no Arrow type),
+# so the caption stays a str with this prefix and the validating decode drops the row.
+NOT_UTF8 = "\x00raylora:not-utf8\x00"
+
+
+def decode_text(data: bytes) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return NOT_UTF8 + data.decode("latin-1")
+
+
 def split_key(name: str) -> tuple[str, str]:
     """WebDataset convention: the key is the path up to the first dot of the basename."""
     dirname, base = posixpath.split(name)
@@ -65,7 +78,7 @@ def iter_tar_samples(fileobj, source: str) -> Iterator[dict]:
             if ext in IMAGE_EXTS and current["image"] is None:
                 current["image"] = data
             elif ext == ".txt":
-                current["text"] = data.decode("utf-8", errors="replace")
+                current["text"] = decode_text(data)
             elif ext == ".json":
                 try:
                     current["json"] = json.loads(data)

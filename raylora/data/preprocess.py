@@ -99,6 +99,11 @@ class Preprocess:
         region: str | None = None,
         caption_dropout: float = 0.0,
         family: str = "sd",
+        max_image_pixels: int = 178_956_970,
+        min_size: int = 0,
+        small_images: str = "skip",
+        background_color: tuple[int, int, int] = (255, 255, 255),
+        bad_records: str | None = None,
     ):
         from transformers import AutoTokenizer
 
@@ -119,15 +124,45 @@ class Preprocess:
         self.caption_column = caption_column
         self.rng = np.random.default_rng(seed)
         self.caption_dropout = caption_dropout
+        self.decode = dict(
+            max_pixels=max_image_pixels, min_size=min_size, small_images=small_images,
+            keep_empty_captions=caption_dropout > 0, background=tuple(background_color),
+        )
+        from raylora.data.badrecords import Reporter
+
+        self.reporter = Reporter(bad_records)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        out = [
-            transform_image_coords(
-                load_image(v), self.resolution, self.center_crop, self.random_flip, self.rng
-            )
-            for v in batch[self.image_column]
-        ]
-        captions = [str(c) if c is not None else "" for c in batch[self.caption_column]]
+        from collections import Counter
+
+        from raylora.data.decode import BadRecord, decode_row
+
+        out, captions, bad, examples = [], [], Counter(), {}
+        images, texts = batch[self.image_column], batch[self.caption_column]
+        where = batch.get("key", batch.get("path"))
+        for i, (image, text) in enumerate(zip(images, texts)):
+            try:
+                img, caption = decode_row(image, text, **self.decode)
+            except BadRecord as exc:
+                # Dropped and counted, never fatal here: whether the run may go on is
+                # decided on the totals (data.max_bad_fraction).
+                bad[exc.reason] += 1
+                loc = str(where[i]) if where is not None else "row"
+                examples.setdefault(exc.reason, []).append(f"{loc}: {exc}"[:200])
+                continue
+            out.append(transform_image_coords(
+                img, self.resolution, self.center_crop, self.random_flip, self.rng))
+            captions.append(caption)
+        self.reporter.send(len(out), bad, examples)
+        if not out:  # every row of the batch was bad: an empty batch of the right shapes
+            r, n = self.resolution, self.tokenizer.model_max_length
+            empty = {"pixel_values": np.zeros((0, 3, r, r), np.float32),
+                     "input_ids": np.zeros((0, n), np.int64)}
+            if self.tokenizer_2 is not None:
+                empty.update(input_ids_2=np.zeros((0, self.tokenizer_2.model_max_length), np.int64),
+                             original_size=np.zeros((0, 2), np.int64),
+                             crop_top_left=np.zeros((0, 2), np.int64))
+            return empty
         if self.caption_dropout:
             # The empty prompt, as the unconditional branch of classifier-free guidance sees
             # it at inference: keeps the adapter usable with guidance.

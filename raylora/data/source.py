@@ -132,7 +132,8 @@ def read_rows(
     paths = [fs_path(f) for f in plan.files]
     if plan.format == "parquet":
         ds = ray.data.read_parquet(
-            paths, filesystem=fs, columns=[data.image_column, data.caption_column], shuffle=shuffle
+            paths, filesystem=fs, columns=[data.image_column, data.caption_column], shuffle=shuffle,
+            include_paths=True,  # "path": where a bad row came from, for the report
         )
         return ds.rename_columns({data.image_column: "image", data.caption_column: "text"})
     if plan.format == "webdataset":
@@ -160,7 +161,10 @@ def build_dataset(
     seed: int,
     num_preprocess_actors: int = 1,
     family: str = "sd",
+    bad_records: str | None = None,
 ) -> ray.data.Dataset:
+    """The training rows, preprocessed. ``bad_records``: the name of the run's counter
+    actor (``raylora.data.badrecords``) that rows failing the validating decode go to."""
     if data.cache == "latents":
         # plan.files are the cache's parquet files (see raylora.data.cache).
         from raylora.data.cache import read_cached_dataset
@@ -184,6 +188,8 @@ def build_dataset(
             region=storage.region,
             caption_dropout=data.caption_dropout,
             family=family,
+            bad_records=bad_records,
+            **data.decode_kwargs(),
         ),
         batch_size=32,
         batch_format="numpy",

@@ -1,0 +1,114 @@
+"""Counting the rows ``raylora.data.decode`` rejected, across every preprocessing actor.
+
+One small named Ray actor per run holds the counts (rows kept, rows dropped per reason, a
+few example locations per reason). Preprocess actors send their per-batch tallies without
+waiting; the rank-0 training worker reads the totals to stop a run whose bad fraction is
+over ``data.max_bad_fraction``; the driver reads them once more for ``raylora.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+log = logging.getLogger("raylora.data")
+
+EXAMPLES_PER_REASON = 3
+# Named actors are looked up per namespace; the driver's is anonymous, so one is fixed.
+NAMESPACE = "raylora"
+
+
+class BadDataError(ValueError):
+    """Too much of the data is unusable: training on the rest would silently be training on
+    a different dataset."""
+
+
+class Tally:
+    """Counts, mergeable; plain Python (the actor below wraps one)."""
+
+    def __init__(self) -> None:
+        self.ok = 0
+        self.bad: Counter = Counter()
+        self.examples: dict[str, list[str]] = {}
+
+    def add(self, ok: int, bad: dict[str, int], examples: dict[str, list[str]]) -> None:
+        self.ok += ok
+        self.bad.update(bad)
+        for reason, where in examples.items():
+            kept = self.examples.setdefault(reason, [])
+            kept.extend(where[: EXAMPLES_PER_REASON - len(kept)])
+
+    def summary(self) -> dict:
+        total = self.ok + sum(self.bad.values())
+        return {
+            "rows_ok": self.ok,
+            "bad_records": dict(sorted(self.bad.items())),
+            "bad_examples": {k: list(v) for k, v in sorted(self.examples.items())},
+            "bad_fraction": (sum(self.bad.values()) / total) if total else 0.0,
+            "rows_seen": total,
+        }
+
+
+def min_rows_to_judge(total_rows: int) -> int:
+    """Rows read before the workers judge the bad fraction: enough for it to mean something
+    (the driver judges every row read once more at the end)."""
+    return max(1, min(200, total_rows))
+
+
+def verdict(summary: dict, max_fraction: float, min_rows: int) -> str | None:
+    """The error message when too much is bad, judged once ``min_rows`` rows were seen."""
+    if summary["rows_seen"] < max(1, min_rows) or summary["bad_fraction"] <= max_fraction:
+        return None
+    n_bad = sum(summary["bad_records"].values())
+    parts = []
+    for reason, count in summary["bad_records"].items():
+        ex = summary["bad_examples"].get(reason, [])
+        parts.append(f"{reason}={count}" + (f" (e.g. {'; '.join(ex)})" if ex else ""))
+    return (
+        f"data.max_bad_fraction: {n_bad} of {summary['rows_seen']} rows read so far "
+        f"({summary['bad_fraction']:.1%}) are unusable, over the limit of {max_fraction:.1%}: "
+        + ", ".join(parts)
+        + ". Fix or remove those samples, or raise data.max_bad_fraction."
+    )
+
+
+def start_counter(name: str):
+    """The run's counter actor (0 CPUs: it only adds numbers)."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class BadRecordCounter(Tally):
+        pass
+
+    return BadRecordCounter.options(name=name, namespace=NAMESPACE, get_if_exists=True).remote()
+
+
+def read_counter(name: str | None) -> dict | None:
+    """The totals so far, or None when there is no counter (no run, or not started)."""
+    if not name:
+        return None
+    import ray
+
+    try:
+        return ray.get(ray.get_actor(name, namespace=NAMESPACE).summary.remote())
+    except ValueError:  # no actor by that name
+        return None
+
+
+class Reporter:
+    """Used inside Preprocess: forwards tallies to the counter without blocking."""
+
+    def __init__(self, name: str | None):
+        self.name = name
+        self._actor = None
+
+    def send(self, ok: int, bad: dict[str, int], examples: dict[str, list[str]]) -> None:
+        if bad:
+            log.warning("dropped %d bad row(s): %s", sum(bad.values()), dict(bad))
+        if not self.name:
+            return
+        import ray
+
+        if self._actor is None:
+            self._actor = ray.get_actor(self.name, namespace=NAMESPACE)
+        self._actor.add.remote(ok, dict(bad), examples)

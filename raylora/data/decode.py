@@ -1,0 +1,130 @@
+"""Validating decode: one image-caption row → an RGB image and a caption, or a reason why not.
+
+A job reads data nobody checked image by image. Every row goes through ``decode_row``
+before any transform; what fails is dropped and counted under one reason, never crashes
+the stage, and never silently changes what the run trains on. No Ray here: the counting
+across actors lives in ``raylora.data.badrecords``.
+
+Reasons (the keys of ``data.bad_records`` in ``raylora.json``):
+  empty_image     zero bytes, or no image value at all
+  not_an_image    bytes that no image decoder recognises
+  corrupt_image   recognised, but decoding failed (truncated file, broken stream)
+  too_many_pixels width × height above ``data.max_image_pixels`` (decompression bombs)
+  too_small       shorter side below ``data.min_size`` with ``data.small_images: skip``
+  missing_caption no caption, or only whitespace (kept as "" when caption dropout is on)
+  caption_not_utf8 caption bytes that are not UTF-8
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from typing import Any
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from raylora.data.formats import NOT_UTF8
+
+REASONS = (
+    "empty_image", "not_an_image", "corrupt_image", "too_many_pixels", "too_small",
+    "missing_caption", "caption_not_utf8",
+)
+
+
+class BadRecord(ValueError):
+    def __init__(self, reason: str, detail: str = ""):
+        assert reason in REASONS, reason
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+def open_image(value: Any, max_pixels: int) -> Image.Image:
+    """Encoded bytes (or a Hugging Face ``{bytes, path}`` struct) → a fully decoded image.
+
+    The pixel bound is checked from the header, before any pixel is decoded; PIL's own
+    bomb check is set to the same bound (raised or lowered by the config, never disabled).
+    """
+    if isinstance(value, dict):
+        value = value.get("bytes")
+    if value is None or not isinstance(value, (bytes, bytearray, memoryview)) or len(value) == 0:
+        raise BadRecord("empty_image")
+    Image.MAX_IMAGE_PIXELS = max_pixels
+    try:
+        with warnings.catch_warnings():
+            # PIL warns between MAX and 2×MAX pixels; the check below is the decision.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(bytes(value)))
+    except Image.DecompressionBombError as exc:
+        raise BadRecord("too_many_pixels", str(exc)) from None
+    except (UnidentifiedImageError, SyntaxError, ValueError) as exc:
+        raise BadRecord("not_an_image", str(exc)) from None
+    w, h = img.size
+    if w * h > max_pixels:
+        raise BadRecord("too_many_pixels", f"{w}x{h} > data.max_image_pixels={max_pixels}")
+    try:
+        img.load()
+    except Image.DecompressionBombError as exc:
+        raise BadRecord("too_many_pixels", str(exc)) from None
+    except (OSError, SyntaxError, ValueError, EOFError) as exc:
+        raise BadRecord("corrupt_image", str(exc)) from None
+    return img
+
+
+def to_rgb(img: Image.Image, background: tuple[int, int, int] = (255, 255, 255)) -> Image.Image:
+    """Any PIL mode → RGB, correctly: transparency over ``background`` (not black), 16-bit
+    and 32-bit integer greyscale scaled (not clipped) to 8 bits, CMYK via PIL's conversion."""
+    mode = img.mode
+    if mode.startswith("I;16") or mode == "I":
+        a = np.asarray(img, dtype=np.float64)
+        # "I" holds 16-bit PNGs on some PIL versions; larger ranges are scaled by their max.
+        top = 65535.0 if mode.startswith("I;16") or a.max(initial=0) <= 65535 else float(a.max())
+        img = Image.fromarray(np.clip(np.rint(a * 255.0 / top), 0, 255).astype(np.uint8), "L")
+        mode = "L"
+    elif mode == "F":
+        a = np.asarray(img, dtype=np.float64)
+        img = Image.fromarray(np.clip(np.rint(a * 255.0), 0, 255).astype(np.uint8), "L")
+        mode = "L"
+    if mode == "P":
+        img = img.convert("RGBA" if "transparency" in img.info else "RGB")
+        mode = img.mode
+    if mode in ("LA", "La", "PA", "RGBa"):
+        img = img.convert("RGBA")
+        mode = "RGBA"
+    if mode == "RGBA":
+        out = Image.new("RGB", img.size, tuple(background))
+        out.paste(img.convert("RGB"), mask=img.getchannel("A"))
+        return out
+    return img if mode == "RGB" else img.convert("RGB")
+
+
+def decode_caption(value: Any, keep_empty: bool) -> str:
+    """A caption cell → str. Empty or missing: "" when ``keep_empty`` (caption dropout
+    trains on the empty prompt anyway), else a bad record."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        try:
+            value = bytes(value).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise BadRecord("caption_not_utf8", str(exc)) from None
+    if value is None or (isinstance(value, float) and np.isnan(value)):
+        value = ""
+    text = str(value)
+    if text.startswith(NOT_UTF8):  # see raylora.data.formats.decode_text
+        raise BadRecord("caption_not_utf8", repr(text[len(NOT_UTF8):][:40]))
+    if not text.strip():
+        if keep_empty:
+            return ""
+        raise BadRecord("missing_caption")
+    return text
+
+
+def decode_row(image: Any, caption: Any, *, max_pixels: int, min_size: int,
+               small_images: str, keep_empty_captions: bool,
+               background: tuple[int, int, int]) -> tuple[Image.Image, str]:
+    """One row → (RGB image, caption), or ``BadRecord``. The caption is checked first: it
+    is cheap, and a row without one is dropped without decoding its image."""
+    text = decode_caption(caption, keep_empty_captions)
+    img = open_image(image, max_pixels)
+    if min_size and min(img.size) < min_size and small_images == "skip":
+        raise BadRecord("too_small", f"{img.size[0]}x{img.size[1]} < data.min_size={min_size}")
+    return to_rgb(img, background), text

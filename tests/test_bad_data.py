@@ -1,0 +1,187 @@
+"""#7: bad samples never crash a job. The validating decode, row by row, and a Ray run over
+a shard that mixes good samples (in every image mode) with each kind of bad one."""
+
+import io
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from raylora.config import validate
+from raylora.data.decode import BadRecord, decode_caption, decode_row, open_image, to_rgb
+from raylora.data.formats import decode_text
+
+OPTS = dict(max_pixels=50_000, min_size=32, small_images="skip", keep_empty_captions=False,
+            background=(10, 20, 30))
+
+
+def png(img: Image.Image, fmt: str = "PNG", **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+def rgb(size=64, seed=0) -> Image.Image:
+    a = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    return Image.fromarray(a, "RGB")
+
+
+def reason(image, caption="a caption", **over) -> str:
+    with pytest.raises(BadRecord) as exc:
+        decode_row(image, caption, **{**OPTS, **over})
+    return exc.value.reason
+
+
+def test_each_bad_kind_gets_its_reason():
+    good = png(rgb())
+    assert reason(b"") == "empty_image"
+    assert reason(None) == "empty_image"
+    assert reason({"bytes": None, "path": "x.png"}) == "empty_image"
+    assert reason(b"certainly not an image") == "not_an_image"
+    assert reason(good[: len(good) // 2]) == "corrupt_image"  # truncated
+    assert reason(png(rgb(300))) == "too_many_pixels"  # 90 000 px > 50 000
+    assert reason(png(rgb(16))) == "too_small"
+    assert reason(good, None) == "missing_caption"
+    assert reason(good, "   ") == "missing_caption"
+    assert reason(good, b"\xff\xfe caption") == "caption_not_utf8"
+    assert reason(good, decode_text(b"caf\xe9")) == "caption_not_utf8"  # a tar's .txt
+
+
+def test_limits_are_configurable_and_never_off():
+    big = png(rgb(300))
+    img, text = decode_row(big, "x", **{**OPTS, "max_pixels": 100_000})
+    assert img.size == (300, 300) and text == "x"
+    # PIL's own bomb check follows the configured bound (here: lowered below the image).
+    assert Image.MAX_IMAGE_PIXELS == 100_000
+    with pytest.raises(BadRecord, match="too_many_pixels"):
+        open_image(big, 80_000)
+    small, _ = decode_row(png(rgb(16)), "x", **{**OPTS, "small_images": "upscale"})
+    assert small.size == (16, 16)  # kept; the resize upscales it like any other image
+    with pytest.raises(ValueError, match="data.max_image_pixels"):
+        validate({"data": {"uri": "d", "max_image_pixels": 0}, "model": {"pretrained": "m"},
+                  "output": {"uri": "o"}})
+
+
+def test_captions():
+    assert decode_caption("a cat", keep_empty=False) == "a cat"
+    assert decode_caption("caf\u00e9".encode(), keep_empty=False) == "caf\u00e9"
+    assert decode_caption(None, keep_empty=True) == ""  # caption dropout on: the empty prompt
+    assert decode_text(b"plain") == "plain"
+
+
+def test_modes_convert_to_the_right_rgb():
+    bg = (10, 20, 30)
+    rgba = np.zeros((2, 2, 4), np.uint8)
+    rgba[0, 0] = (255, 0, 0, 0)  # fully transparent red: the background
+    rgba[0, 1] = (0, 0, 255, 255)  # opaque blue
+    rgba[1, 0] = (200, 100, 0, 128)  # half: a blend
+    out = np.asarray(to_rgb(Image.fromarray(rgba, "RGBA"), bg))
+    assert tuple(out[0, 0]) == bg and tuple(out[0, 1]) == (0, 0, 255)
+    np.testing.assert_allclose(out[1, 0], [(200 * 128 + 10 * 127) / 255, (100 * 128 + 20 * 127) / 255,
+                                           (30 * 127) / 255], atol=1.01)
+    la = np.asarray(to_rgb(Image.fromarray(np.array([[[90, 0], [90, 255]]], np.uint8), "LA"), bg))
+    assert tuple(la[0, 0]) == bg and tuple(la[0, 1]) == (90, 90, 90)
+    p = Image.new("P", (2, 1))
+    p.putpalette([0, 0, 0, 0, 255, 0] + [0] * 762)
+    p.putpixel((0, 0), 0)
+    p.putpixel((1, 0), 1)
+    p.info["transparency"] = 0
+    p = Image.open(io.BytesIO(png(p)))  # through a file, as data arrives
+    assert p.mode == "P"
+    pout = np.asarray(to_rgb(p, bg))
+    assert tuple(pout[0, 0]) == bg and tuple(pout[0, 1]) == (0, 255, 0)
+    i16 = Image.fromarray(np.array([[0, 32896, 65535]], np.uint16))
+    i16 = Image.open(io.BytesIO(png(i16)))
+    assert i16.mode in ("I;16", "I")
+    assert np.asarray(to_rgb(i16))[0, :, 0].tolist() == [0, 128, 255]  # scaled, not clipped
+    cmyk = Image.new("CMYK", (2, 1))
+    cmyk.putpixel((0, 0), (0, 0, 0, 0))
+    cmyk.putpixel((1, 0), (0, 255, 255, 0))
+    cout = np.asarray(to_rgb(cmyk))
+    assert tuple(cout[0, 0]) == (255, 255, 255) and tuple(cout[0, 1]) == (255, 0, 0)
+    grey = np.asarray(to_rgb(Image.new("L", (1, 1), 77)))
+    assert tuple(grey[0, 0]) == (77, 77, 77)
+
+
+def mixed_shard(path) -> tuple[int, dict]:
+    """12 good rows (5 RGB + 7 other modes) and 8 bad ones, captions as UTF-8 bytes."""
+    good = [png(rgb(64, s)) for s in range(5)]
+    a = np.random.default_rng(9).integers(0, 256, (64, 64, 4), dtype=np.uint8)
+    good += [
+        png(Image.fromarray(a, "RGBA")),
+        png(Image.fromarray(a[..., :2].copy(), "LA")),
+        png(rgb(64, 7).convert("P", palette=Image.Palette.ADAPTIVE)),
+        png(Image.fromarray(a[..., :3].copy(), "RGB").convert("CMYK"), "JPEG"),
+        png(Image.fromarray((a[..., 0].astype(np.uint16) * 257))),  # 16-bit greyscale
+        png(Image.fromarray(a[..., 1].copy(), "L")),
+        png(rgb(96, 8), "JPEG"),
+    ]
+    rows = [(g, f"good image {i}".encode()) for i, g in enumerate(good)]
+    whole = png(rgb(64, 11))
+    bad = {
+        "empty_image": [(b"", b"empty file")],
+        "not_an_image": [(b"<html>not found</html>", b"an error page")],
+        "corrupt_image": [(whole[: len(whole) // 2], b"cut in half")],
+        "too_many_pixels": [(png(rgb(300, 12)), b"a bomb, for this config")],
+        "too_small": [(png(rgb(16, 13)), b"a thumbnail")],
+        "missing_caption": [(png(rgb(64, 14)), None), (png(rgb(64, 15)), b"  ")],
+        "caption_not_utf8": [(png(rgb(64, 16)), b"caf\xe9 latin-1")],
+    }
+    # Interleaved, so bad rows sit between good ones in every batch.
+    all_bad = [r for rs in bad.values() for r in rs]
+    mixed = []
+    for i, r in enumerate(rows):
+        mixed.append(r)
+        if i < len(all_bad):
+            mixed.append(all_bad[i])
+    table = pa.table({"image": pa.array([r[0] for r in mixed], pa.binary()),
+                      "text": pa.array([r[1] for r in mixed], pa.binary())})
+    pq.write_table(table, path)
+    return len(rows), {k: len(v) for k, v in bad.items()}
+
+
+@pytest.mark.integration
+def test_a_run_trains_on_exactly_the_good_rows_and_reports_the_bad(ray_local, tiny_model, tmp_path):
+    from raylora.data.badrecords import BadDataError
+    from raylora.launch import run
+
+    data = tmp_path / "data"
+    data.mkdir()
+    n_good, expected = mixed_shard(data / "part-00000.parquet")
+    assert (n_good, sum(expected.values())) == (12, 8)
+
+    def tree(name, **data_over):
+        return {
+            "model": {"pretrained": tiny_model},
+            "data": {"uri": str(data), "resolution": 64, "center_crop": True, "sharding": "files",
+                     "shuffle_buffer_size": 0, "max_image_pixels": 50_000, "min_size": 32,
+                     **data_over},
+            # Exactly one epoch of the 12 good rows.
+            "train": {"batch_size": 2, "max_steps": 6, "learning_rate": 1e-3, "seed": 1},
+            "checkpoint": {"every_n_steps": 6},
+            "output": {"uri": str(tmp_path / name)},
+        }
+
+    summary = run(validate(tree("ok", max_bad_fraction=0.5)))
+    history = [json.loads(x) for x in open(tmp_path / "ok" / "metrics.jsonl")]
+    # 6 batches of 2 within epoch 0: all 12 good rows decoded, and nothing else did.
+    assert [r["epoch"] for r in history] == [0] * 6
+    assert all(np.isfinite(r["loss"]) for r in history)
+    meta = json.loads((tmp_path / "ok" / "adapter" / "raylora.json").read_text())
+    assert meta["data"]["rows_decoded"] == 12
+    assert meta["data"]["bad_records"] == expected
+    assert summary["metrics"]["bad_records"] == 8
+    examples = meta["data"]["bad_examples"]
+    assert set(examples) == set(expected)
+    assert all("part-00000.parquet" in e for ex in examples.values() for e in ex)
+
+    # Over the limit (default 5%): the run stops, saying why and where.
+    with pytest.raises(BadDataError) as exc:
+        run(validate(tree("strict")))
+    msg = str(exc.value)
+    assert "data.max_bad_fraction" in msg and "8 of 20 rows" in msg
+    assert "too_many_pixels=1" in msg and "missing_caption=2" in msg and "part-00000.parquet" in msg
+    assert not (tmp_path / "strict" / "adapter").exists()

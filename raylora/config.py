@@ -253,6 +253,10 @@ class ScalingSection(_Section):
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="How workers are placed on nodes (Ray placement group strategy)."
     )
+    autoscaling: bool = Field(
+        False, description="The cluster adds nodes on demand (e.g. KubeRay's autoscaler): skip "
+        "the check that the workers fit on the nodes there are now.",
+    )
 
 
 class ValidationSection(_Section):
@@ -605,6 +609,25 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return tree
 
 
+def _without(tree: dict, locs: list[tuple]) -> dict:
+    """A deep copy of ``tree`` with the values at ``locs`` removed (a list item: the list)."""
+    import copy
+
+    out = copy.deepcopy(tree)
+    for loc in locs:
+        path = []
+        for part in loc:
+            if not isinstance(part, str):
+                break
+            path.append(part)
+        node = out
+        for part in path[:-1]:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and path:
+            node.pop(path[-1], None)
+    return out
+
+
 def validate(tree: Any, source: str | None = None) -> RayLoraConfig:
     """Validate a raw config tree; raise one ConfigError listing every problem."""
     if not isinstance(tree, dict):
@@ -612,7 +635,15 @@ def validate(tree: Any, source: str | None = None) -> RayLoraConfig:
     try:
         cfg = RayLoraConfig.model_validate(tree)
     except ValidationError as exc:
-        raise ConfigError(_format_pydantic(exc), source) from None
+        problems = _format_pydantic(exc)
+        # The combinations still get checked, on the tree without its invalid values (they
+        # fall back to defaults), so one run of `raylora validate` shows every problem.
+        try:
+            rest = RayLoraConfig.model_validate(_without(tree, [e["loc"] for e in exc.errors()]))
+            problems += [p for p in _cross_checks(rest) if p not in problems]
+        except ValidationError:
+            pass  # a required value is what is missing: nothing more to learn
+        raise ConfigError(problems, source) from None
     problems = _cross_checks(cfg)
     if problems:
         raise ConfigError(problems, source)

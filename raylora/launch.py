@@ -226,6 +226,39 @@ def init_ray(need_cpus: float = 0) -> bool:
     return True
 
 
+def check_cluster_fits(cfg: RayLoraConfig, num_workers: int | None = None) -> None:
+    """Fail before anything starts when the training workers can never all be placed on
+    the cluster's nodes (Ray would otherwise wait for resources forever)."""
+    import ray
+
+    s = cfg.scaling
+    if s.autoscaling:
+        return
+    want = s.num_workers if num_workers is None else num_workers
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    fits = []
+    for r in nodes:
+        k = int(r.get("CPU", 0) // s.cpus_per_worker)
+        fits.append(min(k, int(r.get("GPU", 0))) if s.use_gpu else k)
+    if s.placement_strategy == "STRICT_PACK":
+        can = max(fits, default=0)
+    elif s.placement_strategy == "STRICT_SPREAD":
+        can = sum(1 for f in fits if f > 0)
+    else:
+        can = sum(fits)
+    if can >= want:
+        return
+    cpus = sum(r.get("CPU", 0) for r in nodes)
+    gpus = sum(r.get("GPU", 0) for r in nodes)
+    each = f"{s.cpus_per_worker:g} CPU" + (" + 1 GPU" if s.use_gpu else "")
+    raise ConfigError([
+        f"scaling.num_workers: {want} workers of {each} each cannot all be placed "
+        f"({s.placement_strategy}): the cluster's {len(nodes)} node(s) with {cpus:g} CPUs and "
+        f"{gpus:g} GPUs hold at most {can}. Lower scaling.num_workers or "
+        "scaling.cpus_per_worker, or set scaling.autoscaling: true if the cluster grows on demand"
+    ])
+
+
 def _env_setup_hook(values: dict[str, str]):
     def raylora_storage_credentials() -> None:
         os.environ.update(values)
@@ -281,6 +314,7 @@ def run(cfg: RayLoraConfig) -> dict:
     p = plan(cfg)
     started = init_ray(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker)
     try:
+        check_cluster_fits(cfg)
         p = start_bad_records(p)
         p = apply_cache(cfg, p)
         try:
@@ -458,6 +492,7 @@ def run_lr_find(
     p = plan(cfg, heldout=False)
     started = init_ray(cfg.scaling.cpus_per_worker)
     try:
+        check_cluster_fits(cfg, num_workers=1)  # lr-find trains on one worker
         p = apply_cache(cfg, p)
         settings = dict(start_lr=start_lr, end_lr=end_lr, num_steps=num_steps,
                         smoothing=smoothing, diverge_factor=diverge_factor)

@@ -24,7 +24,9 @@ import os
 
 from raylora import storage
 from raylora.config import RayLoraConfig, TuneSection, trial_tree, validate
-from raylora.launch import Plan, apply_cache, build_trainer, init_ray, plan, replan, resolve_paths
+from raylora.launch import (
+    Plan, apply_cache, build_trainer, check_cluster_fits, init_ray, plan, replan, resolve_paths,
+)
 
 log = logging.getLogger("raylora.tune")
 
@@ -153,6 +155,7 @@ def run_tune(cfg: RayLoraConfig) -> dict:
     per_trial = trial_resources(cfg)
     started = init_ray(per_trial["CPU"])
     try:
+        check_cluster_fits(cfg)  # one trial's workers, at least
         # One latent cache for every trial, built (or found) before the first one starts.
         base_plan = apply_cache(cfg, base_plan)
         concurrency = max_concurrency(cfg, ray.cluster_resources(), n_trials)

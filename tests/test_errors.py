@@ -1,0 +1,98 @@
+"""#7: clear errors before resources are spent. Each message names the key, file or URI."""
+
+import shutil
+import time
+
+import pytest
+
+from raylora.config import ConfigError, validate
+
+
+def tree(**sections) -> dict:
+    base = {"model": {"pretrained": "m"}, "data": {"uri": "d"}, "output": {"uri": "o"}}
+    for k, v in sections.items():
+        base[k] = {**base.get(k, {}), **v}
+    return base
+
+
+@pytest.mark.parametrize("sections, expected", [
+    ({"train": {"mixed_precision": "fp16"}}, "train.mixed_precision: fp16 needs a GPU"),
+    ({"train": {"optimizer": "adamw8bit"}}, "train.optimizer: adamw8bit (bitsandbytes) needs CUDA"),
+    ({"lora": {"rank": 0}}, "lora.rank:"),
+    ({"lora": {"rank": -4}}, "lora.rank:"),
+    ({"train": {"batch_size": "two"}}, "train.batch_size:"),
+    ({"train": {"learning_rate": "fast"}}, "train.learning_rate:"),
+    ({"train": {"lr": 1e-4}}, "train.lr: unknown key"),
+    ({"data": {"max_image_pixels": 0}}, "data.max_image_pixels:"),
+    ({"data": {"background_color": [0, 0, 300]}}, "data.background_color:"),
+    ({"data": {"max_bad_fraction": 1.5}}, "data.max_bad_fraction:"),
+    ({"data": {"cache": "latents"}, "lora": {"train_text_encoder": True}},
+     "lora.train_text_encoder: cannot be used with data.cache=latents"),
+    ({"scaling": {"num_workers": 0}}, "scaling.num_workers:"),
+])
+def test_each_config_error_names_its_key(sections, expected):
+    with pytest.raises(ConfigError) as exc:
+        validate(tree(**sections))
+    assert expected in str(exc.value)
+
+
+def test_all_problems_in_one_message():
+    with pytest.raises(ConfigError) as exc:
+        validate(tree(train={"mixed_precision": "fp16", "optimizer": "adamw8bit", "batch_size": "x"},
+                      lora={"rank": 0}))
+    keys = {p.split(":")[0] for p in exc.value.problems}
+    assert {"train.mixed_precision", "train.optimizer", "train.batch_size", "lora.rank"} <= keys
+
+
+def test_model_and_data_problems_found_before_any_worker(tiny_model, demo_data, tmp_path):
+    from raylora.launch import plan
+
+    broken = tmp_path / "no-unet"
+    shutil.copytree(tiny_model, broken)
+    shutil.rmtree(broken / "unet")
+    cfg = validate({"model": {"pretrained": str(broken)},
+                    "data": {"uri": str(tmp_path / "nothing-here" / "*.parquet"), "resolution": 65},
+                    "output": {"uri": str(tmp_path / "out")}})
+    with pytest.raises(ConfigError) as exc:
+        plan(cfg)
+    msg = str(exc.value)
+    assert f"model.pretrained: {broken}: missing component folder(s) of a sd pipeline: unet" in msg
+    assert "data.uri:" in msg and "nothing-here" in msg
+    # The tiny VAE halves the image once: 65 px cannot be encoded.
+    cfg = validate({"model": {"pretrained": tiny_model}, "data": {"uri": demo_data, "resolution": 65},
+                    "output": {"uri": str(tmp_path / "out")}})
+    with pytest.raises(ConfigError, match="data.resolution: 65 is not divisible by the VAE's downsampling factor 2"):
+        plan(cfg)
+
+
+def test_unreachable_storage_is_one_line_naming_the_uri_and_never_hangs(tiny_model, tmp_path, monkeypatch):
+    from raylora.launch import plan
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    cfg = validate({"model": {"pretrained": tiny_model}, "data": {"uri": "s3://bucket/shards/"},
+                    "storage": {"endpoint_url": "http://127.0.0.1:9"},  # nothing listens there
+                    "output": {"uri": str(tmp_path / "out")}})
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError) as exc:
+        plan(cfg)
+    took = time.monotonic() - t0
+    assert len(exc.value.problems) == 1
+    assert exc.value.problems[0].startswith("data.uri: s3://bucket/shards: cannot reach storage")
+    assert took < 120  # bounded retries with backoff, then the error (about 15 s here)
+
+
+@pytest.mark.integration
+def test_more_workers_than_the_cluster_can_place(ray_local):
+    from raylora.launch import check_cluster_fits
+
+    ok = validate(tree(scaling={"num_workers": 4}))
+    check_cluster_fits(ok)  # 4 logical CPUs, 1 each
+    with pytest.raises(ConfigError) as exc:
+        check_cluster_fits(validate(tree(scaling={"num_workers": 3, "cpus_per_worker": 2})))
+    assert "scaling.num_workers: 3 workers of 2 CPU each cannot all be placed" in str(exc.value)
+    assert "hold at most 2" in str(exc.value)
+    with pytest.raises(ConfigError, match=r"scaling.num_workers: 1 workers of 1 CPU \+ 1 GPU each"):
+        check_cluster_fits(validate(tree(scaling={"use_gpu": True}, train={"mixed_precision": "bf16"})))
+    # A cluster that grows on demand is not judged by the nodes it has now.
+    check_cluster_fits(validate(tree(scaling={"num_workers": 64, "autoscaling": True})))

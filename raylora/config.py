@@ -221,6 +221,10 @@ class TrainSection(_Section):
     mixed_precision: Literal["no", "fp16", "bf16"] = "no"
     seed: int = 42
     log_every_n_steps: int = Field(1, gt=0, description="Print a log line every N steps.")
+    record_samples: bool = Field(
+        False, description="metrics.jsonl rows list a content hash of every sample rank 0 "
+        "trained on in that step: an audit of data order, e.g. across a resume.",
+    )
     prediction_type: Literal["epsilon", "v_prediction"] | None = Field(
         None, description="Defaults to the model's scheduler config."
     )
@@ -299,6 +303,14 @@ class TrackingSection(_Section):
 class CheckpointSection(_Section):
     every_n_steps: int = Field(500, gt=0, description="Checkpoint cadence in optimizer steps.")
     num_to_keep: int | None = Field(2, gt=0, description="Checkpoints kept in storage.")
+
+
+class FailureSection(_Section):
+    max_failures: int = Field(
+        0, ge=-1,
+        description="Times a run restarts its workers from the latest checkpoint after a "
+        "worker process or node dies (Ray Train FailureConfig; -1: no limit).",
+    )
 
 
 class StorageSection(_Section):
@@ -415,6 +427,7 @@ class RayLoraConfig(_Section):
     train: TrainSection = Field(default_factory=TrainSection)
     scaling: ScalingSection = Field(default_factory=ScalingSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    failure: FailureSection = Field(default_factory=FailureSection)
     storage: StorageSection = Field(default_factory=StorageSection)
     validation: ValidationSection = Field(default_factory=ValidationSection)
     export: ExportSection = Field(default_factory=ExportSection)
@@ -486,7 +499,7 @@ def _cross_checks(cfg: RayLoraConfig) -> list[str]:
 
 # Keys a trial may not change: where results go, how storage is reached, and the resources
 # a trial holds (Tune sizes its concurrency from them).
-UNTUNABLE = ("tune", "output", "storage", "scaling")
+UNTUNABLE = ("tune", "output", "storage", "scaling", "failure")
 
 
 def set_dotted(tree: dict[str, Any], key: str, value: Any) -> dict[str, Any]:

@@ -448,6 +448,9 @@ def build_trainer(
             storage_path=ckpt_path,
             storage_filesystem=ckpt_fs,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
+            # A dead worker process or node: restart the workers from the latest checkpoint
+            # (they restore the exact data position, RNG and optimizer state).
+            failure_config=ray.train.FailureConfig(max_failures=cfg.failure.max_failures),
             callbacks=callbacks,
         ),
         datasets=datasets,

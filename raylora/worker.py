@@ -22,7 +22,7 @@ from ray.train import CheckpointUploadMode
 from raylora.checkpoint.state import LoopState, load_state
 from raylora.config import RayLoraConfig
 from raylora.model.lora import digest
-from raylora.train.loop import run_loop
+from raylora.train.loop import run_loop, sample_hashes
 from raylora.train.setup import build_run, nonfinite_advice, write_checkpoint
 
 log = logging.getLogger("raylora.worker")
@@ -205,7 +205,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
                               cfg.data.max_bad_fraction, min_rows_to_judge(plan["total_rows"]))
             if message:
                 raise BadDataError(message)
-        tracker.log(row["step"], {k: v for k, v in row.items() if k != "step"})
+        tracker.log(row["step"], {k: v for k, v in row.items() if k not in ("step", "samples")})
         if bar is not None:
             bar.update(1)
         if rank == 0 and row["step"] % t.log_every_n_steps == 0:
@@ -293,6 +293,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
             ema=run.ema,
             preview=preview,
             max_nonfinite_steps=t.max_nonfinite_steps,
+            sample_ids=sample_hashes if t.record_samples and rank == 0 else None,
             nonfinite_advice=nonfinite_advice(cfg),
         )
     finally:

@@ -99,7 +99,8 @@ def test_to_dict_round_trips():
     again = RayLoraConfig.model_validate(cfg.to_dict())
     assert again == cfg
     assert set(cfg.to_dict()) == {
-        "model", "data", "lora", "train", "scaling", "checkpoint", "storage", "validation", "export", "tracking",
+        "model", "data", "lora", "train", "scaling", "checkpoint", "failure", "storage", "validation",
+        "export", "tracking",
         "output", "tune",
     }
 

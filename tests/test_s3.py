@@ -265,3 +265,41 @@ def test_endpoint_from_config_without_env(s3, shards, monkeypatch):
     st = StorageSection(endpoint_url=endpoint).client()
     assert len(st.expand(f"s3://{BUCKET}/data/parquet")) == 3
     assert json.loads(st.read_bytes(f"s3://{BUCKET}/data/wds/manifest.json"))["count"] == 24
+
+
+def test_training_and_checkpointing_survive_a_faulty_object_store(s3, ray_s3, shards, tiny_model, caplog):
+    """Every 5th request through the proxy fails with 503 SlowDown, every 7th is slow:
+    data reads, checkpoint uploads and the export are retried (with backoff) and succeed."""
+    import logging
+
+    from faultproxy import FaultProxy
+
+    from raylora.launch import run
+
+    with FaultProxy(os.environ["AWS_ENDPOINT_URL"], fail_every=5, slow_every=7) as proxy:
+        tree = {
+            "model": {"pretrained": tiny_model},
+            "data": {"uri": f"s3://{BUCKET}/data/parquet", "resolution": 64, "center_crop": True},
+            "train": {"batch_size": 2, "max_steps": 4, "learning_rate": 1e-3},
+            "checkpoint": {"every_n_steps": 2},
+            "storage": {"endpoint_url": proxy.url},
+            "output": {"uri": f"s3://{BUCKET}/runs/faulty"},
+        }
+        summary = run(validate(tree))
+    retried = sum(proxy.failed.values())
+    logging.getLogger("raylora.test").warning(
+        "fault proxy: %d requests, %d failed with 503 and retried (%s), %d slowed",
+        proxy.requests, retried, dict(proxy.failed), proxy.slowed)
+    assert summary["metrics"]["steps"] == 4
+    # Faults hit reads and writes, checkpoint uploads among them, and all were retried.
+    assert proxy.failed["GET"] > 0 and proxy.failed["PUT"] > 0 and proxy.slowed > 0
+    assert any("/runs/faulty/train/checkpoint_" in p for p in proxy.failed_paths)
+    stored = keys(s3, "runs/faulty/")
+    assert "runs/faulty/adapter/manifest.json" in stored
+    snapshot = json.loads(s3.get_object(
+        Bucket=BUCKET, Key="runs/faulty/train/checkpoint_manager_snapshot.json")["Body"].read())
+    steps = sorted(r["metrics"]["step"] for r in snapshot["checkpoint_results"])
+    assert steps == [2, 4]  # every checkpoint recorded, and each one is complete:
+    for r in snapshot["checkpoint_results"]:
+        prefix = f"runs/faulty/train/{r['checkpoint_dir_name']}/"
+        assert {prefix + "lora.safetensors", prefix + "history.jsonl"} <= set(stored)

@@ -48,7 +48,8 @@ def test_export_layout_and_metadata(first_run):
     assert sorted(os.listdir(adapter)) == ["README.md", "manifest.json", "pytorch_lora_weights.safetensors", "raylora.json"]
     meta = json.load(open(os.path.join(adapter, "raylora.json")))
     assert set(meta["config"]) == {
-        "model", "data", "lora", "train", "scaling", "checkpoint", "storage", "validation", "export", "tracking",
+        "model", "data", "lora", "train", "scaling", "checkpoint", "failure", "storage", "validation",
+        "export", "tracking",
         "output", "tune",
     }
     # No held-out data configured: no held-out loss, and it says so.

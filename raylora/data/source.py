@@ -170,7 +170,10 @@ def build_dataset(
         from raylora.data.cache import read_cached_dataset
 
         return read_cached_dataset(plan.files, storage, seed)
-    rows = read_rows(data, plan, storage, seed)
+    # sharding=files: the same file order every epoch (the local shuffle buffer, seeded per
+    # epoch, still reorders rows), so an epoch's order is a function of the seed and epoch
+    # alone and a resumed run can skip exactly the batches it already trained on.
+    rows = read_rows(data, plan, storage, seed, shuffle=data.sharding != "files")
     if data.validation_split:
         # Training never sees a held-out row (see raylora.data.split).
         rows = rows.map_batches(KeepSplit(data.validation_split), batch_format="numpy")

@@ -42,6 +42,7 @@ def run_loop(
     on_eval: Callable[[LoopState], None] = lambda state: None,
     ema=None,
     preview: Callable[[int], None] | None = None,
+    sample_ids: Callable[[dict], list[str]] | None = None,
     max_nonfinite_steps: int = 5,
     nonfinite_advice: str = "",
 ) -> LoopState:
@@ -58,6 +59,7 @@ def run_loop(
     """
     last_ckpt_step = -1
     nonfinite_in_a_row = 0
+    step_samples: list[str] = []
     if evaluate is not None and state.global_step == 0 and state.eval_loss_base is None:
         # Also the "latest" value until the first periodic evaluation, so every report
         # (e.g. a checkpoint before it) carries a held-out loss for Tune to compare.
@@ -76,6 +78,8 @@ def run_loop(
             if i < skip:  # resumed mid-epoch: these micro-batches were already trained on
                 continue
             trained = True
+            if sample_ids is not None:
+                step_samples += sample_ids(batch)
             micro_losses.append(
                 train_micro_step(
                     accelerator, unet, parts, optimizer, lr_scheduler, params, batch, max_grad_norm
@@ -111,6 +115,8 @@ def run_loop(
                 "lr": lr_scheduler.get_last_lr()[0],
                 "images_per_s": images_per_step / max(now - t_step, 1e-9),
             }
+            if sample_ids is not None:
+                row["samples"], step_samples = step_samples, []
             t_step = now
             if state.train_loss_first is None:
                 state.train_loss_first = loss
@@ -146,3 +152,19 @@ def run_loop(
         # run still ends with a final checkpoint and final metrics.
         on_checkpoint(state, True)
     return state
+
+
+def sample_hashes(batch: dict[str, torch.Tensor]) -> list[str]:
+    """A short content hash per sample of a raw or cached batch (``train.record_samples``):
+    equal hashes = the same preprocessed sample, whatever order or process it came from."""
+    import hashlib
+
+    keys = sorted(k for k, v in batch.items() if torch.is_tensor(v))
+    n = batch[keys[0]].shape[0]
+    out = []
+    for i in range(n):
+        h = hashlib.blake2b(digest_size=6)
+        for k in keys:
+            h.update(batch[k][i].detach().cpu().contiguous().numpy().tobytes())
+        out.append(h.hexdigest())
+    return out

@@ -1,0 +1,118 @@
+"""#7 on Ray: a training worker killed from outside mid-run, and a run stopped and resumed,
+both end with the adapter of the uninterrupted run, having trained on the same samples."""
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from raylora.config import validate
+
+MAX_STEPS = 14  # 12 micro-batches per epoch: the runs cross an epoch boundary
+
+
+@pytest.fixture(scope="module")
+def setup(ray_local, tiny_model, tmp_path_factory):
+    from raylora.data.demo import write_parquet_shards
+    from raylora.launch import run
+
+    root = tmp_path_factory.mktemp("faults")
+    write_parquet_shards(root / "data", n=24, num_shards=2, size=64, seed=3)
+
+    def tree(name: str, **train) -> dict:
+        return {
+            "model": {"pretrained": tiny_model},
+            # Reproducible data order: files in order, a seeded local shuffle buffer.
+            "data": {"uri": str(root / "data"), "resolution": 64, "center_crop": True,
+                     "random_flip": True, "sharding": "files", "shuffle_buffer_size": 4},
+            "train": {"batch_size": 2, "max_steps": MAX_STEPS, "learning_rate": 2e-3, "seed": 11,
+                      "record_samples": True, **train},
+            "checkpoint": {"every_n_steps": 4, "num_to_keep": 2},
+            "failure": {"max_failures": 1},
+            "output": {"uri": str(root / name)},
+        }
+
+    reference = run(validate(tree("reference")))
+    return root, tree, reference
+
+
+def outcome(root, name):
+    rows = [json.loads(x) for x in open(root / name / "metrics.jsonl")]
+    adapter = load_file(str(root / name / "adapter" / "pytorch_lora_weights.safetensors"))
+    return rows, adapter
+
+
+def assert_same_run(root, name):
+    ref_rows, ref_adapter = outcome(root, "reference")
+    rows, adapter = outcome(root, name)
+    assert [r["step"] for r in rows] == list(range(1, MAX_STEPS + 1))
+    # The same samples, in the same steps, as the uninterrupted run...
+    assert [r["samples"] for r in rows] == [r["samples"] for r in ref_rows]
+    assert len({s for r in ref_rows for s in r["samples"]}) == 24  # every sample, epoch 0
+    # ...the same losses and the same adapter.
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in ref_rows], rel=1e-5)
+    assert set(adapter) == set(ref_adapter)
+    for k, v in ref_adapter.items():
+        torch.testing.assert_close(adapter[k], v, rtol=1e-5, atol=1e-7)
+
+
+def _registered_step(train_dir) -> int:
+    """The highest step of a checkpoint Ray Train has registered (written and reported:
+    what a restart resumes from). A folder alone is not enough: a worker killed during
+    its upload leaves one that is never recorded."""
+    try:
+        snap = json.loads(open(os.path.join(train_dir, "checkpoint_manager_snapshot.json")).read())
+    except (OSError, ValueError):
+        return 0
+    return max((r["metrics"]["step"] for r in snap.get("checkpoint_results", [])), default=0)
+
+
+@pytest.mark.integration
+def test_a_killed_worker_is_restarted_from_its_checkpoint_and_finishes_the_same_run(setup):
+    from ray.util.state import list_actors
+
+    from raylora.launch import run
+
+    root, tree, _ = setup
+    killed, done = [], threading.Event()
+
+    def killer():
+        # From outside the training code: find the worker process, wait for a checkpoint,
+        # SIGKILL it (as the OOM killer or a lost node would).
+        pid = None
+        while not done.is_set() and not killed:
+            if pid is None:
+                alive = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+                pid = alive[0].pid if alive else None
+            elif _registered_step(root / "killed" / "train") >= 4:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            time.sleep(0.1)
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    try:
+        summary = run(validate(tree("killed")))
+    finally:
+        done.set()
+        t.join(timeout=30)
+    assert killed, "the worker was never killed"
+    assert summary["metrics"]["resumed_from_step"] in (4, 8, 12)
+    assert_same_run(root, "killed")
+
+
+@pytest.mark.integration
+def test_stopped_and_resumed_equals_straight(setup):
+    from raylora.launch import run
+
+    root, tree, _ = setup
+    first = run(validate(tree("halves", max_steps=MAX_STEPS // 2)))
+    assert first["metrics"]["steps"] == MAX_STEPS // 2
+    second = run(validate(tree("halves")))  # same command, longer: resumes from step 7
+    assert second["metrics"]["resumed_from_step"] == MAX_STEPS // 2
+    assert_same_run(root, "halves")

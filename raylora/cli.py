@@ -194,8 +194,21 @@ def main(argv: list[str] | None = None) -> int:
         if not hasattr(args, "overrides") or any(r.startswith("-") or "=" not in r for r in rest):
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         args.overrides = list(args.overrides) + rest
+    # SIGTERM (a job scheduler, `kill`, Kubernetes) is handled like Ctrl-C: the `finally`
+    # blocks run, so an embedded Ray is shut down. Checkpoints need nothing: Ray Train
+    # records one only once it is fully written, and the same command resumes from it.
+    import signal
+
+    def _terminate(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         return args.fn(args)
+    except KeyboardInterrupt:
+        print("raylora: interrupted; run the same command again to resume from the latest "
+              "checkpoint", file=sys.stderr)
+        return 130
     except ConfigError as exc:
         print(f"raylora: {exc}", file=sys.stderr)
         return 2

@@ -116,3 +116,42 @@ def test_stopped_and_resumed_equals_straight(setup):
     second = run(validate(tree("halves")))  # same command, longer: resumes from step 7
     assert second["metrics"]["resumed_from_step"] == MAX_STEPS // 2
     assert_same_run(root, "halves")
+
+
+@pytest.mark.integration
+def test_sigterm_to_the_driver_leaves_a_resumable_run(setup, tmp_path):
+    """`raylora train` (embedded Ray) gets SIGTERM after its first recorded checkpoint: it
+    exits saying how to resume, leaves no Ray process behind, and the same command resumes
+    from a complete checkpoint and finishes."""
+    import subprocess
+    import sys
+    import tempfile
+
+    import yaml
+
+    root, tree, _ = setup
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(tree("sigterm")))
+    ray_tmp = tempfile.mkdtemp(prefix="rl-", dir="/tmp")  # short: Ray's socket paths
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_TMPDIR"] = ray_tmp
+    cmd = [sys.executable, "-m", "raylora", "train", str(job)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=tmp_path)
+    deadline = time.monotonic() + 300
+    while _registered_step(root / "sigterm" / "train") < 4 and proc.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert proc.poll() is None, "finished before it could be interrupted"
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-3000:]
+    assert "run the same command again to resume" in out
+    time.sleep(2)
+    left = subprocess.run(["pgrep", "-f", ray_tmp], capture_output=True, text=True).stdout.split()
+    assert left == [], "Ray processes of the interrupted run are still running"
+
+    again = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert "resumed from step" in again.stdout + again.stderr
+    assert_same_run(root, "sigterm")

@@ -138,7 +138,8 @@ def apply_cache(cfg: RayLoraConfig, p: Plan) -> Plan:
     if cfg.data.cache != "latents":
         return p
     store = cfg.storage.client()
-    entry = ensure_cache(cfg, p.family, p.model_path, p.data_format, p.shard_files, store)
+    entry = ensure_cache(cfg, p.family, p.model_path, p.data_format, p.shard_files, store,
+                         bad_records=p.bad_records)
     data = DataPlan("parquet", entry.files, entry.rows, entry.file_rows)
     encoded = encode_rows(cfg, p.family, p.model_path, p.heldout, store) if p.heldout else None
     return _carry(_arithmetic(cfg, p.model_path, data, p.heldout, []), p,
@@ -317,6 +318,8 @@ def run(cfg: RayLoraConfig) -> dict:
         check_cluster_fits(cfg)
         p = start_bad_records(p)
         p = apply_cache(cfg, p)
+        if cfg.data.cache == "latents":  # a fresh build read every row: judge them now
+            check_bad_records(cfg, p, final=True)
         try:
             result = _fit(cfg, p)
         except Exception:

@@ -249,8 +249,11 @@ def _work_items(fmt: str, files: list[str], store: Storage, caption_column: str,
 
 
 def ensure_cache(cfg: RayLoraConfig, family: str, model_path: str, data_format: str,
-                 data_files: list[str], store: Storage, rows_per_part: int = 256) -> CacheEntry:
-    """The complete cache entry for this config, built first when missing. Needs Ray."""
+                 data_files: list[str], store: Storage, rows_per_part: int = 256,
+                 bad_records: str | None = None) -> CacheEntry:
+    """The complete cache entry for this config, built first when missing. Needs Ray.
+    ``bad_records``: the run's counter, which the build's rejected rows are counted in
+    (a reused entry decodes nothing, so it adds nothing)."""
     import ray.data
 
     uri = storage.join(cache_root(cfg), fingerprint(cfg, family, model_path, data_files, store))
@@ -263,6 +266,7 @@ def ensure_cache(cfg: RayLoraConfig, family: str, model_path: str, data_format: 
         store.delete_dir(parts)
     log.info("latent cache: encoding %d file(s) into %s", len(data_files), uri)
     pre, enc = _stage_kwargs(cfg, model_path, family, store)
+    pre["bad_records"] = bad_records
     items = _work_items(data_format, list(data_files), store, cfg.data.caption_column, rows_per_part)
     gpu = {"num_gpus": 1} if cfg.scaling.use_gpu else {"num_cpus": 1}
     written = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(

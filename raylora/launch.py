@@ -319,13 +319,13 @@ def run(cfg: RayLoraConfig) -> dict:
         p = start_bad_records(p)
         p = apply_cache(cfg, p)
         if cfg.data.cache == "latents":  # a fresh build read every row: judge them now
-            check_bad_records(cfg, p, final=True)
+            check_bad_records(cfg, p)
         try:
             result = _fit(cfg, p)
         except Exception:
-            check_bad_records(cfg, p, final=True)  # the data's fault: say so, in one line
+            check_bad_records(cfg, p)  # the data's fault: say so, in one line
             raise
-        bad = check_bad_records(cfg, p, final=True)
+        bad = check_bad_records(cfg, p)
         if result.checkpoint is None:
             raise RuntimeError("training finished without a checkpoint to export")
         with result.checkpoint.as_directory() as ckpt_dir:
@@ -361,17 +361,18 @@ def stop_bad_records(p: Plan) -> None:
         ray.kill(actor)
 
 
-def check_bad_records(cfg: RayLoraConfig, p: Plan, final: bool) -> dict:
+def check_bad_records(cfg: RayLoraConfig, p: Plan) -> dict:
     """The counts so far as ``raylora.json`` entries; raises ``BadDataError`` when the bad
     fraction is over ``data.max_bad_fraction`` (judged on every row read, at the end)."""
-    from raylora.data.badrecords import BadDataError, min_rows_to_judge, read_counter, verdict
+    from raylora.data.badrecords import BadDataError, read_counter, verdict
 
     summary = read_counter(p.bad_records) or {}
     if not summary:
         return {}
     if summary["bad_records"]:
         log.warning("bad records: %s of %d rows read", summary["bad_records"], summary["rows_seen"])
-    message = verdict(summary, cfg.data.max_bad_fraction, 1 if final else min_rows_to_judge(p.total_rows))
+    # Every row read counts here; the workers judge earlier, once enough were read.
+    message = verdict(summary, cfg.data.max_bad_fraction, 1)
     if message:
         raise BadDataError(message)
     # "bad_records" in the plan is the counter's name: the counts travel under their own key.

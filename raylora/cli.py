@@ -197,12 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (a job scheduler, `kill`, Kubernetes) is handled like Ctrl-C: the `finally`
     # blocks run, so an embedded Ray is shut down. Checkpoints need nothing: Ray Train
     # records one only once it is fully written, and the same command resumes from it.
-    import signal
+    from raylora import launch
 
-    def _terminate(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, _terminate)
+    launch.INTERRUPT_ON_SIGTERM = True
+    launch.interrupt_on_sigterm()
     try:
         return args.fn(args)
     except KeyboardInterrupt:

@@ -209,6 +209,24 @@ def _plan_heldout(cfg: RayLoraConfig, data, store) -> tuple[list[dict], str | No
     return [], None
 
 
+# Set by the CLI: this process owns its signals (a library caller keeps its own).
+INTERRUPT_ON_SIGTERM = False
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def interrupt_on_sigterm() -> None:
+    """SIGTERM → KeyboardInterrupt in the main thread, when the CLI asked for it. Again after
+    ``ray.init``, which installs its own SIGTERM handler (log, then die without cleanup)."""
+    import signal
+    import threading
+
+    if INTERRUPT_ON_SIGTERM and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_interrupt)
+
+
 def init_ray(need_cpus: float = 0) -> bool:
     """Join ``RAY_ADDRESS`` if set, else start an embedded local Ray. Returns True when this
     call started Ray (so the caller shuts it down)."""
@@ -218,12 +236,14 @@ def init_ray(need_cpus: float = 0) -> bool:
         return False
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=storage_runtime_env())
+        interrupt_on_sigterm()
         return False
     # Logical CPUs: training workers hold theirs for the whole run, so Ray Data's readers
     # and preprocess actors need room beside them even on a 2-core laptop. Workers of an
     # embedded Ray inherit this process's environment, storage variables included.
     num_cpus = max(os.cpu_count() or 1, int(need_cpus + 0.999) + 2)
     start_local_ray(num_cpus)
+    interrupt_on_sigterm()
     return True
 
 

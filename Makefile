@@ -46,11 +46,8 @@ demo: $(STAMP)
 	@echo "  loss curve   $(DEMO)/output/loss.png"
 	@echo "  step metrics $(DEMO)/output/metrics.jsonl"
 
-# Two test files at a time: most of a Ray test's wall time is waiting (process starts,
-# actor scheduling), not CPU. Every module starts its own Ray on free ports, so the two
-# never meet; a file's tests stay together in one process (--dist loadfile).
 test: $(STAMP)
-	$(PY) -m pytest tests -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

@@ -25,7 +25,8 @@ import os
 from raylora import storage
 from raylora.config import RayLoraConfig, TuneSection, trial_tree, validate
 from raylora.launch import (
-    Plan, apply_cache, build_trainer, check_cluster_fits, init_ray, plan, replan, resolve_paths,
+    Plan, apply_cache, build_trainer, check_bad_records, check_cluster_fits, init_ray, plan, replan,
+    resolve_paths, start_bad_records, stop_bad_records,
 )
 
 log = logging.getLogger("raylora.tune")
@@ -156,6 +157,8 @@ def run_tune(cfg: RayLoraConfig) -> dict:
     started = init_ray(per_trial["CPU"])
     try:
         check_cluster_fits(cfg)  # one trial's workers, at least
+        # One bad-record counter for the search: every trial's reads count in it.
+        base_plan = start_bad_records(base_plan)
         # One latent cache for every trial, built (or found) before the first one starts.
         base_plan = apply_cache(cfg, base_plan)
         concurrency = max_concurrency(cfg, ray.cluster_resources(), n_trials)
@@ -202,6 +205,7 @@ def run_tune(cfg: RayLoraConfig) -> dict:
             ),
         )
         grid = tuner.fit()
+        check_bad_records(cfg, base_plan)  # raises when too much of what was read was bad
         rows = results_table(grid, tn, max_steps)
         summary = write_results(rows, cfg, store, out)
         best = pick_best(rows)
@@ -210,6 +214,7 @@ def run_tune(cfg: RayLoraConfig) -> dict:
             summary["best_adapter"] = export_best(best, grid, cfg, base_plan, out)
         return summary
     finally:
+        stop_bad_records(base_plan)
         if started:
             ray.shutdown()
 

@@ -4,7 +4,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from raylora.data.preprocess import Preprocess, load_image, transform_image
+from raylora.data.decode import open_image
+from raylora.data.preprocess import Preprocess, transform_image
+
+MAX_PIXELS = 178_956_970  # the data.max_image_pixels default
 
 
 def _png(img: Image.Image) -> bytes:
@@ -61,7 +64,7 @@ def test_flip_is_a_horizontal_mirror():
 @pytest.mark.parametrize("mode", ["L", "LA", "P", "RGBA", "CMYK"])
 def test_non_rgb_modes_become_rgb(mode):
     img = Image.new("RGB", (40, 40), (200, 100, 50)).convert(mode)
-    decoded = load_image(_png(img) if mode != "CMYK" else _jpeg(img))
+    decoded = open_image(_png(img) if mode != "CMYK" else _jpeg(img), MAX_PIXELS)
     out = transform_image(decoded, 32, True, False, _rng())
     assert out.shape == (3, 32, 32)
 
@@ -72,13 +75,13 @@ def _jpeg(img):
     return buf.getvalue()
 
 
-def test_load_image_accepts_hf_struct_and_rejects_garbage():
+def test_open_image_accepts_hf_struct_and_rejects_garbage():
     data = _png(Image.new("RGB", (8, 8)))
-    assert load_image({"bytes": data, "path": "x.png"}).size == (8, 8)
+    assert open_image({"bytes": data, "path": "x.png"}, MAX_PIXELS).size == (8, 8)
     with pytest.raises(ValueError):
-        load_image(b"")
+        open_image(b"", MAX_PIXELS)
     with pytest.raises(Exception):
-        load_image(b"not an image at all")
+        open_image(b"not an image at all", MAX_PIXELS)
 
 
 def test_preprocess_stage_outputs(tiny_model):

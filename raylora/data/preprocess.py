@@ -6,22 +6,8 @@ No Ray imports: ``Preprocess`` is a callable class that Ray Data runs as an acto
 
 from __future__ import annotations
 
-import io
-from typing import Any
-
 import numpy as np
 from PIL import Image
-
-
-def load_image(value: Any) -> Image.Image:
-    """Decode encoded image bytes, or a Hugging Face datasets struct ``{bytes, path}``."""
-    if isinstance(value, dict):
-        value = value.get("bytes")
-    if not isinstance(value, (bytes, bytearray, memoryview)) or len(value) == 0:
-        raise ValueError("image value is not encoded image bytes")
-    img = Image.open(io.BytesIO(bytes(value)))
-    img.load()
-    return img
 
 
 def transform_image(

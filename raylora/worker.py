@@ -195,12 +195,12 @@ def train_loop_per_worker(loop_config: dict) -> None:
     if cfg.validation.prompts and rank == 0:
         preview = _previewer(cfg, plan, run, tracker)
 
+    from raylora.data.badrecords import BadDataError, min_rows_to_judge, read_counter, verdict
+
     def on_step(row: dict) -> None:
         if rank == 0 and plan.get("bad_records"):
             # Rows were read (by the Preprocess actors) for this step: judge the totals now,
             # not after hours of training on a fraction of the data.
-            from raylora.data.badrecords import BadDataError, min_rows_to_judge, read_counter, verdict
-
             message = verdict(read_counter(plan["bad_records"]) or {"rows_seen": 0},
                               cfg.data.max_bad_fraction, min_rows_to_judge(plan["total_rows"]))
             if message:

@@ -315,11 +315,12 @@ def encode_rows(cfg: RayLoraConfig, family: str, model_path: str, rows: list[dic
 
 def read_cached_dataset(entry_files: list[str], store: Storage, seed: int):
     """Training rows from cache files: parquet straight into the workers, no stage."""
-    import ray.data
     from ray.data import FileShuffleConfig
 
+    from raylora.data.source import read_parquet
+
     fs, _ = store.fs(entry_files[0])
-    return ray.data.read_parquet(
+    return read_parquet(
         [storage.fs_path(f) for f in entry_files], filesystem=fs,
         shuffle=FileShuffleConfig(seed=seed, reseed_after_execution=True),
     )

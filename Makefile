@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.raylora-installed
 
-.PHONY: demo test install clean
+.PHONY: demo test bench install clean
 
 install: $(STAMP)
 
@@ -48,6 +48,15 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# Not part of `make test`: each script prints a table and appends it to bench/RESULTS.md.
+bench: $(STAMP)
+	$(PY) bench/ingest.py
+	$(PY) bench/overhead.py
+	$(PY) bench/cache.py
+	if $(PY) -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then \
+		$(PY) bench/gpu_throughput.py; \
+	else echo "bench: no CUDA device, skipping bench/gpu_throughput.py (try --smoke)"; fi
 
 clean:
 	rm -rf runs .pytest_cache

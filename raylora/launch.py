@@ -401,7 +401,40 @@ def check_bad_records(cfg: RayLoraConfig, p: Plan) -> dict:
 
 
 def _fit(cfg: RayLoraConfig, p: Plan):
+    drop_unrecorded_checkpoints(cfg.storage.client(), storage.join(cfg.output.uri, TRAIN_RUN_NAME))
     return build_trainer(cfg, p, cfg.output.uri, TRAIN_RUN_NAME).fit()
+
+
+def drop_unrecorded_checkpoints(store, run_uri: str) -> list[str]:
+    """Delete checkpoint folders Ray Train wrote but never recorded; returns their URIs.
+
+    A process stopped after a checkpoint's upload but before Ray registered it (SIGTERM,
+    a lost driver) leaves a complete-looking folder that no run will resume from or count
+    against ``checkpoint.num_to_keep``: it would stay in the bucket for good. Called before
+    a run starts, when nothing else writes there. Ray's snapshot (its record of what it
+    kept) is internal: an unexpected format deletes nothing.
+    """
+    import pyarrow.fs as pafs
+
+    snap = storage.join(run_uri, "checkpoint_manager_snapshot.json")
+    try:
+        if not store.exists(snap):
+            return []
+        recorded = {r["checkpoint_dir_name"]
+                    for r in json.loads(store.read_bytes(snap))["checkpoint_results"]}
+    except (KeyError, TypeError, ValueError):
+        return []
+    fs, path = store.fs(run_uri)
+    dropped = []
+    for info in fs.get_file_info(pafs.FileSelector(path)):
+        if (info.type == pafs.FileType.Directory and info.base_name.startswith("checkpoint_")
+                and info.base_name not in recorded):
+            fs.delete_dir(info.path)
+            dropped.append(storage.join(run_uri, info.base_name))
+    if dropped:
+        log.warning("removed %d checkpoint folder(s) that an interrupted run wrote but Ray "
+                    "never recorded: %s", len(dropped), ", ".join(dropped))
+    return dropped
 
 
 def build_trainer(
@@ -520,6 +553,7 @@ def run_lr_find(
     started = init_ray(cfg.scaling.cpus_per_worker)
     try:
         check_cluster_fits(cfg, num_workers=1)  # lr-find trains on one worker
+        p = start_bad_records(p)
         p = apply_cache(cfg, p)
         settings = dict(start_lr=start_lr, end_lr=end_lr, num_steps=num_steps,
                         smoothing=smoothing, diverge_factor=diverge_factor)
@@ -527,10 +561,17 @@ def run_lr_find(
             cfg, p, cfg.output.uri, LR_FIND_RUN_NAME, train_fn=lr_find_per_worker,
             extra_loop_config={"lr_find": settings},
         )
-        result = trainer.fit()
+        try:
+            result = trainer.fit()
+        except Exception:
+            check_bad_records(cfg, p)  # the data's fault: say so, in one line
+            raise
+        # A curve measured on a fraction of the data is refused like a run trained on one.
+        bad = check_bad_records(cfg, p)
         with result.checkpoint.as_directory() as d, open(os.path.join(d, "lr_find.json")) as f:
             rows = json.load(f)
     finally:
+        stop_bad_records(p)
         if started:
             import ray
 
@@ -549,4 +590,5 @@ def run_lr_find(
         lr_find.plot(rows, suggestion, png)
         with open(png, "rb") as f:
             store.write_bytes(png_uri, f.read())
-    return {**suggestion, "settings": settings, "csv": csv_uri, "png": png_uri, "rows": rows}
+    return {**suggestion, "settings": settings, "csv": csv_uri, "png": png_uri, "rows": rows,
+            "bad_records": bad.get("bad_records_counts", {}), "rows_decoded": bad.get("rows_decoded")}

@@ -205,13 +205,14 @@ def run_tune(cfg: RayLoraConfig) -> dict:
             ),
         )
         grid = tuner.fit()
-        check_bad_records(cfg, base_plan)  # raises when too much of what was read was bad
+        # Raises when too much of what was read was bad; the counts are the whole search's.
+        bad = check_bad_records(cfg, base_plan)
         rows = results_table(grid, tn, max_steps)
         summary = write_results(rows, cfg, store, out)
         best = pick_best(rows)
         if best is not None:
             summary["best"] = best
-            summary["best_adapter"] = export_best(best, grid, cfg, base_plan, out)
+            summary["best_adapter"] = export_best(best, grid, cfg, base_plan, out, bad)
         return summary
     finally:
         stop_bad_records(base_plan)
@@ -311,8 +312,10 @@ def write_results(rows: list[dict], cfg: RayLoraConfig, store, out: str) -> dict
     return {"rows": rows, "results_csv": csv_uri, "results_json": json_uri, "table": format_table(rows)}
 
 
-def export_best(best: dict, grid, cfg: RayLoraConfig, base_plan: Plan, out: str) -> str:
-    """The best trial's last checkpoint → ``{output.uri}/best/`` (adapter, card, metrics)."""
+def export_best(best: dict, grid, cfg: RayLoraConfig, base_plan: Plan, out: str,
+                bad: dict | None = None) -> str:
+    """The best trial's last checkpoint → ``{output.uri}/best/`` (adapter, card, metrics).
+    ``bad``: the search's bad-record counts (every trial's reads) for ``raylora.json``."""
     import ray.train
 
     from raylora.checkpoint.export import export_run
@@ -326,5 +329,6 @@ def export_best(best: dict, grid, cfg: RayLoraConfig, base_plan: Plan, out: str)
     ckpt = ray.train.Checkpoint(best["checkpoint_path"], filesystem=fs)
     extra = {"tune": {"trial_id": best["trial_id"], "params": params, "metric": cfg.tune.metric}}
     with ckpt.as_directory() as d:
-        summary = export_run(d, trial_cfg, result.metrics, replan(trial_cfg, base_plan).to_dict(), extra)
+        summary = export_run(d, trial_cfg, result.metrics,
+                             {**replan(trial_cfg, base_plan).to_dict(), **(bad or {})}, extra)
     return summary["adapter"]

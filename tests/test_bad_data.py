@@ -185,3 +185,11 @@ def test_a_run_trains_on_exactly_the_good_rows_and_reports_the_bad(ray_local, ti
     assert "data.max_bad_fraction" in msg and "8 of 20 rows" in msg
     assert "too_many_pixels=1" in msg and "missing_caption=2" in msg and "part-00000.parquet" in msg
     assert not (tmp_path / "strict" / "adapter").exists()
+
+    # lr-find reads through the same decode and refuses the same data, counting the same.
+    from raylora.launch import run_lr_find
+
+    with pytest.raises(BadDataError) as exc:
+        run_lr_find(validate(tree("lrfind")), num_steps=6)
+    assert "8 of 20 rows" in str(exc.value) and "caption_not_utf8=1" in str(exc.value)
+    assert not (tmp_path / "lrfind" / "lr_find.csv").exists()

@@ -43,3 +43,30 @@ def test_state_round_trip(tmp_path):
     assert torch.equal(torch.rand(5), expected_draw)
     # A rank without its own RNG file gets None rather than another rank's stream.
     assert load_state(str(tmp_path), rank=0).rng is None
+
+
+def test_unrecorded_checkpoint_folders_are_dropped_before_a_run(tmp_path):
+    """A folder Ray wrote but never recorded (stopped between upload and registration) is
+    removed; recorded ones, other files, and everything under an unreadable snapshot stay."""
+    import json
+
+    from raylora.launch import drop_unrecorded_checkpoints
+    from raylora.storage import Storage
+
+    run = tmp_path / "train"
+    for name in ("checkpoint_a", "checkpoint_b", "checkpoint_orphan", "other"):
+        (run / name).mkdir(parents=True)
+        (run / name / "lora.safetensors").write_bytes(b"x")
+    snap = run / "checkpoint_manager_snapshot.json"
+    snap.write_text(json.dumps({"checkpoint_results": [
+        {"checkpoint_dir_name": "checkpoint_a", "metrics": {"step": 4}},
+        {"checkpoint_dir_name": "checkpoint_b", "metrics": {"step": 8}}]}))
+    assert drop_unrecorded_checkpoints(Storage(), str(tmp_path / "fresh")) == []
+    assert drop_unrecorded_checkpoints(Storage(), str(run)) == [str(run / "checkpoint_orphan")]
+    assert sorted(p.name for p in run.iterdir()) == [
+        "checkpoint_a", "checkpoint_b", "checkpoint_manager_snapshot.json", "other"]
+
+    (run / "checkpoint_orphan").mkdir()
+    snap.write_text(json.dumps({"format": "changed"}))
+    assert drop_unrecorded_checkpoints(Storage(), str(run)) == []
+    assert (run / "checkpoint_orphan").is_dir()

@@ -1,4 +1,5 @@
-"""`cluster/local-up.sh` + the real `ray job submit` CLI + `cluster/local-down.sh`."""
+"""`cluster/local-up.sh` + the real `ray job submit` CLI + `cluster/local-down.sh`; a
+driver joining a two-node cluster through RAY_ADDRESS, with its storage settings."""
 
 from __future__ import annotations
 
@@ -85,51 +86,17 @@ def test_local_head_ray_job_submit_tiny_job(local_cluster, tiny_model, demo_data
 
 
 @pytest.mark.parametrize("local_cluster", [["--worker-node", "--worker-cpus", "2"]], indirect=True)
-def test_two_node_spread_matches_single_node(local_cluster, tiny_model, demo_data, tmp_path):
-    """Head + a second `ray start --address` node on this machine: STRICT_SPREAD puts one
-    training worker on each node; the same job packed onto one node (same seed, per-worker
-    shard files) ends with the same adapter."""
-    from safetensors.torch import load_file
-
-    c = local_cluster
-
-    def train(name: str, strategy: str) -> tuple[dict, dict]:
-        out = tmp_path / name
-        proc = subprocess.run(
-            [sys.executable, "-m", "raylora", "train", os.path.join(REPO, "jobs/configs/tiny-local.yaml"),
-             f"model.pretrained={tiny_model}", f"data.uri={demo_data}", f"output.uri={out}",
-             "train.max_steps=3", "train.batch_size=2", "checkpoint.every_n_steps=3",
-             "train.lr_warmup_steps=0", "data.random_flip=false", "data.sharding=files",
-             f"scaling.placement_strategy={strategy}"],
-            capture_output=True, text=True, timeout=600, cwd=tmp_path,
-            env={**c["env"], "RAY_ADDRESS": c["address"]},
-        )
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-        meta = json.load(open(out / "adapter" / "raylora.json"))["metrics"]
-        return meta, load_file(out / "adapter" / "pytorch_lora_weights.safetensors")
-
-    spread, spread_w = train("spread", "STRICT_SPREAD")
-    packed, packed_w = train("packed", "STRICT_PACK")
-    assert len(set(spread["worker_nodes"])) == 2  # one worker per node
-    assert len(set(packed["worker_nodes"])) == 1  # both on one node
-    assert spread["replicas_in_sync"] and packed["replicas_in_sync"]
-    assert spread["steps"] == packed["steps"] == 3
-    assert spread["train_loss_last"] == pytest.approx(packed["train_loss_last"], rel=1e-5)
-    assert spread_w.keys() == packed_w.keys()
-    for k in spread_w:
-        assert spread_w[k].abs().max() > 0 or "lora.up" in k
-        torch_close = (spread_w[k] - packed_w[k]).abs().max().item()
-        assert torch_close <= 1e-6, (k, torch_close)
-
-
-def test_joined_cluster_gets_storage_settings_via_runtime_env(
+def test_two_node_spread_from_s3_matches_single_node(
     local_cluster, moto_endpoint, tiny_model, demo_data, tmp_path
 ):
-    """The cluster was started without any AWS_* variables; the driver has them and joins
-    through RAY_ADDRESS. Training must still read s3:// data and write s3:// output from
-    every worker (forwarded as the job's runtime_env), and the secret must not reach the
-    cluster's logs."""
+    """Head + a second `ray start --address` node on this machine, both started without
+    any AWS_* variables. The driver has them and joins through RAY_ADDRESS: STRICT_SPREAD
+    puts one training worker on each node, and both read s3:// data and write s3:// output
+    (the settings travel as the job's runtime_env; the secret reaches no cluster log). The
+    same job packed onto one node from local files (same seed, per-worker shard files) ends
+    with the same adapter."""
     import boto3
+    from safetensors.torch import load_file
 
     c = local_cluster
     assert not any(k.startswith("AWS_") for k in c["env"] if k != "AWS_CA_BUNDLE")
@@ -142,20 +109,46 @@ def test_joined_cluster_gets_storage_settings_via_runtime_env(
     for f in sorted(os.listdir(demo_data)):
         if f.endswith(".parquet"):
             s3.upload_file(os.path.join(demo_data, f), "raylora-joined", f"data/{f}")
-    proc = subprocess.run(
-        [sys.executable, "-m", "raylora", "train", os.path.join(REPO, "jobs/configs/tiny-local.yaml"),
-         f"model.pretrained={tiny_model}", "data.uri=s3://raylora-joined/data",
-         "output.uri=s3://raylora-joined/run", "train.max_steps=2", "train.batch_size=2", "train.lr_warmup_steps=0",
-         "checkpoint.every_n_steps=2"],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path,
-        env={**c["env"], **aws, "RAY_ADDRESS": c["address"]},
-    )
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
+    logs = []
+
+    def train(strategy: str, data: str, out: str, extra_env: dict):
+        proc = subprocess.run(
+            [sys.executable, "-m", "raylora", "train", os.path.join(REPO, "jobs/configs/tiny-local.yaml"),
+             f"model.pretrained={tiny_model}", f"data.uri={data}", f"output.uri={out}",
+             "train.max_steps=3", "train.batch_size=2", "checkpoint.every_n_steps=3",
+             "train.lr_warmup_steps=0", "data.random_flip=false", "data.sharding=files",
+             f"scaling.placement_strategy={strategy}"],
+            capture_output=True, text=True, timeout=600, cwd=tmp_path,
+            env={**c["env"], **extra_env, "RAY_ADDRESS": c["address"]},
+        )
+        logs.append(proc.stdout + proc.stderr)
+        assert proc.returncode == 0, logs[-1][-4000:]
+
+    train("STRICT_SPREAD", "s3://raylora-joined/data", "s3://raylora-joined/run", aws)
     keys = [o["Key"] for o in s3.list_objects_v2(Bucket="raylora-joined", Prefix="run/")["Contents"]]
-    assert "run/adapter/pytorch_lora_weights.safetensors" in keys
     assert any(k.startswith("run/train/checkpoint_") for k in keys)
-    assert secret not in log
+    spread_dir = tmp_path / "spread"
+    spread_dir.mkdir()
+    for name in ("raylora.json", "pytorch_lora_weights.safetensors"):
+        s3.download_file("raylora-joined", f"run/adapter/{name}", str(spread_dir / name))
+    train("STRICT_PACK", demo_data, str(tmp_path / "packed"), {})
+
+    spread = json.load(open(spread_dir / "raylora.json"))["metrics"]
+    packed = json.load(open(tmp_path / "packed" / "adapter" / "raylora.json"))["metrics"]
+    spread_w = load_file(spread_dir / "pytorch_lora_weights.safetensors")
+    packed_w = load_file(tmp_path / "packed" / "adapter" / "pytorch_lora_weights.safetensors")
+    assert len(set(spread["worker_nodes"])) == 2  # one worker per node
+    assert len(set(packed["worker_nodes"])) == 1  # both on one node
+    assert spread["replicas_in_sync"] and packed["replicas_in_sync"]
+    assert spread["steps"] == packed["steps"] == 3
+    assert spread["train_loss_last"] == pytest.approx(packed["train_loss_last"], rel=1e-5)
+    assert spread_w.keys() == packed_w.keys()
+    for k in spread_w:
+        assert spread_w[k].abs().max() > 0 or "lora.up" in k
+        torch_close = (spread_w[k] - packed_w[k]).abs().max().item()
+        assert torch_close <= 1e-6, (k, torch_close)
+
+    assert all(secret not in log for log in logs)
     for root, _, files in os.walk(c["state"]):
         for f in files:
             path = os.path.join(root, f)

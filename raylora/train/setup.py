@@ -89,6 +89,13 @@ class TrainingRun:
         return lora_state_dict(self.accelerator.unwrap_model(self.unet), self.trained_text_encoders)
 
 
+def compile_unet(unet: torch.nn.Module) -> None:
+    """``torch.compile`` the UNet's forward in place (``Module.compile``): the module, its
+    parameters and state-dict keys stay what they were, so DDP, LoRA saving and resume are
+    unchanged. Static shapes: every training batch has the same shape (drop_last)."""
+    unet.compile(dynamic=False)
+
+
 def build_run(
     cfg: RayLoraConfig,
     accelerator,
@@ -111,6 +118,8 @@ def build_run(
     te_params = add_text_encoder_lora(comps.text_encoders, cfg.lora) if cfg.lora.train_text_encoder else []
     if t.gradient_checkpointing:
         comps.unet.enable_gradient_checkpointing()
+    if t.compile:
+        compile_unet(comps.unet)
     for m in [comps.vae, *comps.text_encoders]:
         if m is not None:
             m.to(accelerator.device)

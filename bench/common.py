@@ -1,0 +1,108 @@
+"""What every benchmark shares: the machine and versions it ran on, a markdown table, and
+appending both to ``bench/RESULTS.md``.
+
+Benchmarks are scripts, not tests: each measures raylora against a baseline in the same
+run and prints the ratio, so a slower or busier machine moves both sides together.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import subprocess
+import time
+from contextlib import contextmanager
+from importlib import metadata
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "RESULTS.md")
+PACKAGES = ("torch", "ray", "diffusers", "transformers", "peft", "accelerate", "pyarrow")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _memory_gib() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        return float("nan")
+
+
+def _git_rev() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def machine() -> dict:
+    """Date, hardware and versions, for the results file."""
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "-"
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": f"{_cpu_model()}, {os.cpu_count()} cores, {_memory_gib():.0f} GiB",
+        "gpu": gpu or "none",
+        "python": platform.python_version(),
+        "versions": versions,
+        "raylora": _git_rev(),
+    }
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    """A markdown table; floats with 3 significant figures (ratios with 2 decimals)."""
+
+    def cell(v):
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.2e}"
+        return "-" if v is None else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def record(title: str, env: dict, body: str, notes: list[str] = ()) -> str:
+    """Print a result section and append it to bench/RESULTS.md; returns the text."""
+    versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items())
+    text = "\n".join([
+        f"## {title}",
+        "",
+        f"- Date: {env['date']}; raylora {env['raylora']}",
+        f"- Machine: {env['cpu']}; GPU: {env['gpu']}",
+        f"- Python {env['python']}; {versions}",
+        *[f"- {n}" for n in notes],
+        "",
+        body,
+        "",
+    ])
+    print(text, flush=True)
+    with open(RESULTS, "a") as f:
+        f.write("\n" + text)
+    return text
+
+
+@contextmanager
+def stopwatch(out: dict, key: str):
+    t0 = time.perf_counter()
+    yield
+    out[key] = time.perf_counter() - t0

@@ -1,0 +1,162 @@
+"""Benchmark 1, ingest: images/s of raylora's data pipeline (Ray Data: read, validating
+decode, resize, crop, flip, tokenize, batch) against a plain PyTorch DataLoader doing the
+same transforms on the same shards with the same number of CPU workers, from local
+parquet and from an S3-compatible server on loopback (moto).
+
+    .venv/bin/python bench/ingest.py [--images 384] [--workers 2] [--epochs 3]
+
+Epoch 1 includes start-up (process spawn, imports, tokenizer); the throughput compared is
+the mean over the later epochs, with the first-batch latency of epoch 1 shown beside it.
+The DataLoader keeps its workers between epochs (persistent_workers), its best case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import machine, record, table  # noqa: E402
+from fixtures import photo_shards, tiny_model  # noqa: E402
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+def epochs(make_iter, n_epochs: int, images: int) -> dict:
+    """Time each epoch of a batch iterator factory; count the images it yields."""
+    times, first, counted = [], None, []
+    for e in range(n_epochs):
+        t0 = time.perf_counter()
+        n = 0
+        for batch in make_iter():
+            if first is None:
+                first = time.perf_counter() - t0
+            n += batch["pixel_values"].shape[0]
+        times.append(time.perf_counter() - t0)
+        counted.append(n)
+    steady = times[1:] or times
+    return {
+        "first_batch_s": first,
+        "epoch1_s": times[0],
+        "steady_epoch_s": statistics.mean(steady),
+        "images_per_s": counted[-1] / statistics.mean(steady),
+        "images": counted[-1],
+    }
+
+
+def pre_kwargs(model: str, resolution: int) -> dict:
+    return dict(tokenizer_path=model, resolution=resolution, center_crop=True, random_flip=True,
+                image_column="image", caption_column="text", seed=0)
+
+
+def raylora_side(uri: str, model: str, args) -> dict:
+    from raylora.config import validate
+    from raylora.data.source import build_dataset, plan_data
+
+    cfg = validate({
+        "model": {"pretrained": model},
+        "data": {"uri": uri, "resolution": args.resolution, "center_crop": True, "random_flip": True},
+        "train": {"batch_size": args.batch_size},
+        "output": {"uri": tempfile.mkdtemp()},
+    })
+    store = cfg.storage.client()
+    dp = plan_data(cfg.data, store)
+    ds = build_dataset(cfg.data, dp, store, model_path=model, seed=0,
+                       num_preprocess_actors=args.workers)
+    return epochs(lambda: ds.iter_torch_batches(batch_size=args.batch_size, drop_last=True),
+                  args.epochs, args.images)
+
+
+def dataloader_side(uri: str, model: str, args) -> dict:
+    from torch.utils.data import DataLoader
+    from torch_baseline import ParquetShards
+
+    from raylora.storage import Storage
+
+    files = Storage().expand(uri)
+    loader = DataLoader(
+        ParquetShards(files, uri, pre_kwargs(model, args.resolution)),
+        batch_size=args.batch_size, drop_last=True, num_workers=args.workers,
+        persistent_workers=True, multiprocessing_context="spawn", prefetch_factor=4,
+    )
+    return epochs(lambda: iter(loader), args.epochs, args.images)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--images", type=int, default=384)
+    ap.add_argument("--shards", type=int, default=8)
+    ap.add_argument("--workers", type=int, default=2, help="CPU workers on each side")
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--resolution", type=int, default=256)
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--no-s3", action="store_true")
+    args = ap.parse_args()
+
+    work = tempfile.mkdtemp(prefix="rl-bench-", dir="/tmp")
+    model = tiny_model(os.path.join(work, "model"))
+    local = os.path.join(work, "shards")
+    photo_shards(local, args.images, args.shards)
+    sources = [("local parquet", local)]
+
+    server = None
+    if not args.no_s3:
+        import boto3
+        from moto.server import ThreadedMotoServer
+
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        # Before ray.init: the embedded Ray's workers inherit these.
+        os.environ.update({"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "bench",
+                           "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1"})
+        s3 = boto3.client("s3")
+        s3.create_bucket(Bucket="raylora-bench")
+        for f in sorted(os.listdir(local)):
+            s3.upload_file(os.path.join(local, f), "raylora-bench", f"shards/{f}")
+        sources.append(("S3 (moto, loopback)", "s3://raylora-bench/shards"))
+
+    # The baseline first: its workers are spawned before Ray's threads exist.
+    base = {name: dataloader_side(uri, model, args) for name, uri in sources}
+
+    import ray
+
+    from raylora.launch import start_local_ray
+
+    # Logical CPUs for Ray Data's read tasks beside the Preprocess actors; the processes
+    # share the same physical cores as the DataLoader's did.
+    start_local_ray(num_cpus=args.workers + 2)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    try:
+        ours = {name: raylora_side(uri, model, args) for name, uri in sources}
+    finally:
+        ray.shutdown()
+        if server is not None:
+            server.stop()
+
+    rows = []
+    for name, _ in sources:
+        r, b = ours[name], base[name]
+        rows.append({
+            "source": name,
+            "raylora img/s": r["images_per_s"], "DataLoader img/s": b["images_per_s"],
+            "ratio raylora/DataLoader": round(r["images_per_s"] / b["images_per_s"], 2),
+            "raylora 1st batch s": r["first_batch_s"], "DataLoader 1st batch s": b["first_batch_s"],
+            "raylora epoch 1 s": r["epoch1_s"], "DataLoader epoch 1 s": b["epoch1_s"],
+        })
+    cols = list(rows[0])
+    record("Ingest: raylora data pipeline vs torch DataLoader", machine(), table(rows, cols), [
+        f"{args.images} JPEG images 768x512 in {args.shards} parquet shards -> {args.resolution}px, "
+        f"batch {args.batch_size}, {args.workers} workers each side, {args.epochs} epochs "
+        "(img/s: mean of epochs 2+). Target: ratio >= 1.0.",
+        "Command: `.venv/bin/python bench/ingest.py " + " ".join(sys.argv[1:]) + "`",
+    ])
+
+
+if __name__ == "__main__":
+    main()

@@ -42,7 +42,10 @@ def _git_rev() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
                              capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "raylora", "bench"],
+                               cwd=HERE, capture_output=True, text=True, timeout=10)
+        # Results of uncommitted code say so.
+        return (out.stdout.strip() or "unknown") + (" + uncommitted changes" if dirty.stdout.strip() else "")
     except OSError:
         return "unknown"
 

@@ -3,7 +3,7 @@ decode, resize, crop, flip, tokenize, batch) against a plain PyTorch DataLoader 
 same transforms on the same shards with the same number of CPU workers, from local
 parquet and from an S3-compatible server on loopback (moto).
 
-    .venv/bin/python bench/ingest.py [--images 384] [--workers 2] [--epochs 3]
+    .venv/bin/python bench/ingest.py [--images 1536] [--workers 2] [--epochs 3]
 
 Epoch 1 includes start-up (process spawn, imports, tokenizer); the throughput compared is
 the mean over the later epochs, with the first-batch latency of epoch 1 shown beside it.
@@ -89,7 +89,7 @@ def dataloader_side(uri: str, model: str, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--images", type=int, default=384)
+    ap.add_argument("--images", type=int, default=1536)
     ap.add_argument("--shards", type=int, default=8)
     ap.add_argument("--workers", type=int, default=2, help="CPU workers on each side")
     ap.add_argument("--batch-size", type=int, default=16)

@@ -42,7 +42,8 @@ def _git_rev() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
                              capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "raylora", "bench"],
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "raylora", "bench",
+                                ":!bench/RESULTS.md"],
                                cwd=HERE, capture_output=True, text=True, timeout=10)
         # Results of uncommitted code say so.
         return (out.stdout.strip() or "unknown") + (" + uncommitted changes" if dirty.stdout.strip() else "")

@@ -44,7 +44,7 @@ def _git_rev() -> str:
                              capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "raylora", "bench",
                                 ":!bench/RESULTS.md"],
-                               cwd=HERE, capture_output=True, text=True, timeout=10)
+                               cwd=os.path.dirname(HERE), capture_output=True, text=True, timeout=10)
         # Results of uncommitted code say so.
         return (out.stdout.strip() or "unknown") + (" + uncommitted changes" if dirty.stdout.strip() else "")
     except OSError:

@@ -1,7 +1,7 @@
 """Benchmark 3, cached latents: time per epoch with ``data.cache: latents`` against
 encoding every step (VAE + text encoder on the worker), same data, model and seed.
 
-    .venv/bin/python bench/cache.py [--images 64] [--epochs 4] [--resolution 128]
+    .venv/bin/python bench/cache.py [--images 32] [--epochs 3] [--resolution 128]
 
 Each side is a real ``raylora train`` run (embedded Ray, one worker). An epoch's time is
 the sum of its step times from ``metrics.jsonl`` (each step's time includes waiting for
@@ -49,8 +49,8 @@ def train(cfg_tree: dict) -> tuple[float, dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--images", type=int, default=64)
-    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--images", type=int, default=32)
+    ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--resolution", type=int, default=128)
     args = ap.parse_args()

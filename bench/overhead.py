@@ -72,7 +72,8 @@ def ray_worker(loop_config: dict) -> None:
         verdict(read_counter(counter) or {"rows_seen": 0}, 0.05, min_rows_to_judge(10_000))
 
     rate = timed_steps(loop_config["cfg"], loop_config["batches"], loop_config["steps"],
-                       loop_config["warmup"], loop_config["threads"], per_step=judge)
+                       loop_config["warmup"], loop_config["threads"],
+                       per_step=judge if loop_config["judge"] else None)
     import tempfile
 
     # With a (tiny) checkpoint: Ray Train V2's Result keeps the metrics of checkpointed reports.
@@ -105,6 +106,8 @@ def main() -> None:
     ap.add_argument("--resolution", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-judge", action="store_true",
+                    help="leave out the per-step bad-record judgement (to measure its share)")
     args = ap.parse_args()
 
     work = tempfile.mkdtemp(prefix="rl-bench-", dir="/tmp")
@@ -132,7 +135,8 @@ def main() -> None:
         trainer = TorchTrainer(
             ray_worker,
             train_loop_config={"cfg": cfg, "batches": batches, "steps": args.steps,
-                               "warmup": args.warmup, "threads": args.threads, "counter": counter},
+                               "warmup": args.warmup, "threads": args.threads, "counter": counter,
+                               "judge": not args.no_judge},
             scaling_config=ray.train.ScalingConfig(
                 num_workers=1, resources_per_worker={"CPU": args.threads}),
             run_config=ray.train.RunConfig(name="overhead", storage_path=os.path.join(work, "ray")),
@@ -151,7 +155,8 @@ def main() -> None:
     record("Distribution overhead: Ray Train (1 worker) vs bare PyTorch loop", machine(),
            table(rows, list(rows[0])), [
                f"Tiny random SD-1.x UNet, {args.resolution}px, batch {args.batch_size}, "
-               f"{args.threads} torch threads each side, steps {args.warmup}-{args.steps} timed. "
+               f"{args.threads} torch threads each side, steps {args.warmup}-{args.steps} timed"
+               + (", no per-step bad-record judgement. " if args.no_judge else ". ") +
                "Target: ratio >= 0.95.",
                "Command: `.venv/bin/python bench/overhead.py " + " ".join(sys.argv[1:]) + "`",
            ])

@@ -146,21 +146,26 @@ def cached_batch(vae, encoders, batch: dict, res: int) -> dict:
     return out
 
 
-def raylora_step(model, unet, vae, encoders, scheduler, scale, res, cached: bool, compiled: bool):
-    """raylora's own step: ``add_lora`` (fp32 LoRA on a bf16 base), Accelerate bf16,
-    ``train_micro_step``; optionally ``compile_unet`` and cached batches (no encoders)."""
+def fresh_accelerator(unet):
+    """Accelerate keeps process-wide state: reset it so each row gets its own precision."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    return Accelerator(mixed_precision="bf16" if unet.dtype == torch.bfloat16 else "no",
+                       cpu=unet.device.type == "cpu")
+
+
+def raylora_step(model, unet, vae, encoders, scheduler, scale, res, cached: bool, compiled: bool):
+    """raylora's own step: ``add_lora`` (fp32 LoRA on a bf16 base), Accelerate bf16,
+    ``train_micro_step``; optionally ``compile_unet`` and cached batches (no encoders)."""
     from raylora.config import LoraSection
     from raylora.model.lora import add_lora
     from raylora.train.setup import compile_unet
     from raylora.train.step import FrozenParts, train_micro_step
 
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    accel = Accelerator(mixed_precision="bf16" if unet.dtype == torch.bfloat16 else "no",
-                        cpu=unet.device.type == "cpu")
+    accel = fresh_accelerator(unet)
     params = add_lora(unet, LoraSection(rank=16, alpha=16, target_modules=LORA_TARGETS))
     if compiled:
         compile_unet(unet)
@@ -180,14 +185,9 @@ def baseline_step(model, unet, vae, encoders, scheduler, scale, res):
     VAE and text encoder(s) every step, peft LoRA cast to fp32 (``cast_training_params``),
     Accelerate bf16, no cache, no compile."""
     import torch.nn.functional as F
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
     from peft import LoraConfig
 
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    accel = Accelerator(mixed_precision="bf16" if unet.dtype == torch.bfloat16 else "no",
-                        cpu=unet.device.type == "cpu")
+    accel = fresh_accelerator(unet)
     unet.add_adapter(LoraConfig(r=16, lora_alpha=16, init_lora_weights="gaussian",
                                 target_modules=LORA_TARGETS))
     params = [p for p in unet.parameters() if p.requires_grad]

@@ -340,12 +340,7 @@ def run(cfg: RayLoraConfig) -> dict:
         p = apply_cache(cfg, p)
         if cfg.data.cache == "latents":  # a fresh build read every row: judge them now
             check_bad_records(cfg, p)
-        try:
-            result = _fit(cfg, p)
-        except Exception:
-            check_bad_records(cfg, p)  # the data's fault: say so, in one line
-            raise
-        bad = check_bad_records(cfg, p)
+        result, bad = fit_judging_data(cfg, p, lambda: _fit(cfg, p))
         if result.checkpoint is None:
             raise RuntimeError("training finished without a checkpoint to export")
         with result.checkpoint.as_directory() as ckpt_dir:
@@ -398,6 +393,18 @@ def check_bad_records(cfg: RayLoraConfig, p: Plan) -> dict:
     # "bad_records" in the plan is the counter's name: the counts travel under their own key.
     return {"bad_records_counts": summary["bad_records"], "bad_examples": summary["bad_examples"],
             "rows_decoded": summary["rows_ok"]}
+
+
+def fit_judging_data(cfg: RayLoraConfig, p: Plan, fit):
+    """``fit()``, then the bad-record verdict on every row it read: ``(result, counts for
+    raylora.json)``. When ``fit`` fails, a data verdict (one line naming the bad rows)
+    replaces the training error if the data was at fault."""
+    try:
+        result = fit()
+    except Exception:
+        check_bad_records(cfg, p)
+        raise
+    return result, check_bad_records(cfg, p)
 
 
 def _fit(cfg: RayLoraConfig, p: Plan):
@@ -561,13 +568,8 @@ def run_lr_find(
             cfg, p, cfg.output.uri, LR_FIND_RUN_NAME, train_fn=lr_find_per_worker,
             extra_loop_config={"lr_find": settings},
         )
-        try:
-            result = trainer.fit()
-        except Exception:
-            check_bad_records(cfg, p)  # the data's fault: say so, in one line
-            raise
         # A curve measured on a fraction of the data is refused like a run trained on one.
-        bad = check_bad_records(cfg, p)
+        result, bad = fit_judging_data(cfg, p, trainer.fit)
         with result.checkpoint.as_directory() as d, open(os.path.join(d, "lr_find.json")) as f:
             rows = json.load(f)
     finally:

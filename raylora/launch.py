@@ -239,7 +239,7 @@ def init_ray(need_cpus: float = 0) -> bool:
         interrupt_on_sigterm()
         return False
     # Logical CPUs: training workers hold theirs for the whole run, so Ray Data's readers
-    # and preprocess actors need room beside them even on a 2-core laptop. Workers of an
+    # and preprocess tasks need room beside them even on a 2-core laptop. Workers of an
     # embedded Ray inherit this process's environment, storage variables included.
     num_cpus = max(os.cpu_count() or 1, int(need_cpus + 0.999) + 2)
     start_local_ray(num_cpus)
@@ -476,7 +476,7 @@ def build_trainer(
         datasets = {
             f"train_{r}": build_dataset(
                 cfg.data, data_plan.for_rank(r, world), store, model_path=p.model_path,
-                seed=seed, num_preprocess_actors=1, family=p.family, bad_records=p.bad_records,
+                seed=seed, num_preprocess_tasks=1, family=p.family, bad_records=p.bad_records,
             )
             for r in range(world)
         }
@@ -488,7 +488,7 @@ def build_trainer(
         datasets = {
             "train": build_dataset(
                 cfg.data, data_plan, store, model_path=p.model_path, seed=seed,
-                num_preprocess_actors=max(1, world), family=p.family, bad_records=p.bad_records,
+                num_preprocess_tasks=max(1, world), family=p.family, bad_records=p.bad_records,
             )
         }
         data_config = None

@@ -79,11 +79,11 @@ def search_algorithm(tn: TuneSection, seed: int, max_concurrent: int):
 
 def trial_resources(cfg: RayLoraConfig) -> dict[str, float]:
     """What one trial holds while it runs: its training workers plus Ray Data's preprocess
-    actors (0.5 CPU each) and about one CPU of readers. The trial's driver function itself
+    tasks (0.5 CPU each) and about one CPU of readers. The trial's driver function itself
     holds nothing: it only waits on its TorchTrainer."""
     s = cfg.scaling
-    actors = s.num_workers  # one preprocess actor per worker (launch.build_trainer)
-    res = {"CPU": s.num_workers * s.cpus_per_worker + 0.5 * actors + 1.0}
+    tasks = s.num_workers  # preprocess tasks at once: one per worker (launch.build_trainer)
+    res = {"CPU": s.num_workers * s.cpus_per_worker + 0.5 * tasks + 1.0}
     if s.use_gpu:
         res["GPU"] = float(s.num_workers)
     return res

@@ -199,7 +199,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
 
     def on_step(row: dict) -> None:
         if rank == 0 and plan.get("bad_records"):
-            # Rows were read (by the Preprocess actors) for this step: judge the totals now,
+            # Rows were read (by the preprocess tasks) for this step: judge the totals now,
             # not after hours of training on a fraction of the data.
             message = verdict(read_counter(plan["bad_records"]) or {"rows_seen": 0},
                               cfg.data.max_bad_fraction, min_rows_to_judge(plan["total_rows"]))

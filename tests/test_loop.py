@@ -140,7 +140,7 @@ def test_nonfinite_steps_are_skipped_counted_and_abort_when_repeated(base_config
     from raylora.train.loop import NonFiniteLossError
     from raylora.train.setup import nonfinite_advice
 
-    poisoned = {**batches[1], "pixel_values": torch.full_like(batches[1]["pixel_values"], float("nan"))}
+    poisoned = {**batches[1], "pixel_values": torch.full(batches[1]["pixel_values"].shape, float("nan"))}
     cfg = validate(base_config)
     accel = _fresh_accelerator(1)
     run = build_run(cfg, accel, 4, rank=0)

@@ -88,8 +88,11 @@ def test_preprocess_stage_outputs(tiny_model):
     stage = Preprocess(tiny_model, resolution=64, center_crop=True, random_flip=False)
     imgs = np.array([_png(Image.new("RGB", (96, 64), c)) for c in [(255, 0, 0), (0, 0, 255)]], dtype=object)
     out = stage({"image": imgs, "text": np.array(["a red square", "a blue circle " * 40])})
-    assert out["pixel_values"].shape == (2, 3, 64, 64)
-    assert out["pixel_values"].dtype == np.float32
+    # uint8 through the object store; red and blue exactly, scaled only at the VAE.
+    px = out["pixel_values"]
+    assert px.shape == (2, 3, 64, 64) and px.dtype == np.uint8
+    assert (px[0, 0] == 255).all() and (px[0, 1:] == 0).all()
+    assert (px[1, 2] == 255).all() and (px[1, :2] == 0).all()
     assert out["input_ids"].shape == (2, 77) and out["input_ids"].dtype == np.int64
     tok = stage.tokenizer
     assert out["input_ids"][0, 0] == tok.bos_token_id
@@ -118,3 +121,45 @@ def test_caption_dropout_replaces_captions_with_the_empty_prompt(tiny_model):
     kept = Preprocess(tiny_model, 64, center_crop=True, random_flip=False, seed=0)(batch)["input_ids"]
     assert not (kept == empty).all(axis=1).any()
     assert (ids[~dropped] == kept[0]).all()
+
+
+def test_uint8_pixels_reach_the_vae_as_the_float_stage_made_them(tiny_model):
+    """The stage ships uint8; the VAE sees exactly what float32 scaling in the stage gave."""
+    import torch
+    from diffusers import AutoencoderKL
+
+    from raylora.data.preprocess import to_unit_range
+    from raylora.train.encode import vae_posterior
+
+    px = np.random.default_rng(3).integers(0, 256, (2, 3, 64, 64), dtype=np.uint8)
+    old = px.astype(np.float32) / 127.5 - 1.0  # what the stage shipped before
+    np.testing.assert_array_equal(to_unit_range(px), old)
+    assert to_unit_range(px).min() >= -1.0 and to_unit_range(px).max() <= 1.0
+    vae = AutoencoderKL.from_pretrained(tiny_model, subfolder="vae").eval()
+    a = vae_posterior(vae, torch.from_numpy(px))
+    b = vae_posterior(vae, torch.from_numpy(old))
+    assert a.shape == (2, 2 * vae.config.latent_channels, 64 // 2 ** (len(vae.config.block_out_channels) - 1),
+                       64 // 2 ** (len(vae.config.block_out_channels) - 1))
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_preprocess_batch_builds_one_stage_per_process_and_config(tiny_model):
+    """The task form keeps its stage between calls (Ray reuses task processes across
+    epochs), one per set of arguments, at most _MAX_STAGES."""
+    from raylora.data import preprocess as pp
+
+    pp._STAGES.clear()
+    batch = {"image": np.array([_png(Image.new("RGB", (64, 64), (9, 9, 9)))], dtype=object),
+             "text": np.array(["x"], dtype=object)}
+    kw = dict(tokenizer_path=tiny_model, resolution=32, center_crop=True, random_flip=False)
+    a = pp.preprocess_batch(batch, **kw)
+    stage = next(iter(pp._STAGES.values()))
+    b = pp.preprocess_batch(batch, **kw)
+    assert len(pp._STAGES) == 1 and next(iter(pp._STAGES.values())) is stage
+    np.testing.assert_array_equal(a["pixel_values"], b["pixel_values"])
+    assert a["pixel_values"].shape == (1, 3, 32, 32) and (a["pixel_values"] == 9).all()
+    for res in (8, 16, 24, 40, 48):
+        assert pp.preprocess_batch(batch, **{**kw, "resolution": res})["pixel_values"].shape[-1] == res
+    assert len(pp._STAGES) == pp._MAX_STAGES
+    assert stage not in pp._STAGES.values()  # the oldest went first
+    pp._STAGES.clear()

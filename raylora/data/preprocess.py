@@ -1,10 +1,13 @@
 """Image and caption transforms: plain functions plus one callable stage class.
 
-No Ray imports: ``Preprocess`` is a callable class that Ray Data runs as an actor stage
-(so the tokenizer loads once per actor, not once per batch) and that tests call directly.
+No Ray imports: ``Preprocess`` is a callable class that tests and the held-out encoder call
+directly; Ray Data runs it through ``preprocess_batch``, a function (so Ray tasks, not
+actors) that keeps one ``Preprocess`` per process.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import numpy as np
 from PIL import Image
@@ -21,7 +24,17 @@ def transform_image(
 
     Returns float32 ``[3, resolution, resolution]`` in [-1, 1] (what the VAE expects).
     """
-    return transform_image_coords(img, resolution, center_crop, random_flip, rng)[0]
+    return to_unit_range(transform_image_coords(img, resolution, center_crop, random_flip, rng)[0])
+
+
+def to_unit_range(pixels):
+    """uint8 pixels (numpy or torch) → float32 in [-1, 1], the VAE's input range.
+
+    The data stage ships uint8 (a quarter of float32's bytes through Ray's object store and
+    to the accelerator); this is the one place they are scaled, in float32 whatever the
+    model dtype, so the result is the same as scaling in the stage was."""
+    return pixels.astype(np.float32) / 127.5 - 1.0 if isinstance(pixels, np.ndarray) \
+        else pixels.float() / 127.5 - 1.0
 
 
 def transform_image_coords(
@@ -31,9 +44,10 @@ def transform_image_coords(
     random_flip: bool,
     rng: np.random.Generator,
 ) -> tuple[np.ndarray, tuple[int, int], tuple[int, int]]:
-    """``transform_image`` plus what SDXL is conditioned on: the original ``(h, w)`` and
-    the crop's ``(top, left)`` in the resized image, measured in the flipped image when
-    flipped (as diffusers' SDXL script does: flip, then crop)."""
+    """``transform_image`` as uint8 ``[3, resolution, resolution]`` (0-255), plus what SDXL
+    is conditioned on: the original ``(h, w)`` and the crop's ``(top, left)`` in the resized
+    image, measured in the flipped image when flipped (as diffusers' SDXL script does:
+    flip, then crop)."""
     img = img.convert("RGB")
     w, h = img.size
     scale = resolution / min(w, h)
@@ -47,12 +61,11 @@ def transform_image_coords(
         left = int(rng.integers(0, nw - resolution + 1))
         top = int(rng.integers(0, nh - resolution + 1))
     img = img.crop((left, top, left + resolution, top + resolution))
-    arr = np.asarray(img, dtype=np.float32)
+    arr = np.asarray(img, dtype=np.uint8)
     if random_flip and rng.random() < 0.5:
         arr = arr[:, ::-1, :]
         left = nw - resolution - left
-    arr = arr.transpose(2, 0, 1) / 127.5 - 1.0
-    return np.ascontiguousarray(arr, dtype=np.float32), (h, w), (top, left)
+    return np.ascontiguousarray(arr.transpose(2, 0, 1)), (h, w), (top, left)
 
 
 def tokenize(tokenizer, captions: list[str]) -> np.ndarray:
@@ -68,7 +81,8 @@ def tokenize(tokenizer, captions: list[str]) -> np.ndarray:
 
 
 class Preprocess:
-    """Batch stage: ``{image, caption}`` columns → ``{pixel_values, input_ids}``, plus
+    """Batch stage: ``{image, caption}`` columns → ``{pixel_values, input_ids}`` (pixels
+    uint8 ``[B, 3, R, R]``, scaled by ``to_unit_range`` where the VAE takes them), plus
     ``input_ids_2``, ``original_size`` and ``crop_top_left`` for SDXL (two tokenizers)."""
 
     def __init__(
@@ -142,7 +156,7 @@ class Preprocess:
         self.reporter.send(len(out), bad, examples)
         if not out:  # every row of the batch was bad: an empty batch of the right shapes
             r, n = self.resolution, self.tokenizer.model_max_length
-            empty = {"pixel_values": np.zeros((0, 3, r, r), np.float32),
+            empty = {"pixel_values": np.zeros((0, 3, r, r), np.uint8),
                      "input_ids": np.zeros((0, n), np.int64)}
             if self.tokenizer_2 is not None:
                 empty.update(input_ids_2=np.zeros((0, self.tokenizer_2.model_max_length), np.int64),
@@ -163,3 +177,25 @@ class Preprocess:
             result["original_size"] = np.array([o[1] for o in out], dtype=np.int64)
             result["crop_top_left"] = np.array([o[2] for o in out], dtype=np.int64)
         return result
+
+
+# Preprocess stages built in this process, by their arguments (most recent last). Ray Data
+# re-creates an actor pool on every epoch: a new process per actor, paying torch/transformers
+# imports and the tokenizer load again (15-20 s to the first batch of each epoch on 2
+# cores, bench/ingest.py). Ray keeps task worker processes between tasks, so a stage cached
+# here survives across epochs; a few are kept for processes shared by Tune trials.
+_STAGES: OrderedDict[tuple, Preprocess] = OrderedDict()
+_MAX_STAGES = 4
+
+
+def preprocess_batch(batch: dict[str, np.ndarray], **kwargs) -> dict[str, np.ndarray]:
+    """``Preprocess(**kwargs)(batch)`` with the stage built once per process."""
+    key = tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
+    stage = _STAGES.get(key)
+    if stage is None:
+        stage = _STAGES[key] = Preprocess(**kwargs)
+        while len(_STAGES) > _MAX_STAGES:
+            _STAGES.popitem(last=False)
+    else:
+        _STAGES.move_to_end(key)
+    return stage(batch)

@@ -11,6 +11,7 @@ worker from that worker's shard files (``DataPlan.for_rank``), read in order.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from ray.data import FileShuffleConfig
 
 from raylora.config import DataSection
 from raylora.data import formats
-from raylora.data.preprocess import Preprocess
+from raylora.data.preprocess import preprocess_batch
 from raylora.data.split import KeepSplit
 from raylora.storage import Storage, fs_path
 
@@ -136,15 +137,19 @@ def _tar_rows(row: dict) -> list[dict]:
     return list(formats.iter_tar_samples(io.BytesIO(row["bytes"]), row["path"]))
 
 
-class _ReadImages:
-    """map_batches stage for imagefolder rows: image URI → image bytes."""
+@functools.lru_cache(maxsize=4)
+def _storage(endpoint_url: str | None, region: str | None) -> Storage:
+    """One per process and endpoint: it keeps its filesystem client between tasks."""
+    return Storage(endpoint_url, region)
 
-    def __init__(self, endpoint_url: str | None, region: str | None):
-        self.storage = Storage(endpoint_url, region)
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        images = [self.storage.read_bytes(u) for u in batch["uri"]]
-        return {"key": batch["key"], "image": np.array(images, dtype=object), "text": batch["text"]}
+def _read_images(batch: dict[str, np.ndarray], endpoint_url: str | None,
+                 region: str | None) -> dict[str, np.ndarray]:
+    """map_batches stage for imagefolder rows: image URI → image bytes. A task, not an
+    actor pool, for the reason given at ``preprocess_batch``."""
+    storage = _storage(endpoint_url, region)
+    images = [storage.read_bytes(u) for u in batch["uri"]]
+    return {"key": batch["key"], "image": np.array(images, dtype=object), "text": batch["text"]}
 
 
 def read_rows(
@@ -170,10 +175,10 @@ def read_rows(
         rows = [rows[i] for i in rng.permutation(len(rows))]
     ds = ray.data.from_items(rows, override_num_blocks=max(1, min(64, len(rows) // 64)))
     return ds.map_batches(
-        _ReadImages,
-        fn_constructor_kwargs={"endpoint_url": storage.endpoint_url, "region": storage.region},
+        _read_images,
+        fn_kwargs={"endpoint_url": storage.endpoint_url, "region": storage.region},
         batch_size=64,
-        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=2),
+        compute=ray.data.TaskPoolStrategy(size=2),
         num_cpus=0.25,
     )
 
@@ -184,7 +189,7 @@ def build_dataset(
     storage: Storage,
     model_path: str,
     seed: int,
-    num_preprocess_actors: int = 1,
+    num_preprocess_tasks: int = 1,
     family: str = "sd",
     bad_records: str | None = None,
 ) -> ray.data.Dataset:
@@ -203,8 +208,8 @@ def build_dataset(
         # Training never sees a held-out row (see raylora.data.split).
         rows = rows.map_batches(KeepSplit(data.validation_split), batch_format="numpy")
     return rows.map_batches(
-        Preprocess,
-        fn_constructor_kwargs=dict(
+        preprocess_batch,
+        fn_kwargs=dict(
             tokenizer_path=model_path,
             resolution=data.resolution,
             center_crop=data.center_crop,
@@ -221,10 +226,8 @@ def build_dataset(
         ),
         batch_size=32,
         batch_format="numpy",
-        # All actors from the start: Ray Data re-creates the pool every epoch, and growing
-        # it on demand left one actor decoding alone for the first ~8 s of each epoch
-        # (bench/ingest.py on 2 cores).
-        compute=ray.data.ActorPoolStrategy(
-            min_size=1, max_size=num_preprocess_actors, initial_size=num_preprocess_actors),
+        # Tasks, not an actor pool: see preprocess_batch. At most this many at once, as
+        # many as the actor pool had.
+        compute=ray.data.TaskPoolStrategy(size=num_preprocess_tasks),
         num_cpus=0.5,
     )

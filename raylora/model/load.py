@@ -115,7 +115,7 @@ def materialize(path: str, store: Storage) -> str:
     """A local path for ``path``: local folders and hub ids unchanged; a storage URI is
     downloaded once per node into the cache.
 
-    Every process on the node (training workers, preprocess actors) calls this; an
+    Every process on the node (training workers, preprocess tasks) calls this; an
     exclusive file lock lets one download while the others wait, and a ``.complete``
     marker written last means a crashed download is never mistaken for a model.
     """

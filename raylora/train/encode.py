@@ -4,7 +4,7 @@ One code path for SD 1.x/2.x and SDXL, and for raw batches (pixels + token ids, 
 every step) and cached ones (VAE posterior parameters + text embeddings, encoded once by
 ``raylora.data.cache``). A batch is a dict of tensors:
 
-raw:    pixel_values [B,3,H,W], input_ids [B,L] (+ input_ids_2 [B,L],
+raw:    pixel_values [B,3,H,W] uint8, input_ids [B,L] (+ input_ids_2 [B,L],
         original_size [B,2], crop_top_left [B,2] for SDXL)
 cached: latent_params [B,2C,h,w] (posterior mean ‖ logvar), prompt_embeds [B,L,D]
         (+ pooled_prompt_embeds [B,P], time_ids [B,6] for SDXL)
@@ -79,8 +79,13 @@ def encode_text(text_encoders: list[torch.nn.Module], ids: list[torch.Tensor]) -
 
 @torch.no_grad()
 def vae_posterior(vae: torch.nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
-    """pixels ``[B,3,H,W]`` in [-1,1] → posterior parameters ``[B,2C,h,w]`` (mean ‖ logvar)."""
+    """pixels ``[B,3,H,W]``, uint8 as the data stage ships them or float already in
+    [-1,1] → posterior parameters ``[B,2C,h,w]`` (mean ‖ logvar)."""
     dtype = next(vae.parameters()).dtype
+    if pixel_values.dtype == torch.uint8:
+        from raylora.data.preprocess import to_unit_range
+
+        pixel_values = to_unit_range(pixel_values)
     # contiguous: the conv may return channels-last; keep one layout for every consumer.
     return vae.encode(pixel_values.to(dtype)).latent_dist.parameters.contiguous()
 

@@ -3,7 +3,7 @@ decode, resize, crop, flip, tokenize, batch) against a plain PyTorch DataLoader 
 same transforms on the same shards with the same number of CPU workers, from local
 parquet and from an S3-compatible server on loopback (moto).
 
-    .venv/bin/python bench/ingest.py [--images 1536] [--workers 2] [--epochs 3]
+    .venv/bin/python bench/ingest.py [--images 1536] [--workers 2] [--epochs 5]
 
 Epoch 1 includes start-up (process spawn, imports, tokenizer); the throughput compared is
 the mean over the later epochs, with the first-batch latencies (epoch 1, and the mean of
@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2, help="CPU workers on each side")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--resolution", type=int, default=256)
-    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--no-s3", action="store_true")
     args = ap.parse_args()
 

@@ -163,3 +163,47 @@ def test_preprocess_batch_builds_one_stage_per_process_and_config(tiny_model):
     assert len(pp._STAGES) == pp._MAX_STAGES
     assert stage not in pp._STAGES.values()  # the oldest went first
     pp._STAGES.clear()
+
+
+CAPTIONS = ["", "a", "a photo of a cat", "A Photo OF  a   DOG!!", "café 東京 🚀 naïve",
+            "word " * 200, "  leading and trailing  ", "line\nbreak\ttab"]
+
+
+@pytest.mark.parametrize("pad", [None, "!"])  # "!": SDXL's second tokenizer pads with it
+def test_caption_tokenizer_gives_transformers_ids(tiny_model, pad):
+    """What preprocessing tasks tokenize with (``tokenizers`` only, from the driver's spec)
+    gives the ids of ``tokenize`` with the model's transformers tokenizer."""
+    import pickle
+
+    from transformers import AutoTokenizer
+
+    from raylora.data.preprocess import tokenize
+    from raylora.data.tokenize import CaptionTokenizer, spec_from_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model, subfolder="tokenizer", **({"pad_token": pad} if pad else {}))
+    spec = pickle.loads(pickle.dumps(spec_from_tokenizer(tok)))  # as a task receives it
+    got = CaptionTokenizer(spec)(CAPTIONS)
+    want = tokenize(tok, CAPTIONS)
+    assert got.dtype == np.int64 and got.shape == (len(CAPTIONS), 77)
+    np.testing.assert_array_equal(got, want)
+    assert got[0, 0] == tok.bos_token_id and got[0, 1] == tok.eos_token_id
+    assert (got[0, 2:] == tok.pad_token_id).all() and got[5, -1] == tok.eos_token_id
+    if pad:
+        assert tok.pad_token_id != AutoTokenizer.from_pretrained(tiny_model, subfolder="tokenizer").pad_token_id
+    assert "TokenizerSpec(" in repr(spec) and len(repr(spec)) < 120  # a digest, not the JSON
+
+
+def test_preprocess_with_driver_specs_equals_loading_the_tokenizer(tiny_model):
+    from raylora.data.tokenize import load_specs
+    from raylora.storage import Storage
+
+    specs = load_specs(tiny_model, "sd", Storage())
+    imgs = np.array([_png(Image.new("RGB", (96, 64), (i * 40, 10, 200))) for i in range(4)], dtype=object)
+    batch = {"image": imgs, "text": np.array(CAPTIONS[:4], dtype=object)}
+    a = Preprocess(tiny_model, 64, center_crop=True, random_flip=False)(batch)
+    b = Preprocess("/nonexistent", 64, center_crop=True, random_flip=False, tokenizer_specs=specs)(batch)
+    assert sorted(a) == sorted(b) == ["input_ids", "pixel_values"]
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+    with pytest.raises(ValueError, match="1 tokenizer spec"):
+        Preprocess(tiny_model, 64, True, False, family="sdxl", tokenizer_specs=specs)

@@ -80,6 +80,17 @@ def tokenize(tokenizer, captions: list[str]) -> np.ndarray:
     return ids.astype(np.int64)
 
 
+class _Tokenize:
+    """``tokenize`` bound to a transformers tokenizer (the form of ``CaptionTokenizer``)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.model_max_length = tokenizer.model_max_length
+
+    def __call__(self, captions: list[str]) -> np.ndarray:
+        return tokenize(self.tokenizer, captions)
+
+
 class Preprocess:
     """Batch stage: ``{image, caption}`` columns → ``{pixel_values, input_ids}`` (pixels
     uint8 ``[B, 3, R, R]``, scaled by ``to_unit_range`` where the VAE takes them), plus
@@ -104,19 +115,31 @@ class Preprocess:
         small_images: str = "skip",
         background_color: tuple[int, int, int] = (255, 255, 255),
         bad_records: str | None = None,
+        tokenizer_specs: tuple | None = None,
     ):
-        from transformers import AutoTokenizer
+        """``tokenizer_specs``: the model's tokenizer(s) as ``raylora.data.tokenize`` specs,
+        made by the driver (what Ray Data's tasks get: no transformers import, no model
+        download here); without them the tokenizer is loaded from ``tokenizer_path``."""
+        self.tokenizer = self.tokenizer_2 = None
+        if tokenizer_specs:
+            from raylora.data.tokenize import CaptionTokenizer
 
-        from raylora.model.load import materialize
-        from raylora.storage import Storage
+            if len(tokenizer_specs) != (2 if family == "sdxl" else 1):
+                raise ValueError(f"{len(tokenizer_specs)} tokenizer spec(s) for family {family!r}")
+            self.encoders = [CaptionTokenizer(s) for s in tokenizer_specs]
+        else:
+            from transformers import AutoTokenizer
 
-        # A model in object storage is downloaded once per node (shared with the workers).
-        tokenizer_path = materialize(tokenizer_path, Storage(endpoint_url, region))
-        kwargs = {"subfolder": tokenizer_subfolder} if tokenizer_subfolder else {}
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, **kwargs)
-        self.tokenizer_2 = None
-        if family == "sdxl":
-            self.tokenizer_2 = AutoTokenizer.from_pretrained(tokenizer_path, subfolder="tokenizer_2")
+            from raylora.model.load import materialize
+            from raylora.storage import Storage
+
+            # A model in object storage is downloaded once per node (shared with the workers).
+            tokenizer_path = materialize(tokenizer_path, Storage(endpoint_url, region))
+            kwargs = {"subfolder": tokenizer_subfolder} if tokenizer_subfolder else {}
+            self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, **kwargs)
+            if family == "sdxl":
+                self.tokenizer_2 = AutoTokenizer.from_pretrained(tokenizer_path, subfolder="tokenizer_2")
+            self.encoders = [_Tokenize(t) for t in (self.tokenizer, self.tokenizer_2) if t is not None]
         self.resolution = resolution
         self.center_crop = center_crop
         self.random_flip = random_flip
@@ -154,12 +177,13 @@ class Preprocess:
                 img, self.resolution, self.center_crop, self.random_flip, self.rng))
             captions.append(caption)
         self.reporter.send(len(out), bad, examples)
+        sdxl = len(self.encoders) == 2
         if not out:  # every row of the batch was bad: an empty batch of the right shapes
-            r, n = self.resolution, self.tokenizer.model_max_length
+            r, n = self.resolution, self.encoders[0].model_max_length
             empty = {"pixel_values": np.zeros((0, 3, r, r), np.uint8),
                      "input_ids": np.zeros((0, n), np.int64)}
-            if self.tokenizer_2 is not None:
-                empty.update(input_ids_2=np.zeros((0, self.tokenizer_2.model_max_length), np.int64),
+            if sdxl:
+                empty.update(input_ids_2=np.zeros((0, self.encoders[1].model_max_length), np.int64),
                              original_size=np.zeros((0, 2), np.int64),
                              crop_top_left=np.zeros((0, 2), np.int64))
             return empty
@@ -170,10 +194,10 @@ class Preprocess:
             captions = ["" if d else c for c, d in zip(captions, drop)]
         result = {
             "pixel_values": np.stack([o[0] for o in out]),
-            "input_ids": tokenize(self.tokenizer, captions),
+            "input_ids": self.encoders[0](captions),
         }
-        if self.tokenizer_2 is not None:
-            result["input_ids_2"] = tokenize(self.tokenizer_2, captions)
+        if sdxl:
+            result["input_ids_2"] = self.encoders[1](captions)
             result["original_size"] = np.array([o[1] for o in out], dtype=np.int64)
             result["crop_top_left"] = np.array([o[2] for o in out], dtype=np.int64)
         return result

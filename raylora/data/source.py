@@ -22,8 +22,9 @@ from ray.data import FileShuffleConfig
 
 from raylora.config import DataSection
 from raylora.data import formats
-from raylora.data.preprocess import preprocess_batch
+from raylora.data.preprocess import Preprocess, preprocess_batch
 from raylora.data.split import KeepSplit
+from raylora.data.tokenize import load_specs
 from raylora.storage import Storage, fs_path
 
 # Ray Data 2.60 lists parquet files through a pool of FooterReader actors, 32 of them by
@@ -207,27 +208,35 @@ def build_dataset(
     if data.validation_split:
         # Training never sees a held-out row (see raylora.data.split).
         rows = rows.map_batches(KeepSplit(data.validation_split), batch_format="numpy")
-    return rows.map_batches(
-        preprocess_batch,
-        fn_kwargs=dict(
-            tokenizer_path=model_path,
-            resolution=data.resolution,
-            center_crop=data.center_crop,
-            random_flip=data.random_flip,
-            image_column="image",
-            caption_column="text",
-            seed=seed,
-            endpoint_url=storage.endpoint_url,
-            region=storage.region,
-            caption_dropout=data.caption_dropout,
-            family=family,
-            bad_records=bad_records,
-            **data.decode_kwargs(),
-        ),
-        batch_size=32,
-        batch_format="numpy",
-        # Tasks, not an actor pool: see preprocess_batch. At most this many at once, as
-        # many as the actor pool had.
-        compute=ray.data.TaskPoolStrategy(size=num_preprocess_tasks),
-        num_cpus=0.5,
+    stage = dict(
+        tokenizer_path=model_path,
+        resolution=data.resolution,
+        center_crop=data.center_crop,
+        random_flip=data.random_flip,
+        image_column="image",
+        caption_column="text",
+        seed=seed,
+        endpoint_url=storage.endpoint_url,
+        region=storage.region,
+        caption_dropout=data.caption_dropout,
+        family=family,
+        bad_records=bad_records,
+        # Read here, once, on the driver: see raylora.data.tokenize.
+        tokenizer_specs=load_specs(model_path, family, storage),
+        **data.decode_kwargs(),
     )
+    if data.sharding == "files":
+        # A new actor per epoch whose random crops and flips start from the seed again:
+        # each row gets the same draws in every run whatever the processes or timing, so
+        # a resumed run repeats the straight run exactly (the promise of
+        # sharding=files). The price is the actor's start-up every epoch.
+        how = dict(fn_constructor_kwargs=stage,
+                   compute=ray.data.ActorPoolStrategy(size=num_preprocess_tasks))
+        fn = Preprocess
+    else:
+        # Tasks, not an actor pool, so later epochs skip the start-up: see
+        # preprocess_batch. Draws then depend on which process gets which batch, which
+        # with several preprocess processes they already did.
+        how = dict(fn_kwargs=stage, compute=ray.data.TaskPoolStrategy(size=num_preprocess_tasks))
+        fn = preprocess_batch
+    return rows.map_batches(fn, batch_size=32, batch_format="numpy", num_cpus=0.5, **how)

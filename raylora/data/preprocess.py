@@ -204,10 +204,11 @@ class Preprocess:
 
 
 # Preprocess stages built in this process, by their arguments (most recent last). Ray Data
-# re-creates an actor pool on every epoch: a new process per actor, paying torch/transformers
-# imports and the tokenizer load again (15-20 s to the first batch of each epoch on 2
-# cores, bench/ingest.py). Ray keeps task worker processes between tasks, so a stage cached
-# here survives across epochs; a few are kept for processes shared by Tune trials.
+# re-creates an actor pool on every epoch: a new process per actor, paying its imports and
+# the tokenizer load again (15-20 s to the first batch of each epoch on 2 cores with the
+# actor pool, bench/ingest.py). Ray keeps task worker processes between tasks, so a stage
+# cached here mostly survives across epochs; a few are kept for processes shared by Tune
+# trials. (sharding=files still uses an actor per epoch: see source.build_dataset.)
 _STAGES: OrderedDict[tuple, Preprocess] = OrderedDict()
 _MAX_STAGES = 4
 

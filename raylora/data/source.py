@@ -174,12 +174,14 @@ def read_rows(
     if shuffle is not None:
         rng = np.random.default_rng(seed)
         rows = [rows[i] for i in rng.permutation(len(rows))]
-    ds = ray.data.from_items(rows, override_num_blocks=max(1, min(64, len(rows) // 64)))
+    blocks = max(1, min(64, len(rows) // 64))
+    ds = ray.data.from_items(rows, override_num_blocks=blocks)
     return ds.map_batches(
         _read_images,
         fn_kwargs={"endpoint_url": storage.endpoint_url, "region": storage.region},
         batch_size=64,
-        compute=ray.data.TaskPoolStrategy(size=2),
+        # No more than there are blocks: Ray Data warns about a limit it cannot reach.
+        compute=ray.data.TaskPoolStrategy(size=min(2, blocks)),
         num_cpus=0.25,
     )
 

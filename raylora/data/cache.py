@@ -221,7 +221,7 @@ class EncodeFiles:
         rest = {k: v[self.rows_per_part :] for k, v in joined.items()}
         name = f"part-{item:06d}-{part:04d}.parquet"
         buf = io.BytesIO()
-        # Ray's tensor extension type: read_parquet gives the arrays back with their shapes.
+        # Ray's tensor extension type: read back in a Ray task, the arrays keep their shapes.
         pq.write_table(BlockAccessor.batch_to_block(head), buf)
         self.store.write_bytes(storage.join(self.parts_uri, name), buf.getvalue())
         names.append(name)
@@ -313,14 +313,11 @@ def encode_rows(cfg: RayLoraConfig, family: str, model_path: str, rows: list[dic
     return ray.get(task.remote(cfg.to_dict(), family, model_path, rows))
 
 
-def read_cached_dataset(entry_files: list[str], store: Storage, seed: int):
-    """Training rows from cache files: parquet straight into the workers, no stage."""
-    from ray.data import FileShuffleConfig
+def read_cached_dataset(entry_files: list[str], file_rows: list[int] | None, store: Storage,
+                        seed: int):
+    """Training rows from cache files: parquet straight into the workers, no stage, read
+    in parts like the shards (``raylora.data.source.read_parquet_parts``)."""
+    from raylora.data.source import read_parquet_parts
 
-    from raylora.data.source import read_parquet
-
-    fs, _ = store.fs(entry_files[0])
-    return read_parquet(
-        [storage.fs_path(f) for f in entry_files], filesystem=fs,
-        shuffle=FileShuffleConfig(seed=seed, reseed_after_execution=True),
-    )
+    return read_parquet_parts(entry_files, file_rows, store, seed, shuffle=True,
+                              with_path=False, num_cpus=0.25)

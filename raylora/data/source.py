@@ -12,7 +12,6 @@ worker from that worker's shard files (``DataPlan.for_rank``), read in order.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,28 +26,94 @@ from raylora.data.split import KeepSplit
 from raylora.data.tokenize import load_specs
 from raylora.storage import Storage, fs_path
 
-# Ray Data 2.60 lists parquet files through a pool of FooterReader actors, 32 of them by
-# default: 32 new Python processes for every read, whatever the number of files. On small
-# nodes starting them is most of a job's start-up (a 4-step run on 2 cores: 47 s → 34 s
-# with one). One reader per 512 files (each does up to 128 footer reads at once), 1–32;
-# a value the user set in the environment wins.
-FOOTER_ENV = "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS"
+# Parquet is read by raylora's own row-group tasks, not ``ray.data.read_parquet``. Ray Data
+# 2.60's reader re-lists the files every epoch through a new FooterReader actor (a fresh
+# Python process per epoch, ~1.4 s of a 10 s epoch on 2 cores, bench/ingest.py), and packs
+# row groups into read tasks of up to 128 MiB: ~670 photo rows that one task decodes for
+# 6-7 s before its first row reaches training, with the last task running alone. The driver
+# already read every footer (plan_data), so it cuts each file into parts of about
+# READ_UNIT_ROWS rows; a part is a task that reads its row groups and, fused with the
+# preprocessing stage, decodes them (no JPEG bytes through the object store).
+READ_UNIT_ROWS = 256
 
 
-def footer_readers(num_files: int) -> int:
-    return max(1, min(32, -(-num_files // 512)))
+def parquet_parts(files: list[str], file_rows: list[int] | None, unit_rows: int) -> list[dict]:
+    """Read units: ``{uri, part, parts}``, ``parts`` per file from its row count (one per
+    file where the count is unknown). The row groups of a part are chosen by the task
+    (``row_groups_of_part``), which opens the footer anyway."""
+    known = file_rows is not None and len(file_rows) == len(files)
+    counts = file_rows if known else [0] * len(files)
+    return [
+        {"uri": f, "part": k, "parts": n}
+        for f, rows in zip(files, counts)
+        for n in [max(1, -(-rows // unit_rows))]
+        for k in range(n)
+    ]
 
 
-def read_parquet(paths: list[str], **kwargs) -> ray.data.Dataset:
-    """``ray.data.read_parquet`` with the footer-reader pool sized to the file count (the
-    reader reads the variable once, when the dataset is created here on the driver)."""
-    if os.environ.get(FOOTER_ENV):
-        return ray.data.read_parquet(paths, **kwargs)
-    os.environ[FOOTER_ENV] = str(footer_readers(len(paths)))
-    try:
-        return ray.data.read_parquet(paths, **kwargs)
-    finally:
-        os.environ.pop(FOOTER_ENV, None)
+def row_groups_of_part(group_rows: list[int], part: int, parts: int) -> list[int]:
+    """The row groups of part ``part`` of ``parts``: those whose first row falls in that
+    part's share of the file's rows. Every group is in exactly one part, contiguous; a
+    group larger than a share leaves later parts empty (a row group is read whole)."""
+    total, start, groups = sum(group_rows), 0, []
+    for i, n in enumerate(group_rows):
+        if total and start * parts // total == part:
+            groups.append(i)
+        start += n
+    return groups
+
+
+def _read_parquet_parts(batch: dict[str, np.ndarray], columns: list[str] | None,
+                        renames: dict[str, str], with_path: bool, endpoint_url: str | None,
+                        region: str | None):
+    """map_batches stage: read units → their rows, as Arrow tables of at most 64 rows (a
+    part's memory is one row group's, whatever the part size), with ``path``, the file's
+    URI, for bad-row reports when ``with_path``."""
+    import pyarrow as pa
+
+    storage = _storage(endpoint_url, region)
+    for uri, part, parts in zip(batch["uri"], batch["part"], batch["parts"]):
+        with storage.open_input(uri) as fh:
+            pf = pq.ParquetFile(fh)
+            meta = pf.metadata
+            groups = row_groups_of_part(
+                [meta.row_group(i).num_rows for i in range(meta.num_row_groups)], int(part), int(parts))
+            if not groups:
+                continue
+            for rb in pf.iter_batches(batch_size=64, row_groups=groups, columns=columns):
+                table = pa.Table.from_batches([rb])
+                table = table.rename_columns([renames.get(c, c) for c in table.column_names])
+                if with_path:
+                    table = table.append_column("path", pa.array([str(uri)] * len(table), pa.string()))
+                yield table
+
+
+def read_parquet_parts(
+    files: list[str], file_rows: list[int] | None, storage: Storage, seed: int, shuffle: bool,
+    columns: list[str] | None = None, renames: dict[str, str] | None = None,
+    with_path: bool = True, unit_rows: int | None = None, **map_args,
+) -> ray.data.Dataset:
+    """Rows of parquet ``files`` read in parts (see READ_UNIT_ROWS). ``shuffle``: a new
+    part order every epoch, from ``seed`` and the epoch (Ray's execution index), as Ray's
+    file shuffle gave; off: file order. ``map_args``: the read stage's ``compute`` and
+    ``num_cpus``, the same as the next stage's so that Ray Data fuses the two."""
+    from ray.data import RandomSeedConfig
+
+    parts = parquet_parts(files, file_rows, unit_rows or READ_UNIT_ROWS)
+    if shuffle:
+        # Spread each file's parts over the blocks too (when blocks hold several parts).
+        rng = np.random.default_rng(seed)
+        parts = [parts[i] for i in rng.permutation(len(parts))]
+    # One part per block up to 1024 blocks: the block is what is reshuffled and scheduled.
+    ds = ray.data.from_items(parts, override_num_blocks=min(len(parts), 1024))
+    if shuffle:
+        ds = ds.randomize_block_order(seed=RandomSeedConfig(seed=seed, reseed_after_execution=True))
+    return ds.map_batches(
+        _read_parquet_parts, batch_size=1, batch_format="numpy",
+        fn_kwargs={"columns": columns, "renames": renames or {}, "with_path": with_path,
+                   "endpoint_url": storage.endpoint_url, "region": storage.region},
+        **map_args,
+    )
 
 
 SUFFIXES = {
@@ -154,19 +219,22 @@ def _read_images(batch: dict[str, np.ndarray], endpoint_url: str | None,
 
 
 def read_rows(
-    data: DataSection, plan: DataPlan, storage: Storage, seed: int, shuffle: bool = True
+    data: DataSection, plan: DataPlan, storage: Storage, seed: int, shuffle: bool = True,
+    **map_args,
 ) -> ray.data.Dataset:
-    """Raw rows with columns ``key``, ``image`` (encoded bytes or struct), ``text``.
-    ``shuffle``: reshuffle the file order every epoch (off: file order, for the cache)."""
+    """Raw rows with columns ``key`` or ``path`` (where a bad row came from), ``image``
+    (encoded bytes or struct), ``text``. ``shuffle``: reshuffle the file (parquet: part)
+    order every epoch (off: file order). ``map_args``: the parquet read stage's ``compute``
+    and ``num_cpus`` (see ``read_parquet_parts``)."""
+    if plan.format == "parquet":
+        return read_parquet_parts(
+            plan.files, plan.file_rows, storage, seed, shuffle,
+            columns=[data.image_column, data.caption_column],
+            renames={data.image_column: "image", data.caption_column: "text"}, **map_args,
+        )
     shuffle = FileShuffleConfig(seed=seed, reseed_after_execution=True) if shuffle else None
     fs, _ = storage.fs(plan.files[0])
     paths = [fs_path(f) for f in plan.files]
-    if plan.format == "parquet":
-        ds = read_parquet(
-            paths, filesystem=fs, columns=[data.image_column, data.caption_column], shuffle=shuffle,
-            include_paths=True,  # "path": where a bad row came from, for the report
-        )
-        return ds.rename_columns({data.image_column: "image", data.caption_column: "text"})
     if plan.format == "webdataset":
         ds = ray.data.read_binary_files(paths, filesystem=fs, include_paths=True, shuffle=shuffle)
         return ds.flat_map(_tar_rows)
@@ -202,14 +270,29 @@ def build_dataset(
         # plan.files are the cache's parquet files (see raylora.data.cache).
         from raylora.data.cache import read_cached_dataset
 
-        return read_cached_dataset(plan.files, storage, seed)
+        return read_cached_dataset(plan.files, plan.file_rows, storage, seed)
+    if data.sharding == "files":
+        # A new actor per epoch whose random crops and flips start from the seed again:
+        # each row gets the same draws in every run whatever the processes or timing, so
+        # a resumed run repeats the straight run exactly (the promise of
+        # sharding=files). The price is the actor's start-up every epoch.
+        compute = ray.data.ActorPoolStrategy(size=num_preprocess_tasks)
+        read_compute = ray.data.TaskPoolStrategy(size=num_preprocess_tasks)
+    else:
+        # Tasks, not an actor pool, so later epochs skip the start-up: see
+        # preprocess_batch. Draws then depend on which process gets which batch, which
+        # with several preprocess processes they already did.
+        compute = read_compute = ray.data.TaskPoolStrategy(size=num_preprocess_tasks)
+    # The stages before preprocessing take the same task limit and CPUs, so Ray Data fuses
+    # them into one task per read part (parquet): read, split, decode, in one process.
+    before = dict(compute=read_compute, num_cpus=0.5)
     # sharding=files: the same file order every epoch (the local shuffle buffer, seeded per
     # epoch, still reorders rows), so an epoch's order is a function of the seed and epoch
     # alone and a resumed run can skip exactly the batches it already trained on.
-    rows = read_rows(data, plan, storage, seed, shuffle=data.sharding != "files")
+    rows = read_rows(data, plan, storage, seed, shuffle=data.sharding != "files", **before)
     if data.validation_split:
         # Training never sees a held-out row (see raylora.data.split).
-        rows = rows.map_batches(KeepSplit(data.validation_split), batch_format="numpy")
+        rows = rows.map_batches(KeepSplit(data.validation_split), batch_format="numpy", **before)
     stage = dict(
         tokenizer_path=model_path,
         resolution=data.resolution,
@@ -228,17 +311,14 @@ def build_dataset(
         **data.decode_kwargs(),
     )
     if data.sharding == "files":
-        # A new actor per epoch whose random crops and flips start from the seed again:
-        # each row gets the same draws in every run whatever the processes or timing, so
-        # a resumed run repeats the straight run exactly (the promise of
-        # sharding=files). The price is the actor's start-up every epoch.
-        how = dict(fn_constructor_kwargs=stage,
-                   compute=ray.data.ActorPoolStrategy(size=num_preprocess_tasks))
+        how = dict(fn_constructor_kwargs=stage)
         fn = Preprocess
     else:
-        # Tasks, not an actor pool, so later epochs skip the start-up: see
-        # preprocess_batch. Draws then depend on which process gets which batch, which
-        # with several preprocess processes they already did.
-        how = dict(fn_kwargs=stage, compute=ray.data.TaskPoolStrategy(size=num_preprocess_tasks))
+        how = dict(fn_kwargs=stage)
         fn = preprocess_batch
-    return rows.map_batches(fn, batch_size=32, batch_format="numpy", num_cpus=0.5, **how)
+    # Parquet: a whole read part per call (about READ_UNIT_ROWS rows). A batch size here
+    # would make Ray Data bundle that many *parts* into one fused task (it bundles the
+    # fused stage's input, the part list, by the larger batch size of the two stages).
+    batch_size = None if plan.format == "parquet" else 32
+    return rows.map_batches(fn, batch_size=batch_size, batch_format="numpy", compute=compute,
+                            num_cpus=0.5, **how)

@@ -1,0 +1,83 @@
+"""raylora's parquet reader: files cut into parts of row groups, each row read once per
+epoch, a new seeded part order every epoch (shuffle) or file order (sharding=files)."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from raylora.data.source import parquet_parts, read_parquet_parts, row_groups_of_part
+from raylora.storage import Storage
+
+
+def test_each_row_group_lands_in_exactly_one_part_in_order():
+    groups = [7] * 7 + [1]  # 50 rows
+    for parts in (1, 2, 3, 4, 7, 8, 50):
+        got = [row_groups_of_part(groups, k, parts) for k in range(parts)]
+        flat = [g for part in got for g in part]
+        assert flat == list(range(len(groups))), parts
+    # Four parts of 12.5 rows: groups start at rows 0, 7, 14, ... 49.
+    assert [row_groups_of_part(groups, k, 4) for k in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # One row group larger than a share: the first part reads it, the others are empty.
+    assert [row_groups_of_part([100], k, 3) for k in range(3)] == [[0], [], []]
+    assert row_groups_of_part([], 0, 1) == []
+
+
+def test_parts_per_file_follow_row_counts():
+    parts = parquet_parts(["a", "b", "c"], [50, 20, 0], unit_rows=16)
+    assert [(p["uri"], p["part"], p["parts"]) for p in parts] == (
+        [("a", k, 4) for k in range(4)] + [("b", 0, 2), ("b", 1, 2), ("c", 0, 1)]
+    )
+    # Counts unknown (or not one per file): one part per file, never a dropped file.
+    assert [p["uri"] for p in parquet_parts(["a", "b"], None, 16)] == ["a", "b"]
+    assert [p["uri"] for p in parquet_parts(["a", "b"], [], 16)] == ["a", "b"]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """Three files of 50, 20 and 3 rows in row groups of 7: keys k000..k072 in file order."""
+    root = tmp_path_factory.mktemp("pq")
+    files, rows, start = [], [], 0
+    for i, n in enumerate((50, 20, 3)):
+        keys = [f"k{start + j:03d}" for j in range(n)]
+        path = root / f"part-{i}.parquet"
+        pq.write_table(pa.table({"img": [k.encode() for k in keys], "cap": keys}), path,
+                       row_group_size=7)
+        files.append(str(path))
+        rows.append(n)
+        start += n
+    return files, rows
+
+
+def _epochs(ds, n):
+    return [[r["text"] for r in ds.iter_rows()] for _ in range(n)]
+
+
+def test_every_row_once_per_epoch_in_a_new_seeded_order(ray_local, shards):
+    import ray
+
+    files, rows = shards
+    everything = [f"k{i:03d}" for i in range(73)]
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True  # order = part order, to compare epochs
+
+    def build(seed, shuffle):
+        return read_parquet_parts(files, rows, Storage(), seed, shuffle,
+                                  columns=["img", "cap"], renames={"img": "image", "cap": "text"},
+                                  unit_rows=16)
+
+    try:
+        first = _epochs(build(3, True), 3)
+        again = _epochs(build(3, True), 2)
+        ordered = _epochs(build(3, False), 2)
+        table = build(3, False).take(2)
+    finally:
+        ctx.execution_options.preserve_order = False
+    for epoch in first:
+        assert sorted(epoch) == everything
+    assert first[0] != first[1] != first[2]  # a new part order every epoch
+    assert again == first[:2]  # the same seed gives the same orders, epoch by epoch
+    assert ordered == [everything, everything]  # no shuffle: file order, every epoch
+    assert set(table[0]) == {"image", "text", "path"}
+    assert table[0]["path"] == files[0] and table[0]["image"] == b"k000"

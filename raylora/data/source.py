@@ -1,7 +1,8 @@
 """Image-caption shards in any storage → a preprocessed, streaming ``ray.data.Dataset``.
 
 The dataset is lazy: nothing is read until training workers iterate their shard. Shard
-files are read in parallel with their order reshuffled every epoch (seeded), rows pass a
+files are read in parallel in parts (parquet: runs of row groups, ``read_parquet_parts``)
+whose order is reshuffled every epoch (seeded), rows pass a
 per-worker local shuffle buffer, and Ray Train's default DataConfig splits the stream with
 ``streaming_split(equal=True)``, so every worker sees the same number of rows per epoch
 (DDP steps must line up) and each row is seen once per epoch (up to ``num_workers - 1``
@@ -275,8 +276,12 @@ def build_dataset(
         # A new actor per epoch whose random crops and flips start from the seed again:
         # each row gets the same draws in every run whatever the processes or timing, so
         # a resumed run repeats the straight run exactly (the promise of
-        # sharding=files). The price is the actor's start-up every epoch.
-        compute = ray.data.ActorPoolStrategy(size=num_preprocess_tasks)
+        # sharding=files). The price is the actor's start-up every epoch. One task in
+        # flight: Ray Data lets an actor run its queued tasks out of order, which would
+        # hand the draws to the parts in whatever order they ran (a resumed run's sample
+        # differed from the straight run's at an epoch start).
+        compute = ray.data.ActorPoolStrategy(size=num_preprocess_tasks,
+                                             max_tasks_in_flight_per_actor=1)
         read_compute = ray.data.TaskPoolStrategy(size=num_preprocess_tasks)
     else:
         # Tasks, not an actor pool, so later epochs skip the start-up: see

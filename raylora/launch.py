@@ -461,6 +461,7 @@ def build_trainer(
     from ray.train.torch import TorchTrainer
 
     from raylora.data.source import DataPlan, build_dataset
+    from raylora.data.tokenize import load_specs
     from raylora.worker import train_loop_per_worker
 
     store = cfg.storage.client()
@@ -473,10 +474,13 @@ def build_trainer(
     world = cfg.scaling.num_workers
     if cfg.data.sharding == "files":
         # One dataset per worker, read in order: worker r always gets files r, r+N, ...
+        # The tokenizer is read once for all of them (cached latents need none).
+        specs = None if cfg.data.cache == "latents" else load_specs(p.model_path, p.family, store)
         datasets = {
             f"train_{r}": build_dataset(
                 cfg.data, data_plan.for_rank(r, world), store, model_path=p.model_path,
                 seed=seed, num_preprocess_tasks=1, family=p.family, bad_records=p.bad_records,
+                tokenizer_specs=specs,
             )
             for r in range(world)
         }

@@ -264,40 +264,17 @@ def build_dataset(
     num_preprocess_tasks: int = 1,
     family: str = "sd",
     bad_records: str | None = None,
+    tokenizer_specs: tuple | None = None,
 ) -> ray.data.Dataset:
     """The training rows, preprocessed. ``bad_records``: the name of the run's counter
-    actor (``raylora.data.badrecords``) that rows failing the validating decode go to."""
+    actor (``raylora.data.badrecords``) that rows failing the validating decode go to.
+    ``tokenizer_specs``: ``load_specs(model_path, family, storage)`` when the caller
+    already has them (one load for all per-worker datasets); else loaded here."""
     if data.cache == "latents":
         # plan.files are the cache's parquet files (see raylora.data.cache).
         from raylora.data.cache import read_cached_dataset
 
         return read_cached_dataset(plan.files, plan.file_rows, storage, seed)
-    if data.sharding == "files":
-        # A new actor per epoch whose random crops and flips start from the seed again:
-        # each row gets the same draws in every run whatever the processes or timing, so
-        # a resumed run repeats the straight run exactly (the promise of
-        # sharding=files). The price is the actor's start-up every epoch. One task in
-        # flight: Ray Data lets an actor run its queued tasks out of order, which would
-        # hand the draws to the parts in whatever order they ran (a resumed run's sample
-        # differed from the straight run's at an epoch start).
-        compute = ray.data.ActorPoolStrategy(size=num_preprocess_tasks,
-                                             max_tasks_in_flight_per_actor=1)
-        read_compute = ray.data.TaskPoolStrategy(size=num_preprocess_tasks)
-    else:
-        # Tasks, not an actor pool, so later epochs skip the start-up: see
-        # preprocess_batch. Draws then depend on which process gets which batch, which
-        # with several preprocess processes they already did.
-        compute = read_compute = ray.data.TaskPoolStrategy(size=num_preprocess_tasks)
-    # The stages before preprocessing take the same task limit and CPUs, so Ray Data fuses
-    # them into one task per read part (parquet): read, split, decode, in one process.
-    before = dict(compute=read_compute, num_cpus=0.5)
-    # sharding=files: the same file order every epoch (the local shuffle buffer, seeded per
-    # epoch, still reorders rows), so an epoch's order is a function of the seed and epoch
-    # alone and a resumed run can skip exactly the batches it already trained on.
-    rows = read_rows(data, plan, storage, seed, shuffle=data.sharding != "files", **before)
-    if data.validation_split:
-        # Training never sees a held-out row (see raylora.data.split).
-        rows = rows.map_batches(KeepSplit(data.validation_split), batch_format="numpy", **before)
     stage = dict(
         tokenizer_path=model_path,
         resolution=data.resolution,
@@ -311,16 +288,38 @@ def build_dataset(
         caption_dropout=data.caption_dropout,
         family=family,
         bad_records=bad_records,
-        # Read here, once, on the driver: see raylora.data.tokenize.
-        tokenizer_specs=load_specs(model_path, family, storage),
+        # Read once, on the driver: see raylora.data.tokenize.
+        tokenizer_specs=tokenizer_specs or load_specs(model_path, family, storage),
         **data.decode_kwargs(),
     )
     if data.sharding == "files":
-        how = dict(fn_constructor_kwargs=stage)
-        fn = Preprocess
+        # A new actor per epoch whose random crops and flips start from the seed again:
+        # each row gets the same draws in every run whatever the processes or timing, so
+        # a resumed run repeats the straight run exactly (the promise of
+        # sharding=files). The price is the actor's start-up every epoch. One task in
+        # flight: Ray Data lets an actor run its queued tasks out of order, which would
+        # hand the draws to the parts in whatever order they ran (a resumed run's sample
+        # differed from the straight run's at an epoch start).
+        fn, how = Preprocess, dict(fn_constructor_kwargs=stage)
+        compute = ray.data.ActorPoolStrategy(size=num_preprocess_tasks,
+                                             max_tasks_in_flight_per_actor=1)
+        read_compute = ray.data.TaskPoolStrategy(size=num_preprocess_tasks)
     else:
-        how = dict(fn_kwargs=stage)
-        fn = preprocess_batch
+        # Tasks, not an actor pool, so later epochs skip the start-up: see
+        # preprocess_batch. Draws then depend on which process gets which batch, which
+        # with several preprocess processes they already did.
+        fn, how = preprocess_batch, dict(fn_kwargs=stage)
+        compute = read_compute = ray.data.TaskPoolStrategy(size=num_preprocess_tasks)
+    # The stages before preprocessing take the same task limit and CPUs, so Ray Data fuses
+    # them into one task per read part (parquet): read, split, decode, in one process.
+    before = dict(compute=read_compute, num_cpus=0.5)
+    # sharding=files: the same file order every epoch (the local shuffle buffer, seeded per
+    # epoch, still reorders rows), so an epoch's order is a function of the seed and epoch
+    # alone and a resumed run can skip exactly the batches it already trained on.
+    rows = read_rows(data, plan, storage, seed, shuffle=data.sharding != "files", **before)
+    if data.validation_split:
+        # Training never sees a held-out row (see raylora.data.split).
+        rows = rows.map_batches(KeepSplit(data.validation_split), batch_format="numpy", **before)
     # Parquet: a whole read part per call (about READ_UNIT_ROWS rows). A batch size here
     # would make Ray Data bundle that many *parts* into one fused task (it bundles the
     # fused stage's input, the part list, by the larger batch size of the two stages).

@@ -472,22 +472,14 @@ def build_trainer(
     seed = cfg.data.shuffle_seed if cfg.data.shuffle_seed is not None else cfg.train.seed
     data_plan = DataPlan(p.data_format, p.shard_files, p.total_rows, p.file_rows)
     world = cfg.scaling.num_workers
+    extra = dict(extra_loop_config or {})
     if cfg.data.sharding == "files":
-        # One dataset per worker, read in order: worker r always gets files r, r+N, ...
-        # The tokenizer is read once for all of them (cached latents need none).
-        specs = None if cfg.data.cache == "latents" else load_specs(p.model_path, p.family, store)
-        datasets = {
-            f"train_{r}": build_dataset(
-                cfg.data, data_plan.for_rank(r, world), store, model_path=p.model_path,
-                seed=seed, num_preprocess_tasks=1, family=p.family, bad_records=p.bad_records,
-                tokenizer_specs=specs,
-            )
-            for r in range(world)
-        }
-        data_config = ray.train.DataConfig(
-            datasets_to_split=[],
-            execution_options=ray.data.ExecutionOptions(preserve_order=True),
-        )
+        # Each worker builds its own dataset every epoch (worker._epoch_batches): files r,
+        # r+N, ... in order, with that epoch's draws. The tokenizer is read once, here, for
+        # all of them (cached latents need none).
+        datasets = {}
+        extra["tokenizer_specs"] = (
+            None if cfg.data.cache == "latents" else load_specs(p.model_path, p.family, store))
     else:
         datasets = {
             "train": build_dataset(
@@ -495,11 +487,10 @@ def build_trainer(
                 num_preprocess_tasks=max(1, world), family=p.family, bad_records=p.bad_records,
             )
         }
-        data_config = None
     ckpt_fs, ckpt_path = store.fs(storage_uri)
     loop_config = {
         "config": cfg.to_dict(), "plan": p.to_dict(), "heldout": p.worker_heldout(),
-        "progress_bar": interactive, **(extra_loop_config or {}),
+        "progress_bar": interactive, **extra,
     }
     return TorchTrainer(
         train_fn or train_loop_per_worker,
@@ -522,7 +513,6 @@ def build_trainer(
             callbacks=callbacks,
         ),
         datasets=datasets,
-        dataset_config=data_config,
     )
 
 

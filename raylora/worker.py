@@ -133,15 +133,36 @@ def _accelerator(cfg: RayLoraConfig):
     )
 
 
-def _epoch_batches(cfg: RayLoraConfig, plan: dict, rank: int, device):
-    """``epoch -> iterable of batches`` over this worker's dataset shard."""
+def _epoch_batches(cfg: RayLoraConfig, plan: dict, rank: int, world: int, device,
+                   tokenizer_specs: tuple | None = None, progress_bar: bool = False):
+    """``epoch -> iterable of batches`` over this worker's data: its share of the split
+    dataset, or under ``data.sharding=files`` its own files, rebuilt for each epoch so
+    the epoch picks the preprocessing draws (raylora.data.source.build_dataset)."""
     t = cfg.train
     by_files = cfg.data.sharding == "files"
-    shard = ray.train.get_dataset_shard(f"train_{rank}" if by_files else "train")
     data_seed = cfg.data.shuffle_seed if cfg.data.shuffle_seed is not None else t.seed
+    if by_files:
+        from raylora.data.source import DataPlan, build_dataset
+
+        own = DataPlan(plan["data_format"], plan["shard_files"], plan["total_rows"],
+                       plan["file_rows"]).for_rank(rank, world)
+        store = cfg.storage.client()
+
+        def epoch_data(epoch: int):
+            ds = build_dataset(cfg.data, own, store, model_path=plan["model_path"], seed=data_seed,
+                               num_preprocess_tasks=1, family=plan["family"],
+                               bad_records=plan["bad_records"], tokenizer_specs=tokenizer_specs,
+                               epoch=epoch)
+            ds.context.enable_progress_bars = progress_bar
+            return ds
+    else:
+        shard = ray.train.get_dataset_shard("train")
+
+        def epoch_data(epoch: int):
+            return shard
 
     def epoch_batches(epoch: int):
-        batches = shard.iter_torch_batches(
+        batches = epoch_data(epoch).iter_torch_batches(
             batch_size=t.batch_size,
             drop_last=True,
             local_shuffle_buffer_size=cfg.data.shuffle_buffer_size or None,
@@ -176,7 +197,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
     if restored is not None and rank == 0:
         log.info("resumed from step %d (epoch %d)", run.state.global_step, run.state.epoch)
 
-    epoch_batches = _epoch_batches(cfg, plan, rank, accelerator.device)
+    epoch_batches = _epoch_batches(cfg, plan, rank, world, accelerator.device,
+                                   loop_config.get("tokenizer_specs"), bool(loop_config.get("progress_bar")))
 
     bar = None
     if rank == 0 and loop_config.get("progress_bar"):
@@ -314,7 +336,8 @@ def lr_find_per_worker(loop_config: dict) -> None:
     t, lf = cfg.train, loop_config["lr_find"]
     accelerator = _accelerator(cfg)
     run = build_run(cfg, accelerator, lf["num_steps"], rank=0)
-    epoch_batches = _epoch_batches(cfg, loop_config["plan"], 0, accelerator.device)
+    epoch_batches = _epoch_batches(cfg, loop_config["plan"], 0, 1, accelerator.device,
+                                   loop_config.get("tokenizer_specs"))
     stream = itertools.chain.from_iterable(map(epoch_batches, itertools.count()))
 
     def step(lr: float) -> float:

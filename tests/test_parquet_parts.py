@@ -81,3 +81,39 @@ def test_every_row_once_per_epoch_in_a_new_seeded_order(ray_local, shards):
     assert ordered == [everything, everything]  # no shuffle: file order, every epoch
     assert set(table[0]) == {"image", "text", "path"}
     assert table[0]["path"] == files[0] and table[0]["image"] == b"k000"
+
+
+def test_files_mode_gives_each_epoch_new_flips_and_a_rebuilt_epoch_the_same(
+        ray_local, tiny_model, demo_data):
+    """sharding=files: a worker rebuilds its dataset every epoch (raylora.worker). The
+    rows come in file order every time; the flips are drawn anew per epoch (the demo
+    images are square, so the crop has one place and the flip is the only draw), and a
+    rebuilt epoch, as a resumed run makes, has exactly the draws it had."""
+    import numpy as np
+    import ray
+
+    from raylora.config import validate
+    from raylora.data.source import build_dataset, plan_data
+
+    data = validate({"model": {"pretrained": tiny_model}, "output": {"uri": "unused"},
+                     "data": {"uri": demo_data, "resolution": 32, "center_crop": False,
+                              "random_flip": True, "sharding": "files"}}).data
+    plan = plan_data(data, Storage()).for_rank(0, 1)
+
+    def epoch(e):
+        ds = build_dataset(data, plan, Storage(), model_path=tiny_model, seed=5, epoch=e)
+        assert ds.context.execution_options.preserve_order
+        rows = ds.take_all()
+        return (np.stack([r["pixel_values"] for r in rows]),
+                np.stack([r["input_ids"] for r in rows]))
+
+    (p0, ids0), (p1, ids1), (p1b, ids1b) = epoch(0), epoch(1), epoch(1)
+    assert not ray.data.DataContext.get_current().execution_options.preserve_order
+    assert p0.shape == (32, 3, 32, 32) and p0.dtype == np.uint8
+    assert (ids0 == ids1).all() and (ids1 == ids1b).all()  # same rows, same order
+    assert (p1 == p1b).all()  # the rebuilt epoch repeats its draws exactly
+    mirrored = (p1 == p0[..., ::-1]).all(axis=(1, 2, 3))
+    same = (p1 == p0).all(axis=(1, 2, 3))
+    assert (mirrored | same).all()  # epochs differ by flips only
+    flipped = mirrored & ~same
+    assert 6 <= flipped.sum() <= 26, flipped.sum()  # about half the rows flip the other way

@@ -265,11 +265,36 @@ def build_dataset(
     family: str = "sd",
     bad_records: str | None = None,
     tokenizer_specs: tuple | None = None,
+    epoch: int = 0,
 ) -> ray.data.Dataset:
     """The training rows, preprocessed. ``bad_records``: the name of the run's counter
     actor (``raylora.data.badrecords``) that rows failing the validating decode go to.
     ``tokenizer_specs``: ``load_specs(model_path, family, storage)`` when the caller
-    already has them (one load for all per-worker datasets); else loaded here."""
+    already has them (one load for all per-worker datasets); else loaded here.
+
+    ``data.sharding=files``: one worker's dataset for one ``epoch``, rows in file order
+    (``preserve_order`` is set on it), with crop/flip/dropout draws seeded by the seed and
+    the epoch: the same rows and draws in a rebuilt or resumed epoch, new draws in the
+    next one. Other modes build one dataset for every epoch and ignore ``epoch``."""
+    ds = _build_dataset(data, plan, storage, model_path, seed, num_preprocess_tasks, family,
+                        bad_records, tokenizer_specs, epoch)
+    if data.sharding == "files":
+        # A per-dataset copy of the context: other datasets keep Ray's default.
+        ds.context.execution_options.preserve_order = True
+    return ds
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The preprocessing draws' seed for ``epoch`` of a ``sharding=files`` run."""
+    return int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0])
+
+
+def _build_dataset(data: DataSection, plan: DataPlan, storage: Storage, model_path: str, seed: int,
+                   num_preprocess_tasks: int, family: str, bad_records: str | None,
+                   tokenizer_specs: tuple | None, epoch: int) -> ray.data.Dataset:
+    if data.sharding == "files":
+        # Rebuilt for every epoch (Ray's per-execution reseeding would restart at a resume).
+        seed = epoch_seed(seed, epoch)
     if data.cache == "latents":
         # plan.files are the cache's parquet files (see raylora.data.cache).
         from raylora.data.cache import read_cached_dataset
@@ -293,7 +318,7 @@ def build_dataset(
         **data.decode_kwargs(),
     )
     if data.sharding == "files":
-        # A new actor per epoch whose random crops and flips start from the seed again:
+        # A new actor per epoch whose random crops and flips start from the epoch's seed:
         # each row gets the same draws in every run whatever the processes or timing, so
         # a resumed run repeats the straight run exactly (the promise of
         # sharding=files). The price is the actor's start-up every epoch. One task in

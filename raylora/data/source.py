@@ -6,8 +6,8 @@ whose order is reshuffled every epoch (seeded), rows pass a
 per-worker local shuffle buffer, and Ray Train's default DataConfig splits the stream with
 ``streaming_split(equal=True)``, so every worker sees the same number of rows per epoch
 (DDP steps must line up) and each row is seen once per epoch (up to ``num_workers - 1``
-rows of remainder). With ``data.sharding=files`` the driver instead builds one dataset per
-worker from that worker's shard files (``DataPlan.for_rank``), read in order.
+rows of remainder). With ``data.sharding=files`` each worker instead builds a dataset of
+its own shard files (``DataPlan.for_rank``) for every epoch, read in order.
 """
 
 from __future__ import annotations
@@ -276,8 +276,17 @@ def build_dataset(
     (``preserve_order`` is set on it), with crop/flip/dropout draws seeded by the seed and
     the epoch: the same rows and draws in a rebuilt or resumed epoch, new draws in the
     next one. Other modes build one dataset for every epoch and ignore ``epoch``."""
-    ds = _build_dataset(data, plan, storage, model_path, seed, num_preprocess_tasks, family,
-                        bad_records, tokenizer_specs, epoch)
+    if data.sharding == "files":
+        # Rebuilt for every epoch (Ray's per-execution reseeding would restart at a resume).
+        seed = epoch_seed(seed, epoch)
+    if data.cache == "latents":
+        # plan.files are the cache's parquet files (see raylora.data.cache).
+        from raylora.data.cache import read_cached_dataset
+
+        ds = read_cached_dataset(plan.files, plan.file_rows, storage, seed)
+    else:
+        ds = _preprocessed_rows(data, plan, storage, model_path, seed, num_preprocess_tasks,
+                                family, bad_records, tokenizer_specs)
     if data.sharding == "files":
         # A per-dataset copy of the context: other datasets keep Ray's default.
         ds.context.execution_options.preserve_order = True
@@ -289,17 +298,10 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0])
 
 
-def _build_dataset(data: DataSection, plan: DataPlan, storage: Storage, model_path: str, seed: int,
-                   num_preprocess_tasks: int, family: str, bad_records: str | None,
-                   tokenizer_specs: tuple | None, epoch: int) -> ray.data.Dataset:
-    if data.sharding == "files":
-        # Rebuilt for every epoch (Ray's per-execution reseeding would restart at a resume).
-        seed = epoch_seed(seed, epoch)
-    if data.cache == "latents":
-        # plan.files are the cache's parquet files (see raylora.data.cache).
-        from raylora.data.cache import read_cached_dataset
-
-        return read_cached_dataset(plan.files, plan.file_rows, storage, seed)
+def _preprocessed_rows(data: DataSection, plan: DataPlan, storage: Storage, model_path: str,
+                       seed: int, num_preprocess_tasks: int, family: str, bad_records: str | None,
+                       tokenizer_specs: tuple | None) -> ray.data.Dataset:
+    """Shard rows read, decoded and preprocessed (build_dataset without a cache)."""
     stage = dict(
         tokenizer_path=model_path,
         resolution=data.resolution,

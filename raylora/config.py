@@ -234,10 +234,13 @@ class TrainSection(_Section):
     gradient_checkpointing: bool = Field(
         False, description="Recompute UNet activations in backward: less memory, ~20-30% slower."
     )
-    compile: bool = Field(
-        False, description="torch.compile the UNet (in place, so checkpoint keys do not "
-        "change): faster steps after a one-off compile of a minute or more per batch shape. "
-        "Needs a C++ compiler on CPU.",
+    compile: Literal["auto", "none", "regional", "full"] = Field(
+        "auto",
+        description="regional: torch.compile each repeated block of the denoiser (transformer "
+        "and resnet blocks, as diffusers' compile_repeated_blocks): compiles in seconds, reused "
+        "by every block of a kind. full: the whole denoiser (slowest to compile). none: eager. "
+        "auto: regional with scaling.use_gpu, none on CPU. Compiled in place, so checkpoint "
+        "keys do not change; on CPU it needs a C++ compiler.",
     )
     ema_decay: float | None = Field(
         None, gt=0, lt=1,
@@ -253,6 +256,19 @@ class TrainSection(_Section):
     noise_offset: float = Field(
         0.0, ge=0, description="Noise offset (e.g. 0.05-0.1): learn overall brightness shifts."
     )
+
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _no_is_not_false(cls, v: Any) -> Any:
+        # YAML 1.1 reads a bare `no` (train.mixed_precision=no on the command line) as false.
+        return "no" if v is False else v
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_bool(cls, v: Any) -> Any:
+        # Configs written before the modes existed said `compile: true/false`.
+        return {True: "regional", False: "none"}.get(v, v) if isinstance(v, bool) else v
 
 
 class ScalingSection(_Section):
@@ -443,6 +459,13 @@ class RayLoraConfig(_Section):
     @property
     def has_heldout(self) -> bool:
         return self.data.validation_split > 0 or self.data.validation_uri is not None
+
+    @property
+    def compile_mode(self) -> str:
+        """``train.compile`` in effect: ``auto`` is regional on GPUs, eager on CPUs (an
+        inductor compile on CPU costs more than a short CPU run gains)."""
+        c = self.train.compile
+        return ("regional" if self.scaling.use_gpu else "none") if c == "auto" else c
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as plain data, same tree as the YAML."""

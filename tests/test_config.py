@@ -116,3 +116,18 @@ def test_jobs_directory_has_configs():
 def test_every_shipped_job_yaml_validates(path):
     cfg = load_config(path)
     assert cfg.output.uri and cfg.model.pretrained
+
+
+def test_yaml_boolean_spellings_are_read_as_the_values_they_name():
+    # `no` is YAML 1.1 for false: on the command line it must still mean "no mixed precision".
+    cfg = validate(apply_overrides(MIN, ["train.mixed_precision=no"]))
+    assert cfg.train.mixed_precision == "no"
+    # compile: true/false from configs written before the modes existed
+    assert validate(apply_overrides(MIN, ["train.compile=true"])).train.compile == "regional"
+    assert validate(apply_overrides(MIN, ["train.compile=false"])).compile_mode == "none"
+    auto = validate(MIN)
+    assert (auto.train.compile, auto.compile_mode) == ("auto", "none")
+    gpu = validate(apply_overrides(MIN, ["scaling.use_gpu=true"]))
+    assert gpu.compile_mode == "regional"
+    with pytest.raises(ConfigError, match="train.compile"):
+        validate(apply_overrides(MIN, ["train.compile=fast"]))

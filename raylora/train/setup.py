@@ -118,7 +118,7 @@ def build_run(
     te_params = add_text_encoder_lora(comps.text_encoders, cfg.lora) if cfg.lora.train_text_encoder else []
     if t.gradient_checkpointing:
         comps.unet.enable_gradient_checkpointing()
-    if t.compile:
+    if cfg.compile_mode != "none":
         compile_unet(comps.unet)
     for m in [comps.vae, *comps.text_encoders]:
         if m is not None:

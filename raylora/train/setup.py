@@ -24,49 +24,10 @@ from raylora.model.load import load_components
 from raylora.model.lora import add_lora, add_text_encoder_lora, load_lora_state_dict, lora_state_dict
 from raylora.model.lora import save_diffusers_adapter
 from raylora.train.ema import LoraEMA
+from raylora.train.optim import build_lr_scheduler, build_optimizer
 from raylora.train.step import FrozenParts
 
 DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def build_optimizer(cfg: RayLoraConfig, params, world_size: int,
-                    text_encoder_params=()) -> torch.optim.Optimizer:
-    """AdamW over the UNet LoRA (``params``) and, in a second parameter group with
-    ``lora.text_encoder_lr``, the text-encoder LoRA."""
-    t = cfg.train
-    scale = t.gradient_accumulation_steps * t.batch_size * world_size if t.scale_lr else 1
-    lr = t.learning_rate * scale
-    kwargs = dict(
-        lr=lr, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.adam_weight_decay,
-        eps=t.adam_epsilon,
-    )
-    te = set(map(id, text_encoder_params))
-    params = [{"params": [p for p in params if id(p) not in te]}]
-    if te:
-        te_lr = (cfg.lora.text_encoder_lr or t.learning_rate) * scale
-        params.append({"params": list(text_encoder_params), "lr": te_lr})
-    if t.optimizer == "adamw8bit":
-        # Optimizer state in 8 bits: ~75% less optimizer memory (config refuses it off CUDA).
-        import bitsandbytes as bnb
-
-        return bnb.optim.AdamW8bit(params, **kwargs)
-    return torch.optim.AdamW(params, **kwargs)
-
-
-def build_lr_scheduler(cfg: RayLoraConfig, optimizer, max_steps: int, num_processes: int):
-    from diffusers.optimization import get_scheduler
-
-    t = cfg.train
-    # Accelerate's prepared scheduler steps once per process per optimizer step, so the
-    # counts are in optimizer steps × processes, as in diffusers' training scripts.
-    return get_scheduler(
-        t.lr_scheduler,
-        optimizer=optimizer,
-        num_warmup_steps=t.lr_warmup_steps * num_processes,
-        num_training_steps=max_steps * num_processes,
-        num_cycles=t.lr_num_cycles,
-        power=t.lr_power,
-    )
 
 
 @dataclass
@@ -132,7 +93,8 @@ def build_run(
     if restored is not None:
         load_lora_state_dict(comps.unet, restored.lora_sd, comps.text_encoders if te_params else ())
 
-    optimizer = build_optimizer(cfg, params, accelerator.num_processes, te_params)
+    optimizer = build_optimizer(cfg, params, accelerator.num_processes, te_params,
+                                device=accelerator.device)
     lr_scheduler = build_lr_scheduler(cfg, optimizer, max_steps, accelerator.num_processes)
     unet, optimizer, lr_scheduler = accelerator.prepare(comps.unet, optimizer, lr_scheduler)
 

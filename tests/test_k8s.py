@@ -6,7 +6,7 @@ pinned images, GPU limits, credentials only from the Secret, non-root pods, self
 from __future__ import annotations
 
 import copy
-import os
+import hashlib
 import posixpath
 import re
 import tomllib
@@ -21,8 +21,9 @@ from raylora.storage import AWS_ENV_VARS
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
-# CI clones the repo with shared/ beside it; the CRDs are not vendored into the repo.
-CRD_DIR = os.path.join(REPO, "..", "shared", "kuberay-crds")
+# Vendored KubeRay CRDs (source commit and checksums in their README).
+CRD_DIR = REPO / "tests" / "data" / "kuberay-crds"
+CRD_FILES = ("ray.io_rayclusters.yaml", "ray.io_rayjobs.yaml")
 K8S_VERSION = "1.30.0"  # oldest Kubernetes these manifests target (kubernetes-validate schema)
 SECRET_NAME = "raylora-s3"
 SECRET_ONLY = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")  # required on every Ray container
@@ -83,14 +84,9 @@ def _strict(schema):
 
 @pytest.fixture(scope="module")
 def crd_validators() -> dict[str, jsonschema.Draft7Validator]:
-    if not os.path.isdir(CRD_DIR):
-        pytest.fail(
-            f"KubeRay CRDs not found at {os.path.normpath(CRD_DIR)}: the k8s/ manifests are "
-            "validated against them; check out shared/ beside the repository"
-        )
     validators = {}
-    for fname in ("ray.io_rayclusters.yaml", "ray.io_rayjobs.yaml"):
-        with open(os.path.join(CRD_DIR, fname)) as f:
+    for fname in CRD_FILES:
+        with open(CRD_DIR / fname) as f:
             crd = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
         (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
         # The CRD schema describes the whole object (apiVersion, kind, metadata, spec, status).
@@ -98,6 +94,18 @@ def crd_validators() -> dict[str, jsonschema.Draft7Validator]:
             _strict(v1["schema"]["openAPIV3Schema"])
         )
     return validators
+
+
+def test_vendored_crds_match_their_readme():
+    # The README is the record of where the schemas came from; a replaced file must update it.
+    readme = (CRD_DIR / "README.md").read_text()
+    recorded = dict(re.findall(r"`(ray\.io_\w+\.yaml)`\s+([0-9a-f]{64})", readme))
+    actual = {f: hashlib.sha256((CRD_DIR / f).read_bytes()).hexdigest() for f in CRD_FILES}
+    assert recorded == actual
+
+
+def test_crds_define_both_kinds(crd_validators):
+    assert sorted(crd_validators) == ["RayCluster", "RayJob"]
 
 
 def crd_errors(doc: dict, validators) -> list[str]:

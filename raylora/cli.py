@@ -152,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True, help="output PNG")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--steps", type=int, default=25)
-    s.add_argument("--guidance-scale", type=float, default=7.5)
+    s.add_argument("--guidance-scale", type=float, default=None,
+                   help="default: the family's (SD 7.5, Flux.1-dev 3.5, SD3 7.0, Qwen-Image 4.0)")
     s.add_argument("--size", type=int, default=None, help="pixels; default: the model's size")
     s.set_defaults(fn=_sample)
 

@@ -60,11 +60,27 @@ class ModelSection(_Section):
     )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
     variant: str | None = Field(None, description="Weight variant, e.g. 'fp16'.")
-    family: Literal["auto", "sd", "sdxl"] = Field(
+    family: str = Field(
         "auto",
-        description="sd: SD 1.x/2.x (one text encoder). sdxl: two text encoders, pooled "
-        "embeddings and size/crop conditioning. auto: from model_index.json.",
+        description="auto: from model_index.json's _class_name. Or a family name: sd (SD "
+        "1.x/2.x), sdxl, flux (Flux.1 dev/schnell), sd3 (SD3/3.5), qwenimage; it must match "
+        "the model.",
     )
+    max_sequence_length: int | None = Field(
+        None, gt=0, le=4096,
+        description="Tokens per caption for the long-context text encoder (T5 of Flux/SD3, "
+        "Qwen-Image's LLM). Default: the pipeline's (Flux.1-dev 512, schnell use 256; SD3 256; "
+        "Qwen-Image 1024).",
+    )
+
+    @field_validator("family")
+    @classmethod
+    def _known_family(cls, v: str) -> str:
+        from raylora.model import families
+
+        if v != "auto" and v not in families.names():
+            raise ValueError(f"unknown family {v!r} (auto or one of: {', '.join(families.names())})")
+        return v
     attention: Literal["sdpa", "eager"] = Field(
         "sdpa",
         description="sdpa: torch scaled_dot_product_attention (flash / memory-efficient "
@@ -171,12 +187,15 @@ class LoraSection(_Section):
     rank: int = Field(4, gt=0)
     alpha: float | None = Field(None, gt=0, description="LoRA alpha; defaults to rank (scale 1).")
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["to_k", "to_q", "to_v", "to_out.0"],
-        description="UNet module names that get LoRA layers (attention projections).",
+    target_modules: list[str] | None = Field(
+        None,
+        description="Denoiser module names that get LoRA layers. Default: the family's (SD/"
+        "SDXL/Qwen-Image: attention projections; Flux, SD3: attention projections of both "
+        "streams (and Flux's feed-forwards), as diffusers' LoRA scripts).",
     )
     train_text_encoder: bool = Field(
-        False, description="Also train LoRA on the text encoder(s) (both for SDXL)."
+        False, description="Also train LoRA on the text encoders the stock pipeline loads "
+        "LoRA into (sd: CLIP; sdxl, sd3: both CLIPs; flux: CLIP-L; qwenimage: none)."
     )
     text_encoder_target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "out_proj"],
@@ -188,14 +207,50 @@ class LoraSection(_Section):
 
     @field_validator("target_modules", "text_encoder_target_modules")
     @classmethod
-    def _non_empty(cls, v: list[str]) -> list[str]:
-        if not v:
+    def _non_empty(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and not v:
             raise ValueError("needs at least one module name")
         return v
 
     @property
     def effective_alpha(self) -> float:
         return float(self.alpha if self.alpha is not None else self.rank)
+
+
+class FlowSection(_Section):
+    """Rectified-flow training (the objective of Flux, SD3 and Qwen-Image): how σ is drawn,
+    shifted and weighted. Names and defaults as in diffusers' and SimpleTuner's scripts."""
+
+    timestep_sampling: Literal["uniform", "logit_normal", "mode", "cosmap"] = Field(
+        "logit_normal",
+        description="Density of σ before the shift: logit_normal (SD3 paper's best, the "
+        "common default), uniform, mode (mode_scale), cosmap.",
+    )
+    logit_mean: float = Field(0.0, description="logit_normal: mean of the normal.")
+    logit_std: float = Field(1.0, gt=0, description="logit_normal: std of the normal.")
+    mode_scale: float = Field(1.29, description="mode: the scale s of the mode density.")
+    shift: float | Literal["auto"] = Field(
+        "auto",
+        description="auto: the model's scheduler config (Flux, Qwen-Image: resolution-"
+        "dependent dynamic shift from base_shift/max_shift; SD3: its static shift 3.0). A "
+        "number: that static shift for every image size (1.0 = none).",
+    )
+    loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = Field(
+        "none", description="Per-sample loss weight by σ (diffusers' weighting_scheme)."
+    )
+    guidance: float = Field(
+        1.0, ge=0,
+        description="Flux.1-dev's guidance-embedding input during training (guidance-"
+        "distilled models; ignored by models without one). 1.0 as SimpleTuner/ai-toolkit; "
+        "diffusers' script uses 3.5.",
+    )
+
+    @field_validator("shift")
+    @classmethod
+    def _positive_shift(cls, v):
+        if v != "auto" and v <= 0:
+            raise ValueError("must be > 0 (1.0 = no shift) or auto")
+        return v
 
 
 class TrainSection(_Section):
@@ -225,9 +280,12 @@ class TrainSection(_Section):
         False, description="metrics.jsonl rows list a content hash of every sample rank 0 "
         "trained on in that step: an audit of data order, e.g. across a resume.",
     )
-    prediction_type: Literal["epsilon", "v_prediction"] | None = Field(
-        None, description="Defaults to the model's scheduler config."
+    prediction_type: Literal["epsilon", "v_prediction", "flow_matching"] | None = Field(
+        None, description="The objective. Default: the model's scheduler config (flow "
+        "matching for FlowMatch* schedulers: Flux, SD3, Qwen-Image; else its prediction_type).",
     )
+    flow: FlowSection = Field(default_factory=lambda: FlowSection(),
+                              description="Flow-matching settings (Flux, SD3, Qwen-Image).")
     optimizer: Literal["adamw", "adamw8bit"] = Field(
         "adamw", description="adamw8bit: bitsandbytes 8-bit AdamW (CUDA only)."
     )

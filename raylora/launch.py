@@ -39,7 +39,8 @@ class Plan:
     data_rows: int = 0  # rows in the shard files, before any held-out split
     # The held-out rows themselves ({image: bytes, text}); sent to workers, never exported.
     heldout: list[dict] = field(default_factory=list, repr=False)
-    family: str = "sd"
+    family: str = "sd"  # raylora.model.families name
+    objective: str | None = None  # epsilon | v_prediction | flow_matching (None: hub id, unread)
     # data.cache=latents: the cache entry the shard files belong to, and the held-out rows
     # encoded by the same stages ({column: array}), so workers need no encoders at all.
     cache_uri: str | None = None
@@ -78,24 +79,22 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
     ``heldout=False`` skips reading the held-out rows (a run that never evaluates)."""
     from raylora.data.source import plan_data
     from raylora.model.load import check_model, is_hub_id, resolve_family
+    from raylora.train.objective import scheduler_objective_kind
 
     problems: list[str] = []
     store = cfg.storage.client()
     model_path = cfg.model.pretrained
-    factor = 8
-    family = resolve_family(cfg.model, None)
+    family, factor, scheduler = resolve_family(cfg.model, None), 8, None
     if not is_hub_id(model_path):
         try:
             info = check_model(model_path, store)
-            factor = info["vae_scale_factor"]
-            family = resolve_family(cfg.model, info["index"])
+            family, factor = resolve_family(cfg.model, info["index"]), info["vae_factor"]
+            scheduler = info["scheduler_config"]
         except (FileNotFoundError, KeyError, ValueError, OSError) as exc:
             problems.append(str(exc) if str(exc).startswith("model.") else f"model.pretrained: {exc}")
-    if cfg.data.resolution % factor:
-        problems.append(
-            f"data.resolution: {cfg.data.resolution} is not divisible by the VAE's "
-            f"downsampling factor {factor}"
-        )
+    problems += family_problems(cfg, family, factor * family.patch, scheduler)
+    objective = cfg.train.prediction_type or (
+        scheduler_objective_kind(scheduler) if scheduler else None)
 
     data = None
     try:
@@ -109,8 +108,38 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
     if data is None:
         raise ConfigError(problems)
     p = _arithmetic(cfg, model_path, data, rows, problems)
-    p.family = family
+    p.family, p.objective = family.name, objective
     return p
+
+
+def family_problems(cfg: RayLoraConfig, family, multiple: int, scheduler: dict | None) -> list[str]:
+    """Settings that do not apply to this model family, named by key."""
+    from raylora.train.objective import scheduler_objective_kind
+
+    t, out = cfg.train, []
+    if cfg.data.resolution % multiple:
+        out.append(f"data.resolution: {cfg.data.resolution} is not a multiple of {multiple} "
+                   f"(the {family.name} latent grid: VAE downsampling × patch size)")
+    native = scheduler_objective_kind(scheduler) if scheduler else None
+    flow = (t.prediction_type or native) == "flow_matching"
+    if native and t.prediction_type and (t.prediction_type == "flow_matching") != (native == "flow_matching"):
+        out.append(f"train.prediction_type: {t.prediction_type} does not fit {family.name}, "
+                   f"whose scheduler trains with {native}")
+    if flow and t.snr_gamma is not None:
+        out.append("train.snr_gamma: min-SNR weighting is for DDPM models; "
+                   f"{family.name} trains with flow matching (see train.flow.loss_weighting)")
+    if flow and t.noise_offset:
+        out.append(f"train.noise_offset: applies to DDPM models; {family.name} trains with "
+                   "flow matching")
+    if cfg.model.attention != "sdpa" and family.denoiser != "unet":
+        out.append(f"model.attention: {cfg.model.attention} is for UNet families; "
+                   f"{family.name} uses sdpa")
+    if "kohya" in cfg.export.formats and not family.kohya_export:
+        out.append(f"export.formats: kohya export is not available for {family.name} yet; "
+                   "export diffusers only")
+    if cfg.lora.train_text_encoder and not family.text_encoder_lora():
+        out.append(f"lora.train_text_encoder: {family.pipeline} loads no text-encoder LoRA")
+    return out
 
 
 def replan(cfg: RayLoraConfig, base: Plan) -> Plan:
@@ -125,7 +154,7 @@ def replan(cfg: RayLoraConfig, base: Plan) -> Plan:
 def _carry(p: Plan, base: Plan, **changes) -> Plan:
     """``p`` (fresh step arithmetic) with what ``base`` learned beyond it: family, cache."""
     keep = {k: getattr(base, k)
-            for k in ("family", "cache_uri", "cache_reused", "heldout_encoded", "bad_records")}
+            for k in ("family", "objective", "cache_uri", "cache_reused", "heldout_encoded", "bad_records")}
     return replace(p, **{**keep, **changes})
 
 
@@ -478,8 +507,8 @@ def build_trainer(
         # r+N, ... in order, with that epoch's draws. The tokenizer is read once, here, for
         # all of them (cached latents need none).
         datasets = {}
-        extra["tokenizer_specs"] = (
-            None if cfg.data.cache == "latents" else load_specs(p.model_path, p.family, store))
+        extra["tokenizer_specs"] = None if cfg.data.cache == "latents" else load_specs(
+            p.model_path, p.family, store, cfg.model.max_sequence_length)
     else:
         datasets = {
             "train": build_dataset(

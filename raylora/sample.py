@@ -14,20 +14,31 @@ def sample(
     out: str,
     seed: int = 0,
     steps: int = 25,
-    guidance_scale: float = 7.5,
+    guidance_scale: float | None = None,
     size: int | None = None,
 ) -> str:
-    from diffusers import AutoPipelineForText2Image
+    """``guidance_scale``: default the family's (SD 7.5, Flux.1-dev 3.5, ...)."""
+    from diffusers import DiffusionPipeline
+
+    from raylora.model import families
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.float16 if device == "cuda" else torch.float32
+    # bf16 on GPUs: fp16 overflows in Flux/SD3/Qwen-Image transformers.
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     path = os.path.abspath(model) if os.path.isdir(model) else model
-    # The pipeline class (SD or SDXL) comes from the model's model_index.json.
-    pipe = AutoPipelineForText2Image.from_pretrained(path, torch_dtype=dtype)
+    # The family, and the pipeline class that loads the adapter, from model_index.json.
+    family = families.detect(DiffusionPipeline.load_config(path), "--model")
+    pipe = family.pipeline_class().from_pretrained(path, torch_dtype=dtype)
     pipe.load_lora_weights(adapter)
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
-    size = size or pipe.unet.config.sample_size * pipe.vae_scale_factor
+    if guidance_scale is None:
+        guidance_scale = family.default_guidance_scale
+    if size is None:
+        from raylora.train.preview import denoiser_of
+
+        latent = getattr(denoiser_of(pipe).config, "sample_size", None) or pipe.default_sample_size
+        size = latent * pipe.vae_scale_factor
     image = pipe(
         prompt,
         num_inference_steps=steps,

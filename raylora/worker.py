@@ -55,7 +55,8 @@ def _heldout_batch(cfg: RayLoraConfig, plan: dict, heldout) -> dict[str, torch.T
     pre = Preprocess(
         tokenizer_path=plan["model_path"], resolution=cfg.data.resolution, center_crop=True,
         random_flip=False, endpoint_url=cfg.storage.endpoint_url, region=cfg.storage.region,
-        family=plan.get("family", "sd"), **cfg.data.decode_kwargs(),
+        family=plan.get("family", "sd"), max_sequence_length=cfg.model.max_sequence_length,
+        **cfg.data.decode_kwargs(),
     )
     batch = pre({
         "image": np.array([r["image"] for r in heldout], dtype=object),
@@ -74,14 +75,14 @@ def _heldout_evaluator(cfg: RayLoraConfig, plan: dict, heldout, run, rank: int, 
         run.parts, _heldout_batch(cfg, plan, heldout), v.num_timesteps, v.seed,
         batch_size=cfg.train.batch_size, device=acc.device,
     )
-    unet = acc.unwrap_model(run.unet)
+    model = acc.unwrap_model(run.model)
 
     def evaluate() -> float:
         # With EMA on, the EMA weights are what gets exported, so they are what is scored.
         with acc.autocast(), (run.ema.swapped_in(run.params) if run.ema is not None else nullcontext()):
             encode_heldout_text(run.parts, held, cfg.train.batch_size)
             return heldout_loss(
-                unet, held, run.parts.weight_dtype, batch_size=cfg.train.batch_size, rank=rank,
+                model, held, run.parts.weight_dtype, batch_size=cfg.train.batch_size, rank=rank,
                 world=world, all_reduce_sum=lambda x: acc.reduce(x, reduction="sum"),
             )
 
@@ -100,12 +101,12 @@ def _previewer(cfg: RayLoraConfig, plan: dict, run, tracker):
     v, acc = cfg.validation, run.accelerator
     store = cfg.storage.client()
     model_path = materialize(plan["model_path"], store)
-    unet = acc.unwrap_model(run.unet)
+    model = acc.unwrap_model(run.model)
 
     def preview(step: int) -> None:
         with run.ema.swapped_in(run.params) if run.ema is not None else nullcontext():
             pipe = pv.build_pipeline(
-                model_path, run.family, unet, run.parts.vae, run.parts.text_encoders,
+                model_path, run.family, model, run.parts.vae, run.parts.text_encoders,
                 dtype=run.parts.weight_dtype, device=acc.device,
             )
             images = pv.render(pipe, v.prompts, v.seed, v.num_inference_steps, v.guidance_scale,
@@ -296,7 +297,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     try:
         run_loop(
             accelerator=accelerator,
-            unet=run.unet,
+            model=run.model,
             parts=run.parts,
             optimizer=run.optimizer,
             lr_scheduler=run.lr_scheduler,
@@ -346,7 +347,7 @@ def lr_find_per_worker(loop_config: dict) -> None:
         losses = []
         for _ in range(t.gradient_accumulation_steps):
             losses.append(train_micro_step(
-                accelerator, run.unet, run.parts, run.optimizer, None, run.params,
+                accelerator, run.model, run.parts, run.optimizer, None, run.params,
                 next(stream), t.max_grad_norm,
             ))
         loss = float(torch.stack(losses).mean())

@@ -34,7 +34,7 @@ def _train(cfg, batches, max_steps, ckpt_root, restored=None, stop_at=None):
         saved.append((state.global_step, final))
 
     run_loop(
-        accelerator=accel, unet=run.unet, parts=run.parts, optimizer=run.optimizer,
+        accelerator=accel, model=run.model, parts=run.parts, optimizer=run.optimizer,
         lr_scheduler=run.lr_scheduler, params=run.params, state=run.state,
         max_steps=max_steps if stop_at is None else stop_at,
         max_grad_norm=cfg.train.max_grad_norm, images_per_step=2 * cfg.train.gradient_accumulation_steps,

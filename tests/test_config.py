@@ -15,7 +15,7 @@ def test_defaults_follow_diffusers_lora_recipe():
     t, lo = cfg.train, cfg.lora
     assert (t.adam_beta1, t.adam_beta2, t.adam_weight_decay, t.adam_epsilon) == (0.9, 0.999, 1e-2, 1e-8)
     assert (lo.rank, lo.effective_alpha, t.learning_rate, t.lr_scheduler) == (4, 4.0, 1e-4, "constant")
-    assert lo.target_modules == ["to_k", "to_q", "to_v", "to_out.0"]
+    assert lo.target_modules is None  # the family's default (SD: the attention projections)
     assert (t.max_grad_norm, t.mixed_precision, t.gradient_accumulation_steps) == (1.0, "no", 1)
     assert cfg.data.image_column == "image" and cfg.data.caption_column == "text"
 

@@ -61,7 +61,7 @@ def test_model_and_data_problems_found_before_any_worker(tiny_model, demo_data, 
     # The tiny VAE halves the image once: 65 px cannot be encoded.
     cfg = validate({"model": {"pretrained": tiny_model}, "data": {"uri": demo_data, "resolution": 65},
                     "output": {"uri": str(tmp_path / "out")}})
-    with pytest.raises(ConfigError, match="data.resolution: 65 is not divisible by the VAE's downsampling factor 2"):
+    with pytest.raises(ConfigError, match=r"data.resolution: 65 is not a multiple of 2 \(the sd latent grid"):
         plan(cfg)
 
 

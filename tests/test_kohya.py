@@ -14,6 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from raylora.checkpoint.kohya import export_kohya, from_kohya
+from raylora.model.families.sd import SD
 from raylora.config import ConfigError, validate
 
 COMPARE = r"""
@@ -49,20 +50,20 @@ def adapter(tiny_model, tmp_path_factory):
     cfg = validate({"model": {"pretrained": tiny_model}, "data": {"uri": "d"}, "output": {"uri": "o"},
                     "lora": {"rank": 4, "alpha": 8}})
     comps = load_components(cfg.model, torch.float32, cfg.storage.client())
-    add_lora(comps.unet, cfg.lora)
+    add_lora(comps.denoiser, cfg.lora, comps.family.lora_targets)
     g = torch.Generator().manual_seed(3)
-    for n, p in comps.unet.named_parameters():
+    for n, p in comps.denoiser.named_parameters():
         if "lora_B" in n:
             p.data = 0.05 * torch.randn(p.shape, generator=g)
     d = tmp_path_factory.mktemp("adapter") / "adapter"
-    save_diffusers_adapter(comps.unet, str(d))
+    save_diffusers_adapter(comps.denoiser, str(d), comps.family)
     return str(d)
 
 
 def test_kohya_layout_alpha_and_exact_round_trip(adapter, tmp_path):
     src = os.path.join(adapter, "pytorch_lora_weights.safetensors")
     dest = str(tmp_path / "adapter_kohya.safetensors")
-    meta = export_kohya(src, dest, "tiny")
+    meta = export_kohya(src, dest, "tiny", SD)
     assert (meta["ss_network_dim"], meta["ss_network_alpha"]) == ("4", "8")
     diff_sd = load_file(src)
     with safe_open(dest, framework="pt") as f:
@@ -74,7 +75,7 @@ def test_kohya_layout_alpha_and_exact_round_trip(adapter, tmp_path):
     assert {f"{name}.lora_down.weight", f"{name}.lora_up.weight", f"{name}.alpha"} <= set(kohya_sd)
     assert all(k.startswith("lora_unet_") for k in kohya_sd)
     assert all(float(v) == 8.0 for k, v in kohya_sd.items() if k.endswith(".alpha"))
-    back, alphas = from_kohya(kohya_sd, modules)
+    back, alphas = from_kohya(kohya_sd, modules, SD.kohya_names())
     assert set(back) == set(diff_sd)
     for k, v in diff_sd.items():
         assert torch.equal(back[k], v), k
@@ -83,7 +84,7 @@ def test_kohya_layout_alpha_and_exact_round_trip(adapter, tmp_path):
 
 def test_stock_diffusers_loads_the_kohya_file_to_the_same_unet(adapter, tiny_model, tmp_path):
     dest = str(tmp_path / "adapter_kohya.safetensors")
-    export_kohya(os.path.join(adapter, "pytorch_lora_weights.safetensors"), dest, "tiny")
+    export_kohya(os.path.join(adapter, "pytorch_lora_weights.safetensors"), dest, "tiny", SD)
     script = tmp_path / "compare.py"
     script.write_text(COMPARE)
     proc = subprocess.run([sys.executable, str(script), tiny_model, adapter, dest],

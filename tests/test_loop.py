@@ -71,14 +71,14 @@ def test_only_lora_weights_change(base_config, batches, tmp_path):
     cfg = validate(base_config)
     accel = _fresh_accelerator(1)
     run = build_run(cfg, accel, 2, rank=0)
-    before = {n: p.detach().clone() for n, p in run.unet.named_parameters()}
+    before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
     run_loop(
-        accelerator=accel, unet=run.unet, parts=run.parts, optimizer=run.optimizer,
+        accelerator=accel, model=run.model, parts=run.parts, optimizer=run.optimizer,
         lr_scheduler=run.lr_scheduler, params=run.params, state=run.state, max_steps=2,
         max_grad_norm=1.0, images_per_step=2, checkpoint_every=100,
         epoch_batches=lambda e: batches, on_checkpoint=lambda s, f: None,
     )
-    changed = {n for n, p in run.unet.named_parameters() if not torch.equal(p, before[n])}
+    changed = {n for n, p in run.model.named_parameters() if not torch.equal(p, before[n])}
     assert changed and all("lora_" in n for n in changed)
     assert {n for n in changed if "lora_B" in n}
 
@@ -92,8 +92,8 @@ def test_gradient_checkpointing_gives_the_same_step(base_config, batches):
         cfg = validate({**base_config, "train": {**base_config["train"], "gradient_checkpointing": gc}})
         accel = _fresh_accelerator(1)
         run = build_run(cfg, accel, 2, rank=0)
-        assert run.unet.is_gradient_checkpointing is gc
-        loss = train_micro_step(accel, run.unet, run.parts, run.optimizer, run.lr_scheduler,
+        assert run.model.is_gradient_checkpointing is gc
+        loss = train_micro_step(accel, run.model, run.parts, run.optimizer, run.lr_scheduler,
                                 run.params, batches[0], 1.0)
         results.append((float(loss), run.lora_state()))
     (l0, sd0), (l1, sd1) = results
@@ -146,7 +146,7 @@ def test_nonfinite_steps_are_skipped_counted_and_abort_when_repeated(base_config
     run = build_run(cfg, accel, 4, rank=0)
     snapshots = []
     run_loop(
-        accelerator=accel, unet=run.unet, parts=run.parts, optimizer=run.optimizer,
+        accelerator=accel, model=run.model, parts=run.parts, optimizer=run.optimizer,
         lr_scheduler=run.lr_scheduler, params=run.params, state=run.state, max_steps=4,
         max_grad_norm=1.0, images_per_step=2, checkpoint_every=100,
         epoch_batches=lambda e: [batches[0], poisoned, batches[2], batches[3]],
@@ -166,7 +166,7 @@ def test_nonfinite_steps_are_skipped_counted_and_abort_when_repeated(base_config
     advice = nonfinite_advice(cfg)
     with pytest.raises(NonFiniteLossError, match=r"NaN/inf for 3 optimizer steps in a row \(steps 2-4") as ei:
         run_loop(
-            accelerator=accel, unet=run.unet, parts=run.parts, optimizer=run.optimizer,
+            accelerator=accel, model=run.model, parts=run.parts, optimizer=run.optimizer,
             lr_scheduler=run.lr_scheduler, params=run.params, state=run.state, max_steps=6,
             max_grad_norm=1.0, images_per_step=2, checkpoint_every=100,
             epoch_batches=lambda e: [batches[0]] + [poisoned] * 5,

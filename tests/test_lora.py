@@ -5,6 +5,7 @@ from diffusers import UNet2DConditionModel
 from raylora.config import LoraSection
 from raylora.model.lora import WEIGHT_NAME, add_lora, digest, load_lora_state_dict, lora_state_dict
 from raylora.model.lora import save_diffusers_adapter
+from raylora.model.families.sd import SD
 
 
 @pytest.fixture
@@ -50,7 +51,7 @@ def test_bad_target_named(unet):
 def test_state_round_trip_and_diffusers_file(unet, tmp_path):
     from safetensors import safe_open
 
-    add_lora(unet, LoraSection(rank=4, alpha=8))
+    add_lora(unet, LoraSection(rank=4, alpha=8), SD.lora_targets)
     with torch.no_grad():
         for n, p in unet.named_parameters():
             if p.requires_grad:
@@ -62,7 +63,7 @@ def test_state_round_trip_and_diffusers_file(unet, tmp_path):
     load_lora_state_dict(unet, sd)
     assert digest(lora_state_dict(unet)) == before
 
-    save_diffusers_adapter(unet, str(tmp_path))
+    save_diffusers_adapter(unet, str(tmp_path), SD)
     with safe_open(str(tmp_path / WEIGHT_NAME), "pt") as f:
         keys = list(f.keys())
         meta = f.metadata()

@@ -40,10 +40,11 @@ def test_sdxl_crop_coordinates_follow_resize_crop_and_flip():
 
 
 def test_sdxl_time_ids_layout():
-    from raylora.train.encode import sdxl_time_ids
+    from raylora.model.families.sdxl import time_ids
 
-    ids = sdxl_time_ids(torch.tensor([[60, 100]]), torch.tensor([[0, 21]]), 64)
-    assert ids.tolist() == [[60.0, 100.0, 0.0, 21.0, 64.0, 64.0]]
+    ids = time_ids({"original_size": torch.tensor([[60, 100]]), "crop_top_left": torch.tensor([[0, 21]]),
+                    "target_size": torch.tensor([[64, 48]])})
+    assert ids.tolist() == [[60.0, 100.0, 0.0, 21.0, 64.0, 48.0]]
 
 
 @pytest.fixture(scope="module")

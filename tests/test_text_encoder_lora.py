@@ -43,6 +43,7 @@ def test_text_encoder_lora_trains_resumes_and_exports(base_config, batches, tiny
     from transformers import CLIPTextModel
 
     from raylora.checkpoint.kohya import export_kohya, from_kohya
+    from raylora.model.families.sd import SD
 
     base_config["lora"] = {"train_text_encoder": True, "text_encoder_lr": 3e-3}
     base_config["train"].update(max_steps=4, learning_rate=2e-3)
@@ -85,13 +86,13 @@ def test_text_encoder_lora_trains_resumes_and_exports(base_config, batches, tiny
     diff_sd = load_file(str(adapter / "pytorch_lora_weights.safetensors"))
     assert sum(k.startswith("text_encoder.") for k in diff_sd) == len(te_keys)
     kohya = str(tmp_path / "adapter_kohya.safetensors")
-    meta = export_kohya(str(adapter / "pytorch_lora_weights.safetensors"), kohya, "tiny")
+    meta = export_kohya(str(adapter / "pytorch_lora_weights.safetensors"), kohya, "tiny", SD)
     assert json.loads(meta["ss_network_args"]) == {"train_text_encoder": True}
     k_sd = load_file(kohya)
     assert "lora_te_text_model_encoder_layers_0_self_attn_q_proj.lora_down.weight" in k_sd
     # "<component>.<module>.lora[_linear_layer].down.weight" → "<component>.<module>"
     modules = sorted({k.rsplit(".", 3)[0] for k in diff_sd if k.endswith("down.weight")})
-    back, alphas = from_kohya(k_sd, modules)
+    back, alphas = from_kohya(k_sd, modules, SD.kohya_names())
     assert set(back) == set(diff_sd) and all(torch.equal(back[k], v) for k, v in diff_sd.items())
     assert set(alphas.values()) == {4.0}
 

@@ -94,7 +94,9 @@ def test_preprocess_stage_outputs(tiny_model):
     assert (px[0, 0] == 255).all() and (px[0, 1:] == 0).all()
     assert (px[1, 2] == 255).all() and (px[1, :2] == 0).all()
     assert out["input_ids"].shape == (2, 77) and out["input_ids"].dtype == np.int64
-    tok = stage.tokenizer
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model, subfolder="tokenizer")
     assert out["input_ids"][0, 0] == tok.bos_token_id
     # Short caption padded with the pad token, long one truncated to end with EOS.
     assert out["input_ids"][0, -1] == tok.pad_token_id
@@ -115,7 +117,10 @@ def test_caption_dropout_replaces_captions_with_the_empty_prompt(tiny_model):
              "text": np.array(["a red square"] * n, dtype=object)}
     stage = Preprocess(tiny_model, 64, center_crop=True, random_flip=False, seed=0, caption_dropout=0.25)
     ids = stage(batch)["input_ids"]
-    empty = stage.tokenizer([""], padding="max_length", max_length=77, return_tensors="np").input_ids[0]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model, subfolder="tokenizer")
+    empty = tok([""], padding="max_length", max_length=77, return_tensors="np").input_ids[0]
     dropped = (ids == empty).all(axis=1)
     assert 0.18 < dropped.mean() < 0.32
     kept = Preprocess(tiny_model, 64, center_crop=True, random_flip=False, seed=0)(batch)["input_ids"]
@@ -129,6 +134,7 @@ def test_uint8_pixels_reach_the_vae_as_the_float_stage_made_them(tiny_model):
     from diffusers import AutoencoderKL
 
     from raylora.data.preprocess import to_unit_range
+    from raylora.model.families.sd import SD
     from raylora.train.encode import vae_posterior
 
     px = np.random.default_rng(3).integers(0, 256, (2, 3, 64, 64), dtype=np.uint8)
@@ -136,8 +142,8 @@ def test_uint8_pixels_reach_the_vae_as_the_float_stage_made_them(tiny_model):
     np.testing.assert_array_equal(to_unit_range(px), old)
     assert to_unit_range(px).min() >= -1.0 and to_unit_range(px).max() <= 1.0
     vae = AutoencoderKL.from_pretrained(tiny_model, subfolder="vae").eval()
-    a = vae_posterior(vae, torch.from_numpy(px))
-    b = vae_posterior(vae, torch.from_numpy(old))
+    a = vae_posterior(SD, vae, torch.from_numpy(px))
+    b = vae_posterior(SD, vae, torch.from_numpy(old))
     assert a.shape == (2, 2 * vae.config.latent_channels, 64 // 2 ** (len(vae.config.block_out_channels) - 1),
                        64 // 2 ** (len(vae.config.block_out_channels) - 1))
     torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -202,7 +208,8 @@ def test_preprocess_with_driver_specs_equals_loading_the_tokenizer(tiny_model):
     batch = {"image": imgs, "text": np.array(CAPTIONS[:4], dtype=object)}
     a = Preprocess(tiny_model, 64, center_crop=True, random_flip=False)(batch)
     b = Preprocess("/nonexistent", 64, center_crop=True, random_flip=False, tokenizer_specs=specs)(batch)
-    assert sorted(a) == sorted(b) == ["input_ids", "pixel_values"]
+    assert sorted(a) == sorted(b) == ["crop_top_left", "input_ids", "original_size", "pixel_values",
+                                      "target_size"]
     for k in a:
         np.testing.assert_array_equal(a[k], b[k])
     with pytest.raises(ValueError, match="1 tokenizer spec"):

@@ -18,7 +18,7 @@ from raylora.data.preprocess import Preprocess
 from raylora.data.source import plan_data
 from raylora.data.split import KeepSplit, held_out_mask, read_heldout_rows, row_fraction
 from raylora.train import lr_find
-from raylora.train.evaluate import eval_timesteps, heldout_loss, prepare_heldout
+from raylora.train.evaluate import heldout_loss, prepare_heldout
 from stock import stock_load
 
 # ---------------------------------------------------------------- held-out split
@@ -66,7 +66,7 @@ def test_heldout_rows_are_the_first_held_out_in_file_order(demo_data):
 def tiny_parts(tiny_model, demo_data):
     from raylora.model.load import load_components
     from raylora.model.lora import add_lora
-    from raylora.train.step import FrozenParts
+    from raylora.train.setup import frozen_parts
 
     cfg = validate({
         "model": {"pretrained": tiny_model}, "output": {"uri": "o"},
@@ -82,14 +82,20 @@ def tiny_parts(tiny_model, demo_data):
     })
     torch.manual_seed(0)
     comps = load_components(cfg.model, torch.float32, store)
-    add_lora(comps.unet, cfg.lora)
-    parts = FrozenParts(comps.vae, comps.text_encoders, comps.noise_scheduler, torch.float32, "epsilon")
-    return comps.unet, parts, torch.from_numpy(batch["pixel_values"]), torch.from_numpy(batch["input_ids"])
+    add_lora(comps.denoiser, cfg.lora, comps.family.lora_targets)
+    parts = frozen_parts(cfg, comps, "cpu", torch.float32)
+    return comps.denoiser, parts, torch.from_numpy(batch["pixel_values"]), torch.from_numpy(batch["input_ids"])
 
 
 def test_eval_timesteps_are_slice_centres():
-    assert eval_timesteps(1000, 4) == [125, 375, 625, 875]
-    assert eval_timesteps(1000, 1) == [500]
+    from diffusers import DDPMScheduler
+
+    from raylora.train.objective import DDPM
+
+    obj = DDPM(DDPMScheduler(num_train_timesteps=1000), "epsilon")
+    x = torch.zeros(1, 4, 8, 8)
+    assert obj.eval_timesteps(4, x).tolist() == [125, 375, 625, 875]
+    assert obj.eval_timesteps(1, x).tolist() == [500]
 
 
 def test_heldout_loss_is_deterministic_split_invariant_and_sees_the_adapter(tiny_parts):
@@ -166,7 +172,7 @@ def test_loop_evaluates_at_base_cadence_and_end(base_config, tiny_model):
         return 1.0 + 0.1 * len(calls)
 
     run_loop(
-        accelerator=accel, unet=run.unet, parts=run.parts, optimizer=run.optimizer,
+        accelerator=accel, model=run.model, parts=run.parts, optimizer=run.optimizer,
         lr_scheduler=run.lr_scheduler, params=run.params, state=run.state, max_steps=5,
         max_grad_norm=1.0, images_per_step=2, checkpoint_every=4,
         epoch_batches=lambda e: [batch] * 3,
@@ -437,7 +443,7 @@ def _recompute_heldout(config: dict, lora_file: str, expect_rows: int) -> float:
     from raylora.launch import plan, resolve_paths
     from raylora.model.load import load_components
     from raylora.model.lora import add_lora, load_lora_state_dict
-    from raylora.train.step import FrozenParts
+    from raylora.train.setup import frozen_parts
 
     cfg = resolve_paths(validate(config))
     p = plan(cfg)
@@ -447,14 +453,14 @@ def _recompute_heldout(config: dict, lora_file: str, expect_rows: int) -> float:
         "text": np.array([r["text"] for r in p.heldout], dtype=object),
     })
     comps = load_components(cfg.model, torch.float32, cfg.storage.client())
-    add_lora(comps.unet, cfg.lora)
-    load_lora_state_dict(comps.unet, load_file(lora_file))
-    parts = FrozenParts(comps.vae, comps.text_encoders, comps.noise_scheduler, torch.float32, "epsilon")
+    add_lora(comps.denoiser, cfg.lora, comps.family.lora_targets)
+    load_lora_state_dict(comps.denoiser, load_file(lora_file))
+    parts = frozen_parts(cfg, comps, "cpu", torch.float32)
     v = cfg.validation
     held = prepare_heldout(parts, {"pixel_values": torch.from_numpy(batch["pixel_values"]),
                                    "input_ids": torch.from_numpy(batch["input_ids"])},
                            v.num_timesteps, v.seed, batch_size=cfg.train.batch_size)
-    return heldout_loss(comps.unet, held, torch.float32, batch_size=cfg.train.batch_size)
+    return heldout_loss(comps.denoiser, held, torch.float32, batch_size=cfg.train.batch_size)
 
 
 @pytest.mark.integration

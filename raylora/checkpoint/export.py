@@ -79,7 +79,11 @@ def summarize_metrics(reported: dict) -> dict:
 
 
 def model_card(cfg: RayLoraConfig, metrics: dict, data: dict) -> str:
+    from raylora.model import families
+
     t, lo = cfg.train, cfg.lora
+    family = families.get(data.get("family", "sd"))
+    targets = lo.target_modules or list(family.lora_targets)
     loss_first = metrics.get("train_loss_first")
     loss_last = metrics.get("train_loss_last")
     fmt = lambda x: "n/a" if x is None else f"{x:.5f}"  # noqa: E731
@@ -97,14 +101,16 @@ inference: true
 
 # LoRA adapter for {cfg.model.pretrained}
 
-Trained with [raylora](https://github.com/) on Ray Train ({cfg.scaling.num_workers} worker(s),
-{"GPU" if cfg.scaling.use_gpu else "CPU"}, mixed precision `{t.mixed_precision}`).
+A {family.description} LoRA (family `{family.name}`, objective
+`{data.get("objective")}`), trained with [raylora](https://github.com/) on Ray Train
+({cfg.scaling.num_workers} worker(s), {"GPU" if cfg.scaling.use_gpu else "CPU"}, mixed
+precision `{t.mixed_precision}`).
 
 ## Use
 
 ```python
-from diffusers import StableDiffusionPipeline
-pipe = StableDiffusionPipeline.from_pretrained("{cfg.model.pretrained}")
+from diffusers import {family.pipeline}
+pipe = {family.pipeline}.from_pretrained("{cfg.model.pretrained}")
 pipe.load_lora_weights("path/to/this/folder")
 image = pipe("your prompt").images[0]
 ```
@@ -114,7 +120,7 @@ image = pipe("your prompt").images[0]
 | | |
 |---|---|
 | LoRA rank / alpha / dropout | {lo.rank} / {lo.effective_alpha:g} / {lo.dropout:g} |
-| target modules | {", ".join(lo.target_modules)} |
+| target modules | {", ".join(targets)} |
 | learning rate (scale_lr) | {t.learning_rate:g} ({t.scale_lr}) |
 | LR schedule, warmup | {t.lr_scheduler}, {t.lr_warmup_steps} steps |
 | AdamW betas, weight decay, eps | {t.adam_beta1:g}/{t.adam_beta2:g}, {t.adam_weight_decay:g}, {t.adam_epsilon:g} |
@@ -170,9 +176,12 @@ def export_run(
 ) -> dict:
     """Publish the adapter in ``ckpt_dir`` with its card and metadata under ``output.uri``.
     ``extra`` entries are added to ``raylora.json`` (e.g. the Tune trial it came from)."""
+    from raylora.model import families
+
     store = cfg.storage.client()
     metrics = summarize_metrics(reported)
     files = plan["shard_files"]
+    family = families.get(plan.get("family", "sd"))
     data = {
         "format": plan["data_format"],
         "files": len(files),
@@ -180,7 +189,9 @@ def export_run(
         "fingerprint": data_fingerprint(files, store),
         "heldout_rows": plan.get("heldout_rows", 0),
         "heldout": _heldout_source(cfg),
-        "family": plan.get("family", "sd"),
+        "family": family.name,
+        "pipeline": family.pipeline,
+        "objective": plan.get("objective"),
         # data.cache=latents: the entry trained from ("files"/"rows" above are its files).
         "cache_uri": plan.get("cache_uri"),
         "cache_reused": plan.get("cache_reused"),
@@ -221,8 +232,7 @@ def export_run(
             from raylora.checkpoint.kohya import KOHYA_FILE, export_kohya
 
             kfile = os.path.join(tmp, KOHYA_FILE)
-            export_kohya(os.path.join(adapter, WEIGHT_NAME), kfile, cfg.model.pretrained,
-                         plan.get("family", "sd"))
+            export_kohya(os.path.join(adapter, WEIGHT_NAME), kfile, cfg.model.pretrained, family)
             kohya_out = storage.join(out, KOHYA_FILE)
             with open(kfile, "rb") as f:
                 store.write_bytes(kohya_out, f.read())

@@ -35,18 +35,11 @@ def _kohya_module(kohya_prefix: str, path: str) -> str:
     return kohya_prefix + path.replace(".", "_")
 
 
-def kohya_prefixes(family: str = "sd") -> dict[str, str]:
-    """diffusers component prefix → kohya prefix (sd-scripts names SDXL's encoders te1/te2)."""
-    te = {"text_encoder.": "lora_te1_", "text_encoder_2.": "lora_te2_"} if family == "sdxl" \
-        else {"text_encoder.": "lora_te_"}
-    return {PREFIX: KOHYA_PREFIX, **te}
-
-
 def to_kohya(sd: dict[str, torch.Tensor], alpha: float | dict[str, float],
-             family: str = "sd") -> dict[str, torch.Tensor]:
+             prefixes: dict[str, str]) -> dict[str, torch.Tensor]:
     """diffusers LoRA tensors → kohya keys, plus ``<module>.alpha`` for every module.
-    ``alpha``: one value, or one per component (``{"unet": 8, "text_encoder": 4}``)."""
-    prefixes = kohya_prefixes(family)
+    ``alpha``: one value, or one per component (``{"unet": 8, "text_encoder": 4}``);
+    ``prefixes``: diffusers component prefix → kohya prefix (``Family.kohya_names()``)."""
     out: dict[str, torch.Tensor] = {}
     for key, value in sd.items():
         src = next((p for p in sorted(prefixes, key=len, reverse=True) if key.startswith(p)), None)
@@ -63,11 +56,10 @@ def to_kohya(sd: dict[str, torch.Tensor], alpha: float | dict[str, float],
 
 
 def from_kohya(sd: dict[str, torch.Tensor], module_names: list[str],
-               family: str = "sd") -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+               prefixes: dict[str, str]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """kohya tensors → (diffusers tensors, alpha per diffusers module). ``module_names`` are
     the diffusers module paths, UNet ones bare or all with their component prefix (``_`` is
     ambiguous in kohya names, so they are matched, not parsed)."""
-    prefixes = kohya_prefixes(family)
     full = [n if n.startswith(tuple(prefixes)) else PREFIX + n for n in module_names]
     by_flat = {}
     for n in full:
@@ -87,9 +79,10 @@ def from_kohya(sd: dict[str, torch.Tensor], module_names: list[str],
     return out, alphas
 
 
-def export_kohya(diffusers_file: str, dest_file: str, base_model: str, family: str = "sd") -> dict:
-    """Write the kohya file for a diffusers adapter file; alpha and rank come from the
-    adapter metadata diffusers stored (per component). Returns the kohya metadata written."""
+def export_kohya(diffusers_file: str, dest_file: str, base_model: str, family) -> dict:
+    """Write the kohya file for a diffusers adapter file of ``family``; alpha and rank come
+    from the adapter metadata diffusers stored (per component). Returns the kohya metadata
+    written."""
     with safe_open(diffusers_file, framework="pt") as f:
         sd = {k: f.get_tensor(k) for k in f.keys()}
         raw = json.loads((f.metadata() or {}).get("lora_adapter_metadata", "{}"))
@@ -103,7 +96,7 @@ def export_kohya(diffusers_file: str, dest_file: str, base_model: str, family: s
         ranks[comp] = int(meta.get("r") or next(
             v.shape[0] for k, v in sd.items() if k.startswith(comp + ".") and k.endswith("lora.down.weight")))
         alphas[comp] = float(meta.get("lora_alpha") or ranks[comp])
-    main = "unet" if "unet" in ranks else components[0]
+    main = family.denoiser if family.denoiser in ranks else components[0]
     kohya_meta = {
         "ss_network_module": "networks.lora",
         "ss_network_dim": str(ranks[main]),
@@ -113,5 +106,5 @@ def export_kohya(diffusers_file: str, dest_file: str, base_model: str, family: s
     }
     if any(c.startswith("text_encoder") for c in components):
         kohya_meta["ss_network_args"] = json.dumps({"train_text_encoder": True})
-    save_file(to_kohya(sd, alphas, family), dest_file, metadata=kohya_meta)
+    save_file(family.kohya_state_dict(sd, alphas), dest_file, metadata=kohya_meta)
     return kohya_meta

@@ -37,7 +37,6 @@ log = logging.getLogger("raylora.cache")
 
 CACHE_VERSION = 1
 MANIFEST = "manifest.json"
-CACHED_COLUMNS = ("latent_params", "prompt_embeds", "pooled_prompt_embeds", "time_ids")
 
 
 def _dtype_name(cfg: RayLoraConfig) -> str:
@@ -57,34 +56,33 @@ class EncodeStage:
                  endpoint_url=None, region=None, resolution: int | None = None):
         import torch
 
-        from raylora.model.load import load_text_encoders, load_vae, materialize
+        from raylora.model import families
+        from raylora.model.load import load_text_encoders, load_vae, materialize, read_index
+        from raylora.config import ModelSection
 
         path = materialize(model_path, Storage(endpoint_url, region))
+        index = read_index(ModelSection(pretrained=path, revision=revision), path)
         weight_dtype = getattr(torch, dtype)
+        self.family = families.get(family)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        _, self.text_encoders = load_text_encoders(path, family, weight_dtype, revision, variant)
-        self.vae = load_vae(path, weight_dtype, revision, variant)
+        _, self.text_encoders = load_text_encoders(path, self.family, weight_dtype, index, revision, variant)
+        self.vae = load_vae(path, self.family, weight_dtype, index, revision, variant)
         for m in (*self.text_encoders, self.vae):
             m.to(self.device)
-        self.resolution = resolution
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """→ ``latent_params`` and the family's conditioning columns (fp32 numpy)."""
         import torch
 
         from raylora.train.encode import batch_condition, vae_posterior
 
-        tensors = {k: torch.from_numpy(np.asarray(v)).to(self.device) for k, v in batch.items()
-                   if k in ("pixel_values", "input_ids", "input_ids_2", "original_size", "crop_top_left")}
-        params = vae_posterior(self.vae, tensors["pixel_values"])
+        tensors = {k: torch.from_numpy(np.asarray(v)).to(self.device) for k, v in batch.items()}
+        params = vae_posterior(self.family, self.vae, tensors["pixel_values"])
         with torch.no_grad():
-            cond = batch_condition(self.text_encoders, tensors, self.resolution)
-        out = {
-            "latent_params": params,
-            "prompt_embeds": cond.hidden,
-            "pooled_prompt_embeds": cond.pooled,
-            "time_ids": cond.time_ids,
-        }
-        return {k: v.float().cpu().numpy() for k, v in out.items() if v is not None}
+            cond = batch_condition(self.family, self.text_encoders, tensors)
+        out = {"latent_params": params, **cond}
+        # Masks stay integers; embeddings are stored in fp32 whatever the encoders ran in.
+        return {k: (v.float() if v.is_floating_point() else v).cpu().numpy() for k, v in out.items()}
 
 
 @dataclass
@@ -145,7 +143,7 @@ def _stage_kwargs(cfg: RayLoraConfig, model_path: str, family: str, store: Stora
         tokenizer_path=model_path, resolution=cfg.data.resolution, center_crop=True,
         random_flip=False, image_column="image", caption_column="text", seed=0,
         endpoint_url=store.endpoint_url, region=store.region, family=family,
-        **cfg.data.decode_kwargs(),
+        max_sequence_length=cfg.model.max_sequence_length, **cfg.data.decode_kwargs(),
     )
     enc = dict(
         model_path=model_path, family=family, dtype=_dtype_name(cfg),

@@ -80,21 +80,12 @@ def tokenize(tokenizer, captions: list[str]) -> np.ndarray:
     return ids.astype(np.int64)
 
 
-class _Tokenize:
-    """``tokenize`` bound to a transformers tokenizer (the form of ``CaptionTokenizer``)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.model_max_length = tokenizer.model_max_length
-
-    def __call__(self, captions: list[str]) -> np.ndarray:
-        return tokenize(self.tokenizer, captions)
-
-
 class Preprocess:
-    """Batch stage: ``{image, caption}`` columns → ``{pixel_values, input_ids}`` (pixels
-    uint8 ``[B, 3, R, R]``, scaled by ``to_unit_range`` where the VAE takes them), plus
-    ``input_ids_2``, ``original_size`` and ``crop_top_left`` for SDXL (two tokenizers)."""
+    """Batch stage: ``{image, caption}`` columns → ``{pixel_values, input_ids, ...}``: pixels
+    uint8 ``[B, 3, R, R]`` (scaled by ``to_unit_range`` where the VAE takes them), token ids
+    (and masks) under the columns the model family's text inputs name (``input_ids``,
+    ``input_ids_2``, ``attention_mask``, ...), and each image's ``original_size``,
+    ``crop_top_left`` and ``target_size`` ``[B, 2]`` (SDXL's micro-conditioning)."""
 
     def __init__(
         self,
@@ -105,7 +96,6 @@ class Preprocess:
         image_column: str = "image",
         caption_column: str = "text",
         seed: int = 0,
-        tokenizer_subfolder: str | None = "tokenizer",
         endpoint_url: str | None = None,
         region: str | None = None,
         caption_dropout: float = 0.0,
@@ -116,30 +106,23 @@ class Preprocess:
         background_color: tuple[int, int, int] = (255, 255, 255),
         bad_records: str | None = None,
         tokenizer_specs: tuple | None = None,
+        max_sequence_length: int | None = None,
     ):
-        """``tokenizer_specs``: the model's tokenizer(s) as ``raylora.data.tokenize`` specs,
+        """``tokenizer_specs``: the model's tokenizers as ``raylora.data.tokenize`` specs,
         made by the driver (what Ray Data's tasks get: no transformers import, no model
-        download here); without them the tokenizer is loaded from ``tokenizer_path``."""
-        self.tokenizer = self.tokenizer_2 = None
-        if tokenizer_specs:
-            from raylora.data.tokenize import CaptionTokenizer
+        download here); without them they are read from ``tokenizer_path``."""
+        from raylora.data.tokenize import CaptionTokenizer, load_specs
+        from raylora.model import families
 
-            if len(tokenizer_specs) != (2 if family == "sdxl" else 1):
-                raise ValueError(f"{len(tokenizer_specs)} tokenizer spec(s) for family {family!r}")
-            self.encoders = [CaptionTokenizer(s) for s in tokenizer_specs]
-        else:
-            from transformers import AutoTokenizer
-
-            from raylora.model.load import materialize
+        self.texts = families.get(family).text
+        if not tokenizer_specs:
             from raylora.storage import Storage
 
-            # A model in object storage is downloaded once per node (shared with the workers).
-            tokenizer_path = materialize(tokenizer_path, Storage(endpoint_url, region))
-            kwargs = {"subfolder": tokenizer_subfolder} if tokenizer_subfolder else {}
-            self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, **kwargs)
-            if family == "sdxl":
-                self.tokenizer_2 = AutoTokenizer.from_pretrained(tokenizer_path, subfolder="tokenizer_2")
-            self.encoders = [_Tokenize(t) for t in (self.tokenizer, self.tokenizer_2) if t is not None]
+            tokenizer_specs = load_specs(tokenizer_path, family, Storage(endpoint_url, region),
+                                         max_sequence_length)
+        if len(tokenizer_specs) != len(self.texts):
+            raise ValueError(f"{len(tokenizer_specs)} tokenizer spec(s) for family {family!r}")
+        self.encoders = [CaptionTokenizer(s) for s in tokenizer_specs]
         self.resolution = resolution
         self.center_crop = center_crop
         self.random_flip = random_flip
@@ -154,6 +137,15 @@ class Preprocess:
         from raylora.data.badrecords import Reporter
 
         self.reporter = Reporter(bad_records)
+
+    def _text_columns(self, captions: list[str]) -> dict[str, np.ndarray]:
+        out = {}
+        for t, enc in zip(self.texts, self.encoders):
+            ids, mask = enc.encode(captions)
+            out[t.ids_key] = ids
+            if t.mask_key:
+                out[t.mask_key] = mask
+        return out
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         from collections import Counter
@@ -177,29 +169,18 @@ class Preprocess:
                 img, self.resolution, self.center_crop, self.random_flip, self.rng))
             captions.append(caption)
         self.reporter.send(len(out), bad, examples)
-        sdxl = len(self.encoders) == 2
-        if not out:  # every row of the batch was bad: an empty batch of the right shapes
-            r, n = self.resolution, self.encoders[0].model_max_length
-            empty = {"pixel_values": np.zeros((0, 3, r, r), np.uint8),
-                     "input_ids": np.zeros((0, n), np.int64)}
-            if sdxl:
-                empty.update(input_ids_2=np.zeros((0, self.encoders[1].model_max_length), np.int64),
-                             original_size=np.zeros((0, 2), np.int64),
-                             crop_top_left=np.zeros((0, 2), np.int64))
-            return empty
-        if self.caption_dropout:
+        if self.caption_dropout and captions:
             # The empty prompt, as the unconditional branch of classifier-free guidance sees
             # it at inference: keeps the adapter usable with guidance.
             drop = self.rng.random(len(captions)) < self.caption_dropout
             captions = ["" if d else c for c, d in zip(captions, drop)]
-        result = {
-            "pixel_values": np.stack([o[0] for o in out]),
-            "input_ids": self.encoders[0](captions),
-        }
-        if sdxl:
-            result["input_ids_2"] = self.encoders[1](captions)
-            result["original_size"] = np.array([o[1] for o in out], dtype=np.int64)
-            result["crop_top_left"] = np.array([o[2] for o in out], dtype=np.int64)
+        r = self.resolution
+        # every row of the batch bad: an empty batch of the right shapes
+        pixels = np.stack([o[0] for o in out]) if out else np.zeros((0, 3, r, r), np.uint8)
+        result = {"pixel_values": pixels, **self._text_columns(captions)}
+        result["original_size"] = np.array([o[1] for o in out], dtype=np.int64).reshape(-1, 2)
+        result["crop_top_left"] = np.array([o[2] for o in out], dtype=np.int64).reshape(-1, 2)
+        result["target_size"] = np.array([pixels.shape[-2:]] * len(out), dtype=np.int64).reshape(-1, 2)
         return result
 
 

@@ -21,59 +21,80 @@ import numpy as np
 @dataclass(frozen=True)
 class TokenizerSpec:
     """Everything a stage needs to tokenize as the model's tokenizer does (plain data, so
-    it pickles small and its repr is stable)."""
+    it pickles small and its repr is stable): the backend, the length every caption is
+    padded/truncated to, the family's caption template and whether the mask is kept."""
 
     backend_json: str
     max_length: int
     pad_id: int
     pad_token: str
+    template: str = "{}"
+    mask: bool = False
 
     def __repr__(self) -> str:  # the JSON is megabytes; a digest names it
         import hashlib
 
         digest = hashlib.sha256(self.backend_json.encode()).hexdigest()[:16]
-        return f"TokenizerSpec({digest}, {self.max_length}, {self.pad_id}, {self.pad_token!r})"
+        return (f"TokenizerSpec({digest}, {self.max_length}, {self.pad_id}, {self.pad_token!r}, "
+                f"{self.template!r}, {self.mask})")
 
 
-def spec_from_tokenizer(tok) -> TokenizerSpec:
-    """From a loaded transformers fast tokenizer."""
+def spec_from_tokenizer(tok, text=None, max_sequence_length: int | None = None) -> TokenizerSpec:
+    """From a loaded transformers fast tokenizer; ``text``: the family's ``TextInput`` for
+    it (template, length, mask), default the tokenizer's own length and no template."""
     if not getattr(tok, "is_fast", False):
         raise ValueError(f"{type(tok).__name__} has no fast (tokenizers) backend")
-    return TokenizerSpec(tok.backend_tokenizer.to_str(), int(tok.model_max_length),
-                         int(tok.pad_token_id), str(tok.pad_token))
+    length = text.length(int(tok.model_max_length), max_sequence_length) if text else int(tok.model_max_length)
+    return TokenizerSpec(tok.backend_tokenizer.to_str(), length, int(tok.pad_token_id),
+                         str(tok.pad_token), text.template if text else "{}",
+                         bool(text and text.mask_key))
 
 
-def load_specs(model_path: str, family: str, store) -> tuple[TokenizerSpec, ...]:
-    """The model's tokenizer (SDXL: both) as specs. A model in object storage has only its
-    small tokenizer folders copied, to a temporary folder, not the whole model."""
+def load_specs(model_path: str, family: str, store,
+               max_sequence_length: int | None = None) -> tuple[TokenizerSpec, ...]:
+    """The model's tokenizers, in the family's order, as specs. A model in object storage
+    has only its small tokenizer folders copied, to a temporary folder, not the whole model."""
     from transformers import AutoTokenizer
 
     from raylora import storage as st
+    from raylora.model import families
     from raylora.model.load import is_hub_id
 
-    subfolders = ["tokenizer", "tokenizer_2"] if family == "sdxl" else ["tokenizer"]
+    texts = families.get(family).text
+
+    def specs(root: str) -> tuple[TokenizerSpec, ...]:
+        return tuple(spec_from_tokenizer(AutoTokenizer.from_pretrained(root, subfolder=t.tokenizer),
+                                         t, max_sequence_length) for t in texts)
+
     if st.is_local(model_path) or is_hub_id(model_path):
-        return tuple(spec_from_tokenizer(AutoTokenizer.from_pretrained(model_path, subfolder=s))
-                     for s in subfolders)
+        return specs(model_path)
     with tempfile.TemporaryDirectory(prefix="raylora-tok-") as tmp:
-        for s in subfolders:
-            store.download_dir(f"{model_path.rstrip('/')}/{s}", os.path.join(tmp, s))
-        return tuple(spec_from_tokenizer(AutoTokenizer.from_pretrained(tmp, subfolder=s))
-                     for s in subfolders)
+        for t in texts:
+            store.download_dir(f"{model_path.rstrip('/')}/{t.tokenizer}", os.path.join(tmp, t.tokenizer))
+        return specs(tmp)
 
 
 class CaptionTokenizer:
-    """``tokenizer(captions, padding="max_length", truncation=True,
-    max_length=model_max_length).input_ids`` as int64 ``[B, max_length]``."""
+    """``tokenizer([template.format(c) for c in captions], padding="max_length",
+    truncation=True, max_length=max_length)`` → int64 ids ``[B, max_length]`` (and, for a
+    spec with ``mask``, the attention mask: ``mask(captions)``)."""
 
     def __init__(self, spec: TokenizerSpec):
         from tokenizers import Tokenizer
 
         self.model_max_length = spec.max_length
+        self.template, self.with_mask = spec.template, spec.mask
         self.backend = Tokenizer.from_str(spec.backend_json)
         self.backend.enable_truncation(spec.max_length)
         self.backend.enable_padding(length=spec.max_length, pad_id=spec.pad_id, pad_token=spec.pad_token)
 
+    def encode(self, captions: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, attention mask), both int64 ``[B, max_length]``."""
+        out = self.backend.encode_batch([self.template.format(c) for c in captions],
+                                        add_special_tokens=True)
+        shape = (len(out), self.model_max_length)
+        return (np.array([e.ids for e in out], dtype=np.int64).reshape(shape),
+                np.array([e.attention_mask for e in out], dtype=np.int64).reshape(shape))
+
     def __call__(self, captions: list[str]) -> np.ndarray:
-        out = self.backend.encode_batch(list(captions), add_special_tokens=True)
-        return np.array([e.ids for e in out], dtype=np.int64).reshape(len(out), self.model_max_length)
+        return self.encode(captions)[0]

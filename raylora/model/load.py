@@ -18,46 +18,38 @@ import torch
 
 from raylora import storage
 from raylora.config import ModelSection
+from raylora.model import families
+from raylora.model.families.base import Family, import_class
 from raylora.storage import Storage
-
-SD_COMPONENTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
-SDXL_COMPONENTS = SD_COMPONENTS + ("text_encoder_2", "tokenizer_2")
-COMPONENTS = {"sd": SD_COMPONENTS, "sdxl": SDXL_COMPONENTS}
-# Subfolders of the tokenizers / text encoders, in the order their embeddings are joined.
-TEXT_SUBFOLDERS = {
-    "sd": [("tokenizer", "text_encoder")],
-    "sdxl": [("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2")],
-}
-
 
 @dataclass
 class Components:
+    """The frozen base a worker trains on. ``vae``/``text_encoders`` are empty when the
+    batches come from the latent cache."""
+
+    family: type[Family]
     tokenizers: list[Any]
     text_encoders: list[torch.nn.Module]
-    vae: torch.nn.Module
-    unet: torch.nn.Module
-    noise_scheduler: Any
-    family: str = "sd"
-    latent_scale: float = 0.18215  # the VAE's scaling_factor (known without loading it)
+    vae: torch.nn.Module | None
+    denoiser: torch.nn.Module  # UNet or transformer
+    scheduler_config: dict  # the pipeline's scheduler config: what the objective follows
+    # normalised latents = (z − shift) · scale (floats, or per-channel lists); known from the
+    # VAE's config without loading it
+    latent_shift: Any = 0.0
+    latent_scale: Any = 0.18215
 
 
-def detect_family(index: dict) -> str:
-    """``model_index.json`` → "sd" | "sdxl". SDXL is the pipeline with a second text
-    encoder (the refiner has only ``text_encoder_2`` and is not a LoRA training target)."""
-    if "XL" in str(index.get("_class_name", "")) or "text_encoder_2" in index:
-        return "sdxl"
-    return "sd"
-
-
-def resolve_family(model: ModelSection, index: dict | None) -> str:
-    """The configured family, or the detected one; a mismatch is a config error."""
+def resolve_family(model: ModelSection, index: dict | None) -> type[Family]:
+    """The family of ``model_index.json`` (``index``); a configured ``model.family`` that
+    disagrees is a config error. No index (a hub id not checked offline): the configured
+    family, else SD."""
     if index is None:
-        return "sd" if model.family == "auto" else model.family
-    found = detect_family(index)
-    if model.family not in ("auto", found):
+        return families.get("sd" if model.family == "auto" else model.family)
+    found = families.detect(index, f"model.pretrained: {model.pretrained}")
+    if model.family not in ("auto", found.name):
         raise ValueError(
-            f"model.family: {model.family} but {model.pretrained} is a {found} pipeline "
-            f"({index.get('_class_name')}); use model.family={found} or auto"
+            f"model.family: {model.family} but {model.pretrained} is a {found.name} pipeline "
+            f"({index.get('_class_name')}); use model.family={found.name} or auto"
         )
     return found
 
@@ -79,8 +71,9 @@ def is_hub_id(path: str) -> bool:
 def check_model(path: str, store: Storage) -> dict:
     """Problems with a local or stored diffusers folder, found before any worker starts.
 
-    Returns ``{"index": model_index.json, "family": "sd"|"sdxl", "vae_scale_factor": int}``;
-    raises FileNotFoundError naming the path.
+    Returns ``{"index": model_index.json, "family": Family, "vae_factor": int,
+    "scheduler_config": dict}``; raises
+    FileNotFoundError (or ValueError for an unsupported pipeline) naming the path.
     """
     info = store.info(path)
     if info.type.name == "NotFound":
@@ -91,20 +84,18 @@ def check_model(path: str, store: Storage) -> dict:
             f"model.pretrained: {path}: not a diffusers folder (no model_index.json)"
         )
     index = json.loads(store.read_bytes(storage.join(path, "model_index.json")))
-    family = detect_family(index)
+    family = families.detect(index, f"model.pretrained: {path}")
     present = {f.split("/", 1)[0] for f in files if "/" in f}
-    missing = [c for c in COMPONENTS[family] if c not in present]
+    missing = [c for c in family.components() if c not in present]
     if missing:
         raise FileNotFoundError(
-            f"model.pretrained: {path}: missing component folder(s) of a {family} "
+            f"model.pretrained: {path}: missing component folder(s) of a {family.name} "
             f"pipeline: {', '.join(missing)}"
         )
     vae = json.loads(store.read_bytes(storage.join(path, "vae", "config.json")))
-    return {
-        "index": index,
-        "family": family,
-        "vae_scale_factor": 2 ** (len(vae["block_out_channels"]) - 1),
-    }
+    scheduler = json.loads(store.read_bytes(storage.join(path, "scheduler", "scheduler_config.json")))
+    return {"index": index, "family": family, "vae_factor": family.vae_factor(vae),
+            "scheduler_config": scheduler}
 
 
 def cache_root() -> str:
@@ -143,32 +134,28 @@ def materialize(path: str, store: Storage) -> str:
     return dest
 
 
-def model_family(model: ModelSection, path: str) -> str:
-    """Family of a local (materialized) or hub model, read from its model_index.json."""
+def read_index(model: ModelSection, path: str) -> dict | None:
+    """``model_index.json`` of a local (materialized) or hub model; None if unreadable."""
     from diffusers import DiffusionPipeline
 
     try:
-        index = DiffusionPipeline.load_config(path, revision=model.revision)
+        return dict(DiffusionPipeline.load_config(path, revision=model.revision))
     except (OSError, ValueError):
-        index = None
-    return resolve_family(model, index)
+        return None
 
 
-def load_text_encoders(path: str, family: str, weight_dtype: torch.dtype, revision=None, variant=None):
-    """Tokenizers and frozen text encoders, in embedding order.
-
-    SDXL's second encoder is ``CLIPTextModelWithProjection``: its projected pooled output
-    is the ``text_embeds`` the UNet's added conditioning expects.
-    """
-    from transformers import AutoTokenizer, CLIPTextModel, CLIPTextModelWithProjection
+def load_text_encoders(path: str, family: type[Family], weight_dtype: torch.dtype, index: dict,
+                       revision=None, variant=None):
+    """Tokenizers and frozen text encoders in the family's order, each encoder by the class
+    ``model_index.json`` names (SDXL's second is ``CLIPTextModelWithProjection``, whose
+    projected pooled output is what the UNet's added conditioning expects)."""
+    from transformers import AutoTokenizer
 
     tokenizers, encoders = [], []
-    for tok_dir, enc_dir in TEXT_SUBFOLDERS[family]:
-        tokenizers.append(AutoTokenizer.from_pretrained(path, subfolder=tok_dir, revision=revision))
-        cls = CLIPTextModelWithProjection if enc_dir == "text_encoder_2" else CLIPTextModel
-        enc = cls.from_pretrained(
-            path, subfolder=enc_dir, revision=revision, variant=variant, torch_dtype=weight_dtype
-        )
+    for t in family.text:
+        tokenizers.append(AutoTokenizer.from_pretrained(path, subfolder=t.tokenizer, revision=revision))
+        enc = family.load_component(path, index, t.encoder, weight_dtype, revision=revision,
+                                    variant=variant)
         enc.requires_grad_(False)
         # Frozen modules stay in eval mode so dropout in the text encoder never fires.
         enc.eval()
@@ -176,12 +163,9 @@ def load_text_encoders(path: str, family: str, weight_dtype: torch.dtype, revisi
     return tokenizers, encoders
 
 
-def load_vae(path: str, weight_dtype: torch.dtype, revision=None, variant=None):
-    from diffusers import AutoencoderKL
-
-    vae = AutoencoderKL.from_pretrained(
-        path, subfolder="vae", revision=revision, variant=variant, torch_dtype=weight_dtype
-    )
+def load_vae(path: str, family: type[Family], weight_dtype: torch.dtype, index: dict,
+             revision=None, variant=None):
+    vae = family.load_component(path, index, "vae", weight_dtype, revision=revision, variant=variant)
     if weight_dtype == torch.float16 and vae.config.get("force_upcast", False):
         # SDXL's VAE overflows in fp16 (NaN latents); its config says so. fp32 costs only
         # the encoder pass.
@@ -199,31 +183,23 @@ def load_components(
 ) -> Components:
     """Everything frozen a training worker needs. ``encoders=False`` (cached latents) skips
     the VAE and text encoders: the cache already holds what they would compute."""
-    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-
     path = materialize(resolve_model_path(model), store or Storage())
-    family = model_family(model, path)
+    index = read_index(model, path)
+    family = resolve_family(model, index)
+    if index is None:
+        raise FileNotFoundError(f"model.pretrained: {model.pretrained}: no model_index.json")
     kw: dict[str, Any] = {"revision": model.revision}
-    noise_scheduler = DDPMScheduler.from_pretrained(path, subfolder="scheduler", **kw)
+    scheduler_config = dict(import_class(*index["scheduler"][:2]).load_config(
+        path, subfolder="scheduler", revision=model.revision))
     tokenizers, text_encoders, vae = [], [], None
     if encoders:
         tokenizers, text_encoders = load_text_encoders(
-            path, family, weight_dtype, model.revision, model.variant
-        )
-        vae = load_vae(path, weight_dtype, model.revision, model.variant)
-    unet = UNet2DConditionModel.from_pretrained(
-        path, subfolder="unet", variant=model.variant, torch_dtype=weight_dtype, **kw
-    )
-    unet.requires_grad_(False)
-    set_attention(unet, model.attention)
-    vae_config = AutoencoderKL.load_config(path, subfolder="vae", revision=model.revision)
-    scale = float(vae_config.get("scaling_factor", 0.18215))
-    return Components(tokenizers, text_encoders, vae, unet, noise_scheduler, family, scale)
-
-
-def set_attention(unet: torch.nn.Module, kind: str) -> None:
-    """sdpa: ``F.scaled_dot_product_attention`` (flash / memory-efficient kernels on GPUs
-    that have them). Set explicitly so a model saved with another processor trains on it."""
-    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
-
-    unet.set_attn_processor(AttnProcessor2_0() if kind == "sdpa" else AttnProcessor())
+            path, family, weight_dtype, index, model.revision, model.variant)
+        vae = load_vae(path, family, weight_dtype, index, model.revision, model.variant)
+    denoiser = family.load_component(path, index, family.denoiser, weight_dtype,
+                                     variant=model.variant, **kw)
+    denoiser.requires_grad_(False)
+    family.set_attention(denoiser, model.attention)
+    vae_cls = import_class(*index["vae"][:2])
+    shift, scale = family.latent_stats(vae_cls.load_config(path, subfolder="vae", revision=model.revision))
+    return Components(family, tokenizers, text_encoders, vae, denoiser, scheduler_config, shift, scale)

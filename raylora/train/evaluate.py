@@ -7,7 +7,7 @@ latents taken as the VAE posterior mean. Everything but the adapter is fixed, so
 adapter gives the same number and two adapters differ only by what they learned.
 
 ``prepare_heldout`` does the fixed part once (VAE and text encoder run once per worker);
-``heldout_loss`` is then K·N UNet forwards, split across ranks and summed.
+``heldout_loss`` is then K·N denoiser forwards, split across ranks and summed.
 """
 
 from __future__ import annotations
@@ -17,28 +17,25 @@ from dataclasses import dataclass
 
 import torch
 
-from raylora.train.encode import Cond, batch_condition, batch_posterior, sample_latents
-from raylora.train.loss import diffusion_target
+from raylora.model.families.base import Cond, Family
+from raylora.train.encode import batch_condition, batch_posterior, sample_latents
 from raylora.train.step import FrozenParts
-
-
-def eval_timesteps(num_train_timesteps: int, k: int) -> list[int]:
-    """K timesteps at the centres of K equal slices of [0, T): (i + 0.5)·T/K."""
-    return [int((i + 0.5) * num_train_timesteps / k) for i in range(k)]
 
 
 @dataclass
 class HeldOut:
-    """N images × K timesteps, ready for the UNet. Item j is image ``text_index[j]``."""
+    """N images × K timesteps, ready for the denoiser. Item j is image ``text_index[j]``."""
 
+    family: type[Family]
     noisy: torch.Tensor  # [N·K, C, h, w]
-    timesteps: torch.Tensor  # [N·K] long
+    timesteps: torch.Tensor  # [N·K]: DDPM steps (long) or flow σ (float)
     target: torch.Tensor  # [N·K, C, h, w] fp32
-    text: Cond  # per image: hidden [N, L, D] (+ SDXL pooled [N, P], time_ids [N, 6])
+    text: Cond  # per image: the family's conditioning tensors, [N, ...] each
     text_index: torch.Tensor  # [N·K] long
     # Token ids (and SDXL size/crop) per image, kept when the text encoders train: their
     # output changes with the adapter, so ``encode_heldout_text`` redoes ``text``.
     text_batch: dict[str, torch.Tensor] | None = None
+    guidance: float = 1.0
 
     def __len__(self) -> int:
         return self.timesteps.shape[0]
@@ -60,27 +57,28 @@ def prepare_heldout(
     latents, texts = [], []
     for i in range(0, n_rows, batch_size):
         chunk = {k: v[i : i + batch_size].to(device) for k, v in batch.items()}
-        params = batch_posterior(parts.vae, chunk)
-        latents.append(sample_latents(params.float(), parts.latent_scale, sample=False))
-        texts.append(batch_condition(parts.text_encoders, chunk, parts.resolution))
+        params = batch_posterior(parts.family, parts.vae, chunk)
+        latents.append(sample_latents(params.float(), parts.latent_shift, parts.latent_scale,
+                                      sample=False))
+        texts.append(batch_condition(parts.family, parts.text_encoders, chunk))
     latents = torch.cat(latents)
     n = latents.shape[0]
-    sched = parts.noise_scheduler
-    ts = eval_timesteps(sched.config.num_train_timesteps, num_timesteps)
+    ts = parts.objective.eval_timesteps(num_timesteps, latents)
+    k = ts.shape[0]
     # Noise drawn on the CPU from its own generator: the same on every device and rank,
     # and untouched by (and not touching) the training RNG streams.
     gen = torch.Generator().manual_seed(seed)
-    noise = torch.randn((n, len(ts), *latents.shape[1:]), generator=gen).to(device)
-    lat = latents.unsqueeze(1).expand(-1, len(ts), *latents.shape[1:]).reshape(-1, *latents.shape[1:])
+    noise = torch.randn((n, k, *latents.shape[1:]), generator=gen).to(device)
+    lat = latents.unsqueeze(1).expand(-1, k, *latents.shape[1:]).reshape(-1, *latents.shape[1:])
     noise = noise.reshape(-1, *latents.shape[1:])
-    t = torch.tensor(ts, device=device, dtype=torch.long).repeat(n)
-    noisy = sched.add_noise(lat, noise, t)
-    target = diffusion_target(sched, lat, noise, t, parts.prediction_type).float()
+    t = ts.repeat(n)
+    noised = parts.objective.noised(lat, noise, t, weighted=False)
     index = torch.arange(n, device=device).repeat_interleave(len(ts))
     text_batch = None
     if parts.text_encoder_params:
         text_batch = {k: v.to(device) for k, v in batch.items() if k != "pixel_values"}
-    return HeldOut(noisy, t, target, Cond.cat(texts), index, text_batch)
+    return HeldOut(parts.family, noised.noisy, t, noised.target.float(), Cond.cat(texts), index,
+                   text_batch, parts.guidance)
 
 
 @torch.no_grad()
@@ -95,9 +93,8 @@ def encode_heldout_text(parts: FrozenParts, heldout: HeldOut, batch_size: int = 
     try:
         n = next(iter(heldout.text_batch.values())).shape[0]
         heldout.text = Cond.cat([
-            batch_condition(parts.text_encoders,
-                            {k: v[i : i + batch_size] for k, v in heldout.text_batch.items()},
-                            parts.resolution)
+            batch_condition(parts.family, parts.text_encoders,
+                            {k: v[i : i + batch_size] for k, v in heldout.text_batch.items()})
             for i in range(0, n, batch_size)
         ])
     finally:
@@ -107,7 +104,7 @@ def encode_heldout_text(parts: FrozenParts, heldout: HeldOut, batch_size: int = 
 
 @torch.no_grad()
 def heldout_loss(
-    unet: torch.nn.Module,
+    model: torch.nn.Module,
     heldout: HeldOut,
     weight_dtype: torch.dtype,
     batch_size: int = 8,
@@ -117,25 +114,21 @@ def heldout_loss(
 ) -> float:
     """Mean MSE over all N·K items. Rank r evaluates items r, r+world, ...; the per-rank
     (sum, count) pairs are summed with ``all_reduce_sum`` when running distributed."""
-    was_training = unet.training
-    unet.eval()  # LoRA dropout off
+    was_training = model.training
+    model.eval()  # LoRA dropout off
     idx = torch.arange(rank, len(heldout), world, device=heldout.timesteps.device)
     total = torch.zeros(2, dtype=torch.float64, device=heldout.timesteps.device)
     try:
         for i in range(0, idx.numel(), batch_size):
             j = idx[i : i + batch_size]
             cond = heldout.text.select(heldout.text_index[j])
-            pred = unet(
-                heldout.noisy[j].to(weight_dtype),
-                heldout.timesteps[j],
-                return_dict=False,
-                **cond.unet_kwargs(),
-            )[0]
+            pred = heldout.family.denoise(model, heldout.noisy[j].to(weight_dtype),
+                                          heldout.timesteps[j], cond, guidance=heldout.guidance)
             err = (pred.float() - heldout.target[j]).pow(2).flatten(1).mean(1)
             total[0] += err.double().sum()
             total[1] += j.numel()
     finally:
-        unet.train(was_training)
+        model.train(was_training)
     if all_reduce_sum is not None:
         total = all_reduce_sum(total)
     return float(total[0] / total[1])

@@ -24,7 +24,7 @@ class NonFiniteLossError(RuntimeError):
 def run_loop(
     *,
     accelerator,
-    unet: torch.nn.Module,
+    model: torch.nn.Module,
     parts: FrozenParts,
     optimizer,
     lr_scheduler,
@@ -82,7 +82,7 @@ def run_loop(
                 step_samples += sample_ids(batch)
             micro_losses.append(
                 train_micro_step(
-                    accelerator, unet, parts, optimizer, lr_scheduler, params, batch, max_grad_norm
+                    accelerator, model, parts, optimizer, lr_scheduler, params, batch, max_grad_norm
                 )
             )
             state.batches_in_epoch += 1

@@ -1,6 +1,6 @@
 """Validation images: fixed prompts, fixed seed, the adapter being trained. No Ray.
 
-Rank 0 builds a stock diffusers pipeline around the UNet it trains (LoRA layers live
+Rank 0 builds the family's stock diffusers pipeline around the denoiser it trains (LoRA layers live
 inside it, so no weights are copied), renders every prompt with the same seed each time,
 and frees the pipeline again, so the training GPU holds it only while rendering. With the
 latent cache the worker has no VAE or text encoder; they are loaded for the render and
@@ -28,27 +28,27 @@ def make_grid(images: list[Image.Image], cols: int | None = None) -> Image.Image
     return grid
 
 
-def build_pipeline(model_path: str, family: str, unet, vae=None, text_encoders=(), tokenizers=(),
+def build_pipeline(model_path: str, family, model, vae=None, text_encoders=(), tokenizers=(),
                    dtype: torch.dtype = torch.float32, device="cpu"):
-    """A stock pipeline that shares ``unet`` (and whatever encoders are already loaded)."""
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
-
-    kw: dict = {"unet": unet}
+    """The family's stock pipeline sharing the trained ``model`` (and whatever encoders are
+    already loaded); the rest is loaded from ``model_path``."""
+    kw: dict = {family.denoiser: model}
     if vae is not None:
         kw["vae"] = vae
-    names = ("text_encoder", "text_encoder_2")
-    for name, enc in zip(names, text_encoders):
-        kw[name] = enc
-    for name, tok in zip(("tokenizer", "tokenizer_2"), tokenizers):
-        kw[name] = tok
-    if family == "sdxl":
-        pipe = StableDiffusionXLPipeline.from_pretrained(model_path, torch_dtype=dtype, **kw)
-    else:
-        pipe = StableDiffusionPipeline.from_pretrained(
-            model_path, torch_dtype=dtype, safety_checker=None, requires_safety_checker=False, **kw
-        )
+    for t, enc in zip(family.text, text_encoders):
+        kw[t.encoder] = enc
+    for t, tok in zip(family.text, tokenizers):
+        kw[t.tokenizer] = tok
+    extra = {}
+    if "safety_checker" in family.pipeline_class()._optional_components:
+        extra = {"safety_checker": None, "requires_safety_checker": False}
+    pipe = family.pipeline_class().from_pretrained(model_path, torch_dtype=dtype, **kw, **extra)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
+
+
+def denoiser_of(pipe) -> torch.nn.Module:
+    return pipe.unet if getattr(pipe, "unet", None) is not None else pipe.transformer
 
 
 @torch.no_grad()
@@ -56,8 +56,9 @@ def render(pipe, prompts: list[str], seed: int, steps: int, guidance_scale: floa
            resolution: int, autocast=None) -> list[Image.Image]:
     """One image per prompt; image i uses generator seed ``seed + i`` on the CPU, so the
     same adapter gives the same picture on any device and at any step."""
-    was_training = pipe.unet.training
-    pipe.unet.eval()
+    model = denoiser_of(pipe)
+    was_training = model.training
+    model.eval()
     try:
         images = []
         for i, prompt in enumerate(prompts):
@@ -70,7 +71,7 @@ def render(pipe, prompts: list[str], seed: int, steps: int, guidance_scale: floa
             images.append(out.images[0])
         return images
     finally:
-        pipe.unet.train(was_training)
+        model.train(was_training)
 
 
 def free_memory() -> None:

@@ -7,7 +7,8 @@ tests call them directly to check resume exactness in a single process.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,10 +21,18 @@ from raylora.checkpoint.state import (
     save_rank_state,
 )
 from raylora.config import RayLoraConfig
+from raylora.model.families.base import Family
 from raylora.model.load import load_components
 from raylora.model.lora import add_lora, add_text_encoder_lora, load_lora_state_dict, lora_state_dict
 from raylora.model.lora import save_diffusers_adapter
 from raylora.train.ema import LoraEMA
+from raylora.train.compile import compile_denoiser
+from raylora.train.objective import (
+    DDPM,
+    FlowMatching,
+    flow_shift_from_scheduler,
+    scheduler_objective_kind,
+)
 from raylora.train.optim import build_lr_scheduler, build_optimizer
 from raylora.train.step import FrozenParts
 
@@ -33,28 +42,101 @@ DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 @dataclass
 class TrainingRun:
     accelerator: object
-    unet: torch.nn.Module  # prepared (DDP-wrapped when distributed)
+    model: torch.nn.Module  # the denoiser, prepared (DDP-wrapped when distributed)
     parts: FrozenParts
     optimizer: object
     lr_scheduler: object
-    params: list[torch.nn.Parameter]  # UNet LoRA, then text-encoder LoRA when trained
+    params: list[torch.nn.Parameter]  # denoiser LoRA, then text-encoder LoRA when trained
     state: LoopState
     ema: LoraEMA | None = None
-    family: str = "sd"
+    # text encoders that train LoRA, by pipeline component name
+    trained_text_encoders: dict[str, torch.nn.Module] = field(default_factory=dict)
 
     @property
-    def trained_text_encoders(self) -> list[torch.nn.Module]:
-        return self.parts.text_encoders if self.parts.text_encoder_params else []
+    def family(self) -> type[Family]:
+        return self.parts.family
 
     def lora_state(self) -> dict[str, torch.Tensor]:
-        return lora_state_dict(self.accelerator.unwrap_model(self.unet), self.trained_text_encoders)
+        return lora_state_dict(self.accelerator.unwrap_model(self.model), self.trained_text_encoders)
 
 
-def compile_unet(unet: torch.nn.Module) -> None:
-    """``torch.compile`` the UNet's forward in place (``Module.compile``): the module, its
-    parameters and state-dict keys stay what they were, so DDP, LoRA saving and resume are
-    unchanged. Static shapes: every training batch has the same shape (drop_last)."""
-    unet.compile(dynamic=False)
+def build_objective(cfg: RayLoraConfig, family: type[Family], scheduler_config: dict):
+    """DDPM (ε / v) or flow matching, as the model's scheduler config says unless
+    ``train.prediction_type`` overrides it (launch.plan checks the combination)."""
+    t, f = cfg.train, cfg.train.flow
+    kind = t.prediction_type or scheduler_objective_kind(scheduler_config)
+    if kind == "flow_matching":
+        shift, dynamic = (flow_shift_from_scheduler(scheduler_config) if f.shift == "auto"
+                          else (float(f.shift), None))
+        return FlowMatching(f.timestep_sampling, f.logit_mean, f.logit_std, f.mode_scale, shift,
+                            dynamic, f.loss_weighting, seq_len=family.image_seq_len)
+    from diffusers import DDPMScheduler
+
+    # The DDPM forward process whatever sampler the pipeline ships (PNDM, Euler, ...):
+    # the same betas, as diffusers' scripts build it.
+    return DDPM(DDPMScheduler.from_config(scheduler_config), kind, t.snr_gamma, t.noise_offset)
+
+
+def frozen_parts(cfg: RayLoraConfig, comps, device, weight_dtype: torch.dtype,
+                 te_params=()) -> FrozenParts:
+    """What the step needs besides the denoiser; the frozen encoders moved to ``device``."""
+    for m in [comps.vae, *comps.text_encoders]:
+        if m is not None:
+            m.to(device)
+    return FrozenParts(
+        comps.family, comps.vae, comps.text_encoders,
+        build_objective(cfg, comps.family, comps.scheduler_config), weight_dtype,
+        latent_shift=comps.latent_shift, latent_scale=comps.latent_scale,
+        guidance=cfg.train.flow.guidance, text_encoder_params=list(te_params),
+    )
+
+
+def _attach_lora(cfg: RayLoraConfig, comps) -> tuple[list, dict, list]:
+    """LoRA on the denoiser (and the text encoders the family's pipeline can load LoRA
+    into, when trained): (denoiser params, trained encoders by name, their params)."""
+    fam = comps.family
+    params = add_lora(comps.denoiser, cfg.lora, fam.lora_targets)
+    trained = {}
+    if cfg.lora.train_text_encoder:
+        names = fam.text_encoder_lora()
+        trained = {t.encoder: enc for t, enc in zip(fam.text, comps.text_encoders) if t.encoder in names}
+    return params, trained, add_text_encoder_lora(trained, cfg.lora)
+
+
+def _restore(cfg: RayLoraConfig, accelerator, restored, optimizer, lr_scheduler, rank: int) -> LoopState:
+    """Optimizer, schedule, scaler, loop position and RNG from a checkpoint; or a fresh
+    state with this rank's own noise/timestep stream."""
+    seed = cfg.train.seed
+    if restored is None:
+        # A different stream per rank, so workers do not draw identical noise for their
+        # different images (the adapter's initial weights were drawn the same everywhere).
+        torch.manual_seed(seed + 1000 * rank)
+        return LoopState()
+    optimizer.load_state_dict(restored.optimizer_sd)
+    lr_scheduler.scheduler.load_state_dict(restored.scheduler_sd)
+    if accelerator.scaler is not None and restored.scaler_sd:
+        accelerator.scaler.load_state_dict(restored.scaler_sd)
+    state = restored.loop
+    state.resumed_from_step = state.global_step
+    if restored.rng is not None:
+        restore_rng(restored.rng)
+    else:  # world size changed: no saved stream for this rank; a seeded fresh one
+        torch.manual_seed(seed + 1000 * rank + state.global_step)
+    return state
+
+
+def _ema(cfg: RayLoraConfig, params, restored, state: LoopState) -> LoraEMA | None:
+    if not cfg.train.ema_decay:
+        return None
+    ema = LoraEMA(params, cfg.train.ema_decay)
+    if restored is not None and restored.ema_sd is not None:
+        ema.load_state_dict(restored.ema_sd)
+    elif restored is not None and state.global_step:
+        raise ValueError(
+            "train.ema_decay: the checkpoint to resume from has no EMA state (EMA was "
+            "off when it was written); resume without EMA or start a new output.uri"
+        )
+    return ema
 
 
 def build_run(
@@ -69,68 +151,30 @@ def build_run(
 
     t = cfg.train
     weight_dtype = DTYPES[t.mixed_precision]
-    # Same seed on every rank for the adapter's initial weights...
-    set_seed(t.seed)
+    set_seed(t.seed)  # same seed on every rank for the adapter's initial weights
     # Cached latents: the cache holds what the VAE and text encoders would compute.
     comps = load_components(
         cfg.model, weight_dtype, cfg.storage.client(), encoders=cfg.data.cache != "latents"
     )
-    params = add_lora(comps.unet, cfg.lora)
-    te_params = add_text_encoder_lora(comps.text_encoders, cfg.lora) if cfg.lora.train_text_encoder else []
+    params, trained_te, te_params = _attach_lora(cfg, comps)
     if t.gradient_checkpointing:
-        comps.unet.enable_gradient_checkpointing()
-    if cfg.compile_mode != "none":
-        compile_unet(comps.unet)
-    for m in [comps.vae, *comps.text_encoders]:
-        if m is not None:
-            m.to(accelerator.device)
-    prediction_type = t.prediction_type or comps.noise_scheduler.config.prediction_type
-    parts = FrozenParts(
-        comps.vae, comps.text_encoders, comps.noise_scheduler, weight_dtype, prediction_type,
-        snr_gamma=t.snr_gamma, noise_offset=t.noise_offset, latent_scale=comps.latent_scale,
-        resolution=cfg.data.resolution, text_encoder_params=te_params,
-    )
+        comps.denoiser.enable_gradient_checkpointing()
+    compile_denoiser(comps.denoiser, cfg.compile_mode, comps.family.repeated_blocks)
+    parts = frozen_parts(cfg, comps, accelerator.device, weight_dtype, te_params)
     if restored is not None:
-        load_lora_state_dict(comps.unet, restored.lora_sd, comps.text_encoders if te_params else ())
+        load_lora_state_dict(comps.denoiser, restored.lora_sd, trained_te)
 
     optimizer = build_optimizer(cfg, params, accelerator.num_processes, te_params,
                                 device=accelerator.device)
     lr_scheduler = build_lr_scheduler(cfg, optimizer, max_steps, accelerator.num_processes)
-    unet, optimizer, lr_scheduler = accelerator.prepare(comps.unet, optimizer, lr_scheduler)
-
-    state = LoopState()
-    if restored is not None:
-        optimizer.load_state_dict(restored.optimizer_sd)
-        lr_scheduler.scheduler.load_state_dict(restored.scheduler_sd)
-        if accelerator.scaler is not None and restored.scaler_sd:
-            accelerator.scaler.load_state_dict(restored.scaler_sd)
-        state = restored.loop
-        state.resumed_from_step = state.global_step
-        if restored.rng is not None:
-            restore_rng(restored.rng)
-        else:  # world size changed: no saved stream for this rank; seeded fresh one
-            torch.manual_seed(t.seed + 1000 * rank + state.global_step)
-    else:
-        # ...and a different noise/timestep stream per rank, so workers do not draw
-        # identical noise for their different images.
-        torch.manual_seed(t.seed + 1000 * rank)
-    ema = None
-    if t.ema_decay:
-        ema = LoraEMA(params + te_params, t.ema_decay)
-        if restored is not None and restored.ema_sd is not None:
-            ema.load_state_dict(restored.ema_sd)
-        elif restored is not None and state.global_step:
-            raise ValueError(
-                "train.ema_decay: the checkpoint to resume from has no EMA state (EMA was "
-                "off when it was written); resume without EMA or start a new output.uri"
-            )
-    unet.train()
-    for te in comps.text_encoders if te_params else ():
-        te.train()  # LoRA dropout on, as for the UNet
-    return TrainingRun(
-        accelerator, unet, parts, optimizer, lr_scheduler, params + te_params, state, ema,
-        comps.family,
-    )
+    model, optimizer, lr_scheduler = accelerator.prepare(comps.denoiser, optimizer, lr_scheduler)
+    state = _restore(cfg, accelerator, restored, optimizer, lr_scheduler, rank)
+    ema = _ema(cfg, params + te_params, restored, state)
+    model.train()
+    for te in trained_te.values():
+        te.train()  # LoRA dropout on, as for the denoiser
+    return TrainingRun(accelerator, model, parts, optimizer, lr_scheduler, params + te_params,
+                       state, ema, trained_te)
 
 
 def nonfinite_advice(cfg: RayLoraConfig) -> str:
@@ -150,14 +194,10 @@ def write_checkpoint(directory: str, run: TrainingRun, rank: int) -> dict[str, t
     sd = run.lora_state()
     save_rank_state(directory, rank)
     if rank == 0:
-        unet = run.accelerator.unwrap_model(run.unet)
-        if run.ema is not None:
-            # The published adapter is the EMA; lora.safetensors keeps the raw weights.
-            with run.ema.swapped_in(run.params):
-                save_diffusers_adapter(unet, os.path.join(directory, ADAPTER_DIR), run.family,
-                                       run.trained_text_encoders)
-        else:
-            save_diffusers_adapter(unet, os.path.join(directory, ADAPTER_DIR), run.family,
+        model = run.accelerator.unwrap_model(run.model)
+        # The published adapter is the EMA; lora.safetensors keeps the raw weights.
+        with run.ema.swapped_in(run.params) if run.ema is not None else nullcontext():
+            save_diffusers_adapter(model, os.path.join(directory, ADAPTER_DIR), run.family,
                                    run.trained_text_encoders)
         scaler = run.accelerator.scaler
         save_main_state(

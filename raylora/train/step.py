@@ -1,6 +1,6 @@
 """One training micro-step and one optimizer step; plain PyTorch + Accelerate, no Ray.
 
-``compute_loss`` is the whole diffusion objective for a batch; ``train_micro_step`` wraps it
+``compute_loss`` is the whole training objective for a batch; ``train_micro_step`` wraps it
 in Accelerate's accumulation context, which skips the DDP all-reduce on non-final
 micro-steps, unscales and clips before the optimizer step, and steps the optimizer and LR
 scheduler only when gradients were synchronised.
@@ -13,74 +13,57 @@ from typing import Any
 
 import torch
 
-from raylora.train.encode import Cond, batch_condition, batch_posterior, sample_latents
-from raylora.train.loss import (
-    denoising_loss,
-    diffusion_target,
-    min_snr_weights,
-    offset_noise,
-    sample_timesteps,
-    snr,
-)
+from raylora.model.families.base import Cond, Family
+from raylora.train.encode import batch_condition, batch_posterior, sample_latents
+from raylora.train.loss import denoising_loss
+from raylora.train.objective import draw_noise
 
 
 @dataclass
 class FrozenParts:
-    """Everything the step needs besides the UNet.
+    """Everything the step needs besides the denoiser.
 
-    ``vae`` and ``text_encoders`` are None when batches come from the latent cache. With
-    ``lora.train_text_encoder`` the text encoders carry LoRA and are not frozen after all:
-    ``text_encoder_params`` are their trainable parameters (their gradients are averaged
-    across ranks here, since only the UNet is DDP-wrapped).
+    ``vae`` and ``text_encoders`` are None/empty when batches come from the latent cache.
+    With ``lora.train_text_encoder`` the text encoders carry LoRA and are not frozen after
+    all: ``text_encoder_params`` are their trainable parameters (their gradients are
+    averaged across ranks here, since only the denoiser is DDP-wrapped).
     """
 
+    family: type[Family]
     vae: torch.nn.Module | None
     text_encoders: list[torch.nn.Module]
-    noise_scheduler: Any
+    objective: Any  # raylora.train.objective.DDPM | FlowMatching
     weight_dtype: torch.dtype
-    prediction_type: str
-    snr_gamma: float | None = None  # min-SNR-γ weighting; None = plain MSE
-    noise_offset: float = 0.0
-    latent_scale: float = 0.18215  # the VAE's scaling_factor
-    resolution: int | None = None  # SDXL target size; default: the batch's pixel size
+    latent_shift: Any = 0.0  # normalised latents = (z − shift) · scale (the VAE's config)
+    latent_scale: Any = 0.18215
+    guidance: float = 1.0  # guidance-embedding input of guidance-distilled models (Flux.1-dev)
     text_encoder_params: list[torch.nn.Parameter] = field(default_factory=list)
 
 
 def encode_batch(parts: FrozenParts, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Cond]:
-    """A raw or cached batch → latents ``[B,C,h,w]`` (a posterior draw) and UNet conditioning."""
+    """A raw or cached batch → latents ``[B,C,h,w]`` (a posterior draw) and conditioning."""
     with torch.no_grad():
-        params = batch_posterior(parts.vae, batch)
-        latents = sample_latents(params, parts.latent_scale)
+        params = batch_posterior(parts.family, parts.vae, batch)
+        latents = sample_latents(params, parts.latent_shift, parts.latent_scale)
     with torch.set_grad_enabled(bool(parts.text_encoder_params) and torch.is_grad_enabled()):
-        cond = batch_condition(parts.text_encoders, batch, parts.resolution)
+        cond = batch_condition(parts.family, parts.text_encoders, batch)
     return latents, cond
 
 
-def compute_loss(unet: torch.nn.Module, parts: FrozenParts, batch: dict[str, torch.Tensor]):
-    """The diffusion training objective for one batch; randomness from torch's global RNG."""
+def compute_loss(model: torch.nn.Module, parts: FrozenParts, batch: dict[str, torch.Tensor]):
+    """The training objective for one batch; randomness from torch's global RNG."""
     latents, cond = encode_batch(parts, batch)
-    # Not randn_like: it keeps the input's memory layout, and CPU randn draws a different
-    # sequence into a channels-last tensor (what the VAE's conv emits) than into a
-    # contiguous one (what a cached batch is), so cached and uncached runs would diverge.
-    noise = torch.randn(latents.shape, device=latents.device, dtype=latents.dtype)
-    timesteps = sample_timesteps(
-        latents.shape[0], parts.noise_scheduler.config.num_train_timesteps, latents.device
-    )
-    noise = offset_noise(noise, parts.noise_offset)
-    noisy = parts.noise_scheduler.add_noise(latents, noise, timesteps)
-    target = diffusion_target(parts.noise_scheduler, latents, noise, timesteps, parts.prediction_type)
-    pred = unet(noisy, timesteps, return_dict=False, **cond.unet_kwargs())[0]
-    weights = None
-    if parts.snr_gamma is not None:
-        weights = min_snr_weights(
-            snr(parts.noise_scheduler, timesteps), parts.snr_gamma, parts.prediction_type
-        )
-    return denoising_loss(pred, target, weights)
+    obj = parts.objective
+    noise = draw_noise(latents)
+    t = obj.sample_timesteps(latents)
+    noised = obj.noised(latents, obj.offset(noise), t)
+    pred = parts.family.denoise(model, noised.noisy, t, cond, guidance=parts.guidance)
+    return denoising_loss(pred, noised.target, noised.weights)
 
 
 def train_micro_step(
     accelerator,
-    unet: torch.nn.Module,
+    model: torch.nn.Module,
     parts: FrozenParts,
     optimizer,
     lr_scheduler,
@@ -97,8 +80,8 @@ def train_micro_step(
     fp16 the GradScaler makes that call itself (and lowers its scale), so it still steps.
     """
     skip = False
-    with accelerator.accumulate(unet):
-        loss = compute_loss(unet, parts, batch)
+    with accelerator.accumulate(model):
+        loss = compute_loss(model, parts, batch)
         accelerator.backward(loss)
         if accelerator.sync_gradients:
             if parts.text_encoder_params and accelerator.num_processes > 1:

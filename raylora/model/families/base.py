@@ -1,0 +1,227 @@
+"""What every model family shares; each family module overrides what its architecture does
+differently. No Ray; torch and diffusers are imported where they are used, so the config can
+list families without loading either.
+
+A family owns, for its pipeline layout: detection (``model_index.json`` ``_class_name``),
+which components are the denoiser, VAE and text encoders (loaded by the classes the folder's
+own ``model_index.json`` names, so a user's checkpoint loads as diffusers would load it), how
+captions are tokenized, how a batch is encoded into conditioning, the denoiser call, latent
+normalisation, default LoRA targets, repeated blocks (regional compile, FSDP shard units),
+the stock pipeline class that loads the adapter, and the kohya/ComfyUI key names.
+
+Conditioning travels as a ``Cond``: named tensors with the batch first, the same names the
+latent cache stores as columns (``prompt_embeds``, ``pooled_prompt_embeds``, ...).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+
+@dataclass(frozen=True)
+class TextInput:
+    """One tokenizer + text encoder pair, in the order the family joins their outputs."""
+
+    encoder: str  # pipeline component, e.g. "text_encoder_2"
+    tokenizer: str  # its tokenizer's component, e.g. "tokenizer_2"
+    ids_key: str  # batch column of the token ids
+    max_length: int | None = None  # None: the tokenizer's model_max_length
+    template: str = "{}"  # caption → the text the tokenizer sees
+    mask_key: str | None = None  # batch column of the attention mask, when the encoder needs it
+    # True: a long-context encoder (T5, an LLM) whose length model.max_sequence_length sets
+    long_context: bool = False
+    drop: int = 0  # template tokens dropped from the front of the encoder's output
+
+    def length(self, tokenizer_max: int, max_sequence_length: int | None = None) -> int:
+        """Tokens per caption: the content length (``model.max_sequence_length`` for a
+        long-context encoder, else ``max_length``, else the tokenizer's) + the template's."""
+        n = max_sequence_length if self.long_context and max_sequence_length else self.max_length
+        return (n or tokenizer_max) + self.drop
+
+
+class Cond(dict):
+    """Named conditioning tensors, batch first (``{"prompt_embeds": [B, L, D], ...}``)."""
+
+    def select(self, index: torch.Tensor) -> "Cond":
+        return Cond({k: v[index] for k, v in self.items()})
+
+    def to(self, device=None, dtype=None) -> "Cond":
+        # Integer tensors (masks) keep their dtype.
+        return Cond({k: v.to(device=device, dtype=dtype if v.is_floating_point() else None)
+                     for k, v in self.items()})
+
+    @staticmethod
+    def cat(conds: list["Cond"]) -> "Cond":
+        return Cond({k: torch.cat([c[k] for c in conds]) for k in conds[0]})
+
+
+def pack_2x2(latents: torch.Tensor) -> torch.Tensor:
+    """``[B, C, h, w]`` → ``[B, (h/2)·(w/2), 4C]``: 2×2 patches as tokens (Flux, Qwen-Image)."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_2x2(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """Inverse of ``pack_2x2`` for latents of height ``h`` and width ``w``."""
+    b, _, d = tokens.shape
+    x = tokens.view(b, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, d // 4, h, w)
+
+
+def import_class(library: str, name: str):
+    """A class named in ``model_index.json`` (``["diffusers", "AutoencoderKL"]``)."""
+    return getattr(importlib.import_module(library), name)
+
+
+class Family:
+    """The SD-style defaults; a family module subclasses and overrides."""
+
+    name: ClassVar[str]
+    # model_index.json _class_name values that are this family
+    class_names: ClassVar[tuple[str, ...]]
+    pipeline: ClassVar[str]  # the stock diffusers pipeline that loads the adapter
+    denoiser: ClassVar[str] = "transformer"  # its pipeline component / subfolder
+    text: ClassVar[tuple[TextInput, ...]]
+    lora_targets: ClassVar[tuple[str, ...]]  # default lora.target_modules
+    text_encoder_lora_targets: ClassVar[tuple[str, ...]] = ("q_proj", "k_proj", "v_proj", "out_proj")
+    # Repeated blocks: what train.compile=regional compiles, and FSDP's shard units.
+    repeated_blocks: ClassVar[tuple[str, ...]]
+    patch: ClassVar[int] = 1  # latent pixels per token side (2 for 2×2-patched DiTs)
+    default_guidance_scale: ClassVar[float] = 7.5  # for validation images
+    kohya_prefix: ClassVar[str] = "lora_unet_"
+    # kohya/ComfyUI export: module paths as sd-scripts names them (UNet families); a DiT
+    # family sets this when it maps its keys onto the reference (BFL/SAI) layout.
+    kohya_export: ClassVar[bool] = False
+    description: ClassVar[str] = ""
+
+    # ---- detection and loading -------------------------------------------------------
+
+    @classmethod
+    def components(cls) -> tuple[str, ...]:
+        """Folders a pipeline of this family must have."""
+        names = [cls.denoiser, "vae", "scheduler"]
+        for t in cls.text:
+            names += [t.encoder, t.tokenizer]
+        return tuple(dict.fromkeys(names))
+
+    @classmethod
+    def lora_components(cls) -> tuple[str, ...]:
+        """The components the stock pipeline's ``load_lora_weights`` accepts."""
+        return tuple(cls.pipeline_class()._lora_loadable_modules)
+
+    @classmethod
+    def text_encoder_lora(cls) -> tuple[str, ...]:
+        """Text encoders that can train LoRA and be loaded back by the stock pipeline."""
+        return tuple(t.encoder for t in cls.text if t.encoder in cls.lora_components())
+
+    @classmethod
+    def pipeline_class(cls):
+        import diffusers
+
+        return getattr(diffusers, cls.pipeline)
+
+    @classmethod
+    def load_component(cls, path: str, index: dict, component: str, dtype=None, **kw):
+        """``component`` by the class its folder's ``model_index.json`` names."""
+        library, class_name = index[component][:2]
+        klass = import_class(library, class_name)
+        if dtype is not None:
+            kw["torch_dtype"] = dtype
+        return klass.from_pretrained(path, subfolder=component, **kw)
+
+    @classmethod
+    def set_attention(cls, model, kind: str) -> None:
+        """``model.attention``. diffusers' transformer attention already runs on
+        ``F.scaled_dot_product_attention``; the plain-matmul processor exists for UNets."""
+        if kind != "sdpa":
+            raise ValueError(f"model.attention: {kind} is for UNet families (sd, sdxl); "
+                             f"{cls.name} always uses sdpa")
+
+    # ---- latents ----------------------------------------------------------------------
+
+    @staticmethod
+    def latent_stats(vae_config: dict) -> tuple[Any, Any]:
+        """(shift, scale) with normalised latents = (z − shift) · scale; floats or
+        per-channel lists. ``AutoencoderKL``: its shift_factor (None = 0) and scaling_factor."""
+        return float(vae_config.get("shift_factor") or 0.0), float(vae_config.get("scaling_factor", 0.18215))
+
+    @staticmethod
+    def vae_factor(vae_config: dict) -> int:
+        """Pixels per latent side."""
+        return 2 ** (len(vae_config["block_out_channels"]) - 1)
+
+    @staticmethod
+    def encode_pixels(vae, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels ``[B, 3, H, W]`` in [-1, 1] → posterior parameters ``[B, 2C, h, w]``
+        (mean ‖ logvar)."""
+        return vae.encode(pixels).latent_dist.parameters
+
+    @staticmethod
+    def decode_check(vae, latents: torch.Tensor) -> torch.Tensor:  # pragma: no cover - sampling only
+        return vae.decode(latents).sample
+
+    # ---- text -------------------------------------------------------------------------
+
+    @classmethod
+    def cond_keys(cls) -> tuple[str, ...]:
+        """The conditioning tensors (= latent-cache columns) of this family."""
+        return ("prompt_embeds",)
+
+    @classmethod
+    def encode_text(cls, encoders: list[torch.nn.Module], batch: dict[str, torch.Tensor]) -> Cond:
+        """Token ids (and masks) → conditioning. Builds a graph when grad is enabled
+        (text-encoder LoRA); frozen callers run it under ``no_grad``."""
+        raise NotImplementedError
+
+    @classmethod
+    def condition(cls, encoders, batch: dict[str, torch.Tensor]) -> Cond:
+        """The conditioning of a raw batch (token ids) or a cached one (embeddings)."""
+        keys = cls.cond_keys()
+        if all(k in batch for k in keys):
+            return Cond({k: batch[k] for k in keys})
+        return cls.encode_text(encoders, batch)
+
+    # ---- the denoiser -----------------------------------------------------------------
+
+    @classmethod
+    def model_timestep(cls, t: torch.Tensor) -> torch.Tensor:
+        """The objective's timestep (int step, or flow σ in (0, 1)) as the model takes it."""
+        return t
+
+    @classmethod
+    def denoise(cls, model, noisy: torch.Tensor, t: torch.Tensor, cond: Cond, **extra) -> torch.Tensor:
+        """The model's prediction for ``noisy`` ``[B, C, h, w]``, same shape."""
+        raise NotImplementedError
+
+    @classmethod
+    def image_seq_len(cls, latents_shape) -> int:
+        """Image tokens the denoiser sees (the dynamic shift depends on it)."""
+        return (latents_shape[-2] // cls.patch) * (latents_shape[-1] // cls.patch)
+
+    # ---- adapters ---------------------------------------------------------------------
+
+    @classmethod
+    def save_adapter(cls, directory: str, layers: dict[str, dict], metadata: dict[str, dict]) -> None:
+        """Write ``pytorch_lora_weights.safetensors`` with the stock pipeline's own saver.
+        ``layers``/``metadata``: per component (``transformer``, ``text_encoder``, ...)."""
+        kwargs = {f"{c}_lora_layers": sd for c, sd in layers.items()}
+        kwargs.update({f"{c}_lora_adapter_metadata": m for c, m in metadata.items()})
+        cls.pipeline_class().save_lora_weights(save_directory=directory, safe_serialization=True,
+                                               **kwargs)
+
+    @classmethod
+    def kohya_state_dict(cls, sd: dict[str, torch.Tensor], alphas: dict[str, float]) -> dict[str, torch.Tensor]:
+        """diffusers adapter tensors → kohya/ComfyUI names (see raylora.checkpoint.kohya)."""
+        from raylora.checkpoint.kohya import to_kohya
+
+        return to_kohya(sd, alphas, cls.kohya_names())
+
+    @classmethod
+    def kohya_names(cls) -> dict[str, str]:
+        """diffusers component prefix → kohya prefix."""
+        return {f"{cls.denoiser}.": cls.kohya_prefix, "text_encoder.": "lora_te_"}

@@ -1,0 +1,58 @@
+"""Flux.1 (dev, schnell): a 2×2-patched MMDiT with flow matching; CLIP-L gives the pooled
+embedding, T5-XXL the sequence; latents are 16-channel, packed into tokens with 3-axis
+position ids; Flux.1-dev also takes a guidance embedding. As diffusers' Flux LoRA script."""
+
+from __future__ import annotations
+
+import torch
+
+from raylora.model.families.base import Cond, Family, TextInput, pack_2x2, unpack_2x2
+
+
+class Flux(Family):
+    name = "flux"
+    class_names = ("FluxPipeline",)
+    pipeline = "FluxPipeline"
+    text = (TextInput("text_encoder", "tokenizer", "input_ids", max_length=77),
+            # 512 as Flux.1-dev's pipeline (schnell: 256, via model.max_sequence_length)
+            TextInput("text_encoder_2", "tokenizer_2", "input_ids_2", max_length=512,
+                      long_context=True))
+    # diffusers' train_dreambooth_lora_flux.py defaults
+    lora_targets = ("attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj",
+                    "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj",
+                    "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
+    repeated_blocks = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
+    patch = 2
+    default_guidance_scale = 3.5
+    description = "Flux.1 dev/schnell (MMDiT, CLIP-L + T5-XXL)"
+
+    @classmethod
+    def cond_keys(cls):
+        return ("prompt_embeds", "pooled_prompt_embeds")
+
+    @classmethod
+    def encode_text(cls, encoders, batch) -> Cond:
+        clip, t5 = encoders
+        pooled = clip(batch["input_ids"], output_hidden_states=False).pooler_output
+        return Cond(prompt_embeds=t5(batch["input_ids_2"], output_hidden_states=False)[0],
+                    pooled_prompt_embeds=pooled)
+
+    @classmethod
+    def denoise(cls, model, noisy, t, cond: Cond, guidance: float = 1.0, **extra) -> torch.Tensor:
+        b, _, h, w = noisy.shape
+        dtype, dev = noisy.dtype, noisy.device
+        ids = torch.zeros(h // 2, w // 2, 3)
+        ids[..., 1] += torch.arange(h // 2)[:, None]
+        ids[..., 2] += torch.arange(w // 2)[None, :]
+        txt_ids = torch.zeros(cond["prompt_embeds"].shape[1], 3, device=dev, dtype=dtype)
+        g = None
+        if model.config.guidance_embeds:
+            g = torch.full((b,), float(guidance), device=dev, dtype=torch.float32)
+        out = model(hidden_states=pack_2x2(noisy), timestep=t.to(dtype), guidance=g,
+                    pooled_projections=cond["pooled_prompt_embeds"],
+                    encoder_hidden_states=cond["prompt_embeds"], txt_ids=txt_ids,
+                    img_ids=ids.reshape(-1, 3).to(dev, dtype), return_dict=False)[0]
+        return unpack_2x2(out, h, w)
+
+
+FAMILY = Flux

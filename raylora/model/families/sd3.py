@@ -1,0 +1,60 @@
+"""Stable Diffusion 3 / 3.5: an MMDiT with flow matching over two CLIP encoders (penultimate
+hidden states joined, padded to T5's width, then T5's sequence appended; pooled = both CLIP
+projections joined) and T5-XXL; the transformer patchifies 16-channel latents itself and
+takes the timestep as σ·1000. As diffusers' SD3 LoRA script."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from raylora.model.families.base import Cond, Family, TextInput
+
+
+class SD3(Family):
+    name = "sd3"
+    class_names = ("StableDiffusion3Pipeline",)
+    pipeline = "StableDiffusion3Pipeline"
+    text = (TextInput("text_encoder", "tokenizer", "input_ids", max_length=77),
+            TextInput("text_encoder_2", "tokenizer_2", "input_ids_2", max_length=77),
+            # 256 as the pipeline's max_sequence_length default
+            TextInput("text_encoder_3", "tokenizer_3", "input_ids_3", max_length=256,
+                      long_context=True))
+    # diffusers' train_dreambooth_lora_sd3.py defaults
+    lora_targets = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+                    "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v")
+    # SD3Transformer2DModel declares no _repeated_blocks; these are its blocks.
+    repeated_blocks = ("JointTransformerBlock",)
+    patch = 2
+    default_guidance_scale = 7.0
+    description = "SD3 / SD3.5 (MMDiT, CLIP-L + CLIP-G + T5-XXL)"
+
+    @classmethod
+    def cond_keys(cls):
+        return ("prompt_embeds", "pooled_prompt_embeds")
+
+    @classmethod
+    def encode_text(cls, encoders, batch) -> Cond:
+        hidden, pooled = [], []
+        for enc, t in zip(encoders[:2], cls.text[:2]):
+            out = enc(batch[t.ids_key], output_hidden_states=True)
+            pooled.append(out[0])  # text_embeds [B, P]
+            hidden.append(out.hidden_states[-2])
+        t5 = encoders[2](batch["input_ids_3"])[0]
+        clip = torch.cat(hidden, dim=-1)
+        clip = F.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+        return Cond(prompt_embeds=torch.cat([clip, t5], dim=-2),
+                    pooled_prompt_embeds=torch.cat(pooled, dim=-1))
+
+    @classmethod
+    def model_timestep(cls, t):
+        return t * 1000
+
+    @classmethod
+    def denoise(cls, model, noisy, t, cond: Cond, **extra) -> torch.Tensor:
+        return model(hidden_states=noisy, timestep=cls.model_timestep(t).to(noisy.dtype),
+                     encoder_hidden_states=cond["prompt_embeds"],
+                     pooled_projections=cond["pooled_prompt_embeds"], return_dict=False)[0]
+
+
+FAMILY = SD3

@@ -1,0 +1,210 @@
+"""Training objectives: which timestep, how an image is noised (the forward process), what
+the denoiser should predict and how each sample's error is weighted. No models, no Ray.
+
+Two objectives, chosen by the model's scheduler config (``train.prediction_type`` overrides):
+
+- ``DDPM``: integer steps t in [0, T), x_t = sqrt(ᾱ_t)·x₀ + sqrt(1−ᾱ_t)·ε, target ε or v;
+  min-SNR-γ weighting and noise offset (SD 1.x/2.x, SDXL).
+- ``FlowMatching``: rectified flow, σ in (0, 1), x_σ = (1−σ)·x₀ + σ·ε, target ε − x₀
+  (Flux, SD3, Qwen-Image). σ is drawn from a density (uniform, logit-normal, mode,
+  cosmap) and shifted toward noise, statically (``shift``) or by image size (Flux's
+  ``base_shift``/``max_shift``); the loss can be weighted by σ (``sigma_sqrt``, ``cosmap``).
+
+Training and the held-out evaluation both call ``noised`` (the forward process exists once).
+The denoiser gets ``Noised.timestep``: the int64 DDPM step, or σ as a float; each model
+family scales σ to what its model takes. Shapes: latents/noise ``[B, C, h, w]``, per-sample
+tensors ``[B]``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from raylora.train.loss import diffusion_target, min_snr_weights, offset_noise, snr
+
+DENSITIES = ("uniform", "logit_normal", "mode", "cosmap")
+WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")
+
+
+def draw_noise(latents: torch.Tensor) -> torch.Tensor:
+    """Standard normal noise shaped like ``latents``, from torch's global RNG.
+
+    Not randn_like: it keeps the input's memory layout, and CPU randn draws a different
+    sequence into a channels-last tensor (what the VAE's conv emits) than into a contiguous
+    one (what a cached batch is), so cached and uncached runs would diverge."""
+    return torch.randn(latents.shape, device=latents.device, dtype=latents.dtype)
+
+
+@dataclass
+class Noised:
+    """One noised batch: what the denoiser sees and what it should output."""
+
+    noisy: torch.Tensor  # [B, C, h, w], the latents' dtype
+    timestep: torch.Tensor  # [B]: int64 step (DDPM) or float σ (flow matching)
+    target: torch.Tensor  # [B, C, h, w]
+    weights: torch.Tensor | None = None  # [B] loss weights; None = plain mean
+
+
+class DDPM:
+    """ε / v-prediction on a diffusers DDPM-style scheduler (its ᾱ_t table and its own
+    ``add_noise`` / ``get_velocity``, so the schedule is the one the model was trained on)."""
+
+    kind = "ddpm"
+
+    def __init__(self, scheduler, prediction_type: str, snr_gamma: float | None = None,
+                 noise_offset: float = 0.0):
+        self.scheduler = scheduler
+        self.prediction_type = prediction_type
+        self.snr_gamma = snr_gamma
+        self.noise_offset = noise_offset
+        self.num_train_timesteps = int(scheduler.config.num_train_timesteps)
+
+    def sample_timesteps(self, latents: torch.Tensor) -> torch.Tensor:
+        """Uniform integer steps ``[B]`` from torch's global RNG."""
+        return torch.randint(0, self.num_train_timesteps, (latents.shape[0],),
+                             device=latents.device).long()
+
+    def eval_timesteps(self, k: int, latents: torch.Tensor) -> torch.Tensor:
+        """K fixed steps at the centres of K equal slices of [0, T): (i + 0.5)·T/K."""
+        ts = [int((i + 0.5) * self.num_train_timesteps / k) for i in range(k)]
+        return torch.tensor(ts, dtype=torch.long, device=latents.device)
+
+    def offset(self, noise: torch.Tensor) -> torch.Tensor:
+        """Training noise: with the noise offset added (draws after the timesteps, so the
+        RNG stream is the one diffusers' scripts use)."""
+        return offset_noise(noise, self.noise_offset)
+
+    def noised(self, latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
+               weighted: bool = True) -> Noised:
+        noisy = self.scheduler.add_noise(latents, noise, t)
+        target = diffusion_target(self.scheduler, latents, noise, t, self.prediction_type)
+        weights = None
+        if weighted and self.snr_gamma is not None:
+            weights = min_snr_weights(snr(self.scheduler, t), self.snr_gamma, self.prediction_type)
+        return Noised(noisy, t, target, weights)
+
+
+@dataclass(frozen=True)
+class DynamicShift:
+    """Resolution-dependent shift (Flux): μ linear in the image's token count between
+    (base_seq_len, base_shift) and (max_seq_len, max_shift); σ' = e^μ / (e^μ + 1/σ − 1)."""
+
+    base_shift: float = 0.5
+    max_shift: float = 1.15
+    base_seq_len: int = 256
+    max_seq_len: int = 4096
+
+    def mu(self, seq_len: int) -> float:
+        m = (self.max_shift - self.base_shift) / (self.max_seq_len - self.base_seq_len)
+        return self.base_shift + m * (seq_len - self.base_seq_len)
+
+
+def sample_density(kind: str, n: int, device=None, logit_mean: float = 0.0,
+                   logit_std: float = 1.0, mode_scale: float = 1.29,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """u in (0, 1) ``[n]`` fp32 from the timestep density (SD3 paper, §3.1):
+    uniform; logit_normal: sigmoid(N(mean, std)); mode: 1 − u − s·(cos²(πu/2) − 1 + u);
+    cosmap: 1 − 1/(tan(πu/2) + 1)."""
+    if kind == "logit_normal":
+        z = torch.randn(n, generator=generator, device=device) * logit_std + logit_mean
+        return torch.sigmoid(z)
+    u = torch.rand(n, generator=generator, device=device)
+    if kind == "uniform":
+        return u
+    if kind == "mode":
+        return 1 - u - mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
+    if kind == "cosmap":
+        return 1 - 1 / (torch.tan(math.pi * u / 2) + 1)
+    raise ValueError(f"train.flow.timestep_sampling: unknown density {kind!r} (one of {DENSITIES})")
+
+
+def shift_sigmas(sigma: torch.Tensor, shift: float = 1.0, mu: float | None = None) -> torch.Tensor:
+    """Move σ toward noise: static ``shift`` s: s·σ / (1 + (s−1)·σ); or, with ``mu`` (the
+    dynamic shift), e^μ / (e^μ + 1/σ − 1). Both are the identity at σ=0 and σ=1."""
+    if mu is not None:
+        return math.exp(mu) / (math.exp(mu) + (1 / sigma - 1))
+    return shift * sigma / (1 + (shift - 1) * sigma)
+
+
+def flow_loss_weights(kind: str, sigma: torch.Tensor) -> torch.Tensor | None:
+    """Per-sample weights ``[B]`` (diffusers' ``compute_loss_weighting_for_sd3``):
+    sigma_sqrt: σ⁻²; cosmap: 2 / (π·(1 − 2σ + 2σ²)); none: None (plain mean)."""
+    if kind == "none":
+        return None
+    if kind == "sigma_sqrt":
+        return sigma.float() ** -2.0
+    if kind == "cosmap":
+        return 2 / (math.pi * (1 - 2 * sigma.float() + 2 * sigma.float() ** 2))
+    raise ValueError(f"train.flow.loss_weighting: unknown weighting {kind!r} (one of {WEIGHTINGS})")
+
+
+class FlowMatching:
+    """Rectified flow: x_σ = (1−σ)·x₀ + σ·ε, target ε − x₀ (the velocity toward noise)."""
+
+    kind = "flow"
+    # σ is kept inside [EPS, 1−EPS]: σ=0 is a clean image (nothing to learn, and the
+    # sigma_sqrt weight is infinite), and the dynamic shift divides by σ.
+    EPS = 1e-5
+
+    def __init__(self, density: str = "logit_normal", logit_mean: float = 0.0,
+                 logit_std: float = 1.0, mode_scale: float = 1.29, shift: float = 1.0,
+                 dynamic: DynamicShift | None = None, weighting: str = "none",
+                 seq_len=None):
+        self.density, self.weighting = density, weighting
+        self.logit_mean, self.logit_std, self.mode_scale = logit_mean, logit_std, mode_scale
+        self.shift, self.dynamic = shift, dynamic
+        # latents → image token count, for the dynamic shift (the family's patching)
+        self.seq_len = seq_len or (lambda shape: (shape[-2] // 2) * (shape[-1] // 2))
+
+    def shifted(self, u: torch.Tensor, latents_shape) -> torch.Tensor:
+        u = u.clamp(self.EPS, 1 - self.EPS)
+        mu = self.dynamic.mu(self.seq_len(latents_shape)) if self.dynamic else None
+        return shift_sigmas(u, self.shift, mu)
+
+    def sample_timesteps(self, latents: torch.Tensor) -> torch.Tensor:
+        """σ ``[B]`` fp32 from torch's global RNG (drawn on the CPU, so every device and
+        rank draws the same numbers from the same seed), shifted."""
+        u = sample_density(self.density, latents.shape[0], None, self.logit_mean,
+                           self.logit_std, self.mode_scale)
+        return self.shifted(u, latents.shape).to(latents.device)
+
+    def eval_timesteps(self, k: int, latents: torch.Tensor) -> torch.Tensor:
+        """K fixed σ: the centres of K equal slices of (0, 1), shifted as in training."""
+        u = (torch.arange(k, dtype=torch.float32) + 0.5) / k
+        return self.shifted(u, latents.shape).to(latents.device)
+
+    def offset(self, noise: torch.Tensor) -> torch.Tensor:
+        return noise
+
+    def noised(self, latents: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor,
+               weighted: bool = True) -> Noised:
+        s = sigma.to(latents.dtype).view(-1, *([1] * (latents.dim() - 1)))
+        noisy = (1 - s) * latents + s * noise
+        weights = flow_loss_weights(self.weighting, sigma) if weighted else None
+        return Noised(noisy, sigma, noise - latents, weights)
+
+
+def scheduler_objective_kind(scheduler_config: dict[str, Any]) -> str:
+    """What the model was trained with, from its scheduler config: flow matching for the
+    FlowMatch* schedulers, else the config's ``prediction_type`` (ε by default)."""
+    if "FlowMatch" in str(scheduler_config.get("_class_name", "")):
+        return "flow_matching"
+    return scheduler_config.get("prediction_type") or "epsilon"
+
+
+def flow_shift_from_scheduler(scheduler_config: dict[str, Any]) -> tuple[float, DynamicShift | None]:
+    """The shift the model's own sampler applies: dynamic when ``use_dynamic_shifting``
+    (Flux, Qwen-Image), else the static ``shift`` (SD3: 3.0)."""
+    if scheduler_config.get("use_dynamic_shifting"):
+        defaults = DynamicShift()
+        return 1.0, DynamicShift(
+            float(scheduler_config.get("base_shift", defaults.base_shift)),
+            float(scheduler_config.get("max_shift", defaults.max_shift)),
+            int(scheduler_config.get("base_image_seq_len", defaults.base_seq_len)),
+            int(scheduler_config.get("max_image_seq_len", defaults.max_seq_len)),
+        )
+    return float(scheduler_config.get("shift", 1.0)), None

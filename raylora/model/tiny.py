@@ -1,13 +1,22 @@
-"""A tiny random Stable-Diffusion-1.x-layout pipeline, built offline.
+"""Tiny random diffusers pipelines (SD-1.x, SDXL, Flux.1, SD3, Qwen-Image), built offline.
 
 Tests and the demo need a model but have no hub access. This builds the real diffusers /
 transformers classes with tiny sizes and writes them with ``save_pretrained``, so training
 loads them through exactly the ``from_pretrained(path, subfolder=...)`` path that a user's
-``stable-diffusion-v1-5`` folder takes.
+``stable-diffusion-v1-5`` (or ``FLUX.1-dev``, ``stable-diffusion-3.5-large``,
+``Qwen-Image``) folder takes.
 
-The tokenizer is a genuine CLIP byte-level BPE tokenizer: the vocabulary is built the way
-OpenAI's CLIP builds its own (256 byte symbols, the same with ``</w>``, then merges, then
-the two special tokens), with merges learned here from a small English corpus.
+The tokenizers are genuine, built here from a small English corpus, all with a fast
+(``tokenizers``) backend:
+
+* CLIP: byte-level BPE, the vocabulary built the way OpenAI's CLIP builds its own (256 byte
+  symbols, the same with ``</w>``, then merges, then the two special tokens).
+* T5: a SentencePiece-style Unigram model (``▁`` word boundaries; ``<pad>`` 0, ``</s>`` 1,
+  ``<unk>`` 2, then pieces, then the 100 ``<extra_id_N>`` sentinels in reverse as T5's).
+* Qwen2: GPT-2-style byte-level BPE (no ``</w>``; Qwen2's pre-tokenizer regex) with
+  Qwen2.5-VL's special tokens; the corpus holds QwenImagePipeline's prompt template, so its
+  system prefix is 34 tokens exactly as with the real tokenizer (the pipeline drops that
+  many hidden states: ``prompt_template_encode_start_idx``).
 """
 
 from __future__ import annotations
@@ -51,8 +60,10 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, (chr(c) for c in chars)))
 
 
-def learn_bpe(words: Counter, num_merges: int) -> list[tuple[str, str]]:
-    """Plain BPE over byte-mapped words whose last symbol carries ``</w>``.
+def learn_bpe(words: Counter, num_merges: int, end_of_word: str = "</w>") -> list[tuple[str, str]]:
+    """Plain BPE over byte-mapped words whose last symbol carries ``end_of_word`` (CLIP's
+    ``</w>``; ``""`` for GPT-2-style BPE, whose words carry their leading space instead).
+    Stops early once every word is a single symbol.
 
     Ties break on the pair itself so the vocabulary is identical on every machine.
     """
@@ -60,7 +71,7 @@ def learn_bpe(words: Counter, num_merges: int) -> list[tuple[str, str]]:
     corpus: dict[tuple[str, ...], int] = {}
     for word, n in words.items():
         symbols = [byte_map[b] for b in word.encode("utf-8")]
-        symbols[-1] += "</w>"
+        symbols[-1] += end_of_word
         corpus[tuple(symbols)] = corpus.get(tuple(symbols), 0) + n
     merges: list[tuple[str, str]] = []
     for _ in range(num_merges):
@@ -87,8 +98,12 @@ def learn_bpe(words: Counter, num_merges: int) -> list[tuple[str, str]]:
     return merges
 
 
-def build_clip_tokenizer(dest: str | Path, num_merges: int = 400):
-    """Write a CLIP tokenizer (vocab.json, merges.txt + tokenizer files) to ``dest``."""
+def build_clip_tokenizer(dest: str | Path, num_merges: int = 400, pad_token: str | None = None):
+    """Write a CLIP tokenizer (vocab.json, merges.txt + tokenizer files) to ``dest``.
+
+    ``pad_token``: default ``<|endoftext|>`` (CLIP-L's); ``"!"`` as the OpenCLIP bigG
+    tokenizer of SD3's ``tokenizer_2``.
+    """
     from transformers import CLIPTokenizer
 
     words = Counter(re.findall(r"[a-z]+", _CORPUS.lower()))
@@ -104,7 +119,8 @@ def build_clip_tokenizer(dest: str | Path, num_merges: int = 400):
         "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges)
     )
     # 77 is CLIP's context length; without it truncation overflows the position table.
-    tok = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
+    extra = {} if pad_token is None else {"pad_token": pad_token}
+    tok = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77, **extra)
     tok.save_pretrained(dest)
     return tok
 
@@ -127,8 +143,8 @@ def _text_config(tokenizer):
     )
 
 
-def _tiny_vae(**extra):
-    """VAE with channels (32, 64): downsample factor 2, 4 latent channels."""
+def _tiny_vae(latent_channels: int = 4, **extra):
+    """VAE with channels (32, 64): downsample factor 2, ``latent_channels`` latent channels."""
     from diffusers import AutoencoderKL
 
     return AutoencoderKL(
@@ -137,7 +153,7 @@ def _tiny_vae(**extra):
         block_out_channels=(32, 64),
         down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
         up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-        latent_channels=4,
+        latent_channels=latent_channels,
         layers_per_block=1,
         norm_num_groups=32,
         sample_size=64,
@@ -262,5 +278,419 @@ def build_tiny_sdxl(dest: str | Path, seed: int = 0) -> Path:
     return dest
 
 
-def build_tiny(dest: str | Path, family: str = "sd", seed: int = 0) -> Path:
-    return build_tiny_sdxl(dest, seed) if family == "sdxl" else build_tiny_sd(dest, seed)
+# ---------------------------------------------------------------------------------------
+# T5 (Flux's tokenizer_2, SD3's tokenizer_3): a SentencePiece-style Unigram tokenizer.
+
+T5_PAD, T5_EOS, T5_UNK = "<pad>", "</s>", "<unk>"  # ids 0, 1, 2 as T5's spiece.model
+T5_EXTRA_IDS = 100
+# T5-XXL's tokenizer limit (Flux.1-dev's pipeline default max_sequence_length: 512; SD3's:
+# 256). T5 has relative position buckets, no position table: any length runs.
+T5_MAX_LENGTH = 512
+_SPIECE_SPACE = "▁"  # SentencePiece's word-boundary mark (U+2581)
+
+
+def unigram_pieces(words: Counter, max_piece_len: int = 8, min_count: int = 2) -> list[tuple[str, float]]:
+    """SentencePiece-style Unigram pieces with log-probability scores, specials first.
+
+    Pieces: every corpus word with its ``▁`` prefix, every substring (≤ ``max_piece_len``)
+    seen at least ``min_count`` times, and every printable ASCII character (so unseen words
+    still tokenize, character by character). Score = log(count / total): the seed
+    vocabulary of SentencePiece's Unigram trainer, without its EM pruning. Computed here,
+    not with ``tokenizers.trainers.UnigramTrainer``, because that trainer is not
+    reproducible run to run (thread-order float sums; hash-ordered alphabet ties), and the
+    tiny model must be identical on every machine. Viterbi over these scores keeps corpus
+    words whole: one piece's log-probability beats the sum of two or more.
+    """
+    import math
+    import string
+
+    whole: Counter = Counter()
+    sub: Counter = Counter()
+    for word, n in words.items():
+        w = _SPIECE_SPACE + word
+        whole[w] += n
+        for i in range(len(w)):
+            for j in range(i + 2, min(len(w), i + max_piece_len) + 1):
+                if j - i < len(w):
+                    sub[w[i:j]] += n
+    counts: Counter = Counter(whole)
+    for piece, n in sub.items():
+        if n >= min_count:
+            counts[piece] += n
+    for word, n in words.items():
+        for ch in _SPIECE_SPACE + word:
+            counts[ch] += n
+    total = sum(counts.values())
+    scored = {p: math.log(n / total) for p, n in counts.items()}
+    floor = min(scored.values()) - 1.0  # unseen characters: fallback only
+    for ch in string.ascii_letters + string.digits + string.punctuation:
+        scored.setdefault(ch, floor)
+    pieces = sorted(scored.items(), key=lambda kv: (-kv[1], kv[0]))
+    return [(T5_PAD, 0.0), (T5_EOS, 0.0), (T5_UNK, 0.0)] + [(p, round(s, 6)) for p, s in pieces]
+
+
+def build_t5_tokenizer(dest: str | Path | None = None):
+    """A T5 tokenizer (``T5TokenizerFast``; in transformers 5 the same class as
+    ``T5Tokenizer``, a ``tokenizers`` Unigram backend) over the corpus; saved to ``dest``
+    when given. Layout as T5's: ``<pad>`` 0, ``</s>`` 1, ``<unk>`` 2, pieces, then
+    ``<extra_id_99>`` … ``<extra_id_0>``; ``</s>`` is appended to every sequence."""
+    from transformers import T5TokenizerFast
+
+    words = Counter(re.findall(r"[a-z]+", _CORPUS.lower()))
+    vocab = unigram_pieces(words)
+    vocab += [(f"<extra_id_{i}>", 0.0) for i in range(T5_EXTRA_IDS - 1, -1, -1)]
+    tok = T5TokenizerFast(vocab=vocab, extra_ids=T5_EXTRA_IDS, model_max_length=T5_MAX_LENGTH)
+    if dest is not None:
+        tok.save_pretrained(dest)
+    return tok
+
+
+def _t5_config(tokenizer, d_model: int = 64, num_layers: int = 2, num_heads: int = 4):
+    """T5 v1.1 encoder config (gated-GELU FFN, untied head, T5-XXL's position buckets) at
+    tiny sizes: ``d_model`` 64 → ``prompt_embeds`` of shape (B, L, 64)."""
+    from transformers import T5Config
+
+    return T5Config(
+        vocab_size=len(tokenizer),
+        d_model=d_model,
+        d_kv=d_model // num_heads,
+        d_ff=2 * d_model,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        relative_attention_num_buckets=32,
+        relative_attention_max_distance=128,
+        feed_forward_proj="gated-gelu",
+        layer_norm_epsilon=1e-6,
+        dropout_rate=0.1,  # T5-XXL's; from_pretrained returns the model in eval mode
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+    )
+
+
+def _clip_config(tokenizer, hidden: int, projection: int, heads: int = 4, layers: int = 2):
+    """A CLIP text config like ``_text_config`` with other widths (SD3's CLIP-G stand-in)."""
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        max_position_embeddings=77,
+        hidden_act="gelu",  # OpenCLIP bigG's
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        projection_dim=projection,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Qwen2 (Qwen-Image's tokenizer): byte-level BPE with Qwen2.5-VL's special tokens.
+
+# QwenImagePipeline.prompt_template_encode; the pipeline drops the hidden states of the
+# first QWEN_DROP_IDX tokens (its prompt_template_encode_start_idx): the system prefix up to
+# and including "<|im_start|>user\n".
+QWEN_PROMPT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, "
+    "quantity, text, spatial relationships of the objects and background:<|im_end|>\n"
+    "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+)
+QWEN_DROP_IDX = 34
+# Qwen2.5-VL's special tokens in their real order (ids 151643… there; here after the BPE
+# vocabulary). eos is <|im_end|>, pad <|endoftext|>, no bos/unk, as Qwen2.5-VL's tokenizer.
+QWEN_SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+)
+QWEN_MAX_LENGTH = 131072  # Qwen2.5-VL's model_max_length (the pipeline passes 1024 + 34)
+# Qwen2's pre-tokenizer split (transformers' Qwen2Tokenizer PRETOKENIZE_REGEX): words keep
+# their leading space, digits split one by one, punctuation runs apart.
+_QWEN2_PRETOKENIZE = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+def build_qwen2_tokenizer(dest: str | Path | None = None):
+    """A Qwen2 tokenizer (``Qwen2Tokenizer``: in transformers 5 the fast class, a
+    ``tokenizers`` BPE backend) learned from the corpus and QwenImagePipeline's prompt
+    template; saved to ``dest`` when given. Every corpus/template word is one token, so the
+    template's system prefix is ``QWEN_DROP_IDX`` (34) tokens as with the real tokenizer."""
+    from tokenizers import Regex, pre_tokenizers
+    from transformers import Qwen2Tokenizer
+
+    split = pre_tokenizers.Split(Regex(_QWEN2_PRETOKENIZE), behavior="isolated")
+    specials = re.compile("|".join(re.escape(t) for t in QWEN_SPECIAL_TOKENS))
+    text = specials.sub("\n", QWEN_PROMPT_TEMPLATE.format(" ".join(_CORPUS.split())))
+    words = Counter(piece for piece, _ in split.pre_tokenize_str(text))
+    # Enough merges to make every word one symbol (learn_bpe stops there).
+    merges = learn_bpe(words, num_merges=10_000, end_of_word="")
+    tokens = list(bytes_to_unicode().values()) + ["".join(m) for m in merges]
+    tokens += QWEN_SPECIAL_TOKENS
+    vocab = {tok: i for i, tok in enumerate(dict.fromkeys(tokens))}
+    tok = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=list(QWEN_SPECIAL_TOKENS[1:]),
+        model_max_length=QWEN_MAX_LENGTH,
+    )
+    if dest is not None:
+        tok.save_pretrained(dest)
+    return tok
+
+
+# ---------------------------------------------------------------------------------------
+# Flow-matching families. Scheduler configs: the real checkpoints' scheduler_config.json.
+
+FLUX_DEV_SCHEDULER = dict(
+    num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
+    max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096,
+)
+FLUX_SCHNELL_SCHEDULER = dict(FLUX_DEV_SCHEDULER, shift=1.0, use_dynamic_shifting=False)
+SD3_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0)  # SD3-medium and SD3.5
+QWENIMAGE_SCHEDULER = dict(
+    num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5,
+    max_shift=0.9, base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
+    time_shift_type="exponential",
+)
+
+
+def build_tiny_flux(dest: str | Path, seed: int = 0, schnell: bool = False) -> Path:
+    """Save a tiny random FluxPipeline (Flux.1-dev layout; ``schnell``: no guidance
+    embedding and schnell's static-shift scheduler) to ``dest``; returns the path.
+
+    * ``text_encoder``: CLIPTextModel, hidden 32 → ``pooled_prompt_embeds`` (B, 32)
+      (the pooler output, as Flux uses CLIP-L's 768-d pooler output); ``tokenizer`` CLIP, 77.
+    * ``text_encoder_2``: T5EncoderModel, d_model 64 → ``prompt_embeds`` (B, L, 64);
+      ``tokenizer_2`` T5 Unigram, model_max_length 512.
+    * ``transformer``: FluxTransformer2DModel, 1 double + 2 single blocks, 2 heads × 16
+      (inner 32), rope axes (4, 6, 6), in_channels 64 = 16 latent channels × 2×2 packing,
+      joint_attention_dim 64, pooled_projection_dim 32.
+    * ``vae``: AutoencoderKL (32, 64) → factor 2, 16 latent channels, Flux's
+      scaling 0.3611 / shift 0.1159, no quant convs: 64 px → latents (B, 16, 32, 32) →
+      packed (B, 256, 64).
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextModel, T5EncoderModel
+
+    dest = Path(dest)
+    torch.manual_seed(seed)
+    tokenizer = build_clip_tokenizer(dest / "_tokenizer_build")
+    tokenizer_2 = build_t5_tokenizer()
+    text_encoder = CLIPTextModel(_text_config(tokenizer))
+    text_encoder_2 = T5EncoderModel(_t5_config(tokenizer_2))
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=64,
+        num_layers=1,
+        num_single_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=text_encoder_2.config.d_model,
+        pooled_projection_dim=text_encoder.config.hidden_size,
+        guidance_embeds=not schnell,
+        axes_dims_rope=(4, 6, 6),  # sums to the head dim, like Flux's (16, 56, 56) of 128
+    )
+    vae = _tiny_vae(
+        latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159,
+        use_quant_conv=False, use_post_quant_conv=False, force_upcast=True,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        **(FLUX_SCHNELL_SCHEDULER if schnell else FLUX_DEV_SCHEDULER)
+    )
+    pipe = FluxPipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer,
+        image_encoder=None, feature_extractor=None,
+    )
+    pipe.save_pretrained(dest)
+    shutil.rmtree(dest / "_tokenizer_build", ignore_errors=True)
+    return dest
+
+
+def build_tiny_sd3(dest: str | Path, seed: int = 0) -> Path:
+    """Save a tiny random StableDiffusion3Pipeline (SD3.5-large layout: qk RMS-norm, no
+    dual-attention layers) to ``dest``; returns the path.
+
+    * ``text_encoder``: CLIPTextModelWithProjection hidden 32, projection 32 (CLIP-L's part);
+      ``tokenizer`` CLIP, 77, pads with ``<|endoftext|>``.
+    * ``text_encoder_2``: CLIPTextModelWithProjection hidden 48, projection 48 (CLIP-G's
+      part); ``tokenizer_2`` the same BPE, pads with ``"!"`` as bigG's.
+    * ``text_encoder_3``: T5EncoderModel, d_model 96; ``tokenizer_3`` T5, 512.
+    * The pipeline: pooled = concat of both projections (B, 80); CLIP sequence = concat of
+      both penultimate hidden states (B, 77, 80), zero-padded to 96 and stacked before the
+      T5 sequence: ``prompt_embeds`` (B, 77 + L, 96).
+    * ``transformer``: SD3Transformer2DModel, 2 joint blocks, 4 heads × 8 (inner 32),
+      patch 2, in/out 16, sample_size 32, pos_embed_max_size 96, joint_attention_dim 96,
+      caption_projection_dim 32, pooled_projection_dim 80.
+    * ``vae``: AutoencoderKL (32, 64) → factor 2, 16 channels, SD3's scaling 1.5305 /
+      shift 0.0609, no quant convs: 64 px → latents (B, 16, 32, 32).
+    """
+    from diffusers import (
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+    from transformers import CLIPTextModelWithProjection, T5EncoderModel
+
+    dest = Path(dest)
+    torch.manual_seed(seed)
+    tokenizer = build_clip_tokenizer(dest / "_tokenizer_build")
+    tokenizer_2 = build_clip_tokenizer(dest / "_tokenizer_build_2", pad_token="!")
+    tokenizer_3 = build_t5_tokenizer()
+    text_encoder = CLIPTextModelWithProjection(_text_config(tokenizer))
+    text_encoder_2 = CLIPTextModelWithProjection(_clip_config(tokenizer_2, hidden=48, projection=48))
+    text_encoder_3 = T5EncoderModel(_t5_config(tokenizer_3, d_model=96))
+    pooled = text_encoder.config.projection_dim + text_encoder_2.config.projection_dim
+    transformer = SD3Transformer2DModel(
+        sample_size=32,
+        patch_size=2,
+        in_channels=16,
+        out_channels=16,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        joint_attention_dim=text_encoder_3.config.d_model,
+        caption_projection_dim=32,
+        pooled_projection_dim=pooled,
+        # SD3's 192 covers 128-latent (1024 px) images 1.5×; 96 here covers up to 384 px.
+        pos_embed_max_size=96,
+        qk_norm="rms_norm",
+        dual_attention_layers=(),
+    )
+    vae = _tiny_vae(
+        latent_channels=16, scaling_factor=1.5305, shift_factor=0.0609,
+        use_quant_conv=False, use_post_quant_conv=False, force_upcast=True,
+    )
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(**SD3_SCHEDULER),
+        vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2, text_encoder_3=text_encoder_3, tokenizer_3=tokenizer_3,
+        image_encoder=None, feature_extractor=None,
+    )
+    pipe.save_pretrained(dest)
+    shutil.rmtree(dest / "_tokenizer_build", ignore_errors=True)
+    shutil.rmtree(dest / "_tokenizer_build_2", ignore_errors=True)
+    return dest
+
+
+def _qwen2_5_vl_config(tokenizer, hidden: int = 32):
+    """Qwen2.5-VL config at tiny sizes: text hidden ``hidden``, 2 layers, 2 heads (head dim
+    16, M-RoPE sections (2, 3, 3) = 8 = head_dim / 2 like the real (16, 24, 24) of 64), GQA
+    with 1 KV head; a 2-block vision tower whose merger outputs the text width."""
+    from transformers import Qwen2_5_VLConfig
+
+    ids = tokenizer.convert_tokens_to_ids
+    return Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=128000,
+            rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+            rope_theta=1000000.0,
+            bos_token_id=ids("<|endoftext|>"),
+            eos_token_id=ids("<|im_end|>"),
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            out_hidden_size=hidden,
+            fullatt_block_indexes=[1],
+        ),
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+        tie_word_embeddings=False,
+    )
+
+
+def build_tiny_qwenimage(dest: str | Path, seed: int = 0) -> Path:
+    """Save a tiny random QwenImagePipeline to ``dest``; returns the path.
+
+    * ``text_encoder``: Qwen2_5_VLForConditionalGeneration, text hidden 32; the pipeline
+      takes its last hidden state, drops the first 34 (template) tokens and pads the rest:
+      ``prompt_embeds`` (B, L, 32) with ``prompt_embeds_mask`` (B, L) (None when all ones).
+      ``tokenizer``: Qwen2 byte-level BPE.
+    * ``transformer``: QwenImageTransformer2DModel, 2 blocks, 2 heads × 16 (inner 32), rope
+      axes (4, 6, 6), patch 2, in_channels 64 = 16 × 2×2 packing, out_channels 16,
+      joint_attention_dim 32, no guidance embedding.
+    * ``vae``: AutoencoderKLQwenImage z_dim 16, base_dim 32, dim_mult (1, 2): one
+      downsampling → factor 2, Qwen-Image's per-channel latents_mean / latents_std.
+      Latents are 5-D: 64 px → (B, 16, 1, 32, 32) → packed (B, 256, 64).
+    """
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    dest = Path(dest)
+    torch.manual_seed(seed)
+    tokenizer = build_qwen2_tokenizer()
+    text_encoder = Qwen2_5_VLForConditionalGeneration(_qwen2_5_vl_config(tokenizer)).eval()
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=64,
+        out_channels=16,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=text_encoder.config.text_config.hidden_size,
+        guidance_embeds=False,
+        axes_dims_rope=(4, 6, 6),  # sums to the head dim, like Qwen-Image's (16, 56, 56)
+    )
+    # Qwen-Image's VAE (the Wan-2.1 one) has dim_mult (1, 2, 4, 4) → factor 8; the real
+    # latents_mean/std defaults are kept, being the per-channel statistics the pipeline uses.
+    vae = AutoencoderKLQwenImage(
+        base_dim=32,
+        z_dim=16,
+        dim_mult=[1, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False],
+    )
+    pipe = QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWENIMAGE_SCHEDULER), vae=vae,
+        text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer,
+    )
+    pipe.save_pretrained(dest)
+    return dest
+
+
+BUILDERS = {
+    "sd": build_tiny_sd,
+    "sdxl": build_tiny_sdxl,
+    "flux": build_tiny_flux,
+    "sd3": build_tiny_sd3,
+    "qwenimage": build_tiny_qwenimage,
+}
+FAMILIES = tuple(BUILDERS)
+
+
+def build_tiny(dest: str | Path, family: str = "sd", seed: int = 0, *, schnell: bool = False) -> Path:
+    """Build the tiny ``family`` pipeline (one of ``FAMILIES``) at ``dest``. ``schnell``:
+    Flux.1-schnell instead of -dev (flux only)."""
+    if family not in BUILDERS:
+        raise ValueError(f"tiny model: unknown family {family!r}; one of {', '.join(FAMILIES)}")
+    if schnell and family != "flux":
+        raise ValueError(f"tiny model: schnell is a Flux variant, not {family}")
+    if family == "flux":
+        return build_tiny_flux(dest, seed, schnell=schnell)
+    return BUILDERS[family](dest, seed)

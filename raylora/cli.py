@@ -86,7 +86,8 @@ def _sample(args) -> int:
 def _tiny_model(args) -> int:
     from raylora.model.tiny import build_tiny
 
-    print(f"raylora: tiny model   {build_tiny(args.dest, family=args.family, seed=args.seed)}")
+    dest = build_tiny(args.dest, family=args.family, seed=args.seed, schnell=args.schnell)
+    print(f"raylora: tiny model   {dest}")
     return 0
 
 
@@ -157,8 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--size", type=int, default=None, help="pixels; default: the model's size")
     s.set_defaults(fn=_sample)
 
-    m = sub.add_parser("tiny-model", help="write a tiny random SD-1.x or SDXL pipeline (offline)")
-    m.add_argument("--family", choices=["sd", "sdxl"], default="sd")
+    m = sub.add_parser("tiny-model", help="write a tiny random diffusers pipeline (offline)")
+    m.add_argument("--family", choices=["sd", "sdxl", "flux", "sd3", "qwenimage"], default="sd")
+    m.add_argument("--schnell", action="store_true",
+                   help="flux: Flux.1-schnell (no guidance embedding, static shift) instead of -dev")
     m.add_argument("dest")
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(fn=_tiny_model)

@@ -1,6 +1,15 @@
+"""The tiny offline models: tokenizers (CLIP BPE, T5 Unigram, Qwen2 byte-level BPE) and the
+flux / sd3 / qwenimage pipelines, which load through diffusers and raylora's loader."""
+
 import json
+import math
 from collections import Counter
 
+import numpy as np
+import pytest
+import torch
+
+from raylora.model import tiny
 from raylora.model.tiny import BOS, EOS, bytes_to_unicode, learn_bpe
 
 
@@ -32,3 +41,325 @@ def test_tiny_tokenizer_is_clip_shaped(tiny_model):
     assert tok.decode(tok("zebra xylophone!").input_ids, skip_special_tokens=True) == "zebra xylophone !"
     te_cfg = json.load(open(f"{tiny_model}/text_encoder/config.json"))
     assert te_cfg["vocab_size"] == len(tok) and te_cfg["eos_token_id"] == tok.eos_token_id
+
+
+# ---------------------------------------------------------------------------------------
+# Flow-matching families: flux, sd3, qwenimage. Each is built once for the module.
+
+NEW_FAMILIES = ("flux", "sd3", "qwenimage")
+PIPELINE_CLASS = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline",
+                  "qwenimage": "QwenImagePipeline"}
+TOKENIZERS = {
+    "flux": {"tokenizer": "CLIPTokenizer", "tokenizer_2": "T5Tokenizer"},
+    "sd3": {"tokenizer": "CLIPTokenizer", "tokenizer_2": "CLIPTokenizer",
+            "tokenizer_3": "T5Tokenizer"},
+    "qwenimage": {"tokenizer": "Qwen2Tokenizer"},
+}
+# 64 px through a factor-2 VAE with 16 channels (Qwen-Image's VAE is a video VAE: frames axis)
+LATENT_SHAPE = {"flux": (1, 16, 32, 32), "sd3": (1, 16, 32, 32), "qwenimage": (1, 16, 1, 32, 32)}
+CAPTIONS = ["a red circle", "a small blue square on the green grass"]  # different lengths
+
+
+@pytest.fixture(scope="module", params=NEW_FAMILIES)
+def family_model(request, tmp_path_factory):
+    """(family, folder) built once per module per family."""
+    fam = request.param
+    return fam, str(tiny.build_tiny(tmp_path_factory.mktemp(fam) / f"tiny-{fam}", fam))
+
+
+@pytest.fixture(scope="module")
+def family_pipe(family_model):
+    from diffusers import DiffusionPipeline
+
+    fam, path = family_model
+    return fam, DiffusionPipeline.from_pretrained(path)
+
+
+def test_model_index_names_the_pipeline_and_its_components(family_model, family_pipe):
+    fam, path = family_model
+    index = json.load(open(f"{path}/model_index.json"))
+    assert index["_class_name"] == PIPELINE_CLASS[fam]
+    assert type(family_pipe[1]).__name__ == PIPELINE_CLASS[fam]
+    for sub, cls in TOKENIZERS[fam].items():
+        assert index[sub] == ["transformers", cls]
+    denoiser = {"flux": "FluxTransformer2DModel", "sd3": "SD3Transformer2DModel",
+                "qwenimage": "QwenImageTransformer2DModel"}[fam]
+    assert index["transformer"] == ["diffusers", denoiser]
+    assert index["scheduler"] == ["diffusers", "FlowMatchEulerDiscreteScheduler"]
+
+
+def test_two_step_inference_at_64px(family_pipe):
+    fam, pipe = family_pipe
+    kw = {"max_sequence_length": 32}
+    if fam == "qwenimage":
+        kw["true_cfg_scale"] = 1.0  # no negative prompt: plain conditional sampling
+    out = pipe(CAPTIONS, num_inference_steps=2, height=64, width=64, output_type="np",
+               generator=torch.Generator().manual_seed(0), **kw).images
+    assert out.shape == (2, 64, 64, 3)
+    assert np.isfinite(out).all() and out.min() >= 0.0 and out.max() <= 1.0
+    assert out.std() > 0.01  # random weights still give an image, not a constant
+
+
+def test_tokenizers_load_fast_and_ship_as_json(family_model):
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    fam, path = family_model
+    for sub, cls in TOKENIZERS[fam].items():
+        tok = AutoTokenizer.from_pretrained(path, subfolder=sub)
+        assert type(tok).__name__ == cls and tok.is_fast
+        # What data workers get: the backend as JSON, rebuilt with `tokenizers` alone.
+        backend = Tokenizer.from_str(tok.backend_tokenizer.to_str())
+        assert backend.encode(CAPTIONS[1]).ids == tok(CAPTIONS[1]).input_ids
+
+
+@pytest.mark.parametrize("family_model", ["flux", "sd3"], indirect=True)
+def test_t5_tokenizer_has_t5_ids_and_whole_word_pieces(family_model):
+    from transformers import AutoTokenizer
+
+    fam, path = family_model
+    sub, enc = ("tokenizer_2", "text_encoder_2") if fam == "flux" else ("tokenizer_3", "text_encoder_3")
+    tok = AutoTokenizer.from_pretrained(path, subfolder=sub)
+    assert (tok.pad_token, tok.pad_token_id) == ("<pad>", 0)
+    assert (tok.eos_token, tok.eos_token_id) == ("</s>", 1)
+    assert (tok.unk_token, tok.unk_token_id) == ("<unk>", 2)
+    assert tok.model_max_length == tiny.T5_MAX_LENGTH == 512
+    # Sentinels at the end, reversed, as T5's spiece.model (<extra_id_0> is the last id).
+    assert tok.convert_tokens_to_ids("<extra_id_0>") == len(tok) - 1
+    assert tok.convert_tokens_to_ids("<extra_id_99>") == len(tok) - 100
+    ids = tok("a red circle", padding="max_length", max_length=8).input_ids
+    assert tok.convert_ids_to_tokens(ids[:4]) == ["▁a", "▁red", "▁circle", "</s>"]
+    assert ids[4:] == [0, 0, 0, 0]
+    # Unseen words fall back to characters, never <unk>, and decode back.
+    zebra = tok("zebra 42").input_ids
+    assert 2 not in zebra and tok.decode(zebra, skip_special_tokens=True) == "zebra 42"
+    cfg = json.load(open(f"{path}/{enc}/config.json"))
+    assert cfg["vocab_size"] == len(tok) and cfg["pad_token_id"] == 0 and cfg["eos_token_id"] == 1
+
+
+def test_t5_and_qwen_vocabularies_are_reproducible():
+    # The tiny model must be byte-identical on every machine and run.
+    assert tiny.build_t5_tokenizer().backend_tokenizer.to_str() == \
+        tiny.build_t5_tokenizer().backend_tokenizer.to_str()
+    assert tiny.build_qwen2_tokenizer().backend_tokenizer.to_str() == \
+        tiny.build_qwen2_tokenizer().backend_tokenizer.to_str()
+    pieces = tiny.unigram_pieces(Counter({"red": 3, "circle": 2}))
+    assert [p for p, _ in pieces[:3]] == ["<pad>", "</s>", "<unk>"]
+    scores = dict(pieces)
+    # Score = log(count / total); one whole-word piece outscores any split into two.
+    assert scores["▁circle"] == scores["▁ci"] and scores["▁circle"] < 0
+    assert scores["▁circle"] > scores["▁ci"] + scores["rcle"]
+    assert math.isclose(scores["▁red"] - scores["▁circle"], math.log(3 / 2), abs_tol=1e-5)
+    assert "▁circ" in scores and "▁c" in scores and "z" in scores  # ASCII fallback
+
+
+@pytest.mark.parametrize("family_model", ["qwenimage"], indirect=True)
+def test_qwen_template_prefix_is_34_tokens_as_the_pipeline_drops(family_model, family_pipe):
+    from transformers import AutoTokenizer
+
+    fam, path = family_model
+    pipe = family_pipe[1]
+    assert pipe.prompt_template_encode == tiny.QWEN_PROMPT_TEMPLATE
+    assert pipe.prompt_template_encode_start_idx == tiny.QWEN_DROP_IDX == 34
+    tok = AutoTokenizer.from_pretrained(path, subfolder="tokenizer")
+    prefix = tiny.QWEN_PROMPT_TEMPLATE.split("{}")[0]
+    ids = tok(prefix).input_ids
+    assert len(ids) == 34
+    toks = tok.convert_ids_to_tokens(ids)
+    assert toks[:4] == ["<|im_start|>", "system", "Ċ", "Describe"]
+    assert toks[-5:] == ["<|im_end|>", "Ċ", "<|im_start|>", "user", "Ċ"]
+    # Qwen2.5-VL's specials: eos <|im_end|>, pad <|endoftext|>, no bos; the encoder's config
+    # names the same ids.
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>" and tok.bos_token is None
+    cfg = json.load(open(f"{path}/text_encoder/config.json"))
+    assert cfg["text_config"]["vocab_size"] == len(tok)
+    assert cfg["image_token_id"] == tok.convert_tokens_to_ids("<|image_pad|>")
+    assert cfg["vision_start_token_id"] == tok.convert_tokens_to_ids("<|vision_start|>")
+    assert cfg["text_config"]["eos_token_id"] == tok.eos_token_id
+    # Caption words are whole tokens with GPT-2's leading-space mark.
+    assert tok.convert_ids_to_tokens(tok("a red circle").input_ids) == ["a", "Ġred", "Ġcircle"]
+
+
+def test_encode_prompt_shapes(family_pipe):
+    fam, pipe = family_pipe
+    with torch.no_grad():
+        if fam == "flux":
+            embeds, pooled, text_ids = pipe.encode_prompt("a red circle", None, max_sequence_length=32)
+            assert embeds.shape == (1, 32, 64) and pooled.shape == (1, 32)
+            assert text_ids.shape == (32, 3) and not text_ids.any()
+        elif fam == "sd3":
+            embeds, _, pooled, _ = pipe.encode_prompt("a red circle", None, None,
+                                                      do_classifier_free_guidance=False,
+                                                      max_sequence_length=32)
+            # 77 CLIP tokens (32 + 48 wide, zero-padded to T5's 96) then 32 T5 tokens
+            assert embeds.shape == (1, 77 + 32, 96) and pooled.shape == (1, 32 + 48)
+            assert not embeds[:, :77, 80:].any()
+        else:
+            embeds, mask = pipe.encode_prompt(CAPTIONS)
+            # caption tokens + the 5 template tokens after it (<|im_end|> \n <|im_start|>
+            # assistant \n); the shorter caption is zero-padded and masked
+            n = [len(pipe.tokenizer(c).input_ids) + 5 for c in CAPTIONS]
+            assert embeds.shape == (2, max(n), 32)
+            assert mask.sum(1).tolist() == n
+            assert not embeds[0, n[0]:].any()
+
+
+def test_component_configs_are_consistent(family_model):
+    fam, path = family_model
+
+    def cfg(sub):
+        name = "scheduler_config.json" if sub == "scheduler" else "config.json"
+        return json.load(open(f"{path}/{sub}/{name}"))
+
+    tr, vae, sch = cfg("transformer"), cfg("vae"), cfg("scheduler")
+    if fam == "flux":
+        assert tr["in_channels"] == 4 * vae["latent_channels"] == 64
+        assert tr["joint_attention_dim"] == cfg("text_encoder_2")["d_model"] == 64
+        assert tr["pooled_projection_dim"] == cfg("text_encoder")["hidden_size"] == 32
+        assert tr["guidance_embeds"] is True
+        assert sum(tr["axes_dims_rope"]) == tr["attention_head_dim"]
+        assert (vae["scaling_factor"], vae["shift_factor"]) == (0.3611, 0.1159)
+        assert sch["shift"] == 3.0 and sch["use_dynamic_shifting"] is True
+        assert (sch["base_shift"], sch["max_shift"]) == (0.5, 1.15)
+        assert (sch["base_image_seq_len"], sch["max_image_seq_len"]) == (256, 4096)
+    elif fam == "sd3":
+        te, te2, te3 = cfg("text_encoder"), cfg("text_encoder_2"), cfg("text_encoder_3")
+        assert tr["pooled_projection_dim"] == te["projection_dim"] + te2["projection_dim"] == 80
+        assert tr["joint_attention_dim"] == te3["d_model"] == 96
+        assert te3["d_model"] >= te["hidden_size"] + te2["hidden_size"]
+        assert (tr["in_channels"], tr["out_channels"], tr["patch_size"]) == (16, 16, 2)
+        assert (vae["scaling_factor"], vae["shift_factor"]) == (1.5305, 0.0609)
+        assert sch["shift"] == 3.0 and sch["use_dynamic_shifting"] is False
+    else:
+        te = cfg("text_encoder")
+        assert tr["joint_attention_dim"] == te["text_config"]["hidden_size"] == 32
+        assert tr["in_channels"] == 4 * vae["z_dim"] and tr["out_channels"] == vae["z_dim"] == 16
+        assert sum(tr["axes_dims_rope"]) == tr["attention_head_dim"]
+        assert len(vae["latents_mean"]) == len(vae["latents_std"]) == 16
+        assert vae["latents_std"][0] == 2.8184  # Qwen-Image's per-channel statistics
+        assert sch["shift"] == 1.0 and sch["use_dynamic_shifting"] is True
+        assert (sch["base_shift"], sch["max_shift"], sch["shift_terminal"]) == (0.5, 0.9, 0.02)
+        assert (sch["base_image_seq_len"], sch["max_image_seq_len"]) == (256, 8192)
+        assert sch["time_shift_type"] == "exponential"
+    if fam != "qwenimage":
+        assert vae["use_quant_conv"] is False and vae["use_post_quant_conv"] is False
+
+
+def test_latents_of_a_64px_image(family_pipe):
+    fam, pipe = family_pipe
+    assert pipe.vae_scale_factor == 2
+    pixels = torch.rand(1, 3, 64, 64) * 2 - 1
+    if fam == "qwenimage":
+        pixels = pixels.unsqueeze(2)  # [B, C, frames=1, H, W]
+    with torch.no_grad():
+        z = pipe.vae.encode(pixels).latent_dist.mode()
+    assert tuple(z.shape) == LATENT_SHAPE[fam]
+
+
+def test_transformer_trains_at_64px_and_is_cpu_sized(family_pipe):
+    """One forward + backward at 64 px (32×32 latents) in the pipeline's own layout."""
+    fam, pipe = family_pipe
+    tr = pipe.transformer
+    assert sum(p.numel() for p in tr.parameters()) < 150_000
+    b, g = 2, torch.Generator().manual_seed(0)
+    if fam == "flux":
+        x = torch.randn(b, 256, 64, generator=g)  # 16×16 tokens of 2×2×16
+        ids = torch.zeros(16, 16, 3)
+        ids[..., 1] += torch.arange(16)[:, None]
+        ids[..., 2] += torch.arange(16)[None, :]
+        out = tr(hidden_states=x, timestep=torch.rand(b), guidance=torch.full((b,), 3.5),
+                 pooled_projections=torch.randn(b, 32), encoder_hidden_states=torch.randn(b, 32, 64),
+                 txt_ids=torch.zeros(32, 3), img_ids=ids.reshape(-1, 3), return_dict=False)[0]
+    elif fam == "sd3":
+        x = torch.randn(b, 16, 32, 32, generator=g)
+        out = tr(hidden_states=x, timestep=torch.rand(b) * 1000,
+                 encoder_hidden_states=torch.randn(b, 77 + 32, 96),
+                 pooled_projections=torch.randn(b, 80), return_dict=False)[0]
+    else:
+        x = torch.randn(b, 256, 64, generator=g)
+        mask = torch.ones(b, 12, dtype=torch.long)
+        mask[0, 7:] = 0
+        out = tr(hidden_states=x, timestep=torch.rand(b), encoder_hidden_states=torch.randn(b, 12, 32),
+                 encoder_hidden_states_mask=mask, img_shapes=[[(1, 16, 16)]] * b,
+                 return_dict=False)[0]
+    assert out.shape == x.shape
+    out.square().mean().backward()
+    grads = [p.grad for p in tr.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(gr).all() for gr in grads)
+    tr.zero_grad(set_to_none=True)
+
+
+def test_raylora_loader_reads_the_tiny_model_back(family_model):
+    from raylora.config import ModelSection
+    from raylora.model.load import check_model, load_components
+    from raylora.storage import Storage
+
+    fam, path = family_model
+    info = check_model(path, Storage())
+    assert info["family"].name == fam and info["vae_factor"] == 2
+    c = load_components(ModelSection(pretrained=path), torch.float32)
+    assert [type(t).__name__ for t in c.tokenizers] == list(TOKENIZERS[fam].values())
+    assert type(c.denoiser).__name__ == json.load(open(f"{path}/model_index.json"))["transformer"][1]
+    if fam == "flux":
+        assert (c.latent_shift, c.latent_scale) == (0.1159, 0.3611)
+    elif fam == "sd3":
+        assert (c.latent_shift, c.latent_scale) == (0.0609, 1.5305)
+    else:
+        assert c.latent_shift[0] == -0.7571 and math.isclose(c.latent_scale[0], 1 / 2.8184)
+
+
+def test_flux_schnell_variant(tmp_path):
+    from diffusers import DiffusionPipeline
+
+    path = tiny.build_tiny(tmp_path / "schnell", "flux", schnell=True)
+    pipe = DiffusionPipeline.from_pretrained(path)
+    assert type(pipe).__name__ == "FluxPipeline"
+    assert pipe.transformer.config.guidance_embeds is False
+    assert pipe.scheduler.config.shift == 1.0 and pipe.scheduler.config.use_dynamic_shifting is False
+    out = pipe("a red circle", num_inference_steps=1, height=64, width=64, output_type="np",
+               max_sequence_length=16).images
+    assert out.shape == (1, 64, 64, 3) and np.isfinite(out).all()
+
+
+def test_build_tiny_rejects_unknown_family_and_misplaced_schnell(tmp_path):
+    with pytest.raises(ValueError, match="unknown family 'sd4'"):
+        tiny.build_tiny(tmp_path / "x", "sd4")
+    with pytest.raises(ValueError, match="schnell"):
+        tiny.build_tiny(tmp_path / "x", "sd3", schnell=True)
+    assert tiny.FAMILIES == ("sd", "sdxl", "flux", "sd3", "qwenimage")
+
+
+def test_cli_tiny_model_family_choices():
+    from raylora.cli import build_parser
+
+    for fam in tiny.FAMILIES:
+        args = build_parser().parse_args(["tiny-model", "--family", fam, "out"])
+        assert (args.family, args.schnell, args.dest) == (fam, False, "out")
+    assert build_parser().parse_args(["tiny-model", "--family", "flux", "--schnell", "o"]).schnell
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["tiny-model", "--family", "sd4", "out"])
+
+
+@pytest.mark.parametrize("builder,pipeline", [("build_user_flux", "FluxPipeline"),
+                                              ("build_user_sd3", "StableDiffusion3Pipeline")])
+def test_user_built_folder_loads(tmp_path, builder, pipeline):
+    """A folder written straight by diffusers/transformers (other sizes than tiny.py's,
+    factor-8 VAE) loads like a converted user checkpoint."""
+    from diffusers import DiffusionPipeline
+
+    from raylora.model.load import check_model
+    from raylora.storage import Storage
+
+    import userbuilt
+
+    path = getattr(userbuilt, builder)(tmp_path / builder)
+    pipe = DiffusionPipeline.from_pretrained(path)
+    assert type(pipe).__name__ == pipeline
+    assert pipe.vae_scale_factor == 8
+    assert pipe.transformer.config.num_layers in (2, 3)  # not tiny.py's 1 / 2
+    info = check_model(str(path), Storage())
+    assert info["family"].name == {"FluxPipeline": "flux"}.get(pipeline, "sd3")
+    assert info["vae_factor"] == 8
+    with torch.no_grad():
+        z = pipe.vae.encode(torch.zeros(1, 3, 64, 64)).latent_dist.mode()
+    assert tuple(z.shape) == (1, 16, 8, 8)

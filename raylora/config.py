@@ -70,7 +70,7 @@ class ModelSection(_Section):
         None, gt=0, le=4096,
         description="Tokens per caption for the long-context text encoder (T5 of Flux/SD3, "
         "Qwen-Image's LLM). Default: the pipeline's (Flux.1-dev 512, schnell use 256; SD3 256; "
-        "Qwen-Image 1024).",
+        "Qwen-Image 512).",
     )
 
     @field_validator("family")

@@ -156,6 +156,8 @@ def build_run(
     comps = load_components(
         cfg.model, weight_dtype, cfg.storage.client(), encoders=cfg.data.cache != "latents"
     )
+    if torch.cuda.is_available() and not comps.family.cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     params, trained_te, te_params = _attach_lora(cfg, comps)
     if t.gradient_checkpointing:
         comps.denoiser.enable_gradient_checkpointing()

@@ -93,6 +93,10 @@ class Family:
     repeated_blocks: ClassVar[tuple[str, ...]]
     patch: ClassVar[int] = 1  # latent pixels per token side (2 for 2×2-patched DiTs)
     default_guidance_scale: ClassVar[float] = 7.5  # for validation images
+    # cuDNN's SDPA kernels: off for the DiTs. On an H100 (torch 2.11, CUDA 13) the Flux.1-dev
+    # step failed in backward inside cuDNN's attention graph (illegal memory access;
+    # bench/RESULTS.md 2026-11-23); flash / memory-efficient SDPA ran it at 38-40 % MFU.
+    cudnn_sdpa: ClassVar[bool] = False
     kohya_prefix: ClassVar[str] = "lora_unet_"
     # kohya/ComfyUI export: module paths as sd-scripts names them (UNet families); a DiT
     # family sets this when it maps its keys onto the reference (BFL/SAI) layout.

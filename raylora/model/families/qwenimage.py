@@ -21,7 +21,8 @@ class QwenImage(Family):
     name = "qwenimage"
     class_names = ("QwenImagePipeline",)
     pipeline = "QwenImagePipeline"
-    text = (TextInput("text_encoder", "tokenizer", "input_ids", max_length=1024,
+    # 512: the pipeline's max_sequence_length (it tokenizes up to 1024 + 34, then keeps 512)
+    text = (TextInput("text_encoder", "tokenizer", "input_ids", max_length=512,
                       template=TEMPLATE, mask_key="attention_mask", long_context=True, drop=DROP),)
     lora_targets = ("to_k", "to_q", "to_v", "to_out.0")
     repeated_blocks = ("QwenImageTransformerBlock",)

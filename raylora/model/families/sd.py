@@ -18,6 +18,7 @@ class SD(Family):
     repeated_blocks = ("BasicTransformerBlock",)
     description = "SD 1.x/2.x (UNet, CLIP)"
     kohya_export = True
+    cudnn_sdpa = True  # PyTorch's default backend choice for the UNet
 
     @classmethod
     def set_attention(cls, model, kind: str) -> None:

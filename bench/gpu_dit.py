@@ -1,0 +1,253 @@
+"""Benchmark 5, flow-matching DiTs on one GPU: images/s and MFU of raylora's own training
+step (``raylora.train.step.train_micro_step`` through the model-family seam and the
+flow-matching objective) on the Flux.1-dev and SD3.5-medium transformer architectures, built
+from their public config values with random weights (no download), bf16 base, fp32 LoRA
+rank 16 on the family's default targets, cached latents and text embeddings (what
+``data.cache=latents`` feeds a worker), fused AdamW; eager and ``train.compile=regional``.
+
+    python bench/gpu_dit.py                       # flux + sd35m at 1024 px, batch 1 and 2
+    python bench/gpu_dit.py --models flux --batch-sizes 1 --modes none
+    python bench/gpu_dit.py --smoke               # toy widths on a CPU, checks the script
+
+FLOPs are counted once per (model, batch) with ``torch.utils.flop_counter`` over one eager
+step and divided by the measured step time and the GPU's peak dense bf16 FLOP/s. Compile
+time is the first compiled step minus a steady step; it is reported on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from common import machine, record, table  # noqa: E402
+
+PEAK_BF16_TFLOPS = [("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.4), ("H200", 989.4),
+                    ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.1)]
+
+# black-forest-labs/FLUX.1-dev transformer/config.json
+FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38,
+                attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
+                pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56))
+# stabilityai/stable-diffusion-3.5-medium transformer/config.json
+SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24,
+                   attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096,
+                   caption_projection_dim=1536, pooled_projection_dim=2048, out_channels=16,
+                   pos_embed_max_size=384, dual_attention_layers=tuple(range(13)),
+                   qk_norm="rms_norm")
+# (family, transformer class, config, latent channels, text tokens, pooled width, the
+#  pipelines' scheduler config for the shift)
+MODELS = {
+    "flux": ("flux", "FluxTransformer2DModel", FLUX_DEV, 16, 512, 768,
+             {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0,
+              "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15,
+              "base_image_seq_len": 256, "max_image_seq_len": 4096}),
+    "sd35m": ("sd3", "SD3Transformer2DModel", SD35_MEDIUM, 16, 77 + 256, 2048,
+              {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0}),
+}
+SMOKE = {"flux": dict(num_layers=1, num_single_layers=1, attention_head_dim=16,
+                      num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16,
+                      axes_dims_rope=(4, 6, 6)),
+         "sd35m": dict(num_layers=2, attention_head_dim=16, num_attention_heads=2,
+                       joint_attention_dim=32, caption_projection_dim=32,
+                       pooled_projection_dim=16, dual_attention_layers=(0,), pos_embed_max_size=64)}
+
+
+def peak_flops(name: str, override: float | None) -> float | None:
+    if override:
+        return override * 1e12
+    return next((t * 1e12 for k, t in PEAK_BF16_TFLOPS if k in name), None)
+
+
+def build(model: str, device, dtype, smoke: bool):
+    """Random-weight transformer of the architecture, frozen, on ``device`` in ``dtype``
+    (built there directly: a 12B model is never materialised in fp32 on the host)."""
+    import diffusers
+
+    family, cls, cfg, *_ = MODELS[model]
+    cfg = {**cfg, **(SMOKE[model] if smoke else {})}
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            net = getattr(diffusers, cls)(**cfg)
+    finally:
+        torch.set_default_dtype(old)
+    net.requires_grad_(False)
+    return net
+
+
+def cached_batch(model: str, b: int, res: int, net, device) -> dict:
+    """What the latent cache holds for ``b`` images: posterior params and embeddings."""
+    _, _, cfg, ch, tokens, pooled, _ = MODELS[model]
+    g = torch.Generator().manual_seed(b)
+    h = res // 8
+    width = net.config.joint_attention_dim
+    return {
+        "latent_params": torch.randn(b, 2 * ch, h, h, generator=g).to(device),
+        "prompt_embeds": torch.randn(b, tokens, width, generator=g).to(device),
+        "pooled_prompt_embeds": torch.randn(b, net.config.pooled_projection_dim, generator=g).to(device),
+    }
+
+
+def raylora_step(model: str, net, mode: str, rank: int):
+    """raylora's step: family default LoRA targets (fp32), flow-matching objective from the
+    pipeline's scheduler config, Accelerate bf16 autocast, fused AdamW, optional regional
+    compile (the family's repeated blocks)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from raylora.config import LoraSection
+    from raylora.model import families
+    from raylora.model.lora import add_lora
+    from raylora.train.compile import compile_denoiser
+    from raylora.train.objective import FlowMatching, flow_shift_from_scheduler
+    from raylora.train.step import FrozenParts, train_micro_step
+
+    fam = families.get(MODELS[model][0])
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    cuda = next(net.parameters()).device.type == "cuda"
+    accel = Accelerator(mixed_precision="bf16" if cuda else "no", cpu=not cuda)
+    params = add_lora(net, LoraSection(rank=rank, alpha=rank), fam.lora_targets)
+    compile_denoiser(net, mode, fam.repeated_blocks)
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=cuda)
+    net_p, opt = accel.prepare(net, opt)
+    shift, dynamic = flow_shift_from_scheduler(MODELS[model][6])
+    parts = FrozenParts(fam, None, [], FlowMatching("logit_normal", shift=shift, dynamic=dynamic,
+                                                    seq_len=fam.image_seq_len),
+                        next(net.parameters()).dtype, guidance=1.0)
+
+    def step(batch):
+        return train_micro_step(accel, net_p, parts, opt, None, params, batch, 1.0)
+
+    return step, sum(p.numel() for p in params)
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_case(args, model, b, mode, device, dtype) -> dict:
+    net = build(model, device, dtype, args.smoke)
+    n_base = sum(p.numel() for p in net.parameters())
+    batch = cached_batch(model, b, args.resolution, net, device)
+    step, n_lora = raylora_step(model, net, mode, args.rank)
+    flops = None
+    if mode == "none":
+        from torch.utils.flop_counter import FlopCounterMode
+
+        with FlopCounterMode(display=False) as counter:
+            step(batch)
+        flops = counter.get_total_flops()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    sync(device)
+    t0 = time.perf_counter()
+    step(batch)  # the compile happens here
+    sync(device)
+    first = time.perf_counter() - t0
+    for _ in range(args.warmup):
+        step(batch)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        loss = step(batch)
+    sync(device)
+    sec = (time.perf_counter() - t0) / args.steps
+    if not torch.isfinite(loss):
+        raise RuntimeError(f"non-finite loss {loss.item()}")
+    row = {"model": model, "res": args.resolution, "batch": b, "compile": mode,
+           "img/s": b / sec, "step ms": sec * 1000, "flops": flops,
+           "compile s": max(first - sec, 0.0) if mode != "none" else None,
+           "base params B": n_base / 1e9, "LoRA params M": n_lora / 1e6}
+    if device.type == "cuda":
+        row["peak mem GiB"] = torch.cuda.max_memory_allocated() / 2**30
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="flux,sd35m")
+    ap.add_argument("--batch-sizes", default="1,2")
+    ap.add_argument("--modes", default="none,regional", help="train.compile modes to measure")
+    ap.add_argument("--resolution", type=int, default=1024)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--peak-tflops", type=float)
+    ap.add_argument("--smoke", action="store_true", help="toy widths, 64 px, CPU ok")
+    ap.add_argument("--sdpa", default="default", choices=["default", "no-cudnn", "flash"],
+                    help="SDPA backends allowed (cuDNN's can fail on some shapes)")
+    args = ap.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not args.smoke:
+        raise SystemExit("no CUDA device: run with --smoke to check the script on a CPU")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.smoke:
+        args.resolution, args.steps, args.warmup, args.batch_sizes = 64, 2, 1, "1"
+    name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
+    peak = peak_flops(name, args.peak_tflops) if device.type == "cuda" else None
+    torch.backends.cuda.matmul.allow_tf32 = True
+    if args.sdpa in ("no-cudnn", "flash"):
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    if args.sdpa == "flash":
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_math_sdp(False)
+
+    rows = []
+    for model in args.models.split(","):
+        for b in map(int, args.batch_sizes.split(",")):
+            flops = None
+            for mode in args.modes.split(","):
+                try:
+                    row = run_case(args, model, b, mode, device, dtype)
+                except torch.cuda.OutOfMemoryError:
+                    row = {"model": model, "batch": b, "compile": mode, "img/s": "OOM"}
+                except Exception as exc:  # one failing case is a result too
+                    traceback.print_exc()
+                    row = {"model": model, "batch": b, "compile": mode,
+                           "img/s": f"error: {type(exc).__name__}"}
+                finally:
+                    gc.collect()
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                flops = row.get("flops") or flops
+                if isinstance(row.get("img/s"), float):
+                    row["flops"] = flops  # the same model FLOPs, eager or compiled
+                    row["TFLOP/step"] = flops / 1e12 if flops else None
+                    if flops and peak:
+                        row["MFU %"] = 100 * flops / (row["step ms"] / 1000) / peak
+                rows.append(row)
+                print({k: v for k, v in row.items() if k != "flops"}, flush=True)
+
+    cols = ["model", "res", "batch", "compile", "img/s", "step ms", "TFLOP/step", "MFU %",
+            "compile s", "peak mem GiB", "base params B", "LoRA params M"]
+    record(f"Flow-matching DiTs ({name})" + (" [smoke: toy widths, not a measurement]" if args.smoke else ""),
+           machine(), table(rows, cols), [
+               "raylora's train_micro_step through the family seam (flux = Flux.1-dev, sd35m = "
+               "SD3.5-medium transformer architectures, random weights), bf16 base, fp32 LoRA rank "
+               f"{args.rank} on the family's default targets, flow matching (logit-normal σ, the "
+               "pipeline's shift), cached latents + text embeddings, fused AdamW; "
+               f"{args.warmup} warm-up + {args.steps} timed steps after the first (compile) step.",
+               f"MFU against {peak / 1e12:.0f} TFLOP/s peak dense bf16; FLOPs counted on the eager step."
+               if peak else "MFU: no peak FLOP/s known for this device.",
+               "Target (#20): Flux.1-dev r16 at 1024 px >= 35% MFU on H100.",
+               f"SDPA backends: {args.sdpa}.",
+               "Command: `python bench/gpu_dit.py " + " ".join(sys.argv[1:]) + "`",
+           ])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""The model-family and objective seams, for every family: detection, the flow-matching
+sampler's statistics, a run that learns (held-out loss at fixed σ/t and noise drops on an
+overfit batch) and an adapter that the family's stock diffusers pipeline loads and that
+changes its output. One process, no Ray (the 2-worker Ray runs are test_families_ray.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from raylora.model import families
+from raylora.train.objective import (
+    DynamicShift,
+    FlowMatching,
+    flow_loss_weights,
+    flow_shift_from_scheduler,
+    sample_density,
+    shift_sigmas,
+)
+
+FAMILIES = ["sd", "sdxl", "flux", "sd3", "qwenimage"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """family → a tiny pipeline folder, built once per module on first use."""
+    from raylora.model.tiny import build_tiny
+
+    built = {}
+
+    def get(family: str) -> str:
+        if family not in built:
+            built[family] = str(build_tiny(tmp_path_factory.mktemp(family) / family, family=family))
+        return built[family]
+
+    return get
+
+
+# ---------------------------------------------------------------- detection
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_detected_from_model_index_class_name(tiny, family):
+    index = json.load(open(os.path.join(tiny(family), "model_index.json")))
+    assert families.detect(index).name == family
+
+
+def test_flux_folder_is_never_sdxl(tiny):
+    # A Flux folder has text_encoder_2 / tokenizer_2 like SDXL; only _class_name decides.
+    index = json.load(open(os.path.join(tiny("flux"), "model_index.json")))
+    assert "text_encoder_2" in index
+    assert families.detect(index).name == "flux"
+    from raylora.model.load import check_model
+    from raylora.storage import Storage
+
+    info = check_model(tiny("flux"), Storage())
+    assert info["family"].name == "flux" and info["scheduler_config"]["use_dynamic_shifting"]
+
+
+def test_unknown_pipeline_is_named_with_the_supported_ones():
+    with pytest.raises(ValueError) as exc:
+        families.detect({"_class_name": "WanPipeline"})
+    msg = str(exc.value)
+    assert "WanPipeline" in msg
+    for name, cls in [("flux", "FluxPipeline"), ("sd3", "StableDiffusion3Pipeline"),
+                      ("qwenimage", "QwenImagePipeline"), ("sdxl", "StableDiffusionXLPipeline")]:
+        assert f"{name}: {cls}" in msg
+
+
+def test_family_config_checks_name_the_key(tiny, demo_data, tmp_path):
+    from raylora.config import ConfigError, validate
+    from raylora.launch import plan
+
+    cfg = validate({"model": {"pretrained": tiny("flux")}, "output": {"uri": str(tmp_path)},
+                    "data": {"uri": demo_data, "resolution": 66},
+                    "train": {"snr_gamma": 5.0, "noise_offset": 0.1},
+                    "lora": {"train_text_encoder": False}, "export": {"formats": ["diffusers", "kohya"]}})
+    with pytest.raises(ConfigError) as exc:
+        plan(cfg)
+    msg = str(exc.value)
+    assert "data.resolution: 66 is not a multiple of 4 (the flux latent grid" in msg
+    assert "train.snr_gamma: min-SNR weighting is for DDPM models" in msg
+    assert "train.noise_offset:" in msg
+    assert "export.formats: kohya export is not available for flux" in msg
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={
+        "prediction_type": "epsilon", "snr_gamma": None, "noise_offset": 0.0})})
+    with pytest.raises(ConfigError, match="train.prediction_type: epsilon does not fit flux"):
+        plan(cfg)
+    with pytest.raises(ValueError, match="model.family"):
+        validate({"model": {"pretrained": "x", "family": "wan"}, "data": {"uri": "d"}, "output": {"uri": "o"}})
+
+
+# ---------------------------------------------------------------- flow-matching sampler
+
+
+def test_logit_normal_density_has_the_asked_mean_and_std():
+    g = torch.Generator().manual_seed(0)
+    u = sample_density("logit_normal", 200_000, logit_mean=0.5, logit_std=0.8, generator=g)
+    z = torch.logit(u.double())
+    assert float(z.mean()) == pytest.approx(0.5, abs=0.01)
+    assert float(z.std()) == pytest.approx(0.8, abs=0.01)
+    assert 0 < float(u.min()) and float(u.max()) < 1
+
+
+def test_mode_and_cosmap_densities_stay_in_the_unit_interval_and_differ_from_uniform():
+    g = torch.Generator().manual_seed(1)
+    uniform = sample_density("uniform", 100_000, generator=g)
+    assert float(uniform.mean()) == pytest.approx(0.5, abs=0.01)
+    for kind in ("mode", "cosmap"):
+        u = sample_density(kind, 100_000, generator=torch.Generator().manual_seed(2))
+        assert 0 <= float(u.min()) and float(u.max()) <= 1
+    # cosmap = 1 − 1/(tan(πu/2)+1): its median is at u=0.5 → 0.5, its mean above it
+    cos = sample_density("cosmap", 100_000, generator=torch.Generator().manual_seed(3))
+    assert float(cos.median()) == pytest.approx(0.5, abs=0.01)
+    with pytest.raises(ValueError, match="train.flow.timestep_sampling"):
+        sample_density("beta", 4)
+
+
+def test_static_and_dynamic_shift():
+    s = torch.tensor([0.1, 0.5, 0.9])
+    # SD3's shift 3: 3σ / (1 + 2σ)
+    torch.testing.assert_close(shift_sigmas(s, 3.0), torch.tensor([0.3 / 1.2, 1.5 / 2.0, 2.7 / 2.8]))
+    torch.testing.assert_close(shift_sigmas(s, 1.0), s)
+    # Flux: μ = 0.5 at 256 image tokens, 1.15 at 4096 (a 1024 px image), linear between
+    d = DynamicShift(0.5, 1.15, 256, 4096)
+    assert d.mu(256) == pytest.approx(0.5) and d.mu(4096) == pytest.approx(1.15)
+    assert d.mu(2176) == pytest.approx(0.825)
+    got = shift_sigmas(torch.tensor([0.5]), mu=1.15)
+    assert float(got) == pytest.approx(math.exp(1.15) / (math.exp(1.15) + 1))
+    # the sampled σ: 128×128 latents (1024 px Flux) → 64×64 = 4096 tokens → μ 1.15, σ shifted up
+    obj = FlowMatching("uniform", dynamic=d)
+    torch.manual_seed(0)
+    sig = obj.sample_timesteps(torch.zeros(1, 16, 128, 128).expand(50_000, -1, -1, -1))
+    assert float(sig.median()) == pytest.approx(float(shift_sigmas(torch.tensor([0.5]), mu=1.15)), abs=0.01)
+    # scheduler config → shift
+    assert flow_shift_from_scheduler({"shift": 3.0}) == (3.0, None)
+    shift, dyn = flow_shift_from_scheduler({"use_dynamic_shifting": True, "base_shift": 0.5,
+                                            "max_shift": 0.9, "max_image_seq_len": 8192})
+    assert shift == 1.0 and dyn == DynamicShift(0.5, 0.9, 256, 8192)
+
+
+def test_flow_forward_process_target_and_weights():
+    x, eps = torch.randn(3, 4, 2, 2), torch.randn(3, 4, 2, 2)
+    sig = torch.tensor([0.0, 0.5, 1.0])
+    n = FlowMatching(weighting="cosmap").noised(x, eps, sig)
+    torch.testing.assert_close(n.noisy[0], x[0])
+    torch.testing.assert_close(n.noisy[2], eps[2])
+    torch.testing.assert_close(n.noisy[1], 0.5 * x[1] + 0.5 * eps[1])
+    torch.testing.assert_close(n.target, eps - x)
+    torch.testing.assert_close(n.weights, 2 / (math.pi * (1 - 2 * sig + 2 * sig**2)))
+    torch.testing.assert_close(flow_loss_weights("sigma_sqrt", torch.tensor([0.5])), torch.tensor([4.0]))
+    assert flow_loss_weights("none", sig) is None
+
+
+# ---------------------------------------------------------------- training and stock load
+
+
+def _batch(family: str, model: str, demo_data: str, n: int = 2) -> dict:
+    import pyarrow.parquet as pq
+
+    from raylora.data.preprocess import Preprocess
+
+    stage = Preprocess(model, 64, center_crop=True, random_flip=False, family=family,
+                       max_sequence_length=32)
+    table = pq.read_table(os.path.join(demo_data, "part-00000.parquet")).slice(0, n)
+    out = stage({"image": np.array(table["image"].to_pylist(), dtype=object),
+                 "text": np.array(table["text"].to_pylist(), dtype=object)})
+    return {k: torch.from_numpy(v) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_learns_and_its_stock_pipeline_loads_the_adapter(tiny, family, demo_data, tmp_path):
+    from inproc import _fresh_accelerator
+
+    from raylora.config import validate
+    from raylora.model.lora import save_diffusers_adapter
+    from raylora.train.evaluate import heldout_loss, prepare_heldout
+    from raylora.train.setup import build_run
+    from raylora.train.step import train_micro_step
+
+    model = tiny(family)
+    cfg = validate({"model": {"pretrained": model, "max_sequence_length": 32},
+                    "data": {"uri": demo_data, "resolution": 64},
+                    "lora": {"rank": 8}, "train": {"learning_rate": 1e-2, "seed": 0},
+                    "output": {"uri": str(tmp_path / "o")}})
+    accel = _fresh_accelerator(1)
+    run = build_run(cfg, accel, 30, rank=0)
+    assert run.family.name == family
+    assert run.parts.objective.kind == ("ddpm" if family in ("sd", "sdxl") else "flow")
+    batch = _batch(family, model, demo_data)
+    held = prepare_heldout(run.parts, batch, num_timesteps=4, seed=0)
+    before = heldout_loss(run.model, held, torch.float32)
+    for _ in range(30):
+        loss = train_micro_step(accel, run.model, run.parts, run.optimizer, run.lr_scheduler,
+                                run.params, batch, 1.0)
+        assert torch.isfinite(loss)
+    after = heldout_loss(run.model, held, torch.float32)
+    assert after < 0.95 * before, (before, after)
+
+    adapter = tmp_path / "adapter"
+    save_diffusers_adapter(accel.unwrap_model(run.model), str(adapter), run.family)
+    from safetensors.torch import load_file
+
+    keys = load_file(str(adapter / "pytorch_lora_weights.safetensors")).keys()
+    assert keys and {k.split(".")[0] for k in keys} == {run.family.denoiser}
+
+    # The family's stock pipeline, with nothing of raylora's, loads it and its image changes.
+    import diffusers
+
+    pipe = getattr(diffusers, run.family.pipeline).from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+    kw = dict(num_inference_steps=2, height=64, width=64, output_type="np")
+    if family == "qwenimage":
+        kw["max_sequence_length"] = 32
+    elif family in ("flux", "sd3"):
+        kw["max_sequence_length"] = 32
+
+    def image():
+        return pipe("a red circle", generator=torch.Generator().manual_seed(0), **kw).images[0]
+
+    base = image()
+    pipe.load_lora_weights(str(adapter))
+    with_lora = image()
+    assert np.isfinite(with_lora).all()
+    assert np.abs(with_lora - base).max() > 1e-3

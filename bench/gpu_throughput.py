@@ -1,26 +1,49 @@
 """Benchmark 4, GPU throughput: images/s/GPU and model FLOP utilisation (MFU) of raylora's
 training step on the SD 1.5 architecture at 512x512 and SDXL at 1024x1024, built from
 their public config values with random weights (no download), bf16, SDPA attention, LoRA
-rank 16 on the attention projections; with and without cached latents, with and without
-``torch.compile``; against the same step written the way diffusers' example script writes
-it (per-step VAE and text encoding, no cache, no compile), measured in the same run.
+rank 16 on the attention projections; with and without cached latents, eager and compiled
+(``train.compile`` regional / full); against the same step written the way diffusers'
+example script writes it (per-step VAE and text encoding, no cache, no compile), measured
+in the same run.
 
-    .venv/bin/python bench/gpu_throughput.py                      # SD 1.5 + SDXL, batch 1-16
-    .venv/bin/python bench/gpu_throughput.py --models sd15 --batch-sizes 8 --no-compile
-    .venv/bin/python bench/gpu_throughput.py --smoke              # tiny shapes, CPU ok
+    .venv/bin/python bench/gpu_throughput.py                      # default grid (below)
+    .venv/bin/python bench/gpu_throughput.py --models sd15 --batch-sizes 32,64 \\
+        --variants cached,cached+regional,cached+full
+    .venv/bin/python bench/gpu_throughput.py --smoke              # toy widths, CPU ok
+
+A variant is ``+``-joined tokens: ``baseline`` (the diffusers-script step) or raylora's
+step, ``cached`` (latent cache: no VAE or text encoder in the step), ``regional`` /
+``full`` (``compile_denoiser`` mode; ``regional-attn``: transformer blocks only), and the
+"fast step" switches ``cl`` (channels-last UNet), ``flash`` / ``cudnn`` / ``efficient``
+(SDPA backend), ``mat`` (inductor ``max-autotune-no-cudagraphs``), ``ro``
+(``reduce-overhead``: CUDA graphs). ``raylora`` alone is the uncached eager step.
+
+Every row runs in its own process (no compile, LoRA or allocator state leaks between
+rows), with a fresh inductor cache (compile seconds are what a fresh worker pays). Its
+first step (compilation happens there) must finish within ``--compile-budget`` seconds,
+else the row is recorded as over budget and killed, not waited on. ``compile s`` is that
+first step's time minus the steady step time; ``step ms`` and ``peak mem GiB`` are over the
+timed steps only.
 
 FLOPs are counted once per (model, batch, cached) with ``torch.utils.flop_counter`` over
-one full step (forward, backward; the encoders' forward when not cached) and divided by
+one eager step (forward, backward; the encoders' forward when not cached) and divided by
 the measured step time and the GPU's peak dense bf16 FLOP/s (table below, or
-``--peak-tflops``). A batch size that does not fit is recorded as OOM and skipped.
+``--peak-tflops``). A batch size that does not fit is recorded as OOM.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import contextlib
+import json
 import os
+import queue
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 import traceback
 
@@ -86,6 +109,13 @@ MODELS = {"sd15": (512, SD15_UNET, 0.18215), "sdxl": (1024, SDXL_UNET, 0.13025)}
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 
 
+# Variant tokens (see the module docstring).
+TOKENS = {"baseline", "raylora", "cached", "regional", "regional-attn", "full", "cl", "flash",
+          "cudnn", "efficient", "math", "mat", "ro"}
+DEFAULT_BATCHES = "sd15=32,64;sdxl=4,8"
+DEFAULT_VARIANTS = "baseline,raylora,cached,cached+regional,cached+full,regional"
+
+
 def peak_flops(device_name: str, override: float | None) -> float | None:
     if override:
         return override * 1e12
@@ -111,11 +141,14 @@ def build(model: str, device, dtype, smoke: bool):
         vae_cfg.update(SMOKE["vae"])
         clips = [{**c, **SMOKE["clip"]} for c in clips]
     torch.manual_seed(0)
-    unet = UNet2DConditionModel(**unet_cfg)
-    vae = AutoencoderKL(**vae_cfg, scaling_factor=scale)
-    encoders = [CLIPTextModel(CLIPTextConfig(**clips[0]))]
-    if model == "sdxl":
-        encoders.append(CLIPTextModelWithProjection(CLIPTextConfig(**clips[1])))
+    # Built on the device: SDXL's 3.5 B random parameters take far longer to initialise on
+    # the host than on the GPU.
+    with torch.device(device):
+        unet = UNet2DConditionModel(**unet_cfg)
+        vae = AutoencoderKL(**vae_cfg, scaling_factor=scale)
+        encoders = [CLIPTextModel(CLIPTextConfig(**clips[0]))]
+        if model == "sdxl":
+            encoders.append(CLIPTextModelWithProjection(CLIPTextConfig(**clips[1])))
     for m in [unet, vae, *encoders]:
         m.requires_grad_(False)
         m.to(device, dtype)
@@ -130,54 +163,56 @@ def raw_batch(model: str, b: int, res: int, vocab: int, device) -> dict:
         batch["input_ids_2"] = batch["input_ids"].clone()
         batch["original_size"] = torch.full((b, 2), res, dtype=torch.long, device=device)
         batch["crop_top_left"] = torch.zeros((b, 2), dtype=torch.long, device=device)
+        batch["target_size"] = batch["original_size"].clone()
     return batch
 
 
-def cached_batch(vae, encoders, batch: dict, res: int) -> dict:
+def family(model: str):
+    from raylora.model import families
+
+    return families.get("sdxl" if model == "sdxl" else "sd")
+
+
+def cached_batch(model: str, vae, encoders, batch: dict) -> dict:
     """What raylora's latent cache holds for these rows (posterior params + embeddings)."""
     from raylora.train.encode import batch_condition, vae_posterior
 
+    fam = family(model)
     with torch.no_grad():
-        out = {"latent_params": vae_posterior(vae, batch["pixel_values"])}
-        cond = batch_condition(encoders, batch, res)
-    out["prompt_embeds"] = cond.hidden
-    if cond.pooled is not None:
-        out["pooled_prompt_embeds"], out["time_ids"] = cond.pooled, cond.time_ids
+        out = {"latent_params": vae_posterior(fam, vae, batch["pixel_values"])}
+        out.update(batch_condition(fam, encoders, batch))
     return out
 
 
 def fresh_accelerator(unet):
-    """Accelerate keeps process-wide state: reset it so each row gets its own precision."""
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
 
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
     return Accelerator(mixed_precision="bf16" if unet.dtype == torch.bfloat16 else "no",
                        cpu=unet.device.type == "cpu")
 
 
-def raylora_step(model, unet, vae, encoders, scheduler, scale, res, cached: bool, compiled: bool):
-    """raylora's own step: ``add_lora`` (fp32 LoRA on a bf16 base), Accelerate bf16,
-    ``train_micro_step``; optionally ``compile_unet`` and cached batches (no encoders)."""
+def raylora_step(model, unet, vae, encoders, scheduler, scale, res, cached: bool):
+    """raylora's own step through the family seam: ``add_lora`` (fp32 LoRA on a bf16
+    base), DDPM ε objective, Accelerate bf16, ``train_micro_step``, AdamW as
+    ``build_optimizer`` picks it; cached batches: no encoders. Compiled by the caller,
+    after the FLOPs of the eager step are counted."""
     from raylora.config import LoraSection
     from raylora.model.lora import add_lora
-    from raylora.train.setup import compile_unet
+    from raylora.train.objective import DDPM
+    from raylora.train.optim import adamw_impl
     from raylora.train.step import FrozenParts, train_micro_step
 
     accel = fresh_accelerator(unet)
     params = add_lora(unet, LoraSection(rank=16, alpha=16, target_modules=LORA_TARGETS))
-    if compiled:
-        compile_unet(unet)
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=unet.device.type == "cuda")
+    opt = torch.optim.AdamW(params, lr=1e-4, **adamw_impl(unet.device))
     unet_p, opt = accel.prepare(unet, opt)
-    parts = FrozenParts(None if cached else vae, [] if cached else encoders, scheduler, unet.dtype,
-                        "epsilon", latent_scale=scale, resolution=res)
+    parts = FrozenParts(family(model), None if cached else vae, [] if cached else encoders,
+                        DDPM(scheduler, "epsilon"), unet.dtype, latent_scale=scale)
 
     def step(batch):
         return train_micro_step(accel, unet_p, parts, opt, None, params, batch, 1.0)
 
-    return step, params
+    return step
 
 
 def baseline_step(model, unet, vae, encoders, scheduler, scale, res):
@@ -223,26 +258,12 @@ def baseline_step(model, unet, vae, encoders, scheduler, scale, res):
             opt.zero_grad()
         return loss.detach()
 
-    return step, params
+    return step
 
 
 def sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
-
-
-def time_steps(step, batch, device, warmup: int, steps: int) -> float:
-    """Seconds per step after ``warmup`` steps (compilation happens there)."""
-    for _ in range(warmup):
-        step(batch)
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        loss = step(batch)
-    sync(device)
-    if not torch.isfinite(loss):
-        raise RuntimeError(f"non-finite loss {loss.item()}")
-    return (time.perf_counter() - t0) / steps
 
 
 def count_flops(step, batch) -> int:
@@ -253,87 +274,266 @@ def count_flops(step, batch) -> int:
     return counter.get_total_flops()
 
 
-def run_case(args, model, b, variant, device, dtype, peak) -> dict:
-    """One row: a fresh model (LoRA and compile state do not leak between rows)."""
+def sdpa_context(tokens: set):
+    """The SDPA backend the variant pins (default: PyTorch's own choice per call)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    pinned = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+              "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    chosen = [pinned[t] for t in sorted(tokens & pinned.keys())]
+    return sdpa_kernel(chosen) if chosen else contextlib.nullcontext()
+
+
+# ---- one row, in its own process --------------------------------------------------------
+
+
+def emit(**event) -> None:
+    """A progress event for the parent (one JSON line; other output passes through)."""
+    print("@@" + json.dumps(event), flush=True)
+
+
+def run_case(args) -> None:
+    """The row ``args.case`` (``model:batch:variant``): events built, first, row."""
+    model, b, variant = args.case.split(":", 2)
+    b, tokens = int(b), set(variant.split("+"))
+    if tokens - TOKENS:
+        raise SystemExit(f"unknown variant tokens {sorted(tokens - TOKENS)}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    from raylora.train.compile import compile_denoiser
+
     res, unet, vae, encoders, scheduler, scale = build(model, device, dtype, args.smoke)
-    vocab = encoders[0].config.vocab_size
-    batch = raw_batch(model, b, res, vocab, device)
-    cached = variant in ("cached", "cached+compile")
-    compiled = variant in ("compile", "cached+compile")
-    if variant == "baseline (diffusers script)":
-        step, _ = baseline_step(model, unet, vae, encoders, scheduler, scale, res)
+    batch = raw_batch(model, b, res, encoders[0].config.vocab_size, device)
+    if "baseline" in tokens:
+        step = baseline_step(model, unet, vae, encoders, scheduler, scale, res)
     else:
+        cached = "cached" in tokens
         if cached:
-            batch = cached_batch(vae, encoders, batch, res)
-            del vae, encoders  # a cached run's worker never loads them
-            vae, encoders = None, []
-        step, _ = raylora_step(model, unet, vae, encoders, scheduler, scale, res, cached, compiled)
-    flops = None if compiled else count_flops(step, batch)  # eager: same model FLOPs
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    sec = time_steps(step, batch, device, args.warmup + (2 if compiled else 0), args.steps)
-    row = {"model": model, "res": res, "batch": b, "variant": variant,
-           "img/s": b / sec, "step ms": sec * 1000, "flops": flops}
+            batch = cached_batch(model, vae, encoders, batch)
+            vae, encoders = None, []  # a cached run's worker never loads them
+        if "cl" in tokens:
+            unet.to(memory_format=torch.channels_last)
+        step = raylora_step(model, unet, vae, encoders, scheduler, scale, res, cached)
+    sdpa = sdpa_context(tokens)
+    with sdpa:
+        flops = args.flops or count_flops(step, batch)
+    mode = ("full" if "full" in tokens else
+            "regional" if tokens & {"regional", "regional-attn"} else "none")
+    blocks = ["BasicTransformerBlock"] if "regional-attn" in tokens else None
+    kwargs = ({"mode": "max-autotune-no-cudagraphs"} if "mat" in tokens else
+              {"mode": "reduce-overhead"} if "ro" in tokens else {})
+    compile_denoiser(unet, mode, blocks, **kwargs)
+    if "ro" in tokens:  # CUDA graph trees: each step is a new generation of outputs
+        inner = step
+
+        def step(batch):
+            torch.compiler.cudagraph_mark_step_begin()
+            return inner(batch)
+    emit(event="built", flops=flops)
+
+    with sdpa:
+        t0 = time.perf_counter()
+        step(batch)
+        sync(device)
+        first = time.perf_counter() - t0
+        emit(event="first", **{"first step s": first})
+        for _ in range(args.warmup - 1):
+            step(batch)
+        sync(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.reset_accumulated_memory_stats()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            loss = step(batch)
+        sync(device)
+        sec = (time.perf_counter() - t0) / args.steps
+    if not torch.isfinite(loss):
+        raise RuntimeError(f"non-finite loss {loss.item()}")
+    from torch._dynamo.utils import counters
+
+    row = {"res": res, "img/s": b / sec, "step ms": sec * 1000, "flops": flops,
+           "graphs": counters["stats"].get("unique_graphs", 0),
+           "breaks": sum(counters["graph_break"].values())}
+    if mode != "none":
+        row["compile s"] = max(first - sec, 0.0)
     if device.type == "cuda":
         row["peak mem GiB"] = torch.cuda.max_memory_allocated() / 2**30
+        # The caching allocator freeing everything and retrying cudaMalloc: memory pressure
+        # that costs time (a suspect for a compiled step slower than the eager one).
+        row["alloc retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+    emit(event="row", row=row)
+
+
+def case_main(args) -> None:
+    try:
+        run_case(args)
+    except torch.cuda.OutOfMemoryError:
+        traceback.print_exc()
+        emit(event="error", what="OOM")
+        sys.exit(1)
+    except Exception as exc:  # the parent records it: one failing case is a result too
+        traceback.print_exc()
+        emit(event="error", what=f"error: {type(exc).__name__}")
+        sys.exit(1)
+
+
+# ---- the grid, one process per row ------------------------------------------------------
+
+
+def run_row(args, model: str, b: int, variant: str, flops: int | None, deadline: float) -> dict:
+    """Run one row in a child process, with a time limit per phase: building (model, batch,
+    FLOP count), the first step (the compile budget) and the timed steps."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--case", f"{model}:{b}:{variant}",
+           "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    if args.smoke:
+        cmd.append("--smoke")
+    if flops:
+        cmd += ["--flops", str(flops)]
+    cache = tempfile.mkdtemp(prefix="inductor-")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if not args.shared_compile_cache:
+        env.update(TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"))
+    row = {"model": model, "batch": b, "variant": variant}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+
+    def pump():
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    phases = [("built", args.build_timeout), ("first", args.compile_budget), ("row", args.steps_timeout)]
+    phase, limit = phases.pop(0)
+    until = min(time.monotonic() + limit, deadline)
+    try:
+        while True:
+            try:
+                line = lines.get(timeout=max(until - time.monotonic(), 0))
+            except queue.Empty:
+                over = "compile" if phase == "first" else phase
+                if until >= deadline:
+                    row["img/s"] = f"stopped: --time-limit ({over})"
+                elif phase == "first":
+                    row["img/s"] = f"compile > {args.compile_budget:.0f} s"
+                else:
+                    row["img/s"] = f"timeout ({over} > {limit:.0f} s)"
+                break
+            if line is None:
+                row.setdefault("img/s", f"error: exit {proc.wait()}")
+                break
+            if not line.startswith("@@"):
+                sys.stdout.write(f"  [{variant}] {line}")
+                continue
+            event = json.loads(line[2:])
+            if event["event"] == "error":
+                row["img/s"] = event["what"]
+            elif event["event"] == "row":
+                row.update(event["row"])
+            elif event["event"] == phase:
+                row.update({k: v for k, v in event.items() if k != "event"})
+                if phases:
+                    phase, limit = phases.pop(0)
+                    until = min(time.monotonic() + limit, deadline)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        shutil.rmtree(cache, ignore_errors=True)
     return row
+
+
+def parse_batches(spec: str, models: list[str]) -> dict[str, list[int]]:
+    """``32,64`` (every model) or ``sd15=32,64;sdxl=4,8``."""
+    if "=" not in spec:
+        return {m: [int(x) for x in spec.split(",")] for m in models}
+    out = {}
+    for part in spec.split(";"):
+        m, sizes = part.split("=")
+        out[m.strip()] = [int(x) for x in sizes.split(",")]
+    return {m: out.get(m, []) for m in models}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="sd15,sdxl")
-    ap.add_argument("--batch-sizes", default="1,2,4,8,16")
-    ap.add_argument("--variants", default="baseline,raylora,cached,compile,cached+compile",
-                    help="baseline = diffusers-script step; raylora = raylora's step, uncached, eager")
+    ap.add_argument("--batch-sizes", default=DEFAULT_BATCHES,
+                    help="'32,64' for every model, or per model: 'sd15=32,64;sdxl=4,8'")
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS,
+                    help="comma-separated; each a '+'-joined token set (module docstring)")
     ap.add_argument("--no-compile", action="store_true", help="drop the compiled variants")
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=3, help="steps before timing, the first included")
+    ap.add_argument("--compile-budget", type=float, default=90.0,
+                    help="seconds the first (compiling) step may take before the row is given up")
+    ap.add_argument("--build-timeout", type=float, default=300.0)
+    ap.add_argument("--steps-timeout", type=float, default=300.0)
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="seconds for the whole grid: rows not finished by then are recorded as stopped")
+    ap.add_argument("--shared-compile-cache", action="store_true",
+                    help="let rows reuse each other's inductor/triton cache (warm compile times)")
+    ap.add_argument("--jsonl", help="also append each row to this file as it finishes")
     ap.add_argument("--peak-tflops", type=float, help="override the peak bf16 TFLOP/s")
-    ap.add_argument("--smoke", action="store_true", help="toy widths, batch 1-2, 2 steps, CPU ok")
+    ap.add_argument("--smoke", action="store_true", help="toy widths, batch 2, 2 steps, CPU ok")
+    ap.add_argument("--case", help=argparse.SUPPRESS)  # model:batch:variant, in a child process
+    ap.add_argument("--flops", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.smoke and "--steps" not in sys.argv:
+        args.steps, args.warmup = 2, 1
+    if args.smoke and "--compile-budget" not in sys.argv:
+        args.compile_budget = 900.0  # a 2-core CPU compiles even the toy UNet for minutes
+    if args.case:
+        return case_main(args)
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type != "cuda" and not args.smoke:
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
         raise SystemExit("no CUDA device: run with --smoke to check the script on a CPU")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if args.smoke:
-        args.batch_sizes, args.steps, args.warmup = "1,2", 2, 1
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-    name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
-    peak = peak_flops(name, args.peak_tflops) if device.type == "cuda" else None
+    if args.smoke and args.batch_sizes == DEFAULT_BATCHES:
+        args.batch_sizes = "2"
+    models = args.models.split(",")
+    batches = parse_batches(args.batch_sizes, models)
+    name = torch.cuda.get_device_name(0) if cuda else "cpu"
+    peak = peak_flops(name, args.peak_tflops) if cuda else None
     names = {"baseline": "baseline (diffusers script)"}
-    variants = [names.get(v, v) for v in args.variants.split(",")]
+    variants = args.variants.split(",")
     if args.no_compile:
-        variants = [v for v in variants if "compile" not in v]
+        variants = [v for v in variants if not set(v.split("+")) & {"regional", "regional-attn", "full"}]
+    for v in variants:
+        if set(v.split("+")) - TOKENS:
+            raise SystemExit(f"--variants: unknown tokens in {v!r}: {sorted(set(v.split('+')) - TOKENS)}")
+    deadline = time.monotonic() + (args.time_limit or 1e9)
 
     rows = []
-    for model in args.models.split(","):
-        for b in map(int, args.batch_sizes.split(",")):
-            flops_eager = {}
+    for model in models:
+        for b in batches[model]:
+            flops_by_cached = {}
             for variant in variants:
-                try:
-                    row = run_case(args, model, b, variant, device, dtype, peak)
-                except torch.cuda.OutOfMemoryError:
-                    row = {"model": model, "batch": b, "variant": variant, "img/s": "OOM"}
-                except Exception as exc:  # record and go on: one failing case is a result too
-                    traceback.print_exc()
+                cached = "cached" in variant.split("+")
+                t0 = time.monotonic()
+                if t0 >= deadline:
                     row = {"model": model, "batch": b, "variant": variant,
-                           "img/s": f"error: {type(exc).__name__}"}
-                finally:
-                    gc.collect()  # the failed case's tensors, before the next one allocates
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-                cached = "cached" in variant
+                           "img/s": "not run: --time-limit"}
+                else:
+                    # Compiled rows take the eager rows' FLOPs (same model FLOPs).
+                    row = run_row(args, model, b, variant, flops_by_cached.get(cached), deadline)
+                row["variant"] = names.get(variant, variant)
                 if row.get("flops"):
-                    flops_eager[cached] = row["flops"]
+                    flops_by_cached.setdefault(cached, row["flops"])
                 if isinstance(row.get("img/s"), float):
-                    row["flops"] = row.get("flops") or flops_eager.get(cached)
                     if row["flops"] and peak:
                         row["MFU %"] = 100 * row["flops"] / (row["step ms"] / 1000) / peak
                     row["TFLOP/step"] = row["flops"] / 1e12 if row["flops"] else None
+                row["wall s"] = time.monotonic() - t0
                 rows.append(row)
-                print({k: v for k, v in row.items() if k != "flops"}, flush=True)
+                shown = {k: v for k, v in row.items() if k != "flops"}
+                print(shown, flush=True)
+                if args.jsonl:
+                    with open(args.jsonl, "a") as f:
+                        f.write(json.dumps(shown) + "\n")
             base = next((r for r in rows if r["model"] == model and r["batch"] == b
                          and r["variant"].startswith("baseline") and isinstance(r["img/s"], float)), None)
             for r in rows:
@@ -341,16 +541,24 @@ def main() -> None:
                     r["x baseline"] = round(r["img/s"] / base["img/s"], 2)
 
     cols = ["model", "res", "batch", "variant", "img/s", "step ms", "TFLOP/step", "MFU %",
-            "x baseline", "peak mem GiB"]
+            "x baseline", "compile s", "peak mem GiB", "alloc retries", "graphs", "breaks"]
+    dtype = "bf16" if cuda else "fp32"
     record(f"GPU throughput ({name})" + (" [smoke: toy widths, not a measurement]" if args.smoke else ""),
            machine(), table(rows, cols), [
                "Random-weight SD 1.5 (512px) / SDXL (1024px) architectures, LoRA rank 16 on "
-               f"to_q/to_k/to_v/to_out.0, {'bf16' if dtype == torch.bfloat16 else 'fp32'}, SDPA, "
-               f"AdamW; {args.warmup} warm-up + {args.steps} timed steps per row; one batch "
-               "reused (data loading is benchmark 1).",
+               f"to_q/to_k/to_v/to_out.0, {dtype}, SDPA, AdamW (fused on CUDA); "
+               f"{args.warmup} warm-up + {args.steps} timed steps per row, each row in its own "
+               "process; one batch reused (data loading is benchmark 1).",
+               "compile s: first step minus steady step, " + (
+                   "inductor/triton caches shared between rows (warm)." if args.shared_compile_cache
+                   else "fresh inductor/triton cache per row (cold)") +
+               f"; budget {args.compile_budget:.0f} s. peak mem: over the timed steps. graphs/"
+               "breaks: dynamo's unique graphs and graph breaks in the row's process.",
                f"MFU against {peak / 1e12:.0f} TFLOP/s peak dense bf16." if peak else
                "MFU: no peak FLOP/s known for this device (use --peak-tflops).",
-               "Targets (H100/H200): >= 40% MFU for the cached UNet step; >= 1.3x the baseline.",
+               "Targets (H100/H200): SD 1.5 cached+compiled >= 40% MFU; SDXL compiled >= eager "
+               "and >= 30% MFU; compile <= 90 s per model; >= 1.3x the baseline.",
+               *([f"Code: {os.environ['RAYLORA_REV']}"] if os.environ.get("RAYLORA_REV") else []),
                "Command: `.venv/bin/python bench/gpu_throughput.py " + " ".join(sys.argv[1:]) + "`",
            ])
 

@@ -14,6 +14,8 @@ recompile the graph.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 MODES = ("none", "regional", "full")
@@ -53,6 +55,17 @@ def compile_denoiser(model: torch.nn.Module, mode: str, blocks=None, **compile_k
     names = [n for n, m in model.named_modules() if type(m).__name__ in blocks]
     if not names:
         raise ValueError(f"regional compile: no {list(blocks)} in {type(model).__name__}")
+    per_class = Counter(type(model.get_submodule(n)).__name__ for n in names)
+    # Dynamo keeps one cache of compiled variants per code object, shared by every block
+    # of a class, and a variant is compiled per distinct shape and guarded attribute (SD
+    # 1.5's UNet has 15 kinds of ResnetBlock2D), per grad mode and train/eval (previews).
+    # Past recompile_limit (8) it silently runs the rest eagerly, so allow every instance
+    # its own variant in both modes.
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, 2 * max(per_class.values()))
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 2 * len(names))
     for n in names:
         model.get_submodule(n).compile(**compile_kwargs)
     return names

@@ -33,5 +33,5 @@ def test_preflight_names_resolution_and_small_data(base_config):
     with pytest.raises(ConfigError) as ei:
         plan(resolve_paths(validate(base_config)))
     msg = str(ei.value)
-    assert "data.resolution: 63 is not divisible by the VAE's downsampling factor 2" in msg
+    assert "data.resolution: 63 is not a multiple of 2 (the sd latent grid" in msg
     assert "data.uri: 32 rows split over 1 workers is less than one optimizer step" in msg

@@ -105,7 +105,7 @@ def test_heldout_loss_is_deterministic_split_invariant_and_sees_the_adapter(tiny
     b = prepare_heldout(parts, {"pixel_values": px, "input_ids": ids}, num_timesteps=3, seed=5, batch_size=4)
     assert len(a) == 6 * 3
     assert torch.equal(a.noisy, b.noisy) and torch.equal(a.target, b.target)
-    assert torch.equal(a.text.hidden, b.text.hidden)
+    assert torch.equal(a.text["prompt_embeds"], b.text["prompt_embeds"])
     assert a.timesteps.tolist() == [166, 500, 833] * 6
 
     first = heldout_loss(unet, a, torch.float32, batch_size=4)

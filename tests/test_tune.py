@@ -127,7 +127,8 @@ def test_heldout_loss_is_deterministic_split_invariant_and_sees_the_adapter(tiny
         heldout_loss(unet, a, torch.float32, batch_size=4, rank=r, world=2, all_reduce_sum=gather)
     total = parts_sums[0] + parts_sums[1]
     assert total[1] == 18
-    assert float(total[0] / total[1]) == pytest.approx(first, rel=1e-12)
+    # Each rank runs its own batch compositions: fp32 rounding, as for other batch sizes.
+    assert float(total[0] / total[1]) == pytest.approx(first, rel=1e-6)
 
     # A different noise seed is a different (fixed) draw; a changed adapter a different loss.
     other_seed = heldout_loss(unet, prepare_heldout(parts, {"pixel_values": px, "input_ids": ids}, 3, seed=6), torch.float32)

@@ -48,6 +48,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # raylora
 
 import torch  # noqa: E402
 
@@ -316,8 +317,7 @@ def run_case(args) -> None:
         if "cl" in tokens:
             unet.to(memory_format=torch.channels_last)
         step = raylora_step(model, unet, vae, encoders, scheduler, scale, res, cached)
-    sdpa = sdpa_context(tokens)
-    with sdpa:
+    with sdpa_context(tokens):
         flops = args.flops or count_flops(step, batch)
     mode = ("full" if "full" in tokens else
             "regional" if tokens & {"regional", "regional-attn"} else "none")
@@ -333,7 +333,7 @@ def run_case(args) -> None:
             return inner(batch)
     emit(event="built", flops=flops)
 
-    with sdpa:
+    with sdpa_context(tokens):
         t0 = time.perf_counter()
         step(batch)
         sync(device)

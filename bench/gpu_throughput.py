@@ -13,7 +13,8 @@ in the same run.
 
 A variant is ``+``-joined tokens: ``baseline`` (the diffusers-script step) or raylora's
 step, ``cached`` (latent cache: no VAE or text encoder in the step), ``regional`` /
-``full`` (``compile_denoiser`` mode; ``regional-attn``: transformer blocks only), and the
+``full`` (``compile_denoiser`` mode; regional compiles the family's repeated blocks, as
+training does; ``regional-res``: and the UNet's ResnetBlock2D too), and the
 "fast step" switches ``cl`` (channels-last UNet), ``flash`` / ``cudnn`` / ``efficient``
 (SDPA backend), ``mat`` (inductor ``max-autotune-no-cudagraphs``), ``ro``
 (``reduce-overhead``: CUDA graphs). ``raylora`` alone is the uncached eager step.
@@ -111,10 +112,10 @@ LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 
 
 # Variant tokens (see the module docstring).
-TOKENS = {"baseline", "raylora", "cached", "regional", "regional-attn", "full", "cl", "flash",
+TOKENS = {"baseline", "raylora", "cached", "regional", "regional-res", "full", "cl", "flash",
           "cudnn", "efficient", "math", "mat", "ro"}
 DEFAULT_BATCHES = "sd15=32,64;sdxl=4,8"
-DEFAULT_VARIANTS = "baseline,raylora,cached,cached+regional,cached+full,regional"
+DEFAULT_VARIANTS = "baseline,raylora,cached,cached+regional,cached+regional-res,cached+full,regional"
 
 
 def peak_flops(device_name: str, override: float | None) -> float | None:
@@ -303,7 +304,7 @@ def run_case(args) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
-    from raylora.train.compile import compile_denoiser
+    from raylora.train.compile import UNET_RESNET_BLOCKS, compile_denoiser
 
     res, unet, vae, encoders, scheduler, scale = build(model, device, dtype, args.smoke)
     batch = raw_batch(model, b, res, encoders[0].config.vocab_size, device)
@@ -320,8 +321,10 @@ def run_case(args) -> None:
     with sdpa_context(tokens):
         flops = args.flops or count_flops(step, batch)
     mode = ("full" if "full" in tokens else
-            "regional" if tokens & {"regional", "regional-attn"} else "none")
-    blocks = ["BasicTransformerBlock"] if "regional-attn" in tokens else None
+            "regional" if tokens & {"regional", "regional-res"} else "none")
+    blocks = family(model).repeated_blocks  # what build_run passes
+    if "regional-res" in tokens:
+        blocks += UNET_RESNET_BLOCKS
     kwargs = ({"mode": "max-autotune-no-cudagraphs"} if "mat" in tokens else
               {"mode": "reduce-overhead"} if "ro" in tokens else {})
     compile_denoiser(unet, mode, blocks, **kwargs)
@@ -501,7 +504,7 @@ def main() -> None:
     names = {"baseline": "baseline (diffusers script)"}
     variants = args.variants.split(",")
     if args.no_compile:
-        variants = [v for v in variants if not set(v.split("+")) & {"regional", "regional-attn", "full"}]
+        variants = [v for v in variants if not set(v.split("+")) & {"regional", "regional-res", "full"}]
     for v in variants:
         if set(v.split("+")) - TOKENS:
             raise SystemExit(f"--variants: unknown tokens in {v!r}: {sorted(set(v.split('+')) - TOKENS)}")

@@ -1,60 +1,203 @@
-"""``train.compile``: the UNet compiled in place computes what the eager UNet computes,
-forward and LoRA gradients, and keeps its parameter and state-dict names (DDP, adapter
-export and resume depend on them). Real inductor compile on CPU (needs a C++ compiler)."""
+"""``train.compile``: the denoiser compiled in place (``compile_denoiser``) computes what the
+eager one computes, loss and LoRA gradients, through raylora's own step; keeps its parameter
+and state-dict names (DDP, adapter export and resume depend on them); has no graph break
+(the peft LoRA layers included) and compiles nothing after the first step of a shape.
+Real inductor compile on CPU (needs a C++ compiler) for the regional mode every run uses."""
 
 from __future__ import annotations
 
 import copy
+import os
 
+import numpy as np
+import pytest
 import torch
-from diffusers import UNet2DConditionModel
+import torch._dynamo
+from torch._dynamo.utils import counters
 
-from raylora.config import LoraSection
+from raylora.config import LoraSection, validate
 from raylora.model.lora import add_lora, lora_state_dict
-from raylora.train.setup import compile_unet
+from raylora.train.compile import UNET_RESNET_BLOCKS, compile_denoiser, repeated_blocks
+
+FAMILIES = ["sd", "sdxl"]
 
 
-def _loss_and_grads(unet, params, latents, t, text, target):
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """family → a tiny pipeline folder, built once per module on first use."""
+    from raylora.model.tiny import build_tiny
+
+    built = {}
+
+    def get(family: str) -> str:
+        if family not in built:
+            built[family] = str(build_tiny(tmp_path_factory.mktemp(family) / family, family=family))
+        return built[family]
+
+    return get
+
+
+def _cached_batch(family, comps, model: str, demo_data: str, n: int = 2) -> dict:
+    """Two demo rows through raylora's preprocessing and the family's encoders: what the
+    latent cache would hold, so the step runs the denoiser alone."""
+    import pyarrow.parquet as pq
+
+    from raylora.data.preprocess import Preprocess
+    from raylora.train.encode import batch_condition, vae_posterior
+
+    stage = Preprocess(model, 64, center_crop=True, random_flip=False, family=family.name,
+                       max_sequence_length=32)
+    table = pq.read_table(os.path.join(demo_data, "part-00000.parquet")).slice(0, n)
+    raw = stage({"image": np.array(table["image"].to_pylist(), dtype=object),
+                 "text": np.array(table["text"].to_pylist(), dtype=object)})
+    raw = {k: torch.from_numpy(v) for k, v in raw.items()}
+    with torch.no_grad():
+        batch = {"latent_params": vae_posterior(family, comps.vae, raw["pixel_values"])}
+        batch.update(batch_condition(family, comps.text_encoders, raw))
+    return batch
+
+
+def _loss_and_grads(model, parts, params, batch, seed: int):
+    from raylora.train.step import compute_loss
+
     for p in params:
         p.grad = None
-    out = unet(latents, t, encoder_hidden_states=text).sample
-    loss = torch.nn.functional.mse_loss(out.float(), target)
+    torch.manual_seed(seed)  # the same noise and timesteps for the eager and compiled model
+    loss = compute_loss(model, parts, batch)
     loss.backward()
-    return out.detach(), loss.detach(), [p.grad.detach().clone() for p in params]
+    return loss.detach(), [p.grad.detach().clone() for p in params]
 
 
-def test_compiled_unet_matches_eager_and_keeps_its_names(tiny_model):
-    import torch._dynamo
+@pytest.mark.parametrize("family_name", FAMILIES)
+def test_regional_compile_matches_eager_without_breaks_or_recompiles(tiny, demo_data, tmp_path,
+                                                                      family_name):
+    from dataclasses import replace
 
+    from raylora.model.load import load_components
+    from raylora.train.setup import frozen_parts
+
+    model = tiny(family_name)
+    cfg = validate({"model": {"pretrained": model, "max_sequence_length": 32},
+                    "data": {"uri": demo_data, "resolution": 64}, "lora": {"rank": 4},
+                    "output": {"uri": str(tmp_path / "o")}})
+    comps = load_components(cfg.model, torch.float32)
+    fam = comps.family
+    eager = comps.denoiser
     torch.manual_seed(0)
-    eager = UNet2DConditionModel.from_pretrained(tiny_model, subfolder="unet")
-    eager_params = add_lora(eager, LoraSection(rank=4))
-    with torch.no_grad():  # a non-zero adapter, so LoRA's B gradients are not all equal
+    eager_params = add_lora(eager, cfg.lora, fam.lora_targets)
+    with torch.no_grad():  # a non-zero adapter, so lora_A gets gradients too
         for n, p in eager.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.02)
+    batch = _cached_batch(fam, comps, model, demo_data)
+    parts = replace(frozen_parts(cfg, comps, "cpu", torch.float32), vae=None, text_encoders=[])
+
     compiled = copy.deepcopy(eager)
     compiled_params = [p for p in compiled.parameters() if p.requires_grad]
     torch._dynamo.reset()
-    compile_unet(compiled)
+    counters.clear()
+    # The blocks training compiles (setup.build_run passes the family's); fullgraph: a
+    # graph break anywhere in a block, a peft LoRA layer included, is an error.
+    names = compile_denoiser(compiled, "regional", fam.repeated_blocks, fullgraph=True)
+    assert names and all(compiled.get_submodule(n)._compiled_call_impl is not None for n in names)
+    assert {type(compiled.get_submodule(n)).__name__ for n in names} == set(fam.repeated_blocks)
 
-    g = torch.Generator().manual_seed(1)
-    latents = torch.randn(2, 4, 32, 32, generator=g)
-    t = torch.tensor([10, 500])
-    text = torch.randn(2, 77, 32, generator=g)
-    target = torch.randn(2, 4, 32, 32, generator=g)
-    ref = _loss_and_grads(eager, eager_params, latents, t, text, target)
-    for _ in range(2):  # the second call runs the cached graph
-        got = _loss_and_grads(compiled, compiled_params, latents, t, text, target)
-        assert torch.allclose(got[0], ref[0], atol=1e-4, rtol=1e-4)
-        assert abs(float(got[1]) - float(ref[1])) < 1e-5 * max(1.0, float(ref[1]))
-        assert len(got[2]) == len(ref[2]) > 0
-        for a, b in zip(got[2], ref[2]):
-            assert torch.allclose(a, b, atol=1e-5, rtol=1e-3)
+    opt = torch.optim.SGD(compiled_params, lr=1e-2)
+    graphs = None
+    for step in range(3):
+        ref_loss, ref_grads = _loss_and_grads(eager, parts, eager_params, batch, seed=step)
+        loss, grads = _loss_and_grads(compiled, parts, compiled_params, batch, seed=step)
+        assert abs(float(loss) - float(ref_loss)) <= 1e-5 * max(1.0, abs(float(ref_loss)))
+        assert len(grads) == len(ref_grads) > 0
+        for a, b in zip(grads, ref_grads):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-3)
+        assert sum(float(g.abs().sum()) for g in grads) > 0
+        if step == 0:
+            graphs = (counters["stats"]["unique_graphs"], counters["frames"]["total"])
+            assert graphs[0] >= 1  # it really ran through dynamo/inductor
+        else:  # later steps of the same shape compile nothing
+            assert (counters["stats"]["unique_graphs"], counters["frames"]["total"]) == graphs
+        # Both take the same optimizer step, so later steps run on changed weights.
+        opt.step()
+        with torch.no_grad():
+            for p, g in zip(eager_params, ref_grads):
+                p -= 1e-2 * g
+    assert sum(counters["graph_break"].values()) == 0
 
-    # It really ran through dynamo/inductor, and nothing was renamed (no "_orig_mod.").
-    assert compiled._compiled_call_impl is not None
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    # Nothing renamed (no "_orig_mod."): checkpoints, resume and DDP see the same module.
     assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in eager.named_parameters()]
     assert list(compiled.state_dict()) == list(eager.state_dict())
     assert list(lora_state_dict(compiled)) == list(lora_state_dict(eager))
+
+
+def _unet(levels: int = 2, **kw):
+    from diffusers import UNet2DConditionModel
+
+    chans = (8, 16, 24, 32)[:levels]
+    return UNet2DConditionModel(
+        sample_size=16, block_out_channels=chans, layers_per_block=2, norm_num_groups=8,
+        down_block_types=("CrossAttnDownBlock2D",) * (levels - 1) + ("DownBlock2D",),
+        up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * (levels - 1),
+        cross_attention_dim=16, attention_head_dim=4, **kw)
+
+
+def test_every_block_of_an_sd15_layout_unet_is_compiled():
+    """SD 1.5's 4-level UNet has more kinds of ResnetBlock2D (channels, size, shortcut,
+    requires_grad of the input) than dynamo's default recompile_limit (8): without raising
+    it, the blocks past the eighth kind would silently run eagerly."""
+    torch.manual_seed(0)
+    unet = _unet(levels=4)
+    add_lora(unet, LoraSection(rank=2, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    torch._dynamo.reset()
+    counters.clear()
+    # backend="eager": dynamo's capture and caching only; inductor is not what is tested.
+    names = compile_denoiser(unet, "regional", repeated_blocks(unet) + UNET_RESNET_BLOCKS,
+                             backend="eager")
+    resnets = [n for n in names if type(unet.get_submodule(n)).__name__ == "ResnetBlock2D"]
+    assert len(resnets) == 22
+    x, t, text = torch.randn(2, 4, 16, 16), torch.tensor([1, 500]), torch.randn(2, 7, 16)
+    unet(x, t, text).sample.mean().backward()
+    assert not counters["unimplemented"]  # where a recompile limit hit is recorded
+    assert counters["frames"]["ok"] == counters["frames"]["total"]
+    # one graph per kind of block: more than the default limit of 8 resnet kinds alone
+    assert counters["stats"]["unique_graphs"] > 8 + 2
+
+
+def test_full_compile_keeps_names_and_output():
+    """``full``: the whole model compiled in place (aot_eager: the capture and the
+    forward/backward split, without inductor's minutes of CPU code generation)."""
+    torch.manual_seed(0)
+    eager = _unet()
+    params = add_lora(eager, LoraSection(rank=2, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    compiled = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    counters.clear()
+    assert compile_denoiser(compiled, "full", backend="aot_eager") == [""]
+    assert compiled._compiled_call_impl is not None
+    x, t, text = torch.randn(2, 4, 16, 16), torch.tensor([1, 500]), torch.randn(2, 7, 16)
+    ref = eager(x, t, text).sample
+    ref.square().mean().backward()
+    out = compiled(x, t, text).sample
+    out.square().mean().backward()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    for a, b in zip([p for p in compiled.parameters() if p.requires_grad], params):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-4)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert list(compiled.state_dict()) == list(eager.state_dict())
+
+
+def test_modes_and_default_blocks():
+    from diffusers import SD3Transformer2DModel
+
+    unet = _unet()
+    assert compile_denoiser(unet, "none") == [] and unet._compiled_call_impl is None
+    with pytest.raises(ValueError, match="compile mode 'fast'"):
+        compile_denoiser(unet, "fast")
+    with pytest.raises(ValueError, match="no \\['FluxTransformerBlock'\\]"):
+        compile_denoiser(unet, "regional", ["FluxTransformerBlock"])
+    # UNets: diffusers' _repeated_blocks (resnets only when asked for); SD3 declares none.
+    assert repeated_blocks(unet) == ("BasicTransformerBlock",)
+    sd3 = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=1,
+                                attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
+                                caption_projection_dim=16, pooled_projection_dim=8, out_channels=4)
+    assert repeated_blocks(sd3) == ("JointTransformerBlock",)

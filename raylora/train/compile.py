@@ -4,12 +4,16 @@ In place (``Module.compile``): the module, its parameters and state-dict keys st
 they were (no ``_orig_mod.`` prefix), so DDP, LoRA export and resume are unchanged. Static
 shapes: every training batch of a run has one shape (drop_last, one resolution).
 
-``regional`` compiles each repeated block (transformer blocks, and for UNets the resnet
-blocks) on its own. The blocks of one class share their compiled code, so a UNet compiles
+``regional`` compiles each repeated block (diffusers' ``_repeated_blocks``: the transformer
+blocks) on its own. The blocks of one class share their compiled code, so a model compiles
 a handful of small graphs (one per distinct block shape) instead of one graph of the whole
-network: seconds instead of minutes, and the code between blocks (embeddings, up/down
-sampling, the added conditioning of SDXL) runs eagerly, so nothing there can break or
-recompile the graph.
+network, and the code between blocks (embeddings, resnets and up/down sampling of a UNet,
+the added conditioning of SDXL) runs eagerly, so nothing there can break or recompile a
+graph. A UNet's resnet blocks (``UNET_RESNET_BLOCKS``) are not compiled by default: on an
+H100 (bench/RESULTS.md, 2026-11-23) they took SD 1.5's cold compile past 90 s (it has ~15
+kinds of ResnetBlock2D, each a forward and a backward graph), while its transformer
+blocks alone compiled in 49 s for 1.35x the eager step. (SDXL with its resnet blocks: 93 s,
+1.58x eager; SDXL without them is not measured yet.)
 """
 
 from __future__ import annotations
@@ -24,17 +28,14 @@ MODES = ("none", "regional", "full")
 FALLBACK_BLOCKS = {
     "SD3Transformer2DModel": ("JointTransformerBlock",),
 }
-# What a UNet compiles besides its ``_repeated_blocks`` (["BasicTransformerBlock"]).
-UNET_EXTRA_BLOCKS = ("ResnetBlock2D",)
+# A UNet's other repeated block, for callers that pass it (see the module docstring).
+UNET_RESNET_BLOCKS = ("ResnetBlock2D",)
 
 
 def repeated_blocks(model: torch.nn.Module) -> tuple[str, ...]:
     """The class names ``regional`` compiles in ``model`` by default."""
     name = type(model).__name__
-    blocks = tuple(getattr(model, "_repeated_blocks", None) or FALLBACK_BLOCKS.get(name, ()))
-    if name == "UNet2DConditionModel":
-        blocks += UNET_EXTRA_BLOCKS
-    return blocks
+    return tuple(getattr(model, "_repeated_blocks", None) or FALLBACK_BLOCKS.get(name, ()))
 
 
 def compile_denoiser(model: torch.nn.Module, mode: str, blocks=None, **compile_kwargs) -> list[str]:

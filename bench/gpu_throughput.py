@@ -553,7 +553,7 @@ def main() -> None:
                f"{args.warmup} warm-up + {args.steps} timed steps per row, each row in its own "
                "process; one batch reused (data loading is benchmark 1).",
                "compile s: first step minus steady step, " + (
-                   "inductor/triton caches shared between rows (warm)." if args.shared_compile_cache
+                   "inductor/triton caches shared between rows (warm)" if args.shared_compile_cache
                    else "fresh inductor/triton cache per row (cold)") +
                f"; budget {args.compile_budget:.0f} s. peak mem: over the timed steps. graphs/"
                "breaks: dynamo's unique graphs and graph breaks in the row's process.",

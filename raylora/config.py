@@ -294,9 +294,9 @@ class TrainSection(_Section):
     )
     compile: Literal["auto", "none", "regional", "full"] = Field(
         "auto",
-        description="regional: torch.compile each repeated block of the denoiser (transformer "
-        "and resnet blocks, as diffusers' compile_repeated_blocks): compiles in seconds, reused "
-        "by every block of a kind. full: the whole denoiser (slowest to compile). none: eager. "
+        description="regional: torch.compile each repeated block of the denoiser (the family's "
+        "transformer blocks, as diffusers' compile_repeated_blocks): compiles in under a minute, "
+        "reused by every block of a kind. full: the whole denoiser (slowest to compile). none: eager. "
         "auto: regional with scaling.use_gpu, none on CPU. Compiled in place, so checkpoint "
         "keys do not change; on CPU it needs a C++ compiler.",
     )

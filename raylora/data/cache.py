@@ -31,6 +31,7 @@ import numpy as np
 
 from raylora import storage
 from raylora.config import RayLoraConfig
+from raylora.data.formats import get_format
 from raylora.storage import Storage
 
 log = logging.getLogger("raylora.cache")
@@ -176,14 +177,7 @@ class EncodeFiles:
         self.rows_per_part, self.encode_batch = rows_per_part, encode_batch
 
     def _rows(self, index: int, start: int, stop: int):
-        from raylora.data import formats
-        from raylora.data.split import iter_rows
-
-        if self.fmt == "imagefolder":  # items are slices of the one row list
-            for row in formats.imagefolder_rows(self.store, self.files, self.data.caption_column)[start:stop]:
-                yield {"image": self.store.read_bytes(row["uri"]), "text": row["text"]}
-        else:
-            yield from iter_rows(self.data, self.fmt, [self.files[index]], self.store)
+        return get_format(self.fmt).iter_unit(self.data, self.files, self.store, index, start, stop)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         import itertools
@@ -228,22 +222,21 @@ class EncodeFiles:
 
 
 def encode_chunk(pre, enc: EncodeStage, rows: list[dict]) -> dict[str, np.ndarray]:
-    """``{image, text}`` rows → cached columns, in order."""
+    """``{image, text}`` rows (with ``key``, where each is, for bad-row reports) → cached
+    columns, in order."""
     batch = {"image": np.array([r["image"] for r in rows], dtype=object),
              "text": np.array([r["text"] for r in rows], dtype=object)}
+    if all("key" in r for r in rows):
+        batch["key"] = np.array([r["key"] for r in rows], dtype=object)
     return enc(pre(batch))
 
 
-def _work_items(fmt: str, files: list[str], store: Storage, caption_column: str,
-                per_item: int) -> list[dict]:
-    """One item per shard file; an imagefolder's row list in slices of ``per_item``."""
-    if fmt == "imagefolder":
-        from raylora.data import formats
-
-        n = len(formats.imagefolder_rows(store, files, caption_column))
-        return [{"item": i, "index": 0, "start": s, "stop": s + per_item}
-                for i, s in enumerate(range(0, n, per_item))]
-    return [{"item": i, "index": i, "start": 0, "stop": -1} for i in range(len(files))]
+def _work_items(data, fmt: str, files: list[str], store: Storage, per_item: int) -> list[dict]:
+    """The format's read units (one per shard file; an imagefolder's row list in slices
+    of ``per_item``), numbered in source order."""
+    units = get_format(fmt).units(data, files, store, per_item)
+    return [{"item": i, "index": index, "start": start, "stop": stop}
+            for i, (index, start, stop) in enumerate(units)]
 
 
 def ensure_cache(cfg: RayLoraConfig, family: str, model_path: str, data_format: str,
@@ -265,7 +258,7 @@ def ensure_cache(cfg: RayLoraConfig, family: str, model_path: str, data_format: 
     log.info("latent cache: encoding %d file(s) into %s", len(data_files), uri)
     pre, enc = _stage_kwargs(cfg, model_path, family, store)
     pre["bad_records"] = bad_records
-    items = _work_items(data_format, list(data_files), store, cfg.data.caption_column, rows_per_part)
+    items = _work_items(cfg.data, data_format, list(data_files), store, rows_per_part)
     gpu = {"num_gpus": 1} if cfg.scaling.use_gpu else {"num_cpus": 1}
     written = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
         EncodeFiles,

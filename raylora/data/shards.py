@@ -8,18 +8,11 @@ is written last, when every shard exists.
 
 from __future__ import annotations
 
-import io
 import json
 import posixpath
-import tarfile
-
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from raylora.data import formats
 from raylora.storage import Storage, join, normalize
-
-PARQUET_SCHEMA = pa.schema([("key", pa.string()), ("image", pa.binary()), ("text", pa.string())])
 
 
 def collect_items(store: Storage, src: str) -> list[dict]:
@@ -49,37 +42,7 @@ def collect_items(store: Storage, src: str) -> list[dict]:
 
 def write_shard(store: Storage, dest: str, fmt: str, index: int, items: list[dict]) -> dict:
     """Write one shard; returns ``{"name", "count", "bytes"}``."""
-    if fmt == "parquet":
-        name = f"shard-{index:05d}.parquet"
-        table = pa.table(
-            {
-                "key": [it["key"] for it in items],
-                "image": [store.read_bytes(it["uri"]) for it in items],
-                "text": [it["text"] for it in items],
-            },
-            schema=PARQUET_SCHEMA,
-        )
-        buf = io.BytesIO()
-        pq.write_table(table, buf)
-        data = buf.getvalue()
-    else:
-        name = f"shard-{index:05d}.tar"
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-            for i, it in enumerate(items):
-                # img2dataset-style keys: the sample's index, zero-padded, shard-prefixed.
-                key = f"{index:05d}{i:04d}"
-                ext = posixpath.splitext(it["uri"])[1].lower()
-                for suffix, payload in (
-                    (ext, store.read_bytes(it["uri"])),
-                    (".txt", it["text"].encode("utf-8")),
-                    (".json", json.dumps({"key": it["key"], "caption": it["text"]}).encode()),
-                ):
-                    info = tarfile.TarInfo(key + suffix)
-                    info.size = len(payload)
-                    info.mtime = 0
-                    tar.addfile(info, io.BytesIO(payload))
-        data = buf.getvalue()
+    name, data = formats.get_format(fmt).write_shard(store, index, items)
     store.write_bytes(join(dest, name), data)
     return {"name": name, "count": len(items), "bytes": len(data)}
 
@@ -99,8 +62,8 @@ def build_shards(
     """Shard ``src`` into ``dest`` with Ray Data (one task per shard); returns the manifest."""
     import ray
 
-    if fmt not in ("parquet", "webdataset"):
-        raise ValueError(f"--format: {fmt!r} is not parquet or webdataset")
+    if fmt not in formats.writable_formats():
+        raise ValueError(f"--format: {fmt!r} is not {' or '.join(formats.writable_formats())}")
     if shard_size <= 0:
         raise ValueError(f"--shard-size: must be positive, got {shard_size}")
     store = store or Storage()
@@ -122,11 +85,7 @@ def build_shards(
         "format": fmt,
         "count": sum(s["count"] for s in shards),
         "bytes": sum(s["bytes"] for s in shards),
-        "schema": (
-            {"key": "string", "image": "binary (encoded image)", "text": "string"}
-            if fmt == "parquet"
-            else {"KEY.<image ext>": "encoded image", "KEY.txt": "caption", "KEY.json": "{key, caption}"}
-        ),
+        "schema": formats.get_format(fmt).manifest_schema,
         "source": normalize(src),
         "shards": shards,
     }

@@ -12,20 +12,19 @@ its own shard files (``DataPlan.for_rank``) for every epoch, read in order.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow.parquet as pq
 import ray
-from ray.data import FileShuffleConfig
 
 from raylora.config import DataSection
-from raylora.data import formats
+from raylora.data.formats import detect_format, get_format
+from raylora.data.formats.base import process_storage as _storage
 from raylora.data.preprocess import Preprocess, preprocess_batch
 from raylora.data.split import KeepSplit
 from raylora.data.tokenize import load_specs
-from raylora.storage import Storage, fs_path
+from raylora.storage import Storage
 
 # Parquet is read by raylora's own row-group tasks, not ``ray.data.read_parquet``. Ray Data
 # 2.60's reader re-lists the files every epoch through a new FooterReader actor (a fresh
@@ -64,12 +63,12 @@ def row_groups_of_part(group_rows: list[int], part: int, parts: int) -> list[int
     return groups
 
 
-def _read_parquet_parts(batch: dict[str, np.ndarray], columns: list[str] | None,
-                        renames: dict[str, str], with_path: bool, endpoint_url: str | None,
-                        region: str | None):
+def _read_parts(batch: dict[str, np.ndarray], columns: list[str] | None,
+                renames: dict[str, str], with_path: bool, with_key: bool,
+                endpoint_url: str | None, region: str | None):
     """map_batches stage: read units → their rows, as Arrow tables of at most 64 rows (a
     part's memory is one row group's, whatever the part size), with ``path``, the file's
-    URI, for bad-row reports when ``with_path``."""
+    URI, when ``with_path``, and ``key``, ``{uri}#{row in file}``, when ``with_key``."""
     import pyarrow as pa
 
     storage = _storage(endpoint_url, region)
@@ -77,22 +76,27 @@ def _read_parquet_parts(batch: dict[str, np.ndarray], columns: list[str] | None,
         with storage.open_input(uri) as fh:
             pf = pq.ParquetFile(fh)
             meta = pf.metadata
-            groups = row_groups_of_part(
-                [meta.row_group(i).num_rows for i in range(meta.num_row_groups)], int(part), int(parts))
+            group_rows = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+            groups = row_groups_of_part(group_rows, int(part), int(parts))
             if not groups:
                 continue
+            row = sum(group_rows[: groups[0]])  # a part's groups are contiguous
             for rb in pf.iter_batches(batch_size=64, row_groups=groups, columns=columns):
                 table = pa.Table.from_batches([rb])
                 table = table.rename_columns([renames.get(c, c) for c in table.column_names])
                 if with_path:
                     table = table.append_column("path", pa.array([str(uri)] * len(table), pa.string()))
+                if with_key:
+                    keys = [f"{uri}#{r}" for r in range(row, row + len(table))]
+                    table = table.append_column("key", pa.array(keys, pa.string()))
+                row += len(table)
                 yield table
 
 
 def read_parquet_parts(
     files: list[str], file_rows: list[int] | None, storage: Storage, seed: int, shuffle: bool,
     columns: list[str] | None = None, renames: dict[str, str] | None = None,
-    with_path: bool = True, unit_rows: int | None = None, **map_args,
+    with_path: bool = True, with_key: bool = False, unit_rows: int | None = None, **map_args,
 ) -> ray.data.Dataset:
     """Rows of parquet ``files`` read in parts (see READ_UNIT_ROWS). ``shuffle``: a new
     part order every epoch, from ``seed`` and the epoch (Ray's execution index), as Ray's
@@ -110,18 +114,12 @@ def read_parquet_parts(
     if shuffle:
         ds = ds.randomize_block_order(seed=RandomSeedConfig(seed=seed, reseed_after_execution=True))
     return ds.map_batches(
-        _read_parquet_parts, batch_size=1, batch_format="numpy",
+        _read_parts, batch_size=1, batch_format="numpy",
         fn_kwargs={"columns": columns, "renames": renames or {}, "with_path": with_path,
-                   "endpoint_url": storage.endpoint_url, "region": storage.region},
+                   "with_key": with_key, "endpoint_url": storage.endpoint_url,
+                   "region": storage.region},
         **map_args,
     )
-
-
-SUFFIXES = {
-    "parquet": formats.PARQUET_EXTS,
-    "webdataset": formats.TAR_EXTS,
-    "imagefolder": formats.IMAGE_EXTS + (formats.METADATA,),
-}
 
 
 @dataclass
@@ -146,113 +144,24 @@ def plan_data(data: DataSection, storage: Storage) -> DataPlan:
     Raises FileNotFoundError / ValueError / OSError naming the URI or file at fault.
     """
     files = storage.expand(data.uri)
-    fmt = formats.detect_format(files) if data.format == "auto" else data.format
-    files = [f for f in files if f.lower().endswith(SUFFIXES[fmt])]
+    fmt = get_format(detect_format(files) if data.format == "auto" else data.format)
+    files = fmt.select(files)
     if not files:
-        raise FileNotFoundError(f"{data.uri}: matched no {fmt} files")
-    file_rows = None
-    if fmt == "parquet":
-        file_rows = []
-        for f in files:
-            with storage.open_input(f) as fh:
-                pf = pq.ParquetFile(fh)
-                if not file_rows:
-                    check_columns(data, f, pf.schema_arrow.names)
-                file_rows.append(pf.metadata.num_rows)
-        rows = sum(file_rows)
-    elif fmt == "webdataset":
-        file_rows = _count_webdataset(storage, files)
-        rows = sum(file_rows)
-    else:
-        rows = len(formats.imagefolder_rows(storage, files, data.caption_column))
-    return DataPlan(fmt, files, rows, file_rows)
-
-
-def _count_webdataset(storage: Storage, files: list[str]) -> list[int]:
-    """Samples per tar: from the shard builder's manifest when present, else by scanning
-    tar headers."""
-    roots = {f.rsplit("/", 1)[0] for f in files}
-    if len(roots) == 1:
-        manifest = formats.read_manifest(storage, roots.pop())
-        if manifest and manifest.get("format") == "webdataset":
-            listed = {s["name"]: s["count"] for s in manifest.get("shards", [])}
-            names = [f.rsplit("/", 1)[1] for f in files]
-            if all(n in listed for n in names):
-                return [listed[n] for n in names]
-    counts = []
-    for f in files:
-        with storage.open_input(f) as fh:
-            counts.append(formats.count_tar_samples(fh))
-    return counts
-
-
-def check_columns(data: DataSection, file: str, names: list[str]) -> None:
-    """Fail early, naming the file, when the configured columns are not in a shard."""
-    missing = [
-        f"data.{key}={col!r}"
-        for key, col in (("image_column", data.image_column), ("caption_column", data.caption_column))
-        if col not in names
-    ]
-    if missing:
-        raise ValueError(f"{file}: column(s) not found: {', '.join(missing)}; the shard has {names}")
-
-
-def _tar_rows(row: dict) -> list[dict]:
-    """flat_map stage: one tar file's bytes → its samples."""
-    import io
-
-    return list(formats.iter_tar_samples(io.BytesIO(row["bytes"]), row["path"]))
-
-
-@functools.lru_cache(maxsize=4)
-def _storage(endpoint_url: str | None, region: str | None) -> Storage:
-    """One per process and endpoint: it keeps its filesystem client between tasks."""
-    return Storage(endpoint_url, region)
-
-
-def _read_images(batch: dict[str, np.ndarray], endpoint_url: str | None,
-                 region: str | None) -> dict[str, np.ndarray]:
-    """map_batches stage for imagefolder rows: image URI → image bytes. A task, not an
-    actor pool, for the reason given at ``preprocess_batch``."""
-    storage = _storage(endpoint_url, region)
-    images = [storage.read_bytes(u) for u in batch["uri"]]
-    return {"key": batch["key"], "image": np.array(images, dtype=object), "text": batch["text"]}
+        raise FileNotFoundError(f"{data.uri}: matched no {fmt.name} files")
+    rows, file_rows = fmt.count_rows(data, files, storage)
+    return DataPlan(fmt.name, files, rows, file_rows)
 
 
 def read_rows(
     data: DataSection, plan: DataPlan, storage: Storage, seed: int, shuffle: bool = True,
     **map_args,
 ) -> ray.data.Dataset:
-    """Raw rows with columns ``key`` or ``path`` (where a bad row came from), ``image``
+    """Raw rows with columns ``key`` (where the sample is, for bad-row reports), ``image``
     (encoded bytes or struct), ``text``. ``shuffle``: reshuffle the file (parquet: part)
     order every epoch (off: file order). ``map_args``: the parquet read stage's ``compute``
     and ``num_cpus`` (see ``read_parquet_parts``)."""
-    if plan.format == "parquet":
-        return read_parquet_parts(
-            plan.files, plan.file_rows, storage, seed, shuffle,
-            columns=[data.image_column, data.caption_column],
-            renames={data.image_column: "image", data.caption_column: "text"}, **map_args,
-        )
-    shuffle = FileShuffleConfig(seed=seed, reseed_after_execution=True) if shuffle else None
-    fs, _ = storage.fs(plan.files[0])
-    paths = [fs_path(f) for f in plan.files]
-    if plan.format == "webdataset":
-        ds = ray.data.read_binary_files(paths, filesystem=fs, include_paths=True, shuffle=shuffle)
-        return ds.flat_map(_tar_rows)
-    rows = formats.imagefolder_rows(storage, plan.files, data.caption_column)
-    if shuffle is not None:
-        rng = np.random.default_rng(seed)
-        rows = [rows[i] for i in rng.permutation(len(rows))]
-    blocks = max(1, min(64, len(rows) // 64))
-    ds = ray.data.from_items(rows, override_num_blocks=blocks)
-    return ds.map_batches(
-        _read_images,
-        fn_kwargs={"endpoint_url": storage.endpoint_url, "region": storage.region},
-        batch_size=64,
-        # No more than there are blocks: Ray Data warns about a limit it cannot reach.
-        compute=ray.data.TaskPoolStrategy(size=min(2, blocks)),
-        num_cpus=0.25,
-    )
+    return get_format(plan.format).read_dataset(data, plan.files, plan.file_rows, storage,
+                                                seed, shuffle, **map_args)
 
 
 def build_dataset(

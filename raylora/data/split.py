@@ -14,26 +14,15 @@ duplicated image cannot leak from training into evaluation.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from raylora.config import DataSection
-from raylora.data import formats
+from raylora.data.formats import get_format, image_bytes
 from raylora.storage import Storage
 
 _SCALE = float(2**64)
-
-
-def image_bytes(value: Any) -> bytes:
-    """Encoded bytes of an image cell (raw bytes or a Hugging Face ``{bytes, path}`` struct)."""
-    if isinstance(value, dict):
-        value = value.get("bytes")
-    if value is None:
-        return b""
-    return bytes(value)
 
 
 def row_fraction(image: Any, caption: Any) -> float:
@@ -62,27 +51,6 @@ class KeepSplit:
         return {k: v[keep] for k, v in batch.items()}
 
 
-def iter_rows(data: DataSection, fmt: str, files: list[str], storage: Storage) -> Iterator[dict]:
-    """``{image, text}`` rows in file order, one file open at a time."""
-    if fmt == "parquet":
-        for f in files:
-            with storage.open_input(f) as fh:
-                pf = pq.ParquetFile(fh)
-                cols = [data.image_column, data.caption_column]
-                for batch in pf.iter_batches(batch_size=64, columns=cols):
-                    d = batch.to_pydict()
-                    for img, txt in zip(d[data.image_column], d[data.caption_column]):
-                        yield {"image": image_bytes(img), "text": txt}
-    elif fmt == "webdataset":
-        for f in files:
-            with storage.open_input(f) as fh:
-                for row in formats.iter_tar_samples(fh, f):
-                    yield {"image": row["image"], "text": row["text"]}
-    else:
-        for row in formats.imagefolder_rows(storage, files, data.caption_column):
-            yield {"image": storage.read_bytes(row["uri"]), "text": row["text"]}
-
-
 def read_heldout_rows(
     data: DataSection, fmt: str, files: list[str], storage: Storage, split: float | None
 ) -> list[dict]:
@@ -90,7 +58,7 @@ def read_heldout_rows(
     else (``data.validation_uri``) the first rows of the validation files. Each row is
     ``{"image": bytes, "text": str}``."""
     rows = []
-    for row in iter_rows(data, fmt, files, storage):
+    for row in get_format(fmt).iter_rows(data, files, storage):
         if split is None or row_fraction(row["image"], row["text"]) < split:
             rows.append({"image": row["image"], "text": "" if row["text"] is None else str(row["text"])})
             if len(rows) >= data.validation_max_samples:

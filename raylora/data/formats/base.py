@@ -1,0 +1,120 @@
+"""What every shard format provides, and the pieces the formats share.
+
+A format is one ``ShardFormat`` object in the registry (``raylora.data.formats``). The rest
+of raylora asks it, by name, to pick its files out of a listing, count their rows, read
+them (plainly, in file order, or as a Ray dataset) and, where it can, write a shard. Rows
+are ``{"key", "image", "text"}`` whatever the format: ``key`` says where the sample is
+(file, and row or sample name), so the validating decode (``raylora.data.decode``) reports
+a bad sample at the same kind of place for every format.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import posixpath
+from collections.abc import Iterator
+
+from typing import TYPE_CHECKING
+
+from raylora.storage import Storage
+
+if TYPE_CHECKING:  # the registry is imported by Ray tasks that need no config models
+    from raylora.config import DataSection
+
+IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+MANIFEST = "manifest.json"
+
+# Marks a caption whose bytes were not UTF-8. Rows travel through Arrow, whose string
+# columns cannot hold the raw bytes (and a column of mixed str/bytes has no Arrow type),
+# so the caption stays a str with this prefix and the validating decode drops the row.
+NOT_UTF8 = "\x00raylora:not-utf8\x00"
+
+
+def decode_text(data: bytes) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return NOT_UTF8 + data.decode("latin-1")
+
+
+def image_bytes(value: Any) -> bytes:
+    """Encoded bytes of an image cell (raw bytes or a Hugging Face ``{bytes, path}`` struct)."""
+    if isinstance(value, dict):
+        value = value.get("bytes")
+    if value is None:
+        return b""
+    return bytes(value)
+
+
+def read_manifest(storage: Storage, root: str) -> dict | None:
+    """The shard builder's manifest beside the shards, if there is one."""
+    uri = posixpath.join(root.rstrip("/"), MANIFEST)
+    try:
+        if storage.exists(uri):
+            return json.loads(storage.read_bytes(uri))
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+@functools.lru_cache(maxsize=4)
+def process_storage(endpoint_url: str | None, region: str | None) -> Storage:
+    """One per process and endpoint, for Ray stages: it keeps its filesystem client
+    between tasks."""
+    return Storage(endpoint_url, region)
+
+
+class ShardFormat:
+    """One shard format. Subclasses set ``name``, ``suffixes`` and ``label`` and implement
+    ``count_rows``, ``iter_rows`` and ``read_dataset``; ``write_shard`` where shards of the
+    format can be built (``raylora shards build``)."""
+
+    name: str
+    suffixes: tuple[str, ...]  # of the files that belong to a dataset of this format
+    label: str  # how the detection error names its files
+    writable = False
+    manifest_schema: dict = {}
+
+    def detects(self, files: list[str]) -> bool:
+        """Whether a listing is of this format (the registry asks the formats in order)."""
+        return bool(self.select(files))
+
+    def select(self, files: list[str]) -> list[str]:
+        """The files of a listing that this format reads (stray files dropped)."""
+        return [f for f in files if f.lower().endswith(self.suffixes)]
+
+    def count_rows(self, data: DataSection, files: list[str],
+                   storage: Storage) -> tuple[int, list[int] | None]:
+        """(rows, rows per file or None), checking what can be checked before any worker
+        starts. Raises FileNotFoundError / ValueError / OSError naming the file at fault."""
+        raise NotImplementedError
+
+    def iter_rows(self, data: DataSection, files: list[str], storage: Storage) -> Iterator[dict]:
+        """Rows ``{key, image, text}`` in file order, one file open at a time, without Ray."""
+        raise NotImplementedError
+
+    def read_dataset(self, data: DataSection, files: list[str], file_rows: list[int] | None,
+                     storage: Storage, seed: int, shuffle: bool, **map_args):
+        """The rows as a lazy ``ray.data.Dataset`` with columns ``key``, ``image`` (encoded
+        bytes or a ``{bytes, path}`` struct), ``text``. ``shuffle``: a new seeded file (or
+        part) order every epoch, else file order. ``map_args``: ``compute`` and
+        ``num_cpus`` for a read stage that Ray Data can fuse with the next one."""
+        raise NotImplementedError
+
+    def units(self, data: DataSection, files: list[str], storage: Storage,
+              rows_per_unit: int) -> list[tuple[int, int, int]]:
+        """Pieces that read independently, in source order: ``(file index, start, stop)``
+        (stop -1: to the end). One per file unless the format has no per-file rows."""
+        return [(i, 0, -1) for i in range(len(files))]
+
+    def iter_unit(self, data: DataSection, files: list[str], storage: Storage,
+                  index: int, start: int, stop: int) -> Iterator[dict]:
+        """The rows of one of ``units``, in order."""
+        rows = self.iter_rows(data, [files[index]], storage)
+        return itertools.islice(rows, start, None if stop < 0 else stop)
+
+    def write_shard(self, storage: Storage, index: int, items: list[dict]) -> tuple[str, bytes]:
+        """Shard number ``index`` of ``items`` (``{key, uri, text}``): (file name, bytes)."""
+        raise ValueError(f"{self.name} shards cannot be written")

@@ -1,0 +1,99 @@
+"""Image folder (Hugging Face imagefolder): images plus ``metadata.jsonl`` lines
+``{"file_name": ..., "text": ...}`` in the same folder or a parent. A row's key is the
+image's URI."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import posixpath
+
+import numpy as np
+
+from raylora.data.formats.base import IMAGE_EXTS, ShardFormat, process_storage
+
+METADATA = "metadata.jsonl"
+
+
+def imagefolder_rows(storage, files: list[str], caption_key: str) -> list[dict]:
+    """(image URI, caption) rows of an imagefolder, from its metadata.jsonl file(s).
+
+    ``file_name`` is relative to the folder holding the metadata file. Images without a
+    metadata line are not training data (no caption) and are left out.
+    """
+    metas = [f for f in files if posixpath.basename(f) == METADATA]
+    if not metas:
+        raise FileNotFoundError(
+            f"{posixpath.dirname(files[0])}: imagefolder without {METADATA} "
+            "(lines of {\"file_name\": ..., \"text\": ...})"
+        )
+    rows = []
+    for meta in metas:
+        base = posixpath.dirname(meta)
+        for i, line in enumerate(storage.read_bytes(meta).decode("utf-8").splitlines()):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                name = rec["file_name"]
+            except (ValueError, KeyError):
+                raise ValueError(f"{meta}:{i + 1}: not a JSON line with a file_name") from None
+            rows.append(
+                {"key": posixpath.join(base, name), "uri": posixpath.join(base, name),
+                 "text": str(rec.get(caption_key) or "")}
+            )
+    return rows
+
+
+def _read_images(batch: dict[str, np.ndarray], endpoint_url: str | None,
+                 region: str | None) -> dict[str, np.ndarray]:
+    """map_batches stage: image URI → image bytes. A task, not an actor pool, for the
+    reason given at ``raylora.data.preprocess.preprocess_batch``."""
+    storage = process_storage(endpoint_url, region)
+    images = [storage.read_bytes(u) for u in batch["uri"]]
+    return {"key": batch["key"], "image": np.array(images, dtype=object), "text": batch["text"]}
+
+
+class ImageFolder(ShardFormat):
+    name = "imagefolder"
+    suffixes = IMAGE_EXTS + (METADATA,)
+    label = "image files"
+
+    def detects(self, files):
+        names = [f.lower() for f in files]
+        return any(n.endswith(IMAGE_EXTS) or n.endswith("/" + METADATA) for n in names)
+
+    def count_rows(self, data, files, storage):
+        return len(imagefolder_rows(storage, files, data.caption_column)), None
+
+    def iter_rows(self, data, files, storage):
+        for row in imagefolder_rows(storage, files, data.caption_column):
+            yield {"key": row["key"], "image": storage.read_bytes(row["uri"]), "text": row["text"]}
+
+    def units(self, data, files, storage, rows_per_unit):
+        # One metadata list for the folder, not rows per file: slices of that list.
+        n = len(imagefolder_rows(storage, files, data.caption_column))
+        return [(0, s, s + rows_per_unit) for s in range(0, n, rows_per_unit)]
+
+    def iter_unit(self, data, files, storage, index, start, stop):
+        rows = imagefolder_rows(storage, files, data.caption_column)
+        for row in itertools.islice(rows, start, None if stop < 0 else stop):
+            yield {"key": row["key"], "image": storage.read_bytes(row["uri"]), "text": row["text"]}
+
+    def read_dataset(self, data, files, file_rows, storage, seed, shuffle, **map_args):
+        import ray
+
+        rows = imagefolder_rows(storage, files, data.caption_column)
+        if shuffle:
+            rng = np.random.default_rng(seed)
+            rows = [rows[i] for i in rng.permutation(len(rows))]
+        blocks = max(1, min(64, len(rows) // 64))
+        ds = ray.data.from_items(rows, override_num_blocks=blocks)
+        return ds.map_batches(
+            _read_images,
+            fn_kwargs={"endpoint_url": storage.endpoint_url, "region": storage.region},
+            batch_size=64,
+            # No more than there are blocks: Ray Data warns about a limit it cannot reach.
+            compute=ray.data.TaskPoolStrategy(size=min(2, blocks)),
+            num_cpus=0.25,
+        )

@@ -1,0 +1,134 @@
+"""WebDataset: tar files as img2dataset writes them, ``KEY.jpg|jpeg|png|webp`` +
+``KEY.txt`` (+ ``KEY.json``). Only image bytes, UTF-8 text and JSON are read: nothing in
+a shard is ever unpickled or executed. A row's key is ``{file}#{KEY}``."""
+
+from __future__ import annotations
+
+import io
+import json
+import posixpath
+import tarfile
+from collections.abc import Iterator
+
+from raylora.data.formats.base import IMAGE_EXTS, ShardFormat, decode_text, read_manifest
+
+
+def split_key(name: str) -> tuple[str, str]:
+    """WebDataset convention: the key is the path up to the first dot of the basename."""
+    dirname, base = posixpath.split(name)
+    stem, _, ext = base.partition(".")
+    return posixpath.join(dirname, stem), "." + ext.lower() if ext else ""
+
+
+def iter_tar_samples(fileobj, source: str) -> Iterator[dict]:
+    """Rows from one WebDataset tar, in file order. Samples without an image are skipped."""
+    current: dict | None = None
+    with tarfile.open(fileobj=fileobj, mode="r|*") as tar:
+        for member in tar:
+            if not member.isfile():
+                continue
+            key, ext = split_key(member.name)
+            if current is None or current["key"] != key:
+                if current is not None and current.get("image") is not None:
+                    yield _finish(current, source)
+                current = {"key": key, "image": None, "text": None, "json": None}
+            data = tar.extractfile(member).read()
+            if ext in IMAGE_EXTS and current["image"] is None:
+                current["image"] = data
+            elif ext == ".txt":
+                current["text"] = decode_text(data)
+            elif ext == ".json":
+                try:
+                    current["json"] = json.loads(data)
+                except ValueError:
+                    current["json"] = None
+            # Anything else (.pyd, .pickle, .cls, ...) is ignored on purpose.
+        if current is not None and current.get("image") is not None:
+            yield _finish(current, source)
+
+
+def _finish(sample: dict, source: str) -> dict:
+    text = sample["text"]
+    if text is None and isinstance(sample["json"], dict):
+        text = sample["json"].get("caption") or sample["json"].get("text")
+    return {"key": f"{source}#{sample['key']}", "image": sample["image"], "text": text or ""}
+
+
+def count_tar_samples(fileobj) -> int:
+    keys = set()
+    with tarfile.open(fileobj=fileobj, mode="r|*") as tar:
+        for member in tar:
+            if member.isfile():
+                key, ext = split_key(member.name)
+                if ext in IMAGE_EXTS:
+                    keys.add(key)
+    return len(keys)
+
+
+def _tar_rows(row: dict, uris: dict[str, str]) -> list[dict]:
+    """flat_map stage: one tar file's bytes → its samples, keyed by the file's URI (Ray
+    gives the path inside the filesystem: ``bucket/key`` for S3)."""
+    return list(iter_tar_samples(io.BytesIO(row["bytes"]), uris.get(row["path"], row["path"])))
+
+
+class WebDataset(ShardFormat):
+    name = "webdataset"
+    suffixes = (".tar",)
+    label = ".tar"
+    writable = True
+    manifest_schema = {"KEY.<image ext>": "encoded image", "KEY.txt": "caption",
+                       "KEY.json": "{key, caption}"}
+
+    def count_rows(self, data, files, storage):
+        """Samples per tar: from the shard builder's manifest when present, else by
+        scanning tar headers."""
+        roots = {f.rsplit("/", 1)[0] for f in files}
+        if len(roots) == 1:
+            manifest = read_manifest(storage, roots.pop())
+            if manifest and manifest.get("format") == self.name:
+                listed = {s["name"]: s["count"] for s in manifest.get("shards", [])}
+                names = [f.rsplit("/", 1)[1] for f in files]
+                if all(n in listed for n in names):
+                    counts = [listed[n] for n in names]
+                    return sum(counts), counts
+        counts = []
+        for f in files:
+            with storage.open_input(f) as fh:
+                counts.append(count_tar_samples(fh))
+        return sum(counts), counts
+
+    def iter_rows(self, data, files, storage):
+        for f in files:
+            with storage.open_input(f) as fh:
+                yield from iter_tar_samples(fh, f)
+
+    def read_dataset(self, data, files, file_rows, storage, seed, shuffle, **map_args):
+        # map_args are for the parquet read stage; a tar is one read task whatever they say.
+        import ray
+        from ray.data import FileShuffleConfig
+
+        from raylora.storage import fs_path
+
+        shuffle = FileShuffleConfig(seed=seed, reseed_after_execution=True) if shuffle else None
+        fs, _ = storage.fs(files[0])
+        paths = [fs_path(f) for f in files]
+        ds = ray.data.read_binary_files(paths, filesystem=fs, include_paths=True, shuffle=shuffle)
+        return ds.flat_map(_tar_rows, fn_kwargs={"uris": dict(zip(paths, files))})
+
+    def write_shard(self, storage, index, items):
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+            for i, it in enumerate(items):
+                # img2dataset-style keys: the sample's index, zero-padded, shard-prefixed.
+                key = f"{index:05d}{i:04d}"
+                ext = posixpath.splitext(it["uri"])[1].lower()
+                for suffix, payload in (
+                    (ext, storage.read_bytes(it["uri"])),
+                    (".txt", it["text"].encode("utf-8")),
+                    (".json", json.dumps({"key": it["key"], "caption": it["text"]}).encode()),
+                ):
+                    info = tarfile.TarInfo(key + suffix)
+                    info.size = len(payload)
+                    info.mtime = 0
+                    tar.addfile(info, io.BytesIO(payload))
+        return f"shard-{index:05d}.tar", buf.getvalue()

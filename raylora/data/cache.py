@@ -307,8 +307,8 @@ def encode_rows(cfg: RayLoraConfig, family: str, model_path: str, rows: list[dic
 def read_cached_dataset(entry_files: list[str], file_rows: list[int] | None, store: Storage,
                         seed: int):
     """Training rows from cache files: parquet straight into the workers, no stage, read
-    in parts like the shards (``raylora.data.source.read_parquet_parts``)."""
-    from raylora.data.source import read_parquet_parts
+    in parts like the shards (``raylora.data.parquet_parts``)."""
+    from raylora.data.parquet_parts import read_parquet_parts
 
     return read_parquet_parts(entry_files, file_rows, store, seed, shuffle=True,
                               with_path=False, num_cpus=0.25)

@@ -61,7 +61,7 @@ class Parquet(ShardFormat):
 
     def read_dataset(self, data, files, file_rows, storage, seed, shuffle, **map_args):
         # Imported here: the registry is imported where Ray is not (raylora.data.decode).
-        from raylora.data.source import read_parquet_parts
+        from raylora.data.parquet_parts import read_parquet_parts
 
         return read_parquet_parts(
             files, file_rows, storage, seed, shuffle,

@@ -94,4 +94,7 @@ export RAY_AUTH_TOKEN_PATH=$STATE/auth_token
 ENV
 echo "ray cluster up (state in $STATE); for clients: source $STATE/env"
 cat "$STATE/env"
-echo "ray job submit --address http://127.0.0.1:$DASH_PORT --working-dir . --runtime-env jobs/runtime_env.yaml -- python -m raylora train jobs/configs/tiny-local.yaml"
+# The demo job (`make demo` builds runs/demo). runs/ is git-ignored, so the working dir the
+# job receives has no runs/demo: it is named by absolute paths (the head is this machine).
+DEMO=$ROOT/runs/demo
+echo "ray job submit --address http://127.0.0.1:$DASH_PORT --working-dir . --runtime-env jobs/runtime_env.yaml -- python -m raylora train jobs/configs/tiny-local.yaml model.pretrained=$DEMO/model data.uri=$DEMO/data output.uri=$DEMO/output"

@@ -276,37 +276,90 @@ def init_ray(need_cpus: float = 0) -> bool:
     return True
 
 
-def check_cluster_fits(cfg: RayLoraConfig, num_workers: int | None = None) -> None:
+# Below this a worker's CPU request reserves nothing worth having: the cluster is too small.
+MIN_WORKER_CPUS = 0.05
+
+
+def _placeable(nodes: list[dict], s, cpus_per_worker: float) -> int:
+    """How many workers of ``cpus_per_worker`` CPUs (+ 1 GPU) the nodes hold under
+    ``scaling.placement_strategy``."""
+    fits = []
+    for r in nodes:
+        k = int(r.get("CPU", 0) / cpus_per_worker + 1e-9)
+        fits.append(min(k, int(r.get("GPU", 0))) if s.use_gpu else k)
+    if s.placement_strategy == "STRICT_PACK":
+        return max(fits, default=0)
+    if s.placement_strategy == "STRICT_SPREAD":
+        return sum(1 for f in fits if f > 0)
+    return sum(fits)
+
+
+def fit_worker_cpus(nodes: list[dict], s, want: int, data_cpus: tuple[float, float]) -> float:
+    """The CPUs to request per training worker on a cluster of ``nodes`` (their Ray
+    resources): ``scaling.cpus_per_worker`` when the workers fit and leave Ray Data the
+    ``data_cpus[0]`` CPUs it cannot stream without (``source.data_stage_cpus``), else
+    less, so that a small cluster (a 2-CPU laptop head with 2 workers) runs instead of
+    hanging with every CPU held by workers that wait for data. Ray does not confine a
+    worker to its logical CPUs: they decide placement and OMP_NUM_THREADS (the floor, at
+    least 1), so a worker of 0.5 CPU computes like one of 1.
+
+    Raises ConfigError, naming the keys, when the workers cannot be placed as asked, or
+    when no request leaves the data stage its CPUs."""
+    cpus = sum(r.get("CPU", 0) for r in nodes)
+    cpw = s.cpus_per_worker
+    can = _placeable(nodes, s, cpw)
+    if can < want:
+        gpus = sum(r.get("GPU", 0) for r in nodes)
+        each = f"{cpw:g} CPU" + (" + 1 GPU" if s.use_gpu else "")
+        raise ConfigError([
+            f"scaling.num_workers: {want} workers of {each} each cannot all be placed "
+            f"({s.placement_strategy}): the cluster's {len(nodes)} node(s) with {cpus:g} CPUs and "
+            f"{gpus:g} GPUs hold at most {can}. Lower scaling.num_workers or "
+            "scaling.cpus_per_worker, or set scaling.autoscaling: true if the cluster grows on demand"
+        ])
+    least, enough = data_cpus
+    if cpus - want * cpw >= least - 1e-9:
+        return cpw
+    # As much data room as there is worth giving, then the least that streams at all.
+    for room in (min(enough, cpus / 2), least):
+        room = max(room, least)
+        share = int((cpus - room) / want * 100 + 1e-9) / 100  # whole hundredths, rounded down
+        if share >= MIN_WORKER_CPUS and _placeable(nodes, s, share) >= want:
+            return min(share, cpw)
+    raise ConfigError([
+        f"scaling.cpus_per_worker: the cluster's {cpus:g} CPUs cannot hold {want} training "
+        f"worker(s) and Ray Data's read/preprocess tasks beside them, which need at least "
+        f"{least:g} CPU for this data.sharding and data.cache: at least "
+        f"{want * MIN_WORKER_CPUS + least:g} CPUs in all. Add CPUs (cluster/local-up.sh "
+        "--cpus N), lower scaling.num_workers, or set "
+        "scaling.autoscaling: true if the cluster grows on demand"
+    ])
+
+
+def check_cluster_fits(cfg: RayLoraConfig, num_workers: int | None = None) -> RayLoraConfig:
     """Fail before anything starts when the training workers can never all be placed on
-    the cluster's nodes (Ray would otherwise wait for resources forever)."""
+    the cluster's nodes, or would leave Ray Data no CPU (Ray would otherwise wait for
+    resources forever). Returns ``cfg``, with ``scaling.cpus_per_worker`` lowered where
+    that is what lets the run go (``fit_worker_cpus``)."""
     import ray
+
+    from raylora.data.source import data_stage_cpus
 
     s = cfg.scaling
     if s.autoscaling:
-        return
+        return cfg
     want = s.num_workers if num_workers is None else num_workers
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-    fits = []
-    for r in nodes:
-        k = int(r.get("CPU", 0) // s.cpus_per_worker)
-        fits.append(min(k, int(r.get("GPU", 0))) if s.use_gpu else k)
-    if s.placement_strategy == "STRICT_PACK":
-        can = max(fits, default=0)
-    elif s.placement_strategy == "STRICT_SPREAD":
-        can = sum(1 for f in fits if f > 0)
-    else:
-        can = sum(fits)
-    if can >= want:
-        return
+    cpw = fit_worker_cpus(nodes, s, want, data_stage_cpus(cfg.data, want))
+    if cpw == s.cpus_per_worker:
+        return cfg
     cpus = sum(r.get("CPU", 0) for r in nodes)
-    gpus = sum(r.get("GPU", 0) for r in nodes)
-    each = f"{s.cpus_per_worker:g} CPU" + (" + 1 GPU" if s.use_gpu else "")
-    raise ConfigError([
-        f"scaling.num_workers: {want} workers of {each} each cannot all be placed "
-        f"({s.placement_strategy}): the cluster's {len(nodes)} node(s) with {cpus:g} CPUs and "
-        f"{gpus:g} GPUs hold at most {can}. Lower scaling.num_workers or "
-        "scaling.cpus_per_worker, or set scaling.autoscaling: true if the cluster grows on demand"
-    ])
+    log.warning(
+        "scaling.cpus_per_worker: %g → %g: %d worker(s) of %g CPU would leave Ray Data "
+        "none of the cluster's %g CPUs for reading and preprocessing (the run would wait "
+        "forever); give the cluster more CPUs to keep the request",
+        s.cpus_per_worker, cpw, want, s.cpus_per_worker, cpus)
+    return cfg.model_copy(update={"scaling": s.model_copy(update={"cpus_per_worker": cpw})})
 
 
 def _env_setup_hook(values: dict[str, str]):
@@ -364,7 +417,7 @@ def run(cfg: RayLoraConfig) -> dict:
     p = plan(cfg)
     started = init_ray(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker)
     try:
-        check_cluster_fits(cfg)
+        cfg = check_cluster_fits(cfg)
         p = start_bad_records(p)
         p = apply_cache(cfg, p)
         if cfg.data.cache == "latents":  # a fresh build read every row: judge them now
@@ -582,7 +635,7 @@ def run_lr_find(
     p = plan(cfg, heldout=False)
     started = init_ray(cfg.scaling.cpus_per_worker)
     try:
-        check_cluster_fits(cfg, num_workers=1)  # lr-find trains on one worker
+        cfg = check_cluster_fits(cfg, num_workers=1)  # lr-find trains on one worker
         p = start_bad_records(p)
         p = apply_cache(cfg, p)
         settings = dict(start_lr=start_lr, end_lr=end_lr, num_steps=num_steps,

@@ -40,8 +40,9 @@ def local_cluster(request):
            "PATH": BIN + os.pathsep + os.environ["PATH"]}
     env.pop("RAY_ADDRESS", None)
     port, dash = _free_port(), _free_port()
-    args = ["--cpus", "4", "--port", str(port), "--dashboard-port", str(dash)]
-    args += list(getattr(request, "param", []))
+    extra = list(getattr(request, "param", []))
+    args = ([] if "--cpus" in extra else ["--cpus", "4"]) + extra
+    args += ["--port", str(port), "--dashboard-port", str(dash)]
     try:
         up = subprocess.run([os.path.join(REPO, "cluster", "local-up.sh"), *args],
                             capture_output=True, text=True, env=env, timeout=240)
@@ -60,27 +61,37 @@ def local_cluster(request):
         assert left == [], f"Ray processes left behind: {left}"
 
 
-def test_local_head_ray_job_submit_tiny_job(local_cluster, tiny_model, demo_data, tmp_path):
+@pytest.mark.parametrize("local_cluster", [["--cpus", "2"]], indirect=True)
+def test_demo_job_via_ray_job_submit_on_a_two_cpu_head(local_cluster, tiny_model, demo_data, tmp_path):
+    """The README's path on a 2-core box: cluster/local-up.sh at its default size (one CPU
+    per core; given explicitly, so any machine tests a 2-CPU head), a model and data as
+    `raylora tiny-model` and `raylora demo-data` write them (the same builders), and the
+    demo job through the real `ray job submit` with jobs/runtime_env.yaml. Its 2 workers
+    of 1 CPU would hold both CPUs and leave Ray Data's preprocess tasks pending forever;
+    the driver halves their request instead."""
     c = local_cluster
     assert f"export RAY_ADDRESS={c['address']}" in c["stdout"]
-    out = tmp_path / "out"
-    # The job runs the repo as its working dir, exactly as a user submits it.
+    out = tmp_path / "output"
+    # The job runs the repo as its working dir, exactly as a user submits it; runs/ is
+    # git-ignored and not shipped, so the demo's paths are absolute (as local-up.sh prints).
     submit = subprocess.run(
         ["ray", "job", "submit", "--address", c["dashboard"], "--working-dir", REPO,
-         "--submission-id", "raylora-tiny", "--",
+         "--runtime-env", os.path.join(REPO, "jobs", "runtime_env.yaml"),
+         "--submission-id", "raylora-demo", "--",
          "python", "-m", "raylora", "train", "jobs/configs/tiny-local.yaml",
          f"model.pretrained={tiny_model}", f"data.uri={demo_data}", f"output.uri={out}",
-         "train.max_steps=3", "train.batch_size=2", "train.lr_warmup_steps=0",
-         "checkpoint.every_n_steps=3"],
+         "train.max_steps=3", "train.lr_warmup_steps=0", "checkpoint.every_n_steps=3"],
         capture_output=True, text=True, env=c["env"], timeout=600, cwd=tmp_path,
     )
     log = submit.stdout + submit.stderr
     assert submit.returncode == 0, log[-4000:]
-    status = subprocess.run(["ray", "job", "status", "--address", c["dashboard"], "raylora-tiny"],
+    status = subprocess.run(["ray", "job", "status", "--address", c["dashboard"], "raylora-demo"],
                             capture_output=True, text=True, env=c["env"], timeout=60)
-    assert "job 'raylora-tiny' succeeded" in (status.stdout + status.stderr).lower()
+    assert "job 'raylora-demo' succeeded" in (status.stdout + status.stderr).lower()
+    assert "scaling.cpus_per_worker: 1 → 0.5" in log
     assert "trained 3 steps" in log
     meta = json.load(open(out / "adapter" / "raylora.json"))
+    assert meta["config"]["scaling"]["cpus_per_worker"] == 0.5
     assert meta["metrics"]["steps"] == 3 and meta["metrics"]["replicas_in_sync"]
     assert (out / "adapter" / "pytorch_lora_weights.safetensors").stat().st_size > 1000
 

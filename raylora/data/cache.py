@@ -38,6 +38,7 @@ log = logging.getLogger("raylora.cache")
 
 CACHE_VERSION = 1
 MANIFEST = "manifest.json"
+CACHED_READ_CPUS = 0.25  # per read task of cached rows (no decoding: mostly I/O)
 
 
 def _dtype_name(cfg: RayLoraConfig) -> str:
@@ -311,4 +312,4 @@ def read_cached_dataset(entry_files: list[str], file_rows: list[int] | None, sto
     from raylora.data.parquet_parts import read_parquet_parts
 
     return read_parquet_parts(entry_files, file_rows, store, seed, shuffle=True,
-                              with_path=False, num_cpus=0.25)
+                              with_path=False, num_cpus=CACHED_READ_CPUS)

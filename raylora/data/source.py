@@ -29,6 +29,29 @@ from raylora.data.tokenize import load_specs
 from raylora.storage import Storage
 
 
+# CPUs one read/preprocess task asks for. Training workers hold theirs for the whole run,
+# so the cluster must keep some beside them for these tasks (``data_stage_cpus``).
+STAGE_CPUS = 0.5
+
+
+def data_stage_cpus(data: DataSection, num_workers: int) -> tuple[float, float]:
+    """(least, enough) CPUs that Ray Data's tasks need beside ``num_workers`` training
+    workers. With less than ``least`` no row ever reaches training (the tasks wait for
+    CPUs the workers hold: a hang); ``enough`` runs the preprocess tasks that
+    ``launch.build_trainer`` allows at once (one per worker)."""
+    from raylora.data.cache import CACHED_READ_CPUS
+
+    if data.cache == "latents":  # one read stage, no preprocessing
+        per_task = CACHED_READ_CPUS
+        least = per_task * (num_workers if data.sharding == "files" else 1)
+        return least, per_task * num_workers
+    if data.sharding == "files":
+        # Every worker runs its own dataset: a preprocess actor, and read tasks beside it.
+        return 2 * STAGE_CPUS * num_workers, 2 * STAGE_CPUS * num_workers
+    # One fused read+preprocess task at a time still streams rows.
+    return STAGE_CPUS, STAGE_CPUS * num_workers
+
+
 @dataclass
 class DataPlan:
     """What the driver learned about the data before any worker starts."""
@@ -155,7 +178,7 @@ def _preprocessed_rows(data: DataSection, plan: DataPlan, storage: Storage, mode
         compute = read_compute = ray.data.TaskPoolStrategy(size=num_preprocess_tasks)
     # The stages before preprocessing take the same task limit and CPUs, so Ray Data fuses
     # them into one task per read part (parquet): read, split, decode, in one process.
-    before = dict(compute=read_compute, num_cpus=0.5)
+    before = dict(compute=read_compute, num_cpus=STAGE_CPUS)
     # sharding=files: the same file order every epoch (the local shuffle buffer, seeded per
     # epoch, still reorders rows), so an epoch's order is a function of the seed and epoch
     # alone and a resumed run can skip exactly the batches it already trained on.
@@ -168,4 +191,4 @@ def _preprocessed_rows(data: DataSection, plan: DataPlan, storage: Storage, mode
     # fused stage's input, the part list, by the larger batch size of the two stages).
     batch_size = None if plan.format == "parquet" else 32
     return rows.map_batches(fn, batch_size=batch_size, batch_format="numpy", compute=compute,
-                            num_cpus=0.5, **how)
+                            num_cpus=STAGE_CPUS, **how)

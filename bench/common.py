@@ -51,6 +51,30 @@ def _git_rev() -> str:
         return "unknown"
 
 
+# Peak dense (no sparsity) bf16 tensor FLOP/s from the vendors' datasheets, matched
+# against torch.cuda.get_device_name in order (first match wins).
+PEAK_BF16_TFLOPS = [
+    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.4), ("H200", 989.4),
+    ("H800", 989.4), ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.1),
+    ("L4", 121.0), ("A10G", 70.0), ("A10", 125.0),
+]
+
+
+def peak_flops(device_name: str, override: float | None) -> float | None:
+    """Peak dense bf16 FLOP/s of the named GPU (``override`` in TFLOP/s wins); None if unknown."""
+    if override:
+        return override * 1e12
+    return next((t * 1e12 for k, t in PEAK_BF16_TFLOPS if k in device_name), None)
+
+
+def sync(device) -> None:
+    """Wait for queued GPU work, so wall-clock timers measure it."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def machine() -> dict:
     """Date, hardware and versions, for the results file."""
     import torch

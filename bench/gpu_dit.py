@@ -28,10 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from common import machine, record, table  # noqa: E402
-
-PEAK_BF16_TFLOPS = [("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.4), ("H200", 989.4),
-                    ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.1)]
+from common import machine, peak_flops, record, sync, table  # noqa: E402
 
 # black-forest-labs/FLUX.1-dev transformer/config.json
 FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38,
@@ -59,12 +56,6 @@ SMOKE = {"flux": dict(num_layers=1, num_single_layers=1, attention_head_dim=16,
          "sd35m": dict(num_layers=2, attention_head_dim=16, num_attention_heads=2,
                        joint_attention_dim=32, caption_projection_dim=32,
                        pooled_projection_dim=16, dual_attention_layers=(0,), pos_embed_max_size=64)}
-
-
-def peak_flops(name: str, override: float | None) -> float | None:
-    if override:
-        return override * 1e12
-    return next((t * 1e12 for k, t in PEAK_BF16_TFLOPS if k in name), None)
 
 
 def build(model: str, device, dtype, smoke: bool):
@@ -131,11 +122,6 @@ def raylora_step(model: str, net, mode: str, rank: int):
         return train_micro_step(accel, net_p, parts, opt, None, params, batch, 1.0)
 
     return step, sum(p.numel() for p in params)
-
-
-def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def run_case(args, model, b, mode, device, dtype) -> dict:

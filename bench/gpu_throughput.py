@@ -53,15 +53,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-from common import machine, record, table  # noqa: E402
+from common import machine, peak_flops, record, sync, table  # noqa: E402
 
-# Peak dense (no sparsity) bf16 tensor FLOP/s from the vendors' datasheets, matched
-# against torch.cuda.get_device_name in order (first match wins).
-PEAK_BF16_TFLOPS = [
-    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.4), ("H200", 989.4),
-    ("H800", 989.4), ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.1),
-    ("L4", 121.0), ("A10G", 70.0), ("A10", 125.0),
-]
 
 # diffusers / transformers config values of the public checkpoints
 # (runwayml/stable-diffusion-v1-5, stabilityai/stable-diffusion-xl-base-1.0).
@@ -116,15 +109,6 @@ TOKENS = {"baseline", "raylora", "cached", "regional", "regional-res", "full", "
           "cudnn", "efficient", "math", "mat", "ro"}
 DEFAULT_BATCHES = "sd15=32,64;sdxl=4,8"
 DEFAULT_VARIANTS = "baseline,raylora,cached,cached+regional,cached+regional-res,cached+full,regional"
-
-
-def peak_flops(device_name: str, override: float | None) -> float | None:
-    if override:
-        return override * 1e12
-    for key, tflops in PEAK_BF16_TFLOPS:
-        if key in device_name:
-            return tflops * 1e12
-    return None
 
 
 def build(model: str, device, dtype, smoke: bool):
@@ -261,11 +245,6 @@ def baseline_step(model, unet, vae, encoders, scheduler, scale, res):
         return loss.detach()
 
     return step
-
-
-def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def count_flops(step, batch) -> int:

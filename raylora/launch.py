@@ -92,9 +92,9 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
             scheduler = info["scheduler_config"]
         except (FileNotFoundError, KeyError, ValueError, OSError) as exc:
             problems.append(str(exc) if str(exc).startswith("model.") else f"model.pretrained: {exc}")
-    problems += family_problems(cfg, family, factor * family.patch, scheduler)
-    objective = cfg.train.prediction_type or (
-        scheduler_objective_kind(scheduler) if scheduler else None)
+    native = scheduler_objective_kind(scheduler) if scheduler else None
+    problems += family_problems(cfg, family, factor * family.patch, native)
+    objective = cfg.train.prediction_type or native
 
     data = None
     try:
@@ -112,15 +112,13 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
     return p
 
 
-def family_problems(cfg: RayLoraConfig, family, multiple: int, scheduler: dict | None) -> list[str]:
-    """Settings that do not apply to this model family, named by key."""
-    from raylora.train.objective import scheduler_objective_kind
-
+def family_problems(cfg: RayLoraConfig, family, multiple: int, native: str | None) -> list[str]:
+    """Settings that do not apply to this model family, named by key. ``native``: the
+    objective its scheduler config names (None: not read, a hub id)."""
     t, out = cfg.train, []
     if cfg.data.resolution % multiple:
         out.append(f"data.resolution: {cfg.data.resolution} is not a multiple of {multiple} "
                    f"(the {family.name} latent grid: VAE downsampling × patch size)")
-    native = scheduler_objective_kind(scheduler) if scheduler else None
     flow = (t.prediction_type or native) == "flow_matching"
     if native and t.prediction_type and (t.prediction_type == "flow_matching") != (native == "flow_matching"):
         out.append(f"train.prediction_type: {t.prediction_type} does not fit {family.name}, "

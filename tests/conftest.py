@@ -21,6 +21,21 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """family → a tiny pipeline folder of that family, built once per session on first use."""
+    from raylora.model.tiny import build_tiny
+
+    built = {}
+
+    def get(family: str) -> str:
+        if family not in built:
+            built[family] = str(build_tiny(tmp_path_factory.mktemp(family) / family, family=family))
+        return built[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def demo_data(tmp_path_factory) -> str:
     from raylora.data.demo import write_parquet_shards
 

@@ -3,6 +3,7 @@
 import os
 
 import numpy as np
+import torch
 
 from raylora.train.loop import run_loop
 from raylora.train.setup import build_run, write_checkpoint
@@ -42,3 +43,18 @@ def _train(cfg, batches, max_steps, ckpt_root, restored=None, stop_at=None):
         on_checkpoint=on_checkpoint, ema=run.ema,
     )
     return run, saved
+
+
+def demo_batch(family: str, model: str, demo_data: str, n: int = 2) -> dict:
+    """The first ``n`` demo rows through raylora's preprocessing for ``family``: a raw batch
+    (pixels, token ids; 32 tokens for the long-context encoders) as tensors."""
+    import pyarrow.parquet as pq
+
+    from raylora.data.preprocess import Preprocess
+
+    stage = Preprocess(model, 64, center_crop=True, random_flip=False, family=family,
+                       max_sequence_length=32)
+    table = pq.read_table(os.path.join(demo_data, "part-00000.parquet")).slice(0, n)
+    out = stage({"image": np.array(table["image"].to_pylist(), dtype=object),
+                 "text": np.array(table["text"].to_pylist(), dtype=object)})
+    return {k: torch.from_numpy(v) for k, v in out.items()}

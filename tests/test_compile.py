@@ -7,9 +7,7 @@ Real inductor compile on CPU (needs a C++ compiler) for the regional mode every 
 from __future__ import annotations
 
 import copy
-import os
 
-import numpy as np
 import pytest
 import torch
 import torch._dynamo
@@ -22,35 +20,14 @@ from raylora.train.compile import UNET_RESNET_BLOCKS, compile_denoiser, repeated
 FAMILIES = ["sd", "sdxl"]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """family → a tiny pipeline folder, built once per module on first use."""
-    from raylora.model.tiny import build_tiny
-
-    built = {}
-
-    def get(family: str) -> str:
-        if family not in built:
-            built[family] = str(build_tiny(tmp_path_factory.mktemp(family) / family, family=family))
-        return built[family]
-
-    return get
-
-
 def _cached_batch(family, comps, model: str, demo_data: str, n: int = 2) -> dict:
     """Two demo rows through raylora's preprocessing and the family's encoders: what the
     latent cache would hold, so the step runs the denoiser alone."""
-    import pyarrow.parquet as pq
+    from inproc import demo_batch
 
-    from raylora.data.preprocess import Preprocess
     from raylora.train.encode import batch_condition, vae_posterior
 
-    stage = Preprocess(model, 64, center_crop=True, random_flip=False, family=family.name,
-                       max_sequence_length=32)
-    table = pq.read_table(os.path.join(demo_data, "part-00000.parquet")).slice(0, n)
-    raw = stage({"image": np.array(table["image"].to_pylist(), dtype=object),
-                 "text": np.array(table["text"].to_pylist(), dtype=object)})
-    raw = {k: torch.from_numpy(v) for k, v in raw.items()}
+    raw = demo_batch(family.name, model, demo_data, n)
     with torch.no_grad():
         batch = {"latent_params": vae_posterior(family, comps.vae, raw["pixel_values"])}
         batch.update(batch_condition(family, comps.text_encoders, raw))

@@ -26,21 +26,6 @@ from raylora.train.objective import (
 FAMILIES = ["sd", "sdxl", "flux", "sd3", "qwenimage"]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """family → a tiny pipeline folder, built once per module on first use."""
-    from raylora.model.tiny import build_tiny
-
-    built = {}
-
-    def get(family: str) -> str:
-        if family not in built:
-            built[family] = str(build_tiny(tmp_path_factory.mktemp(family) / family, family=family))
-        return built[family]
-
-    return get
-
-
 # ---------------------------------------------------------------- detection
 
 
@@ -160,22 +145,9 @@ def test_flow_forward_process_target_and_weights():
 # ---------------------------------------------------------------- training and stock load
 
 
-def _batch(family: str, model: str, demo_data: str, n: int = 2) -> dict:
-    import pyarrow.parquet as pq
-
-    from raylora.data.preprocess import Preprocess
-
-    stage = Preprocess(model, 64, center_crop=True, random_flip=False, family=family,
-                       max_sequence_length=32)
-    table = pq.read_table(os.path.join(demo_data, "part-00000.parquet")).slice(0, n)
-    out = stage({"image": np.array(table["image"].to_pylist(), dtype=object),
-                 "text": np.array(table["text"].to_pylist(), dtype=object)})
-    return {k: torch.from_numpy(v) for k, v in out.items()}
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_learns_and_its_stock_pipeline_loads_the_adapter(tiny, family, demo_data, tmp_path):
-    from inproc import _fresh_accelerator
+    from inproc import _fresh_accelerator, demo_batch
 
     from raylora.config import validate
     from raylora.model.lora import save_diffusers_adapter
@@ -192,7 +164,7 @@ def test_every_family_learns_and_its_stock_pipeline_loads_the_adapter(tiny, fami
     run = build_run(cfg, accel, 30, rank=0)
     assert run.family.name == family
     assert run.parts.objective.kind == ("ddpm" if family in ("sd", "sdxl") else "flow")
-    batch = _batch(family, model, demo_data)
+    batch = demo_batch(family, model, demo_data)
     held = prepare_heldout(run.parts, batch, num_timesteps=4, seed=0)
     before = heldout_loss(run.model, held, torch.float32)
     for _ in range(30):

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from raylora.data.source import parquet_parts, read_parquet_parts, row_groups_of_part
+from raylora.data.parquet_parts import parquet_parts, read_parquet_parts, row_groups_of_part
 from raylora.storage import Storage
 
 

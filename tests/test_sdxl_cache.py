@@ -48,10 +48,8 @@ def test_sdxl_time_ids_layout():
 
 
 @pytest.fixture(scope="module")
-def tiny_sdxl(tmp_path_factory):
-    from raylora.model.tiny import build_tiny
-
-    return str(build_tiny(tmp_path_factory.mktemp("sdxl") / "tiny-sdxl", family="sdxl"))
+def tiny_sdxl(tiny):
+    return tiny("sdxl")
 
 
 def _tb_events(directory: str) -> list:

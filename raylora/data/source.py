@@ -19,10 +19,6 @@ import ray
 
 from raylora.config import DataSection
 from raylora.data.formats import detect_format, get_format
-# Re-exported: the reader's home is raylora.data.parquet_parts.
-from raylora.data.parquet_parts import (  # noqa: F401
-    READ_UNIT_ROWS, parquet_parts, read_parquet_parts, row_groups_of_part,
-)
 from raylora.data.preprocess import Preprocess, preprocess_batch
 from raylora.data.split import KeepSplit
 from raylora.data.tokenize import load_specs

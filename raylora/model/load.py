@@ -185,9 +185,9 @@ def load_components(
     the VAE and text encoders: the cache already holds what they would compute."""
     path = materialize(resolve_model_path(model), store or Storage())
     index = read_index(model, path)
-    family = resolve_family(model, index)
     if index is None:
         raise FileNotFoundError(f"model.pretrained: {model.pretrained}: no model_index.json")
+    family = resolve_family(model, index)
     kw: dict[str, Any] = {"revision": model.revision}
     scheduler_config = dict(import_class(*index["scheduler"][:2]).load_config(
         path, subfolder="scheduler", revision=model.revision))

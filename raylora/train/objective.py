@@ -24,7 +24,13 @@ from typing import Any
 
 import torch
 
-from raylora.train.loss import diffusion_target, min_snr_weights, offset_noise, snr
+from raylora.train.loss import (
+    diffusion_target,
+    min_snr_weights,
+    offset_noise,
+    sample_timesteps,
+    snr,
+)
 
 DENSITIES = ("uniform", "logit_normal", "mode", "cosmap")
 WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")
@@ -65,8 +71,7 @@ class DDPM:
 
     def sample_timesteps(self, latents: torch.Tensor) -> torch.Tensor:
         """Uniform integer steps ``[B]`` from torch's global RNG."""
-        return torch.randint(0, self.num_train_timesteps, (latents.shape[0],),
-                             device=latents.device).long()
+        return sample_timesteps(latents.shape[0], self.num_train_timesteps, latents.device)
 
     def eval_timesteps(self, k: int, latents: torch.Tensor) -> torch.Tensor:
         """K fixed steps at the centres of K equal slices of [0, T): (i + 0.5)·T/K."""

@@ -15,8 +15,7 @@ import itertools
 import json
 import posixpath
 from collections.abc import Iterator
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from raylora.storage import Storage
 

@@ -165,10 +165,6 @@ class Family:
         (mean ‖ logvar)."""
         return vae.encode(pixels).latent_dist.parameters
 
-    @staticmethod
-    def decode_check(vae, latents: torch.Tensor) -> torch.Tensor:  # pragma: no cover - sampling only
-        return vae.decode(latents).sample
-
     # ---- text -------------------------------------------------------------------------
 
     @classmethod

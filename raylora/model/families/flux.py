@@ -41,9 +41,11 @@ class Flux(Family):
     def denoise(cls, model, noisy, t, cond: Cond, guidance: float = 1.0, **extra) -> torch.Tensor:
         b, _, h, w = noisy.shape
         dtype, dev = noisy.dtype, noisy.device
-        ids = torch.zeros(h // 2, w // 2, 3)
-        ids[..., 1] += torch.arange(h // 2)[:, None]
-        ids[..., 2] += torch.arange(w // 2)[None, :]
+        # Position ids (0, row, col) of the token grid, built where the model runs (no
+        # host-to-device copy in the step).
+        ids = torch.zeros(h // 2, w // 2, 3, device=dev)
+        ids[..., 1] += torch.arange(h // 2, device=dev)[:, None]
+        ids[..., 2] += torch.arange(w // 2, device=dev)[None, :]
         txt_ids = torch.zeros(cond["prompt_embeds"].shape[1], 3, device=dev, dtype=dtype)
         g = None
         if model.config.guidance_embeds:
@@ -51,7 +53,7 @@ class Flux(Family):
         out = model(hidden_states=pack_2x2(noisy), timestep=t.to(dtype), guidance=g,
                     pooled_projections=cond["pooled_prompt_embeds"],
                     encoder_hidden_states=cond["prompt_embeds"], txt_ids=txt_ids,
-                    img_ids=ids.reshape(-1, 3).to(dev, dtype), return_dict=False)[0]
+                    img_ids=ids.reshape(-1, 3).to(dtype), return_dict=False)[0]
         return unpack_2x2(out, h, w)
 
 

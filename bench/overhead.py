@@ -35,7 +35,7 @@ def timed_steps(cfg_dict: dict, batches: list, steps: int, warmup: int, threads:
     from accelerate import Accelerator
 
     from raylora.config import RayLoraConfig
-    from raylora.train.loop import run_loop
+    from raylora.train.loop import LoopHooks, LoopSettings, run_loop
     from raylora.train.setup import build_run
 
     torch.set_num_threads(threads)
@@ -49,13 +49,9 @@ def timed_steps(cfg_dict: dict, batches: list, steps: int, warmup: int, threads:
             per_step(row)
         stamps.append(time.perf_counter())
 
-    run_loop(
-        accelerator=accel, unet=run.unet, parts=run.parts, optimizer=run.optimizer,
-        lr_scheduler=run.lr_scheduler, params=run.params, state=run.state, max_steps=steps,
-        max_grad_norm=cfg.train.max_grad_norm, images_per_step=cfg.train.batch_size,
-        checkpoint_every=steps + 1, epoch_batches=lambda epoch: batches,
-        on_checkpoint=lambda state, final: None, on_step=on_step,
-    )
+    settings = LoopSettings(max_steps=steps, images_per_step=cfg.train.batch_size,
+                            checkpoint_every=steps + 1, max_grad_norm=cfg.train.max_grad_norm)
+    run_loop(run, settings, LoopHooks(lambda epoch: batches, on_step=on_step))
     return (len(stamps) - warmup) / (stamps[-1] - stamps[warmup - 1])
 
 

@@ -531,7 +531,7 @@ def build_trainer(
     name: str,
     callbacks: list | None = None,
     train_fn=None,
-    extra_loop_config: dict | None = None,
+    lr_find=None,
 ):
     """The TorchTrainer of one run: datasets, workers, storage. ``raylora train`` fits one;
     each Tune trial builds its own (with ``TuneReportCallback``); lr-find passes its own
@@ -542,7 +542,7 @@ def build_trainer(
 
     from raylora.data.source import DataPlan, build_dataset
     from raylora.data.tokenize import load_specs
-    from raylora.worker import train_loop_per_worker
+    from raylora.worker import WorkerSpec, train_loop_per_worker
 
     store = cfg.storage.client()
     # Ray Data's and the worker's progress bars are for people watching a terminal; in
@@ -552,14 +552,15 @@ def build_trainer(
     seed = cfg.data.shuffle_seed if cfg.data.shuffle_seed is not None else cfg.train.seed
     data_plan = DataPlan(p.data_format, p.shard_files, p.total_rows, p.file_rows)
     world = cfg.scaling.num_workers
-    extra = dict(extra_loop_config or {})
+    spec = WorkerSpec(cfg, p, progress_bar=interactive, lr_find=lr_find)
     if cfg.data.sharding == "files":
         # Each worker builds its own dataset every epoch (worker._epoch_batches): files r,
         # r+N, ... in order, with that epoch's draws. The tokenizer is read once, here, for
         # all of them (cached latents need none).
         datasets = {}
-        extra["tokenizer_specs"] = None if cfg.data.cache == "latents" else load_specs(
-            p.model_path, p.family, store, cfg.model.max_sequence_length)
+        if cfg.data.cache != "latents":
+            spec.tokenizer_specs = load_specs(p.model_path, p.family, store,
+                                              cfg.model.max_sequence_length)
     else:
         datasets = {
             "train": build_dataset(
@@ -568,13 +569,9 @@ def build_trainer(
             )
         }
     ckpt_fs, ckpt_path = store.fs(storage_uri)
-    loop_config = {
-        "config": cfg.to_dict(), "plan": p.to_dict(), "heldout": p.worker_heldout(),
-        "progress_bar": interactive, **extra,
-    }
     return TorchTrainer(
         train_fn or train_loop_per_worker,
-        train_loop_config=loop_config,
+        train_loop_config={"spec": spec},
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.scaling.num_workers,
             use_gpu=cfg.scaling.use_gpu,
@@ -614,7 +611,7 @@ def run_lr_find(
     import tempfile
 
     from raylora.train import lr_find
-    from raylora.worker import lr_find_per_worker
+    from raylora.worker import LrFindSettings, lr_find_per_worker
 
     problems = []
     if not 0 < start_lr < end_lr:
@@ -636,11 +633,11 @@ def run_lr_find(
         cfg = check_cluster_fits(cfg, num_workers=1)  # lr-find trains on one worker
         p = start_bad_records(p)
         p = apply_cache(cfg, p)
-        settings = dict(start_lr=start_lr, end_lr=end_lr, num_steps=num_steps,
-                        smoothing=smoothing, diverge_factor=diverge_factor)
+        settings = LrFindSettings(start_lr=start_lr, end_lr=end_lr, num_steps=num_steps,
+                                  smoothing=smoothing, diverge_factor=diverge_factor)
         trainer = build_trainer(
             cfg, p, cfg.output.uri, LR_FIND_RUN_NAME, train_fn=lr_find_per_worker,
-            extra_loop_config={"lr_find": settings},
+            lr_find=settings,
         )
         # A curve measured on a fraction of the data is refused like a run trained on one.
         result, bad = fit_judging_data(cfg, p, trainer.fit)
@@ -666,5 +663,5 @@ def run_lr_find(
         lr_find.plot(rows, suggestion, png)
         with open(png, "rb") as f:
             store.write_bytes(png_uri, f.read())
-    return {**suggestion, "settings": settings, "csv": csv_uri, "png": png_uri, "rows": rows,
+    return {**suggestion, "settings": asdict(settings), "csv": csv_uri, "png": png_uri, "rows": rows,
             "bad_records": bad.get("bad_records_counts", {}), "rows_decoded": bad.get("rows_decoded")}

@@ -12,6 +12,7 @@ import logging
 import math
 import tempfile
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 
@@ -21,8 +22,9 @@ from ray.train import CheckpointUploadMode
 
 from raylora.checkpoint.state import LoopState, load_state
 from raylora.config import RayLoraConfig
+from raylora.launch import Plan
 from raylora.model.lora import digest
-from raylora.train.loop import run_loop, sample_hashes
+from raylora.train.loop import LoopHooks, LoopSettings, run_loop, sample_hashes
 from raylora.train.setup import build_run, nonfinite_advice, write_checkpoint
 
 log = logging.getLogger("raylora.worker")
@@ -43,19 +45,20 @@ def _finite_or_inf(x: float | None) -> float | None:
     return x if x is None or math.isfinite(x) else float("inf")
 
 
-def _heldout_batch(cfg: RayLoraConfig, plan: dict, heldout) -> dict[str, torch.Tensor]:
+def _heldout_batch(spec: WorkerSpec) -> dict[str, torch.Tensor]:
     """The held-out rows as one batch: already encoded by the driver (latent cache, a dict
     of arrays), or raw ``{image, text}`` rows preprocessed here (centre crop, no flip)."""
     import numpy as np
 
     from raylora.data.preprocess import Preprocess
 
+    cfg, heldout = spec.config, spec.plan.worker_heldout()
     if isinstance(heldout, dict):
         return {k: torch.from_numpy(np.asarray(v)) for k, v in heldout.items()}
     pre = Preprocess(
-        tokenizer_path=plan["model_path"], resolution=cfg.data.resolution, center_crop=True,
+        tokenizer_path=spec.plan.model_path, resolution=cfg.data.resolution, center_crop=True,
         random_flip=False, endpoint_url=cfg.storage.endpoint_url, region=cfg.storage.region,
-        family=plan.get("family", "sd"), max_sequence_length=cfg.model.max_sequence_length,
+        family=spec.plan.family, max_sequence_length=cfg.model.max_sequence_length,
         **cfg.data.decode_kwargs(),
     )
     batch = pre({
@@ -65,14 +68,15 @@ def _heldout_batch(cfg: RayLoraConfig, plan: dict, heldout) -> dict[str, torch.T
     return {k: torch.from_numpy(v) for k, v in batch.items()}
 
 
-def _heldout_evaluator(cfg: RayLoraConfig, plan: dict, heldout, run, rank: int, world: int):
+def _heldout_evaluator(spec: WorkerSpec, run, rank: int, world: int):
     """Encode the held-out rows once and return ``evaluate() -> float`` (same value on
     every rank)."""
     from raylora.train.evaluate import encode_heldout_text, heldout_loss, prepare_heldout
 
+    cfg = spec.config
     v, acc = cfg.validation, run.accelerator
     held = prepare_heldout(
-        run.parts, _heldout_batch(cfg, plan, heldout), v.num_timesteps, v.seed,
+        run.parts, _heldout_batch(spec), v.num_timesteps, v.seed,
         batch_size=cfg.train.batch_size, device=acc.device,
     )
     model = acc.unwrap_model(run.model)
@@ -89,7 +93,7 @@ def _heldout_evaluator(cfg: RayLoraConfig, plan: dict, heldout, run, rank: int, 
     return evaluate
 
 
-def _previewer(cfg: RayLoraConfig, plan: dict, run, tracker):
+def _previewer(spec: WorkerSpec, run, tracker):
     """``preview(step)``: rank 0 renders ``validation.prompts`` into
     ``{output.uri}/validation/step_NNNNNN.png`` and the tracker (EMA weights when on)."""
     import io
@@ -98,9 +102,10 @@ def _previewer(cfg: RayLoraConfig, plan: dict, run, tracker):
     from raylora.model.load import materialize
     from raylora.train import preview as pv
 
+    cfg = spec.config
     v, acc = cfg.validation, run.accelerator
     store = cfg.storage.client()
-    model_path = materialize(plan["model_path"], store)
+    model_path = materialize(spec.plan.model_path, store)
     model = acc.unwrap_model(run.model)
 
     def preview(step: int) -> None:
@@ -134,27 +139,27 @@ def _accelerator(cfg: RayLoraConfig):
     )
 
 
-def _epoch_batches(cfg: RayLoraConfig, plan: dict, rank: int, world: int, device,
-                   tokenizer_specs: tuple | None = None, progress_bar: bool = False):
+def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
     """``epoch -> iterable of batches`` over this worker's data: its share of the split
     dataset, or under ``data.sharding=files`` its own files, rebuilt for each epoch so
     the epoch picks the preprocessing draws (raylora.data.source.build_dataset)."""
+    cfg, plan = spec.config, spec.plan
     t = cfg.train
     by_files = cfg.data.sharding == "files"
     data_seed = cfg.data.shuffle_seed if cfg.data.shuffle_seed is not None else t.seed
     if by_files:
         from raylora.data.source import DataPlan, build_dataset
 
-        own = DataPlan(plan["data_format"], plan["shard_files"], plan["total_rows"],
-                       plan["file_rows"]).for_rank(rank, world)
+        own = DataPlan(plan.data_format, plan.shard_files, plan.total_rows,
+                       plan.file_rows).for_rank(rank, world)
         store = cfg.storage.client()
 
         def epoch_data(epoch: int):
-            ds = build_dataset(cfg.data, own, store, model_path=plan["model_path"], seed=data_seed,
-                               num_preprocess_tasks=1, family=plan["family"],
-                               bad_records=plan["bad_records"], tokenizer_specs=tokenizer_specs,
+            ds = build_dataset(cfg.data, own, store, model_path=plan.model_path, seed=data_seed,
+                               num_preprocess_tasks=1, family=plan.family,
+                               bad_records=plan.bad_records, tokenizer_specs=spec.tokenizer_specs,
                                epoch=epoch)
-            ds.context.enable_progress_bars = progress_bar
+            ds.context.enable_progress_bars = spec.progress_bar
             return ds
     else:
         shard = ray.train.get_dataset_shard("train")
@@ -172,76 +177,84 @@ def _epoch_batches(cfg: RayLoraConfig, plan: dict, rank: int, world: int, device
         )
         # With per-worker files, workers hold different row counts: all stop at the
         # smallest one's batch count so their DDP steps line up.
-        return itertools.islice(batches, plan["batches_per_epoch"]) if by_files else batches
+        return itertools.islice(batches, plan.batches_per_epoch) if by_files else batches
 
     return epoch_batches
 
 
-def train_loop_per_worker(loop_config: dict) -> None:
-    from accelerate.utils import gather_object
+@dataclass(frozen=True)
+class LrFindSettings:
+    """``raylora lr-find``: the range test's sweep (raylora.train.lr_find.range_test)."""
 
-    _setup_logging()
-    cfg = RayLoraConfig.model_validate(loop_config["config"])
-    plan = loop_config["plan"]
-    max_steps = plan["max_steps"]
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    t = cfg.train
+    start_lr: float = 1e-7
+    end_lr: float = 1.0
+    num_steps: int = 100
+    smoothing: float = 0.9
+    diverge_factor: float = 10.0
 
-    accelerator = _accelerator(cfg)
-    restored = None
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as d:
-            restored = load_state(d, rank)
-    run = build_run(cfg, accelerator, max_steps, rank, restored)
-    if restored is not None and rank == 0:
-        log.info("resumed from step %d (epoch %d)", run.state.global_step, run.state.epoch)
 
-    epoch_batches = _epoch_batches(cfg, plan, rank, world, accelerator.device,
-                                   loop_config.get("tokenizer_specs"), bool(loop_config.get("progress_bar")))
+@dataclass
+class WorkerSpec:
+    """Everything one worker is told, built once by the driver (``launch.build_trainer``)
+    and sent as ``train_loop_config={"spec": spec}``."""
 
-    bar = None
-    if rank == 0 and loop_config.get("progress_bar"):
-        # tqdm_ray draws this bar on the driver's terminal, not in the worker's log.
-        from ray.experimental.tqdm_ray import tqdm
+    config: RayLoraConfig
+    plan: Plan
+    # data.sharding=files: the tokenizers, read once by the driver for every worker.
+    tokenizer_specs: tuple | None = None
+    progress_bar: bool = False  # a terminal is watching: draw tqdm_ray bars
+    lr_find: LrFindSettings | None = None
 
-        bar = tqdm(total=max_steps, desc="raylora train")
-        bar.update(run.state.global_step)
+    @classmethod
+    def of(cls, loop_config: dict) -> WorkerSpec:
+        return loop_config["spec"]
 
-    from raylora.track import Tracker, open_tracker
 
-    # Rank 0 talks to the tracker; the other ranks' Tracker() does nothing.
-    tracker = open_tracker(cfg.tracking, cfg.output.uri, cfg.to_dict(), cfg.storage.client()) \
-        if rank == 0 else Tracker()
-    preview = None
-    if cfg.validation.prompts and rank == 0:
-        preview = _previewer(cfg, plan, run, tracker)
+class _Reporter:
+    """Rank-aware sinks of one training run: log lines, tracker, progress bar, Ray reports
+    (metrics and checkpoints)."""
 
-    from raylora.data.badrecords import BadDataError, min_rows_to_judge, read_counter, verdict
+    def __init__(self, spec: WorkerSpec, run, rank: int):
+        from raylora.track import Tracker, open_tracker
 
-    def on_step(row: dict) -> None:
-        if rank == 0 and plan.get("bad_records"):
+        cfg = spec.config
+        self.spec, self.run, self.rank = spec, run, rank
+        self.max_steps = spec.plan.max_steps
+        # Rank 0 talks to the tracker; the other ranks' Tracker() does nothing.
+        self.tracker = open_tracker(cfg.tracking, cfg.output.uri, cfg.to_dict(), cfg.storage.client()) \
+            if rank == 0 else Tracker()
+        self.bar = None
+        if rank == 0 and spec.progress_bar:
+            # tqdm_ray draws this bar on the driver's terminal, not in the worker's log.
+            from ray.experimental.tqdm_ray import tqdm
+
+            self.bar = tqdm(total=self.max_steps, desc="raylora train")
+            self.bar.update(run.state.global_step)
+
+    def close(self) -> None:
+        self.tracker.close()
+        if self.bar is not None:
+            self.bar.close()
+
+    def on_step(self, row: dict) -> None:
+        from raylora.data.badrecords import BadDataError, min_rows_to_judge, read_counter, verdict
+
+        cfg, plan = self.spec.config, self.spec.plan
+        if self.rank == 0 and plan.bad_records:
             # Rows were read (by the preprocess tasks) for this step: judge the totals now,
             # not after hours of training on a fraction of the data.
-            message = verdict(read_counter(plan["bad_records"]) or {"rows_seen": 0},
-                              cfg.data.max_bad_fraction, min_rows_to_judge(plan["total_rows"]))
+            message = verdict(read_counter(plan.bad_records) or {"rows_seen": 0},
+                              cfg.data.max_bad_fraction, min_rows_to_judge(plan.total_rows))
             if message:
                 raise BadDataError(message)
-        tracker.log(row["step"], {k: v for k, v in row.items() if k not in ("step", "samples")})
-        if bar is not None:
-            bar.update(1)
-        if rank == 0 and row["step"] % t.log_every_n_steps == 0:
-            log.info(
-                "step %d/%d loss %.5f lr %.3g images/s %.1f",
-                row["step"], max_steps, row["loss"], row["lr"], row["images_per_s"],
-            )
+        self.tracker.log(row["step"], {k: v for k, v in row.items() if k not in ("step", "samples")})
+        if self.bar is not None:
+            self.bar.update(1)
+        if self.rank == 0 and row["step"] % cfg.train.log_every_n_steps == 0:
+            log.info("step %d/%d loss %.5f lr %.3g images/s %.1f",
+                     row["step"], self.max_steps, row["loss"], row["lr"], row["images_per_s"])
 
-    evaluate = None
-    if plan.get("heldout_rows"):
-        evaluate = _heldout_evaluator(cfg, plan, loop_config["heldout"], run, rank, world)
-
-    def step_metrics(st: LoopState) -> dict:
+    def metrics(self, st: LoopState) -> dict:
         # A run whose last step was skipped for NaN/inf is diverging: its held-out loss is
         # reported as inf even though the skip left the (evaluated) weights finite, so
         # Tune ranks it last instead of scoring the weights from before the blow-up.
@@ -253,25 +266,28 @@ def train_loop_per_worker(loop_config: dict) -> None:
             "eval_loss": float("inf") if diverging and st.eval_loss_last is not None
             else _finite_or_inf(st.eval_loss_last),
             "eval_loss_best": st.eval_loss_best,
-            "lr": run.lr_scheduler.get_last_lr()[0],
+            "lr": self.run.lr_scheduler.get_last_lr()[0],
         }
 
-    def on_eval(st: LoopState) -> None:
-        tracker.log(st.global_step, {"eval_loss": st.eval_loss_last})
-        if rank == 0:
+    def _log_eval(self, st: LoopState) -> None:
+        self.tracker.log(st.global_step, {"eval_loss": st.eval_loss_last})
+        if self.rank == 0:
             log.info("step %d held-out loss %.5f", st.global_step, st.eval_loss_last)
-        # Metrics only (a barrier like every report): Tune's schedulers see each evaluation.
-        ray.train.report(step_metrics(st))
 
-    def on_checkpoint(st: LoopState, final: bool) -> None:
-        metrics = step_metrics(st)
+    def on_eval(self, st: LoopState) -> None:
+        self._log_eval(st)
+        # Metrics only (a barrier like every report): Tune's schedulers see each evaluation.
+        ray.train.report(self.metrics(st))
+
+    def on_checkpoint(self, st: LoopState, final: bool) -> None:
+        from accelerate.utils import gather_object
+
+        metrics = self.metrics(st)
         if st.history and "eval_loss" in st.history[-1]:
-            tracker.log(st.global_step, {"eval_loss": st.eval_loss_last})
-            if rank == 0:
-                log.info("step %d held-out loss %.5f", st.global_step, st.eval_loss_last)
-        tracker.sync()
+            self._log_eval(st)
+        self.tracker.sync()
         d = tempfile.mkdtemp(prefix="raylora-ckpt-")
-        sd = write_checkpoint(d, run, rank)
+        sd = write_checkpoint(d, self.run, self.rank)
         if final:
             # Every rank's adapter digest: equal digests prove the DDP replicas stayed
             # bit-identical; the driver records them in raylora.json.
@@ -279,7 +295,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
             metrics["worker_nodes"] = gather_object([ray.get_runtime_context().get_node_id()])
             metrics.update(st.scalars())
             # False under the latent cache: the workers never loaded the VAE/text encoders.
-            metrics["encoders_on_worker"] = run.parts.vae is not None
+            metrics["encoders_on_worker"] = self.run.parts.vae is not None
         # Every rank passes its directory: Ray merges them into one checkpoint (rank 0
         # writes the model and optimizer, each rank its own RNG state). Intermediate
         # checkpoints upload in the background so accelerators do not wait on storage;
@@ -294,36 +310,44 @@ def train_loop_per_worker(loop_config: dict) -> None:
             delete_local_checkpoint_after_upload=True,
         )
 
+
+def _build(spec: WorkerSpec, rank: int, max_steps: int):
+    """The training run, resumed from Ray's latest checkpoint when there is one."""
+    accelerator = _accelerator(spec.config)
+    restored = None
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d:
+            restored = load_state(d, rank)
+    run = build_run(spec.config, accelerator, max_steps, rank, restored)
+    if restored is not None and rank == 0:
+        log.info("resumed from step %d (epoch %d)", run.state.global_step, run.state.epoch)
+    return run
+
+
+def train_loop_per_worker(loop_config: dict) -> None:
+    _setup_logging()
+    spec = WorkerSpec.of(loop_config)
+    cfg, plan = spec.config, spec.plan
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    run = _build(spec, rank, plan.max_steps)
+    reporter = _Reporter(spec, run, rank)
+    hooks = LoopHooks(
+        epoch_batches=_epoch_batches(spec, rank, world, run.accelerator.device),
+        on_checkpoint=reporter.on_checkpoint,
+        on_step=reporter.on_step,
+        on_eval=reporter.on_eval,
+        evaluate=_heldout_evaluator(spec, run, rank, world) if plan.heldout_rows else None,
+        preview=_previewer(spec, run, reporter.tracker) if cfg.validation.prompts and rank == 0 else None,
+        sample_ids=sample_hashes if cfg.train.record_samples and rank == 0 else None,
+    )
+    settings = LoopSettings.from_config(cfg, plan.max_steps, world, nonfinite_advice(cfg))
     try:
-        run_loop(
-            accelerator=accelerator,
-            model=run.model,
-            parts=run.parts,
-            optimizer=run.optimizer,
-            lr_scheduler=run.lr_scheduler,
-            params=run.params,
-            state=run.state,
-            max_steps=max_steps,
-            max_grad_norm=t.max_grad_norm,
-            images_per_step=t.batch_size * t.gradient_accumulation_steps * world,
-            checkpoint_every=cfg.checkpoint.every_n_steps,
-            epoch_batches=epoch_batches,
-            on_checkpoint=on_checkpoint,
-            on_step=on_step,
-            evaluate=evaluate,
-            eval_every=cfg.validation.every_n_steps,
-            on_eval=on_eval,
-            ema=run.ema,
-            preview=preview,
-            max_nonfinite_steps=t.max_nonfinite_steps,
-            sample_ids=sample_hashes if t.record_samples and rank == 0 else None,
-            nonfinite_advice=nonfinite_advice(cfg),
-        )
+        run_loop(run, settings, hooks)
     finally:
         # Also when the loop stops on NaN/inf: what was logged so far is kept.
-        tracker.close()
-    if bar is not None:
-        bar.close()
+        reporter.close()
 
 
 def lr_find_per_worker(loop_config: dict) -> None:
@@ -333,12 +357,12 @@ def lr_find_per_worker(loop_config: dict) -> None:
     from raylora.train.step import train_micro_step
 
     _setup_logging()
-    cfg = RayLoraConfig.model_validate(loop_config["config"])
-    t, lf = cfg.train, loop_config["lr_find"]
+    spec = WorkerSpec.of(loop_config)
+    cfg, lf = spec.config, spec.lr_find
+    t = cfg.train
     accelerator = _accelerator(cfg)
-    run = build_run(cfg, accelerator, lf["num_steps"], rank=0)
-    epoch_batches = _epoch_batches(cfg, loop_config["plan"], 0, 1, accelerator.device,
-                                   loop_config.get("tokenizer_specs"))
+    run = build_run(cfg, accelerator, lf.num_steps, rank=0)
+    epoch_batches = _epoch_batches(spec, 0, 1, accelerator.device)
     stream = itertools.chain.from_iterable(map(epoch_batches, itertools.count()))
 
     def step(lr: float) -> float:
@@ -354,10 +378,8 @@ def lr_find_per_worker(loop_config: dict) -> None:
         log.info("lr %.3g loss %.5f", lr, loss)
         return loss
 
-    rows = range_test(
-        step, lf["start_lr"], lf["end_lr"], lf["num_steps"],
-        smoothing=lf["smoothing"], diverge_factor=lf["diverge_factor"],
-    )
+    rows = range_test(step, lf.start_lr, lf.end_lr, lf.num_steps, smoothing=lf.smoothing,
+                      diverge_factor=lf.diverge_factor)
     # Rows travel as a checkpoint file: a run's Result carries the metrics and files of
     # its latest checkpoint only.
     d = tempfile.mkdtemp(prefix="raylora-lrfind-")

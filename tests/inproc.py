@@ -5,7 +5,7 @@ import os
 import numpy as np
 import torch
 
-from raylora.train.loop import run_loop
+from raylora.train.loop import LoopHooks, LoopSettings, run_loop
 from raylora.train.setup import build_run, write_checkpoint
 
 
@@ -34,14 +34,8 @@ def _train(cfg, batches, max_steps, ckpt_root, restored=None, stop_at=None):
         write_checkpoint(d, run, rank=0)
         saved.append((state.global_step, final))
 
-    run_loop(
-        accelerator=accel, model=run.model, parts=run.parts, optimizer=run.optimizer,
-        lr_scheduler=run.lr_scheduler, params=run.params, state=run.state,
-        max_steps=max_steps if stop_at is None else stop_at,
-        max_grad_norm=cfg.train.max_grad_norm, images_per_step=2 * cfg.train.gradient_accumulation_steps,
-        checkpoint_every=cfg.checkpoint.every_n_steps, epoch_batches=epoch_batches,
-        on_checkpoint=on_checkpoint, ema=run.ema,
-    )
+    settings = LoopSettings.from_config(cfg, max_steps if stop_at is None else stop_at, 1)
+    run_loop(run, settings, LoopHooks(epoch_batches, on_checkpoint=on_checkpoint))
     return run, saved
 
 

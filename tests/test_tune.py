@@ -154,7 +154,7 @@ def test_loop_evaluates_at_base_cadence_and_end(base_config, tiny_model):
     between checkpoints are reported through on_eval."""
     from accelerate import Accelerator
 
-    from raylora.train.loop import run_loop
+    from raylora.train.loop import LoopHooks, LoopSettings, run_loop
     from raylora.train.setup import build_run
 
     cfg = validate(base_config)
@@ -172,14 +172,9 @@ def test_loop_evaluates_at_base_cadence_and_end(base_config, tiny_model):
         calls.append(run.state.global_step)
         return 1.0 + 0.1 * len(calls)
 
-    run_loop(
-        accelerator=accel, model=run.model, parts=run.parts, optimizer=run.optimizer,
-        lr_scheduler=run.lr_scheduler, params=run.params, state=run.state, max_steps=5,
-        max_grad_norm=1.0, images_per_step=2, checkpoint_every=4,
-        epoch_batches=lambda e: [batch] * 3,
-        on_checkpoint=lambda s, f: ckpts.append(s.global_step),
-        evaluate=evaluate, eval_every=2, on_eval=lambda s: evals.append(s.global_step),
-    )
+    run_loop(run, LoopSettings(max_steps=5, images_per_step=2, checkpoint_every=4, eval_every=2),
+             LoopHooks(lambda e: [batch] * 3, on_checkpoint=lambda s, f: ckpts.append(s.global_step),
+                       evaluate=evaluate, on_eval=lambda s: evals.append(s.global_step)))
     assert calls == [0, 2, 4, 5]
     assert evals == [2] and ckpts == [4, 5]
     st = run.state

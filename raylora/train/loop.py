@@ -1,8 +1,8 @@
 """The training loop: epochs → micro-batches → optimizer steps → checkpoints. No Ray.
 
 The loop owns the data position (epoch, micro-batches consumed) so a resumed run skips
-what it already trained on. Where batches come from and where checkpoints go are
-callables passed in, which is all ``worker.py`` adds on top.
+what it already trained on. Where batches come from and where checkpoints, metrics and
+previews go are the ``LoopHooks`` passed in, which is all ``worker.py`` adds on top.
 """
 
 from __future__ import annotations
@@ -10,148 +10,198 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import torch
 
 from raylora.checkpoint.state import LoopState
-from raylora.train.step import FrozenParts, train_micro_step
+from raylora.train.step import train_micro_step
 
 
 class NonFiniteLossError(RuntimeError):
     """Training kept producing NaN/inf: stopping beats burning hours on a dead run."""
 
 
-def run_loop(
-    *,
-    accelerator,
-    model: torch.nn.Module,
-    parts: FrozenParts,
-    optimizer,
-    lr_scheduler,
-    params: list[torch.nn.Parameter],
-    state: LoopState,
-    max_steps: int,
-    max_grad_norm: float,
-    images_per_step: int,
-    checkpoint_every: int,
-    epoch_batches: Callable[[int], Iterable[dict]],
-    on_checkpoint: Callable[[LoopState, bool], None],
-    on_step: Callable[[dict], None] = lambda row: None,
-    evaluate: Callable[[], float] | None = None,
-    eval_every: int | None = None,
-    on_eval: Callable[[LoopState], None] = lambda state: None,
-    ema=None,
-    preview: Callable[[int], None] | None = None,
-    sample_ids: Callable[[dict], list[str]] | None = None,
-    max_nonfinite_steps: int = 5,
-    nonfinite_advice: str = "",
-) -> LoopState:
-    """Train until ``state.global_step == max_steps``; returns the final state.
+@dataclass(frozen=True)
+class LoopSettings:
+    """The numbers the loop runs by (from the config and the plan)."""
 
-    ``on_checkpoint(state, final)`` is called on every rank at the same steps (Ray's report
-    is a barrier), and always once with ``final=True`` at the end.
+    max_steps: int
+    images_per_step: int  # batch × accumulation × workers: one optimizer step's images
+    checkpoint_every: int
+    max_grad_norm: float = 1.0
+    # Held-out loss and previews every N steps; None: at every checkpoint. Both also
+    # run before the first step of a fresh run and at the end.
+    eval_every: int | None = None
+    max_nonfinite_steps: int = 5
+    nonfinite_advice: str = ""
 
-    With ``evaluate`` (the held-out loss), it runs before the first step, every
-    ``eval_every`` steps (default: at every checkpoint) and at the end; its value is in
-    ``state`` and the step's history row before ``on_checkpoint``, and ``on_eval(state)``
-    reports evaluations that fall between checkpoints. ``preview(step)`` (validation
-    images) runs at the same steps, including before the first step of a fresh run.
+    @classmethod
+    def from_config(cls, cfg, max_steps: int, world_size: int, advice: str = "") -> LoopSettings:
+        t = cfg.train
+        return cls(
+            max_steps=max_steps,
+            images_per_step=t.batch_size * t.gradient_accumulation_steps * world_size,
+            checkpoint_every=cfg.checkpoint.every_n_steps, max_grad_norm=t.max_grad_norm,
+            eval_every=cfg.validation.every_n_steps, max_nonfinite_steps=t.max_nonfinite_steps,
+            nonfinite_advice=advice,
+        )
+
+
+def _no_op(*args) -> None:
+    return None
+
+
+@dataclass
+class LoopHooks:
+    """Where the loop's data comes from and where its results go.
+
+    ``on_checkpoint(state, final)`` is called on every rank at the same steps (Ray's
+    report is a barrier), and always once with ``final=True`` at the end. ``evaluate()``
+    (the held-out loss) runs at the evaluation steps; its value is in ``state`` and in the
+    step's history row before ``on_checkpoint``, and ``on_eval(state)`` reports the
+    evaluations that fall between checkpoints. ``preview(step)`` renders validation
+    images at the same steps. ``sample_ids(batch)`` names the samples of a batch, kept in
+    each step's row (``train.record_samples``).
     """
-    last_ckpt_step = -1
-    nonfinite_in_a_row = 0
-    step_samples: list[str] = []
-    if evaluate is not None and state.global_step == 0 and state.eval_loss_base is None:
-        # Also the "latest" value until the first periodic evaluation, so every report
-        # (e.g. a checkpoint before it) carries a held-out loss for Tune to compare.
-        state.eval_loss_base = evaluate()
-        state.record_eval(state.eval_loss_base)
-    if preview is not None and state.global_step == 0:
-        preview(0)
-    t_start = time.perf_counter()
-    wall_before = state.wall_seconds
-    while state.global_step < max_steps:
-        micro_losses: list[torch.Tensor] = []
-        t_step = time.perf_counter()
-        skip = state.batches_in_epoch
-        exhausted, trained = True, False
-        for i, batch in enumerate(epoch_batches(state.epoch)):
-            if i < skip:  # resumed mid-epoch: these micro-batches were already trained on
-                continue
-            trained = True
-            if sample_ids is not None:
-                step_samples += sample_ids(batch)
-            micro_losses.append(
-                train_micro_step(
-                    accelerator, model, parts, optimizer, lr_scheduler, params, batch, max_grad_norm
-                )
-            )
-            state.batches_in_epoch += 1
-            if not accelerator.sync_gradients:
-                continue
-            state.global_step += 1
-            state.images_seen += images_per_step
-            # Mean over micro-batches and workers: the loss of the global batch (NaN on
-            # every rank when the step was skipped for non-finite values).
-            loss = accelerator.reduce(torch.stack(micro_losses).mean(), reduction="mean").item()
-            micro_losses = []
-            if math.isfinite(loss):
-                nonfinite_in_a_row = 0
-                if ema is not None:
-                    ema.update(params)
-            else:
-                state.nonfinite_steps += 1
-                nonfinite_in_a_row += 1
-                if nonfinite_in_a_row >= max_nonfinite_steps:
-                    raise NonFiniteLossError(
-                        f"loss or gradients were NaN/inf for {nonfinite_in_a_row} optimizer "
-                        f"steps in a row (steps {state.global_step - nonfinite_in_a_row + 1}-"
-                        f"{state.global_step}; those steps were skipped). {nonfinite_advice}".rstrip()
-                    )
-            now = time.perf_counter()
-            row = {
-                "step": state.global_step,
-                "epoch": state.epoch,
-                "loss": loss,
-                "lr": lr_scheduler.get_last_lr()[0],
-                "images_per_s": images_per_step / max(now - t_step, 1e-9),
-            }
-            if sample_ids is not None:
-                row["samples"], step_samples = step_samples, []
-            t_step = now
-            if state.train_loss_first is None:
-                state.train_loss_first = loss
-            state.train_loss_last = loss
-            state.history.append(row)
-            state.wall_seconds = wall_before + (now - t_start)
-            on_step(row)
-            final = state.global_step >= max_steps
-            ckpt = state.global_step % checkpoint_every == 0 or final
-            due = final or (state.global_step % eval_every == 0 if eval_every else ckpt)
-            if due and preview is not None:
-                preview(state.global_step)
-            if due and evaluate is not None:
-                row["eval_loss"] = evaluate()
-                state.record_eval(row["eval_loss"])
-                if not ckpt:
-                    on_eval(state)
-            if ckpt:
-                on_checkpoint(state, final)
-                last_ckpt_step = state.global_step
-            if state.global_step >= max_steps:
-                exhausted = False
-                break
-        if exhausted and not trained and skip == 0:
-            raise RuntimeError(
-                f"epoch {state.epoch} gave this worker no batches: the data shard is empty"
-            )
-        if exhausted:
-            state.epoch += 1
-            state.batches_in_epoch = 0
-    if last_ckpt_step != state.global_step:
+
+    epoch_batches: Callable[[int], Iterable[dict]]
+    on_checkpoint: Callable[[LoopState, bool], None] = _no_op
+    on_step: Callable[[dict], None] = _no_op
+    evaluate: Callable[[], float] | None = None
+    on_eval: Callable[[LoopState], None] = _no_op
+    preview: Callable[[int], None] | None = None
+    sample_ids: Callable[[dict], list[str]] | None = None
+
+
+@dataclass
+class _Progress:
+    """Within one ``run_loop`` call: what the step being built has seen so far."""
+
+    micro_losses: list[torch.Tensor] = field(default_factory=list)
+    samples: list[str] = field(default_factory=list)
+    nonfinite_in_a_row: int = 0
+    last_checkpoint: int = -1
+    t_step: float = field(default_factory=time.perf_counter)
+    t_start: float = field(default_factory=time.perf_counter)
+    wall_before: float = 0.0
+
+
+def run_loop(run, settings: LoopSettings, hooks: LoopHooks) -> LoopState:
+    """Train ``run`` (a ``raylora.train.setup.TrainingRun``) until its state reaches
+    ``settings.max_steps``; returns the final state."""
+    state = run.state
+    _begin(state, hooks)
+    progress = _Progress(wall_before=state.wall_seconds)
+    while state.global_step < settings.max_steps:
+        _run_epoch(run, settings, hooks, progress)
+    if progress.last_checkpoint != state.global_step:
         # Restored from a checkpoint that was already at max_steps: report it again so the
         # run still ends with a final checkpoint and final metrics.
-        on_checkpoint(state, True)
+        hooks.on_checkpoint(state, True)
     return state
+
+
+def _begin(state: LoopState, hooks: LoopHooks) -> None:
+    """A fresh run's step-0 evaluation and preview."""
+    if hooks.evaluate is not None and state.global_step == 0 and state.eval_loss_base is None:
+        # Also the "latest" value until the first periodic evaluation, so every report
+        # (e.g. a checkpoint before it) carries a held-out loss for Tune to compare.
+        state.eval_loss_base = hooks.evaluate()
+        state.record_eval(state.eval_loss_base)
+    if hooks.preview is not None and state.global_step == 0:
+        hooks.preview(0)
+
+
+def _run_epoch(run, settings: LoopSettings, hooks: LoopHooks, progress: _Progress) -> None:
+    """The rest of the current epoch, or up to ``max_steps``."""
+    state, acc = run.state, run.accelerator
+    skip = state.batches_in_epoch
+    trained = False
+    progress.t_step = time.perf_counter()
+    for i, batch in enumerate(hooks.epoch_batches(state.epoch)):
+        if i < skip:  # resumed mid-epoch: these micro-batches were already trained on
+            continue
+        trained = True
+        if hooks.sample_ids is not None:
+            progress.samples += hooks.sample_ids(batch)
+        progress.micro_losses.append(train_micro_step(
+            acc, run.model, run.parts, run.optimizer, run.lr_scheduler, run.params, batch,
+            settings.max_grad_norm,
+        ))
+        state.batches_in_epoch += 1
+        if not acc.sync_gradients:
+            continue
+        row = _finish_step(run, settings, progress, hooks.sample_ids is not None)
+        hooks.on_step(row)
+        _after_step(state, settings, hooks, progress, row)
+        if state.global_step >= settings.max_steps:
+            return
+    if not trained and skip == 0:
+        raise RuntimeError(f"epoch {state.epoch} gave this worker no batches: the data shard is empty")
+    state.epoch += 1
+    state.batches_in_epoch = 0
+
+
+def _finish_step(run, settings: LoopSettings, progress: _Progress, with_samples: bool) -> dict:
+    """An optimizer step just happened: count it, check its loss, and return its row."""
+    state = run.state
+    state.global_step += 1
+    state.images_seen += settings.images_per_step
+    # Mean over micro-batches and workers: the loss of the global batch (NaN on every
+    # rank when the step was skipped for non-finite values).
+    loss = run.accelerator.reduce(torch.stack(progress.micro_losses).mean(), reduction="mean").item()
+    progress.micro_losses = []
+    if math.isfinite(loss):
+        progress.nonfinite_in_a_row = 0
+        if run.ema is not None:
+            run.ema.update(run.params)
+    else:
+        state.nonfinite_steps += 1
+        progress.nonfinite_in_a_row += 1
+        n = progress.nonfinite_in_a_row
+        if n >= settings.max_nonfinite_steps:
+            raise NonFiniteLossError(
+                f"loss or gradients were NaN/inf for {n} optimizer steps in a row (steps "
+                f"{state.global_step - n + 1}-{state.global_step}; those steps were "
+                f"skipped). {settings.nonfinite_advice}".rstrip()
+            )
+    now = time.perf_counter()
+    row = {
+        "step": state.global_step,
+        "epoch": state.epoch,
+        "loss": loss,
+        "lr": run.lr_scheduler.get_last_lr()[0],
+        "images_per_s": settings.images_per_step / max(now - progress.t_step, 1e-9),
+    }
+    if with_samples:
+        row["samples"], progress.samples = progress.samples, []
+    progress.t_step = now
+    if state.train_loss_first is None:
+        state.train_loss_first = loss
+    state.train_loss_last = loss
+    state.history.append(row)
+    state.wall_seconds = progress.wall_before + (now - progress.t_start)
+    return row
+
+
+def _after_step(state: LoopState, settings: LoopSettings, hooks: LoopHooks, progress: _Progress,
+                row: dict) -> None:
+    """Previews, held-out loss and checkpoint when this step is due for them."""
+    step = state.global_step
+    final = step >= settings.max_steps
+    ckpt = step % settings.checkpoint_every == 0 or final
+    due = final or (step % settings.eval_every == 0 if settings.eval_every else ckpt)
+    if due and hooks.preview is not None:
+        hooks.preview(step)
+    if due and hooks.evaluate is not None:
+        row["eval_loss"] = hooks.evaluate()
+        state.record_eval(row["eval_loss"])
+        if not ckpt:
+            hooks.on_eval(state)
+    if ckpt:
+        hooks.on_checkpoint(state, final)
+        progress.last_checkpoint = step
 
 
 def sample_hashes(batch: dict[str, torch.Tensor]) -> list[str]:

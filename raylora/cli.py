@@ -1,4 +1,4 @@
-"""``raylora train|tune|lr-find|validate|sample|shards|tiny-model|demo-data``."""
+"""``raylora train|tune|lr-find|validate|sample|export|shards|tiny-model|demo-data``."""
 
 from __future__ import annotations
 
@@ -83,6 +83,15 @@ def _sample(args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    from raylora.checkpoint.kohya import export_folder
+
+    dest, family, how = export_folder(args.adapter, args.out, args.family)
+    print(f"raylora: family       {family.name} ({how})")
+    print(f"raylora: kohya file   {dest}")
+    return 0
+
+
 def _tiny_model(args) -> int:
     from raylora.model.tiny import build_tiny
 
@@ -157,6 +166,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: the family's (SD 7.5, Flux.1-dev 3.5, SD3 7.0, Qwen-Image 4.0)")
     s.add_argument("--size", type=int, default=None, help="pixels; default: the model's size")
     s.set_defaults(fn=_sample)
+
+    e = sub.add_parser("export", help="convert a diffusers adapter folder to another format")
+    e.add_argument("adapter", help="folder with pytorch_lora_weights.safetensors (+ raylora.json)")
+    e.add_argument("--format", choices=["kohya"], required=True,
+                   help="kohya: one kohya-ss / ComfyUI / A1111 .safetensors file")
+    e.add_argument("--out", default=None,
+                   help="file to write; default: adapter_kohya.safetensors beside the folder")
+    e.add_argument("--family", default=None,
+                   help="sd, sdxl, flux, sd3; default: the one raylora.json names, else guessed "
+                        "from the keys")
+    e.set_defaults(fn=_export)
 
     m = sub.add_parser("tiny-model", help="write a tiny random diffusers pipeline (offline)")
     m.add_argument("--family", choices=["sd", "sdxl", "flux", "sd3", "qwenimage"], default="sd")

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from raylora.checkpoint.kohya import export_kohya, from_kohya
 from raylora.model.families.sd import SD
@@ -41,22 +41,41 @@ print(json.dumps({"max_diff": float((out["diffusers"] - out["kohya"]).abs().max(
 """
 
 
+def _randomize_b(*modules) -> None:
+    """Non-zero LoRA up weights (peft starts them at zero)."""
+    g = torch.Generator().manual_seed(3)
+    for m in modules:
+        for n, p in m.named_parameters():
+            if "lora_B" in n:
+                p.data = 0.05 * torch.randn(p.shape, generator=g)
+
+
+def _write_adapter(model: str, dest: str, text_encoders: bool = False):
+    """A diffusers adapter of the pipeline folder ``model`` at ``dest``, rank 4, alpha 8,
+    non-zero up weights, on the family's default targets (and, with ``text_encoders``, its
+    loadable CLIP encoders). Returns the family."""
+    from raylora.model.load import load_components
+    from raylora.model.lora import add_lora, add_text_encoder_lora, save_diffusers_adapter
+
+    cfg = validate({"model": {"pretrained": model}, "data": {"uri": "d"}, "output": {"uri": "o"},
+                    "lora": {"rank": 4, "alpha": 8}})
+    comps = load_components(cfg.model, torch.float32, cfg.storage.client())
+    fam = comps.family
+    tes = {t.encoder: e for t, e in zip(fam.text, comps.text_encoders)
+           if text_encoders and t.encoder in fam.text_encoder_lora()}
+    add_lora(comps.denoiser, cfg.lora, fam.lora_targets)
+    if tes:
+        add_text_encoder_lora(tes, cfg.lora)
+    _randomize_b(comps.denoiser, *tes.values())
+    save_diffusers_adapter(comps.denoiser, dest, fam, tes)
+    return fam
+
+
 @pytest.fixture(scope="module")
 def adapter(tiny_model, tmp_path_factory):
     """A diffusers adapter with rank 4, alpha 8 and non-zero up weights."""
-    from raylora.model.load import load_components
-    from raylora.model.lora import add_lora, save_diffusers_adapter
-
-    cfg = validate({"model": {"pretrained": tiny_model}, "data": {"uri": "d"}, "output": {"uri": "o"},
-                    "lora": {"rank": 4, "alpha": 8}})
-    comps = load_components(cfg.model, torch.float32, cfg.storage.client())
-    add_lora(comps.denoiser, cfg.lora, comps.family.lora_targets)
-    g = torch.Generator().manual_seed(3)
-    for n, p in comps.denoiser.named_parameters():
-        if "lora_B" in n:
-            p.data = 0.05 * torch.randn(p.shape, generator=g)
     d = tmp_path_factory.mktemp("adapter") / "adapter"
-    save_diffusers_adapter(comps.denoiser, str(d), comps.family)
+    _write_adapter(tiny_model, str(d))
     return str(d)
 
 
@@ -104,3 +123,289 @@ def test_export_formats_must_keep_diffusers():
         validate({**base, "export": {"formats": ["kohya"]}})
     with pytest.raises(ConfigError, match="export.formats.1"):
         validate({**base, "export": {"formats": ["diffusers", "onnx"]}})
+
+
+# ---- DiT families: Flux (BFL layout) and SD3 (SAI MMDiT layout) --------------------------
+
+DIT = ["flux", "sd3"]
+NPROBE = 3  # effective weights are compared as ΔW @ X for random X [in, NPROBE]
+
+
+def _probe(n: int) -> torch.Tensor:
+    return torch.randn(n, NPROBE, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
+
+
+def _lora_deltas(model, adapter: str) -> dict[str, torch.Tensor]:
+    """module path → ΔW @ X of every LoRA layer of ``adapter`` (scaling included)."""
+    from peft.tuners.lora import LoraLayer
+
+    out = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, LoraLayer) and adapter in mod.lora_A:
+            a = mod.lora_A[adapter].weight.detach().flatten(1).double()
+            b = mod.lora_B[adapter].weight.detach().flatten(1).double()
+            out[name] = mod.scaling[adapter] * b @ (a @ _probe(a.shape[1]))
+    return out
+
+
+def _assert_close(got: dict, want: dict, what: str) -> None:
+    """Every non-zero ``want`` delta in ``got`` within 1e-5 relative; anything else ``got``
+    has is zero."""
+    assert {k for k, v in want.items() if v.abs().max() > 0} <= set(got), what
+    for k, v in got.items():
+        ref = want.get(k, torch.zeros_like(v))
+        err = float((v - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+        assert (err < 1e-5) if ref.abs().max() > 0 else float(v.abs().max()) == 0, (what, k, err)
+
+
+def _lora_cfg(model_path: str, targets=None):
+    lora = {"rank": 4, "alpha": 8}
+    if targets:
+        lora["target_modules"] = list(targets)
+    return validate({"model": {"pretrained": model_path}, "data": {"uri": "d"}, "output": {"uri": "o"},
+                     "lora": lora}).lora
+
+
+@pytest.fixture(scope="module", params=DIT)
+def dit_adapter(request, tiny, tmp_path_factory):
+    """(family, adapter folder): LoRA on the tiny model's transformer and its loadable CLIP
+    encoders (``_write_adapter``)."""
+    d = tmp_path_factory.mktemp(f"{request.param}-adapter") / "adapter"
+    return _write_adapter(tiny(request.param), str(d), text_encoders=True), str(d)
+
+
+def test_dit_kohya_layout(dit_adapter, tmp_path):
+    """Reference-checkpoint module names, fused q/k/v (and Flux's linear1) as one block-
+    structured LoRA with alpha × parts, CLIP encoders as lora_te1_/lora_te2_."""
+    fam, adapter = dit_adapter
+    src = os.path.join(adapter, "pytorch_lora_weights.safetensors")
+    dest = str(tmp_path / "k.safetensors")
+    meta = export_kohya(src, dest, "tiny", fam)
+    assert (meta["ss_network_dim"], meta["ss_network_alpha"]) == ("4", "8")
+    assert meta["ss_network_module"] == {"flux": "networks.lora_flux", "sd3": "networks.lora_sd3"}[fam.name]
+    k = load_file(dest)
+    d = {key.replace(".lora.down.", ".lora_A.").replace(".lora.up.", ".lora_B."): v
+         for key, v in load_file(src).items()}
+    modules = {key.split(".")[0] for key in k}
+    assert all(m.startswith(("lora_unet_", "lora_te1_", "lora_te2_")) for m in modules)
+    assert all({f"{m}.lora_down.weight", f"{m}.lora_up.weight", f"{m}.alpha"} <= set(k) for m in modules)
+    te = "lora_te1_text_model_encoder_layers_0_self_attn_q_proj"
+    if fam.name == "flux":
+        qkv, parts = "lora_unet_double_blocks_0_img_attn_qkv", "transformer.transformer_blocks.0.attn.to_{}"
+        fused = "lora_unet_single_blocks_1_linear1"
+        names = {qkv, fused, "lora_unet_double_blocks_0_img_attn_proj", "lora_unet_double_blocks_0_txt_attn_qkv",
+                 "lora_unet_double_blocks_0_txt_attn_proj", "lora_unet_double_blocks_0_img_mlp_0",
+                 "lora_unet_double_blocks_0_img_mlp_2", "lora_unet_double_blocks_0_txt_mlp_0",
+                 "lora_unet_double_blocks_0_txt_mlp_2", "lora_unet_single_blocks_0_linear1", te}
+        assert {m for m in modules if not m.startswith("lora_te1_")} == names - {te}
+        # linear1: q, k, v trained, the MLP part zero; rank 4·4, alpha 4·8, rows 3·32 + 4·32
+        assert k[f"{fused}.lora_down.weight"].shape == (16, 32) and k[f"{fused}.lora_up.weight"].shape == (224, 16)
+        assert float(k[f"{fused}.alpha"]) == 32.0
+        assert not k[f"{fused}.lora_up.weight"][96:].any() and not k[f"{fused}.lora_down.weight"][12:].any()
+    else:
+        qkv, parts = "lora_unet_joint_blocks_0_x_block_attn_qkv", "transformer.transformer_blocks.0.attn.to_{}"
+        names = {qkv, "lora_unet_joint_blocks_0_x_block_attn_proj", "lora_unet_joint_blocks_0_context_block_attn_qkv",
+                 "lora_unet_joint_blocks_0_context_block_attn_proj", "lora_unet_joint_blocks_1_x_block_attn_qkv",
+                 "lora_unet_joint_blocks_1_x_block_attn_proj", "lora_unet_joint_blocks_1_context_block_attn_qkv"}
+        # (the last block's context stream is pre-only: no attention output projection)
+        assert {m for m in modules if m.startswith("lora_unet_")} == names
+        assert f"{te.replace('te1', 'te2')}.lora_down.weight" in k
+    assert f"{te}.lora_down.weight" in k and float(k[f"{te}.alpha"]) == 8.0
+    # qkv: the three downs stacked, the three ups on the block diagonal, alpha 3·8
+    assert torch.equal(k[f"{qkv}.lora_down.weight"], torch.cat([d[parts.format(p) + ".lora_A.weight"] for p in "qkv"]))
+    assert torch.equal(k[f"{qkv}.lora_up.weight"], torch.block_diag(*[d[parts.format(p) + ".lora_B.weight"] for p in "qkv"]))
+    assert float(k[f"{qkv}.alpha"]) == 24.0
+
+
+def _flux_skeleton():
+    """A Flux.1 transformer at full width (3072; diffusers' kohya-Flux loader and its BFL
+    single-file converter assume it) with one block of each kind and the tiny pipeline's
+    text widths. Weights left uninitialised: only the LoRA on top is compared."""
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device("meta"):
+        m = FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1,
+                                   attention_head_dim=128, num_attention_heads=24, joint_attention_dim=64,
+                                   pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(16, 56, 56))
+    return m.to_empty(device="cpu")
+
+
+def test_stock_flux_pipeline_loads_the_kohya_file_to_the_same_weights(tiny, tmp_path):
+    """diffusers' own kohya-Flux converter (FluxPipeline.load_lora_weights) reads the file to
+    the same effective weights as the diffusers adapter, in every transformer block and the
+    CLIP encoder (its single-block split needs Flux.1's real width, hence the skeleton)."""
+    from diffusers import FluxPipeline
+
+    from raylora.model.families.flux import Flux
+    from raylora.model.lora import add_lora, add_text_encoder_lora, save_diffusers_adapter
+
+    model = tiny("flux")
+    lora = _lora_cfg(model)
+    src = FluxPipeline.from_pretrained(model, transformer=_flux_skeleton())
+    add_lora(src.transformer, lora, Flux.lora_targets)
+    add_text_encoder_lora({"text_encoder": src.text_encoder}, lora)
+    _randomize_b(src.transformer, src.text_encoder)
+    adapter = tmp_path / "adapter"
+    save_diffusers_adapter(src.transformer, str(adapter), Flux, {"text_encoder": src.text_encoder})
+    export_kohya(str(adapter / "pytorch_lora_weights.safetensors"), str(tmp_path / "k.safetensors"), "tiny", Flux)
+
+    pipe = FluxPipeline.from_pretrained(model, transformer=_flux_skeleton())
+    pipe.load_lora_weights(str(adapter), adapter_name="diffusers")
+    pipe.load_lora_weights(str(tmp_path), weight_name="k.safetensors", adapter_name="kohya")
+    for part in ("transformer", "text_encoder"):
+        want = _lora_deltas(getattr(src, part), "default")
+        assert len(want) == {"transformer": 15, "text_encoder": 8}[part]
+        _assert_close(_lora_deltas(getattr(pipe, part), "diffusers"), want, f"{part}: diffusers adapter")
+        kohya = _lora_deltas(getattr(pipe, part), "kohya")
+        _assert_close(kohya, want, f"{part}: kohya file")
+
+
+class _Reference(dict):
+    """A reference (BFL / SAI) checkpoint holding what ComfyUI adds to each weight from a kohya
+    file: ΔW @ X with ΔW = up · down · alpha / rank, under the key ``lora_unet_`` + path with
+    ``_`` names (how ComfyUI matches them). diffusers' single-file converter pops dotted keys:
+    they are looked up by that name; the keys it pops that the file does not patch (biases,
+    norms, untargeted weights) come back as zeros, and ``keys`` are the block names the
+    converter counts."""
+
+    def __init__(self, kohya: dict, keys: list[str]):
+        super().__init__({k: None for k in keys})
+        self.delta, self.used = {}, set()
+        for key, down in kohya.items():
+            if key.endswith(".lora_down.weight"):
+                m = key.split(".")[0]
+                down = down.flatten(1).double()
+                up = kohya[f"{m}.lora_up.weight"].flatten(1).double()
+                self.delta[m] = up @ (down @ _probe(down.shape[1])) * float(kohya[f"{m}.alpha"]) / down.shape[0]
+
+    def pop(self, key, *default):
+        flat = "lora_unet_" + key.removesuffix(".weight").replace(".", "_")
+        if key.endswith(".weight") and flat in self.delta:
+            self.used.add(flat)
+            return self.delta[flat]
+        return torch.zeros(21504, NPROBE, dtype=torch.float64)  # splits as Flux's linear1, chunks by 2 and 3
+
+    __getitem__ = pop
+
+
+def _sd35m_like():
+    """A tiny SD3.5-medium-style transformer: qk RMS-norm and a dual-attention (attn2) block."""
+    from diffusers import SD3Transformer2DModel
+
+    torch.manual_seed(0)
+    return SD3Transformer2DModel(sample_size=32, patch_size=2, in_channels=16, out_channels=16, num_layers=2,
+                                 attention_head_dim=8, num_attention_heads=4, joint_attention_dim=96,
+                                 caption_projection_dim=32, pooled_projection_dim=80, pos_embed_max_size=96,
+                                 qk_norm="rms_norm", dual_attention_layers=(0,))
+
+
+ALL_FLUX = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+            "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "norm1.linear",
+            "norm1_context.linear", "proj_mlp", "proj_out", "norm.linear", "x_embedder", "context_embedder",
+            "linear_1", "linear_2", "norm_out.linear")
+ALL_SD3 = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+           "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "norm1.linear",
+           "norm1_context.linear", "proj_out", "pos_embed.proj", "context_embedder", "linear_1", "linear_2",
+           "norm_out.linear")
+
+
+@pytest.mark.parametrize("family", DIT)
+def test_kohya_file_patches_the_reference_checkpoint_as_the_adapter_does(family, tmp_path):
+    """Every linear LoRA can target (embedders, modulations, final layer, Flux's linear1/2,
+    SD3.5's attn2 and patch conv): the kohya file applied to the reference checkpoint as
+    ComfyUI applies it, mapped back to diffusers by diffusers' own single-file converter
+    (convert_flux/sd3_transformer_checkpoint_to_diffusers: the (shift, scale) swaps, the
+    fused q/k/v/mlp splits), equals the adapter's effective weights."""
+    from diffusers.loaders import single_file_utils as sf
+
+    from raylora.model.families import get
+    from raylora.model.lora import add_lora, save_diffusers_adapter
+
+    fam = get(family)
+    if family == "flux":
+        model, targets, convert = _flux_skeleton(), ALL_FLUX, sf.convert_flux_transformer_checkpoint_to_diffusers
+        keys = ["double_blocks.0.x", "single_blocks.0.x", "guidance_in.x"]
+    else:
+        model, targets, convert = _sd35m_like(), ALL_SD3, sf.convert_sd3_transformer_checkpoint_to_diffusers
+        keys = ["joint_blocks.0.x", "joint_blocks.1.x", "joint_blocks.0.x_block.attn2.x", "ln_q"]
+    add_lora(model, _lora_cfg("m", targets), targets)
+    _randomize_b(model)
+    save_diffusers_adapter(model, str(tmp_path / "adapter"), fam)
+    export_kohya(str(tmp_path / "adapter" / "pytorch_lora_weights.safetensors"), str(tmp_path / "k.safetensors"),
+                 "tiny", fam)
+    kohya = load_file(str(tmp_path / "k.safetensors"))
+    if family == "flux":  # diffusers' kohya-Flux loader ignores final_layer alphas: folded in
+        assert {float(kohya[f"lora_unet_final_layer_{m}.alpha"]) for m in ("linear", "adaLN_modulation_1")} == {4.0}
+    ref = _Reference(kohya, keys)
+    back = {k.removesuffix(".weight"): v for k, v in convert(ref).items() if k.endswith(".weight")}
+    assert ref.used == set(ref.delta)  # every module of the file is a module of the checkpoint
+    want = _lora_deltas(model, "default")
+    assert len(want) == {"flux": 30, "sd3": 37}[family]
+    _assert_close({k: v for k, v in back.items() if k in want or v.abs().max() > 0}, want, family)
+
+
+def test_a_module_without_a_reference_counterpart_is_named():
+    from raylora.model.families.flux import Flux
+    from raylora.model.families.sd3 import SD3
+
+    sd = {f"transformer.{m}.lora.{k}.weight": torch.zeros(4, 4) for m in
+          ("transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.norm_q", "pos_embed.proj") for k in ("down", "up")}
+    with pytest.raises(ValueError, match=r"transformer\.pos_embed\.proj, transformer\.transformer_blocks\.0\.attn\.norm_q: "
+                                         r"no module of flux's reference checkpoint"):
+        Flux.kohya_state_dict(sd, {"transformer": 4.0})
+    with pytest.raises(ValueError, match=r"transformer\.single_transformer_blocks\.0\.proj_mlp: no module of sd3's"):
+        SD3.kohya_state_dict({"transformer.single_transformer_blocks.0.proj_mlp.lora_A.weight": torch.zeros(4, 4),
+                              "transformer.single_transformer_blocks.0.proj_mlp.lora_B.weight": torch.zeros(4, 4)},
+                             {"transformer": 4.0})
+
+
+def test_export_command(dit_adapter, tmp_path, capsys):
+    """``raylora export --format kohya DIR``: the family from raylora.json, else --family, else
+    guessed from the keys when only one family's layout fits them; errors name the file."""
+    import shutil
+
+    from raylora.cli import main
+
+    fam, adapter = dit_adapter
+    src = os.path.join(adapter, "pytorch_lora_weights.safetensors")
+    want = str(tmp_path / "want.safetensors")
+    export_kohya(src, want, "", fam)
+    folder = tmp_path / "run" / "adapter"
+    shutil.copytree(adapter, folder)
+
+    def run(*args):
+        rc = main(["export", "--format", "kohya", *map(str, args)])
+        out = capsys.readouterr()
+        return rc, out.out + out.err
+
+    # Flux: its single blocks; SD3: its CLIP-G encoder (text_encoder_2) fit no other layout
+    rc, out = run(folder)
+    assert rc == 0 and f"family       {fam.name} (guessed from the adapter keys)" in out
+    default = tmp_path / "run" / "adapter_kohya.safetensors"  # beside the folder, as raylora train
+    assert f"kohya file   {default}" in out
+    assert load_file(str(default)).keys() == load_file(want).keys()
+    assert all(torch.equal(v, load_file(want)[k]) for k, v in load_file(str(default)).items())
+
+    (folder / "raylora.json").write_text(json.dumps({"config": {"model": {"pretrained": "org/base"}},
+                                                     "data": {"family": fam.name}}))
+    rc, out = run(folder, "--out", tmp_path / "named.safetensors")
+    assert rc == 0 and f"family       {fam.name} (raylora.json)" in out
+    with safe_open(str(tmp_path / "named.safetensors"), framework="pt") as f:
+        assert f.metadata()["ss_sd_model_name"] == "org/base"
+
+    if fam.name == "sd3":  # transformer only, on attention: Flux's double blocks fit it too
+        with safe_open(src, framework="pt") as f:
+            save_file({k: f.get_tensor(k) for k in f.keys() if k.startswith("transformer.")},
+                      str(tmp_path / "pytorch_lora_weights.safetensors"), metadata=f.metadata())
+        rc, out = run(tmp_path)
+        assert rc == 2 and "fit the kohya layouts of several families (flux, sd3); pass --family" in out
+        rc, out = run(tmp_path, "--family", "sd3")
+        assert rc == 0 and "family       sd3 (--family)" in out
+
+    rc, out = run(folder, "--family", "qwenimage")
+    assert rc == 2 and "kohya export is not available for qwenimage" in out
+    rc, out = run(folder, "--family", "nope")
+    assert rc == 2 and "--family: unknown family 'nope'" in out
+    os.remove(folder / "pytorch_lora_weights.safetensors")
+    rc, out = run(folder)
+    assert rc == 2 and f"{folder}/pytorch_lora_weights.safetensors: not found" in out

@@ -6,11 +6,22 @@ the file's metadata; kohya-style tools expect ``lora_unet_<module path with _>.l
 For SD 1.x/2.x the module paths are the diffusers UNet's own (as sd-scripts names them),
 which ComfyUI and A1111 map onto their UNets; text-encoder LoRA becomes ``lora_te_``
 (SDXL: ``lora_te1_``/``lora_te2_``) + the transformers module path. No torch code runs on load: safetensors only.
+
+The DiT families (Flux, SD3) are named after the modules of their reference checkpoints
+(BFL's Flux, SAI's MMDiT), as sd-scripts' ``lora_flux.py`` / ``lora_sd3.py`` write them and
+ComfyUI reads them (``lora_unet_`` + the checkpoint's module path). There one linear holds
+what diffusers splits (``qkv`` = ``to_q``, ``to_k``, ``to_v``; Flux's single-block
+``linear1`` = those + ``proj_mlp``): its LoRA is block-structured, down = the parts' downs
+stacked (rank k·r), up = their ups block-diagonal, alpha = k·alpha so alpha / rank keeps the
+parts' scale. diffusers' own kohya-Flux loader splits exactly this structure back.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
@@ -24,6 +35,8 @@ _SUFFIXES = {
     # diffusers writes text-encoder LoRA in its older per-layer layout
     ".lora_linear_layer.down.weight": ".lora_down.weight",
     ".lora_linear_layer.up.weight": ".lora_up.weight",
+    # peft's names, as diffusers' own training scripts save them
+    ".lora_A.weight": ".lora_down.weight", ".lora_B.weight": ".lora_up.weight",
 }
 
 
@@ -33,6 +46,14 @@ def _kohya_module(kohya_prefix: str, path: str) -> str:
     if kohya_prefix != KOHYA_PREFIX and not path.startswith("text_model."):
         path = "text_model." + path
     return kohya_prefix + path.replace(".", "_")
+
+
+def _split_key(key: str) -> tuple[str, str]:
+    """``<component>.<module>.lora.down.weight`` → (``<component>.<module>``, kohya leaf)."""
+    suffix = next((s for s in _SUFFIXES if key.endswith(s)), None)
+    if suffix is None:
+        raise ValueError(f"{key}: not a lora.down/lora.up weight")
+    return key[: -len(suffix)], _SUFFIXES[suffix]
 
 
 def to_kohya(sd: dict[str, torch.Tensor], alpha: float | dict[str, float],
@@ -45,13 +66,91 @@ def to_kohya(sd: dict[str, torch.Tensor], alpha: float | dict[str, float],
         src = next((p for p in sorted(prefixes, key=len, reverse=True) if key.startswith(p)), None)
         if src is None:
             raise ValueError(f"{key}: no kohya name for this component (known: {sorted(prefixes)})")
-        suffix = next((s for s in _SUFFIXES if key.endswith(s)), None)
-        if suffix is None:
-            raise ValueError(f"{key}: not a lora.down/lora.up weight")
-        module = _kohya_module(prefixes[src], key[len(src) : -len(suffix)])
+        path, leaf = _split_key(key)
+        module = _kohya_module(prefixes[src], path[len(src):])
         a = alpha[src[:-1]] if isinstance(alpha, dict) else alpha
-        out[module + _SUFFIXES[suffix]] = value.contiguous()
+        out[module + leaf] = value.contiguous()
         out[module + ".alpha"] = torch.tensor(float(a))
+    return out
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A diffusers denoiser module → its module in the reference checkpoint, by kohya name."""
+
+    pattern: str  # regex, full match on the diffusers module path (``transformer_blocks.0.attn.to_q``)
+    name: str  # kohya module after ``lora_unet_``; ``{0}``... are the pattern's groups
+    slot: int = 0  # which rows of the reference module this is: part ``slot`` of ``sizes``
+    sizes: tuple[int, ...] = (1,)  # relative row counts of all the parts (Flux linear1: 1, 1, 1, 4)
+    # diffusers' AdaLayerNormContinuous emits (scale, shift), the reference (shift, scale):
+    # swap the halves of lora_up when the module is one (output twice its input).
+    scale_shift: bool = False
+    # Fold alpha / rank into lora_up and write alpha = rank, for readers that ignore alpha on
+    # this module (diffusers' kohya-Flux loader on final_layer).
+    bake_alpha: bool = False
+
+
+def fused(prefix: str, parts: tuple[str, ...], name: str, sizes: tuple[int, ...] | None = None) -> tuple[Rule, ...]:
+    """Rules for diffusers modules ``prefix + part`` that are one reference module ``name``."""
+    sizes = sizes or (1,) * len(parts)
+    return tuple(Rule(prefix + re.escape(p), name, i, sizes) for i, p in enumerate(parts))
+
+
+def _lora_block(parts: dict[int, tuple[torch.Tensor, torch.Tensor]], sizes: tuple[int, ...],
+                name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The parts' (down, up) → one (down ``[k·r, in]``, up ``[Σ out, k·r]``), zeros for the
+    parts the adapter does not train. Part rows are ``sizes`` × one unit."""
+    ranks = {d.shape[0] for d, _ in parts.values()}
+    units = {u.shape[0] // sizes[i] for i, (_, u) in parts.items()}
+    if len(ranks) > 1 or len(units) > 1:
+        raise ValueError(f"{name}: its parts have different ranks or widths ({sorted(ranks)}, {sorted(units)})")
+    (r,), (unit,) = ranks, units
+    down0, up0 = next(iter(parts.values()))
+    downs, ups = [], []
+    for i, size in enumerate(sizes):
+        d, u = parts.get(i, (down0.new_zeros(down0.shape), up0.new_zeros(size * unit, r)))
+        downs.append(d)
+        ups.append(u)
+    return torch.cat(downs), torch.block_diag(*ups)
+
+
+def to_kohya_reference(sd: dict[str, torch.Tensor], alphas: dict[str, float], denoiser: str,
+                       rules: tuple[Rule, ...], prefixes: dict[str, str], what: str) -> dict[str, torch.Tensor]:
+    """diffusers LoRA tensors of a DiT family → kohya keys in its reference layout (``rules``
+    for the denoiser; text encoders as ``to_kohya`` with ``prefixes``). ``what`` (the family)
+    names it in errors. A denoiser module no rule maps is an error naming every such module."""
+    comp = denoiser + "."
+    out = to_kohya({k: v for k, v in sd.items() if not k.startswith(comp)}, alphas, prefixes)
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in sd.items():
+        if key.startswith(comp):
+            path, leaf = _split_key(key)
+            tensors.setdefault(path[len(comp):], {})[leaf] = value
+    compiled = [(re.compile(r.pattern), r) for r in rules]
+    groups: dict[str, tuple[Rule, dict]] = {}
+    unmapped = []
+    for path, t in tensors.items():
+        hit = next(((m, r) for p, r in compiled if (m := p.fullmatch(path))), None)
+        if hit is None:
+            unmapped.append(comp + path)
+            continue
+        m, rule = hit
+        name = KOHYA_PREFIX + rule.name.format(*m.groups())
+        groups.setdefault(name, (rule, {}))[1][rule.slot] = (t[".lora_down.weight"], t[".lora_up.weight"])
+    if unmapped:
+        raise ValueError(f"{', '.join(sorted(unmapped))}: no module of {what}'s reference "
+                         f"checkpoint (the kohya/ComfyUI layout) corresponds; train without these "
+                         f"targets to export kohya")
+    for name, (rule, parts) in sorted(groups.items()):
+        down, up = parts[0] if len(rule.sizes) == 1 else _lora_block(parts, rule.sizes, name)
+        alpha = alphas[denoiser] * len(rule.sizes)  # rank k·r: alpha k·a keeps each part's a / r
+        if rule.scale_shift and up.shape[0] == 2 * down.shape[1]:
+            up = torch.cat(up.chunk(2)[::-1])
+        if rule.bake_alpha:
+            up, alpha = up * (alpha / down.shape[0]), down.shape[0]
+        out[name + ".lora_down.weight"] = down.contiguous()
+        out[name + ".lora_up.weight"] = up.contiguous()
+        out[name + ".alpha"] = torch.tensor(float(alpha))
     return out
 
 
@@ -79,32 +178,98 @@ def from_kohya(sd: dict[str, torch.Tensor], module_names: list[str],
     return out, alphas
 
 
-def export_kohya(diffusers_file: str, dest_file: str, base_model: str, family) -> dict:
-    """Write the kohya file for a diffusers adapter file of ``family``; alpha and rank come
-    from the adapter metadata diffusers stored (per component). Returns the kohya metadata
-    written."""
+def read_adapter(diffusers_file: str) -> tuple[dict[str, torch.Tensor], dict[str, int], dict[str, float]]:
+    """(tensors, rank per component, alpha per component) of a diffusers adapter file; alpha
+    and rank come from the adapter metadata diffusers stored (absent: alpha = rank)."""
     with safe_open(diffusers_file, framework="pt") as f:
         sd = {k: f.get_tensor(k) for k in f.keys()}
         raw = json.loads((f.metadata() or {}).get("lora_adapter_metadata", "{}"))
-    components = sorted({k.split(".", 1)[0] for k in sd})
     ranks, alphas = {}, {}
-    for comp in components:
+    for comp in sorted({k.split(".", 1)[0] for k in sd}):
         # diffusers prefixes each peft config key with its component ("unet.r").
         meta = {k.split(".", 1)[1]: v for k, v in raw.items() if k.startswith(comp + ".")}
         if meta.get("use_rslora") or meta.get("rank_pattern") or meta.get("alpha_pattern"):
             raise ValueError(f"{diffusers_file}: rsLoRA or per-module rank/alpha has no kohya equivalent here")
         ranks[comp] = int(meta.get("r") or next(
-            v.shape[0] for k, v in sd.items() if k.startswith(comp + ".") and k.endswith("lora.down.weight")))
+            v.shape[0] for k, v in sd.items() if k.startswith(comp + ".") and _split_key(k)[1] == ".lora_down.weight"))
         alphas[comp] = float(meta.get("lora_alpha") or ranks[comp])
-    main = family.denoiser if family.denoiser in ranks else components[0]
+    return sd, ranks, alphas
+
+
+def export_kohya(diffusers_file: str, dest_file: str, base_model: str, family) -> dict:
+    """Write the kohya file for a diffusers adapter file of ``family``. Returns the kohya
+    metadata written."""
+    sd, ranks, alphas = read_adapter(diffusers_file)
+    tensors = family.kohya_state_dict(sd, alphas)
+    main = family.denoiser if family.denoiser in ranks else sorted(ranks)[0]
     kohya_meta = {
-        "ss_network_module": "networks.lora",
+        "ss_network_module": family.kohya_network,
         "ss_network_dim": str(ranks[main]),
         "ss_network_alpha": f"{alphas[main]:g}",
         "ss_sd_model_name": base_model,
         "raylora_source": "diffusers adapter converted by raylora",
     }
-    if any(c.startswith("text_encoder") for c in components):
+    if any(c.startswith("text_encoder") for c in ranks):
         kohya_meta["ss_network_args"] = json.dumps({"train_text_encoder": True})
-    save_file(family.kohya_state_dict(sd, alphas), dest_file, metadata=kohya_meta)
+    save_file(tensors, dest_file, metadata=kohya_meta)
     return kohya_meta
+
+
+def _guess_family(sd: dict[str, torch.Tensor], alphas: dict[str, float], where: str):
+    """The family whose kohya layout maps every key of the adapter; several that map it to
+    different files are an error asking for ``--family``."""
+    from raylora.model import families
+
+    fits: dict[str, dict[str, torch.Tensor]] = {}
+    for name in families.names():
+        fam = families.get(name)
+        if fam.kohya_export:
+            try:
+                fits[name] = fam.kohya_state_dict(sd, alphas)
+            except (ValueError, KeyError):
+                continue
+    if not fits:
+        raise ValueError(f"{where}: no model family's kohya layout fits its keys; pass --family")
+    first = next(iter(fits.values()))
+    same = all(v.keys() == first.keys() and all(torch.equal(v[k], first[k]) for k in first)
+               for v in fits.values())
+    if not same:
+        raise ValueError(f"{where}: its keys fit the kohya layouts of several families "
+                         f"({', '.join(fits)}); pass --family")
+    return families.get(next(iter(fits)))
+
+
+def export_folder(adapter_dir: str, dest: str | None = None, family: str | None = None) -> tuple[str, type, str]:
+    """``raylora export --format kohya``: the diffusers adapter folder ``adapter_dir`` (as
+    raylora writes it: ``pytorch_lora_weights.safetensors`` + ``raylora.json``) → a kohya
+    file, by default ``adapter_kohya.safetensors`` beside the folder (where ``raylora train``
+    puts it). The family: ``family``, else the one ``raylora.json`` names, else the one whose
+    layout fits the keys. Returns (file written, family, how the family was found)."""
+    from raylora.model import families
+    from raylora.model.lora import WEIGHT_NAME
+
+    weights = os.path.join(adapter_dir, WEIGHT_NAME)
+    if not os.path.isdir(adapter_dir):
+        raise FileNotFoundError(f"{adapter_dir}: no such adapter folder")
+    if not os.path.isfile(weights):
+        raise FileNotFoundError(f"{weights}: not found; {adapter_dir} is not a diffusers adapter folder")
+    info = {}
+    if os.path.isfile(os.path.join(adapter_dir, "raylora.json")):
+        with open(os.path.join(adapter_dir, "raylora.json")) as f:
+            info = json.load(f)
+    base_model = str(info.get("config", {}).get("model", {}).get("pretrained", ""))
+    how = "--family"
+    if family is None and info.get("data", {}).get("family"):
+        family, how = info["data"]["family"], "raylora.json"
+    if family is None:
+        sd, _, alphas = read_adapter(weights)
+        fam, how = _guess_family(sd, alphas, weights), "guessed from the adapter keys"
+    elif family not in families.names():
+        raise ValueError(f"--family: unknown family {family!r} (known: {', '.join(families.names())})")
+    else:
+        fam = families.get(family)
+    if not fam.kohya_export:
+        raise ValueError(f"{adapter_dir}: kohya export is not available for {fam.name}")
+    dest = dest or os.path.join(os.path.dirname(os.path.abspath(adapter_dir)), KOHYA_FILE)
+    export_kohya(weights, dest, base_model, fam)
+    return dest, fam, how

@@ -101,6 +101,10 @@ class Family:
     # kohya/ComfyUI export: module paths as sd-scripts names them (UNet families); a DiT
     # family sets this when it maps its keys onto the reference (BFL/SAI) layout.
     kohya_export: ClassVar[bool] = False
+    # DiT families: denoiser module → reference-checkpoint module (raylora.checkpoint.kohya.Rule);
+    # empty: the denoiser's own module paths (UNet families).
+    kohya_rules: ClassVar[tuple] = ()
+    kohya_network: ClassVar[str] = "networks.lora"  # ss_network_module: sd-scripts' module
     description: ClassVar[str] = ""
 
     # ---- detection and loading -------------------------------------------------------
@@ -217,8 +221,11 @@ class Family:
     @classmethod
     def kohya_state_dict(cls, sd: dict[str, torch.Tensor], alphas: dict[str, float]) -> dict[str, torch.Tensor]:
         """diffusers adapter tensors → kohya/ComfyUI names (see raylora.checkpoint.kohya)."""
-        from raylora.checkpoint.kohya import to_kohya
+        from raylora.checkpoint.kohya import to_kohya, to_kohya_reference
 
+        if cls.kohya_rules:
+            return to_kohya_reference(sd, alphas, cls.denoiser, cls.kohya_rules, cls.kohya_names(),
+                                      cls.name)
         return to_kohya(sd, alphas, cls.kohya_names())
 
     @classmethod

@@ -6,7 +6,41 @@ from __future__ import annotations
 
 import torch
 
+from raylora.checkpoint.kohya import Rule, fused
 from raylora.model.families.base import Cond, Family, TextInput, pack_2x2, unpack_2x2
+
+_D = r"transformer_blocks\.(\d+)\."
+_S = r"single_transformer_blocks\.(\d+)\."
+# diffusers FluxTransformer2DModel → BFL's Flux module names, as sd-scripts' lora_flux.py
+# writes them and ComfyUI and diffusers' kohya-Flux loader read them.
+KOHYA_RULES = (
+    *fused(_D + r"attn\.", ("to_q", "to_k", "to_v"), "double_blocks_{0}_img_attn_qkv"),
+    Rule(_D + r"attn\.to_out\.0", "double_blocks_{0}_img_attn_proj"),
+    Rule(_D + r"ff\.net\.0\.proj", "double_blocks_{0}_img_mlp_0"),
+    Rule(_D + r"ff\.net\.2", "double_blocks_{0}_img_mlp_2"),
+    Rule(_D + r"norm1\.linear", "double_blocks_{0}_img_mod_lin"),
+    *fused(_D + r"attn\.", ("add_q_proj", "add_k_proj", "add_v_proj"), "double_blocks_{0}_txt_attn_qkv"),
+    Rule(_D + r"attn\.to_add_out", "double_blocks_{0}_txt_attn_proj"),
+    Rule(_D + r"ff_context\.net\.0\.proj", "double_blocks_{0}_txt_mlp_0"),
+    Rule(_D + r"ff_context\.net\.2", "double_blocks_{0}_txt_mlp_2"),
+    Rule(_D + r"norm1_context\.linear", "double_blocks_{0}_txt_mod_lin"),
+    # linear1 = q, k, v and the MLP's input (mlp_ratio 4) in one linear
+    *fused(_S, ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"), "single_blocks_{0}_linear1",
+           sizes=(1, 1, 1, 4)),
+    Rule(_S + r"proj_out", "single_blocks_{0}_linear2"),
+    Rule(_S + r"norm\.linear", "single_blocks_{0}_modulation_lin"),
+    Rule(r"x_embedder", "img_in"),
+    Rule(r"context_embedder", "txt_in"),
+    Rule(r"time_text_embed\.timestep_embedder\.linear_1", "time_in_in_layer"),
+    Rule(r"time_text_embed\.timestep_embedder\.linear_2", "time_in_out_layer"),
+    Rule(r"time_text_embed\.text_embedder\.linear_1", "vector_in_in_layer"),
+    Rule(r"time_text_embed\.text_embedder\.linear_2", "vector_in_out_layer"),
+    Rule(r"time_text_embed\.guidance_embedder\.linear_1", "guidance_in_in_layer"),
+    Rule(r"time_text_embed\.guidance_embedder\.linear_2", "guidance_in_out_layer"),
+    # diffusers' kohya-Flux loader reads final_layer without its alpha: fold it in
+    Rule(r"norm_out\.linear", "final_layer_adaLN_modulation_1", scale_shift=True, bake_alpha=True),
+    Rule(r"proj_out", "final_layer_linear", bake_alpha=True),
+)
 
 
 class Flux(Family):
@@ -25,6 +59,9 @@ class Flux(Family):
     patch = 2
     default_guidance_scale = 3.5
     description = "Flux.1 dev/schnell (MMDiT, CLIP-L + T5-XXL)"
+    kohya_export = True
+    kohya_rules = KOHYA_RULES
+    kohya_network = "networks.lora_flux"
 
     @classmethod
     def cond_keys(cls):
@@ -55,6 +92,11 @@ class Flux(Family):
                     encoder_hidden_states=cond["prompt_embeds"], txt_ids=txt_ids,
                     img_ids=ids.reshape(-1, 3).to(dtype), return_dict=False)[0]
         return unpack_2x2(out, h, w)
+
+    @classmethod
+    def kohya_names(cls):
+        # sd-scripts' lora_flux.py names the CLIP-L encoder te1 (T5 would be te2)
+        return {"transformer.": "lora_unet_", "text_encoder.": "lora_te1_"}
 
 
 FAMILY = Flux

@@ -7,6 +7,25 @@ import os
 import subprocess
 import sys
 
+# LoRA modules per component: in the adapter file, and wrapped in the pipeline after the
+# load (a loader that silently skips keys leaves the second count short).
+COUNT_LOADED = r"""
+from safetensors import safe_open
+import os
+file = adapter if adapter.endswith(".safetensors") else os.path.join(adapter, "pytorch_lora_weights.safetensors")
+ENDS = (".lora.down.weight", ".lora.up.weight", ".lora_A.weight", ".lora_B.weight",
+        ".lora_linear_layer.down.weight", ".lora_linear_layer.up.weight")
+in_file = {}
+with safe_open(file, "pt") as f:
+    for k in f.keys():
+        comp, rest = k.split(".", 1)
+        in_file.setdefault(comp, set()).add(next(rest[:-len(e)] for e in ENDS if rest.endswith(e)))
+lora_modules = {c: [len(names), sum(1 for _, m in getattr(pipe, c).named_modules()
+                                   if hasattr(m, "lora_A") and len(m.lora_A))]
+                for c, names in in_file.items()}
+"""
+
+
 STOCK_LOAD = r"""
 import json, sys, torch
 from diffusers import StableDiffusionPipeline
@@ -22,7 +41,9 @@ with torch.no_grad():
     before = pipe.unet(x, t, enc).sample
     pipe.load_lora_weights(adapter)
     after = pipe.unet(x, t, enc).sample
+""" + COUNT_LOADED + r"""
 print(json.dumps({
+    "lora_modules": lora_modules,
     "raylora_imported": any(m.split(".")[0] == "raylora" for m in sys.modules),
     "adapters": pipe.get_active_adapters(),
     "max_abs_diff": float((after - before).abs().max()),
@@ -31,22 +52,25 @@ print(json.dumps({
 """
 
 
-# SDXL: the whole stock pipeline (two encoders, pooled embeds, size/crop ids) renders the
-# same seed before and after loading the adapter.
-STOCK_LOAD_SDXL = r"""
+# Every other family: the whole stock pipeline named on the command line (SDXL's two
+# encoders and size/crop ids, Flux's packed latents and guidance, SD3's three encoders,
+# Qwen-Image's VLM encoder) renders the same seed before and after loading the adapter.
+STOCK_LOAD_PIPELINE = r"""
 import json, sys, torch
-from diffusers import StableDiffusionXLPipeline
-model, adapter = sys.argv[1], sys.argv[2]
-pipe = StableDiffusionXLPipeline.from_pretrained(model)
+import diffusers
+model, adapter, pipeline, extra = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+pipe = getattr(diffusers, pipeline).from_pretrained(model)
 pipe.set_progress_bar_config(disable=True)
 def render():
     return pipe("a red circle on a blue background", num_inference_steps=2, height=64, width=64,
-                guidance_scale=5.0, generator=torch.Generator().manual_seed(0), output_type="pt").images
+                generator=torch.Generator().manual_seed(0), output_type="pt", **extra).images
 with torch.no_grad():
     before = render()
     pipe.load_lora_weights(adapter)
     after = render()
+""" + COUNT_LOADED + r"""
 print(json.dumps({
+    "lora_modules": lora_modules,
     "raylora_imported": any(m.split(".")[0] == "raylora" for m in sys.modules),
     "adapters": pipe.get_active_adapters(),
     "max_abs_diff": float((after - before).abs().max()),
@@ -56,16 +80,34 @@ print(json.dumps({
 """
 
 
+# The stock pipeline of each family and the call arguments its tiny models need (a short
+# text context; SDXL's stock guidance).
+PIPELINES = {
+    "sdxl": ("StableDiffusionXLPipeline", {"guidance_scale": 5.0}),
+    "flux": ("FluxPipeline", {"max_sequence_length": 32}),
+    "sd3": ("StableDiffusion3Pipeline", {"max_sequence_length": 32}),
+    "qwenimage": ("QwenImagePipeline", {"max_sequence_length": 32}),
+}
+
+
 def stock_load(model: str, adapter: str, workdir, family: str = "sd") -> dict:
     """Run the stock load script from ``workdir`` (an empty directory, so the repo's raylora
-    package is not importable by path) and return its JSON line."""
+    package is not importable by path) and return its JSON line. SD 1.x/2.x compares UNet
+    outputs; other families render with their whole stock pipeline (``PIPELINES``)."""
     script = os.path.join(str(workdir), "stock_load.py")
+    args = []
+    if family != "sd":
+        pipeline, extra = PIPELINES[family]
+        args = [pipeline, json.dumps(extra)]
     with open(script, "w") as f:
-        f.write(STOCK_LOAD_SDXL if family == "sdxl" else STOCK_LOAD)
+        f.write(STOCK_LOAD if family == "sd" else STOCK_LOAD_PIPELINE)
     proc = subprocess.run(
-        [sys.executable, script, model, adapter],
+        [sys.executable, script, model, adapter, *args],
         capture_output=True, text=True, cwd=str(workdir), timeout=300,
         env={**os.environ, "PYTHONPATH": ""},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    # Every LoRA module in the file is live in the stock pipeline: [in file, loaded].
+    assert res["lora_modules"] and all(a == b > 0 for a, b in res["lora_modules"].values()), res["lora_modules"]
+    return res

@@ -126,7 +126,8 @@ def save_diffusers_adapter(model: torch.nn.Module, directory: str, family,
 
     layers, meta = {}, {}
     for name, module in [(family.denoiser, model), *(text_encoders or {}).items()]:
-        layers[name] = convert_state_dict_to_diffusers(_snapshot(get_peft_model_state_dict(module)))
+        sd = _snapshot(get_peft_model_state_dict(module))
+        layers[name] = convert_state_dict_to_diffusers(sd) if family.legacy_lora_keys else sd
         meta[name] = module.peft_config["default"].to_dict()
     family.save_adapter(directory, layers, meta)
 

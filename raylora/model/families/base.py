@@ -106,6 +106,11 @@ class Family:
     kohya_rules: ClassVar[tuple] = ()
     kohya_network: ClassVar[str] = "networks.lora"  # ss_network_module: sd-scripts' module
     description: ClassVar[str] = ""
+    # The adapter file's key style, as diffusers' own training script for the family writes
+    # it: UNet scripts convert peft's lora_A/lora_B names to the older lora.down/lora.up;
+    # the DiT scripts save peft's names unchanged. The stock loader decides from the first
+    # key whether to convert, so a file must not mix the two styles.
+    legacy_lora_keys: ClassVar[bool] = False
 
     # ---- detection and loading -------------------------------------------------------
 

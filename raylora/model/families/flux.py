@@ -85,7 +85,9 @@ class Flux(Family):
         ids[..., 2] += torch.arange(w // 2, device=dev)[None, :]
         txt_ids = torch.zeros(cond["prompt_embeds"].shape[1], 3, device=dev, dtype=dtype)
         g = None
-        if model.config.guidance_embeds:
+        # Flux.1-dev embeds the distilled guidance; schnell has no such input. (DDP wraps
+        # the transformer: the config is on the module inside.)
+        if getattr(model, "module", model).config.guidance_embeds:
             g = torch.full((b,), float(guidance), device=dev, dtype=torch.float32)
         out = model(hidden_states=pack_2x2(noisy), timestep=t.to(dtype), guidance=g,
                     pooled_projections=cond["pooled_prompt_embeds"],

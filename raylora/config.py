@@ -25,6 +25,9 @@ from pydantic import (
     model_validator,
 )
 
+QUANTIZE_KINDS = ("none", "nf4", "int8", "fp8")
+OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "prodigy", "adafactor")
+
 LR_SCHEDULERS = (
     "constant",
     "constant_with_warmup",
@@ -85,6 +88,20 @@ class ModelSection(_Section):
         "sdpa",
         description="sdpa: torch scaled_dot_product_attention (flash / memory-efficient "
         "kernels where the GPU has them). eager: the plain matmul-softmax processor.",
+    )
+    quantize: Literal[QUANTIZE_KINDS] = Field(  # type: ignore[valid-type]
+        "none",
+        description="Store the frozen denoiser's linear layers quantized (QLoRA): nf4 "
+        "(bitsandbytes 4-bit NormalFloat, ~0.52 bytes/weight), int8 (bitsandbytes LLM.int8, ~1 "
+        "byte), fp8 (float8_e4m3 weights with per-row scales, ~1 byte; GPU only), none. LoRA "
+        "trains on top in full precision; the adapter is a normal one that the unquantized "
+        "pipeline loads. Convolutions, norms and embeddings stay in the training dtype.",
+    )
+    quantize_text_encoders: Literal[QUANTIZE_KINDS] = Field(  # type: ignore[valid-type]
+        "none",
+        description="The same for the text encoders the workers load (T5-XXL, Qwen2.5-VL: "
+        "most of a Flux/Qwen-Image job's frozen bytes). Not with data.cache=latents (workers "
+        "then load no text encoder).",
     )
 
 
@@ -253,6 +270,50 @@ class FlowSection(_Section):
         return v
 
 
+class ProdigySection(_Section):
+    """Prodigy (prodigyopt): Adam whose step size d is estimated on the fly; lr is a
+    multiplier of d, so leave train.learning_rate at 1.0. Betas, eps and weight decay are
+    train.adam_*. Names and defaults as prodigyopt's."""
+
+    d_coef: float = Field(1.0, gt=0, description="Scales the estimated d (0.5-2 typical): "
+                          "the preferred way to tune Prodigy.")
+    d0: float = Field(1e-6, gt=0, description="Initial d estimate.")
+    growth_rate: float | None = Field(None, gt=1.0, description="Largest factor d may "
+                                      "grow by per step (None: unlimited; ~1.02 acts as a "
+                                      "warmup).")
+    beta3: float | None = Field(None, ge=0, lt=1, description="EMA coefficient of the d "
+                                "estimate; None: sqrt(adam_beta2).")
+    decouple: bool = Field(True, description="AdamW-style decoupled weight decay.")
+    use_bias_correction: bool = Field(False, description="Adam's bias correction (often "
+                                      "recommended for diffusion LoRA).")
+    safeguard_warmup: bool = Field(False, description="Leave lr out of the d estimate's "
+                                   "denominator: safer with an lr warmup.")
+    slice_p: int = Field(1, ge=1, description="Estimate d from every p-th element (less "
+                         "memory; ~11 is reasonable).")
+
+
+class AdafactorSection(_Section):
+    """transformers.optimization.Adafactor. Defaults here are the external-lr mode
+    (train.learning_rate and the lr schedule apply); transformers' own defaults are
+    relative_step=true, scale_parameter=true."""
+
+    relative_step: bool = Field(
+        False, description="Adafactor computes its own step size min(1e-2, 1/sqrt(step)) "
+        "(x parameter RMS with scale_parameter): train.learning_rate is then not used "
+        "(transformers takes lr=None) and the lr schedule must be constant, without warmup.",
+    )
+    scale_parameter: bool = Field(False, description="Scale the step by the parameter's RMS.")
+    warmup_init: bool = Field(False, description="Warm the relative step up from 1e-6·step "
+                              "(needs relative_step).")
+    clip_threshold: float = Field(1.0, gt=0, description="Clip the update's RMS at this.")
+    decay_rate: float = Field(-0.8, lt=0, description="Exponent of the second-moment decay.")
+    beta1: float | None = Field(None, ge=0, lt=1, description="First moment (None: none, "
+                                "the memory-light default).")
+    weight_decay: float = Field(0.0, ge=0)
+    eps: tuple[float, float] = Field((1e-30, 1e-3), description="Regularisation of the "
+                                     "squared gradient and of the parameter scale.")
+
+
 class TrainSection(_Section):
     learning_rate: float = Field(1e-4, gt=0)
     scale_lr: bool = Field(
@@ -286,11 +347,21 @@ class TrainSection(_Section):
     )
     flow: FlowSection = Field(default_factory=lambda: FlowSection(),
                               description="Flow-matching settings (Flux, SD3, Qwen-Image).")
-    optimizer: Literal["adamw", "adamw8bit"] = Field(
-        "adamw", description="adamw8bit: bitsandbytes 8-bit AdamW (CUDA only)."
+    optimizer: Literal[OPTIMIZERS] = Field(  # type: ignore[valid-type]
+        "adamw",
+        description="adamw: torch AdamW. adamw8bit: bitsandbytes 8-bit AdamW (state ~2 "
+        "bytes/param instead of 8; CPU or GPU). paged_adamw8bit: the same with its state in "
+        "CUDA unified memory, paged to the CPU under pressure (GPU only). prodigy: "
+        "learning-rate-free Adam (train.prodigy; set train.learning_rate: 1.0). adafactor: "
+        "factored second moments, ~no state for matrices (train.adafactor).",
     )
+    prodigy: ProdigySection = Field(default_factory=lambda: ProdigySection(),
+                                    description="Prodigy's keys (train.optimizer=prodigy).")
+    adafactor: AdafactorSection = Field(default_factory=lambda: AdafactorSection(),
+                                        description="Adafactor's keys (train.optimizer=adafactor).")
     gradient_checkpointing: bool = Field(
-        False, description="Recompute UNet activations in backward: less memory, ~20-30% slower."
+        False, description="Recompute the denoiser's block activations in backward (and the "
+        "trained text encoders' layers): less memory, ~20-30% slower. Every family."
     )
     compile: Literal["auto", "none", "regional", "full"] = Field(
         "auto",
@@ -537,11 +608,8 @@ def _cross_checks(cfg: RayLoraConfig) -> list[str]:
         problems.append(
             "train.mixed_precision: fp16 needs a GPU (scaling.use_gpu is false); use bf16 or no"
         )
-    if cfg.train.optimizer == "adamw8bit" and not cfg.scaling.use_gpu:
-        problems.append(
-            "train.optimizer: adamw8bit (bitsandbytes) needs CUDA (scaling.use_gpu is false); "
-            "use adamw"
-        )
+    problems += _optimizer_checks(cfg)
+    problems += _quantize_checks(cfg)
     if cfg.train.lr_warmup_steps and cfg.train.max_steps:
         if cfg.train.lr_warmup_steps > cfg.train.max_steps:
             problems.append(
@@ -580,6 +648,61 @@ def _cross_checks(cfg: RayLoraConfig) -> list[str]:
                             "(the cache holds the frozen text encoder's embeddings)")
     if cfg.tune is not None:
         problems.extend(_tune_checks(cfg))
+    return problems
+
+
+def _optimizer_checks(cfg: RayLoraConfig) -> list[str]:
+    t = cfg.train
+    problems = []
+    if t.optimizer == "paged_adamw8bit" and not cfg.scaling.use_gpu:
+        problems.append(
+            "train.optimizer: paged_adamw8bit (bitsandbytes) needs CUDA (its state is paged "
+            "CUDA memory; scaling.use_gpu is false); use adamw8bit, which also runs on CPU"
+        )
+    # A section left at its defaults is fine under any optimizer (a dumped config holds
+    # them all); one that was changed for an optimizer not in use is a mistake.
+    for name, section in (("prodigy", t.prodigy), ("adafactor", t.adafactor)):
+        if t.optimizer != name and section != type(section)():
+            problems.append(f"train.{name}: set, but train.optimizer is {t.optimizer} "
+                            f"(these keys are for train.optimizer={name})")
+    te_lr = cfg.lora.text_encoder_lr
+    if t.optimizer == "prodigy" and te_lr is not None and te_lr != t.learning_rate:
+        problems.append(
+            "lora.text_encoder_lr: prodigy estimates one step size for all parameters and "
+            "refuses groups with different learning rates; leave it unset (= train.learning_rate)"
+        )
+    a = t.adafactor
+    if t.optimizer == "adafactor" and a.warmup_init and not a.relative_step:
+        problems.append("train.adafactor.warmup_init: needs train.adafactor.relative_step=true")
+    if t.optimizer == "adafactor" and a.relative_step:
+        why = ("Adafactor with train.adafactor.relative_step=true sets its own step size "
+               "(transformers takes lr=None)")
+        if t.lr_scheduler != "constant":
+            problems.append(f"train.lr_scheduler: {why}; use constant (warmup: "
+                            "train.adafactor.warmup_init)")
+        if t.lr_warmup_steps:
+            problems.append(f"train.lr_warmup_steps: {why}; set 0 (warmup: "
+                            "train.adafactor.warmup_init)")
+        if t.scale_lr:
+            problems.append(f"train.scale_lr: {why}; there is no lr to scale")
+        if te_lr is not None:
+            problems.append(f"lora.text_encoder_lr: {why}; there is no lr to set")
+    return problems
+
+
+def _quantize_checks(cfg: RayLoraConfig) -> list[str]:
+    m = cfg.model
+    problems = []
+    for key, kind in (("model.quantize", m.quantize), ("model.quantize_text_encoders",
+                                                       m.quantize_text_encoders)):
+        if kind == "fp8" and not cfg.scaling.use_gpu:
+            problems.append(f"{key}: fp8 is for GPUs (scaling.use_gpu is false); on CPU use "
+                            "nf4 or int8")
+    if m.quantize_text_encoders != "none" and cfg.data.cache == "latents":
+        problems.append(
+            "model.quantize_text_encoders: has no effect with data.cache=latents (training "
+            "workers load no text encoder; the cache stage encodes at full precision); set none"
+        )
     return problems
 
 

@@ -105,6 +105,26 @@ def test_to_dict_round_trips():
     }
 
 
+def test_memory_keys_from_overrides_round_trip_through_yaml(tmp_path):
+    """Quantization and optimizer keys as a user writes them on the command line; the
+    resolved config (what raylora.json and the workers get) dumped to YAML validates to the
+    same config."""
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(MIN))
+    cfg = load_config(path, ["model.quantize=nf4", "model.quantize_text_encoders=int8",
+                             "train.optimizer=adafactor", "train.adafactor.relative_step=true",
+                             "train.adafactor.warmup_init=true", "train.adafactor.eps=[1e-30,2e-3]"])
+    assert (cfg.model.quantize, cfg.model.quantize_text_encoders) == ("nf4", "int8")
+    assert cfg.train.adafactor.warmup_init and cfg.train.adafactor.eps == (1e-30, 2e-3)
+    dumped = tmp_path / "resolved.yaml"
+    dumped.write_text(yaml.safe_dump(cfg.to_dict()))
+    assert load_config(dumped) == cfg
+    prodigy = load_config(path, ["train.optimizer=prodigy", "train.learning_rate=1.0",
+                                 "train.prodigy.growth_rate=1.02", "train.prodigy.beta3=0.99"])
+    dumped.write_text(yaml.safe_dump(prodigy.to_dict()))
+    assert load_config(dumped) == prodigy
+
+
 JOB_YAMLS = sorted(glob.glob(os.path.join(REPO, "jobs", "configs", "**", "*.yaml"), recursive=True))
 
 

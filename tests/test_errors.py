@@ -17,7 +17,7 @@ def tree(**sections) -> dict:
 
 @pytest.mark.parametrize("sections, expected", [
     ({"train": {"mixed_precision": "fp16"}}, "train.mixed_precision: fp16 needs a GPU"),
-    ({"train": {"optimizer": "adamw8bit"}}, "train.optimizer: adamw8bit (bitsandbytes) needs CUDA"),
+    ({"train": {"optimizer": "paged_adamw8bit"}}, "train.optimizer: paged_adamw8bit (bitsandbytes) needs CUDA"),
     ({"lora": {"rank": 0}}, "lora.rank:"),
     ({"lora": {"rank": -4}}, "lora.rank:"),
     ({"train": {"batch_size": "two"}}, "train.batch_size:"),
@@ -38,7 +38,7 @@ def test_each_config_error_names_its_key(sections, expected):
 
 def test_all_problems_in_one_message():
     with pytest.raises(ConfigError) as exc:
-        validate(tree(train={"mixed_precision": "fp16", "optimizer": "adamw8bit", "batch_size": "x"},
+        validate(tree(train={"mixed_precision": "fp16", "optimizer": "paged_adamw8bit", "batch_size": "x"},
                       lora={"rank": 0}))
     keys = {p.split(":")[0] for p in exc.value.problems}
     assert {"train.mixed_precision", "train.optimizer", "train.batch_size", "lora.rank"} <= keys

@@ -162,7 +162,8 @@ def run_case(args, model, b, mode, device, dtype) -> dict:
     return row
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """``argv``: bench/gpu_throughput.py hands its ``--models flux,sd35m`` rows here."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="flux,sd35m")
     ap.add_argument("--batch-sizes", default="1,2")
@@ -175,7 +176,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="toy widths, 64 px, CPU ok")
     ap.add_argument("--sdpa", default="default", choices=["default", "no-cudnn", "flash"],
                     help="SDPA backends allowed (cuDNN's can fail on some shapes)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
@@ -231,7 +232,7 @@ def main() -> None:
                if peak else "MFU: no peak FLOP/s known for this device.",
                "Target (#20): Flux.1-dev r16 at 1024 px >= 35% MFU on H100.",
                f"SDPA backends: {args.sdpa}.",
-               "Command: `python bench/gpu_dit.py " + " ".join(sys.argv[1:]) + "`",
+               "Command: `python " + " ".join(sys.argv) + "`",
            ])
 
 

@@ -10,6 +10,13 @@ in the same run.
     .venv/bin/python bench/gpu_throughput.py --models sd15 --batch-sizes 32,64 \\
         --variants cached,cached+regional,cached+full
     .venv/bin/python bench/gpu_throughput.py --smoke              # toy widths, CPU ok
+    .venv/bin/python bench/gpu_throughput.py --models flux,sd35m --batch-sizes 1,2 \\
+        --variants cached,cached+regional                         # the DiT rows
+
+``flux`` (Flux.1-dev) and ``sd35m`` (SD3.5-medium) are the flow-matching DiT rows at 1024 px:
+they run bench/gpu_dit.py's step (cached latents + text embeddings, the family seam and the
+flow-matching objective); there ``cached`` is eager and ``+regional`` / ``+full`` the compile
+mode, and the other tokens do not apply.
 
 A variant is ``+``-joined tokens: ``baseline`` (the diffusers-script step) or raylora's
 step, ``cached`` (latent cache: no VAE or text encoder in the step), ``regional`` /
@@ -440,6 +447,34 @@ def parse_batches(spec: str, models: list[str]) -> dict[str, list[int]]:
     return {m: out.get(m, []) for m in models}
 
 
+DIT_MODELS = ("flux", "sd35m")
+
+
+def run_dit_rows(args, models: list[str]) -> None:
+    """The Flux.1-dev / SD3.5-medium rows: bench/gpu_dit.py with this grid's batch sizes,
+    compile modes (from the variants) and step counts; it records its own table."""
+    import gpu_dit
+
+    batches = parse_batches(args.batch_sizes if args.batch_sizes != DEFAULT_BATCHES else "1,2", models)
+    modes = []
+    for v in args.variants.split(","):
+        tokens = set(v.split("+"))
+        mode = "full" if "full" in tokens else "regional" if tokens & {"regional", "regional-res"} else "none"
+        if mode not in modes and not (args.no_compile and mode != "none"):
+            modes.append(mode)
+    for model in models:
+        if not batches[model]:
+            continue
+        argv = ["--models", model, "--batch-sizes", ",".join(map(str, batches[model])),
+                "--modes", ",".join(modes), "--steps", str(args.steps),
+                "--warmup", str(args.warmup), "--sdpa", "no-cudnn"]
+        if args.peak_tflops:
+            argv += ["--peak-tflops", str(args.peak_tflops)]
+        if args.smoke:
+            argv.append("--smoke")
+        gpu_dit.main(argv)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="sd15,sdxl")
@@ -470,13 +505,19 @@ def main() -> None:
         args.compile_budget = 900.0  # a 2-core CPU compiles even the toy UNet for minutes
     if args.case:
         return case_main(args)
+    models = args.models.split(",")
+    dit = [m for m in models if m in DIT_MODELS]
+    if dit:
+        run_dit_rows(args, dit)
+        models = [m for m in models if m not in dit]
+        if not models:
+            return
 
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
         raise SystemExit("no CUDA device: run with --smoke to check the script on a CPU")
     if args.smoke and args.batch_sizes == DEFAULT_BATCHES:
         args.batch_sizes = "2"
-    models = args.models.split(",")
     batches = parse_batches(args.batch_sizes, models)
     name = torch.cuda.get_device_name(0) if cuda else "cpu"
     peak = peak_flops(name, args.peak_tflops) if cuda else None

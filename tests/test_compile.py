@@ -17,7 +17,7 @@ from raylora.config import LoraSection, validate
 from raylora.model.lora import add_lora, lora_state_dict
 from raylora.train.compile import UNET_RESNET_BLOCKS, compile_denoiser, repeated_blocks
 
-FAMILIES = ["sd", "sdxl"]
+FAMILIES = ["sd", "sdxl", "flux", "sd3", "qwenimage"]
 
 
 def _cached_batch(family, comps, model: str, demo_data: str, n: int = 2) -> dict:

@@ -3,14 +3,15 @@
 PyTorch loop on the same model, rows, batch and steps, measured in the same run.
 
     .venv/bin/python bench/epochs.py [--images 32] [--epochs 4] [--batch-size 2]
-                                     [--sharding stream|files]
+                                     [--sharding stream|files] [--repeats 1]
 
 The torch loop is what diffusers' ``train_text_to_image.py`` does: a ``DataLoader``
 (shuffle, no worker processes, its default) over the rows in memory, decoding and
 transforming each batch in the training process (raylora's own ``Preprocess``: the same
 decode, resize, random crop, flip and tokenizer), then raylora's training step through
 ``run_loop``, the same step the worker runs. It runs before and after the Ray run; their
-mean is the baseline (drift on a shared machine moves both).
+mean is the baseline (drift on a shared machine moves both); ``--repeats`` alternates
+more runs.
 
 Both sides are timed from the loop's start (model built) to its last step: the raylora
 figure includes its data pipeline's start-up and every epoch boundary, which is what a
@@ -158,6 +159,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--resolution", type=int, default=64)
     ap.add_argument("--sharding", choices=["stream", "files"], default="stream")
+    ap.add_argument("--repeats", type=int, default=1, help="raylora runs (torch runs: one more)")
     ap.add_argument("--no-record", action="store_true", help="print only, no RESULTS.md entry")
     args = ap.parse_args()
 
@@ -178,31 +180,36 @@ def main() -> None:
     }
     rows = read_rows(files)
     threads = 1  # what Ray gives a worker of scaling.cpus_per_worker=1 (OMP_NUM_THREADS)
+    # torch, raylora, torch, raylora, ..., torch: each raylora run against the torch runs
+    # either side of it (a busy machine drifts).
     bare = [torch_side(tree, rows, threads)]
-    on_ray = raylora_side(tree)
-    bare.append(torch_side(tree, rows, threads))
+    on_ray = []
+    for _ in range(args.repeats):
+        on_ray.append(raylora_side(tree))
+        bare.append(torch_side(tree, rows, threads))
     load_after = os.getloadavg()
 
-    ours = analyse(on_ray, args.batch_size)
+    ours = [analyse(r, args.batch_size) for r in on_ray]
     base = [analyse(b, args.batch_size) for b in bare]
-    base_img_s = statistics.mean(b["img_s"] for b in base)
+    ratios = [o["img_s"] / (steps * args.batch_size / statistics.mean([b0["wall"], b1["wall"]]))
+              for o, b0, b1 in zip(ours, base, base[1:])]
+
+    def row(side: str, r: dict) -> dict:
+        return {"side": side, "img/s whole run": r["img_s"], "loop s": r["wall"],
+                "median step ms": r["steady_ms"], "epoch 1 first step s": r["first_step_s"],
+                "later epochs' first step / median (max, mean)":
+                    f"{r['stall_max']:.1f}, {r['stall_mean']:.1f}"}
+
     table_rows = [
-        {"side": "raylora (Ray Data + Ray Train, 1 worker)", "img/s whole run": ours["img_s"],
-         "loop s": ours["wall"], "median step ms": ours["steady_ms"],
-         "epoch 1 first step s": ours["first_step_s"],
-         "later epochs' first step / median (max, mean)":
-             f"{ours['stall_max']:.1f}, {ours['stall_mean']:.1f}"},
-        *[{"side": f"diffusers-style torch loop ({when})", "img/s whole run": b["img_s"],
-           "loop s": b["wall"], "median step ms": b["steady_ms"],
-           "epoch 1 first step s": b["first_step_s"],
-           "later epochs' first step / median (max, mean)":
-               f"{b['stall_max']:.1f}, {b['stall_mean']:.1f}"}
-          for when, b in zip(("before", "after"), base)],
-        {"side": "ratio raylora / torch loop (mean of before, after)",
-         "img/s whole run": round(ours["img_s"] / base_img_s, 2)},
+        *[row(f"raylora (Ray Data + Ray Train, 1 worker), run {i + 1}", r) for i, r in enumerate(ours)],
+        *[row(f"diffusers-style torch loop, run {i + 1}", b) for i, b in enumerate(base)],
+        {"side": "ratio raylora / torch loop (each raylora run against the torch runs either "
+                 "side of it: their mean loop time)",
+         "img/s whole run": ", ".join(f"{x:.2f}" for x in ratios)},
     ]
-    print(f"raylora per-epoch first step / median step: {ours['stalls']}; worker torch threads "
-          f"{on_ray['threads']} (torch loop {threads}); raylora train wall {on_ray['run_s']:.1f} s")
+    for o, r in zip(ours, on_ray):
+        print(f"raylora per-epoch first step / median step: {o['stalls']}; worker torch threads "
+              f"{r['threads']} (torch loop {threads}); raylora train wall {r['run_s']:.1f} s")
     notes = [
         f"Tiny random SD-1.x model, {args.images} JPEG images 768x512 in 2 parquet shards -> "
         f"{args.resolution}px (random crop, flip), batch {args.batch_size}, {args.epochs} "

@@ -180,9 +180,19 @@ def load_components(
     weight_dtype: torch.dtype,
     store: Storage | None = None,
     encoders: bool = True,
+    device=None,
 ) -> Components:
     """Everything frozen a training worker needs. ``encoders=False`` (cached latents) skips
-    the VAE and text encoders: the cache already holds what they would compute."""
+    the VAE and text encoders: the cache already holds what they would compute.
+    ``model.quantize`` / ``model.quantize_text_encoders``: those components' linear layers
+    are quantized on ``device`` (default CPU), where the worker will train them."""
+    from raylora.model.quantize import check_supported, quantize_module
+
+    device = device or "cpu"
+    # Refused before anything is read: a whole base model is loaded only for a run that can go.
+    check_supported(model.quantize, "model.quantize", device)
+    if encoders:
+        check_supported(model.quantize_text_encoders, "model.quantize_text_encoders", device)
     path = materialize(resolve_model_path(model), store or Storage())
     index = read_index(model, path)
     if index is None:
@@ -196,9 +206,12 @@ def load_components(
         tokenizers, text_encoders = load_text_encoders(
             path, family, weight_dtype, index, model.revision, model.variant)
         vae = load_vae(path, family, weight_dtype, index, model.revision, model.variant)
+        for enc in text_encoders:
+            quantize_module(enc, model.quantize_text_encoders, weight_dtype, device)
     denoiser = family.load_component(path, index, family.denoiser, weight_dtype,
                                      variant=model.variant, **kw)
     denoiser.requires_grad_(False)
+    quantize_module(denoiser, model.quantize, weight_dtype, device)
     family.set_attention(denoiser, model.attention)
     vae_cls = import_class(*index["vae"][:2])
     shift, scale = family.latent_stats(vae_cls.load_config(path, subfolder="vae", revision=model.revision))

@@ -103,6 +103,22 @@ def _attach_lora(cfg: RayLoraConfig, comps) -> tuple[list, dict, list]:
     return params, trained, add_text_encoder_lora(trained, cfg.lora)
 
 
+def enable_gradient_checkpointing(denoiser, trained_text_encoders=()) -> None:
+    """Recompute activations in backward: the denoiser's blocks (diffusers' own switch,
+    non-reentrant ``torch.utils.checkpoint``, so LoRA weights inside a block get gradients
+    though the block's inputs need none) and the layers of text encoders that train LoRA
+    (frozen encoders run under no_grad and keep no activations anyway)."""
+    denoiser.enable_gradient_checkpointing()
+    for te in trained_text_encoders:
+        # transformers >= 5 names it activation checkpointing; reentrant checkpointing
+        # would drop the LoRA gradients of layers whose inputs (frozen embeddings) need none.
+        enable = getattr(te, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            te.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def _restore(cfg: RayLoraConfig, accelerator, restored, optimizer, lr_scheduler, rank: int) -> LoopState:
     """Optimizer, schedule, scaler, loop position and RNG from a checkpoint; or a fresh
     state with this rank's own noise/timestep stream."""
@@ -154,13 +170,14 @@ def build_run(
     set_seed(t.seed)  # same seed on every rank for the adapter's initial weights
     # Cached latents: the cache holds what the VAE and text encoders would compute.
     comps = load_components(
-        cfg.model, weight_dtype, cfg.storage.client(), encoders=cfg.data.cache != "latents"
+        cfg.model, weight_dtype, cfg.storage.client(), encoders=cfg.data.cache != "latents",
+        device=accelerator.device,
     )
     if torch.cuda.is_available() and not comps.family.cudnn_sdpa:
         torch.backends.cuda.enable_cudnn_sdp(False)
     params, trained_te, te_params = _attach_lora(cfg, comps)
     if t.gradient_checkpointing:
-        comps.denoiser.enable_gradient_checkpointing()
+        enable_gradient_checkpointing(comps.denoiser, trained_te.values())
     compile_denoiser(comps.denoiser, cfg.compile_mode, comps.family.repeated_blocks)
     parts = frozen_parts(cfg, comps, accelerator.device, weight_dtype, te_params)
     if restored is not None:

@@ -1,0 +1,293 @@
+"""Issue #21 without FSDP: a quantized frozen base (model.quantize) trains LoRA whose adapter
+the unquantized stock pipeline loads; gradient checkpointing changes no number in any
+family; the quantized layers' sizes (what a memory estimate reads). One process, no Ray."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from raylora.config import ConfigError, validate
+from raylora.model.quantize import (
+    Float8Linear,
+    frozen_bytes,
+    quantize_module,
+    weight_bytes_per_param,
+)
+
+FAMILIES = ["sd", "sdxl", "flux", "sd3", "qwenimage"]
+MIN = {"model": {"pretrained": "m"}, "data": {"uri": "d"}, "output": {"uri": "o"}}
+
+
+def _cfg(model, demo_data, tmp_path, model_keys=None, train=None):
+    return validate({"model": {"pretrained": model, "max_sequence_length": 32, **(model_keys or {})},
+                     "data": {"uri": demo_data, "resolution": 64},
+                     "lora": {"rank": 8},
+                     "train": {"learning_rate": 1e-2, "seed": 0, **(train or {})},
+                     "output": {"uri": str(tmp_path / "o")}})
+
+
+def _stock_image_changes(family_cls, model, adapter, family):
+    import diffusers
+
+    pipe = getattr(diffusers, family_cls.pipeline).from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+    kw = dict(num_inference_steps=2, height=64, width=64, output_type="np")
+    if family != "sd":
+        kw["max_sequence_length"] = 32
+    # the stock pipeline is plain: no quantized layer anywhere
+    assert not any("bitsandbytes" in type(m).__module__ for m in pipe.components[family_cls.denoiser].modules())
+
+    def image():
+        return pipe("a red circle", generator=torch.Generator().manual_seed(0), **kw).images[0]
+
+    base = image()
+    pipe.load_lora_weights(str(adapter))
+    with_lora = image()
+    assert np.isfinite(with_lora).all()
+    return float(np.abs(with_lora - base).max())
+
+
+# ---------------------------------------------------------------- quantized base
+
+
+@pytest.mark.parametrize("family, kind", [("sd", "nf4"), ("flux", "nf4"), ("sd", "int8")])
+def test_quantized_base_trains_and_the_stock_pipeline_loads_the_adapter(tiny, family, kind,
+                                                                         demo_data, tmp_path):
+    import bitsandbytes as bnb
+    from inproc import _fresh_accelerator, demo_batch
+    from peft.tuners.lora import bnb as peft_bnb
+    from safetensors.torch import load_file
+
+    from raylora.model.lora import save_diffusers_adapter
+    from raylora.train.evaluate import heldout_loss, prepare_heldout
+    from raylora.train.setup import build_run
+    from raylora.train.step import train_micro_step
+
+    model = tiny(family)
+    cfg = _cfg(model, demo_data, tmp_path, {"quantize": kind, "quantize_text_encoders": kind})
+    accel = _fresh_accelerator(1)
+    run = build_run(cfg, accel, 25, rank=0)
+    denoiser = accel.unwrap_model(run.model)
+    qcls, lora_cls = ((bnb.nn.Linear4bit, peft_bnb.Linear4bit) if kind == "nf4"
+                      else (bnb.nn.Linear8bitLt, peft_bnb.Linear8bitLt))
+    # every linear of the denoiser and the text encoders is quantized but those the model
+    # keeps in fp32 (T5's wo); LoRA sits on top
+    for m in [denoiser, *run.parts.text_encoders]:
+        keep = tuple(getattr(m, "_keep_in_fp32_modules", None) or ())
+        plain = [n for n, x in m.named_modules()
+                 if type(x) is nn.Linear and "lora_" not in n and not n.endswith(keep or ("-",))]
+        assert not plain, (type(m).__name__, plain[:3])
+        assert sum(isinstance(x, qcls) for x in m.modules()) > 0
+    loras = [x for x in denoiser.modules() if isinstance(x, lora_cls)]
+    assert loras and all(isinstance(x.get_base_layer(), qcls) for x in loras)
+    assert all(p.dtype == torch.float32 for p in run.params)
+
+    batch = demo_batch(family, model, demo_data)
+    held = prepare_heldout(run.parts, batch, num_timesteps=4, seed=0)
+    before = heldout_loss(run.model, held, torch.float32)
+    for _ in range(25):
+        loss = train_micro_step(accel, run.model, run.parts, run.optimizer, run.lr_scheduler,
+                                run.params, batch, 1.0)
+        assert torch.isfinite(loss)
+    after = heldout_loss(run.model, held, torch.float32)
+    assert after < 0.95 * before, (before, after)
+
+    adapter = tmp_path / "adapter"
+    save_diffusers_adapter(denoiser, str(adapter), run.family)
+    sd = load_file(str(adapter / "pytorch_lora_weights.safetensors"))
+    # a normal adapter: only LoRA matrices in fp32, no quantization state
+    ends = (".lora.down.weight", ".lora.up.weight", ".lora_A.weight", ".lora_B.weight")
+    assert sd and all(k.endswith(ends) for k in sd), [k for k in sd if not k.endswith(ends)][:5]
+    assert {v.dtype for v in sd.values()} == {torch.float32}
+    assert _stock_image_changes(run.family, model, adapter, family) > 1e-3
+
+
+def test_fp8_layer_trains_lora_and_saves_the_one_byte_weight_for_backward():
+    """fp8 (GPU-only in the config) is device-independent code: checked here on CPU at the
+    layer level — values, gradient through the dequantized weight, peft on top."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 32))
+    model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 32))
+    model.load_state_dict(ref.state_dict())
+    model.requires_grad_(False)
+    assert quantize_module(model, "fp8", torch.float32, "cpu") == 2
+    q = model[0]
+    assert isinstance(q, Float8Linear) and q.weight.dtype == torch.uint8
+    # frozen parameters, not buffers (DDP broadcasts buffers every step)
+    assert not list(model.buffers()) and not any(p.requires_grad for p in model.parameters())
+    rel = (q.dequantized() - ref[0].weight).abs().max() / ref[0].weight.abs().max()
+    assert 0 < rel < 0.07  # e4m3: 3 mantissa bits
+    x = torch.randn(8, 64, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = model(x)
+    # backward keeps the uint8 weights, never a dequantized full-precision copy
+    assert not any(t.shape in ((96, 64), (32, 96)) and t.is_floating_point() for t in saved)
+    assert sum(t.dtype == torch.uint8 for t in saved) == 2
+    out.sum().backward()
+    xr = x.detach().clone().requires_grad_()
+    ref(xr).sum().backward()  # the input gradient goes through the dequantized weights
+    assert (x.grad - xr.grad).abs().max() < 0.1 * xr.grad.abs().max()
+
+    inject_adapter_in_model(LoraConfig(r=4, target_modules=["0", "2"], init_lora_weights="gaussian"), model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert len(params) == 4 and all(p.dtype == torch.float32 for p in params)
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    target = torch.randn(8, 32)
+    losses = []
+    for _ in range(30):
+        loss = nn.functional.mse_loss(model(x.detach()), target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.8 * losses[0]
+
+
+def test_config_and_worker_refuse_what_cannot_run(tiny_model, tmp_path):
+    with pytest.raises(ConfigError) as exc:
+        validate({**MIN, "model": {"pretrained": "m", "quantize": "fp8",
+                                   "quantize_text_encoders": "fp8"}})
+    msg = str(exc.value)
+    assert "model.quantize: fp8 is for GPUs (scaling.use_gpu is false)" in msg
+    assert "model.quantize_text_encoders: fp8 is for GPUs" in msg
+    assert validate({**MIN, "model": {"pretrained": "m", "quantize": "fp8"},
+                     "scaling": {"use_gpu": True}}).model.quantize == "fp8"
+    with pytest.raises(ConfigError, match="model.quantize: Input should be"):
+        validate({**MIN, "model": {"pretrained": "m", "quantize": "int4"}})
+    with pytest.raises(ConfigError, match="model.quantize_text_encoders: has no effect with data.cache=latents"):
+        validate({**MIN, "model": {"pretrained": "m", "quantize_text_encoders": "nf4"},
+                  "data": {"uri": "d", "cache": "latents", "center_crop": True}})
+    # a config validated for a GPU that lands on a CPU worker: refused before loading
+    from raylora.model.load import load_components
+
+    cfg = validate({**MIN, "model": {"pretrained": tiny_model, "quantize": "fp8"},
+                    "scaling": {"use_gpu": True}})
+    with pytest.raises(ValueError, match=r"model.quantize: fp8 is for GPUs \(this worker trains on cpu\)"):
+        load_components(cfg.model, torch.float32, device="cpu")
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8", "fp8"])
+def test_sizes_for_a_memory_estimate(tiny, kind):
+    """frozen_bytes (computed on a meta-device model) equals the bytes of the quantized
+    model's tensors: the hook a memory preflight calls."""
+    import bitsandbytes as bnb
+    from diffusers import UNet2DConditionModel
+
+    model = UNet2DConditionModel.from_pretrained(tiny("sd"), subfolder="unet")
+    with torch.device("meta"):
+        meta = UNet2DConditionModel.from_config(model.config)
+    full = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert frozen_bytes(meta, "none", torch.float32) == full
+    assert frozen_bytes(meta, "none", torch.bfloat16) == full // 2
+    est = frozen_bytes(meta, kind, torch.float32)
+    quantize_module(model, kind, torch.float32, "cpu")
+    got = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    for m in model.modules():  # statistics bitsandbytes keeps beside the weight tensor
+        if isinstance(m, bnb.nn.Linear4bit):  # uint8 absmax per block, fp32 per 256 blocks
+            qs = m.weight.quant_state
+            got += qs.absmax.numel() + 4 * qs.state2.absmax.numel()
+        elif isinstance(m, bnb.nn.Linear8bitLt):  # fp32 scale per row
+            got += 4 * m.weight.SCB.numel()
+    # left out: nf4's per-layer code books (16 + 256 floats), ~1 KB a layer
+    assert est == pytest.approx(got, rel=2e-3 if kind == "nf4" else 0), (est, got)
+    linear = [m for m in meta.modules() if type(m) is nn.Linear]
+    n = sum(m.weight.numel() for m in linear)
+    saved = full - est  # the linears' weights are what shrinks
+    assert 0 < saved < n * 4 and saved == pytest.approx(
+        sum(m.weight.numel() * (4 - weight_bytes_per_param(kind, torch.float32, m.in_features))
+            for m in linear), rel=1e-6)
+    assert weight_bytes_per_param("none", torch.bfloat16) == 2
+    assert weight_bytes_per_param("nf4") == pytest.approx(0.5157, abs=1e-3)
+    assert weight_bytes_per_param("int8", in_features=3072) == pytest.approx(1 + 4 / 3072)
+    assert weight_bytes_per_param("fp8", torch.bfloat16, 3072) == pytest.approx(1 + 2 / 3072)
+
+
+# ---------------------------------------------------------------- gradient checkpointing
+
+
+def _loss_and_grads(run, batch):
+    """Loss and LoRA gradients (None: no gradient) of one fixed step. LoRA B starts at zero
+    (the adapter is a no-op); it is made non-zero so that A's gradients, which flow
+    through B, are compared too."""
+    from raylora.train.step import compute_loss
+
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for p in run.params:
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    torch.manual_seed(123)
+    loss = compute_loss(run.model, run.parts, batch)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() if p.grad is not None else None for p in run.params]
+
+
+def _same_step(plain, checkpointed):
+    (l0, g0), (l1, g1) = plain, checkpointed
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
+    assert [g is None for g in g1] == [g is None for g in g0]
+    assert sum(float(g.abs().sum()) for g in g0 if g is not None) > 0
+    for a, b in zip(g1, g0):
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gradient_checkpointing_same_loss_and_lora_grads(tiny, family, demo_data, tmp_path):
+    from inproc import _fresh_accelerator, demo_batch
+
+    from raylora.train.setup import build_run
+
+    model = tiny(family)
+    batch = demo_batch(family, model, demo_data)
+    out = {}
+    for ckpt in (False, True):
+        cfg = _cfg(model, demo_data, tmp_path, train={"gradient_checkpointing": ckpt})
+        accel = _fresh_accelerator(1)
+        run = build_run(cfg, accel, 4, rank=0)
+        # diffusers' switch reached every checkpointable block
+        flags = [m.gradient_checkpointing for m in accel.unwrap_model(run.model).modules()
+                 if hasattr(m, "gradient_checkpointing")]
+        assert flags and all(f is ckpt for f in flags)
+        out[ckpt] = _loss_and_grads(run, batch)
+        assert all(g is not None for g in out[ckpt][1])  # every LoRA matrix of the denoiser
+    _same_step(out[False], out[True])
+
+
+def test_gradient_checkpointing_of_a_trained_text_encoder(tiny_model, demo_data, tmp_path):
+    from inproc import _fresh_accelerator, demo_batch
+
+    from raylora.train.setup import build_run
+
+    batch = demo_batch("sd", tiny_model, demo_data)
+    out = {}
+    for ckpt in (False, True):
+        cfg = validate({"model": {"pretrained": tiny_model}, "data": {"uri": demo_data, "resolution": 64},
+                        "lora": {"train_text_encoder": True},
+                        "train": {"gradient_checkpointing": ckpt, "seed": 0},
+                        "output": {"uri": str(tmp_path / "o")}})
+        run = build_run(cfg, _fresh_accelerator(1), 4, rank=0)
+        assert run.trained_text_encoders["text_encoder"].is_gradient_checkpointing is ckpt
+        out[ckpt] = _loss_and_grads(run, batch)
+        te = {id(p) for p in run.parts.text_encoder_params}
+        assert sum(g is not None for p, g in zip(run.params, out[ckpt][1]) if id(p) in te) > 0
+    _same_step(out[False], out[True])
+
+
+def test_cached_latents_workers_hold_no_encoder(tiny_model, demo_data, tmp_path):
+    """Frozen text encoders are not kept once their outputs are cached: with
+    data.cache=latents a worker never loads the VAE or a text encoder."""
+    from inproc import _fresh_accelerator
+
+    from raylora.train.setup import build_run
+
+    cfg = validate({"model": {"pretrained": tiny_model},
+                    "data": {"uri": demo_data, "resolution": 64, "cache": "latents", "center_crop": True},
+                    "output": {"uri": str(tmp_path / "o")}})
+    run = build_run(cfg, _fresh_accelerator(1), 4, rank=0)
+    assert run.parts.vae is None and run.parts.text_encoders == []

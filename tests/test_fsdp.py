@@ -1,0 +1,173 @@
+"""``train.fsdp``: FSDP2 sharding of a LoRA-wrapped UNet trains what DDP trains, holds about
+half the parameters per rank on 2 ranks, and its DCP checkpoint written by 2 ranks resumes
+on 1. Real process groups: 2 (and 1) spawned CPU processes over gloo."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+STEPS = 3
+
+
+def _unet():
+    from diffusers import UNet2DConditionModel
+
+    return UNet2DConditionModel(
+        sample_size=16, block_out_channels=(8, 16), layers_per_block=2, norm_num_groups=8,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=16, attention_head_dim=4)
+
+
+def _lora_unet():
+    """The same weights in every process: a seeded UNet with LoRA, lora_B made non-zero so
+    lora_A gets gradients from the first step."""
+    from raylora.config import LoraSection
+    from raylora.model.lora import add_lora
+
+    torch.manual_seed(0)
+    unet = _unet()
+    add_lora(unet, LoraSection(rank=4, target_modules=TARGETS))
+    with torch.no_grad():
+        for n, p in unet.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    return unet
+
+
+def _batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return (torch.randn(2, 4, 16, 16, generator=g), torch.randint(0, 1000, (2,), generator=g),
+            torch.randn(2, 7, 16, generator=g), torch.randn(2, 4, 16, 16, generator=g))
+
+
+def _train(model, rank: int):
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(STEPS):
+        x, t, text, target = _batch(rank, step)
+        out = model(x, t, encoder_hidden_states=text).sample
+        torch.nn.functional.mse_loss(out, target).backward()
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
+def _init(rank: int, world: int, port: int):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def _full_exp_avg(model, opt) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
+    # Full state dicts land on rank 0 only; the other ranks get {}.
+    return {k: v["exp_avg"].clone() for k, v in osd.get("state", {}).items()}
+
+
+def _two_ranks(rank: int, world: int, port: int, out: str):
+    from peft.utils import get_peft_model_state_dict
+    from torch.nn.parallel import DistributedDataParallel
+
+    from raylora.train.fsdp import full_lora_state_dict, param_bytes_per_rank, save_sharded, shard_denoiser
+
+    _init(rank, world, port)
+    try:
+        initial = {k: v.clone() for k, v in get_peft_model_state_dict(_lora_unet()).items()}
+        ddp_model = _lora_unet()
+        unsharded_bytes = param_bytes_per_rank(ddp_model)
+        _train(DistributedDataParallel(ddp_model), rank)
+        ddp_sd = {k: v.detach().clone() for k, v in get_peft_model_state_dict(ddp_model).items()}
+
+        fsdp_model = _lora_unet()
+        names = shard_denoiser(fsdp_model, ("BasicTransformerBlock",))
+        sharded_bytes = param_bytes_per_rank(fsdp_model)
+        opt = _train(fsdp_model, rank)
+        fsdp_sd = full_lora_state_dict(fsdp_model)
+        exp_avg = _full_exp_avg(fsdp_model, opt)
+        save_sharded(os.path.join(out, "ckpt"), fsdp_model, opt)
+        all_bytes = [None] * world
+        dist.all_gather_object(all_bytes, sharded_bytes)
+        if rank == 0:
+            torch.save({"initial": initial, "ddp": ddp_sd, "fsdp": fsdp_sd, "names": names,
+                        "unsharded_bytes": unsharded_bytes, "sharded_bytes": all_bytes,
+                        "exp_avg": exp_avg}, os.path.join(out, "two.pt"))
+        else:
+            assert fsdp_sd == {}
+    finally:
+        dist.destroy_process_group()
+
+
+def _one_rank(rank: int, world: int, port: int, out: str):
+    from raylora.train.fsdp import full_lora_state_dict, load_sharded, shard_denoiser
+
+    _init(rank, world, port)
+    try:
+        model = _lora_unet()  # fresh: the initial LoRA, not the trained one
+        shard_denoiser(model, ("BasicTransformerBlock",))
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        load_sharded(os.path.join(out, "ckpt"), model, opt)
+        torch.save({"lora": full_lora_state_dict(model), "exp_avg": _full_exp_avg(model, opt),
+                    "steps": {k: v["step"] for k, v in opt.state_dict()["state"].items()}},
+                   os.path.join(out, "one.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    """One 2-process run: DDP training, FSDP training, FSDP sharded checkpoint."""
+    out = str(tmp_path_factory.mktemp("fsdp"))
+    mp.spawn(_two_ranks, args=(2, _free_port(), out), nprocs=2, join=True)
+    return out, torch.load(os.path.join(out, "two.pt"))
+
+
+def test_fsdp_trains_the_same_lora_as_ddp(two_rank_run):
+    _, r = two_rank_run
+    ddp, fsdp, initial = r["ddp"], r["fsdp"], r["initial"]
+    # Shard units: the transformer blocks (2 down, 1 mid, 3 up), then the root.
+    assert len(r["names"]) == 6 + 1 and r["names"][-1] == ""
+    # blocks x (attn1, attn2) x targets x (A, B)
+    assert set(fsdp) == set(ddp) == set(initial) and len(ddp) == 6 * 2 * 4 * 2
+    # Training moved every LoRA tensor, so equality below is not equality of the init.
+    assert all((ddp[k] - initial[k]).abs().max() > 1e-3 for k in ddp)
+    worst = max((ddp[k] - fsdp[k]).abs().max().item() for k in ddp)
+    assert worst < 1e-5, worst
+
+
+def test_fsdp_holds_about_half_the_parameters_per_rank(two_rank_run):
+    _, r = two_rank_run
+    for b in r["sharded_bytes"]:
+        assert b <= 0.6 * r["unsharded_bytes"], (b, r["unsharded_bytes"])
+    # Together the ranks hold the model once (dim-0 shards, no padding counted).
+    assert sum(r["sharded_bytes"]) == r["unsharded_bytes"]
+
+
+def test_sharded_checkpoint_from_two_ranks_resumes_on_one(two_rank_run):
+    out, r = two_rank_run
+    mp.spawn(_one_rank, args=(1, _free_port(), out), nprocs=1, join=True)
+    one = torch.load(os.path.join(out, "one.pt"))
+    assert set(one["lora"]) == set(r["fsdp"])
+    for k, v in r["fsdp"].items():
+        torch.testing.assert_close(one["lora"][k], v, rtol=0, atol=0)
+    assert set(one["exp_avg"]) == set(r["exp_avg"]) and len(r["exp_avg"]) == len(r["fsdp"])
+    for k, v in r["exp_avg"].items():
+        assert v.abs().max() > 0
+        torch.testing.assert_close(one["exp_avg"][k], v, rtol=0, atol=0)
+    assert all(float(s) == STEPS for s in one["steps"].values())

@@ -63,11 +63,14 @@ def stamped_worker(loop_config: dict) -> None:
 
 
 def raylora_side(tree: dict) -> dict:
-    """A real ``raylora train`` run (launch.run) with the worker function above."""
+    """A real ``raylora train`` run (launch.run) with the worker function above, into a
+    new output folder (the same one would resume the finished run)."""
     from raylora import worker
     from raylora.config import validate
     from raylora.launch import run
 
+    out = tree["output"]["uri"]
+    tree = {**tree, "output": {"uri": tempfile.mkdtemp(prefix="run-", dir=out)}}
     original = worker.train_loop_per_worker
     worker.train_loop_per_worker = stamped_worker  # what launch.build_trainer picks up
     try:
@@ -168,6 +171,7 @@ def main() -> None:
     model = tiny_model(os.path.join(work, "model"))
     files = photo_shards(os.path.join(work, "shards"), args.images, 2)
     steps = args.epochs * (args.images // args.batch_size)
+    os.makedirs(os.path.join(work, "out"))
     tree = {
         "model": {"pretrained": model},
         "data": {"uri": os.path.join(work, "shards"), "resolution": args.resolution,

@@ -79,6 +79,8 @@ def _two_ranks(rank: int, world: int, port: int, out: str):
     from peft.utils import get_peft_model_state_dict
     from torch.nn.parallel import DistributedDataParallel
 
+    from raylora.config import LoraSection
+    from raylora.model.lora import add_lora
     from raylora.train.fsdp import full_lora_state_dict, param_bytes_per_rank, save_sharded, shard_denoiser
 
     _init(rank, world, port)
@@ -96,12 +98,26 @@ def _two_ranks(rank: int, world: int, port: int, out: str):
         fsdp_sd = full_lora_state_dict(fsdp_model)
         exp_avg = _full_exp_avg(fsdp_model, opt)
         save_sharded(os.path.join(out, "ckpt"), fsdp_model, opt)
+        # bf16 frozen base + fp32 LoRA masters in one FSDP unit, bf16 compute: one step.
+        torch.manual_seed(0)
+        mixed = _unet().to(torch.bfloat16)
+        add_lora(mixed, LoraSection(rank=4, target_modules=TARGETS))
+        shard_denoiser(mixed, ("BasicTransformerBlock",), param_dtype=torch.bfloat16)
+        mixed_opt = torch.optim.AdamW([p for p in mixed.parameters() if p.requires_grad], lr=1e-2)
+        x, t, text, target = _batch(rank, 0)
+        sample = mixed(x.bfloat16(), t, encoder_hidden_states=text.bfloat16()).sample
+        torch.nn.functional.mse_loss(sample.float(), target).backward()
+        mixed_grad_dtypes = {p.grad.dtype for p in mixed.parameters() if p.requires_grad}
+        mixed_opt.step()
+        mixed_sd = full_lora_state_dict(mixed)
+
         all_bytes = [None] * world
         dist.all_gather_object(all_bytes, sharded_bytes)
         if rank == 0:
             torch.save({"initial": initial, "ddp": ddp_sd, "fsdp": fsdp_sd, "names": names,
                         "unsharded_bytes": unsharded_bytes, "sharded_bytes": all_bytes,
-                        "exp_avg": exp_avg}, os.path.join(out, "two.pt"))
+                        "exp_avg": exp_avg, "mixed_grad_dtypes": mixed_grad_dtypes,
+                        "mixed": mixed_sd}, os.path.join(out, "two.pt"))
         else:
             assert fsdp_sd == {}
     finally:
@@ -171,3 +187,23 @@ def test_sharded_checkpoint_from_two_ranks_resumes_on_one(two_rank_run):
         assert v.abs().max() > 0
         torch.testing.assert_close(one["exp_avg"][k], v, rtol=0, atol=0)
     assert all(float(s) == STEPS for s in one["steps"].values())
+
+
+def test_bf16_base_with_fp32_lora_trains_in_one_unit(two_rank_run):
+    """The layout big models use: frozen bf16 base and fp32 LoRA share each FSDP unit,
+    computed in bf16 (MixedPrecisionPolicy), gradients and master weights fp32."""
+    _, r = two_rank_run
+    assert r["mixed_grad_dtypes"] == {torch.float32}
+    assert set(r["mixed"]) == set(r["initial"])
+    assert all(v.dtype == torch.float32 and torch.isfinite(v).all() for v in r["mixed"].values())
+    # One AdamW step moves every LoRA A/B tensor (lr 1e-2; B starts at 0 under peft's init).
+    assert all(not torch.equal(v, r["initial"][k]) for k, v in r["mixed"].items() if "lora_B" in k)
+
+
+def test_offload_without_an_accelerator_is_refused_up_front():
+    from raylora.train.fsdp import shard_denoiser
+
+    if torch.accelerator.is_available():
+        pytest.skip("an accelerator is present: offload is allowed")
+    with pytest.raises(ValueError, match="accelerator"):
+        shard_denoiser(torch.nn.Linear(2, 2), ("Linear",), offload=True)

@@ -11,7 +11,9 @@ trainable parameters may share a unit (the frozen ones get no gradient reduce-sc
 and only the *trainable* parameters of a unit must share one dtype, so a bf16 frozen base
 with fp32 LoRA master weights is accepted. With ``param_dtype`` set, every parameter is
 all-gathered in that dtype (bf16 compute) and LoRA gradients are reduced in
-``reduce_dtype`` (fp32) into the fp32 shards the optimizer steps.
+``reduce_dtype`` (fp32) into the fp32 shards the optimizer steps (checked over gloo on CPU:
+bf16 base + fp32 LoRA + ``param_dtype=bf16`` gives fp32 LoRA grads). ``CPUOffloadPolicy``
+needs an accelerator (torch 2.13 raises at the first forward without one).
 
 Checkpoints: ``save_sharded``/``load_sharded`` write/read the trainable parameters and the
 optimizer state with ``torch.distributed.checkpoint`` (each rank its own shards, one
@@ -40,6 +42,11 @@ def shard_denoiser(model: torch.nn.Module, block_classes: tuple[str, ...], *, pa
     root, in place (call after ``add_lora``, before building the optimizer: the parameters
     become DTensors). Needs an initialized default process group. Returns the sharded
     module names, blocks first, root last as ""."""
+    if offload and not torch.accelerator.is_available():
+        # CPUOffloadPolicy copies shards to the accelerator for compute; torch raises
+        # "Cannot access accelerator device" only at the first forward without one.
+        raise ValueError("fsdp offload moves the frozen base to CPU between uses of a GPU: "
+                         "it needs an accelerator, none is available")
     blocks = tuple(block_classes)
     if not blocks:
         raise ValueError(f"{type(model).__name__}: no shard units (block classes) given")

@@ -7,7 +7,8 @@ parquet and from an S3-compatible server on loopback (moto).
 
 Epoch 1 includes start-up (process spawn, imports, tokenizer); the throughput compared is
 the mean over the later epochs, with the first-batch latencies (epoch 1, and the mean of
-the later epochs: what a pipeline restarted per epoch pays again) shown beside it.
+the later epochs: what a pipeline restarted per epoch would pay again) shown beside it.
+raylora's side is what a worker runs: one dataset of every epoch's pass, executed once.
 The DataLoader keeps its workers between epochs (persistent_workers), its best case.
 """
 
@@ -29,12 +30,12 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
 def epochs(make_iter, n_epochs: int, images: int) -> dict:
-    """Time each epoch of a batch iterator factory; count the images it yields."""
+    """Time each epoch of ``make_iter(epoch)``, an epoch's batches; count the images."""
     times, firsts, counted = [], [], []
     for e in range(n_epochs):
         t0 = time.perf_counter()
         n = 0
-        for batch in make_iter():
+        for batch in make_iter(e):
             if n == 0:
                 firsts.append(time.perf_counter() - t0)
             n += batch["pixel_values"].shape[0]
@@ -57,8 +58,12 @@ def pre_kwargs(model: str, resolution: int) -> dict:
 
 
 def raylora_side(uri: str, model: str, args) -> dict:
+    """What a worker does: one dataset of every epoch's pass, one execution, batches
+    per pass (no local shuffle, as the DataLoader's order is fixed too)."""
+    import torch
+
     from raylora.config import validate
-    from raylora.data.source import build_dataset, plan_data
+    from raylora.data.source import EpochStream, build_dataset, pass_batches, plan_data
 
     cfg = validate({
         "model": {"pretrained": model},
@@ -69,9 +74,18 @@ def raylora_side(uri: str, model: str, args) -> dict:
     store = cfg.storage.client()
     dp = plan_data(cfg.data, store)
     ds = build_dataset(cfg.data, dp, store, model_path=model, seed=0,
-                       num_preprocess_tasks=args.workers)
-    return epochs(lambda: ds.iter_torch_batches(batch_size=args.batch_size, drop_last=True),
-                  args.epochs, args.images)
+                       num_preprocess_tasks=args.workers, epochs=args.epochs)
+
+    def open_stream(epoch: int):
+        blocks = ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=4)
+        return pass_batches(blocks, args.batch_size, 0, seed=lambda e: e)
+
+    stream = EpochStream(open_stream, dp.rows // args.batch_size, per_pass=True,
+                         convert=lambda b: {k: torch.from_numpy(v) for k, v in b.items()})
+    try:
+        return epochs(stream, args.epochs, args.images)
+    finally:
+        stream.close()
 
 
 def dataloader_side(uri: str, model: str, args) -> dict:
@@ -86,7 +100,7 @@ def dataloader_side(uri: str, model: str, args) -> dict:
         batch_size=args.batch_size, drop_last=True, num_workers=args.workers,
         persistent_workers=True, multiprocessing_context="spawn", prefetch_factor=4,
     )
-    return epochs(lambda: iter(loader), args.epochs, args.images)
+    return epochs(lambda epoch: iter(loader), args.epochs, args.images)
 
 
 def main() -> None:

@@ -139,47 +139,92 @@ def _accelerator(cfg: RayLoraConfig):
     )
 
 
+# Batches the data path keeps ready beyond the one being trained on (tensors already on
+# the accelerator), and Ray Data's own read-ahead of blocks.
+PREFETCH_BATCHES = 4
+
+
+def _passes_needed(spec: WorkerSpec, epoch: int, per_epoch: int, world: int) -> int:
+    """Passes over the data from ``epoch`` on that the rest of the run trains on. The
+    stream runs ahead (its next pass is read while an epoch ends), so passes past the end
+    would be read for nothing; but a stream that runs out opens a new one, which a
+    dynamically split stream on several workers must not (the workers would have to start
+    it together), so it gets room for rows that are never delivered (bad records, a
+    held-out split above its expected size) and for workers' uneven shares of a pass."""
+    t, data = spec.config.train, spec.config.data
+    left = max(1, spec.plan.max_steps * t.gradient_accumulation_steps - epoch * per_epoch)
+    passes = -(-left // per_epoch)
+    if data.sharding == "files":
+        return passes  # exact: an epoch is one pass (and each worker reopens on its own)
+    if world == 1:
+        return passes + (1 if data.validation_split else 0)
+    return passes + passes // 4 + 2
+
+
 def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
-    """``epoch -> iterable of batches`` over this worker's data: its share of the split
-    dataset, or under ``data.sharding=files`` its own files, rebuilt for each epoch so
-    the epoch picks the preprocessing draws (raylora.data.source.build_dataset)."""
+    """``epoch -> iterable of batches`` over this worker's data (``EpochStream``): every
+    epoch from one Ray Data execution over the passes the run needs. ``data.sharding=
+    stream``: rank 0 builds the dataset and splits it over the workers; ``files``: each
+    worker builds one of its own files. Pass ``e``'s read order and preprocessing draws
+    depend on the seed and ``e`` alone (raylora.data.source.build_dataset), so under
+    ``files`` the stream a resumed run opens at its epoch repeats the straight run's."""
+    from raylora.data.source import DataPlan, EpochStream, build_dataset, pass_batches
+    from raylora.data.tokenize import load_specs
+
     cfg, plan = spec.config, spec.plan
-    t = cfg.train
-    by_files = cfg.data.sharding == "files"
-    data_seed = cfg.data.shuffle_seed if cfg.data.shuffle_seed is not None else t.seed
-    if by_files:
-        from raylora.data.source import DataPlan, build_dataset
+    t, data = cfg.train, cfg.data
+    by_files = data.sharding == "files"
+    data_seed = data.shuffle_seed if data.shuffle_seed is not None else t.seed
+    store = cfg.storage.client()
+    # Micro-batches per epoch, the same on every worker so that their DDP steps line up:
+    # under files the smallest worker's count (the others drop the rest of each pass).
+    per_epoch = plan.batches_per_epoch if by_files else plan.rows_per_worker // t.batch_size
+    # This worker's rows in a pass (an estimate when split dynamically): a smaller pass
+    # need not wait for the next one to be shuffled whole (pass_batches).
+    everything = DataPlan(plan.data_format, plan.shard_files, plan.total_rows, plan.file_rows)
+    pass_rows = everything.for_rank(rank, world).rows if by_files else plan.rows_per_worker
 
-        own = DataPlan(plan.data_format, plan.shard_files, plan.total_rows,
-                       plan.file_rows).for_rank(rank, world)
-        store = cfg.storage.client()
+    def dataset(epoch: int, data_plan: DataPlan, tasks: int):
+        specs = spec.tokenizer_specs
+        if specs is None and data.cache != "latents":
+            specs = load_specs(plan.model_path, plan.family, store, cfg.model.max_sequence_length)
+        ds = build_dataset(data, data_plan, store, model_path=plan.model_path, seed=data_seed,
+                           num_preprocess_tasks=tasks, family=plan.family,
+                           bad_records=plan.bad_records, tokenizer_specs=specs, epoch=epoch,
+                           epochs=_passes_needed(spec, epoch, per_epoch, world))
+        ds.context.enable_progress_bars = spec.progress_bar
+        return ds
 
-        def epoch_data(epoch: int):
-            ds = build_dataset(cfg.data, own, store, model_path=plan.model_path, seed=data_seed,
-                               num_preprocess_tasks=1, family=plan.family,
-                               bad_records=plan.bad_records, tokenizer_specs=spec.tokenizer_specs,
-                               epoch=epoch)
-            ds.context.enable_progress_bars = spec.progress_bar
-            return ds
-    else:
-        shard = ray.train.get_dataset_shard("train")
+    splits = []
 
-        def epoch_data(epoch: int):
-            return shard
+    def shard(epoch: int):
+        if by_files:
+            return dataset(epoch, everything.for_rank(rank, world), 1)
+        if splits and world > 1:
+            # Every rank would have to get here at the same step; they need not (their
+            # batch counts per pass differ), so stop rather than hang (see _passes_needed).
+            raise RuntimeError(
+                f"epoch {epoch}: the data stream ended before the run did (fewer rows "
+                f"arrived than planned: bad records or data.validation_split)")
+        # Rank 0 splits one dataset; every rank takes its part (the iterators pickle).
+        parts = [dataset(epoch, everything, max(1, world)).streaming_split(world, equal=True)
+                 if rank == 0 else None]
+        if world > 1:
+            torch.distributed.broadcast_object_list(parts, src=0)
+        splits.append(parts[0][rank])
+        return splits[-1]
 
-    def epoch_batches(epoch: int):
-        batches = epoch_data(epoch).iter_torch_batches(
-            batch_size=t.batch_size,
-            drop_last=True,
-            local_shuffle_buffer_size=cfg.data.shuffle_buffer_size or None,
-            local_shuffle_seed=data_seed + 7919 * epoch + rank,
-            device=device,
-        )
-        # With per-worker files, workers hold different row counts: all stop at the
-        # smallest one's batch count so their DDP steps line up.
-        return itertools.islice(batches, plan.batches_per_epoch) if by_files else batches
+    def open_stream(epoch: int):
+        blocks = shard(epoch).iter_batches(batch_size=None, batch_format="numpy",
+                                           prefetch_batches=PREFETCH_BATCHES)
+        return pass_batches(blocks, t.batch_size, data.shuffle_buffer_size,
+                            seed=lambda e: data_seed + 7919 * e + rank, pass_rows=pass_rows)
 
-    return epoch_batches
+    def to_device(batch: dict) -> dict:
+        return {k: torch.from_numpy(v).to(device) for k, v in batch.items()}
+
+    return EpochStream(open_stream, per_epoch, per_pass=by_files, convert=to_device,
+                       prefetch=PREFETCH_BATCHES)
 
 
 @dataclass(frozen=True)
@@ -311,14 +356,17 @@ class _Reporter:
         )
 
 
-def _build(spec: WorkerSpec, rank: int, max_steps: int):
-    """The training run, resumed from Ray's latest checkpoint when there is one."""
-    accelerator = _accelerator(spec.config)
-    restored = None
+def _restored(rank: int):
+    """This rank's state in Ray's latest checkpoint (a RestoredState), None if none."""
     checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as d:
-            restored = load_state(d, rank)
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as d:
+        return load_state(d, rank)
+
+
+def _build(spec: WorkerSpec, accelerator, restored, rank: int, max_steps: int):
+    """The training run, resumed from ``restored`` when there is one."""
     run = build_run(spec.config, accelerator, max_steps, rank, restored)
     if restored is not None and rank == 0:
         log.info("resumed from step %d (epoch %d)", run.state.global_step, run.state.epoch)
@@ -331,23 +379,31 @@ def train_loop_per_worker(loop_config: dict) -> None:
     cfg, plan = spec.config, spec.plan
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    run = _build(spec, rank, plan.max_steps)
-    reporter = _Reporter(spec, run, rank)
-    hooks = LoopHooks(
-        epoch_batches=_epoch_batches(spec, rank, world, run.accelerator.device),
-        on_checkpoint=reporter.on_checkpoint,
-        on_step=reporter.on_step,
-        on_eval=reporter.on_eval,
-        evaluate=_heldout_evaluator(spec, run, rank, world) if plan.heldout_rows else None,
-        preview=_previewer(spec, run, reporter.tracker) if cfg.validation.prompts and rank == 0 else None,
-        sample_ids=sample_hashes if cfg.train.record_samples and rank == 0 else None,
-    )
-    settings = LoopSettings.from_config(cfg, plan.max_steps, world, nonfinite_advice(cfg))
+    accelerator, restored = _accelerator(cfg), _restored(rank)
+    # The data stream starts before the model is loaded: its first batches (processes
+    # started, shards read, images decoded) are on their way while the weights are.
+    epoch_batches = _epoch_batches(spec, rank, world, accelerator.device)
+    epoch_batches.start(restored.loop.epoch if restored is not None else 0)
+    reporter = None
     try:
+        run = _build(spec, accelerator, restored, rank, plan.max_steps)
+        reporter = _Reporter(spec, run, rank)
+        hooks = LoopHooks(
+            epoch_batches=epoch_batches,
+            on_checkpoint=reporter.on_checkpoint,
+            on_step=reporter.on_step,
+            on_eval=reporter.on_eval,
+            evaluate=_heldout_evaluator(spec, run, rank, world) if plan.heldout_rows else None,
+            preview=_previewer(spec, run, reporter.tracker) if cfg.validation.prompts and rank == 0 else None,
+            sample_ids=sample_hashes if cfg.train.record_samples and rank == 0 else None,
+        )
+        settings = LoopSettings.from_config(cfg, plan.max_steps, world, nonfinite_advice(cfg))
         run_loop(run, settings, hooks)
     finally:
+        epoch_batches.close()  # ends the data stream's execution (it runs ahead)
         # Also when the loop stops on NaN/inf: what was logged so far is kept.
-        reporter.close()
+        if reporter is not None:
+            reporter.close()
 
 
 def lr_find_per_worker(loop_config: dict) -> None:
@@ -361,8 +417,13 @@ def lr_find_per_worker(loop_config: dict) -> None:
     cfg, lf = spec.config, spec.lr_find
     t = cfg.train
     accelerator = _accelerator(cfg)
-    run = build_run(cfg, accelerator, lf.num_steps, rank=0)
     epoch_batches = _epoch_batches(spec, 0, 1, accelerator.device)
+    epoch_batches.start(0)  # while the model loads
+    try:
+        run = build_run(cfg, accelerator, lf.num_steps, rank=0)
+    except BaseException:
+        epoch_batches.close()
+        raise
     stream = itertools.chain.from_iterable(map(epoch_batches, itertools.count()))
 
     def step(lr: float) -> float:
@@ -378,8 +439,11 @@ def lr_find_per_worker(loop_config: dict) -> None:
         log.info("lr %.3g loss %.5f", lr, loss)
         return loss
 
-    rows = range_test(step, lf.start_lr, lf.end_lr, lf.num_steps, smoothing=lf.smoothing,
-                      diverge_factor=lf.diverge_factor)
+    try:
+        rows = range_test(step, lf.start_lr, lf.end_lr, lf.num_steps, smoothing=lf.smoothing,
+                          diverge_factor=lf.diverge_factor)
+    finally:
+        epoch_batches.close()
     # Rows travel as a checkpoint file: a run's Result carries the metrics and files of
     # its latest checkpoint only.
     d = tempfile.mkdtemp(prefix="raylora-lrfind-")

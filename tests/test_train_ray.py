@@ -86,28 +86,31 @@ def test_adapter_loads_in_stock_diffusers_and_changes_unet(first_run, tiny_model
 
 
 def test_second_run_resumes_from_stored_checkpoint(first_run):
+    """Raising max_steps continues the run: from step 6, on through two epoch boundaries
+    (8 batches per worker per epoch), both workers fed by one data stream split once."""
     from raylora.launch import run
 
     tree, first = first_run
     first_rows = [json.loads(line) for line in open(os.path.join(tree["output"]["uri"], "metrics.jsonl"))]
-    tree = {**tree, "train": {**tree["train"], "max_steps": 8}}
+    tree = {**tree, "train": {**tree["train"], "max_steps": 20}}
     summary = run(validate(tree))
     m = summary["metrics"]
     assert m["resumed_from_step"] == 6
-    assert m["steps"] == 8
-    assert m["images_seen"] == 8 * 2 * 2
+    assert m["steps"] == 20
+    assert m["images_seen"] == 20 * 2 * 2
     assert m["train_loss_first"] == first["metrics"]["train_loss_first"]
     assert m["replicas_in_sync"] is True
     rows = [json.loads(line) for line in open(os.path.join(tree["output"]["uri"], "metrics.jsonl"))]
-    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    assert [r["epoch"] for r in rows] == [0] * 8 + [1] * 8 + [2] * 4
     # Steps 1-6 come from the checkpoint, not from training again.
     assert rows[:6] == first_rows
-    # The EMA (train.ema_decay) came back with it: 6 updates restored + 2 new.
+    # The EMA (train.ema_decay) came back with it: 6 updates restored + 14 new.
     from safetensors.torch import load_file
 
     train_dir = os.path.join(tree["output"]["uri"], "train")
     latest = sorted(d for d in os.listdir(train_dir) if d.startswith("checkpoint_2"))[-1]
-    assert int(load_file(os.path.join(train_dir, latest, "ema.safetensors"))["num_updates"]) == 8
+    assert int(load_file(os.path.join(train_dir, latest, "ema.safetensors"))["num_updates"]) == 20
 
 
 def test_sample_command_renders_with_adapter(first_run, tiny_model, tmp_path):

@@ -1,17 +1,27 @@
-"""Image-caption shards in any storage → a preprocessed, streaming ``ray.data.Dataset``.
+"""Image-caption shards in any storage → preprocessed training batches, every epoch of a
+run from one streaming ``ray.data.Dataset``.
 
-The dataset is lazy: nothing is read until training workers iterate their shard. Shard
-files are read in parallel in parts (parquet: runs of row groups, ``read_parquet_parts``)
-whose order is reshuffled every epoch (seeded), rows pass a
-per-worker local shuffle buffer, and Ray Train's default DataConfig splits the stream with
-``streaming_split(equal=True)``, so every worker sees the same number of rows per epoch
-(DDP steps must line up) and each row is seen once per epoch (up to ``num_workers - 1``
-rows of remainder). With ``data.sharding=files`` each worker instead builds a dataset of
-its own shard files (``DataPlan.for_rank``) for every epoch, read in order.
+The dataset is lazy and holds the passes over the data of every epoch the run trains
+(``build_dataset(epoch=, epochs=)``): one execution streams them, each row tagged with its
+pass (``epoch`` column), so an epoch boundary is a row in the stream, not a pipeline start:
+the next epoch's rows are read and preprocessed while the current one ends. Shard files
+are read in parts (parquet: runs of row groups; other formats: the registry's read units)
+whose order is reshuffled every pass (seeded by the pass), and rows come out in pass order
+(``preserve_order``). Under ``data.sharding=stream`` one such dataset is split over the
+workers with ``streaming_split(equal=True)`` (raylora.worker builds it on rank 0); with
+``data.sharding=files`` every worker builds one of its own shard files
+(``DataPlan.for_rank``), read in order.
+
+On a worker, ``pass_batches`` turns the rows into batches, each pass shuffled on its own
+through a local buffer, and ``EpochStream`` hands the training loop one epoch at a time
+(``LoopHooks.epoch_batches``), prefetching in a background thread.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,30 +111,33 @@ def build_dataset(
     bad_records: str | None = None,
     tokenizer_specs: tuple | None = None,
     epoch: int = 0,
+    epochs: int = 1,
 ) -> ray.data.Dataset:
-    """The training rows, preprocessed. ``bad_records``: the name of the run's counter
-    actor (``raylora.data.badrecords``) that rows failing the validating decode go to.
+    """The training rows of passes ``epoch`` .. ``epoch + epochs - 1`` over the data,
+    preprocessed, in pass order, each with its pass in an int32 ``epoch`` column: one
+    execution streams them all. ``bad_records``: the name of the run's counter actor
+    (``raylora.data.badrecords``) that rows failing the validating decode go to.
     ``tokenizer_specs``: ``load_specs(model_path, family, storage)`` when the caller
-    already has them (one load for all per-worker datasets); else loaded here.
+    already has them; else loaded here.
 
-    ``data.sharding=files``: one worker's dataset for one ``epoch``, rows in file order
-    (``preserve_order`` is set on it), with crop/flip/dropout draws seeded by the seed and
-    the epoch: the same rows and draws in a rebuilt or resumed epoch, new draws in the
-    next one. Other modes build one dataset for every epoch and ignore ``epoch``."""
-    if data.sharding == "files":
-        # Rebuilt for every epoch (Ray's per-execution reseeding would restart at a resume).
-        seed = epoch_seed(seed, epoch)
+    A pass's read order and draws depend on the seed and the pass alone, not on where the
+    dataset started: a dataset built from a resumed run's epoch repeats that epoch. With
+    ``data.sharding=files`` exactly (rows in file order; crop/flip/dropout draws of one
+    preprocess actor restarted from the pass's seed at the pass's first row); otherwise
+    the part order (and the cached rows' order) is, while draws depend on which preprocess
+    process gets which rows, as they did with several processes."""
+    passes = range(epoch, epoch + epochs)
     if data.cache == "latents":
         # plan.files are the cache's parquet files (see raylora.data.cache).
-        from raylora.data.cache import read_cached_dataset
+        from raylora.data.cache import CACHED_READ_CPUS
 
-        ds = read_cached_dataset(plan.files, plan.file_rows, storage, seed)
+        ds = _read_passes(data, plan, storage, seed, passes, shuffle=True, cached=True,
+                          num_cpus=CACHED_READ_CPUS)
     else:
-        ds = _preprocessed_rows(data, plan, storage, model_path, seed, num_preprocess_tasks,
-                                family, bad_records, tokenizer_specs)
-    if data.sharding == "files":
-        # A per-dataset copy of the context: other datasets keep Ray's default.
-        ds.context.execution_options.preserve_order = True
+        ds = _preprocessed_rows(data, plan, storage, model_path, seed, passes,
+                                num_preprocess_tasks, family, bad_records, tokenizer_specs)
+    # Pass after pass. A per-dataset copy of the context: other datasets keep Ray's default.
+    ds.context.execution_options.preserve_order = True
     return ds
 
 
@@ -133,9 +146,121 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0])
 
 
+def _read_passes(data: DataSection, plan: DataPlan, storage: Storage, seed: int,
+                 passes: range, shuffle: bool, cached: bool = False,
+                 **map_args) -> ray.data.Dataset:
+    """Raw rows (``key``, ``image``, ``text``; or a latent cache's columns) of every pass,
+    each with its ``epoch``. One read item per (pass, unit): parquet files in parts of
+    about READ_UNIT_ROWS rows (``raylora.data.parquet_parts``), other formats in the
+    registry's units; ``shuffle``: a new unit order every pass, from the seed and the
+    pass. ``map_args``: the read stage's ``compute`` and ``num_cpus``."""
+    from raylora.data.parquet_parts import READ_UNIT_ROWS, parquet_parts
+
+    if cached or plan.format == "parquet":
+        units = parquet_parts(plan.files, plan.file_rows, READ_UNIT_ROWS)
+        fn = _read_tagged_parts
+        kwargs = dict(columns=None, renames={}, with_key=False) if cached else dict(
+            columns=[data.image_column, data.caption_column],
+            renames={data.image_column: "image", data.caption_column: "text"}, with_key=True)
+        kwargs.update(with_path=False, endpoint_url=storage.endpoint_url, region=storage.region)
+    else:
+        units = [{"index": i, "start": a, "stop": b}
+                 for i, a, b in get_format(plan.format).units(data, plan.files, storage, READ_UNIT_ROWS)]
+        fn = _read_tagged_units
+        kwargs = dict(fmt=plan.format, data=data.model_dump(), files=plan.files,
+                      endpoint_url=storage.endpoint_url, region=storage.region)
+    items = []
+    for e in passes:
+        order = np.random.default_rng([seed, e]).permutation(len(units)) if shuffle \
+            else range(len(units))
+        items += [{"epoch": e, **units[i]} for i in order]
+    # One item per block up to 1024 blocks: the block is what is scheduled.
+    ds = ray.data.from_items(items, override_num_blocks=min(len(items), 1024))
+    return ds.map_batches(fn, batch_size=1, batch_format="numpy", fn_kwargs=kwargs, **map_args)
+
+
+def _tagged(table, epoch: int):
+    import pyarrow as pa
+
+    return table.append_column("epoch", pa.array(np.full(len(table), epoch, np.int32)))
+
+
+def _read_tagged_parts(batch: dict[str, np.ndarray], **kwargs):
+    """Read stage: (pass, parquet part) items → the part's rows, tagged with the pass."""
+    from raylora.data.parquet_parts import _read_parts
+
+    for i, e in enumerate(batch["epoch"]):
+        part = {k: batch[k][i:i + 1] for k in ("uri", "part", "parts")}
+        for table in _read_parts(part, **kwargs):
+            yield _tagged(table, int(e))
+
+
+def _read_tagged_units(batch: dict[str, np.ndarray], fmt: str, data: dict, files: list[str],
+                       endpoint_url: str | None, region: str | None, rows_per_table: int = 64):
+    """Read stage: (pass, read unit) items → the unit's ``{key, image, text}`` rows
+    (``ShardFormat.iter_unit``), tagged with the pass."""
+    import itertools
+
+    import pyarrow as pa
+
+    from raylora.data.formats.base import image_bytes, process_storage
+
+    section, store = DataSection.model_validate(data), process_storage(endpoint_url, region)
+    for e, index, start, stop in zip(batch["epoch"], batch["index"], batch["start"], batch["stop"]):
+        rows = get_format(fmt).iter_unit(section, files, store, int(index), int(start), int(stop))
+        while chunk := list(itertools.islice(rows, rows_per_table)):
+            yield _tagged(pa.table({
+                "key": pa.array([str(r["key"]) for r in chunk], pa.string()),
+                "image": pa.array([image_bytes(r["image"]) for r in chunk], pa.binary()),
+                "text": pa.array([None if r["text"] is None else str(r["text"]) for r in chunk],
+                                 pa.string()),
+            }), int(e))
+
+
+def _by_pass(batch: dict[str, np.ndarray], fn: Callable) -> dict[str, np.ndarray]:
+    """``fn(rows, pass)`` on the rows of each pass in ``batch``, in order; their ``epoch``
+    column is carried over to what ``fn`` returns (which may drop rows)."""
+    tags = batch["epoch"]
+    rows = {k: v for k, v in batch.items() if k != "epoch"}
+    outs = []
+    for e in dict.fromkeys(tags.tolist()) or [None]:  # None: an empty batch
+        sel = tags == e
+        out = fn({k: v[sel] for k, v in rows.items()} if e is not None else rows, e)
+        n = len(next(iter(out.values())))
+        outs.append({**out, "epoch": np.full(n, -1 if e is None else e, np.int32)})
+    return outs[0] if len(outs) == 1 else {k: np.concatenate([o[k] for o in outs]) for k in outs[0]}
+
+
+def _preprocess_passes(batch: dict[str, np.ndarray], **stage) -> dict[str, np.ndarray]:
+    """Stream mode's preprocess task: ``preprocess_batch`` per pass, passes kept."""
+    return _by_pass(batch, lambda rows, e: preprocess_batch(rows, **stage))
+
+
+class _PassPreprocess:
+    """sharding=files' preprocess actor: one ``Preprocess`` for the whole run whose random
+    draws restart from ``epoch_seed(seed, pass)`` at the first row of every pass. It gets
+    the rows in order (one task in flight), so each row's crop, flip and caption dropout
+    depend on the seed, the pass and the row's place in it alone: a dataset built from a
+    resumed epoch repeats the straight run's draws."""
+
+    def __init__(self, **stage):
+        self.seed = stage["seed"]
+        self.stage = Preprocess(**stage)
+        self.current = None
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return _by_pass(batch, self._pass)
+
+    def _pass(self, rows: dict[str, np.ndarray], e: int | None) -> dict[str, np.ndarray]:
+        if e is not None and e != self.current:
+            self.stage.rng = np.random.default_rng(epoch_seed(self.seed, e))
+            self.current = e
+        return self.stage(rows)
+
+
 def _preprocessed_rows(data: DataSection, plan: DataPlan, storage: Storage, model_path: str,
-                       seed: int, num_preprocess_tasks: int, family: str, bad_records: str | None,
-                       tokenizer_specs: tuple | None) -> ray.data.Dataset:
+                       seed: int, passes: range, num_preprocess_tasks: int, family: str,
+                       bad_records: str | None, tokenizer_specs: tuple | None) -> ray.data.Dataset:
     """Shard rows read, decoded and preprocessed (build_dataset without a cache)."""
     stage = dict(
         tokenizer_path=model_path,
@@ -155,30 +280,28 @@ def _preprocessed_rows(data: DataSection, plan: DataPlan, storage: Storage, mode
         **data.decode_kwargs(),
     )
     if data.sharding == "files":
-        # A new actor per epoch whose random crops and flips start from the epoch's seed:
-        # each row gets the same draws in every run whatever the processes or timing, so
-        # a resumed run repeats the straight run exactly (the promise of
-        # sharding=files). The price is the actor's start-up every epoch. One task in
-        # flight: Ray Data lets an actor run its queued tasks out of order, which would
-        # hand the draws to the parts in whatever order they ran (a resumed run's sample
-        # differed from the straight run's at an epoch start).
-        fn, how = Preprocess, dict(fn_constructor_kwargs=stage)
+        # One actor for the run (the dataset spans every epoch, so it starts once), one
+        # task in flight: Ray Data lets an actor run its queued tasks out of order, which
+        # would hand the draws to the parts in whatever order they ran.
+        fn, how = _PassPreprocess, dict(fn_constructor_kwargs=stage)
         compute = ray.data.ActorPoolStrategy(size=num_preprocess_tasks,
                                              max_tasks_in_flight_per_actor=1)
         read_compute = ray.data.TaskPoolStrategy(size=num_preprocess_tasks)
     else:
-        # Tasks, not an actor pool, so later epochs skip the start-up: see
-        # preprocess_batch. Draws then depend on which process gets which batch, which
-        # with several preprocess processes they already did.
-        fn, how = preprocess_batch, dict(fn_kwargs=stage)
+        # Tasks, so that Ray Data fuses read and preprocessing into one task per read
+        # part (no encoded images through the object store); each task process keeps
+        # its Preprocess (preprocess_batch). Draws depend on which process gets which
+        # batch, which with several preprocess processes they already did.
+        fn, how = _preprocess_passes, dict(fn_kwargs=stage)
         compute = read_compute = ray.data.TaskPoolStrategy(size=num_preprocess_tasks)
     # The stages before preprocessing take the same task limit and CPUs, so Ray Data fuses
     # them into one task per read part (parquet): read, split, decode, in one process.
     before = dict(compute=read_compute, num_cpus=STAGE_CPUS)
-    # sharding=files: the same file order every epoch (the local shuffle buffer, seeded per
+    # sharding=files: the same file order every pass (the local shuffle buffer, seeded per
     # epoch, still reorders rows), so an epoch's order is a function of the seed and epoch
     # alone and a resumed run can skip exactly the batches it already trained on.
-    rows = read_rows(data, plan, storage, seed, shuffle=data.sharding != "files", **before)
+    rows = _read_passes(data, plan, storage, seed, passes, shuffle=data.sharding != "files",
+                        **before)
     if data.validation_split:
         # Training never sees a held-out row (see raylora.data.split).
         rows = rows.map_batches(KeepSplit(data.validation_split), batch_format="numpy", **before)
@@ -188,3 +311,202 @@ def _preprocessed_rows(data: DataSection, plan: DataPlan, storage: Storage, mode
     batch_size = None if plan.format == "parquet" else 32
     return rows.map_batches(fn, batch_size=batch_size, batch_format="numpy", compute=compute,
                             num_cpus=STAGE_CPUS, **how)
+
+
+def pass_batches(blocks: Iterable[dict[str, np.ndarray]], batch_size: int, buffer_rows: int,
+                 seed: Callable[[int], int],
+                 pass_rows: int | None = None) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+    """Rows in pass order (blocks with an ``epoch`` column, as ``build_dataset`` makes them)
+    → ``(pass, batch of batch_size rows)``. Each pass is shuffled on its own through a
+    buffer of ``buffer_rows`` rows seeded by ``seed(pass)`` (0: rows in order): once it
+    holds ``buffer_rows + batch_size`` rows a batch is drawn from it at random; at the end
+    of the pass (the next pass's first row) the rest is shuffled and the rows that do not
+    fill a batch are dropped. ``pass_rows``: the rows a pass is expected to bring; a
+    buffer that would hold all of them draws its first batch on the last of them, without
+    waiting for the next pass. The batches depend on the rows' order alone, not on how
+    they were cut into blocks."""
+    if pass_rows is not None:
+        buffer_rows = min(buffer_rows, max(0, pass_rows - batch_size))
+    current, rng, buf = None, None, []  # buf: (block, row) of the rows held
+
+    def draw(n: int) -> dict[str, np.ndarray]:
+        if buffer_rows:
+            picks = rng.choice(len(buf), n, replace=False)
+            rows = [buf[j] for j in picks]
+            for j in sorted(picks, reverse=True):  # swap-remove, largest index first
+                buf[j] = buf[-1]
+                buf.pop()
+        else:
+            rows = buf[:n]
+            del buf[:n]
+        return {k: np.stack([b[k][r] for b, r in rows]) for k in rows[0][0] if k != "epoch"}
+
+    def rest():
+        if buffer_rows and buf:
+            buf[:] = [buf[j] for j in rng.permutation(len(buf))]
+        while len(buf) >= batch_size:
+            yield current, draw(batch_size)
+
+    for block in blocks:
+        for i, e in enumerate(block["epoch"].tolist()):
+            if e != current:
+                yield from rest()
+                current, rng, buf = e, np.random.default_rng(seed(e)), []
+            buf.append((block, i))
+            if len(buf) >= buffer_rows + batch_size:
+                yield current, draw(batch_size)
+    yield from rest()
+
+
+class EpochStream:
+    """``epoch -> that epoch's batches`` (what ``LoopHooks.epoch_batches`` wants), every
+    epoch from one stream of ``(pass, batch)``: ``open(epoch)`` starts one (a dataset of
+    passes ``epoch``, ``epoch + 1``, ... through ``pass_batches``) and it runs on across
+    epoch boundaries; it is opened again only when the loop asks for an epoch out of turn
+    (a resumed run's first) or the passes ran out.
+
+    Every epoch is ``batches_per_epoch`` batches, the same number on every worker so that
+    DDP steps line up. ``per_pass``: an epoch is the batches of one pass (those past
+    ``batches_per_epoch`` dropped), so a stream opened at a resumed epoch repeats it
+    exactly; else the next ``batches_per_epoch`` batches whatever their pass (workers of a
+    dynamically split stream hold different row counts of a pass). ``convert`` (e.g. to
+    tensors on the accelerator) runs in a background thread that keeps ``prefetch``
+    batches ready."""
+
+    def __init__(self, open: Callable[[int], Iterator[tuple[int, dict]]], batches_per_epoch: int,
+                 per_pass: bool, convert: Callable[[dict], dict] = lambda b: b, prefetch: int = 4):
+        self._open, self.batches_per_epoch, self.per_pass = open, batches_per_epoch, per_pass
+        self._convert, self._prefetch = convert, prefetch
+        self._stream: _Prefetched | None = None
+        self._next_epoch: int | None = None  # the epoch the open stream goes on with
+        self._held = None  # per_pass: the first batch of the next pass, already taken
+        self._owed = 0  # not per_pass: batches of the epoch being trained not taken yet
+        self.opened = 0  # streams opened: 1 for a run that never restarted its data
+
+    def start(self, epoch: int) -> None:
+        """Open the stream for ``epoch`` now (its first batches are fetched from here on),
+        before the loop asks for it."""
+        self._restart(epoch)
+        self._next_epoch = epoch
+
+    def __call__(self, epoch: int) -> Iterator[dict]:
+        if self._stream is None or epoch != self._next_epoch:
+            self._restart(epoch)
+        self._next_epoch = epoch + 1
+        return self._epoch(epoch)
+
+    def _restart(self, epoch: int) -> None:
+        self.close()
+        self._stream = _Prefetched(self._open(epoch), self._convert, self._prefetch)
+        self._held, self._owed, self.opened = None, 0, self.opened + 1
+
+    def _epoch(self, epoch: int) -> Iterator[dict]:
+        n = 0
+        for n, batch in enumerate(self._batches(epoch), 1):
+            yield batch
+        if n == 0 and self._next_epoch is None:  # the passes ran out before this epoch
+            self._restart(epoch)
+            self._next_epoch = epoch + 1
+            yield from self._batches(epoch)
+
+    def _take(self):
+        """The stream's next ``(pass, batch)``; None at its end (the next epoch reopens)."""
+        item = next(self._stream, None)
+        if item is None:
+            self._next_epoch = None
+        return item
+
+    def _batches(self, epoch: int) -> Iterator[dict]:
+        if self.per_pass:
+            n = 0
+            while n < self.batches_per_epoch:
+                item, self._held = self._held or self._take(), None
+                if item is None or item[0] > epoch:
+                    self._held = item
+                    return
+                if item[0] == epoch:  # earlier passes: the rest past a previous epoch's cap
+                    n += 1
+                    yield item[1]
+            return
+        # An epoch the loop left early does not spill into this one.
+        while self._owed and self._take() is not None:
+            self._owed -= 1
+        self._owed = self.batches_per_epoch
+        while self._owed:
+            item = self._take()
+            if item is None:
+                return
+            self._owed -= 1
+            yield item[1]
+
+    def close(self) -> None:
+        """Stop the stream (and the dataset execution behind it)."""
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+
+class _Prefetched:
+    """``convert(item)`` for each item of ``source``, computed ``depth`` items ahead in a
+    daemon thread; errors are raised where the item would have been."""
+
+    _END = object()
+
+    def __init__(self, source: Iterator, convert: Callable, depth: int):
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._done = False
+        self._thread = threading.Thread(target=self._run, args=(source, convert), daemon=True,
+                                        name="raylora-prefetch")
+        self._thread.start()
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self, source: Iterator, convert: Callable) -> None:
+        try:
+            for epoch, batch in source:
+                if not self._put((epoch, convert(batch))):
+                    break
+        except BaseException as exc:  # handed to the consumer
+            self._put(exc)
+        finally:
+            close = getattr(source, "close", None)
+            if close is not None:
+                close()  # ends the Ray Data iteration (and its execution) in this thread
+            self._put(self._END)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._done:
+            raise StopIteration
+        item = self._queue.get()
+        if item is self._END:
+            self._done = True
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        return item
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop the thread, which closes ``source`` (waiting at most ``timeout`` s for it to
+        hand over the item it is computing)."""
+        import time
+
+        self._stop.set()
+        self._done = True
+        deadline = time.monotonic() + timeout
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            try:  # unblock a put
+                self._queue.get(timeout=0.1)
+            except queue.Empty:
+                pass

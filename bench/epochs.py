@@ -222,7 +222,8 @@ def main() -> None:
         "median step.",
         f"Load average (1, 5, 15 min) before {', '.join(f'{x:.2f}' for x in load_before)}, "
         f"after {', '.join(f'{x:.2f}' for x in load_after)}"
-        + (" (machine shared with other jobs)" if max(load_before[0], load_after[0]) > 1.0 else ""),
+        + (" (above the core count: machine shared with other jobs)"
+           if max(load_before[0], load_after[0]) > (os.cpu_count() or 1) else ""),
         "Command: `.venv/bin/python bench/epochs.py " + " ".join(sys.argv[1:]) + "`",
     ]
     columns = list(table_rows[0])

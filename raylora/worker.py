@@ -206,11 +206,13 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
             raise RuntimeError(
                 f"epoch {epoch}: the data stream ended before the run did (fewer rows "
                 f"arrived than planned: bad records or data.validation_split)")
+        if world == 1:  # nothing to split: no coordinator actor to start (1-2 s)
+            splits.append(dataset(epoch, everything, 1))
+            return splits[-1]
         # Rank 0 splits one dataset; every rank takes its part (the iterators pickle).
-        parts = [dataset(epoch, everything, max(1, world)).streaming_split(world, equal=True)
+        parts = [dataset(epoch, everything, world).streaming_split(world, equal=True)
                  if rank == 0 else None]
-        if world > 1:
-            torch.distributed.broadcast_object_list(parts, src=0)
+        torch.distributed.broadcast_object_list(parts, src=0)
         splits.append(parts[0][rank])
         return splits[-1]
 

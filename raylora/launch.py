@@ -540,7 +540,6 @@ def build_trainer(
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from raylora.data.source import DataPlan, build_dataset
     from raylora.data.tokenize import load_specs
     from raylora.worker import WorkerSpec, train_loop_per_worker
 
@@ -549,25 +548,12 @@ def build_trainer(
     # job logs and CI they are thousands of lines of carriage returns.
     interactive = sys.stdout.isatty()
     ray.data.DataContext.get_current().enable_progress_bars = interactive
-    seed = cfg.data.shuffle_seed if cfg.data.shuffle_seed is not None else cfg.train.seed
-    data_plan = DataPlan(p.data_format, p.shard_files, p.total_rows, p.file_rows)
-    world = cfg.scaling.num_workers
     spec = WorkerSpec(cfg, p, progress_bar=interactive, lr_find=lr_find)
-    if cfg.data.sharding == "files":
-        # Each worker builds its own dataset every epoch (worker._epoch_batches): files r,
-        # r+N, ... in order, with that epoch's draws. The tokenizer is read once, here, for
-        # all of them (cached latents need none).
-        datasets = {}
-        if cfg.data.cache != "latents":
-            spec.tokenizer_specs = load_specs(p.model_path, p.family, store,
-                                              cfg.model.max_sequence_length)
-    else:
-        datasets = {
-            "train": build_dataset(
-                cfg.data, data_plan, store, model_path=p.model_path, seed=seed,
-                num_preprocess_tasks=max(1, world), family=p.family, bad_records=p.bad_records,
-            )
-        }
+    # The workers build the run's one dataset themselves (worker._epoch_batches: rank 0
+    # splits it, or each worker reads its own files), so Ray Train is given none. The
+    # tokenizer is read once, here, for all of them (cached latents need none).
+    if cfg.data.cache != "latents":
+        spec.tokenizer_specs = load_specs(p.model_path, p.family, store, cfg.model.max_sequence_length)
     ckpt_fs, ckpt_path = store.fs(storage_uri)
     return TorchTrainer(
         train_fn or train_loop_per_worker,
@@ -589,7 +575,6 @@ def build_trainer(
             failure_config=ray.train.FailureConfig(max_failures=cfg.failure.max_failures),
             callbacks=callbacks,
         ),
-        datasets=datasets,
     )
 
 

@@ -169,7 +169,6 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
     depend on the seed and ``e`` alone (raylora.data.source.build_dataset), so under
     ``files`` the stream a resumed run opens at its epoch repeats the straight run's."""
     from raylora.data.source import DataPlan, EpochStream, build_dataset, pass_batches
-    from raylora.data.tokenize import load_specs
 
     cfg, plan = spec.config, spec.plan
     t, data = cfg.train, cfg.data
@@ -185,12 +184,9 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
     pass_rows = everything.for_rank(rank, world).rows if by_files else plan.rows_per_worker
 
     def dataset(epoch: int, data_plan: DataPlan, tasks: int):
-        specs = spec.tokenizer_specs
-        if specs is None and data.cache != "latents":
-            specs = load_specs(plan.model_path, plan.family, store, cfg.model.max_sequence_length)
         ds = build_dataset(data, data_plan, store, model_path=plan.model_path, seed=data_seed,
                            num_preprocess_tasks=tasks, family=plan.family,
-                           bad_records=plan.bad_records, tokenizer_specs=specs, epoch=epoch,
+                           bad_records=plan.bad_records, tokenizer_specs=spec.tokenizer_specs, epoch=epoch,
                            epochs=_passes_needed(spec, epoch, per_epoch, world))
         ds.context.enable_progress_bars = spec.progress_bar
         return ds
@@ -247,7 +243,7 @@ class WorkerSpec:
 
     config: RayLoraConfig
     plan: Plan
-    # data.sharding=files: the tokenizers, read once by the driver for every worker.
+    # The tokenizers, read once by the driver for every worker (None: cached latents).
     tokenizer_specs: tuple | None = None
     progress_bar: bool = False  # a terminal is watching: draw tqdm_ray bars
     lr_find: LrFindSettings | None = None

@@ -52,3 +52,21 @@ def demo_batch(family: str, model: str, demo_data: str, n: int = 2) -> dict:
     out = stage({"image": np.array(table["image"].to_pylist(), dtype=object),
                  "text": np.array(table["text"].to_pylist(), dtype=object)})
     return {k: torch.from_numpy(v) for k, v in out.items()}
+
+
+def overfit(run, batch: dict, steps: int, each_step=None) -> tuple[float, float]:
+    """The held-out loss of ``batch`` (4 fixed timesteps) before and after ``steps``
+    micro-steps on that batch alone; every step's loss must be finite. ``each_step()`` runs
+    after each step (e.g. to read the learning rate)."""
+    from raylora.train.evaluate import heldout_loss, prepare_heldout
+    from raylora.train.step import train_micro_step
+
+    held = prepare_heldout(run.parts, batch, num_timesteps=4, seed=0)
+    before = heldout_loss(run.model, held, torch.float32)
+    for _ in range(steps):
+        loss = train_micro_step(run.accelerator, run.model, run.parts, run.optimizer,
+                                run.lr_scheduler, run.params, batch, 1.0)
+        assert torch.isfinite(loss)
+        if each_step is not None:
+            each_step()
+    return before, heldout_loss(run.model, held, torch.float32)

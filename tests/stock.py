@@ -1,4 +1,5 @@
-"""Load an adapter with stock diffusers in a fresh process that never imports raylora."""
+"""Load an adapter with stock diffusers: in a fresh process that never imports raylora
+(``stock_load``), or in this one (``stock_image_change``)."""
 
 from __future__ import annotations
 
@@ -83,6 +84,7 @@ print(json.dumps({
 # The stock pipeline of each family and the call arguments its tiny models need (a short
 # text context; SDXL's stock guidance).
 PIPELINES = {
+    "sd": ("StableDiffusionPipeline", {}),
     "sdxl": ("StableDiffusionXLPipeline", {"guidance_scale": 5.0}),
     "flux": ("FluxPipeline", {"max_sequence_length": 32}),
     "sd3": ("StableDiffusion3Pipeline", {"max_sequence_length": 32}),
@@ -111,3 +113,28 @@ def stock_load(model: str, adapter: str, workdir, family: str = "sd") -> dict:
     # Every LoRA module in the file is live in the stock pipeline: [in file, loaded].
     assert res["lora_modules"] and all(a == b > 0 for a, b in res["lora_modules"].values()), res["lora_modules"]
     return res
+
+
+def stock_image_change(family: str, model: str, adapter, check_pipe=None) -> float:
+    """In this process: the family's stock pipeline renders the same seed before and after
+    ``load_lora_weights(adapter)``; returns the largest pixel change (the image after the
+    load must be finite). ``check_pipe(pipe)`` may inspect the pipeline first."""
+    import diffusers
+    import numpy as np
+    import torch
+
+    pipeline, extra = PIPELINES[family]
+    pipe = getattr(diffusers, pipeline).from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+    if check_pipe is not None:
+        check_pipe(pipe)
+    kw = dict(num_inference_steps=2, height=64, width=64, output_type="np", **extra)
+
+    def image():
+        return pipe("a red circle", generator=torch.Generator().manual_seed(0), **kw).images[0]
+
+    base = image()
+    pipe.load_lora_weights(str(adapter))
+    with_lora = image()
+    assert np.isfinite(with_lora).all()
+    return float(np.abs(with_lora - base).max())

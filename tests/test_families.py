@@ -9,7 +9,6 @@ import json
 import math
 import os
 
-import numpy as np
 import pytest
 import torch
 
@@ -151,13 +150,13 @@ def test_flow_forward_process_target_and_weights():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_learns_and_its_stock_pipeline_loads_the_adapter(tiny, family, demo_data, tmp_path):
-    from inproc import _fresh_accelerator, demo_batch
+    from inproc import _fresh_accelerator, demo_batch, overfit
+    from safetensors.torch import load_file
+    from stock import stock_image_change
 
     from raylora.config import validate
     from raylora.model.lora import save_diffusers_adapter
-    from raylora.train.evaluate import heldout_loss, prepare_heldout
     from raylora.train.setup import build_run
-    from raylora.train.step import train_micro_step
 
     model = tiny(family)
     cfg = validate({"model": {"pretrained": model, "max_sequence_length": 32},
@@ -168,39 +167,13 @@ def test_every_family_learns_and_its_stock_pipeline_loads_the_adapter(tiny, fami
     run = build_run(cfg, accel, 30, rank=0)
     assert run.family.name == family
     assert run.parts.objective.kind == ("ddpm" if family in ("sd", "sdxl") else "flow")
-    batch = demo_batch(family, model, demo_data)
-    held = prepare_heldout(run.parts, batch, num_timesteps=4, seed=0)
-    before = heldout_loss(run.model, held, torch.float32)
-    for _ in range(30):
-        loss = train_micro_step(accel, run.model, run.parts, run.optimizer, run.lr_scheduler,
-                                run.params, batch, 1.0)
-        assert torch.isfinite(loss)
-    after = heldout_loss(run.model, held, torch.float32)
+    before, after = overfit(run, demo_batch(family, model, demo_data), 30)
     assert after < 0.95 * before, (before, after)
 
     adapter = tmp_path / "adapter"
     save_diffusers_adapter(accel.unwrap_model(run.model), str(adapter), run.family)
-    from safetensors.torch import load_file
-
     keys = load_file(str(adapter / "pytorch_lora_weights.safetensors")).keys()
     assert keys and {k.split(".")[0] for k in keys} == {run.family.denoiser}
 
     # The family's stock pipeline, with nothing of raylora's, loads it and its image changes.
-    import diffusers
-
-    pipe = getattr(diffusers, run.family.pipeline).from_pretrained(model)
-    pipe.set_progress_bar_config(disable=True)
-    kw = dict(num_inference_steps=2, height=64, width=64, output_type="np")
-    if family == "qwenimage":
-        kw["max_sequence_length"] = 32
-    elif family in ("flux", "sd3"):
-        kw["max_sequence_length"] = 32
-
-    def image():
-        return pipe("a red circle", generator=torch.Generator().manual_seed(0), **kw).images[0]
-
-    base = image()
-    pipe.load_lora_weights(str(adapter))
-    with_lora = image()
-    assert np.isfinite(with_lora).all()
-    assert np.abs(with_lora - base).max() > 1e-3
+    assert stock_image_change(family, model, adapter) > 1e-3

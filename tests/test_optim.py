@@ -103,11 +103,9 @@ RANK = {"adamw8bit": 128}
 
 @pytest.mark.parametrize("name", list(OTHERS))
 def test_each_optimizer_reduces_the_loss_of_an_overfit_batch(name, tiny_model, demo_data, tmp_path):
-    from inproc import _fresh_accelerator, demo_batch
+    from inproc import _fresh_accelerator, demo_batch, overfit
 
-    from raylora.train.evaluate import heldout_loss, prepare_heldout
     from raylora.train.setup import build_run
-    from raylora.train.step import train_micro_step
 
     cfg = validate({"model": {"pretrained": tiny_model}, "data": {"uri": demo_data, "resolution": 64},
                     "lora": {"rank": RANK.get(name, 8)}, "train": {"seed": 0, **OTHERS[name]},
@@ -117,16 +115,9 @@ def test_each_optimizer_reduces_the_loss_of_an_overfit_batch(name, tiny_model, d
     opt = run.optimizer.optimizer
     expected = {"adamw8bit": "AdamW8bit", "prodigy": "Prodigy"}.get(name, "Adafactor")
     assert type(opt).__name__ == expected
-    batch = demo_batch("sd", tiny_model, demo_data)
-    held = prepare_heldout(run.parts, batch, num_timesteps=4, seed=0)
-    before = heldout_loss(run.model, held, torch.float32)
     lrs = []
-    for _ in range(20):
-        loss = train_micro_step(accel, run.model, run.parts, run.optimizer, run.lr_scheduler,
-                                run.params, batch, 1.0)
-        assert torch.isfinite(loss)
-        lrs.append(run.lr_scheduler.get_last_lr()[0])
-    after = heldout_loss(run.model, held, torch.float32)
+    before, after = overfit(run, demo_batch("sd", tiny_model, demo_data), 20,
+                            each_step=lambda: lrs.append(run.lr_scheduler.get_last_lr()[0]))
     assert after < 0.95 * before, (name, before, after)
     if name == "adamw8bit":
         assert all(opt.state[p]["state1"].dtype == torch.uint8 for p in run.params)

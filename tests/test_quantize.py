@@ -4,7 +4,6 @@ family; the quantized layers' sizes (what a memory estimate reads). One process,
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -29,27 +28,6 @@ def _cfg(model, demo_data, tmp_path, model_keys=None, train=None):
                      "output": {"uri": str(tmp_path / "o")}})
 
 
-def _stock_image_changes(family_cls, model, adapter, family):
-    import diffusers
-
-    pipe = getattr(diffusers, family_cls.pipeline).from_pretrained(model)
-    pipe.set_progress_bar_config(disable=True)
-    kw = dict(num_inference_steps=2, height=64, width=64, output_type="np")
-    if family != "sd":
-        kw["max_sequence_length"] = 32
-    # the stock pipeline is plain: no quantized layer anywhere
-    assert not any("bitsandbytes" in type(m).__module__ for m in pipe.components[family_cls.denoiser].modules())
-
-    def image():
-        return pipe("a red circle", generator=torch.Generator().manual_seed(0), **kw).images[0]
-
-    base = image()
-    pipe.load_lora_weights(str(adapter))
-    with_lora = image()
-    assert np.isfinite(with_lora).all()
-    return float(np.abs(with_lora - base).max())
-
-
 # ---------------------------------------------------------------- quantized base
 
 
@@ -57,14 +35,13 @@ def _stock_image_changes(family_cls, model, adapter, family):
 def test_quantized_base_trains_and_the_stock_pipeline_loads_the_adapter(tiny, family, kind,
                                                                          demo_data, tmp_path):
     import bitsandbytes as bnb
-    from inproc import _fresh_accelerator, demo_batch
+    from inproc import _fresh_accelerator, demo_batch, overfit
     from peft.tuners.lora import bnb as peft_bnb
     from safetensors.torch import load_file
+    from stock import stock_image_change
 
     from raylora.model.lora import save_diffusers_adapter
-    from raylora.train.evaluate import heldout_loss, prepare_heldout
     from raylora.train.setup import build_run
-    from raylora.train.step import train_micro_step
 
     model = tiny(family)
     cfg = _cfg(model, demo_data, tmp_path, {"quantize": kind, "quantize_text_encoders": kind})
@@ -85,14 +62,7 @@ def test_quantized_base_trains_and_the_stock_pipeline_loads_the_adapter(tiny, fa
     assert loras and all(isinstance(x.get_base_layer(), qcls) for x in loras)
     assert all(p.dtype == torch.float32 for p in run.params)
 
-    batch = demo_batch(family, model, demo_data)
-    held = prepare_heldout(run.parts, batch, num_timesteps=4, seed=0)
-    before = heldout_loss(run.model, held, torch.float32)
-    for _ in range(25):
-        loss = train_micro_step(accel, run.model, run.parts, run.optimizer, run.lr_scheduler,
-                                run.params, batch, 1.0)
-        assert torch.isfinite(loss)
-    after = heldout_loss(run.model, held, torch.float32)
+    before, after = overfit(run, demo_batch(family, model, demo_data), 25)
     assert after < 0.95 * before, (before, after)
 
     adapter = tmp_path / "adapter"
@@ -102,7 +72,12 @@ def test_quantized_base_trains_and_the_stock_pipeline_loads_the_adapter(tiny, fa
     ends = (".lora.down.weight", ".lora.up.weight", ".lora_A.weight", ".lora_B.weight")
     assert sd and all(k.endswith(ends) for k in sd), [k for k in sd if not k.endswith(ends)][:5]
     assert {v.dtype for v in sd.values()} == {torch.float32}
-    assert _stock_image_changes(run.family, model, adapter, family) > 1e-3
+
+    def plain(pipe):  # the stock pipeline is plain: no quantized layer anywhere
+        assert not any("bitsandbytes" in type(m).__module__
+                       for m in pipe.components[run.family.denoiser].modules())
+
+    assert stock_image_change(family, model, adapter, check_pipe=plain) > 1e-3
 
 
 def test_fp8_layer_trains_lora_and_saves_the_one_byte_weight_for_backward():

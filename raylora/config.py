@@ -400,8 +400,32 @@ class TrainSection(_Section):
         return {True: "regional", False: "none"}.get(v, v) if isinstance(v, bool) else v
 
 
+class FsdpSection(_Section):
+    """``scaling.strategy: fsdp`` (PyTorch FSDP2): how the denoiser's shards behave."""
+
+    reshard_after_forward: bool = Field(
+        True, description="Free each block's gathered weights after its forward and gather them "
+        "again for backward (less memory, one more all-gather per block); false keeps them "
+        "until backward.",
+    )
+    offload: bool = Field(
+        False, description="Keep the frozen base's shards in CPU memory between uses "
+        "(FSDP2 CPUOffloadPolicy; GPUs only).",
+    )
+
+
 class ScalingSection(_Section):
     num_workers: int = Field(1, gt=0, description="Training workers (one per GPU).")
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="ddp: every worker holds the whole model (data parallel). fsdp: the "
+        "denoiser's weights, LoRA and optimizer state are sharded over the workers (FSDP2, "
+        "one shard unit per transformer/resnet block), for models that do not fit one GPU.",
+    )
+    fsdp: FsdpSection = Field(default_factory=FsdpSection)
+    gpu_memory_gb: float | None = Field(
+        None, gt=0, description="Memory of one worker's GPU, for the preflight memory check "
+        "(default: detected on the driver's GPU when it has one, else no check).",
+    )
     use_gpu: bool = False
     cpus_per_worker: float = Field(1.0, gt=0)
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
@@ -610,6 +634,7 @@ def _cross_checks(cfg: RayLoraConfig) -> list[str]:
         )
     problems += _optimizer_checks(cfg)
     problems += _quantize_checks(cfg)
+    problems += _fsdp_checks(cfg)
     if cfg.train.lr_warmup_steps and cfg.train.max_steps:
         if cfg.train.lr_warmup_steps > cfg.train.max_steps:
             problems.append(
@@ -703,6 +728,32 @@ def _quantize_checks(cfg: RayLoraConfig) -> list[str]:
             "model.quantize_text_encoders: has no effect with data.cache=latents (training "
             "workers load no text encoder; the cache stage encodes at full precision); set none"
         )
+    return problems
+
+
+def _fsdp_checks(cfg: RayLoraConfig) -> list[str]:
+    s = cfg.scaling
+    if s.strategy != "fsdp":
+        if s.fsdp != FsdpSection():
+            return ["scaling.fsdp: set, but scaling.strategy is ddp (these keys are for "
+                    "scaling.strategy=fsdp)"]
+        return []
+    problems = []
+    if s.fsdp.offload and not s.use_gpu:
+        problems.append("scaling.fsdp.offload: moves the frozen base between CPU and GPU; it "
+                        "needs a GPU (scaling.use_gpu is false)")
+    # Each is a parameter set outside the sharded denoiser (text-encoder LoRA, an EMA copy)
+    # or a weight format FSDP2 cannot shard (bitsandbytes' packed 4/8-bit storage).
+    if cfg.lora.train_text_encoder:
+        problems.append("lora.train_text_encoder: not supported with scaling.strategy=fsdp "
+                        "(only the denoiser is sharded); use ddp or train the denoiser alone")
+    if cfg.train.ema_decay:
+        problems.append("train.ema_decay: not supported with scaling.strategy=fsdp; unset it "
+                        "or use ddp")
+    if cfg.model.quantize != "none":
+        problems.append(f"model.quantize: {cfg.model.quantize} cannot be combined with "
+                        "scaling.strategy=fsdp (FSDP2 cannot shard bitsandbytes/float8 packed "
+                        "weights); choose one: quantize with ddp, or fsdp with model.quantize=none")
     return problems
 
 

@@ -109,11 +109,16 @@ class DataSection(_Section):
     uri: str | list[str] = Field(
         description="Shard file, directory, glob, or a list of those; any storage URI."
     )
-    format: Literal["auto", "parquet", "webdataset", "imagefolder"] = Field(
-        "auto", description="auto: detected from the files the URI matches."
+    format: Literal["auto", "parquet", "webdataset", "imagefolder", "captionfolder"] = Field(
+        "auto", description="auto: detected from the files the URI matches (images with a "
+        "metadata.jsonl: imagefolder; images without one: captionfolder)."
     )
     image_column: str = "image"
     caption_column: str = "text"
+    caption_extension: str = Field(
+        ".txt", description="captionfolder: the extension of the caption file beside each "
+        "image (cat.png + cat.txt); kohya's caption_extension.",
+    )
     resolution: int = Field(512, gt=0, description="Square training size in pixels.")
     center_crop: bool = Field(False, description="Center crop (True) or random crop (False).")
     random_flip: bool = Field(False, description="Random horizontal flip with p=0.5.")
@@ -129,7 +134,8 @@ class DataSection(_Section):
             "stream: one dataset split dynamically across workers (fastest). files: each "
             "worker reads its own shard files (file i → worker i mod N), in order, so which "
             "rows a worker sees does not depend on timing or cluster shape (reproducible "
-            "runs; needs at least N shard files, parquet or webdataset)."
+            "runs; needs at least N shard files, parquet or webdataset, or N images of a "
+            "captionfolder)."
         ),
     )
     caption_dropout: float = Field(
@@ -173,6 +179,13 @@ class DataSection(_Section):
         description="Held-out rows evaluated: the first N in file order (each worker keeps "
         "their latents in memory).",
     )
+    @field_validator("caption_extension")
+    @classmethod
+    def _extension(cls, v: str) -> str:
+        if not v.startswith(".") or len(v) < 2 or "/" in v:
+            raise ValueError(f"{v!r}: an extension with its dot, e.g. .txt or .caption")
+        return v
+
     @field_validator("background_color")
     @classmethod
     def _rgb(cls, v: tuple[int, int, int]) -> tuple[int, int, int]:

@@ -11,9 +11,13 @@ import logging
 import os
 import sys
 from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from raylora import storage
 from raylora.config import ConfigError, RayLoraConfig, validate
+
+if TYPE_CHECKING:
+    from raylora.data.plan import DataPlan
 
 log = logging.getLogger("raylora")
 
@@ -48,12 +52,25 @@ class Plan:
     heldout_encoded: dict | None = field(default=None, repr=False)
     # Name of the run's bad-record counter actor (raylora.data.badrecords), once started.
     bad_records: str | None = None
+    # The data plan the counts above come from (sources, repeats): what workers read.
+    data: DataPlan | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("heldout")
         d.pop("heldout_encoded")
+        d.pop("data")
+        d["sources"] = self.data_plan().summary()
+        d["content_files"] = self.data_plan().content_files()
         return d
+
+    def data_plan(self) -> DataPlan:
+        """The data every worker reads a share of."""
+        from raylora.data.plan import DataPlan
+
+        if self.data is not None:
+            return self.data
+        return DataPlan(self.data_format, self.shard_files, self.data_rows, self.file_rows)
 
     def worker_heldout(self):
         """What workers evaluate: encoded tensors (cache) or raw rows."""
@@ -77,7 +94,7 @@ def resolve_paths(cfg: RayLoraConfig) -> RayLoraConfig:
 def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
     """Check model, data and step arithmetic; raise one ConfigError with every problem.
     ``heldout=False`` skips reading the held-out rows (a run that never evaluates)."""
-    from raylora.data.source import plan_data
+    from raylora.data.plan import plan_data
     from raylora.model.load import check_model, is_hub_id, resolve_family
     from raylora.train.objective import scheduler_objective_kind
 
@@ -143,10 +160,7 @@ def family_problems(cfg: RayLoraConfig, family, multiple: int, native: str | Non
 def replan(cfg: RayLoraConfig, base: Plan) -> Plan:
     """``base`` with the step arithmetic redone for ``cfg`` (a Tune trial's batch size,
     accumulation or step budget): no storage access, same data and held-out rows."""
-    from raylora.data.source import DataPlan
-
-    data = DataPlan(base.data_format, base.shard_files, base.data_rows, base.file_rows)
-    return _carry(_arithmetic(cfg, base.model_path, data, base.heldout, []), base)
+    return _carry(_arithmetic(cfg, base.model_path, base.data_plan(), base.heldout, []), base)
 
 
 def _carry(p: Plan, base: Plan, **changes) -> Plan:
@@ -160,14 +174,13 @@ def apply_cache(cfg: RayLoraConfig, p: Plan) -> Plan:
     """``data.cache=latents``: build or reuse the cache (needs Ray), then plan training over
     its files. Row counts are exact from here on, held-out split included."""
     from raylora.data.cache import encode_rows, ensure_cache
-    from raylora.data.source import DataPlan
 
     if cfg.data.cache != "latents":
         return p
     store = cfg.storage.client()
-    entry = ensure_cache(cfg, p.family, p.model_path, p.data_format, p.shard_files, store,
+    entry = ensure_cache(cfg, p.family, p.model_path, p.data_plan(), store,
                          bad_records=p.bad_records)
-    data = DataPlan("parquet", entry.files, entry.rows, entry.file_rows)
+    data = entry.plan()
     encoded = encode_rows(cfg, p.family, p.model_path, p.heldout, store) if p.heldout else None
     return _carry(_arithmetic(cfg, p.model_path, data, p.heldout, []), p,
                   cache_uri=entry.uri, cache_reused=entry.reused, heldout_encoded=encoded)
@@ -185,7 +198,8 @@ def _arithmetic(cfg: RayLoraConfig, model_path: str, data, heldout: list[dict], 
     if cfg.data.sharding == "files":
         if data.file_rows is None:
             problems.append(
-                f"data.sharding: 'files' needs parquet or webdataset shards, not {data.format}"
+                "data.sharding: 'files' needs files whose rows are known up front (parquet, "
+                f"webdataset, captionfolder), not {data.format}"
             )
         elif len(data.files) < world:
             problems.append(
@@ -207,23 +221,23 @@ def _arithmetic(cfg: RayLoraConfig, model_path: str, data, heldout: list[dict], 
     max_steps = t.max_steps or t.num_epochs * updates
     return Plan(
         model_path, data.format, data.files, total, rows_per_worker, updates, max_steps,
-        data.file_rows, batches_per_epoch, len(heldout), data.rows, heldout,
+        data.file_rows, batches_per_epoch, len(heldout), data.rows, heldout, data=data,
     )
 
 
 def _plan_heldout(cfg: RayLoraConfig, data, store) -> tuple[list[dict], str | None]:
     """Read the evaluation rows on the driver: (rows, problem or None)."""
-    from raylora.data.source import plan_data
+    from raylora.data.plan import plan_data
     from raylora.data.split import read_heldout_rows
 
     d = cfg.data
     try:
         if d.validation_uri is not None:
-            vdata = plan_data(d.model_copy(update={"uri": d.validation_uri}), store)
-            rows = read_heldout_rows(d, vdata.format, vdata.files, store, split=None)
+            vd = d.model_copy(update={"uri": d.validation_uri})
+            rows = read_heldout_rows(vd, plan_data(vd, store), store, split=None)
             return rows, None if rows else f"data.validation_uri: {d.validation_uri}: no rows"
         if d.validation_split and data is not None:
-            rows = read_heldout_rows(d, data.format, data.files, store, d.validation_split)
+            rows = read_heldout_rows(d, data, store, d.validation_split)
             if not rows:
                 return [], (
                     f"data.validation_split: none of the {data.rows} rows fell in the held-out "

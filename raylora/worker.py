@@ -180,7 +180,7 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
     per_epoch = plan.batches_per_epoch if by_files else plan.rows_per_worker // t.batch_size
     # This worker's rows in a pass (an estimate when split dynamically): a smaller pass
     # need not wait for the next one to be shuffled whole (pass_batches).
-    everything = DataPlan(plan.data_format, plan.shard_files, plan.total_rows, plan.file_rows)
+    everything = plan.data_plan()
     pass_rows = everything.for_rank(rank, world).rows if by_files else plan.rows_per_worker
 
     def dataset(epoch: int, data_plan: DataPlan, tasks: int):

@@ -28,9 +28,11 @@ def shards(tmp_path_factory) -> tuple[dict[str, str], list[str]]:
     root = tmp_path_factory.mktemp("formats")
     src = write_imagefolder(root / "imagefolder", n=N, size=16, seed=3)
     (src / f"img_{BAD:05d}.png").write_bytes(b"this is no image")
+    txt = write_imagefolder(root / "captionfolder", n=N, size=16, seed=3, captions="txt")
+    (txt / f"img_{BAD:05d}.png").write_bytes(b"this is no image")
     store = Storage()
     items = collect_items(store, str(src))
-    uris = {"imagefolder": str(src)}
+    uris = {"imagefolder": str(src), "captionfolder": str(txt)}
     for fmt in formats.writable_formats():
         dest = str(root / fmt)
         write_shard(store, dest, fmt, 0, items[:4])
@@ -53,9 +55,10 @@ def test_each_format_lists_counts_and_reads_rows(shards, fmt):
     plan = plan_data(DataSection(uri=uris[fmt]), Storage())
     assert plan.format == fmt  # detected, with the stray file beside the shards
     assert not any(f.endswith("notes.json") for f in plan.files)
-    assert len(plan.files) == {"imagefolder": N + 1}.get(fmt, 2)  # images + metadata.jsonl
+    # imagefolder: images + metadata.jsonl; captionfolder: the images (captions beside them)
+    assert len(plan.files) == {"imagefolder": N + 1, "captionfolder": N}.get(fmt, 2)
     assert plan.rows == N
-    assert plan.file_rows == (None if fmt == "imagefolder" else [4, 2])
+    assert plan.file_rows == {"imagefolder": None, "captionfolder": [1] * N}.get(fmt, [4, 2])
     rows = list(formats.get_format(fmt).iter_rows(DataSection(uri=uris[fmt]), plan.files, Storage()))
     assert [r["text"] for r in rows] == texts  # file order
     assert all(isinstance(r["image"], bytes) and r["image"] for r in rows)
@@ -73,7 +76,7 @@ def test_units_cover_the_rows_in_order(shards, fmt):
     data = DataSection(uri=uris[fmt])
     plan = plan_data(data, Storage())
     entry = formats.get_format(fmt).units(data, plan.files, Storage(), 4)
-    assert len(entry) == 2  # two shard files, or 6 imagefolder rows in slices of 4
+    assert len(entry) == 2  # two shard files, or 6 images / imagefolder rows in runs of 4
     got = [r["text"] for u in entry
            for r in formats.get_format(fmt).iter_unit(data, plan.files, Storage(), *u)]
     assert got == texts
@@ -97,7 +100,7 @@ def test_a_bad_sample_is_reported_at_its_key(shards, tiny_model, fmt):
     (example,) = examples["not_an_image"]
     assert example.startswith(rows[BAD]["key"] + ": not_an_image")
     assert {"parquet": ".parquet#2", "webdataset": ".tar#000000002",
-            "imagefolder": f"img_{BAD:05d}.png"}[fmt] in example
+            "imagefolder": f"img_{BAD:05d}.png", "captionfolder": f"img_{BAD:05d}.png"}[fmt] in example
 
 
 def test_ray_reader_gives_the_plain_readers_rows(shards, ray_local):
@@ -121,3 +124,143 @@ def test_formats_without_a_writer_are_refused(shards, tmp_path):
         build_shards(uris["imagefolder"], str(tmp_path / "out"), "imagefolder", 2)
     with pytest.raises(ValueError, match="data.format: 'csv' is not one of parquet, webdataset"):
         formats.get_format("csv")
+
+
+def write_kohya(root, captions: dict[str, str | bytes | None]) -> str:
+    """A caption folder of demo images, one per name in ``captions`` (relative path, no
+    extension) with its caption file's text, or no caption file for None."""
+    from raylora.data.demo import make_samples
+
+    for (name, caption), (png, _) in zip(captions.items(), make_samples(len(captions), size=16)):
+        path = root / f"{name}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(png)
+        if caption is not None:
+            data = caption if isinstance(caption, bytes) else caption.encode()
+            (root / f"{name}.txt").write_bytes(data)
+    return str(root)
+
+
+KOHYA = {"10_mychar/a": "mychar smiling\n", "10_mychar/b": "mychar, red hair",
+         "10_mychar/c": None, "f": "a cat", "photos/d": "a dog", "photos/e": "a bird"}
+
+
+def epoch_reads(data: DataSection, plan, shuffle: bool, epoch: int = 0) -> list[str]:
+    """The keys an epoch reads, read unit by unit as the Ray read stage does (no Ray)."""
+    from raylora.data.plan import pass_items, read_units
+
+    keys = []
+    for item in pass_items(read_units(data, plan, Storage(), 4), 0, epoch, shuffle):
+        s = plan.sources[item["k"]]
+        keys += [r["key"] for r in formats.get_format(s.format).iter_unit(
+            data, s.files, Storage(), item["index"], item["start"], item["stop"])]
+    return keys
+
+
+def test_caption_folder_kohya_repeats_and_class_tokens(tmp_path):
+    """A first-level N_name folder counts its images N times per epoch, and name is the
+    caption of its images without a caption file; an epoch reads exactly the planned rows,
+    split exactly over workers dealt images (data.sharding=files)."""
+    root = write_kohya(tmp_path / "kohya", KOHYA)
+    data = DataSection(uri=root)
+    plan = plan_data(data, Storage())
+    assert plan.format == "captionfolder"
+    assert [f.rsplit("/", 2)[-2:] for f in plan.files] == [
+        ["10_mychar", "a.png"], ["10_mychar", "b.png"], ["10_mychar", "c.png"],
+        ["kohya", "f.png"], ["photos", "d.png"], ["photos", "e.png"]]
+    assert plan.sources[0].repeats == [10, 10, 10, 1, 1, 1]
+    assert plan.rows == 3 * 10 + 3  # rows an epoch reads
+    (summary,) = plan.summary()
+    assert (summary["rows"], summary["rows_per_epoch"]) == (6, 33)
+    assert summary["rows_by_repeats"] == {"1": 3, "10": 3}
+    rows = list(formats.get_format("captionfolder").iter_rows(data, plan.files, Storage()))
+    assert [r["text"] for r in rows] == ["mychar smiling", "mychar, red hair", "mychar",
+                                        "a cat", "a dog", "a bird"]
+    # Caption files are part of the data (fingerprints follow them); c.png has none.
+    assert sorted(c.rsplit("/", 1)[1] for c in plan.content_files() if c.endswith(".txt")) == [
+        "a.txt", "b.txt", "d.txt", "e.txt", "f.txt"]
+    for shuffle in (False, True):
+        reads = epoch_reads(data, plan, shuffle)
+        assert len(reads) == plan.rows
+        counts = {k.rsplit("/", 1)[1]: reads.count(k) for k in set(reads)}
+        assert counts == {"a.png": 10, "b.png": 10, "c.png": 10, "f.png": 1, "d.png": 1, "e.png": 1}
+    in_order = epoch_reads(data, plan, False)
+    assert in_order[:6] == [r["key"] for r in rows]  # copy after copy: every image first
+    assert epoch_reads(data, plan, True, 1) != epoch_reads(data, plan, True, 0)
+    # sharding=files deals the images out: worker 0 gets a, c, d; worker 1 b, f, e.
+    shares = [plan.for_rank(r, 2) for r in range(2)]
+    assert [p.rows for p in shares] == [10 + 10 + 1, 10 + 1 + 1]
+    assert [len(epoch_reads(data, p, False)) for p in shares] == [21, 12]
+
+
+def test_detection_order_of_image_folders():
+    imgs = ["/d/a.png", "/d/a.txt", "/d/b.jpg", "/d/b.txt"]
+    assert formats.detect_format(imgs) == "captionfolder"
+    assert formats.detect_format(imgs + ["/d/metadata.jsonl"]) == "imagefolder"
+    assert formats.detect_format(["/d/10_x/a.png"]) == "captionfolder"  # class tokens only
+    assert formats.detect_format(imgs + ["/d/s.parquet"]) == "parquet"
+    assert formats.detect_format(imgs + ["/d/s.tar"]) == "webdataset"
+    with pytest.raises(ValueError, match="images with metadata.jsonl or images with .txt captions"):
+        formats.detect_format(["/d/notes.md"])
+
+
+def test_missing_captions_are_refused_up_front_or_counted(tmp_path, tiny_model, base_config):
+    """Images without a caption file (outside an N_name folder) are missing_caption rows,
+    as in every format; more of them than data.max_bad_fraction stops preflight, naming
+    them and the keys that change it."""
+    from raylora.config import ConfigError, validate
+    from raylora.data.preprocess import Preprocess
+    from raylora.launch import plan, resolve_paths
+
+    root = write_kohya(tmp_path / "some", {"a": "a cat", "b": None, "c": None, "d": None})
+    base_config["data"]["uri"] = root
+    with pytest.raises(ConfigError) as exc:
+        plan(resolve_paths(validate(base_config)))
+    (problem,) = exc.value.problems
+    assert problem.startswith(f"data.uri: 3 of 4 images have no caption: no .txt file beside "
+                              f"them and not in a kohya N_name folder (e.g. {root}/b.png")
+    assert "75.0% of the reads, over data.max_bad_fraction=0.05" in problem
+    assert "data.caption_dropout > 0" in problem
+    # Allowed: the rows come without a caption, and the validating decode counts them.
+    data = DataSection(uri=root, max_bad_fraction=0.8)
+    p = plan_data(data, Storage())
+    rows = list(formats.get_format(p.format).iter_rows(data, p.files, Storage()))
+    assert [r["text"] for r in rows] == ["a cat", None, None, None]
+    sent = []
+    stage = Preprocess(tiny_model, 16, center_crop=True, random_flip=False)
+    stage.reporter.send = lambda ok, bad, examples: sent.append((ok, dict(bad)))
+    stage({k: np.array([r[k] for r in rows], dtype=object) for k in ("key", "image", "text")})
+    assert sent == [(1, {"missing_caption": 3})]
+    # With caption dropout they train on the empty prompt, as other formats' blank captions.
+    assert plan_data(DataSection(uri=root, caption_dropout=0.1), Storage()).rows == 4
+
+
+def test_caption_files_not_utf8_and_other_extensions(tmp_path, tiny_model):
+    from raylora.data.preprocess import Preprocess
+
+    root = write_kohya(tmp_path / "enc", {"a": b"caf\xe9 au lait", "b": "fine"})
+    (tmp_path / "enc" / "a.caption").write_text("from the .caption file")
+    data = DataSection(uri=root)
+    rows = list(formats.get_format("captionfolder").iter_rows(data, plan_data(data, Storage()).files,
+                                                              Storage()))
+    sent = []
+    stage = Preprocess(tiny_model, 16, center_crop=True, random_flip=False)
+    stage.reporter.send = lambda ok, bad, examples: sent.append((ok, dict(bad), examples))
+    stage({k: np.array([r[k] for r in rows], dtype=object) for k in ("key", "image", "text")})
+    ((ok, bad, examples),) = sent
+    assert (ok, bad) == (1, {"caption_not_utf8": 1})
+    assert examples["caption_not_utf8"][0].startswith(f"{root}/a.png: caption_not_utf8")
+    # data.caption_extension: kohya's other habit; b has no .caption file.
+    data = DataSection(uri=root, caption_extension=".caption", max_bad_fraction=0.5)
+    rows = list(formats.get_format("captionfolder").iter_rows(data, plan_data(data, Storage()).files,
+                                                              Storage()))
+    assert [r["text"] for r in rows] == ["from the .caption file", None]
+
+
+def test_kohya_folder_with_zero_repeats_is_refused(tmp_path):
+    root = write_kohya(tmp_path / "z", {"0_nothing/a": "a cat", "b": "a dog"})
+    with pytest.raises(ValueError, match=r"z/0_nothing: a kohya folder name N_name needs N >= 1"):
+        plan_data(DataSection(uri=root), Storage())
+    # Only first-level folders name repeats: deeper ones, and the data root itself, do not.
+    root = write_kohya(tmp_path / "3_root", {"x/2_deep/a": "a cat", "b": "a dog"})
+    assert plan_data(DataSection(uri=root), Storage()).rows == 2

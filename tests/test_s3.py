@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 
 import pytest
 
@@ -165,6 +166,33 @@ def test_shard_builder_parquet_from_txt_captions(s3, ray_s3, tmp_path):
     assert sum(t.num_rows for t in tables) == 7
     assert tables[0].column("key").to_pylist() == ["img_00000", "img_00001", "img_00002"]
     assert tables[0].column("text").to_pylist()[0] == (tmp_path / "src" / "img_00000.txt").read_text()
+
+
+def test_caption_folder_with_kohya_repeats_from_s3(s3, ray_s3, tmp_path):
+    """A caption folder in the bucket: captions read beside the images, the image without
+    one in 10_mychar takes its class tokens (a missing object, not an error), and one
+    epoch of the Ray read stage reads each image as often as its folder says."""
+    from test_formats import KOHYA, write_kohya
+
+    from raylora.config import DataSection
+    from raylora.data.formats import get_format
+    from raylora.data.source import _read_passes, plan_data
+    from raylora.storage import Storage
+
+    upload_dir(s3, write_kohya(tmp_path / "kohya", KOHYA), "data/kohya")
+    data = DataSection(uri=f"s3://{BUCKET}/data/kohya")
+    plan = plan_data(data, Storage())
+    assert (plan.format, plan.rows, plan.sources[0].rows) == ("captionfolder", 33, 6)
+    texts = [r["text"] for r in get_format(plan.format).iter_rows(data, plan.files, Storage())]
+    assert texts == ["mychar smiling", "mychar, red hair", "mychar", "a cat", "a dog", "a bird"]
+    rows = _read_passes(data, plan, Storage(), seed=0, passes=range(2), shuffle=True).take_all()
+    assert len(rows) == 2 * 33
+    by_key = {}
+    for r in rows:
+        by_key.setdefault(r["key"].rsplit("/", 1)[1], set()).add(r["text"])
+    assert by_key["c.png"] == {"mychar"}
+    counts = Counter(r["key"].rsplit("/", 1)[1] for r in rows if r["epoch"] == 1)
+    assert counts == {"a.png": 10, "b.png": 10, "c.png": 10, "d.png": 1, "e.png": 1, "f.png": 1}
 
 
 @pytest.mark.parametrize("fmt", ["webdataset", "imagefolder"])

@@ -186,7 +186,8 @@ def export_run(
         "format": plan["data_format"],
         "files": len(files),
         "rows": plan["total_rows"],
-        "fingerprint": data_fingerprint(files, store),
+        # Over every file rows come from (a caption folder's captions too).
+        "fingerprint": data_fingerprint(plan.get("content_files") or files, store),
         "heldout_rows": plan.get("heldout_rows", 0),
         "heldout": _heldout_source(cfg),
         "family": family.name,
@@ -200,6 +201,8 @@ def export_run(
         "bad_records": plan.get("bad_records_counts", {}),
         "rows_decoded": plan.get("rows_decoded"),
         "bad_examples": plan.get("bad_examples", {}),
+        # Per source: files, distinct rows, rows per epoch (repeats counted).
+        "sources": plan.get("sources", []),
     }
     metrics["bad_records"] = sum(data["bad_records"].values())
     with open(os.path.join(ckpt_dir, HISTORY_FILE)) as f:

@@ -32,6 +32,7 @@ import numpy as np
 from raylora import storage
 from raylora.config import RayLoraConfig
 from raylora.data.formats import get_format
+from raylora.data.plan import DataPlan, SourceFiles
 from raylora.storage import Storage
 
 log = logging.getLogger("raylora.cache")
@@ -93,17 +94,34 @@ class CacheEntry:
     files: list[str]
     file_rows: list[int]
     reused: bool
+    # Per file: the source its rows came from, and the times they count per epoch (a
+    # caption folder's N_name folders): applied when training reads the cache.
+    sources: list[int] | None = None
+    repeats: list[int] | None = None
 
     @property
     def rows(self) -> int:
         return sum(self.file_rows)
+
+    def plan(self) -> DataPlan:
+        """Training over the cache's files, with each source's repeats."""
+        sources = self.sources or [0] * len(self.files)
+        repeats = self.repeats or [1] * len(self.files)
+        out = []
+        for src in dict.fromkeys(sources):
+            idx = [i for i, s in enumerate(sources) if s == src]
+            rows = [self.file_rows[i] for i in idx]
+            reps = [repeats[i] for i in idx]
+            out.append(SourceFiles(src, "parquet", [self.files[i] for i in idx], sum(rows), rows,
+                                   reps if any(r != 1 for r in reps) else None, self.uri))
+        return DataPlan.of(out)
 
 
 def cache_root(cfg: RayLoraConfig) -> str:
     return cfg.data.cache_uri or storage.join(cfg.output.uri, "cache")
 
 
-def fingerprint(cfg: RayLoraConfig, family: str, model_path: str, data_files: list[str],
+def fingerprint(cfg: RayLoraConfig, family: str, model_path: str, data: DataPlan,
                 store: Storage) -> str:
     """sha256 over everything that changes what the encoders produce."""
     from raylora.checkpoint.export import data_fingerprint
@@ -117,6 +135,9 @@ def fingerprint(cfg: RayLoraConfig, family: str, model_path: str, data_files: li
         "resolution": d.resolution, "center_crop": d.center_crop, "random_flip": d.random_flip,
         "image_column": d.image_column, "caption_column": d.caption_column,
         "validation_split": d.validation_split,
+        # Only where it changes the rows: older entries keep their fingerprints.
+        **({"caption_extension": d.caption_extension}
+           if any(s.format == "captionfolder" for s in data.sources) else {}),
     }, sort_keys=True).encode())
     if not is_hub_id(model_path):
         # The encoders' weights and configs: a retrained or swapped VAE is a new cache.
@@ -126,7 +147,7 @@ def fingerprint(cfg: RayLoraConfig, family: str, model_path: str, data_files: li
             in ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
         ]
         h.update(data_fingerprint(sorted(model_files), store).encode())
-    h.update(data_fingerprint(list(data_files), store).encode())
+    h.update(data_fingerprint(data.content_files(), store).encode())
     return h.hexdigest()[:20]
 
 
@@ -137,7 +158,8 @@ def read_entry(uri: str, store: Storage) -> CacheEntry | None:
         return None
     m = json.loads(store.read_bytes(manifest))
     files = [storage.join(uri, name) for name in m["files"]]
-    return CacheEntry(uri, files, list(m["file_rows"]), reused=True)
+    return CacheEntry(uri, files, list(m["file_rows"]), reused=True,
+                      sources=m.get("file_sources"), repeats=m.get("file_repeats"))
 
 
 def _stage_kwargs(cfg: RayLoraConfig, model_path: str, family: str, store: Storage) -> tuple[dict, dict]:
@@ -156,8 +178,8 @@ def _stage_kwargs(cfg: RayLoraConfig, model_path: str, family: str, store: Stora
 
 
 class EncodeFiles:
-    """Ray Data stage over work items ``(item, source file index, start, stop)``: reads the
-    item's rows in file order, holds out the split's rows, preprocesses, encodes, and
+    """Ray Data stage over work items ``(item, source k, file index, start, stop)``: reads
+    the item's rows in file order, holds out the split's rows, preprocesses, encodes, and
     writes ``part-{item:06d}-{k:04d}.parquet`` itself.
 
     Why not ``map_batches(...).write_parquet()``: with ``preserve_order`` on, Ray Data
@@ -166,19 +188,20 @@ class EncodeFiles:
     Naming parts by item makes the order a property of the names, not of scheduling.
     """
 
-    def __init__(self, data: dict, fmt: str, files: list[str], parts_uri: str, pre: dict,
-                 enc: dict, rows_per_part: int, encode_batch: int):
+    def __init__(self, data: dict, formats: list[str], files: list[list[str]], parts_uri: str,
+                 pre: dict, enc: dict, rows_per_part: int, encode_batch: int):
         from raylora.config import DataSection
         from raylora.data.preprocess import Preprocess
 
         self.data = DataSection.model_validate(data)
-        self.fmt, self.files, self.parts_uri = fmt, files, parts_uri
+        self.formats, self.files, self.parts_uri = formats, files, parts_uri
         self.store = Storage(pre["endpoint_url"], pre["region"])
         self.pre, self.enc = Preprocess(**pre), EncodeStage(**enc)
         self.rows_per_part, self.encode_batch = rows_per_part, encode_batch
 
-    def _rows(self, index: int, start: int, stop: int):
-        return get_format(self.fmt).iter_unit(self.data, self.files, self.store, index, start, stop)
+    def _rows(self, k: int, index: int, start: int, stop: int):
+        return get_format(self.formats[k]).iter_unit(self.data, self.files[k], self.store,
+                                                     index, start, stop)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         import itertools
@@ -186,8 +209,9 @@ class EncodeFiles:
         from raylora.data.split import held_out_mask
 
         names, counts = [], []
-        for item, index, start, stop in zip(batch["item"], batch["index"], batch["start"], batch["stop"]):
-            rows, encoded, part = iter(self._rows(int(index), int(start), int(stop))), [], 0
+        for item, k, index, start, stop in zip(batch["item"], batch["k"], batch["index"],
+                                               batch["start"], batch["stop"]):
+            rows, encoded, part = iter(self._rows(int(k), int(index), int(start), int(stop))), [], 0
             while chunk := list(itertools.islice(rows, self.encode_batch)):
                 if self.data.validation_split:
                     keep = ~held_out_mask([r["image"] for r in chunk], [r["text"] for r in chunk],
@@ -232,23 +256,28 @@ def encode_chunk(pre, enc: EncodeStage, rows: list[dict]) -> dict[str, np.ndarra
     return enc(pre(batch))
 
 
-def _work_items(data, fmt: str, files: list[str], store: Storage, per_item: int) -> list[dict]:
-    """The format's read units (one per shard file; an imagefolder's row list in slices
-    of ``per_item``), numbered in source order."""
-    units = get_format(fmt).units(data, files, store, per_item)
-    return [{"item": i, "index": index, "start": start, "stop": stop}
-            for i, (index, start, stop) in enumerate(units)]
+def _work_items(data, plan: DataPlan, store: Storage, per_item: int) -> list[dict]:
+    """Every source's read units (one per shard file; an imagefolder's row list and a
+    caption folder's images in runs of at most ``per_item``), numbered in source order,
+    with the source (``k``: its place in the plan) and the times its rows count."""
+    items = []
+    for k, s in enumerate(plan.sources):
+        reps = s.file_repeats()
+        for index, start, stop in get_format(s.format).units(data, s.files, store, per_item):
+            items.append({"item": len(items), "k": k, "index": index, "start": start,
+                          "stop": stop, "repeats": reps[index]})
+    return items
 
 
-def ensure_cache(cfg: RayLoraConfig, family: str, model_path: str, data_format: str,
-                 data_files: list[str], store: Storage, rows_per_part: int = 256,
+def ensure_cache(cfg: RayLoraConfig, family: str, model_path: str, data: DataPlan,
+                 store: Storage, rows_per_part: int = 256,
                  bad_records: str | None = None) -> CacheEntry:
     """The complete cache entry for this config, built first when missing. Needs Ray.
     ``bad_records``: the run's counter, which the build's rejected rows are counted in
     (a reused entry decodes nothing, so it adds nothing)."""
     import ray.data
 
-    uri = storage.join(cache_root(cfg), fingerprint(cfg, family, model_path, data_files, store))
+    uri = storage.join(cache_root(cfg), fingerprint(cfg, family, model_path, data, store))
     entry = read_entry(uri, store)
     if entry is not None:
         log.info("latent cache: reusing %s (%d rows)", uri, entry.rows)
@@ -256,15 +285,16 @@ def ensure_cache(cfg: RayLoraConfig, family: str, model_path: str, data_format: 
     parts = storage.join(uri, "parts")
     if store.exists(parts):  # a build that died before its manifest: start over
         store.delete_dir(parts)
-    log.info("latent cache: encoding %d file(s) into %s", len(data_files), uri)
+    log.info("latent cache: encoding %d file(s) into %s", len(data.files), uri)
     pre, enc = _stage_kwargs(cfg, model_path, family, store)
     pre["bad_records"] = bad_records
-    items = _work_items(cfg.data, data_format, list(data_files), store, rows_per_part)
+    items = _work_items(cfg.data, data, store, rows_per_part)
     gpu = {"num_gpus": 1} if cfg.scaling.use_gpu else {"num_cpus": 1}
     written = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
         EncodeFiles,
         fn_constructor_kwargs=dict(
-            data=cfg.data.model_dump(), fmt=data_format, files=list(data_files), parts_uri=parts,
+            data=cfg.data.model_dump(), formats=[s.format for s in data.sources],
+            files=[s.files for s in data.sources], parts_uri=parts,
             pre=pre, enc=enc, rows_per_part=rows_per_part,
             encode_batch=max(8, cfg.train.batch_size * 4),
         ),
@@ -274,15 +304,20 @@ def ensure_cache(cfg: RayLoraConfig, family: str, model_path: str, data_format: 
     ).take_all()
     done = sorted((r["name"], int(r["rows"])) for r in written)  # zero-padded: source order
     if not done:
-        raise ValueError(f"data.cache: encoding {cfg.data.uri} produced no rows")
+        raise ValueError(f"data.cache: encoding {[s.uri for s in data.sources]} produced no rows")
     names = [n for n, _ in done]
+    of_item = [items[int(n.split("-")[1])] for n in names]  # part-{item}-{k}.parquet
     manifest = {"version": CACHE_VERSION, "family": family,
                 "files": [f"parts/{n}" for n in names], "file_rows": [c for _, c in done],
-                "source": {"uri": cfg.data.uri, "files": len(data_files)}}
+                "file_sources": [data.sources[it["k"]].index for it in of_item],
+                "file_repeats": [it["repeats"] for it in of_item],
+                "source": {"uri": [s.uri for s in data.sources], "files": len(data.files)}}
     # Written last: its presence is what marks the entry complete.
     store.write_bytes(storage.join(uri, MANIFEST), json.dumps(manifest, indent=1).encode())
     log.info("latent cache: wrote %d rows in %d file(s)", sum(manifest["file_rows"]), len(names))
-    return CacheEntry(uri, [storage.join(parts, n) for n in names], manifest["file_rows"], reused=False)
+    return CacheEntry(uri, [storage.join(parts, n) for n in names], manifest["file_rows"],
+                      reused=False, sources=manifest["file_sources"],
+                      repeats=manifest["file_repeats"])
 
 
 def _encode_rows_task(cfg_dict: dict, family: str, model_path: str, rows: list[dict]) -> dict:

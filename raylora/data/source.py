@@ -22,18 +22,21 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import ray
 
 from raylora.config import DataSection
-from raylora.data.formats import detect_format, get_format
+from raylora.data.formats import get_format
+from raylora.data.plan import DataPlan, pass_items, plan_data, read_units
 from raylora.data.preprocess import Preprocess, preprocess_batch
 from raylora.data.split import KeepSplit
 from raylora.data.tokenize import load_specs
 from raylora.storage import Storage
 
+
+__all__ = ["DataPlan", "EpochStream", "build_dataset", "data_stage_cpus", "epoch_seed",
+           "pass_batches", "plan_data", "read_rows"]
 
 # CPUs one read/preprocess task asks for. Training workers hold theirs for the whole run,
 # so the cluster must keep some beside them for these tasks (``data_stage_cpus``).
@@ -56,36 +59,6 @@ def data_stage_cpus(data: DataSection, num_workers: int) -> tuple[float, float]:
         return 2 * STAGE_CPUS * num_workers, 2 * STAGE_CPUS * num_workers
     # One fused read+preprocess task at a time still streams rows.
     return STAGE_CPUS, STAGE_CPUS * num_workers
-
-
-@dataclass
-class DataPlan:
-    """What the driver learned about the data before any worker starts."""
-
-    format: str
-    files: list[str]
-    rows: int
-    file_rows: list[int] | None = None  # rows per file, where known (parquet, webdataset)
-
-    def for_rank(self, rank: int, world: int) -> "DataPlan":
-        """The shard files of one worker under ``data.sharding=files``."""
-        files = self.files[rank::world]
-        counts = (self.file_rows or [])[rank::world]
-        return DataPlan(self.format, files, sum(counts), counts)
-
-
-def plan_data(data: DataSection, storage: Storage) -> DataPlan:
-    """Resolve URIs, detect the format, check columns and count rows.
-
-    Raises FileNotFoundError / ValueError / OSError naming the URI or file at fault.
-    """
-    files = storage.expand(data.uri)
-    fmt = get_format(detect_format(files) if data.format == "auto" else data.format)
-    files = fmt.select(files)
-    if not files:
-        raise FileNotFoundError(f"{data.uri}: matched no {fmt.name} files")
-    rows, file_rows = fmt.count_rows(data, files, storage)
-    return DataPlan(fmt.name, files, rows, file_rows)
 
 
 def read_rows(
@@ -150,33 +123,22 @@ def _read_passes(data: DataSection, plan: DataPlan, storage: Storage, seed: int,
                  passes: range, shuffle: bool, cached: bool = False,
                  **map_args) -> ray.data.Dataset:
     """Raw rows (``key``, ``image``, ``text``; or a latent cache's columns) of every pass,
-    each with its ``epoch``. One read item per (pass, unit): parquet files in parts of
-    about READ_UNIT_ROWS rows (``raylora.data.parquet_parts``), other formats in the
-    registry's units; ``shuffle``: a new unit order every pass, from the seed and the
-    pass. ``map_args``: the read stage's ``compute`` and ``num_cpus``."""
-    from raylora.data.parquet_parts import READ_UNIT_ROWS, parquet_parts
+    each with its ``epoch``. One read item per (pass, read unit), a unit as many times a
+    pass as its rows count (``raylora.data.plan``): parquet files in parts of about
+    READ_UNIT_ROWS rows, other formats in the registry's units; ``shuffle``: a new item
+    order every pass, from the seed and the pass. ``map_args``: the read stage's
+    ``compute`` and ``num_cpus``."""
+    from raylora.data.parquet_parts import READ_UNIT_ROWS
 
-    if cached or plan.format == "parquet":
-        units = parquet_parts(plan.files, plan.file_rows, READ_UNIT_ROWS)
-        fn = _read_tagged_parts
-        kwargs = dict(columns=None, renames={}, with_key=False) if cached else dict(
-            columns=[data.image_column, data.caption_column],
-            renames={data.image_column: "image", data.caption_column: "text"}, with_key=True)
-        kwargs.update(with_path=False, endpoint_url=storage.endpoint_url, region=storage.region)
-    else:
-        units = [{"index": i, "start": a, "stop": b}
-                 for i, a, b in get_format(plan.format).units(data, plan.files, storage, READ_UNIT_ROWS)]
-        fn = _read_tagged_units
-        kwargs = dict(fmt=plan.format, data=data.model_dump(), files=plan.files,
-                      endpoint_url=storage.endpoint_url, region=storage.region)
-    items = []
-    for e in passes:
-        order = np.random.default_rng([seed, e]).permutation(len(units)) if shuffle \
-            else range(len(units))
-        items += [{"epoch": e, **units[i]} for i in order]
+    units = read_units(data, plan, storage, READ_UNIT_ROWS, cached)
+    items = [item for e in passes for item in pass_items(units, seed, e, shuffle)]
+    kwargs = dict(data=data.model_dump(), files=[s.files for s in plan.sources],
+                  formats=[s.format for s in plan.sources], cached=cached,
+                  endpoint_url=storage.endpoint_url, region=storage.region)
     # One item per block up to 1024 blocks: the block is what is scheduled.
     ds = ray.data.from_items(items, override_num_blocks=min(len(items), 1024))
-    return ds.map_batches(fn, batch_size=1, batch_format="numpy", fn_kwargs=kwargs, **map_args)
+    return ds.map_batches(_read_items, batch_size=1, batch_format="numpy", fn_kwargs=kwargs,
+                          **map_args)
 
 
 def _tagged(table, epoch: int):
@@ -185,36 +147,53 @@ def _tagged(table, epoch: int):
     return table.append_column("epoch", pa.array(np.full(len(table), epoch, np.int32)))
 
 
-def _read_tagged_parts(batch: dict[str, np.ndarray], **kwargs):
-    """Read stage: (pass, parquet part) items → the part's rows, tagged with the pass."""
+def _read_items(batch: dict[str, np.ndarray], data: dict, files: list[list[str]],
+                formats: list[str], cached: bool, endpoint_url: str | None,
+                region: str | None):
+    """Read stage: (pass, read unit) items → the unit's rows, tagged with the pass: a
+    latent cache's columns, or ``key``, ``image``, ``text``."""
+    from raylora.data.formats.base import process_storage
+
+    section, store = DataSection.model_validate(data), process_storage(endpoint_url, region)
+    for i in range(len(batch["epoch"])):
+        item = {k: v[i] for k, v in batch.items()}
+        k = int(item["k"])
+        tables = _part_tables(item, section, cached, store) if item["kind"] == "parquet" \
+            else _unit_tables(item, section, formats[k], files[k], store)
+        for table in tables:
+            yield _tagged(table, int(item["epoch"]))
+
+
+def _part_tables(item: dict, data: DataSection, cached: bool, store: Storage):
+    """The rows of a parquet part: a cache's columns as they are, else key/image/text."""
     from raylora.data.parquet_parts import _read_parts
 
-    for i, e in enumerate(batch["epoch"]):
-        part = {k: batch[k][i:i + 1] for k in ("uri", "part", "parts")}
-        for table in _read_parts(part, **kwargs):
-            yield _tagged(table, int(e))
+    part = {k: np.array([item[k]]) for k in ("uri", "part", "parts")}
+    kwargs = dict(columns=None, renames={}, with_key=False) if cached else dict(
+        columns=[data.image_column, data.caption_column],
+        renames={data.image_column: "image", data.caption_column: "text"}, with_key=True)
+    yield from _read_parts(part, with_path=False, endpoint_url=store.endpoint_url,
+                           region=store.region, **kwargs)
 
 
-def _read_tagged_units(batch: dict[str, np.ndarray], fmt: str, data: dict, files: list[str],
-                       endpoint_url: str | None, region: str | None, rows_per_table: int = 64):
-    """Read stage: (pass, read unit) items → the unit's ``{key, image, text}`` rows
-    (``ShardFormat.iter_unit``), tagged with the pass."""
+def _unit_tables(item: dict, data: DataSection, fmt: str, files: list[str], store: Storage,
+                 rows_per_table: int = 64):
+    """The ``{key, image, text}`` rows of a registry unit (``ShardFormat.iter_unit``)."""
     import itertools
 
     import pyarrow as pa
 
-    from raylora.data.formats.base import image_bytes, process_storage
+    from raylora.data.formats.base import image_bytes
 
-    section, store = DataSection.model_validate(data), process_storage(endpoint_url, region)
-    for e, index, start, stop in zip(batch["epoch"], batch["index"], batch["start"], batch["stop"]):
-        rows = get_format(fmt).iter_unit(section, files, store, int(index), int(start), int(stop))
-        while chunk := list(itertools.islice(rows, rows_per_table)):
-            yield _tagged(pa.table({
-                "key": pa.array([str(r["key"]) for r in chunk], pa.string()),
-                "image": pa.array([image_bytes(r["image"]) for r in chunk], pa.binary()),
-                "text": pa.array([None if r["text"] is None else str(r["text"]) for r in chunk],
-                                 pa.string()),
-            }), int(e))
+    rows = get_format(fmt).iter_unit(data, files, store, int(item["index"]),
+                                     int(item["start"]), int(item["stop"]))
+    while chunk := list(itertools.islice(rows, rows_per_table)):
+        yield pa.table({
+            "key": pa.array([str(r["key"]) for r in chunk], pa.string()),
+            "image": pa.array([image_bytes(r["image"]) for r in chunk], pa.binary()),
+            "text": pa.array([None if r["text"] is None else str(r["text"]) for r in chunk],
+                             pa.string()),
+        })
 
 
 def _by_pass(batch: dict[str, np.ndarray], fn: Callable) -> dict[str, np.ndarray]:

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from raylora.config import DataSection
-from raylora.data.formats import get_format, image_bytes
+from raylora.data.formats import image_bytes
+from raylora.data.plan import DataPlan, iter_plan_rows
 from raylora.storage import Storage
 
 _SCALE = float(2**64)
@@ -52,13 +53,13 @@ class KeepSplit:
 
 
 def read_heldout_rows(
-    data: DataSection, fmt: str, files: list[str], storage: Storage, split: float | None
+    data: DataSection, plan: DataPlan, storage: Storage, split: float | None
 ) -> list[dict]:
     """The evaluation rows: with ``split`` the first held-out rows of the training files,
-    else (``data.validation_uri``) the first rows of the validation files. Each row is
-    ``{"image": bytes, "text": str}``."""
+    else (``data.validation_uri``) the first rows of the validation files (each row once,
+    whatever its repeats). Each row is ``{"image": bytes, "text": str}``."""
     rows = []
-    for row in get_format(fmt).iter_rows(data, files, storage):
+    for row in iter_plan_rows(data, plan, storage):
         if split is None or row_fraction(row["image"], row["text"]) < split:
             rows.append({"image": row["image"], "text": "" if row["text"] is None else str(row["text"])})
             if len(rows) >= data.validation_max_samples:

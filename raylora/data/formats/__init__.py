@@ -4,6 +4,8 @@
   caption column (``raylora.data.formats.parquet``).
 - webdataset: tar files as img2dataset writes them (``raylora.data.formats.webdataset``).
 - imagefolder: images plus ``metadata.jsonl`` (``raylora.data.formats.imagefolder``).
+- captionfolder: images with a same-stem ``.txt`` caption each, kohya ``N_name`` folders
+  (``raylora.data.formats.captionfolder``).
 
 Each entry is a ``ShardFormat`` (``raylora.data.formats.base``): it picks its files out of
 a listing, counts rows, reads rows as ``{"key", "image", "text"}`` (so the rest of the
@@ -17,12 +19,16 @@ from __future__ import annotations
 from raylora.data.formats.base import (
     IMAGE_EXTS, MANIFEST, NOT_UTF8, ShardFormat, decode_text, image_bytes, read_manifest,
 )
+from raylora.data.formats.captionfolder import CaptionFolder
 from raylora.data.formats.imagefolder import METADATA, ImageFolder, imagefolder_rows
 from raylora.data.formats.parquet import Parquet
 from raylora.data.formats.webdataset import WebDataset
 
-# In detection order: a listing with any parquet file is parquet, then tar, then images.
-FORMATS: dict[str, ShardFormat] = {f.name: f for f in (Parquet(), WebDataset(), ImageFolder())}
+# In detection order: a listing with any parquet file is parquet, then tar, then images
+# with a metadata.jsonl (imagefolder), then images alone (captionfolder: captions beside
+# them, or kohya folder names).
+FORMATS: dict[str, ShardFormat] = {
+    f.name: f for f in (Parquet(), WebDataset(), ImageFolder(), CaptionFolder())}
 
 __all__ = [
     "FORMATS", "IMAGE_EXTS", "MANIFEST", "METADATA", "NOT_UTF8", "ShardFormat", "decode_text",

@@ -84,6 +84,20 @@ class ShardFormat:
         """The files of a listing that this format reads (stray files dropped)."""
         return [f for f in files if f.lower().endswith(self.suffixes)]
 
+    def check_listing(self, data: DataSection, files: list[str], listing: list[str]) -> None:
+        """Problems the listing shows before any file is read (``files``: this format's
+        part of ``listing``). Raises ValueError naming them."""
+
+    def companions(self, data: DataSection, files: list[str], listing: list[str]) -> list[str]:
+        """Files of the listing besides ``files`` that rows are read from (a caption
+        folder's caption files): a change to them is a change to the data."""
+        return []
+
+    def repeats(self, data: DataSection, files: list[str]) -> list[int] | None:
+        """Times each file's rows count in an epoch, where the data says so (a caption
+        folder's kohya ``N_name`` folders); None: once each."""
+        return None
+
     def count_rows(self, data: DataSection, files: list[str],
                    storage: Storage) -> tuple[int, list[int] | None]:
         """(rows, rows per file or None), checking what can be checked before any worker
@@ -104,8 +118,11 @@ class ShardFormat:
 
     def units(self, data: DataSection, files: list[str], storage: Storage,
               rows_per_unit: int) -> list[tuple[int, int, int]]:
-        """Pieces that read independently, in source order: ``(file index, start, stop)``
-        (stop -1: to the end). One per file unless the format has no per-file rows."""
+        """Pieces that read independently, in source order: ``(file index, start, stop)``,
+        rows ``start`` to ``stop`` counted from the first row of file ``index`` (stop -1:
+        to the end of that file). One per file unless the format's files are not one
+        piece each (imagefolder: slices of one row list; captionfolder: runs of images).
+        The rows of a unit have the same ``repeats``."""
         return [(i, 0, -1) for i in range(len(files))]
 
     def iter_unit(self, data: DataSection, files: list[str], storage: Storage,

@@ -25,7 +25,8 @@ def imagefolder_rows(storage, files: list[str], caption_key: str) -> list[dict]:
     if not metas:
         raise FileNotFoundError(
             f"{posixpath.dirname(files[0])}: imagefolder without {METADATA} "
-            "(lines of {\"file_name\": ..., \"text\": ...})"
+            "(lines of {\"file_name\": ..., \"text\": ...}); for a .txt caption beside "
+            "each image use data.format: captionfolder"
         )
     rows = []
     for meta in metas:
@@ -57,11 +58,11 @@ def _read_images(batch: dict[str, np.ndarray], endpoint_url: str | None,
 class ImageFolder(ShardFormat):
     name = "imagefolder"
     suffixes = IMAGE_EXTS + (METADATA,)
-    label = "image files"
+    label = "images with metadata.jsonl"
 
     def detects(self, files):
-        names = [f.lower() for f in files]
-        return any(n.endswith(IMAGE_EXTS) or n.endswith("/" + METADATA) for n in names)
+        # Images without a metadata.jsonl are a caption folder (next in the registry).
+        return any(posixpath.basename(f) == METADATA for f in files)
 
     def count_rows(self, data, files, storage):
         return len(imagefolder_rows(storage, files, data.caption_column)), None

@@ -1,0 +1,175 @@
+"""Caption folder: images with their captions beside them in same-stem text files
+(``cat.png`` + ``cat.txt``; the extension is ``data.caption_extension``), as kohya-ss
+sd-scripts, SimpleTuner and ai-toolkit read them; local or in object storage. A row's key
+is the image's URI; a caption is its file's text with surrounding whitespace stripped.
+
+kohya's folder names are understood: a first-level subfolder of the data URI named
+``N_name`` (``10_mychar``) holds images that count N times in every epoch (the plan
+repeats them, ``raylora.data.plan``), and ``name`` is the caption of those of its images
+that have no caption file (kohya's class tokens: DreamBooth-style training without
+caption files). Other folders count once, at any depth.
+
+An image without a caption file outside such a folder has no caption: the validating
+decode counts it as ``missing_caption`` (or trains it on the empty prompt when
+``data.caption_dropout`` > 0), as it does a WebDataset sample without text, rather than
+training it silently on the empty prompt as kohya does. The driver refuses a folder
+whose share of such reads is over ``data.max_bad_fraction`` before anything starts.
+
+Each image is a file of one row, so ``data.sharding=files`` deals the images out to the
+workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+import re
+
+import numpy as np
+
+from raylora.data.formats.base import IMAGE_EXTS, ShardFormat, decode_text, process_storage
+from raylora.storage import normalize
+
+log = logging.getLogger("raylora.data")
+
+# kohya's subfolder name: repeats, underscore, class tokens.
+KOHYA_FOLDER = re.compile(r"(\d+)_(.+)")
+
+
+def data_roots(uri: str | list[str]) -> list[str]:
+    """The folders a data URI names (a glob: the folder before its first wildcard), each
+    without a trailing slash, longest first."""
+    roots = []
+    for u in [uri] if isinstance(uri, str) else uri:
+        u = normalize(u)
+        wild = [u.index(c) for c in "*?[" if c in u]
+        roots.append((u[: min(wild)].rsplit("/", 1)[0] if wild else u).rstrip("/"))
+    return sorted(roots, key=len, reverse=True)
+
+
+def first_folder(roots: list[str], uri: str) -> str | None:
+    """The folder right below the data root that ``uri`` is in (None: in the root)."""
+    for root in roots:
+        if uri.startswith(root + "/"):
+            parts = uri[len(root) + 1:].split("/")
+            return parts[0] if len(parts) > 1 else None
+    return None
+
+
+def kohya_folder(name: str | None) -> tuple[int, str] | None:
+    """``(repeats, class tokens)`` of a kohya ``N_name`` folder name, else None."""
+    m = KOHYA_FOLDER.fullmatch(name or "")
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def caption_uri(image: str, extension: str) -> str:
+    return posixpath.splitext(image)[0] + extension
+
+
+class CaptionFolder(ShardFormat):
+    name = "captionfolder"
+    suffixes = IMAGE_EXTS
+    label = "images with .txt captions"
+
+    def detects(self, files):
+        # After imagefolder in the registry: a metadata.jsonl makes a folder imagefolder.
+        return any(f.lower().endswith(IMAGE_EXTS) for f in files)
+
+    def _folders(self, data, files: list[str]) -> list[tuple[int, str] | None]:
+        roots = data_roots(data.uri)
+        return [kohya_folder(first_folder(roots, f)) for f in files]
+
+    def repeats(self, data, files):
+        out = []
+        for f, k in zip(files, self._folders(data, files)):
+            if k is not None and k[0] < 1:
+                raise ValueError(f"{posixpath.dirname(f)}: a kohya folder name N_name needs "
+                                 f"N >= 1 (times its images count per epoch), not {k[0]}")
+            out.append(k[0] if k else 1)
+        return out if any(r != 1 for r in out) else None
+
+    def companions(self, data, files, listing):
+        present = set(listing)
+        return [c for c in (caption_uri(f, data.caption_extension) for f in files) if c in present]
+
+    def check_listing(self, data, files, listing):
+        """Images with neither a caption file nor class tokens: refused up front when their
+        reads (repeats counted) are more than data.max_bad_fraction of all."""
+        present = set(listing)
+        folders = self._folders(data, files)
+        weights = [k[0] if k else 1 for k in folders]
+        missing = [(f, w) for f, w, k in zip(files, weights, folders)
+                   if k is None and caption_uri(f, data.caption_extension) not in present]
+        if not missing or data.caption_dropout:
+            return
+        share = sum(w for _, w in missing) / sum(weights)
+        what = (f"{len(missing)} of {len(files)} images have no caption: no "
+                f"{data.caption_extension} file beside them and not in a kohya N_name folder "
+                f"(e.g. {', '.join(f for f, _ in missing[:3])})")
+        if share > data.max_bad_fraction:
+            raise ValueError(
+                f"{what}; {share:.1%} of the reads, over data.max_bad_fraction="
+                f"{data.max_bad_fraction:g}. Add the caption files, move the images into an "
+                "N_name folder (name becomes their caption), or set data.caption_dropout > 0 "
+                "to train them on the empty prompt")
+        log.warning("%s: they are dropped as missing_caption", what)
+
+    def count_rows(self, data, files, storage):
+        return len(files), [1] * len(files)
+
+    def row(self, data, storage, image: str, tokens: str | None) -> dict:
+        """One image's row: its bytes and its caption (the caption file's text, else the
+        kohya folder's class tokens, else None)."""
+        try:
+            text = decode_text(storage.read_bytes(caption_uri(image, data.caption_extension))).strip()
+        except FileNotFoundError:
+            text = tokens
+        return {"key": image, "image": storage.read_bytes(image), "text": text}
+
+    def iter_rows(self, data, files, storage):
+        for f, k in zip(files, self._folders(data, files)):
+            yield self.row(data, storage, f, k[1] if k else None)
+
+    def units(self, data, files, storage, rows_per_unit):
+        # Runs of consecutive images with the same repeats (a unit is read as many times
+        # as its rows count), at most rows_per_unit long: (first image, 0, images).
+        reps = self.repeats(data, files) or [1] * len(files)
+        out, start = [], 0
+        for i in range(1, len(files) + 1):
+            if i == len(files) or reps[i] != reps[start] or i - start == rows_per_unit:
+                out.append((start, 0, i - start))
+                start = i
+        return out
+
+    def iter_unit(self, data, files, storage, index, start, stop):
+        # One row per image: rows start..stop from image ``index`` are images.
+        end = index + (stop if stop >= 0 else 1)
+        return self._rows(data, files, storage, range(index + start, end))
+
+    def _rows(self, data, files, storage, indices):
+        folders = self._folders(data, [files[i] for i in indices])
+        for i, k in zip(indices, folders):
+            yield self.row(data, storage, files[i], k[1] if k else None)
+
+    def read_dataset(self, data, files, file_rows, storage, seed, shuffle, **map_args):
+        import ray
+
+        order = np.random.default_rng(seed).permutation(len(files)) if shuffle else range(len(files))
+        items = [{"index": int(i)} for i in order]
+        blocks = max(1, min(64, len(items) // 64))
+        return ray.data.from_items(items, override_num_blocks=blocks).map_batches(
+            _read_images, batch_size=64,
+            fn_kwargs={"data": data.model_dump(), "files": files,
+                       "endpoint_url": storage.endpoint_url, "region": storage.region},
+            compute=ray.data.TaskPoolStrategy(size=min(2, blocks)), num_cpus=0.25,
+        )
+
+
+def _read_images(batch: dict[str, np.ndarray], data: dict, files: list[str],
+                 endpoint_url: str | None, region: str | None) -> dict[str, np.ndarray]:
+    """map_batches stage of ``read_dataset``: image indices → rows."""
+    from raylora.config import DataSection
+
+    section, store = DataSection.model_validate(data), process_storage(endpoint_url, region)
+    rows = list(CaptionFolder()._rows(section, files, store, [int(i) for i in batch["index"]]))
+    return {k: np.array([r[k] for r in rows], dtype=object) for k in ("key", "image", "text")}

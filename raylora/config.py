@@ -631,7 +631,9 @@ class RayLoraConfig(_Section):
         """``train.compile`` in effect: ``auto`` is regional on GPUs, eager on CPUs (an
         inductor compile on CPU costs more than a short CPU run gains)."""
         c = self.train.compile
-        return ("regional" if self.scaling.use_gpu else "none") if c == "auto" else c
+        if c == "auto":  # FSDP's hooks inside compiled blocks: not verified yet, so eager
+            return "regional" if self.scaling.use_gpu and self.scaling.strategy == "ddp" else "none"
+        return c
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as plain data, same tree as the YAML."""
@@ -763,6 +765,15 @@ def _fsdp_checks(cfg: RayLoraConfig) -> list[str]:
     if cfg.train.ema_decay:
         problems.append("train.ema_decay: not supported with scaling.strategy=fsdp; unset it "
                         "or use ddp")
+    if cfg.train.optimizer != "adamw":
+        # The others keep per-tensor statistics (8-bit blocks, Prodigy's global d estimate,
+        # Adafactor's row/column factors) that are not defined over dim-0 shards.
+        problems.append(f"train.optimizer: {cfg.train.optimizer} is not supported with "
+                        "scaling.strategy=fsdp (adamw only); the LoRA optimizer state is "
+                        "sharded and small, so 8-bit/factored states buy little there")
+    if cfg.train.compile in ("regional", "full"):
+        problems.append(f"train.compile: {cfg.train.compile} with scaling.strategy=fsdp is "
+                        "not supported yet; use none (auto is none under fsdp)")
     if cfg.model.quantize != "none":
         problems.append(f"model.quantize: {cfg.model.quantize} cannot be combined with "
                         "scaling.strategy=fsdp (FSDP2 cannot shard bitsandbytes/float8 packed "

@@ -10,6 +10,8 @@ import itertools
 import json
 import logging
 import math
+import os
+import shutil
 import tempfile
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ from raylora.config import RayLoraConfig
 from raylora.launch import Plan
 from raylora.model.lora import digest
 from raylora.train.loop import LoopHooks, LoopSettings, run_loop, sample_hashes
+from raylora.train.fsdp import param_bytes_per_rank
 from raylora.train.setup import build_run, nonfinite_advice, write_checkpoint
 
 log = logging.getLogger("raylora.worker")
@@ -88,14 +91,17 @@ def _heldout_evaluator(spec: WorkerSpec, run, rank: int, world: int):
             return heldout_loss(
                 model, held, run.parts.weight_dtype, batch_size=cfg.train.batch_size, rank=rank,
                 world=world, all_reduce_sum=lambda x: acc.reduce(x, reduction="sum"),
+                lockstep=run.sharded,
             )
 
     return evaluate
 
 
-def _previewer(spec: WorkerSpec, run, tracker):
+def _previewer(spec: WorkerSpec, run, tracker, rank: int):
     """``preview(step)``: rank 0 renders ``validation.prompts`` into
-    ``{output.uri}/validation/step_NNNNNN.png`` and the tracker (EMA weights when on)."""
+    ``{output.uri}/validation/step_NNNNNN.png`` and the tracker (EMA weights when on).
+    Under FSDP every rank renders the same images in lockstep (each denoiser call gathers
+    the shards) and rank 0 writes them."""
     import io
 
     from raylora import storage
@@ -118,6 +124,8 @@ def _previewer(spec: WorkerSpec, run, tracker):
                                cfg.data.resolution, autocast=acc.autocast)
             del pipe
             pv.free_memory()
+        if rank != 0:
+            return
         buf = io.BytesIO()
         pv.make_grid(images).save(buf, format="PNG")
         uri = storage.join(cfg.output.uri, "validation", f"step_{step:06d}.png")
@@ -339,6 +347,8 @@ class _Reporter:
             metrics.update(st.scalars())
             # False under the latent cache: the workers never loaded the VAE/text encoders.
             metrics["encoders_on_worker"] = self.run.parts.vae is not None
+            metrics["denoiser_param_bytes_per_rank"] = gather_object(
+                [param_bytes_per_rank(self.run.accelerator.unwrap_model(self.run.model))])
         # Every rank passes its directory: Ray merges them into one checkpoint (rank 0
         # writes the model and optimizer, each rank its own RNG state). Intermediate
         # checkpoints upload in the background so accelerators do not wait on storage;
@@ -360,7 +370,14 @@ def _restored(rank: int):
     if checkpoint is None:
         return None
     with checkpoint.as_directory() as d:
-        return load_state(d, rank)
+        state = load_state(d, rank)
+        if state.sharded_dir is not None:
+            # Read after the model is built and sharded, when a downloaded copy of the
+            # checkpoint is gone: keep the shards (LoRA + optimizer state, small).
+            keep = os.path.join(tempfile.mkdtemp(prefix="raylora-restore-"), "fsdp")
+            shutil.copytree(state.sharded_dir, keep)
+            state.sharded_dir = keep
+        return state
 
 
 def _build(spec: WorkerSpec, accelerator, restored, rank: int, max_steps: int):
@@ -392,7 +409,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
             on_step=reporter.on_step,
             on_eval=reporter.on_eval,
             evaluate=_heldout_evaluator(spec, run, rank, world) if plan.heldout_rows else None,
-            preview=_previewer(spec, run, reporter.tracker) if cfg.validation.prompts and rank == 0 else None,
+            preview=_previewer(spec, run, reporter.tracker, rank)
+            if cfg.validation.prompts and (rank == 0 or run.sharded) else None,
             sample_ids=sample_hashes if cfg.train.record_samples and rank == 0 else None,
         )
         settings = LoopSettings.from_config(cfg, plan.max_steps, world, nonfinite_advice(cfg))

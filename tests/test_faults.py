@@ -5,13 +5,13 @@ trained on the same samples in the same steps."""
 import json
 import os
 import signal
-import threading
 import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from killer import kill_a_worker_after
 from raylora.config import validate
 
 MAX_STEPS = 14  # 12 micro-batches per epoch: the runs cross an epoch boundary
@@ -62,46 +62,14 @@ def assert_same_run(root, name):
         torch.testing.assert_close(adapter[k], v, rtol=1e-5, atol=1e-7)
 
 
-def _registered_step(train_dir) -> int:
-    """The highest step of a checkpoint Ray Train has registered (written and reported:
-    what a restart resumes from). A folder alone is not enough: a worker killed during
-    its upload leaves one that is never recorded."""
-    try:
-        snap = json.loads(open(os.path.join(train_dir, "checkpoint_manager_snapshot.json")).read())
-    except (OSError, ValueError):
-        return 0
-    return max((r["metrics"]["step"] for r in snap.get("checkpoint_results", [])), default=0)
-
-
 @pytest.mark.integration
 def test_a_killed_worker_is_restarted_from_its_checkpoint_and_finishes_the_same_run(setup):
-    from ray.util.state import list_actors
-
     from raylora.launch import run
 
     root, tree, _ = setup
-    killed, done = [], threading.Event()
-
-    def killer():
-        # From outside the training code: find the worker process, wait for a checkpoint,
-        # SIGKILL it (as the OOM killer or a lost node would).
-        pid = None
-        while not done.is_set() and not killed:
-            if pid is None:
-                alive = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
-                pid = alive[0].pid if alive else None
-            elif _registered_step(root / "killed" / "train") >= 4:
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-            time.sleep(0.1)
-
-    t = threading.Thread(target=killer, daemon=True)
-    t.start()
-    try:
+    # From outside the training code, once the step-4 checkpoint is registered.
+    with kill_a_worker_after(root / "killed" / "train", 4) as killed:
         summary = run(validate(tree("killed")))
-    finally:
-        done.set()
-        t.join(timeout=30)
     assert killed, "the worker was never killed"
     assert summary["metrics"]["resumed_from_step"] in (4, 8, 12)
     assert_same_run(root, "killed")

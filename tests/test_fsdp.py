@@ -1,6 +1,9 @@
-"""``train.fsdp``: FSDP2 sharding of a LoRA-wrapped UNet trains what DDP trains, holds about
-half the parameters per rank on 2 ranks, and its DCP checkpoint written by 2 ranks resumes
-on 1. Real process groups: 2 (and 1) spawned CPU processes over gloo."""
+"""``scaling.strategy: fsdp`` below Ray: FSDP2 sharding of a LoRA-wrapped UNet trains what
+DDP trains, holds about half the parameters per rank on 2 ranks, and its DCP checkpoint
+written by 2 ranks resumes on 1; every family's denoiser built without weights, LoRA
+attached, sharded and read shard by shard equals the loaded one; the config refuses what
+FSDP cannot do. Real process groups: 2 (and 1) spawned CPU processes over gloo. The Ray
+runs are in test_fsdp_ray.py."""
 
 from __future__ import annotations
 
@@ -118,8 +121,8 @@ def _two_ranks(rank: int, world: int, port: int, out: str):
                         "unsharded_bytes": unsharded_bytes, "sharded_bytes": all_bytes,
                         "exp_avg": exp_avg, "mixed_grad_dtypes": mixed_grad_dtypes,
                         "mixed": mixed_sd}, os.path.join(out, "two.pt"))
-        else:
-            assert fsdp_sd == {}
+        # Every rank gathers the whole LoRA (what each checkpoint's adapter is written from).
+        assert set(fsdp_sd) == set(ddp_sd)
     finally:
         dist.destroy_process_group()
 
@@ -207,3 +210,96 @@ def test_offload_without_an_accelerator_is_refused_up_front():
         pytest.skip("an accelerator is present: offload is allowed")
     with pytest.raises(ValueError, match="accelerator"):
         shard_denoiser(torch.nn.Linear(2, 2), ("Linear",), offload=True)
+
+
+FAMILIES = ["sd", "sdxl", "flux", "sd3", "qwenimage"]
+
+
+def _hollow_ranks(rank: int, world: int, port: int, out: str, paths: dict):
+    """Per family: from_pretrained + LoRA (the DDP path) vs hollow + LoRA + shard + read
+    (the FSDP path), same seed: the largest difference of any tensor, and bytes."""
+    from accelerate.utils import set_seed
+    from torch.distributed.tensor import DTensor
+
+    from raylora.config import LoraSection, ModelSection
+    from raylora.model.load import load_components
+    from raylora.model.lora import add_lora
+    from raylora.train.fsdp import component_folder, param_bytes_per_rank, shard_and_load
+
+    _init(rank, world, port)
+    result = {}
+    try:
+        for family, path in paths.items():
+            lora = LoraSection(rank=4)
+            set_seed(3)
+            ref = load_components(ModelSection(pretrained=path), torch.float32)
+            add_lora(ref.denoiser, lora, ref.family.lora_targets)
+            set_seed(3)
+            comps = load_components(ModelSection(pretrained=path), torch.float32, encoders=False,
+                                    hollow_denoiser=True)
+            model = comps.denoiser
+            add_lora(model, lora, comps.family.lora_targets)
+            units = shard_and_load(model, comps.family.repeated_blocks,
+                                   component_folder(comps.path, comps.family.denoiser), "cpu")
+            got = model.state_dict()
+            worst = 0.0
+            for k, v in ref.denoiser.state_dict().items():
+                g = got[k].full_tensor() if isinstance(got[k], DTensor) else got[k]
+                assert g.shape == v.shape and g.dtype == v.dtype, k
+                worst = max(worst, (g - v).abs().max().item())
+            lora_keys = [k for k in got if "lora_" in k]
+            result[family] = {"worst": worst, "units": len(units), "lora": len(lora_keys),
+                              "sharded": param_bytes_per_rank(model),
+                              "whole": param_bytes_per_rank(ref.denoiser)}
+        if rank == 0:
+            torch.save(result, os.path.join(out, "hollow.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_family_loads_shard_by_shard_to_the_loaded_model(tiny, tmp_path):
+    """The FSDP loading path (no rank holds the whole base) gives every tensor of the
+    loaded model, LoRA's initial weights included (peft drew them from the same seed)."""
+    paths = {f: tiny(f) for f in FAMILIES}
+    mp.spawn(_hollow_ranks, args=(2, _free_port(), str(tmp_path), paths), nprocs=2, join=True)
+    r = torch.load(os.path.join(tmp_path, "hollow.pt"))
+    assert set(r) == set(FAMILIES)
+    for family, x in r.items():
+        assert x["worst"] == 0.0, (family, x)
+        assert x["units"] >= 3 and x["lora"] > 0, (family, x)
+        assert x["sharded"] <= 0.6 * x["whole"], (family, x)
+
+
+def _config(**scaling_and_more):
+    from raylora.config import validate
+
+    tree = {"model": {"pretrained": "/m"}, "data": {"uri": "/d"}, "output": {"uri": "/o"},
+            "scaling": {"num_workers": 2, "strategy": "fsdp"}}
+    for section, keys in scaling_and_more.items():
+        tree[section] = {**tree.get(section, {}), **keys}
+    return validate(tree)
+
+
+@pytest.mark.parametrize("changes, key", [
+    ({"model": {"quantize": "nf4"}}, "model.quantize"),
+    ({"train": {"ema_decay": 0.99}}, "train.ema_decay"),
+    ({"lora": {"train_text_encoder": True}}, "lora.train_text_encoder"),
+    ({"train": {"optimizer": "prodigy"}}, "train.optimizer"),
+    ({"train": {"compile": "regional"}}, "train.compile"),
+    ({"scaling": {"num_workers": 2, "strategy": "fsdp", "fsdp": {"offload": True}}}, "scaling.fsdp.offload"),
+    ({"scaling": {"num_workers": 2, "strategy": "ddp", "fsdp": {"reshard_after_forward": False}}},
+     "scaling.fsdp"),
+])
+def test_what_fsdp_cannot_do_is_refused_by_key(changes, key):
+    with pytest.raises(ValueError) as e:
+        _config(**changes)
+    assert key in str(e.value)
+
+
+def test_fsdp_defaults_are_accepted_and_compile_auto_is_eager_under_fsdp():
+    cfg = _config()
+    assert cfg.scaling.strategy == "fsdp" and cfg.scaling.fsdp.reshard_after_forward
+    assert cfg.compile_mode == "none"
+    gpu = _config(scaling={"num_workers": 2, "strategy": "fsdp", "use_gpu": True})
+    assert gpu.compile_mode == "none"
+    assert _config(scaling={"strategy": "ddp", "use_gpu": True}).compile_mode == "regional"

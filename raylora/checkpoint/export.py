@@ -39,6 +39,7 @@ SUMMARY_KEYS = (
     "eval_loss_best_step",
     "nonfinite_steps",
     "encoders_on_worker",
+    "denoiser_param_bytes_per_rank",  # per worker: the whole denoiser (ddp) or its shard (fsdp)
 )
 
 

@@ -6,8 +6,11 @@ Layout of one checkpoint directory::
                                                the EMA weights when EMA is on)
     lora.safetensors                           peft layout, fp32, for exact resume rank 0
     ema.safetensors                            EMA shadow weights (train.ema_decay)  rank 0
-    trainer_state.pt                           optimizer, LR scheduler, grad scaler,
-                                               step, epoch, data position           rank 0
+    trainer_state.pt                           optimizer (DDP), LR scheduler, grad
+                                               scaler, step, epoch, data position   rank 0
+    fsdp/                                      scaling.strategy=fsdp: the LoRA and   every rank
+                                               optimizer state as torch.distributed.checkpoint
+                                               shards (__R_0.distcp per rank, .metadata)
     history.jsonl                              one row per optimizer step           rank 0
     rng_rank{R}.pt                             torch CPU (+ CUDA) RNG of rank R     every rank
 
@@ -29,6 +32,7 @@ LORA_FILE = "lora.safetensors"
 EMA_FILE = "ema.safetensors"
 HISTORY_FILE = "history.jsonl"
 ADAPTER_DIR = "adapter"
+SHARDED_DIR = "fsdp"
 
 
 @dataclass
@@ -88,7 +92,7 @@ def save_main_state(
     directory: str,
     *,
     lora_sd: dict[str, torch.Tensor],
-    optimizer_sd: dict,
+    optimizer_sd: dict | None,  # None: in the sharded checkpoint (SHARDED_DIR)
     scheduler_sd: dict,
     scaler_sd: dict | None,
     loop: LoopState,
@@ -120,6 +124,9 @@ class RestoredState:
     loop: LoopState
     rng: dict[str, torch.Tensor] | None
     ema_sd: dict[str, torch.Tensor] | None = None
+    # scaling.strategy=fsdp: a local copy of the checkpoint's SHARDED_DIR (the optimizer
+    # state lives there, not in optimizer_sd)
+    sharded_dir: str | None = None
 
 
 def load_state(directory: str, rank: int) -> RestoredState:
@@ -140,4 +147,6 @@ def load_state(directory: str, rank: int) -> RestoredState:
         loop=loop,
         rng=rng,
         ema_sd=load_file(ema_path) if os.path.exists(ema_path := os.path.join(directory, EMA_FILE)) else None,
+        sharded_dir=sharded if os.path.exists(os.path.join(sharded := os.path.join(directory, SHARDED_DIR),
+                                                           ".metadata")) else None,
     )

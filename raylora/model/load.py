@@ -37,6 +37,7 @@ class Components:
     # VAE's config without loading it
     latent_shift: Any = 0.0
     latent_scale: Any = 0.18215
+    path: str = ""  # the local (materialized) model folder, or the hub id
 
 
 def resolve_family(model: ModelSection, index: dict | None) -> type[Family]:
@@ -181,11 +182,14 @@ def load_components(
     store: Storage | None = None,
     encoders: bool = True,
     device=None,
+    hollow_denoiser: bool = False,
 ) -> Components:
     """Everything frozen a training worker needs. ``encoders=False`` (cached latents) skips
     the VAE and text encoders: the cache already holds what they would compute.
     ``model.quantize`` / ``model.quantize_text_encoders``: those components' linear layers
-    are quantized on ``device`` (default CPU), where the worker will train them."""
+    are quantized on ``device`` (default CPU), where the worker will train them.
+    ``hollow_denoiser``: the denoiser without its weights, for ``scaling.strategy=fsdp``
+    (``raylora.train.fsdp.hollow_component``: each rank reads its shards later)."""
     from raylora.model.quantize import check_supported, quantize_module
 
     device = device or "cpu"
@@ -208,11 +212,18 @@ def load_components(
         vae = load_vae(path, family, weight_dtype, index, model.revision, model.variant)
         for enc in text_encoders:
             quantize_module(enc, model.quantize_text_encoders, weight_dtype, device)
-    denoiser = family.load_component(path, index, family.denoiser, weight_dtype,
-                                     variant=model.variant, **kw)
+    if hollow_denoiser:
+        from raylora.train.fsdp import hollow_component
+
+        denoiser = hollow_component(path, index, family.denoiser, weight_dtype, device,
+                                    revision=model.revision)
+    else:
+        denoiser = family.load_component(path, index, family.denoiser, weight_dtype,
+                                         variant=model.variant, **kw)
     denoiser.requires_grad_(False)
     quantize_module(denoiser, model.quantize, weight_dtype, device)
     family.set_attention(denoiser, model.attention)
     vae_cls = import_class(*index["vae"][:2])
     shift, scale = family.latent_stats(vae_cls.load_config(path, subfolder="vae", revision=model.revision))
-    return Components(family, tokenizers, text_encoders, vae, denoiser, scheduler_config, shift, scale)
+    return Components(family, tokenizers, text_encoders, vae, denoiser, scheduler_config, shift,
+                      scale, path)

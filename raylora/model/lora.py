@@ -118,15 +118,18 @@ def load_lora_state_dict(model: torch.nn.Module, sd: dict[str, torch.Tensor],
 
 
 def save_diffusers_adapter(model: torch.nn.Module, directory: str, family,
-                           text_encoders: dict | None = None) -> None:
+                           text_encoders: dict | None = None,
+                           denoiser_sd: dict[str, torch.Tensor] | None = None) -> None:
     """Write ``pytorch_lora_weights.safetensors`` in the diffusers layout to ``directory``:
     the file the family's stock pipeline ``.load_lora_weights(directory)`` reads, written by
-    that pipeline's own ``save_lora_weights``. ``text_encoders``: the trained ones."""
+    that pipeline's own ``save_lora_weights``. ``text_encoders``: the trained ones.
+    ``denoiser_sd``: the denoiser's LoRA already gathered (peft layout; FSDP shards it)."""
     from diffusers.utils import convert_state_dict_to_diffusers
 
     layers, meta = {}, {}
     for name, module in [(family.denoiser, model), *(text_encoders or {}).items()]:
-        sd = _snapshot(get_peft_model_state_dict(module))
+        given = denoiser_sd if module is model else None
+        sd = _snapshot(given if given is not None else get_peft_model_state_dict(module))
         layers[name] = convert_state_dict_to_diffusers(sd) if family.legacy_lora_keys else sd
         meta[name] = module.peft_config["default"].to_dict()
     family.save_adapter(directory, layers, meta)

@@ -111,19 +111,27 @@ def heldout_loss(
     rank: int = 0,
     world: int = 1,
     all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    lockstep: bool = False,
 ) -> float:
     """Mean MSE over all N·K items. Rank r evaluates items r, r+world, ...; the per-rank
-    (sum, count) pairs are summed with ``all_reduce_sum`` when running distributed."""
+    (sum, count) pairs are summed with ``all_reduce_sum`` when running distributed.
+    ``lockstep`` (FSDP, where every forward is a collective): every rank makes the same
+    number of denoiser calls; a rank out of items repeats its first one, uncounted."""
     was_training = model.training
     model.eval()  # LoRA dropout off
     idx = torch.arange(rank, len(heldout), world, device=heldout.timesteps.device)
     total = torch.zeros(2, dtype=torch.float64, device=heldout.timesteps.device)
+    calls = -(-len(heldout) // world) if lockstep else idx.numel()
     try:
-        for i in range(0, idx.numel(), batch_size):
+        for i in range(0, calls, batch_size):
             j = idx[i : i + batch_size]
+            counted = j.numel() > 0
+            j = j if counted else idx[:1] if idx.numel() else idx.new_zeros(1)
             cond = heldout.text.select(heldout.text_index[j])
             pred = heldout.family.denoise(model, heldout.noisy[j].to(weight_dtype),
                                           heldout.timesteps[j], cond, guidance=heldout.guidance)
+            if not counted:
+                continue
             err = (pred.float() - heldout.target[j]).pow(2).flatten(1).mean(1)
             total[0] += err.double().sum()
             total[1] += j.numel()

@@ -15,6 +15,14 @@ all-gathered in that dtype (bf16 compute) and LoRA gradients are reduced in
 bf16 base + fp32 LoRA + ``param_dtype=bf16`` gives fp32 LoRA grads). ``CPUOffloadPolicy``
 needs an accelerator (torch 2.13 raises at the first forward without one).
 
+Loading (``hollow_component``, then ``shard_and_load``): the denoiser is built from its
+config with every parameter a zero-byte stand-in (one element expanded to the parameter's
+shape) on the rank's device, so peft attaches LoRA to it exactly as to a loaded model (the
+same RNG draws, hence the same initial adapter as a DDP run with the same seed). The
+stand-ins then become meta tensors, ``fully_shard`` makes meta shards of them, and
+``to_empty`` allocates only this rank's shards, into which each rank reads just its rows
+of each weight from the safetensors files. No rank ever holds the whole base model.
+
 Checkpoints: ``save_sharded``/``load_sharded`` write/read the trainable parameters and the
 optimizer state with ``torch.distributed.checkpoint`` (each rank its own shards, one
 ``.metadata`` file); DCP reshards on load, so a run saved on N ranks resumes on M.
@@ -22,8 +30,10 @@ optimizer state with ``torch.distributed.checkpoint`` (each rank its own shards,
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -32,7 +42,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
 def shard_denoiser(model: torch.nn.Module, block_classes: tuple[str, ...], *, param_dtype=None,
@@ -73,12 +84,23 @@ def _peft_key(name: str) -> str:
 def full_lora_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The trainable (LoRA) parameters gathered to full fp32 CPU tensors, keyed as
     ``peft.get_peft_model_state_dict`` keys an unsharded model. A collective: every rank
-    calls it; rank 0 gets the dict, the others an empty one."""
+    calls it and every rank gets the whole dict (LoRA is small; the digests of raylora.json
+    and the adapter written by rank 0 come from the same gathered tensors)."""
     sd = get_model_state_dict(model, options=StateDictOptions(
-        full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return {}
-    return {_peft_key(k): v.detach().float().cpu() for k, v in sd.items() if "lora_" in k}
+        full_state_dict=True, cpu_offload=False, ignore_frozen_params=True))
+    return {_peft_key(k): v.detach().to("cpu", torch.float32, copy=True)
+            for k, v in sd.items() if "lora_" in k}
+
+
+def component_folder(path: str, component: str, revision=None) -> str:
+    """The local folder of one pipeline component: in a local model folder, else the hub
+    snapshot of just that component (what ``from_pretrained`` would download)."""
+    if os.path.isdir(path):
+        return os.path.join(path, component)
+    from huggingface_hub import snapshot_download
+
+    root = snapshot_download(path, revision=revision, allow_patterns=[f"{component}/*"])
+    return os.path.join(root, component)
 
 
 def param_bytes_per_rank(model: torch.nn.Module) -> int:
@@ -112,3 +134,144 @@ def load_sharded(directory: str, model: torch.nn.Module, optimizer: torch.optim.
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"],
                    options=StateDictOptions(ignore_frozen_params=True, strict=False))
+
+
+# ---- building the denoiser without its weights ------------------------------------------
+
+
+def _stand_in(p: torch.Tensor, device) -> torch.nn.Parameter:
+    # One element expanded to the full shape: the parameter's shape, dtype and device at no
+    # memory cost. Nothing reads its values: the real ones are copied into the shards.
+    one = torch.empty((1,) * p.dim(), dtype=p.dtype, device=device)
+    return torch.nn.Parameter(one.expand(p.shape), requires_grad=False)
+
+
+def hollow_component(model_path: str, index: dict, component: str, dtype: torch.dtype,
+                     device, revision=None) -> torch.nn.Module:
+    """``component`` of the pipeline built from its config as ``from_pretrained(torch_dtype=
+    dtype)`` would give it (fp32-kept modules included), with stand-in parameters on
+    ``device`` (see the module docstring) and its buffers real. Frozen, eval mode."""
+    from accelerate import init_empty_weights
+
+    from raylora.memory import _keep_fp32
+    from raylora.model.families.base import import_class
+
+    klass = import_class(*index[component][:2])
+    config = klass.load_config(model_path, subfolder=component, revision=revision)
+    # Buffers (timestep frequencies, position ids) are computed in __init__ and not all are
+    # in the weights file: built for real; parameters on meta, then stand-ins.
+    with init_empty_weights(include_buffers=False):
+        model = klass.from_config(config)
+    model.to(dtype)
+    _keep_fp32(model, dtype)
+    done: dict[int, torch.nn.Parameter] = {}
+    for m in model.modules():
+        for name, p in m._parameters.items():
+            if p is not None:  # tied parameters stay tied
+                m._parameters[name] = done.setdefault(id(p), _stand_in(p, device))
+        for name, b in m._buffers.items():
+            if b is not None:
+                m._buffers[name] = b.to(device)
+    model.requires_grad_(False)
+    model.eval()
+    return model
+
+
+class _WeightFiles:
+    """A diffusers component folder's safetensors weights (one file, or shards listed in
+    ``*.safetensors.index.json``), read a slice at a time."""
+
+    def __init__(self, folder: str, variant: str | None = None):
+        stem = "diffusion_pytorch_model" + (f".{variant}" if variant else "")
+        single, index = (os.path.join(folder, f"{stem}.safetensors"),
+                         os.path.join(folder, f"{stem}.safetensors.index.json"))
+        if os.path.exists(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            self.file_of = {k: os.path.join(folder, v) for k, v in weight_map.items()}
+        elif os.path.exists(single):
+            from safetensors import safe_open
+
+            with safe_open(single, "pt") as f:
+                self.file_of = dict.fromkeys(f.keys(), single)
+        else:
+            raise FileNotFoundError(
+                f"{folder}: no {stem}.safetensors (or its .index.json): scaling.strategy=fsdp "
+                "reads each rank's shard straight from safetensors weights")
+        self._open: dict = {}
+
+    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        from safetensors import safe_open
+
+        path = self.file_of[key]
+        if path not in self._open:
+            self._open[path] = safe_open(path, "pt")
+        part = self._open[path].get_slice(key)
+        return part[start:stop] if part.get_shape() else part[:]
+
+
+def _rows_of(p: torch.Tensor) -> tuple[int, int]:
+    """The dim-0 rows of the full parameter that this rank's local tensor holds."""
+    if not isinstance(p, DTensor):
+        return 0, p.shape[0] if p.dim() else 0
+    if any(not isinstance(pl, Shard) or pl.dim != 0 for pl in p.placements):
+        raise ValueError(f"unexpected FSDP placement {p.placements}")
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return offset[0] if shape else 0, (offset[0] + shape[0]) if shape else 0
+
+
+def shard_and_load(model: torch.nn.Module, block_classes: tuple[str, ...], folder: str,
+                   device, *, variant: str | None = None, **shard_kwargs) -> list[str]:
+    """Shard a ``hollow_component`` with LoRA attached (``shard_denoiser``) and fill its
+    shards: frozen weights from ``folder``, LoRA and buffers as they were. Returns the
+    shard units."""
+    with torch.no_grad():
+        lora = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    for m in model.modules():
+        for name, p in m._parameters.items():
+            if p is not None and not p.requires_grad:
+                m._parameters[name] = torch.nn.Parameter(
+                    torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False)
+    units = shard_denoiser(model, block_classes, **shard_kwargs)
+    model.to_empty(device=device)  # this rank's shards only; FSDP re-points them lazily
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in lora:
+                start, stop = _rows_of(p)
+                p.to_local().copy_(lora[n][start:stop])
+        for n, b in model.named_buffers():
+            b.copy_(buffers[n])
+    load_weights(model, folder, variant)
+    return units
+
+
+def load_weights(model: torch.nn.Module, folder: str, variant: str | None = None) -> int:
+    """Copy the frozen weights (and persistent buffers) of ``model`` (a ``hollow_component``,
+    LoRA attached, possibly sharded) from ``folder``'s safetensors: each rank reads only
+    the rows of its shards. LoRA parameters are left as they are. Returns the bytes read.
+    A weight missing from the files is an error naming it."""
+    files = _WeightFiles(folder, variant)
+    wanted = [(n, p, True) for n, p in model.named_parameters() if not p.requires_grad]
+    wanted += [(n, b, False) for n, b in model.named_buffers() if n.replace(".base_layer", "") in files.file_of]
+    missing = [n for n, _, is_param in wanted if is_param and n.replace(".base_layer", "") not in files.file_of]
+    if missing:
+        raise ValueError(f"{folder}: the weights lack {len(missing)} parameter(s) of "
+                         f"{type(model).__name__}, e.g. {missing[:3]}")
+    read = 0
+    with torch.no_grad():
+        for name, p, _ in wanted:
+            local = p.to_local() if isinstance(p, DTensor) else p
+            if local.numel() == 0:
+                continue
+            start, stop = _rows_of(p)
+            data = files.rows(name.replace(".base_layer", ""), start, stop)
+            if tuple(data.shape) != tuple(local.shape):
+                raise ValueError(f"{folder}: {name} has shape {tuple(data.shape)} in the weights, "
+                                 f"{tuple(local.shape)} expected")
+            read += data.numel() * data.element_size()
+            if isinstance(p, torch.nn.Parameter) and not isinstance(p, DTensor):
+                p.data = data.to(p.device, p.dtype)  # an unsharded stand-in: replace it
+            else:
+                local.copy_(data.to(local.dtype))
+    return read

@@ -14,6 +14,7 @@ import torch
 
 from raylora.checkpoint.state import (
     ADAPTER_DIR,
+    SHARDED_DIR,
     LoopState,
     RestoredState,
     restore_rng,
@@ -33,6 +34,13 @@ from raylora.train.objective import (
     flow_shift_from_scheduler,
     scheduler_objective_kind,
 )
+from raylora.train.fsdp import (
+    component_folder,
+    full_lora_state_dict,
+    load_sharded,
+    save_sharded,
+    shard_and_load,
+)
 from raylora.train.optim import build_lr_scheduler, build_optimizer
 from raylora.train.step import FrozenParts
 
@@ -51,12 +59,16 @@ class TrainingRun:
     ema: LoraEMA | None = None
     # text encoders that train LoRA, by pipeline component name
     trained_text_encoders: dict[str, torch.nn.Module] = field(default_factory=dict)
+    sharded: bool = False  # scaling.strategy=fsdp: model and optimizer state are shards
 
     @property
     def family(self) -> type[Family]:
         return self.parts.family
 
     def lora_state(self) -> dict[str, torch.Tensor]:
+        """The whole LoRA (fp32, CPU). Under FSDP a collective: every rank must call it."""
+        if self.sharded:
+            return full_lora_state_dict(self.model)
         return lora_state_dict(self.accelerator.unwrap_model(self.model), self.trained_text_encoders)
 
 
@@ -119,7 +131,8 @@ def enable_gradient_checkpointing(denoiser, trained_text_encoders=()) -> None:
             te.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def _restore(cfg: RayLoraConfig, accelerator, restored, optimizer, lr_scheduler, rank: int) -> LoopState:
+def _restore(cfg: RayLoraConfig, accelerator, restored, optimizer, lr_scheduler, rank: int,
+             model) -> LoopState:
     """Optimizer, schedule, scaler, loop position and RNG from a checkpoint; or a fresh
     state with this rank's own noise/timestep stream."""
     seed = cfg.train.seed
@@ -128,7 +141,15 @@ def _restore(cfg: RayLoraConfig, accelerator, restored, optimizer, lr_scheduler,
         # different images (the adapter's initial weights were drawn the same everywhere).
         torch.manual_seed(seed + 1000 * rank)
         return LoopState()
-    optimizer.load_state_dict(restored.optimizer_sd)
+    written = "fsdp" if restored.sharded_dir else "ddp"
+    if written != cfg.scaling.strategy:
+        raise ValueError(
+            f"scaling.strategy: the checkpoint to resume from was written with "
+            f"scaling.strategy={written}; resume with it, or start a new output.uri")
+    if restored.sharded_dir:  # every rank reads its slice of the saved shards
+        load_sharded(restored.sharded_dir, model, optimizer.optimizer)
+    else:
+        optimizer.load_state_dict(restored.optimizer_sd)
     lr_scheduler.scheduler.load_state_dict(restored.scheduler_sd)
     if accelerator.scaler is not None and restored.scaler_sd:
         accelerator.scaler.load_state_dict(restored.scaler_sd)
@@ -166,12 +187,13 @@ def build_run(
     from accelerate.utils import set_seed
 
     t = cfg.train
+    fsdp = cfg.scaling.strategy == "fsdp"
     weight_dtype = DTYPES[t.mixed_precision]
     set_seed(t.seed)  # same seed on every rank for the adapter's initial weights
     # Cached latents: the cache holds what the VAE and text encoders would compute.
     comps = load_components(
         cfg.model, weight_dtype, cfg.storage.client(), encoders=cfg.data.cache != "latents",
-        device=accelerator.device,
+        device=accelerator.device, hollow_denoiser=fsdp,
     )
     if torch.cuda.is_available() and not comps.family.cudnn_sdpa:
         torch.backends.cuda.enable_cudnn_sdp(False)
@@ -182,18 +204,48 @@ def build_run(
     parts = frozen_parts(cfg, comps, accelerator.device, weight_dtype, te_params)
     if restored is not None:
         load_lora_state_dict(comps.denoiser, restored.lora_sd, trained_te)
+    if fsdp:  # the LoRA parameters become DTensors (this rank's shards)
+        params = shard_denoiser_of(cfg, comps, accelerator, weight_dtype)
 
     optimizer = build_optimizer(cfg, params, accelerator.num_processes, te_params,
                                 device=accelerator.device)
     lr_scheduler = build_lr_scheduler(cfg, optimizer, max_steps, accelerator.num_processes)
-    model, optimizer, lr_scheduler = accelerator.prepare(comps.denoiser, optimizer, lr_scheduler)
-    state = _restore(cfg, accelerator, restored, optimizer, lr_scheduler, rank)
+    if fsdp:  # not DDP-wrapped: FSDP reduce-scatters the gradients itself
+        model = comps.denoiser
+        optimizer, lr_scheduler = accelerator.prepare(optimizer, lr_scheduler)
+    else:
+        model, optimizer, lr_scheduler = accelerator.prepare(comps.denoiser, optimizer, lr_scheduler)
+    state = _restore(cfg, accelerator, restored, optimizer, lr_scheduler, rank, model)
     ema = _ema(cfg, params + te_params, restored, state)
     model.train()
     for te in trained_te.values():
         te.train()  # LoRA dropout on, as for the denoiser
     return TrainingRun(accelerator, model, parts, optimizer, lr_scheduler, params + te_params,
-                       state, ema, trained_te)
+                       state, ema, trained_te, sharded=fsdp)
+
+
+def shard_denoiser_of(cfg: RayLoraConfig, comps, accelerator, weight_dtype) -> list:
+    """``scaling.strategy=fsdp``: shard the LoRA-wrapped hollow denoiser over the ranks,
+    read each rank's weights, and return its trainable (DTensor) parameters. Computation
+    runs in ``weight_dtype`` (FSDP gathers every parameter in it, LoRA included; autocast
+    as under DDP), LoRA gradients are reduced and stepped in fp32."""
+    f = cfg.scaling.fsdp
+    model = comps.denoiser
+    shard_and_load(
+        model, comps.family.repeated_blocks, component_folder(comps.path, comps.family.denoiser,
+                                                              cfg.model.revision),
+        accelerator.device, variant=cfg.model.variant,
+        param_dtype=None if weight_dtype == torch.float32 else weight_dtype,
+        reshard_after_forward=f.reshard_after_forward, offload=f.offload)
+    if accelerator.native_amp:
+        forward = model.forward
+
+        def autocast_forward(*args, **kwargs):
+            with accelerator.autocast():
+                return forward(*args, **kwargs)
+
+        model.forward = autocast_forward
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def nonfinite_advice(cfg: RayLoraConfig) -> str:
@@ -212,17 +264,23 @@ def write_checkpoint(directory: str, run: TrainingRun, rank: int) -> dict[str, t
     """Write this rank's share of a checkpoint into ``directory``; returns the LoRA state."""
     sd = run.lora_state()
     save_rank_state(directory, rank)
+    if run.sharded:
+        # Each rank writes its own shards of the LoRA and its optimizer state into its own
+        # directory; Ray merges the ranks' directories into one checkpoint, which is then
+        # the whole DCP checkpoint (rank 0's .metadata names every rank's file).
+        save_sharded(os.path.join(directory, SHARDED_DIR), run.model, run.optimizer.optimizer)
     if rank == 0:
         model = run.accelerator.unwrap_model(run.model)
         # The published adapter is the EMA; lora.safetensors keeps the raw weights.
         with run.ema.swapped_in(run.params) if run.ema is not None else nullcontext():
             save_diffusers_adapter(model, os.path.join(directory, ADAPTER_DIR), run.family,
-                                   run.trained_text_encoders)
+                                   run.trained_text_encoders,
+                                   denoiser_sd=sd if run.sharded else None)
         scaler = run.accelerator.scaler
         save_main_state(
             directory,
             lora_sd=sd,
-            optimizer_sd=run.optimizer.state_dict(),
+            optimizer_sd=None if run.sharded else run.optimizer.state_dict(),
             scheduler_sd=run.lr_scheduler.scheduler.state_dict(),
             scaler_sd=scaler.state_dict() if scaler is not None else None,
             loop=run.state,

@@ -81,12 +81,18 @@ def train_micro_step(
     """
     skip = False
     with accelerator.accumulate(model):
+        if hasattr(model, "set_requires_gradient_sync"):
+            # FSDP (not DDP-wrapped, so accumulate() cannot skip its sync): reduce-scatter
+            # the gradients on the last micro-step of the group only, as DDP all-reduces.
+            model.set_requires_gradient_sync(accelerator.sync_gradients)
         loss = compute_loss(model, parts, batch)
         accelerator.backward(loss)
         if accelerator.sync_gradients:
             if parts.text_encoder_params and accelerator.num_processes > 1:
                 average_gradients(parts.text_encoder_params)
             norm = accelerator.clip_grad_norm_(params, max_grad_norm)
+            if hasattr(norm, "full_tensor"):  # a DTensor (FSDP-sharded gradients)
+                norm = norm.full_tensor()
             skip = norm is not None and not bool(torch.isfinite(torch.as_tensor(norm)))
         if not skip or accelerator.scaler is not None:
             optimizer.step()

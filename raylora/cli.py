@@ -1,4 +1,4 @@
-"""``raylora train|tune|lr-find|validate|sample|export|shards|tiny-model|demo-data``."""
+"""``raylora train|tune|plan|lr-find|validate|sample|export|shards|tiny-model|demo-data``."""
 
 from __future__ import annotations
 
@@ -62,6 +62,25 @@ def _lr_find(args) -> int:
     print(f"raylora: lr-find table {s['csv']}")
     print(f"raylora: lr-find plot  {s['png']}")
     return 0
+
+
+def _plan(args) -> int:
+    """The memory plan without running anything (no Ray, no weights read): exit 0 when the
+    run fits its GPU or no GPU size is known, ``EXIT_DOES_NOT_FIT`` when it does not."""
+    from raylora import memory, preflight
+    from raylora.config import load_config
+    from raylora.launch import resolve_paths
+    from raylora.model.load import check_model, is_hub_id
+
+    cfg = resolve_paths(load_config(args.config, args.overrides))
+    if not is_hub_id(cfg.model.pretrained):
+        check_model(cfg.model.pretrained, cfg.storage.client())  # a missing folder: one line
+    # with RAY_ADDRESS, this machine's GPU is not the workers', and Ray is not joined here
+    gpu = (preflight.GpuSize(None, "RAY_ADDRESS is set: the workers' GPUs are the cluster's")
+           if preflight.on_cluster(cfg) else preflight.gpu_size(cfg))
+    text, fits, _ = preflight.report(memory.from_config(cfg), gpu)
+    print(text)
+    return preflight.EXIT_DOES_NOT_FIT if fits is False else 0
 
 
 def _validate(args) -> int:
@@ -142,6 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("overrides", nargs="*", help="dotted overrides, e.g. tune.num_samples=16")
     tu.set_defaults(fn=_tune)
 
+    pl = sub.add_parser("plan", help="estimate per-GPU memory and check it fits (runs nothing); "
+                        "exit 3 when it does not fit")
+    pl.add_argument("config", help="job YAML")
+    pl.add_argument("overrides", nargs="*", help="dotted overrides, e.g. scaling.gpu_memory_gb=24")
+    pl.set_defaults(fn=_plan)
+
     lf = sub.add_parser("lr-find", help="learning-rate range test on one worker")
     lf.add_argument("config")
     lf.add_argument("overrides", nargs="*")
@@ -208,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from raylora.config import ConfigError
+    from raylora.preflight import EXIT_DOES_NOT_FIT, DoesNotFit
 
     logging.basicConfig(level=logging.INFO, format="[raylora] %(message)s")
     parser = build_parser()
@@ -231,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         print("raylora: interrupted; run the same command again to resume from the latest "
               "checkpoint", file=sys.stderr)
         return 130
+    except DoesNotFit as exc:
+        print(f"raylora: {exc}", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
     except ConfigError as exc:
         print(f"raylora: {exc}", file=sys.stderr)
         return 2

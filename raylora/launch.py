@@ -13,7 +13,7 @@ import sys
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from raylora import storage
+from raylora import preflight, storage
 from raylora.config import ConfigError, RayLoraConfig, validate
 
 if TYPE_CHECKING:
@@ -427,8 +427,13 @@ def run(cfg: RayLoraConfig) -> dict:
 
     cfg = resolve_paths(cfg)
     p = plan(cfg)
+    remote = preflight.on_cluster(cfg)
+    if not remote:
+        preflight.check_memory(cfg)
     started = init_ray(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker)
     try:
+        if remote:  # the workers' GPUs are the cluster's: read once joined, before asking for any
+            preflight.check_memory(cfg, cluster=True)
         cfg = check_cluster_fits(cfg)
         p = start_bad_records(p)
         p = apply_cache(cfg, p)

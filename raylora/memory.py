@@ -61,6 +61,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from raylora.model.quantize import quantizable, quantized_linear_bytes
+
 GIB = 1024**3
 # Outside PyTorch's allocator, per GPU process: the CUDA context with PyTorch's kernels
 # loaded (~0.5 GiB on an H100 with CUDA 12: nvidia-smi's figure for a process whose
@@ -82,11 +84,9 @@ QUANTIZE = ("none", "nf4", "int8", "fp8")
 STRATEGIES = ("ddp", "fsdp")
 OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "prodigy", "adafactor")
 
-# bitsandbytes defaults, as raylora.model.quantize uses them: NF4 blocks of 64 weights
-# with double-quantized absmax (one uint8 per block, an fp32 per 256 blocks); 8-bit
-# optimizer state in blocks of 256 with an fp32 absmax, and fp32 state below 4096 elements.
-NF4_BLOCK = 64
-NF4_BLOCK2 = 256
+# bitsandbytes' 8-bit optimizer state: blocks of 256 with an fp32 absmax, and fp32 state
+# below 4096 elements (its min_8bit_size default: small LoRA matrices get no saving).
+# Quantized weights' storage is raylora.model.quantize's (quantized_linear_bytes).
 BNB_OPTIM_BLOCK = 256
 BNB_MIN_8BIT_SIZE = 4096
 
@@ -189,32 +189,12 @@ def meta_components(model_path: str, dtype: torch.dtype):
 # ---- bytes of weights -------------------------------------------------------------------
 
 
-def quantized_linear_bytes(weight_shape: Sequence[int], kind: str) -> int:
-    """Storage of one frozen ``nn.Linear`` weight ``[out, in]`` quantized as ``kind``
-    (raylora.model.quantize): nf4: bitsandbytes' packed 4-bit codes + double-quantized
-    absmax + the per-layer NF4 code table and offset; int8: int8 codes + an fp32 scale per
-    row (bitsandbytes' SCB); fp8: float8 codes + an fp32 scale per row."""
-    out_f, in_f = weight_shape
-    n = out_f * in_f
-    if kind == "nf4":
-        blocks = math.ceil(n / NF4_BLOCK)
-        return math.ceil(n / 2) + blocks + 4 * math.ceil(blocks / NF4_BLOCK2) + 16 * 4 + 4
-    if kind in ("int8", "fp8"):
-        return n + 4 * out_f
-    raise ValueError(f"unknown quantization {kind!r} (one of {', '.join(QUANTIZE)})")
-
-
 def _quantized_weights(model: nn.Module, kind: str) -> dict[int, nn.Linear]:
-    """The linears ``raylora.model.quantize.quantize_module`` swaps: every plain
-    ``nn.Linear`` outside the model's fp32 modules. Keyed by the weight's id."""
+    """The linears ``raylora.model.quantize.quantize_module`` swaps, keyed by the weight's
+    id (none for ``kind`` none)."""
     if kind == "none":
         return {}
-    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
-    out = {}
-    for name, m in model.named_modules():
-        if type(m) is nn.Linear and not (keep & set(name.split("."))):
-            out[id(m.weight)] = m
-    return out
+    return {id(m.weight): m for _, m in quantizable(model)}
 
 
 def weight_bytes(model: nn.Module, quantize: str = "none", shards: int = 1) -> int:
@@ -230,7 +210,7 @@ def weight_bytes(model: nn.Module, quantize: str = "none", shards: int = 1) -> i
         if id(t) in quantized:
             # one shard's rows of the quantized layout
             out_f, in_f = t.shape
-            total += quantized_linear_bytes((math.ceil(out_f / shards), in_f), quantize)
+            total += quantized_linear_bytes((math.ceil(out_f / shards), in_f), quantize, t.dtype)
         elif shards > 1 and t.dim():
             total += math.ceil(t.shape[0] / shards) * (t.numel() // t.shape[0]) * t.element_size()
         else:
@@ -264,7 +244,7 @@ def block_bytes(model: nn.Module, block_names: Sequence[str], quantize: str = "n
             if t.requires_grad:
                 n += t.numel() * item
             elif id(t) in quantized:
-                n += quantized_linear_bytes(t.shape, quantize)
+                n += quantized_linear_bytes(t.shape, quantize, t.dtype)
             else:
                 n += t.numel() * t.element_size()
         return n
@@ -650,6 +630,11 @@ def _measure(comps, batch, mixed_precision: str, autocast_device: str) -> StepPr
 # ---- the estimate ---------------------------------------------------------------------------
 
 
+def size(nbytes: float) -> str:
+    """``12.34 GiB``; ``12.3 MiB`` under 1 GiB (tiny test models)."""
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
+
+
 @dataclass
 class Estimate:
     """Per-GPU bytes of one training worker, line by line (see ``table()``).
@@ -728,26 +713,29 @@ class Estimate:
         return rows
 
     def table(self) -> str:
-        """A small table in GiB (2 decimals), with what was estimated above it."""
+        """A small table in GiB (MiB for a total under 1 GiB: tiny test models), 2
+        decimals, with what was estimated above it."""
         s = self.settings
+        mp = {"no": "fp32"}.get(s.get("mixed_precision"), s.get("mixed_precision"))
         head = (f"{s.get('family', '?')} {s.get('resolution')} px, batch {s.get('batch_size')}, "
-                f"LoRA r{s.get('lora_rank')}, {s.get('mixed_precision')}, {s.get('strategy')} x"
+                f"LoRA r{s.get('lora_rank')}, {mp}, {s.get('strategy')} x"
                 f"{s.get('world_size')}, quantize {s.get('quantize')}, gradient checkpointing "
                 f"{'on' if s.get('gradient_checkpointing') else 'off'}, "
                 f"{'cached latents' if s.get('cached_latents') else 'VAE + text encoders on the worker'}")
         rows = self.lines() + [("total per GPU", self.total)]
         width = max(len(r[0]) for r in rows)
-        out = [head, f"{'':{width}}    GiB"]
+        unit, div = ("GiB", GIB) if self.total >= GIB else ("MiB", 2**20)
+        out = [head, f"{'':{width}}    {unit}"]
         for i, (name, n) in enumerate(rows):
             if i == len(rows) - 1:
                 out.append("-" * (width + 10))
-            out.append(f"{name:{width}}  {n / GIB:7.2f}")
+            out.append(f"{name:{width}}  {n / div:7.2f}")
         return "\n".join(out)
 
     def advice(self, gpu_gb: float) -> list[str]:
         """Config changes that would make this fit ``gpu_gb`` GiB, each re-estimated, with
-        the new total: ``key=value (...): N GiB``. Empty when it fits already, or when no
-        single change (nor a pair of them) does."""
+        the new total: ``key=value (...): N GiB`` (MiB under 1 GiB, see ``size``). Empty
+        when it fits already, or when no single change (nor a pair of them) does."""
         if self.fits(gpu_gb):
             return []
         a = self.settings["args"]
@@ -787,13 +775,20 @@ def _fitting(args: dict, options: list[tuple[str, dict]], gpu_gb: float, single:
     for combo in combos:
         change = {k: v for _, c in combo for k, v in c.items()}
         kind = frozenset(change)
-        if kind in kinds:
+        new = {**args, **change}
+        if kind in kinds or not _allowed(new):
             continue
-        e = estimate(**{**args, **change})
+        e = estimate(**new)
         if e.fits(gpu_gb):
-            out.append(f"{' '.join(label for label, _ in combo)}: {e.gib():.2f} GiB")
+            out.append(f"{' '.join(label for label, _ in combo)}: {size(e.total)}")
             kinds.add(kind)
     return out
+
+
+def _allowed(args: dict) -> bool:
+    """Whether the config would accept these settings: raylora.config refuses FSDP with a
+    quantized base or text-encoder LoRA, so advice never names those combinations."""
+    return args["strategy"] != "fsdp" or (args["quantize"] == "none" and not args["train_text_encoder"])
 
 
 @functools.lru_cache(maxsize=4)
@@ -903,33 +898,36 @@ def estimate(model_path: str, *, batch_size: int = 1, resolution: int = 1024, lo
     return est
 
 
+def optimizer_args(train) -> dict:
+    """``optimizer_state_bytes``'s settings from a config's ``train`` section."""
+    return dict(optimizer=train.optimizer, prodigy_slice_p=train.prodigy.slice_p,
+                adafactor_beta1=train.adafactor.beta1)
+
+
+def config_args(cfg) -> dict:
+    """``estimate``'s arguments (the model path aside) for a validated ``RayLoraConfig``:
+    two configs with equal arguments have equal estimates."""
+    m, t, s, lo, d = cfg.model, cfg.train, cfg.scaling, cfg.lora, cfg.data
+    return dict(
+        batch_size=t.batch_size, resolution=d.resolution, lora_rank=lo.rank,
+        lora_targets=tuple(lo.target_modules) if lo.target_modules else None,
+        mixed_precision=t.mixed_precision, gradient_checkpointing=t.gradient_checkpointing,
+        strategy=s.strategy, world_size=s.num_workers, quantize=m.quantize,
+        quantize_text_encoders=m.quantize_text_encoders, cached_latents=d.cache == "latents",
+        train_text_encoder=lo.train_text_encoder, max_sequence_length=m.max_sequence_length,
+        device="cuda" if s.use_gpu else "cpu", **optimizer_args(t))
+
+
 def from_config(cfg, **changes) -> Estimate:
-    """The estimate for a validated ``RayLoraConfig`` (keys that do not exist yet are read
-    with their defaults: ``scaling.strategy`` ddp, ``model.quantize`` none, ...).
-    ``changes``: ``estimate`` arguments to override. A model in object storage has its
-    JSON configs copied to a temporary folder first (nothing else is read)."""
+    """The estimate for a validated ``RayLoraConfig``; ``changes``: ``estimate`` arguments
+    to override. A model in object storage has its JSON configs copied to a temporary
+    folder first (nothing else is read)."""
     from raylora.model.load import resolve_model_path
 
-    m, t, s, lo, d = cfg.model, cfg.train, cfg.scaling, cfg.lora, cfg.data
-    path = changes.pop("model_path", None) or resolve_model_path(m)
+    path = changes.pop("model_path", None) or resolve_model_path(cfg.model)
     if "://" in path and not path.startswith("file://"):
         path = _configs_only(path, cfg.storage.client())
-    prodigy = getattr(t, "prodigy", None)
-    adafactor = getattr(t, "adafactor", None)
-    args = dict(
-        batch_size=t.batch_size, resolution=d.resolution, lora_rank=lo.rank,
-        lora_targets=lo.target_modules, mixed_precision=t.mixed_precision,
-        gradient_checkpointing=t.gradient_checkpointing,
-        strategy=getattr(s, "strategy", "ddp"), world_size=s.num_workers,
-        quantize=getattr(m, "quantize", "none"),
-        quantize_text_encoders=getattr(m, "quantize_text_encoders", "none"),
-        optimizer=getattr(t, "optimizer", "adamw"), cached_latents=d.cache == "latents",
-        train_text_encoder=lo.train_text_encoder, max_sequence_length=m.max_sequence_length,
-        prodigy_slice_p=getattr(prodigy, "slice_p", 1),
-        adafactor_beta1=getattr(adafactor, "beta1", None),
-        device="cuda" if s.use_gpu else "cpu")
-    args.update(changes)
-    return estimate(path, **args)
+    return estimate(path, **{**config_args(cfg), **changes})
 
 
 _CONFIG_FILES = ("config.json", "scheduler_config.json", "tokenizer_config.json")

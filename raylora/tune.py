@@ -22,6 +22,7 @@ import logging
 import math
 import os
 
+from raylora import preflight as memory_preflight
 from raylora import storage
 from raylora.config import RayLoraConfig, TuneSection, trial_tree, validate
 from raylora.launch import (
@@ -128,6 +129,15 @@ def preflight(cfg: RayLoraConfig) -> Plan:
     return base
 
 
+def trial_variants(cfg: RayLoraConfig) -> list[tuple[str, RayLoraConfig]]:
+    """Each bounding value of each search dimension (every option, both ends of a range)
+    applied alone to the base config, labelled by it: what the memory preflight checks
+    besides the base (dimensions that do not change the estimate cost nothing there)."""
+    tree = cfg.to_dict()
+    return [(f"tune.search_space.{key}={value!r}", validate(trial_tree(tree, {key: value})))
+            for key, dim in cfg.tune.search_space.items() for value in dim.values]
+
+
 def _trial(params: dict, *, base_tree: dict, base_plan: Plan, trials_uri: str) -> None:
     """One Tune trial (runs in Tune's trial actor): the sampled values applied to the base
     config, then a full TorchTrainer run reporting to Tune."""
@@ -149,6 +159,10 @@ def run_tune(cfg: RayLoraConfig) -> dict:
 
     cfg = resolve_paths(cfg)
     base_plan = preflight(cfg)
+    variants = trial_variants(cfg)
+    remote = memory_preflight.on_cluster(cfg)
+    if not remote:
+        memory_preflight.check_memory(cfg, variants=variants)
     tn = cfg.tune
     out = storage.normalize(cfg.output.uri)
     trials_uri = storage.join(out, TUNE_DIR, TRIALS_DIR)
@@ -156,6 +170,8 @@ def run_tune(cfg: RayLoraConfig) -> dict:
     per_trial = trial_resources(cfg)
     started = init_ray(per_trial["CPU"])
     try:
+        if remote:  # the trials' GPUs are the cluster's: read once joined
+            memory_preflight.check_memory(cfg, cluster=True, variants=variants)
         check_cluster_fits(cfg)  # one trial's workers, at least
         # One bad-record counter for the search: every trial's reads count in it.
         base_plan = start_bad_records(base_plan)

@@ -312,7 +312,8 @@ def test_advice_names_the_keys_that_make_it_fit(tiny, tmp_path):
     keys = {line.split("=")[0] for line in advice}
     assert {"scaling.strategy", "model.quantize", "train.gradient_checkpointing", "train.batch_size"} <= keys
     for line in advice:  # each names its re-estimated total, under the budget
-        assert float(line.rsplit(": ", 1)[1].split()[0]) <= budget + 0.005
+        value, unit = line.rsplit(": ", 1)[1].split()
+        assert float(value) * {"MiB": 2**20, "GiB": memory.GIB}[unit] <= (budget + 0.005) * memory.GIB
     assert est.advice(est.total / memory.GIB) == []
     fsdp = [line for line in advice if line.startswith("scaling.strategy=fsdp")]
     assert fsdp == [fsdp[0]] and "scaling.num_workers=2" in fsdp[0]  # the smallest world that fits

@@ -140,7 +140,7 @@ def test_adamw8bit_keeps_8bit_state_on_cpu():
 def _state_bytes(opt) -> int:
     # bitsandbytes' 256-entry code books (qmap) are per-optimizer constants, left out
     return sum(v.numel() * v.element_size() for st in opt.state.values() for k, v in st.items()
-               if torch.is_tensor(v) and v.dim() > 0 and not k.startswith("qmap"))
+               if torch.is_tensor(v) and not k.startswith("qmap"))
 
 
 @pytest.mark.parametrize("train", [
@@ -149,14 +149,17 @@ def _state_bytes(opt) -> int:
     {"optimizer": "adafactor", "adafactor": {"beta1": 0.9}},
 ])
 def test_state_bytes_estimate_matches_the_optimizer(train):
-    """optimizer_state_bytes: the optimizer term of a memory estimate, exact here."""
-    from raylora.train.optim import optimizer_state_bytes
+    """The memory preflight's optimizer term, read from the config as the preflight reads
+    it, = the state of the optimizer build_optimizer makes from the same config."""
+    from raylora.memory import optimizer_args, optimizer_state_bytes
 
     cfg = validate({**MIN, "train": train})
     params = [torch.nn.Parameter(torch.randn(s)) for s in [(128, 64), (8, 4), (64,), (3072, 16)]]
     opt = build_optimizer(cfg, params, world_size=1, device="cpu")
     _steps(opt, params, 2)
-    assert optimizer_state_bytes(cfg, [p.shape for p in params]) == _state_bytes(opt)
+    args = optimizer_args(cfg.train)
+    shapes = [p.shape for p in params]
+    assert optimizer_state_bytes(args.pop("optimizer"), shapes, **args) == _state_bytes(opt)
 
 
 @pytest.mark.parametrize("name", ["adamw8bit", "prodigy", "adafactor", "adafactor-relative"])

@@ -9,12 +9,7 @@ import torch
 from torch import nn
 
 from raylora.config import ConfigError, validate
-from raylora.model.quantize import (
-    Float8Linear,
-    frozen_bytes,
-    quantize_module,
-    weight_bytes_per_param,
-)
+from raylora.model.quantize import Float8Linear, quantize_module, quantized_linear_bytes
 
 FAMILIES = ["sd", "sdxl", "flux", "sd3", "qwenimage"]
 MIN = {"model": {"pretrained": "m"}, "data": {"uri": "d"}, "output": {"uri": "o"}}
@@ -149,38 +144,38 @@ def test_config_and_worker_refuse_what_cannot_run(tiny_model, tmp_path):
 
 @pytest.mark.parametrize("kind", ["nf4", "int8", "fp8"])
 def test_sizes_for_a_memory_estimate(tiny, kind):
-    """frozen_bytes (computed on a meta-device model) equals the bytes of the quantized
-    model's tensors: the hook a memory preflight calls."""
+    """The memory preflight's weight bytes (raylora.memory.weight_bytes on a meta-device
+    model, reading quantize's own list of layers and storage sizes) = the bytes of the
+    model quantize_module swapped, bitsandbytes' statistics beside the weights included."""
     import bitsandbytes as bnb
     from diffusers import UNet2DConditionModel
+
+    from raylora.memory import weight_bytes
 
     model = UNet2DConditionModel.from_pretrained(tiny("sd"), subfolder="unet")
     with torch.device("meta"):
         meta = UNet2DConditionModel.from_config(model.config)
+    meta.requires_grad_(False)  # frozen, as raylora loads it (trainable tensors are LoRA's)
     full = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    assert frozen_bytes(meta, "none", torch.float32) == full
-    assert frozen_bytes(meta, "none", torch.bfloat16) == full // 2
-    est = frozen_bytes(meta, kind, torch.float32)
-    quantize_module(model, kind, torch.float32, "cpu")
+    assert weight_bytes(meta) == full
+    linear = [m for m in meta.modules() if type(m) is nn.Linear]
+    assert quantize_module(model, kind, torch.float32, "cpu") == len(linear) > 0
     got = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    for m in model.modules():  # statistics bitsandbytes keeps beside the weight tensor
-        if isinstance(m, bnb.nn.Linear4bit):  # uint8 absmax per block, fp32 per 256 blocks
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):  # absmax per block (+ its own), code table, offset
             qs = m.weight.quant_state
-            got += qs.absmax.numel() + 4 * qs.state2.absmax.numel()
+            stats = (qs.absmax, qs.state2.absmax, qs.code, qs.offset)
+            got += sum(t.numel() * t.element_size() for t in stats)
         elif isinstance(m, bnb.nn.Linear8bitLt):  # fp32 scale per row
             got += 4 * m.weight.SCB.numel()
-    # left out: nf4's per-layer code books (16 + 256 floats), ~1 KB a layer
-    assert est == pytest.approx(got, rel=2e-3 if kind == "nf4" else 0), (est, got)
-    linear = [m for m in meta.modules() if type(m) is nn.Linear]
-    n = sum(m.weight.numel() for m in linear)
-    saved = full - est  # the linears' weights are what shrinks
-    assert 0 < saved < n * 4 and saved == pytest.approx(
-        sum(m.weight.numel() * (4 - weight_bytes_per_param(kind, torch.float32, m.in_features))
-            for m in linear), rel=1e-6)
-    assert weight_bytes_per_param("none", torch.bfloat16) == 2
-    assert weight_bytes_per_param("nf4") == pytest.approx(0.5157, abs=1e-3)
-    assert weight_bytes_per_param("int8", in_features=3072) == pytest.approx(1 + 4 / 3072)
-    assert weight_bytes_per_param("fp8", torch.bfloat16, 3072) == pytest.approx(1 + 2 / 3072)
+    est = weight_bytes(meta, kind)
+    assert est == got < full
+    # the linears' weights are what shrinks
+    assert full - est == sum(
+        m.weight.numel() * 4 - quantized_linear_bytes(m.weight.shape, kind, torch.float32) for m in linear)
+    assert quantized_linear_bytes((3072, 3072), "fp8", torch.bfloat16) == 3072 * 3072 + 3072 * 2
+    assert quantized_linear_bytes((3072, 3072), "int8") == 3072 * 3072 + 3072 * 4
+    assert quantized_linear_bytes((3072, 3072), "nf4") / 3072**2 == pytest.approx(0.5157, abs=1e-3)
 
 
 # ---------------------------------------------------------------- gradient checkpointing

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 NF4_BLOCKSIZE = 64  # bitsandbytes' 4-bit quantization block (one absmax per block)
+NF4_BLOCKSIZE2 = 256  # its double quantization: one fp32 absmax per 256 blocks' absmax
 
 
 class _Float8Matmul(torch.autograd.Function):
@@ -102,23 +103,27 @@ def _skipped(name: str, keep: list[str]) -> bool:
     return any(k in parts or name.endswith(k) for k in keep)
 
 
+def quantizable(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """(qualified name, layer) of every linear ``quantize_module`` swaps: each plain
+    ``nn.Linear`` outside the modules the model keeps in fp32 (``_keep_in_fp32_modules``,
+    e.g. T5's ``wo``). A memory estimate reads the same list, so the two cannot disagree."""
+    keep = list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    return [(name, m) for name, m in model.named_modules()
+            if type(m) is nn.Linear and not _skipped(name, keep)]
+
+
 def quantize_module(model: nn.Module, kind: str, compute_dtype: torch.dtype, device) -> int:
-    """Swap ``model``'s ``nn.Linear`` layers for ``kind`` (nf4 | int8 | fp8) quantized ones
-    on ``device``, in place; the layers the model keeps in fp32 (``_keep_in_fp32_modules``,
-    e.g. T5's ``wo``) are left alone. Returns the number of layers quantized. Marks the model
+    """Swap ``model``'s ``quantizable`` linears for ``kind`` (nf4 | int8 | fp8) quantized
+    ones on ``device``, in place. Returns the number of layers quantized. Marks the model
     ``is_loaded_in_4bit``/``8bit``: what peft reads to pick its bitsandbytes LoRA layers.
     Whether ``kind`` may run on ``device`` is ``check_supported``'s call, made before the
     model is loaded."""
     if kind == "none":
         return 0
-    keep = list(getattr(model, "_keep_in_fp32_modules", None) or [])
-    swaps = [(name, parent, child_name, child)
-             for name, parent in model.named_modules()
-             for child_name, child in parent.named_children()
-             if type(child) is nn.Linear
-             and not _skipped(f"{name}.{child_name}" if name else child_name, keep)]
-    for _, parent, child_name, child in swaps:
-        setattr(parent, child_name, _quantized(child, kind, compute_dtype, device))
+    swaps = quantizable(model)
+    for name, child in swaps:
+        parent, _, child_name = name.rpartition(".")
+        setattr(model.get_submodule(parent), child_name, _quantized(child, kind, compute_dtype, device))
     if kind == "nf4":
         model.is_loaded_in_4bit = True
     elif kind == "int8":
@@ -154,40 +159,21 @@ def _quantized(linear: nn.Linear, kind: str, compute_dtype: torch.dtype, device)
     return q.to(device)  # bitsandbytes quantizes on this move
 
 
-# ---- sizes, for a memory estimate ------------------------------------------------------
+# ---- sizes, for a memory estimate (raylora.memory) ---------------------------------------
 
-def weight_bytes_per_param(kind: str, dtype: torch.dtype = torch.bfloat16,
-                           in_features: int | None = None) -> float:
-    """Bytes per weight of a linear layer stored as ``kind`` (``none``: ``dtype``, the
-    training dtype). nf4: 4 bits + bitsandbytes' double-quantized absmax (one uint8 per
-    64-weight block, an fp32 per 256 blocks). int8: 1 byte + an fp32 scale per output row;
-    fp8: 1 byte + a ``dtype`` scale per row (spread over ``in_features`` weights; left out
-    when None)."""
-    item = torch.empty((), dtype=dtype).element_size()
-    if kind == "none":
-        return item
+def quantized_linear_bytes(weight_shape, kind: str, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Storage of one frozen ``nn.Linear`` weight ``[out, in]`` once ``quantize_module``
+    swapped it with ``dtype`` as the compute dtype. nf4: bitsandbytes' packed 4-bit codes +
+    double-quantized absmax (a uint8 per block of 64, an fp32 per 256 blocks) + the
+    layer's NF4 code table and offset; int8: int8 codes + an fp32 scale per row
+    (bitsandbytes' SCB); fp8: float8 codes + a ``dtype`` scale per row (``Float8Linear``)."""
+    out_f, in_f = weight_shape
+    n = out_f * in_f
     if kind == "nf4":
-        return 0.5 + 1 / NF4_BLOCKSIZE + 4 / (NF4_BLOCKSIZE * 256)
-    if kind in ("int8", "fp8"):
-        row = 4 if kind == "int8" else item
-        return 1.0 + (row / in_features if in_features else 0.0)
-    raise ValueError(f"unknown quantization {kind!r}")
-
-
-def frozen_bytes(model: nn.Module, kind: str, dtype: torch.dtype) -> int:
-    """Bytes ``model`` takes once ``quantize_module(model, kind, ...)`` ran: its
-    quantizable linears at ``kind``'s size, every other parameter and buffer at ``dtype``
-    (floating) or as stored. Works on a model built on the meta device."""
-    keep = list(getattr(model, "_keep_in_fp32_modules", None) or [])
-    item = torch.empty((), dtype=dtype).element_size()
-    quantized = set()
-    total = 0.0
-    if kind != "none":
-        for name, m in model.named_modules():
-            if type(m) is nn.Linear and not _skipped(name, keep):
-                quantized.add(id(m.weight))
-                total += m.weight.numel() * weight_bytes_per_param(kind, dtype, m.in_features)
-    for t in [*model.parameters(), *model.buffers()]:
-        if id(t) not in quantized:
-            total += t.numel() * (item if t.is_floating_point() else t.element_size())
-    return int(math.ceil(total))
+        blocks = math.ceil(n / NF4_BLOCKSIZE)
+        return math.ceil(n / 2) + blocks + 4 * math.ceil(blocks / NF4_BLOCKSIZE2) + 16 * 4 + 4
+    if kind == "int8":
+        return n + 4 * out_f
+    if kind == "fp8":
+        return n + out_f * torch.empty((), dtype=dtype).element_size()
+    raise ValueError(f"unknown quantization {kind!r} (one of nf4, int8, fp8)")

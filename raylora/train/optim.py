@@ -5,7 +5,8 @@ variant (CUDA), Prodigy (prodigyopt) or Adafactor (transformers). Each gets the
 denoiser's LoRA in one parameter group and, when trained, the text encoders' in a second
 with ``lora.text_encoder_lr``; their hyperparameters come from ``train.adam_*``,
 ``train.prodigy`` and ``train.adafactor``. Their state dicts are what checkpoints hold
-(plain tensors and numbers: ``torch.load(weights_only=True)`` reads them back).
+(plain tensors and numbers: ``torch.load(weights_only=True)`` reads them back); their
+size, for the memory preflight, is ``raylora.memory.optimizer_state_bytes``.
 
 AdamW's implementation is picked by device: on CUDA the fused kernel (one launch updates
 every LoRA tensor; the for-each variant still launches a handful of kernels per group of
@@ -16,17 +17,12 @@ LoRA matrices is a visible slice of a short step); elsewhere the for-each varian
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
 from raylora.config import RayLoraConfig
 
 log = logging.getLogger(__name__)
-
-# bitsandbytes keeps tensors with fewer elements than this in 32-bit state (its
-# ``min_8bit_size`` default): small LoRA matrices get no 8-bit saving.
-BNB_MIN_8BIT_SIZE = 4096
 
 
 def adamw_impl(device) -> dict:
@@ -36,29 +32,6 @@ def adamw_impl(device) -> dict:
     # CPU has a fused AdamW too, but it is not what the for-each path is tested against
     # here, and on CPU the optimizer is not where the step's time goes.
     return {"foreach": True}
-
-
-def optimizer_state_bytes(cfg: RayLoraConfig, shapes) -> int:
-    """Bytes of optimizer state for fp32 trainable tensors of ``shapes`` (a memory
-    estimate's term; exact up to allocator padding and bitsandbytes' small per-block
-    statistics)."""
-    t = cfg.train
-    total = 0
-    for shape in shapes:
-        n = math.prod(shape)
-        if t.optimizer == "adamw":
-            total += 2 * 4 * n  # exp_avg, exp_avg_sq
-        elif t.optimizer in ("adamw8bit", "paged_adamw8bit"):
-            # two uint8 states + an fp32 absmax per 256-element block (blockwise)
-            total += 2 * n + 2 * 4 * math.ceil(n / 256) if n >= BNB_MIN_8BIT_SIZE else 8 * n
-        elif t.optimizer == "prodigy":
-            sliced = math.ceil(n / t.prodigy.slice_p)
-            total += 4 * (2 * n + 2 * sliced)  # exp_avg, exp_avg_sq, s, p0
-        else:  # adafactor: factored second moment for matrices
-            a = t.adafactor
-            second = (sum(shape[:-1]) + shape[-1]) if len(shape) >= 2 else n
-            total += 4 * (second + (n if a.beta1 is not None else 0))
-    return total
 
 
 def build_optimizer(cfg: RayLoraConfig, params, world_size: int,

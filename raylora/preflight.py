@@ -1,0 +1,171 @@
+"""The memory preflight of ``raylora train``/``tune`` and ``raylora plan`` (issue #21).
+
+Before any worker starts, one worker's per-GPU bytes are estimated (``raylora.memory``: a
+meta-device training step, no weights read) and compared with the GPU it will get; a run
+that cannot fit is refused with the estimate and the keys that would make it fit, instead
+of failing with a CUDA out-of-memory error minutes into the run.
+
+The GPU's size comes from ``scaling.gpu_memory_gb``, else from the GPUs the workers will
+use: this machine's (an embedded Ray runs the workers here) or, on a cluster, the
+``accelerator_type:*`` resource Ray gives each GPU node, for the names that have one size.
+Unknown: no check, and one log line that says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from raylora.config import ConfigError, RayLoraConfig
+
+log = logging.getLogger("raylora")
+
+GIB = 1024**3  # raylora.memory's, which imports torch: this module is on every CLI path
+
+# Memory as nvidia-smi shows it (MiB), by the name Ray's accelerator_type resource gives
+# the GPU. Names that cover several sizes are left out (A100: 40 or 80 GB; V100: 16 or
+# 32 GB): no check is better than a wrong one. "H100" covers the 94 GB H100 NVL too: its
+# 80 GB siblings' figure is the safe one. A100-40G/-80G are labels users add themselves.
+KNOWN_GPU_MIB = {
+    "H100": 81559, "H200": 143771, "A100-80G": 81920, "A100-40G": 40960,
+    "L40S": 46068, "L4": 23034, "A10G": 23028, "T4": 15360,
+}
+# `raylora plan`'s exit status when the run does not fit (2 is a config problem). The
+# same status when `raylora train` refuses a run for it.
+EXIT_DOES_NOT_FIT = 3
+
+
+@dataclass
+class GpuSize:
+    """One worker's GPU memory in GiB (None: unknown), and where the figure came from."""
+
+    gib: float | None
+    source: str
+
+
+class DoesNotFit(ConfigError):
+    """The run's estimate does not fit its GPU: the message is the estimate table, the
+    GPU size and the changes that would fit, each re-estimated."""
+
+    def __init__(self, report: str, advice: list[str]):
+        keys = "; ".join(advice) or "no single change (nor a pair) fits"
+        super().__init__([f"memory: the estimate does not fit the GPU ({keys})"])
+        self.advice = advice
+        self.args = (report,)  # str(exc): the whole report, which the CLI prints
+
+
+def on_cluster(cfg: RayLoraConfig) -> bool:
+    """Whether the GPU size must be read from a Ray cluster (joined, not this machine's):
+    no ``scaling.gpu_memory_gb``, GPU workers, and ``RAY_ADDRESS`` set or Ray running."""
+    import ray
+
+    s = cfg.scaling
+    return (s.gpu_memory_gb is None and s.use_gpu
+            and bool(os.environ.get("RAY_ADDRESS") or ray.is_initialized()))
+
+
+def gpu_size(cfg: RayLoraConfig, cluster: bool = False) -> GpuSize:
+    """The memory of one worker's GPU: ``scaling.gpu_memory_gb``, else the cluster's GPU
+    nodes (``cluster``, Ray connected) or this machine's GPUs; CPU runs have none."""
+    s = cfg.scaling
+    if s.gpu_memory_gb is not None:
+        return GpuSize(s.gpu_memory_gb, "scaling.gpu_memory_gb")
+    if not s.use_gpu:
+        return GpuSize(None, "scaling.use_gpu is false")
+    return _cluster_gpu() if cluster else _local_gpu()
+
+
+def _local_gpu() -> GpuSize:
+    # Device properties come from the CUDA runtime without creating a context on the GPU
+    # the workers are about to use.
+    import torch
+
+    if not torch.cuda.is_available():
+        return GpuSize(None, "no GPU on this machine")
+    props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+    small = min(props, key=lambda p: p.total_memory)
+    return GpuSize(small.total_memory / GIB, f"detected: {small.name}")
+
+
+def _cluster_gpu() -> GpuSize:
+    import ray
+
+    names = set()
+    for node in ray.nodes():
+        res = node.get("Resources", {})
+        if node.get("Alive") and res.get("GPU"):
+            types = [k.split(":", 1)[1] for k in res if k.startswith("accelerator_type:")]
+            names.add(types[0] if len(types) == 1 else None)
+    if not names:
+        return GpuSize(None, "no GPU node in the cluster yet")
+    unknown = names - set(KNOWN_GPU_MIB)
+    if unknown:
+        named = ", ".join(sorted(n or "unnamed" for n in unknown))
+        return GpuSize(None, f"the cluster's GPU type {named} has no single known size")
+    small = min(names, key=KNOWN_GPU_MIB.get)
+    return GpuSize(KNOWN_GPU_MIB[small] / 1024, f"detected: {small} (Ray accelerator_type)")
+
+
+def report(est, gpu: GpuSize) -> tuple[str, bool | None, list[str]]:
+    """(text, fits, advice): the estimate table, the GPU and whether it fits (None: no GPU
+    size known), and the changes that would fit, each re-estimated."""
+    from raylora.memory import size
+
+    lines = [est.table()]
+    if gpu.gib is None:
+        lines.append(f"GPU: unknown ({gpu.source}): not checked; give scaling.gpu_memory_gb=<GiB>")
+        return "\n".join(lines), None, []
+    fits = est.fits(gpu.gib)
+    head = f"GPU: {size(gpu.gib * GIB)} ({gpu.source}): "
+    if fits:
+        lines.append(head + f"fits, {size(gpu.gib * GIB - est.total)} to spare")
+        return "\n".join(lines), True, []
+    advice = est.advice(gpu.gib)
+    lines.append(head + f"does NOT fit ({size(est.total)} needed)")
+    if advice:
+        lines.append("These would fit (each re-estimated; key=value, as overrides or in the YAML):")
+        lines += [f"  {a}" for a in advice]
+    else:
+        lines.append("No single change, nor a pair, fits. Combine: scaling.strategy=fsdp with more "
+                     "scaling.num_workers, model.quantize=nf4, train.gradient_checkpointing=true, "
+                     "a smaller train.batch_size, data.cache=latents; or a larger GPU.")
+    return "\n".join(lines), False, advice
+
+
+def check_memory(cfg: RayLoraConfig, cluster: bool = False,
+                 variants: list[tuple[str, RayLoraConfig]] = ()) -> None:
+    """Refuse (``DoesNotFit``) a run whose worker cannot fit its GPU; log the estimate
+    table when it fits. ``variants``: further configs of the same run (Tune trials), by a
+    label naming what differs; each distinct estimate is checked too. An estimate that
+    fails is logged and the run goes on: the preflight guards, it must not block."""
+    from raylora import memory
+    from raylora.memory import size
+
+    gpu = gpu_size(cfg, cluster)
+    if gpu.gib is None:
+        log.info("memory preflight: not checked, GPU size unknown (%s; set "
+                 "scaling.gpu_memory_gb to check)", gpu.source)
+        return
+    seen = set()
+    for label, c in [("", cfg), *variants]:
+        args = memory.config_args(c)
+        key = tuple(sorted(args.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            est = memory.from_config(c)
+        except Exception as exc:  # an estimator gap must not stop a run that may fit
+            log.warning("memory preflight: not checked, the estimate failed (%s: %s)",
+                        type(exc).__name__, exc)
+            return
+        text, fits, advice = report(est, gpu)
+        if not fits:
+            where = f" for {label}" if label else ""
+            raise DoesNotFit(f"memory preflight{where}: one worker needs ~{size(est.total)} "
+                             f"per GPU\n{text}", advice)
+        if not label:
+            log.info("memory preflight: fits\n%s", text)
+    if variants:
+        log.info("memory preflight: %d distinct trial setting(s) fit too", len(seen) - 1)

@@ -1,0 +1,127 @@
+"""The memory preflight (#21 item 6) through the real entry points: ``raylora train``
+refuses a run that cannot fit its GPU before Ray starts, naming the keys that would fit;
+a fitting run passes; ``raylora plan`` prints the same report with its exit codes; Tune
+checks each trial setting; Ray's accelerator type gives the GPU size on a cluster."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+import pytest
+import yaml
+
+from raylora import memory
+from raylora.cli import main
+from raylora.config import validate
+from raylora.preflight import EXIT_DOES_NOT_FIT, KNOWN_GPU_MIB, DoesNotFit, check_memory, gpu_size
+
+
+@pytest.fixture
+def job(tiny, demo_data, tmp_path):
+    """(tree, yaml path, estimate): the tiny SD model at 64 px, batch 2, on CPU."""
+    tree = {"model": {"pretrained": tiny("sd")},
+            "data": {"uri": demo_data, "resolution": 64, "center_crop": True},
+            "train": {"batch_size": 2, "max_steps": 2, "learning_rate": 1e-3},
+            "output": {"uri": str(tmp_path / "out")}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return tree, str(path), memory.from_config(validate(tree))
+
+
+def _total_row(est) -> str:
+    return rf"\ntotal per GPU +{est.total / 2**20:.2f}\n"  # MiB: a tiny model's table
+
+
+def test_train_refuses_a_run_that_cannot_fit_before_ray(job, capsys, monkeypatch):
+    import ray
+
+    from raylora import launch
+
+    def no_ray(*_):  # run() shuts its Ray down on the way out: is_initialized() cannot tell
+        raise AssertionError("Ray was started before the preflight refused the run")
+
+    monkeypatch.setattr(launch, "init_ray", no_ray)
+    tree, path, est = job
+    budget = 0.9 * est.total / memory.GIB  # the whole step, 10% short
+    rc = main(["train", path, f"scaling.gpu_memory_gb={budget}"])
+    err = capsys.readouterr().err
+    assert rc == EXIT_DOES_NOT_FIT == 3
+    assert f"one worker needs ~{memory.size(est.total)} per GPU" in err
+    assert "total per GPU" in err and "activations (kept for backward)" in err
+    assert f"GPU: {memory.size(budget * memory.GIB)} (scaling.gpu_memory_gb): does NOT fit" in err
+    # the keys that would fit, each with its re-estimated total under the budget
+    fixes = {line.strip().split(":")[0] for line in err.splitlines() if line.startswith("  train.")}
+    assert "train.gradient_checkpointing=true" in fixes
+    assert any(f.startswith("train.batch_size=1 ") for f in fixes), err
+    assert not ray.is_initialized()  # refused before Ray, so before any GPU was asked for
+    # a fitting budget goes on to start Ray: the same spy, now reached
+    with pytest.raises(AssertionError, match="Ray was started"):
+        main(["train", path, f"scaling.gpu_memory_gb={1.1 * est.total / memory.GIB}"])
+    assert not os.path.exists(tree["output"]["uri"])
+
+
+def test_a_fitting_run_passes_and_logs_its_table(job, caplog):
+    tree, _, est = job
+    cfg = validate({**tree, "scaling": {"gpu_memory_gb": 1.1 * est.total / memory.GIB}})
+    with caplog.at_level(logging.INFO, logger="raylora"):
+        check_memory(cfg)
+    logged = caplog.text
+    assert "memory preflight: fits" in logged and re.search(_total_row(est), logged)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="raylora"):
+        check_memory(validate(tree))  # CPU, no gpu_memory_gb: nothing to check against
+    assert "not checked, GPU size unknown (scaling.use_gpu is false" in caplog.text
+
+
+def test_plan_prints_the_report_and_exits_by_fit(job, capsys):
+    import ray
+
+    _, path, est = job
+    assert main(["plan", path]) == 0
+    out = capsys.readouterr().out
+    assert re.search(_total_row(est), out)
+    assert "GPU: unknown (scaling.use_gpu is false): not checked" in out
+    assert main(["plan", path, f"scaling.gpu_memory_gb={2 * est.total / memory.GIB}"]) == 0
+    assert f"fits, {memory.size(est.total)} to spare" in capsys.readouterr().out
+    assert main(["plan", path, f"scaling.gpu_memory_gb={0.9 * est.total / memory.GIB}"]) == 3
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out and "  train.gradient_checkpointing=true: " in out
+    assert main(["plan", path, "model.pretrained=/nonexistent/model"]) == 2
+    assert "model.pretrained: /nonexistent/model: no such directory" in capsys.readouterr().err
+    assert not ray.is_initialized()
+
+
+def test_tune_checks_each_trial_setting(job):
+    from raylora.tune import trial_variants
+
+    tree, _, est = job
+    # fits the base (batch 2); batch 8, one of the values the search can take, does not
+    tune = {"num_samples": 1, "metric": "train_loss", "search_space": {"train.batch_size": {"choice": [1, 8]},
+                                               "train.learning_rate": {"loguniform": [1e-5, 1e-3]}}}
+    cfg = validate({**tree, "tune": tune, "scaling": {"gpu_memory_gb": 1.5 * est.total / memory.GIB}})
+    variants = trial_variants(cfg)
+    assert [label for label, _ in variants] == [
+        "tune.search_space.train.batch_size=1", "tune.search_space.train.batch_size=8",
+        "tune.search_space.train.learning_rate=1e-05", "tune.search_space.train.learning_rate=0.001"]
+    with pytest.raises(DoesNotFit, match=r"memory preflight for tune.search_space.train.batch_size=8: "):
+        check_memory(cfg, variants=variants)
+    check_memory(cfg, variants=variants[:1] + variants[2:])  # batch 1 and the lr bounds fit
+
+
+def test_gpu_size_from_config_and_from_rays_accelerator_type(job):
+    """A cluster node whose GPUs Ray names L4 (declared here: no GPU on this machine)."""
+    import ray
+
+    tree = job[0]
+    gpu = {**tree, "scaling": {"use_gpu": True}}
+    assert gpu_size(validate({**tree, "scaling": {"gpu_memory_gb": 24}})).gib == 24
+    assert gpu_size(validate(tree)).gib is None
+    ray.init(num_cpus=1, num_gpus=1, resources={"accelerator_type:L4": 1}, include_dashboard=False)
+    try:
+        size = gpu_size(validate(gpu), cluster=True)
+    finally:
+        ray.shutdown()
+    assert (size.gib, size.source) == (KNOWN_GPU_MIB["L4"] / 1024, "detected: L4 (Ray accelerator_type)")
+    assert round(size.gib, 2) == 22.49

@@ -105,9 +105,61 @@ class ModelSection(_Section):
     )
 
 
+def _caption_extension(v: str | None) -> str | None:
+    if v is not None and (not v.startswith(".") or len(v) < 2 or "/" in v):
+        raise ValueError(f"{v!r}: an extension with its dot, e.g. .txt or .caption")
+    return v
+
+
+class SourceSection(_Section):
+    """One dataset of ``data.sources``, mixed with the others into every epoch. Keys left
+    unset take the ``data`` key of the same name."""
+
+    uri: str | list[str] = Field(description="Files, directory, glob or a list of those, "
+                                 "as data.uri.")
+    format: Literal["auto", "parquet", "webdataset", "imagefolder", "captionfolder"] | None = None
+    image_column: str | None = None
+    caption_column: str | None = None
+    caption_extension: str | None = None
+    weight: float | None = Field(
+        None, gt=0, description="This source's share of every epoch: weight / (sum of the "
+        "weights) of the epoch's samples, the epoch being as long as all sources' rows "
+        "(repeats counted). Rows are repeated, or a seeded subset taken, to fill it. Give "
+        "every source a weight, or none.",
+    )
+    repeats: int | None = Field(
+        None, ge=1, description="Times each row counts per epoch (default 1; a caption "
+        "folder's N_name repeats multiply it). Not with weight.",
+    )
+    caption_prefix: str | None = Field(None, description="This source's trigger word(s).")
+    caption_dropout: float | None = Field(None, ge=0.0, lt=1.0)
+    shuffle_tags: bool | None = None
+    keep_tokens: int | None = Field(None, ge=0)
+    resolution: int | None = Field(
+        None, gt=0, description="Not available: a per-source resolution needs "
+        "multi-resolution bucketing; refused with a message saying so.",
+    )
+
+    @field_validator("caption_extension")
+    @classmethod
+    def _extension(cls, v: str | None) -> str | None:
+        return _caption_extension(v)
+
+
+# What a source may set for itself (unset: the data key of the same name).
+SOURCE_KEYS = ("format", "image_column", "caption_column", "caption_extension",
+               "caption_prefix", "caption_dropout", "shuffle_tags", "keep_tokens")
+
+
 class DataSection(_Section):
-    uri: str | list[str] = Field(
-        description="Shard file, directory, glob, or a list of those; any storage URI."
+    uri: str | list[str] | None = Field(
+        None, description="Shard file, directory, glob, or a list of those; any storage URI. "
+        "Or data.sources, not both."
+    )
+    sources: list[SourceSection] | None = Field(
+        None, description="Several datasets mixed into every epoch, each {uri, weight | "
+        "repeats, caption_prefix, caption_dropout, shuffle_tags, keep_tokens, format, "
+        "image_column, caption_column, caption_extension}; instead of data.uri.",
     )
     format: Literal["auto", "parquet", "webdataset", "imagefolder", "captionfolder"] = Field(
         "auto", description="auto: detected from the files the URI matches (images with a "
@@ -140,6 +192,19 @@ class DataSection(_Section):
     )
     caption_dropout: float = Field(
         0.0, ge=0.0, lt=1.0, description="Probability of training on the empty prompt instead."
+    )
+    caption_prefix: str = Field(
+        "", description="Trigger word(s) put before every caption as its first "
+        "comma-separated tag ('sks' + 'a dog' → 'sks, a dog'); a row without a caption "
+        "stays without one.",
+    )
+    shuffle_tags: bool = Field(
+        False, description="Shuffle each caption's comma-separated tags on every read "
+        "(kohya's shuffle_caption), all but the first data.keep_tokens.",
+    )
+    keep_tokens: int = Field(
+        0, ge=0, description="Tags kept in place at the front when shuffling (1 keeps a "
+        "caption_prefix trigger word first).",
     )
     max_image_pixels: int = Field(
         178_956_970, gt=0,
@@ -182,9 +247,7 @@ class DataSection(_Section):
     @field_validator("caption_extension")
     @classmethod
     def _extension(cls, v: str) -> str:
-        if not v.startswith(".") or len(v) < 2 or "/" in v:
-            raise ValueError(f"{v!r}: an extension with its dot, e.g. .txt or .caption")
-        return v
+        return _caption_extension(v)
 
     @field_validator("background_color")
     @classmethod
@@ -197,6 +260,19 @@ class DataSection(_Section):
         """What ``Preprocess`` needs to validate rows (see ``raylora.data.decode``)."""
         return dict(max_image_pixels=self.max_image_pixels, min_size=self.min_size,
                     small_images=self.small_images, background_color=tuple(self.background_color))
+
+    def source_sections(self) -> list[DataSection]:
+        """The section each source is read with: this one (``data.uri``), or per entry of
+        ``data.sources`` this one with the entry's uri and the keys it sets."""
+        if self.sources is None:
+            return [self]
+        return [self.model_copy(update={
+            **{k: getattr(s, k) for k in SOURCE_KEYS if getattr(s, k) is not None},
+            "uri": s.uri, "sources": None}) for s in self.sources]
+
+    def source_key(self, index: int, key: str) -> str:
+        """How an error names a source's key: ``data.uri`` or ``data.sources[i].uri``."""
+        return f"data.{key}" if self.sources is None else f"data.sources[{index}].{key}"
 
     cache: Literal["none", "latents"] = Field(
         "none",
@@ -657,6 +733,7 @@ def _cross_checks(cfg: RayLoraConfig) -> list[str]:
                 f"train.max_steps ({cfg.train.max_steps})"
             )
     d = cfg.data
+    problems += _data_checks(d)
     if d.validation_split and d.validation_uri is not None:
         problems.append(
             "data.validation_split: give either data.validation_split or data.validation_uri"
@@ -680,14 +757,57 @@ def _cross_checks(cfg: RayLoraConfig) -> list[str]:
         if not d.center_crop:
             problems.append("data.center_crop: data.cache=latents needs center_crop=true "
                             "(a random crop would be frozen into the cache)")
-        if d.caption_dropout:
-            problems.append("data.caption_dropout: cannot be used with data.cache=latents "
-                            "(captions are encoded once); set it to 0")
+        random = []  # the sources' own keys, or data's once for all that take it
+        for i, sec in enumerate(d.source_sections()):
+            if sec.caption_dropout:
+                random.append(f"{_caption_key(d, i, 'caption_dropout')}: cannot be used with "
+                              "data.cache=latents (captions are encoded once); set it to 0")
+            if sec.shuffle_tags:
+                random.append(f"{_caption_key(d, i, 'shuffle_tags')}: cannot be used with "
+                              "data.cache=latents (captions are encoded once, in one tag "
+                              "order); set it false")
+        problems += list(dict.fromkeys(random))
         if cfg.lora.train_text_encoder:
             problems.append("lora.train_text_encoder: cannot be used with data.cache=latents "
                             "(the cache holds the frozen text encoder's embeddings)")
     if cfg.tune is not None:
         problems.extend(_tune_checks(cfg))
+    return problems
+
+
+def _caption_key(d: DataSection, i: int, key: str) -> str:
+    """The key that set a source's caption setting: its own, else data's."""
+    own = d.sources is not None and getattr(d.sources[i], key) is not None
+    return f"data.sources[{i}].{key}" if own else f"data.{key}"
+
+
+def _data_checks(d: DataSection) -> list[str]:
+    """data.uri or data.sources, and the sources' keys."""
+    if (d.uri is None) == (d.sources is None):
+        return ["data.uri: give data.uri or data.sources (a list of sources to mix), "
+                + ("not both" if d.uri is not None else "neither is set")]
+    problems = ["data.sources: needs at least one source"] if d.sources == [] else []
+    weighted = any(s.weight is not None for s in d.sources or [])
+    for i, s in enumerate(d.sources or []):
+        key = f"data.sources[{i}]"
+        if s.weight is not None and s.repeats is not None:
+            problems.append(f"{key}: give weight or repeats, not both (weight: its share of "
+                            "each epoch; repeats: times each of its rows counts)")
+        elif weighted and s.weight is None:
+            problems.append(f"{key}.weight: missing; give every source a weight (its share "
+                            "of each epoch), or none (each counts its rows × repeats)")
+        if s.resolution is not None:
+            problems.append(f"{key}.resolution: a per-source resolution needs multi-resolution "
+                            "aspect bucketing, which raylora does not have yet; leave it unset "
+                            f"(every source trains at data.resolution={d.resolution})")
+    sections = d.source_sections()
+    if not any(sec.shuffle_tags for sec in sections):
+        for i, sec in enumerate(sections):
+            if sec.keep_tokens:
+                problems.append(f"{_caption_key(d, i, 'keep_tokens')}: has no effect without "
+                                "data.shuffle_tags (it keeps the first tags in place when "
+                                "shuffling)")
+                break
     return problems
 
 
@@ -856,7 +976,9 @@ def _tune_checks(cfg: RayLoraConfig) -> list[str]:
 def _format_pydantic(err: ValidationError) -> list[str]:
     out = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        # data.sources[1].weight: list items by index, as the messages of checks name them.
+        key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e["loc"])
+        key = key.lstrip(".") or "<root>"
         if e["type"] == "extra_forbidden":
             out.append(f"{key}: unknown key")
         elif e["type"] == "missing":
@@ -907,21 +1029,24 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 def _without(tree: dict, locs: list[tuple]) -> dict:
-    """A deep copy of ``tree`` with the values at ``locs`` removed (a list item: the list)."""
+    """A deep copy of ``tree`` with the values at ``locs`` removed: the deepest key or list
+    item on each loc's path that is there (a key inside a list item: that key)."""
     import copy
 
     out = copy.deepcopy(tree)
-    for loc in locs:
-        path = []
+    # Later list items first, so that removing one does not move the next.
+    for loc in sorted(locs, key=lambda loc: [str(p).zfill(8) for p in loc], reverse=True):
+        node, last = out, None
         for part in loc:
-            if not isinstance(part, str):
+            if isinstance(node, dict) and part in node:
+                last = (node, part)
+            elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+                last = (node, part)
+            else:
                 break
-            path.append(part)
-        node = out
-        for part in path[:-1]:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict) and path:
-            node.pop(path[-1], None)
+            node = node[part]
+        if last is not None:
+            last[0].pop(last[1])
     return out
 
 

@@ -83,10 +83,11 @@ def resolve_paths(cfg: RayLoraConfig) -> RayLoraConfig:
 
     cfg = cfg.model_copy(deep=True)
     cfg.model.pretrained = resolve_model_path(cfg.model)
-    uris = cfg.data.uri
-    cfg.data.uri = (
-        storage.normalize(uris) if isinstance(uris, str) else [storage.normalize(u) for u in uris]
-    )
+    for section in [cfg.data, *(cfg.data.sources or [])]:
+        uris = section.uri
+        if uris is not None:
+            section.uri = (storage.normalize(uris) if isinstance(uris, str)
+                           else [storage.normalize(u) for u in uris])
     cfg.output.uri = storage.normalize(cfg.output.uri)
     return cfg
 
@@ -117,7 +118,8 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
     try:
         data = plan_data(cfg.data, store)
     except (FileNotFoundError, ValueError, OSError) as exc:
-        problems.append(f"data.uri: {exc}")
+        # Sources' problems name their keys (data.sources[i].uri), one line each.
+        problems += getattr(exc, "problems", None) or [f"data.uri: {exc}"]
     rows, problem = _plan_heldout(cfg, data, store) if heldout else ([], None)
     if problem:
         problems.append(problem)
@@ -180,7 +182,7 @@ def apply_cache(cfg: RayLoraConfig, p: Plan) -> Plan:
     store = cfg.storage.client()
     entry = ensure_cache(cfg, p.family, p.model_path, p.data_plan(), store,
                          bad_records=p.bad_records)
-    data = entry.plan()
+    data = entry.plan(cfg.data)
     encoded = encode_rows(cfg, p.family, p.model_path, p.heldout, store) if p.heldout else None
     return _carry(_arithmetic(cfg, p.model_path, data, p.heldout, []), p,
                   cache_uri=entry.uri, cache_reused=entry.reused, heldout_encoded=encoded)
@@ -212,7 +214,8 @@ def _arithmetic(cfg: RayLoraConfig, model_path: str, data, heldout: list[dict], 
     updates = rows_per_worker // t.batch_size // t.gradient_accumulation_steps
     if updates == 0:
         problems.append(
-            f"data.uri: {total} rows split over {world} workers is less than one optimizer "
+            f"data.{'uri' if cfg.data.sources is None else 'sources'}: {total} rows split "
+            f"over {world} workers is less than one optimizer "
             f"step (train.batch_size={t.batch_size} × "
             f"train.gradient_accumulation_steps={t.gradient_accumulation_steps} per worker)"
         )
@@ -233,7 +236,8 @@ def _plan_heldout(cfg: RayLoraConfig, data, store) -> tuple[list[dict], str | No
     d = cfg.data
     try:
         if d.validation_uri is not None:
-            vd = d.model_copy(update={"uri": d.validation_uri})
+            # Read with the data.* keys (a source's caption keys are its own).
+            vd = d.model_copy(update={"uri": d.validation_uri, "sources": None})
             rows = read_heldout_rows(vd, plan_data(vd, store), store, split=None)
             return rows, None if rows else f"data.validation_uri: {d.validation_uri}: no rows"
         if d.validation_split and data is not None:
@@ -491,7 +495,8 @@ def check_bad_records(cfg: RayLoraConfig, p: Plan) -> dict:
         raise BadDataError(message)
     # "bad_records" in the plan is the counter's name: the counts travel under their own key.
     return {"bad_records_counts": summary["bad_records"], "bad_examples": summary["bad_examples"],
-            "rows_decoded": summary["rows_ok"]}
+            "rows_decoded": summary["rows_ok"],
+            "rows_decoded_by_source": summary.get("rows_ok_by_source", {})}
 
 
 def fit_judging_data(cfg: RayLoraConfig, p: Plan, fit):

@@ -151,3 +151,41 @@ def test_yaml_boolean_spellings_are_read_as_the_values_they_name():
     assert gpu.compile_mode == "regional"
     with pytest.raises(ConfigError, match="train.compile"):
         validate(apply_overrides(MIN, ["train.compile=fast"]))
+
+
+def test_data_sources_errors_name_their_keys():
+    """data.uri or data.sources (one of them), weight or repeats (not both; weights for
+    every source or none), no per-source resolution (it needs bucketing), nothing random
+    about captions with the latent cache: every problem in one message, each by its key."""
+    def problems(data: dict) -> list[str]:
+        with pytest.raises(ConfigError) as exc:
+            validate({**MIN, "data": data})
+        return exc.value.problems
+
+    assert problems({}) == ["data.uri: give data.uri or data.sources (a list of sources to "
+                            "mix), neither is set"]
+    assert problems({"uri": "d", "sources": [{"uri": "e"}]})[0].endswith("not both")
+    assert problems({"sources": []}) == ["data.sources: needs at least one source"]
+    got = problems({"sources": [{"uri": "a", "weight": 1, "repeats": 2}, {"uri": "b"},
+                                {"uri": "c", "weight": 1, "wieght": 2, "resolution": 768},
+                                {"weight": 0}]})
+    assert got[:3] == ["data.sources[2].wieght: unknown key",
+                       "data.sources[3].uri: required key is missing",
+                       "data.sources[3].weight: Input should be greater than 0 (got 0)"]
+    assert "data.sources[0]: give weight or repeats, not both" in got[3]
+    assert got[4].startswith("data.sources[1].weight: missing; give every source a weight")
+    assert got[5].startswith("data.sources[2].resolution: a per-source resolution needs "
+                             "multi-resolution aspect bucketing")
+    assert problems({"uri": "d", "keep_tokens": 1})[0].startswith(
+        "data.keep_tokens: has no effect without data.shuffle_tags")
+    cached = {"cache": "latents", "center_crop": True, "shuffle_tags": True, "caption_prefix": "sks",
+              "sources": [{"uri": "a"}, {"uri": "b", "caption_dropout": 0.1, "shuffle_tags": False}]}
+    assert [p.split(":")[0] for p in problems(cached)] == [
+        "data.shuffle_tags", "data.sources[1].caption_dropout"]
+    # Valid: each source's keys over data's.
+    cfg = validate({**MIN, "data": {"caption_dropout": 0.1, "shuffle_tags": True, "sources": [
+        {"uri": "a", "weight": 3, "caption_prefix": "sks", "keep_tokens": 1},
+        {"uri": "b", "weight": 1, "caption_dropout": 0.0, "format": "captionfolder"}]}})
+    a, b = cfg.data.source_sections()
+    assert (a.uri, a.caption_prefix, a.keep_tokens, a.caption_dropout) == ("a", "sks", 1, 0.1)
+    assert (b.uri, b.format, b.caption_dropout, b.shuffle_tags) == ("b", "captionfolder", 0.0, True)

@@ -146,14 +146,17 @@ KOHYA = {"10_mychar/a": "mychar smiling\n", "10_mychar/b": "mychar, red hair",
 
 
 def epoch_reads(data: DataSection, plan, shuffle: bool, epoch: int = 0) -> list[str]:
-    """The keys an epoch reads, read unit by unit as the Ray read stage does (no Ray)."""
-    from raylora.data.plan import pass_items, read_units
+    """The keys an epoch reads, read unit by unit as the Ray read stage does (no Ray;
+    registry formats only)."""
 
-    keys = []
+    from raylora.data.plan import pass_items, read_units, unit_keep
+
+    keys, sections = [], data.source_sections()
     for item in pass_items(read_units(data, plan, Storage(), 4), 0, epoch, shuffle):
         s = plan.sources[item["k"]]
         keys += [r["key"] for r in formats.get_format(s.format).iter_unit(
-            data, s.files, Storage(), item["index"], item["start"], item["stop"])]
+            sections[s.index], s.files, Storage(), item["index"], item["start"], item["stop"],
+            unit_keep(item))]
     return keys
 
 

@@ -121,7 +121,7 @@ def test_export_formats_must_keep_diffusers():
     assert validate({**base, "export": {"formats": ["diffusers", "kohya"]}}).export.formats == ["diffusers", "kohya"]
     with pytest.raises(ConfigError, match="export.formats: .*diffusers"):
         validate({**base, "export": {"formats": ["kohya"]}})
-    with pytest.raises(ConfigError, match="export.formats.1"):
+    with pytest.raises(ConfigError, match=r"export.formats\[1\]"):
         validate({**base, "export": {"formats": ["diffusers", "onnx"]}})
 
 

@@ -49,3 +49,66 @@ def test_caption_folder_with_repeats_trains_from_cached_latents(ray_local, tiny_
     assert sorted(seen.values()) == [1, 1, 1, 10, 10, 10]
     manifest = json.load(open(os.path.join(data["cache_uri"], "manifest.json")))
     assert sorted(manifest["file_repeats"]) == [1, 10]  # one part per run of equal repeats
+
+
+@pytest.fixture(scope="module")
+def folder8(tmp_path_factory) -> str:
+    """A caption folder of 8 images with tag captions."""
+    return write_kohya(tmp_path_factory.mktemp("folder8"),
+                       {f"img{i}": f"a shape, number {i}, plain" for i in range(8)})
+
+
+def mix(demo_data: str, folder: str, **data) -> dict:
+    """Weights 3:1 over 32 parquet rows (trigger word "sks") and 8 caption-folder images
+    (half their captions dropped, tags shuffled but the first): epochs of 40, 30 + 10."""
+    return {"sources": [
+        {"uri": demo_data, "weight": 3, "caption_prefix": "sks"},
+        {"uri": folder, "weight": 1, "caption_dropout": 0.5, "shuffle_tags": True, "keep_tokens": 1},
+    ], "resolution": 32, "center_crop": True, **data}
+
+
+def test_read_stage_mixes_sources_by_weight_with_their_prefixes(ray_local, demo_data, folder8):
+    from raylora.config import DataSection
+    from raylora.data.source import _read_passes, plan_data
+    from raylora.storage import Storage
+
+    data = DataSection(**mix(demo_data, folder8))
+    plan = plan_data(data, Storage())
+    rows = _read_passes(data, plan, Storage(), seed=3, passes=range(2), shuffle=True).take_all()
+    by = {(e, s): [r for r in rows if (r["epoch"], r["source"]) == (e, s)]
+          for e in range(2) for s in range(2)}
+    assert [len(by[0, s]) for s in range(2)] == [30, 10] == [len(by[1, s]) for s in range(2)]
+    assert all(r["text"].startswith("sks, a ") for r in by[0, 0] + by[1, 0])
+    assert all(r["text"].startswith("a shape, number ") for r in by[0, 1])
+    for e in range(2):
+        assert len({r["key"] for r in by[e, 0]}) == 30  # 30 of 32 parquet rows, once each
+        assert sorted(Counter(r["key"] for r in by[e, 1]).values()) == [1] * 6 + [2] * 2
+    assert {r["key"] for r in by[0, 0]} != {r["key"] for r in by[1, 0]}  # another subset
+
+
+def test_two_source_mix_trains_and_counts_each_source(ray_local, tiny_model, demo_data, folder8,
+                                                        tmp_path):
+    """A raylora train run over the 3:1 mix: 20 steps of 2 = one epoch of 40 samples,
+    30 and 10 of which each source's rows, as raylora.json and the model card say."""
+    from raylora.launch import run
+
+    out = str(tmp_path / "out")
+    summary = run(validate({
+        "model": {"pretrained": tiny_model},
+        "data": mix(demo_data, folder8, shuffle_buffer_size=8),
+        "train": {"batch_size": 2, "num_epochs": 1, "learning_rate": 1e-3},
+        "checkpoint": {"every_n_steps": 100},
+        "output": {"uri": out},
+    }))
+    assert summary["metrics"]["steps"] == 20 and summary["metrics"]["images_seen"] == 40
+    data = json.load(open(os.path.join(out, "adapter", "raylora.json")))["data"]
+    assert (data["format"], data["rows"], data["rows_decoded"]) == ("mix", 40, 40)
+    a, b = data["sources"]
+    assert (a["format"], a["rows"], a["rows_per_epoch"], a["share"]) == ("parquet", 32, 30, 0.75)
+    assert (b["format"], b["rows"], b["rows_per_epoch"], b["share"]) == ("captionfolder", 8, 10, 0.25)
+    # What the run read, counted per source by the validating decode: 3:1 (±10% asked).
+    assert (a["rows_decoded"], b["rows_decoded"]) == (30, 10)
+    assert abs(a["rows_decoded"] / b["rows_decoded"] / 3 - 1) <= 0.1
+    card = open(os.path.join(out, "adapter", "README.md")).read()
+    assert "| source | rows | rows per epoch | share |" in card
+    assert f"| {folder8} | 8 | 10 | 25.0% |" in card

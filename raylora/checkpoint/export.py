@@ -79,6 +79,24 @@ def summarize_metrics(reported: dict) -> dict:
     return m
 
 
+def _sources(plan: dict) -> list[dict]:
+    """The plan's per-source entries with ``rows_decoded``: the source's rows that passed
+    the validating decode during the run (read-ahead included; with the latent cache, the
+    rows encoded when this run built it; None when nothing was decoded)."""
+    decoded = plan.get("rows_decoded_by_source") or {}
+    return [{**s, "rows_decoded": decoded.get(str(s["source"]), 0) if decoded else None}
+            for s in plan.get("sources", [])]
+
+
+def _sources_table(sources: list[dict]) -> str:
+    """The model card's lines for a mix of several sources ("" for one)."""
+    if len(sources) < 2:
+        return ""
+    rows = "".join(f"| {s['uri']} | {s['rows']} | {s['rows_per_epoch']} | {s['share']:.1%} |\n"
+                   for s in sources)
+    return f"\n| source | rows | rows per epoch | share |\n|---|---|---|---|\n{rows}"
+
+
 def model_card(cfg: RayLoraConfig, metrics: dict, data: dict) -> str:
     from raylora.model import families
 
@@ -134,9 +152,9 @@ image = pipe("your prompt").images[0]
 
 ## Data
 
-{data.get("rows")} image-caption rows in {data.get("files")} shard(s), fingerprint `{data.get("fingerprint")}`;
+{data.get("rows")} image-caption rows per epoch (repeats counted) in {data.get("files")} file(s), fingerprint `{data.get("fingerprint")}`;
 {data.get("heldout_rows")} held-out rows evaluated ({data.get("heldout")}).
-
+{_sources_table(data.get("sources", []))}
 ## Results
 
 | metric | value |
@@ -202,8 +220,9 @@ def export_run(
         "bad_records": plan.get("bad_records_counts", {}),
         "rows_decoded": plan.get("rows_decoded"),
         "bad_examples": plan.get("bad_examples", {}),
-        # Per source: files, distinct rows, rows per epoch (repeats counted).
-        "sources": plan.get("sources", []),
+        # Per source: files, distinct rows, rows per epoch (repeats and weights counted)
+        # and its share, and the rows the validating decode passed (see _sources).
+        "sources": _sources(plan),
     }
     metrics["bad_records"] = sum(data["bad_records"].values())
     with open(os.path.join(ckpt_dir, HISTORY_FILE)) as f:

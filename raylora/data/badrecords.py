@@ -30,10 +30,13 @@ class Tally:
         self.ok = 0
         self.bad: Counter = Counter()
         self.examples: dict[str, list[str]] = {}
+        self.by_source: Counter = Counter()  # rows kept per data.sources index
 
-    def add(self, ok: int, bad: dict[str, int], examples: dict[str, list[str]]) -> None:
+    def add(self, ok: int, bad: dict[str, int], examples: dict[str, list[str]],
+            by_source: dict[int, int] | None = None) -> None:
         self.ok += ok
         self.bad.update(bad)
+        self.by_source.update(by_source or {})
         for reason, where in examples.items():
             kept = self.examples.setdefault(reason, [])
             kept.extend(where[: EXAMPLES_PER_REASON - len(kept)])
@@ -46,6 +49,7 @@ class Tally:
             "bad_examples": {k: list(v) for k, v in sorted(self.examples.items())},
             "bad_fraction": (sum(self.bad.values()) / total) if total else 0.0,
             "rows_seen": total,
+            "rows_ok_by_source": {str(k): v for k, v in sorted(self.by_source.items())},
         }
 
 
@@ -102,7 +106,8 @@ class Reporter:
         self.name = name
         self._actor = None
 
-    def send(self, ok: int, bad: dict[str, int], examples: dict[str, list[str]]) -> None:
+    def send(self, ok: int, bad: dict[str, int], examples: dict[str, list[str]],
+             by_source: dict[int, int] | None = None) -> None:
         if bad:
             log.warning("dropped %d bad row(s): %s", sum(bad.values()), dict(bad))
         if not self.name:
@@ -111,4 +116,4 @@ class Reporter:
 
         if self._actor is None:
             self._actor = ray.get_actor(self.name, namespace=NAMESPACE)
-        self._actor.add.remote(ok, dict(bad), examples)
+        self._actor.add.remote(ok, dict(bad), examples, by_source)

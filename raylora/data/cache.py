@@ -31,8 +31,9 @@ import numpy as np
 
 from raylora import storage
 from raylora.config import RayLoraConfig
+from raylora.data.captions import caption_policies, with_prefix
 from raylora.data.formats import get_format
-from raylora.data.plan import DataPlan, SourceFiles
+from raylora.data.plan import DataPlan, SourceFiles, apply_shares
 from raylora.storage import Storage
 
 log = logging.getLogger("raylora.cache")
@@ -103,8 +104,9 @@ class CacheEntry:
     def rows(self) -> int:
         return sum(self.file_rows)
 
-    def plan(self) -> DataPlan:
-        """Training over the cache's files, with each source's repeats."""
+    def plan(self, data) -> DataPlan:
+        """Training over the cache's files (``data``: the run's data section), with each
+        source's repeats and multiplier."""
         sources = self.sources or [0] * len(self.files)
         repeats = self.repeats or [1] * len(self.files)
         out = []
@@ -114,7 +116,7 @@ class CacheEntry:
             reps = [repeats[i] for i in idx]
             out.append(SourceFiles(src, "parquet", [self.files[i] for i in idx], sum(rows), rows,
                                    reps if any(r != 1 for r in reps) else None, self.uri))
-        return DataPlan.of(out)
+        return DataPlan.of(apply_shares(data, out))
 
 
 def cache_root(cfg: RayLoraConfig) -> str:
@@ -138,6 +140,10 @@ def fingerprint(cfg: RayLoraConfig, family: str, model_path: str, data: DataPlan
         # Only where it changes the rows: older entries keep their fingerprints.
         **({"caption_extension": d.caption_extension}
            if any(s.format == "captionfolder" for s in data.sources) else {}),
+        **({"sources": [{k: getattr(s, k) for k in ("format", "image_column", "caption_column",
+                                                     "caption_extension", "caption_prefix")}
+                        for s in d.source_sections()]}
+           if d.sources is not None or d.caption_prefix else {}),
     }, sort_keys=True).encode())
     if not is_hub_id(model_path):
         # The encoders' weights and configs: a retrained or swapped VAE is a new cache.
@@ -168,6 +174,7 @@ def _stage_kwargs(cfg: RayLoraConfig, model_path: str, family: str, store: Stora
         random_flip=False, image_column="image", caption_column="text", seed=0,
         endpoint_url=store.endpoint_url, region=store.region, family=family,
         max_sequence_length=cfg.model.max_sequence_length, **cfg.data.decode_kwargs(),
+        caption_policies=caption_policies(cfg.data),
     )
     enc = dict(
         model_path=model_path, family=family, dtype=_dtype_name(cfg),
@@ -194,14 +201,19 @@ class EncodeFiles:
         from raylora.data.preprocess import Preprocess
 
         self.data = DataSection.model_validate(data)
+        self.sections = self.data.source_sections()
         self.formats, self.files, self.parts_uri = formats, files, parts_uri
         self.store = Storage(pre["endpoint_url"], pre["region"])
         self.pre, self.enc = Preprocess(**pre), EncodeStage(**enc)
         self.rows_per_part, self.encode_batch = rows_per_part, encode_batch
 
-    def _rows(self, k: int, index: int, start: int, stop: int):
-        return get_format(self.formats[k]).iter_unit(self.data, self.files[k], self.store,
-                                                     index, start, stop)
+    def _rows(self, k: int, source: int, index: int, start: int, stop: int):
+        """A unit's rows as training reads them: the source's caption prefix applied."""
+        section = self.sections[source]
+        for row in get_format(self.formats[k]).iter_unit(section, self.files[k], self.store,
+                                                         index, start, stop):
+            yield {**row, "text": with_prefix(section.caption_prefix, row["text"]),
+                   "source": source}
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         import itertools
@@ -209,9 +221,11 @@ class EncodeFiles:
         from raylora.data.split import held_out_mask
 
         names, counts = [], []
-        for item, k, index, start, stop in zip(batch["item"], batch["k"], batch["index"],
-                                               batch["start"], batch["stop"]):
-            rows, encoded, part = iter(self._rows(int(k), int(index), int(start), int(stop))), [], 0
+        for item, k, source, index, start, stop in zip(
+                batch["item"], batch["k"], batch["source"], batch["index"], batch["start"],
+                batch["stop"]):
+            rows = iter(self._rows(int(k), int(source), int(index), int(start), int(stop)))
+            encoded, part = [], 0
             while chunk := list(itertools.islice(rows, self.encode_batch)):
                 if self.data.validation_split:
                     keep = ~held_out_mask([r["image"] for r in chunk], [r["text"] for r in chunk],
@@ -251,8 +265,9 @@ def encode_chunk(pre, enc: EncodeStage, rows: list[dict]) -> dict[str, np.ndarra
     columns, in order."""
     batch = {"image": np.array([r["image"] for r in rows], dtype=object),
              "text": np.array([r["text"] for r in rows], dtype=object)}
-    if all("key" in r for r in rows):
-        batch["key"] = np.array([r["key"] for r in rows], dtype=object)
+    for column in ("key", "source"):  # where each is (bad-row reports), per-source counts
+        if all(column in r for r in rows):
+            batch[column] = np.array([r[column] for r in rows], dtype=object)
     return enc(pre(batch))
 
 
@@ -260,12 +275,13 @@ def _work_items(data, plan: DataPlan, store: Storage, per_item: int) -> list[dic
     """Every source's read units (one per shard file; an imagefolder's row list and a
     caption folder's images in runs of at most ``per_item``), numbered in source order,
     with the source (``k``: its place in the plan) and the times its rows count."""
-    items = []
+    items, sections = [], data.source_sections()
     for k, s in enumerate(plan.sources):
         reps = s.file_repeats()
-        for index, start, stop in get_format(s.format).units(data, s.files, store, per_item):
-            items.append({"item": len(items), "k": k, "index": index, "start": start,
-                          "stop": stop, "repeats": reps[index]})
+        units = get_format(s.format).units(sections[s.index], s.files, store, per_item)
+        for index, start, stop in units:
+            items.append({"item": len(items), "k": k, "source": s.index, "index": index,
+                          "start": start, "stop": stop, "repeats": reps[index]})
     return items
 
 

@@ -61,24 +61,32 @@ def _read_parts(batch: dict[str, np.ndarray], columns: list[str] | None,
 
     storage = process_storage(endpoint_url, region)
     for uri, part, parts in zip(batch["uri"], batch["part"], batch["parts"]):
-        with storage.open_input(uri) as fh:
-            pf = pq.ParquetFile(fh)
-            meta = pf.metadata
-            group_rows = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
-            groups = row_groups_of_part(group_rows, int(part), int(parts))
-            if not groups:
-                continue
-            row = sum(group_rows[: groups[0]])  # a part's groups are contiguous
-            for rb in pf.iter_batches(batch_size=64, row_groups=groups, columns=columns):
-                table = pa.Table.from_batches([rb])
-                table = table.rename_columns([renames.get(c, c) for c in table.column_names])
-                if with_path:
-                    table = table.append_column("path", pa.array([str(uri)] * len(table), pa.string()))
-                if with_key:
-                    keys = [f"{uri}#{r}" for r in range(row, row + len(table))]
-                    table = table.append_column("key", pa.array(keys, pa.string()))
-                row += len(table)
-                yield table
+        for row, table in part_tables(storage, str(uri), int(part), int(parts), columns):
+            table = table.rename_columns([renames.get(c, c) for c in table.column_names])
+            if with_path:
+                table = table.append_column("path", pa.array([str(uri)] * len(table), pa.string()))
+            if with_key:
+                keys = [f"{uri}#{r}" for r in range(row, row + len(table))]
+                table = table.append_column("key", pa.array(keys, pa.string()))
+            yield table
+
+
+def part_tables(storage: Storage, uri: str, part: int, parts: int, columns: list[str] | None):
+    """Part ``part`` of ``parts`` of a parquet file as ``(first row in the file, table of
+    at most 64 rows)``."""
+    import pyarrow as pa
+
+    with storage.open_input(uri) as fh:
+        pf = pq.ParquetFile(fh)
+        meta = pf.metadata
+        group_rows = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+        groups = row_groups_of_part(group_rows, part, parts)
+        if not groups:
+            return
+        row = sum(group_rows[: groups[0]])  # a part's groups are contiguous
+        for rb in pf.iter_batches(batch_size=64, row_groups=groups, columns=columns):
+            yield row, pa.Table.from_batches([rb])
+            row += rb.num_rows
 
 
 def read_parquet_parts(

@@ -1,31 +1,52 @@
 """What the driver learns about the data before any worker starts (``plan_data``), and
 what one pass over it, an epoch, reads (``read_units``, ``pass_items``). No Ray here.
 
-A plan is the files of one source (``data.uri``). A row counts once per epoch unless the
-data says otherwise: a caption folder's kohya ``N_name`` folders count their images N
-times (``ShardFormat.repeats``). An epoch reads each read unit (a registry unit,
-``ShardFormat.units``, or a parquet part) as many times as its rows count, copy after
-copy: every unit once, then the units that count twice once more, and so on, so that
-the copies of a row are far apart even where an epoch is read in file order
-(``data.sharding=files``); stream sharding shuffles each epoch's units as well. Counts
-are exact: ``DataPlan.rows`` is what an epoch reads (before bad rows and a held-out
-split are dropped), and ``for_rank`` gives each worker's exact share under
-``data.sharding=files``.
+A plan is the files of one or more sources (``data.uri``, or each of ``data.sources``).
+Each row counts m times per epoch, its multiplicity: a caption folder's kohya ``N_name``
+folders make it N (``ShardFormat.repeats``), times the source's multiplier: its
+``repeats``, or what its ``weight`` asks for (``apply_shares``). An epoch reads each read
+unit (a registry unit, ``ShardFormat.units``, or a parquet part) floor(m) times, copy
+after copy (every unit once, then those that count twice once more, ...: the copies of a
+row are far apart even where an epoch is read in file order, ``data.sharding=files``),
+and, for a fractional m, a partial copy: of the n rows that share a multiplicity, the
+round(frac(m) × n) rows whose positions a seeded affine permutation maps below that count
+(``keep_rows``), a different set every epoch, decided row by row without a list of them.
+Stream sharding shuffles each epoch's items as well. Counts are exact: ``DataPlan.rows``
+is what an epoch reads (before bad rows and a held-out split are dropped), and
+``for_rank`` gives each worker's exact share under ``data.sharding=files`` (each worker's
+partial copies are drawn from its own rows).
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from raylora.data.captions import with_prefix
 from raylora.data.formats import detect_format, get_format
 from raylora.storage import Storage
 
 if TYPE_CHECKING:
     from raylora.config import DataSection
+
+
+class DataProblems(ValueError):
+    """Problems of several sources, one ``"data.sources[i].uri: ..."`` line each."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+def copies(m: float, n: int) -> tuple[int, int]:
+    """(whole copies, rows of the partial copy) an epoch reads of ``n`` rows that count
+    ``m`` times each."""
+    whole = int(m)
+    return whole, int((m - whole) * n + 0.5)
 
 
 @dataclass
@@ -40,15 +61,32 @@ class SourceFiles:
     repeats: list[int] | None = None  # times each file's rows count per epoch (None: once)
     uri: str | list[str] = ""
     companions: list[str] = field(default_factory=list)  # e.g. caption files, for fingerprints
+    mult: float = 1.0  # the source's multiplier: its repeats, or what its weight asks for
 
     def file_repeats(self) -> list[int]:
         return self.repeats or [1] * len(self.files)
 
+    def file_mults(self) -> list[float]:
+        """Times each file's rows count per epoch."""
+        return [self.mult * r for r in self.file_repeats()]
+
+    def groups(self) -> dict[float, int]:
+        """Rows per multiplicity, in order of first appearance (one for a source without
+        per-file rows)."""
+        if self.file_rows is None:
+            return {self.mult: self.rows}
+        out: dict[float, int] = {}
+        for m, n in zip(self.file_mults(), self.file_rows):
+            out[m] = out.get(m, 0) + n
+        return out
+
     def epoch_rows(self) -> int:
         """Rows an epoch reads from this source."""
-        if self.repeats is None:
-            return self.rows
-        return sum(r * n for r, n in zip(self.repeats, self.file_rows))
+        return sum(w * n + k for m, n in self.groups().items() for w, k in [copies(m, n)])
+
+    def natural_rows(self) -> int:
+        """Rows an epoch would read with the source's multiplier at 1 (folder repeats only)."""
+        return replace(self, mult=1.0).epoch_rows()
 
     def subset(self, indices: list[int]) -> SourceFiles:
         def pick(xs):
@@ -98,12 +136,15 @@ class DataPlan:
         return DataPlan.of([s for s in subsets if s.files] or subsets[:1])
 
     def summary(self) -> list[dict]:
-        """Per source, for ``raylora.json``: files, distinct rows, rows per epoch, and how
-        many rows count how many times (where any counts more than once)."""
+        """Per source, for ``raylora.json``: files, distinct rows, rows per epoch (and its
+        share of the epoch, and the source's multiplier), and how many rows count how many
+        times where a caption folder's folders say so."""
         out = []
         for s in self.sources:
             entry = {"source": s.index, "uri": s.uri, "format": s.format, "files": len(s.files),
-                     "rows": s.rows, "rows_per_epoch": s.epoch_rows()}
+                     "rows": s.rows, "rows_per_epoch": s.epoch_rows(),
+                     "share": round(s.epoch_rows() / self.rows, 6) if self.rows else 0.0,
+                     "multiplier": s.mult}
             if s.repeats:
                 counts = Counter()
                 for r, n in zip(s.repeats, s.file_rows):
@@ -128,49 +169,145 @@ def plan_source(section: DataSection, storage: Storage, index: int = 0) -> Sourc
 
 
 def plan_data(data: DataSection, storage: Storage) -> DataPlan:
-    """The plan of ``data.uri``. Raises FileNotFoundError / ValueError / OSError naming the
-    URI or file at fault."""
-    return DataPlan.of([plan_source(data, storage)])
+    """The plan of ``data.uri``, or of every source of ``data.sources`` with its
+    multiplier. Raises FileNotFoundError / ValueError / OSError naming the URI or file at
+    fault; for sources, DataProblems naming each source's key."""
+    sources, problems = [], []
+    for i, section in enumerate(data.source_sections()):
+        try:
+            sources.append(plan_source(section, storage, i))
+        except (FileNotFoundError, ValueError, OSError) as exc:
+            if data.sources is None:
+                raise
+            problems.append(f"{data.source_key(i, 'uri')}: {exc}")
+    if data.sources is not None:
+        problems += [f"{data.source_key(s.index, 'uri')}: {s.uri}: no rows"
+                     for s in sources if not s.natural_rows()]
+    if problems:
+        raise DataProblems(problems)
+    return DataPlan.of(apply_shares(data, sources))
+
+
+def apply_shares(data: DataSection, sources: list[SourceFiles]) -> list[SourceFiles]:
+    """Each source with its multiplier from ``data.sources``: its ``repeats`` (default 1),
+    or, when the sources have weights, ``weight / Σ weights`` of an epoch as long as all
+    the sources' rows (their folder repeats counted) make, divided by its own rows."""
+    if data.sources is None:
+        return sources
+    given = data.sources
+    if given[0].weight is None:  # every source has one, or none (config checks)
+        return [replace(s, mult=float(given[s.index].repeats or 1)) for s in sources]
+    natural = [s.natural_rows() for s in sources]
+    epoch, weights = sum(natural), sum(g.weight for g in given)
+    return [replace(s, mult=epoch * given[s.index].weight / weights / n)
+            for s, n in zip(sources, natural)]
 
 
 def iter_plan_rows(data: DataSection, plan: DataPlan, storage: Storage):
     """Every distinct row ``{key, image, text}`` of the plan, in source and file order,
-    without Ray (held-out rows are read this way on the driver)."""
+    each source's caption prefix applied, without Ray (held-out rows are read this way on
+    the driver)."""
+    sections = data.source_sections()
     for s in plan.sources:
-        yield from get_format(s.format).iter_rows(data, s.files, storage)
+        section = sections[s.index]
+        for row in get_format(s.format).iter_rows(section, s.files, storage):
+            yield {**row, "text": with_prefix(section.caption_prefix, row["text"])}
 
 
 def read_units(data: DataSection, plan: DataPlan, storage: Storage, unit_rows: int,
                cached: bool = False) -> list[dict]:
     """Every read unit of the plan once, in source order: ``k`` (the source's place in
-    ``plan.sources``), ``repeats``, and where it is: ``kind`` ``parquet`` (parquet files
-    and a latent cache's, in parts of about ``unit_rows`` rows: ``uri``, ``part``,
-    ``parts``) or ``unit`` (a registry unit: ``index``, ``start``, ``stop``)."""
+    ``plan.sources``), ``source``, where it is: ``kind`` ``parquet`` (parquet files and a
+    latent cache's, in parts of about ``unit_rows`` rows: ``uri``, ``part``, ``parts``) or
+    ``unit`` (a registry unit: ``index``, ``start``, ``stop``), and how an epoch reads its
+    rows (``_copies``)."""
     from raylora.data.parquet_parts import parquet_parts
 
+    sections = data.source_sections()
     out = []
     for k, s in enumerate(plan.sources):
-        reps = s.file_repeats()
+        copies_of = _copies(s)
         base = {"k": k, "source": s.index, "uri": "", "part": 0, "parts": 0,
                 "index": 0, "start": 0, "stop": 0}
         if cached or s.format == "parquet":
             for i, f in enumerate(s.files):
                 rows = None if s.file_rows is None else [s.file_rows[i]]
-                out += [{**base, "kind": "parquet", **p, "repeats": reps[i]}
+                out += [{**base, "kind": "parquet", **p, **copies_of(i, 0)}
                         for p in parquet_parts([f], rows, unit_rows)]
         else:
-            units = get_format(s.format).units(data, s.files, storage, unit_rows)
+            units = get_format(s.format).units(sections[s.index], s.files, storage, unit_rows)
             out += [{**base, "kind": "unit", "index": i, "start": a, "stop": b,
-                     "repeats": reps[i]} for i, a, b in units]
+                     **copies_of(i, a)} for i, a, b in units]
     return out
 
 
+def _copies(s: SourceFiles):
+    """``(file index, first row in it) → {whole, take, n, group, offset}``: the whole
+    copies an epoch reads of a unit starting there, the rows ``take`` of the partial copy
+    of its ``n``-row multiplicity ``group``, and the unit's first row's place in the group
+    (a parquet part adds its first row in the file, known once its footer is read)."""
+    mults, groups = s.file_mults(), s.groups()
+    ids = {m: g for g, m in enumerate(groups)}
+    offsets, seen = [], dict.fromkeys(groups, 0)
+    for i, m in enumerate(mults):
+        offsets.append(seen[m])
+        seen[m] += s.file_rows[i] if s.file_rows is not None else 0
+
+    def of(i: int, start: int) -> dict:
+        m = mults[i]
+        whole, take = copies(m, groups[m])
+        return {"whole": whole, "take": take, "n": groups[m], "group": ids[m],
+                "offset": offsets[i] + start}
+
+    return of
+
+
 def pass_items(units: list[dict], seed: int, epoch: int, shuffle: bool) -> list[dict]:
-    """What epoch ``epoch`` reads: each unit as many times as its rows count, copy after
-    copy; ``shuffle``: in an order drawn from the seed and the epoch alone, else in that
-    order."""
-    copies = max((u["repeats"] for u in units), default=1)
-    items = [u for c in range(copies) for u in units if u["repeats"] > c]
+    """What epoch ``epoch`` reads: each unit ``whole`` times, copy after copy, then its
+    partial copy (``keep`` rows of its group, by the epoch's ``a``, ``b``; ``keep`` -1:
+    every row); ``shuffle``: in an order drawn from the seed and the epoch alone, else in
+    that order."""
+    rounds = max((u["whole"] + (u["take"] > 0) for u in units), default=1)
+    items, draws = [], {}
+    for c in range(rounds):
+        for u in units:
+            if c < u["whole"]:
+                items.append({**u, "keep": -1, "a": 0, "b": 0})
+            elif c == u["whole"] and u["take"]:
+                key = (u["source"], u["group"])
+                if key not in draws:
+                    draws[key] = _affine(seed, epoch, *key, u["n"])
+                items.append({**u, "keep": u["take"], "a": draws[key][0], "b": draws[key][1]})
     order = np.random.default_rng([seed, epoch]).permutation(len(items)) if shuffle \
         else range(len(items))
     return [{"epoch": epoch, **items[i]} for i in order]
+
+
+def _affine(seed: int, epoch: int, source: int, group: int, n: int) -> tuple[int, int]:
+    """``(a, b)`` of the permutation ``p → (a·p + b) mod n`` of a group's row positions
+    (``a`` coprime to ``n``), drawn from the seed, the epoch and the group."""
+    rng = np.random.default_rng([seed, epoch, source, group])
+    b = int(rng.integers(n))
+    a = 1
+    while n > 2:
+        a = int(rng.integers(1, n))
+        if math.gcd(a, n) == 1:
+            break
+    return a, b
+
+
+def keep_rows(positions: np.ndarray, item: dict) -> np.ndarray:
+    """Which rows at group ``positions`` a read item keeps (all, or its partial copy's)."""
+    if int(item["keep"]) < 0:
+        return np.ones(len(positions), dtype=bool)
+    a, b, n = int(item["a"]), int(item["b"]), int(item["n"])
+    return (a * positions.astype(np.int64) + b) % n < int(item["keep"])
+
+
+def unit_keep(item: dict):
+    """``keep_rows`` as ``ShardFormat.iter_unit`` takes it: by a row's place in the unit
+    (None: every row)."""
+    if int(item["keep"]) < 0:
+        return None
+    offset = int(item["offset"])
+    return lambda j: bool(keep_rows(np.array([offset + j]), item)[0])

@@ -107,10 +107,14 @@ class Preprocess:
         bad_records: str | None = None,
         tokenizer_specs: tuple | None = None,
         max_sequence_length: int | None = None,
+        caption_policies: tuple | None = None,
     ):
         """``tokenizer_specs``: the model's tokenizers as ``raylora.data.tokenize`` specs,
         made by the driver (what Ray Data's tasks get: no transformers import, no model
-        download here); without them they are read from ``tokenizer_path``."""
+        download here); without them they are read from ``tokenizer_path``.
+        ``caption_policies``: per source (``raylora.data.captions``), for rows with a
+        ``source`` column; default: ``caption_dropout`` for every row."""
+        from raylora.data.captions import CaptionPolicy
         from raylora.data.tokenize import CaptionTokenizer, load_specs
         from raylora.model import families
 
@@ -129,10 +133,10 @@ class Preprocess:
         self.image_column = image_column
         self.caption_column = caption_column
         self.rng = np.random.default_rng(seed)
-        self.caption_dropout = caption_dropout
+        self.policies = tuple(caption_policies or (CaptionPolicy(caption_dropout),))
         self.decode = dict(
             max_pixels=max_image_pixels, min_size=min_size, small_images=small_images,
-            keep_empty_captions=caption_dropout > 0, background=tuple(background_color),
+            background=tuple(background_color),
         )
         from raylora.data.badrecords import Reporter
 
@@ -150,14 +154,19 @@ class Preprocess:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         from collections import Counter
 
+        from raylora.data.captions import apply_policies
         from raylora.data.decode import BadRecord, decode_row
 
-        out, captions, bad, examples = [], [], Counter(), {}
+        out, captions, kept, bad, examples = [], [], [], Counter(), {}
         images, texts = batch[self.image_column], batch[self.caption_column]
         where = batch.get("key", batch.get("path"))
+        sources = batch.get("source")
         for i, (image, text) in enumerate(zip(images, texts)):
+            src = 0 if sources is None else int(sources[i])
             try:
-                img, caption = decode_row(image, text, **self.decode)
+                # Caption dropout trains on the empty prompt anyway: a blank caption is kept.
+                img, caption = decode_row(image, text, **self.decode,
+                                          keep_empty_captions=self.policies[src].dropout > 0)
             except BadRecord as exc:
                 # Dropped and counted, never fatal here: whether the run may go on is
                 # decided on the totals (data.max_bad_fraction).
@@ -168,12 +177,11 @@ class Preprocess:
             out.append(transform_image_coords(
                 img, self.resolution, self.center_crop, self.random_flip, self.rng))
             captions.append(caption)
-        self.reporter.send(len(out), bad, examples)
-        if self.caption_dropout and captions:
-            # The empty prompt, as the unconditional branch of classifier-free guidance sees
-            # it at inference: keeps the adapter usable with guidance.
-            drop = self.rng.random(len(captions)) < self.caption_dropout
-            captions = ["" if d else c for c, d in zip(captions, drop)]
+            kept.append(src)
+        # Rows kept per source: the run's per-source counts (raylora.json data.sources).
+        by_source = {} if sources is None else {"by_source": dict(Counter(kept))}
+        self.reporter.send(len(out), bad, examples, **by_source)
+        captions = apply_policies(captions, [self.policies[s] for s in kept], self.rng)
         r = self.resolution
         # every row of the batch bad: an empty batch of the right shapes
         pixels = np.stack([o[0] for o in out]) if out else np.zeros((0, 3, r, r), np.uint8)

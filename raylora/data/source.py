@@ -27,6 +27,7 @@ import numpy as np
 import ray
 
 from raylora.config import DataSection
+from raylora.data.captions import caption_policies
 from raylora.data.formats import get_format
 from raylora.data.plan import DataPlan, pass_items, plan_data, read_units
 from raylora.data.preprocess import Preprocess, preprocess_batch
@@ -122,19 +123,21 @@ def epoch_seed(seed: int, epoch: int) -> int:
 def _read_passes(data: DataSection, plan: DataPlan, storage: Storage, seed: int,
                  passes: range, shuffle: bool, cached: bool = False,
                  **map_args) -> ray.data.Dataset:
-    """Raw rows (``key``, ``image``, ``text``; or a latent cache's columns) of every pass,
-    each with its ``epoch``. One read item per (pass, read unit), a unit as many times a
-    pass as its rows count (``raylora.data.plan``): parquet files in parts of about
-    READ_UNIT_ROWS rows, other formats in the registry's units; ``shuffle``: a new item
-    order every pass, from the seed and the pass. ``map_args``: the read stage's
+    """Raw rows of every pass, each with its ``epoch``: a latent cache's columns, or
+    ``key``, ``image`` (encoded bytes), ``text`` (the source's caption prefix applied) and
+    ``source`` (its place in ``data.sources``). One read item per (pass, read unit copy)
+    (``raylora.data.plan``): parquet files in parts of about READ_UNIT_ROWS rows, other
+    formats in the registry's units, each as often as its rows count; ``shuffle``: a new
+    item order every pass, from the seed and the pass. ``map_args``: the read stage's
     ``compute`` and ``num_cpus``."""
     from raylora.data.parquet_parts import READ_UNIT_ROWS
 
     units = read_units(data, plan, storage, READ_UNIT_ROWS, cached)
     items = [item for e in passes for item in pass_items(units, seed, e, shuffle)]
-    kwargs = dict(data=data.model_dump(), files=[s.files for s in plan.sources],
-                  formats=[s.format for s in plan.sources], cached=cached,
-                  endpoint_url=storage.endpoint_url, region=storage.region)
+    sections = data.source_sections()
+    kwargs = dict(sections=[sections[s.index].model_dump() for s in plan.sources],
+                  files=[s.files for s in plan.sources], formats=[s.format for s in plan.sources],
+                  cached=cached, endpoint_url=storage.endpoint_url, region=storage.region)
     # One item per block up to 1024 blocks: the block is what is scheduled.
     ds = ray.data.from_items(items, override_num_blocks=min(len(items), 1024))
     return ds.map_batches(_read_items, batch_size=1, batch_format="numpy", fn_kwargs=kwargs,
@@ -147,46 +150,79 @@ def _tagged(table, epoch: int):
     return table.append_column("epoch", pa.array(np.full(len(table), epoch, np.int32)))
 
 
-def _read_items(batch: dict[str, np.ndarray], data: dict, files: list[list[str]],
+def _read_items(batch: dict[str, np.ndarray], sections: list[dict], files: list[list[str]],
                 formats: list[str], cached: bool, endpoint_url: str | None,
                 region: str | None):
-    """Read stage: (pass, read unit) items → the unit's rows, tagged with the pass: a
-    latent cache's columns, or ``key``, ``image``, ``text``."""
+    """Read stage: (pass, read unit copy) items → the rows they read, tagged with the pass."""
     from raylora.data.formats.base import process_storage
 
-    section, store = DataSection.model_validate(data), process_storage(endpoint_url, region)
+    store = process_storage(endpoint_url, region)
     for i in range(len(batch["epoch"])):
         item = {k: v[i] for k, v in batch.items()}
         k = int(item["k"])
+        section = DataSection.model_validate(sections[k])
         tables = _part_tables(item, section, cached, store) if item["kind"] == "parquet" \
             else _unit_tables(item, section, formats[k], files[k], store)
         for table in tables:
+            if not cached:
+                table = _as_source(table, section, int(item["source"]))
             yield _tagged(table, int(item["epoch"]))
 
 
-def _part_tables(item: dict, data: DataSection, cached: bool, store: Storage):
-    """The rows of a parquet part: a cache's columns as they are, else key/image/text."""
-    from raylora.data.parquet_parts import _read_parts
+def _as_source(table, section: DataSection, source: int):
+    """Rows of source ``source``: its caption prefix put in, its index in a ``source``
+    column (the preprocess stage's per-source captions and counts)."""
+    import pyarrow as pa
 
-    part = {k: np.array([item[k]]) for k in ("uri", "part", "parts")}
-    kwargs = dict(columns=None, renames={}, with_key=False) if cached else dict(
-        columns=[data.image_column, data.caption_column],
-        renames={data.image_column: "image", data.caption_column: "text"}, with_key=True)
-    yield from _read_parts(part, with_path=False, endpoint_url=store.endpoint_url,
-                           region=store.region, **kwargs)
+    from raylora.data.captions import with_prefix
+
+    if section.caption_prefix:
+        texts = [with_prefix(section.caption_prefix, t) for t in table["text"].to_pylist()]
+        table = table.set_column(table.column_names.index("text"), "text",
+                                 pa.array(texts, pa.string()))
+    return table.append_column("source", pa.array(np.full(len(table), source, np.int32)))
+
+
+def _part_tables(item: dict, data: DataSection, cached: bool, store: Storage):
+    """The rows of a parquet part that the item keeps: a cache's columns as they are, else
+    ``key`` (``{uri}#{row}``), ``image`` (bytes, also from a ``{bytes, path}`` struct) and
+    ``text``."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from raylora.data.parquet_parts import part_tables
+    from raylora.data.plan import keep_rows
+
+    columns = None if cached else [data.image_column, data.caption_column]
+    for first, table in part_tables(store, str(item["uri"]), int(item["part"]),
+                                    int(item["parts"]), columns):
+        rows = np.arange(first, first + len(table))
+        keep = keep_rows(int(item["offset"]) + rows, item)
+        if not keep.all():
+            table, rows = table.filter(pa.array(keep)), rows[keep]
+        if cached:
+            yield table
+            continue
+        image = table[data.image_column]
+        if pa.types.is_struct(image.type):  # a datasets struct: sources of a mix are alike
+            image = pc.struct_field(image, "bytes")
+        yield pa.table({"image": image, "text": table[data.caption_column],
+                        "key": pa.array([f"{item['uri']}#{r}" for r in rows], pa.string())})
 
 
 def _unit_tables(item: dict, data: DataSection, fmt: str, files: list[str], store: Storage,
                  rows_per_table: int = 64):
-    """The ``{key, image, text}`` rows of a registry unit (``ShardFormat.iter_unit``)."""
+    """The ``{key, image, text}`` rows of a registry unit (``ShardFormat.iter_unit``) that
+    the item keeps."""
     import itertools
 
     import pyarrow as pa
 
     from raylora.data.formats.base import image_bytes
+    from raylora.data.plan import unit_keep
 
     rows = get_format(fmt).iter_unit(data, files, store, int(item["index"]),
-                                     int(item["start"]), int(item["stop"]))
+                                     int(item["start"]), int(item["stop"]), unit_keep(item))
     while chunk := list(itertools.islice(rows, rows_per_table)):
         yield pa.table({
             "key": pa.array([str(r["key"]) for r in chunk], pa.string()),
@@ -252,6 +288,7 @@ def _preprocessed_rows(data: DataSection, plan: DataPlan, storage: Storage, mode
         endpoint_url=storage.endpoint_url,
         region=storage.region,
         caption_dropout=data.caption_dropout,
+        caption_policies=caption_policies(data),
         family=family,
         bad_records=bad_records,
         # Read once, on the driver: see raylora.data.tokenize.

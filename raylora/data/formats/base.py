@@ -14,7 +14,7 @@ import functools
 import itertools
 import json
 import posixpath
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from raylora.storage import Storage
@@ -126,10 +126,13 @@ class ShardFormat:
         return [(i, 0, -1) for i in range(len(files))]
 
     def iter_unit(self, data: DataSection, files: list[str], storage: Storage,
-                  index: int, start: int, stop: int) -> Iterator[dict]:
-        """The rows of one of ``units``, in order."""
-        rows = self.iter_rows(data, [files[index]], storage)
-        return itertools.islice(rows, start, None if stop < 0 else stop)
+                  index: int, start: int, stop: int,
+                  keep: Callable[[int], bool] | None = None) -> Iterator[dict]:
+        """The rows of one of ``units``, in order; with ``keep``, only those at the places
+        (0: the unit's first row) it says yes to: a partial copy (``raylora.data.plan``)."""
+        rows = itertools.islice(self.iter_rows(data, [files[index]], storage), start,
+                                None if stop < 0 else stop)
+        return rows if keep is None else (r for j, r in enumerate(rows) if keep(j))
 
     def write_shard(self, storage: Storage, index: int, items: list[dict]) -> tuple[str, bytes]:
         """Shard number ``index`` of ``items`` (``{key, uri, text}``): (file name, bytes)."""

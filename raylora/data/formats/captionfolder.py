@@ -141,10 +141,12 @@ class CaptionFolder(ShardFormat):
                 start = i
         return out
 
-    def iter_unit(self, data, files, storage, index, start, stop):
-        # One row per image: rows start..stop from image ``index`` are images.
-        end = index + (stop if stop >= 0 else 1)
-        return self._rows(data, files, storage, range(index + start, end))
+    def iter_unit(self, data, files, storage, index, start, stop, keep=None):
+        # One row per image: rows start..stop from image ``index`` are images. An image
+        # left out (keep) is not read.
+        places = range(index + start, index + (stop if stop >= 0 else 1))
+        return self._rows(data, files, storage,
+                          [i for j, i in enumerate(places) if keep is None or keep(j)])
 
     def _rows(self, data, files, storage, indices):
         folders = self._folders(data, [files[i] for i in indices])

@@ -76,10 +76,12 @@ class ImageFolder(ShardFormat):
         n = len(imagefolder_rows(storage, files, data.caption_column))
         return [(0, s, s + rows_per_unit) for s in range(0, n, rows_per_unit)]
 
-    def iter_unit(self, data, files, storage, index, start, stop):
+    def iter_unit(self, data, files, storage, index, start, stop, keep=None):
         rows = imagefolder_rows(storage, files, data.caption_column)
-        for row in itertools.islice(rows, start, None if stop < 0 else stop):
-            yield {"key": row["key"], "image": storage.read_bytes(row["uri"]), "text": row["text"]}
+        for j, row in enumerate(itertools.islice(rows, start, None if stop < 0 else stop)):
+            if keep is None or keep(j):  # an image left out is not read
+                yield {"key": row["key"], "image": storage.read_bytes(row["uri"]),
+                       "text": row["text"]}
 
     def read_dataset(self, data, files, file_rows, storage, seed, shuffle, **map_args):
         import ray

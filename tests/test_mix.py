@@ -1,0 +1,151 @@
+"""Dataset mixes without Ray: caption prefixes, tag shuffling and dropout per source, and
+what an epoch of weighted or repeated sources reads (raylora.data.plan, .captions)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from raylora.config import DataSection
+from raylora.data.captions import CaptionPolicy, apply_policies, shuffle_tags, with_prefix
+from raylora.data.formats import NOT_UTF8
+from raylora.data.plan import DataProblems, plan_data
+from raylora.storage import Storage
+from test_formats import epoch_reads, write_kohya
+
+
+def test_prefix_is_the_first_tag_and_never_captions_a_captionless_row():
+    assert with_prefix("sks", "a dog") == "sks, a dog"
+    assert with_prefix("ohwx man, ", "a photo") == "ohwx man, a photo"  # no ", ,"
+    assert with_prefix("", "a dog") == "a dog"
+    assert with_prefix("sks", None) is None and with_prefix("sks", "  ") == "  "
+    assert with_prefix("sks", NOT_UTF8 + "caf\xe9") == NOT_UTF8 + "caf\xe9"  # still refused
+
+
+def test_tag_shuffle_keeps_the_first_keep_tokens_tags():
+    rng = np.random.default_rng(0)
+    caption = "sks, red hair, smiling, outdoors, , night"
+    seen = Counter()
+    for _ in range(300):
+        tags = shuffle_tags(caption, 1, rng).split(", ")
+        assert tags[0] == "sks"
+        assert sorted(tags[1:]) == ["night", "outdoors", "red hair", "smiling"]  # blank dropped
+        seen[tags[1]] += 1
+    assert set(seen) == {"night", "outdoors", "red hair", "smiling"}
+    assert min(seen.values()) > 40  # each about a quarter of 300
+    assert shuffle_tags("one tag only", 0, rng) == "one tag only"
+    two = [shuffle_tags(caption, 2, rng).split(", ")[:2] for _ in range(20)]
+    assert all(t == ["sks", "red hair"] for t in two)
+
+
+def test_dropout_and_shuffle_follow_each_rows_policy():
+    captions = [f"tag{i}, b, c, d" for i in range(400)]
+    # One policy for every row draws exactly what a single data.caption_dropout drew.
+    got = apply_policies(captions, [CaptionPolicy(0.3)] * 400, np.random.default_rng(5))
+    drop = np.random.default_rng(5).random(400) < 0.3
+    assert got == ["" if d else c for c, d in zip(captions, drop)]
+    # Per source: only the rows of the source with dropout / shuffling get them.
+    pols = [CaptionPolicy(0.0), CaptionPolicy(0.5, shuffle_tags=True, keep_tokens=1)] * 200
+    got = apply_policies(captions, pols, np.random.default_rng(1))
+    assert got[0::2] == captions[0::2]
+    second = got[1::2]
+    assert 70 < sum(g == "" for g in second) < 130
+    kept = [g for g in second if g]
+    assert all(g.startswith("tag") and sorted(g.split(", ")[1:]) == ["b", "c", "d"] for g in kept)
+    assert any(g.split(", ")[1:] != ["b", "c", "d"] for g in kept)
+
+
+@pytest.fixture(scope="module")
+def two_sources(tmp_path_factory) -> tuple[str, str]:
+    """16 parquet rows in 2 files, and a caption folder of 8 images."""
+    from raylora.data.demo import write_parquet_shards
+
+    root = tmp_path_factory.mktemp("mix")
+    write_parquet_shards(root / "pq", n=16, num_shards=2, size=16, seed=2)
+    folder = write_kohya(root / "folder", {f"img{i}": f"a thing, number {i}" for i in range(8)})
+    return str(root / "pq"), folder
+
+
+def test_weights_are_shares_of_an_epoch_as_long_as_all_rows(two_sources):
+    """Weights 3:1 over 16 + 8 rows: an epoch of 24 reads 18 parquet rows (each once, 2 of
+    them twice) and 6 of the 8 images, a different 6 every epoch; exact per epoch, and
+    per worker under data.sharding=files."""
+    pq, folder = two_sources
+    data = DataSection(sources=[{"uri": pq, "weight": 3, "caption_prefix": "sks"},
+                                {"uri": folder, "weight": 1}])
+    plan = plan_data(data, Storage())
+    assert plan.format == "mix" and plan.rows == 24
+    a, b = plan.summary()
+    assert (a["rows"], a["rows_per_epoch"], a["share"], a["multiplier"]) == (16, 18, 0.75, 1.125)
+    assert (b["rows"], b["rows_per_epoch"], b["share"], b["multiplier"]) == (8, 6, 0.25, 0.75)
+    # The caption folder's epochs, read unit by unit as the read stage does:
+    from raylora.data.plan import DataPlan
+
+    picks = [epoch_reads(data, DataPlan.of(plan.sources[1:]), True, e) for e in range(40)]
+    assert all(len(p) == 6 == len(set(p)) for p in picks)
+    assert len({tuple(sorted(p)) for p in picks}) > 10  # a new subset most epochs
+    counts = Counter(k for p in picks for k in p)
+    assert len(counts) == 8 and min(counts.values()) >= 20 and max(counts.values()) <= 40
+    # sharding=files: each worker's partial copies come from its own rows, counts exact.
+    for world in (2, 3):
+        shares = [plan.for_rank(r, world) for r in range(world)]
+        assert sum(len(s.files) for s in shares) == len(plan.files)
+        for share in shares:
+            folder_part = [s for s in share.sources if s.index == 1]
+            if folder_part:
+                assert len(epoch_reads(data, DataPlan.of(folder_part), False)) == \
+                    folder_part[0].epoch_rows()
+
+
+def test_repeats_count_rows_and_errors_name_the_source(two_sources, tmp_path):
+    pq, folder = two_sources
+    plan = plan_data(DataSection(sources=[{"uri": pq, "repeats": 2}, {"uri": folder}]), Storage())
+    assert plan.rows == 2 * 16 + 8
+    assert [s["rows_per_epoch"] for s in plan.summary()] == [32, 8]
+    with pytest.raises(DataProblems) as exc:
+        plan_data(DataSection(sources=[{"uri": pq}, {"uri": str(tmp_path / "nope")},
+                                       {"uri": folder, "format": "parquet"}]), Storage())
+    assert exc.value.problems == [
+        f"data.sources[1].uri: {tmp_path}/nope: no such file or directory",
+        f"data.sources[2].uri: {folder}: matched no parquet files"]
+
+
+def test_latent_cache_encodes_each_source_with_its_prefix(two_sources, tiny_model, tmp_path):
+    """The cache stage reads each source with its own keys and prefix (encoded into the
+    cached text embeddings), writes each unit's part with its source, and training over
+    the cache gets the sources' shares back; the fingerprint follows the prefix."""
+    import pyarrow.parquet as pq_
+
+    from raylora.config import validate
+    from raylora.data.cache import CacheEntry, EncodeFiles, _stage_kwargs, _work_items, fingerprint
+
+    pq, folder = two_sources
+
+    def config(prefix: str):
+        return validate({"model": {"pretrained": tiny_model}, "output": {"uri": str(tmp_path)},
+                         "data": {"center_crop": True, "cache": "latents", "resolution": 32,
+                                  "sources": [{"uri": pq, "weight": 3, "caption_prefix": prefix},
+                                              {"uri": folder, "weight": 1}]}})
+
+    cfg, store = config("sks"), Storage()
+    plan = plan_data(cfg.data, store)
+    items = _work_items(cfg.data, plan, store, 256)
+    assert [(it["k"], it["source"], it["index"]) for it in items] == [(0, 0, 0), (0, 0, 1), (1, 1, 0)]
+    pre, enc = _stage_kwargs(cfg, tiny_model, "sd", store)
+    parts = str(tmp_path / "parts")
+    stage = EncodeFiles(cfg.data.model_dump(), [s.format for s in plan.sources],
+                        [s.files for s in plan.sources], parts, pre, enc, 256, 8)
+    assert all(r["text"].startswith("sks, a ") and r["source"] == 0 for r in stage._rows(0, 0, 0, 0, -1))
+    assert all(r["text"].startswith("a thing, number") for r in stage._rows(1, 1, 0, 0, 8))
+    written = stage({k: np.array([it[k] for it in items]) for k in
+                     ("item", "k", "source", "index", "start", "stop")})
+    assert list(written["rows"]) == [8, 8, 8]
+    files = [f"{parts}/{n}" for n in written["name"]]
+    assert pq_.read_table(files[0]).num_rows == 8
+    entry = CacheEntry(str(tmp_path), files, [8, 8, 8], False, sources=[0, 0, 1], repeats=[1, 1, 1])
+    cached = entry.plan(cfg.data)
+    assert cached.rows == 24 and [s["share"] for s in cached.summary()] == [0.75, 0.25]
+    assert fingerprint(cfg, "sd", tiny_model, plan, store) != \
+        fingerprint(config("ohwx"), "sd", tiny_model, plan, store)

@@ -11,19 +11,10 @@ import sys
 def _train(args) -> int:
     from raylora.config import load_config
     from raylora.launch import run
+    from raylora.progress import summary_lines
 
     cfg = load_config(args.config, args.overrides)
-    summary = run(cfg)
-    m = summary["metrics"]
-    print(
-        f"raylora: trained {m['steps']} steps, loss {m['train_loss_first']:.5f} → "
-        f"{m['train_loss_last']:.5f}, {m['images_seen']} images in {m['wall_seconds']:.1f}s"
-    )
-    print(f"raylora: adapter      {summary['adapter']}")
-    if summary.get("kohya"):
-        print(f"raylora: kohya file   {summary['kohya']}")
-    print(f"raylora: loss curve   {summary['loss_png']}")
-    print(f"raylora: step metrics {summary['metrics_jsonl']}")
+    print("\n".join(summary_lines(run(cfg))))
     return 0
 
 
@@ -228,14 +219,22 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--shards", type=int, default=2)
     d.add_argument("--size", type=int, default=64)
     d.set_defaults(fn=_demo_data)
+    # On each command, not the top parser: an option given after the command (where
+    # people put it) would be reset by the subcommand's default.
+    for cmd in [*sub.choices.values(), *shsub.choices.values()]:
+        cmd.add_argument("--verbose", "-v", action="store_true",
+                         help="show Ray's and the model libraries' routine logs "
+                              "(same as RAYLORA_VERBOSE=1)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    import os
+
+    from raylora import quiet
     from raylora.config import ConfigError
     from raylora.preflight import EXIT_DOES_NOT_FIT, DoesNotFit
 
-    logging.basicConfig(level=logging.INFO, format="[raylora] %(message)s")
     parser = build_parser()
     # Overrides may come after options (`lr-find job.yaml --steps 50 train.batch_size=2`);
     # argparse stops collecting a positional list at the first option, so pick them up.
@@ -244,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
         if not hasattr(args, "overrides") or any(r.startswith("-") or "=" not in r for r in rest):
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         args.overrides = list(args.overrides) + rest
+    if getattr(args, "verbose", False):
+        os.environ[quiet.VERBOSE_ENV] = "1"  # Ray workers inherit it (launch.job_runtime_env)
+    quiet.apply()  # before the model libraries are imported: they read env vars then
+    logging.basicConfig(level=logging.INFO, format="[raylora] %(message)s")
     # SIGTERM (a job scheduler, `kill`, Kubernetes) is handled like Ctrl-C: the `finally`
     # blocks run, so an embedded Ray is shut down. Checkpoints need nothing: Ray Train
     # records one only once it is fully written, and the same command resumes from it.

@@ -425,7 +425,13 @@ class TrainSection(_Section):
     num_epochs: int = Field(1, gt=0)
     mixed_precision: Literal["no", "fp16", "bf16"] = "no"
     seed: int = 42
-    log_every_n_steps: int = Field(1, gt=0, description="Print a log line every N steps.")
+    log_every_n_steps: int | None = Field(
+        None, gt=0, description="Progress: a plain line every N steps when the output is "
+        "not a terminal (a job log, CI); default a tenth of the run.",
+    )
+    log_every_n_seconds: float = Field(
+        30.0, gt=0, description="Progress: also a line when this long passed since the last.",
+    )
     record_samples: bool = Field(
         False, description="metrics.jsonl rows list a content hash of every sample rank 0 "
         "trained on in that step: an audit of data order, e.g. across a resume.",

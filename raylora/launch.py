@@ -280,7 +280,8 @@ def init_ray(need_cpus: float = 0) -> bool:
     if ray.is_initialized():
         return False
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=storage_runtime_env())
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=job_runtime_env(),
+                 logging_level=_ray_log_level())
         interrupt_on_sigterm()
         return False
     # Logical CPUs: training workers hold theirs for the whole run, so Ray Data's readers
@@ -378,32 +379,53 @@ def check_cluster_fits(cfg: RayLoraConfig, num_workers: int | None = None) -> Ra
     return cfg.model_copy(update={"scaling": s.model_copy(update={"cpus_per_worker": cpw})})
 
 
-def _env_setup_hook(values: dict[str, str]):
-    def raylora_storage_credentials() -> None:
-        os.environ.update(values)
+def _process_setup_hook(secrets: dict[str, str]):
+    def raylora_process_setup() -> None:
+        import ray
 
-    return raylora_storage_credentials
+        from raylora import quiet
+
+        os.environ.update(secrets)
+        # Ray's own State API calls in these processes (Train's placement-group cleaner)
+        # find their cluster by RAY_ADDRESS, else by looking for one on this machine: with
+        # two local Rays there they fail (a 30-line traceback, and no cleanup).
+        os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+        quiet.apply()
+
+    return raylora_process_setup
 
 
-def storage_runtime_env() -> dict | None:
-    """This job's runtime_env for joining a cluster started without our storage settings.
+def job_runtime_env() -> dict:
+    """This job's runtime_env: what every Ray worker process of the run (Train controller
+    and workers, Ray Data tasks, our actors) needs from the driver.
 
-    Endpoint and region travel as plain ``env_vars``. Credentials do not: Ray's runtime-env
-    agent writes the env_vars of every runtime_env it sets up to its log. They travel in a
+    Storage endpoint and region, and the quiet-logging settings (``raylora.quiet``),
+    travel as plain ``env_vars``. Credentials do not: Ray's runtime-env agent writes the
+    env_vars of every runtime_env it sets up to its log. They travel in the
     ``worker_process_setup_hook`` instead, a function Ray stores (pickled) in the cluster's
-    internal store and runs first in every worker process of this job (train workers, Ray
-    Data tasks), where it sets them in the environment; the logged runtime_env shows only
-    the hook's reference.
+    internal store and runs first in every worker process of this job, where it sets them
+    in the environment (the logged runtime_env shows only the hook's reference), then
+    quiets the loggers that env vars do not reach.
     """
+    from raylora import quiet
+
     env = storage.forwarded_env()
-    if not env:
-        return None
     secret = {k: v for k, v in env.items() if k in storage.SECRET_ENV_VARS}
     plain = {k: v for k, v in env.items() if k not in secret}
-    runtime_env: dict = {"env_vars": plain} if plain else {}
-    if secret:
-        runtime_env["worker_process_setup_hook"] = _env_setup_hook(secret)
-    return runtime_env
+    # A variable the submitted job's runtime_env already sets reaches the workers anyway,
+    # and Ray refuses a driver runtime_env that sets it again.
+    taken = _job_env_vars()
+    env_vars = {k: v for k, v in {**plain, **quiet.worker_env()}.items() if k not in taken}
+    return {"env_vars": env_vars, "worker_process_setup_hook": _process_setup_hook(secret)}
+
+
+def _job_env_vars() -> set[str]:
+    """The env_vars of the Ray job this driver runs in (``ray job submit --runtime-env``),
+    which Ray passes to the driver as JSON."""
+    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if not raw:
+        return set()
+    return set(((json.loads(raw).get("runtime_env") or {}).get("env_vars") or {}))
 
 
 def start_local_ray(num_cpus: int) -> None:
@@ -421,8 +443,16 @@ def start_local_ray(num_cpus: int) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    # Its workers inherit this process's environment; the runtime_env adds the setup hook.
     ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
-             dashboard_port=port)
+             dashboard_port=port, runtime_env=job_runtime_env(), logging_level=_ray_log_level())
+
+
+def _ray_log_level() -> int:
+    """The driver's ``ray`` logger: its INFO is "Started a local Ray instance" and such."""
+    from raylora import quiet
+
+    return logging.INFO if quiet.verbose() else logging.WARNING
 
 
 def run(cfg: RayLoraConfig) -> dict:
@@ -447,7 +477,9 @@ def run(cfg: RayLoraConfig) -> dict:
         if result.checkpoint is None:
             raise RuntimeError("training finished without a checkpoint to export")
         with result.checkpoint.as_directory() as ckpt_dir:
-            return export_run(ckpt_dir, cfg, result.metrics, {**p.to_dict(), **bad})
+            summary = export_run(ckpt_dir, cfg, result.metrics, {**p.to_dict(), **bad})
+        return {**summary, "checkpoints": storage.join(cfg.output.uri, TRAIN_RUN_NAME),
+                "rows_decoded": bad.get("rows_decoded")}
     finally:
         stop_bad_records(p)
         if started:
@@ -512,8 +544,12 @@ def fit_judging_data(cfg: RayLoraConfig, p: Plan, fit):
 
 
 def _fit(cfg: RayLoraConfig, p: Plan):
+    from raylora import progress
+
     drop_unrecorded_checkpoints(cfg.storage.client(), storage.join(cfg.output.uri, TRAIN_RUN_NAME))
-    return build_trainer(cfg, p, cfg.output.uri, TRAIN_RUN_NAME).fit()
+    t = cfg.train
+    with progress.watch(p.max_steps, t.log_every_n_steps, t.log_every_n_seconds) as board:
+        return build_trainer(cfg, p, cfg.output.uri, TRAIN_RUN_NAME, progress_board=board).fit()
 
 
 def drop_unrecorded_checkpoints(store, run_uri: str) -> list[str]:
@@ -556,23 +592,27 @@ def build_trainer(
     callbacks: list | None = None,
     train_fn=None,
     lr_find=None,
+    progress_board: str | None = None,
 ):
-    """The TorchTrainer of one run: datasets, workers, storage. ``raylora train`` fits one;
-    each Tune trial builds its own (with ``TuneReportCallback``); lr-find passes its own
-    per-worker function."""
+    """The TorchTrainer of one run: datasets, workers, storage. ``raylora train`` fits one
+    (rank 0 sends step rows to ``progress_board``, raylora.progress); each Tune trial
+    builds its own (with ``TuneReportCallback``); lr-find passes its own per-worker
+    function."""
     import ray.data
     import ray.train
     from ray.train.torch import TorchTrainer
 
+    from raylora import quiet
     from raylora.data.tokenize import load_specs
     from raylora.worker import WorkerSpec, train_loop_per_worker
 
     store = cfg.storage.client()
-    # Ray Data's and the worker's progress bars are for people watching a terminal; in
-    # job logs and CI they are thousands of lines of carriage returns.
-    interactive = sys.stdout.isatty()
-    ray.data.DataContext.get_current().enable_progress_bars = interactive
-    spec = WorkerSpec(cfg, p, progress_bar=interactive, lr_find=lr_find)
+    # Ray Data's per-operator bars are for people watching a terminal, and then only when
+    # debugging the data path: raylora.progress draws the run's own line. In job logs and
+    # CI they are thousands of lines of carriage returns.
+    data_bars = sys.stdout.isatty() and quiet.verbose()
+    ray.data.DataContext.get_current().enable_progress_bars = data_bars
+    spec = WorkerSpec(cfg, p, progress_bar=data_bars, lr_find=lr_find, progress_board=progress_board)
     # The workers build the run's one dataset themselves (worker._epoch_batches: rank 0
     # splits it, or each worker reads its own files), so Ray Train is given none. The
     # tokenizer is read once, here, for all of them (cached latents need none).
@@ -598,6 +638,8 @@ def build_trainer(
             # (they restore the exact data position, RNG and optimizer state).
             failure_config=ray.train.FailureConfig(max_failures=cfg.failure.max_failures),
             callbacks=callbacks,
+            # INFO is a TrainingReport(...) dump per report per worker (raylora.quiet).
+            logging_config=ray.train.LoggingConfig(log_level=quiet.ray_train_log_level()),
         ),
     )
 

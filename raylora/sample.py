@@ -20,6 +20,7 @@ def sample(
     """``guidance_scale``: default the family's (SD 7.5, Flux.1-dev 3.5, ...)."""
     from diffusers import DiffusionPipeline
 
+    from raylora import quiet
     from raylora.model import families
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -28,7 +29,8 @@ def sample(
     path = os.path.abspath(model) if os.path.isdir(model) else model
     # The family, and the pipeline class that loads the adapter, from model_index.json.
     family = families.detect(DiffusionPipeline.load_config(path), "--model")
-    pipe = family.pipeline_class().from_pretrained(path, torch_dtype=dtype)
+    quiet.diffusers_bars_off()  # "Loading pipeline components..."
+    pipe = family.pipeline_class().from_pretrained(path, dtype=dtype)
     pipe.load_lora_weights(adapter)
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)

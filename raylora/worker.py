@@ -26,6 +26,7 @@ from raylora.checkpoint.state import LoopState, load_state
 from raylora.config import RayLoraConfig
 from raylora.launch import Plan
 from raylora.model.lora import digest
+from raylora.progress import every_n_steps
 from raylora.train.loop import LoopHooks, LoopSettings, run_loop, sample_hashes
 from raylora.train.fsdp import param_bytes_per_rank
 from raylora.train.setup import build_run, nonfinite_advice, write_checkpoint
@@ -253,8 +254,10 @@ class WorkerSpec:
     plan: Plan
     # The tokenizers, read once by the driver for every worker (None: cached latents).
     tokenizer_specs: tuple | None = None
-    progress_bar: bool = False  # a terminal is watching: draw tqdm_ray bars
+    progress_bar: bool = False  # verbose, and a terminal is watching: Ray Data's bars
     lr_find: LrFindSettings | None = None
+    # The driver's raylora.progress board (``raylora train``): rank 0 sends it each step.
+    progress_board: str | None = None
 
     @classmethod
     def of(cls, loop_config: dict) -> WorkerSpec:
@@ -262,8 +265,8 @@ class WorkerSpec:
 
 
 class _Reporter:
-    """Rank-aware sinks of one training run: log lines, tracker, progress bar, Ray reports
-    (metrics and checkpoints)."""
+    """Rank-aware sinks of one training run: log lines, tracker, the driver's progress
+    board, Ray reports (metrics and checkpoints)."""
 
     def __init__(self, spec: WorkerSpec, run, rank: int):
         from raylora.track import Tracker, open_tracker
@@ -274,18 +277,15 @@ class _Reporter:
         # Rank 0 talks to the tracker; the other ranks' Tracker() does nothing.
         self.tracker = open_tracker(cfg.tracking, cfg.output.uri, cfg.to_dict(), cfg.storage.client()) \
             if rank == 0 else Tracker()
-        self.bar = None
-        if rank == 0 and spec.progress_bar:
-            # tqdm_ray draws this bar on the driver's terminal, not in the worker's log.
-            from ray.experimental.tqdm_ray import tqdm
+        self.board = None
+        if rank == 0 and spec.progress_board:
+            from raylora.progress import board_handle
 
-            self.bar = tqdm(total=self.max_steps, desc="raylora train")
-            self.bar.update(run.state.global_step)
+            self.board = board_handle(spec.progress_board)
+        self.log_every = every_n_steps(cfg.train.log_every_n_steps, self.max_steps)
 
     def close(self) -> None:
         self.tracker.close()
-        if self.bar is not None:
-            self.bar.close()
 
     def on_step(self, row: dict) -> None:
         from raylora.data.badrecords import BadDataError, min_rows_to_judge, read_counter, verdict
@@ -299,9 +299,10 @@ class _Reporter:
             if message:
                 raise BadDataError(message)
         self.tracker.log(row["step"], {k: v for k, v in row.items() if k not in ("step", "samples")})
-        if self.bar is not None:
-            self.bar.update(1)
-        if self.rank == 0 and row["step"] % cfg.train.log_every_n_steps == 0:
+        if self.board is not None:
+            # Not waited for: the driver prints it (raylora.progress).
+            self.board.push.remote({k: row[k] for k in ("step", "epoch", "loss", "lr", "images_per_s")})
+        elif self.rank == 0 and row["step"] % self.log_every == 0:  # Tune trials: in their log
             log.info("step %d/%d loss %.5f lr %.3g images/s %.1f",
                      row["step"], self.max_steps, row["loss"], row["lr"], row["images_per_s"])
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -273,4 +274,8 @@ def export_run(
         "loss_png": storage.join(out, "loss.png"),
         "kohya": kohya_out,
         "metrics": metrics,
+        # For the CLI's summary: the lowest step loss and how to load the adapter.
+        "train_loss_min": min((r["loss"] for r in history if math.isfinite(r["loss"])), default=None),
+        "pipeline": family.pipeline,
+        "base_model": cfg.model.pretrained,
     }

@@ -42,7 +42,7 @@ def build_pipeline(model_path: str, family, model, vae=None, text_encoders=(), t
     extra = {}
     if "safety_checker" in family.pipeline_class()._optional_components:
         extra = {"safety_checker": None, "requires_safety_checker": False}
-    pipe = family.pipeline_class().from_pretrained(model_path, torch_dtype=dtype, **kw, **extra)
+    pipe = family.pipeline_class().from_pretrained(model_path, dtype=dtype, **kw, **extra)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
 

@@ -1,0 +1,219 @@
+"""Training progress on the driver: a live line on a terminal, plain lines in a log.
+
+The numbers are made on the rank-0 worker, in another process (often another node).
+``ray.train.report`` would carry them but is a barrier across all workers and is kept
+for checkpoints and evaluations; Ray Train's callbacks run on its controller, not here.
+So rank 0 sends each step's row to a small named actor without waiting
+(``Board.push.remote``), and a thread on the driver polls it twice a second.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from raylora.data.badrecords import NAMESPACE
+
+POLL_S = 0.5
+# Smoothing of the printed loss and img/s: one step's loss is mostly timestep noise.
+EMA = 0.9
+
+
+class Board:
+    """Step rows in arrival order; plain Python (``start_board`` wraps it in an actor)."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+
+    def push(self, row: dict) -> None:
+        self.rows.append(row)
+
+    def since(self, n: int) -> list[dict]:
+        return self.rows[n:]
+
+
+def start_board(name: str):
+    import ray
+
+    remote = ray.remote(num_cpus=0)(Board)
+    return remote.options(name=name, namespace=NAMESPACE, get_if_exists=True).remote()
+
+
+def board_handle(name: str):
+    import ray
+
+    return ray.get_actor(name, namespace=NAMESPACE)
+
+
+def every_n_steps(log_every_n_steps: int | None, total: int) -> int:
+    """``train.log_every_n_steps``, else a tenth of the run."""
+    return log_every_n_steps or max(1, total // 10)
+
+
+def _eta(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+@dataclass
+class Stats:
+    """What the lines show, updated from each step row."""
+
+    total: int
+    step: int = 0
+    epoch: int = 0
+    loss: float | None = None  # smoothed
+    min_loss: float | None = None
+    lr: float = 0.0
+    images_per_s: float | None = None  # smoothed
+    first: tuple[int, float] | None = None  # (step, time) of the first row seen
+    last_t: float = field(default_factory=time.monotonic)
+
+    def update(self, row: dict, now: float) -> None:
+        loss = row["loss"]
+        if math.isfinite(loss):
+            self.loss = loss if self.loss is None else EMA * self.loss + (1 - EMA) * loss
+            self.min_loss = loss if self.min_loss is None else min(self.min_loss, loss)
+        ips = row["images_per_s"]
+        self.images_per_s = ips if self.images_per_s is None else EMA * self.images_per_s + (1 - EMA) * ips
+        self.step, self.epoch, self.lr, self.last_t = row["step"], row["epoch"], row["lr"], now
+        if self.first is None:
+            self.first = (self.step, now)
+
+    def eta_s(self) -> float | None:
+        """From the rate since the first row this driver saw (a resumed run starts late)."""
+        if self.first is None or self.step <= self.first[0]:
+            return None
+        rate = (self.step - self.first[0]) / max(self.last_t - self.first[1], 1e-9)
+        return (self.total - self.step) / rate
+
+    def fields(self) -> str:
+        loss = "n/a" if self.loss is None else f"{self.loss:.4f}"
+        ips = "n/a" if self.images_per_s is None else f"{self.images_per_s:.1f}"
+        eta = self.eta_s()
+        return (f"epoch {self.epoch} loss {loss} lr {self.lr:.3g} {ips} img/s "
+                f"ETA {'?' if eta is None else _eta(eta)}")
+
+    def line(self) -> str:
+        pct = 100 * self.step // max(self.total, 1)
+        return f"raylora: step {self.step}/{self.total} ({pct}%) {self.fields()}"
+
+
+class ProgressPrinter:
+    """Polls the board from a thread: a tqdm line on a TTY, else one plain line every
+    ``every_steps`` steps or ``every_s`` seconds, whichever comes first, and the last step."""
+
+    def __init__(self, board, total: int, every_steps: int, every_s: float,
+                 stream=None, tty: bool | None = None):
+        self.board, self.stream = board, stream or sys.stdout
+        self.tty = self.stream.isatty() if tty is None else tty
+        self.stats = Stats(total)
+        self.every_steps, self.every_s = every_steps, every_s
+        # The clock starts at the first step: model loading is not a silence to fill.
+        self._seen, self._printed_step, self._printed_t = 0, None, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="raylora-progress", daemon=True)
+        self._bar = None
+
+    def start(self) -> ProgressPrinter:
+        if self.tty:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self.stats.total, desc="raylora train", file=self.stream,
+                             dynamic_ncols=True, disable=False)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop polling and show what arrived last (the final step)."""
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._poll()
+        if self._bar is not None:
+            self._bar.close()
+        elif self.stats.step and self._printed_step != self.stats.step:
+            self._print()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(POLL_S):
+            try:
+                self._poll()
+            except Exception:  # the board is gone (run failed): fit() reports why
+                return
+
+    def _poll(self) -> None:
+        import ray
+
+        rows = ray.get(self.board.since.remote(self._seen), timeout=30)
+        self._seen += len(rows)
+        for row in rows:
+            self._consume(row, time.monotonic())
+
+    def _consume(self, row: dict, now: float) -> None:
+        self.stats.update(row, now)
+        if self._bar is not None:
+            self._bar.update(self.stats.step - self._bar.n)
+            self._bar.set_postfix_str(self.stats.fields(), refresh=False)
+            return
+        if self._printed_t is None:
+            self._printed_t = now
+        if (self.stats.step % self.every_steps == 0 or self.stats.step >= self.stats.total
+                or now - self._printed_t >= self.every_s):
+            self._print()
+
+    def _print(self) -> None:
+        print(self.stats.line(), file=self.stream, flush=True)
+        self._printed_step, self._printed_t = self.stats.step, time.monotonic()
+
+
+def summary_lines(s: dict) -> list[str]:
+    """The end-of-run summary from ``launch.run``'s result."""
+    m = s["metrics"]
+    wall = m.get("wall_seconds") or 0.0
+    ips = m["images_seen"] / wall if wall else 0.0
+    lo = s.get("train_loss_min")
+    lines = [
+        f"raylora: trained {m['steps']} steps, {m['images_seen']} images in {wall:.1f}s "
+        f"({ips:.1f} img/s); loss {m['train_loss_first']:.5f} → {m['train_loss_last']:.5f}"
+        + ("" if lo is None else f" (min {lo:.5f})"),
+        f"raylora: adapter      {s['adapter']}",
+    ]
+    if s.get("kohya"):
+        lines.append(f"raylora: kohya file   {s['kohya']}")
+    lines += [
+        f"raylora: checkpoints  {s['checkpoints']}",
+        f"raylora: loss curve   {s['loss_png']}",
+        f"raylora: step metrics {s['metrics_jsonl']}",
+        f"raylora: bad samples  {m.get('bad_records', 0)}"
+        + (f" (of {s['rows_decoded'] + m.get('bad_records', 0)} rows read)"
+           if s.get("rows_decoded") is not None else ""),
+        f"raylora: use it       pipe = {s['pipeline']}.from_pretrained(\"{s['base_model']}\"); "
+        f"pipe.load_lora_weights(\"{s['adapter']}\")",
+    ]
+    return lines
+
+
+@contextmanager
+def watch(total: int, log_every_n_steps: int | None, log_every_n_seconds: float):
+    """Around ``fit()``: a board for the workers (its name is yielded, for ``WorkerSpec``)
+    and the printer reading it. Needs Ray."""
+    import uuid
+
+    import ray
+
+    name = f"raylora-progress-{uuid.uuid4().hex[:12]}"
+    board = start_board(name)
+    printer = ProgressPrinter(board, total, every_n_steps(log_every_n_steps, total),
+                              log_every_n_seconds).start()
+    try:
+        yield name
+    finally:
+        try:
+            printer.stop()
+        except Exception:  # a failed run's error matters, not its last progress line
+            pass
+        ray.kill(board)

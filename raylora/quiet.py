@@ -1,0 +1,87 @@
+"""Quiet by default: what Ray and the model libraries print that a user cannot act on.
+
+A `make demo` used to print ~100 lines: Ray Train's ``TrainingReport(...)`` dump and
+``Checkpoint successfully created`` per report per worker, Ray Data's execution plan and
+``execution finished`` lines, bitsandbytes' missing-kernel warning in every process,
+transformers/diffusers advisories and "Loading weights" bars. They are silenced here;
+warnings and errors from everything else still show. ``--verbose`` on the CLI or
+``RAYLORA_VERBOSE=1`` turns all of it back on.
+
+Every knob is one the library itself reads (an env var, a logger's level, Ray Train's
+``LoggingConfig``); the Ray worker processes get them through the job's runtime_env
+(``env_vars`` + ``worker_process_setup_hook``, see ``launch.job_runtime_env``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+VERBOSE_ENV = "RAYLORA_VERBOSE"
+
+# Read by the libraries when they are imported: set before that, in every process.
+QUIET_ENV = {
+    "TRANSFORMERS_VERBOSITY": "error",  # torchvision fallback advisories, load reports
+    "DIFFUSERS_VERBOSITY": "error",  # "No LoRA keys associated to CLIPTextModel ..."
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # transformers' "Loading weights" bars
+    # Ray Data's per-operator bars never draw in a job log; its summary lines are below.
+    "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
+}
+
+# Loggers whose INFO (or warnings) are routine here; their errors still show.
+QUIET_LOGGERS = {
+    # Warns at import, in every process, that an optional 4-bit CPU kernel is missing.
+    "bitsandbytes": logging.ERROR,
+    # "Starting execution", "Execution plan", "execution finished": one set per dataset.
+    # Ray Data configures only its "ray.data" logger, so a level set on a child stays.
+    "ray.data._internal": logging.WARNING,
+    "ray.data._internal.progress": logging.ERROR,  # "Progress bars disabled. To enable..."
+    # "Token authentication is enabled for this Ray cluster" on every local start.
+    "ray._private.authentication": logging.ERROR,
+}
+
+
+def verbose() -> bool:
+    return os.environ.get(VERBOSE_ENV, "").lower() not in ("", "0", "false", "no")
+
+
+def ray_train_log_level() -> str:
+    """For ``ray.train.LoggingConfig``: its INFO lines are the per-report dumps."""
+    return "INFO" if verbose() else "WARNING"
+
+
+def apply() -> None:
+    """Quiet this process (driver or Ray worker) unless verbose. Env vars are set only
+    where the user set none, so an explicit ``TRANSFORMERS_VERBOSITY=info`` wins."""
+    if verbose():
+        return
+    for name, value in QUIET_ENV.items():
+        os.environ.setdefault(name, value)
+    for name, level in QUIET_LOGGERS.items():
+        logging.getLogger(name).setLevel(level)
+    logging.getLogger(_train_context_logger()).setLevel(logging.WARNING)
+
+
+def _train_context_logger() -> str:
+    """Ray Train's "Reporting training result N: TrainingReport(...)" logger is named by
+    its file's path (``getLogger(__file__)``), so it is outside ``ray.train`` and its
+    LoggingConfig, and propagates to the worker's root logger."""
+    import ray
+
+    return os.path.join(os.path.dirname(ray.__file__), "train", "v2", "_internal", "execution",
+                        "context.py")
+
+
+def worker_env() -> dict[str, str]:
+    """``env_vars`` for the job's runtime_env: the quiet settings, or the verbose flag."""
+    if verbose():
+        return {VERBOSE_ENV: "1"}
+    return {k: os.environ.get(k, v) for k, v in QUIET_ENV.items()}
+
+
+def diffusers_bars_off() -> None:
+    """diffusers reads no env var for its bars ("Loading pipeline components")."""
+    if not verbose():
+        from diffusers.utils import logging as dlog
+
+        dlog.disable_progress_bar()

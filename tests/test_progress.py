@@ -1,0 +1,112 @@
+"""Driver progress and quiet logs (issue #23 items 1-2): what `raylora train` prints when
+its stdout is a log file, not a terminal."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from raylora import quiet
+from raylora.progress import Stats, every_n_steps, summary_lines
+
+STEP_LINE = re.compile(r"^raylora: step (\d+)/(\d+) \((\d+)%\) epoch \d+ loss [\d.]+ lr [\d.e-]+ "
+                       r"[\d.]+ img/s ETA [\d:?]+$")
+
+
+def test_every_n_steps_defaults_to_a_tenth_of_the_run():
+    assert every_n_steps(None, 600) == 60
+    assert every_n_steps(None, 4) == 1
+    assert every_n_steps(25, 600) == 25
+
+
+def test_stats_smooth_loss_and_eta_from_rate_seen():
+    s = Stats(total=10)
+    s.update({"step": 1, "epoch": 0, "loss": 1.0, "lr": 1e-3, "images_per_s": 8.0}, now=100.0)
+    s.update({"step": 3, "epoch": 0, "loss": 2.0, "lr": 1e-3, "images_per_s": 8.0}, now=104.0)
+    assert s.loss == pytest.approx(0.9 * 1.0 + 0.1 * 2.0)
+    assert s.min_loss == 1.0
+    assert s.eta_s() == pytest.approx(14.0)  # 2 steps per 4 s, 7 steps left
+    s.update({"step": 4, "epoch": 1, "loss": float("nan"), "lr": 1e-3, "images_per_s": 8.0}, now=106.0)
+    assert s.min_loss == 1.0 and s.loss == pytest.approx(1.1)  # a skipped step changes neither
+    assert s.line().startswith("raylora: step 4/10 (40%) epoch 1 loss 1.1000 lr 0.001 8.0 img/s ETA 0:")
+
+
+def test_summary_names_adapter_checkpoints_and_how_to_load():
+    lines = summary_lines({
+        "metrics": {"steps": 60, "images_seen": 480, "wall_seconds": 48.0, "train_loss_first": 1.2,
+                    "train_loss_last": 1.0, "bad_records": 2},
+        "train_loss_min": 0.9, "adapter": "/o/adapter", "checkpoints": "/o/train",
+        "loss_png": "/o/loss.png", "metrics_jsonl": "/o/metrics.jsonl", "rows_decoded": 478,
+        "pipeline": "StableDiffusionPipeline", "base_model": "/m",
+    })
+    text = "\n".join(lines)
+    assert "60 steps, 480 images in 48.0s (10.0 img/s)" in text
+    assert "loss 1.20000 → 1.00000 (min 0.90000)" in text
+    assert "raylora: checkpoints  /o/train" in text
+    assert "raylora: bad samples  2 (of 480 rows read)" in text
+    assert ('pipe = StableDiffusionPipeline.from_pretrained("/m"); '
+            'pipe.load_lora_weights("/o/adapter")') in text
+
+
+def test_worker_env_carries_verbose_or_quiet_settings(monkeypatch):
+    monkeypatch.delenv(quiet.VERBOSE_ENV, raising=False)
+    assert quiet.worker_env()["TRANSFORMERS_VERBOSITY"] == "error"
+    assert quiet.ray_train_log_level() == "WARNING"
+    monkeypatch.setenv(quiet.VERBOSE_ENV, "1")
+    assert quiet.worker_env() == {quiet.VERBOSE_ENV: "1"}
+    assert quiet.ray_train_log_level() == "INFO"
+
+
+# Noise that quiet mode exists to remove (Ray Train, Ray Data, bitsandbytes, transformers).
+NOISE = ("TrainingReport(", "Checkpoint successfully created", "execution finished",
+         "Execution plan of Dataset", "gemm_4bit_forward", "Loading weights",
+         "Started a local Ray instance")
+
+
+@pytest.mark.integration
+def test_train_in_a_log_prints_progress_and_summary_quietly(base_config, tmp_path):
+    tree = {**base_config, "train": {**base_config["train"], "max_steps": 6, "log_every_n_steps": 2}}
+    tree["checkpoint"] = {"every_n_steps": 3}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    env = {k: v for k, v in os.environ.items() if k != quiet.VERBOSE_ENV}
+    proc = subprocess.run([sys.executable, "-m", "raylora", "train", str(path)], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=400)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-4000:]
+    steps = [int(m.group(1)) for m in map(STEP_LINE.match, out.splitlines()) if m]
+    # Every 2nd step, and no carriage-return bar (stdout is a pipe).
+    assert steps == [2, 4, 6], out
+    assert "\r" not in out
+    adapter = str(tmp_path / "out" / "adapter")
+    assert f"raylora: adapter      {adapter}" in out
+    assert f'pipe.load_lora_weights("{adapter}")' in out
+    assert "StableDiffusionPipeline.from_pretrained(" in out
+    assert f"raylora: checkpoints  {tmp_path / 'out' / 'train'}" in out
+    assert re.search(r"raylora: trained 6 steps, 12 images in [\d.]+s \([\d.]+ img/s\); loss "
+                     r"[\d.]+ → [\d.]+ \(min [\d.]+\)", out), out
+    assert os.path.isfile(os.path.join(adapter, "pytorch_lora_weights.safetensors"))
+    for noise in NOISE:
+        assert noise not in out, f"{noise!r} printed:\n{out}"
+    # 3 progress + 8 summary lines; the rest is what Ray prints that no knob reaches.
+    assert len(out.splitlines()) < 25, out
+
+
+def test_job_runtime_env_leaves_the_submitted_jobs_env_vars_alone(monkeypatch):
+    """Ray refuses ray.init's runtime_env when it sets a variable `ray job submit` set."""
+    import json
+
+    from raylora.launch import job_runtime_env
+
+    monkeypatch.delenv(quiet.VERBOSE_ENV, raising=False)
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps(
+        {"runtime_env": {"env_vars": {"TRANSFORMERS_VERBOSITY": "info"}}}))
+    env = job_runtime_env()
+    assert "TRANSFORMERS_VERBOSITY" not in env["env_vars"]
+    assert env["env_vars"]["DIFFUSERS_VERBOSITY"] == "error"
+    assert callable(env["worker_process_setup_hook"])

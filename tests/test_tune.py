@@ -50,12 +50,12 @@ def test_heldout_rows_are_the_first_held_out_in_file_order(demo_data):
     })
     store = cfg.storage.client()
     dp = plan_data(cfg.data, store)
-    rows = read_heldout_rows(cfg.data, dp.format, dp.files, store, 0.25)
+    rows = read_heldout_rows(cfg.data, dp, store, 0.25)
     assert len(rows) == 5
     assert all(row_fraction(r["image"], r["text"]) < 0.25 for r in rows)
-    assert read_heldout_rows(cfg.data, dp.format, dp.files, store, 0.25) == rows
+    assert read_heldout_rows(cfg.data, dp, store, 0.25) == rows
     # Without a split (data.validation_uri): simply the first rows.
-    first = read_heldout_rows(cfg.data, dp.format, dp.files, store, None)
+    first = read_heldout_rows(cfg.data, dp, store, None)
     assert len(first) == 5 and first != rows
 
 
@@ -75,7 +75,7 @@ def tiny_parts(tiny_model, demo_data):
     })
     store = cfg.storage.client()
     dp = plan_data(cfg.data, store)
-    rows = read_heldout_rows(cfg.data, dp.format, dp.files, store, 0.3)
+    rows = read_heldout_rows(cfg.data, dp, store, 0.3)
     batch = Preprocess(tiny_model, 64, center_crop=True, random_flip=False)({
         "image": np.array([r["image"] for r in rows], dtype=object),
         "text": np.array([r["text"] for r in rows], dtype=object),

@@ -129,26 +129,31 @@ def _keep_fp32(model: nn.Module, dtype: torch.dtype) -> None:
             module.to(torch.float32)
 
 
-def meta_component(model_path: str, index: dict, component: str, dtype: torch.dtype) -> nn.Module:
+def meta_component(model_path: str, index: dict, component: str, dtype: torch.dtype,
+                   real_buffers: bool = False, revision=None) -> nn.Module:
     """``component`` of the pipeline, by the class ``model_index.json`` names, built from
     its config on the meta device in the dtype ``from_pretrained(torch_dtype=dtype)``
-    gives it; frozen and in eval mode, as raylora loads it."""
+    gives it; frozen and in eval mode, as raylora loads it. ``real_buffers``: parameters
+    on meta, buffers computed for real on the CPU (raylora.train.fsdp.hollow_component)."""
+    from accelerate import init_empty_weights
+
     from raylora.model.families.base import import_class
 
     library, name = index[component][:2]
     klass = import_class(library, name)
+    empty = init_empty_weights(include_buffers=False) if real_buffers else torch.device("meta")
     if library == "diffusers":
-        config = klass.load_config(model_path, subfolder=component)
-        with torch.device("meta"):
+        config = klass.load_config(model_path, subfolder=component, revision=revision)
+        with empty:
             model = klass.from_config(config)
         model.to(dtype)  # diffusers' from_pretrained casts parameters and buffers
     else:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(model_path, subfolder=component)
+        config = AutoConfig.from_pretrained(model_path, subfolder=component, revision=revision)
         # transformers builds under the dtype, as its from_pretrained does: buffers it
         # computes in fp32 on purpose (rotary inv_freq) stay fp32
-        with torch.device("meta"):
+        with empty:
             model = klass._from_config(config, dtype=dtype)
     _keep_fp32(model, dtype)
     model.requires_grad_(False)

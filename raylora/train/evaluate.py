@@ -116,7 +116,7 @@ def heldout_loss(
     """Mean MSE over all N·K items. Rank r evaluates items r, r+world, ...; the per-rank
     (sum, count) pairs are summed with ``all_reduce_sum`` when running distributed.
     ``lockstep`` (FSDP, where every forward is a collective): every rank makes the same
-    number of denoiser calls; a rank out of items repeats its first one, uncounted."""
+    number of denoiser calls; a rank out of items evaluates item 0 again, uncounted."""
     was_training = model.training
     model.eval()  # LoRA dropout off
     idx = torch.arange(rank, len(heldout), world, device=heldout.timesteps.device)
@@ -126,7 +126,7 @@ def heldout_loss(
         for i in range(0, calls, batch_size):
             j = idx[i : i + batch_size]
             counted = j.numel() > 0
-            j = j if counted else idx[:1] if idx.numel() else idx.new_zeros(1)
+            j = j if counted else idx.new_zeros(1)  # a stand-in call on item 0
             cond = heldout.text.select(heldout.text_index[j])
             pred = heldout.family.denoise(model, heldout.noisy[j].to(weight_dtype),
                                           heldout.timesteps[j], cond, guidance=heldout.guidance)

@@ -151,19 +151,12 @@ def hollow_component(model_path: str, index: dict, component: str, dtype: torch.
     """``component`` of the pipeline built from its config as ``from_pretrained(torch_dtype=
     dtype)`` would give it (fp32-kept modules included), with stand-in parameters on
     ``device`` (see the module docstring) and its buffers real. Frozen, eval mode."""
-    from accelerate import init_empty_weights
+    from raylora.memory import meta_component
 
-    from raylora.memory import _keep_fp32
-    from raylora.model.families.base import import_class
-
-    klass = import_class(*index[component][:2])
-    config = klass.load_config(model_path, subfolder=component, revision=revision)
     # Buffers (timestep frequencies, position ids) are computed in __init__ and not all are
     # in the weights file: built for real; parameters on meta, then stand-ins.
-    with init_empty_weights(include_buffers=False):
-        model = klass.from_config(config)
-    model.to(dtype)
-    _keep_fp32(model, dtype)
+    model = meta_component(model_path, index, component, dtype, real_buffers=True,
+                           revision=revision)
     done: dict[int, torch.nn.Parameter] = {}
     for m in model.modules():
         for name, p in m._parameters.items():
@@ -172,8 +165,6 @@ def hollow_component(model_path: str, index: dict, component: str, dtype: torch.
         for name, b in m._buffers.items():
             if b is not None:
                 m._buffers[name] = b.to(device)
-    model.requires_grad_(False)
-    model.eval()
     return model
 
 
@@ -210,14 +201,17 @@ class _WeightFiles:
         return part[start:stop] if part.get_shape() else part[:]
 
 
-def _rows_of(p: torch.Tensor) -> tuple[int, int]:
-    """The dim-0 rows of the full parameter that this rank's local tensor holds."""
-    if not isinstance(p, DTensor):
-        return 0, p.shape[0] if p.dim() else 0
+def _rows_of(p: DTensor) -> tuple[int, int]:
+    """The dim-0 rows of the full parameter that this rank's local shard holds."""
     if any(not isinstance(pl, Shard) or pl.dim != 0 for pl in p.placements):
         raise ValueError(f"unexpected FSDP placement {p.placements}")
     shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     return offset[0] if shape else 0, (offset[0] + shape[0]) if shape else 0
+
+
+def _file_key(name: str) -> str:
+    # peft renames a wrapped layer's weight "to_q.weight" -> "to_q.base_layer.weight".
+    return name.replace(".base_layer", "")
 
 
 def shard_and_load(model: torch.nn.Module, block_classes: tuple[str, ...], folder: str,
@@ -242,36 +236,30 @@ def shard_and_load(model: torch.nn.Module, block_classes: tuple[str, ...], folde
                 p.to_local().copy_(lora[n][start:stop])
         for n, b in model.named_buffers():
             b.copy_(buffers[n])
-    load_weights(model, folder, variant)
+    _load_weights(model, folder, variant)
     return units
 
 
-def load_weights(model: torch.nn.Module, folder: str, variant: str | None = None) -> int:
-    """Copy the frozen weights (and persistent buffers) of ``model`` (a ``hollow_component``,
-    LoRA attached, possibly sharded) from ``folder``'s safetensors: each rank reads only
-    the rows of its shards. LoRA parameters are left as they are. Returns the bytes read.
+def _load_weights(model: torch.nn.Module, folder: str, variant: str | None) -> None:
+    """Copy the frozen weights (and persistent buffers) of the sharded ``model`` from
+    ``folder``'s safetensors, each rank only the rows of its shards; LoRA is left as it is.
     A weight missing from the files is an error naming it."""
     files = _WeightFiles(folder, variant)
-    wanted = [(n, p, True) for n, p in model.named_parameters() if not p.requires_grad]
-    wanted += [(n, b, False) for n, b in model.named_buffers() if n.replace(".base_layer", "") in files.file_of]
-    missing = [n for n, _, is_param in wanted if is_param and n.replace(".base_layer", "") not in files.file_of]
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    missing = [n for n, _ in frozen if _file_key(n) not in files.file_of]
     if missing:
         raise ValueError(f"{folder}: the weights lack {len(missing)} parameter(s) of "
                          f"{type(model).__name__}, e.g. {missing[:3]}")
-    read = 0
     with torch.no_grad():
-        for name, p, _ in wanted:
-            local = p.to_local() if isinstance(p, DTensor) else p
+        for name, p in frozen:  # every parameter is a dim-0 shard (DTensor) after fully_shard
+            local = p.to_local()
             if local.numel() == 0:
                 continue
-            start, stop = _rows_of(p)
-            data = files.rows(name.replace(".base_layer", ""), start, stop)
+            data = files.rows(_file_key(name), *_rows_of(p))
             if tuple(data.shape) != tuple(local.shape):
                 raise ValueError(f"{folder}: {name} has shape {tuple(data.shape)} in the weights, "
                                  f"{tuple(local.shape)} expected")
-            read += data.numel() * data.element_size()
-            if isinstance(p, torch.nn.Parameter) and not isinstance(p, DTensor):
-                p.data = data.to(p.device, p.dtype)  # an unsharded stand-in: replace it
-            else:
-                local.copy_(data.to(local.dtype))
-    return read
+            local.copy_(data.to(local.dtype))
+        for name, b in model.named_buffers():  # buffers are whole on every rank
+            if _file_key(name) in files.file_of:
+                b.copy_(files.rows(_file_key(name), 0, b.shape[0] if b.dim() else 0).to(b.dtype))

@@ -189,3 +189,30 @@ def test_data_sources_errors_name_their_keys():
     a, b = cfg.data.source_sections()
     assert (a.uri, a.caption_prefix, a.keep_tokens, a.caption_dropout) == ("a", "sks", 1, 0.1)
     assert (b.uri, b.format, b.caption_dropout, b.shuffle_tags) == ("b", "captionfolder", 0.0, True)
+
+
+def _readme_config_rows() -> dict[str, str]:
+    import re
+
+    text = open(os.path.join(REPO, "README.md")).read()
+    table = text[text.index("## Config keys"):]
+    table = table[:table.index("\n## ", 5)]
+    return {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)` \|(.*)$", table, re.M)}
+
+
+def test_every_config_key_is_in_the_readme_table():
+    import re
+
+    """The README's config table is what users read; a key added to config.py without a row
+    entry is a key nobody finds."""
+    rows = _readme_config_rows()
+    missing = []
+    for section, field in RayLoraConfig.model_fields.items():
+        cls = next((a for a in (field.annotation, *getattr(field.annotation, "__args__", ()))
+                    if hasattr(a, "model_fields")), None)
+        if cls is None:
+            continue
+        row = rows.get(section, "") + rows.get("validation", "") * (section == "data")
+        missing += [f"{section}.{k}" for k in cls.model_fields if not re.search(rf"\b{k}\b", row)]
+    assert len(rows) >= 12
+    assert missing == [], ", ".join(missing)

@@ -191,18 +191,13 @@ def plot_loss(history: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def export_run(
-    ckpt_dir: str, cfg: RayLoraConfig, reported: dict, plan: dict, extra: dict | None = None
-) -> dict:
-    """Publish the adapter in ``ckpt_dir`` with its card and metadata under ``output.uri``.
-    ``extra`` entries are added to ``raylora.json`` (e.g. the Tune trial it came from)."""
+def run_data(cfg: RayLoraConfig, plan: dict, store: Storage) -> dict:
+    """The ``data`` section of ``raylora.json`` and the model card, from the driver's plan."""
     from raylora.model import families
 
-    store = cfg.storage.client()
-    metrics = summarize_metrics(reported)
     files = plan["shard_files"]
     family = families.get(plan.get("family", "sd"))
-    data = {
+    return {
         "format": plan["data_format"],
         "files": len(files),
         "rows": plan["total_rows"],
@@ -225,6 +220,47 @@ def export_run(
         # and its share, and the rows the validating decode passed (see _sources).
         "sources": _sources(plan),
     }
+
+
+def _write_adapter_folder(adapter: str, ckpt_dir: str, cfg: RayLoraConfig, metrics: dict,
+                          data: dict, extra: dict | None) -> None:
+    """Weights, model card and raylora.json into ``adapter``; manifest.json last, so its
+    presence means the folder is complete."""
+    os.makedirs(adapter)
+    shutil.copy2(os.path.join(ckpt_dir, ADAPTER_DIR, WEIGHT_NAME), adapter)
+    with open(os.path.join(adapter, "README.md"), "w") as f:
+        f.write(model_card(cfg, metrics, data))
+    meta = {
+        "config": cfg.to_dict(),
+        "metrics": metrics,
+        "data": data,
+        "versions": {p: _version(p) for p in ("raylora", "ray", "torch", "diffusers", "peft")},
+        **(extra or {}),
+    }
+    with open(os.path.join(adapter, "raylora.json"), "w") as f:
+        json.dump(meta, f, indent=2)
+    listing = {n: os.path.getsize(os.path.join(adapter, n)) for n in sorted(os.listdir(adapter))}
+    with open(os.path.join(adapter, "manifest.json"), "w") as f:
+        json.dump({"files": listing}, f, indent=2)
+
+
+def _publish_file(store: Storage, local: str, uri: str) -> str:
+    with open(local, "rb") as f:
+        store.write_bytes(uri, f.read())
+    return uri
+
+
+def export_run(
+    ckpt_dir: str, cfg: RayLoraConfig, reported: dict, plan: dict, extra: dict | None = None
+) -> dict:
+    """Publish the adapter in ``ckpt_dir`` with its card and metadata under ``output.uri``.
+    ``extra`` entries are added to ``raylora.json`` (e.g. the Tune trial it came from)."""
+    from raylora.model import families
+
+    store = cfg.storage.client()
+    metrics = summarize_metrics(reported)
+    data = run_data(cfg, plan, store)
+    family = families.get(data["family"])
     metrics["bad_records"] = sum(data["bad_records"].values())
     with open(os.path.join(ckpt_dir, HISTORY_FILE)) as f:
         history = [json.loads(line) for line in f if line.strip()]
@@ -232,23 +268,7 @@ def export_run(
     out = storage.normalize(cfg.output.uri)
     with tempfile.TemporaryDirectory(prefix="raylora-export-") as tmp:
         adapter = os.path.join(tmp, ADAPTER_DIR)
-        os.makedirs(adapter)
-        shutil.copy2(os.path.join(ckpt_dir, ADAPTER_DIR, WEIGHT_NAME), adapter)
-        with open(os.path.join(adapter, "README.md"), "w") as f:
-            f.write(model_card(cfg, metrics, data))
-        meta = {
-            "config": cfg.to_dict(),
-            "metrics": metrics,
-            "data": data,
-            "versions": {p: _version(p) for p in ("raylora", "ray", "torch", "diffusers", "peft")},
-            **(extra or {}),
-        }
-        with open(os.path.join(adapter, "raylora.json"), "w") as f:
-            json.dump(meta, f, indent=2)
-        # Written last: its presence means the adapter folder is complete.
-        listing = {n: os.path.getsize(os.path.join(adapter, n)) for n in sorted(os.listdir(adapter))}
-        with open(os.path.join(adapter, "manifest.json"), "w") as f:
-            json.dump({"files": listing}, f, indent=2)
+        _write_adapter_folder(adapter, ckpt_dir, cfg, metrics, data, extra)
         adapter_out = store.publish_dir(adapter, storage.join(out, ADAPTER_DIR))
 
         kohya_out = None
@@ -257,14 +277,11 @@ def export_run(
 
             kfile = os.path.join(tmp, KOHYA_FILE)
             export_kohya(os.path.join(adapter, WEIGHT_NAME), kfile, cfg.model.pretrained, family)
-            kohya_out = storage.join(out, KOHYA_FILE)
-            with open(kfile, "rb") as f:
-                store.write_bytes(kohya_out, f.read())
+            kohya_out = _publish_file(store, kfile, storage.join(out, KOHYA_FILE))
 
         png = os.path.join(tmp, "loss.png")
         plot_loss(history, png)
-        with open(png, "rb") as f:
-            store.write_bytes(storage.join(out, "loss.png"), f.read())
+        _publish_file(store, png, storage.join(out, "loss.png"))
         store.write_bytes(
             storage.join(out, "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in history).encode()
         )

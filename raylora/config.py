@@ -290,9 +290,25 @@ class DataSection(_Section):
 
 
 class LoraSection(_Section):
+    variant: Literal["lora", "dora", "lokr", "loha"] = Field(
+        "lora",
+        description="lora: low-rank B·A (diffusers layout). dora: LoRA with a learned "
+        "per-output magnitude (DoRA; diffusers layout, stock load_lora_weights loads it). lokr: "
+        "Kronecker-product factors (LyCORIS LoKr); loha: Hadamard product of two low-rank "
+        "pairs (LyCORIS LoHa): both written as a peft folder plus, for sd/sdxl, a LyCORIS "
+        "file ComfyUI / Forge load.",
+    )
     rank: int = Field(4, gt=0)
     alpha: float | None = Field(None, gt=0, description="LoRA alpha; defaults to rank (scale 1).")
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    factor: int = Field(
+        -1, description="lokr: the Kronecker split of each dimension (LyCORIS factor): -1 the "
+        "most balanced split, else the smaller factor, which must divide the dimension."
+    )
+    decompose_both: bool = Field(
+        False, description="lokr: also factor the small Kronecker matrix into a rank-r pair "
+        "(LyCORIS decompose_both)."
+    )
     target_modules: list[str] | None = Field(
         None,
         description="Denoiser module names that get LoRA layers. Default: the family's (SD/"
@@ -732,6 +748,7 @@ def _cross_checks(cfg: RayLoraConfig) -> list[str]:
     problems += _optimizer_checks(cfg)
     problems += _quantize_checks(cfg)
     problems += _fsdp_checks(cfg)
+    problems += _variant_checks(cfg)
     if cfg.train.lr_warmup_steps and cfg.train.max_steps:
         if cfg.train.lr_warmup_steps > cfg.train.max_steps:
             problems.append(
@@ -904,6 +921,42 @@ def _fsdp_checks(cfg: RayLoraConfig) -> list[str]:
         problems.append(f"model.quantize: {cfg.model.quantize} cannot be combined with "
                         "scaling.strategy=fsdp (FSDP2 cannot shard bitsandbytes/float8 packed "
                         "weights); choose one: quantize with ddp, or fsdp with model.quantize=none")
+    return problems
+
+
+def _variant_checks(cfg: RayLoraConfig) -> list[str]:
+    """lora.variant combinations raylora has not made work (or that cannot be)."""
+    lo, problems = cfg.lora, []
+    if lo.variant != "lokr":
+        for key, default in (("factor", -1), ("decompose_both", False)):
+            if getattr(lo, key) != default:
+                problems.append(f"lora.{key}: a LoKr key; lora.variant is {lo.variant} "
+                                "(set lora.variant=lokr or leave it unset)")
+    elif lo.factor == 0 or lo.factor < -1:
+        problems.append(f"lora.factor: {lo.factor}; use -1 (balanced) or a positive divisor")
+    if lo.variant == "lora":
+        return problems
+    if cfg.scaling.strategy == "fsdp":
+        # DoRA's magnitude starts at the norm of the base weight, which the FSDP loader has
+        # not read yet when the adapter is attached (it reads shards after fully_shard).
+        problems.append(f"lora.variant: {lo.variant} is not supported with "
+                        "scaling.strategy=fsdp (lora only); use ddp")
+    if cfg.model.quantize != "none":
+        problems.append(f"lora.variant: {lo.variant} with model.quantize={cfg.model.quantize} "
+                        "is not supported (peft's LyCORIS layers do not wrap bitsandbytes "
+                        "linears, and DoRA on them is untested here); use lora or quantize none")
+    if lo.variant in ("lokr", "loha"):
+        if lo.train_text_encoder:
+            problems.append(f"lora.train_text_encoder: not supported with lora.variant="
+                            f"{lo.variant} (stock pipelines load text-encoder LoRA only)")
+        if lo.dropout:
+            problems.append(f"lora.dropout: a LoRA key; {lo.variant} has no input dropout "
+                            "(leave it 0)")
+    if "kohya" in cfg.export.formats:
+        problems.append(f"export.formats: kohya is for lora.variant=lora; {lo.variant} writes "
+                        + ("the diffusers layout only" if lo.variant == "dora" else
+                           "its LyCORIS file (ComfyUI) into adapter/ already")
+                        + "; remove kohya")
     return problems
 
 

@@ -31,7 +31,7 @@ def sample(
     family = families.detect(DiffusionPipeline.load_config(path), "--model")
     quiet.diffusers_bars_off()  # "Loading pipeline components..."
     pipe = family.pipeline_class().from_pretrained(path, dtype=dtype)
-    pipe.load_lora_weights(adapter)
+    load_adapter(pipe, family, adapter)
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     if guidance_scale is None:
@@ -52,3 +52,19 @@ def sample(
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     image.save(out)
     return out
+
+
+def load_adapter(pipe, family, adapter: str) -> None:
+    """A diffusers LoRA/DoRA file through the stock loader; a LoKr/LoHa peft folder
+    (``lora.variant`` lokr/loha, which diffusers' loaders do not read) through peft."""
+    from raylora.model.lora import is_peft_folder
+
+    if os.path.isdir(adapter) and is_peft_folder(adapter):
+        from peft import PeftModel
+
+        denoiser = getattr(pipe, family.denoiser)
+        # merge: the pipeline then runs a plain module again (PeftModel's forward wraps
+        # the signature the pipeline calls with).
+        setattr(pipe, family.denoiser, PeftModel.from_pretrained(denoiser, adapter).merge_and_unload())
+    else:
+        pipe.load_lora_weights(adapter)

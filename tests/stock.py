@@ -15,7 +15,8 @@ from safetensors import safe_open
 import os
 file = adapter if adapter.endswith(".safetensors") else os.path.join(adapter, "pytorch_lora_weights.safetensors")
 ENDS = (".lora.down.weight", ".lora.up.weight", ".lora_A.weight", ".lora_B.weight",
-        ".lora_linear_layer.down.weight", ".lora_linear_layer.up.weight")
+        ".lora_linear_layer.down.weight", ".lora_linear_layer.up.weight",
+        ".lora_magnitude_vector", ".lora.magnitude_vector")  # DoRA's per-output magnitude
 in_file = {}
 with safe_open(file, "pt") as f:
     for k in f.keys():

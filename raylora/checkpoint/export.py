@@ -24,7 +24,7 @@ from raylora import storage
 from raylora.storage import Storage
 from raylora.checkpoint.state import ADAPTER_DIR, HISTORY_FILE
 from raylora.config import RayLoraConfig
-from raylora.model.lora import WEIGHT_NAME
+from raylora.model.lora import LYCORIS_FILE, PEFT_CONFIG, PEFT_WEIGHTS, WEIGHT_NAME
 
 SUMMARY_KEYS = (
     "train_loss_first",
@@ -98,6 +98,22 @@ def _sources_table(sources: list[dict]) -> str:
     return f"\n| source | rows | rows per epoch | share |\n|---|---|---|---|\n{rows}"
 
 
+def _usage(cfg: RayLoraConfig, family) -> str:
+    """How to load this folder: stock ``load_lora_weights`` for lora/dora; peft (and the
+    LyCORIS file in ComfyUI / Forge) for lokr/loha, which diffusers' loaders do not read."""
+    pipe = f'pipe = {family.pipeline}.from_pretrained("{cfg.model.pretrained}")'
+    if cfg.lora.variant in ("lora", "dora"):
+        return (f"```python\nfrom diffusers import {family.pipeline}\n{pipe}\n"
+                'pipe.load_lora_weights("path/to/this/folder")\n'
+                'image = pipe("your prompt").images[0]\n```')
+    comfy = (f"`{LYCORIS_FILE}` is the LyCORIS file: put it in ComfyUI's `models/loras` (or "
+             "Forge / A1111's) and load it as a LoRA.\n\n" if family.lycoris_file else "")
+    return (f"{comfy}In Python, the peft folder (`{PEFT_CONFIG}`, `{PEFT_WEIGHTS}`):\n\n"
+            f"```python\nfrom diffusers import {family.pipeline}\nfrom peft import PeftModel\n"
+            f"{pipe}\npipe.{family.denoiser} = PeftModel.from_pretrained(pipe.{family.denoiser}, "
+            '"path/to/this/folder")\nimage = pipe("your prompt").images[0]\n```')
+
+
 def model_card(cfg: RayLoraConfig, metrics: dict, data: dict) -> str:
     from raylora.model import families
 
@@ -128,17 +144,13 @@ precision `{t.mixed_precision}`).
 
 ## Use
 
-```python
-from diffusers import {family.pipeline}
-pipe = {family.pipeline}.from_pretrained("{cfg.model.pretrained}")
-pipe.load_lora_weights("path/to/this/folder")
-image = pipe("your prompt").images[0]
-```
+{_usage(cfg, family)}
 
 ## Training
 
 | | |
 |---|---|
+| adapter variant | {lo.variant}{f" (factor {lo.factor}, decompose_both {lo.decompose_both})" if lo.variant == "lokr" else ""} |
 | LoRA rank / alpha / dropout | {lo.rank} / {lo.effective_alpha:g} / {lo.dropout:g} |
 | target modules | {", ".join(targets)} |
 | learning rate (scale_lr) | {t.learning_rate:g} ({t.scale_lr}) |
@@ -207,6 +219,7 @@ def run_data(cfg: RayLoraConfig, plan: dict, store: Storage) -> dict:
         "heldout": _heldout_source(cfg),
         "family": family.name,
         "pipeline": family.pipeline,
+        "adapter_variant": cfg.lora.variant,
         "objective": plan.get("objective"),
         # data.cache=latents: the entry trained from ("files"/"rows" above are its files).
         "cache_uri": plan.get("cache_uri"),
@@ -226,8 +239,8 @@ def _write_adapter_folder(adapter: str, ckpt_dir: str, cfg: RayLoraConfig, metri
                           data: dict, extra: dict | None) -> None:
     """Weights, model card and raylora.json into ``adapter``; manifest.json last, so its
     presence means the folder is complete."""
-    os.makedirs(adapter)
-    shutil.copy2(os.path.join(ckpt_dir, ADAPTER_DIR, WEIGHT_NAME), adapter)
+    # The checkpoint's adapter files: the diffusers file, or the peft folder (+ LyCORIS file).
+    shutil.copytree(os.path.join(ckpt_dir, ADAPTER_DIR), adapter)
     with open(os.path.join(adapter, "README.md"), "w") as f:
         f.write(model_card(cfg, metrics, data))
     meta = {
@@ -295,4 +308,6 @@ def export_run(
         "train_loss_min": min((r["loss"] for r in history if math.isfinite(r["loss"])), default=None),
         "pipeline": family.pipeline,
         "base_model": cfg.model.pretrained,
+        "variant": cfg.lora.variant,
+        "denoiser": family.denoiser,
     }

@@ -23,7 +23,16 @@ from raylora.config import LoraSection
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 
 
-def peft_config(lora: LoraSection, targets) -> LoraConfig:
+def peft_config(lora: LoraSection, targets):
+    """The peft config of ``lora.variant``. Every variant starts as an exact no-op (LoRA's
+    and DoRA's B, LoKr's w1, LoHa's w2_a at zero), so step 0 is the base model."""
+    from peft import LoHaConfig, LoKrConfig
+
+    if lora.variant == "lokr":
+        return LoKrConfig(r=lora.rank, alpha=lora.effective_alpha, target_modules=list(targets),
+                          decompose_both=lora.decompose_both, decompose_factor=lora.factor)
+    if lora.variant == "loha":
+        return LoHaConfig(r=lora.rank, alpha=lora.effective_alpha, target_modules=list(targets))
     return LoraConfig(
         r=lora.rank,
         lora_alpha=lora.effective_alpha,
@@ -32,6 +41,8 @@ def peft_config(lora: LoraSection, targets) -> LoraConfig:
         # diffusers' training scripts.
         init_lora_weights="gaussian",
         target_modules=list(targets),
+        # DoRA's magnitude starts at the column norms of the base weight it wraps.
+        use_dora=lora.variant == "dora",
     )
 
 
@@ -115,6 +126,51 @@ def load_lora_state_dict(model: torch.nn.Module, sd: dict[str, torch.Tensor],
             raise ValueError(f"the checkpoint has no {name} LoRA weights (lora.train_text_encoder "
                              "was off when it was written)")
         _load_into(te, part, name)
+
+
+PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_CONFIG = "adapter_config.json"
+LYCORIS_FILE = "lycoris.safetensors"
+
+
+def is_peft_folder(directory: str) -> bool:
+    """A LoKr/LoHa adapter folder (peft layout) rather than a diffusers LoRA file."""
+    import os
+
+    return os.path.exists(os.path.join(directory, PEFT_CONFIG)) and not os.path.exists(
+        os.path.join(directory, WEIGHT_NAME))
+
+
+def save_adapter(model: torch.nn.Module, directory: str, family, text_encoders: dict | None = None,
+                 denoiser_sd: dict[str, torch.Tensor] | None = None) -> None:
+    """The adapter folder users load: the diffusers file for lora/dora, the peft folder
+    (plus the LyCORIS file where the family has one) for lokr/loha."""
+    if model.peft_config["default"].peft_type.value in ("LOKR", "LOHA"):
+        save_peft_folder(model, directory, family)
+    else:
+        save_diffusers_adapter(model, directory, family, text_encoders, denoiser_sd)
+
+
+def save_peft_folder(model: torch.nn.Module, directory: str, family) -> None:
+    """``adapter_config.json`` + ``adapter_model.safetensors`` as ``PeftModel.save_pretrained``
+    writes them (``PeftModel.from_pretrained(denoiser, directory)`` loads it), and
+    ``lycoris.safetensors`` for the families whose LyCORIS names are known."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    from raylora.checkpoint.lycoris import lycoris_state_dict
+
+    os.makedirs(directory, exist_ok=True)
+    config = model.peft_config["default"]
+    sd = _snapshot(get_peft_model_state_dict(model))
+    save_file({"base_model.model." + k: v for k, v in sd.items()},
+              os.path.join(directory, PEFT_WEIGHTS), metadata={"format": "pt"})
+    with open(os.path.join(directory, PEFT_CONFIG), "w") as f:
+        json.dump(config.to_dict(), f, indent=2, default=sorted)
+    if family.lycoris_file:
+        save_file(lycoris_state_dict(sd, config), os.path.join(directory, LYCORIS_FILE))
 
 
 def save_diffusers_adapter(model: torch.nn.Module, directory: str, family,

@@ -25,7 +25,7 @@ from raylora.config import RayLoraConfig
 from raylora.model.families.base import Family
 from raylora.model.load import load_components
 from raylora.model.lora import add_lora, add_text_encoder_lora, load_lora_state_dict, lora_state_dict
-from raylora.model.lora import save_diffusers_adapter
+from raylora.model.lora import save_adapter
 from raylora.train.ema import LoraEMA
 from raylora.train.compile import compile_denoiser
 from raylora.train.objective import (
@@ -273,9 +273,8 @@ def write_checkpoint(directory: str, run: TrainingRun, rank: int) -> dict[str, t
         model = run.accelerator.unwrap_model(run.model)
         # The published adapter is the EMA; lora.safetensors keeps the raw weights.
         with run.ema.swapped_in(run.params) if run.ema is not None else nullcontext():
-            save_diffusers_adapter(model, os.path.join(directory, ADAPTER_DIR), run.family,
-                                   run.trained_text_encoders,
-                                   denoiser_sd=sd if run.sharded else None)
+            save_adapter(model, os.path.join(directory, ADAPTER_DIR), run.family,
+                         run.trained_text_encoders, denoiser_sd=sd if run.sharded else None)
         scaler = run.accelerator.scaler
         save_main_state(
             directory,

@@ -105,6 +105,11 @@ class Family:
     # empty: the denoiser's own module paths (UNet families).
     kohya_rules: ClassVar[tuple] = ()
     kohya_network: ClassVar[str] = "networks.lora"  # ss_network_module: sd-scripts' module
+    # lora.variant lokr/loha: also write the LyCORIS file (``lora_unet_`` + the denoiser's
+    # module path, "." → "_"), the names LyCORIS' kohya loader and ComfyUI's UNet key map
+    # read. Off for the DiTs: their loaders expect reference-checkpoint names with fused
+    # q/k/v, and a Kronecker factor of one projection cannot be fused with another's.
+    lycoris_file: ClassVar[bool] = False
     description: ClassVar[str] = ""
     # The adapter file's key style, as diffusers' own training script for the family writes
     # it: UNet scripts convert peft's lora_A/lora_B names to the older lora.down/lora.up;

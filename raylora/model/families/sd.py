@@ -18,6 +18,7 @@ class SD(Family):
     repeated_blocks = ("BasicTransformerBlock",)
     description = "SD 1.x/2.x (UNet, CLIP)"
     kohya_export = True
+    lycoris_file = True
     legacy_lora_keys = True  # train_text_to_image_lora*.py convert_state_dict_to_diffusers
     cudnn_sdpa = True  # PyTorch's default backend choice for the UNet
 

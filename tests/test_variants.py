@@ -1,0 +1,225 @@
+"""lora.variant: DoRA, LoKr and LoHa on the tiny SD model.
+
+Each variant learns an overfit batch; DoRA's diffusers file loads in the stock pipeline and
+changes its image; LoKr/LoHa's LyCORIS file is read by LyCORIS' own kohya loader into a
+fresh UNet that then computes what the trained one does, and its key names are the ones
+ComfyUI reads (tests/data/lycoris); the peft folder loads with PeftModel. One real Ray run
+of LoKr checks the published folder, model card and raylora.json.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+from raylora.config import ConfigError, validate
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+KEYS = json.load(open(os.path.join(HERE, "data", "lycoris", "keys.json")))
+
+
+# LyCORIS' factors start further from a useful update than LoRA's (LoKr's w1 and LoHa's
+# w2_a at zero multiply a small product): a higher rate, as LyCORIS' guides advise.
+LR = {"dora": 2e-2, "lokr": 5e-2, "loha": 5e-2}
+STEPS = 15
+
+
+def _cfg(model, data, out, variant):
+    return validate({
+        "model": {"pretrained": model}, "data": {"uri": data, "resolution": 64, "center_crop": True},
+        "lora": {"rank": 4, "variant": variant}, "output": {"uri": str(out)},
+        "train": {"learning_rate": LR[variant], "max_steps": STEPS, "batch_size": 2, "seed": 0},
+    })
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model, demo_data, tmp_path_factory):
+    """variant → (run, loss before, loss after, adapter folder) after STEPS overfit steps."""
+    from inproc import _fresh_accelerator, demo_batch, overfit
+    from raylora.model.lora import save_adapter
+    from raylora.train.setup import build_run
+
+    batch = demo_batch("sd", tiny_model, demo_data)
+    out = {}
+    for variant in ("dora", "lokr", "loha"):
+        root = tmp_path_factory.mktemp(variant)
+        cfg = _cfg(tiny_model, demo_data, root / "out", variant)
+        run = build_run(cfg, _fresh_accelerator(1), STEPS, rank=0)
+        before, after = overfit(run, batch, STEPS)
+        folder = str(root / "adapter")
+        save_adapter(run.accelerator.unwrap_model(run.model), folder, run.family)
+        out[variant] = (run, before, after, folder)
+    return out
+
+
+def _unet_out(unet, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 4, 32, 32, generator=g)
+    e = torch.randn(1, 77, unet.config.cross_attention_dim, generator=g)
+    with torch.no_grad():
+        return unet(x, torch.tensor([500]), e).sample
+
+
+@pytest.mark.parametrize("variant", ["dora", "lokr", "loha"])
+def test_each_variant_learns_an_overfit_batch(trained, variant):
+    run, before, after, _ = trained[variant]
+    print(f"{variant}: held-out loss {before:.4f} -> {after:.4f}")
+    assert after < 0.97 * before, (before, after)
+    names = [n for n, p in run.model.named_parameters() if p.requires_grad]
+    marker = {"dora": "lora_magnitude_vector", "lokr": "lokr_w", "loha": "hada_w"}[variant]
+    assert names and any(marker in n for n in names)
+
+
+def test_dora_loads_in_the_stock_pipeline_and_changes_the_image(trained, tiny_model, tmp_path):
+    from stock import stock_image_change, stock_load
+
+    run, _, _, folder = trained["dora"]
+    assert os.listdir(folder) == ["pytorch_lora_weights.safetensors"]
+    res = stock_load(tiny_model, folder, tmp_path, "sd")
+    assert res["raylora_imported"] is False and res["max_abs_diff"] > 1e-3
+    # The stock pipeline's UNet with the file equals the trained UNet.
+    from diffusers import UNet2DConditionModel
+
+    stock = UNet2DConditionModel.from_pretrained(tiny_model, subfolder="unet")
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline(**{**StableDiffusionPipeline.from_pretrained(tiny_model).components,
+                                      "unet": stock})
+    pipe.load_lora_weights(folder)
+    trained_unet = run.accelerator.unwrap_model(run.model)
+    assert torch.allclose(_unet_out(pipe.unet), _unet_out(trained_unet), atol=1e-5)
+    assert stock_image_change("sd", tiny_model, folder) > 1e-3
+
+
+@pytest.mark.parametrize("variant", ["lokr", "loha"])
+def test_lycoris_file_is_read_by_lycoris_into_the_trained_weights(trained, tiny_model, variant):
+    """LyCORIS' own kohya loader (lycoris-lora, what sd-scripts uses) builds its modules
+    from the file's names and merges them into a fresh UNet: that UNet then computes what
+    the peft-trained one does."""
+    from diffusers import UNet2DConditionModel
+    from lycoris.kohya import LycorisNetworkKohya as Net
+    from lycoris.kohya import create_network_from_weights
+    from safetensors.torch import load_file
+
+    run, _, _, folder = trained[variant]
+    assert sorted(os.listdir(folder)) == ["adapter_config.json", "adapter_model.safetensors",
+                                          "lycoris.safetensors"]
+    sd = load_file(os.path.join(folder, "lycoris.safetensors"))
+    modules = {k.split(".")[0] for k in sd}
+    assert all(k.startswith(KEYS["unet_prefix"]) and k.split(".")[1] in KEYS[variant] for k in sd)
+    assert all(f"{m}.alpha" in sd for m in modules)
+    fresh = UNet2DConditionModel.from_pretrained(tiny_model, subfolder="unet")
+    base = _unet_out(fresh)
+    # The network's constructor first builds its sd-scripts default targets over the whole
+    # UNet (names that repeat on a diffusers UNet); the file's modules come after, so the
+    # defaults are emptied for this call.
+    saved = (Net.UNET_TARGET_REPLACE_MODULE, Net.UNET_TARGET_REPLACE_NAME)
+    Net.UNET_TARGET_REPLACE_MODULE, Net.UNET_TARGET_REPLACE_NAME = [], []
+    try:
+        network, weights = create_network_from_weights(1.0, None, None, None, fresh, weights_sd=sd)
+    finally:
+        Net.UNET_TARGET_REPLACE_MODULE, Net.UNET_TARGET_REPLACE_NAME = saved
+    layers = [n for n, m in run.model.named_modules() if hasattr(m, "lokr_w1" if variant == "lokr" else "hada_w1_a")]
+    assert len(network.unet_loras) == len(modules) == len(layers) == 32  # every one found its layer
+    network.merge_to(None, fresh, weights, torch.float32, "cpu")
+    want = _unet_out(run.accelerator.unwrap_model(run.model))
+    got = _unet_out(fresh)
+    assert (want - base).abs().max() > 1e-3
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("variant", ["lokr", "loha"])
+def test_peft_folder_loads_with_peft(trained, tiny_model, variant):
+    from diffusers import UNet2DConditionModel
+    from peft import PeftModel
+
+    run, _, _, folder = trained[variant]
+    config = json.load(open(os.path.join(folder, "adapter_config.json")))
+    assert config["peft_type"] == variant.upper() and config["r"] == 4
+    unet = UNet2DConditionModel.from_pretrained(tiny_model, subfolder="unet")
+    loaded = PeftModel.from_pretrained(unet, folder).merge_and_unload()
+    want = _unet_out(run.accelerator.unwrap_model(run.model))
+    assert torch.allclose(_unet_out(loaded), want, atol=1e-5)
+
+
+def test_lycoris_names_match_real_files():
+    """raylora's names for the SD 1.5 modules in the vendored real keys are those keys."""
+    from peft import LoHaConfig, LoKrConfig
+
+    from raylora.checkpoint.lycoris import lycoris_state_dict
+
+    real = set(KEYS["real_keys"])
+    t = torch.zeros(2, 2)
+    loha = {f"down_blocks.0.attentions.0.proj_in.{n}": t for n in KEYS["loha"][:4]}
+    lokr = {f"down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.{n}": t
+            for n in ("lokr_w1", "lokr_w2")}
+    names = set(lycoris_state_dict(loha, LoHaConfig(r=2, alpha=2))) | set(
+        lycoris_state_dict(lokr, LoKrConfig(r=2, alpha=2)))
+    assert real <= names
+
+
+def test_lokr_full_matrices_fold_peft_scale_as_lycoris_expects():
+    """Both LoKr factors full: LyCORIS/ComfyUI apply scale 1, peft alpha/r: folded into w2."""
+    from peft import LoKrConfig
+
+    from raylora.checkpoint.lycoris import lycoris_state_dict
+
+    w1, w2 = torch.ones(2, 2), torch.full((3, 3), 2.0)
+    out = lycoris_state_dict({"m.lokr_w1": w1, "m.lokr_w2": w2}, LoKrConfig(r=4, alpha=2))
+    assert torch.equal(out["lora_unet_m.lokr_w2"], w2 * 0.5) and float(out["lora_unet_m.alpha"]) == 4.0
+    pair = lycoris_state_dict({"m.lokr_w1": w1, "m.lokr_w2_a": torch.ones(3, 4),
+                               "m.lokr_w2_b": torch.ones(4, 3)}, LoKrConfig(r=4, alpha=2))
+    assert float(pair["lora_unet_m.alpha"]) == 2.0 and torch.equal(pair["lora_unet_m.lokr_w1"], w1)
+
+
+def test_variant_keys_are_checked_up_front():
+    base = {"model": {"pretrained": "m"}, "data": {"uri": "d"}, "output": {"uri": "o"}}
+    cases = {
+        "lora.factor": {"lora": {"factor": 4}},
+        "lora.decompose_both": {"lora": {"variant": "loha", "decompose_both": True}},
+        "lora.variant: dora is not supported with scaling.strategy=fsdp":
+            {"lora": {"variant": "dora"}, "scaling": {"strategy": "fsdp"}},
+        "lora.train_text_encoder": {"lora": {"variant": "lokr", "train_text_encoder": True}},
+        "export.formats: kohya": {"lora": {"variant": "loha"}, "export": {"formats": ["diffusers", "kohya"]}},
+        "lora.variant: lokr with model.quantize=nf4": {"lora": {"variant": "lokr"}, "model": {"quantize": "nf4"}},
+    }
+    for expected, extra in cases.items():
+        tree = json.loads(json.dumps(base))
+        for k, v in extra.items():
+            tree.setdefault(k, {}).update(v)
+        with pytest.raises(ConfigError) as err:
+            validate(tree)
+        assert expected in str(err.value), (expected, str(err.value))
+    with pytest.raises(ConfigError, match="lora.factor: 0"):
+        validate({**base, "lora": {"variant": "lokr", "factor": 0}})
+    with pytest.raises(ConfigError, match="lora.variant"):
+        validate({**base, "lora": {"variant": "oft"}})
+
+
+@pytest.mark.integration
+def test_a_lokr_run_publishes_the_peft_folder_and_lycoris_file(ray_local, tiny_model, demo_data, tmp_path):
+    from raylora.launch import run
+    from raylora.sample import sample
+
+    out = tmp_path / "out"
+    cfg = validate({
+        "model": {"pretrained": tiny_model},
+        "data": {"uri": demo_data, "resolution": 64, "center_crop": True, "sharding": "files"},
+        "lora": {"variant": "lokr", "rank": 4, "factor": 4},
+        "train": {"max_steps": 4, "batch_size": 2, "learning_rate": 1e-3},
+        "scaling": {"num_workers": 1},
+        "checkpoint": {"every_n_steps": 4},
+        "output": {"uri": str(out)},
+    })
+    run(cfg)
+    adapter = out / "adapter"
+    assert sorted(os.listdir(adapter)) == ["README.md", "adapter_config.json", "adapter_model.safetensors",
+                                           "lycoris.safetensors", "manifest.json", "raylora.json"]
+    meta = json.load(open(adapter / "raylora.json"))
+    assert meta["data"]["adapter_variant"] == "lokr" and meta["config"]["lora"]["factor"] == 4
+    card = (adapter / "README.md").read_text()
+    assert "| adapter variant | lokr (factor 4" in card and "PeftModel.from_pretrained(pipe.unet" in card
+    assert json.load(open(adapter / "adapter_config.json"))["decompose_factor"] == 4
+    png = sample(tiny_model, str(adapter), "a red circle", str(tmp_path / "s.png"), steps=2, size=64)
+    assert os.path.getsize(png) > 0

@@ -10,6 +10,8 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -455,22 +457,70 @@ def _ray_log_level() -> int:
     return logging.INFO if quiet.verbose() else logging.WARNING
 
 
+@dataclass(frozen=True)
+class Setup:
+    """What ``raylora train``, ``lr-find`` and ``tune`` ask of the one run preamble
+    (``prepared``): the rest of it is the same for all three."""
+
+    need_cpus: Callable[[RayLoraConfig], float]  # what the workers hold: sizes an embedded Ray
+    make_plan: Callable[[RayLoraConfig], Plan] = plan
+    num_workers: int | None = None  # workers to place (None: scaling.num_workers)
+    memory: bool = True  # the memory preflight (lr-find runs without one)
+    # (label, config) pairs checked for memory besides the base (tune's bounding values)
+    variants: Callable[[RayLoraConfig], list] | None = None
+
+
+@dataclass
+class Prepared:
+    """A run ready to fit: its config (paths resolved, workers fitted to the cluster) and
+    plan (bad-record counter started, latent cache applied)."""
+
+    cfg: RayLoraConfig
+    plan: Plan
+    resolved: RayLoraConfig  # before check_cluster_fits: what tune sizes its trials by
+
+
+@contextmanager
+def prepared(cfg: RayLoraConfig, setup: Setup) -> Iterator[Prepared]:
+    """The one preamble of every run: local paths made absolute, model/data/arithmetic
+    planned and the memory preflight (all before Ray starts, so a typo costs a second);
+    then Ray joined or started (storage settings and secrets reach the workers through
+    ``job_runtime_env``, quiet logging), the cluster checked to hold the workers, the
+    bad-record counter and latent cache. On the way out the counter is stopped and a Ray
+    this call started is shut down."""
+    cfg = resolve_paths(cfg)
+    p = setup.make_plan(cfg)
+    variants = setup.variants(cfg) if setup.variants is not None else ()
+    remote = setup.memory and preflight.on_cluster(cfg)
+    if setup.memory and not remote:
+        preflight.check_memory(cfg, variants=variants)
+    started = init_ray(setup.need_cpus(cfg))
+    run = Prepared(cfg, p, cfg)
+    try:
+        if remote:  # the workers' GPUs are the cluster's: read once joined, before asking for any
+            preflight.check_memory(cfg, cluster=True, variants=variants)
+        run.cfg = check_cluster_fits(cfg, num_workers=setup.num_workers)
+        run.plan = start_bad_records(run.plan)
+        run.plan = apply_cache(run.cfg, run.plan)
+        yield run
+    finally:
+        stop_bad_records(run.plan)
+        if started:
+            import ray
+
+            ray.shutdown()
+
+
+def _train_cpus(cfg: RayLoraConfig) -> float:
+    return cfg.scaling.num_workers * cfg.scaling.cpus_per_worker
+
+
 def run(cfg: RayLoraConfig) -> dict:
     """Train, then export the adapter to ``{output.uri}/adapter``. Returns a summary dict."""
     from raylora.checkpoint.export import export_run
 
-    cfg = resolve_paths(cfg)
-    p = plan(cfg)
-    remote = preflight.on_cluster(cfg)
-    if not remote:
-        preflight.check_memory(cfg)
-    started = init_ray(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker)
-    try:
-        if remote:  # the workers' GPUs are the cluster's: read once joined, before asking for any
-            preflight.check_memory(cfg, cluster=True)
-        cfg = check_cluster_fits(cfg)
-        p = start_bad_records(p)
-        p = apply_cache(cfg, p)
+    with prepared(cfg, Setup(need_cpus=_train_cpus)) as r:
+        cfg, p = r.cfg, r.plan
         if cfg.data.cache == "latents":  # a fresh build read every row: judge them now
             check_bad_records(cfg, p)
         result, bad = fit_judging_data(cfg, p, lambda: _fit(cfg, p))
@@ -480,12 +530,6 @@ def run(cfg: RayLoraConfig) -> dict:
             summary = export_run(ckpt_dir, cfg, result.metrics, {**p.to_dict(), **bad})
         return {**summary, "checkpoints": storage.join(cfg.output.uri, TRAIN_RUN_NAME),
                 "rows_decoded": bad.get("rows_decoded")}
-    finally:
-        stop_bad_records(p)
-        if started:
-            import ray
-
-            ray.shutdown()
 
 
 _COUNTERS: dict = {}
@@ -657,35 +701,18 @@ def run_lr_find(
 ) -> dict:
     """Learning-rate range test on one worker; writes ``lr_find.csv`` and ``lr_find.png``
     under ``output.uri`` and returns the suggestion."""
-    import csv
-    import io
-    import tempfile
-
     from raylora.train import lr_find
     from raylora.worker import LrFindSettings, lr_find_per_worker
 
-    problems = []
-    if not 0 < start_lr < end_lr:
-        problems.append(f"lr-find: need 0 < start_lr < end_lr (got {start_lr:g}, {end_lr:g})")
-    if num_steps < 2:
-        problems.append(f"lr-find: num_steps must be at least 2 (got {num_steps})")
-    if problems:
-        raise ConfigError(problems)
-    tree = cfg.to_dict()
-    tree["scaling"]["num_workers"] = 1
-    tree["train"].update(max_steps=num_steps, learning_rate=start_lr, lr_scheduler="constant",
-                         lr_warmup_steps=0, scale_lr=False)
-    cfg = resolve_paths(validate(tree))
+    settings = LrFindSettings(start_lr=start_lr, end_lr=end_lr, num_steps=num_steps,
+                              smoothing=smoothing, diverge_factor=diverge_factor)
+    cfg = _lr_find_config(cfg, settings)
     # lr-find never evaluates: the held-out rows are neither read nor sent to the worker
-    # (a validation_split still keeps them out of its training data).
-    p = plan(cfg, heldout=False)
-    started = init_ray(cfg.scaling.cpus_per_worker)
-    try:
-        cfg = check_cluster_fits(cfg, num_workers=1)  # lr-find trains on one worker
-        p = start_bad_records(p)
-        p = apply_cache(cfg, p)
-        settings = LrFindSettings(start_lr=start_lr, end_lr=end_lr, num_steps=num_steps,
-                                  smoothing=smoothing, diverge_factor=diverge_factor)
+    # (a validation_split still keeps them out of its training data). No memory preflight.
+    setup = Setup(need_cpus=lambda c: c.scaling.cpus_per_worker, num_workers=1, memory=False,
+                  make_plan=lambda c: plan(c, heldout=False))
+    with prepared(cfg, setup) as r:
+        cfg, p = r.cfg, r.plan
         trainer = build_trainer(
             cfg, p, cfg.output.uri, LR_FIND_RUN_NAME, train_fn=lr_find_per_worker,
             lr_find=settings,
@@ -694,13 +721,37 @@ def run_lr_find(
         result, bad = fit_judging_data(cfg, p, trainer.fit)
         with result.checkpoint.as_directory() as d, open(os.path.join(d, "lr_find.json")) as f:
             rows = json.load(f)
-    finally:
-        stop_bad_records(p)
-        if started:
-            import ray
-
-            ray.shutdown()
     suggestion = lr_find.suggest_lr(rows)
+    csv_uri, png_uri = _write_lr_find(cfg, rows, suggestion)
+    return {**suggestion, "settings": asdict(settings), "csv": csv_uri, "png": png_uri, "rows": rows,
+            "bad_records": bad.get("bad_records_counts", {}), "rows_decoded": bad.get("rows_decoded")}
+
+
+def _lr_find_config(cfg: RayLoraConfig, s) -> RayLoraConfig:
+    """The config lr-find trains by: one worker, ``s.num_steps`` steps at a constant lr
+    (the range test sets it each step). Raises ConfigError for an impossible sweep."""
+    problems = []
+    if not 0 < s.start_lr < s.end_lr:
+        problems.append(f"lr-find: need 0 < start_lr < end_lr (got {s.start_lr:g}, {s.end_lr:g})")
+    if s.num_steps < 2:
+        problems.append(f"lr-find: num_steps must be at least 2 (got {s.num_steps})")
+    if problems:
+        raise ConfigError(problems)
+    tree = cfg.to_dict()
+    tree["scaling"]["num_workers"] = 1
+    tree["train"].update(max_steps=s.num_steps, learning_rate=s.start_lr, lr_scheduler="constant",
+                         lr_warmup_steps=0, scale_lr=False)
+    return validate(tree)
+
+
+def _write_lr_find(cfg: RayLoraConfig, rows: list[dict], suggestion: dict) -> tuple[str, str]:
+    """``lr_find.csv`` and ``lr_find.png`` under ``output.uri``: their URIs."""
+    import csv
+    import io
+    import tempfile
+
+    from raylora.train import lr_find
+
     store = cfg.storage.client()
     out = storage.normalize(cfg.output.uri)
     buf = io.StringIO()
@@ -714,5 +765,4 @@ def run_lr_find(
         lr_find.plot(rows, suggestion, png)
         with open(png, "rb") as f:
             store.write_bytes(png_uri, f.read())
-    return {**suggestion, "settings": asdict(settings), "csv": csv_uri, "png": png_uri, "rows": rows,
-            "bad_records": bad.get("bad_records_counts", {}), "rows_decoded": bad.get("rows_decoded")}
+    return csv_uri, png_uri

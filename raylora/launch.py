@@ -258,14 +258,20 @@ def _plan_heldout(cfg: RayLoraConfig, data, store) -> tuple[list[dict], str | No
 
 # Set by the CLI: this process owns its signals (a library caller keeps its own).
 INTERRUPT_ON_SIGTERM = False
+# While a run fits: asks it to stop at a step boundary with a checkpoint (raylora.stop);
+# False when it was asked already.
+SIGTERM_HOOKS: list = []
 
 
 def _raise_interrupt(signum, frame):
+    if SIGTERM_HOOKS and SIGTERM_HOOKS[-1]():
+        return
     raise KeyboardInterrupt(f"signal {signum}")
 
 
 def interrupt_on_sigterm() -> None:
-    """SIGTERM → KeyboardInterrupt in the main thread, when the CLI asked for it. Again after
+    """SIGTERM → a clean stop of the fitting run (``SIGTERM_HOOKS``), else KeyboardInterrupt
+    in the main thread, when the CLI asked for it. Again after
     ``ray.init``, which installs its own SIGTERM handler (log, then die without cleanup)."""
     import signal
     import threading
@@ -524,12 +530,16 @@ def run(cfg: RayLoraConfig) -> dict:
         if cfg.data.cache == "latents":  # a fresh build read every row: judge them now
             check_bad_records(cfg, p)
         result, bad = fit_judging_data(cfg, p, lambda: _fit(cfg, p))
+        checkpoints = storage.join(cfg.output.uri, TRAIN_RUN_NAME)
+        if result.metrics and result.metrics.get("stopped"):  # raylora.stop: no export
+            return {"stopped": result.metrics["stopped"], "step": result.metrics["step"],
+                    "max_steps": p.max_steps, "checkpoints": checkpoints,
+                    "checkpoint": result.checkpoint.path if result.checkpoint else None}
         if result.checkpoint is None:
             raise RuntimeError("training finished without a checkpoint to export")
         with result.checkpoint.as_directory() as ckpt_dir:
             summary = export_run(ckpt_dir, cfg, result.metrics, {**p.to_dict(), **bad})
-        return {**summary, "checkpoints": storage.join(cfg.output.uri, TRAIN_RUN_NAME),
-                "rows_decoded": bad.get("rows_decoded")}
+        return {**summary, "checkpoints": checkpoints, "rows_decoded": bad.get("rows_decoded")}
 
 
 _COUNTERS: dict = {}
@@ -588,12 +598,16 @@ def fit_judging_data(cfg: RayLoraConfig, p: Plan, fit):
 
 
 def _fit(cfg: RayLoraConfig, p: Plan):
-    from raylora import progress
+    from raylora import progress, stop
 
     drop_unrecorded_checkpoints(cfg.storage.client(), storage.join(cfg.output.uri, TRAIN_RUN_NAME))
     t = cfg.train
-    with progress.watch(p.max_steps, t.log_every_n_steps, t.log_every_n_seconds) as board:
-        return build_trainer(cfg, p, cfg.output.uri, TRAIN_RUN_NAME, progress_board=board).fit()
+    sink = progress.write_progress(cfg.storage.client(), cfg.output.uri)
+    with (progress.watch(p.max_steps, t.log_every_n_steps, t.log_every_n_seconds, sink) as board,
+          stop.driver_requests(cfg.failure.stop_timeout_s, SIGTERM_HOOKS) as stops):
+        trainer = build_trainer(cfg, p, cfg.output.uri, TRAIN_RUN_NAME, progress_board=board,
+                                stop_requests=stops)
+        return trainer.fit()
 
 
 def drop_unrecorded_checkpoints(store, run_uri: str) -> list[str]:
@@ -637,6 +651,7 @@ def build_trainer(
     train_fn=None,
     lr_find=None,
     progress_board: str | None = None,
+    stop_requests: str | None = None,
 ):
     """The TorchTrainer of one run: datasets, workers, storage. ``raylora train`` fits one
     (rank 0 sends step rows to ``progress_board``, raylora.progress); each Tune trial
@@ -656,7 +671,8 @@ def build_trainer(
     # CI they are thousands of lines of carriage returns.
     data_bars = sys.stdout.isatty() and quiet.verbose()
     ray.data.DataContext.get_current().enable_progress_bars = data_bars
-    spec = WorkerSpec(cfg, p, progress_bar=data_bars, lr_find=lr_find, progress_board=progress_board)
+    spec = WorkerSpec(cfg, p, progress_bar=data_bars, lr_find=lr_find, progress_board=progress_board,
+                      stop_requests=stop_requests)
     # The workers build the run's one dataset themselves (worker._epoch_batches: rank 0
     # splits it, or each worker reads its own files), so Ray Train is given none. The
     # tokenizer is read once, here, for all of them (cached latents need none).

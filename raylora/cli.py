@@ -1,4 +1,5 @@
-"""``raylora train|tune|plan|lr-find|validate|sample|export|shards|tiny-model|demo-data``."""
+"""``raylora train|tune|plan|lr-find|validate|sample|export|shards|tiny-model|demo-data``;
+``raylora submit|status|logs|stop|list`` (a job on a Ray cluster)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ def _train(args) -> int:
     from raylora.progress import summary_lines
 
     cfg = load_config(args.config, args.overrides)
-    print("\n".join(summary_lines(run(cfg))))
+    summary = run(cfg)
+    if "stopped" in summary:  # raylora.stop: a checkpoint at this step, no adapter yet
+        print(f"raylora: stopped at step {summary['step']}/{summary['max_steps']} "
+              f"({summary['stopped']}); checkpoint {summary['checkpoint']}", file=sys.stderr)
+        print("raylora: run the same command again to resume from it", file=sys.stderr)
+        return 130
+    print("\n".join(summary_lines(summary)))
     return 0
 
 
@@ -138,6 +145,79 @@ def _shards_build(args) -> int:
     return 0
 
 
+def _submit(args) -> int:
+    from raylora import jobs
+
+    job = jobs.submit(args.config, args.overrides, args.address, args.working_dir, args.job_id)
+    print(job)
+    return 0
+
+
+def _status(args) -> int:
+    from raylora import jobs
+
+    state, line = jobs.status(args.job, args.address)
+    print(f"raylora: job {args.job} {state}")
+    print(f"raylora: {line}" if line else "raylora: no step yet")
+    return 0
+
+
+def _logs(args) -> int:
+    from raylora import jobs
+
+    if args.follow:
+        jobs.follow_logs(args.job, args.address, sys.stdout)
+    else:
+        sys.stdout.write(jobs.client(args.address).get_job_logs(args.job))
+    return 0
+
+
+def _stop(args) -> int:
+    from raylora import jobs
+
+    state = jobs.stop(args.job, args.address, args.timeout)
+    _, line = jobs.status(args.job, args.address)
+    print(f"raylora: job {args.job} {state}" + (f"; {line}" if line else ""))
+    return 0 if state in jobs.TERMINAL else 1
+
+
+def _list(args) -> int:
+    from raylora import jobs
+
+    for r in jobs.list_jobs(args.address):
+        print(f"{r['job']}  {r['state']:<9}  {r['config']}")
+    return 0
+
+
+def _job_commands(sub) -> None:
+    """submit | status | logs | stop | list: runs on a Ray cluster (raylora.jobs)."""
+    sm = sub.add_parser("submit", help="validate a config here, then run it on a Ray cluster "
+                        "as a job (prints the job id)")
+    sm.add_argument("config", help="job YAML, inside the working dir")
+    sm.add_argument("overrides", nargs="*", help="dotted overrides")
+    sm.add_argument("--working-dir", default=".", help="shipped to the cluster (default: .)")
+    sm.add_argument("--job-id", default=None, help="submission id (default: Ray's)")
+    sm.set_defaults(fn=_submit)
+    st = sub.add_parser("status", help="a job's state and its run's last progress line")
+    st.add_argument("job")
+    st.set_defaults(fn=_status)
+    lg = sub.add_parser("logs", help="a job's log")
+    lg.add_argument("job")
+    lg.add_argument("--follow", "-f", action="store_true", help="follow until the job ends")
+    lg.set_defaults(fn=_logs)
+    sp = sub.add_parser("stop", help="stop a job cleanly: a checkpoint at the next step; "
+                        "submitting the same config again resumes from it")
+    sp.add_argument("job")
+    sp.add_argument("--timeout", type=float, default=600, help="seconds to wait for the end")
+    sp.set_defaults(fn=_stop)
+    ls = sub.add_parser("list", help="raylora's jobs on the cluster")
+    ls.set_defaults(fn=_list)
+    for cmd in (sm, st, lg, sp, ls):
+        cmd.add_argument("--address", default=None,
+                         help="the cluster's dashboard (http://host:8265) or GCS address; "
+                              "default RAY_ADDRESS")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="raylora", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -219,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--shards", type=int, default=2)
     d.add_argument("--size", type=int, default=64)
     d.set_defaults(fn=_demo_data)
+    _job_commands(sub)
     # On each command, not the top parser: an option given after the command (where
     # people put it) would be reset by the subcommand's default.
     for cmd in [*sub.choices.values(), *shsub.choices.values()]:

@@ -596,6 +596,13 @@ class FailureSection(_Section):
         description="Times a run restarts its workers from the latest checkpoint after a "
         "worker process or node dies (Ray Train FailureConfig; -1: no limit).",
     )
+    stop_timeout_s: float = Field(
+        120.0, gt=0,
+        description="A clean stop (`raylora stop`, SIGTERM to the driver or a worker: spot "
+        "notice, pod deletion) finishes the step and writes a checkpoint; a process that "
+        "has not stopped this many seconds later is killed. k8s/ sets "
+        "terminationGracePeriodSeconds above it; `raylora submit` gives Ray's job stop as long.",
+    )
 
 
 class StorageSection(_Section):

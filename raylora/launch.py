@@ -10,6 +10,8 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -256,14 +258,20 @@ def _plan_heldout(cfg: RayLoraConfig, data, store) -> tuple[list[dict], str | No
 
 # Set by the CLI: this process owns its signals (a library caller keeps its own).
 INTERRUPT_ON_SIGTERM = False
+# While a run fits: asks it to stop at a step boundary with a checkpoint (raylora.stop);
+# False when it was asked already.
+SIGTERM_HOOKS: list = []
 
 
 def _raise_interrupt(signum, frame):
+    if SIGTERM_HOOKS and SIGTERM_HOOKS[-1]():
+        return
     raise KeyboardInterrupt(f"signal {signum}")
 
 
 def interrupt_on_sigterm() -> None:
-    """SIGTERM → KeyboardInterrupt in the main thread, when the CLI asked for it. Again after
+    """SIGTERM → a clean stop of the fitting run (``SIGTERM_HOOKS``), else KeyboardInterrupt
+    in the main thread, when the CLI asked for it. Again after
     ``ray.init``, which installs its own SIGTERM handler (log, then die without cleanup)."""
     import signal
     import threading
@@ -455,37 +463,83 @@ def _ray_log_level() -> int:
     return logging.INFO if quiet.verbose() else logging.WARNING
 
 
-def run(cfg: RayLoraConfig) -> dict:
-    """Train, then export the adapter to ``{output.uri}/adapter``. Returns a summary dict."""
-    from raylora.checkpoint.export import export_run
+@dataclass(frozen=True)
+class Setup:
+    """What ``raylora train``, ``lr-find`` and ``tune`` ask of the one run preamble
+    (``prepared``): the rest of it is the same for all three."""
 
+    need_cpus: Callable[[RayLoraConfig], float]  # what the workers hold: sizes an embedded Ray
+    make_plan: Callable[[RayLoraConfig], Plan] = plan
+    num_workers: int | None = None  # workers to place (None: scaling.num_workers)
+    memory: bool = True  # the memory preflight (lr-find runs without one)
+    # (label, config) pairs checked for memory besides the base (tune's bounding values)
+    variants: Callable[[RayLoraConfig], list] | None = None
+
+
+@dataclass
+class Prepared:
+    """A run ready to fit: its config (paths resolved, workers fitted to the cluster) and
+    plan (bad-record counter started, latent cache applied)."""
+
+    cfg: RayLoraConfig
+    plan: Plan
+    resolved: RayLoraConfig  # before check_cluster_fits: what tune sizes its trials by
+
+
+@contextmanager
+def prepared(cfg: RayLoraConfig, setup: Setup) -> Iterator[Prepared]:
+    """The one preamble of every run: local paths made absolute, model/data/arithmetic
+    planned and the memory preflight (all before Ray starts, so a typo costs a second);
+    then Ray joined or started (storage settings and secrets reach the workers through
+    ``job_runtime_env``, quiet logging), the cluster checked to hold the workers, the
+    bad-record counter and latent cache. On the way out the counter is stopped and a Ray
+    this call started is shut down."""
     cfg = resolve_paths(cfg)
-    p = plan(cfg)
-    remote = preflight.on_cluster(cfg)
-    if not remote:
-        preflight.check_memory(cfg)
-    started = init_ray(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker)
+    p = setup.make_plan(cfg)
+    variants = setup.variants(cfg) if setup.variants is not None else ()
+    remote = setup.memory and preflight.on_cluster(cfg)
+    if setup.memory and not remote:
+        preflight.check_memory(cfg, variants=variants)
+    started = init_ray(setup.need_cpus(cfg))
+    run = Prepared(cfg, p, cfg)
     try:
         if remote:  # the workers' GPUs are the cluster's: read once joined, before asking for any
-            preflight.check_memory(cfg, cluster=True)
-        cfg = check_cluster_fits(cfg)
-        p = start_bad_records(p)
-        p = apply_cache(cfg, p)
-        if cfg.data.cache == "latents":  # a fresh build read every row: judge them now
-            check_bad_records(cfg, p)
-        result, bad = fit_judging_data(cfg, p, lambda: _fit(cfg, p))
-        if result.checkpoint is None:
-            raise RuntimeError("training finished without a checkpoint to export")
-        with result.checkpoint.as_directory() as ckpt_dir:
-            summary = export_run(ckpt_dir, cfg, result.metrics, {**p.to_dict(), **bad})
-        return {**summary, "checkpoints": storage.join(cfg.output.uri, TRAIN_RUN_NAME),
-                "rows_decoded": bad.get("rows_decoded")}
+            preflight.check_memory(cfg, cluster=True, variants=variants)
+        run.cfg = check_cluster_fits(cfg, num_workers=setup.num_workers)
+        run.plan = start_bad_records(run.plan)
+        run.plan = apply_cache(run.cfg, run.plan)
+        yield run
     finally:
-        stop_bad_records(p)
+        stop_bad_records(run.plan)
         if started:
             import ray
 
             ray.shutdown()
+
+
+def _train_cpus(cfg: RayLoraConfig) -> float:
+    return cfg.scaling.num_workers * cfg.scaling.cpus_per_worker
+
+
+def run(cfg: RayLoraConfig) -> dict:
+    """Train, then export the adapter to ``{output.uri}/adapter``. Returns a summary dict."""
+    from raylora.checkpoint.export import export_run
+
+    with prepared(cfg, Setup(need_cpus=_train_cpus)) as r:
+        cfg, p = r.cfg, r.plan
+        if cfg.data.cache == "latents":  # a fresh build read every row: judge them now
+            check_bad_records(cfg, p)
+        result, bad = fit_judging_data(cfg, p, lambda: _fit(cfg, p))
+        checkpoints = storage.join(cfg.output.uri, TRAIN_RUN_NAME)
+        if result.metrics and result.metrics.get("stopped"):  # raylora.stop: no export
+            return {"stopped": result.metrics["stopped"], "step": result.metrics["step"],
+                    "max_steps": p.max_steps, "checkpoints": checkpoints,
+                    "checkpoint": result.checkpoint.path if result.checkpoint else None}
+        if result.checkpoint is None:
+            raise RuntimeError("training finished without a checkpoint to export")
+        with result.checkpoint.as_directory() as ckpt_dir:
+            summary = export_run(ckpt_dir, cfg, result.metrics, {**p.to_dict(), **bad})
+        return {**summary, "checkpoints": checkpoints, "rows_decoded": bad.get("rows_decoded")}
 
 
 _COUNTERS: dict = {}
@@ -544,12 +598,16 @@ def fit_judging_data(cfg: RayLoraConfig, p: Plan, fit):
 
 
 def _fit(cfg: RayLoraConfig, p: Plan):
-    from raylora import progress
+    from raylora import progress, stop
 
     drop_unrecorded_checkpoints(cfg.storage.client(), storage.join(cfg.output.uri, TRAIN_RUN_NAME))
     t = cfg.train
-    with progress.watch(p.max_steps, t.log_every_n_steps, t.log_every_n_seconds) as board:
-        return build_trainer(cfg, p, cfg.output.uri, TRAIN_RUN_NAME, progress_board=board).fit()
+    sink = progress.write_progress(cfg.storage.client(), cfg.output.uri)
+    with (progress.watch(p.max_steps, t.log_every_n_steps, t.log_every_n_seconds, sink) as board,
+          stop.driver_requests(cfg.failure.stop_timeout_s, SIGTERM_HOOKS) as stops):
+        trainer = build_trainer(cfg, p, cfg.output.uri, TRAIN_RUN_NAME, progress_board=board,
+                                stop_requests=stops)
+        return trainer.fit()
 
 
 def drop_unrecorded_checkpoints(store, run_uri: str) -> list[str]:
@@ -593,6 +651,7 @@ def build_trainer(
     train_fn=None,
     lr_find=None,
     progress_board: str | None = None,
+    stop_requests: str | None = None,
 ):
     """The TorchTrainer of one run: datasets, workers, storage. ``raylora train`` fits one
     (rank 0 sends step rows to ``progress_board``, raylora.progress); each Tune trial
@@ -612,7 +671,8 @@ def build_trainer(
     # CI they are thousands of lines of carriage returns.
     data_bars = sys.stdout.isatty() and quiet.verbose()
     ray.data.DataContext.get_current().enable_progress_bars = data_bars
-    spec = WorkerSpec(cfg, p, progress_bar=data_bars, lr_find=lr_find, progress_board=progress_board)
+    spec = WorkerSpec(cfg, p, progress_bar=data_bars, lr_find=lr_find, progress_board=progress_board,
+                      stop_requests=stop_requests)
     # The workers build the run's one dataset themselves (worker._epoch_batches: rank 0
     # splits it, or each worker reads its own files), so Ray Train is given none. The
     # tokenizer is read once, here, for all of them (cached latents need none).
@@ -657,35 +717,18 @@ def run_lr_find(
 ) -> dict:
     """Learning-rate range test on one worker; writes ``lr_find.csv`` and ``lr_find.png``
     under ``output.uri`` and returns the suggestion."""
-    import csv
-    import io
-    import tempfile
-
     from raylora.train import lr_find
     from raylora.worker import LrFindSettings, lr_find_per_worker
 
-    problems = []
-    if not 0 < start_lr < end_lr:
-        problems.append(f"lr-find: need 0 < start_lr < end_lr (got {start_lr:g}, {end_lr:g})")
-    if num_steps < 2:
-        problems.append(f"lr-find: num_steps must be at least 2 (got {num_steps})")
-    if problems:
-        raise ConfigError(problems)
-    tree = cfg.to_dict()
-    tree["scaling"]["num_workers"] = 1
-    tree["train"].update(max_steps=num_steps, learning_rate=start_lr, lr_scheduler="constant",
-                         lr_warmup_steps=0, scale_lr=False)
-    cfg = resolve_paths(validate(tree))
+    settings = LrFindSettings(start_lr=start_lr, end_lr=end_lr, num_steps=num_steps,
+                              smoothing=smoothing, diverge_factor=diverge_factor)
+    cfg = _lr_find_config(cfg, settings)
     # lr-find never evaluates: the held-out rows are neither read nor sent to the worker
-    # (a validation_split still keeps them out of its training data).
-    p = plan(cfg, heldout=False)
-    started = init_ray(cfg.scaling.cpus_per_worker)
-    try:
-        cfg = check_cluster_fits(cfg, num_workers=1)  # lr-find trains on one worker
-        p = start_bad_records(p)
-        p = apply_cache(cfg, p)
-        settings = LrFindSettings(start_lr=start_lr, end_lr=end_lr, num_steps=num_steps,
-                                  smoothing=smoothing, diverge_factor=diverge_factor)
+    # (a validation_split still keeps them out of its training data). No memory preflight.
+    setup = Setup(need_cpus=lambda c: c.scaling.cpus_per_worker, num_workers=1, memory=False,
+                  make_plan=lambda c: plan(c, heldout=False))
+    with prepared(cfg, setup) as r:
+        cfg, p = r.cfg, r.plan
         trainer = build_trainer(
             cfg, p, cfg.output.uri, LR_FIND_RUN_NAME, train_fn=lr_find_per_worker,
             lr_find=settings,
@@ -694,13 +737,37 @@ def run_lr_find(
         result, bad = fit_judging_data(cfg, p, trainer.fit)
         with result.checkpoint.as_directory() as d, open(os.path.join(d, "lr_find.json")) as f:
             rows = json.load(f)
-    finally:
-        stop_bad_records(p)
-        if started:
-            import ray
-
-            ray.shutdown()
     suggestion = lr_find.suggest_lr(rows)
+    csv_uri, png_uri = _write_lr_find(cfg, rows, suggestion)
+    return {**suggestion, "settings": asdict(settings), "csv": csv_uri, "png": png_uri, "rows": rows,
+            "bad_records": bad.get("bad_records_counts", {}), "rows_decoded": bad.get("rows_decoded")}
+
+
+def _lr_find_config(cfg: RayLoraConfig, s) -> RayLoraConfig:
+    """The config lr-find trains by: one worker, ``s.num_steps`` steps at a constant lr
+    (the range test sets it each step). Raises ConfigError for an impossible sweep."""
+    problems = []
+    if not 0 < s.start_lr < s.end_lr:
+        problems.append(f"lr-find: need 0 < start_lr < end_lr (got {s.start_lr:g}, {s.end_lr:g})")
+    if s.num_steps < 2:
+        problems.append(f"lr-find: num_steps must be at least 2 (got {s.num_steps})")
+    if problems:
+        raise ConfigError(problems)
+    tree = cfg.to_dict()
+    tree["scaling"]["num_workers"] = 1
+    tree["train"].update(max_steps=s.num_steps, learning_rate=s.start_lr, lr_scheduler="constant",
+                         lr_warmup_steps=0, scale_lr=False)
+    return validate(tree)
+
+
+def _write_lr_find(cfg: RayLoraConfig, rows: list[dict], suggestion: dict) -> tuple[str, str]:
+    """``lr_find.csv`` and ``lr_find.png`` under ``output.uri``: their URIs."""
+    import csv
+    import io
+    import tempfile
+
+    from raylora.train import lr_find
+
     store = cfg.storage.client()
     out = storage.normalize(cfg.output.uri)
     buf = io.StringIO()
@@ -714,5 +781,4 @@ def run_lr_find(
         lr_find.plot(rows, suggestion, png)
         with open(png, "rb") as f:
             store.write_bytes(png_uri, f.read())
-    return {**suggestion, "settings": asdict(settings), "csv": csv_uri, "png": png_uri, "rows": rows,
-            "bad_records": bad.get("bad_records_counts", {}), "rows_decoded": bad.get("rows_decoded")}
+    return csv_uri, png_uri

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from raylora.data.badrecords import NAMESPACE
 
 POLL_S = 0.5
+# Under output.uri: the latest progress line, for `raylora status` (raylora.jobs).
+PROGRESS_FILE = "progress.json"
 # Smoothing of the printed loss and img/s: one step's loss is mostly timestep noise.
 EMA = 0.9
 
@@ -108,8 +110,8 @@ class ProgressPrinter:
     ``every_steps`` steps or ``every_s`` seconds, whichever comes first, and the last step."""
 
     def __init__(self, board, total: int, every_steps: int, every_s: float,
-                 stream=None, tty: bool | None = None):
-        self.board, self.stream = board, stream or sys.stdout
+                 stream=None, tty: bool | None = None, sink=None):
+        self.board, self.stream, self.sink = board, stream or sys.stdout, sink
         self.tty = self.stream.isatty() if tty is None else tty
         self.stats = Stats(total)
         self.every_steps, self.every_s = every_steps, every_s
@@ -135,6 +137,8 @@ class ProgressPrinter:
         self._poll()
         if self._bar is not None:
             self._bar.close()
+            if self.stats.step and self._printed_step != self.stats.step:
+                self._record()
         elif self.stats.step and self._printed_step != self.stats.step:
             self._print()
 
@@ -155,19 +159,32 @@ class ProgressPrinter:
 
     def _consume(self, row: dict, now: float) -> None:
         self.stats.update(row, now)
+        if self._printed_t is None:
+            self._printed_t = now
+        due = (self.stats.step % self.every_steps == 0 or self.stats.step >= self.stats.total
+               or now - self._printed_t >= self.every_s)
         if self._bar is not None:
             self._bar.update(self.stats.step - self._bar.n)
             self._bar.set_postfix_str(self.stats.fields(), refresh=False)
-            return
-        if self._printed_t is None:
-            self._printed_t = now
-        if (self.stats.step % self.every_steps == 0 or self.stats.step >= self.stats.total
-                or now - self._printed_t >= self.every_s):
+            if due:
+                self._record()
+        elif due:
             self._print()
 
     def _print(self) -> None:
         print(self.stats.line(), file=self.stream, flush=True)
+        self._record()
+
+    def _record(self) -> None:
+        """The line is due: hand it to ``sink`` (progress.json) too."""
         self._printed_step, self._printed_t = self.stats.step, time.monotonic()
+        if self.sink is not None:
+            try:
+                self.sink({"step": self.stats.step, "total": self.stats.total,
+                           "loss": self.stats.loss, "eta_s": self.stats.eta_s(),
+                           "line": self.stats.line(), "time": time.time()})
+            except Exception as exc:  # a storage hiccup must not stop the progress line
+                print(f"raylora: progress.json not written: {exc}", file=sys.stderr)
 
 
 def summary_lines(s: dict) -> list[str]:
@@ -199,9 +216,10 @@ def summary_lines(s: dict) -> list[str]:
 
 
 @contextmanager
-def watch(total: int, log_every_n_steps: int | None, log_every_n_seconds: float):
+def watch(total: int, log_every_n_steps: int | None, log_every_n_seconds: float, sink=None):
     """Around ``fit()``: a board for the workers (its name is yielded, for ``WorkerSpec``)
-    and the printer reading it. Needs Ray."""
+    and the printer reading it; ``sink(dict)`` gets each line due (``write_progress``).
+    Needs Ray."""
     import uuid
 
     import ray
@@ -209,7 +227,7 @@ def watch(total: int, log_every_n_steps: int | None, log_every_n_seconds: float)
     name = f"raylora-progress-{uuid.uuid4().hex[:12]}"
     board = start_board(name)
     printer = ProgressPrinter(board, total, every_n_steps(log_every_n_steps, total),
-                              log_every_n_seconds).start()
+                              log_every_n_seconds, sink=sink).start()
     try:
         yield name
     finally:
@@ -218,3 +236,13 @@ def watch(total: int, log_every_n_steps: int | None, log_every_n_seconds: float)
         except Exception:  # a failed run's error matters, not its last progress line
             pass
         ray.kill(board)
+
+
+def write_progress(store, output_uri: str):
+    """A ``sink`` for ``watch``: the line as ``{output_uri}/progress.json`` (replaced)."""
+    import json
+
+    from raylora import storage
+
+    uri = storage.join(output_uri, PROGRESS_FILE)
+    return lambda row: store.write_bytes(uri, json.dumps(row).encode())

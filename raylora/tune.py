@@ -22,13 +22,9 @@ import logging
 import math
 import os
 
-from raylora import preflight as memory_preflight
 from raylora import storage
 from raylora.config import RayLoraConfig, TuneSection, trial_tree, validate
-from raylora.launch import (
-    Plan, apply_cache, build_trainer, check_bad_records, check_cluster_fits, init_ray, plan, replan,
-    resolve_paths, start_bad_records, stop_bad_records,
-)
+from raylora.launch import Plan, Setup, build_trainer, check_bad_records, plan, prepared, replan
 
 log = logging.getLogger("raylora.tune")
 
@@ -154,86 +150,78 @@ def _trial(params: dict, *, base_tree: dict, base_plan: Plan, trials_uri: str) -
 def run_tune(cfg: RayLoraConfig) -> dict:
     """Run the search; write the results table; export the best adapter. Returns a summary."""
     import ray
-    from ray import tune
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
-    cfg = resolve_paths(cfg)
-    base_plan = preflight(cfg)
-    variants = trial_variants(cfg)
-    remote = memory_preflight.on_cluster(cfg)
-    if not remote:
-        memory_preflight.check_memory(cfg, variants=variants)
-    tn = cfg.tune
-    out = storage.normalize(cfg.output.uri)
-    trials_uri = storage.join(out, TUNE_DIR, TRIALS_DIR)
-    n_trials = expected_trials(tn)
-    per_trial = trial_resources(cfg)
-    started = init_ray(per_trial["CPU"])
-    try:
-        if remote:  # the trials' GPUs are the cluster's: read once joined
-            memory_preflight.check_memory(cfg, cluster=True, variants=variants)
-        check_cluster_fits(cfg)  # one trial's workers, at least
-        # One bad-record counter for the search: every trial's reads count in it.
-        base_plan = start_bad_records(base_plan)
-        # One latent cache for every trial, built (or found) before the first one starts.
-        base_plan = apply_cache(cfg, base_plan)
+    # An embedded Ray is sized for one trial; the memory preflight also checks every
+    # bounding value of the search; the cluster must place one trial's workers, at least.
+    # One bad-record counter for the search (every trial's reads count in it) and one
+    # latent cache for every trial, built (or found) before the first one starts.
+    setup = Setup(need_cpus=lambda c: trial_resources(c)["CPU"], make_plan=preflight,
+                  variants=trial_variants)
+    with prepared(cfg, setup) as r:
+        # Trials are sized by the config as asked (trial_resources), not by the
+        # cpus_per_worker check_cluster_fits may have lowered for one run.
+        cfg, base_plan = r.resolved, r.plan
+        tn = cfg.tune
+        out = storage.normalize(cfg.output.uri)
+        n_trials = expected_trials(tn)
         concurrency = max_concurrency(cfg, ray.cluster_resources(), n_trials)
-        max_steps = base_plan.max_steps
-        max_t = tn.max_t or max_steps
-        metric = tn.metric
-        if tn.scheduler == "asha":
-            scheduler = ASHAScheduler(
-                time_attr="step", max_t=max_t, grace_period=min(tn.grace_period, max_t),
-                reduction_factor=tn.reduction_factor,
-            )
-        else:
-            scheduler = FIFOScheduler()
-        seed = tn.seed if tn.seed is not None else cfg.train.seed
-        store = cfg.storage.client()
-        fs, path = store.fs(out)
         log.info(
             "tune: %d trial(s), up to %d at a time (%s per trial), metric %s",
-            n_trials, concurrency, per_trial, metric,
+            n_trials, concurrency, trial_resources(cfg), tn.metric,
         )
-        tuner = tune.Tuner(
-            # Large inputs (held-out images) travel once through the object store.
-            tune.with_resources(
-                tune.with_parameters(
-                    _trial, base_tree=cfg.to_dict(), base_plan=base_plan, trials_uri=trials_uri
-                ),
-                # Tune refuses an empty request; a sliver of a CPU places the trial's
-                # driver anywhere without taking a core from training or data.
-                {"CPU": TRIAL_DRIVER_CPU},
-            ),
-            param_space=param_space(tn),
-            tune_config=tune.TuneConfig(
-                metric=metric,
-                mode="min",
-                num_samples=tn.num_samples,
-                scheduler=scheduler,
-                search_alg=search_algorithm(tn, seed, concurrency),
-                # The built-in generator limits itself (given above); Tune wraps the
-                # others in a ConcurrencyLimiter.
-                max_concurrent_trials=None if tn.search_alg in ("random", "grid") else concurrency,
-            ),
-            run_config=tune.RunConfig(
-                name=TUNE_DIR, storage_path=path, storage_filesystem=fs, verbose=1,
-            ),
-        )
-        grid = tuner.fit()
+        grid = _tuner(cfg, base_plan, out, concurrency).fit()
         # Raises when too much of what was read was bad; the counts are the whole search's.
         bad = check_bad_records(cfg, base_plan)
-        rows = results_table(grid, tn, max_steps)
-        summary = write_results(rows, cfg, store, out)
+        rows = results_table(grid, tn, base_plan.max_steps)
+        summary = write_results(rows, cfg, cfg.storage.client(), out)
         best = pick_best(rows)
         if best is not None:
             summary["best"] = best
             summary["best_adapter"] = export_best(best, grid, cfg, base_plan, out, bad)
         return summary
-    finally:
-        stop_bad_records(base_plan)
-        if started:
-            ray.shutdown()
+
+
+def _scheduler(tn: TuneSection, max_steps: int):
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    if tn.scheduler != "asha":
+        return FIFOScheduler()
+    max_t = tn.max_t or max_steps
+    return ASHAScheduler(time_attr="step", max_t=max_t, grace_period=min(tn.grace_period, max_t),
+                         reduction_factor=tn.reduction_factor)
+
+
+def _tuner(cfg: RayLoraConfig, base_plan: Plan, out: str, concurrency: int):
+    """The search: ``_trial`` per sampled config, experiment state under ``out/tune``."""
+    from ray import tune
+
+    tn = cfg.tune
+    seed = tn.seed if tn.seed is not None else cfg.train.seed
+    fs, path = cfg.storage.client().fs(out)
+    trials_uri = storage.join(out, TUNE_DIR, TRIALS_DIR)
+    return tune.Tuner(
+        # Large inputs (held-out images) travel once through the object store.
+        tune.with_resources(
+            tune.with_parameters(
+                _trial, base_tree=cfg.to_dict(), base_plan=base_plan, trials_uri=trials_uri
+            ),
+            # Tune refuses an empty request; a sliver of a CPU places the trial's
+            # driver anywhere without taking a core from training or data.
+            {"CPU": TRIAL_DRIVER_CPU},
+        ),
+        param_space=param_space(tn),
+        tune_config=tune.TuneConfig(
+            metric=tn.metric,
+            mode="min",
+            num_samples=tn.num_samples,
+            scheduler=_scheduler(tn, base_plan.max_steps),
+            search_alg=search_algorithm(tn, seed, concurrency),
+            # The built-in generator limits itself (given above); Tune wraps the
+            # others in a ConcurrencyLimiter.
+            max_concurrent_trials=None if tn.search_alg in ("random", "grid") else concurrency,
+        ),
+        run_config=tune.RunConfig(name=TUNE_DIR, storage_path=path, storage_filesystem=fs, verbose=1),
+    )
 
 
 def _finite(x) -> float | None:

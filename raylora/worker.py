@@ -258,6 +258,8 @@ class WorkerSpec:
     lr_find: LrFindSettings | None = None
     # The driver's raylora.progress board (``raylora train``): rank 0 sends it each step.
     progress_board: str | None = None
+    # The driver's raylora.stop.Requests actor (``raylora train``): rank 0 polls it.
+    stop_requests: str | None = None
 
     @classmethod
     def of(cls, loop_config: dict) -> WorkerSpec:
@@ -268,11 +270,11 @@ class _Reporter:
     """Rank-aware sinks of one training run: log lines, tracker, the driver's progress
     board, Ray reports (metrics and checkpoints)."""
 
-    def __init__(self, spec: WorkerSpec, run, rank: int):
+    def __init__(self, spec: WorkerSpec, run, rank: int, stop_watch=None):
         from raylora.track import Tracker, open_tracker
 
         cfg = spec.config
-        self.spec, self.run, self.rank = spec, run, rank
+        self.spec, self.run, self.rank, self.stop_watch = spec, run, rank, stop_watch
         self.max_steps = spec.plan.max_steps
         # Rank 0 talks to the tracker; the other ranks' Tracker() does nothing.
         self.tracker = open_tracker(cfg.tracking, cfg.output.uri, cfg.to_dict(), cfg.storage.client()) \
@@ -319,7 +321,12 @@ class _Reporter:
             else _finite_or_inf(st.eval_loss_last),
             "eval_loss_best": st.eval_loss_best,
             "lr": self.run.lr_scheduler.get_last_lr()[0],
-        }
+        } | self._stopped()
+
+    def _stopped(self) -> dict:
+        """Why the run ends at this checkpoint short of max_steps (raylora.stop), if it does."""
+        reason = self.stop_watch.reason if self.stop_watch is not None else None
+        return {"stopped": reason} if reason else {}
 
     def _log_eval(self, st: LoopState) -> None:
         self.tracker.log(st.global_step, {"eval_loss": st.eval_loss_last})
@@ -356,7 +363,8 @@ class _Reporter:
         # Ray deletes the local copy once uploaded, and records a checkpoint as the
         # latest only after its upload completed. The final one is synchronous so the
         # driver can export it as soon as fit() returns.
-        mode = CheckpointUploadMode.SYNC if final else CheckpointUploadMode.ASYNC
+        # A stop's checkpoint too: the process may be gone soon after.
+        mode = CheckpointUploadMode.SYNC if final or "stopped" in metrics else CheckpointUploadMode.ASYNC
         ray.train.report(
             metrics,
             checkpoint=ray.train.Checkpoint.from_directory(d),
@@ -389,6 +397,37 @@ def _build(spec: WorkerSpec, accelerator, restored, rank: int, max_steps: int):
     return run
 
 
+def _stop_watch(spec: WorkerSpec, rank: int, world: int, device):
+    """The run's stop decision (raylora.stop): SIGTERM to this process and the driver's
+    stop requests, agreed by all ranks at each step."""
+    from raylora.stop import StopWatch, install_sigterm
+
+    timeout = spec.config.failure.stop_timeout_s
+    if not install_sigterm(timeout):
+        log.warning("rank %d: SIGTERM handler not installed: a SIGTERM kills this worker "
+                    "without a checkpoint", rank)
+    return StopWatch(rank, world, spec.stop_requests, device)
+
+
+def _after_stop(reporter: _Reporter, state: LoopState) -> None:
+    """The loop ended at a stop's checkpoint: a request returns (the run ends), a SIGTERM
+    raises so Ray Train restarts the workers from that checkpoint."""
+    from raylora.stop import PREEMPTED, Preempted
+
+    watch = reporter.stop_watch
+    if watch is None or not watch.code:
+        return
+    if reporter.rank == 0:
+        log.info("step %d: %s: checkpoint written, stopping", state.global_step, watch.reason)
+    if watch.code == PREEMPTED:
+        # Ray Train's reports queue holds one: this metrics-only report (a barrier, like
+        # every report) returns once the controller took the checkpoint's, so the failure
+        # below cannot overtake its registration.
+        ray.train.report(reporter.metrics(state))
+        raise Preempted(f"step {state.global_step}: a worker got SIGTERM; resume from the "
+                        "checkpoint just written")
+
+
 def train_loop_per_worker(loop_config: dict) -> None:
     _setup_logging()
     spec = WorkerSpec.of(loop_config)
@@ -403,8 +442,10 @@ def train_loop_per_worker(loop_config: dict) -> None:
     reporter = None
     try:
         run = _build(spec, accelerator, restored, rank, plan.max_steps)
-        reporter = _Reporter(spec, run, rank)
+        watch = _stop_watch(spec, rank, world, accelerator.device)
+        reporter = _Reporter(spec, run, rank, watch)
         hooks = LoopHooks(
+            should_stop=watch.check,
             epoch_batches=epoch_batches,
             on_checkpoint=reporter.on_checkpoint,
             on_step=reporter.on_step,
@@ -415,7 +456,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
             sample_ids=sample_hashes if cfg.train.record_samples and rank == 0 else None,
         )
         settings = LoopSettings.from_config(cfg, plan.max_steps, world, nonfinite_advice(cfg))
-        run_loop(run, settings, hooks)
+        state = run_loop(run, settings, hooks)
+        _after_stop(reporter, state)
     finally:
         epoch_batches.close()  # ends the data stream's execution (it runs ahead)
         # Also when the loop stops on NaN/inf: what was logged so far is kept.

@@ -331,3 +331,15 @@ def test_rayjob_contract(name, doc):
         assert scaling.get("num_workers", 1) <= gpus, f"{config} needs more GPUs than {name}"
         cpus = max(cpu / gpu for _, gpu, cpu in pods)
         assert scaling.get("cpus_per_worker", 1) <= cpus, f"{config}: too many CPUs per worker"
+
+
+@pytest.mark.parametrize("name,doc", RAY_DOCS, ids=[n for n, _ in RAY_DOCS])
+def test_pods_give_a_clean_stop_its_time(name, doc):
+    """#23 item 5: a deleted pod's SIGTERM stops the run at a step with a checkpoint within
+    failure.stop_timeout_s; Kubernetes' default grace (30 s) would SIGKILL it first."""
+    from raylora.config import FailureSection
+
+    stop = FailureSection().stop_timeout_s
+    for group, tmpl in pod_templates(doc):
+        grace = tmpl["spec"].get("terminationGracePeriodSeconds", 30)
+        assert grace >= stop + 15, f"{name}/{group}: {grace} s for a {stop} s stop"

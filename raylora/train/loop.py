@@ -72,6 +72,9 @@ class LoopHooks:
     on_eval: Callable[[LoopState], None] = _no_op
     preview: Callable[[int], None] | None = None
     sample_ids: Callable[[dict], list[str]] | None = None
+    # After every optimizer step on every rank (a collective: raylora.stop.StopWatch):
+    # truthy = checkpoint this step and end the loop (`raylora stop`, SIGTERM).
+    should_stop: Callable[[], int] = _no_op
 
 
 @dataclass
@@ -85,6 +88,7 @@ class _Progress:
     t_step: float = field(default_factory=time.perf_counter)
     t_start: float = field(default_factory=time.perf_counter)
     wall_before: float = 0.0
+    stopped: bool = False  # should_stop() said so: the loop ends after this step's checkpoint
 
 
 def run_loop(run, settings: LoopSettings, hooks: LoopHooks) -> LoopState:
@@ -93,9 +97,9 @@ def run_loop(run, settings: LoopSettings, hooks: LoopHooks) -> LoopState:
     state = run.state
     _begin(state, hooks)
     progress = _Progress(wall_before=state.wall_seconds)
-    while state.global_step < settings.max_steps:
+    while state.global_step < settings.max_steps and not progress.stopped:
         _run_epoch(run, settings, hooks, progress)
-    if progress.last_checkpoint != state.global_step:
+    if progress.last_checkpoint != state.global_step and not progress.stopped:
         # Restored from a checkpoint that was already at max_steps: report it again so the
         # run still ends with a final checkpoint and final metrics.
         hooks.on_checkpoint(state, True)
@@ -135,7 +139,7 @@ def _run_epoch(run, settings: LoopSettings, hooks: LoopHooks, progress: _Progres
         row = _finish_step(run, settings, progress, hooks.sample_ids is not None)
         hooks.on_step(row)
         _after_step(state, settings, hooks, progress, row)
-        if state.global_step >= settings.max_steps:
+        if state.global_step >= settings.max_steps or progress.stopped:
             return
     if not trained and skip == 0:
         raise RuntimeError(f"epoch {state.epoch} gave this worker no batches: the data shard is empty")
@@ -190,8 +194,13 @@ def _after_step(state: LoopState, settings: LoopSettings, hooks: LoopHooks, prog
     """Previews, held-out loss and checkpoint when this step is due for them."""
     step = state.global_step
     final = step >= settings.max_steps
-    ckpt = step % settings.checkpoint_every == 0 or final
-    due = final or (step % settings.eval_every == 0 if settings.eval_every else ckpt)
+    periodic = step % settings.checkpoint_every == 0 or final
+    due = final or (step % settings.eval_every == 0 if settings.eval_every else periodic)
+    # Asked on every rank at every step but the last (the same count everywhere). A stop
+    # adds a checkpoint, nothing else: no evaluation, so the resumed run's history is
+    # the straight run's.
+    progress.stopped = not final and bool(hooks.should_stop())
+    ckpt = periodic or progress.stopped
     if due and hooks.preview is not None:
         hooks.preview(step)
     if due and hooks.evaluate is not None:

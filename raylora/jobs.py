@@ -1,0 +1,144 @@
+"""`raylora submit | status | logs | stop | list`: runs on a Ray cluster through Ray's Job
+Submission SDK (the dashboard's HTTP API), from a laptop that only reaches the dashboard.
+
+Address: ``--address``, else ``RAY_ADDRESS`` (a ``host:port`` GCS address is turned into
+the dashboard's URL by the SDK; give ``http://host:8265`` when the GCS is not reachable).
+Token auth: the SDK adds ``Authorization: Bearer`` itself when ``RAY_AUTH_MODE=token`` and
+``RAY_AUTH_TOKEN_PATH`` (or ``RAY_AUTH_TOKEN``) are set, as ``cluster/local-up.sh``'s env
+file sets them (checked in Ray 2.60: ``dashboard_sdk`` calls
+``get_auth_headers_if_auth_enabled``; a head started with token auth answers 401 without).
+
+A job is ``python -m raylora train CONFIG OVERRIDES`` run in the shipped working dir,
+tagged ``raylora_*`` in the job's metadata (config name, output URI, max steps) so that
+``status`` can read the run's own ``metrics.jsonl`` and ``list`` can name the config.
+Storage settings and credentials travel as the job's ``runtime_env`` ``env_vars``, never
+in the entrypoint: Ray shows a job's runtime_env to anyone who can read the dashboard
+(``ray job list``), so prefer credentials the cluster has itself (an instance role, a
+Kubernetes Secret) where there are any.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import time
+
+from raylora import storage
+from raylora.progress import PROGRESS_FILE
+
+# Not shipped with the working dir: environments, VCS, outputs, weights.
+EXCLUDES = [".git", ".venv", "venv", "runs", ".ray-local", "**/__pycache__", ".pytest_cache",
+            "*.safetensors", "*.ckpt", "*.pt", "*.bin"]
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+META = "raylora_config"
+
+
+def client(address: str | None):
+    from ray.job_submission import JobSubmissionClient
+
+    return JobSubmissionClient(address or os.environ.get("RAY_ADDRESS"))
+
+
+def entrypoint(config: str, overrides: list[str], working_dir: str) -> str:
+    """The job's command: the config by its path inside the working dir (shipped with it)."""
+    rel = os.path.relpath(os.path.abspath(config), os.path.abspath(working_dir))
+    if rel.startswith(".."):
+        raise ValueError(f"{config}: the config must be inside the working dir {working_dir} "
+                         "(it is shipped with it); pass --working-dir")
+    return " ".join(shlex.quote(a) for a in ["python", "-m", "raylora", "train", rel, *overrides])
+
+
+def runtime_env(cfg, working_dir: str) -> dict:
+    """Working dir + the env the job's driver needs: storage settings and credentials
+    (``storage.forwarded_env``; the driver hands them on to its workers itself), quiet
+    logging, and Ray's job-stop grace as long as a clean stop may take."""
+    from raylora import quiet
+
+    env = {**storage.forwarded_env(), **quiet.worker_env()}
+    if quiet.verbose():
+        env[quiet.VERBOSE_ENV] = "1"
+    # `raylora stop` → stop_job → SIGTERM to the driver, which stops the run at a step
+    # with a checkpoint; Ray SIGKILLs a driver still running after this many seconds.
+    env["RAY_JOB_STOP_WAIT_TIME_S"] = str(int(cfg.failure.stop_timeout_s) + 30)
+    return {"working_dir": working_dir, "excludes": EXCLUDES, "env_vars": env}
+
+
+def submit(config: str, overrides: list[str], address: str | None = None,
+           working_dir: str = ".", submission_id: str | None = None) -> str:
+    """Validate and preflight the config here (what `raylora train` checks before Ray),
+    then submit it; returns the job id."""
+    from raylora import launch, preflight
+    from raylora.config import load_config
+
+    cfg = load_config(config, overrides)
+    resolved = launch.resolve_paths(cfg)
+    p = launch.plan(resolved)
+    if not preflight.on_cluster(resolved):  # GPU sizes known here (gpu_memory_gb) or none
+        preflight.check_memory(resolved)
+    meta = {META: os.path.basename(config), "raylora_output": resolved.output.uri,
+            "raylora_max_steps": str(p.max_steps)}
+    return client(address).submit_job(
+        entrypoint=entrypoint(config, overrides, working_dir), submission_id=submission_id,
+        runtime_env=runtime_env(cfg, os.path.abspath(working_dir)), metadata=meta,
+    )
+
+
+def last_progress(info) -> dict | None:
+    """The run's ``{output}/progress.json`` (the driver's last progress line: step, loss,
+    ETA; ``raylora.progress``), read through raylora.storage, local or object storage.
+    None before the first step."""
+    out = (info.metadata or {}).get("raylora_output")
+    if not out:
+        return None
+    try:
+        return json.loads(storage.Storage().read_bytes(storage.join(out, PROGRESS_FILE)))
+    except (FileNotFoundError, OSError, ValueError):
+        return None
+
+
+def status(job: str, address: str | None = None) -> tuple[str, str | None]:
+    """(job state, the run's last progress line or None)."""
+    info = client(address).get_job_info(job)
+    row = last_progress(info)
+    line = row["line"].removeprefix("raylora: ") if row else None
+    return str(info.status.value), line
+
+
+def stop(job: str, address: str | None = None, timeout_s: float = 600) -> str:
+    """Ask the job to stop cleanly (its driver gets SIGTERM: the run stops at the next step
+    with a checkpoint); wait for a terminal state. Ray itself SIGKILLs a driver still
+    running after ``RAY_JOB_STOP_WAIT_TIME_S`` (set by ``submit``), so this is bounded."""
+    c = client(address)
+    c.stop_job(job)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = str(c.get_job_status(job).value)
+        if state in TERMINAL:
+            return state
+        time.sleep(1)
+    return str(c.get_job_status(job).value)
+
+
+def follow_logs(job: str, address: str | None, out) -> None:
+    """Print the job's log as it grows (the SDK's websocket tail) until the job ends."""
+    import asyncio
+
+    async def tail() -> None:
+        async for chunk in client(address).tail_job_logs(job):
+            out.write(chunk)
+            out.flush()
+
+    asyncio.run(tail())
+
+
+def list_jobs(address: str | None = None) -> list[dict]:
+    """raylora's jobs on the cluster, oldest first."""
+    rows = []
+    for j in client(address).list_jobs():
+        meta = j.metadata or {}
+        if META not in meta:
+            continue
+        rows.append({"job": j.submission_id, "state": str(j.status.value), "config": meta[META],
+                     "start_time": j.start_time or 0})
+    return sorted(rows, key=lambda r: r["start_time"])

@@ -1,0 +1,202 @@
+"""A clean stop at a step boundary: `raylora stop`, and SIGTERM (spot notice, pod deletion).
+
+Two ways a stop is asked for, one way it happens:
+
+- **A stop request** (the driver got SIGTERM: `raylora stop` → the Job SDK's ``stop_job``,
+  or ``kill`` of `raylora train`): the driver tells a small named actor (``Requests``);
+  rank 0 polls it without waiting. The run ends after a checkpoint; the same command
+  resumes from it.
+- **A preemption** (a training worker process got SIGTERM): the worker's handler sets a
+  flag. After the checkpoint the workers raise ``Preempted``, a worker failure, so Ray
+  Train restarts them from that checkpoint (``failure.max_failures``), elsewhere if the
+  node goes; with no restarts left the run fails and the same command resumes it.
+
+Either way every rank must decide at the same step: a step is a DDP collective, and
+``ray.train.report`` (the checkpoint) a barrier. ``StopWatch.check`` is called by every
+rank after every optimizer step and all-reduces (MAX) each rank's local code, so one
+SIGTERMed worker stops them all at the same step, preemption winning over a request.
+
+What SIGTERM does to a Ray Train worker (checked with Ray 2.60, tests/test_faults.py):
+the worker is an actor process whose main thread runs Ray's task loop; Ray installs a
+SIGTERM handler there (``Worker.main_loop``'s ``sigterm_handler``: ``SystemExit``, the
+process dies without a checkpoint). The train function runs in another thread (Train
+V2's ``TrainingThread``), where ``signal.signal`` is refused, so ``install_sigterm`` runs
+on the main thread through the worker actor's own ``execute`` method (a sync actor:
+its tasks run on the main thread, idle while training runs). Python runs the handler
+promptly although that thread sits in Ray's C++ loop (Ray checks signals there). Ours
+only sets a flag; Ray's is called after ``failure.stop_timeout_s`` if no step boundary
+came (a hung collective), or on a second SIGTERM, so termination stays bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+
+log = logging.getLogger("raylora.stop")
+
+NONE, REQUESTED, PREEMPTED = 0, 1, 2
+REASONS = {REQUESTED: "stop requested", PREEMPTED: "SIGTERM (preemption)"}
+# Rank 0 asks the driver's actor at most this often (a step may take milliseconds).
+POLL_S = 1.0
+
+
+class Preempted(RuntimeError):
+    """Raised by every worker after the checkpoint of a SIGTERM stop: Ray Train restarts
+    the workers from it (a worker failure), or the run fails and a rerun resumes."""
+
+
+class Requests:
+    """The driver's stop request (plain Python; ``start_requests`` makes it an actor)."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+
+    def request(self, reason: str) -> None:
+        self.reason = self.reason or reason
+
+    def requested(self) -> str | None:
+        return self.reason
+
+
+def start_requests(name: str):
+    import ray
+
+    from raylora.data.badrecords import NAMESPACE
+
+    remote = ray.remote(num_cpus=0)(Requests)
+    return remote.options(name=name, namespace=NAMESPACE, get_if_exists=True).remote()
+
+
+@contextmanager
+def driver_requests(timeout_s: float, sigterm_hooks: list):
+    """Around a run's ``fit()`` on the driver: its ``Requests`` actor (the name is yielded
+    for ``WorkerSpec.stop_requests``), asked to stop by the driver's first SIGTERM
+    (``sigterm_hooks``: what ``launch``'s SIGTERM handler calls). A second SIGTERM, or
+    ``timeout_s`` without ``fit()`` returning, interrupts the driver as before
+    (KeyboardInterrupt: Ray shut down, no new checkpoint)."""
+    import _thread
+
+    import ray
+
+    name = f"raylora-stop-{uuid.uuid4().hex[:12]}"
+    actor = start_requests(name)
+    timers: list[threading.Timer] = []
+
+    def on_sigterm() -> bool:
+        if timers:
+            return False  # asked twice: interrupt now
+        actor.request.remote("SIGTERM to the driver")
+        log.warning("SIGTERM: stopping at the next step with a checkpoint (up to %gs; send "
+                    "it again to interrupt now)", timeout_s)
+        timers.append(threading.Timer(timeout_s, _thread.interrupt_main))
+        timers[0].daemon = True
+        timers[0].start()
+        return True
+
+    sigterm_hooks.append(on_sigterm)
+    try:
+        yield name
+    finally:
+        sigterm_hooks.remove(on_sigterm)
+        for t in timers:
+            t.cancel()
+        ray.kill(actor)
+
+
+# --- worker side -------------------------------------------------------------------
+
+_SIGNALLED = threading.Event()
+
+
+def _install(timeout_s: float) -> bool:
+    """Runs on the worker process's main thread (``install_sigterm``): SIGTERM sets
+    ``_SIGNALLED``; Ray's own handler runs on a second SIGTERM or ``timeout_s`` later."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def ray_handler(signum, frame):
+        if callable(previous):
+            previous(signum, frame)
+        else:  # SIG_DFL: die as the signal would have killed us
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.raise_signal(signal.SIGTERM)
+
+    def on_sigterm(signum, frame):
+        if _SIGNALLED.is_set():
+            ray_handler(signum, frame)
+            return
+        _SIGNALLED.set()
+        # Bounded: a worker that never reaches a step boundary still dies.
+        timer = threading.Timer(timeout_s, lambda: signal.raise_signal(signal.SIGTERM))
+        timer.daemon = True
+        timer.start()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    return True
+
+
+def install_sigterm(timeout_s: float) -> bool:
+    """From a Ray Train worker's training thread: put ``_install`` on this worker
+    process's main thread. False when not in a Ray actor (or not on its main thread)."""
+    import ray
+
+    try:
+        actor = ray.get_runtime_context().current_actor
+    except Exception:  # not inside an actor (a plain task or a test)
+        return False
+    return bool(ray.get(actor.execute.remote(_install, timeout_s), timeout=60))
+
+
+class StopWatch:
+    """Every rank calls ``check()`` after every optimizer step, the same number of times:
+    the run's agreed stop code (NONE, REQUESTED, PREEMPTED)."""
+
+    def __init__(self, rank: int, world: int, requests: str | None, device):
+        self.rank, self.world, self.device = rank, world, device
+        self.code = NONE
+        self._actor = None
+        if rank == 0 and requests:
+            import ray
+
+            from raylora.data.badrecords import NAMESPACE
+
+            self._actor = ray.get_actor(requests, namespace=NAMESPACE)
+        self._pending, self._asked_at = None, 0.0
+
+    def _requested(self) -> bool:
+        """Rank 0: the driver's answer, never waited for (one question in flight)."""
+        import ray
+
+        if self._actor is None:
+            return False
+        if self._pending is not None:
+            ready, _ = ray.wait([self._pending], timeout=0)
+            if not ready:
+                return False
+            answer, self._pending = ray.get(self._pending), None
+            if answer:
+                return True
+        if time.monotonic() - self._asked_at >= POLL_S:
+            self._pending, self._asked_at = self._actor.requested.remote(), time.monotonic()
+        return False
+
+    def check(self) -> int:
+        import torch
+
+        local = PREEMPTED if _SIGNALLED.is_set() else REQUESTED if self._requested() else NONE
+        if self.world > 1:
+            t = torch.tensor([local], dtype=torch.int32, device=self.device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            local = int(t.item())
+        self.code = max(self.code, local)
+        return self.code
+
+    @property
+    def reason(self) -> str | None:
+        return REASONS.get(self.code)

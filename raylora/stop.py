@@ -42,7 +42,7 @@ log = logging.getLogger("raylora.stop")
 NONE, REQUESTED, PREEMPTED = 0, 1, 2
 REASONS = {REQUESTED: "stop requested", PREEMPTED: "SIGTERM (preemption)"}
 # Rank 0 asks the driver's actor at most this often (a step may take milliseconds).
-POLL_S = 1.0
+POLL_S = 0.25
 
 
 class Preempted(RuntimeError):

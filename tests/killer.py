@@ -22,11 +22,22 @@ def registered_step(train_dir) -> int:
     return max((r["metrics"]["step"] for r in snap.get("checkpoint_results", [])), default=0)
 
 
+def written_step(train_dir) -> int:
+    """4 once a checkpoint folder exists under ``train_dir`` (written, maybe not yet
+    registered), else 0: the earliest sign that the step-4 checkpoint is being saved."""
+    try:
+        return 4 * any(n.startswith("checkpoint_") for n in os.listdir(train_dir))
+    except OSError:
+        return 0
+
+
 @contextlib.contextmanager
-def kill_a_worker_after(train_dir, step: int):
-    """While the body runs: find a training worker process and SIGKILL it once a
-    checkpoint of at least ``step`` is registered under ``train_dir``. Yields the list
-    the killed pid is appended to."""
+def kill_a_worker_after(train_dir, step: int, sig: int = signal.SIGKILL, registered: list | None = None,
+                        reached=registered_step):
+    """While the body runs: find a training worker process and send it ``sig`` (SIGKILL,
+    or SIGTERM as a spot notice would) once a checkpoint of at least ``step`` is
+    registered under ``train_dir``. Yields the list the pid is appended to;
+    ``registered`` gets the latest registered step at that moment."""
     import ray
     from ray.util.state import list_actors
 
@@ -42,9 +53,11 @@ def kill_a_worker_after(train_dir, step: int):
                     alive = list_actors(address=address, filters=[
                         ("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
                     pid = alive[0].pid if alive else None
-                elif registered_step(train_dir) >= step:
-                    os.kill(pid, signal.SIGKILL)
+                elif (at := reached(train_dir)) >= step:
+                    os.kill(pid, sig)
                     killed.append(pid)
+                    if registered is not None:
+                        registered.append(at)
                 time.sleep(0.1)
         except Exception as exc:  # reported by the test, not lost in the thread
             errors.append(exc)

@@ -123,3 +123,53 @@ def test_text_encoder_lora_is_refused_with_the_latent_cache(base_config):
     base_config["data"]["cache"] = "latents"
     with pytest.raises(ValueError, match=r"lora\.train_text_encoder: cannot be used with data\.cache=latents"):
         validate(base_config)
+
+
+# family → the text encoders whose LoRA the stock pipeline loads (CLIPs; never T5 or
+# Qwen-Image's VLM, which its loader does not take).
+TE_FAMILIES = {"sdxl": ["text_encoder", "text_encoder_2"], "sd3": ["text_encoder", "text_encoder_2"],
+               "flux": ["text_encoder"]}
+
+
+@pytest.mark.parametrize("family", list(TE_FAMILIES))
+def test_text_encoder_lora_of_every_family_loads_in_its_stock_pipeline(family, tiny, demo_data, tmp_path):
+    """#25 item 4: the CLIP encoders each family's stock pipeline loads LoRA into train it
+    (their LoRA moves), and the stock pipeline loads those encoders' LoRA from the file:
+    their outputs equal the trained encoders'."""
+    import diffusers
+    from inproc import _fresh_accelerator, demo_batch, overfit
+    from stock import PIPELINES
+
+    from raylora.model.lora import save_diffusers_adapter
+    from raylora.train.setup import build_run
+
+    model = tiny(family)
+    cfg = validate({"model": {"pretrained": model, "max_sequence_length": 32},
+                    "data": {"uri": demo_data, "resolution": 64},
+                    "lora": {"rank": 4, "train_text_encoder": True},
+                    "train": {"learning_rate": 1e-2, "seed": 0}, "output": {"uri": str(tmp_path / "o")}})
+    accel = _fresh_accelerator(1)
+    run = build_run(cfg, accel, 5, rank=0)
+    assert sorted(run.trained_text_encoders) == TE_FAMILIES[family]
+    overfit(run, demo_batch(family, model, demo_data), 5)
+    adapter = tmp_path / "adapter"
+    save_diffusers_adapter(accel.unwrap_model(run.model), str(adapter), run.family, run.trained_text_encoders)
+
+    pipe = getattr(diffusers, PIPELINES[family][0]).from_pretrained(model)
+    ids = torch.randint(0, 100, (1, 77))
+    base = {n: getattr(pipe, n)(ids)[0].detach() for n in TE_FAMILIES[family]}
+    pipe.load_lora_weights(str(adapter))
+    for name, trained in run.trained_text_encoders.items():
+        with torch.no_grad():
+            want, got = trained(ids)[0], getattr(pipe, name)(ids)[0]
+        assert (want - base[name]).abs().max() > 1e-4, name  # the encoder's LoRA trained
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_text_encoder_lora_is_refused_where_the_pipeline_loads_none(tiny, demo_data, tmp_path):
+    from raylora.launch import plan
+
+    cfg = validate({"model": {"pretrained": tiny("qwenimage")}, "data": {"uri": demo_data, "resolution": 64},
+                    "lora": {"train_text_encoder": True}, "output": {"uri": str(tmp_path / "o")}})
+    with pytest.raises(ValueError, match=r"lora\.train_text_encoder: QwenImagePipeline loads no text-encoder LoRA"):
+        plan(cfg)

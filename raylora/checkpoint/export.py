@@ -77,6 +77,10 @@ def summarize_metrics(reported: dict) -> dict:
     m["replica_lora_digests"] = digests
     m["replicas_in_sync"] = bool(digests) and len(set(digests)) == 1
     m["worker_nodes"] = reported.get("worker_nodes") or []
+    buckets = reported.get("replica_bucket_digests")
+    if buckets:  # data.bucketing: each rank's per-step buckets, digested
+        m["replica_bucket_digests"] = buckets
+        m["buckets_in_sync"] = len(set(buckets)) == 1
     return m
 
 
@@ -224,6 +228,9 @@ def export_run(
         # Per source: files, distinct rows, rows per epoch (repeats and weights counted)
         # and its share, and the rows the validating decode passed (see _sources).
         "sources": _sources(plan),
+        # data.bucketing: distinct rows per bucket WxH, batches per worker per epoch, and
+        # the sizes by id (metrics.jsonl's per-step "bucket").
+        **({"buckets": plan["buckets"]} if plan.get("buckets") else {}),
     }
     metrics["bad_records"] = sum(data["bad_records"].values())
     with open(os.path.join(ckpt_dir, HISTORY_FILE)) as f:

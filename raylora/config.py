@@ -173,7 +173,7 @@ class DataSection(_Section):
     )
     sources: list[SourceSection] | None = Field(
         None, description="Several datasets mixed into every epoch, each {uri, weight | "
-        "repeats, caption_prefix, caption_dropout, shuffle_tags, keep_tokens, format, "
+        "repeats, caption_prefix, caption_dropout, shuffle_tags, keep_tokens, resolution, format, "
         "image_column, caption_column, caption_extension}; instead of data.uri.",
     )
     format: Literal["auto", "parquet", "webdataset", "imagefolder", "captionfolder"] = Field(

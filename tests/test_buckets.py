@@ -90,6 +90,10 @@ def test_bucket_batches_follow_the_schedule_and_fill_short_buckets():
     halves = [{k: v[:4] for k, v in block.items()}, {k: v[4:] for k, v in block.items()}]
     again = list(bucket_batches(halves, 2, plan, seed=lambda e: 0))
     assert [b["x"].tolist() for _, b in again] == [b["x"].tolist() for _, b in out]
+    # a scheduled bucket with no row at all this pass: an error, never a skipped step
+    # (the other workers would wait for this one at their next all-reduce)
+    with pytest.raises(RuntimeError, match="no usable row of bucket 2"):
+        list(bucket_batches([block], 2, lambda e: [0, 2], seed=lambda e: 0))
 
 
 def test_bucketing_config_errors_name_their_keys(tiny_model, tiny, demo_data, tmp_path):
@@ -295,3 +299,23 @@ def test_bucketed_cached_run_equals_uncached(ray_local, tiny_model, tmp_path):
     assert counted == {"64x64": 4, "80x48": 4, "48x80": 4, "128x32": 1}
     assert meta["buckets"]["rows"] == counted
     assert math.isfinite(cached["metrics"]["train_loss_last"])
+
+
+def test_memory_estimate_uses_the_largest_bucket(tiny, demo_data, tmp_path):
+    from raylora import memory
+
+    model = tiny("sdxl")
+
+    def cfg(**data):
+        return validate({"model": {"pretrained": model},
+                         "data": {"uri": demo_data, "center_crop": True, **data},
+                         "output": {"uri": str(tmp_path)}})
+
+    bucketed = cfg(resolution=[64, 128], bucketing=True, bucket_step=16)
+    assert memory.config_args(bucketed)["resolution"] == (128, 128)  # most pixels: 128²
+    est = memory.from_config(bucketed)
+    assert est.total == memory.from_config(cfg(resolution=128)).total
+    assert est.total > memory.from_config(cfg(resolution=64)).total
+    assert "sdxl 128x128 px" in est.table()
+    # a non-square bucket's batch has its height and width
+    assert memory.from_config(bucketed, resolution=(128, 32)).activations < est.activations

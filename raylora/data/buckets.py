@@ -19,7 +19,8 @@ remainder of each bucket is dropped, as kohya does), in an order drawn from the 
 the epoch alone (``schedule``), so every worker computes the same one. A worker
 (``bucket_batches``) buffers rows by bucket and hands out the scheduled bucket's batch
 next; a bucket that runs short (rows dropped as bad records) is filled with rows of
-that bucket seen earlier in the pass, so the workers never disagree about a step.
+that bucket seen earlier in the pass, so the workers never disagree about a step (one
+left with no row at all stops the run with an error rather than hang the others).
 """
 
 from __future__ import annotations
@@ -180,19 +181,24 @@ def bucket_batches(blocks: Iterable[dict[str, np.ndarray]], batch_size: int,
     def finish():
         while todo:
             b = todo.pop(0)
-            pool = bufs.get(b, [])
-            while len(pool) < batch_size and seen.get(b):
+            pool = bufs.setdefault(b, [])
+            if not seen.get(b):
+                # Skipping the step would leave this worker a batch short of the others
+                # (a hang at their next all-reduce): stop instead, saying why.
+                raise RuntimeError(
+                    f"epoch {current}: no usable row of bucket {b} (raylora.json data.buckets."
+                    "sizes) reached this worker this epoch, though the plan counted some: they "
+                    "were dropped as bad records (see data.bad_records)")
+            while len(pool) < batch_size:
                 pool.append(seen[b][int(rng.integers(len(seen[b])))])
-            if len(pool) >= batch_size:
-                yield current, _draw(pool, batch_size, rng)
-            # else: a bucket with no row at all this pass: the step is skipped here,
-            # which only a pass with no usable row of a scheduled bucket can cause.
+            yield current, _draw(pool, batch_size, rng)
 
     for block in blocks:
         for i, (e, b) in enumerate(zip(block["epoch"].tolist(), block["bucket"].tolist())):
             if e != current:
                 yield from finish()
                 current, rng = e, np.random.default_rng(seed(e))
+                # seen restarts too: a resumed pass must fill exactly as the straight run did
                 todo, bufs, seen = list(plan(e)), {}, {}
             bufs.setdefault(b, []).append((block, i))
             last = seen.setdefault(b, [])  # the bucket's latest rows: what a short one repeats

@@ -280,7 +280,7 @@ def _preprocessed_rows(data: DataSection, plan: DataPlan, storage: Storage, mode
     """Shard rows read, decoded and preprocessed (build_dataset without a cache)."""
     stage = dict(
         tokenizer_path=model_path,
-        resolution=data.resolution,
+        resolution=data.max_resolution(),  # without buckets: data.resolution
         center_crop=data.center_crop,
         random_flip=data.random_flip,
         image_column="image",

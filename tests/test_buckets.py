@@ -90,6 +90,13 @@ def test_bucket_batches_follow_the_schedule_and_fill_short_buckets():
     halves = [{k: v[:4] for k, v in block.items()}, {k: v[4:] for k, v in block.items()}]
     again = list(bucket_batches(halves, 2, plan, seed=lambda e: 0))
     assert [b["x"].tolist() for _, b in again] == [b["x"].tolist() for _, b in out]
+    # exact resume: a stream opened at pass 1 gives pass 1's batches of the straight run
+    # (each pass depends on its rows, its schedule and seed(pass) alone)
+    two = [block, {**block, "epoch": np.ones(9, np.int32), "x": np.arange(9) + 100}]
+    seed = lambda e: 11 * e  # noqa: E731
+    straight = [b["x"].tolist() for e, b in bucket_batches(two, 2, plan, seed) if e == 1]
+    resumed = [b["x"].tolist() for _, b in bucket_batches(two[1:], 2, plan, seed)]
+    assert resumed == straight and len(straight) == 5
     # a scheduled bucket with no row at all this pass: an error, never a skipped step
     # (the other workers would wait for this one at their next all-reduce)
     with pytest.raises(RuntimeError, match="no usable row of bucket 2"):

@@ -150,7 +150,7 @@ image = pipe("your prompt").images[0]
 | AdamW betas, weight decay, eps | {t.adam_beta1:g}/{t.adam_beta2:g}, {t.adam_weight_decay:g}, {t.adam_epsilon:g} |
 | batch per worker × accumulation × workers | {t.batch_size} × {t.gradient_accumulation_steps} × {cfg.scaling.num_workers} |
 | max grad norm | {t.max_grad_norm:g} |
-| resolution, center crop, random flip | {cfg.data.resolution}, {cfg.data.center_crop}, {cfg.data.random_flip} |
+| resolution, center crop, random flip | {cfg.data.resolution}{f" (aspect buckets, step {cfg.data.bucket_step})" if cfg.data.bucketing else ""}, {cfg.data.center_crop}, {cfg.data.random_flip} |
 | seed | {t.seed} |
 | optimizer steps | {metrics.get("steps")} |
 | images seen | {metrics.get("images_seen")} |

@@ -786,10 +786,7 @@ def _cross_checks(cfg: RayLoraConfig) -> list[str]:
             )
     d = cfg.data
     problems += _data_checks(d)
-    problems += _bucket_checks(d, cfg.scaling.num_workers)
-    if d.bucketing and cfg.train.compile in ("regional", "full"):
-        problems.append(f"train.compile: {cfg.train.compile} compiles for one input shape; "
-                        "data.bucketing trains several (one per bucket); set it to none or auto")
+    problems += _bucket_checks(d, cfg.scaling.num_workers, cfg.train.compile)
     if d.validation_split and d.validation_uri is not None:
         problems.append(
             "data.validation_split: give either data.validation_split or data.validation_uri"
@@ -850,8 +847,8 @@ def _resolution_problems(key: str, value: int | list[int], step: int | None) -> 
     return out
 
 
-def _bucket_checks(d: DataSection, workers: int) -> list[str]:
-    """data.bucketing and the keys it changes."""
+def _bucket_checks(d: DataSection, workers: int, compile_mode: str) -> list[str]:
+    """data.bucketing and the keys it changes (``compile_mode``: train.compile)."""
     if not d.bucketing:
         problems = _resolution_problems("data.resolution", d.resolution, None)
         if isinstance(d.resolution, list):
@@ -866,6 +863,9 @@ def _bucket_checks(d: DataSection, workers: int) -> list[str]:
             "data.bucketing: with scaling.num_workers > 1 needs data.sharding=files (each "
             "worker must know its rows per bucket to follow the bucket schedule every worker "
             "shares; a dynamically split stream cannot say)")
+    if compile_mode in ("regional", "full"):
+        problems.append(f"train.compile: {compile_mode} compiles for one input shape; "
+                        "data.bucketing trains several (one per bucket); set it to none or auto")
     return problems
 
 

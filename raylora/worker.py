@@ -226,11 +226,8 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
         blocks = shard(epoch).iter_batches(batch_size=None, batch_format="numpy",
                                            prefetch_batches=PREFETCH_BATCHES)
         seed = lambda e: data_seed + 7919 * e + rank  # noqa: E731
-        if plan.bucket_steps is not None:  # every rank the same bucket order (raylora.data.buckets)
-            from raylora.data.buckets import bucket_batches, schedule
-
-            return bucket_batches(blocks, t.batch_size, seed=seed,
-                                  plan=lambda e: schedule(plan.bucket_steps, data_seed, e))
+        if plan.bucket_steps is not None:
+            return _bucketed(blocks, plan, t.batch_size, data_seed, seed)
         return pass_batches(blocks, t.batch_size, data.shuffle_buffer_size, seed=seed,
                             pass_rows=pass_rows)
 
@@ -239,6 +236,16 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
 
     return EpochStream(open_stream, per_epoch, per_pass=by_files, convert=to_device,
                        prefetch=PREFETCH_BATCHES)
+
+
+def _bucketed(blocks, plan: Plan, batch_size: int, data_seed: int, seed):
+    """data.bucketing: ``(pass, batch)`` in the bucket order every rank computes alike from
+    the plan, the seed and the pass (``raylora.data.buckets``); ``seed(pass)``: this
+    rank's draws within a bucket."""
+    from raylora.data.buckets import bucket_batches, schedule
+
+    return bucket_batches(blocks, batch_size, seed=seed,
+                          plan=lambda e: schedule(plan.bucket_steps, data_seed, e))
 
 
 @dataclass(frozen=True)

@@ -160,11 +160,12 @@ def family_problems(cfg: RayLoraConfig, family, multiple: int, native: str | Non
     t, out = cfg.train, []
     grid = f"(the {family.name} latent grid: VAE downsampling × patch size)"
     d = cfg.data
-    for i, sec in enumerate(d.source_sections()):
-        own = d.sources is not None and d.sources[i].resolution is not None
-        key = f"data.sources[{i}].resolution" if own else "data.resolution"
-        off = [r for r in sec.resolutions() if r % multiple]
-        if off and (own or i == 0):
+    given = [("data.resolution", d.resolutions())] + [
+        (f"data.sources[{i}].resolution", s.resolution if isinstance(s.resolution, list)
+         else [s.resolution]) for i, s in enumerate(d.sources or []) if s.resolution is not None]
+    for key, values in given:
+        off = [r for r in values if r % multiple]
+        if off:
             out.append(f"{key}: {', '.join(map(str, off))} is not a multiple of {multiple} {grid}")
     if d.bucketing and d.bucket_step % multiple:
         out.append(f"data.bucket_step: {d.bucket_step} is not a multiple of {multiple} {grid}, "
@@ -247,7 +248,16 @@ def _arithmetic(cfg: RayLoraConfig, model_path: str, data, heldout: list[dict], 
         batches_per_epoch = sum(steps.values())
         rows_per_worker = batches_per_epoch * t.batch_size
     updates = rows_per_worker // t.batch_size // t.gradient_accumulation_steps
-    if updates == 0:
+    if steps == {}:
+        from raylora.data.buckets import bucket_set
+
+        sizes = bucket_set(cfg.data).sizes
+        hist = ", ".join(f"{sizes[b][0]}x{sizes[b][1]} {n}" for b, n in data.bucket_histogram().items())
+        problems.append(
+            f"data.bucketing: no bucket has a full batch (train.batch_size={t.batch_size}) "
+            f"on every one of the {world} workers (images per bucket: {hist or 'none'}); "
+            "lower train.batch_size, or use fewer resolutions or a coarser data.bucket_step")
+    elif updates == 0:
         problems.append(
             f"data.{'uri' if cfg.data.sources is None else 'sources'}: {total} rows split "
             f"over {world} workers is less than one optimizer "

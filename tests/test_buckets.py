@@ -130,6 +130,14 @@ def test_bucketing_config_errors_name_their_keys(tiny_model, tiny, demo_data, tm
     # The family's latent grid (tiny Flux: VAE 2 x patch 2 = 4): a step off it is refused.
     from raylora.launch import plan
 
+    # No bucket with a full batch on each worker: named, with the histogram.
+    with pytest.raises(ConfigError) as ei:
+        plan(validate({**base, "data": {"uri": demo_data, "bucketing": True, "resolution": 64,
+                                        "bucket_step": 16}, "train": {"batch_size": 40}}))
+    assert ei.value.problems == [
+        "data.bucketing: no bucket has a full batch (train.batch_size=40) on every one of the "
+        "1 workers (images per bucket: 64x64 32); lower train.batch_size, or use fewer "
+        "resolutions or a coarser data.bucket_step"]
     with pytest.raises(ConfigError) as ei:
         plan(validate({**base, "model": {"pretrained": tiny("flux")},
                        "data": {"uri": demo_data, "bucketing": True, "resolution": 64,

@@ -186,7 +186,8 @@ class DataPlan:
 def plan_source(section: DataSection, storage: Storage, index: int = 0,
                 buckets=None) -> SourceFiles:
     """Resolve one source's URI, detect its format, check what can be checked and count
-    its rows (per bucket of ``buckets``, a ``BucketSet``, when given). Raises FileNotFoundError / ValueError / OSError naming the URI or file."""
+    its rows (per bucket of ``buckets``, a ``BucketSet``, when given). Raises
+    FileNotFoundError / ValueError / OSError naming the URI or file."""
     listing = storage.expand(section.uri)
     fmt = get_format(detect_format(listing) if section.format == "auto" else section.format)
     files = fmt.select(listing)

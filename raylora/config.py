@@ -135,9 +135,9 @@ class SourceSection(_Section):
     caption_dropout: float | None = Field(None, ge=0.0, lt=1.0)
     shuffle_tags: bool | None = None
     keep_tokens: int | None = Field(None, ge=0)
-    resolution: int | None = Field(
-        None, gt=0, description="Not available: a per-source resolution needs "
-        "multi-resolution bucketing; refused with a message saying so.",
+    resolution: int | list[int] | None = Field(
+        None, description="With data.bucketing: the resolution(s) this source's images "
+        "bucket at (default data.resolution). Refused without bucketing.",
     )
 
     @field_validator("caption_extension")
@@ -145,10 +145,25 @@ class SourceSection(_Section):
     def _extension(cls, v: str | None) -> str | None:
         return _caption_extension(v)
 
+    @field_validator("resolution", mode="before")
+    @classmethod
+    def _resolution(cls, v: Any) -> Any:
+        return None if v is None else _resolution_value(v)
+
+
+def _resolution_value(v: Any) -> int | list[int]:
+    """An int (``512``, ``"512"``) or a list of them, with one message for anything else
+    (not one per member of the union)."""
+    def one(x: Any) -> int:
+        if isinstance(x, bool) or not isinstance(x, (int, str)) or not str(x).strip().isdigit():
+            raise ValueError(f"{x!r}: a resolution in pixels (an integer), or a list of them")
+        return int(x)
+    return [one(x) for x in v] if isinstance(v, (list, tuple)) else one(v)
+
 
 # What a source may set for itself (unset: the data key of the same name).
 SOURCE_KEYS = ("format", "image_column", "caption_column", "caption_extension",
-               "caption_prefix", "caption_dropout", "shuffle_tags", "keep_tokens")
+               "caption_prefix", "caption_dropout", "shuffle_tags", "keep_tokens", "resolution")
 
 
 class DataSection(_Section):
@@ -158,7 +173,7 @@ class DataSection(_Section):
     )
     sources: list[SourceSection] | None = Field(
         None, description="Several datasets mixed into every epoch, each {uri, weight | "
-        "repeats, caption_prefix, caption_dropout, shuffle_tags, keep_tokens, format, "
+        "repeats, caption_prefix, caption_dropout, shuffle_tags, keep_tokens, resolution, format, "
         "image_column, caption_column, caption_extension}; instead of data.uri.",
     )
     format: Literal["auto", "parquet", "webdataset", "imagefolder", "captionfolder"] = Field(
@@ -171,7 +186,22 @@ class DataSection(_Section):
         ".txt", description="captionfolder: the extension of the caption file beside each "
         "image (cat.png + cat.txt); kohya's caption_extension.",
     )
-    resolution: int = Field(512, gt=0, description="Square training size in pixels.")
+    resolution: int | list[int] = Field(
+        512, description="Square training size in pixels. With data.bucketing: the bucket "
+        "set's resolution (buckets of about resolution² pixels), or a list of several "
+        "([512, 768, 1024]; each image trains at the largest whose area it covers).",
+    )
+    bucketing: bool = Field(
+        False, description="Aspect-ratio buckets: each image is resized to cover, and "
+        "cropped to, the bucket of its resolution nearest its aspect ratio; every batch "
+        "holds one bucket, the same on every worker at each step. Each bucket's rows that "
+        "do not fill a batch are left out of the epoch (as kohya). Needs data.sharding="
+        "files with several workers.",
+    )
+    bucket_step: int = Field(
+        64, gt=0, description="data.bucketing: bucket sides are multiples of this (pixels); "
+        "a multiple of the model's latent grid (8 for SD/SDXL, 16 for Flux/SD3/Qwen-Image).",
+    )
     center_crop: bool = Field(False, description="Center crop (True) or random crop (False).")
     random_flip: bool = Field(False, description="Random horizontal flip with p=0.5.")
     shuffle_seed: int | None = Field(
@@ -249,12 +279,26 @@ class DataSection(_Section):
     def _extension(cls, v: str) -> str:
         return _caption_extension(v)
 
+    @field_validator("resolution", mode="before")
+    @classmethod
+    def _resolution(cls, v: Any) -> Any:
+        return _resolution_value(v)
+
     @field_validator("background_color")
     @classmethod
     def _rgb(cls, v: tuple[int, int, int]) -> tuple[int, int, int]:
         if any(not 0 <= c <= 255 for c in v):
             raise ValueError(f"{list(v)}: each channel must be 0-255")
         return v
+
+    def resolutions(self) -> list[int]:
+        """``data.resolution`` as a sorted list."""
+        r = self.resolution
+        return sorted(set(r)) if isinstance(r, list) else [r]
+
+    def max_resolution(self) -> int:
+        """The largest resolution of any source: held-out rows and previews use it (square)."""
+        return max(r for sec in self.source_sections() for r in sec.resolutions())
 
     def decode_kwargs(self) -> dict:
         """What ``Preprocess`` needs to validate rows (see ``raylora.data.decode``)."""
@@ -737,7 +781,9 @@ class RayLoraConfig(_Section):
         inductor compile on CPU costs more than a short CPU run gains)."""
         c = self.train.compile
         if c == "auto":  # FSDP's hooks inside compiled blocks: not verified yet, so eager
-            return "regional" if self.scaling.use_gpu and self.scaling.strategy == "ddp" else "none"
+            # Buckets: a graph per bucket shape (static shapes) would pass torch's recompile limit.
+            return "regional" if self.scaling.use_gpu and self.scaling.strategy == "ddp" \
+                and not self.data.bucketing else "none"
         return c
 
     def to_dict(self) -> dict[str, Any]:
@@ -764,6 +810,7 @@ def _cross_checks(cfg: RayLoraConfig) -> list[str]:
             )
     d = cfg.data
     problems += _data_checks(d)
+    problems += _bucket_checks(d, cfg.scaling.num_workers, cfg.train.compile)
     if d.validation_split and d.validation_uri is not None:
         problems.append(
             "data.validation_split: give either data.validation_split or data.validation_uri"
@@ -811,6 +858,41 @@ def _caption_key(d: DataSection, i: int, key: str) -> str:
     return f"data.sources[{i}].{key}" if own else f"data.{key}"
 
 
+def _resolution_problems(key: str, value: int | list[int], step: int | None) -> list[str]:
+    """A resolution (or a list of them): positive, and with bucketing (``step``) a multiple
+    of data.bucket_step."""
+    values = value if isinstance(value, list) else [value]
+    if not values:
+        return [f"{key}: an empty list; give one resolution or several"]
+    out = [f"{key}: {r} must be positive" for r in values if r <= 0]
+    if step and not out:
+        out += [f"{key}: {r} is not a multiple of data.bucket_step={step} (a bucket set's "
+                "square bucket is resolution × resolution)" for r in values if r % step]
+    return out
+
+
+def _bucket_checks(d: DataSection, workers: int, compile_mode: str) -> list[str]:
+    """data.bucketing and the keys it changes (``compile_mode``: train.compile)."""
+    if not d.bucketing:
+        problems = _resolution_problems("data.resolution", d.resolution, None)
+        if isinstance(d.resolution, list):
+            problems.append("data.resolution: a list of resolutions needs data.bucketing: true "
+                            "(without buckets every image trains at one square size)")
+        if d.bucket_step != 64:
+            problems.append("data.bucket_step: set, but data.bucketing is false")
+        return problems
+    problems = _resolution_problems("data.resolution", d.resolution, d.bucket_step)
+    if workers > 1 and d.sharding != "files":
+        problems.append(
+            "data.bucketing: with scaling.num_workers > 1 needs data.sharding=files (each "
+            "worker must know its rows per bucket to follow the bucket schedule every worker "
+            "shares; a dynamically split stream cannot say)")
+    if compile_mode in ("regional", "full"):
+        problems.append(f"train.compile: {compile_mode} compiles for one input shape; "
+                        "data.bucketing trains several (one per bucket); set it to none or auto")
+    return problems
+
+
 def _data_checks(d: DataSection) -> list[str]:
     """data.uri or data.sources, and the sources' keys."""
     if (d.uri is None) == (d.sources is None):
@@ -826,10 +908,13 @@ def _data_checks(d: DataSection) -> list[str]:
         elif weighted and s.weight is None:
             problems.append(f"{key}.weight: missing; give every source a weight (its share "
                             "of each epoch), or none (each counts its rows × repeats)")
-        if s.resolution is not None:
-            problems.append(f"{key}.resolution: a per-source resolution needs multi-resolution "
-                            "aspect bucketing, which raylora does not have yet; leave it unset "
-                            f"(every source trains at data.resolution={d.resolution})")
+        if s.resolution is not None and not d.bucketing:
+            problems.append(f"{key}.resolution: a per-source resolution needs "
+                            "multi-resolution aspect bucketing (data.bucketing: true); leave "
+                            "it unset or turn bucketing "
+                            f"on (every source trains at data.resolution={d.resolution})")
+        elif s.resolution is not None:
+            problems += _resolution_problems(f"{key}.resolution", s.resolution, d.bucket_step)
     sections = d.source_sections()
     if not any(sec.shuffle_tags for sec in sections):
         for i, sec in enumerate(sections):

@@ -34,10 +34,24 @@ TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 META = "raylora_config"
 
 
+def _auth_headers() -> dict:
+    """The head's token as a header, read here: the SDK adds it itself only when Ray's
+    process-wide config, fixed at its first use in a process, says token auth; a process
+    that touched Ray before RAY_AUTH_MODE was set (tests, notebooks) would send none."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        return {}
+    token = os.environ.get("RAY_AUTH_TOKEN", "").strip()
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    if not token and os.path.isfile(path):
+        with open(path) as f:
+            token = f.read().strip()
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 def client(address: str | None):
     from ray.job_submission import JobSubmissionClient
 
-    return JobSubmissionClient(address or os.environ.get("RAY_ADDRESS"))
+    return JobSubmissionClient(address or os.environ.get("RAY_ADDRESS"), headers=_auth_headers())
 
 
 def entrypoint(config: str, overrides: list[str], working_dir: str) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -56,6 +57,10 @@ class Plan:
     bad_records: str | None = None
     # The data plan the counts above come from (sources, repeats): what workers read.
     data: DataPlan | None = field(default=None, repr=False)
+    # data.bucketing: the buckets' (width, height) by id, and each bucket's micro-batches
+    # per epoch per worker (the same on every worker; raylora.data.buckets.schedule).
+    bucket_sizes: list[tuple[int, int]] | None = None
+    bucket_steps: dict[int, int] | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -64,7 +69,25 @@ class Plan:
         d.pop("data")
         d["sources"] = self.data_plan().summary()
         d["content_files"] = self.data_plan().content_files()
+        d.pop("bucket_sizes")
+        d.pop("bucket_steps")
+        if self.bucket_steps is not None:
+            d["buckets"] = self.bucket_summary()
         return d
+
+    def bucket_name(self, bucket: int) -> str:
+        w, h = self.bucket_sizes[bucket]
+        return f"{w}x{h}"
+
+    def bucket_summary(self) -> dict:
+        """raylora.json ``buckets``: distinct rows per bucket ``WxH`` (the histogram), and
+        each bucket's micro-batches per worker per epoch."""
+        hist = self.data_plan().bucket_histogram()
+        return {"rows": {self.bucket_name(b): n for b, n in hist.items()},
+                "batches_per_epoch": {self.bucket_name(b): n
+                                      for b, n in sorted(self.bucket_steps.items())},
+                # By id: what metrics.jsonl's per-step "bucket" numbers name.
+                "sizes": [self.bucket_name(b) for b in range(len(self.bucket_sizes))]}
 
     def data_plan(self) -> DataPlan:
         """The data every worker reads a share of."""
@@ -137,9 +160,18 @@ def family_problems(cfg: RayLoraConfig, family, multiple: int, native: str | Non
     """Settings that do not apply to this model family, named by key. ``native``: the
     objective its scheduler config names (None: not read, a hub id)."""
     t, out = cfg.train, []
-    if cfg.data.resolution % multiple:
-        out.append(f"data.resolution: {cfg.data.resolution} is not a multiple of {multiple} "
-                   f"(the {family.name} latent grid: VAE downsampling × patch size)")
+    grid = f"(the {family.name} latent grid: VAE downsampling × patch size)"
+    d = cfg.data
+    given = [("data.resolution", d.resolutions())] + [
+        (f"data.sources[{i}].resolution", s.resolution if isinstance(s.resolution, list)
+         else [s.resolution]) for i, s in enumerate(d.sources or []) if s.resolution is not None]
+    for key, values in given:
+        off = [r for r in values if r % multiple]
+        if off:
+            out.append(f"{key}: {', '.join(map(str, off))} is not a multiple of {multiple} {grid}")
+    if d.bucketing and d.bucket_step % multiple:
+        out.append(f"data.bucket_step: {d.bucket_step} is not a multiple of {multiple} {grid}, "
+                   f"which bucket sides must be (e.g. {math.lcm(64, multiple)})")
     flow = (t.prediction_type or native) == "flow_matching"
     if native and t.prediction_type and (t.prediction_type == "flow_matching") != (native == "flow_matching"):
         out.append(f"train.prediction_type: {t.prediction_type} does not fit {family.name}, "
@@ -213,8 +245,21 @@ def _arithmetic(cfg: RayLoraConfig, model_path: str, data, heldout: list[dict], 
         else:
             rows_per_worker = min(data.for_rank(r, world).rows for r in range(world))
             batches_per_epoch = rows_per_worker // t.batch_size
+    steps = _bucket_steps(cfg, data) if cfg.data.bucketing and not problems else None
+    if steps is not None:
+        batches_per_epoch = sum(steps.values())
+        rows_per_worker = batches_per_epoch * t.batch_size
     updates = rows_per_worker // t.batch_size // t.gradient_accumulation_steps
-    if updates == 0:
+    if steps == {}:
+        from raylora.data.buckets import bucket_set
+
+        sizes = bucket_set(cfg.data).sizes
+        hist = ", ".join(f"{sizes[b][0]}x{sizes[b][1]} {n}" for b, n in data.bucket_histogram().items())
+        problems.append(
+            f"data.bucketing: no bucket has a full batch (train.batch_size={t.batch_size}) "
+            f"on every one of the {world} workers (images per bucket: {hist or 'none'}); "
+            "lower train.batch_size, or use fewer resolutions or a coarser data.bucket_step")
+    elif updates == 0:
         problems.append(
             f"data.{'uri' if cfg.data.sources is None else 'sources'}: {total} rows split "
             f"over {world} workers is less than one optimizer "
@@ -224,10 +269,29 @@ def _arithmetic(cfg: RayLoraConfig, model_path: str, data, heldout: list[dict], 
     if problems:
         raise ConfigError(problems)
     max_steps = t.max_steps or t.num_epochs * updates
+    from raylora.data.buckets import bucket_set
+
+    buckets = bucket_set(cfg.data)
     return Plan(
         model_path, data.format, data.files, total, rows_per_worker, updates, max_steps,
         data.file_rows, batches_per_epoch, len(heldout), data.rows, heldout, data=data,
+        bucket_sizes=list(buckets.sizes) if buckets else None, bucket_steps=steps,
     )
+
+
+def _bucket_steps(cfg: RayLoraConfig, data) -> dict[int, int]:
+    """data.bucketing: each bucket's micro-batches per worker per epoch: under
+    data.sharding=files the smallest worker's full batches of it, else (one worker) the
+    full batches of the rows expected after a held-out split."""
+    from raylora.data.buckets import epoch_steps
+
+    world = cfg.scaling.num_workers
+    if cfg.data.sharding == "files":
+        per = [data.for_rank(r, world).bucket_rows() for r in range(world)]
+    else:
+        keep = (1 - cfg.data.validation_split) / world
+        per = [{b: n * keep for b, n in data.bucket_rows().items()}]
+    return epoch_steps(per, cfg.train.batch_size)
 
 
 def _plan_heldout(cfg: RayLoraConfig, data, store) -> tuple[list[dict], str | None]:
@@ -539,7 +603,8 @@ def run(cfg: RayLoraConfig) -> dict:
             raise RuntimeError("training finished without a checkpoint to export")
         with result.checkpoint.as_directory() as ckpt_dir:
             summary = export_run(ckpt_dir, cfg, result.metrics, {**p.to_dict(), **bad})
-        return {**summary, "checkpoints": checkpoints, "rows_decoded": bad.get("rows_decoded")}
+        return {**summary, "checkpoints": checkpoints, "rows_decoded": bad.get("rows_decoded"),
+                **({"buckets": p.bucket_summary()} if p.bucket_steps is not None else {})}
 
 
 _COUNTERS: dict = {}

@@ -510,16 +510,19 @@ def _objective(family, scheduler_config: dict):
     return DDPM(DDPMScheduler.from_config(scheduler_config), kind)
 
 
-def raw_batch(comps, batch_size: int, resolution: int, max_sequence_length: int | None = None,
-              device="meta") -> dict[str, torch.Tensor]:
-    """A worker's uncached batch for ``comps.family``: uint8 pixels, token ids of each
-    tokenizer's full length (and attention masks), SDXL's size/crop columns (which other
-    families ignore)."""
+def raw_batch(comps, batch_size: int, resolution: int | tuple[int, int],
+              max_sequence_length: int | None = None, device="meta") -> dict[str, torch.Tensor]:
+    """A worker's uncached batch for ``comps.family``: uint8 pixels (``resolution``: a
+    square's side, or a bucket's ``(width, height)``), token ids of each tokenizer's full
+    length (and attention masks), SDXL's size/crop columns (which other families
+    ignore)."""
     b = batch_size
-    batch = {"pixel_values": torch.zeros(b, 3, resolution, resolution, dtype=torch.uint8, device=device),
-             "original_size": torch.full((b, 2), resolution, device=device),
+    w, h = (resolution, resolution) if isinstance(resolution, int) else resolution
+    size = torch.tensor([h, w], device=device).expand(b, 2)
+    batch = {"pixel_values": torch.zeros(b, 3, h, w, dtype=torch.uint8, device=device),
+             "original_size": size.clone(),
              "crop_top_left": torch.zeros(b, 2, dtype=torch.long, device=device),
-             "target_size": torch.full((b, 2), resolution, device=device)}
+             "target_size": size.clone()}
     for t, tok in zip(comps.family.text, comps.tokenizers):
         n = t.length(tok.model_max_length, max_sequence_length)
         batch[t.ids_key] = torch.zeros(b, n, dtype=torch.long, device=device)
@@ -722,7 +725,9 @@ class Estimate:
         decimals, with what was estimated above it."""
         s = self.settings
         mp = {"no": "fp32"}.get(s.get("mixed_precision"), s.get("mixed_precision"))
-        head = (f"{s.get('family', '?')} {s.get('resolution')} px, batch {s.get('batch_size')}, "
+        r = s.get("resolution")
+        r = f"{r[0]}x{r[1]}" if isinstance(r, (list, tuple)) else r  # a bucket: width x height
+        head = (f"{s.get('family', '?')} {r} px, batch {s.get('batch_size')}, "
                 f"LoRA r{s.get('lora_rank')}, {mp}, {s.get('strategy')} x"
                 f"{s.get('world_size')}, quantize {s.get('quantize')}, gradient checkpointing "
                 f"{'on' if s.get('gradient_checkpointing') else 'off'}, "
@@ -807,7 +812,7 @@ def _components(model_path: str, mixed_precision: str, lora_rank: int,
 
 
 @functools.lru_cache(maxsize=32)
-def _profile(model_path: str, batch_size: int, resolution: int, lora_rank: int,
+def _profile(model_path: str, batch_size: int, resolution: int | tuple[int, int], lora_rank: int,
              lora_targets: tuple[str, ...] | None, mixed_precision: str, gradient_checkpointing: bool,
              cached_latents: bool, train_text_encoder: bool, max_sequence_length: int | None,
              autocast_device: str) -> StepProfile:
@@ -822,7 +827,8 @@ def _profile(model_path: str, batch_size: int, resolution: int, lora_rank: int,
                         gradient_checkpointing=gradient_checkpointing, autocast_device=autocast_device)
 
 
-def estimate(model_path: str, *, batch_size: int = 1, resolution: int = 1024, lora_rank: int = 16,
+def estimate(model_path: str, *, batch_size: int = 1, resolution: int | tuple[int, int] = 1024,
+             lora_rank: int = 16,
              lora_targets: Sequence[str] | None = None, mixed_precision: str = "bf16",
              gradient_checkpointing: bool = False, strategy: str = "ddp", world_size: int = 1,
              quantize: str = "none", quantize_text_encoders: str = "none",
@@ -912,9 +918,14 @@ def optimizer_args(train) -> dict:
 def config_args(cfg) -> dict:
     """``estimate``'s arguments (the model path aside) for a validated ``RayLoraConfig``:
     two configs with equal arguments have equal estimates."""
+    from raylora.data.buckets import bucket_set
+
     m, t, s, lo, d = cfg.model, cfg.train, cfg.scaling, cfg.lora, cfg.data
+    # Buckets: the one with the most pixels is the step that needs the most memory.
+    buckets = bucket_set(d)
     return dict(
-        batch_size=t.batch_size, resolution=d.resolution, lora_rank=lo.rank,
+        batch_size=t.batch_size, resolution=buckets.largest() if buckets else d.resolution,
+        lora_rank=lo.rank,
         lora_targets=tuple(lo.target_modules) if lo.target_modules else None,
         mixed_precision=t.mixed_precision, gradient_checkpointing=t.gradient_checkpointing,
         strategy=s.strategy, world_size=s.num_workers, quantize=m.quantize,

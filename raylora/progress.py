@@ -187,6 +187,14 @@ class ProgressPrinter:
                 print(f"raylora: progress.json not written: {exc}", file=sys.stderr)
 
 
+def bucket_line(b: dict) -> str:
+    """data.bucketing: rows per bucket (WxH), most rows first, and how many train."""
+    rows = sorted(b["rows"].items(), key=lambda kv: (-kv[1], kv[0]))
+    trained = len(b["batches_per_epoch"])
+    return (f"raylora: buckets      {', '.join(f'{k} {n}' for k, n in rows)} rows "
+            f"({trained} of {len(rows)} fill a batch)")
+
+
 def summary_lines(s: dict) -> list[str]:
     """The end-of-run summary from ``launch.run``'s result."""
     m = s["metrics"]
@@ -205,6 +213,7 @@ def summary_lines(s: dict) -> list[str]:
         f"raylora: checkpoints  {s['checkpoints']}",
         f"raylora: loss curve   {s['loss_png']}",
         f"raylora: step metrics {s['metrics_jsonl']}",
+        *([bucket_line(s["buckets"])] if s.get("buckets") else []),
         f"raylora: bad samples  {m.get('bad_records', 0)}"
         + (f" (of {s['rows_decoded'] + m.get('bad_records', 0)} rows read)"
            if s.get("rows_decoded") is not None else ""),

@@ -60,7 +60,8 @@ def _heldout_batch(spec: WorkerSpec) -> dict[str, torch.Tensor]:
     if isinstance(heldout, dict):
         return {k: torch.from_numpy(np.asarray(v)) for k, v in heldout.items()}
     pre = Preprocess(
-        tokenizer_path=spec.plan.model_path, resolution=cfg.data.resolution, center_crop=True,
+        # Buckets or not: one square size (the largest resolution), so they batch together.
+        tokenizer_path=spec.plan.model_path, resolution=cfg.data.max_resolution(), center_crop=True,
         random_flip=False, endpoint_url=cfg.storage.endpoint_url, region=cfg.storage.region,
         family=spec.plan.family, max_sequence_length=cfg.model.max_sequence_length,
         **cfg.data.decode_kwargs(),
@@ -122,7 +123,7 @@ def _previewer(spec: WorkerSpec, run, tracker, rank: int):
                 dtype=run.parts.weight_dtype, device=acc.device,
             )
             images = pv.render(pipe, v.prompts, v.seed, v.num_inference_steps, v.guidance_scale,
-                               cfg.data.resolution, autocast=acc.autocast)
+                               cfg.data.max_resolution(), autocast=acc.autocast)
             del pipe
             pv.free_memory()
         if rank != 0:
@@ -224,14 +225,27 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
     def open_stream(epoch: int):
         blocks = shard(epoch).iter_batches(batch_size=None, batch_format="numpy",
                                            prefetch_batches=PREFETCH_BATCHES)
-        return pass_batches(blocks, t.batch_size, data.shuffle_buffer_size,
-                            seed=lambda e: data_seed + 7919 * e + rank, pass_rows=pass_rows)
+        seed = lambda e: data_seed + 7919 * e + rank  # noqa: E731
+        if plan.bucket_steps is not None:
+            return _bucketed(blocks, plan, t.batch_size, data_seed, seed)
+        return pass_batches(blocks, t.batch_size, data.shuffle_buffer_size, seed=seed,
+                            pass_rows=pass_rows)
 
     def to_device(batch: dict) -> dict:
         return {k: torch.from_numpy(v).to(device) for k, v in batch.items()}
 
     return EpochStream(open_stream, per_epoch, per_pass=by_files, convert=to_device,
                        prefetch=PREFETCH_BATCHES)
+
+
+def _bucketed(blocks, plan: Plan, batch_size: int, data_seed: int, seed):
+    """data.bucketing: ``(pass, batch)`` in the bucket order every rank computes alike from
+    the plan, the seed and the pass (``raylora.data.buckets``); ``seed(pass)``: this
+    rank's draws within a bucket."""
+    from raylora.data.buckets import bucket_batches, schedule
+
+    return bucket_batches(blocks, batch_size, seed=seed,
+                          plan=lambda e: schedule(plan.bucket_steps, data_seed, e))
 
 
 @dataclass(frozen=True)
@@ -351,6 +365,13 @@ class _Reporter:
             # Every rank's adapter digest: equal digests prove the DDP replicas stayed
             # bit-identical; the driver records them in raylora.json.
             metrics["replica_lora_digests"] = gather_object([digest(sd)])
+            if self.spec.plan.bucket_steps is not None:
+                from raylora.data.buckets import sequence_digest
+
+                # A digest of each rank's bucket per step: equal digests prove the ranks
+                # never trained different buckets at one step.
+                metrics["replica_bucket_digests"] = gather_object(
+                    [sequence_digest([r.get("bucket") for r in st.history])])
             metrics["worker_nodes"] = gather_object([ray.get_runtime_context().get_node_id()])
             metrics.update(st.scalars())
             # False under the latent cache: the workers never loaded the VAE/text encoders.

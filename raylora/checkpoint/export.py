@@ -77,6 +77,10 @@ def summarize_metrics(reported: dict) -> dict:
     m["replica_lora_digests"] = digests
     m["replicas_in_sync"] = bool(digests) and len(set(digests)) == 1
     m["worker_nodes"] = reported.get("worker_nodes") or []
+    buckets = reported.get("replica_bucket_digests")
+    if buckets:  # data.bucketing: each rank's per-step buckets, digested
+        m["replica_bucket_digests"] = buckets
+        m["buckets_in_sync"] = len(set(buckets)) == 1
     return m
 
 
@@ -158,7 +162,7 @@ precision `{t.mixed_precision}`).
 | AdamW betas, weight decay, eps | {t.adam_beta1:g}/{t.adam_beta2:g}, {t.adam_weight_decay:g}, {t.adam_epsilon:g} |
 | batch per worker × accumulation × workers | {t.batch_size} × {t.gradient_accumulation_steps} × {cfg.scaling.num_workers} |
 | max grad norm | {t.max_grad_norm:g} |
-| resolution, center crop, random flip | {cfg.data.resolution}, {cfg.data.center_crop}, {cfg.data.random_flip} |
+| resolution, center crop, random flip | {cfg.data.resolution}{f" (aspect buckets, step {cfg.data.bucket_step})" if cfg.data.bucketing else ""}, {cfg.data.center_crop}, {cfg.data.random_flip} |
 | seed | {t.seed} |
 | optimizer steps | {metrics.get("steps")} |
 | images seen | {metrics.get("images_seen")} |
@@ -232,6 +236,9 @@ def run_data(cfg: RayLoraConfig, plan: dict, store: Storage) -> dict:
         # Per source: files, distinct rows, rows per epoch (repeats and weights counted)
         # and its share, and the rows the validating decode passed (see _sources).
         "sources": _sources(plan),
+        # data.bucketing: distinct rows per bucket WxH, batches per worker per epoch, and
+        # the sizes by id (metrics.jsonl's per-step "bucket").
+        **({"buckets": plan["buckets"]} if plan.get("buckets") else {}),
     }
 
 

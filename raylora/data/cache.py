@@ -99,6 +99,8 @@ class CacheEntry:
     # caption folder's N_name folders): applied when training reads the cache.
     sources: list[int] | None = None
     repeats: list[int] | None = None
+    # data.bucketing: per file, rows per bucket id (JSON keys: the ids as strings).
+    buckets: list[dict[str, int]] | None = None
 
     @property
     def rows(self) -> int:
@@ -114,8 +116,11 @@ class CacheEntry:
             idx = [i for i, s in enumerate(sources) if s == src]
             rows = [self.file_rows[i] for i in idx]
             reps = [repeats[i] for i in idx]
+            counts = None if self.buckets is None else \
+                [{int(b): n for b, n in self.buckets[i].items()} for i in idx]
             out.append(SourceFiles(src, "parquet", [self.files[i] for i in idx], sum(rows), rows,
-                                   reps if any(r != 1 for r in reps) else None, self.uri))
+                                   reps if any(r != 1 for r in reps) else None, self.uri,
+                                   bucket_counts=counts))
         return DataPlan.of(apply_shares(data, out))
 
 
@@ -144,6 +149,10 @@ def fingerprint(cfg: RayLoraConfig, family: str, model_path: str, data: DataPlan
                                                      "caption_extension", "caption_prefix")}
                         for s in d.source_sections()]}
            if d.sources is not None or d.caption_prefix else {}),
+        # Each image's bucket (its latent's shape) follows these.
+        **({"buckets": {"step": d.bucket_step,
+                        "resolutions": [s.resolutions() for s in d.source_sections()]}}
+           if d.bucketing else {}),
     }, sort_keys=True).encode())
     if not is_hub_id(model_path):
         # The encoders' weights and configs: a retrained or swapped VAE is a new cache.
@@ -165,21 +174,24 @@ def read_entry(uri: str, store: Storage) -> CacheEntry | None:
     m = json.loads(store.read_bytes(manifest))
     files = [storage.join(uri, name) for name in m["files"]]
     return CacheEntry(uri, files, list(m["file_rows"]), reused=True,
-                      sources=m.get("file_sources"), repeats=m.get("file_repeats"))
+                      sources=m.get("file_sources"), repeats=m.get("file_repeats"),
+                      buckets=m.get("file_buckets"))
 
 
 def _stage_kwargs(cfg: RayLoraConfig, model_path: str, family: str, store: Storage) -> tuple[dict, dict]:
+    from raylora.data.buckets import bucket_set
+
     pre = dict(
-        tokenizer_path=model_path, resolution=cfg.data.resolution, center_crop=True,
+        tokenizer_path=model_path, resolution=cfg.data.max_resolution(), center_crop=True,
         random_flip=False, image_column="image", caption_column="text", seed=0,
         endpoint_url=store.endpoint_url, region=store.region, family=family,
         max_sequence_length=cfg.model.max_sequence_length, **cfg.data.decode_kwargs(),
-        caption_policies=caption_policies(cfg.data),
+        caption_policies=caption_policies(cfg.data), buckets=bucket_set(cfg.data),
     )
     enc = dict(
         model_path=model_path, family=family, dtype=_dtype_name(cfg),
         revision=cfg.model.revision, variant=cfg.model.variant,
-        endpoint_url=store.endpoint_url, region=store.region, resolution=cfg.data.resolution,
+        endpoint_url=store.endpoint_url, region=store.region, resolution=cfg.data.max_resolution(),
     )
     return pre, enc
 
@@ -220,7 +232,7 @@ class EncodeFiles:
 
         from raylora.data.split import held_out_mask
 
-        names, counts = [], []
+        names, counts, buckets = [], [], []
         for item, k, source, index, start, stop in zip(
                 batch["item"], batch["k"], batch["source"], batch["index"], batch["start"],
                 batch["stop"]):
@@ -234,13 +246,15 @@ class EncodeFiles:
                 if chunk:
                     encoded.append(encode_chunk(self.pre, self.enc, chunk))
                 while encoded and sum(len(e["latent_params"]) for e in encoded) >= self.rows_per_part:
-                    encoded = self._write(int(item), part, encoded, names, counts)
+                    encoded = self._write(int(item), part, encoded, names, counts, buckets)
                     part += 1
             if encoded:
-                self._write(int(item), part, encoded, names, counts)
-        return {"name": np.array(names, dtype=object), "rows": np.array(counts, dtype=np.int64)}
+                self._write(int(item), part, encoded, names, counts, buckets)
+        return {"name": np.array(names, dtype=object), "rows": np.array(counts, dtype=np.int64),
+                "buckets": np.array(buckets, dtype=object)}
 
-    def _write(self, item: int, part: int, encoded: list[dict], names: list, counts: list) -> list[dict]:
+    def _write(self, item: int, part: int, encoded: list[dict], names: list, counts: list,
+               buckets: list) -> list[dict]:
         """Write the first ``rows_per_part`` buffered rows as one part; return the rest."""
         import io
 
@@ -257,6 +271,9 @@ class EncodeFiles:
         self.store.write_bytes(storage.join(self.parts_uri, name), buf.getvalue())
         names.append(name)
         counts.append(len(head["latent_params"]))
+        # data.bucketing: the part's rows per bucket (JSON: the manifest keeps it per file)
+        ids, n = np.unique(head.get("bucket", np.zeros(0, np.int32)), return_counts=True)
+        buckets.append(json.dumps({str(int(b)): int(c) for b, c in zip(ids, n)}))
         return [rest] if len(rest["latent_params"]) else []
 
 
@@ -268,7 +285,37 @@ def encode_chunk(pre, enc: EncodeStage, rows: list[dict]) -> dict[str, np.ndarra
     for column in ("key", "source"):  # where each is (bad-row reports), per-source counts
         if all(column in r for r in rows):
             batch[column] = np.array([r[column] for r in rows], dtype=object)
-    return enc(pre(batch))
+    pre_out = pre(batch)
+    if "bucket" not in pre_out:
+        return enc(pre_out)
+    return _encode_by_bucket(enc, pre_out)
+
+
+def _encode_by_bucket(enc: EncodeStage, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """data.bucketing: encode each bucket's rows together (one shape per VAE call) and put
+    the rows back in order; ``latent_params`` is a 1-D object array of per-row arrays (a
+    variable-shaped tensor column in the cache) and ``bucket`` is kept."""
+    ids = batch["bucket"]
+    parts, order = [], []
+    for b in dict.fromkeys(ids.tolist()):
+        sel = np.flatnonzero(ids == b)
+        group = {k: (np.stack(v[sel]) if k == "pixel_values" else v[sel])
+                 for k, v in batch.items() if k != "bucket"}
+        parts.append(enc(group))
+        order.append(sel)
+    where = np.argsort(np.concatenate(order), kind="stable") if order else np.zeros(0, int)
+    out = {}
+    for k in (parts[0] if parts else {}):
+        rows = [r for p in parts for r in p[k]]
+        if k == "latent_params":
+            col = np.empty(len(rows), dtype=object)
+            for i, j in enumerate(where):
+                col[i] = rows[j]
+        else:
+            col = np.stack([rows[j] for j in where])
+        out[k] = col
+    out["bucket"] = ids.astype(np.int32)
+    return out
 
 
 def _work_items(data, plan: DataPlan, store: Storage, per_item: int) -> list[dict]:
@@ -319,6 +366,7 @@ def ensure_cache(cfg: RayLoraConfig, family: str, model_path: str, data: DataPla
         **gpu,
     ).take_all()
     done = sorted((r["name"], int(r["rows"])) for r in written)  # zero-padded: source order
+    part_buckets = {r["name"]: json.loads(r["buckets"]) for r in written}
     if not done:
         raise ValueError(f"data.cache: encoding {[s.uri for s in data.sources]} produced no rows")
     names = [n for n, _ in done]
@@ -327,13 +375,14 @@ def ensure_cache(cfg: RayLoraConfig, family: str, model_path: str, data: DataPla
                 "files": [f"parts/{n}" for n in names], "file_rows": [c for _, c in done],
                 "file_sources": [data.sources[it["k"]].index for it in of_item],
                 "file_repeats": [it["repeats"] for it in of_item],
+                **({"file_buckets": [part_buckets[n] for n in names]} if cfg.data.bucketing else {}),
                 "source": {"uri": [s.uri for s in data.sources], "files": len(data.files)}}
     # Written last: its presence is what marks the entry complete.
     store.write_bytes(storage.join(uri, MANIFEST), json.dumps(manifest, indent=1).encode())
     log.info("latent cache: wrote %d rows in %d file(s)", sum(manifest["file_rows"]), len(names))
     return CacheEntry(uri, [storage.join(parts, n) for n in names], manifest["file_rows"],
                       reused=False, sources=manifest["file_sources"],
-                      repeats=manifest["file_repeats"])
+                      repeats=manifest["file_repeats"], buckets=manifest.get("file_buckets"))
 
 
 def _encode_rows_task(cfg_dict: dict, family: str, model_path: str, rows: list[dict]) -> dict:
@@ -342,6 +391,8 @@ def _encode_rows_task(cfg_dict: dict, family: str, model_path: str, rows: list[d
     cfg = RayLoraConfig.model_validate(cfg_dict)
     store = cfg.storage.client()
     pre, enc = _stage_kwargs(cfg, model_path, family, store)
+    # Held-out rows are evaluated together: one square size, buckets or not.
+    pre["buckets"] = None
     return encode_chunk(Preprocess(**pre), EncodeStage(**enc), rows)
 
 

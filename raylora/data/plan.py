@@ -62,6 +62,9 @@ class SourceFiles:
     uri: str | list[str] = ""
     companions: list[str] = field(default_factory=list)  # e.g. caption files, for fingerprints
     mult: float = 1.0  # the source's multiplier: its repeats, or what its weight asks for
+    # data.bucketing: usable rows per bucket id, per file (a format without rows per file,
+    # imagefolder: one entry, the whole source's); None without buckets.
+    bucket_counts: list[dict[int, int]] | None = None
 
     def file_repeats(self) -> list[int]:
         return self.repeats or [1] * len(self.files)
@@ -94,7 +97,16 @@ class SourceFiles:
 
         rows = pick(self.file_rows)
         return replace(self, files=pick(self.files), rows=sum(rows or []), file_rows=rows,
-                       repeats=pick(self.repeats))
+                       repeats=pick(self.repeats), bucket_counts=pick(self.bucket_counts))
+
+    def bucket_rows(self) -> dict[int, float]:
+        """Rows per bucket an epoch brings (each file's counts × its multiplicity)."""
+        out: dict[int, float] = {}
+        mults = self.file_mults() if self.file_rows is not None else [self.mult]
+        for m, counts in zip(mults, self.bucket_counts or []):
+            for b, n in counts.items():
+                out[b] = out.get(b, 0.0) + m * n
+        return out
 
 
 @dataclass
@@ -135,6 +147,23 @@ class DataPlan:
             start += len(s.files)
         return DataPlan.of([s for s in subsets if s.files] or subsets[:1])
 
+    def bucket_rows(self) -> dict[int, float]:
+        """Rows per bucket an epoch brings, over every source (data.bucketing)."""
+        out: dict[int, float] = {}
+        for s in self.sources:
+            for b, n in s.bucket_rows().items():
+                out[b] = out.get(b, 0.0) + n
+        return out
+
+    def bucket_histogram(self) -> dict[int, int]:
+        """Distinct usable rows per bucket id (the sources' images, repeats not counted)."""
+        out: dict[int, int] = {}
+        for s in self.sources:
+            for counts in s.bucket_counts or []:
+                for b, n in counts.items():
+                    out[b] = out.get(b, 0) + n
+        return dict(sorted(out.items()))
+
     def summary(self) -> list[dict]:
         """Per source, for ``raylora.json``: files, distinct rows, rows per epoch (and its
         share of the epoch, and the source's multiplier), and how many rows count how many
@@ -154,9 +183,11 @@ class DataPlan:
         return out
 
 
-def plan_source(section: DataSection, storage: Storage, index: int = 0) -> SourceFiles:
+def plan_source(section: DataSection, storage: Storage, index: int = 0,
+                buckets=None) -> SourceFiles:
     """Resolve one source's URI, detect its format, check what can be checked and count
-    its rows. Raises FileNotFoundError / ValueError / OSError naming the URI or file."""
+    its rows (per bucket of ``buckets``, a ``BucketSet``, when given). Raises
+    FileNotFoundError / ValueError / OSError naming the URI or file."""
     listing = storage.expand(section.uri)
     fmt = get_format(detect_format(listing) if section.format == "auto" else section.format)
     files = fmt.select(listing)
@@ -164,18 +195,37 @@ def plan_source(section: DataSection, storage: Storage, index: int = 0) -> Sourc
         raise FileNotFoundError(f"{section.uri}: matched no {fmt.name} files")
     fmt.check_listing(section, files, listing)
     rows, file_rows = fmt.count_rows(section, files, storage)
-    return SourceFiles(index, fmt.name, files, rows, file_rows, fmt.repeats(section, files),
-                       section.uri, fmt.companions(section, files, listing))
+    out = SourceFiles(index, fmt.name, files, rows, file_rows, fmt.repeats(section, files),
+                      section.uri, fmt.companions(section, files, listing))
+    return replace(out, bucket_counts=scan_buckets(section, out, storage, buckets, index)) \
+        if buckets is not None else out
+
+
+def scan_buckets(section: DataSection, s: SourceFiles, storage: Storage, buckets,
+                 index: int) -> list[dict[int, int]]:
+    """Rows per bucket of each of a source's files, from the images' headers (every image
+    is read once, on the driver: what kohya's and SimpleTuner's bucket caches do too)."""
+    from raylora.data.buckets import scan_counts
+
+    fmt = get_format(s.format)
+    keep = dict(min_size=section.min_size, skip_small=section.small_images == "skip",
+                keep_empty=section.caption_dropout > 0, max_pixels=section.max_image_pixels)
+    if s.file_rows is None:  # one row list for the whole source
+        return [scan_counts(fmt.iter_rows(section, s.files, storage), buckets, index, **keep)]
+    return [scan_counts(fmt.iter_unit(section, s.files, storage, i, 0, n), buckets, index, **keep)
+            for i, n in enumerate(s.file_rows)]
 
 
 def plan_data(data: DataSection, storage: Storage) -> DataPlan:
     """The plan of ``data.uri``, or of every source of ``data.sources`` with its
     multiplier. Raises FileNotFoundError / ValueError / OSError naming the URI or file at
     fault; for sources, DataProblems naming each source's key."""
-    sources, problems = [], []
+    from raylora.data.buckets import bucket_set
+
+    sources, problems, buckets = [], [], bucket_set(data)
     for i, section in enumerate(data.source_sections()):
         try:
-            sources.append(plan_source(section, storage, i))
+            sources.append(plan_source(section, storage, i, buckets))
         except (FileNotFoundError, ValueError, OSError) as exc:
             if data.sources is None:
                 raise

@@ -39,32 +39,29 @@ def to_unit_range(pixels):
 
 def transform_image_coords(
     img: Image.Image,
-    resolution: int,
+    resolution: int | tuple[int, int],
     center_crop: bool,
     random_flip: bool,
     rng: np.random.Generator,
 ) -> tuple[np.ndarray, tuple[int, int], tuple[int, int]]:
-    """``transform_image`` as uint8 ``[3, resolution, resolution]`` (0-255), plus what SDXL
-    is conditioned on: the original ``(h, w)`` and the crop's ``(top, left)`` in the resized
-    image, measured in the flipped image when flipped (as diffusers' SDXL script does:
-    flip, then crop)."""
+    """``transform_image`` as uint8 ``[3, H, W]`` (0-255), plus what SDXL is conditioned
+    on: the original ``(h, w)`` and the crop's ``(top, left)`` in the resized image,
+    measured in the flipped image when flipped (as diffusers' SDXL script does: flip, then
+    crop). ``resolution``: the square's side, or a bucket ``(width, height)``: the image
+    is resized to cover it (aspect kept) and cropped to it."""
+    from raylora.data.buckets import cover_crop_box
+
     img = img.convert("RGB")
     w, h = img.size
-    scale = resolution / min(w, h)
-    # round() not int(): 511.9999 must become 512, never leave the crop short of a pixel.
-    nw, nh = max(resolution, round(w * scale)), max(resolution, round(h * scale))
+    bw, bh = (resolution, resolution) if isinstance(resolution, int) else resolution
+    (nw, nh), (top, left) = cover_crop_box(w, h, (bw, bh), center_crop, rng)
     if (nw, nh) != (w, h):
         img = img.resize((nw, nh), Image.Resampling.BILINEAR)
-    if center_crop:
-        left, top = (nw - resolution) // 2, (nh - resolution) // 2
-    else:
-        left = int(rng.integers(0, nw - resolution + 1))
-        top = int(rng.integers(0, nh - resolution + 1))
-    img = img.crop((left, top, left + resolution, top + resolution))
+    img = img.crop((left, top, left + bw, top + bh))
     arr = np.asarray(img, dtype=np.uint8)
     if random_flip and rng.random() < 0.5:
         arr = arr[:, ::-1, :]
-        left = nw - resolution - left
+        left = nw - bw - left
     return np.ascontiguousarray(arr.transpose(2, 0, 1)), (h, w), (top, left)
 
 
@@ -108,12 +105,16 @@ class Preprocess:
         tokenizer_specs: tuple | None = None,
         max_sequence_length: int | None = None,
         caption_policies: tuple | None = None,
+        buckets=None,
     ):
         """``tokenizer_specs``: the model's tokenizers as ``raylora.data.tokenize`` specs,
         made by the driver (what Ray Data's tasks get: no transformers import, no model
         download here); without them they are read from ``tokenizer_path``.
         ``caption_policies``: per source (``raylora.data.captions``), for rows with a
-        ``source`` column; default: ``caption_dropout`` for every row."""
+        ``source`` column; default: ``caption_dropout`` for every row. ``buckets``: a
+        ``raylora.data.buckets.BucketSet`` (data.bucketing): each image is cropped to its
+        bucket, ``pixel_values`` is then a 1-D object array of ``[3, H, W]`` arrays and a
+        ``bucket`` column (int32, the bucket's id) is added."""
         from raylora.data.captions import CaptionPolicy
         from raylora.data.tokenize import CaptionTokenizer, load_specs
         from raylora.model import families
@@ -128,6 +129,7 @@ class Preprocess:
             raise ValueError(f"{len(tokenizer_specs)} tokenizer spec(s) for family {family!r}")
         self.encoders = [CaptionTokenizer(s) for s in tokenizer_specs]
         self.resolution = resolution
+        self.buckets = buckets
         self.center_crop = center_crop
         self.random_flip = random_flip
         self.image_column = image_column
@@ -157,7 +159,7 @@ class Preprocess:
         from raylora.data.captions import apply_policies
         from raylora.data.decode import BadRecord, decode_row
 
-        out, captions, kept, bad, examples = [], [], [], Counter(), {}
+        out, captions, kept, bad, examples, ids = [], [], [], Counter(), {}, []
         images, texts = batch[self.image_column], batch[self.caption_column]
         where = batch.get("key", batch.get("path"))
         sources = batch.get("source")
@@ -174,22 +176,39 @@ class Preprocess:
                 loc = str(where[i]) if where is not None else "row"
                 examples.setdefault(exc.reason, []).append(f"{loc}: {exc}"[:200])
                 continue
+            size = self.resolution
+            if self.buckets is not None:
+                bucket = self.buckets.assign(img.size[0], img.size[1], src)
+                size = self.buckets.sizes[bucket]
+                ids.append(bucket)
             out.append(transform_image_coords(
-                img, self.resolution, self.center_crop, self.random_flip, self.rng))
+                img, size, self.center_crop, self.random_flip, self.rng))
             captions.append(caption)
             kept.append(src)
         # Rows kept per source: the run's per-source counts (raylora.json data.sources).
         by_source = {} if sources is None else {"by_source": dict(Counter(kept))}
         self.reporter.send(len(out), bad, examples, **by_source)
         captions = apply_policies(captions, [self.policies[s] for s in kept], self.rng)
-        r = self.resolution
-        # every row of the batch bad: an empty batch of the right shapes
-        pixels = np.stack([o[0] for o in out]) if out else np.zeros((0, 3, r, r), np.uint8)
-        result = {"pixel_values": pixels, **self._text_columns(captions)}
+        result = {"pixel_values": self._pixels([o[0] for o in out]),
+                  **self._text_columns(captions)}
         result["original_size"] = np.array([o[1] for o in out], dtype=np.int64).reshape(-1, 2)
         result["crop_top_left"] = np.array([o[2] for o in out], dtype=np.int64).reshape(-1, 2)
-        result["target_size"] = np.array([pixels.shape[-2:]] * len(out), dtype=np.int64).reshape(-1, 2)
+        result["target_size"] = np.array([o[0].shape[-2:] for o in out], dtype=np.int64).reshape(-1, 2)
+        if self.buckets is not None:
+            result["bucket"] = np.array(ids, dtype=np.int32)
         return result
+
+    def _pixels(self, images: list[np.ndarray]) -> np.ndarray:
+        """The batch's pixels: stacked ``[B, 3, R, R]``; with buckets, a 1-D object array
+        (rows of several buckets: Ray Data keeps it as a variable-shaped tensor column)."""
+        if self.buckets is not None:
+            pixels = np.empty(len(images), dtype=object)
+            for i, a in enumerate(images):
+                pixels[i] = a
+            return pixels
+        r = self.resolution
+        # every row of the batch bad: an empty batch of the right shapes
+        return np.stack(images) if images else np.zeros((0, 3, r, r), np.uint8)
 
 
 # Preprocess stages built in this process, by their arguments (most recent last). Ray Data

@@ -27,6 +27,7 @@ import numpy as np
 import ray
 
 from raylora.config import DataSection
+from raylora.data.buckets import bucket_set
 from raylora.data.captions import caption_policies
 from raylora.data.formats import get_format
 from raylora.data.plan import DataPlan, pass_items, plan_data, read_units
@@ -279,7 +280,7 @@ def _preprocessed_rows(data: DataSection, plan: DataPlan, storage: Storage, mode
     """Shard rows read, decoded and preprocessed (build_dataset without a cache)."""
     stage = dict(
         tokenizer_path=model_path,
-        resolution=data.resolution,
+        resolution=data.max_resolution(),  # without buckets: data.resolution
         center_crop=data.center_crop,
         random_flip=data.random_flip,
         image_column="image",
@@ -289,6 +290,7 @@ def _preprocessed_rows(data: DataSection, plan: DataPlan, storage: Storage, mode
         region=storage.region,
         caption_dropout=data.caption_dropout,
         caption_policies=caption_policies(data),
+        buckets=bucket_set(data),
         family=family,
         bad_records=bad_records,
         # Read once, on the driver: see raylora.data.tokenize.

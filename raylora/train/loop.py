@@ -83,6 +83,7 @@ class _Progress:
 
     micro_losses: list[torch.Tensor] = field(default_factory=list)
     samples: list[str] = field(default_factory=list)
+    buckets: list[int] = field(default_factory=list)
     nonfinite_in_a_row: int = 0
     last_checkpoint: int = -1
     t_step: float = field(default_factory=time.perf_counter)
@@ -129,6 +130,8 @@ def _run_epoch(run, settings: LoopSettings, hooks: LoopHooks, progress: _Progres
         trained = True
         if hooks.sample_ids is not None:
             progress.samples += hooks.sample_ids(batch)
+        if "bucket" in batch:  # data.bucketing: which bucket each micro-batch came from
+            progress.buckets.append(int(batch["bucket"][0]))
         progress.micro_losses.append(train_micro_step(
             acc, run.model, run.parts, run.optimizer, run.lr_scheduler, run.params, batch,
             settings.max_grad_norm,
@@ -180,6 +183,9 @@ def _finish_step(run, settings: LoopSettings, progress: _Progress, with_samples:
     }
     if with_samples:
         row["samples"], progress.samples = progress.samples, []
+    if progress.buckets:  # the bucket id (one per micro-batch when accumulating)
+        b, progress.buckets = progress.buckets, []
+        row["bucket"] = b[0] if len(b) == 1 else b
     progress.t_step = now
     if state.train_loss_first is None:
         state.train_loss_first = loss

@@ -1,0 +1,336 @@
+"""Aspect-ratio buckets and multi-resolution (data.bucketing): bucket sets and assignment,
+crops and SDXL's conditioning, a 2-worker caption-folder run where every rank trains the
+same bucket every step, cached = uncached, and a Flux step on a non-square latent."""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from raylora.config import ConfigError, validate
+from raylora.data.buckets import (BucketSet, bucket_batches, cover_crop_box, epoch_steps,
+                                  resolution_buckets, schedule, sequence_digest)
+from raylora.data.preprocess import transform_image_coords
+
+
+# --- 1. bucket sets, assignment, crops ---------------------------------------------------
+
+def test_bucket_set_of_one_resolution_is_kohyas():
+    b = resolution_buckets(512, 64)
+    assert b[0] == (512, 512)
+    assert all(w % 64 == 0 and h % 64 == 0 and w * h <= 512 * 512 for w, h in b)
+    assert all((h, w) in b for w, h in b)  # every bucket and its transpose
+    assert max(max(w, h) / min(w, h) for w, h in b) == 4.0  # 1024x256
+    assert {(576, 448), (640, 384), (704, 320), (768, 320), (832, 256), (1024, 256)} <= set(b)
+    assert len(b) == 17
+    assert len(resolution_buckets(64, 16)) == 9  # 64², 80x48, 96x32, 112x32, 128x32 and turned
+
+
+def test_nearest_aspect_in_log_space_and_multi_resolution():
+    bs = BucketSet.of([[512, 1024]], 64)
+    name = lambda w, h: "x".join(map(str, bs.sizes[bs.assign(w, h)]))  # noqa: E731
+    assert name(800, 600) == "576x448"  # 4:3 → 1.29 (log distance 0.031; 640x384: 0.22)
+    assert name(600, 800) == "448x576"
+    assert name(1000, 1000) == "512x512"  # covers 512² but not 1024²: the 512 set
+    assert name(2000, 2000) == "1024x1024"
+    assert name(3000, 2000) == "1216x832"  # 1024 set, 1.5 → 1.46
+    assert name(100, 400) == "256x1024"  # covers neither: the smallest set, upscaled
+    # log space: 2:1 and 1:2 are equally far from square, so they go to mirrored buckets
+    w1, h1 = bs.sizes[bs.assign(1400, 700)]
+    w2, h2 = bs.sizes[bs.assign(700, 1400)]
+    assert (w1, h1) == (h2, w2)
+    # multiples of the step, and the largest bucket (memory) is the largest square
+    assert all(w % 64 == 0 and h % 64 == 0 for w, h in bs.sizes)
+    assert bs.largest() == (1024, 1024)
+    # a source with its own resolutions picks only from them
+    two = BucketSet.of([[512], [1024]], 64)
+    assert two.sizes[two.assign(2000, 2000, source=0)] == (512, 512)
+    assert two.sizes[two.assign(2000, 2000, source=1)] == (1024, 1024)
+
+
+def test_cover_then_crop_offsets():
+    rng = np.random.default_rng(0)
+    # 800x600 into 576x448: scale max(0.72, 0.7467) → 597x448, centre crop left (597-576)//2
+    assert cover_crop_box(800, 600, (576, 448), True, rng) == ((597, 448), (0, 10))
+    img = Image.new("RGB", (800, 600), "red")
+    arr, orig, crop = transform_image_coords(img, (576, 448), True, False, rng)
+    assert arr.shape == (3, 448, 576) and orig == (600, 800) and crop == (0, 10)
+    # random crops stay inside the resized image; a flip mirrors the left edge
+    for s in range(10):
+        (nw, nh), (top, left) = cover_crop_box(800, 600, (576, 448), False, np.random.default_rng(s))
+        assert top == 0 and 0 <= left <= 21
+    plain = transform_image_coords(img, (576, 448), False, False, np.random.default_rng(3))[2]
+    flip = [transform_image_coords(img, (576, 448), False, True, np.random.default_rng(3))[2]]
+    assert flip[0] in (plain, (0, 21 - plain[1]))
+
+
+def test_schedule_is_the_same_everywhere_and_counts_every_bucket():
+    steps = epoch_steps([{0: 10.0, 1: 7.0, 2: 1.0}, {0: 9.0, 1: 8.0}], batch_size=2)
+    assert steps == {0: 4, 1: 3}  # the smaller worker's full batches; bucket 2 fills none
+    s0, s1 = schedule(steps, 7, 0), schedule(steps, 7, 0)
+    assert s0 == s1 and sorted(s0) == [0, 0, 0, 0, 1, 1, 1]
+    assert schedule(steps, 7, 1) != s0 or schedule(steps, 7, 2) != s0  # reshuffled per epoch
+
+
+def test_bucket_batches_follow_the_schedule_and_fill_short_buckets():
+    rows = np.array([0, 1, 0, 0, 1, 0, 1, 1, 0], np.int32)  # 5 rows of bucket 0, 4 of 1
+    block = {"epoch": np.zeros(9, np.int32), "bucket": rows, "x": np.arange(9)}
+    plan = lambda e: [1, 0, 0, 1, 1]  # noqa: E731 - bucket 1 asks for 6 rows, 4 exist
+    out = list(bucket_batches([block], 2, plan, seed=lambda e: 0))
+    assert [int(b["bucket"][0]) for _, b in out] == [1, 0, 0, 1, 1]
+    for _, b in out:
+        assert len(set(b["bucket"].tolist())) == 1 and len(b["x"]) == 2
+    # the short bucket's last batch repeats its own rows, never another bucket's
+    assert {int(x) for _, b in out if b["bucket"][0] == 1 for x in b["x"]} == {1, 4, 6, 7}
+    # cut into other blocks, the same batches
+    halves = [{k: v[:4] for k, v in block.items()}, {k: v[4:] for k, v in block.items()}]
+    again = list(bucket_batches(halves, 2, plan, seed=lambda e: 0))
+    assert [b["x"].tolist() for _, b in again] == [b["x"].tolist() for _, b in out]
+    # exact resume: a stream opened at pass 1 gives pass 1's batches of the straight run
+    # (each pass depends on its rows, its schedule and seed(pass) alone)
+    two = [block, {**block, "epoch": np.ones(9, np.int32), "x": np.arange(9) + 100}]
+    seed = lambda e: 11 * e  # noqa: E731
+    straight = [b["x"].tolist() for e, b in bucket_batches(two, 2, plan, seed) if e == 1]
+    resumed = [b["x"].tolist() for _, b in bucket_batches(two[1:], 2, plan, seed)]
+    assert resumed == straight and len(straight) == 5
+    # a scheduled bucket with no row at all this pass: an error, never a skipped step
+    # (the other workers would wait for this one at their next all-reduce)
+    with pytest.raises(RuntimeError, match="no usable row of bucket 2"):
+        list(bucket_batches([block], 2, lambda e: [0, 2], seed=lambda e: 0))
+
+
+def test_bucketing_config_errors_name_their_keys(tiny_model, tiny, demo_data, tmp_path):
+    base = {"model": {"pretrained": tiny_model}, "output": {"uri": str(tmp_path)}}
+    with pytest.raises(ConfigError) as ei:
+        validate({**base, "data": {"uri": demo_data, "resolution": [64, 128]},
+                  "train": {"compile": "regional"}})
+    got = ei.value.problems
+    assert any(p.startswith("data.resolution: a list of resolutions needs data.bucketing") for p in got)
+    with pytest.raises(ConfigError) as ei:
+        validate({**base, "data": {"uri": demo_data, "bucketing": True, "resolution": [64, 100],
+                                   "bucket_step": 32},
+                  "scaling": {"num_workers": 2}, "train": {"compile": "regional"}})
+    got = ei.value.problems
+    assert "data.resolution: 100 is not a multiple of data.bucket_step=32" in got[0]
+    assert any(p.startswith("data.bucketing: with scaling.num_workers > 1 needs "
+                            "data.sharding=files") for p in got)
+    assert any(p.startswith("train.compile: regional compiles for one input shape") for p in got)
+    with pytest.raises(ConfigError) as ei:
+        validate({**base, "data": {"sources": [{"uri": demo_data, "resolution": 128}]}})
+    assert ei.value.problems[0].startswith("data.sources[0].resolution: a per-source "
+                                           "resolution needs multi-resolution aspect bucketing")
+    ok = validate({**base, "data": {"sources": [{"uri": demo_data, "resolution": [64, 128]}],
+                                    "bucketing": True, "bucket_step": 16, "resolution": 64}})
+    assert ok.data.source_sections()[0].resolutions() == [64, 128]
+    assert ok.compile_mode == "none"
+    # The family's latent grid (tiny Flux: VAE 2 x patch 2 = 4): a step off it is refused.
+    from raylora.launch import plan
+
+    # No bucket with a full batch on each worker: named, with the histogram.
+    with pytest.raises(ConfigError) as ei:
+        plan(validate({**base, "data": {"uri": demo_data, "bucketing": True, "resolution": 64,
+                                        "bucket_step": 16}, "train": {"batch_size": 40}}))
+    assert ei.value.problems == [
+        "data.bucketing: no bucket has a full batch (train.batch_size=40) on every one of the "
+        "1 workers (images per bucket: 64x64 32); lower train.batch_size, or use fewer "
+        "resolutions or a coarser data.bucket_step"]
+    with pytest.raises(ConfigError) as ei:
+        plan(validate({**base, "model": {"pretrained": tiny("flux")},
+                       "data": {"uri": demo_data, "bucketing": True, "resolution": 64,
+                                "bucket_step": 2}}))
+    assert ei.value.problems == ["data.bucket_step: 2 is not a multiple of 4 (the flux latent "
+                                 "grid: VAE downsampling × patch size), which bucket sides "
+                                 "must be (e.g. 64)"]
+
+
+# --- 4. SDXL's time ids carry the bucket crop -------------------------------------------
+
+def test_sdxl_time_ids_carry_the_bucket_crop_and_original_size(tiny):
+    import io
+
+    from raylora.data.preprocess import Preprocess
+    from raylora.model.families.sdxl import time_ids
+
+    def png(w, h):
+        buf = io.BytesIO()
+        Image.new("RGB", (w, h), "blue").save(buf, format="PNG")
+        return buf.getvalue()
+
+    bs = BucketSet.of([[64]], 16)
+    stage = Preprocess(tiny("sdxl"), 64, center_crop=True, random_flip=False, family="sdxl",
+                       buckets=bs)
+    out = stage({"image": np.array([png(120, 80), png(70, 70)], dtype=object),
+                 "text": np.array(["a", "b"], dtype=object)})
+    assert [bs.sizes[b] for b in out["bucket"]] == [(80, 48), (64, 64)]
+    assert out["pixel_values"][0].shape == (3, 48, 80) and out["pixel_values"][1].shape == (3, 64, 64)
+    ids = time_ids({k: torch.from_numpy(out[k]) for k in ("original_size", "crop_top_left", "target_size")})
+    # 120x80 → cover 80x48: scale max(80/120, 48/80)=0.667 → 80x53, crop top (53-48)//2=2
+    # 70x70 → 64x64 (scale 0.914), no offset
+    assert ids.tolist() == [[80.0, 120.0, 2.0, 0.0, 48.0, 80.0], [70.0, 70.0, 0.0, 0.0, 64.0, 64.0]]
+
+
+# --- 5. Flux: a bucketed step on a non-square latent --------------------------------------
+
+def test_flux_step_on_a_non_square_bucket(tiny, demo_data, tmp_path):
+    import io
+
+    from inproc import _fresh_accelerator
+
+    from raylora.data.preprocess import Preprocess
+    from raylora.train.setup import build_run
+    from raylora.train.step import train_micro_step
+
+    model = tiny("flux")
+    cfg = validate({"model": {"pretrained": model, "max_sequence_length": 32},
+                    "data": {"uri": demo_data, "resolution": 64, "bucketing": True,
+                             "bucket_step": 16},
+                    "train": {"learning_rate": 1e-3, "seed": 0},
+                    "output": {"uri": str(tmp_path / "o")}})
+    run = build_run(cfg, _fresh_accelerator(1), 2, rank=0)
+    bs = BucketSet.of([[64]], 16)
+    buf = io.BytesIO()
+    Image.new("RGB", (150, 60), "green").save(buf, format="PNG")  # 2.5:1 → 96x32 (log 0.18 off)
+    stage = Preprocess(model, 64, center_crop=True, random_flip=False, family="flux",
+                       max_sequence_length=32, buckets=bs)
+    out = stage({"image": np.array([buf.getvalue()] * 2, dtype=object),
+                 "text": np.array(["a", "b"], dtype=object)})
+    assert bs.sizes[out["bucket"][0]] == (96, 32)
+    batch = {k: torch.from_numpy(np.stack(v) if v.dtype == object else v) for k, v in out.items()}
+    assert tuple(batch["pixel_values"].shape) == (2, 3, 32, 96)
+    seen = {}
+    denoiser = run.accelerator.unwrap_model(run.model)
+    hook = denoiser.register_forward_pre_hook(
+        lambda m, a, kw: seen.update(x=kw["hidden_states"].shape, ids=kw["img_ids"].clone()),
+        with_kwargs=True)
+    loss = train_micro_step(run.accelerator, run.model, run.parts, run.optimizer,
+                            run.lr_scheduler, run.params, batch, 1.0)
+    hook.remove()
+    assert torch.isfinite(loss)
+    f = 2 ** (len(run.parts.vae.config.block_out_channels) - 1)
+    lh, lw = 32 // f, 96 // f  # the latent: 3:1, not square
+    assert lh != lw and seen["x"][:2] == (2, (lh // 2) * (lw // 2))  # 2x2 packing of h x w
+    assert seen["ids"][:, 1].max() == lh // 2 - 1 and seen["ids"][:, 2].max() == lw // 2 - 1
+
+
+# --- 2, 3. Ray runs ------------------------------------------------------------------------
+
+SHAPES = {"L": (120, 80), "P": (80, 120), "S": (70, 70)}
+
+
+def write_mixed_folder(root) -> str:
+    """A kohya ``5_name`` folder: 12 images cycling landscape/portrait/square (file i goes
+    to worker i mod 2: each worker gets 2 of each) and one 4:1 image, worker 0's alone,
+    each with a .txt caption."""
+    folder = root / "5_shapes"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    kinds = ["L", "P", "S"] * 4 + ["W"]
+    for i, kind in enumerate(kinds):
+        w, h = SHAPES.get(kind, (160, 40))
+        pixels = rng.integers(0, 255, (h, w, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(folder / f"img_{i:02d}.png")
+        (folder / f"img_{i:02d}.txt").write_text(f"a {kind} picture number {i}")
+    return str(root)
+
+
+def _tree(data: str, out, workers: int, cache: str = "none", **train) -> dict:
+    return {
+        "data": {"uri": data, "format": "captionfolder", "resolution": 64, "bucketing": True,
+                 "bucket_step": 16, "center_crop": True, "sharding": "files", "cache": cache,
+                 "cache_uri": str(out.parent / "cache")},
+        "train": {"batch_size": 2, "max_steps": 4, "learning_rate": 1e-3, "seed": 3, **train},
+        "scaling": {"num_workers": workers},
+        "checkpoint": {"every_n_steps": 4},
+        "output": {"uri": str(out)},
+    }
+
+
+@pytest.mark.integration
+def test_caption_folder_trains_in_buckets_on_two_workers_in_step(ray_local, tiny_model, tmp_path):
+    from stock import stock_load
+
+    from raylora.launch import run
+    from raylora.progress import summary_lines
+
+    data = write_mixed_folder(tmp_path / "data")
+    tree = _tree(data, tmp_path / "out", workers=2)
+    tree["model"] = {"pretrained": tiny_model}
+    summary = run(validate(tree))
+    m = summary["metrics"]
+    assert m["steps"] == 4 and m["replicas_in_sync"] is True
+    meta = json.loads((tmp_path / "out" / "adapter" / "raylora.json").read_text())
+    buckets = meta["data"]["buckets"]
+    # The histogram: distinct images per bucket WxH; 128x32 (the 4:1 image, worker 0's
+    # only) fills no batch on worker 1, so no worker trains it.
+    assert buckets["rows"] == {"64x64": 4, "80x48": 4, "48x80": 4, "128x32": 1}
+    # Each worker: 2 images of a bucket x 5 repeats = 10 rows = 5 batches of 2.
+    assert buckets["batches_per_epoch"] == {"64x64": 5, "80x48": 5, "48x80": 5}
+    rows = [json.loads(x) for x in open(tmp_path / "out" / "metrics.jsonl")]
+    per_step = [buckets["sizes"][r["bucket"]] for r in rows]
+    assert len(set(per_step)) >= 2, per_step
+    # Every rank trained the same bucket at every step (gathered from each rank's history).
+    digest = sequence_digest([r["bucket"] for r in rows])
+    assert m["replica_bucket_digests"] == [digest, digest] and m["buckets_in_sync"] is True
+    # The run log prints the histogram once.
+    lines = [ln for ln in summary_lines(summary) if ln.startswith("raylora: buckets")]
+    assert lines == ["raylora: buckets      48x80 4, 64x64 4, 80x48 4, 128x32 1 rows (3 of 4 fill a batch)"]
+    res = stock_load(tiny_model, str(tmp_path / "out" / "adapter"), tmp_path)
+    assert not res["raylora_imported"] and res["finite"] and res["max_abs_diff"] > 0
+
+
+@pytest.mark.integration
+def test_bucketed_cached_run_equals_uncached(ray_local, tiny_model, tmp_path):
+    from raylora.launch import run
+
+    data = write_mixed_folder(tmp_path / "data")
+
+    def go(name: str, cache: str):
+        tree = _tree(data, tmp_path / name, workers=1, cache=cache)
+        tree["model"] = {"pretrained": tiny_model}
+        summary = run(validate(tree))
+        rows = [json.loads(x) for x in open(tmp_path / name / "metrics.jsonl")]
+        return summary, rows
+
+    plain, plain_rows = go("plain", "none")
+    cached, cached_rows = go("cached", "latents")
+    assert cached["metrics"]["encoders_on_worker"] is False
+    # the same buckets in the same order, and the same losses (VAE batch numerics aside)
+    assert [r["bucket"] for r in cached_rows] == [r["bucket"] for r in plain_rows]
+    assert len({r["bucket"] for r in plain_rows}) >= 2
+    np.testing.assert_allclose([r["loss"] for r in cached_rows], [r["loss"] for r in plain_rows],
+                               rtol=1e-4)
+    meta = json.loads((tmp_path / "cached" / "adapter" / "raylora.json").read_text())["data"]
+    manifest = json.loads(open(os.path.join(meta["cache_uri"], "manifest.json")).read())
+    # the cache stores each image's bucketed latent: per file, its rows per bucket id
+    sizes = meta["buckets"]["sizes"]
+    counted = {}
+    for per_file in manifest["file_buckets"]:
+        for b, n in per_file.items():
+            counted[sizes[int(b)]] = counted.get(sizes[int(b)], 0) + n
+    assert counted == {"64x64": 4, "80x48": 4, "48x80": 4, "128x32": 1}
+    assert meta["buckets"]["rows"] == counted
+    assert math.isfinite(cached["metrics"]["train_loss_last"])
+
+
+def test_memory_estimate_uses_the_largest_bucket(tiny, demo_data, tmp_path):
+    from raylora import memory
+
+    model = tiny("sdxl")
+
+    def cfg(**data):
+        return validate({"model": {"pretrained": model},
+                         "data": {"uri": demo_data, "center_crop": True, **data},
+                         "output": {"uri": str(tmp_path)}})
+
+    bucketed = cfg(resolution=[64, 128], bucketing=True, bucket_step=16)
+    assert memory.config_args(bucketed)["resolution"] == (128, 128)  # most pixels: 128²
+    est = memory.from_config(bucketed)
+    assert est.total == memory.from_config(cfg(resolution=128)).total
+    assert est.total > memory.from_config(cfg(resolution=64)).total
+    assert "sdxl 128x128 px" in est.table()
+    # a non-square bucket's batch has its height and width
+    assert memory.from_config(bucketed, resolution=(128, 32)).activations < est.activations

@@ -5,60 +5,21 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
 pytestmark = pytest.mark.integration
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.dirname(sys.executable)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ray_pids(state: str) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "--", state], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
+from localhead import REPO, local_head
 
 
 @pytest.fixture
 def local_cluster(request):
-    """Start a head (+ optional worker node) with the repo's scripts; always tear down and
-    check that no process of it is left, also when the test failed."""
-    # Short path: Ray's unix sockets must stay under 107 characters.
-    state = tempfile.mkdtemp(prefix="rl-", dir="/tmp")
-    env = {**os.environ, "RAYLORA_LOCAL_STATE": state, "RAY_BIN": os.path.join(BIN, "ray"),
-           "PATH": BIN + os.pathsep + os.environ["PATH"]}
-    env.pop("RAY_ADDRESS", None)
-    port, dash = _free_port(), _free_port()
-    extra = list(getattr(request, "param", []))
-    args = ([] if "--cpus" in extra else ["--cpus", "4"]) + extra
-    args += ["--port", str(port), "--dashboard-port", str(dash)]
-    try:
-        up = subprocess.run([os.path.join(REPO, "cluster", "local-up.sh"), *args],
-                            capture_output=True, text=True, env=env, timeout=240)
-        assert up.returncode == 0, up.stdout + up.stderr
-        # What `source $STATE/env` gives a client: the cluster's auth token.
-        env = {**env, "RAY_AUTH_MODE": "token",
-               "RAY_AUTH_TOKEN_PATH": os.path.join(state, "auth_token")}
-        yield {"env": env, "state": state, "address": f"127.0.0.1:{port}",
-               "dashboard": f"http://127.0.0.1:{dash}", "stdout": up.stdout}
-    finally:
-        down = subprocess.run([os.path.join(REPO, "cluster", "local-down.sh")],
-                              capture_output=True, text=True, env=env, timeout=120)
-        left = _ray_pids(state)
-        shutil.rmtree(state, ignore_errors=True)
-        assert down.returncode == 0, down.stderr
-        assert left == [], f"Ray processes left behind: {left}"
+    """A head (+ optional worker node) from the repo's scripts (tests/localhead.py)."""
+    with local_head(list(getattr(request, "param", []))) as c:
+        yield c
 
 
 @pytest.mark.parametrize("local_cluster", [["--cpus", "2"]], indirect=True)

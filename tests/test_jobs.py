@@ -7,46 +7,23 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
 import time
 
 import pytest
 
 from killer import registered_step
+from localhead import REPO, local_head
 from raylora.cli import main
 
 pytestmark = pytest.mark.integration
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.dirname(sys.executable)
 MAX_STEPS = 40
 
 
 @pytest.fixture(scope="module")
 def head():
-    from test_cluster_local import _free_port, _ray_pids
-
-    state = tempfile.mkdtemp(prefix="rl-", dir="/tmp")  # short: Ray's socket paths
-    env = {**os.environ, "RAYLORA_LOCAL_STATE": state, "RAY_BIN": os.path.join(BIN, "ray"),
-           "PATH": BIN + os.pathsep + os.environ["PATH"]}
-    env.pop("RAY_ADDRESS", None)
-    dash = _free_port()
-    try:
-        up = subprocess.run([os.path.join(REPO, "cluster", "local-up.sh"), "--cpus", "4",
-                             "--port", str(_free_port()), "--dashboard-port", str(dash)],
-                            capture_output=True, text=True, env=env, timeout=240)
-        assert up.returncode == 0, up.stdout + up.stderr
-        yield {"address": f"http://127.0.0.1:{dash}", "token": os.path.join(state, "auth_token")}
-    finally:
-        down = subprocess.run([os.path.join(REPO, "cluster", "local-down.sh")],
-                              capture_output=True, text=True, env=env, timeout=120)
-        left = _ray_pids(state)
-        shutil.rmtree(state, ignore_errors=True)
-        assert down.returncode == 0, down.stderr
-        assert left == [], f"Ray processes left behind: {left}"
+    with local_head(["--cpus", "4"]) as c:
+        yield c
 
 
 def _wait(predicate, timeout: float, what: str):
@@ -64,7 +41,7 @@ def test_submit_status_stop_then_resubmit_resumes_and_finishes(
 ):
     from raylora import jobs
 
-    monkeypatch.setenv("RAY_ADDRESS", head["address"])
+    monkeypatch.setenv("RAY_ADDRESS", head["dashboard"])
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", head["token"])
     # A credential the job must get as env, never in its command line.

@@ -1,0 +1,58 @@
+"""A local Ray head (+ optional worker node) started and stopped with the repo's own
+cluster/local-up.sh and local-down.sh, as the README tells users to: for the tests of
+`ray job submit` (test_cluster_local) and `raylora submit | status | stop` (test_jobs)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ray_pids(state: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", "--", state], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+@contextlib.contextmanager
+def local_head(extra: list[str]):
+    """Yields env (with the cluster's auth token, as ``source $STATE/env`` gives a client),
+    state dir, GCS address, dashboard URL and local-up's stdout. Always tears down and
+    checks that no process of it is left, also when the body failed."""
+    # Short path: Ray's unix sockets must stay under 107 characters.
+    state = tempfile.mkdtemp(prefix="rl-", dir="/tmp")
+    env = {**os.environ, "RAYLORA_LOCAL_STATE": state, "RAY_BIN": os.path.join(BIN, "ray"),
+           "PATH": BIN + os.pathsep + os.environ["PATH"]}
+    env.pop("RAY_ADDRESS", None)
+    port, dash = free_port(), free_port()
+    args = ([] if "--cpus" in extra else ["--cpus", "4"]) + list(extra)
+    args += ["--port", str(port), "--dashboard-port", str(dash)]
+    try:
+        up = subprocess.run([os.path.join(REPO, "cluster", "local-up.sh"), *args],
+                            capture_output=True, text=True, env=env, timeout=240)
+        assert up.returncode == 0, up.stdout + up.stderr
+        env = {**env, "RAY_AUTH_MODE": "token",
+               "RAY_AUTH_TOKEN_PATH": os.path.join(state, "auth_token")}
+        yield {"env": env, "state": state, "address": f"127.0.0.1:{port}",
+               "dashboard": f"http://127.0.0.1:{dash}", "stdout": up.stdout,
+               "token": os.path.join(state, "auth_token")}
+    finally:
+        down = subprocess.run([os.path.join(REPO, "cluster", "local-down.sh")],
+                              capture_output=True, text=True, env=env, timeout=120)
+        left = ray_pids(state)
+        shutil.rmtree(state, ignore_errors=True)
+        assert down.returncode == 0, down.stderr
+        assert left == [], f"Ray processes left behind: {left}"

@@ -105,15 +105,15 @@ def torch_side(tree: dict, rows: list, threads: int) -> dict:
     from torch.utils.data import DataLoader
 
     from raylora.config import validate
-    from raylora.data.preprocess import Preprocess
+    from raylora.data.preprocess import Preprocess, StageSpec
     from raylora.train.loop import LoopHooks, LoopSettings, run_loop
     from raylora.train.setup import build_run
 
     torch.set_num_threads(threads)
     cfg = validate(tree)
     d, t = cfg.data, cfg.train
-    pre = Preprocess(cfg.model.pretrained, d.resolution, center_crop=d.center_crop,
-                     random_flip=d.random_flip, seed=t.seed)
+    pre = Preprocess(StageSpec(cfg.model.pretrained, d.resolution, center_crop=d.center_crop,
+                     random_flip=d.random_flip, seed=t.seed))
 
     def collate(batch):
         out = pre({"image": np.array([r[0] for r in batch], dtype=object),

@@ -84,9 +84,9 @@ def make_batches(model: str, resolution: int, batch_size: int, n: int) -> list:
     import torch
 
     from raylora.data.demo import make_samples
-    from raylora.data.preprocess import Preprocess
+    from raylora.data.preprocess import Preprocess, StageSpec
 
-    stage = Preprocess(model, resolution, center_crop=True, random_flip=False)
+    stage = Preprocess(StageSpec(model, resolution, center_crop=True, random_flip=False))
     samples = make_samples(n * batch_size, size=resolution, seed=0)
     out = stage({"image": np.array([s[0] for s in samples], dtype=object),
                  "text": np.array([s[1] for s in samples])})

@@ -22,9 +22,9 @@ class ParquetShards(IterableDataset):
 
     def _stage(self):
         if self._pre is None:  # once per worker process, like the Ray actor's __init__
-            from raylora.data.preprocess import Preprocess
+            from raylora.data.preprocess import Preprocess, StageSpec
 
-            self._pre = Preprocess(**self.pre_kwargs)
+            self._pre = Preprocess(StageSpec(**self.pre_kwargs))
         return self._pre
 
     def __iter__(self):

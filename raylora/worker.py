@@ -54,18 +54,18 @@ def _heldout_batch(spec: WorkerSpec) -> dict[str, torch.Tensor]:
     of arrays), or raw ``{image, text}`` rows preprocessed here (centre crop, no flip)."""
     import numpy as np
 
-    from raylora.data.preprocess import Preprocess
+    from raylora.data.preprocess import Preprocess, StageSpec
 
     cfg, heldout = spec.config, spec.plan.worker_heldout()
     if isinstance(heldout, dict):
         return {k: torch.from_numpy(np.asarray(v)) for k, v in heldout.items()}
-    pre = Preprocess(
+    pre = Preprocess(StageSpec(
         # Buckets or not: one square size (the largest resolution), so they batch together.
         tokenizer_path=spec.plan.model_path, resolution=cfg.data.max_resolution(), center_crop=True,
         random_flip=False, endpoint_url=cfg.storage.endpoint_url, region=cfg.storage.region,
         family=spec.plan.family, max_sequence_length=cfg.model.max_sequence_length,
         **cfg.data.decode_kwargs(),
-    )
+    ))
     batch = pre({
         "image": np.array([r["image"] for r in heldout], dtype=object),
         "text": np.array([r["text"] for r in heldout], dtype=object),

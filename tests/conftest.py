@@ -91,9 +91,9 @@ def batches(tiny_model, demo_data):
     import pyarrow.parquet as pq
     import torch
 
-    from raylora.data.preprocess import Preprocess
+    from raylora.data.preprocess import Preprocess, StageSpec
 
-    stage = Preprocess(tiny_model, 64, center_crop=True, random_flip=False)
+    stage = Preprocess(StageSpec(tiny_model, 64, center_crop=True, random_flip=False))
     table = pq.read_table(os.path.join(demo_data, "part-00000.parquet"))
     out = stage({"image": np.array(table["image"].to_pylist(), dtype=object),
                  "text": np.array(table["text"].to_pylist())})

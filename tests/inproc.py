@@ -44,10 +44,10 @@ def demo_batch(family: str, model: str, demo_data: str, n: int = 2) -> dict:
     (pixels, token ids; 32 tokens for the long-context encoders) as tensors."""
     import pyarrow.parquet as pq
 
-    from raylora.data.preprocess import Preprocess
+    from raylora.data.preprocess import Preprocess, StageSpec
 
-    stage = Preprocess(model, 64, center_crop=True, random_flip=False, family=family,
-                       max_sequence_length=32)
+    stage = Preprocess(StageSpec(model, 64, center_crop=True, random_flip=False, family=family,
+                       max_sequence_length=32))
     table = pq.read_table(os.path.join(demo_data, "part-00000.parquet")).slice(0, n)
     out = stage({"image": np.array(table["image"].to_pylist(), dtype=object),
                  "text": np.array(table["text"].to_pylist(), dtype=object)})

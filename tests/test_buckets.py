@@ -152,7 +152,7 @@ def test_bucketing_config_errors_name_their_keys(tiny_model, tiny, demo_data, tm
 def test_sdxl_time_ids_carry_the_bucket_crop_and_original_size(tiny):
     import io
 
-    from raylora.data.preprocess import Preprocess
+    from raylora.data.preprocess import Preprocess, StageSpec
     from raylora.model.families.sdxl import time_ids
 
     def png(w, h):
@@ -161,8 +161,8 @@ def test_sdxl_time_ids_carry_the_bucket_crop_and_original_size(tiny):
         return buf.getvalue()
 
     bs = BucketSet.of([[64]], 16)
-    stage = Preprocess(tiny("sdxl"), 64, center_crop=True, random_flip=False, family="sdxl",
-                       buckets=bs)
+    stage = Preprocess(StageSpec(tiny("sdxl"), 64, center_crop=True, random_flip=False, family="sdxl",
+                       buckets=bs))
     out = stage({"image": np.array([png(120, 80), png(70, 70)], dtype=object),
                  "text": np.array(["a", "b"], dtype=object)})
     assert [bs.sizes[b] for b in out["bucket"]] == [(80, 48), (64, 64)]
@@ -180,7 +180,7 @@ def test_flux_step_on_a_non_square_bucket(tiny, demo_data, tmp_path):
 
     from inproc import _fresh_accelerator
 
-    from raylora.data.preprocess import Preprocess
+    from raylora.data.preprocess import Preprocess, StageSpec
     from raylora.train.setup import build_run
     from raylora.train.step import train_micro_step
 
@@ -194,8 +194,8 @@ def test_flux_step_on_a_non_square_bucket(tiny, demo_data, tmp_path):
     bs = BucketSet.of([[64]], 16)
     buf = io.BytesIO()
     Image.new("RGB", (150, 60), "green").save(buf, format="PNG")  # 2.5:1 → 96x32 (log 0.18 off)
-    stage = Preprocess(model, 64, center_crop=True, random_flip=False, family="flux",
-                       max_sequence_length=32, buckets=bs)
+    stage = Preprocess(StageSpec(model, 64, center_crop=True, random_flip=False, family="flux",
+                       max_sequence_length=32, buckets=bs))
     out = stage({"image": np.array([buf.getvalue()] * 2, dtype=object),
                  "text": np.array(["a", "b"], dtype=object)})
     assert bs.sizes[out["bucket"][0]] == (96, 32)

@@ -84,14 +84,14 @@ def test_units_cover_the_rows_in_order(shards, fmt):
 
 @pytest.mark.parametrize("fmt", list(formats.FORMATS))
 def test_a_bad_sample_is_reported_at_its_key(shards, tiny_model, fmt):
-    from raylora.data.preprocess import Preprocess
+    from raylora.data.preprocess import Preprocess, StageSpec
 
     uris, texts = shards
     data = DataSection(uri=uris[fmt])
     plan = plan_data(data, Storage())
     rows = list(formats.get_format(fmt).iter_rows(data, plan.files, Storage()))
     sent = []
-    stage = Preprocess(tiny_model, 16, center_crop=True, random_flip=False)
+    stage = Preprocess(StageSpec(tiny_model, 16, center_crop=True, random_flip=False))
     stage.reporter.send = lambda ok, bad, examples: sent.append((ok, dict(bad), examples))
     out = stage({k: np.array([r[k] for r in rows], dtype=object) for k in ("key", "image", "text")})
     assert out["pixel_values"].shape == (N - 1, 3, 16, 16)
@@ -212,7 +212,7 @@ def test_missing_captions_are_refused_up_front_or_counted(tmp_path, tiny_model, 
     as in every format; more of them than data.max_bad_fraction stops preflight, naming
     them and the keys that change it."""
     from raylora.config import ConfigError, validate
-    from raylora.data.preprocess import Preprocess
+    from raylora.data.preprocess import Preprocess, StageSpec
     from raylora.launch import plan, resolve_paths
 
     root = write_kohya(tmp_path / "some", {"a": "a cat", "b": None, "c": None, "d": None})
@@ -230,7 +230,7 @@ def test_missing_captions_are_refused_up_front_or_counted(tmp_path, tiny_model, 
     rows = list(formats.get_format(p.format).iter_rows(data, p.files, Storage()))
     assert [r["text"] for r in rows] == ["a cat", None, None, None]
     sent = []
-    stage = Preprocess(tiny_model, 16, center_crop=True, random_flip=False)
+    stage = Preprocess(StageSpec(tiny_model, 16, center_crop=True, random_flip=False))
     stage.reporter.send = lambda ok, bad, examples: sent.append((ok, dict(bad)))
     stage({k: np.array([r[k] for r in rows], dtype=object) for k in ("key", "image", "text")})
     assert sent == [(1, {"missing_caption": 3})]
@@ -239,7 +239,7 @@ def test_missing_captions_are_refused_up_front_or_counted(tmp_path, tiny_model, 
 
 
 def test_caption_files_not_utf8_and_other_extensions(tmp_path, tiny_model):
-    from raylora.data.preprocess import Preprocess
+    from raylora.data.preprocess import Preprocess, StageSpec
 
     root = write_kohya(tmp_path / "enc", {"a": b"caf\xe9 au lait", "b": "fine"})
     (tmp_path / "enc" / "a.caption").write_text("from the .caption file")
@@ -247,7 +247,7 @@ def test_caption_files_not_utf8_and_other_extensions(tmp_path, tiny_model):
     rows = list(formats.get_format("captionfolder").iter_rows(data, plan_data(data, Storage()).files,
                                                               Storage()))
     sent = []
-    stage = Preprocess(tiny_model, 16, center_crop=True, random_flip=False)
+    stage = Preprocess(StageSpec(tiny_model, 16, center_crop=True, random_flip=False))
     stage.reporter.send = lambda ok, bad, examples: sent.append((ok, dict(bad), examples))
     stage({k: np.array([r[k] for r in rows], dtype=object) for k in ("key", "image", "text")})
     ((ok, bad, examples),) = sent

@@ -134,7 +134,7 @@ def test_latent_cache_build_reuse_and_training(ray_local, tiny_model, tmp_path):
 
     from raylora.data.cache import MANIFEST, EncodeStage
     from raylora.data.demo import write_parquet_shards
-    from raylora.data.preprocess import Preprocess
+    from raylora.data.preprocess import Preprocess, StageSpec
     from raylora.launch import run
 
     data, held = tmp_path / "data", tmp_path / "held"
@@ -188,7 +188,7 @@ def test_latent_cache_build_reuse_and_training(ray_local, tiny_model, tmp_path):
         return np.concatenate([c.to_numpy() for f in files for c in pq.read_table(f)[name].chunks])
 
     table = pq.read_table(data / "part-00000.parquet")
-    pre = Preprocess(tiny_model, 64, center_crop=True, random_flip=False)
+    pre = Preprocess(StageSpec(tiny_model, 64, center_crop=True, random_flip=False))
     raw = pre({"image": np.array(table["image"].to_pylist(), dtype=object),
                "text": np.array(table["text"].to_pylist(), dtype=object)})
     enc = EncodeStage(tiny_model, "sd", "float32", resolution=64)(dict(raw))

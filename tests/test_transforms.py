@@ -5,7 +5,7 @@ import pytest
 from PIL import Image
 
 from raylora.data.decode import open_image
-from raylora.data.preprocess import Preprocess, transform_image
+from raylora.data.preprocess import Preprocess, StageSpec, transform_image
 
 MAX_PIXELS = 178_956_970  # the data.max_image_pixels default
 
@@ -85,7 +85,7 @@ def test_open_image_accepts_hf_struct_and_rejects_garbage():
 
 
 def test_preprocess_stage_outputs(tiny_model):
-    stage = Preprocess(tiny_model, resolution=64, center_crop=True, random_flip=False)
+    stage = Preprocess(StageSpec(tiny_model, resolution=64, center_crop=True, random_flip=False))
     imgs = np.array([_png(Image.new("RGB", (96, 64), c)) for c in [(255, 0, 0), (0, 0, 255)]], dtype=object)
     out = stage({"image": imgs, "text": np.array(["a red square", "a blue circle " * 40])})
     # uint8 through the object store; red and blue exactly, scaled only at the VAE.
@@ -106,7 +106,7 @@ def test_preprocess_stage_outputs(tiny_model):
 def test_caption_dropout_replaces_captions_with_the_empty_prompt(tiny_model):
     import numpy as np
 
-    from raylora.data.preprocess import Preprocess
+    from raylora.data.preprocess import Preprocess, StageSpec
     from PIL import Image
     import io
 
@@ -115,7 +115,7 @@ def test_caption_dropout_replaces_captions_with_the_empty_prompt(tiny_model):
     n = 400
     batch = {"image": np.array([buf.getvalue()] * n, dtype=object),
              "text": np.array(["a red square"] * n, dtype=object)}
-    stage = Preprocess(tiny_model, 64, center_crop=True, random_flip=False, seed=0, caption_dropout=0.25)
+    stage = Preprocess(StageSpec(tiny_model, 64, center_crop=True, random_flip=False, seed=0, caption_dropout=0.25))
     ids = stage(batch)["input_ids"]
     from transformers import AutoTokenizer
 
@@ -123,7 +123,7 @@ def test_caption_dropout_replaces_captions_with_the_empty_prompt(tiny_model):
     empty = tok([""], padding="max_length", max_length=77, return_tensors="np").input_ids[0]
     dropped = (ids == empty).all(axis=1)
     assert 0.18 < dropped.mean() < 0.32
-    kept = Preprocess(tiny_model, 64, center_crop=True, random_flip=False, seed=0)(batch)["input_ids"]
+    kept = Preprocess(StageSpec(tiny_model, 64, center_crop=True, random_flip=False, seed=0))(batch)["input_ids"]
     assert not (kept == empty).all(axis=1).any()
     assert (ids[~dropped] == kept[0]).all()
 
@@ -206,11 +206,11 @@ def test_preprocess_with_driver_specs_equals_loading_the_tokenizer(tiny_model):
     specs = load_specs(tiny_model, "sd", Storage())
     imgs = np.array([_png(Image.new("RGB", (96, 64), (i * 40, 10, 200))) for i in range(4)], dtype=object)
     batch = {"image": imgs, "text": np.array(CAPTIONS[:4], dtype=object)}
-    a = Preprocess(tiny_model, 64, center_crop=True, random_flip=False)(batch)
-    b = Preprocess("/nonexistent", 64, center_crop=True, random_flip=False, tokenizer_specs=specs)(batch)
+    a = Preprocess(StageSpec(tiny_model, 64, center_crop=True, random_flip=False))(batch)
+    b = Preprocess(StageSpec("/nonexistent", 64, center_crop=True, random_flip=False, tokenizer_specs=specs))(batch)
     assert sorted(a) == sorted(b) == ["crop_top_left", "input_ids", "original_size", "pixel_values",
                                       "target_size"]
     for k in a:
         np.testing.assert_array_equal(a[k], b[k])
     with pytest.raises(ValueError, match="1 tokenizer spec"):
-        Preprocess(tiny_model, 64, True, False, family="sdxl", tokenizer_specs=specs)
+        Preprocess(StageSpec(tiny_model, 64, True, False, family="sdxl", tokenizer_specs=specs))

@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from raylora.config import ConfigError, validate
-from raylora.data.preprocess import Preprocess
+from raylora.data.preprocess import Preprocess, StageSpec
 from raylora.data.source import plan_data
 from raylora.data.split import KeepSplit, held_out_mask, read_heldout_rows, row_fraction
 from raylora.train import lr_find
@@ -76,7 +76,7 @@ def tiny_parts(tiny_model, demo_data):
     store = cfg.storage.client()
     dp = plan_data(cfg.data, store)
     rows = read_heldout_rows(cfg.data, dp, store, 0.3)
-    batch = Preprocess(tiny_model, 64, center_crop=True, random_flip=False)({
+    batch = Preprocess(StageSpec(tiny_model, 64, center_crop=True, random_flip=False))({
         "image": np.array([r["image"] for r in rows], dtype=object),
         "text": np.array([r["text"] for r in rows], dtype=object),
     })
@@ -160,7 +160,7 @@ def test_loop_evaluates_at_base_cadence_and_end(base_config, tiny_model):
     cfg = validate(base_config)
     accel = Accelerator(cpu=True)
     run = build_run(cfg, accel, 5, rank=0)
-    stage = Preprocess(tiny_model, 64, center_crop=True, random_flip=False)
+    stage = Preprocess(StageSpec(tiny_model, 64, center_crop=True, random_flip=False))
     rng = np.random.default_rng(0)
     imgs = [_png(rng) for _ in range(4)]
     out = stage({"image": np.array(imgs, dtype=object), "text": np.array(["a"] * 4, dtype=object)})
@@ -444,7 +444,7 @@ def _recompute_heldout(config: dict, lora_file: str, expect_rows: int) -> float:
     cfg = resolve_paths(validate(config))
     p = plan(cfg)
     assert p.heldout_rows == expect_rows
-    batch = Preprocess(cfg.model.pretrained, cfg.data.resolution, center_crop=True, random_flip=False)({
+    batch = Preprocess(StageSpec(cfg.model.pretrained, cfg.data.resolution, center_crop=True, random_flip=False))({
         "image": np.array([r["image"] for r in p.heldout], dtype=object),
         "text": np.array([r["text"] for r in p.heldout], dtype=object),
     })

@@ -210,13 +210,13 @@ class EncodeFiles:
     def __init__(self, data: dict, formats: list[str], files: list[list[str]], parts_uri: str,
                  pre: dict, enc: dict, rows_per_part: int, encode_batch: int):
         from raylora.config import DataSection
-        from raylora.data.preprocess import Preprocess
+        from raylora.data.preprocess import Preprocess, StageSpec
 
         self.data = DataSection.model_validate(data)
         self.sections = self.data.source_sections()
         self.formats, self.files, self.parts_uri = formats, files, parts_uri
         self.store = Storage(pre["endpoint_url"], pre["region"])
-        self.pre, self.enc = Preprocess(**pre), EncodeStage(**enc)
+        self.pre, self.enc = Preprocess(StageSpec(**pre)), EncodeStage(**enc)
         self.rows_per_part, self.encode_batch = rows_per_part, encode_batch
 
     def _rows(self, k: int, source: int, index: int, start: int, stop: int):
@@ -386,14 +386,14 @@ def ensure_cache(cfg: RayLoraConfig, family: str, model_path: str, data: DataPla
 
 
 def _encode_rows_task(cfg_dict: dict, family: str, model_path: str, rows: list[dict]) -> dict:
-    from raylora.data.preprocess import Preprocess
+    from raylora.data.preprocess import Preprocess, StageSpec
 
     cfg = RayLoraConfig.model_validate(cfg_dict)
     store = cfg.storage.client()
     pre, enc = _stage_kwargs(cfg, model_path, family, store)
     # Held-out rows are evaluated together: one square size, buckets or not.
     pre["buckets"] = None
-    return encode_chunk(Preprocess(**pre), EncodeStage(**enc), rows)
+    return encode_chunk(Preprocess(StageSpec(**pre)), EncodeStage(**enc), rows)
 
 
 def encode_rows(cfg: RayLoraConfig, family: str, model_path: str, rows: list[dict],

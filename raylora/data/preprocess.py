@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from dataclasses import dataclass
+
 import numpy as np
 from PIL import Image
 
@@ -77,6 +79,40 @@ def tokenize(tokenizer, captions: list[str]) -> np.ndarray:
     return ids.astype(np.int64)
 
 
+@dataclass(frozen=True)
+class StageSpec:
+    """What a ``Preprocess`` stage is built from (plain values: Ray Data pickles it to its
+    tasks and actors). ``tokenizer_specs``: the model's tokenizers as
+    ``raylora.data.tokenize`` specs, made by the driver (what Ray Data's tasks get: no
+    transformers import, no model download here); without them they are read from
+    ``tokenizer_path``. ``caption_policies``: per source (``raylora.data.captions``), for rows
+    with a ``source`` column; default: ``caption_dropout`` for every row. ``buckets``: a
+    ``raylora.data.buckets.BucketSet`` (data.bucketing): each image is cropped to its bucket,
+    ``pixel_values`` is then a 1-D object array of ``[3, H, W]`` arrays and a ``bucket``
+    column (int32, the bucket's id) is added."""
+
+    tokenizer_path: str
+    resolution: int
+    center_crop: bool
+    random_flip: bool
+    image_column: str = "image"
+    caption_column: str = "text"
+    seed: int = 0
+    endpoint_url: str | None = None
+    region: str | None = None
+    caption_dropout: float = 0.0
+    family: str = "sd"
+    max_image_pixels: int = 178_956_970
+    min_size: int = 0
+    small_images: str = "skip"
+    background_color: tuple[int, int, int] = (255, 255, 255)
+    bad_records: str | None = None
+    tokenizer_specs: tuple | None = None
+    max_sequence_length: int | None = None
+    caption_policies: tuple | None = None
+    buckets: object = None
+
+
 class Preprocess:
     """Batch stage: ``{image, caption}`` columns → ``{pixel_values, input_ids, ...}``: pixels
     uint8 ``[B, 3, R, R]`` (scaled by ``to_unit_range`` where the VAE takes them), token ids
@@ -84,65 +120,36 @@ class Preprocess:
     ``input_ids_2``, ``attention_mask``, ...), and each image's ``original_size``,
     ``crop_top_left`` and ``target_size`` ``[B, 2]`` (SDXL's micro-conditioning)."""
 
-    def __init__(
-        self,
-        tokenizer_path: str,
-        resolution: int,
-        center_crop: bool,
-        random_flip: bool,
-        image_column: str = "image",
-        caption_column: str = "text",
-        seed: int = 0,
-        endpoint_url: str | None = None,
-        region: str | None = None,
-        caption_dropout: float = 0.0,
-        family: str = "sd",
-        max_image_pixels: int = 178_956_970,
-        min_size: int = 0,
-        small_images: str = "skip",
-        background_color: tuple[int, int, int] = (255, 255, 255),
-        bad_records: str | None = None,
-        tokenizer_specs: tuple | None = None,
-        max_sequence_length: int | None = None,
-        caption_policies: tuple | None = None,
-        buckets=None,
-    ):
-        """``tokenizer_specs``: the model's tokenizers as ``raylora.data.tokenize`` specs,
-        made by the driver (what Ray Data's tasks get: no transformers import, no model
-        download here); without them they are read from ``tokenizer_path``.
-        ``caption_policies``: per source (``raylora.data.captions``), for rows with a
-        ``source`` column; default: ``caption_dropout`` for every row. ``buckets``: a
-        ``raylora.data.buckets.BucketSet`` (data.bucketing): each image is cropped to its
-        bucket, ``pixel_values`` is then a 1-D object array of ``[3, H, W]`` arrays and a
-        ``bucket`` column (int32, the bucket's id) is added."""
+    def __init__(self, spec: StageSpec):
         from raylora.data.captions import CaptionPolicy
         from raylora.data.tokenize import CaptionTokenizer, load_specs
         from raylora.model import families
 
-        self.texts = families.get(family).text
+        self.texts = families.get(spec.family).text
+        tokenizer_specs = spec.tokenizer_specs
         if not tokenizer_specs:
             from raylora.storage import Storage
 
-            tokenizer_specs = load_specs(tokenizer_path, family, Storage(endpoint_url, region),
-                                         max_sequence_length)
+            tokenizer_specs = load_specs(spec.tokenizer_path, spec.family,
+                                         Storage(spec.endpoint_url, spec.region), spec.max_sequence_length)
         if len(tokenizer_specs) != len(self.texts):
-            raise ValueError(f"{len(tokenizer_specs)} tokenizer spec(s) for family {family!r}")
+            raise ValueError(f"{len(tokenizer_specs)} tokenizer spec(s) for family {spec.family!r}")
         self.encoders = [CaptionTokenizer(s) for s in tokenizer_specs]
-        self.resolution = resolution
-        self.buckets = buckets
-        self.center_crop = center_crop
-        self.random_flip = random_flip
-        self.image_column = image_column
-        self.caption_column = caption_column
-        self.rng = np.random.default_rng(seed)
-        self.policies = tuple(caption_policies or (CaptionPolicy(caption_dropout),))
+        self.resolution = spec.resolution
+        self.buckets = spec.buckets
+        self.center_crop = spec.center_crop
+        self.random_flip = spec.random_flip
+        self.image_column = spec.image_column
+        self.caption_column = spec.caption_column
+        self.rng = np.random.default_rng(spec.seed)
+        self.policies = tuple(spec.caption_policies or (CaptionPolicy(spec.caption_dropout),))
         self.decode = dict(
-            max_pixels=max_image_pixels, min_size=min_size, small_images=small_images,
-            background=tuple(background_color),
+            max_pixels=spec.max_image_pixels, min_size=spec.min_size, small_images=spec.small_images,
+            background=tuple(spec.background_color),
         )
         from raylora.data.badrecords import Reporter
 
-        self.reporter = Reporter(bad_records)
+        self.reporter = Reporter(spec.bad_records)
 
     def _text_columns(self, captions: list[str]) -> dict[str, np.ndarray]:
         out = {}
@@ -222,11 +229,11 @@ _MAX_STAGES = 4
 
 
 def preprocess_batch(batch: dict[str, np.ndarray], **kwargs) -> dict[str, np.ndarray]:
-    """``Preprocess(**kwargs)(batch)`` with the stage built once per process."""
+    """``Preprocess(StageSpec(**kwargs))(batch)`` with the stage built once per process."""
     key = tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
     stage = _STAGES.get(key)
     if stage is None:
-        stage = _STAGES[key] = Preprocess(**kwargs)
+        stage = _STAGES[key] = Preprocess(StageSpec(**kwargs))
         while len(_STAGES) > _MAX_STAGES:
             _STAGES.popitem(last=False)
     else:

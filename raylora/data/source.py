@@ -31,7 +31,7 @@ from raylora.data.buckets import bucket_set
 from raylora.data.captions import caption_policies
 from raylora.data.formats import get_format
 from raylora.data.plan import DataPlan, pass_items, plan_data, read_units
-from raylora.data.preprocess import Preprocess, preprocess_batch
+from raylora.data.preprocess import Preprocess, StageSpec, preprocess_batch
 from raylora.data.split import KeepSplit
 from raylora.data.tokenize import load_specs
 from raylora.storage import Storage
@@ -261,7 +261,7 @@ class _PassPreprocess:
 
     def __init__(self, **stage):
         self.seed = stage["seed"]
-        self.stage = Preprocess(**stage)
+        self.stage = Preprocess(StageSpec(**stage))
         self.current = None
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

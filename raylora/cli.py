@@ -221,7 +221,21 @@ def _job_commands(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="raylora", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
+    _run_commands(sub)
+    _adapter_commands(sub)
+    shsub = _data_commands(sub)
+    _job_commands(sub)
+    # On each command, not the top parser: an option given after the command (where
+    # people put it) would be reset by the subcommand's default.
+    for cmd in [*sub.choices.values(), *shsub.choices.values()]:
+        cmd.add_argument("--verbose", "-v", action="store_true",
+                         help="show Ray's and the model libraries' routine logs "
+                              "(same as RAYLORA_VERBOSE=1)")
+    return p
 
+
+def _run_commands(sub) -> None:
+    """train, tune, plan, lr-find: what reads a job YAML and runs (or sizes) it."""
     t = sub.add_parser("train", help="fine-tune a LoRA adapter with Ray Train")
     t.add_argument("config", help="job YAML")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.learning_rate=2e-4")
@@ -246,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     lf.add_argument("--steps", type=int, default=100, help="optimizer steps (at most)")
     lf.set_defaults(fn=_lr_find)
 
+
+def _adapter_commands(sub) -> None:
+    """validate, sample, export, tiny-model: configs, adapters and models on this machine."""
     v = sub.add_parser("validate", help="check a config and print it resolved")
     v.add_argument("config")
     v.add_argument("overrides", nargs="*")
@@ -253,7 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("sample", help="generate an image with base model + adapter")
     s.add_argument("--model", required=True, help="base model: hub id or diffusers folder")
-    s.add_argument("--adapter", required=True, help="folder with pytorch_lora_weights.safetensors")
+    s.add_argument("--adapter", required=True, help="adapter folder: pytorch_lora_weights."
+                   "safetensors (lora, dora) or a peft folder (lokr, loha)")
     s.add_argument("--prompt", required=True)
     s.add_argument("--out", required=True, help="output PNG")
     s.add_argument("--seed", type=int, default=0)
@@ -282,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(fn=_tiny_model)
 
+
+def _data_commands(sub):
+    """shards build, demo-data; returns the shards subparsers (they get --verbose too)."""
     sh = sub.add_parser("shards", help="shard tools")
     shsub = sh.add_subparsers(dest="shards_cmd", required=True)
     b = shsub.add_parser("build", help="image folder → parquet or WebDataset shards on any URI")
@@ -299,14 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--shards", type=int, default=2)
     d.add_argument("--size", type=int, default=64)
     d.set_defaults(fn=_demo_data)
-    _job_commands(sub)
-    # On each command, not the top parser: an option given after the command (where
-    # people put it) would be reset by the subcommand's default.
-    for cmd in [*sub.choices.values(), *shsub.choices.values()]:
-        cmd.add_argument("--verbose", "-v", action="store_true",
-                         help="show Ray's and the model libraries' routine logs "
-                              "(same as RAYLORA_VERBOSE=1)")
-    return p
+    return shsub
 
 
 def main(argv: list[str] | None = None) -> int:

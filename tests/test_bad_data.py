@@ -18,6 +18,16 @@ OPTS = dict(max_pixels=50_000, min_size=32, small_images="skip", keep_empty_capt
             background=(10, 20, 30))
 
 
+@pytest.fixture(autouse=True)
+def _pil_bomb_bound_restored():
+    """decode_row sets PIL's process-wide bomb bound to data.max_image_pixels (right for a
+    Ray worker, which decodes for one run); the bounds these tests set (80 000 px) must not
+    reach later test modules, whose 800x600 images PIL would then refuse."""
+    before = Image.MAX_IMAGE_PIXELS
+    yield
+    Image.MAX_IMAGE_PIXELS = before
+
+
 def png(img: Image.Image, fmt: str = "PNG", **kw) -> bytes:
     buf = io.BytesIO()
     img.save(buf, format=fmt, **kw)

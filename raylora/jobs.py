@@ -3,14 +3,15 @@ Submission SDK (the dashboard's HTTP API), from a laptop that only reaches the d
 
 Address: ``--address``, else ``RAY_ADDRESS`` (a ``host:port`` GCS address is turned into
 the dashboard's URL by the SDK; give ``http://host:8265`` when the GCS is not reachable).
-Token auth: the SDK adds ``Authorization: Bearer`` itself when ``RAY_AUTH_MODE=token`` and
-``RAY_AUTH_TOKEN_PATH`` (or ``RAY_AUTH_TOKEN``) are set, as ``cluster/local-up.sh``'s env
-file sets them (checked in Ray 2.60: ``dashboard_sdk`` calls
-``get_auth_headers_if_auth_enabled``; a head started with token auth answers 401 without).
+Token auth: with ``RAY_AUTH_MODE=token`` and ``RAY_AUTH_TOKEN_PATH`` (or ``RAY_AUTH_TOKEN``)
+set, as ``cluster/local-up.sh``'s env file sets them, ``client`` sends ``Authorization:
+Bearer`` itself (``_auth_headers``): the SDK's own ``get_auth_headers_if_auth_enabled``
+follows Ray's process-wide auth mode, fixed at Ray's first use in the process, and a head
+started with token auth answers 401 without it (Ray 2.60).
 
 A job is ``python -m raylora train CONFIG OVERRIDES`` run in the shipped working dir,
 tagged ``raylora_*`` in the job's metadata (config name, output URI, max steps) so that
-``status`` can read the run's own ``metrics.jsonl`` and ``list`` can name the config.
+``status`` can read the run's own ``progress.json`` and ``list`` can name the config.
 Storage settings and credentials travel as the job's ``runtime_env`` ``env_vars``, never
 in the entrypoint: Ray shows a job's runtime_env to anyone who can read the dashboard
 (``ray job list``), so prefer credentials the cluster has itself (an instance role, a

@@ -492,6 +492,12 @@ class TrainSection(_Section):
     log_every_n_seconds: float = Field(
         30.0, gt=0, description="Progress: also a line when this long passed since the last.",
     )
+    readback_every_n_steps: int | None = Field(
+        None, gt=0, description="The loss stays on the device for N steps, then is read "
+        "back in one transfer: a per-step read makes the CPU wait for the GPU every step. "
+        "NaN/inf steps are still skipped at once; counting them (train.max_nonfinite_steps), "
+        "metrics rows and progress lines follow every N steps. Default 10 on GPU, 1 on CPU.",
+    )
     record_samples: bool = Field(
         False, description="metrics.jsonl rows list a content hash of every sample rank 0 "
         "trained on in that step: an audit of data order, e.g. across a resume.",

@@ -155,11 +155,22 @@ def install_sigterm(timeout_s: float) -> bool:
 
 class StopWatch:
     """Every rank calls ``check()`` after every optimizer step, the same number of times:
-    the run's agreed stop code (NONE, REQUESTED, PREEMPTED)."""
+    the run's agreed stop code (NONE, REQUESTED, PREEMPTED).
+
+    The ranks agree through a MAX all-reduce that runs behind the training: each check
+    starts one (async) and reads the one the previous check started, so a stop lands one
+    step later than it was seen, on every rank alike. On GPUs it goes through a gloo group
+    of host tensors: an NCCL reduce of a device tensor read back with ``.item()`` would
+    make the host wait for the GPU queue every step."""
 
     def __init__(self, rank: int, world: int, requests: str | None, device):
         self.rank, self.world, self.device = rank, world, device
         self.code = NONE
+        self._group, self._inflight = None, None
+        if world > 1 and getattr(device, "type", str(device)) != "cpu":
+            import torch.distributed as dist
+
+            self._group = dist.new_group(backend="gloo")  # collective: every rank, same order
         self._actor = None
         if rank == 0 and requests:
             import ray
@@ -191,9 +202,16 @@ class StopWatch:
 
         local = PREEMPTED if _SIGNALLED.is_set() else REQUESTED if self._requested() else NONE
         if self.world > 1:
-            t = torch.tensor([local], dtype=torch.int32, device=self.device)
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-            local = int(t.item())
+            agreed = NONE
+            if self._inflight is not None:  # the previous step's: long done, no wait
+                work, t = self._inflight
+                work.wait()
+                agreed = int(t.item())  # a host tensor: no device sync
+            t = torch.tensor([local], dtype=torch.int32)
+            work = torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX,
+                                                group=self._group, async_op=True)
+            self._inflight = (work, t)
+            local = agreed
         self.code = max(self.code, local)
         return self.code
 

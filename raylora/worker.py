@@ -476,7 +476,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
             if cfg.validation.prompts and (rank == 0 or run.sharded) else None,
             sample_ids=sample_hashes if cfg.train.record_samples and rank == 0 else None,
         )
-        settings = LoopSettings.from_config(cfg, plan.max_steps, world, nonfinite_advice(cfg))
+        settings = LoopSettings.from_config(cfg, plan.max_steps, world, nonfinite_advice(cfg),
+                                            accelerator.device.type)
         state = run_loop(run, settings, hooks)
         _after_stop(reporter, state)
     finally:

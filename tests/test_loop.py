@@ -155,3 +155,104 @@ def test_nonfinite_steps_are_skipped_counted_and_abort_when_repeated(base_config
     fp16 = validate({**base_config, "train": {**base_config["train"], "mixed_precision": "fp16"},
                      "scaling": {"use_gpu": True}})
     assert "fp16 overflow" in nonfinite_advice(fp16)
+
+
+def _readbacks(monkeypatch) -> list[int]:
+    """How many steps each read-back of the loss brought home (a spy on the loop's one
+    device → host transfer of losses)."""
+    from raylora.train import loop
+
+    sizes, real = [], loop._read_back
+
+    def spy(run, settings, progress, hooks):
+        if progress.pending:
+            sizes.append(len(progress.pending))
+        real(run, settings, progress, hooks)
+
+    monkeypatch.setattr(loop, "_read_back", spy)
+    return sizes
+
+
+def test_loss_read_back_every_n_steps_keeps_rows_weights_and_ema(base_config, batches, monkeypatch):
+    """#24 item 2: losses read back every 3 steps instead of every step: the same rows (in
+    step order, to on_step too), the same weights and EMA; fewer transfers."""
+    base_config["train"].update(max_steps=7, ema_decay=0.9)
+    cfg = validate(base_config)
+    sizes = _readbacks(monkeypatch)
+    result = {}
+    for every in (1, 3):
+        run = build_run(cfg, _fresh_accelerator(1), 7, rank=0)
+        seen = []
+        settings = LoopSettings(max_steps=7, images_per_step=2, checkpoint_every=5,
+                                readback_every=every)
+        run_loop(run, settings, LoopHooks(lambda e: batches, on_step=lambda r: seen.append(dict(r))))
+        result[every] = (run, seen)
+    # every 1: 7 transfers of one step; every 3: at steps 3, 5 (checkpoint), 6, 7 (final).
+    assert sizes == [1] * 7 + [3, 2, 1, 1]
+    (one, seen1), (three, seen3) = result[1], result[3]
+    assert [r["step"] for r in seen3] == list(range(1, 8))
+    for a, b in zip(seen1, seen3):
+        assert (a["step"], a["epoch"], a["lr"]) == (b["step"], b["epoch"], b["lr"])
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and b["images_per_s"] > 0
+    assert [r["loss"] for r in three.state.history] == [r["loss"] for r in seen3]
+    assert three.state.train_loss_last == seen3[-1]["loss"]
+    for p, q in zip(one.params, three.params):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-8)
+    assert one.ema.num_updates == three.ema.num_updates == 7
+    for p, q in zip(one.ema.shadow, three.ema.shadow):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach-host-check", "fused-on-device"])
+def test_nonfinite_step_skipped_with_deferred_readback(base_config, batches, fused):
+    """A NaN step is skipped whether the host checks the gradient norm (for-each AdamW) or
+    the fused AdamW skips on the device from a found_inf flag (no readback); with losses
+    read back every 4 steps it is still counted, the EMA ignores it, and repeated NaN
+    steps still abort, naming the steps."""
+    from raylora.train.loop import NonFiniteLossError
+
+    poisoned = {**batches[1], "pixel_values": torch.full(batches[1]["pixel_values"].shape, float("nan"))}
+    base_config["train"]["ema_decay"] = 0.9
+    cfg = validate(base_config)
+
+    def fresh(steps):
+        run = build_run(cfg, _fresh_accelerator(1), steps, rank=0)
+        inner = run.optimizer.optimizer
+        assert isinstance(inner, torch.optim.AdamW)
+        if fused:  # CPU has the fused kernel too; raylora uses it on CUDA
+            for g in inner.param_groups:
+                g["fused"], g["foreach"] = True, False
+        return run, inner
+
+    run, inner = fresh(4)
+    seen = []
+    settings = LoopSettings(max_steps=4, images_per_step=2, checkpoint_every=100, readback_every=4)
+
+    def on_step(row):
+        seen.append(row["step"])
+
+    snapshots = []
+
+    def after_each_step():  # called right after every optimizer step, before any readback
+        snapshots.append([p.detach().clone() for p in run.params])
+        return 0
+
+    run_loop(run, settings, LoopHooks(lambda e: [batches[0], poisoned, batches[2], batches[3]],
+                                      on_step=on_step, should_stop=after_each_step))
+    st = run.state
+    assert seen == [1, 2, 3, 4] and st.nonfinite_steps == 1
+    losses = [r["loss"] for r in st.history]
+    assert np.isnan(losses[1]) and all(np.isfinite(losses[i]) for i in (0, 2, 3))
+    assert all(torch.equal(a, b) for a, b in zip(snapshots[0], snapshots[1]))  # step 2 skipped
+    assert not all(torch.equal(a, b) for a, b in zip(snapshots[1], snapshots[2]))  # step 3 trained
+    # Three updates, not four: Adam's own step count shows the skip too.
+    assert {int(inner.state[p]["step"]) for p in run.params} == {3}
+    assert all(torch.isfinite(p).all() for p in run.params)
+    assert all(torch.isfinite(s).all() for s in run.ema.shadow)
+    assert getattr(inner, "found_inf", None) is None  # not left for a later step()
+
+    run, _ = fresh(6)
+    with pytest.raises(NonFiniteLossError, match=r"NaN/inf for 3 optimizer steps in a row \(steps 2-4"):
+        run_loop(run, LoopSettings(max_steps=6, images_per_step=2, checkpoint_every=100,
+                                   max_nonfinite_steps=3, readback_every=4),
+                 LoopHooks(lambda e: [batches[0]] + [poisoned] * 5))

@@ -26,11 +26,20 @@ class LoraEMA:
         self.shadow = [p.detach().float().clone() for p in params]
 
     @torch.no_grad()
-    def update(self, params: list[torch.nn.Parameter]) -> float:
-        """shadow ← d·shadow + (1−d)·param; returns d."""
+    def update(self, params: list[torch.nn.Parameter], where: torch.Tensor | None = None) -> float:
+        """shadow ← d·shadow + (1−d)·param; returns d.
+
+        ``where`` (a bool tensor, e.g. "this step's loss is finite") gates the update on
+        the device, without reading the flag back. A gated-off update leaves the shadow
+        as it was but still advances the warmup count."""
         d = ema_decay_at(self.num_updates, self.decay)
-        for s, p in zip(self.shadow, params):
-            s.mul_(d).add_(p.detach().float(), alpha=1 - d)
+        shadow = [p.detach().float() for p in params]
+        if where is None:
+            torch._foreach_lerp_(self.shadow, shadow, 1 - d)
+        else:
+            w = where.to(self.shadow[0].device, torch.float32) * (1 - d)
+            for s, p in zip(self.shadow, shadow):
+                s.lerp_(p, w)
         self.num_updates += 1
         return d
 

@@ -35,16 +35,21 @@ class LoopSettings:
     eval_every: int | None = None
     max_nonfinite_steps: int = 5
     nonfinite_advice: str = ""
+    # Losses stay on the device for this many steps, then are read back in one transfer:
+    # a per-step ``.item()`` makes the host wait for the GPU queue to drain every step.
+    readback_every: int = 1
 
     @classmethod
-    def from_config(cls, cfg, max_steps: int, world_size: int, advice: str = "") -> LoopSettings:
+    def from_config(cls, cfg, max_steps: int, world_size: int, advice: str = "",
+                    device: str = "cpu") -> LoopSettings:
         t = cfg.train
+        readback_every = t.readback_every_n_steps or (1 if device == "cpu" else 10)
         return cls(
             max_steps=max_steps,
             images_per_step=t.batch_size * t.gradient_accumulation_steps * world_size,
             checkpoint_every=cfg.checkpoint.every_n_steps, max_grad_norm=t.max_grad_norm,
             eval_every=cfg.validation.every_n_steps, max_nonfinite_steps=t.max_nonfinite_steps,
-            nonfinite_advice=advice,
+            nonfinite_advice=advice, readback_every=readback_every,
         )
 
 
@@ -82,6 +87,9 @@ class _Progress:
     """Within one ``run_loop`` call: what the step being built has seen so far."""
 
     micro_losses: list[torch.Tensor] = field(default_factory=list)
+    # Steps done whose rows wait for their loss (still on the device): (row, local loss).
+    pending: list[tuple[dict, torch.Tensor]] = field(default_factory=list)
+    t_readback: float = field(default_factory=time.perf_counter)
     samples: list[str] = field(default_factory=list)
     buckets: list[int] = field(default_factory=list)
     nonfinite_in_a_row: int = 0
@@ -131,7 +139,7 @@ def _run_epoch(run, settings: LoopSettings, hooks: LoopHooks, progress: _Progres
         if hooks.sample_ids is not None:
             progress.samples += hooks.sample_ids(batch)
         if "bucket" in batch:  # data.bucketing: which bucket each micro-batch came from
-            progress.buckets.append(int(batch["bucket"][0]))
+            progress.buckets.append(batch["bucket"][0])  # a tensor: int() would sync here
         progress.micro_losses.append(train_micro_step(
             acc, run.model, run.parts, run.optimizer, run.lr_scheduler, run.params, batch,
             settings.max_grad_norm,
@@ -140,8 +148,7 @@ def _run_epoch(run, settings: LoopSettings, hooks: LoopHooks, progress: _Progres
         if not acc.sync_gradients:
             continue
         row = _finish_step(run, settings, progress, hooks.sample_ids is not None)
-        hooks.on_step(row)
-        _after_step(state, settings, hooks, progress, row)
+        _after_step(run, settings, hooks, progress, row)
         if state.global_step >= settings.max_steps or progress.stopped:
             return
     if not trained and skip == 0:
@@ -151,53 +158,77 @@ def _run_epoch(run, settings: LoopSettings, hooks: LoopHooks, progress: _Progres
 
 
 def _finish_step(run, settings: LoopSettings, progress: _Progress, with_samples: bool) -> dict:
-    """An optimizer step just happened: count it, check its loss, and return its row."""
+    """An optimizer step just happened: count it and queue its row; the loss (a device
+    tensor) is filled in by the next ``_read_back``."""
     state = run.state
     state.global_step += 1
     state.images_seen += settings.images_per_step
-    # Mean over micro-batches and workers: the loss of the global batch (NaN on every
-    # rank when the step was skipped for non-finite values).
-    loss = run.accelerator.reduce(torch.stack(progress.micro_losses).mean(), reduction="mean").item()
+    local = torch.stack(progress.micro_losses).mean()
     progress.micro_losses = []
-    if math.isfinite(loss):
-        progress.nonfinite_in_a_row = 0
-        if run.ema is not None:
-            run.ema.update(run.params)
-    else:
-        state.nonfinite_steps += 1
-        progress.nonfinite_in_a_row += 1
-        n = progress.nonfinite_in_a_row
-        if n >= settings.max_nonfinite_steps:
-            raise NonFiniteLossError(
-                f"loss or gradients were NaN/inf for {n} optimizer steps in a row (steps "
-                f"{state.global_step - n + 1}-{state.global_step}; those steps were "
-                f"skipped). {settings.nonfinite_advice}".rstrip()
-            )
-    now = time.perf_counter()
-    row = {
-        "step": state.global_step,
-        "epoch": state.epoch,
-        "loss": loss,
-        "lr": run.lr_scheduler.get_last_lr()[0],
-        "images_per_s": settings.images_per_step / max(now - progress.t_step, 1e-9),
-    }
+    if run.ema is not None:
+        # Skipped (non-finite) steps are NaN on every rank (the skip follows the
+        # all-reduced gradient norm): the EMA ignores them, decided on the device.
+        run.ema.update(run.params, where=torch.isfinite(local))
+    row = {"step": state.global_step, "epoch": state.epoch, "loss": None,
+           "lr": run.lr_scheduler.get_last_lr()[0]}
     if with_samples:
         row["samples"], progress.samples = progress.samples, []
     if progress.buckets:  # the bucket id (one per micro-batch when accumulating)
-        b, progress.buckets = progress.buckets, []
-        row["bucket"] = b[0] if len(b) == 1 else b
-    progress.t_step = now
-    if state.train_loss_first is None:
-        state.train_loss_first = loss
-    state.train_loss_last = loss
+        row["bucket"], progress.buckets = progress.buckets, []
+    progress.pending.append((row, local))
     state.history.append(row)
-    state.wall_seconds = progress.wall_before + (now - progress.t_start)
     return row
 
 
-def _after_step(state: LoopState, settings: LoopSettings, hooks: LoopHooks, progress: _Progress,
+def _read_back(run, settings: LoopSettings, progress: _Progress, hooks: LoopHooks) -> None:
+    """Every queued step's loss in one transfer (and one all-reduce: the mean over
+    workers, the loss of the global batch, NaN on every rank when a step was skipped);
+    then the rows are complete and go to ``on_step`` in step order."""
+    if not progress.pending:
+        return
+    rows = [r for r, _ in progress.pending]
+    local = torch.stack([x for _, x in progress.pending])
+    buckets = [torch.stack(r["bucket"]) for r in rows if "bucket" in r]
+    progress.pending = []
+    losses = run.accelerator.reduce(local, reduction="mean").tolist()
+    now = time.perf_counter()
+    # Per step, the interval's mean: a step's own duration is unknown without a sync.
+    rate = settings.images_per_step * len(rows) / max(now - progress.t_readback, 1e-9)
+    progress.t_readback = now
+    bucket_ids = iter(torch.cat(buckets).tolist()) if buckets else None
+    for row, loss in zip(rows, losses):
+        row["loss"], row["images_per_s"] = loss, rate
+        if "bucket" in row:
+            b = [next(bucket_ids) for _ in row["bucket"]]
+            row["bucket"] = b[0] if len(b) == 1 else b
+        _count_nonfinite(run.state, settings, progress, row)
+        hooks.on_step(row)
+    state = run.state
+    if state.train_loss_first is None:
+        state.train_loss_first = rows[0]["loss"]
+    state.train_loss_last = rows[-1]["loss"]
+    state.wall_seconds = progress.wall_before + (now - progress.t_start)
+
+
+def _count_nonfinite(state: LoopState, settings: LoopSettings, progress: _Progress,
+                     row: dict) -> None:
+    if math.isfinite(row["loss"]):
+        progress.nonfinite_in_a_row = 0
+        return
+    state.nonfinite_steps += 1
+    progress.nonfinite_in_a_row += 1
+    n, last = progress.nonfinite_in_a_row, row["step"]
+    if n >= settings.max_nonfinite_steps:
+        raise NonFiniteLossError(
+            f"loss or gradients were NaN/inf for {n} optimizer steps in a row (steps "
+            f"{last - n + 1}-{last}; those steps were skipped). {settings.nonfinite_advice}".rstrip()
+        )
+
+
+def _after_step(run, settings: LoopSettings, hooks: LoopHooks, progress: _Progress,
                 row: dict) -> None:
     """Previews, held-out loss and checkpoint when this step is due for them."""
+    state = run.state
     step = state.global_step
     final = step >= settings.max_steps
     periodic = step % settings.checkpoint_every == 0 or final
@@ -207,6 +238,9 @@ def _after_step(state: LoopState, settings: LoopSettings, hooks: LoopHooks, prog
     # the straight run's.
     progress.stopped = not final and bool(hooks.should_stop())
     ckpt = periodic or progress.stopped
+    if ckpt or due or step % settings.readback_every == 0:
+        # Before anything that reads the state: checkpoints and evaluations see whole rows.
+        _read_back(run, settings, progress, hooks)
     if due and hooks.preview is not None:
         hooks.preview(step)
     if due and hooks.evaluate is not None:

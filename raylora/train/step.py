@@ -79,7 +79,7 @@ def train_micro_step(
     any micro-batch of the group, reaches every rank and all of them skip together. Under
     fp16 the GradScaler makes that call itself (and lowers its scale), so it still steps.
     """
-    skip = False
+    skip, finite, flagged = False, None, None
     with accelerator.accumulate(model):
         if hasattr(model, "set_requires_gradient_sync"):
             # FSDP (not DDP-wrapped, so accumulate() cannot skip its sync): reduce-scatter
@@ -93,14 +93,44 @@ def train_micro_step(
             norm = accelerator.clip_grad_norm_(params, max_grad_norm)
             if hasattr(norm, "full_tensor"):  # a DTensor (FSDP-sharded gradients)
                 norm = norm.full_tensor()
-            skip = norm is not None and not bool(torch.isfinite(torch.as_tensor(norm)))
+            if norm is not None:
+                finite = torch.isfinite(torch.as_tensor(norm))
+                flagged = _skips_on_device(optimizer, accelerator)
+                if flagged is not None:  # the optimizer skips by itself: no host sync
+                    flagged.found_inf, flagged.grad_scale = (~finite).float().reshape(()), None
+                else:
+                    skip = not bool(finite)  # waits for the GPU: every optimizer step
         if not skip or accelerator.scaler is not None:
             optimizer.step()
+        if flagged is not None:  # one step's flag: not left for the next caller of step()
+            flagged.found_inf = None
         if lr_scheduler is not None:  # None: the caller sets the lr itself (lr-find)
             lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     loss = loss.detach()
+    if finite is not None and not skip:  # NaN when skipped, decided on the device
+        return torch.where(finite, loss, torch.full_like(loss, float("nan")))
     return torch.full_like(loss, float("nan")) if skip else loss
+
+
+def _inner(optimizer):
+    """The torch optimizer under Accelerate's wrapper."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def _skips_on_device(optimizer, accelerator):
+    """The inner optimizer when it can skip a non-finite step on the device, else None.
+
+    torch's fused Adam/AdamW take a ``found_inf`` flag (the GradScaler protocol): the
+    kernel leaves weights, moments and step count alone where it is 1, so the skip needs
+    no ``bool(norm)`` readback (a stall of the whole GPU queue each step). Other
+    optimizers (for-each AdamW on CPU, 8-bit, Prodigy, Adafactor) are checked on the host;
+    under fp16 the GradScaler sets the flag itself.
+    """
+    inner = _inner(optimizer)
+    if accelerator.scaler is not None or not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+        return None
+    return inner if all(g.get("fused") for g in inner.param_groups) else None
 
 
 def average_gradients(params: list[torch.nn.Parameter]) -> None:

@@ -212,5 +212,21 @@ def test_preprocess_with_driver_specs_equals_loading_the_tokenizer(tiny_model):
                                       "target_size"]
     for k in a:
         np.testing.assert_array_equal(a[k], b[k])
-    with pytest.raises(ValueError, match="1 tokenizer spec"):
-        Preprocess(StageSpec(tiny_model, 64, True, False, family="sdxl", tokenizer_specs=specs))
+    # A preprocess process built from the driver's specs imports neither torch nor the
+    # model families nor transformers (each new Ray Data process paid seconds for them).
+    import pickle
+    import subprocess
+    import sys
+
+    probe = (
+        "import pickle, sys, numpy as np\n"
+        "from raylora.data.preprocess import Preprocess\n"
+        "spec, batch = pickle.loads(sys.stdin.buffer.read())\n"
+        "out = Preprocess(spec)(batch)\n"
+        "print(sorted(out['input_ids'].shape), sorted(m for m in ('torch', 'transformers', "
+        "'diffusers', 'raylora.model') if m in sys.modules))\n"
+    )
+    spec = StageSpec("/nonexistent", 64, center_crop=True, random_flip=False, tokenizer_specs=specs)
+    got = subprocess.run([sys.executable, "-c", probe], input=pickle.dumps((spec, batch)),
+                         capture_output=True, check=True)
+    assert got.stdout.decode().strip() == f"{sorted(a['input_ids'].shape)} []"

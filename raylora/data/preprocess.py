@@ -123,17 +123,15 @@ class Preprocess:
     def __init__(self, spec: StageSpec):
         from raylora.data.captions import CaptionPolicy
         from raylora.data.tokenize import CaptionTokenizer, load_specs
-        from raylora.model import families
 
-        self.texts = families.get(spec.family).text
         tokenizer_specs = spec.tokenizer_specs
         if not tokenizer_specs:
             from raylora.storage import Storage
 
             tokenizer_specs = load_specs(spec.tokenizer_path, spec.family,
                                          Storage(spec.endpoint_url, spec.region), spec.max_sequence_length)
-        if len(tokenizer_specs) != len(self.texts):
-            raise ValueError(f"{len(tokenizer_specs)} tokenizer spec(s) for family {spec.family!r}")
+        # Column names come with the specs: no import of the model families (and torch).
+        self.keys = [(s.ids_key, s.mask_key) for s in tokenizer_specs]
         self.encoders = [CaptionTokenizer(s) for s in tokenizer_specs]
         self.resolution = spec.resolution
         self.buckets = spec.buckets
@@ -153,11 +151,11 @@ class Preprocess:
 
     def _text_columns(self, captions: list[str]) -> dict[str, np.ndarray]:
         out = {}
-        for t, enc in zip(self.texts, self.encoders):
+        for (ids_key, mask_key), enc in zip(self.keys, self.encoders):
             ids, mask = enc.encode(captions)
-            out[t.ids_key] = ids
-            if t.mask_key:
-                out[t.mask_key] = mask
+            out[ids_key] = ids
+            if mask_key:
+                out[mask_key] = mask
         return out
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

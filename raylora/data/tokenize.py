@@ -30,6 +30,10 @@ class TokenizerSpec:
     pad_token: str
     template: str = "{}"
     mask: bool = False
+    # The batch columns of the ids and the mask (the family's, so a preprocess process
+    # needs no import of the model families, hence none of torch: seconds per process).
+    ids_key: str = "input_ids"
+    mask_key: str | None = None
 
     def __repr__(self) -> str:  # the JSON is megabytes; a digest names it
         import hashlib
@@ -47,7 +51,8 @@ def spec_from_tokenizer(tok, text=None, max_sequence_length: int | None = None) 
     length = text.length(int(tok.model_max_length), max_sequence_length) if text else int(tok.model_max_length)
     return TokenizerSpec(tok.backend_tokenizer.to_str(), length, int(tok.pad_token_id),
                          str(tok.pad_token), text.template if text else "{}",
-                         bool(text and text.mask_key))
+                         bool(text and text.mask_key), text.ids_key if text else "input_ids",
+                         text.mask_key if text else None)
 
 
 def load_specs(model_path: str, family: str, store,

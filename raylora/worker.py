@@ -231,8 +231,17 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
         return pass_batches(blocks, t.batch_size, data.shuffle_buffer_size, seed=seed,
                             pass_rows=pass_rows)
 
+    pinned = torch.device(device).type == "cuda"
+
     def to_device(batch: dict) -> dict:
-        return {k: torch.from_numpy(v).to(device) for k, v in batch.items()}
+        # In the prefetch thread. Pinned + non_blocking: the copy is queued behind the
+        # running step instead of this thread waiting for it (a pageable copy blocks until
+        # the GPU is done with everything queued before it); torch keeps the pinned buffer
+        # until the copy ran.
+        if not pinned:
+            return {k: torch.from_numpy(v).to(device) for k, v in batch.items()}
+        return {k: torch.from_numpy(v).pin_memory().to(device, non_blocking=True)
+                for k, v in batch.items()}
 
     return EpochStream(open_stream, per_epoch, per_pass=by_files, convert=to_device,
                        prefetch=PREFETCH_BATCHES)

@@ -516,7 +516,9 @@ def start_local_ray(num_cpus: int) -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     # Its workers inherit this process's environment; the runtime_env adds the setup hook.
-    ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
+    # address="local": a new instance even when a `ray start` cluster runs on this machine
+    # (without it Ray joins that one, then refuses num_cpus). Joining is RAY_ADDRESS's job.
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
              dashboard_port=port, runtime_env=job_runtime_env(), logging_level=_ray_log_level())
 
 

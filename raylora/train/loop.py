@@ -82,6 +82,7 @@ class _Progress:
     """Within one ``run_loop`` call: what the step being built has seen so far."""
 
     micro_losses: list[torch.Tensor] = field(default_factory=list)
+    micro_terms: list[dict] = field(default_factory=list)  # prior preservation's loss terms
     samples: list[str] = field(default_factory=list)
     buckets: list[int] = field(default_factory=list)
     nonfinite_in_a_row: int = 0
@@ -132,10 +133,13 @@ def _run_epoch(run, settings: LoopSettings, hooks: LoopHooks, progress: _Progres
             progress.samples += hooks.sample_ids(batch)
         if "bucket" in batch:  # data.bucketing: which bucket each micro-batch came from
             progress.buckets.append(int(batch["bucket"][0]))
+        terms: dict = {}
         progress.micro_losses.append(train_micro_step(
             acc, run.model, run.parts, run.optimizer, run.lr_scheduler, run.params, batch,
-            settings.max_grad_norm,
+            settings.max_grad_norm, terms,
         ))
+        if terms:
+            progress.micro_terms.append(terms)
         state.batches_in_epoch += 1
         if not acc.sync_gradients:
             continue
@@ -181,6 +185,9 @@ def _finish_step(run, settings: LoopSettings, progress: _Progress, with_samples:
         "lr": run.lr_scheduler.get_last_lr()[0],
         "images_per_s": settings.images_per_step / max(now - progress.t_step, 1e-9),
     }
+    if progress.micro_terms:  # prior preservation: loss_instance, loss_prior of the step
+        row.update(_mean_terms(run.accelerator, progress.micro_terms))
+        progress.micro_terms = []
     if with_samples:
         row["samples"], progress.samples = progress.samples, []
     if progress.buckets:  # the bucket id (one per micro-batch when accumulating)
@@ -193,6 +200,13 @@ def _finish_step(run, settings: LoopSettings, progress: _Progress, with_samples:
     state.history.append(row)
     state.wall_seconds = progress.wall_before + (now - progress.t_start)
     return row
+
+
+def _mean_terms(accelerator, terms: list[dict]) -> dict[str, float]:
+    """Each loss term's mean over micro-batches and workers (as the step's loss)."""
+    keys = sorted(terms[0])
+    stacked = torch.stack([torch.stack([t[k] for t in terms]).mean() for k in keys])
+    return dict(zip(keys, accelerator.reduce(stacked, reduction="mean").tolist()))
 
 
 def _after_step(state: LoopState, settings: LoopSettings, hooks: LoopHooks, progress: _Progress,

@@ -185,9 +185,15 @@ def test_generates_missing_class_images_then_reuses_them(ray_local, tiny_model, 
     m = first["metrics"]
     assert np.isfinite(m["train_loss_last"])
 
-    # A second run (another output): the generated folder is complete, nothing generated.
-    second = run(validate(_tree(tiny_model, demo_data, class_dir, tmp_path / "b")))
-    assert second["class_images"] == {**ci, "class_images_generated": 0}
+    # The second run's preamble (where class images are found, generated or reused):
+    # the generated folder is complete, so nothing is generated and no file is rewritten.
+    from raylora.launch import Setup, prepared
+
+    cfg = validate(_tree(tiny_model, demo_data, class_dir, tmp_path / "b"))
+    with prepared(cfg, Setup(need_cpus=lambda c: 2)) as second:
+        assert second.plan.class_images == {**ci, "class_images_generated": 0}
+        assert [r["image"] for r in second.plan.class_rows[2:]] == \
+            [open(os.path.join(gen, f"0000{i}.png"), "rb").read() for i in range(2)]
     assert {n: os.stat(os.path.join(gen, n)).st_mtime_ns for n in sorted(os.listdir(gen))} == stamps
-    raylora_json = json.load(open(tmp_path / "b" / "raylora.json"))
-    assert "class_images_generated" in json.dumps(raylora_json)
+    raylora_json = json.load(open(tmp_path / "a" / "raylora.json"))
+    assert '"class_images_generated": 2' in json.dumps(raylora_json)

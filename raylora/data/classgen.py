@@ -197,7 +197,8 @@ def generate(cfg: RayLoraConfig, family: str, model_path: str, uri: str,
                  max_sequence_length=cfg.model.max_sequence_length)
     ds = ray.data.from_items(items, override_num_blocks=max(1, len(items) // g.batch_size))
     written = ds.map_batches(GenerateStage, fn_constructor_kwargs=stage, batch_size=g.batch_size,
-                             batch_format="numpy", concurrency=actors, **res).take_all()
+                             batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=actors),
+                             **res).take_all()
     if len(written) != len(indices):
         raise RuntimeError(f"class images: {len(written)} of {len(indices)} were written")
 

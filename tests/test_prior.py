@@ -195,5 +195,5 @@ def test_generates_missing_class_images_then_reuses_them(ray_local, tiny_model, 
         assert [r["image"] for r in second.plan.class_rows[2:]] == \
             [open(os.path.join(gen, f"0000{i}.png"), "rb").read() for i in range(2)]
     assert {n: os.stat(os.path.join(gen, n)).st_mtime_ns for n in sorted(os.listdir(gen))} == stamps
-    raylora_json = json.load(open(tmp_path / "a" / "raylora.json"))
-    assert '"class_images_generated": 2' in json.dumps(raylora_json)
+    raylora_json = json.load(open(tmp_path / "a" / "adapter" / "raylora.json"))
+    assert raylora_json["data"]["class_images"] == ci

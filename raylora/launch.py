@@ -113,11 +113,17 @@ def resolve_paths(cfg: RayLoraConfig) -> RayLoraConfig:
 
     cfg = cfg.model_copy(deep=True)
     cfg.model.pretrained = resolve_model_path(cfg.model)
-    for section in [cfg.data, *(cfg.data.sources or [])]:
+    d = cfg.data
+    classes = d.class_sources if isinstance(d.class_sources, list) else []
+    for section in [d, *(d.sources or []), *classes]:
         uris = section.uri
         if uris is not None:
             section.uri = (storage.normalize(uris) if isinstance(uris, str)
                            else [storage.normalize(u) for u in uris])
+    if isinstance(d.class_sources, str):
+        d.class_sources = storage.normalize(d.class_sources)
+    if d.class_generation.uri is not None:
+        d.class_generation.uri = storage.normalize(d.class_generation.uri)
     cfg.output.uri = storage.normalize(cfg.output.uri)
     return cfg
 

@@ -151,6 +151,44 @@ def test_every_family_generates_class_images_with_its_stock_pipeline(tiny, famil
     np.testing.assert_allclose(a.astype(float), b.astype(float), atol=2)
 
 
+def test_class_rows_need_a_prompt_and_an_interrupted_folder_is_completed(tiny_model, demo_data,
+                                                                         tmp_path):
+    """Without Ray: the user's images are counted (generated ones left out), a row without
+    caption or prompt and a shortfall without data.class_prompt are refused by key, and a
+    generated folder whose build stopped before its manifest is taken over, not redone."""
+    from raylora.data.classgen import GenerateStage, ensure_class_images, generation_key
+
+    given = tmp_path / "dogs"
+    given.mkdir()
+    for i, row in enumerate(_rows(2)):
+        (given / f"g{i}.png").write_bytes(row["image"])
+    (given / "g0.txt").write_text("a dog on grass")
+
+    def cfg(**data):
+        return validate({"model": {"pretrained": tiny_model},
+                         "data": {"uri": demo_data, "resolution": 32, "class_sources": str(given),
+                                  "num_class_images": 3, **data},
+                         "output": {"uri": str(tmp_path / "o")}})
+
+    with pytest.raises(ValueError, match=r"data.class_sources: .*g1.png has no caption"):
+        ensure_class_images(cfg(), "sd", tiny_model, _store())
+    with pytest.raises(ValueError, match="data.num_class_images: 3 wanted, data.class_sources has 2"):
+        ensure_class_images(cfg(num_class_images=3, class_sources=[
+            {"uri": str(given), "prompt": "a dog"}]), "sd", tiny_model, _store())
+    c = cfg(class_prompt="a dog", class_generation={"num_inference_steps": 2})
+    # An interrupted build: its one image written, no manifest yet.
+    folder = given / "raylora-generated" / generation_key(c, "sd", tiny_model, 1, _store())
+    GenerateStage(tiny_model, "sd", "a dog", str(folder), 32, 2, 7.5)(
+        {"index": np.array([0]), "seed": np.array([0])})
+    found = ensure_class_images(c, "sd", tiny_model, _store())
+    assert [r["text"] for r in found.rows] == ["a dog on grass", "a dog", "a dog"]
+    assert (found.user_rows, found.generated, found.uri) == (2, 0, str(folder))
+    assert json.load(open(folder / "manifest.json"))["files"] == ["00000.png"]
+    # Now complete: the next call counts the same (the generated image is not a user's).
+    again = ensure_class_images(c, "sd", tiny_model, _store())
+    assert again.summary() == found.summary()
+
+
 def _store():
     from raylora.storage import Storage
 

@@ -167,7 +167,8 @@ def ensure_class_images(cfg: RayLoraConfig, family: str, model_path: str,
     generated = 0
     if not store.exists(storage.join(uri, MANIFEST)):
         todo = sorted(set(range(missing)) - (_present(uri, store) if store.exists(uri) else set()))
-        generate(cfg, family, model_path, uri, todo)
+        if todo:  # else an interrupted build got every image out before its manifest
+            generate(cfg, family, model_path, uri, todo)
         generated = len(todo)
         manifest = {"version": GEN_VERSION, "prompt": d.class_prompt, "count": missing,
                     "files": [image_name(i) for i in range(missing)], "model": model_path,

@@ -1195,6 +1195,11 @@ def _tune_checks(cfg: RayLoraConfig) -> list[str]:
             problems.append(f"{where}: with data.cache=latents every trial shares one cache; "
                             "model.* and data.* cannot be searched")
             continue
+        if key.startswith(("data.class_", "data.num_class_images")):
+            problems.append(f"{where}: the class images are read (and generated) once for "
+                            "every trial; data.class_* and data.num_class_images cannot be "
+                            "searched (train.prior_loss_weight can)")
+            continue
         if tn.search_alg == "grid" and dim.kind not in ("grid", "choice"):
             problems.append(f"{where}: search_alg grid needs grid or choice values, not {dim.kind}")
         if tn.search_alg in ("optuna", "hyperopt") and dim.kind == "grid":

@@ -161,6 +161,45 @@ def _resolution_value(v: Any) -> int | list[int]:
     return [one(x) for x in v] if isinstance(v, (list, tuple)) else one(v)
 
 
+class ClassSourceSection(_Section):
+    """One set of class images for prior preservation (``data.class_sources``)."""
+
+    uri: str | list[str] = Field(description="Files, directory, glob or a list of those, "
+                                 "as data.uri.")
+    prompt: str | None = Field(None, description="Caption of this source's images that have "
+                               "none (default data.class_prompt).")
+    format: Literal["auto", "parquet", "webdataset", "imagefolder", "captionfolder"] | None = None
+    image_column: str | None = None
+    caption_column: str | None = None
+    caption_extension: str | None = None
+
+    @field_validator("caption_extension")
+    @classmethod
+    def _extension(cls, v: str | None) -> str | None:
+        return _caption_extension(v)
+
+
+class ClassGenerationSection(_Section):
+    """How the class images that ``data.class_sources`` lacks are generated with the base
+    model (its stock pipeline, bf16 on GPUs), before training. Diffusers' DreamBooth
+    scripts generate the same way; these keys name the images' folder, so a rerun with
+    the same ones reuses them."""
+
+    uri: str | None = Field(
+        None, description="Root of the generated images ({uri}/{key}/NNNNN.png + .txt, key: a "
+        "hash of model, prompt, count, seed, resolution, steps and guidance). Default: "
+        "{data.class_sources}/raylora-generated when data.class_sources is one URI, else "
+        "{output.uri}/class_images.",
+    )
+    num_inference_steps: int = Field(30, gt=0, le=1000, description="Sampler steps per image.")
+    guidance_scale: float | None = Field(
+        None, ge=0.0, description="Classifier-free guidance scale; default the family's "
+        "(SD/SDXL 7.5, SD3 7.0, Flux.1 3.5, Qwen-Image 4.0).",
+    )
+    seed: int = Field(0, description="Image i is drawn with generator seed seed + i.")
+    batch_size: int = Field(4, gt=0, le=64, description="Images per pipeline call.")
+
+
 # What a source may set for itself (unset: the data key of the same name).
 SOURCE_KEYS = ("format", "image_column", "caption_column", "caption_extension",
                "caption_prefix", "caption_dropout", "shuffle_tags", "keep_tokens", "resolution")
@@ -274,6 +313,31 @@ class DataSection(_Section):
         description="Held-out rows evaluated: the first N in file order (each worker keeps "
         "their latents in memory).",
     )
+    class_sources: str | list[ClassSourceSection] | None = Field(
+        None, description="Prior preservation (DreamBooth): class images, a URI (file, "
+        "directory, glob) or a list of {uri, prompt, format, ...}. Each training batch gets "
+        "as many class samples as instance samples; their loss is weighted by "
+        "train.prior_loss_weight. Images without a caption take their prompt (default "
+        "data.class_prompt). Set this or data.class_prompt (or both) to turn it on.",
+    )
+    class_prompt: str | None = Field(
+        None, description="Prior preservation: the class prompt ('a photo of a dog'), for "
+        "generating the class images data.class_sources lacks and for its images without "
+        "a caption.",
+    )
+    num_class_images: int = Field(
+        100, gt=0, description="Prior preservation: class images to train with (as "
+        "diffusers); fewer in data.class_sources are generated with data.class_prompt.",
+    )
+    class_generation: ClassGenerationSection = Field(
+        default_factory=lambda: ClassGenerationSection(),
+        description="How missing class images are generated (data.class_prompt).",
+    )
+
+    @property
+    def prior_preservation(self) -> bool:
+        return self.class_sources is not None or self.class_prompt is not None
+
     @field_validator("caption_extension")
     @classmethod
     def _extension(cls, v: str) -> str:
@@ -546,6 +610,10 @@ class TrainSection(_Section):
     noise_offset: float = Field(
         0.0, ge=0, description="Noise offset (e.g. 0.05-0.1): learn overall brightness shifts."
     )
+    prior_loss_weight: float = Field(
+        1.0, ge=0, description="Prior preservation (data.class_sources / data.class_prompt): "
+        "loss = instance MSE + prior_loss_weight × class MSE (diffusers' DreamBooth).",
+    )
 
 
     @field_validator("mixed_precision", mode="before")
@@ -817,6 +885,7 @@ def _cross_checks(cfg: RayLoraConfig) -> list[str]:
     d = cfg.data
     problems += _data_checks(d)
     problems += _bucket_checks(d, cfg.scaling.num_workers, cfg.train.compile)
+    problems += _prior_checks(d)
     if d.validation_split and d.validation_uri is not None:
         problems.append(
             "data.validation_split: give either data.validation_split or data.validation_uri"
@@ -855,6 +924,30 @@ def _cross_checks(cfg: RayLoraConfig) -> list[str]:
                             "(the cache holds the frozen text encoder's embeddings)")
     if cfg.tune is not None:
         problems.extend(_tune_checks(cfg))
+    return problems
+
+
+def _prior_checks(d: DataSection) -> list[str]:
+    """Prior preservation's keys and what it cannot be combined with (yet)."""
+    if not d.prior_preservation:
+        if d.class_generation != ClassGenerationSection():
+            return ["data.class_generation: set, but prior preservation is off (set "
+                    "data.class_prompt and/or data.class_sources)"]
+        return []
+    problems = []
+    if d.cache == "latents":
+        problems.append("data.cache: latents is not supported with prior preservation yet "
+                        "(class images are not cached); set data.cache=none or unset "
+                        "data.class_sources/data.class_prompt")
+    if d.bucketing:
+        # Instance and class halves of a batch must have one image size.
+        problems.append("data.bucketing: not supported with prior preservation (a batch "
+                        "pairs instance and class images of one size); set it false")
+    if d.class_prompt is not None and not d.class_prompt.strip():
+        problems.append("data.class_prompt: empty; give the class ('a photo of a dog')")
+    if d.class_prompt is None and d.class_generation != ClassGenerationSection():
+        problems.append("data.class_generation: set, but there is no data.class_prompt to "
+                        "generate class images with")
     return problems
 
 
@@ -1107,6 +1200,11 @@ def _tune_checks(cfg: RayLoraConfig) -> list[str]:
         if cfg.data.cache == "latents" and key.split(".")[0] in ("model", "data"):
             problems.append(f"{where}: with data.cache=latents every trial shares one cache; "
                             "model.* and data.* cannot be searched")
+            continue
+        if key.startswith(("data.class_", "data.num_class_images")):
+            problems.append(f"{where}: the class images are read (and generated) once for "
+                            "every trial; data.class_* and data.num_class_images cannot be "
+                            "searched (train.prior_loss_weight can)")
             continue
         if tn.search_alg == "grid" and dim.kind not in ("grid", "choice"):
             problems.append(f"{where}: search_alg grid needs grid or choice values, not {dim.kind}")

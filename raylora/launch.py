@@ -61,11 +61,16 @@ class Plan:
     # per epoch per worker (the same on every worker; raylora.data.buckets.schedule).
     bucket_sizes: list[tuple[int, int]] | None = None
     bucket_steps: dict[int, int] | None = None
+    # Prior preservation: the class rows ({image: bytes, text}) every worker pairs its
+    # batches with, and what raylora.json says of them (raylora.data.classgen).
+    class_rows: list[dict] | None = field(default=None, repr=False)
+    class_images: dict | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("heldout")
         d.pop("heldout_encoded")
+        d.pop("class_rows")
         d.pop("data")
         d["sources"] = self.data_plan().summary()
         d["content_files"] = self.data_plan().content_files()
@@ -108,11 +113,17 @@ def resolve_paths(cfg: RayLoraConfig) -> RayLoraConfig:
 
     cfg = cfg.model_copy(deep=True)
     cfg.model.pretrained = resolve_model_path(cfg.model)
-    for section in [cfg.data, *(cfg.data.sources or [])]:
+    d = cfg.data
+    classes = d.class_sources if isinstance(d.class_sources, list) else []
+    for section in [d, *(d.sources or []), *classes]:
         uris = section.uri
         if uris is not None:
             section.uri = (storage.normalize(uris) if isinstance(uris, str)
                            else [storage.normalize(u) for u in uris])
+    if isinstance(d.class_sources, str):
+        d.class_sources = storage.normalize(d.class_sources)
+    if d.class_generation.uri is not None:
+        d.class_generation.uri = storage.normalize(d.class_generation.uri)
     cfg.output.uri = storage.normalize(cfg.output.uri)
     return cfg
 
@@ -202,7 +213,8 @@ def replan(cfg: RayLoraConfig, base: Plan) -> Plan:
 def _carry(p: Plan, base: Plan, **changes) -> Plan:
     """``p`` (fresh step arithmetic) with what ``base`` learned beyond it: family, cache."""
     keep = {k: getattr(base, k)
-            for k in ("family", "objective", "cache_uri", "cache_reused", "heldout_encoded", "bad_records")}
+            for k in ("family", "objective", "cache_uri", "cache_reused", "heldout_encoded", "bad_records",
+                      "class_rows", "class_images")}
     return replace(p, **{**keep, **changes})
 
 
@@ -220,6 +232,20 @@ def apply_cache(cfg: RayLoraConfig, p: Plan) -> Plan:
     encoded = encode_rows(cfg, p.family, p.model_path, p.heldout, store) if p.heldout else None
     return _carry(_arithmetic(cfg, p.model_path, data, p.heldout, []), p,
                   cache_uri=entry.uri, cache_reused=entry.reused, heldout_encoded=encoded)
+
+
+def apply_class_images(cfg: RayLoraConfig, p: Plan) -> Plan:
+    """Prior preservation: the class images read, and the missing ones generated (Ray
+    Data, on the cluster) or reused; they travel to the workers in the plan."""
+    from raylora.data.classgen import ensure_class_images
+
+    if not cfg.data.prior_preservation:
+        return p
+    try:
+        found = ensure_class_images(cfg, p.family, p.model_path, cfg.storage.client())
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        raise ConfigError([str(exc) if str(exc).startswith("data.") else f"data.class_sources: {exc}"])
+    return replace(p, class_rows=found.rows, class_images=found.summary())
 
 
 def _arithmetic(cfg: RayLoraConfig, model_path: str, data, heldout: list[dict], problems: list[str]) -> Plan:
@@ -574,6 +600,7 @@ def prepared(cfg: RayLoraConfig, setup: Setup) -> Iterator[Prepared]:
         run.cfg = check_cluster_fits(cfg, num_workers=setup.num_workers)
         run.plan = start_bad_records(run.plan)
         run.plan = apply_cache(run.cfg, run.plan)
+        run.plan = apply_class_images(run.cfg, run.plan)
         yield run
     finally:
         stop_bad_records(run.plan)
@@ -606,7 +633,8 @@ def run(cfg: RayLoraConfig) -> dict:
         with result.checkpoint.as_directory() as ckpt_dir:
             summary = export_run(ckpt_dir, cfg, result.metrics, {**p.to_dict(), **bad})
         return {**summary, "checkpoints": checkpoints, "rows_decoded": bad.get("rows_decoded"),
-                **({"buckets": p.bucket_summary()} if p.bucket_steps is not None else {})}
+                **({"buckets": p.bucket_summary()} if p.bucket_steps is not None else {}),
+                **({"class_images": p.class_images} if p.class_images else {})}
 
 
 _COUNTERS: dict = {}

@@ -178,6 +178,7 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
     worker builds one of its own files. Pass ``e``'s read order and preprocessing draws
     depend on the seed and ``e`` alone (raylora.data.source.build_dataset), so under
     ``files`` the stream a resumed run opens at its epoch repeats the straight run's."""
+    from raylora.data.prior import paired
     from raylora.data.source import DataPlan, EpochStream, build_dataset, pass_batches
 
     cfg, plan = spec.config, spec.plan
@@ -202,6 +203,9 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
         return ds
 
     splits = []
+    # Prior preservation: class samples appended to every batch (raylora.data.prior), in
+    # the prefetch thread like the rest of the stream.
+    classes = _class_batches(spec, rank, data_seed) if plan.class_rows else None
 
     def shard(epoch: int):
         if by_files:
@@ -228,8 +232,9 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
         seed = lambda e: data_seed + 7919 * e + rank  # noqa: E731
         if plan.bucket_steps is not None:
             return _bucketed(blocks, plan, t.batch_size, data_seed, seed)
-        return pass_batches(blocks, t.batch_size, data.shuffle_buffer_size, seed=seed,
-                            pass_rows=pass_rows)
+        batches = pass_batches(blocks, t.batch_size, data.shuffle_buffer_size, seed=seed,
+                               pass_rows=pass_rows)
+        return batches if classes is None else paired(batches, classes)
 
     pinned = torch.device(device).type == "cuda"
 
@@ -245,6 +250,23 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
 
     return EpochStream(open_stream, per_epoch, per_pass=by_files, convert=to_device,
                        prefetch=PREFETCH_BATCHES)
+
+
+def _class_batches(spec: WorkerSpec, rank: int, seed: int):
+    """This worker's class samples (prior preservation), preprocessed as the instance
+    images are, without caption dropout or prefixes (class prompts are used as given)."""
+    from raylora.data.prior import ClassBatches
+    from raylora.data.preprocess import Preprocess, StageSpec
+
+    cfg, plan = spec.config, spec.plan
+    d = cfg.data
+    stage = Preprocess(StageSpec(
+        tokenizer_path=plan.model_path, resolution=d.max_resolution(), center_crop=d.center_crop,
+        random_flip=d.random_flip, endpoint_url=cfg.storage.endpoint_url, region=cfg.storage.region,
+        family=plan.family, max_sequence_length=cfg.model.max_sequence_length,
+        tokenizer_specs=spec.tokenizer_specs, **d.decode_kwargs(),
+    ))
+    return ClassBatches(plan.class_rows, stage, seed, rank)
 
 
 def _bucketed(blocks, plan: Plan, batch_size: int, data_seed: int, seed):
@@ -344,7 +366,14 @@ class _Reporter:
             else _finite_or_inf(st.eval_loss_last),
             "eval_loss_best": st.eval_loss_best,
             "lr": self.run.lr_scheduler.get_last_lr()[0],
-        } | self._stopped()
+        } | self._prior_terms(st) | self._stopped()
+
+    @staticmethod
+    def _prior_terms(st: LoopState) -> dict:
+        """Prior preservation: the last step's instance and class (prior) loss terms."""
+        last = st.history[-1] if st.history else {}
+        return {f"train_{k}": _finite_or_inf(last[k]) for k in ("loss_instance", "loss_prior")
+                if k in last}
 
     def _stopped(self) -> dict:
         """Why the run ends at this checkpoint short of max_steps (raylora.stop), if it does."""

@@ -87,14 +87,15 @@ class _Progress:
     """Within one ``run_loop`` call: what the step being built has seen so far."""
 
     micro_losses: list[torch.Tensor] = field(default_factory=list)
-    # Steps done whose rows wait for their loss (still on the device): (row, local loss).
-    pending: list[tuple[dict, torch.Tensor]] = field(default_factory=list)
+    # Steps done whose rows wait for their loss (still on the device): (row, local loss
+    # and, with prior preservation, loss_instance and loss_prior after it).
+    pending: list[tuple[dict, torch.Tensor, tuple[str, ...]]] = field(default_factory=list)
     t_readback: float = field(default_factory=time.perf_counter)
+    micro_terms: list[dict] = field(default_factory=list)  # prior preservation's loss terms
     samples: list[str] = field(default_factory=list)
     buckets: list[int] = field(default_factory=list)
     nonfinite_in_a_row: int = 0
     last_checkpoint: int = -1
-    t_step: float = field(default_factory=time.perf_counter)
     t_start: float = field(default_factory=time.perf_counter)
     wall_before: float = 0.0
     stopped: bool = False  # should_stop() said so: the loop ends after this step's checkpoint
@@ -131,7 +132,6 @@ def _run_epoch(run, settings: LoopSettings, hooks: LoopHooks, progress: _Progres
     state, acc = run.state, run.accelerator
     skip = state.batches_in_epoch
     trained = False
-    progress.t_step = time.perf_counter()
     for i, batch in enumerate(hooks.epoch_batches(state.epoch)):
         if i < skip:  # resumed mid-epoch: these micro-batches were already trained on
             continue
@@ -140,10 +140,13 @@ def _run_epoch(run, settings: LoopSettings, hooks: LoopHooks, progress: _Progres
             progress.samples += hooks.sample_ids(batch)
         if "bucket" in batch:  # data.bucketing: which bucket each micro-batch came from
             progress.buckets.append(batch["bucket"][0])  # a tensor: int() would sync here
+        terms: dict = {}
         progress.micro_losses.append(train_micro_step(
             acc, run.model, run.parts, run.optimizer, run.lr_scheduler, run.params, batch,
-            settings.max_grad_norm,
+            settings.max_grad_norm, terms,
         ))
+        if terms:
+            progress.micro_terms.append(terms)
         state.batches_in_epoch += 1
         if not acc.sync_gradients:
             continue
@@ -171,11 +174,17 @@ def _finish_step(run, settings: LoopSettings, progress: _Progress, with_samples:
         run.ema.update(run.params, where=torch.isfinite(local))
     row = {"step": state.global_step, "epoch": state.epoch, "loss": None,
            "lr": run.lr_scheduler.get_last_lr()[0]}
+    values, keys = [local], ()
+    if progress.micro_terms:  # prior preservation: loss_instance, loss_prior of the step
+        keys = tuple(sorted(progress.micro_terms[0]))
+        values += [torch.stack([t[k] for t in progress.micro_terms]).mean() for k in keys]
+        row.update(dict.fromkeys(keys))
+        progress.micro_terms = []
     if with_samples:
         row["samples"], progress.samples = progress.samples, []
     if progress.buckets:  # the bucket id (one per micro-batch when accumulating)
         row["bucket"], progress.buckets = progress.buckets, []
-    progress.pending.append((row, local))
+    progress.pending.append((row, torch.stack(values), keys))
     state.history.append(row)
     return row
 
@@ -186,18 +195,20 @@ def _read_back(run, settings: LoopSettings, progress: _Progress, hooks: LoopHook
     then the rows are complete and go to ``on_step`` in step order."""
     if not progress.pending:
         return
-    rows = [r for r, _ in progress.pending]
-    local = torch.stack([x for _, x in progress.pending])
+    rows = [r for r, _, _ in progress.pending]
+    keys = progress.pending[0][2]  # the same every step of a run
+    local = torch.stack([x for _, x, _ in progress.pending])  # [steps, 1 + terms]
     buckets = [torch.stack(r["bucket"]) for r in rows if "bucket" in r]
     progress.pending = []
-    losses = run.accelerator.reduce(local, reduction="mean").tolist()
+    values = run.accelerator.reduce(local, reduction="mean").tolist()
     now = time.perf_counter()
     # Per step, the interval's mean: a step's own duration is unknown without a sync.
     rate = settings.images_per_step * len(rows) / max(now - progress.t_readback, 1e-9)
     progress.t_readback = now
     bucket_ids = iter(torch.cat(buckets).tolist()) if buckets else None
-    for row, loss in zip(rows, losses):
+    for row, (loss, *terms) in zip(rows, values):
         row["loss"], row["images_per_s"] = loss, rate
+        row.update(zip(keys, terms))
         if "bucket" in row:
             b = [next(bucket_ids) for _ in row["bucket"]]
             row["bucket"] = b[0] if len(b) == 1 else b

@@ -77,3 +77,16 @@ def denoising_loss(
     per_sample = F.mse_loss(model_pred.float(), target.float(), reduction="none")
     per_sample = per_sample.mean(dim=tuple(range(1, per_sample.dim())))
     return (per_sample * weights.float()).mean()
+
+
+def split_pairs(*tensors: torch.Tensor | None) -> tuple[tuple, tuple]:
+    """A prior-preservation batch ``[2B, ...]`` (B instance samples, then B class samples,
+    as diffusers' DreamBooth collate stacks them) → (instance halves, class halves) of each
+    tensor; None stays None in both."""
+    halves = [t.chunk(2, dim=0) if t is not None else (None, None) for t in tensors]
+    return tuple(h[0] for h in halves), tuple(h[1] for h in halves)
+
+
+def combine_prior(instance: torch.Tensor, prior: torch.Tensor, weight: float) -> torch.Tensor:
+    """The DreamBooth objective: instance loss + ``weight`` × class (prior) loss."""
+    return instance + weight * prior

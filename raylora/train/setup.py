@@ -100,6 +100,7 @@ def frozen_parts(cfg: RayLoraConfig, comps, device, weight_dtype: torch.dtype,
         build_objective(cfg, comps.family, comps.scheduler_config), weight_dtype,
         latent_shift=comps.latent_shift, latent_scale=comps.latent_scale,
         guidance=cfg.train.flow.guidance, text_encoder_params=list(te_params),
+        prior_loss_weight=cfg.train.prior_loss_weight if cfg.data.prior_preservation else None,
     )
 
 

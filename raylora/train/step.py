@@ -15,7 +15,7 @@ import torch
 
 from raylora.model.families.base import Cond, Family
 from raylora.train.encode import batch_condition, batch_posterior, sample_latents
-from raylora.train.loss import denoising_loss
+from raylora.train.loss import combine_prior, denoising_loss, split_pairs
 from raylora.train.objective import draw_noise
 
 
@@ -38,6 +38,9 @@ class FrozenParts:
     latent_scale: Any = 0.18215
     guidance: float = 1.0  # guidance-embedding input of guidance-distilled models (Flux.1-dev)
     text_encoder_params: list[torch.nn.Parameter] = field(default_factory=list)
+    # Prior preservation: batches are instance ‖ class halves, and this weights the class
+    # half's loss (train.prior_loss_weight); None: plain batches.
+    prior_loss_weight: float | None = None
 
 
 def encode_batch(parts: FrozenParts, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Cond]:
@@ -50,15 +53,29 @@ def encode_batch(parts: FrozenParts, batch: dict[str, torch.Tensor]) -> tuple[to
     return latents, cond
 
 
-def compute_loss(model: torch.nn.Module, parts: FrozenParts, batch: dict[str, torch.Tensor]):
-    """The training objective for one batch; randomness from torch's global RNG."""
+def compute_loss(model: torch.nn.Module, parts: FrozenParts, batch: dict[str, torch.Tensor],
+                 terms: dict | None = None):
+    """The training objective for one batch; randomness from torch's global RNG.
+    ``terms``: filled with the detached ``loss_instance`` and ``loss_prior`` of a
+    prior-preservation batch."""
     latents, cond = encode_batch(parts, batch)
     obj = parts.objective
     noise = draw_noise(latents)
     t = obj.sample_timesteps(latents)
     noised = obj.noised(latents, obj.offset(noise), t)
     pred = parts.family.denoise(model, noised.noisy, t, cond, guidance=parts.guidance)
-    return denoising_loss(pred, noised.target, noised.weights)
+    if parts.prior_loss_weight is None:
+        return denoising_loss(pred, noised.target, noised.weights)
+    return _prior_loss(parts.prior_loss_weight, terms, pred, noised.target, noised.weights)
+
+
+def _prior_loss(weight: float, terms: dict | None, *tensors) -> torch.Tensor:
+    """DreamBooth: the loss of each half of the batch (``tensors``: prediction, target,
+    per-sample weights), combined; each term recorded in ``terms``."""
+    instance, prior = (denoising_loss(*half) for half in split_pairs(*tensors))
+    if terms is not None:
+        terms.update(loss_instance=instance.detach(), loss_prior=prior.detach())
+    return combine_prior(instance, prior, weight)
 
 
 def train_micro_step(
@@ -70,8 +87,9 @@ def train_micro_step(
     params: list[torch.nn.Parameter],
     batch: dict[str, torch.Tensor],
     max_grad_norm: float,
+    terms: dict | None = None,
 ) -> torch.Tensor:
-    """Forward + backward for one micro-batch; the optimizer steps on the last of each
+    """Forward + backward for one micro-batch (``terms``: see ``compute_loss``); the optimizer steps on the last of each
     accumulation group. Returns the detached loss, NaN when the optimizer step was skipped.
 
     Non-finite gradients skip the optimizer step. Backward always runs (DDP expects it),
@@ -85,7 +103,7 @@ def train_micro_step(
             # FSDP (not DDP-wrapped, so accumulate() cannot skip its sync): reduce-scatter
             # the gradients on the last micro-step of the group only, as DDP all-reduces.
             model.set_requires_gradient_sync(accelerator.sync_gradients)
-        loss = compute_loss(model, parts, batch)
+        loss = compute_loss(model, parts, batch, terms)
         accelerator.backward(loss)
         if accelerator.sync_gradients:
             if parts.text_encoder_params and accelerator.num_processes > 1:

@@ -1,0 +1,77 @@
+"""Prior preservation on a worker: every instance batch gets as many class samples.
+
+As in diffusers' DreamBooth scripts, a training batch is the B instance samples followed
+by B class samples (the model-family seam encodes the 2B rows as one batch, and
+``raylora.train.step`` splits the prediction in two). No Ray here.
+
+The class rows (a few hundred at most, read by the driver: ``raylora.data.classgen``) are
+held raw on each worker and preprocessed per batch like the instance images (same size,
+crop and flip settings; no caption dropout). Which class rows a batch gets, and their
+crop/flip draws, depend on the seed, the worker's rank, the pass and the batch's place in
+the pass alone: a ``data.sharding=files`` run resumed at an epoch pairs every batch with
+the class samples of the straight run (with stream sharding the instance batches of a
+resumed epoch already differ, and so do their class samples).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+PRIOR_SEED_SALT = 0x5EED_C1A5
+
+
+class ClassBatches:
+    """``batch(pass, i, n)``: the ``n`` class samples paired with batch ``i`` of ``pass``.
+
+    Each pass walks a seeded permutation of the class rows (a new one when it wraps),
+    ``n`` rows per batch, so every class row is used before any is used twice."""
+
+    def __init__(self, rows: list[dict], stage, seed: int, rank: int):
+        if not rows:
+            raise ValueError("prior preservation: no class images")
+        self.images = np.array([r["image"] for r in rows], dtype=object)
+        self.texts = np.array([r["text"] for r in rows], dtype=object)
+        self.stage, self.seed, self.rank = stage, seed, rank
+
+    def _rng(self, *keys: int) -> np.random.Generator:
+        return np.random.default_rng([PRIOR_SEED_SALT, self.seed, self.rank, *keys])
+
+    def indices(self, epoch: int, i: int, n: int) -> list[int]:
+        rows = len(self.images)
+        out = []
+        for k in range(i * n, i * n + n):
+            cycle, at = divmod(k, rows)
+            out.append(int(self._rng(epoch, cycle).permutation(rows)[at]))
+        return out
+
+    def batch(self, epoch: int, i: int, n: int) -> dict[str, np.ndarray]:
+        idx = self.indices(epoch, i, n)
+        # The draws (crop, flip) of this batch alone: the same whatever came before.
+        self.stage.rng = self._rng(epoch, 1 << 20, i)
+        out = self.stage({"image": self.images[idx], "text": self.texts[idx]})
+        if len(out["pixel_values"]) != n:
+            raise ValueError(f"prior preservation: {n - len(out['pixel_values'])} class "
+                             "image(s) could not be decoded (see the bad-record counts); "
+                             "replace them in data.class_sources")
+        return out
+
+
+def concat_pair(instance: dict[str, np.ndarray], prior: dict[str, np.ndarray]) -> dict:
+    """One batch: the instance rows, then the class rows, column by column."""
+    missing = set(instance) - set(prior)
+    if missing:
+        raise KeyError(f"prior preservation: class batches lack {sorted(missing)}")
+    return {k: np.concatenate([v, prior[k].astype(v.dtype, copy=False)]) for k, v in instance.items()}
+
+
+def paired(stream: Iterator[tuple[int, dict]], classes: ClassBatches) -> Iterator[tuple[int, dict]]:
+    """``(pass, batch)`` → ``(pass, batch ‖ its class samples)``; batch i of each pass
+    (counted from the pass's first batch in this stream) gets ``classes.batch(pass, i)``."""
+    seen: dict[int, int] = {}
+    for epoch, batch in stream:
+        i = seen.get(epoch, 0)
+        seen[epoch] = i + 1
+        n = len(next(iter(batch.values())))
+        yield epoch, concat_pair(batch, classes.batch(epoch, i, n))

@@ -1,0 +1,271 @@
+"""Prior preservation (DreamBooth): the loss maths, the class stream, every family's
+paired batch (in-process, no Ray), and one end-to-end pair of runs on a local Ray that
+generates the missing class images on 2 CPU actors, then reuses them."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from raylora.config import ConfigError, validate
+from raylora.train.loss import combine_prior, denoising_loss, split_pairs
+
+FAMILIES = ["sd", "sdxl", "flux", "sd3", "qwenimage"]
+
+
+# ---------------------------------------------------------------- pure
+
+
+def test_prior_loss_is_instance_plus_weighted_class_mse():
+    g = torch.Generator().manual_seed(0)
+    pred, target = torch.randn(4, 3, 5, 5, generator=g), torch.randn(4, 3, 5, 5, generator=g)
+    w = torch.tensor([1.0, 2.0, 0.5, 3.0])
+    (pi, ti, wi), (pc, tc, wc) = split_pairs(pred, target, w)
+    # By hand: rows 0-1 are the instance samples, rows 2-3 the class samples.
+    inst = ((pred[:2] - target[:2]) ** 2).mean(dim=(1, 2, 3))
+    prior = ((pred[2:] - target[2:]) ** 2).mean(dim=(1, 2, 3))
+    hand_i, hand_p = (inst * w[:2]).mean(), (prior * w[2:]).mean()
+    torch.testing.assert_close(denoising_loss(pi, ti, wi), hand_i)
+    torch.testing.assert_close(denoising_loss(pc, tc, wc), hand_p)
+    torch.testing.assert_close(combine_prior(hand_i, hand_p, 0.3), hand_i + 0.3 * hand_p)
+    # Weight 0: the instance-only loss (of the instance half alone).
+    torch.testing.assert_close(combine_prior(denoising_loss(pi, ti), denoising_loss(pc, tc), 0.0),
+                               denoising_loss(pred[:2], target[:2]))
+    assert split_pairs(pred, None)[1][1] is None
+
+
+def test_config_checks_name_the_keys(base_config):
+    t = dict(base_config, data={**base_config["data"], "class_prompt": "a shape",
+                                "cache": "latents", "bucketing": True})
+    with pytest.raises(ConfigError) as e:
+        validate(t)
+    text = str(e.value)
+    assert "data.cache: latents is not supported with prior preservation" in text
+    assert "data.bucketing: not supported with prior preservation" in text
+    t = dict(base_config, data={**base_config["data"], "class_generation": {"seed": 3}})
+    with pytest.raises(ConfigError, match="data.class_generation: set, but prior preservation is off"):
+        validate(t)
+    ok = validate(dict(base_config, data={**base_config["data"], "class_sources": [
+        {"uri": "/x", "prompt": "a dog"}]}, train={"prior_loss_weight": 0.5}))
+    assert ok.data.prior_preservation and ok.train.prior_loss_weight == 0.5
+    assert not validate(base_config).data.prior_preservation
+    tune = {"search_space": {"data.num_class_images": {"choice": [10, 20]},
+                             "train.prior_loss_weight": {"choice": [0.5, 1.0]}}, "metric": "train_loss"}
+    with pytest.raises(ConfigError) as e:
+        validate(dict(base_config, data={**base_config["data"], "class_prompt": "a dog"}, tune=tune))
+    assert e.value.problems == ["tune.search_space.data.num_class_images: the class images are "
+                                "read (and generated) once for every trial; data.class_* and "
+                                "data.num_class_images cannot be searched (train.prior_loss_weight can)"]
+
+
+# ---------------------------------------------------------------- class stream
+
+
+def _rows(n: int) -> list[dict]:
+    from raylora.data.demo import make_samples
+
+    return [{"image": img, "text": f"class {i}"} for i, (img, _) in enumerate(make_samples(n, size=48))]
+
+
+def test_class_stream_cycles_seeded_per_rank_and_pairs_batches(tiny_model):
+    from raylora.data.preprocess import Preprocess, StageSpec
+    from raylora.data.prior import ClassBatches, paired
+
+    stage = Preprocess(StageSpec(tiny_model, 32, center_crop=False, random_flip=True))
+    classes = ClassBatches(_rows(5), stage, seed=1, rank=0)
+    # Every class row once before any twice, within a pass; pass and rank reshuffle.
+    first = classes.indices(0, 0, 2) + classes.indices(0, 1, 2) + classes.indices(0, 2, 2)[:1]
+    assert sorted(first) == [0, 1, 2, 3, 4]
+    assert classes.indices(0, 1, 2) == ClassBatches(_rows(5), stage, 1, 0).indices(0, 1, 2)
+    other = ClassBatches(_rows(5), stage, seed=1, rank=1)
+    assert [other.indices(0, i, 5) for i in range(3)] != [classes.indices(0, i, 5) for i in range(3)]
+
+    inst = {"pixel_values": np.zeros((2, 3, 32, 32), np.uint8),
+            "input_ids": np.zeros((2, 77), np.int64),
+            **{k: np.zeros((2, 2), np.int64) for k in ("original_size", "crop_top_left", "target_size")}}
+    out = list(paired(iter([(0, inst), (0, inst), (1, inst)]), classes))
+    assert [e for e, _ in out] == [0, 0, 1]
+    b = out[1][1]
+    assert b["pixel_values"].shape == (4, 3, 32, 32) and b["input_ids"].shape == (4, 77)
+    assert (b["pixel_values"][:2] == 0).all() and b["pixel_values"][2:].any()
+    # Batch 1 of pass 0, again: the same class rows and the same crop/flip draws.
+    again = classes.batch(0, 1, 2)
+    np.testing.assert_array_equal(b["pixel_values"][2:], again["pixel_values"])
+    np.testing.assert_array_equal(b["input_ids"][2:], again["input_ids"])
+
+
+# ---------------------------------------------------------------- every family
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_trains_on_paired_batches(tiny, family, demo_data, tmp_path):
+    from inproc import _fresh_accelerator, demo_batch
+
+    from raylora.train.setup import build_run
+    from raylora.train.step import compute_loss
+
+    model = tiny(family)
+    cfg = validate({"model": {"pretrained": model, "max_sequence_length": 32},
+                    "data": {"uri": demo_data, "resolution": 64, "class_prompt": "a shape"},
+                    "train": {"prior_loss_weight": 0.5, "seed": 0},
+                    "output": {"uri": str(tmp_path / "o")}})
+    run = build_run(cfg, _fresh_accelerator(1), 1, rank=0)
+    assert run.parts.prior_loss_weight == 0.5
+    rows = demo_batch(family, model, demo_data, n=6)
+    pick = lambda idx: {k: v[idx] for k, v in rows.items()}  # noqa: E731
+
+    def loss_of(batch):
+        torch.manual_seed(0)
+        terms = {}
+        loss = compute_loss(run.model, run.parts, batch, terms)
+        return loss, terms
+
+    # Instance rows 0-1, class rows 2-3 (then 4-5): the family seam encodes the 4 as one batch.
+    loss, terms = loss_of(pick([0, 1, 2, 3]))
+    torch.testing.assert_close(loss.detach(), terms["loss_instance"] + 0.5 * terms["loss_prior"])
+    assert torch.isfinite(loss) and terms["loss_prior"] > 0
+    loss.backward()
+    grads = [p.grad for p in run.params if p.grad is not None]
+    assert grads and any(g.abs().sum() > 0 for g in grads)
+    # Other class samples, same draws: the instance term (first half) does not move.
+    _, other = loss_of(pick([0, 1, 4, 5]))
+    torch.testing.assert_close(other["loss_instance"], terms["loss_instance"], rtol=1e-5, atol=1e-6)
+    assert abs(float(other["loss_prior"] - terms["loss_prior"])) > 1e-6
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_generates_class_images_with_its_stock_pipeline(tiny, family, tmp_path):
+    """The generation stage itself (what each Ray Data actor runs), in this process."""
+    from PIL import Image
+
+    from raylora.data.classgen import GenerateStage, _present
+
+    out = str(tmp_path / "gen")
+    stage = GenerateStage(tiny(family), family, "a photo of a shape", out, resolution=32,
+                          steps=2, guidance=2.0, max_sequence_length=32)
+    got = stage({"index": np.array([3, 4]), "seed": np.array([8, 9])})
+    assert got["index"].tolist() == [3, 4] and _present(out, _store()) == {3, 4}
+    img = Image.open(os.path.join(out, "00003.png"))
+    assert img.size == (32, 32)
+    assert open(os.path.join(out, "00004.txt")).read() == "a photo of a shape"
+    # Seeded per image: image 3 again (alone, another batch) is the same picture.
+    stage({"index": np.array([5]), "seed": np.array([8])})
+    a, b = (np.asarray(Image.open(os.path.join(out, f"0000{i}.png"))) for i in (3, 5))
+    np.testing.assert_allclose(a.astype(float), b.astype(float), atol=2)
+
+
+def test_class_rows_need_a_prompt_and_an_interrupted_folder_is_completed(tiny_model, demo_data,
+                                                                         tmp_path):
+    """Without Ray: the user's images are counted (generated ones left out), a row without
+    caption or prompt and a shortfall without data.class_prompt are refused by key, and a
+    generated folder whose build stopped before its manifest is taken over, not redone."""
+    from raylora.data.classgen import GenerateStage, ensure_class_images, generation_key
+
+    given = tmp_path / "dogs"
+    given.mkdir()
+    for i, row in enumerate(_rows(2)):
+        (given / f"g{i}.png").write_bytes(row["image"])
+    (given / "g0.txt").write_text("a dog on grass")
+
+    def cfg(**data):
+        return validate({"model": {"pretrained": tiny_model},
+                         "data": {"uri": demo_data, "resolution": 32, "class_sources": str(given),
+                                  "num_class_images": 3, **data},
+                         "output": {"uri": str(tmp_path / "o")}})
+
+    with pytest.raises(ValueError, match=r"data.class_sources: .*g1.png has no caption"):
+        ensure_class_images(cfg(), "sd", tiny_model, _store())
+    with pytest.raises(ValueError, match="data.num_class_images: 3 wanted, data.class_sources has 2"):
+        ensure_class_images(cfg(num_class_images=3, class_sources=[
+            {"uri": str(given), "prompt": "a dog"}]), "sd", tiny_model, _store())
+    c = cfg(class_prompt="a dog", class_generation={"num_inference_steps": 2})
+    # An interrupted build: its one image written, no manifest yet.
+    folder = given / "raylora-generated" / generation_key(c, "sd", tiny_model, 1, _store())
+    GenerateStage(tiny_model, "sd", "a dog", str(folder), 32, 2, 7.5)(
+        {"index": np.array([0]), "seed": np.array([0])})
+    found = ensure_class_images(c, "sd", tiny_model, _store())
+    assert [r["text"] for r in found.rows] == ["a dog on grass", "a dog", "a dog"]
+    assert (found.user_rows, found.generated, found.uri) == (2, 0, str(folder))
+    assert json.load(open(folder / "manifest.json"))["files"] == ["00000.png"]
+    # Now complete: the next call counts the same (the generated image is not a user's).
+    again = ensure_class_images(c, "sd", tiny_model, _store())
+    assert again.summary() == found.summary()
+
+
+def _store():
+    from raylora.storage import Storage
+
+    return Storage()
+
+
+# ---------------------------------------------------------------- end to end (Ray)
+
+
+@pytest.fixture(scope="module")
+def class_dir(tmp_path_factory):
+    """A class folder with 2 images and no captions (they take data.class_prompt)."""
+    d = tmp_path_factory.mktemp("classes") / "dogs"
+    d.mkdir()
+    for i, row in enumerate(_rows(2)):
+        (d / f"given{i}.png").write_bytes(row["image"])
+    return str(d)
+
+
+def _tree(tiny_model, demo_data, class_dir, out):
+    return {
+        "model": {"pretrained": tiny_model},
+        "data": {"uri": demo_data, "resolution": 32, "center_crop": True,
+                 "class_sources": class_dir, "class_prompt": "a photo of a shape",
+                 "num_class_images": 4,
+                 "class_generation": {"num_inference_steps": 2, "batch_size": 1, "seed": 5}},
+        "train": {"batch_size": 2, "max_steps": 2, "learning_rate": 1e-3, "prior_loss_weight": 0.7},
+        "scaling": {"num_workers": 2},
+        "checkpoint": {"every_n_steps": 2},
+        "output": {"uri": str(out)},
+    }
+
+
+@pytest.mark.integration
+def test_generates_missing_class_images_then_reuses_them(ray_local, tiny_model, demo_data,
+                                                         class_dir, tmp_path):
+    from raylora.launch import run
+
+    first = run(validate(_tree(tiny_model, demo_data, class_dir, tmp_path / "a")))
+    ci = first["class_images"]
+    assert ci["class_images"] == 4 and ci["class_images_given"] == 2
+    assert ci["class_images_generated"] == 2
+    gen = ci["class_images_uri"]
+    assert gen.startswith(os.path.join(class_dir, "raylora-generated") + "/")
+    names = sorted(os.listdir(gen))
+    assert names == ["00000.png", "00000.txt", "00001.png", "00001.txt", "manifest.json"]
+    assert open(os.path.join(gen, "00001.txt")).read() == "a photo of a shape"
+    from PIL import Image
+
+    assert Image.open(os.path.join(gen, "00000.png")).size == (32, 32)
+    assert json.load(open(os.path.join(gen, "manifest.json")))["count"] == 2
+    stamps = {n: os.stat(os.path.join(gen, n)).st_mtime_ns for n in names}
+
+    rows = [json.loads(x) for x in open(tmp_path / "a" / "metrics.jsonl")]
+    assert len(rows) == 2
+    for r in rows:
+        assert all(np.isfinite([r["loss"], r["loss_instance"], r["loss_prior"]]))
+        assert r["loss"] == pytest.approx(r["loss_instance"] + 0.7 * r["loss_prior"], rel=1e-5)
+    m = first["metrics"]
+    assert np.isfinite(m["train_loss_last"])
+
+    # The second run's preamble (where class images are found, generated or reused):
+    # the generated folder is complete, so nothing is generated and no file is rewritten.
+    from raylora.launch import Setup, prepared
+
+    cfg = validate(_tree(tiny_model, demo_data, class_dir, tmp_path / "b"))
+    with prepared(cfg, Setup(need_cpus=lambda c: 2)) as second:
+        assert second.plan.class_images == {**ci, "class_images_generated": 0}
+        assert [r["image"] for r in second.plan.class_rows[2:]] == \
+            [open(os.path.join(gen, f"0000{i}.png"), "rb").read() for i in range(2)]
+    assert {n: os.stat(os.path.join(gen, n)).st_mtime_ns for n in sorted(os.listdir(gen))} == stamps
+    raylora_json = json.load(open(tmp_path / "a" / "adapter" / "raylora.json"))
+    assert raylora_json["data"]["class_images"] == ci

@@ -15,7 +15,7 @@ import torch
 
 from raylora.model.families.base import Cond, Family
 from raylora.train.encode import batch_condition, batch_posterior, sample_latents
-from raylora.train.loss import denoising_loss
+from raylora.train.loss import denoising_loss, latent_mask
 from raylora.train.objective import draw_noise
 
 
@@ -58,7 +58,11 @@ def compute_loss(model: torch.nn.Module, parts: FrozenParts, batch: dict[str, to
     t = obj.sample_timesteps(latents)
     noised = obj.noised(latents, obj.offset(noise), t)
     pred = parts.family.denoise(model, noised.noisy, t, cond, guidance=parts.guidance)
-    return denoising_loss(pred, noised.target, noised.weights)
+    # data.masked_loss: every family's denoise returns [B, C, h, w] (Flux/Qwen-Image unpack
+    # their 2×2 tokens), so the mask lines up with the latents whatever the family.
+    mask = batch.get("loss_mask")
+    mask = None if mask is None else latent_mask(mask, pred.shape[-2:])
+    return denoising_loss(pred, noised.target, noised.weights, mask=mask)
 
 
 def train_micro_step(

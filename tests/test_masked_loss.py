@@ -1,7 +1,9 @@
 """data.masked_loss: the masked loss itself (numbers, and a real tiny-model step for every
 family), where masks come from (alpha, sidecar files in a tar or a folder, a parquet
 column), that they follow the image's crop/resize/flip/bucket, that a mask that does not
-fit is a counted bad row, and that the latent cache stores them. One process, no Ray."""
+fit is a counted bad row, and that the latent cache stores them. One process, no Ray (the
+Ray Data path: test_formats.py::test_masks_reach_training_rows_through_ray_data, which
+shares that module's local Ray)."""
 
 from __future__ import annotations
 
@@ -323,3 +325,4 @@ def test_cache_stores_the_mask_on_the_latent_grid(tiny_model, tmp_path):
     plan = plan_data(cfg.data, store)
     assert fingerprint(cfg, "sd", tiny_model, plan, store) != \
         fingerprint(plain, "sd", tiny_model, plan_data(plain.data, store), store)
+

@@ -302,6 +302,7 @@ def _preprocessed_rows(data: DataSection, plan: DataPlan, storage: Storage, mode
         caption_dropout=data.caption_dropout,
         caption_policies=caption_policies(data),
         buckets=bucket_set(data),
+        masks=data.masked_loss,
         family=family,
         bad_records=bad_records,
         # Read once, on the driver: see raylora.data.tokenize.

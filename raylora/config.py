@@ -131,6 +131,7 @@ class SourceSection(_Section):
         None, ge=1, description="Times each row counts per epoch (default 1; a caption "
         "folder's N_name repeats multiply it). Not with weight.",
     )
+    mask_column: str | None = None
     caption_prefix: str | None = Field(None, description="This source's trigger word(s).")
     caption_dropout: float | None = Field(None, ge=0.0, lt=1.0)
     shuffle_tags: bool | None = None
@@ -201,7 +202,7 @@ class ClassGenerationSection(_Section):
 
 
 # What a source may set for itself (unset: the data key of the same name).
-SOURCE_KEYS = ("format", "image_column", "caption_column", "caption_extension",
+SOURCE_KEYS = ("format", "image_column", "caption_column", "mask_column", "caption_extension",
                "caption_prefix", "caption_dropout", "shuffle_tags", "keep_tokens", "resolution")
 
 
@@ -213,7 +214,7 @@ class DataSection(_Section):
     sources: list[SourceSection] | None = Field(
         None, description="Several datasets mixed into every epoch, each {uri, weight | "
         "repeats, caption_prefix, caption_dropout, shuffle_tags, keep_tokens, resolution, format, "
-        "image_column, caption_column, caption_extension}; instead of data.uri.",
+        "image_column, caption_column, mask_column, caption_extension}; instead of data.uri.",
     )
     format: Literal["auto", "parquet", "webdataset", "imagefolder", "captionfolder"] = Field(
         "auto", description="auto: detected from the files the URI matches (images with a "
@@ -221,6 +222,18 @@ class DataSection(_Section):
     )
     image_column: str = "image"
     caption_column: str = "text"
+    masked_loss: bool = Field(
+        False, description="Weight the loss by a per-sample mask (0: this pixel teaches "
+        "nothing, 1: full weight): a sidecar KEY.mask.png beside the image (WebDataset, "
+        "imagefolder, captionfolder), the parquet column data.mask_column, else the image's "
+        "alpha channel; a sample with none trains unmasked. The mask is cropped, resized "
+        "and flipped with its image, averaged over each latent pixel, and multiplies the "
+        "squared error before the mean (as kohya). Held-out loss stays unmasked.",
+    )
+    mask_column: str = Field(
+        "mask", description="parquet, data.masked_loss: the column of encoded mask images "
+        "(greyscale, the image's size); a shard without it, or a null cell, trains unmasked.",
+    )
     caption_extension: str = Field(
         ".txt", description="captionfolder: the extension of the caption file beside each "
         "image (cat.png + cat.txt); kohya's caption_extension.",

@@ -265,6 +265,9 @@ def _class_batches(spec: WorkerSpec, rank: int, seed: int):
         random_flip=d.random_flip, endpoint_url=cfg.storage.endpoint_url, region=cfg.storage.region,
         family=plan.family, max_sequence_length=cfg.model.max_sequence_length,
         tokenizer_specs=spec.tokenizer_specs, **d.decode_kwargs(),
+        # data.masked_loss: the instance half has a loss_mask column, so the class half
+        # needs one too (all ones unless a class image has an alpha channel).
+        masks=d.masked_loss,
     ))
     return ClassBatches(plan.class_rows, stage, seed, rank)
 

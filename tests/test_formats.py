@@ -267,3 +267,58 @@ def test_kohya_folder_with_zero_repeats_is_refused(tmp_path):
     # Only first-level folders name repeats: deeper ones, and the data root itself, do not.
     root = write_kohya(tmp_path / "3_root", {"x/2_deep/a": "a cat", "b": "a dog"})
     assert plan_data(DataSection(uri=root), Storage()).rows == 2
+
+
+# ---------------------------------------------------------------- masks (data.masked_loss)
+
+
+def test_masks_reach_training_rows_through_ray_data(ray_local, tiny_model, tmp_path):
+    """A mix of a parquet source (mask column, one null cell) and a caption folder (one
+    sidecar): every training row's loss_mask is the mask its image was drawn from (each
+    image's pixels are its mask; unmasked images are white), after random crops and flips.
+    The rest of the masked-loss tests: test_masked_loss.py (in-process)."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    from raylora.config import validate
+    from raylora.data.source import build_dataset
+
+    def png(img):
+        buf = io.BytesIO()
+        img.save(buf, format="PNG")
+        return buf.getvalue()
+
+    rng = np.random.default_rng(2)
+
+    def pattern(w=24, h=20):
+        return rng.integers(0, 256, (h, w), dtype=np.uint8)
+
+    masks = [pattern() for _ in range(3)]
+    white = np.full((20, 24), 255, np.uint8)
+    as_rgb = lambda a: png(Image.fromarray(a, "L").convert("RGB"))  # noqa: E731
+    pq.write_table(pa.table({"image": [as_rgb(m) for m in masks[:2]] + [as_rgb(white)],
+                             "text": ["a", "b", "c"],
+                             "mask": pa.array([png(Image.fromarray(m, "L")) for m in masks[:2]]
+                                              + [None], pa.binary())}),
+                   str(tmp_path / "p.parquet"))
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for stem, a, mask in (("m", masks[2], masks[2]), ("u", white, None)):
+        (folder / f"{stem}.png").write_bytes(as_rgb(a))
+        (folder / f"{stem}.txt").write_text(stem)
+        if mask is not None:
+            (folder / f"{stem}.mask.png").write_bytes(png(Image.fromarray(mask, "L")))
+    data = validate({"model": {"pretrained": tiny_model}, "output": {"uri": "unused"},
+                     "data": {"sources": [{"uri": str(tmp_path / "p.parquet")},
+                                          {"uri": str(folder)}],
+                              "resolution": 16, "random_flip": True, "masked_loss": True}}).data
+    plan = plan_data(data, Storage())
+    rows = build_dataset(data, plan, Storage(), model_path=tiny_model, seed=1).take_all()
+    assert len(rows) == 5
+    for r in rows:
+        assert r["loss_mask"].shape == (1, 16, 16) and r["loss_mask"].dtype == np.uint8
+        np.testing.assert_array_equal(r["loss_mask"][0], r["pixel_values"][0])
+    assert sum(int((r["loss_mask"] == 255).all()) for r in rows) == 2  # the unmasked two

@@ -10,7 +10,8 @@ the text encoders, in the same row order as uncached training reads the source.
 
 What a cached row holds (float32): ``latent_params`` = the VAE posterior's mean ‖ logvar
 (so training still draws a fresh latent sample every step, as uncached training does),
-``prompt_embeds``, and for SDXL ``pooled_prompt_embeds`` and ``time_ids``.
+``prompt_embeds``, and for SDXL ``pooled_prompt_embeds`` and ``time_ids``; with
+data.masked_loss ``loss_mask`` ``[1, h, w]``, the mask pooled to the latent grid.
 
 An entry lives at ``{cache_uri}/{fingerprint}/`` and is complete once its
 ``manifest.json`` exists (written last). The fingerprint covers the model's encoder files,
@@ -32,7 +33,7 @@ import numpy as np
 from raylora import storage
 from raylora.config import RayLoraConfig
 from raylora.data.captions import caption_policies, with_prefix
-from raylora.data.formats import get_format
+from raylora.data.formats import MASK_SUFFIX, get_format
 from raylora.data.plan import DataPlan, SourceFiles, apply_shares
 from raylora.storage import Storage
 
@@ -41,6 +42,8 @@ log = logging.getLogger("raylora.cache")
 CACHE_VERSION = 1
 MANIFEST = "manifest.json"
 CACHED_READ_CPUS = 0.25  # per read task of cached rows (no decoding: mostly I/O)
+# Columns shaped by the bucket (a variable-shaped tensor column with data.bucketing).
+PER_BUCKET = ("latent_params", "loss_mask")
 
 
 def _dtype_name(cfg: RayLoraConfig) -> str:
@@ -85,6 +88,10 @@ class EncodeStage:
         with torch.no_grad():
             cond = batch_condition(self.family, self.text_encoders, tensors)
         out = {"latent_params": params, **cond}
+        if "loss_mask" in tensors:  # data.masked_loss: stored pooled to the latent grid
+            from raylora.train.loss import latent_mask
+
+            out["loss_mask"] = latent_mask(tensors["loss_mask"], params.shape[-2:])
         # Masks stay integers; embeddings are stored in fp32 whatever the encoders ran in.
         return {k: (v.float() if v.is_floating_point() else v).cpu().numpy() for k, v in out.items()}
 
@@ -149,6 +156,7 @@ def fingerprint(cfg: RayLoraConfig, family: str, model_path: str, data: DataPlan
                                                      "caption_extension", "caption_prefix")}
                         for s in d.source_sections()]}
            if d.sources is not None or d.caption_prefix else {}),
+        **({"masks": {"column": d.mask_column, "suffix": MASK_SUFFIX}} if d.masked_loss else {}),
         # Each image's bucket (its latent's shape) follows these.
         **({"buckets": {"step": d.bucket_step,
                         "resolutions": [s.resolutions() for s in d.source_sections()]}}
@@ -187,6 +195,7 @@ def _stage_kwargs(cfg: RayLoraConfig, model_path: str, family: str, store: Stora
         endpoint_url=store.endpoint_url, region=store.region, family=family,
         max_sequence_length=cfg.model.max_sequence_length, **cfg.data.decode_kwargs(),
         caption_policies=caption_policies(cfg.data), buckets=bucket_set(cfg.data),
+        masks=cfg.data.masked_loss,
     )
     enc = dict(
         model_path=model_path, family=family, dtype=_dtype_name(cfg),
@@ -282,7 +291,8 @@ def encode_chunk(pre, enc: EncodeStage, rows: list[dict]) -> dict[str, np.ndarra
     columns, in order."""
     batch = {"image": np.array([r["image"] for r in rows], dtype=object),
              "text": np.array([r["text"] for r in rows], dtype=object)}
-    for column in ("key", "source"):  # where each is (bad-row reports), per-source counts
+    # where each is (bad-row reports), per-source counts, the loss mask (data.masked_loss)
+    for column in ("key", "source", "mask"):
         if all(column in r for r in rows):
             batch[column] = np.array([r[column] for r in rows], dtype=object)
     pre_out = pre(batch)
@@ -299,7 +309,7 @@ def _encode_by_bucket(enc: EncodeStage, batch: dict[str, np.ndarray]) -> dict[st
     parts, order = [], []
     for b in dict.fromkeys(ids.tolist()):
         sel = np.flatnonzero(ids == b)
-        group = {k: (np.stack(v[sel]) if k == "pixel_values" else v[sel])
+        group = {k: (np.stack(v[sel]) if k in ("pixel_values", "loss_mask") else v[sel])
                  for k, v in batch.items() if k != "bucket"}
         parts.append(enc(group))
         order.append(sel)
@@ -307,7 +317,7 @@ def _encode_by_bucket(enc: EncodeStage, batch: dict[str, np.ndarray]) -> dict[st
     out = {}
     for k in (parts[0] if parts else {}):
         rows = [r for p in parts for r in p[k]]
-        if k == "latent_params":
+        if k in PER_BUCKET:
             col = np.empty(len(rows), dtype=object)
             for i, j in enumerate(where):
                 col[i] = rows[j]
@@ -391,8 +401,8 @@ def _encode_rows_task(cfg_dict: dict, family: str, model_path: str, rows: list[d
     cfg = RayLoraConfig.model_validate(cfg_dict)
     store = cfg.storage.client()
     pre, enc = _stage_kwargs(cfg, model_path, family, store)
-    # Held-out rows are evaluated together: one square size, buckets or not.
-    pre["buckets"] = None
+    # Held-out rows are evaluated together: one square size, buckets or not; unmasked.
+    pre["buckets"], pre["masks"] = None, False
     return encode_chunk(Preprocess(StageSpec(**pre)), EncodeStage(**enc), rows)
 
 

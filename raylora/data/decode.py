@@ -13,6 +13,8 @@ Reasons (the keys of ``data.bad_records`` in ``raylora.json``):
   too_small       shorter side below ``data.min_size`` with ``data.small_images: skip``
   missing_caption no caption, or only whitespace (kept as "" when caption dropout is on)
   caption_not_utf8 caption bytes that are not UTF-8
+  bad_mask        data.masked_loss: a sidecar/column mask that does not decode, is not
+                  greyscale (1, L, I;16) or is not the image's size
 """
 
 from __future__ import annotations
@@ -28,8 +30,12 @@ from raylora.data.formats import NOT_UTF8
 
 REASONS = (
     "empty_image", "not_an_image", "corrupt_image", "too_many_pixels", "too_small",
-    "missing_caption", "caption_not_utf8",
+    "missing_caption", "caption_not_utf8", "bad_mask",
 )
+# Greyscale modes a mask may have (8-bit, bilevel, 16-bit). Colour is refused rather than
+# guessed at: which channel, or which mix of them, would be the weight?
+MASK_MODES = ("1", "L", "I;16", "I;16B", "I;16L", "I")
+ALPHA_MODES = ("RGBA", "LA", "PA", "La", "RGBa")
 
 
 class BadRecord(ValueError):
@@ -123,8 +129,43 @@ def decode_row(image: Any, caption: Any, *, max_pixels: int, min_size: int,
                background: tuple[int, int, int]) -> tuple[Image.Image, str]:
     """One row → (RGB image, caption), or ``BadRecord``. The caption is checked first: it
     is cheap, and a row without one is dropped without decoding its image."""
+    img, text = open_row(image, caption, max_pixels=max_pixels, min_size=min_size,
+                         small_images=small_images, keep_empty_captions=keep_empty_captions)
+    return to_rgb(img, background), text
+
+
+def open_row(image: Any, caption: Any, *, max_pixels: int, min_size: int, small_images: str,
+             keep_empty_captions: bool) -> tuple[Image.Image, str]:
+    """``decode_row`` before the RGB conversion: the image in its own mode (its alpha
+    channel is still there for ``decode_mask``)."""
     text = decode_caption(caption, keep_empty_captions)
     img = open_image(image, max_pixels)
     if min_size and min(img.size) < min_size and small_images == "skip":
         raise BadRecord("too_small", f"{img.size[0]}x{img.size[1]} < data.min_size={min_size}")
-    return to_rgb(img, background), text
+    return img, text
+
+
+def decode_mask(img: Image.Image, value: Any, max_pixels: int) -> Image.Image | None:
+    """A row's loss mask as an 8-bit greyscale image of ``img``'s size (255: full weight):
+    the encoded sidecar/column ``value`` when there is one, else ``img``'s alpha channel,
+    else None (the row trains unmasked). ``BadRecord("bad_mask")`` for a mask that does
+    not decode, is not greyscale or is not the image's size: never stretched to fit."""
+    if value is None or (isinstance(value, (bytes, bytearray, memoryview)) and not len(value)):
+        if img.mode in ALPHA_MODES or (img.mode == "P" and "transparency" in img.info):
+            rgba = img if img.mode in ("RGBA", "LA") else img.convert("RGBA")
+            return rgba.getchannel("A")
+        return None
+    try:
+        mask = open_image(value, max_pixels)
+    except BadRecord as exc:
+        raise BadRecord("bad_mask", f"mask: {exc}") from None
+    if mask.mode not in MASK_MODES:
+        raise BadRecord("bad_mask", f"mask mode {mask.mode}: a mask is greyscale "
+                        f"({', '.join(MASK_MODES[:3])})")
+    if mask.size != img.size:
+        raise BadRecord("bad_mask", f"mask {mask.size[0]}x{mask.size[1]}, image "
+                        f"{img.size[0]}x{img.size[1]}: a mask is the image's size")
+    if mask.mode in ("1", "L"):
+        return mask.convert("L")
+    # 16-bit: scaled to 8 bits, as to_rgb does greyscale images
+    return to_rgb(mask).getchannel("R")

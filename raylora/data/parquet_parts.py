@@ -71,13 +71,16 @@ def _read_parts(batch: dict[str, np.ndarray], columns: list[str] | None,
             yield table
 
 
-def part_tables(storage: Storage, uri: str, part: int, parts: int, columns: list[str] | None):
+def part_tables(storage: Storage, uri: str, part: int, parts: int, columns: list[str] | None,
+                optional: tuple[str, ...] = ()):
     """Part ``part`` of ``parts`` of a parquet file as ``(first row in the file, table of
-    at most 64 rows)``."""
+    at most 64 rows)``. ``optional``: more columns, read where the file has them."""
     import pyarrow as pa
 
     with storage.open_input(uri) as fh:
         pf = pq.ParquetFile(fh)
+        if optional:
+            columns = list(columns or []) + [c for c in optional if c in pf.schema_arrow.names]
         meta = pf.metadata
         group_rows = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
         groups = row_groups_of_part(group_rows, part, parts)

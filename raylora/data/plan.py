@@ -208,6 +208,7 @@ def scan_buckets(section: DataSection, s: SourceFiles, storage: Storage, buckets
     from raylora.data.buckets import scan_counts
 
     fmt = get_format(s.format)
+    section = unmasked(section)  # headers are all a scan reads: no sidecar masks
     keep = dict(min_size=section.min_size, skip_small=section.small_images == "skip",
                 keep_empty=section.caption_dropout > 0, max_pixels=section.max_image_pixels)
     if s.file_rows is None:  # one row list for the whole source
@@ -253,13 +254,18 @@ def apply_shares(data: DataSection, sources: list[SourceFiles]) -> list[SourceFi
             for s, n in zip(sources, natural)]
 
 
+def unmasked(section: DataSection) -> DataSection:
+    """``section`` reading rows without their loss masks (no sidecar reads)."""
+    return section.model_copy(update={"masked_loss": False}) if section.masked_loss else section
+
+
 def iter_plan_rows(data: DataSection, plan: DataPlan, storage: Storage):
     """Every distinct row ``{key, image, text}`` of the plan, in source and file order,
     each source's caption prefix applied, without Ray (held-out rows are read this way on
-    the driver)."""
+    the driver). No masks: the held-out loss is unmasked."""
     sections = data.source_sections()
     for s in plan.sources:
-        section = sections[s.index]
+        section = unmasked(sections[s.index])
         for row in get_format(s.format).iter_rows(section, s.files, storage):
             yield {**row, "text": with_prefix(section.caption_prefix, row["text"])}
 

@@ -51,20 +51,62 @@ def transform_image_coords(
     measured in the flipped image when flipped (as diffusers' SDXL script does: flip, then
     crop). ``resolution``: the square's side, or a bucket ``(width, height)``: the image
     is resized to cover it (aspect kept) and cropped to it."""
+    return transform_sample(img, None, resolution, center_crop, random_flip, rng)[:3]
+
+
+@dataclass(frozen=True)
+class View:
+    """Where a training crop comes from: the image resized to ``size`` ``(w, h)``, cut at
+    ``(top, left)`` to ``crop`` ``(w, h)``, then flipped horizontally or not. Drawn once
+    per sample, so an image and its mask get the same one."""
+
+    size: tuple[int, int]
+    top: int
+    left: int
+    crop: tuple[int, int]
+    flip: bool
+
+
+def draw_view(width: int, height: int, resolution: int | tuple[int, int], center_crop: bool,
+              random_flip: bool, rng: np.random.Generator) -> View:
+    """The crop (and flip) of a ``width`` × ``height`` image: the random draws, in the
+    order they have always been made (crop offset, then flip)."""
     from raylora.data.buckets import cover_crop_box
 
+    bw, bh = (resolution, resolution) if isinstance(resolution, int) else resolution
+    (nw, nh), (top, left) = cover_crop_box(width, height, (bw, bh), center_crop, rng)
+    return View((nw, nh), top, left, (bw, bh), bool(random_flip and rng.random() < 0.5))
+
+
+def apply_view(img: Image.Image, view: View) -> np.ndarray:
+    """``img`` resized, cropped and flipped as ``view`` says: uint8 ``[H, W, C]`` (``[H,
+    W]`` for a one-channel image)."""
+    if view.size != img.size:
+        img = img.resize(view.size, Image.Resampling.BILINEAR)
+    (bw, bh), top, left = view.crop, view.top, view.left
+    arr = np.asarray(img.crop((left, top, left + bw, top + bh)), dtype=np.uint8)
+    return arr[:, ::-1] if view.flip else arr
+
+
+def transform_sample(
+    img: Image.Image,
+    mask: Image.Image | None,
+    resolution: int | tuple[int, int],
+    center_crop: bool,
+    random_flip: bool,
+    rng: np.random.Generator,
+) -> tuple[np.ndarray, tuple[int, int], tuple[int, int], np.ndarray | None]:
+    """``transform_image_coords`` plus the image's loss ``mask`` (an "L" image of its
+    size, or None) through the same view: uint8 ``[1, H, W]`` (255: full weight), or
+    None."""
     img = img.convert("RGB")
     w, h = img.size
-    bw, bh = (resolution, resolution) if isinstance(resolution, int) else resolution
-    (nw, nh), (top, left) = cover_crop_box(w, h, (bw, bh), center_crop, rng)
-    if (nw, nh) != (w, h):
-        img = img.resize((nw, nh), Image.Resampling.BILINEAR)
-    img = img.crop((left, top, left + bw, top + bh))
-    arr = np.asarray(img, dtype=np.uint8)
-    if random_flip and rng.random() < 0.5:
-        arr = arr[:, ::-1, :]
-        left = nw - bw - left
-    return np.ascontiguousarray(arr.transpose(2, 0, 1)), (h, w), (top, left)
+    view = draw_view(w, h, resolution, center_crop, random_flip, rng)
+    arr = apply_view(img, view)
+    left = view.size[0] - view.crop[0] - view.left if view.flip else view.left
+    pixels = np.ascontiguousarray(arr.transpose(2, 0, 1))
+    masked = None if mask is None else np.ascontiguousarray(apply_view(mask, view)[None])
+    return pixels, (h, w), (view.top, left), masked
 
 
 def tokenize(tokenizer, captions: list[str]) -> np.ndarray:
@@ -89,7 +131,10 @@ class StageSpec:
     with a ``source`` column; default: ``caption_dropout`` for every row. ``buckets``: a
     ``raylora.data.buckets.BucketSet`` (data.bucketing): each image is cropped to its bucket,
     ``pixel_values`` is then a 1-D object array of ``[3, H, W]`` arrays and a ``bucket``
-    column (int32, the bucket's id) is added."""
+    column (int32, the bucket's id) is added. ``masks`` (data.masked_loss): each row's
+    loss mask (a ``mask`` column of encoded images, or the image's alpha) goes through
+    the image's crop into a ``loss_mask`` column, uint8 ``[B, 1, H, W]`` (all 255 for a row
+    without one); a mask that does not fit is a ``bad_mask`` row."""
 
     tokenizer_path: str
     resolution: int
@@ -111,6 +156,7 @@ class StageSpec:
     max_sequence_length: int | None = None
     caption_policies: tuple | None = None
     buckets: object = None
+    masks: bool = False
 
 
 class Preprocess:
@@ -148,6 +194,7 @@ class Preprocess:
         from raylora.data.badrecords import Reporter
 
         self.reporter = Reporter(spec.bad_records)
+        self.masks = spec.masks
 
     def _text_columns(self, captions: list[str]) -> dict[str, np.ndarray]:
         out = {}
@@ -158,22 +205,33 @@ class Preprocess:
                 out[mask_key] = mask
         return out
 
+    def _decode(self, image, text, mask, src: int):
+        """One row → (RGB image, caption, "L" mask or None), or ``BadRecord``."""
+        from raylora.data.decode import decode_mask, open_row, to_rgb
+
+        # Caption dropout trains on the empty prompt anyway: a blank caption is kept.
+        img, caption = open_row(image, text, **{k: v for k, v in self.decode.items()
+                                                if k != "background"},
+                                keep_empty_captions=self.policies[src].dropout > 0)
+        # Read before to_rgb, which composites the alpha channel away.
+        loss_mask = decode_mask(img, mask, self.decode["max_pixels"]) if self.masks else None
+        return to_rgb(img, self.decode["background"]), caption, loss_mask
+
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         from collections import Counter
 
         from raylora.data.captions import apply_policies
-        from raylora.data.decode import BadRecord, decode_row
+        from raylora.data.decode import BadRecord
 
         out, captions, kept, bad, examples, ids = [], [], [], Counter(), {}, []
         images, texts = batch[self.image_column], batch[self.caption_column]
+        masks = batch.get("mask") if self.masks else None
         where = batch.get("key", batch.get("path"))
         sources = batch.get("source")
         for i, (image, text) in enumerate(zip(images, texts)):
             src = 0 if sources is None else int(sources[i])
             try:
-                # Caption dropout trains on the empty prompt anyway: a blank caption is kept.
-                img, caption = decode_row(image, text, **self.decode,
-                                          keep_empty_captions=self.policies[src].dropout > 0)
+                img, caption, mask = self._decode(image, text, None if masks is None else masks[i], src)
             except BadRecord as exc:
                 # Dropped and counted, never fatal here: whether the run may go on is
                 # decided on the totals (data.max_bad_fraction).
@@ -186,8 +244,7 @@ class Preprocess:
                 bucket = self.buckets.assign(img.size[0], img.size[1], src)
                 size = self.buckets.sizes[bucket]
                 ids.append(bucket)
-            out.append(transform_image_coords(
-                img, size, self.center_crop, self.random_flip, self.rng))
+            out.append(transform_sample(img, mask, size, self.center_crop, self.random_flip, self.rng))
             captions.append(caption)
             kept.append(src)
         # Rows kept per source: the run's per-source counts (raylora.json data.sources).
@@ -199,13 +256,18 @@ class Preprocess:
         result["original_size"] = np.array([o[1] for o in out], dtype=np.int64).reshape(-1, 2)
         result["crop_top_left"] = np.array([o[2] for o in out], dtype=np.int64).reshape(-1, 2)
         result["target_size"] = np.array([o[0].shape[-2:] for o in out], dtype=np.int64).reshape(-1, 2)
+        if self.masks:
+            result["loss_mask"] = self._pixels([
+                o[3] if o[3] is not None else np.full((1, *o[0].shape[-2:]), 255, np.uint8)
+                for o in out], channels=1)
         if self.buckets is not None:
             result["bucket"] = np.array(ids, dtype=np.int32)
         return result
 
-    def _pixels(self, images: list[np.ndarray]) -> np.ndarray:
-        """The batch's pixels: stacked ``[B, 3, R, R]``; with buckets, a 1-D object array
-        (rows of several buckets: Ray Data keeps it as a variable-shaped tensor column)."""
+    def _pixels(self, images: list[np.ndarray], channels: int = 3) -> np.ndarray:
+        """The batch's pixels (or masks): stacked ``[B, channels, R, R]``; with buckets, a
+        1-D object array (rows of several buckets: Ray Data keeps it as a variable-shaped
+        tensor column)."""
         if self.buckets is not None:
             pixels = np.empty(len(images), dtype=object)
             for i, a in enumerate(images):
@@ -213,7 +275,7 @@ class Preprocess:
             return pixels
         r = self.resolution
         # every row of the batch bad: an empty batch of the right shapes
-        return np.stack(images) if images else np.zeros((0, 3, r, r), np.uint8)
+        return np.stack(images) if images else np.zeros((0, channels, r, r), np.uint8)
 
 
 # Preprocess stages built in this process, by their arguments (most recent last). Ray Data

@@ -187,16 +187,16 @@ def _as_source(table, section: DataSection, source: int):
 def _part_tables(item: dict, data: DataSection, cached: bool, store: Storage):
     """The rows of a parquet part that the item keeps: a cache's columns as they are, else
     ``key`` (``{uri}#{row}``), ``image`` (bytes, also from a ``{bytes, path}`` struct) and
-    ``text``."""
+    ``text`` (and ``mask`` with data.masked_loss)."""
     import pyarrow as pa
-    import pyarrow.compute as pc
 
     from raylora.data.parquet_parts import part_tables
     from raylora.data.plan import keep_rows
 
     columns = None if cached else [data.image_column, data.caption_column]
+    optional = (data.mask_column,) if data.masked_loss and not cached else ()
     for first, table in part_tables(store, str(item["uri"]), int(item["part"]),
-                                    int(item["parts"]), columns):
+                                    int(item["parts"]), columns, optional):
         rows = np.arange(first, first + len(table))
         keep = keep_rows(int(item["offset"]) + rows, item)
         if not keep.all():
@@ -204,11 +204,20 @@ def _part_tables(item: dict, data: DataSection, cached: bool, store: Storage):
         if cached:
             yield table
             continue
-        image = table[data.image_column]
-        if pa.types.is_struct(image.type):  # a datasets struct: sources of a mix are alike
-            image = pc.struct_field(image, "bytes")
-        yield pa.table({"image": image, "text": table[data.caption_column],
-                        "key": pa.array([f"{item['uri']}#{r}" for r in rows], pa.string())})
+        out = {"image": _bytes_column(table[data.image_column]), "text": table[data.caption_column],
+               "key": pa.array([f"{item['uri']}#{r}" for r in rows], pa.string())}
+        if data.masked_loss:  # a shard without the column: every row unmasked
+            out["mask"] = _bytes_column(table[data.mask_column]) \
+                if data.mask_column in table.column_names else pa.nulls(len(table), pa.binary())
+        yield pa.table(out)
+
+
+def _bytes_column(column):
+    """An encoded-image column as binary: a datasets ``{bytes, path}`` struct's bytes."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    return pc.struct_field(column, "bytes") if pa.types.is_struct(column.type) else column
 
 
 def _unit_tables(item: dict, data: DataSection, fmt: str, files: list[str], store: Storage,
@@ -230,6 +239,8 @@ def _unit_tables(item: dict, data: DataSection, fmt: str, files: list[str], stor
             "image": pa.array([image_bytes(r["image"]) for r in chunk], pa.binary()),
             "text": pa.array([None if r["text"] is None else str(r["text"]) for r in chunk],
                              pa.string()),
+            **({"mask": pa.array([r["mask"] or None for r in chunk], pa.binary())}
+               if data.masked_loss else {}),
         })
 
 
@@ -291,6 +302,7 @@ def _preprocessed_rows(data: DataSection, plan: DataPlan, storage: Storage, mode
         caption_dropout=data.caption_dropout,
         caption_policies=caption_policies(data),
         buckets=bucket_set(data),
+        masks=data.masked_loss,
         family=family,
         bad_records=bad_records,
         # Read once, on the driver: see raylora.data.tokenize.

@@ -9,6 +9,9 @@ raw:    pixel_values [B,3,H,W] uint8, input_ids [B,L] (+ input_ids_2/_3, attenti
         target_size [B,2] (SDXL's micro-conditioning)
 cached: latent_params [B,2C,h,w] (posterior mean ‖ logvar) + the family's cond_keys()
         (prompt_embeds [B,L,D], pooled_prompt_embeds [B,P], time_ids [B,6], ...)
+
+Either may carry ``loss_mask`` (data.masked_loss): uint8 [B,1,H,W] raw, float [B,1,h,w]
+cached; ``raylora.train.step.compute_loss`` brings it to the latent grid.
 """
 
 from __future__ import annotations

@@ -68,15 +68,24 @@ def offset_noise(noise: torch.Tensor, offset: float) -> torch.Tensor:
 
 
 def denoising_loss(
-    model_pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None
+    model_pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean squared error in fp32 (half-precision MSE loses the small late-timestep errors).
-    With per-sample ``weights`` ``[B]``: mean over samples of weight × per-sample MSE."""
-    if weights is None:
+    With per-sample ``weights`` ``[B]``: mean over samples of weight × per-sample MSE.
+
+    ``mask`` ``[B, 1, h, w]`` in [0, 1] (data.masked_loss, broadcast over channels)
+    multiplies the squared error before the same mean (as kohya's masked loss): a latent
+    pixel at 0 teaches nothing, and a sample's loss shrinks with the share it masks out
+    (not renormalised by the mask's area, so an all-zero mask gives exactly zero loss and
+    zero gradient rather than 0/0)."""
+    if weights is None and mask is None:
         return F.mse_loss(model_pred.float(), target.float(), reduction="mean")
     per_sample = F.mse_loss(model_pred.float(), target.float(), reduction="none")
+    if mask is not None:
+        per_sample = per_sample * mask.float()
     per_sample = per_sample.mean(dim=tuple(range(1, per_sample.dim())))
-    return (per_sample * weights.float()).mean()
+    return per_sample.mean() if weights is None else (per_sample * weights.float()).mean()
 
 
 def split_pairs(*tensors: torch.Tensor | None) -> tuple[tuple, tuple]:
@@ -90,3 +99,15 @@ def split_pairs(*tensors: torch.Tensor | None) -> tuple[tuple, tuple]:
 def combine_prior(instance: torch.Tensor, prior: torch.Tensor, weight: float) -> torch.Tensor:
     """The DreamBooth objective: instance loss + ``weight`` × class (prior) loss."""
     return instance + weight * prior
+
+
+def latent_mask(mask: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """A batch's loss mask on the latent grid: pixel-resolution uint8 ``[B, 1, H, W]``
+    (255: full weight) or float in [0, 1] → float32 ``[B, 1, h, w]``, each latent pixel the
+    mean of the image pixels it encodes (area pooling: an avg-pool by the VAE factor when
+    it divides, as it does for every family's grid). A mask already ``size`` (the latent
+    cache stores it pooled) only becomes float."""
+    m = mask.float() / 255.0 if mask.dtype == torch.uint8 else mask.float()
+    if tuple(m.shape[-2:]) != tuple(size):
+        m = F.interpolate(m, size=tuple(size), mode="area")
+    return m

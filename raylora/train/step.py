@@ -15,7 +15,7 @@ import torch
 
 from raylora.model.families.base import Cond, Family
 from raylora.train.encode import batch_condition, batch_posterior, sample_latents
-from raylora.train.loss import combine_prior, denoising_loss, split_pairs
+from raylora.train.loss import combine_prior, denoising_loss, latent_mask, split_pairs
 from raylora.train.objective import draw_noise
 
 
@@ -64,14 +64,18 @@ def compute_loss(model: torch.nn.Module, parts: FrozenParts, batch: dict[str, to
     t = obj.sample_timesteps(latents)
     noised = obj.noised(latents, obj.offset(noise), t)
     pred = parts.family.denoise(model, noised.noisy, t, cond, guidance=parts.guidance)
+    # data.masked_loss: every family's denoise returns [B, C, h, w] (Flux/Qwen-Image unpack
+    # their 2×2 tokens), so the mask lines up with the latents whatever the family.
+    mask = batch.get("loss_mask")
+    mask = None if mask is None else latent_mask(mask, pred.shape[-2:])
     if parts.prior_loss_weight is None:
-        return denoising_loss(pred, noised.target, noised.weights)
-    return _prior_loss(parts.prior_loss_weight, terms, pred, noised.target, noised.weights)
+        return denoising_loss(pred, noised.target, noised.weights, mask)
+    return _prior_loss(parts.prior_loss_weight, terms, pred, noised.target, noised.weights, mask)
 
 
 def _prior_loss(weight: float, terms: dict | None, *tensors) -> torch.Tensor:
     """DreamBooth: the loss of each half of the batch (``tensors``: prediction, target,
-    per-sample weights), combined; each term recorded in ``terms``."""
+    per-sample weights, loss mask), combined; each term recorded in ``terms``."""
     instance, prior = (denoising_loss(*half) for half in split_pairs(*tensors))
     if terms is not None:
         terms.update(loss_instance=instance.detach(), loss_prior=prior.detach())

@@ -17,7 +17,8 @@ and one line in ``FORMATS`` (and its name in ``data.format``'s choices).
 from __future__ import annotations
 
 from raylora.data.formats.base import (
-    IMAGE_EXTS, MANIFEST, NOT_UTF8, ShardFormat, decode_text, image_bytes, read_manifest,
+    IMAGE_EXTS, MANIFEST, MASK_SUFFIX, NOT_UTF8, ShardFormat, decode_text, image_bytes,
+    read_manifest,
 )
 from raylora.data.formats.captionfolder import CaptionFolder
 from raylora.data.formats.imagefolder import METADATA, ImageFolder, imagefolder_rows
@@ -31,7 +32,7 @@ FORMATS: dict[str, ShardFormat] = {
     f.name: f for f in (Parquet(), WebDataset(), ImageFolder(), CaptionFolder())}
 
 __all__ = [
-    "FORMATS", "IMAGE_EXTS", "MANIFEST", "METADATA", "NOT_UTF8", "ShardFormat", "decode_text",
+    "FORMATS", "IMAGE_EXTS", "MANIFEST", "MASK_SUFFIX", "METADATA", "NOT_UTF8", "ShardFormat", "decode_text",
     "detect_format", "get_format", "image_bytes", "imagefolder_rows", "read_manifest", "writable_formats",
 ]
 

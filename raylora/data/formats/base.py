@@ -3,7 +3,8 @@
 A format is one ``ShardFormat`` object in the registry (``raylora.data.formats``). The rest
 of raylora asks it, by name, to pick its files out of a listing, count their rows, read
 them (plainly, in file order, or as a Ray dataset) and, where it can, write a shard. Rows
-are ``{"key", "image", "text"}`` whatever the format: ``key`` says where the sample is
+are ``{"key", "image", "text"}`` (and ``mask``, encoded bytes or None, with
+``data.masked_loss``) whatever the format: ``key`` says where the sample is
 (file, and row or sample name), so the validating decode (``raylora.data.decode``) reports
 a bad sample at the same kind of place for every format.
 """
@@ -24,6 +25,9 @@ if TYPE_CHECKING:  # the registry is imported by Ray tasks that need no config m
 
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 MANIFEST = "manifest.json"
+# A sample's loss mask beside its image (data.masked_loss): KEY.png + KEY.mask.png, in a
+# tar or a folder. Lossless only: JPEG ringing would leak weight across a mask's edges.
+MASK_SUFFIX = ".mask.png"
 
 # Marks a caption whose bytes were not UTF-8. Rows travel through Arrow, whose string
 # columns cannot hold the raw bytes (and a column of mixed str/bytes has no Arrow type),
@@ -58,6 +62,41 @@ def read_manifest(storage: Storage, root: str) -> dict | None:
     return None
 
 
+def is_mask_file(name: str) -> bool:
+    """A sidecar mask: never a training image itself, whether masks are on or not."""
+    return name.lower().endswith(MASK_SUFFIX)
+
+
+def mask_uri(image: str) -> str:
+    """Where an image file's sidecar mask is: ``cat.png`` → ``cat.mask.png``."""
+    return posixpath.splitext(image)[0] + MASK_SUFFIX
+
+
+def sidecar_mask(storage: Storage, image: str) -> bytes | None:
+    """The encoded sidecar mask of an image file, None when it has none (it trains
+    unmasked). The one place folder formats look for masks."""
+    try:
+        return storage.read_bytes(mask_uri(image))
+    except FileNotFoundError:
+        return None
+
+
+def mask_companions(data: DataSection, files: list[str], listing: list[str]) -> list[str]:
+    """The sidecar masks in ``listing`` of image ``files`` (data.masked_loss; else none)."""
+    if not data.masked_loss:
+        return []
+    present = set(listing)
+    return [m for m in map(mask_uri, files) if m in present]
+
+
+def with_mask(data: DataSection, row: dict, mask) -> dict:
+    """``row`` with its ``mask`` (encoded bytes or None) when data.masked_loss is on; as
+    it was otherwise (no extra column, nothing else read)."""
+    if not data.masked_loss:
+        return row
+    return {**row, "mask": mask() if callable(mask) else mask}
+
+
 @functools.lru_cache(maxsize=4)
 def process_storage(endpoint_url: str | None, region: str | None) -> Storage:
     """One per process and endpoint, for Ray stages: it keeps its filesystem client
@@ -82,7 +121,7 @@ class ShardFormat:
 
     def select(self, files: list[str]) -> list[str]:
         """The files of a listing that this format reads (stray files dropped)."""
-        return [f for f in files if f.lower().endswith(self.suffixes)]
+        return [f for f in files if f.lower().endswith(self.suffixes) and not is_mask_file(f)]
 
     def check_listing(self, data: DataSection, files: list[str], listing: list[str]) -> None:
         """Problems the listing shows before any file is read (``files``: this format's
@@ -90,8 +129,8 @@ class ShardFormat:
 
     def companions(self, data: DataSection, files: list[str], listing: list[str]) -> list[str]:
         """Files of the listing besides ``files`` that rows are read from (a caption
-        folder's caption files): a change to them is a change to the data."""
-        return []
+        folder's caption files, sidecar masks): a change to them is a change to the data."""
+        return mask_companions(data, files, listing)
 
     def repeats(self, data: DataSection, files: list[str]) -> list[int] | None:
         """Times each file's rows count in an epoch, where the data says so (a caption

@@ -27,7 +27,10 @@ import re
 
 import numpy as np
 
-from raylora.data.formats.base import IMAGE_EXTS, ShardFormat, decode_text, process_storage
+from raylora.data.formats.base import (
+    IMAGE_EXTS, ShardFormat, decode_text, mask_companions, process_storage, sidecar_mask,
+    with_mask,
+)
 from raylora.storage import normalize
 
 log = logging.getLogger("raylora.data")
@@ -90,7 +93,8 @@ class CaptionFolder(ShardFormat):
 
     def companions(self, data, files, listing):
         present = set(listing)
-        return [c for c in (caption_uri(f, data.caption_extension) for f in files) if c in present]
+        captions = [c for c in (caption_uri(f, data.caption_extension) for f in files) if c in present]
+        return captions + mask_companions(data, files, listing)
 
     def check_listing(self, data, files, listing):
         """Images with neither a caption file nor class tokens: refused up front when their
@@ -124,7 +128,8 @@ class CaptionFolder(ShardFormat):
             text = decode_text(storage.read_bytes(caption_uri(image, data.caption_extension))).strip()
         except FileNotFoundError:
             text = tokens
-        return {"key": image, "image": storage.read_bytes(image), "text": text}
+        row = {"key": image, "image": storage.read_bytes(image), "text": text}
+        return with_mask(data, row, lambda: sidecar_mask(storage, image))
 
     def iter_rows(self, data, files, storage):
         for f, k in zip(files, self._folders(data, files)):
@@ -174,4 +179,5 @@ def _read_images(batch: dict[str, np.ndarray], data: dict, files: list[str],
 
     section, store = DataSection.model_validate(data), process_storage(endpoint_url, region)
     rows = list(CaptionFolder()._rows(section, files, store, [int(i) for i in batch["index"]]))
-    return {k: np.array([r[k] for r in rows], dtype=object) for k in ("key", "image", "text")}
+    return {k: np.array([r[k] for r in rows], dtype=object) for k in rows[0]} if rows else \
+        {k: np.array([], dtype=object) for k in ("key", "image", "text")}

@@ -10,7 +10,9 @@ import posixpath
 
 import numpy as np
 
-from raylora.data.formats.base import IMAGE_EXTS, ShardFormat, process_storage
+from raylora.data.formats.base import (
+    IMAGE_EXTS, ShardFormat, process_storage, sidecar_mask, with_mask,
+)
 
 METADATA = "metadata.jsonl"
 
@@ -46,6 +48,12 @@ def imagefolder_rows(storage, files: list[str], caption_key: str) -> list[dict]:
     return rows
 
 
+def _row(data, storage, row: dict) -> dict:
+    """A metadata row → ``{key, image, text}`` (+ its sidecar ``mask``), image bytes read."""
+    out = {"key": row["key"], "image": storage.read_bytes(row["uri"]), "text": row["text"]}
+    return with_mask(data, out, lambda: sidecar_mask(storage, row["uri"]))
+
+
 def _read_images(batch: dict[str, np.ndarray], endpoint_url: str | None,
                  region: str | None) -> dict[str, np.ndarray]:
     """map_batches stage: image URI → image bytes. A task, not an actor pool, for the
@@ -69,7 +77,7 @@ class ImageFolder(ShardFormat):
 
     def iter_rows(self, data, files, storage):
         for row in imagefolder_rows(storage, files, data.caption_column):
-            yield {"key": row["key"], "image": storage.read_bytes(row["uri"]), "text": row["text"]}
+            yield _row(data, storage, row)
 
     def units(self, data, files, storage, rows_per_unit):
         # One metadata list for the folder, not rows per file: slices of that list.
@@ -80,8 +88,7 @@ class ImageFolder(ShardFormat):
         rows = imagefolder_rows(storage, files, data.caption_column)
         for j, row in enumerate(itertools.islice(rows, start, None if stop < 0 else stop)):
             if keep is None or keep(j):  # an image left out is not read
-                yield {"key": row["key"], "image": storage.read_bytes(row["uri"]),
-                       "text": row["text"]}
+                yield _row(data, storage, row)
 
     def read_dataset(self, data, files, file_rows, storage, seed, shuffle, **map_args):
         import ray

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raylora.data.formats.base import ShardFormat, image_bytes
+from raylora.data.formats.base import ShardFormat, image_bytes, with_mask
 from raylora.storage import Storage
 
 if TYPE_CHECKING:
@@ -29,6 +29,13 @@ def check_columns(data: DataSection, file: str, names: list[str]) -> None:
     ]
     if missing:
         raise ValueError(f"{file}: column(s) not found: {', '.join(missing)}; the shard has {names}")
+
+
+def read_columns(data: DataSection, names: list[str]) -> list[str]:
+    """The columns to read from a shard with columns ``names``: image and caption, and
+    with data.masked_loss the mask column where the shard has one (else: unmasked)."""
+    masks = data.masked_loss and data.mask_column in names
+    return [data.image_column, data.caption_column] + ([data.mask_column] if masks else [])
 
 
 class Parquet(ShardFormat):
@@ -49,14 +56,17 @@ class Parquet(ShardFormat):
         return sum(file_rows), file_rows
 
     def iter_rows(self, data: DataSection, files: list[str], storage: Storage) -> Iterator[dict]:
-        cols = [data.image_column, data.caption_column]
         for f in files:
             with storage.open_input(f) as fh:
+                pf = pq.ParquetFile(fh)
+                cols = read_columns(data, pf.schema_arrow.names)
                 row = 0
-                for batch in pq.ParquetFile(fh).iter_batches(batch_size=64, columns=cols):
+                for batch in pf.iter_batches(batch_size=64, columns=cols):
                     d = batch.to_pydict()
-                    for img, txt in zip(d[data.image_column], d[data.caption_column]):
-                        yield {"key": f"{f}#{row}", "image": image_bytes(img), "text": txt}
+                    masks = d.get(data.mask_column, [None] * batch.num_rows)
+                    for img, txt, mask in zip(d[data.image_column], d[data.caption_column], masks):
+                        out = {"key": f"{f}#{row}", "image": image_bytes(img), "text": txt}
+                        yield with_mask(data, out, lambda: image_bytes(mask) or None)
                         row += 1
 
     def read_dataset(self, data, files, file_rows, storage, seed, shuffle, **map_args):

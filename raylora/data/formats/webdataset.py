@@ -1,5 +1,5 @@
 """WebDataset: tar files as img2dataset writes them, ``KEY.jpg|jpeg|png|webp`` +
-``KEY.txt`` (+ ``KEY.json``). Only image bytes, UTF-8 text and JSON are read: nothing in
+``KEY.txt`` (+ ``KEY.json``, + ``KEY.mask.png`` for data.masked_loss). Only image bytes, UTF-8 text and JSON are read: nothing in
 a shard is ever unpickled or executed. A row's key is ``{file}#{KEY}``."""
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ import posixpath
 import tarfile
 from collections.abc import Iterator
 
-from raylora.data.formats.base import IMAGE_EXTS, ShardFormat, decode_text, read_manifest
+from raylora.data.formats.base import (
+    IMAGE_EXTS, MASK_SUFFIX, ShardFormat, decode_text, read_manifest,
+)
 
 
 def split_key(name: str) -> tuple[str, str]:
@@ -20,8 +22,9 @@ def split_key(name: str) -> tuple[str, str]:
     return posixpath.join(dirname, stem), "." + ext.lower() if ext else ""
 
 
-def iter_tar_samples(fileobj, source: str) -> Iterator[dict]:
-    """Rows from one WebDataset tar, in file order. Samples without an image are skipped."""
+def iter_tar_samples(fileobj, source: str, masks: bool = False) -> Iterator[dict]:
+    """Rows from one WebDataset tar, in file order. Samples without an image are skipped.
+    ``masks``: rows get a ``mask`` (the ``KEY.mask.png`` bytes, or None)."""
     current: dict | None = None
     with tarfile.open(fileobj=fileobj, mode="r|*") as tar:
         for member in tar:
@@ -30,10 +33,12 @@ def iter_tar_samples(fileobj, source: str) -> Iterator[dict]:
             key, ext = split_key(member.name)
             if current is None or current["key"] != key:
                 if current is not None and current.get("image") is not None:
-                    yield _finish(current, source)
-                current = {"key": key, "image": None, "text": None, "json": None}
+                    yield _finish(current, source, masks)
+                current = {"key": key, "image": None, "text": None, "json": None, "mask": None}
             data = tar.extractfile(member).read()
-            if ext in IMAGE_EXTS and current["image"] is None:
+            if ext == MASK_SUFFIX:  # split_key keeps both dots: never taken for the image
+                current["mask"] = data
+            elif ext in IMAGE_EXTS and current["image"] is None:
                 current["image"] = data
             elif ext == ".txt":
                 current["text"] = decode_text(data)
@@ -44,14 +49,15 @@ def iter_tar_samples(fileobj, source: str) -> Iterator[dict]:
                     current["json"] = None
             # Anything else (.pyd, .pickle, .cls, ...) is ignored on purpose.
         if current is not None and current.get("image") is not None:
-            yield _finish(current, source)
+            yield _finish(current, source, masks)
 
 
-def _finish(sample: dict, source: str) -> dict:
+def _finish(sample: dict, source: str, masks: bool = False) -> dict:
     text = sample["text"]
     if text is None and isinstance(sample["json"], dict):
         text = sample["json"].get("caption") or sample["json"].get("text")
-    return {"key": f"{source}#{sample['key']}", "image": sample["image"], "text": text or ""}
+    row = {"key": f"{source}#{sample['key']}", "image": sample["image"], "text": text or ""}
+    return {**row, "mask": sample["mask"]} if masks else row
 
 
 def count_tar_samples(fileobj) -> int:
@@ -100,7 +106,7 @@ class WebDataset(ShardFormat):
     def iter_rows(self, data, files, storage):
         for f in files:
             with storage.open_input(f) as fh:
-                yield from iter_tar_samples(fh, f)
+                yield from iter_tar_samples(fh, f, data.masked_loss)
 
     def read_dataset(self, data, files, file_rows, storage, seed, shuffle, **map_args):
         # map_args are for the parquet read stage; a tar is one read task whatever they say.

@@ -38,6 +38,26 @@ def test_prior_loss_is_instance_plus_weighted_class_mse():
     assert split_pairs(pred, None)[1][1] is None
 
 
+def test_prior_loss_with_a_loss_mask_masks_each_half():
+    """data.masked_loss with prior preservation: the mask splits with the batch, each half's
+    squared error is masked before its mean, the terms combine as without masks."""
+    from raylora.train.step import _prior_loss
+
+    g = torch.Generator().manual_seed(1)
+    pred, target = torch.randn(4, 2, 3, 3, generator=g), torch.randn(4, 2, 3, 3, generator=g)
+    mask = torch.zeros(4, 1, 3, 3)
+    mask[0, :, :, 0] = 1  # instance 0: one column; instance 1: nothing
+    mask[2:] = 1  # class samples: unmasked (all ones, as the class stage emits them)
+    se = (pred - target) ** 2
+    hand_i = (se[:2] * mask[:2]).mean(dim=(1, 2, 3)).mean()
+    hand_p = se[2:].mean()
+    terms = {}
+    got = _prior_loss(0.5, terms, pred, target, None, mask)
+    torch.testing.assert_close(terms["loss_instance"], hand_i)
+    torch.testing.assert_close(terms["loss_prior"], hand_p)
+    torch.testing.assert_close(got, hand_i + 0.5 * hand_p)
+
+
 def test_config_checks_name_the_keys(base_config):
     t = dict(base_config, data={**base_config["data"], "class_prompt": "a shape",
                                 "cache": "latents", "bucketing": True})

@@ -35,6 +35,11 @@ class LoopSettings:
     eval_every: int | None = None
     max_nonfinite_steps: int = 5
     nonfinite_advice: str = ""
+    world_size: int = 1
+    accumulation: int = 1  # micro-batches per optimizer step on each worker
+    # Elastic runs: a step's row lists every worker's samples (a collective), in the
+    # global order, so runs at different sizes can be compared sample for sample.
+    gather_samples: bool = False
 
     @classmethod
     def from_config(cls, cfg, max_steps: int, world_size: int, advice: str = "") -> LoopSettings:
@@ -44,7 +49,8 @@ class LoopSettings:
             images_per_step=t.batch_size * t.gradient_accumulation_steps * world_size,
             checkpoint_every=cfg.checkpoint.every_n_steps, max_grad_norm=t.max_grad_norm,
             eval_every=cfg.validation.every_n_steps, max_nonfinite_steps=t.max_nonfinite_steps,
-            nonfinite_advice=advice,
+            nonfinite_advice=advice, world_size=world_size, accumulation=t.gradient_accumulation_steps,
+            gather_samples=cfg.scaling.elastic and t.record_samples,
         )
 
 
@@ -180,9 +186,14 @@ def _finish_step(run, settings: LoopSettings, progress: _Progress, with_samples:
         "loss": loss,
         "lr": run.lr_scheduler.get_last_lr()[0],
         "images_per_s": settings.images_per_step / max(now - progress.t_step, 1e-9),
+        # An elastic run's size at this step (the global batch is the same at every size).
+        "world_size": settings.world_size,
+        "accumulation": settings.accumulation,
     }
     if with_samples:
         row["samples"], progress.samples = progress.samples, []
+        if settings.gather_samples:
+            row["samples"] = _all_ranks_samples(row["samples"], settings.accumulation)
     if progress.buckets:  # the bucket id (one per micro-batch when accumulating)
         b, progress.buckets = progress.buckets, []
         row["bucket"] = b[0] if len(b) == 1 else b
@@ -217,6 +228,17 @@ def _after_step(state: LoopState, settings: LoopSettings, hooks: LoopHooks, prog
     if ckpt:
         hooks.on_checkpoint(state, final)
         progress.last_checkpoint = step
+
+
+def _all_ranks_samples(mine: list[str], accumulation: int) -> list[str]:
+    """Every rank's samples of this step in the global order: micro-batch ``i`` of rank
+    ``r`` is global micro-batch ``i × world + r`` (raylora.data.source.global_share)."""
+    from accelerate.utils import gather_object
+
+    per_rank = gather_object([mine])
+    size = len(mine) // accumulation
+    return [s for i in range(accumulation) for theirs in per_rank
+            for s in theirs[i * size:(i + 1) * size]]
 
 
 def sample_hashes(batch: dict[str, torch.Tensor]) -> list[str]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import threading
 import time
 
@@ -206,7 +205,7 @@ def test_plan_counts_epochs_in_global_batches(tiny_model, demo_data):
 # --- integration: a real multi-node cluster on this machine ---------------------------------
 
 NODE_CPUS = 3  # one worker of 2 CPUs per node, 1 CPU beside it for its data tasks
-STEPS = 40
+STEPS = 16  # 2 epochs of 8 steps
 
 
 def _run_tree(tiny_model, demo_data, out) -> dict:
@@ -218,7 +217,7 @@ def _run_tree(tiny_model, demo_data, out) -> dict:
         "train": {"batch_size": 2, "gradient_accumulation_steps": 1, "max_steps": STEPS,
                   "learning_rate": 1e-3, "seed": 5, "record_samples": True},
         "scaling": {"num_workers": [1, 2], "cpus_per_worker": 2, "resize_check_s": 1},
-        "checkpoint": {"every_n_steps": 2, "num_to_keep": 2},
+        "checkpoint": {"every_n_steps": 4, "num_to_keep": 2},
         "failure": {"max_failures": 2},
         "output": {"uri": str(out)},
     }
@@ -233,9 +232,6 @@ def cluster(monkeypatch):
     import ray
     from ray.cluster_utils import Cluster
 
-    # A worker group asked of a node that just left waits this long before a smaller try
-    # (Ray's view of the nodes lags by up to 20 s); the processes inherit it.
-    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "10")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -243,6 +239,7 @@ def cluster(monkeypatch):
     c = Cluster(initialize_head=True, head_node_args={
         "num_cpus": NODE_CPUS, "include_dashboard": True, "dashboard_host": "127.0.0.1",
         "dashboard_port": port, "object_store_memory": 200 * 1024 * 1024,
+        # A removed node is known dead within ~3 s (default: 15 s).
         "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}})
     try:
         ray.init(address=c.address)
@@ -252,39 +249,53 @@ def cluster(monkeypatch):
         c.shutdown()
 
 
-def _when(cond, then, timeout=300):
-    """Run ``then()`` in a thread once ``cond()`` holds: the test's hand on the cluster
-    mid-run, at a point the run itself signals (a checkpoint written), not after a sleep."""
-    done, errors = [], []
+def _start(tree: dict):
+    """``raylora.launch.run`` in a thread: the main thread is free to change the cluster
+    (Ray starts a node's processes from the main thread only)."""
+    from raylora.launch import run
 
-    def watch():
+    result, errors = {}, []
+
+    def go():
         try:
-            end = time.monotonic() + timeout
-            while time.monotonic() < end:
-                if cond():
-                    done.append(then())
-                    return
-                time.sleep(0.2)
-        except Exception as exc:
+            result.update(run(validate(tree)))
+        except BaseException as exc:
             errors.append(exc)
 
-    t = threading.Thread(target=watch, daemon=True)
+    t = threading.Thread(target=go, daemon=True)
     t.start()
-    return t, done, errors
+    return t, result, errors
 
 
-def _checkpoint_written(out):
-    def cond():
-        try:
-            return any(n.startswith("checkpoint_") for n in os.listdir(out / "train"))
-        except OSError:
-            return False
-    return cond
+def _wait_for_checkpoint(out, thread, timeout=400) -> int:
+    """Mid-run, as the run itself says: a checkpoint registered (what a resize resumes
+    from), not a sleep."""
+    from killer import registered_step
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and thread.is_alive():
+        if (step := registered_step(out / "train")) > 0:
+            return step
+        time.sleep(0.2)
+    raise AssertionError("no checkpoint registered while the run was going")
 
 
-def _assert_finished_elastic(out, tiny_model, tmp_path, sizes):
+def _reread_nodes() -> None:
+    """Ray's AutoscalingCoordinator, where elastic Ray Train learns which nodes exist,
+    re-reads them every 20 s; ask it now, so the test does not wait out that tick."""
+    import ray
+
+    coordinator = ray.get_actor("AutoscalingCoordinator", namespace="AutoscalingCoordinator")
+    ray.get(coordinator.get_reserved_resources.remote("raylora-test", recompute=True), timeout=30)
+
+
+def _finish(thread, result, errors, out, tiny_model, tmp_path, sizes) -> list[int]:
     from stock import stock_load
 
+    thread.join(timeout=500)
+    assert not thread.is_alive(), "the run did not finish"
+    assert not errors, errors
+    assert result["metrics"]["global_step"] == STEPS
     rows = [json.loads(x) for x in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     # The global batch never changed: 4 samples a step, whatever the size.
@@ -297,37 +308,40 @@ def _assert_finished_elastic(out, tiny_model, tmp_path, sizes):
         assert len(epoch) == len(set(epoch)) == 32, (e, seen)
     res = stock_load(tiny_model, str(out / "adapter"), tmp_path)
     assert res["max_abs_diff"] > 0 and res["finite"]
-    return rows
+    return seen
 
 
 @pytest.mark.integration
-def test_an_elastic_run_grows_when_a_node_joins(cluster, tiny_model, demo_data, tmp_path):
-    from raylora.launch import run
-
+def test_an_elastic_run_grows_when_a_node_joins(cluster, tiny_model, demo_data, tmp_path, capsys):
     out = tmp_path / "grow"
-    watcher, added, errors = _when(
-        _checkpoint_written(out), lambda: cluster.add_node(num_cpus=NODE_CPUS))
     t0 = time.monotonic()
-    summary = run(validate(_run_tree(tiny_model, demo_data, out)))
-    watcher.join(timeout=5)
-    assert not errors and added, errors
-    rows = _assert_finished_elastic(out, tiny_model, tmp_path, (1, 2))
-    print("grow", time.monotonic() - t0, [r["world_size"] for r in rows])
-    assert summary["metrics"]["step"] == STEPS
+    thread, result, errors = _start(_run_tree(tiny_model, demo_data, out))
+    at = _wait_for_checkpoint(out, thread)
+    cluster.add_node(num_cpus=NODE_CPUS)
+    _reread_nodes()
+    seen = _finish(thread, result, errors, out, tiny_model, tmp_path, (1, 2))
+    assert seen.count(1) >= at  # resumed at 2 workers from a checkpoint of the 1-worker run
+    # The driver said so, once.
+    assert capsys.readouterr().out.count("raylora: resized to 2 worker(s), gradient accumulation 1 "
+                                         "(was 1 × 2)") == 1
+    print(f"grow: node added after step {at}, sizes {seen}, {time.monotonic() - t0:.0f} s")
 
 
 @pytest.mark.integration
-def test_an_elastic_run_shrinks_when_a_node_is_lost(cluster, tiny_model, demo_data, tmp_path):
-    from raylora.launch import run
+def test_an_elastic_run_shrinks_when_a_node_is_lost(cluster, tiny_model, demo_data, tmp_path, capsys):
+    import ray
 
     node = cluster.add_node(num_cpus=NODE_CPUS)
     out = tmp_path / "shrink"
-    watcher, removed, errors = _when(
-        _checkpoint_written(out), lambda: cluster.remove_node(node, allow_graceful=False) or True)
     t0 = time.monotonic()
-    summary = run(validate(_run_tree(tiny_model, demo_data, out)))
-    watcher.join(timeout=5)
-    assert not errors and removed, errors
-    rows = _assert_finished_elastic(out, tiny_model, tmp_path, (2, 1))
-    print("shrink", time.monotonic() - t0, [r["world_size"] for r in rows])
-    assert summary["metrics"]["step"] == STEPS
+    thread, result, errors = _start(_run_tree(tiny_model, demo_data, out))
+    at = _wait_for_checkpoint(out, thread)
+    cluster.remove_node(node, allow_graceful=False)
+    while any(n["Alive"] for n in ray.nodes() if n["NodeID"] == node.node_id):
+        time.sleep(0.2)
+    _reread_nodes()
+    seen = _finish(thread, result, errors, out, tiny_model, tmp_path, (2, 1))
+    assert seen.count(2) >= at
+    assert capsys.readouterr().out.count("raylora: resized to 1 worker(s), gradient accumulation 2 "
+                                         "(was 2 × 1)") == 1
+    print(f"shrink: node removed after step {at}, sizes {seen}, {time.monotonic() - t0:.0f} s")

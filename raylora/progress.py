@@ -41,8 +41,11 @@ class Board:
 def start_board(name: str):
     import ray
 
+    from raylora.data.badrecords import on_driver_node
+
     remote = ray.remote(num_cpus=0)(Board)
-    return remote.options(name=name, namespace=NAMESPACE, get_if_exists=True).remote()
+    return remote.options(name=name, namespace=NAMESPACE, get_if_exists=True,
+                          scheduling_strategy=on_driver_node()).remote()
 
 
 def board_handle(name: str):

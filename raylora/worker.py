@@ -347,6 +347,7 @@ class _Reporter:
             else _finite_or_inf(st.eval_loss_last),
             "eval_loss_best": st.eval_loss_best,
             "lr": self.run.lr_scheduler.get_last_lr()[0],
+            "world_size": self.run.accelerator.num_processes,  # elastic: this report's size
         } | self._stopped()
 
     def _stopped(self) -> dict:

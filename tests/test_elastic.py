@@ -205,7 +205,7 @@ def test_plan_counts_epochs_in_global_batches(tiny_model, demo_data):
 # --- integration: a real multi-node cluster on this machine ---------------------------------
 
 NODE_CPUS = 3  # one worker of 2 CPUs per node, 1 CPU beside it for its data tasks
-STEPS = 16  # 2 epochs of 8 steps
+STEPS = 24  # 3 epochs of 8 steps
 
 
 def _run_tree(tiny_model, demo_data, out) -> dict:
@@ -272,17 +272,22 @@ def _start(tree: dict):
     return t, result, errors
 
 
-def _wait_for_checkpoint(out, thread, timeout=400) -> int:
-    """Mid-run, as the run itself says: a checkpoint registered (what a resize resumes
-    from), not a sleep."""
-    from killer import registered_step
-
+def _wait_for_checkpoint(out, thread, world: int, after: int = 0, timeout=400) -> int:
+    """Mid-run, as the run itself says: a checkpoint past step ``after`` registered (what
+    a resize resumes from) by ``world`` workers; its step. Not a sleep."""
     end = time.monotonic() + timeout
     while time.monotonic() < end and thread.is_alive():
-        if (step := registered_step(out / "train")) > 0:
-            return step
+        try:
+            snap = json.loads(open(out / "train" / "checkpoint_manager_snapshot.json").read())
+        except (OSError, ValueError):
+            snap = {}
+        steps = [r["metrics"]["step"] for r in snap.get("checkpoint_results", [])
+                 if r["metrics"].get("world_size") == world and r["metrics"]["step"] > after]
+        if steps:
+            return max(steps)
         time.sleep(0.2)
-    raise AssertionError("no checkpoint registered while the run was going")
+    raise AssertionError(f"no checkpoint of {world} worker(s) past step {after} registered "
+                         "while the run was going")
 
 
 def _reread_nodes() -> None:
@@ -294,21 +299,24 @@ def _reread_nodes() -> None:
     ray.get(coordinator.get_reserved_resources.remote("raylora-test", recompute=True), timeout=30)
 
 
-def _finish(thread, result, errors, out, tiny_model, tmp_path, sizes) -> list[int]:
+def _finish(thread, result, errors, out, tiny_model, tmp_path) -> list[int]:
+    """The run finished: every step's global batch the same, each epoch's samples all
+    distinct (none repeated or skipped by a resize), an adapter stock diffusers loads.
+    Returns each step's number of workers."""
     from stock import stock_load
 
     thread.join(timeout=500)
     assert not thread.is_alive(), "the run did not finish"
     assert not errors, errors
     m = result["metrics"]
-    # Finished at the new size, its replicas bit-identical.
-    assert m["steps"] == STEPS and len(m["replica_lora_digests"]) == sizes[1] and m["replicas_in_sync"]
     rows = [json.loads(x) for x in open(out / "metrics.jsonl")]
+    # Finished at the last size, its replicas bit-identical.
+    assert m["steps"] == STEPS and len(m["replica_lora_digests"]) == rows[-1]["world_size"]
+    assert m["replicas_in_sync"]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     # The global batch never changed: 4 samples a step, whatever the size.
     assert all(len(r["samples"]) == 4 and r["world_size"] * r["accumulation"] == 2 for r in rows)
     seen = [r["world_size"] for r in rows]
-    assert seen[0] == sizes[0] and seen[-1] == sizes[1], seen
     # No sample repeated or skipped across the resize: every epoch trains 32 distinct samples.
     for e in range(STEPS // 8):
         epoch = [s for r in rows if r["epoch"] == e for s in r["samples"]]
@@ -319,36 +327,34 @@ def _finish(thread, result, errors, out, tiny_model, tmp_path, sizes) -> list[in
 
 
 @pytest.mark.integration
-def test_an_elastic_run_grows_when_a_node_joins(cluster, tiny_model, demo_data, tmp_path, capsys):
-    out = tmp_path / "grow"
-    t0 = time.monotonic()
-    thread, result, errors = _start(_run_tree(tiny_model, demo_data, out))
-    at = _wait_for_checkpoint(out, thread)
-    cluster.add_node(num_cpus=NODE_CPUS)
-    _reread_nodes()
-    seen = _finish(thread, result, errors, out, tiny_model, tmp_path, (1, 2))
-    assert seen.count(1) >= at  # resumed at 2 workers from a checkpoint of the 1-worker run
-    # The driver said so, once.
-    assert capsys.readouterr().out.count("raylora: resized to 2 worker(s), gradient accumulation 1 "
-                                         "(was 1 × 2)") == 1
-    print(f"grow: node added after step {at}, sizes {seen}, {time.monotonic() - t0:.0f} s")
-
-
-@pytest.mark.integration
-def test_an_elastic_run_shrinks_when_a_node_is_lost(cluster, tiny_model, demo_data, tmp_path, capsys):
+def test_an_elastic_run_grows_when_a_node_joins_and_shrinks_when_it_is_lost(
+        cluster, tiny_model, demo_data, tmp_path, capsys):
+    """One [1, 2] run (one cluster, one start: the suite's time) through both resizes:
+    started on a head with room for one worker, it grows to 2 when a node joins, and
+    finishes on 1 when that node is removed (killed, not drained)."""
     import ray
 
-    node = cluster.add_node(num_cpus=NODE_CPUS)
-    out = tmp_path / "shrink"
+    out = tmp_path / "elastic"
     t0 = time.monotonic()
     thread, result, errors = _start(_run_tree(tiny_model, demo_data, out))
-    at = _wait_for_checkpoint(out, thread)
+    grown_at = _wait_for_checkpoint(out, thread, world=1)
+    node = cluster.add_node(num_cpus=NODE_CPUS)
+    _reread_nodes()
+    lost_at = _wait_for_checkpoint(out, thread, world=2, after=grown_at)
     cluster.remove_node(node, allow_graceful=False)
     while any(n["Alive"] for n in ray.nodes() if n["NodeID"] == node.node_id):
         time.sleep(0.2)
     _reread_nodes()
-    seen = _finish(thread, result, errors, out, tiny_model, tmp_path, (2, 1))
-    assert seen.count(2) >= at
-    assert capsys.readouterr().out.count("raylora: resized to 1 worker(s), gradient accumulation 2 "
-                                         "(was 2 × 1)") == 1
-    print(f"shrink: node removed after step {at}, sizes {seen}, {time.monotonic() - t0:.0f} s")
+    seen = _finish(thread, result, errors, out, tiny_model, tmp_path)
+    # Each size trained from the checkpoint the previous one left: 1, then 2, then 1.
+    runs = [w for i, w in enumerate(seen) if i == 0 or w != seen[i - 1]]
+    assert runs == [1, 2, 1], seen
+    # ...from the checkpoint each size had registered when the node came or went, or later.
+    first_on_2, last_on_2 = seen.index(2), len(seen) - seen[::-1].index(2)
+    assert first_on_2 >= grown_at and last_on_2 >= lost_at, (grown_at, lost_at, seen)
+    # The driver said so, once each.
+    said = capsys.readouterr().out
+    assert said.count("raylora: resized to 2 worker(s), gradient accumulation 1 (was 1 × 2)") == 1
+    assert said.count("raylora: resized to 1 worker(s), gradient accumulation 2 (was 2 × 1)") == 1
+    print(f"elastic: grown after step {grown_at}, node lost after step {lost_at}, "
+          f"sizes {seen}, {time.monotonic() - t0:.0f} s")

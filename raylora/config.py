@@ -494,7 +494,8 @@ class TrainSection(_Section):
     )
     record_samples: bool = Field(
         False, description="metrics.jsonl rows list a content hash of every sample rank 0 "
-        "trained on in that step: an audit of data order, e.g. across a resume.",
+        "trained on in that step (an elastic run: every worker's, in the global order): an "
+        "audit of data order, e.g. across a resume.",
     )
     prediction_type: Literal["epsilon", "v_prediction", "flow_matching"] | None = Field(
         None, description="The objective. Default: the model's scheduler config (flow "

@@ -178,9 +178,7 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
     worker builds one of its own files. Pass ``e``'s read order and preprocessing draws
     depend on the seed and ``e`` alone (raylora.data.source.build_dataset), so under
     ``files`` the stream a resumed run opens at its epoch repeats the straight run's."""
-    from raylora.data.source import DataPlan, EpochStream, build_dataset, pass_batches
-
-    from raylora.data.source import global_share
+    from raylora.data.source import DataPlan, EpochStream, build_dataset, global_share, pass_batches
 
     cfg, plan = spec.config, spec.plan
     t, data = cfg.train, cfg.data

@@ -577,7 +577,8 @@ class TrainSection(_Section):
     )
     record_samples: bool = Field(
         False, description="metrics.jsonl rows list a content hash of every sample rank 0 "
-        "trained on in that step: an audit of data order, e.g. across a resume.",
+        "trained on in that step (an elastic run: every worker's, in the global order): an "
+        "audit of data order, e.g. across a resume.",
     )
     prediction_type: Literal["epsilon", "v_prediction", "flow_matching"] | None = Field(
         None, description="The objective. Default: the model's scheduler config (flow "
@@ -657,7 +658,18 @@ class FsdpSection(_Section):
 
 
 class ScalingSection(_Section):
-    num_workers: int = Field(1, gt=0, description="Training workers (one per GPU).")
+    num_workers: int | tuple[int, int] = Field(
+        1, description="Training workers (one per GPU); [min, max]: elastic, Ray Train starts "
+        "with what the cluster holds (at least min), grows to max as nodes appear and goes on "
+        "with fewer when one is lost. train.gradient_accumulation_steps is then the accumulation "
+        "at max workers: the global batch (train.batch_size × accumulation × workers) stays the "
+        "same at every size.",
+    )
+    resize_check_s: float = Field(
+        60.0, gt=0, description="Elastic runs: how often Ray Train looks for room to grow "
+        "(ScalingConfig.elastic_resize_monitor_interval_s); a resize restarts the workers from "
+        "the latest checkpoint.",
+    )
     strategy: Literal["ddp", "fsdp"] = Field(
         "ddp", description="ddp: every worker holds the whole model (data parallel). fsdp: the "
         "denoiser's weights, LoRA and optimizer state are sharded over the workers (FSDP2, "
@@ -677,6 +689,40 @@ class ScalingSection(_Section):
         False, description="The cluster adds nodes on demand (e.g. KubeRay's autoscaler): skip "
         "the check that the workers fit on the nodes there are now.",
     )
+
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _workers_range(cls, v: Any) -> Any:
+        # YAML and --set give a list; one worker count or a [min, max] pair.
+        if isinstance(v, list):
+            if len(v) != 2:
+                raise ValueError(f"give one number of workers or [min, max], not {v}")
+            v = tuple(v)
+        if isinstance(v, tuple):
+            if not all(isinstance(n, int) and not isinstance(n, bool) for n in v):
+                raise ValueError(f"[min, max] must be whole numbers, not {list(v)}")
+            lo, hi = v
+            if lo < 1 or lo > hi:
+                raise ValueError(f"[min, max] needs 1 <= min <= max, not {list(v)}")
+        elif isinstance(v, int) and not isinstance(v, bool) and v < 1:
+            raise ValueError(f"must be at least 1, not {v}")
+        return v
+
+    @property
+    def elastic(self) -> bool:
+        return isinstance(self.num_workers, tuple)
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers[0] if self.elastic else self.num_workers
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers[1] if self.elastic else self.num_workers
+
+    def world_sizes(self) -> range:
+        """Every number of workers the run may train with."""
+        return range(self.min_workers, self.max_workers + 1)
 
 
 class ValidationSection(_Section):
@@ -873,6 +919,26 @@ class RayLoraConfig(_Section):
                 and not self.data.bucketing else "none"
         return c
 
+    def global_batch(self) -> int:
+        """Images per optimizer step: train.batch_size × accumulation × workers, taken at
+        the most workers (the same at every size of an elastic run)."""
+        t = self.train
+        return t.batch_size * t.gradient_accumulation_steps * self.scaling.max_workers
+
+    def at_world(self, world: int) -> RayLoraConfig:
+        """This config as one worker group of ``world`` workers sees it: an elastic run's
+        accumulation for that size (the global batch unchanged), ``num_workers`` fixed."""
+        s = self.scaling
+        if not s.elastic:
+            return self
+        accum = self.train.gradient_accumulation_steps * s.max_workers // world
+        # (world, world): still elastic (a resume rescales the data position), global
+        # batch and at_world unchanged when applied again.
+        return self.model_copy(update={
+            "train": self.train.model_copy(update={"gradient_accumulation_steps": accum}),
+            "scaling": s.model_copy(update={"num_workers": (world, world)}),
+        })
+
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as plain data, same tree as the YAML."""
         return self.model_dump(mode="json")
@@ -897,8 +963,9 @@ def _cross_checks(cfg: RayLoraConfig) -> list[str]:
             )
     d = cfg.data
     problems += _data_checks(d)
-    problems += _bucket_checks(d, cfg.scaling.num_workers, cfg.train.compile)
+    problems += _bucket_checks(d, cfg.scaling.max_workers, cfg.train.compile)
     problems += _prior_checks(d)
+    problems += _elastic_checks(cfg)
     if d.validation_split and d.validation_uri is not None:
         problems.append(
             "data.validation_split: give either data.validation_split or data.validation_uri"
@@ -961,6 +1028,39 @@ def _prior_checks(d: DataSection) -> list[str]:
     if d.class_prompt is None and d.class_generation != ClassGenerationSection():
         problems.append("data.class_generation: set, but there is no data.class_prompt to "
                         "generate class images with")
+    return problems
+
+
+def _elastic_checks(cfg: RayLoraConfig) -> list[str]:
+    """scaling.num_workers: [min, max]: the global batch must split evenly at every size,
+    and the data position must mean the same thing at every size."""
+    s, t = cfg.scaling, cfg.train
+    if not s.elastic:
+        return []
+    key = f"scaling.num_workers: [{s.min_workers}, {s.max_workers}]"
+    problems = []
+    micro = t.gradient_accumulation_steps * s.max_workers  # micro-batches per optimizer step
+    uneven = [n for n in s.world_sizes() if micro % n]
+    if uneven:
+        problems.append(
+            f"train.gradient_accumulation_steps: {t.gradient_accumulation_steps} (the accumulation "
+            f"at {s.max_workers} workers) × {s.max_workers} = {micro} micro-batches per step does "
+            f"not split evenly over {', '.join(map(str, uneven))} worker(s), so the global batch "
+            f"would change with the size of {key}; use an accumulation that does, or narrow the range")
+    # A world-size-free data position needs one global order every worker can compute:
+    # the seeded file order of sharding=files (a dynamically split stream has none).
+    if cfg.data.sharding != "files":
+        problems.append(f"data.sharding: {key} (elastic) needs data.sharding=files, whose "
+                        "seeded order lets every size resume at the same sample")
+    if cfg.data.bucketing:
+        problems.append(f"data.bucketing: cannot be combined with {key} (elastic): the bucket "
+                        "schedule is planned per worker count; use a fixed scaling.num_workers")
+    if s.strategy != "ddp":
+        problems.append(f"scaling.strategy: {s.strategy} cannot be combined with {key} (elastic): "
+                        "resuming sharded state on another number of workers is not supported; use ddp")
+    if cfg.tune is not None:
+        problems.append(f"tune: cannot be combined with {key} (elastic); give Tune trials a "
+                        "fixed scaling.num_workers")
     return problems
 
 

@@ -249,7 +249,7 @@ def apply_class_images(cfg: RayLoraConfig, p: Plan) -> Plan:
 
 
 def _arithmetic(cfg: RayLoraConfig, model_path: str, data, heldout: list[dict], problems: list[str]) -> Plan:
-    t, world = cfg.train, cfg.scaling.num_workers
+    t, world = cfg.train, cfg.scaling.max_workers
     total = data.rows
     if cfg.data.validation_split:
         # Expected training rows; the exact count depends on the hash of every row, which
@@ -257,6 +257,8 @@ def _arithmetic(cfg: RayLoraConfig, model_path: str, data, heldout: list[dict], 
         total = round(total * (1 - cfg.data.validation_split))
     rows_per_worker = total // world
     batches_per_epoch = None
+    if cfg.scaling.elastic:
+        return _elastic_arithmetic(cfg, model_path, data, heldout, problems)
     if cfg.data.sharding == "files":
         if data.file_rows is None:
             problems.append(
@@ -305,13 +307,41 @@ def _arithmetic(cfg: RayLoraConfig, model_path: str, data, heldout: list[dict], 
     )
 
 
+def _elastic_arithmetic(cfg: RayLoraConfig, model_path: str, data, heldout: list[dict],
+                        problems: list[str]) -> Plan:
+    """scaling.num_workers: [min, max]: every worker reads the whole data in one seeded
+    order and takes its share of each global batch (worker._epoch_batches), so an epoch
+    is the optimizer steps the whole data fills, whatever the number of workers.
+    ``batches_per_epoch``: micro-batches per worker per epoch at max workers."""
+    t, s = cfg.train, cfg.scaling
+    total, batch = data.rows, cfg.global_batch()
+    if data.file_rows is None:
+        problems.append(
+            "data.sharding: 'files' needs files whose rows are known up front (parquet, "
+            f"webdataset, captionfolder), not {data.format}")
+    updates = total // batch
+    if updates == 0 and not problems:
+        problems.append(
+            f"data.{'uri' if cfg.data.sources is None else 'sources'}: {total} rows are less "
+            f"than one optimizer step's global batch of {batch} (train.batch_size={t.batch_size} "
+            f"× train.gradient_accumulation_steps={t.gradient_accumulation_steps} × "
+            f"{s.max_workers} workers, scaling.num_workers: [{s.min_workers}, {s.max_workers}])")
+    if problems:
+        raise ConfigError(problems)
+    return Plan(
+        model_path, data.format, data.files, total, total // s.max_workers, updates,
+        t.max_steps or t.num_epochs * updates, data.file_rows,
+        updates * t.gradient_accumulation_steps, len(heldout), data.rows, heldout, data=data,
+    )
+
+
 def _bucket_steps(cfg: RayLoraConfig, data) -> dict[int, int]:
     """data.bucketing: each bucket's micro-batches per worker per epoch: under
     data.sharding=files the smallest worker's full batches of it, else (one worker) the
     full batches of the rows expected after a held-out split."""
     from raylora.data.buckets import epoch_steps
 
-    world = cfg.scaling.num_workers
+    world = cfg.scaling.max_workers
     if cfg.data.sharding == "files":
         per = [data.for_rank(r, world).bucket_rows() for r in range(world)]
     else:
@@ -463,7 +493,8 @@ def check_cluster_fits(cfg: RayLoraConfig, num_workers: int | None = None) -> Ra
     s = cfg.scaling
     if s.autoscaling:
         return cfg
-    want = s.num_workers if num_workers is None else num_workers
+    # An elastic run starts with what the cluster holds: at least its minimum.
+    want = s.min_workers if num_workers is None else num_workers
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
     cpw = fit_worker_cpus(nodes, s, want, data_stage_cpus(cfg.data, want))
     if cpw == s.cpus_per_worker:
@@ -611,7 +642,7 @@ def prepared(cfg: RayLoraConfig, setup: Setup) -> Iterator[Prepared]:
 
 
 def _train_cpus(cfg: RayLoraConfig) -> float:
-    return cfg.scaling.num_workers * cfg.scaling.cpus_per_worker
+    return cfg.scaling.max_workers * cfg.scaling.cpus_per_worker
 
 
 def run(cfg: RayLoraConfig) -> dict:
@@ -777,12 +808,7 @@ def build_trainer(
     return TorchTrainer(
         train_fn or train_loop_per_worker,
         train_loop_config={"spec": spec},
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=cfg.scaling.num_workers,
-            use_gpu=cfg.scaling.use_gpu,
-            resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
-            placement_strategy=cfg.scaling.placement_strategy,
-        ),
+        scaling_config=_scaling_config(cfg.scaling),
         run_config=ray.train.RunConfig(
             # Same storage_path + name = Ray Train V2 resumes from the latest checkpoint.
             name=name,
@@ -796,6 +822,23 @@ def build_trainer(
             # INFO is a TrainingReport(...) dump per report per worker (raylora.quiet).
             logging_config=ray.train.LoggingConfig(log_level=quiet.ray_train_log_level()),
         ),
+    )
+
+
+def _scaling_config(s):
+    """Ray Train's ScalingConfig; ``num_workers=(min, max)`` is its elastic mode: it
+    starts with the workers the cluster holds and, every ``resize_check_s``, restarts
+    the group at a new size from the latest checkpoint when that changed (a lost worker
+    restarts it at once: a failure, counted against failure.max_failures)."""
+    import ray.train
+
+    elastic = {"elastic_resize_monitor_interval_s": s.resize_check_s} if s.elastic else {}
+    return ray.train.ScalingConfig(
+        num_workers=s.num_workers,
+        use_gpu=s.use_gpu,
+        resources_per_worker={"CPU": s.cpus_per_worker},
+        placement_strategy=s.placement_strategy,
+        **elastic,
     )
 
 

@@ -928,7 +928,7 @@ def config_args(cfg) -> dict:
         lora_rank=lo.rank,
         lora_targets=tuple(lo.target_modules) if lo.target_modules else None,
         mixed_precision=t.mixed_precision, gradient_checkpointing=t.gradient_checkpointing,
-        strategy=s.strategy, world_size=s.num_workers, quantize=m.quantize,
+        strategy=s.strategy, world_size=s.max_workers, quantize=m.quantize,
         quantize_text_encoders=m.quantize_text_encoders, cached_latents=d.cache == "latents",
         train_text_encoder=lo.train_text_encoder, max_sequence_length=m.max_sequence_length,
         device="cuda" if s.use_gpu else "cpu", **optimizer_args(t))

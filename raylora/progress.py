@@ -41,8 +41,11 @@ class Board:
 def start_board(name: str):
     import ray
 
+    from raylora.data.badrecords import on_driver_node
+
     remote = ray.remote(num_cpus=0)(Board)
-    return remote.options(name=name, namespace=NAMESPACE, get_if_exists=True).remote()
+    return remote.options(name=name, namespace=NAMESPACE, get_if_exists=True,
+                          scheduling_strategy=on_driver_node()).remote()
 
 
 def board_handle(name: str):
@@ -117,6 +120,7 @@ class ProgressPrinter:
         self.every_steps, self.every_s = every_steps, every_s
         # The clock starts at the first step: model loading is not a silence to fill.
         self._seen, self._printed_step, self._printed_t = 0, None, None
+        self._size = None  # (workers, accumulation) of the latest step
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="raylora-progress", daemon=True)
         self._bar = None
@@ -158,6 +162,7 @@ class ProgressPrinter:
             self._consume(row, time.monotonic())
 
     def _consume(self, row: dict, now: float) -> None:
+        self._note_size(row)
         self.stats.update(row, now)
         if self._printed_t is None:
             self._printed_t = now
@@ -170,6 +175,18 @@ class ProgressPrinter:
                 self._record()
         elif due:
             self._print()
+
+    def _note_size(self, row: dict) -> None:
+        """A line when the workers' number changed (an elastic run resized; a restart at
+        the same size is not one)."""
+        size = (row.get("world_size"), row.get("accumulation"))
+        if size[0] is None or size == self._size:
+            return
+        if self._size is not None:
+            line = (f"raylora: resized to {size[0]} worker(s), gradient accumulation {size[1]} "
+                    f"(was {self._size[0]} × {self._size[1]}), from step {row['step']}")
+            print(line, file=self.stream, flush=True)
+        self._size = size
 
     def _print(self) -> None:
         print(self.stats.line(), file=self.stream, flush=True)

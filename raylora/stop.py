@@ -66,10 +66,11 @@ class Requests:
 def start_requests(name: str):
     import ray
 
-    from raylora.data.badrecords import NAMESPACE
+    from raylora.data.badrecords import NAMESPACE, on_driver_node
 
     remote = ray.remote(num_cpus=0)(Requests)
-    return remote.options(name=name, namespace=NAMESPACE, get_if_exists=True).remote()
+    return remote.options(name=name, namespace=NAMESPACE, get_if_exists=True,
+                          scheduling_strategy=on_driver_node()).remote()
 
 
 @contextmanager

@@ -79,10 +79,10 @@ def trial_resources(cfg: RayLoraConfig) -> dict[str, float]:
     tasks (0.5 CPU each) and about one CPU of readers. The trial's driver function itself
     holds nothing: it only waits on its TorchTrainer."""
     s = cfg.scaling
-    tasks = s.num_workers  # preprocess tasks at once: one per worker (launch.build_trainer)
-    res = {"CPU": s.num_workers * s.cpus_per_worker + 0.5 * tasks + 1.0}
+    tasks = s.max_workers  # preprocess tasks at once: one per worker (launch.build_trainer)
+    res = {"CPU": s.max_workers * s.cpus_per_worker + 0.5 * tasks + 1.0}
     if s.use_gpu:
-        res["GPU"] = float(s.num_workers)
+        res["GPU"] = float(s.max_workers)
     return res
 
 

@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -179,20 +179,27 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
     depend on the seed and ``e`` alone (raylora.data.source.build_dataset), so under
     ``files`` the stream a resumed run opens at its epoch repeats the straight run's."""
     from raylora.data.prior import paired
-    from raylora.data.source import DataPlan, EpochStream, build_dataset, pass_batches
+    from raylora.data.source import DataPlan, EpochStream, build_dataset, global_share, pass_batches
 
     cfg, plan = spec.config, spec.plan
     t, data = cfg.train, cfg.data
     by_files = data.sharding == "files"
+    # scaling.num_workers: [min, max]: every worker reads all of the data in the one
+    # seeded order and takes its share of each global batch (global_share).
+    elastic = cfg.scaling.elastic
     data_seed = data.shuffle_seed if data.shuffle_seed is not None else t.seed
     store = cfg.storage.client()
     # Micro-batches per epoch, the same on every worker so that their DDP steps line up:
-    # under files the smallest worker's count (the others drop the rest of each pass).
+    # under files the smallest worker's count (the others drop the rest of each pass);
+    # elastic: the epoch's optimizer steps × this size's accumulation.
     per_epoch = plan.batches_per_epoch if by_files else plan.rows_per_worker // t.batch_size
+    if elastic:
+        per_epoch = plan.updates_per_epoch * t.gradient_accumulation_steps
     # This worker's rows in a pass (an estimate when split dynamically): a smaller pass
     # need not wait for the next one to be shuffled whole (pass_batches).
     everything = plan.data_plan()
-    pass_rows = everything.for_rank(rank, world).rows if by_files else plan.rows_per_worker
+    mine = everything if elastic else everything.for_rank(rank, world)
+    pass_rows = mine.rows if by_files else plan.rows_per_worker
 
     def dataset(epoch: int, data_plan: DataPlan, tasks: int):
         ds = build_dataset(data, data_plan, store, model_path=plan.model_path, seed=data_seed,
@@ -209,7 +216,7 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
 
     def shard(epoch: int):
         if by_files:
-            return dataset(epoch, everything.for_rank(rank, world), 1)
+            return dataset(epoch, mine, 1)
         if splits and world > 1:
             # Every rank would have to get here at the same step; they need not (their
             # batch counts per pass differ), so stop rather than hang (see _passes_needed).
@@ -229,11 +236,14 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
     def open_stream(epoch: int):
         blocks = shard(epoch).iter_batches(batch_size=None, batch_format="numpy",
                                            prefetch_batches=PREFETCH_BATCHES)
-        seed = lambda e: data_seed + 7919 * e + rank  # noqa: E731
+        # Elastic: one shuffle for all workers (the global order), not one per rank.
+        seed = lambda e: data_seed + 7919 * e + (0 if elastic else rank)  # noqa: E731
         if plan.bucket_steps is not None:
             return _bucketed(blocks, plan, t.batch_size, data_seed, seed)
         batches = pass_batches(blocks, t.batch_size, data.shuffle_buffer_size, seed=seed,
                                pass_rows=pass_rows)
+        if elastic:
+            batches = global_share(batches, rank, world)
         return batches if classes is None else paired(batches, classes)
 
     pinned = torch.device(device).type == "cuda"
@@ -351,7 +361,8 @@ class _Reporter:
         self.tracker.log(row["step"], {k: v for k, v in row.items() if k not in ("step", "samples")})
         if self.board is not None:
             # Not waited for: the driver prints it (raylora.progress).
-            self.board.push.remote({k: row[k] for k in ("step", "epoch", "loss", "lr", "images_per_s")})
+            self.board.push.remote({k: row[k] for k in ("step", "epoch", "loss", "lr", "images_per_s",
+                                                        "world_size", "accumulation")})
         elif self.rank == 0 and row["step"] % self.log_every == 0:  # Tune trials: in their log
             log.info("step %d/%d loss %.5f lr %.3g images/s %.1f",
                      row["step"], self.max_steps, row["loss"], row["lr"], row["images_per_s"])
@@ -369,6 +380,7 @@ class _Reporter:
             else _finite_or_inf(st.eval_loss_last),
             "eval_loss_best": st.eval_loss_best,
             "lr": self.run.lr_scheduler.get_last_lr()[0],
+            "world_size": self.run.accelerator.num_processes,  # elastic: this report's size
         } | self._prior_terms(st) | self._stopped()
 
     @staticmethod
@@ -456,6 +468,10 @@ def _build(spec: WorkerSpec, accelerator, restored, rank: int, max_steps: int):
     run = build_run(spec.config, accelerator, max_steps, rank, restored)
     if restored is not None and rank == 0:
         log.info("resumed from step %d (epoch %d)", run.state.global_step, run.state.epoch)
+    if spec.config.scaling.elastic and rank == 0:
+        log.info("elastic: %d worker(s), gradient accumulation %d (global batch %d)",
+                 accelerator.num_processes, spec.config.train.gradient_accumulation_steps,
+                 spec.config.global_batch())
     return run
 
 
@@ -493,9 +509,11 @@ def _after_stop(reporter: _Reporter, state: LoopState) -> None:
 def train_loop_per_worker(loop_config: dict) -> None:
     _setup_logging()
     spec = WorkerSpec.of(loop_config)
-    cfg, plan = spec.config, spec.plan
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    # Elastic: this worker group's size (Ray Train chose it) sets the accumulation.
+    spec = replace(spec, config=spec.config.at_world(world))
+    cfg, plan = spec.config, spec.plan
     accelerator, restored = _accelerator(cfg), _restored(rank)
     # The data stream starts before the model is loaded: its first batches (processes
     # started, shards read, images decoded) are on their way while the weights are.
@@ -515,7 +533,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
             evaluate=_heldout_evaluator(spec, run, rank, world) if plan.heldout_rows else None,
             preview=_previewer(spec, run, reporter.tracker, rank)
             if cfg.validation.prompts and (rank == 0 or run.sharded) else None,
-            sample_ids=sample_hashes if cfg.train.record_samples and rank == 0 else None,
+            # Elastic: every rank's (gathered into rank 0's row: LoopSettings.gather_samples).
+            sample_ids=sample_hashes if cfg.train.record_samples
+            and (rank == 0 or cfg.scaling.elastic) else None,
         )
         settings = LoopSettings.from_config(cfg, plan.max_steps, world, nonfinite_advice(cfg),
                                             accelerator.device.type)

@@ -102,6 +102,11 @@ def _sources_table(sources: list[dict]) -> str:
     return f"\n| source | rows | rows per epoch | share |\n|---|---|---|---|\n{rows}"
 
 
+def _workers(s) -> str:
+    """``4``, or an elastic run's ``1-4``."""
+    return f"{s.min_workers}-{s.max_workers}" if s.elastic else str(s.num_workers)
+
+
 def _usage(cfg: RayLoraConfig, family) -> str:
     """How to load this folder: stock ``load_lora_weights`` for lora/dora; peft (and the
     LyCORIS file in ComfyUI / Forge) for lokr/loha, which diffusers' loaders do not read."""
@@ -143,7 +148,7 @@ inference: true
 
 A {family.description} LoRA (family `{family.name}`, objective
 `{data.get("objective")}`), trained with [raylora](https://github.com/) on Ray Train
-({cfg.scaling.num_workers} worker(s), {"GPU" if cfg.scaling.use_gpu else "CPU"}, mixed
+({_workers(cfg.scaling)} worker(s), {"GPU" if cfg.scaling.use_gpu else "CPU"}, mixed
 precision `{t.mixed_precision}`).
 
 ## Use
@@ -160,7 +165,7 @@ precision `{t.mixed_precision}`).
 | learning rate (scale_lr) | {t.learning_rate:g} ({t.scale_lr}) |
 | LR schedule, warmup | {t.lr_scheduler}, {t.lr_warmup_steps} steps |
 | AdamW betas, weight decay, eps | {t.adam_beta1:g}/{t.adam_beta2:g}, {t.adam_weight_decay:g}, {t.adam_epsilon:g} |
-| batch per worker × accumulation × workers | {t.batch_size} × {t.gradient_accumulation_steps} × {cfg.scaling.num_workers} |
+| batch per worker × accumulation × workers | {t.batch_size} × {t.gradient_accumulation_steps} × {cfg.scaling.max_workers}{f" (elastic {_workers(cfg.scaling)}: the same global batch {cfg.global_batch()} at every size)" if cfg.scaling.elastic else ""} |
 | max grad norm | {t.max_grad_norm:g} |
 | resolution, center crop, random flip | {cfg.data.resolution}{f" (aspect buckets, step {cfg.data.bucket_step})" if cfg.data.bucketing else ""}, {cfg.data.center_crop}, {cfg.data.random_flip} |
 | seed | {t.seed} |

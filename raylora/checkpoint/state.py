@@ -53,7 +53,22 @@ class LoopState:
     eval_loss_best: float | None = None
     eval_loss_best_step: int | None = None
     nonfinite_steps: int = 0  # optimizer steps skipped for a NaN/inf loss or gradient
+    # The workers that wrote this state (None: a checkpoint from before it was recorded).
+    world_size: int | None = None
     history: list[dict] = field(default_factory=list)
+
+    def resize(self, world: int) -> None:
+        """An elastic run resumed on ``world`` workers: ``batches_in_epoch`` (per worker)
+        in their micro-batches. Each optimizer step is the same global micro-batches at
+        every size, so the global count ``batches_in_epoch × world`` is what carries over."""
+        old = self.world_size or world
+        consumed = self.batches_in_epoch * old
+        if consumed % world:
+            raise ValueError(
+                f"scaling.num_workers: the checkpoint's data position ({self.batches_in_epoch} "
+                f"micro-batches on each of {old} workers) is not a whole number of "
+                f"micro-batches on {world} workers")
+        self.batches_in_epoch, self.world_size = consumed // world, world
 
     def record_eval(self, loss: float) -> None:
         self.eval_loss_last = loss

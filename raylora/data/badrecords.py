@@ -76,6 +76,17 @@ def verdict(summary: dict, max_fraction: float, min_rows: int) -> str | None:
     )
 
 
+def on_driver_node():
+    """Scheduling for the run's small driver-side actors (this counter, the progress
+    board, the stop requests): the driver's node, whose loss ends the run anyway. Left to
+    Ray they can land on a worker node, and losing that node (which an elastic run, or
+    failure.max_failures, is meant to survive) would kill them and fail every restart."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
 def start_counter(name: str):
     """The run's counter actor (0 CPUs: it only adds numbers)."""
     import ray
@@ -84,7 +95,8 @@ def start_counter(name: str):
     class BadRecordCounter(Tally):
         pass
 
-    return BadRecordCounter.options(name=name, namespace=NAMESPACE, get_if_exists=True).remote()
+    return BadRecordCounter.options(name=name, namespace=NAMESPACE, get_if_exists=True,
+                                    scheduling_strategy=on_driver_node()).remote()
 
 
 def read_counter(name: str | None) -> dict | None:

@@ -372,7 +372,7 @@ def ensure_cache(cfg: RayLoraConfig, family: str, model_path: str, data: DataPla
             encode_batch=max(8, cfg.train.batch_size * 4),
         ),
         batch_size=1, batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.scaling.num_workers)),
+        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.scaling.max_workers)),
         **gpu,
     ).take_all()
     done = sorted((r["name"], int(r["rows"])) for r in written)  # zero-padded: source order

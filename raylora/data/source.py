@@ -37,7 +37,7 @@ from raylora.data.tokenize import load_specs
 from raylora.storage import Storage
 
 
-__all__ = ["DataPlan", "EpochStream", "build_dataset", "data_stage_cpus", "epoch_seed",
+__all__ = ["DataPlan", "EpochStream", "build_dataset", "global_share", "data_stage_cpus", "epoch_seed",
            "pass_batches", "plan_data", "read_rows"]
 
 # CPUs one read/preprocess task asks for. Training workers hold theirs for the whole run,
@@ -386,6 +386,26 @@ def pass_batches(blocks: Iterable[dict[str, np.ndarray]], batch_size: int, buffe
             if len(buf) >= buffer_rows + batch_size:
                 yield current, draw(batch_size)
     yield from rest()
+
+
+def global_share(items: Iterable[tuple[int, dict]], rank: int, world: int
+                 ) -> Iterator[tuple[int, dict]]:
+    """An elastic run's worker ``rank`` of ``world``: from the ``(pass, batch)`` stream
+    that every worker reads alike (one seeded order of the whole data), micro-batch ``i``
+    of a pass is this worker's when ``i % world == rank``. An optimizer step is then the
+    next ``accumulation × world`` micro-batches of the pass whatever ``world`` is (the
+    accumulation makes the product constant), so a position counted in them resumes at
+    the same sample on any number of workers. The micro-batches are dealt in rounds of
+    ``world``: a pass's last, incomplete round goes to nobody, so every worker gets the
+    same count (their DDP steps line up)."""
+    current, held = None, []
+    for e, batch in items:
+        if e != current:
+            current, held = e, []
+        held.append(batch)
+        if len(held) == world:
+            yield e, held[rank]
+            held = []
 
 
 class EpochStream:

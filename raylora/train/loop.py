@@ -38,6 +38,11 @@ class LoopSettings:
     # Losses stay on the device for this many steps, then are read back in one transfer:
     # a per-step ``.item()`` makes the host wait for the GPU queue to drain every step.
     readback_every: int = 1
+    world_size: int = 1
+    accumulation: int = 1  # micro-batches per optimizer step on each worker
+    # Elastic runs: a step's row lists every worker's samples (a collective), in the
+    # global order, so runs at different sizes can be compared sample for sample.
+    gather_samples: bool = False
 
     @classmethod
     def from_config(cls, cfg, max_steps: int, world_size: int, advice: str = "",
@@ -49,7 +54,9 @@ class LoopSettings:
             images_per_step=t.batch_size * t.gradient_accumulation_steps * world_size,
             checkpoint_every=cfg.checkpoint.every_n_steps, max_grad_norm=t.max_grad_norm,
             eval_every=cfg.validation.every_n_steps, max_nonfinite_steps=t.max_nonfinite_steps,
-            nonfinite_advice=advice, readback_every=readback_every,
+            nonfinite_advice=advice, readback_every=readback_every, world_size=world_size,
+            accumulation=t.gradient_accumulation_steps,
+            gather_samples=cfg.scaling.elastic and t.record_samples,
         )
 
 
@@ -173,7 +180,9 @@ def _finish_step(run, settings: LoopSettings, progress: _Progress, with_samples:
         # all-reduced gradient norm): the EMA ignores them, decided on the device.
         run.ema.update(run.params, where=torch.isfinite(local))
     row = {"step": state.global_step, "epoch": state.epoch, "loss": None,
-           "lr": run.lr_scheduler.get_last_lr()[0]}
+           "lr": run.lr_scheduler.get_last_lr()[0],
+           # An elastic run's size at this step (the global batch is the same at every size).
+           "world_size": settings.world_size, "accumulation": settings.accumulation}
     values, keys = [local], ()
     if progress.micro_terms:  # prior preservation: loss_instance, loss_prior of the step
         keys = tuple(sorted(progress.micro_terms[0]))
@@ -182,6 +191,8 @@ def _finish_step(run, settings: LoopSettings, progress: _Progress, with_samples:
         progress.micro_terms = []
     if with_samples:
         row["samples"], progress.samples = progress.samples, []
+        if settings.gather_samples:
+            row["samples"] = _all_ranks_samples(row["samples"], settings.accumulation)
     if progress.buckets:  # the bucket id (one per micro-batch when accumulating)
         row["bucket"], progress.buckets = progress.buckets, []
     progress.pending.append((row, torch.stack(values), keys))
@@ -262,6 +273,17 @@ def _after_step(run, settings: LoopSettings, hooks: LoopHooks, progress: _Progre
     if ckpt:
         hooks.on_checkpoint(state, final)
         progress.last_checkpoint = step
+
+
+def _all_ranks_samples(mine: list[str], accumulation: int) -> list[str]:
+    """Every rank's samples of this step in the global order: micro-batch ``i`` of rank
+    ``r`` is global micro-batch ``i × world + r`` (raylora.data.source.global_share)."""
+    from accelerate.utils import gather_object
+
+    per_rank = gather_object([mine])
+    size = len(mine) // accumulation
+    return [s for i in range(accumulation) for theirs in per_rank
+            for s in theirs[i * size:(i + 1) * size]]
 
 
 def sample_hashes(batch: dict[str, torch.Tensor]) -> list[str]:

@@ -141,7 +141,7 @@ def _restore(cfg: RayLoraConfig, accelerator, restored, optimizer, lr_scheduler,
         # A different stream per rank, so workers do not draw identical noise for their
         # different images (the adapter's initial weights were drawn the same everywhere).
         torch.manual_seed(seed + 1000 * rank)
-        return LoopState()
+        return LoopState(world_size=accelerator.num_processes)
     written = "fsdp" if restored.sharded_dir else "ddp"
     if written != cfg.scaling.strategy:
         raise ValueError(
@@ -155,12 +155,27 @@ def _restore(cfg: RayLoraConfig, accelerator, restored, optimizer, lr_scheduler,
     if accelerator.scaler is not None and restored.scaler_sd:
         accelerator.scaler.load_state_dict(restored.scaler_sd)
     state = restored.loop
+    if cfg.scaling.elastic:
+        _resize(state, lr_scheduler.scheduler, accelerator.num_processes)
+    state.world_size = accelerator.num_processes
     state.resumed_from_step = state.global_step
     if restored.rng is not None:
         restore_rng(restored.rng)
     else:  # world size changed: no saved stream for this rank; a seeded fresh one
         torch.manual_seed(seed + 1000 * rank + state.global_step)
     return state
+
+
+def _resize(state: LoopState, scheduler, world: int) -> None:
+    """An elastic run resumed on another number of workers: the data position, and the
+    LR schedule, which counts optimizer steps × workers (Accelerate steps it once per
+    process: raylora.train.optim.build_lr_scheduler). The schedule's position in optimizer
+    steps, and so the learning rate, stay what they were."""
+    old = state.world_size or world
+    if old == world:
+        return
+    state.resize(world)
+    scheduler.last_epoch = scheduler.last_epoch // old * world
 
 
 def _ema(cfg: RayLoraConfig, params, restored, state: LoopState) -> LoraEMA | None:

@@ -1,0 +1,360 @@
+"""#23 item 4: elastic workers (`scaling.num_workers: [min, max]`). Unit: the accumulation
+per size, the named-key refusals, and a data position that means the same samples at every
+size. Integration: a real multi-node local cluster (ray.cluster_utils.Cluster) where an
+elastic [1, 2] run grows when a node joins and one shrinks when a node is removed; both
+finish with the global batch unchanged, every sample trained once per epoch, and an adapter
+stock diffusers loads."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from raylora.checkpoint.state import LoopState
+from raylora.config import ConfigError, validate
+from raylora.data.source import EpochStream, global_share, pass_batches
+
+
+def _tree(**scaling_and_more) -> dict:
+    tree = {
+        "model": {"pretrained": "x"},
+        "data": {"uri": "/tmp/nowhere", "sharding": "files"},
+        "train": {"batch_size": 2, "gradient_accumulation_steps": 1},
+        "output": {"uri": "/tmp/out"},
+        "scaling": {"num_workers": [1, 2]},
+    }
+    for section, values in scaling_and_more.items():
+        tree[section] = {**tree.get(section, {}), **values}
+    return tree
+
+
+def _problems(tree: dict) -> str:
+    with pytest.raises(ConfigError) as err:
+        validate(tree)
+    return str(err.value)
+
+
+def test_accumulation_per_size_keeps_the_global_batch():
+    cfg = validate(_tree(scaling={"num_workers": [1, 4]}, train={"gradient_accumulation_steps": 3}))
+    assert cfg.scaling.elastic and (cfg.scaling.min_workers, cfg.scaling.max_workers) == (1, 4)
+    assert cfg.global_batch() == 2 * 3 * 4
+    accum = {n: cfg.at_world(n).train.gradient_accumulation_steps for n in (1, 2, 4)}
+    assert accum == {1: 12, 2: 6, 4: 3}
+    for n in (1, 2, 4):
+        sized = cfg.at_world(n)
+        assert sized.global_batch() == 24 and sized.scaling.max_workers == n
+        assert sized.at_world(n).train.gradient_accumulation_steps == accum[n]  # idempotent
+    # A fixed size is what it was; YAML's list round-trips through to_dict.
+    assert validate(_tree(scaling={"num_workers": 2})).at_world(2).train.gradient_accumulation_steps == 1
+    assert validate(cfg.to_dict()).scaling.num_workers == (1, 4)
+
+
+def test_elastic_refusals_name_their_keys():
+    # 1 × 3 micro-batches per step cannot split over 2 workers.
+    assert "train.gradient_accumulation_steps: 1 (the accumulation at 3 workers)" in _problems(
+        _tree(scaling={"num_workers": [2, 3]}))
+    assert "data.sharding: scaling.num_workers: [1, 2] (elastic) needs data.sharding=files" in _problems(
+        _tree(data={"sharding": "stream"}))
+    assert "data.bucketing: cannot be combined with scaling.num_workers: [1, 2]" in _problems(
+        _tree(data={"bucketing": True, "resolution": 64}))
+    assert "scaling.strategy: fsdp cannot be combined" in _problems(_tree(scaling={"strategy": "fsdp"}))
+    for bad, says in (([3, 2], "1 <= min <= max"), ([0, 2], "1 <= min <= max"),
+                      ([1, 2, 3], "[min, max]"), (0, "at least 1")):
+        msg = _problems(_tree(scaling={"num_workers": bad}))
+        assert "scaling.num_workers" in msg and says in msg, msg
+
+
+def _blocks(rows: int, passes: range, block: int = 5):
+    """What build_dataset gives a worker that reads everything: rows in pass order, each
+    with its pass in an ``epoch`` column (here ids stand for the images)."""
+    for e in passes:
+        for start in range(0, rows, block):
+            ids = np.arange(start, min(start + block, rows))
+            yield {"id": ids, "epoch": np.full(len(ids), e)}
+
+
+def _stream(rank: int, world: int, rows: int, batch: int, per_epoch: int) -> EpochStream:
+    def open_(epoch: int):
+        batches = pass_batches(_blocks(rows, range(epoch, 3)), batch, buffer_rows=6,
+                               seed=lambda e: 100 + e, pass_rows=rows)
+        return global_share(batches, rank, world)
+    return EpochStream(open_, per_epoch, per_pass=True, prefetch=0)
+
+
+def _train(world: int, state: LoopState, steps: int, rows=26, batch=2, global_batch=8) -> list[list[int]]:
+    """The loop's data side (raylora.train.loop._run_epoch) for ``steps`` optimizer steps on
+    ``world`` workers from ``state``: each step's samples, every worker's, in global order."""
+    accum = global_batch // batch // world
+    per_epoch = rows // global_batch * accum  # micro-batches per worker per epoch
+    streams = [_stream(r, world, rows, batch, per_epoch) for r in range(world)]
+    out = []
+    while len(out) < steps:
+        epochs = [iter(s(state.epoch)) for s in streams]
+        for _ in range(state.batches_in_epoch):  # resumed mid-epoch: already trained
+            for it in epochs:
+                next(it)
+        while state.batches_in_epoch < per_epoch and len(out) < steps:
+            micro = [[next(it)["id"].tolist() for it in epochs] for _ in range(accum)]
+            out.append([i for m in micro for r in m for i in r])
+            state.batches_in_epoch += accum
+        if state.batches_in_epoch == per_epoch:
+            state.epoch, state.batches_in_epoch = state.epoch + 1, 0
+    for s in streams:
+        s.close()
+    return out
+
+
+@pytest.mark.parametrize("first,then", [(2, 1), (1, 2), (4, 2)])
+def test_a_resize_neither_repeats_nor_skips_a_sample(first, then):
+    """3 steps (of 3 per epoch) on ``first`` workers, then 3 more on ``then`` (resumed from
+    the position ``first`` recorded): exactly the samples, in the same steps and order, of
+    a run on one worker throughout; each epoch's 24 trained samples distinct."""
+    straight = _train(1, LoopState(world_size=1), 6)
+    state = LoopState(world_size=first)
+    part = _train(first, state, 2)
+    state.resize(then)  # what setup._restore does for an elastic run on another size
+    assert state.world_size == then and state.batches_in_epoch == 2 * 8 // 2 // then
+    resumed = part + _train(then, state, 4)
+    assert resumed == straight
+    assert all(len(step) == 8 for step in resumed)  # the global batch at every size
+    for epoch in (resumed[:3], resumed[3:]):
+        seen = [i for step in epoch for i in step]
+        assert len(seen) == len(set(seen)) == 24
+    assert set(resumed[0] + resumed[1] + resumed[2]) != set(range(24))  # shuffled, 2 of 26 dropped
+
+
+def test_a_pass_that_ends_mid_round_gives_every_worker_the_same_count():
+    items = [(0, {"i": i}) for i in range(7)] + [(1, {"i": i}) for i in range(3)]
+    shares = [list(global_share(iter(items), r, 3)) for r in range(3)]
+    assert [len(s) for s in shares] == [3, 3, 3]  # 2 of pass 0 + 1 of pass 1 each
+    assert [[(e, b["i"]) for e, b in s] for s in shares][1] == [(0, 1), (0, 4), (1, 1)]
+
+
+def test_resize_refuses_a_position_that_does_not_divide():
+    state = LoopState(batches_in_epoch=3, world_size=1)
+    with pytest.raises(ValueError, match="scaling.num_workers"):
+        state.resize(2)
+
+
+def test_lr_schedule_resumes_in_optimizer_steps_on_another_size():
+    """Accelerate steps the schedule once per process per optimizer step: after a resize
+    its position is rescaled so the learning rates go on as on one worker throughout."""
+    import torch
+
+    from raylora.train.optim import build_lr_scheduler
+    from raylora.train.setup import _resize
+
+    cfg = validate(_tree(train={"lr_scheduler": "cosine", "lr_warmup_steps": 3, "learning_rate": 1.0}))
+
+    def sched(n):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        return build_lr_scheduler(cfg, opt, 10, n)
+
+    one, two = sched(1), sched(2)
+    want = []
+    for _ in range(10):
+        one.step()
+        want.append(one.get_last_lr()[0])
+    got = []
+    for _ in range(4):
+        for _ in range(2):  # what AcceleratedScheduler does on 2 processes
+            two.step()
+        got.append(two.get_last_lr()[0])
+    state = LoopState(global_step=4, world_size=2)
+    resumed = sched(1)
+    resumed.load_state_dict(two.state_dict())
+    _resize(state, resumed, 1)
+    for _ in range(6):
+        resumed.step()
+        got.append(resumed.get_last_lr()[0])
+    assert got == pytest.approx(want)
+
+
+def test_the_driver_prints_one_line_per_resize():
+    from raylora.progress import ProgressPrinter
+
+    out = io.StringIO()
+    printer = ProgressPrinter(None, 8, every_steps=100, every_s=1e9, stream=out, tty=False)
+    for step, world, accum in [(1, 1, 2), (2, 1, 2), (3, 2, 1), (3, 2, 1), (4, 2, 1), (5, 1, 2)]:
+        printer._consume({"step": step, "epoch": 0, "loss": 0.1, "lr": 1e-3, "images_per_s": 1.0,
+                          "world_size": world, "accumulation": accum}, time.monotonic())
+    lines = [x for x in out.getvalue().splitlines() if "resized" in x]
+    assert lines == ["raylora: resized to 2 worker(s), gradient accumulation 1 (was 1 × 2), from step 3",
+                     "raylora: resized to 1 worker(s), gradient accumulation 2 (was 2 × 1), from step 5"]
+
+
+def test_plan_counts_epochs_in_global_batches(tiny_model, demo_data):
+    from raylora.launch import plan
+
+    cfg = validate(_tree(model={"pretrained": tiny_model}, data={"uri": demo_data, "resolution": 64},
+                         train={"batch_size": 2, "gradient_accumulation_steps": 1, "num_epochs": 2},
+                         scaling={"num_workers": [1, 2]}))
+    p = plan(cfg, heldout=False)
+    assert p.total_rows == 32 and p.updates_per_epoch == 32 // 4 and p.max_steps == 16
+    big = validate({**cfg.to_dict(), "train": {**cfg.to_dict()["train"], "batch_size": 16,
+                                               "gradient_accumulation_steps": 2}})
+    with pytest.raises(ConfigError, match="global batch of 64"):
+        plan(big, heldout=False)
+
+
+# --- integration: a real multi-node cluster on this machine ---------------------------------
+
+NODE_CPUS = 3  # one worker of 2 CPUs per node, 1 CPU beside it for its data tasks
+STEPS = 24  # 3 epochs of 8 steps
+
+
+def _run_tree(tiny_model, demo_data, out) -> dict:
+    return {
+        "model": {"pretrained": tiny_model},
+        "data": {"uri": demo_data, "resolution": 64, "center_crop": True, "random_flip": True,
+                 "sharding": "files", "shuffle_buffer_size": 4},
+        # 32 rows, global batch 2 × 1 × 2 = 4: 8 steps per epoch.
+        "train": {"batch_size": 2, "gradient_accumulation_steps": 1, "max_steps": STEPS,
+                  "learning_rate": 1e-3, "seed": 5, "record_samples": True},
+        "scaling": {"num_workers": [1, 2], "cpus_per_worker": 2, "resize_check_s": 1},
+        "checkpoint": {"every_n_steps": 4, "num_to_keep": 2},
+        "failure": {"max_failures": 2},
+        "output": {"uri": str(out)},
+    }
+
+
+@pytest.fixture
+def cluster(monkeypatch):
+    """A head with room for one worker; the test adds or removes a second node. Its own
+    dashboard (raylora.launch.start_local_ray says why); always shut down."""
+    import socket
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    # A worker lost with its node is seen at once (its peers' collectives fail), the node's
+    # death ~3 s later: a restart decided in between asks for the old size, and waits this
+    # long (Ray's default: 60 s) before trying the size there is room for. Inherited by
+    # the cluster's processes, the Train controller among them.
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "10")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": NODE_CPUS, "include_dashboard": True, "dashboard_host": "127.0.0.1",
+        "dashboard_port": port, "object_store_memory": 200 * 1024 * 1024,
+        # A removed node is known dead within ~3 s (default: 15 s).
+        "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}})
+    try:
+        ray.init(address=c.address)
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def _start(tree: dict):
+    """``raylora.launch.run`` in a thread: the main thread is free to change the cluster
+    (Ray starts a node's processes from the main thread only)."""
+    from raylora.launch import run
+
+    result, errors = {}, []
+
+    def go():
+        try:
+            result.update(run(validate(tree)))
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    return t, result, errors
+
+
+def _wait_for_checkpoint(out, thread, world: int, after: int = 0, timeout=400) -> int:
+    """Mid-run, as the run itself says: a checkpoint past step ``after`` registered (what
+    a resize resumes from) by ``world`` workers; its step. Not a sleep."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and thread.is_alive():
+        try:
+            snap = json.loads(open(out / "train" / "checkpoint_manager_snapshot.json").read())
+        except (OSError, ValueError):
+            snap = {}
+        steps = [r["metrics"]["step"] for r in snap.get("checkpoint_results", [])
+                 if r["metrics"].get("world_size") == world and r["metrics"]["step"] > after]
+        if steps:
+            return max(steps)
+        time.sleep(0.2)
+    raise AssertionError(f"no checkpoint of {world} worker(s) past step {after} registered "
+                         "while the run was going")
+
+
+def _reread_nodes() -> None:
+    """Ray's AutoscalingCoordinator, where elastic Ray Train learns which nodes exist,
+    re-reads them every 20 s; ask it now, so the test does not wait out that tick."""
+    import ray
+
+    coordinator = ray.get_actor("AutoscalingCoordinator", namespace="AutoscalingCoordinator")
+    ray.get(coordinator.get_reserved_resources.remote("raylora-test", recompute=True), timeout=30)
+
+
+def _finish(thread, result, errors, out, tiny_model, tmp_path) -> list[int]:
+    """The run finished: every step's global batch the same, each epoch's samples all
+    distinct (none repeated or skipped by a resize), an adapter stock diffusers loads.
+    Returns each step's number of workers."""
+    from stock import stock_load
+
+    thread.join(timeout=500)
+    assert not thread.is_alive(), "the run did not finish"
+    assert not errors, errors
+    m = result["metrics"]
+    rows = [json.loads(x) for x in open(out / "metrics.jsonl")]
+    # Finished at the last size, its replicas bit-identical.
+    assert m["steps"] == STEPS and len(m["replica_lora_digests"]) == rows[-1]["world_size"]
+    assert m["replicas_in_sync"]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    # The global batch never changed: 4 samples a step, whatever the size.
+    assert all(len(r["samples"]) == 4 and r["world_size"] * r["accumulation"] == 2 for r in rows)
+    seen = [r["world_size"] for r in rows]
+    # No sample repeated or skipped across the resize: every epoch trains 32 distinct samples.
+    for e in range(STEPS // 8):
+        epoch = [s for r in rows if r["epoch"] == e for s in r["samples"]]
+        assert len(epoch) == len(set(epoch)) == 32, (e, seen)
+    res = stock_load(tiny_model, str(out / "adapter"), tmp_path)
+    assert res["max_abs_diff"] > 0 and res["finite"]
+    return seen
+
+
+@pytest.mark.integration
+def test_an_elastic_run_grows_when_a_node_joins_and_shrinks_when_it_is_lost(
+        cluster, tiny_model, demo_data, tmp_path, capsys):
+    """One [1, 2] run (one cluster, one start: the suite's time) through both resizes:
+    started on a head with room for one worker, it grows to 2 when a node joins, and
+    finishes on 1 when that node is removed (killed, not drained)."""
+    import ray
+
+    out = tmp_path / "elastic"
+    t0 = time.monotonic()
+    thread, result, errors = _start(_run_tree(tiny_model, demo_data, out))
+    grown_at = _wait_for_checkpoint(out, thread, world=1)
+    node = cluster.add_node(num_cpus=NODE_CPUS)
+    _reread_nodes()
+    lost_at = _wait_for_checkpoint(out, thread, world=2, after=grown_at)
+    cluster.remove_node(node, allow_graceful=False)
+    while any(n["Alive"] for n in ray.nodes() if n["NodeID"] == node.node_id):
+        time.sleep(0.2)
+    _reread_nodes()
+    seen = _finish(thread, result, errors, out, tiny_model, tmp_path)
+    # Each size trained from the checkpoint the previous one left: 1, then 2, then 1.
+    runs = [w for i, w in enumerate(seen) if i == 0 or w != seen[i - 1]]
+    assert runs == [1, 2, 1], seen
+    # ...from the checkpoint each size had registered when the node came or went, or later.
+    first_on_2, last_on_2 = seen.index(2), len(seen) - seen[::-1].index(2)
+    assert first_on_2 >= grown_at and last_on_2 >= lost_at, (grown_at, lost_at, seen)
+    # The driver said so, once each.
+    said = capsys.readouterr().out
+    assert said.count("raylora: resized to 2 worker(s), gradient accumulation 1 (was 1 × 2)") == 1
+    assert said.count("raylora: resized to 1 worker(s), gradient accumulation 2 (was 2 × 1)") == 1
+    print(f"elastic: grown after step {grown_at}, node lost after step {lost_at}, "
+          f"sizes {seen}, {time.monotonic() - t0:.0f} s")

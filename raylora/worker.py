@@ -189,12 +189,7 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
     elastic = cfg.scaling.elastic
     data_seed = data.shuffle_seed if data.shuffle_seed is not None else t.seed
     store = cfg.storage.client()
-    # Micro-batches per epoch, the same on every worker so that their DDP steps line up:
-    # under files the smallest worker's count (the others drop the rest of each pass);
-    # elastic: the epoch's optimizer steps × this size's accumulation.
-    per_epoch = plan.batches_per_epoch if by_files else plan.rows_per_worker // t.batch_size
-    if elastic:
-        per_epoch = plan.updates_per_epoch * t.gradient_accumulation_steps
+    per_epoch = _micro_batches_per_epoch(spec)
     # This worker's rows in a pass (an estimate when split dynamically): a smaller pass
     # need not wait for the next one to be shuffled whole (pass_batches).
     everything = plan.data_plan()
@@ -246,20 +241,31 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
             batches = global_share(batches, rank, world)
         return batches if classes is None else paired(batches, classes)
 
-    pinned = torch.device(device).type == "cuda"
-
-    def to_device(batch: dict) -> dict:
-        # In the prefetch thread. Pinned + non_blocking: the copy is queued behind the
-        # running step instead of this thread waiting for it (a pageable copy blocks until
-        # the GPU is done with everything queued before it); torch keeps the pinned buffer
-        # until the copy ran.
-        if not pinned:
-            return {k: torch.from_numpy(v).to(device) for k, v in batch.items()}
-        return {k: torch.from_numpy(v).pin_memory().to(device, non_blocking=True)
-                for k, v in batch.items()}
-
-    return EpochStream(open_stream, per_epoch, per_pass=by_files, convert=to_device,
+    return EpochStream(open_stream, per_epoch, per_pass=by_files, convert=_to_device(device),
                        prefetch=PREFETCH_BATCHES)
+
+
+def _micro_batches_per_epoch(spec: WorkerSpec) -> int:
+    """The same on every worker so that their DDP steps line up: under files the smallest
+    worker's count (the others drop the rest of each pass); elastic: the epoch's
+    optimizer steps × this size's accumulation."""
+    cfg, plan = spec.config, spec.plan
+    if cfg.scaling.elastic:
+        return plan.updates_per_epoch * cfg.train.gradient_accumulation_steps
+    if cfg.data.sharding == "files":
+        return plan.batches_per_epoch
+    return plan.rows_per_worker // cfg.train.batch_size
+
+
+def _to_device(device):
+    """numpy batch → tensors on ``device``, run in the prefetch thread. On CUDA pinned +
+    non_blocking: the copy is queued behind the running step instead of this thread
+    waiting for it (a pageable copy blocks until the GPU is done with everything queued
+    before it); torch keeps the pinned buffer until the copy ran."""
+    if torch.device(device).type != "cuda":
+        return lambda batch: {k: torch.from_numpy(v).to(device) for k, v in batch.items()}
+    return lambda batch: {k: torch.from_numpy(v).pin_memory().to(device, non_blocking=True)
+                          for k, v in batch.items()}
 
 
 def _class_batches(spec: WorkerSpec, rank: int, seed: int):

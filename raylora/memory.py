@@ -835,7 +835,7 @@ def estimate(model_path: str, *, batch_size: int = 1, resolution: int | tuple[in
              optimizer: str = "adamw", cached_latents: bool = False,
              train_text_encoder: bool = False, max_sequence_length: int | None = None,
              prodigy_slice_p: int = 1, adafactor_beta1: float | None = None,
-             device: str = "cuda") -> Estimate:
+             device: str = "cuda", samples_per_row: int = 1) -> Estimate:
     """Per-GPU bytes of one raylora training worker for the pipeline folder ``model_path``
     (configs only are read: a folder of ``model_index.json`` and ``config.json`` files is
     enough). ``batch_size``: per worker and micro-step. ``strategy``/``world_size``: ddp or
@@ -843,7 +843,8 @@ def estimate(model_path: str, *, batch_size: int = 1, resolution: int | tuple[in
     ``quantize_text_encoders``: the text encoders' (ignored with ``cached_latents``, where
     workers load neither VAE nor text encoders). ``device``: "cuda" adds the CUDA constant
     (and NCCL's with more than one worker); "cpu" leaves both out and follows CPU
-    autocast."""
+    autocast. ``samples_per_row``: 2 with prior preservation, whose micro-batch is
+    ``batch_size`` instance samples plus as many class samples."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy: {strategy!r} is not one of {', '.join(STRATEGIES)}")
     for key, kind in (("quantize", quantize), ("quantize_text_encoders", quantize_text_encoders)):
@@ -858,11 +859,11 @@ def estimate(model_path: str, *, batch_size: int = 1, resolution: int | tuple[in
                 quantize_text_encoders=quantize_text_encoders, optimizer=optimizer,
                 cached_latents=cached_latents, train_text_encoder=train_text_encoder,
                 max_sequence_length=max_sequence_length, prodigy_slice_p=prodigy_slice_p,
-                adafactor_beta1=adafactor_beta1, device=device)
+                adafactor_beta1=adafactor_beta1, device=device, samples_per_row=samples_per_row)
     targets = tuple(lora_targets) if lora_targets else None
     comps, params, te_params = _components(model_path, mixed_precision, lora_rank, targets,
                                            train_text_encoder)
-    prof = _profile(model_path, batch_size, resolution, lora_rank, targets, mixed_precision,
+    prof = _profile(model_path, batch_size * samples_per_row, resolution, lora_rank, targets, mixed_precision,
                     gradient_checkpointing, cached_latents, train_text_encoder,
                     max_sequence_length, device)
     fam = comps.family
@@ -931,7 +932,8 @@ def config_args(cfg) -> dict:
         strategy=s.strategy, world_size=s.max_workers, quantize=m.quantize,
         quantize_text_encoders=m.quantize_text_encoders, cached_latents=d.cache == "latents",
         train_text_encoder=lo.train_text_encoder, max_sequence_length=m.max_sequence_length,
-        device="cuda" if s.use_gpu else "cpu", **optimizer_args(t))
+        device="cuda" if s.use_gpu else "cpu", samples_per_row=2 if d.prior_preservation else 1,
+        **optimizer_args(t))
 
 
 def from_config(cfg, **changes) -> Estimate:

@@ -339,6 +339,22 @@ def test_from_config_reads_todays_keys_and_defaults_the_new_ones(tiny, tmp_path)
     assert memory.from_config(cfg, model_path=copy).total == est.total
 
 
+def test_prior_preservation_sizes_the_paired_micro_batch(tiny, tmp_path):
+    """DreamBooth pairs every instance sample with a class sample: the step holds 2B rows,
+    and the estimate is that of batch 2B, while the config (and advice) keep batch B."""
+    path = tiny("sd")
+    tree = {"model": {"pretrained": path}, "data": {"uri": str(tmp_path), "resolution": 32},
+            "train": {"batch_size": 2}, "output": {"uri": str(tmp_path / "out")}}
+    plain = memory.from_config(validate(tree))
+    tree["data"]["class_prompt"] = "a photo of a shape"
+    paired = memory.from_config(validate(tree))
+    assert paired.settings["batch_size"] == 2 and paired.settings["samples_per_row"] == 2
+    doubled = memory.estimate(path, batch_size=4, resolution=32, lora_rank=4,
+                              mixed_precision="no", device="cpu")
+    assert paired.activations == doubled.activations > plain.activations
+    assert paired.total == doubled.total
+
+
 def test_flux_dev_config_folder_has_the_published_sizes(tmp_path):
     """The weights-free Flux.1-dev folder the README's worked example reads builds the
     published architectures: 11.90 B transformer, 4.76 B T5-XXL encoder."""

@@ -29,11 +29,15 @@ class TokenizerSpec:
     pad_id: int
     pad_token: str
     template: str = "{}"
-    mask: bool = False
-    # The batch columns of the ids and the mask (the family's, so a preprocess process
-    # needs no import of the model families, hence none of torch: seconds per process).
+    # The batch columns of the ids and (for an encoder that takes it) the attention mask:
+    # the family's, so a preprocess process needs no import of the model families, hence
+    # none of torch (seconds per process).
     ids_key: str = "input_ids"
     mask_key: str | None = None
+
+    @property
+    def mask(self) -> bool:
+        return self.mask_key is not None
 
     def __repr__(self) -> str:  # the JSON is megabytes; a digest names it
         import hashlib
@@ -51,8 +55,7 @@ def spec_from_tokenizer(tok, text=None, max_sequence_length: int | None = None) 
     length = text.length(int(tok.model_max_length), max_sequence_length) if text else int(tok.model_max_length)
     return TokenizerSpec(tok.backend_tokenizer.to_str(), length, int(tok.pad_token_id),
                          str(tok.pad_token), text.template if text else "{}",
-                         bool(text and text.mask_key), text.ids_key if text else "input_ids",
-                         text.mask_key if text else None)
+                         text.ids_key if text else "input_ids", text.mask_key if text else None)
 
 
 def load_specs(model_path: str, family: str, store,
@@ -88,7 +91,7 @@ class CaptionTokenizer:
         from tokenizers import Tokenizer
 
         self.model_max_length = spec.max_length
-        self.template, self.with_mask = spec.template, spec.mask
+        self.template = spec.template
         self.backend = Tokenizer.from_str(spec.backend_json)
         self.backend.enable_truncation(spec.max_length)
         self.backend.enable_padding(length=spec.max_length, pad_id=spec.pad_id, pad_token=spec.pad_token)

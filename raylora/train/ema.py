@@ -33,13 +33,9 @@ class LoraEMA:
         the device, without reading the flag back. A gated-off update leaves the shadow
         as it was but still advances the warmup count."""
         d = ema_decay_at(self.num_updates, self.decay)
-        shadow = [p.detach().float() for p in params]
-        if where is None:
-            torch._foreach_lerp_(self.shadow, shadow, 1 - d)
-        else:
-            w = where.to(self.shadow[0].device, torch.float32) * (1 - d)
-            for s, p in zip(self.shadow, shadow):
-                s.lerp_(p, w)
+        w = 1 - d if where is None else where.to(self.shadow[0].device, torch.float32) * (1 - d)
+        for s, p in zip(self.shadow, params):
+            s.lerp_(p.detach().float(), w)
         self.num_updates += 1
         return d
 

@@ -100,7 +100,7 @@ class _Progress:
     t_readback: float = field(default_factory=time.perf_counter)
     micro_terms: list[dict] = field(default_factory=list)  # prior preservation's loss terms
     samples: list[str] = field(default_factory=list)
-    buckets: list[int] = field(default_factory=list)
+    buckets: list[torch.Tensor] = field(default_factory=list)  # 0-d, read back with the losses
     nonfinite_in_a_row: int = 0
     last_checkpoint: int = -1
     t_start: float = field(default_factory=time.perf_counter)

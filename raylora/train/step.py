@@ -130,7 +130,7 @@ def train_micro_step(
             lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     loss = loss.detach()
-    if finite is not None and not skip:  # NaN when skipped, decided on the device
+    if flagged is not None:  # NaN when skipped, decided on the device
         return torch.where(finite, loss, torch.full_like(loss, float("nan")))
     return torch.full_like(loss, float("nan")) if skip else loss
 

@@ -22,8 +22,10 @@ A variant is ``+``-joined tokens: ``baseline`` (the diffusers-script step) or ra
 step, ``cached`` (latent cache: no VAE or text encoder in the step), ``regional`` /
 ``full`` (``compile_denoiser`` mode; regional compiles the family's repeated blocks, as
 training does; ``regional-res``: and the UNet's ResnetBlock2D too), and the
-"fast step" switches ``cl`` (channels-last UNet), ``flash`` / ``cudnn`` / ``efficient``
-(SDPA backend), ``mat`` (inductor ``max-autotune-no-cudagraphs``), ``ro``
+"fast step" switches ``cl`` (channels-last UNet: ``train.channels_last``), ``flash`` /
+``cudnn`` / ``efficient`` / ``math`` (that SDPA kernel in every attention layer) and
+``sdpa-auto`` (each layer's fastest, timed on the first batch: ``train.sdpa_backend`` as
+training runs it), ``mat`` (inductor ``max-autotune-no-cudagraphs``), ``ro``
 (``reduce-overhead``: CUDA graphs). ``raylora`` alone is the uncached eager step.
 
 Every row runs in its own process (no compile, LoRA or allocator state leaks between
@@ -42,7 +44,6 @@ the measured step time and the GPU's peak dense bf16 FLOP/s (table below, or
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import queue
@@ -113,7 +114,8 @@ LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 
 # Variant tokens (see the module docstring).
 TOKENS = {"baseline", "raylora", "cached", "regional", "regional-res", "full", "cl", "flash",
-          "cudnn", "efficient", "math", "mat", "ro"}
+          "cudnn", "efficient", "math", "sdpa-auto", "mat", "ro"}
+SDPA_TOKENS = {"flash", "cudnn", "efficient", "math", "sdpa-auto"}
 DEFAULT_BATCHES = "sd15=32,64;sdxl=4,8"
 DEFAULT_VARIANTS = "baseline,raylora,cached,cached+regional,cached+regional-res,cached+full,regional"
 
@@ -193,7 +195,7 @@ def raylora_step(model, unet, vae, encoders, scheduler, scale, res, cached: bool
     from raylora.model.lora import add_lora
     from raylora.train.objective import DDPM
     from raylora.train.optim import adamw_impl
-    from raylora.train.step import FrozenParts, train_micro_step
+    from raylora.train.step import FrozenParts, compute_loss, train_micro_step
 
     accel = fresh_accelerator(unet)
     params = add_lora(unet, LoraSection(rank=16, alpha=16, target_modules=LORA_TARGETS))
@@ -205,6 +207,11 @@ def raylora_step(model, unet, vae, encoders, scheduler, scale, res, cached: bool
     def step(batch):
         return train_micro_step(accel, unet_p, parts, opt, None, params, batch, 1.0)
 
+    def forward(batch):  # the loss alone, for train.sdpa_backend's recording pass
+        with accel.autocast():
+            return compute_loss(unet, parts, batch)
+
+    step.forward = forward
     return step
 
 
@@ -262,14 +269,22 @@ def count_flops(step, batch) -> int:
     return counter.get_total_flops()
 
 
-def sdpa_context(tokens: set):
-    """The SDPA backend the variant pins (default: PyTorch's own choice per call)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+def pin_attention(tokens: set, unet, forward) -> list[str]:
+    """``train.sdpa_backend`` as training runs it (``raylora.train.attention``): the
+    variant's kernel in every attention layer, or ``sdpa-auto``'s per-layer timing; no
+    token: PyTorch's own choice per call. Returns the timing lines."""
+    from raylora.train import attention
 
-    pinned = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-              "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
-    chosen = [pinned[t] for t in sorted(tokens & pinned.keys())]
-    return sdpa_kernel(chosen) if chosen else contextlib.nullcontext()
+    chosen = sorted(tokens & SDPA_TOKENS)
+    if not chosen:
+        return []
+    if len(chosen) > 1:
+        raise SystemExit(f"one SDPA token per variant, got {chosen}")
+    mode = "auto" if chosen[0] == "sdpa-auto" else chosen[0]
+    calls = attention.record_calls(unet, forward)
+    plan = attention.plan(calls, mode, unet.device, attention.candidates(unet.device, True))
+    plan.pin(unet)
+    return plan.summary()
 
 
 # ---- one row, in its own process --------------------------------------------------------
@@ -301,11 +316,12 @@ def run_case(args) -> None:
         if cached:
             batch = cached_batch(model, vae, encoders, batch)
             vae, encoders = None, []  # a cached run's worker never loads them
-        if "cl" in tokens:
+        if "cl" in tokens:  # as build_run does for train.channels_last
             unet.to(memory_format=torch.channels_last)
         step = raylora_step(model, unet, vae, encoders, scheduler, scale, res, cached)
-    with sdpa_context(tokens):
-        flops = args.flops or count_flops(step, batch)
+        for line in pin_attention(tokens, unet, lambda: step.forward(batch)):
+            print(f"attention: {line}", flush=True)
+    flops = args.flops or count_flops(step, batch)
     mode = ("full" if "full" in tokens else
             "regional" if tokens & {"regional", "regional-res"} else "none")
     blocks = family(model).repeated_blocks  # what build_run passes
@@ -322,23 +338,22 @@ def run_case(args) -> None:
             return inner(batch)
     emit(event="built", flops=flops)
 
-    with sdpa_context(tokens):
-        t0 = time.perf_counter()
+    t0 = time.perf_counter()
+    step(batch)
+    sync(device)
+    first = time.perf_counter() - t0
+    emit(event="first", **{"first step s": first})
+    for _ in range(args.warmup - 1):
         step(batch)
-        sync(device)
-        first = time.perf_counter() - t0
-        emit(event="first", **{"first step s": first})
-        for _ in range(args.warmup - 1):
-            step(batch)
-        sync(device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-            torch.cuda.reset_accumulated_memory_stats()
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            loss = step(batch)
-        sync(device)
-        sec = (time.perf_counter() - t0) / args.steps
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_accumulated_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        loss = step(batch)
+    sync(device)
+    sec = (time.perf_counter() - t0) / args.steps
     if not torch.isfinite(loss):
         raise RuntimeError(f"non-finite loss {loss.item()}")
     from torch._dynamo.utils import counters

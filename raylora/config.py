@@ -610,6 +610,21 @@ class TrainSection(_Section):
         "auto: regional with scaling.use_gpu, none on CPU. Compiled in place, so checkpoint "
         "keys do not change; on CPU it needs a C++ compiler.",
     )
+    sdpa_backend: Literal["auto", "default", "flash", "cudnn", "efficient", "math"] = Field(
+        "default",
+        description="The scaled-dot-product-attention kernel of the denoiser's attention "
+        "layers. default: PyTorch's own choice per call. auto: on GPUs, the first batch's "
+        "attention calls are timed on each kernel (forward + backward) and every layer runs "
+        "its fastest (PyTorch's choice on CPU); not the default until a GPU run has measured "
+        "it. flash / cudnn / efficient / math: that kernel in every layer (an error on the "
+        "first batch names a layer it cannot run). Needs model.attention=sdpa; cuDNN only "
+        "where the family allows it (not Flux: it crashed).",
+    )
+    channels_last: bool | None = Field(
+        None, description="The denoiser's convolution weights in channels-last memory format "
+        "(the layout cuDNN's NHWC convolution kernels read; a UNet's resnets). Default: the "
+        "family's choice (off for every family until it is measured to help).",
+    )
     ema_decay: float | None = Field(
         None, gt=0, lt=1,
         description="EMA of the LoRA weights (e.g. 0.999, with warmup); the exported adapter "

@@ -196,6 +196,12 @@ def family_problems(cfg: RayLoraConfig, family, multiple: int, native: str | Non
     if cfg.model.attention != "sdpa" and family.denoiser != "unet":
         out.append(f"model.attention: {cfg.model.attention} is for UNet families; "
                    f"{family.name} uses sdpa")
+    if cfg.model.attention != "sdpa" and t.sdpa_backend not in ("auto", "default"):
+        out.append(f"train.sdpa_backend: {t.sdpa_backend} picks an SDPA kernel; "
+                   f"model.attention={cfg.model.attention} does not call SDPA")
+    if t.sdpa_backend == "cudnn" and not family.cudnn_sdpa:
+        out.append(f"train.sdpa_backend: cudnn is off for {family.name} (its cuDNN attention "
+                   "crashed on an H100); use auto, flash or efficient")
     if "kohya" in cfg.export.formats and not family.kohya_export:
         out.append(f"export.formats: kohya export is not available for {family.name} yet; "
                    "export diffusers only")

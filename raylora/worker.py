@@ -29,7 +29,7 @@ from raylora.model.lora import digest
 from raylora.progress import every_n_steps
 from raylora.train.loop import LoopHooks, LoopSettings, run_loop, sample_hashes
 from raylora.train.fsdp import param_bytes_per_rank
-from raylora.train.setup import build_run, nonfinite_advice, write_checkpoint
+from raylora.train.setup import attention_planner, build_run, nonfinite_advice, write_checkpoint
 
 log = logging.getLogger("raylora.worker")
 
@@ -542,6 +542,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
             # Elastic: every rank's (gathered into rank 0's row: LoopSettings.gather_samples).
             sample_ids=sample_hashes if cfg.train.record_samples
             and (rank == 0 or cfg.scaling.elastic) else None,
+            first_batch=attention_planner(cfg, run, log.info) or (lambda batch: None),
         )
         settings = LoopSettings.from_config(cfg, plan.max_steps, world, nonfinite_advice(cfg),
                                             accelerator.device.type)

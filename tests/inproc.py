@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from raylora.train.loop import LoopHooks, LoopSettings, run_loop
-from raylora.train.setup import build_run, write_checkpoint
+from raylora.train.setup import attention_planner, build_run, write_checkpoint
 
 
 def _fresh_accelerator(accum: int):
@@ -35,7 +35,9 @@ def _train(cfg, batches, max_steps, ckpt_root, restored=None, stop_at=None):
         saved.append((state.global_step, final))
 
     settings = LoopSettings.from_config(cfg, max_steps if stop_at is None else stop_at, 1)
-    run_loop(run, settings, LoopHooks(epoch_batches, on_checkpoint=on_checkpoint))
+    # first_batch as the worker sets it: train.sdpa_backend's probe and pin
+    run_loop(run, settings, LoopHooks(epoch_batches, on_checkpoint=on_checkpoint,
+                                      first_batch=attention_planner(cfg, run) or (lambda b: None)))
     return run, saved
 
 
@@ -52,6 +54,18 @@ def demo_batch(family: str, model: str, demo_data: str, n: int = 2) -> dict:
     out = stage({"image": np.array(table["image"].to_pylist(), dtype=object),
                  "text": np.array(table["text"].to_pylist(), dtype=object)})
     return {k: torch.from_numpy(v) for k, v in out.items()}
+
+
+def cached_demo_batch(family, comps, model: str, demo_data: str, n: int = 2) -> dict:
+    """Two demo rows through raylora's preprocessing and the family's encoders: what the
+    latent cache would hold, so the step runs the denoiser alone."""
+    from raylora.train.encode import batch_condition, vae_posterior
+
+    raw = demo_batch(family.name, model, demo_data, n)
+    with torch.no_grad():
+        batch = {"latent_params": vae_posterior(family, comps.vae, raw["pixel_values"])}
+        batch.update(batch_condition(family, comps.text_encoders, raw))
+    return batch
 
 
 def overfit(run, batch: dict, steps: int, each_step=None) -> tuple[float, float]:

@@ -13,25 +13,13 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
+from inproc import cached_demo_batch
+
 from raylora.config import LoraSection, validate
 from raylora.model.lora import add_lora, lora_state_dict
 from raylora.train.compile import UNET_RESNET_BLOCKS, compile_denoiser, repeated_blocks
 
 FAMILIES = ["sd", "sdxl", "flux", "sd3", "qwenimage"]
-
-
-def _cached_batch(family, comps, model: str, demo_data: str, n: int = 2) -> dict:
-    """Two demo rows through raylora's preprocessing and the family's encoders: what the
-    latent cache would hold, so the step runs the denoiser alone."""
-    from inproc import demo_batch
-
-    from raylora.train.encode import batch_condition, vae_posterior
-
-    raw = demo_batch(family.name, model, demo_data, n)
-    with torch.no_grad():
-        batch = {"latent_params": vae_posterior(family, comps.vae, raw["pixel_values"])}
-        batch.update(batch_condition(family, comps.text_encoders, raw))
-    return batch
 
 
 def _loss_and_grads(model, parts, params, batch, seed: int):
@@ -66,7 +54,7 @@ def test_regional_compile_matches_eager_without_breaks_or_recompiles(tiny, demo_
         for n, p in eager.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.02)
-    batch = _cached_batch(fam, comps, model, demo_data)
+    batch = cached_demo_batch(fam, comps, model, demo_data)
     parts = replace(frozen_parts(cfg, comps, "cpu", torch.float32), vae=None, text_encoders=[])
 
     compiled = copy.deepcopy(eager)
@@ -178,3 +166,25 @@ def test_modes_and_default_blocks():
                                 attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
                                 caption_projection_dim=16, pooled_projection_dim=8, out_channels=4)
     assert repeated_blocks(sd3) == ("JointTransformerBlock",)
+
+
+def test_channels_last_changes_the_layout_not_the_step(base_config, batches, tmp_path):
+    """train.channels_last: the UNet's conv weights are stored NHWC; the losses, the LoRA
+    weights trained and the adapter's keys are those of the default layout."""
+    from inproc import _train
+
+    runs = {}
+    for layout in (False, True):
+        base_config["train"]["channels_last"] = layout
+        runs[layout], _ = _train(validate(base_config), batches, 2, str(tmp_path / str(layout)))
+    convs = {n: p for n, p in runs[True].model.named_parameters()
+             if p.dim() == 4 and p.shape[1] > 1 and p.shape[2] > 1}
+    assert convs and all(p.is_contiguous(memory_format=torch.channels_last)
+                         and not p.is_contiguous() for p in convs.values())
+    assert all(p.is_contiguous() for n, p in runs[False].model.named_parameters() if n in convs)
+    assert [r["loss"] for r in runs[True].state.history] == pytest.approx(
+        [r["loss"] for r in runs[False].state.history], rel=1e-5)
+    plain, nhwc = (lora_state_dict(runs[k].model) for k in (False, True))
+    assert plain.keys() == nhwc.keys()
+    for k in plain:
+        torch.testing.assert_close(nhwc[k], plain[k], rtol=1e-4, atol=1e-6)

@@ -79,6 +79,17 @@ def test_family_config_checks_name_the_key(tiny, demo_data, tmp_path):
         "prediction_type": "epsilon", "snr_gamma": None, "noise_offset": 0.0})})
     with pytest.raises(ConfigError, match="train.prediction_type: epsilon does not fit flux"):
         plan(cfg)
+    # cuDNN attention crashed the Flux step on an H100; eager attention calls no SDPA kernel
+    flux_cudnn = cfg.model_copy(update={"train": cfg.train.model_copy(update={
+        "prediction_type": None, "sdpa_backend": "cudnn"})})
+    with pytest.raises(ConfigError, match="train.sdpa_backend: cudnn is off for flux"):
+        plan(flux_cudnn)
+    sd_eager = flux_cudnn.model_copy(update={
+        "model": cfg.model.model_copy(update={"pretrained": tiny("sd"), "attention": "eager"}),
+        "data": cfg.data.model_copy(update={"resolution": 64}),
+        "train": flux_cudnn.train.model_copy(update={"sdpa_backend": "flash"})})
+    with pytest.raises(ConfigError, match="train.sdpa_backend: flash picks an SDPA kernel; model.attention=eager"):
+        plan(sd_eager)
     with pytest.raises(ValueError, match="model.family"):
         validate({"model": {"pretrained": "x", "family": "wan"}, "data": {"uri": "d"}, "output": {"uri": "o"}})
 

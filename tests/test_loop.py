@@ -256,3 +256,29 @@ def test_nonfinite_step_skipped_with_deferred_readback(base_config, batches, fus
         run_loop(run, LoopSettings(max_steps=6, images_per_step=2, checkpoint_every=100,
                                    max_nonfinite_steps=3, readback_every=4),
                  LoopHooks(lambda e: [batches[0]] + [poisoned] * 5))
+
+
+def test_first_batch_hook_runs_once_before_the_model_does(base_config, batches, tmp_path):
+    """#24: train.sdpa_backend's probe gets the first batch before the step-0 evaluation
+    (which may compile the model); pinning a kernel leaves the losses as they were; a
+    kernel that cannot run the model fails on that batch, before any step or checkpoint."""
+    cfg = validate(base_config)
+    run = build_run(cfg, _fresh_accelerator(1), 3, rank=0)
+    events = []
+    hooks = LoopHooks(lambda e: batches,
+                      first_batch=lambda b: events.append(("first", b["input_ids"].shape[0])),
+                      evaluate=lambda: events.append(("eval",)) or 1.0,
+                      on_step=lambda r: events.append(("step", r["step"])))
+    run_loop(run, LoopSettings(max_steps=3, images_per_step=2, checkpoint_every=100), hooks)
+    assert events == [("first", 2), ("eval",), ("step", 1), ("step", 2), ("step", 3), ("eval",)]
+
+    losses = {}
+    for kernel in ("default", "math"):
+        base_config["train"]["sdpa_backend"] = kernel
+        trained, saved = _train(validate(base_config), batches, 3, str(tmp_path / kernel))
+        losses[kernel] = [r["loss"] for r in trained.state.history]
+    assert losses["math"] == pytest.approx(losses["default"], rel=1e-4)
+    base_config["train"]["sdpa_backend"] = "efficient"  # a CUDA kernel
+    with pytest.raises(ValueError, match="train.sdpa_backend=efficient"):
+        _train(validate(base_config), batches, 3, str(tmp_path / "efficient"))
+    assert not (tmp_path / "efficient").exists()

@@ -74,7 +74,9 @@ class LoopHooks:
     step's history row before ``on_checkpoint``, and ``on_eval(state)`` reports the
     evaluations that fall between checkpoints. ``preview(step)`` renders validation
     images at the same steps. ``sample_ids(batch)`` names the samples of a batch, kept in
-    each step's row (``train.record_samples``).
+    each step's row (``train.record_samples``). ``first_batch(batch)`` gets the first
+    micro-batch this process trains on, before anything runs the model (the step-0
+    evaluation included): ``train.sdpa_backend`` times attention kernels on its shapes.
     """
 
     epoch_batches: Callable[[int], Iterable[dict]]
@@ -87,6 +89,7 @@ class LoopHooks:
     # After every optimizer step on every rank (a collective: raylora.stop.StopWatch):
     # truthy = checkpoint this step and end the loop (`raylora stop`, SIGTERM).
     should_stop: Callable[[], int] = _no_op
+    first_batch: Callable[[dict], None] = _no_op
 
 
 @dataclass
@@ -106,13 +109,13 @@ class _Progress:
     t_start: float = field(default_factory=time.perf_counter)
     wall_before: float = 0.0
     stopped: bool = False  # should_stop() said so: the loop ends after this step's checkpoint
+    begun: bool = False  # first_batch and the step-0 evaluation/preview have run
 
 
 def run_loop(run, settings: LoopSettings, hooks: LoopHooks) -> LoopState:
     """Train ``run`` (a ``raylora.train.setup.TrainingRun``) until its state reaches
     ``settings.max_steps``; returns the final state."""
     state = run.state
-    _begin(state, hooks)
     progress = _Progress(wall_before=state.wall_seconds)
     while state.global_step < settings.max_steps and not progress.stopped:
         _run_epoch(run, settings, hooks, progress)
@@ -123,8 +126,10 @@ def run_loop(run, settings: LoopSettings, hooks: LoopHooks) -> LoopState:
     return state
 
 
-def _begin(state: LoopState, hooks: LoopHooks) -> None:
-    """A fresh run's step-0 evaluation and preview."""
+def _begin(state: LoopState, hooks: LoopHooks, batch: dict) -> None:
+    """Once the first batch is here: ``first_batch``, then a fresh run's step-0 evaluation
+    and preview."""
+    hooks.first_batch(batch)
     if hooks.evaluate is not None and state.global_step == 0 and state.eval_loss_base is None:
         # Also the "latest" value until the first periodic evaluation, so every report
         # (e.g. a checkpoint before it) carries a held-out loss for Tune to compare.
@@ -143,6 +148,15 @@ def _run_epoch(run, settings: LoopSettings, hooks: LoopHooks, progress: _Progres
         if i < skip:  # resumed mid-epoch: these micro-batches were already trained on
             continue
         trained = True
+        if not progress.begun:
+            t0 = time.perf_counter()
+            _begin(state, hooks, batch)
+            # Not training time (it was not when this ran before the first batch came):
+            # kept out of the wall clock and the first images/s window.
+            spent = time.perf_counter() - t0
+            progress.t_start += spent
+            progress.t_readback += spent
+            progress.begun = True
         if hooks.sample_ids is not None:
             progress.samples += hooks.sample_ids(batch)
         if "bucket" in batch:  # data.bucketing: which bucket each micro-batch came from

@@ -216,6 +216,9 @@ def build_run(
     params, trained_te, te_params = _attach_lora(cfg, comps)
     if t.gradient_checkpointing:
         enable_gradient_checkpointing(comps.denoiser, trained_te.values())
+    if comps.family.channels_last if t.channels_last is None else t.channels_last:
+        # 4-D tensors only (conv weights): Linear weights and LoRA factors keep their layout.
+        comps.denoiser.to(memory_format=torch.channels_last)
     compile_denoiser(comps.denoiser, cfg.compile_mode, comps.family.repeated_blocks)
     parts = frozen_parts(cfg, comps, accelerator.device, weight_dtype, te_params)
     if restored is not None:
@@ -302,3 +305,36 @@ def write_checkpoint(directory: str, run: TrainingRun, rank: int) -> dict[str, t
             ema_sd=run.ema.state_dict() if run.ema is not None else None,
         )
     return sd
+
+
+def attention_planner(cfg: RayLoraConfig, run: TrainingRun, log=None):
+    """``train.sdpa_backend``'s first-batch step (``raylora.train.attention``): record the
+    denoiser's attention calls on the batch, pick each layer's kernels, pin them. None when
+    PyTorch's own choice stands (``default``; ``auto`` off CUDA). Every rank pins rank 0's
+    pick, so the ranks run the same kernels. ``log``: gets the timing lines (rank 0)."""
+    from raylora.train import attention
+    from raylora.train.step import compute_loss
+
+    mode, acc = cfg.train.sdpa_backend, run.accelerator
+    if mode == "default" or (mode == "auto" and acc.device.type != "cuda"):
+        return None
+    model = acc.unwrap_model(run.model)  # DDP's forward would prepare a gradient sync
+
+    def first_batch(batch: dict) -> None:
+        def forward():
+            with acc.autocast():
+                compute_loss(model, run.parts, batch)
+
+        calls = attention.record_calls(model, forward)
+        names = attention.candidates(acc.device, run.parts.family.cudnn_sdpa)
+        plan = attention.plan(calls, mode, acc.device, names)
+        if acc.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            plan.layers = broadcast_object_list([plan.layers])[0]
+        plan.pin(model)
+        if log is not None and acc.is_main_process:
+            for line in plan.summary():
+                log(f"attention ({len(calls)} layers): {line}")
+
+    return first_batch

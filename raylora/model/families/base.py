@@ -97,6 +97,9 @@ class Family:
     # step failed in backward inside cuDNN's attention graph (illegal memory access;
     # bench/RESULTS.md 2026-11-23); flash / memory-efficient SDPA ran it at 38-40 % MFU.
     cudnn_sdpa: ClassVar[bool] = False
+    # train.channels_last's default. Off everywhere until a GPU run shows it helps a family
+    # (bench/gpu_throughput.py's `cl` variant measures it).
+    channels_last: ClassVar[bool] = False
     kohya_prefix: ClassVar[str] = "lora_unet_"
     # kohya/ComfyUI export: module paths as sd-scripts names them (UNet families); a DiT
     # family sets this when it maps its keys onto the reference (BFL/SAI) layout.

@@ -762,7 +762,10 @@ class ValidationSection(_Section):
         "grid under {output.uri}/validation/step_NNNNNN.png.",
     )
     num_inference_steps: int = Field(20, gt=0, le=1000, description="Sampler steps per image.")
-    guidance_scale: float = Field(7.5, ge=0.0, description="Classifier-free guidance scale.")
+    guidance_scale: float | None = Field(
+        None, ge=0.0, description="Classifier-free guidance scale; default the family's "
+        "(SD/SDXL 7.5, SD3 7.0, Flux.1 3.5, Qwen-Image 4.0).",
+    )
 
 
 class TrackingSection(_Section):

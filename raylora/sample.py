@@ -17,7 +17,8 @@ def sample(
     guidance_scale: float | None = None,
     size: int | None = None,
 ) -> str:
-    """``guidance_scale``: default the family's (SD 7.5, Flux.1-dev 3.5, ...)."""
+    """``guidance_scale``: default the family's (SD 7.5, Flux.1-dev 3.5, ...), passed as the
+    family's pipeline takes it (Qwen-Image: true CFG with an empty negative prompt)."""
     from diffusers import DiffusionPipeline
 
     from raylora import quiet
@@ -34,8 +35,6 @@ def sample(
     load_adapter(pipe, family, adapter)
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
-    if guidance_scale is None:
-        guidance_scale = family.default_guidance_scale
     if size is None:
         from raylora.train.preview import denoiser_of
 
@@ -44,7 +43,7 @@ def sample(
     image = pipe(
         prompt,
         num_inference_steps=steps,
-        guidance_scale=guidance_scale,
+        **family.guidance_kwargs(guidance_scale),
         height=size,
         width=size,
         generator=torch.Generator(device="cpu").manual_seed(seed),

@@ -12,6 +12,7 @@ the endpoint and region, so pickling one into a Ray task or checkpoint leaks no 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -174,9 +175,12 @@ class Storage:
             return f.read()
 
     def write_bytes(self, uri: str, data: bytes) -> None:
-        fs, path = self.fs(uri)
+        """``data`` at ``uri``, all or nothing: readers see the old file or the new one,
+        never a part (an object store's single PUT already is; a local file is replaced)."""
         if is_local(uri):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            _replace_file(local_path(uri), data)
+            return
+        fs, path = self.fs(uri)
         with fs.open_output_stream(path) as f:
             f.write(data)
 
@@ -235,6 +239,25 @@ class Storage:
             fs.copy_file(fs_path(join(staging, n)), fs_path(join(dest_uri, n)))
         self.delete_dir(staging)
         return dest_uri
+
+
+def _replace_file(path: str, data: bytes) -> None:
+    """Write a hidden temporary sibling, then rename it over ``path`` (atomic on POSIX in
+    one directory): a write that dies midway otherwise leaves a truncated file that readers
+    take as whole (a class image counted as present, a half manifest). The temporary is
+    removed when the write fails; a killed process can leave one, hidden (``.`` prefix,
+    no data suffix) from ``expand`` and from the folders' own listings."""
+    folder, name = os.path.split(path)
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
 
 
 def _glob_regex(pattern: str) -> re.Pattern:

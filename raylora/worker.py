@@ -115,6 +115,7 @@ def _previewer(spec: WorkerSpec, run, tracker, rank: int):
     store = cfg.storage.client()
     model_path = materialize(spec.plan.model_path, store)
     model = acc.unwrap_model(run.model)
+    guidance = run.family.guidance_kwargs(v.guidance_scale)  # None: the family's default
 
     def preview(step: int) -> None:
         with run.ema.swapped_in(run.params) if run.ema is not None else nullcontext():
@@ -122,7 +123,7 @@ def _previewer(spec: WorkerSpec, run, tracker, rank: int):
                 model_path, run.family, model, run.parts.vae, run.parts.text_encoders,
                 dtype=run.parts.weight_dtype, device=acc.device,
             )
-            images = pv.render(pipe, v.prompts, v.seed, v.num_inference_steps, v.guidance_scale,
+            images = pv.render(pipe, v.prompts, v.seed, v.num_inference_steps, guidance,
                                cfg.data.max_resolution(), autocast=acc.autocast)
             del pipe
             pv.free_memory()

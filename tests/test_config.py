@@ -20,6 +20,21 @@ def test_defaults_follow_diffusers_lora_recipe():
     assert cfg.data.image_column == "image" and cfg.data.caption_column == "text"
 
 
+def test_validation_guidance_scale_unset_is_each_familys_default():
+    from raylora.model import families
+
+    cfg = validate(MIN)
+    assert cfg.validation.guidance_scale is None and cfg.data.class_generation.guidance_scale is None
+    want = {"sd": 7.5, "sdxl": 7.5, "flux": 3.5, "sd3": 7.0, "qwenimage": 4.0}
+    got = {f: families.get(f).resolve_guidance(cfg.validation.guidance_scale) for f in want}
+    assert got == want
+    # What the preview renders with: the family's scale, in the argument its pipeline reads.
+    assert families.get("flux").guidance_kwargs(cfg.validation.guidance_scale) == {"guidance_scale": 3.5}
+    assert families.get("qwenimage").guidance_kwargs(cfg.validation.guidance_scale)["true_cfg_scale"] == 4.0
+    set_ = validate({**MIN, "validation": {"guidance_scale": 2.0}}).validation.guidance_scale
+    assert {f: families.get(f).resolve_guidance(set_) for f in want} == dict.fromkeys(want, 2.0)
+
+
 def test_overrides_parse_yaml_scalars_and_flow_lists(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(MIN))

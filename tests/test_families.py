@@ -188,3 +188,58 @@ def test_every_family_learns_and_its_stock_pipeline_loads_the_adapter(tiny, fami
 
     # The family's stock pipeline, with nothing of raylora's, loads it and its image changes.
     assert stock_image_change(family, model, adapter) > 1e-3
+
+
+# ---------------------------------------------------------------- guidance at sampling
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_guidance_kwargs_are_arguments_of_the_stock_pipeline_call(family):
+    """What sampling, previews and class images pass for guidance: parameters of the
+    family's stock ``__call__``, carrying the resolved scale (and, for Qwen-Image, one
+    negative prompt per prompt)."""
+    import inspect
+
+    fam = families.get(family)
+    params = inspect.signature(fam.pipeline_class().__call__).parameters
+    for scale, batch in ((None, 1), (5.0, 3), (1.0, 2)):
+        kw = fam.guidance_kwargs(scale, batch=batch)
+        assert set(kw) <= set(params), (family, kw)
+        want = fam.default_guidance_scale if scale is None else scale
+        if family == "qwenimage":
+            # true CFG needs scale > 1 and a negative prompt; at 1 there is none to encode.
+            neg = {"negative_prompt": [" "] * batch} if want > 1 else {}
+            assert kw == {"true_cfg_scale": want, **neg}
+        else:
+            assert kw == {"guidance_scale": want}
+
+
+def test_qwenimage_guidance_kwargs_run_a_second_transformer_pass_per_step(tiny):
+    """The stock QwenImagePipeline, through the preview renderer: the seam's call runs the
+    conditional and the negative-prompt pass each step; ``guidance_scale`` alone (the call
+    every family used to get) and a scale of 1 run one pass, without guidance."""
+    import numpy as np
+    from diffusers import QwenImagePipeline
+
+    from raylora.train import preview as pv
+
+    pipe = QwenImagePipeline.from_pretrained(tiny("qwenimage"))
+    pipe.set_progress_bar_config(disable=True)
+    rows: list[int] = []  # batch rows of each transformer call
+    pipe.transformer.register_forward_pre_hook(
+        lambda mod, args, kw: rows.append(kw["hidden_states"].shape[0]), with_kwargs=True)
+    fam, steps = families.get("qwenimage"), 3
+
+    def passes(guidance: dict):
+        rows.clear()
+        image = pv.render(pipe, ["a red circle"], 0, steps, guidance, 32)[0]
+        return list(rows), np.asarray(image, dtype=np.float32)
+
+    guided, img_guided = passes(fam.guidance_kwargs())
+    plain, img_plain = passes({"guidance_scale": fam.default_guidance_scale})
+    one, img_one = passes(fam.guidance_kwargs(1.0))
+    assert guided == [1] * (2 * steps)
+    assert plain == one == [1] * steps
+    assert img_guided.shape == (32, 32, 3)
+    np.testing.assert_array_equal(img_plain, img_one)  # both unguided, same seed
+    assert np.abs(img_guided - img_plain).max() > 0  # the negative pass changes the picture

@@ -163,12 +163,22 @@ def test_every_family_generates_class_images_with_its_stock_pipeline(tiny, famil
     from PIL import Image
 
     from raylora.data.classgen import GenerateStage, _present
+    from raylora.model import families
 
     out = str(tmp_path / "gen")
     stage = GenerateStage(tiny(family), family, "a photo of a shape", out, resolution=32,
                           steps=2, guidance=2.0, max_sequence_length=32)
+    rows: list[int] = []  # batch rows of each denoiser call
+    denoiser = getattr(stage.pipe, families.get(family).denoiser)
+    denoiser.register_forward_pre_hook(lambda mod, args, kw: rows.append(
+        (args[0] if args else kw["hidden_states"]).shape[0]), with_kwargs=True)
     got = stage({"index": np.array([3, 4]), "seed": np.array([8, 9])})
     assert got["index"].tolist() == [3, 4] and _present(out, _store()) == {3, 4}
+    # Guided at 2.0: per step the 2 prompts and their unconditional twins, in one batched
+    # call (SD, SDXL, SD3) or, Qwen-Image, a second call with its negative prompts. Flux.1-dev
+    # is guidance-distilled: the scale is an input of its one call.
+    per_step = {"flux": [2], "qwenimage": [2, 2]}.get(family, [4])
+    assert rows == per_step * 2
     img = Image.open(os.path.join(out, "00003.png"))
     assert img.size == (32, 32)
     assert open(os.path.join(out, "00004.txt")).read() == "a photo of a shape"
@@ -176,6 +186,26 @@ def test_every_family_generates_class_images_with_its_stock_pipeline(tiny, famil
     stage({"index": np.array([5]), "seed": np.array([8])})
     a, b = (np.asarray(Image.open(os.path.join(out, f"0000{i}.png"))) for i in (3, 5))
     np.testing.assert_allclose(a.astype(float), b.astype(float), atol=2)
+
+
+def test_generation_keys_stay_those_of_existing_folders_unless_the_call_changed():
+    """A generated folder is reused by its key: for the families whose pipeline call did
+    not change, the keys are the ones computed before families had their own guidance
+    call (so their folders are still found); Qwen-Image's images had no guidance then, and
+    its key moved so they are not reused."""
+    from raylora.data.classgen import generation_key
+
+    cfg = validate({"model": {"pretrained": "org/base"},
+                    "data": {"uri": "/nowhere", "resolution": 32, "class_prompt": "a dog",
+                             "class_sources": [{"uri": "/x", "prompt": "a dog"}],
+                             "num_class_images": 3},
+                    "output": {"uri": "/o"}})
+    keys = {f: generation_key(cfg, f, "org/base", 3, _store()) for f in FAMILIES}
+    before = {"sd": "220dafe728cc49e8", "sdxl": "d532f6c39feec8ae", "flux": "43fd6a693d7d6bdc",
+              "sd3": "9189526e29c9e84b", "qwenimage": "bc6cb32164fb49a7"}
+    assert {f: keys[f] for f in FAMILIES if f != "qwenimage"} == {
+        f: before[f] for f in FAMILIES if f != "qwenimage"}
+    assert keys["qwenimage"] != before["qwenimage"] and len(keys["qwenimage"]) == 16
 
 
 def test_class_rows_need_a_prompt_and_an_interrupted_folder_is_completed(tiny_model, demo_data,

@@ -39,3 +39,22 @@ def test_publish_dir_replaces_atomically_and_leaves_no_temporaries(tmp_path):
     st.publish_dir(str(src2), str(dest))
     assert (dest / "w.safetensors").read_text() == "two"
     assert sorted(os.listdir(tmp_path / "out")) == ["adapter"]
+
+
+def test_local_write_bytes_replaces_whole_files_and_a_failed_write_keeps_the_old_one(tmp_path):
+    st = Storage()
+    uri = str(tmp_path / "gen" / "00000.png")  # the folder is created
+    st.write_bytes(uri, b"first image")
+    st.write_bytes(uri, b"second")
+    assert open(uri, "rb").read() == b"second"
+    # A write that fails once the file is open (here: data that is not bytes, refused by
+    # write()): the previous bytes stay whole, and no temporary is left beside them.
+    with pytest.raises(TypeError):
+        st.write_bytes(uri, "not bytes")
+    assert open(uri, "rb").read() == b"second"
+    assert os.listdir(tmp_path / "gen") == ["00000.png"]
+    # Nothing there before: a failed write leaves nothing, not an empty file.
+    with pytest.raises(TypeError):
+        st.write_bytes(str(tmp_path / "gen" / "manifest.json"), {"count": 3})
+    assert os.listdir(tmp_path / "gen") == ["00000.png"]
+    assert st.read_bytes(f"file://{uri}") == b"second"

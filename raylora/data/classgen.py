@@ -113,7 +113,8 @@ def generation_key(cfg: RayLoraConfig, family: str, model_path: str, count: int,
         "version": GEN_VERSION, "model": model_path, "revision": cfg.model.revision,
         "variant": cfg.model.variant, "family": family, "prompt": cfg.data.class_prompt,
         "count": count, "seed": g.seed, "resolution": cfg.data.max_resolution(),
-        "steps": g.num_inference_steps, "guidance": guidance_scale(cfg, family),
+        "steps": g.num_inference_steps,
+        "guidance": _guidance_key(family, guidance_scale(cfg, family)),
     }, sort_keys=True).encode())
     if not is_hub_id(model_path):  # retrained weights: new images
         h.update(data_fingerprint(store.list_files(model_path), store).encode())
@@ -123,8 +124,18 @@ def generation_key(cfg: RayLoraConfig, family: str, model_path: str, count: int,
 def guidance_scale(cfg: RayLoraConfig, family: str) -> float:
     from raylora.model import families
 
-    g = cfg.data.class_generation.guidance_scale
-    return float(families.get(family).default_guidance_scale if g is None else g)
+    return families.get(family).resolve_guidance(cfg.data.class_generation.guidance_scale)
+
+
+def _guidance_key(family: str, scale: float):
+    """The key's guidance: the number alone for the plain ``guidance_scale`` call, as keys
+    were before families had their own call (folders built then stay valid); the whole
+    call otherwise, so images drawn without it (Qwen-Image's were, before true CFG) are
+    not reused as if they had been."""
+    from raylora.model import families
+
+    call = families.get(family).guidance_kwargs(scale)
+    return scale if call == {"guidance_scale": scale} else call
 
 
 def image_name(index: int) -> str:
@@ -228,8 +239,8 @@ class GenerateStage:
         path = materialize(model_path, self.store)
         self.pipe = fam.pipeline_class().from_pretrained(path, dtype=dtype, **extra).to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
-        self.call = dict(num_inference_steps=steps, guidance_scale=guidance, height=resolution,
-                         width=resolution)
+        self.call = dict(num_inference_steps=steps, height=resolution, width=resolution)
+        self.family, self.guidance = fam, guidance  # the call's guidance: per batch size
         if max_sequence_length and "max_sequence_length" in _call_args(self.pipe):
             self.call["max_sequence_length"] = max_sequence_length
         self.prompt, self.out_uri = prompt, out_uri
@@ -241,6 +252,7 @@ class GenerateStage:
         seeds = [int(s) for s in batch["seed"]]
         with torch.no_grad():
             images = self.pipe([self.prompt] * len(seeds), **self.call,
+                               **self.family.guidance_kwargs(self.guidance, batch=len(seeds)),
                                generator=[torch.Generator().manual_seed(s) for s in seeds]).images
         for i, img in zip(batch["index"], images):
             png = storage.join(self.out_uri, image_name(int(i)))

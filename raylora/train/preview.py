@@ -52,10 +52,11 @@ def denoiser_of(pipe) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def render(pipe, prompts: list[str], seed: int, steps: int, guidance_scale: float,
+def render(pipe, prompts: list[str], seed: int, steps: int, guidance: dict,
            resolution: int, autocast=None) -> list[Image.Image]:
     """One image per prompt; image i uses generator seed ``seed + i`` on the CPU, so the
-    same adapter gives the same picture on any device and at any step."""
+    same adapter gives the same picture on any device and at any step. ``guidance``: the
+    family's ``guidance_kwargs`` (one prompt per call), as its pipeline takes them."""
     model = denoiser_of(pipe)
     was_training = model.training
     model.eval()
@@ -64,7 +65,7 @@ def render(pipe, prompts: list[str], seed: int, steps: int, guidance_scale: floa
         for i, prompt in enumerate(prompts):
             with autocast() if autocast is not None else nullcontext():
                 out = pipe(
-                    prompt, num_inference_steps=steps, guidance_scale=guidance_scale,
+                    prompt, num_inference_steps=steps, **guidance,
                     height=resolution, width=resolution,
                     generator=torch.Generator().manual_seed(seed + i),
                 )

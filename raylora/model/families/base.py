@@ -92,7 +92,7 @@ class Family:
     # Repeated blocks: what train.compile=regional compiles, and FSDP's shard units.
     repeated_blocks: ClassVar[tuple[str, ...]]
     patch: ClassVar[int] = 1  # latent pixels per token side (2 for 2×2-patched DiTs)
-    default_guidance_scale: ClassVar[float] = 7.5  # for validation images
+    default_guidance_scale: ClassVar[float] = 7.5  # sampling's, when the config leaves it unset
     # cuDNN's SDPA kernels: off for the DiTs. On an H100 (torch 2.11, CUDA 13) the Flux.1-dev
     # step failed in backward inside cuDNN's attention graph (illegal memory access;
     # bench/RESULTS.md 2026-11-23); flash / memory-efficient SDPA ran it at 38-40 % MFU.
@@ -145,6 +145,21 @@ class Family:
         import diffusers
 
         return getattr(diffusers, cls.pipeline)
+
+    # ---- sampling with the stock pipeline ---------------------------------------------
+
+    @classmethod
+    def resolve_guidance(cls, scale: float | None) -> float:
+        """``scale``, or the family's default when it is None (the config keys' default)."""
+        return float(cls.default_guidance_scale if scale is None else scale)
+
+    @classmethod
+    def guidance_kwargs(cls, scale: float | None = None, batch: int = 1) -> dict:
+        """The stock pipeline's call arguments that guide a call of ``batch`` prompts at
+        ``scale`` (None: the family's default). The SD-style pipelines run classifier-free
+        guidance from ``guidance_scale`` (Flux.1-dev feeds it to its guidance embedding);
+        a family whose pipeline guides through other arguments overrides this."""
+        return {"guidance_scale": cls.resolve_guidance(scale)}
 
     @classmethod
     def load_component(cls, path: str, index: dict, component: str, dtype=None, **kw):

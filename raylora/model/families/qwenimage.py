@@ -27,8 +27,21 @@ class QwenImage(Family):
     lora_targets = ("to_k", "to_q", "to_v", "to_out.0")
     repeated_blocks = ("QwenImageTransformerBlock",)
     patch = 2
-    default_guidance_scale = 4.0  # true_cfg_scale
+    default_guidance_scale = 4.0  # as true_cfg_scale (see guidance_kwargs)
     description = "Qwen-Image (MMDiT, Qwen2.5-VL text encoder)"
+
+    @classmethod
+    def guidance_kwargs(cls, scale: float | None = None, batch: int = 1) -> dict:
+        # QwenImagePipeline ignores guidance_scale unless the transformer is guidance-
+        # distilled (Qwen-Image is not); it runs classifier-free guidance (a second
+        # transformer pass per step) only for true_cfg_scale > 1 *and* a negative prompt.
+        # One per prompt: a single one is encoded as a text batch of 1, which the
+        # transformer (diffusers 0.42, SDPA) happens to broadcast over a batch of images.
+        # " " is the empty negative prompt the pipeline's docstring names.
+        s = cls.resolve_guidance(scale)
+        if s <= 1:  # no guidance: a negative prompt would only be encoded, warned about, unused
+            return {"true_cfg_scale": s}
+        return {"true_cfg_scale": s, "negative_prompt": [" "] * batch}
 
     @classmethod
     def cond_keys(cls):

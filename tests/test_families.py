@@ -212,6 +212,17 @@ def test_guidance_kwargs_are_arguments_of_the_stock_pipeline_call(family):
             assert kw == {"true_cfg_scale": want, **neg}
         else:
             assert kw == {"guidance_scale": want}
+    # The adapter's model card shows the same call (a bare pipe("...") leaves Qwen unguided).
+    import ast
+
+    from raylora.checkpoint.export import _usage
+    from raylora.config import validate
+
+    card = _usage(validate({"model": {"pretrained": "some/model"}, "data": {"uri": "d"},
+                            "output": {"uri": "o"}}), fam)
+    line = next(x for x in card.splitlines() if x.startswith("image = pipe("))
+    call = ast.parse(line).body[0].value.value.value  # pipe(...) in pipe(...).images[0]
+    assert {k.arg: ast.literal_eval(k.value) for k in call.keywords} == fam.guidance_kwargs()
 
 
 def test_qwenimage_guidance_kwargs_run_a_second_transformer_pass_per_step(tiny):

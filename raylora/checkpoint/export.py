@@ -111,16 +111,19 @@ def _usage(cfg: RayLoraConfig, family) -> str:
     """How to load this folder: stock ``load_lora_weights`` for lora/dora; peft (and the
     LyCORIS file in ComfyUI / Forge) for lokr/loha, which diffusers' loaders do not read."""
     pipe = f'pipe = {family.pipeline}.from_pretrained("{cfg.model.pretrained}")'
+    # The family's guidance arguments: Qwen-Image guides only with true_cfg_scale and a
+    # negative prompt, so a bare pipe("...") would sample it unguided.
+    args = "".join(f", {k}={v!r}" for k, v in family.guidance_kwargs().items())
+    call = f'image = pipe("your prompt"{args}).images[0]'
     if cfg.lora.variant in ("lora", "dora"):
         return (f"```python\nfrom diffusers import {family.pipeline}\n{pipe}\n"
-                'pipe.load_lora_weights("path/to/this/folder")\n'
-                'image = pipe("your prompt").images[0]\n```')
+                f'pipe.load_lora_weights("path/to/this/folder")\n{call}\n```')
     comfy = (f"`{LYCORIS_FILE}` is the LyCORIS file: put it in ComfyUI's `models/loras` (or "
              "Forge / A1111's) and load it as a LoRA.\n\n" if family.lycoris_file else "")
     return (f"{comfy}In Python, the peft folder (`{PEFT_CONFIG}`, `{PEFT_WEIGHTS}`):\n\n"
             f"```python\nfrom diffusers import {family.pipeline}\nfrom peft import PeftModel\n"
             f"{pipe}\npipe.{family.denoiser} = PeftModel.from_pretrained(pipe.{family.denoiser}, "
-            '"path/to/this/folder")\nimage = pipe("your prompt").images[0]\n```')
+            f'"path/to/this/folder")\n{call}\n```')
 
 
 def model_card(cfg: RayLoraConfig, metrics: dict, data: dict) -> str:

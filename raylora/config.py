@@ -969,6 +969,11 @@ def _cross_checks(cfg: RayLoraConfig) -> list[str]:
         problems.append(
             "train.mixed_precision: fp16 needs a GPU (scaling.use_gpu is false); use bf16 or no"
         )
+    if cfg.train.sdpa_backend in ("cudnn", "efficient") and not cfg.scaling.use_gpu:
+        problems.append(
+            f"train.sdpa_backend: {cfg.train.sdpa_backend} is a CUDA kernel and "
+            "scaling.use_gpu is false (on CPU: default, flash or math)"
+        )
     problems += _optimizer_checks(cfg)
     problems += _quantize_checks(cfg)
     problems += _fsdp_checks(cfg)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from raylora.checkpoint.state import load_state
-from raylora.config import validate
+from raylora.config import ConfigError, validate
 from raylora.train.loop import LoopHooks, LoopSettings, run_loop
 from raylora.train.setup import build_run
 
@@ -278,7 +278,11 @@ def test_first_batch_hook_runs_once_before_the_model_does(base_config, batches, 
         trained, saved = _train(validate(base_config), batches, 3, str(tmp_path / kernel))
         losses[kernel] = [r["loss"] for r in trained.state.history]
     assert losses["math"] == pytest.approx(losses["default"], rel=1e-4)
-    base_config["train"]["sdpa_backend"] = "efficient"  # a CUDA kernel
-    with pytest.raises(ValueError, match="train.sdpa_backend=efficient"):
-        _train(validate(base_config), batches, 3, str(tmp_path / "efficient"))
+    base_config["train"]["sdpa_backend"] = "efficient"  # a CUDA kernel: refused up front on CPU
+    with pytest.raises(ConfigError, match="train.sdpa_backend: efficient is a CUDA kernel"):
+        validate(base_config)
+    cfg = validate({**base_config, "train": {**base_config["train"], "sdpa_backend": "default"}})
+    on_cpu = cfg.model_copy(update={"train": cfg.train.model_copy(update={"sdpa_backend": "efficient"})})
+    with pytest.raises(ValueError, match="train.sdpa_backend=efficient"):  # the run's own check
+        _train(on_cpu, batches, 3, str(tmp_path / "efficient"))
     assert not (tmp_path / "efficient").exists()

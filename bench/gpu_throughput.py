@@ -269,7 +269,7 @@ def count_flops(step, batch) -> int:
     return counter.get_total_flops()
 
 
-def pin_attention(tokens: set, unet, forward) -> list[str]:
+def pin_attention(tokens: set, unet, forward, cudnn_allowed: bool) -> list[str]:
     """``train.sdpa_backend`` as training runs it (``raylora.train.attention``): the
     variant's kernel in every attention layer, or ``sdpa-auto``'s per-layer timing; no
     token: PyTorch's own choice per call. Returns the timing lines."""
@@ -282,7 +282,7 @@ def pin_attention(tokens: set, unet, forward) -> list[str]:
         raise SystemExit(f"one SDPA token per variant, got {chosen}")
     mode = "auto" if chosen[0] == "sdpa-auto" else chosen[0]
     calls = attention.record_calls(unet, forward)
-    plan = attention.plan(calls, mode, unet.device, attention.candidates(unet.device, True))
+    plan = attention.plan(calls, mode, unet.device, attention.candidates(unet.device, cudnn_allowed))
     plan.pin(unet)
     return plan.summary()
 
@@ -319,7 +319,8 @@ def run_case(args) -> None:
         if "cl" in tokens:  # as build_run does for train.channels_last
             unet.to(memory_format=torch.channels_last)
         step = raylora_step(model, unet, vae, encoders, scheduler, scale, res, cached)
-        for line in pin_attention(tokens, unet, lambda: step.forward(batch)):
+        for line in pin_attention(tokens, unet, lambda: step.forward(batch),
+                                  family(model).cudnn_sdpa):
             print(f"attention: {line}", flush=True)
     flops = args.flops or count_flops(step, batch)
     mode = ("full" if "full" in tokens else

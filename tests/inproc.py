@@ -56,6 +56,28 @@ def demo_batch(family: str, model: str, demo_data: str, n: int = 2) -> dict:
     return {k: torch.from_numpy(v) for k, v in out.items()}
 
 
+def lora_step_setup(model: str, demo_data: str, out_uri: str):
+    """``model`` (a tiny pipeline folder) loaded fp32 with a rank-4 LoRA on the family's
+    targets (seeded), two cached demo rows, and the frozen parts without the encoders (the
+    step runs the denoiser alone): ``(comps, LoRA params, parts, batch)``."""
+    from dataclasses import replace
+
+    from raylora.config import validate
+    from raylora.model.load import load_components
+    from raylora.model.lora import add_lora
+    from raylora.train.setup import frozen_parts
+
+    cfg = validate({"model": {"pretrained": model, "max_sequence_length": 32},
+                    "data": {"uri": demo_data, "resolution": 64}, "lora": {"rank": 4},
+                    "output": {"uri": out_uri}})
+    comps = load_components(cfg.model, torch.float32)
+    torch.manual_seed(0)
+    params = add_lora(comps.denoiser, cfg.lora, comps.family.lora_targets)
+    batch = cached_demo_batch(comps.family, comps, model, demo_data)
+    parts = replace(frozen_parts(cfg, comps, "cpu", torch.float32), vae=None, text_encoders=[])
+    return comps, params, parts, batch
+
+
 def cached_demo_batch(family, comps, model: str, demo_data: str, n: int = 2) -> dict:
     """Two demo rows through raylora's preprocessing and the family's encoders: what the
     latent cache would hold, so the step runs the denoiser alone."""

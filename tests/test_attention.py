@@ -8,13 +8,12 @@ naming it; the loop hands the probe its first batch before anything else runs th
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from inproc import _fresh_accelerator, cached_demo_batch
+from inproc import _fresh_accelerator, lora_step_setup
 
 from raylora.config import validate
 from raylora.train import attention
@@ -28,23 +27,12 @@ MATH = "aten::_scaled_dot_product_attention_math"
 @pytest.fixture(scope="module")
 def setups(tiny, demo_data, tmp_path_factory):
     """family → (LoRA-wrapped denoiser, frozen parts without encoders, a cached batch of 2)."""
-    from raylora.model.load import load_components
-    from raylora.model.lora import add_lora
-    from raylora.train.setup import frozen_parts
-
     built = {}
 
     def get(name: str):
         if name not in built:
-            model = tiny(name)
-            cfg = validate({"model": {"pretrained": model, "max_sequence_length": 32},
-                            "data": {"uri": demo_data, "resolution": 64}, "lora": {"rank": 4},
-                            "output": {"uri": str(tmp_path_factory.mktemp("o"))}})
-            comps = load_components(cfg.model, torch.float32)
-            torch.manual_seed(0)
-            add_lora(comps.denoiser, cfg.lora, comps.family.lora_targets)
-            batch = cached_demo_batch(comps.family, comps, model, demo_data)
-            parts = replace(frozen_parts(cfg, comps, "cpu", torch.float32), vae=None, text_encoders=[])
+            comps, _, parts, batch = lora_step_setup(tiny(name), demo_data,
+                                                     str(tmp_path_factory.mktemp("o")))
             built[name] = (comps.denoiser, parts, batch)
         return built[name]
 

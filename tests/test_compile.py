@@ -13,7 +13,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from inproc import cached_demo_batch
+from inproc import lora_step_setup
 
 from raylora.config import LoraSection, validate
 from raylora.model.lora import add_lora, lora_state_dict
@@ -36,26 +36,13 @@ def _loss_and_grads(model, parts, params, batch, seed: int):
 @pytest.mark.parametrize("family_name", FAMILIES)
 def test_regional_compile_matches_eager_without_breaks_or_recompiles(tiny, demo_data, tmp_path,
                                                                       family_name):
-    from dataclasses import replace
-
-    from raylora.model.load import load_components
-    from raylora.train.setup import frozen_parts
-
-    model = tiny(family_name)
-    cfg = validate({"model": {"pretrained": model, "max_sequence_length": 32},
-                    "data": {"uri": demo_data, "resolution": 64}, "lora": {"rank": 4},
-                    "output": {"uri": str(tmp_path / "o")}})
-    comps = load_components(cfg.model, torch.float32)
-    fam = comps.family
-    eager = comps.denoiser
-    torch.manual_seed(0)
-    eager_params = add_lora(eager, cfg.lora, fam.lora_targets)
+    comps, eager_params, parts, batch = lora_step_setup(tiny(family_name), demo_data,
+                                                        str(tmp_path / "o"))
+    fam, eager = comps.family, comps.denoiser
     with torch.no_grad():  # a non-zero adapter, so lora_A gets gradients too
         for n, p in eager.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.02)
-    batch = cached_demo_batch(fam, comps, model, demo_data)
-    parts = replace(frozen_parts(cfg, comps, "cpu", torch.float32), vae=None, text_encoders=[])
 
     compiled = copy.deepcopy(eager)
     compiled_params = [p for p in compiled.parameters() if p.requires_grad]

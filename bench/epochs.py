@@ -65,20 +65,20 @@ def stamped_worker(loop_config: dict) -> None:
 def raylora_side(tree: dict) -> dict:
     """A real ``raylora train`` run (launch.run) with the worker function above, into a
     new output folder (the same one would resume the finished run)."""
-    from raylora import worker
+    from raylora import entry
     from raylora.config import validate
     from raylora.launch import run
 
     out = tree["output"]["uri"]
     tree = {**tree, "output": {"uri": tempfile.mkdtemp(prefix="run-", dir=out)}}
-    original = worker.train_loop_per_worker
-    worker.train_loop_per_worker = stamped_worker  # what launch.build_trainer picks up
+    original = entry.train_loop_per_worker
+    entry.train_loop_per_worker = stamped_worker  # what launch.build_trainer picks up
     try:
         t0 = time.perf_counter()
         summary = run(validate(tree))
         total = time.perf_counter() - t0
     finally:
-        worker.train_loop_per_worker = original
+        entry.train_loop_per_worker = original
     with open(STAMPS) as f:
         got = json.load(f)
     rows = [json.loads(x) for x in open(summary["metrics_jsonl"])]

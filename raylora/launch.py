@@ -795,7 +795,8 @@ def build_trainer(
 
     from raylora import quiet
     from raylora.data.tokenize import load_specs
-    from raylora.worker import WorkerSpec, train_loop_per_worker
+    # raylora.entry, not raylora.worker: Ray Train's controller imports what is pickled.
+    from raylora.entry import WorkerSpec, train_loop_per_worker
 
     store = cfg.storage.client()
     # Ray Data's per-operator bars are for people watching a terminal, and then only when
@@ -862,7 +863,7 @@ def run_lr_find(
     """Learning-rate range test on one worker; writes ``lr_find.csv`` and ``lr_find.png``
     under ``output.uri`` and returns the suggestion."""
     from raylora.train import lr_find
-    from raylora.worker import LrFindSettings, lr_find_per_worker
+    from raylora.entry import LrFindSettings, lr_find_per_worker
 
     settings = LrFindSettings(start_lr=start_lr, end_lr=end_lr, num_steps=num_steps,
                               smoothing=smoothing, diverge_factor=diverge_factor)

@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -24,6 +24,7 @@ from ray.train import CheckpointUploadMode
 
 from raylora.checkpoint.state import LoopState, load_state
 from raylora.config import RayLoraConfig
+from raylora.entry import WorkerSpec
 from raylora.launch import Plan
 from raylora.model.lora import digest
 from raylora.progress import every_n_steps
@@ -297,38 +298,6 @@ def _bucketed(blocks, plan: Plan, batch_size: int, data_seed: int, seed):
 
     return bucket_batches(blocks, batch_size, seed=seed,
                           plan=lambda e: schedule(plan.bucket_steps, data_seed, e))
-
-
-@dataclass(frozen=True)
-class LrFindSettings:
-    """``raylora lr-find``: the range test's sweep (raylora.train.lr_find.range_test)."""
-
-    start_lr: float = 1e-7
-    end_lr: float = 1.0
-    num_steps: int = 100
-    smoothing: float = 0.9
-    diverge_factor: float = 10.0
-
-
-@dataclass
-class WorkerSpec:
-    """Everything one worker is told, built once by the driver (``launch.build_trainer``)
-    and sent as ``train_loop_config={"spec": spec}``."""
-
-    config: RayLoraConfig
-    plan: Plan
-    # The tokenizers, read once by the driver for every worker (None: cached latents).
-    tokenizer_specs: tuple | None = None
-    progress_bar: bool = False  # verbose, and a terminal is watching: Ray Data's bars
-    lr_find: LrFindSettings | None = None
-    # The driver's raylora.progress board (``raylora train``): rank 0 sends it each step.
-    progress_board: str | None = None
-    # The driver's raylora.stop.Requests actor (``raylora train``): rank 0 polls it.
-    stop_requests: str | None = None
-
-    @classmethod
-    def of(cls, loop_config: dict) -> WorkerSpec:
-        return loop_config["spec"]
 
 
 class _Reporter:

@@ -35,3 +35,38 @@ def test_preflight_names_resolution_and_small_data(base_config):
     msg = str(ei.value)
     assert "data.resolution: 63 is not a multiple of 2 (the sd latent grid" in msg
     assert "data.uri: 32 rows split over 1 workers is less than one optimizer step" in msg
+
+
+def test_the_trainer_pickles_without_the_model_libraries(base_config, tmp_path):
+    """Ray Train's controller actor unpickles the trainer's function and loop config only
+    to pass them on; what it unpickles must not import the model stack (raylora.entry).
+    A fresh process unpickles them and gets the same config and plan back."""
+    import json
+    import subprocess
+    import sys
+
+    from ray import cloudpickle
+
+    from raylora.launch import build_trainer
+
+    cfg = resolve_paths(validate(base_config))
+    p = plan(cfg)
+    trainer = build_trainer(cfg, p, str(tmp_path / "out"), "run")
+    blob = tmp_path / "trainer.pkl"
+    blob.write_bytes(cloudpickle.dumps((trainer.train_loop_per_worker, trainer.train_loop_config)))
+    heavy = ["torch", "diffusers", "transformers", "peft", "bitsandbytes", "raylora.worker"]
+    code = (
+        "import json, pickle, sys\n"
+        f"fn, loop = pickle.load(open({str(blob)!r}, 'rb'))\n"
+        "spec = loop['spec']\n"
+        f"print(json.dumps({{'loaded': [m for m in {heavy!r} if m in sys.modules],\n"
+        "  'fn': fn.__module__ + '.' + fn.__name__, 'config': spec.config.to_dict(),\n"
+        "  'max_steps': spec.plan.max_steps, 'rows': spec.plan.total_rows}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.splitlines()[-1])
+    assert got["loaded"] == []
+    assert got["fn"] == "raylora.entry.train_loop_per_worker"
+    assert got["config"] == json.loads(json.dumps(cfg.to_dict()))
+    assert (got["max_steps"], got["rows"]) == (p.max_steps, p.total_rows) == (4, 32)

@@ -1,0 +1,62 @@
+"""What the driver hands Ray Train: the per-worker entry functions and their WorkerSpec.
+
+Light on purpose. Ray Train's controller actor unpickles the trainer's function and its
+``train_loop_config`` only to pass them on to the workers, and a function or class pickled
+by reference imports the module that defines it. When these lived in ``raylora.worker``,
+every run's controller (and every Tune trial's) imported torch, diffusers, peft and
+bitsandbytes first: about 6 s of one core on a 2-core box, before it asked for the
+workers. The workers import ``raylora.worker`` themselves, on their first call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raylora.config import RayLoraConfig
+from raylora.launch import Plan
+
+
+@dataclass(frozen=True)
+class LrFindSettings:
+    """``raylora lr-find``: the range test's sweep (raylora.train.lr_find.range_test)."""
+
+    start_lr: float = 1e-7
+    end_lr: float = 1.0
+    num_steps: int = 100
+    smoothing: float = 0.9
+    diverge_factor: float = 10.0
+
+
+@dataclass
+class WorkerSpec:
+    """Everything one worker is told, built once by the driver (``launch.build_trainer``)
+    and sent as ``train_loop_config={"spec": spec}``."""
+
+    config: RayLoraConfig
+    plan: Plan
+    # The tokenizers, read once by the driver for every worker (None: cached latents).
+    tokenizer_specs: tuple | None = None
+    progress_bar: bool = False  # verbose, and a terminal is watching: Ray Data's bars
+    lr_find: LrFindSettings | None = None
+    # The driver's raylora.progress board (``raylora train``): rank 0 sends it each step.
+    progress_board: str | None = None
+    # The driver's raylora.stop.Requests actor (``raylora train``): rank 0 polls it.
+    stop_requests: str | None = None
+
+    @classmethod
+    def of(cls, loop_config: dict) -> WorkerSpec:
+        return loop_config["spec"]
+
+
+def train_loop_per_worker(loop_config: dict) -> None:
+    """``raylora train`` and Tune trials: raylora.worker.train_loop_per_worker."""
+    from raylora import worker
+
+    worker.train_loop_per_worker(loop_config)
+
+
+def lr_find_per_worker(loop_config: dict) -> None:
+    """``raylora lr-find``: raylora.worker.lr_find_per_worker."""
+    from raylora import worker
+
+    worker.lr_find_per_worker(loop_config)

@@ -50,6 +50,16 @@ def _finite_or_inf(x: float | None) -> float | None:
     return x if x is None or math.isfinite(x) else float("inf")
 
 
+def _stage_kwargs(purpose: str, spec: WorkerSpec) -> dict:
+    """A preprocess stage of this worker's own (raylora.data.preprocess.stage_kwargs)."""
+    from raylora.data.preprocess import stage_kwargs
+
+    cfg = spec.config
+    return stage_kwargs(purpose, cfg.data, model_path=spec.plan.model_path, family=spec.plan.family,
+                        storage=cfg.storage, max_sequence_length=cfg.model.max_sequence_length,
+                        tokenizer_specs=spec.tokenizer_specs)
+
+
 def _heldout_batch(spec: WorkerSpec) -> dict[str, torch.Tensor]:
     """The held-out rows as one batch: already encoded by the driver (latent cache, a dict
     of arrays), or raw ``{image, text}`` rows preprocessed here (centre crop, no flip)."""
@@ -57,16 +67,11 @@ def _heldout_batch(spec: WorkerSpec) -> dict[str, torch.Tensor]:
 
     from raylora.data.preprocess import Preprocess, StageSpec
 
-    cfg, heldout = spec.config, spec.plan.worker_heldout()
+    heldout = spec.plan.worker_heldout()
     if isinstance(heldout, dict):
         return {k: torch.from_numpy(np.asarray(v)) for k, v in heldout.items()}
-    pre = Preprocess(StageSpec(
-        # Buckets or not: one square size (the largest resolution), so they batch together.
-        tokenizer_path=spec.plan.model_path, resolution=cfg.data.max_resolution(), center_crop=True,
-        random_flip=False, endpoint_url=cfg.storage.endpoint_url, region=cfg.storage.region,
-        family=spec.plan.family, max_sequence_length=cfg.model.max_sequence_length,
-        **cfg.data.decode_kwargs(),
-    ))
+    # Buckets or not: one square size (the largest resolution), so they batch together.
+    pre = Preprocess(StageSpec(**_stage_kwargs("heldout", spec)))
     batch = pre({
         "image": np.array([r["image"] for r in heldout], dtype=object),
         "text": np.array([r["text"] for r in heldout], dtype=object),
@@ -276,18 +281,8 @@ def _class_batches(spec: WorkerSpec, rank: int, seed: int):
     from raylora.data.prior import ClassBatches
     from raylora.data.preprocess import Preprocess, StageSpec
 
-    cfg, plan = spec.config, spec.plan
-    d = cfg.data
-    stage = Preprocess(StageSpec(
-        tokenizer_path=plan.model_path, resolution=d.max_resolution(), center_crop=d.center_crop,
-        random_flip=d.random_flip, endpoint_url=cfg.storage.endpoint_url, region=cfg.storage.region,
-        family=plan.family, max_sequence_length=cfg.model.max_sequence_length,
-        tokenizer_specs=spec.tokenizer_specs, **d.decode_kwargs(),
-        # data.masked_loss: the instance half has a loss_mask column, so the class half
-        # needs one too (all ones unless a class image has an alpha channel).
-        masks=d.masked_loss,
-    ))
-    return ClassBatches(plan.class_rows, stage, seed, rank)
+    stage = Preprocess(StageSpec(**_stage_kwargs("class", spec)))
+    return ClassBatches(spec.plan.class_rows, stage, seed, rank)
 
 
 def _bucketed(blocks, plan: Plan, batch_size: int, data_seed: int, seed):

@@ -230,3 +230,37 @@ def test_preprocess_with_driver_specs_equals_loading_the_tokenizer(tiny_model):
     got = subprocess.run([sys.executable, "-c", probe], input=pickle.dumps((spec, batch)),
                          capture_output=True, check=True)
     assert got.stdout.decode().strip() == f"{sorted(a['input_ids'].shape)} []"
+
+
+def test_the_four_preprocess_stages_differ_only_where_their_images_are_used_differently(tiny_model):
+    """raylora.data.preprocess.stage_kwargs: one data section, four stages. Every stage
+    decodes and tokenizes alike; crop, flip, dropout, buckets and masks follow the use."""
+    from raylora.config import DataSection
+    from raylora.data.preprocess import stage_kwargs
+    from raylora.storage import Storage
+
+    data = DataSection(uri="/data", resolution=32, center_crop=False, random_flip=True,
+                       caption_dropout=0.25, masked_loss=True, min_size=16, small_images="upscale")
+    store = Storage("http://127.0.0.1:9", "eu-west-1")
+    stages = {p: StageSpec(**stage_kwargs(p, data, model_path=tiny_model, family="sd", storage=store,
+                                          max_sequence_length=24, seed=7, bad_records="bad"))
+              for p in ("train", "cache", "heldout", "class")}
+    for s in stages.values():
+        assert (s.tokenizer_path, s.resolution, s.family, s.max_sequence_length) == (tiny_model, 32, "sd", 24)
+        assert (s.endpoint_url, s.region, s.min_size, s.small_images) == ("http://127.0.0.1:9", "eu-west-1",
+                                                                          16, "upscale")
+    crop_flip = {p: (s.center_crop, s.random_flip) for p, s in stages.items()}
+    assert crop_flip == {"train": (False, True), "cache": (True, False), "heldout": (True, False),
+                         "class": (False, True)}
+    assert {p: s.caption_dropout for p, s in stages.items()} == {"train": 0.25, "cache": 0, "heldout": 0,
+                                                                 "class": 0}
+    assert {p for p, s in stages.items() if s.masks} == {"train", "cache", "class"}
+    assert {p for p, s in stages.items() if s.caption_policies} == {"train", "cache"}
+    assert stages["train"].caption_policies[0].dropout == 0.25
+    assert stages["train"].bad_records == "bad" and stages["class"].bad_records is None
+    # Each builds a working stage: the class stage's batch carries loss masks.
+    out = Preprocess(stages["class"])({"image": np.array([_png(Image.new("RGB", (40, 40)))], dtype=object),
+                                       "text": np.array(["a photo"], dtype=object)})
+    assert out["pixel_values"].shape == (1, 3, 32, 32) and out["loss_mask"].shape == (1, 1, 32, 32)
+    with pytest.raises(ValueError, match="preprocess stage 'eval'"):
+        stage_kwargs("eval", data, model_path=tiny_model, family="sd", storage=store)

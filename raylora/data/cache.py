@@ -32,7 +32,7 @@ import numpy as np
 
 from raylora import storage
 from raylora.config import RayLoraConfig
-from raylora.data.captions import caption_policies, with_prefix
+from raylora.data.captions import with_prefix
 from raylora.data.formats import MASK_SUFFIX, get_format
 from raylora.data.plan import DataPlan, SourceFiles, apply_shares
 from raylora.storage import Storage
@@ -187,16 +187,10 @@ def read_entry(uri: str, store: Storage) -> CacheEntry | None:
 
 
 def _stage_kwargs(cfg: RayLoraConfig, model_path: str, family: str, store: Storage) -> tuple[dict, dict]:
-    from raylora.data.buckets import bucket_set
+    from raylora.data.preprocess import stage_kwargs
 
-    pre = dict(
-        tokenizer_path=model_path, resolution=cfg.data.max_resolution(), center_crop=True,
-        random_flip=False, image_column="image", caption_column="text", seed=0,
-        endpoint_url=store.endpoint_url, region=store.region, family=family,
-        max_sequence_length=cfg.model.max_sequence_length, **cfg.data.decode_kwargs(),
-        caption_policies=caption_policies(cfg.data), buckets=bucket_set(cfg.data),
-        masks=cfg.data.masked_loss,
-    )
+    pre = stage_kwargs("cache", cfg.data, model_path=model_path, family=family, storage=store,
+                       max_sequence_length=cfg.model.max_sequence_length)
     enc = dict(
         model_path=model_path, family=family, dtype=_dtype_name(cfg),
         revision=cfg.model.revision, variant=cfg.model.variant,

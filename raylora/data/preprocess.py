@@ -159,6 +159,48 @@ class StageSpec:
     masks: bool = False
 
 
+STAGE_PURPOSES = ("train", "cache", "heldout", "class")
+
+
+def stage_kwargs(purpose: str, data, *, model_path: str, family: str, storage,
+                 max_sequence_length: int | None = None, tokenizer_specs: tuple | None = None,
+                 seed: int = 0, bad_records: str | None = None) -> dict:
+    """``StageSpec`` fields for one of the run's four preprocess stages, from the run's
+    ``data`` section (plain values: Ray Data passes them to its tasks as kwargs). What
+    they share (decode limits, tokenizers, size, storage) is set once here, so the
+    stages cannot drift apart; they differ where their images are used differently:
+
+    - ``train``: the configured crop and flip, caption dropout and per-source caption
+      policies, buckets, loss masks, bad rows counted under ``bad_records``;
+    - ``cache`` (latents encoded once, reused every epoch): centre crop, no flip, buckets
+      and masks as training (random crops, flips and caption dropout are refused with a
+      cache: raylora.data.cache);
+    - ``heldout`` (the evaluation batch): centre crop, no flip, one square size, no masks;
+    - ``class`` (prior preservation): the configured crop and flip; class prompts as
+      given (no dropout or prefixes); masks when the instance rows have them, so the two
+      halves of a batch have the same columns (buckets are refused with prior)."""
+    from raylora.data.buckets import bucket_set
+    from raylora.data.captions import caption_policies
+
+    if purpose not in STAGE_PURPOSES:
+        raise ValueError(f"preprocess stage {purpose!r}: expected one of {STAGE_PURPOSES}")
+    kw = dict(
+        tokenizer_path=model_path, resolution=data.max_resolution(), family=family,
+        endpoint_url=storage.endpoint_url, region=storage.region,
+        max_sequence_length=max_sequence_length, tokenizer_specs=tokenizer_specs,
+        center_crop=True, random_flip=False, seed=seed, **data.decode_kwargs(),
+    )
+    if purpose in ("train", "class"):
+        kw.update(center_crop=data.center_crop, random_flip=data.random_flip)
+    if purpose in ("train", "cache"):
+        kw.update(caption_policies=caption_policies(data), buckets=bucket_set(data))
+    if purpose == "train":
+        kw.update(caption_dropout=data.caption_dropout, bad_records=bad_records)
+    if purpose != "heldout":
+        kw.update(masks=data.masked_loss)
+    return kw
+
+
 class Preprocess:
     """Batch stage: ``{image, caption}`` columns → ``{pixel_values, input_ids, ...}``: pixels
     uint8 ``[B, 3, R, R]`` (scaled by ``to_unit_range`` where the VAE takes them), token ids

@@ -27,11 +27,9 @@ import numpy as np
 import ray
 
 from raylora.config import DataSection
-from raylora.data.buckets import bucket_set
-from raylora.data.captions import caption_policies
 from raylora.data.formats import get_format
 from raylora.data.plan import DataPlan, pass_items, plan_data, read_units
-from raylora.data.preprocess import Preprocess, StageSpec, preprocess_batch
+from raylora.data.preprocess import Preprocess, StageSpec, preprocess_batch, stage_kwargs
 from raylora.data.split import KeepSplit
 from raylora.data.tokenize import load_specs
 from raylora.storage import Storage
@@ -289,26 +287,10 @@ def _preprocessed_rows(data: DataSection, plan: DataPlan, storage: Storage, mode
                        seed: int, passes: range, num_preprocess_tasks: int, family: str,
                        bad_records: str | None, tokenizer_specs: tuple | None) -> ray.data.Dataset:
     """Shard rows read, decoded and preprocessed (build_dataset without a cache)."""
-    stage = dict(
-        tokenizer_path=model_path,
-        resolution=data.max_resolution(),  # without buckets: data.resolution
-        center_crop=data.center_crop,
-        random_flip=data.random_flip,
-        image_column="image",
-        caption_column="text",
-        seed=seed,
-        endpoint_url=storage.endpoint_url,
-        region=storage.region,
-        caption_dropout=data.caption_dropout,
-        caption_policies=caption_policies(data),
-        buckets=bucket_set(data),
-        masks=data.masked_loss,
-        family=family,
-        bad_records=bad_records,
-        # Read once, on the driver: see raylora.data.tokenize.
-        tokenizer_specs=tokenizer_specs or load_specs(model_path, family, storage),
-        **data.decode_kwargs(),
-    )
+    # Read once, on the driver: see raylora.data.tokenize.
+    specs = tokenizer_specs or load_specs(model_path, family, storage)
+    stage = stage_kwargs("train", data, model_path=model_path, family=family, storage=storage,
+                         tokenizer_specs=specs, seed=seed, bad_records=bad_records)
     if data.sharding == "files":
         # One actor for the run (the dataset spans every epoch, so it starts once), one
         # task in flight: Ray Data lets an actor run its queued tasks out of order, which

@@ -35,6 +35,12 @@ else the row is recorded as over budget and killed, not waited on. ``compile s``
 first step's time minus the steady step time; ``step ms`` and ``peak mem GiB`` are over the
 timed steps only.
 
+``--profile N`` runs N more steps under torch.profiler after the timed ones and records the
+device's busy share of their wall time (well under 100%: the GPU waits on the host, which
+CUDA graphs would remove) and where the kernel time goes, by kind (matmul, attention,
+conv, norm, inductor's fused kernels, ...) and the top kernels: what stands between a row
+and the MFU target.
+
 FLOPs are counted once per (model, batch, cached) with ``torch.utils.flop_counter`` over
 one eager step (forward, backward; the encoders' forward when not cached) and divided by
 the measured step time and the GPU's peak dense bf16 FLOP/s (table below, or
@@ -290,6 +296,56 @@ def pin_attention(tokens: set, unet, forward, cudnn_allowed: bool) -> list[str]:
 # ---- one row, in its own process --------------------------------------------------------
 
 
+# Where a profiled step's device time goes, by kernel name (first match wins): what is
+# left of the 40% MFU target after the matmuls is in these shares.
+KERNEL_KINDS = [
+    ("attn", ("flash", "fmha", "attention", "sdpa", "_attn")),
+    ("mm", ("gemm", "nvjet", "cutlass", "xmma", "matmul", "addmm", "aten::mm", "aten::bmm", "splitk")),
+    ("conv", ("conv", "implicit", "winograd", "fprop", "dgrad", "wgrad")),
+    ("norm", ("norm", "welford")),
+    ("optim", ("adam", "multi_tensor", "foreach")),
+    ("copy", ("memcpy", "memset", "copy", "cat", "transpose")),
+    ("fused", ("triton",)),  # inductor's fused pointwise/reduction kernels
+]
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def profile_steps(step, batch, device, steps: int, top: int = 8) -> dict:
+    """``steps`` more steps under torch.profiler: the device's busy share of the wall time
+    (low: the GPU waits on the host, what CUDA graphs remove), each kernel kind's share of
+    the device time, and the ``top`` kernels. On a CPU (``--smoke``) the ops' self CPU time
+    stands in for kernel time and busy is not reported."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step(batch)
+        sync(device)
+        wall_us = (time.perf_counter() - t0) * 1e6
+    if cuda:  # the kernels themselves: an aten op's self device time is its kernels' again
+        from torch.autograd import DeviceType
+
+        times = [(e.key, e.self_device_time_total) for e in prof.key_averages()
+                 if e.device_type != DeviceType.CPU and e.self_device_time_total > 0]
+    else:
+        times = [(e.key, e.self_cpu_time_total) for e in prof.key_averages() if e.key.startswith("aten::")]
+    total = sum(t for _, t in times) or 1.0
+    shares: dict[str, float] = {}
+    for name, t in times:
+        shares[kernel_kind(name)] = shares.get(kernel_kind(name), 0.0) + 100 * t / total
+    ranked = sorted(times, key=lambda x: -x[1])[:top]
+    return {"busy %": 100 * total / wall_us if cuda else None,
+            "kinds %": {k: round(v, 1) for k, v in sorted(shares.items(), key=lambda x: -x[1])},
+            "top": [[name[:90], round(100 * t / total, 1)] for name, t in ranked]}
+
+
 def emit(**event) -> None:
     """A progress event for the parent (one JSON line; other output passes through)."""
     print("@@" + json.dumps(event), flush=True)
@@ -369,6 +425,8 @@ def run_case(args) -> None:
         # The caching allocator freeing everything and retrying cudaMalloc: memory pressure
         # that costs time (a suspect for a compiled step slower than the eager one).
         row["alloc retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+    if args.profile:
+        row.update(profile_steps(step, batch, device, args.profile))
     emit(event="row", row=row)
 
 
@@ -395,6 +453,8 @@ def run_row(args, model: str, b: int, variant: str, flops: int | None, deadline:
            "--steps", str(args.steps), "--warmup", str(args.warmup)]
     if args.smoke:
         cmd.append("--smoke")
+    if args.profile:
+        cmd += ["--profile", str(args.profile)]
     if flops:
         cmd += ["--flops", str(flops)]
     cache = tempfile.mkdtemp(prefix="inductor-")
@@ -509,6 +569,9 @@ def main() -> None:
                     help="seconds for the whole grid: rows not finished by then are recorded as stopped")
     ap.add_argument("--shared-compile-cache", action="store_true",
                     help="let rows reuse each other's inductor/triton cache (warm compile times)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after the timed steps, N steps under torch.profiler: the GPU's busy "
+                         "share and where its time goes (per kernel kind, top kernels)")
     ap.add_argument("--jsonl", help="also append each row to this file as it finishes")
     ap.add_argument("--peak-tflops", type=float, help="override the peak bf16 TFLOP/s")
     ap.add_argument("--smoke", action="store_true", help="toy widths, batch 2, 2 steps, CPU ok")
@@ -568,7 +631,7 @@ def main() -> None:
                     row["TFLOP/step"] = row["flops"] / 1e12 if row["flops"] else None
                 row["wall s"] = time.monotonic() - t0
                 rows.append(row)
-                shown = {k: v for k, v in row.items() if k != "flops"}
+                shown = {k: v for k, v in row.items() if k not in ("flops", "top")}
                 print(shown, flush=True)
                 if args.jsonl:
                     with open(args.jsonl, "a") as f:
@@ -581,6 +644,8 @@ def main() -> None:
 
     cols = ["model", "res", "batch", "variant", "img/s", "step ms", "TFLOP/step", "MFU %",
             "x baseline", "compile s", "peak mem GiB", "alloc retries", "graphs", "breaks"]
+    if args.profile:
+        cols.append("busy %")
     dtype = "bf16" if cuda else "fp32"
     record(f"GPU throughput ({name})" + (" [smoke: toy widths, not a measurement]" if args.smoke else ""),
            machine(), table(rows, cols), [
@@ -599,7 +664,23 @@ def main() -> None:
                "and >= 30% MFU; compile <= 90 s per model; >= 1.3x the baseline.",
                *([f"Code: {os.environ['RAYLORA_REV']}"] if os.environ.get("RAYLORA_REV") else []),
                "Command: `.venv/bin/python bench/gpu_throughput.py " + " ".join(sys.argv[1:]) + "`",
+               *profile_notes(rows, args.profile),
            ])
+
+
+def profile_notes(rows: list[dict], steps: int) -> list[str]:
+    """``--profile``: per row, the device time by kernel kind and the top kernels."""
+    if not steps:
+        return []
+    out = [f"Profile (--profile {steps}): busy % = the device's kernel time over the wall time "
+           "of the profiled steps; kinds and top kernels as shares of the kernel time "
+           "(bench/gpu_throughput.py KERNEL_KINDS)."]
+    for r in rows:
+        if "kinds %" in r:
+            kinds = ", ".join(f"{k} {v}" for k, v in r["kinds %"].items())
+            top = "; ".join(f"`{n}` {v}" for n, v in r["top"][:5])
+            out.append(f"{r['model']} b{r['batch']} {r['variant']}: {kinds}. Top: {top}")
+    return out
 
 
 if __name__ == "__main__":

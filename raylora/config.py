@@ -791,6 +791,13 @@ class FailureSection(_Section):
         description="Times a run restarts its workers from the latest checkpoint after a "
         "worker process or node dies (Ray Train FailureConfig; -1: no limit).",
     )
+    max_preemption_failures: int = Field(
+        -1, ge=-1,
+        description="Times a run restarts its workers after a node it ran on was drained "
+        "for preemption and went (a spot reclaim; Ray Train FailureConfig; -1: no limit). "
+        "The workers checkpoint when the notice comes and train on; these restarts do not "
+        "count against max_failures.",
+    )
     stop_timeout_s: float = Field(
         120.0, gt=0,
         description="A clean stop (`raylora stop`, SIGTERM to the driver or a worker: spot "

@@ -824,7 +824,10 @@ def build_trainer(
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
             # A dead worker process or node: restart the workers from the latest checkpoint
             # (they restore the exact data position, RNG and optimizer state).
-            failure_config=ray.train.FailureConfig(max_failures=cfg.failure.max_failures),
+            failure_config=ray.train.FailureConfig(
+                max_failures=cfg.failure.max_failures,
+                # A drained node's workers checkpoint on the notice (raylora.stop).
+                max_preemption_failures=cfg.failure.max_preemption_failures),
             callbacks=callbacks,
             # INFO is a TrainingReport(...) dump per report per worker (raylora.quiet).
             logging_config=ray.train.LoggingConfig(log_level=quiet.ray_train_log_level()),

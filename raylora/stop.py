@@ -11,6 +11,16 @@ Two ways a stop is asked for, one way it happens:
   Train restarts them from that checkpoint (``failure.max_failures``), elsewhere if the
   node goes; with no restarts left the run fails and the same command resumes it.
 
+A third thing is not a stop: **a preemption notice**. Ray drains a node that is about to
+go (autoscaler v2 on a spot reclaim, ``ray drain-node --reason
+DRAIN_NODE_REASON_PREEMPTION``), and Ray Train's PreemptionWatcher tells the workers of
+that run. The ranks agree on it like on a stop code, write one checkpoint at that step and
+train on: at the notice's deadline, or when the node goes, Ray Train restarts the workers
+from the latest checkpoint without that node, and at most the steps since the notice are
+trained again. Ray counts that restart against ``failure.max_preemption_failures`` when it
+records the node's death as a preemption (GCS does for a drained node gone after its
+deadline), else against ``max_failures`` (a node killed before its deadline; seen here).
+
 Either way every rank must decide at the same step: a step is a DDP collective, and
 ``ray.train.report`` (the checkpoint) a barrier. ``StopWatch.check`` is called by every
 rank after every optimizer step and all-reduces (MAX) each rank's local code, so one
@@ -154,9 +164,22 @@ def install_sigterm(timeout_s: float) -> bool:
     return bool(ray.get(actor.execute.remote(_install, timeout_s), timeout=60))
 
 
+def ray_preemption_notice():
+    """This worker's preemption notice from Ray Train (a ``ray.train.PreemptionInfo``), or
+    None. Read from the worker's train context, where Ray Train's PreemptionWatcher puts it
+    (``mark_preempt``), not through ``ray.train.get_preemption_info()``: that one is a
+    blocking broadcast through a Ray actor at every call, and the ranks already agree
+    through ``StopWatch``'s all-reduce. Checked against Ray 2.60 (tests/test_elastic.py)."""
+    from ray.train.v2._internal.execution.context import get_train_context
+
+    return get_train_context().preemption_context.preemption_info
+
+
 class StopWatch:
     """Every rank calls ``check()`` after every optimizer step, the same number of times:
-    the run's agreed stop code (NONE, REQUESTED, PREEMPTED).
+    the run's agreed stop code (NONE, REQUESTED, PREEMPTED); then ``take_notice()``: True
+    at the one step where the ranks agreed on a new preemption notice (``notice()``: this
+    rank's, or None).
 
     The ranks agree through a MAX all-reduce that runs behind the training: each check
     starts one (async) and reads the one the previous check started, so a stop lands one
@@ -164,9 +187,13 @@ class StopWatch:
     of host tensors: an NCCL reduce of a device tensor read back with ``.item()`` would
     make the host wait for the GPU queue every step."""
 
-    def __init__(self, rank: int, world: int, requests: str | None, device):
+    def __init__(self, rank: int, world: int, requests: str | None, device, notice=None):
         self.rank, self.world, self.device = rank, world, device
         self.code = NONE
+        self._notice = notice or (lambda: None)
+        self._seen: list = []  # the distinct notices this rank was given, in order
+        self.notices = self._taken = 0  # notices agreed by all ranks / checkpointed
+        self.noticed_step = -1  # the step of the latest notice's checkpoint
         self._group, self._inflight = None, None
         if world > 1 and getattr(device, "type", str(device)) != "cpu":
             import torch.distributed as dist
@@ -198,23 +225,43 @@ class StopWatch:
             self._pending, self._asked_at = self._actor.requested.remote(), time.monotonic()
         return False
 
+    def _local_notices(self) -> int:
+        info = self._notice()
+        if info is not None and info not in self._seen:
+            self._seen.append(info)
+        return len(self._seen)
+
     def check(self) -> int:
         import torch
 
         local = PREEMPTED if _SIGNALLED.is_set() else REQUESTED if self._requested() else NONE
+        notices = self._local_notices()
         if self.world > 1:
-            agreed = NONE
+            agreed = [NONE, 0]
             if self._inflight is not None:  # the previous step's: long done, no wait
                 work, t = self._inflight
                 work.wait()
-                agreed = int(t.item())  # a host tensor: no device sync
-            t = torch.tensor([local], dtype=torch.int32)
+                agreed = t.tolist()  # a host tensor: no device sync
+            t = torch.tensor([local, notices], dtype=torch.int32)
             work = torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX,
                                                 group=self._group, async_op=True)
             self._inflight = (work, t)
-            local = agreed
+            local, notices = agreed
         self.code = max(self.code, local)
+        self.notices = max(self.notices, notices)
         return self.code
+
+    def take_notice(self) -> bool:
+        """After ``check()``, on every rank alike: whether a preemption notice not yet
+        checkpointed for was agreed (then it is taken)."""
+        if self.notices <= self._taken:
+            return False
+        self._taken = self.notices
+        return True
+
+    def notice(self):
+        """The latest preemption notice this rank was given, or None."""
+        return self._seen[-1] if self._seen else None
 
     @property
     def reason(self) -> str | None:

@@ -352,7 +352,7 @@ class _Reporter:
             "eval_loss_best": st.eval_loss_best,
             "lr": self.run.lr_scheduler.get_last_lr()[0],
             "world_size": self.run.accelerator.num_processes,  # elastic: this report's size
-        } | self._prior_terms(st) | self._stopped()
+        } | self._prior_terms(st) | self._stopped() | self._noticed(st)
 
     @staticmethod
     def _prior_terms(st: LoopState) -> dict:
@@ -365,6 +365,15 @@ class _Reporter:
         """Why the run ends at this checkpoint short of max_steps (raylora.stop), if it does."""
         reason = self.stop_watch.reason if self.stop_watch is not None else None
         return {"stopped": reason} if reason else {}
+
+    def _noticed(self, st: LoopState) -> dict:
+        """A preemption notice's checkpoint (raylora.stop): the nodes going, as far as this
+        rank was told (every rank has the key: they agreed on the step, not the notice)."""
+        w = self.stop_watch
+        if w is None or w.noticed_step != st.global_step:
+            return {}
+        info = w.notice()
+        return {"preemption_notice": info.preempted_node_ids if info is not None else []}
 
     def _log_eval(self, st: LoopState) -> None:
         self.tracker.log(st.global_step, {"eval_loss": st.eval_loss_last})
@@ -408,8 +417,9 @@ class _Reporter:
         # Ray deletes the local copy once uploaded, and records a checkpoint as the
         # latest only after its upload completed. The final one is synchronous so the
         # driver can export it as soon as fit() returns.
-        # A stop's checkpoint too: the process may be gone soon after.
-        mode = CheckpointUploadMode.SYNC if final or "stopped" in metrics else CheckpointUploadMode.ASYNC
+        # A stop's or a preemption notice's checkpoint too: the process may be gone soon after.
+        mode = CheckpointUploadMode.SYNC if final or metrics.keys() & {"stopped", "preemption_notice"} \
+            else CheckpointUploadMode.ASYNC
         ray.train.report(
             metrics,
             checkpoint=ray.train.Checkpoint.from_directory(d),
@@ -449,13 +459,36 @@ def _build(spec: WorkerSpec, accelerator, restored, rank: int, max_steps: int):
 def _stop_watch(spec: WorkerSpec, rank: int, world: int, device):
     """The run's stop decision (raylora.stop): SIGTERM to this process and the driver's
     stop requests, agreed by all ranks at each step."""
-    from raylora.stop import StopWatch, install_sigterm
+    from raylora.stop import StopWatch, install_sigterm, ray_preemption_notice
 
     timeout = spec.config.failure.stop_timeout_s
     if not install_sigterm(timeout):
         log.warning("rank %d: SIGTERM handler not installed: a SIGTERM kills this worker "
                     "without a checkpoint", rank)
-    return StopWatch(rank, world, spec.stop_requests, device)
+    return StopWatch(rank, world, spec.stop_requests, device, notice=ray_preemption_notice)
+
+
+def _notice_checkpoint(watch, rank: int):
+    """LoopHooks.checkpoint_now: a checkpoint at the step the ranks agreed on a preemption
+    notice (raylora.stop); rank 0 says which node goes and by when."""
+    import time
+
+    def now(step: int) -> bool:
+        if not watch.take_notice():
+            return False
+        watch.noticed_step = step  # the checkpoint's metrics say why (_Reporter._noticed)
+        if rank == 0:
+            info = watch.notice()  # None: another rank was told first
+            what = "a node of this run goes" if info is None else "node {} goes, {}".format(
+                ", ".join(n[:12] for n in info.preempted_node_ids),
+                f"in {info.deadline_ms / 1000 - time.time():.0f} s" if info.deadline_ms
+                else "no deadline given")
+            log.warning("step %d: preemption notice (%s): checkpointing at this step, training "
+                        "goes on; Ray Train restarts the workers from it without that node",
+                        step, what)
+        return True
+
+    return now
 
 
 def _after_stop(reporter: _Reporter, state: LoopState) -> None:
@@ -497,6 +530,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
         reporter = _Reporter(spec, run, rank, watch)
         hooks = LoopHooks(
             should_stop=watch.check,
+            checkpoint_now=_notice_checkpoint(watch, rank),
             epoch_batches=epoch_batches,
             on_checkpoint=reporter.on_checkpoint,
             on_step=reporter.on_step,

@@ -8,6 +8,7 @@ stock diffusers loads."""
 from __future__ import annotations
 
 import io
+import os
 import json
 import threading
 import time
@@ -205,7 +206,9 @@ def test_plan_counts_epochs_in_global_batches(tiny_model, demo_data):
 # --- integration: a real multi-node cluster on this machine ---------------------------------
 
 NODE_CPUS = 3  # one worker of 2 CPUs per node, 1 CPU beside it for its data tasks
-STEPS = 24  # 3 epochs of 8 steps
+# 4 epochs of 8 steps: the run must still be training when the preemption notice's
+# deadline passes (~1 s a step here; the notice comes at about step 20).
+STEPS = 32
 
 
 def _run_tree(tiny_model, demo_data, out) -> dict:
@@ -238,6 +241,8 @@ def cluster(monkeypatch):
     # long (Ray's default: 60 s) before trying the size there is room for. Inherited by
     # the cluster's processes, the Train controller among them.
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "10")
+    # Ray Train's PreemptionWatcher looks for drained nodes this often (default: 5 s).
+    monkeypatch.setenv("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "1")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -272,9 +277,11 @@ def _start(tree: dict):
     return t, result, errors
 
 
-def _wait_for_checkpoint(out, thread, world: int, after: int = 0, timeout=400) -> int:
+def _wait_for_checkpoint(out, thread, world: int, after: int = 0, timeout=400,
+                         key: str | None = None) -> int:
     """Mid-run, as the run itself says: a checkpoint past step ``after`` registered (what
-    a resize resumes from) by ``world`` workers; its step. Not a sleep."""
+    a resize resumes from) by ``world`` workers; its step. ``key``: only one whose metrics
+    have it (``preemption_notice``). Not a sleep."""
     end = time.monotonic() + timeout
     while time.monotonic() < end and thread.is_alive():
         try:
@@ -282,7 +289,8 @@ def _wait_for_checkpoint(out, thread, world: int, after: int = 0, timeout=400) -
         except (OSError, ValueError):
             snap = {}
         steps = [r["metrics"]["step"] for r in snap.get("checkpoint_results", [])
-                 if r["metrics"].get("world_size") == world and r["metrics"]["step"] > after]
+                 if r["metrics"].get("world_size") == world and r["metrics"]["step"] > after
+                 and (key is None or key in r["metrics"])]
         if steps:
             return max(steps)
         time.sleep(0.2)
@@ -331,16 +339,36 @@ def test_an_elastic_run_grows_when_a_node_joins_and_shrinks_when_it_is_lost(
         cluster, tiny_model, demo_data, tmp_path, capsys):
     """One [1, 2] run (one cluster, one start: the suite's time) through both resizes:
     started on a head with room for one worker, it grows to 2 when a node joins, and
-    finishes on 1 when that node is removed (killed, not drained)."""
+    finishes on 1 when that node goes as a spot instance does: drained for preemption
+    (`ray drain-node`, what autoscaler v2 calls on a reclaim notice), which the workers
+    answer with a checkpoint off the every-4-steps schedule, then killed. That restart is
+    a preemption's (failure.max_failures is 0)."""
+    import subprocess
+    import sys
+
     import ray
 
     out = tmp_path / "elastic"
     t0 = time.monotonic()
-    thread, result, errors = _start(_run_tree(tiny_model, demo_data, out))
+    tree = _run_tree(tiny_model, demo_data, out)
+    tree["failure"] = {"max_failures": 0}
+    thread, result, errors = _start(tree)
     grown_at = _wait_for_checkpoint(out, thread, world=1)
     node = cluster.add_node(num_cpus=NODE_CPUS)
     _reread_nodes()
-    lost_at = _wait_for_checkpoint(out, thread, world=2, after=grown_at)
+    drained_at = _wait_for_checkpoint(out, thread, world=2, after=grown_at)
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    drained, deadline_s = time.monotonic(), 8
+    drain = subprocess.run(
+        [ray_cli, "drain-node", "--address", cluster.address, "--node-id", node.node_id,
+         "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim (test)",
+         "--deadline-remaining-seconds", str(deadline_s)], capture_output=True, text=True, timeout=60)
+    assert drain.returncode == 0, drain.stdout + drain.stderr
+    noticed_at = _wait_for_checkpoint(out, thread, world=2, after=drained_at, key="preemption_notice")
+    assert time.monotonic() < drained + deadline_s, "the notice's checkpoint came after its deadline"
+    # The node goes at the notice's deadline, as a reclaimed spot VM does: killed then, not
+    # before (GCS counts a drained node's death after its deadline as a preemption).
+    time.sleep(max(0.0, drained + deadline_s + 0.5 - time.monotonic()))
     cluster.remove_node(node, allow_graceful=False)
     while any(n["Alive"] for n in ray.nodes() if n["NodeID"] == node.node_id):
         time.sleep(0.2)
@@ -349,12 +377,16 @@ def test_an_elastic_run_grows_when_a_node_joins_and_shrinks_when_it_is_lost(
     # Each size trained from the checkpoint the previous one left: 1, then 2, then 1.
     runs = [w for i, w in enumerate(seen) if i == 0 or w != seen[i - 1]]
     assert runs == [1, 2, 1], seen
-    # ...from the checkpoint each size had registered when the node came or went, or later.
+    # ...from the checkpoint each size had registered when the node came or went, or later:
+    # the preemption notice's at the latest.
     first_on_2, last_on_2 = seen.index(2), len(seen) - seen[::-1].index(2)
-    assert first_on_2 >= grown_at and last_on_2 >= lost_at, (grown_at, lost_at, seen)
-    # The driver said so, once each.
-    said = capsys.readouterr().out
+    assert first_on_2 >= grown_at and last_on_2 >= noticed_at > drained_at, (grown_at, noticed_at, seen)
+    # The driver said so, once each; rank 0 named the node going.
+    captured = capsys.readouterr()
+    said = captured.out
+    assert f"step {noticed_at}: preemption notice (node {node.node_id[:12]} goes, in " in said + captured.err
     assert said.count("raylora: resized to 2 worker(s), gradient accumulation 1 (was 1 × 2)") == 1
     assert said.count("raylora: resized to 1 worker(s), gradient accumulation 2 (was 2 × 1)") == 1
-    print(f"elastic: grown after step {grown_at}, node lost after step {lost_at}, "
+    print(f"elastic: grown after step {grown_at}, node drained after step {drained_at}, "
+          f"preemption checkpoint at step {noticed_at}, "
           f"sizes {seen}, {time.monotonic() - t0:.0f} s")

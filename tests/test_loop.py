@@ -1,5 +1,7 @@
 """The training loop in one process (no Ray): steps, accumulation, checkpoints, exact resume."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -286,3 +288,79 @@ def test_first_batch_hook_runs_once_before_the_model_does(base_config, batches, 
     with pytest.raises(ValueError, match="train.sdpa_backend=efficient"):  # the run's own check
         _train(on_cpu, batches, 3, str(tmp_path / "efficient"))
     assert not (tmp_path / "efficient").exists()
+
+
+def _notices(*infos):
+    """A rank's preemption notices, one per StopWatch.check (None: none yet)."""
+    it = iter(infos)
+    return lambda: next(it, infos[-1] if infos else None)
+
+
+def test_a_preemption_notice_checkpoints_once_and_training_goes_on(base_config, batches, caplog):
+    """raylora.stop: a notice (Ray Train's PreemptionInfo for this worker) is checkpointed
+    at the step it is agreed, once per distinct notice; the loop trains on to max_steps."""
+    import logging
+    import time
+
+    from ray.train import PreemptionInfo
+
+    from raylora import worker
+    from raylora.stop import StopWatch
+
+    a = PreemptionInfo(deadline_ms=int(time.time() * 1000) + 90_000,
+                       preempted_node_to_ranks={"0123456789abcdef0123": [0]})
+    b = PreemptionInfo(deadline_ms=None, preempted_node_to_ranks={"0123456789abcdef0123": [0],
+                                                                   "fedcba9876543210fedc": [1]})
+    watch = StopWatch(0, 1, None, torch.device("cpu"), notice=_notices(None, None, a, a, b))
+    cfg = validate(base_config)
+    run = build_run(cfg, _fresh_accelerator(1), 6, rank=0)
+    saved = []
+    hooks = LoopHooks(lambda e: batches, should_stop=watch.check,
+                      checkpoint_now=worker._notice_checkpoint(watch, 0),
+                      on_checkpoint=lambda st, final: saved.append((st.global_step, final,
+                                                                    watch.noticed_step)))
+    with caplog.at_level(logging.WARNING, logger="raylora.worker"):
+        run_loop(run, LoopSettings(max_steps=6, images_per_step=2, checkpoint_every=100), hooks)
+    assert saved == [(3, False, 3), (5, False, 5), (6, True, 5)]
+    assert [r["step"] for r in run.state.history] == [1, 2, 3, 4, 5, 6] and watch.code == 0
+    said = [r.getMessage() for r in caplog.records if "preemption notice" in r.getMessage()]
+    assert len(said) == 2
+    assert re.match(r"step 3: preemption notice \(node 0123456789ab goes, in (8\d|90) s\)", said[0])
+    assert said[1].startswith("step 5: preemption notice (node 0123456789ab, fedcba987654 goes, "
+                              "no deadline given)")
+
+
+def _two_rank_notices(rank: int, world: int, port: int, out: str) -> None:
+    import json
+
+    import torch.distributed as dist
+    from ray.train import PreemptionInfo
+
+    from raylora.stop import StopWatch
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    info = PreemptionInfo(deadline_ms=None, preempted_node_to_ranks={"n1": [1]})
+    # Only rank 1 is told, at its third check.
+    watch = StopWatch(rank, world, None, torch.device("cpu"),
+                      notice=_notices(None, None, info) if rank == 1 else _notices(None))
+    taken = []
+    for _ in range(6):
+        watch.check()
+        taken.append(watch.take_notice())
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(taken, f)
+    dist.destroy_process_group()
+
+
+def test_every_rank_takes_a_notice_at_the_same_check(tmp_path):
+    """Ray Train tells every worker, but not at the same step: the ranks agree through the
+    StopWatch's (one step late) MAX all-reduce, so each checkpoints at the same step."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from test_fsdp import _free_port
+
+    mp.spawn(_two_rank_notices, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    got = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
+    assert got[0] == got[1] == [False, False, False, True, False, False]

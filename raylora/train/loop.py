@@ -89,6 +89,9 @@ class LoopHooks:
     # After every optimizer step on every rank (a collective: raylora.stop.StopWatch):
     # truthy = checkpoint this step and end the loop (`raylora stop`, SIGTERM).
     should_stop: Callable[[], int] = _no_op
+    # Right after should_stop, on every rank, the same answer everywhere: truthy =
+    # checkpoint this step and go on (a preemption notice; gets the step number).
+    checkpoint_now: Callable[[int], bool] = _no_op
     first_batch: Callable[[dict], None] = _no_op
 
 
@@ -273,7 +276,8 @@ def _after_step(run, settings: LoopSettings, hooks: LoopHooks, progress: _Progre
     # adds a checkpoint, nothing else: no evaluation, so the resumed run's history is
     # the straight run's.
     progress.stopped = not final and bool(hooks.should_stop())
-    ckpt = periodic or progress.stopped
+    noticed = not final and bool(hooks.checkpoint_now(step))
+    ckpt = periodic or progress.stopped or noticed
     if ckpt or due or step % settings.readback_every == 0:
         # Before anything that reads the state: checkpoints and evaluations see whole rows.
         _read_back(run, settings, progress, hooks)

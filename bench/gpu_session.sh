@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The open GPU measurements of #24, one step per device call (a call may run 10 minutes),
+# on a lent GPU machine that has python3 and a CUDA torch but no diffusers/peft/pydantic
+# and no package index. Run from the repo root there, with the wheels in .whl/
+# (git-ignored) carried along:
+#
+#   # here, once (python 3.12 manylinux wheels, no dependencies resolved against this box):
+#   pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#       --no-deps -d .whl diffusers==0.42.1 peft==0.21.2 pydantic==2.14.3 \
+#       pydantic_core==2.50.4 annotated_types==0.8.0 typing_extensions==4.16.0 \
+#       typing_inspection==0.4.5
+#   # there, through the device tool (carry: .whl):
+#   bash bench/gpu_session.sh sd15        # then: sdxl, sdxl-full
+#
+# Each step appends its table to bench/RESULTS.md and copies that file to $OUT (the device
+# tool brings $OUT back), so the section can be committed here.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+step=${1:?usage: bench/gpu_session.sh sd15|sdxl|sdxl-full|smoke}
+WHEELS=${WHEELS:-.whl}
+PY=${PYTHON:-python3}
+SITE=${SITE:-/tmp/raylora-site}
+if [ "$step" != smoke ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$SITE" "$WHEELS"/*.whl
+  export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export RAYLORA_REV=${RAYLORA_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo "see the commit that records this")}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
+# 540 s of the 600 s a call may run: the rows still to come are recorded as not run.
+common=(--time-limit "${TIME_LIMIT:-540}" --profile 3)
+case "$step" in
+  # SD 1.5 @512, cached, regional compile (the default), with each fast-step switch.
+  sd15) "$PY" bench/gpu_throughput.py --models sd15 --batch-sizes 64 "${common[@]}" \
+          --variants cached+regional,cached+regional+sdpa-auto,cached+regional+cl,cached+regional+ro ;;
+  # SDXL @1024: transformer blocks only (the default), and the switches.
+  sdxl) "$PY" bench/gpu_throughput.py --models sdxl --batch-sizes 8 "${common[@]}" \
+          --variants cached+regional,cached+regional+sdpa-auto,cached+regional+cl ;;
+  # SDXL full compile: its step time, with a compile budget of several minutes.
+  sdxl-full) "$PY" bench/gpu_throughput.py --models sdxl --batch-sizes 8 "${common[@]}" \
+          --compile-budget 420 --variants cached+full ;;
+  # CPU check of this script and the bench (toy widths; not a measurement, not recorded).
+  smoke) cp bench/RESULTS.md "${TMPDIR:-/tmp}/RESULTS.md.before"
+         "$PY" bench/gpu_throughput.py --smoke --models sd15 --batch-sizes 2 --profile 1 \
+           --variants cached+regional
+         cp "${TMPDIR:-/tmp}/RESULTS.md.before" bench/RESULTS.md ;;
+  *) echo "unknown step: $step" >&2; exit 2 ;;
+esac
+if [ -n "${OUT:-}" ]; then cp bench/RESULTS.md "$OUT/RESULTS.md"; fi

@@ -339,7 +339,8 @@ def profile_steps(step, batch, device, steps: int, top: int = 8) -> dict:
     total = sum(t for _, t in times) or 1.0
     shares: dict[str, float] = {}
     for name, t in times:
-        shares[kernel_kind(name)] = shares.get(kernel_kind(name), 0.0) + 100 * t / total
+        kind = kernel_kind(name)
+        shares[kind] = shares.get(kind, 0.0) + 100 * t / total
     ranked = sorted(times, key=lambda x: -x[1])[:top]
     return {"busy %": 100 * total / wall_us if cuda else None,
             "kinds %": {k: round(v, 1) for k, v in sorted(shares.items(), key=lambda x: -x[1])},

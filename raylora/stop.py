@@ -251,12 +251,12 @@ class StopWatch:
         self.notices = max(self.notices, notices)
         return self.code
 
-    def take_notice(self) -> bool:
+    def take_notice(self, step: int) -> bool:
         """After ``check()``, on every rank alike: whether a preemption notice not yet
-        checkpointed for was agreed (then it is taken)."""
+        checkpointed for was agreed (then it is taken, at ``step``: ``noticed_step``)."""
         if self.notices <= self._taken:
             return False
-        self._taken = self.notices
+        self._taken, self.noticed_step = self.notices, step
         return True
 
     def notice(self):

@@ -474,9 +474,8 @@ def _notice_checkpoint(watch, rank: int):
     import time
 
     def now(step: int) -> bool:
-        if not watch.take_notice():
+        if not watch.take_notice(step):  # the checkpoint's metrics say why (_Reporter._noticed)
             return False
-        watch.noticed_step = step  # the checkpoint's metrics say why (_Reporter._noticed)
         if rank == 0:
             info = watch.notice()  # None: another rank was told first
             what = "a node of this run goes" if info is None else "node {} goes, {}".format(

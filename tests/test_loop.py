@@ -344,9 +344,9 @@ def _two_rank_notices(rank: int, world: int, port: int, out: str) -> None:
     watch = StopWatch(rank, world, None, torch.device("cpu"),
                       notice=_notices(None, None, info) if rank == 1 else _notices(None))
     taken = []
-    for _ in range(6):
+    for step in range(1, 7):
         watch.check()
-        taken.append(watch.take_notice())
+        taken.append(watch.take_notice(step))
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(taken, f)
     dist.destroy_process_group()

@@ -30,15 +30,16 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>
 # 540 s of the 600 s a call may run: the rows still to come are recorded as not run.
 common=(--time-limit "${TIME_LIMIT:-540}" --profile 3)
 case "$step" in
-  # SD 1.5 @512, cached, regional compile (the default), with each fast-step switch.
+  # SD 1.5 @512, cached, regional compile (the default): cold, then warm from the stored
+  # compile cache (train.compile_cache_uri), then each fast-step switch.
   sd15) "$PY" bench/gpu_throughput.py --models sd15 --batch-sizes 64 "${common[@]}" \
-          --variants cached+regional,cached+regional+sdpa-auto,cached+regional+cl,cached+regional+ro ;;
+          --variants cached+regional,cached+regional+warm,cached+regional+sdpa-auto,cached+regional+cl,cached+regional+ro ;;
   # SDXL @1024: transformer blocks only (the default), and the switches.
   sdxl) "$PY" bench/gpu_throughput.py --models sdxl --batch-sizes 8 "${common[@]}" \
-          --variants cached+regional,cached+regional+sdpa-auto,cached+regional+cl ;;
-  # SDXL full compile: its step time, with a compile budget of several minutes.
+          --variants cached+regional,cached+regional+warm,cached+regional+sdpa-auto,cached+regional+cl ;;
+  # SDXL full compile: its step time, with a compile budget of several minutes; then warm.
   sdxl-full) "$PY" bench/gpu_throughput.py --models sdxl --batch-sizes 8 "${common[@]}" \
-          --compile-budget 420 --variants cached+full ;;
+          --compile-budget 420 --variants cached+full,cached+full+warm ;;
   # CPU check of this script and the bench (toy widths; not a measurement, not recorded).
   smoke) cp bench/RESULTS.md "${TMPDIR:-/tmp}/RESULTS.md.before"
          "$PY" bench/gpu_throughput.py --smoke --models sd15 --batch-sizes 2 --profile 1 \

@@ -27,6 +27,9 @@ training does; ``regional-res``: and the UNet's ResnetBlock2D too), and the
 ``sdpa-auto`` (each layer's fastest, timed on the first batch: ``train.sdpa_backend`` as
 training runs it), ``mat`` (inductor ``max-autotune-no-cudagraphs``), ``ro``
 (``reduce-overhead``: CUDA graphs). ``raylora`` alone is the uncached eager step.
+``warm``: the same row as without it, compiled in a fresh process whose empty inductor
+cache is first filled from what that row stored (``train.compile_cache_uri``: a restarted
+worker or a new pod); list it after that row.
 
 Every row runs in its own process (no compile, LoRA or allocator state leaks between
 rows), with a fresh inductor cache (compile seconds are what a fresh worker pays). Its
@@ -120,7 +123,7 @@ LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 
 # Variant tokens (see the module docstring).
 TOKENS = {"baseline", "raylora", "cached", "regional", "regional-res", "full", "cl", "flash",
-          "cudnn", "efficient", "math", "sdpa-auto", "mat", "ro"}
+          "cudnn", "efficient", "math", "sdpa-auto", "mat", "ro", "warm"}
 SDPA_TOKENS = {"flash", "cudnn", "efficient", "math", "sdpa-auto"}
 DEFAULT_BATCHES = "sd15=32,64;sdxl=4,8"
 DEFAULT_VARIANTS = "baseline,raylora,cached,cached+regional,cached+regional-res,cached+full,regional"
@@ -352,6 +355,19 @@ def emit(**event) -> None:
     print("@@" + json.dumps(event), flush=True)
 
 
+class LocalFiles:
+    """The two calls CompileCache makes of raylora.storage.Storage, on local files (the GPU
+    machine may lack pyarrow, which Storage needs)."""
+
+    def read_bytes(self, path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        with open(path, "wb") as f:
+            f.write(data)
+
+
 def run_case(args) -> None:
     """The row ``args.case`` (``model:batch:variant``): events built, first, row."""
     model, b, variant = args.case.split(":", 2)
@@ -388,6 +404,13 @@ def run_case(args) -> None:
     kwargs = ({"mode": "max-autotune-no-cudagraphs"} if "mat" in tokens else
               {"mode": "reduce-overhead"} if "ro" in tokens else {})
     compile_denoiser(unet, mode, blocks, **kwargs)
+    # train.compile_cache_uri: the cold row stores its compiled code, its +warm row loads it.
+    from raylora.train.compile import CompileCache
+
+    stored = None
+    if mode != "none" and args.artifacts:
+        cold = "+".join(sorted(tokens - {"warm"}))
+        stored = CompileCache(LocalFiles(), os.path.join(args.artifacts, f"{model}-{b}-{cold}.bin"))
     if "ro" in tokens:  # CUDA graph trees: each step is a new generation of outputs
         inner = step
 
@@ -397,10 +420,15 @@ def run_case(args) -> None:
     emit(event="built", flops=flops)
 
     t0 = time.perf_counter()
+    # A warm row's compile seconds include reading and unpacking the stored code.
+    if "warm" in tokens and not (stored is not None and stored.load()):
+        raise RuntimeError("+warm: nothing stored by the row without it (list that one first)")
     step(batch)
     sync(device)
     first = time.perf_counter() - t0
     emit(event="first", **{"first step s": first})
+    if stored is not None and "warm" not in tokens:
+        stored.save()
     for _ in range(args.warmup - 1):
         step(batch)
     sync(device)
@@ -458,6 +486,8 @@ def run_row(args, model: str, b: int, variant: str, flops: int | None, deadline:
         cmd += ["--profile", str(args.profile)]
     if flops:
         cmd += ["--flops", str(flops)]
+    if args.artifacts:
+        cmd += ["--artifacts", args.artifacts]
     cache = tempfile.mkdtemp(prefix="inductor-")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if not args.shared_compile_cache:
@@ -578,6 +608,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="toy widths, batch 2, 2 steps, CPU ok")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # model:batch:variant, in a child process
     ap.add_argument("--flops", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--artifacts", help=argparse.SUPPRESS)  # the grid's compile-cache folder
     args = ap.parse_args()
     if args.smoke and "--steps" not in sys.argv:
         args.steps, args.warmup = 2, 1
@@ -609,6 +640,7 @@ def main() -> None:
         if set(v.split("+")) - TOKENS:
             raise SystemExit(f"--variants: unknown tokens in {v!r}: {sorted(set(v.split('+')) - TOKENS)}")
     deadline = time.monotonic() + (args.time_limit or 1e9)
+    args.artifacts = tempfile.mkdtemp(prefix="compile-artifacts-")  # cold rows store, +warm load
 
     rows = []
     for model in models:

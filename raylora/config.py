@@ -610,6 +610,16 @@ class TrainSection(_Section):
         "auto: regional with scaling.use_gpu, none on CPU. Compiled in place, so checkpoint "
         "keys do not change; on CPU it needs a C++ compiler.",
     )
+    compile_cache_uri: str | None = Field(
+        None,
+        description="Where the compiled code is kept between runs (any storage URI, e.g. "
+        "s3://bucket/compile-cache): torch.compile's portable caches (inductor and AOTAutograd "
+        "graphs, Triton kernels, autotuning results), one object per torch version, device, "
+        "model, LoRA, batch shape and compile mode. A run on a fresh machine (a restarted "
+        "worker, a new pod, a resubmitted job, later Tune trials) loads them instead of "
+        "compiling cold; rank 0 writes them at the first loss read-back and at checkpoints. The "
+        "objects are code the workers run: use storage only your jobs write. Default: off.",
+    )
     sdpa_backend: Literal["auto", "default", "flash", "cudnn", "efficient", "math"] = Field(
         "default",
         description="The scaled-dot-product-attention kernel of the denoiser's attention "
@@ -994,6 +1004,9 @@ def _cross_checks(cfg: RayLoraConfig) -> list[str]:
     d = cfg.data
     problems += _data_checks(d)
     problems += _bucket_checks(d, cfg.scaling.max_workers, cfg.train.compile)
+    if cfg.train.compile_cache_uri and cfg.train.compile == "none":
+        problems.append("train.compile_cache_uri: set, but train.compile is none (nothing is "
+                        "compiled to keep); drop one of them")
     problems += _prior_checks(d)
     problems += _elastic_checks(cfg)
     if d.validation_split and d.validation_uri is not None:

@@ -125,6 +125,8 @@ def resolve_paths(cfg: RayLoraConfig) -> RayLoraConfig:
     if d.class_generation.uri is not None:
         d.class_generation.uri = storage.normalize(d.class_generation.uri)
     cfg.output.uri = storage.normalize(cfg.output.uri)
+    if cfg.train.compile_cache_uri:
+        cfg.train.compile_cache_uri = storage.normalize(cfg.train.compile_cache_uri)
     return cfg
 
 
@@ -148,6 +150,11 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
             problems.append(str(exc) if str(exc).startswith("model.") else f"model.pretrained: {exc}")
     native = scheduler_objective_kind(scheduler) if scheduler else None
     problems += family_problems(cfg, family, factor * family.patch, native)
+    if cfg.train.compile_cache_uri:  # read by the workers only: checked here, up front
+        try:
+            storage.check_scheme(cfg.train.compile_cache_uri)
+        except ValueError as exc:
+            problems.append(f"train.compile_cache_uri: {exc}")
     objective = cfg.train.prediction_type or native
 
     data = None

@@ -85,18 +85,24 @@ def fs_path(uri: str) -> str:
     return (parsed.netloc + parsed.path).rstrip("/")
 
 
+def check_scheme(uri: str) -> None:
+    """Raise ValueError naming ``uri`` when no filesystem here reads its scheme (without
+    reaching the storage)."""
+    scheme = "" if is_local(uri) else urlparse(uri).scheme
+    if scheme not in ("", "s3", "s3a", "gs", "gcs"):
+        raise ValueError(f"{uri}: unsupported URI scheme {scheme!r} (use s3://, gs:// or a path)")
+
+
 def filesystem(
     uri: str, endpoint_url: str | None = None, region: str | None = None
 ) -> tuple[pafs.FileSystem, str]:
     """(filesystem, path inside it) for a URI. ``path`` has no scheme (``bucket/key``)."""
+    check_scheme(uri)
     if is_local(uri):
         return pafs.LocalFileSystem(), local_path(uri)
-    scheme = urlparse(uri).scheme
-    if scheme in ("s3", "s3a"):
+    if urlparse(uri).scheme in ("s3", "s3a"):
         return _s3(endpoint_url, region), fs_path(uri)
-    if scheme in ("gs", "gcs"):
-        return pafs.GcsFileSystem(), fs_path(uri)
-    raise ValueError(f"{uri}: unsupported URI scheme {scheme!r} (use s3://, gs:// or a path)")
+    return pafs.GcsFileSystem(), fs_path(uri)
 
 
 def to_uri(uri_like: str, path: str) -> str:

@@ -36,12 +36,15 @@ log = logging.getLogger("raylora.worker")
 
 
 def _setup_logging() -> None:
-    if not log.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("[raylora] %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False
+    from raylora.train.compile import log as compile_log  # the compile cache's loads and saves
+
+    for logger in (log, compile_log):
+        if not logger.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("[raylora] %(message)s"))
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+            logger.propagate = False
 
 
 def _finite_or_inf(x: float | None) -> float | None:
@@ -314,14 +317,26 @@ class _Reporter:
 
             self.board = board_handle(spec.progress_board)
         self.log_every = every_n_steps(cfg.train.log_every_n_steps, self.max_steps)
+        self._compiled_saved = False
 
     def close(self) -> None:
         self.tracker.close()
+
+    def save_compiled(self) -> None:
+        """Rank 0 keeps what it compiled (train.compile_cache_uri) once it has something
+        new: at the first loss read-back (the training graphs; step 1 on CPU, 10 on GPU:
+        train.readback_every_n_steps) and at checkpoints (the held-out evaluation's and
+        previews' no-grad variants), before a preemption can take it."""
+        if self.rank == 0 and self.run.compile_cache is not None:
+            self.run.compile_cache.save()
 
     def on_step(self, row: dict) -> None:
         from raylora.data.badrecords import BadDataError, min_rows_to_judge, read_counter, verdict
 
         cfg, plan = self.spec.config, self.spec.plan
+        if not self._compiled_saved:
+            self._compiled_saved = True
+            self.save_compiled()
         if self.rank == 0 and plan.bad_records:
             # Rows were read (by the preprocess tasks) for this step: judge the totals now,
             # not after hours of training on a fraction of the data.
@@ -392,6 +407,7 @@ class _Reporter:
         if st.history and "eval_loss" in st.history[-1]:
             self._log_eval(st)
         self.tracker.sync()
+        self.save_compiled()
         d = tempfile.mkdtemp(prefix="raylora-ckpt-")
         sd = write_checkpoint(d, self.run, self.rank)
         if final:
@@ -591,6 +607,8 @@ def lr_find_per_worker(loop_config: dict) -> None:
                           diverge_factor=lf.diverge_factor)
     finally:
         epoch_batches.close()
+    if run.compile_cache is not None:
+        run.compile_cache.save()
     # Rows travel as a checkpoint file: a run's Result carries the metrics and files of
     # its latest checkpoint only.
     d = tempfile.mkdtemp(prefix="raylora-lrfind-")

@@ -175,3 +175,117 @@ def test_channels_last_changes_the_layout_not_the_step(base_config, batches, tmp
     assert plain.keys() == nhwc.keys()
     for k in plain:
         torch.testing.assert_close(nhwc[k], plain[k], rtol=1e-4, atol=1e-6)
+
+
+# ---------------------------------------------------------------- train.compile_cache_uri
+
+
+def _cache_tree(tiny_model, demo_data, tmp_path, **train) -> dict:
+    return {"model": {"pretrained": tiny_model},
+            "data": {"uri": demo_data, "resolution": 64, "center_crop": True,
+                     "random_flip": False},
+            "train": {"batch_size": 2, "max_steps": 2, "learning_rate": 1e-3,
+                      "compile": "regional", "compile_cache_uri": str(tmp_path / "cc"), **train},
+            "scaling": {"num_workers": 1, "cpus_per_worker": 1},
+            "checkpoint": {"every_n_steps": 2}, "output": {"uri": str(tmp_path / "out")}}
+
+
+def test_a_ray_run_stores_its_compiled_code_and_a_fresh_process_compiles_nothing(
+        ray_local, tiny_model, demo_data, tmp_path):
+    """A Ray Train run with train.compile_cache_uri writes one entry (rank 0, after its
+    first step). A new process with an empty local inductor cache, building the same run,
+    loads it: every inductor graph and AOTAutograd entry is found, none compiled; the
+    loaded code computes what eager computes; and it writes nothing back (nothing new)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    from raylora.launch import run
+
+    tree = _cache_tree(tiny_model, demo_data, tmp_path)
+    summary = run(validate(tree))
+    assert summary["metrics"]["steps"] == 2
+    entries = sorted((tmp_path / "cc").iterdir())
+    assert [e.suffix for e in entries] == [".bin"] and entries[0].stat().st_size > 10_000
+    mtime = entries[0].stat().st_mtime_ns
+
+    path = tmp_path / "child.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    fresh = tmp_path / "inductor"
+    # One thread, as Ray gives a worker of cpus_per_worker=1: CPU code is compiled per count.
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(fresh), TRITON_CACHE_DIR=str(fresh / "t"),
+               OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
+    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "compile_child.py"),
+                           str(path)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["loaded"] > 0 and out["saved"] == 0
+    ind, aot = out["inductor"], out["aot_autograd"]
+    # Two kinds of transformer block in the tiny UNet, forward and backward graphs each.
+    assert ind.get("fxgraph_cache_hit", 0) >= 4 and ind.get("fxgraph_cache_miss", 0) == 0, ind
+    assert aot.get("autograd_cache_hit", 0) >= 2 and aot.get("autograd_cache_miss", 0) == 0, aot
+    assert len(out["history"]) == 2 and all(0 < x < 10 for x in out["history"])
+    compiled, eager = out["losses"]
+    assert compiled == pytest.approx(eager, rel=1e-5)
+    assert entries[0].stat().st_mtime_ns == mtime
+
+
+def test_compile_cache_entry_names_what_shapes_the_graphs(tiny_model, demo_data, tmp_path):
+    """One entry per graph-relevant setting: a Tune trial that only changes the learning
+    rate, or a run of another checkpoint of the same architecture, shares the entry; a new
+    LoRA rank, batch size, resolution, dtype or compile mode does not."""
+    import shutil
+
+    from raylora.model.load import load_components
+    from raylora.train.compile import cache_key
+    from raylora.train.setup import compile_cache_inputs
+
+    base = _cache_tree(tiny_model, demo_data, tmp_path)
+    comps = load_components(validate(base).model, torch.float32)
+    # The same architecture saved elsewhere (another checkpoint of the model).
+    elsewhere = shutil.copytree(tiny_model, tmp_path / "copy")
+    moved = load_components(validate({**base, "model": {"pretrained": str(elsewhere)}}).model,
+                            torch.float32)
+
+    def key(comps=comps, **changes):
+        tree = copy.deepcopy(base)
+        for dotted, value in changes.items():
+            section, name = dotted.split("__")
+            tree.setdefault(section, {})[name] = value
+        cfg = validate(tree)
+        return cache_key(compile_cache_inputs(cfg, comps), "cpu")
+
+    same = {key(), key(train__learning_rate=3e-4), key(output__uri=str(tmp_path / "other")),
+            key(train__max_steps=9), key(train__compile_cache_uri="s3://b/cc"),
+            key(moved, model__pretrained=str(elsewhere))}
+    assert len(same) == 1
+    other = [key(lora__rank=8), key(train__batch_size=4), key(data__resolution=32),
+             key(train__mixed_precision="bf16"), key(train__compile="full"),
+             key(train__gradient_checkpointing=True)]
+    assert len(set(other) | same) == len(other) + 1
+
+
+def test_a_missing_or_unreadable_entry_means_a_cold_compile_a_bad_key_an_error(
+        tiny_model, demo_data, tmp_path):
+    """A missing or foreign entry costs a cold compile, never the run; a URI no worker could
+    read, or the key without compiling, is a config error before anything starts."""
+    from raylora.config import ConfigError
+    from raylora.launch import plan, resolve_paths
+    from raylora.storage import Storage
+    from raylora.train.compile import CompileCache
+
+    assert CompileCache(Storage(), str(tmp_path / "none.bin")).load() == 0
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(b"not torch's format")
+    cache = CompileCache(Storage(), str(junk))
+    assert cache.load() == 0 and cache.loaded == 0
+    with pytest.raises(ConfigError, match="train.compile_cache_uri: ftp://host/cc: unsupported URI scheme"):
+        plan(resolve_paths(validate(_cache_tree(tiny_model, demo_data, tmp_path,
+                                                compile_cache_uri="ftp://host/cc"))))
+    with pytest.raises(ConfigError, match="train.compile_cache_uri: set, but train.compile is none"):
+        validate({"model": {"pretrained": "x"}, "data": {"uri": "d"}, "output": {"uri": "o"},
+                  "train": {"compile": "none", "compile_cache_uri": "s3://b/cc"}})

@@ -27,7 +27,8 @@ from raylora.model.load import load_components
 from raylora.model.lora import add_lora, add_text_encoder_lora, load_lora_state_dict, lora_state_dict
 from raylora.model.lora import save_adapter
 from raylora.train.ema import LoraEMA
-from raylora.train.compile import compile_denoiser
+from raylora.train.compile import CompileCache, cache_key, compile_denoiser
+from raylora.train.compile import log as compile_log
 from raylora.train.objective import (
     DDPM,
     FlowMatching,
@@ -60,6 +61,8 @@ class TrainingRun:
     # text encoders that train LoRA, by pipeline component name
     trained_text_encoders: dict[str, torch.nn.Module] = field(default_factory=dict)
     sharded: bool = False  # scaling.strategy=fsdp: model and optimizer state are shards
+    # train.compile_cache_uri: the compiled code loaded at build; the worker saves it.
+    compile_cache: CompileCache | None = None
 
     @property
     def family(self) -> type[Family]:
@@ -220,6 +223,7 @@ def build_run(
         # 4-D tensors only (conv weights): Linear weights and LoRA factors keep their layout.
         comps.denoiser.to(memory_format=torch.channels_last)
     compile_denoiser(comps.denoiser, cfg.compile_mode, comps.family.repeated_blocks)
+    compile_cache = open_compile_cache(cfg, comps, accelerator.device, rank)
     parts = frozen_parts(cfg, comps, accelerator.device, weight_dtype, te_params)
     if restored is not None:
         load_lora_state_dict(comps.denoiser, restored.lora_sd, trained_te)
@@ -240,7 +244,51 @@ def build_run(
     for te in trained_te.values():
         te.train()  # LoRA dropout on, as for the denoiser
     return TrainingRun(accelerator, model, parts, optimizer, lr_scheduler, params + te_params,
-                       state, ema, trained_te, sharded=fsdp)
+                       state, ema, trained_te, sharded=fsdp, compile_cache=compile_cache)
+
+
+def compile_cache_inputs(cfg: RayLoraConfig, comps) -> dict:
+    """What the compiled denoiser's graphs depend on, besides torch and the device (its
+    ``cache_key``): the architecture (not the weights: they are graph inputs, so a
+    fine-tuned checkpoint of the same architecture shares the entry), LoRA, what shapes a
+    micro-batch, precision (the weights' dtype follows it) and the switches that change
+    the code. Not the learning rate or
+    anything else a Tune search varies that leaves the graphs as they are."""
+    t, d = cfg.train, cfg.data
+    return {
+        "compile": cfg.compile_mode,
+        "blocks": list(comps.family.repeated_blocks),
+        "family": comps.family.name,
+        # Not diffusers' "_name_or_path" (where it was loaded from) or "_diffusers_version"
+        # (what saved it): the class and its config values make the architecture.
+        "denoiser": [type(comps.denoiser).__name__,
+                     {k: v for k, v in comps.denoiser.config.items() if not k.startswith("_")}],
+        "model": cfg.model.model_dump(mode="json", exclude={"pretrained", "revision", "variant"}),
+        "lora": cfg.lora.model_dump(mode="json"),
+        "mixed_precision": t.mixed_precision,
+        # Prior preservation appends the class rows to every micro-batch.
+        "batch": [t.batch_size, d.max_resolution(), d.prior_preservation, d.masked_loss,
+                  d.cache == "latents"],
+        "switches": [t.gradient_checkpointing, t.channels_last, t.sdpa_backend],
+    }
+
+
+def open_compile_cache(cfg: RayLoraConfig, comps, device, rank: int) -> CompileCache | None:
+    """``train.compile_cache_uri``: this run's entry, loaded into the local caches before
+    the first compiled call (every rank compiles the same graphs, so every rank loads)."""
+    root = cfg.train.compile_cache_uri
+    if not root or cfg.compile_mode == "none":
+        return None
+    from raylora import storage
+
+    key = cache_key(compile_cache_inputs(cfg, comps), device)
+    cache = CompileCache(cfg.storage.client(), storage.join(root, f"{key}.bin"))
+    n = cache.load()
+    if rank == 0:
+        compile_log.info(
+            "compile cache: %s", f"{n} artifacts loaded from {cache.uri}" if n
+            else f"nothing usable at {cache.uri} yet: compiling cold, then saving there")
+    return cache
 
 
 def shard_denoiser_of(cfg: RayLoraConfig, comps, accelerator, weight_dtype) -> list:

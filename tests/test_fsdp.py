@@ -8,12 +8,12 @@ runs are in test_fsdp_ray.py."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from ranks import free_port, spawn
 
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 STEPS = 3
@@ -143,17 +143,11 @@ def _one_rank(rank: int, world: int, port: int, out: str):
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory):
     """One 2-process run: DDP training, FSDP training, FSDP sharded checkpoint."""
     out = str(tmp_path_factory.mktemp("fsdp"))
-    mp.spawn(_two_ranks, args=(2, _free_port(), out), nprocs=2, join=True)
+    spawn(_two_ranks, 2, 2, free_port(), out)
     return out, torch.load(os.path.join(out, "two.pt"))
 
 
@@ -180,7 +174,7 @@ def test_fsdp_holds_about_half_the_parameters_per_rank(two_rank_run):
 
 def test_sharded_checkpoint_from_two_ranks_resumes_on_one(two_rank_run):
     out, r = two_rank_run
-    mp.spawn(_one_rank, args=(1, _free_port(), out), nprocs=1, join=True)
+    spawn(_one_rank, 1, 1, free_port(), out)
     one = torch.load(os.path.join(out, "one.pt"))
     assert set(one["lora"]) == set(r["fsdp"])
     for k, v in r["fsdp"].items():
@@ -261,7 +255,7 @@ def test_every_family_loads_shard_by_shard_to_the_loaded_model(tiny, tmp_path):
     """The FSDP loading path (no rank holds the whole base) gives every tensor of the
     loaded model, LoRA's initial weights included (peft drew them from the same seed)."""
     paths = {f: tiny(f) for f in FAMILIES}
-    mp.spawn(_hollow_ranks, args=(2, _free_port(), str(tmp_path), paths), nprocs=2, join=True)
+    spawn(_hollow_ranks, 2, 2, free_port(), str(tmp_path), paths)
     r = torch.load(os.path.join(tmp_path, "hollow.pt"))
     assert set(r) == set(FAMILIES)
     for family, x in r.items():

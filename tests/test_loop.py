@@ -357,10 +357,8 @@ def test_every_rank_takes_a_notice_at_the_same_check(tmp_path):
     StopWatch's (one step late) MAX all-reduce, so each checkpoints at the same step."""
     import json
 
-    import torch.multiprocessing as mp
+    from ranks import free_port, spawn
 
-    from test_fsdp import _free_port
-
-    mp.spawn(_two_rank_notices, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(_two_rank_notices, 2, 2, free_port(), str(tmp_path))
     got = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
     assert got[0] == got[1] == [False, False, False, True, False, False]

@@ -173,8 +173,15 @@ def test_channels_last_changes_the_layout_not_the_step(base_config, batches, tmp
         [r["loss"] for r in runs[False].state.history], rel=1e-5)
     plain, nhwc = (lora_state_dict(runs[k].model) for k in (False, True))
     assert plain.keys() == nhwc.keys()
+    # NHWC convolutions sum in another order, so gradients differ by rounding; AdamW's
+    # m/sqrt(v) turns that into a relative difference wherever a gradient is near zero.
+    # So the weights are compared in units of the step (lr), not of their own size: 1% of
+    # one step. (A CI run saw 3.7e-6 on one element of 256 after 4 steps.) lora_B starts
+    # at zero, so its size is what training moved it.
+    atol = base_config["train"]["learning_rate"] / 100
+    assert max(float(v.abs().max()) for k, v in plain.items() if "lora_B" in k) > 100 * atol
     for k in plain:
-        torch.testing.assert_close(nhwc[k], plain[k], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(nhwc[k], plain[k], rtol=1e-4, atol=atol)
 
 
 # ---------------------------------------------------------------- train.compile_cache_uri

@@ -3,16 +3,9 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 
 import torch.multiprocessing as mp
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run_then_exit(rank: int, fn, args: tuple) -> None:

@@ -230,10 +230,10 @@ def _run_tree(tiny_model, demo_data, out) -> dict:
 def cluster(monkeypatch):
     """A head with room for one worker; the test adds or removes a second node. Its own
     dashboard (raylora.launch.start_local_ray says why); always shut down."""
-    import socket
-
     import ray
     from ray.cluster_utils import Cluster
+
+    from localhead import free_port
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     # A worker lost with its node is seen at once (its peers' collectives fail), the node's
@@ -243,12 +243,9 @@ def cluster(monkeypatch):
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "10")
     # Ray Train's PreemptionWatcher looks for drained nodes this often (default: 5 s).
     monkeypatch.setenv("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     c = Cluster(initialize_head=True, head_node_args={
         "num_cpus": NODE_CPUS, "include_dashboard": True, "dashboard_host": "127.0.0.1",
-        "dashboard_port": port, "object_store_memory": 200 * 1024 * 1024,
+        "dashboard_port": free_port(), "object_store_memory": 200 * 1024 * 1024,
         # A removed node is known dead within ~3 s (default: 15 s).
         "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}})
     try:

@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ranks import free_port, spawn
+from localhead import free_port
+from ranks import spawn
 
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 STEPS = 3

@@ -357,7 +357,8 @@ def test_every_rank_takes_a_notice_at_the_same_check(tmp_path):
     StopWatch's (one step late) MAX all-reduce, so each checkpoints at the same step."""
     import json
 
-    from ranks import free_port, spawn
+    from localhead import free_port
+    from ranks import spawn
 
     spawn(_two_rank_notices, 2, 2, free_port(), str(tmp_path))
     got = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]

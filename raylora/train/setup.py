@@ -252,8 +252,8 @@ def compile_cache_inputs(cfg: RayLoraConfig, comps) -> dict:
     ``cache_key``): the architecture (not the weights: they are graph inputs, so a
     fine-tuned checkpoint of the same architecture shares the entry), LoRA, what shapes a
     micro-batch, precision (the weights' dtype follows it) and the switches that change
-    the code. Not the learning rate or
-    anything else a Tune search varies that leaves the graphs as they are."""
+    the code. Not the learning rate or anything else a Tune search varies that leaves the
+    graphs as they are."""
     t, d = cfg.train, cfg.data
     return {
         "compile": cfg.compile_mode,

@@ -338,6 +338,11 @@ def main(argv: list[str] | None = None) -> int:
         if not hasattr(args, "overrides") or any(r.startswith("-") or "=" not in r for r in rest):
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         args.overrides = list(args.overrides) + rest
+    # This process's signals are handled while it waits in `ray.get` (a run's fit() sits
+    # in one), but Ray checks for them there only every this many ms (1000 by default):
+    # a SIGTERM then reached the stop handler up to a second late, and fast steps trained
+    # on meanwhile. Set before Ray reads its config (ray.init); a user's value wins.
+    os.environ.setdefault("RAY_get_check_signal_interval_milliseconds", "100")
     if getattr(args, "verbose", False):
         os.environ[quiet.VERBOSE_ENV] = "1"  # Ray workers inherit it (launch.job_runtime_env)
     quiet.apply()  # before the model libraries are imported: they read env vars then

@@ -14,7 +14,9 @@ from safetensors.torch import load_file
 from killer import kill_a_worker_after, written_step
 from raylora.config import validate
 
-MAX_STEPS = 14  # 12 micro-batches per epoch: the runs cross an epoch boundary
+# 12 micro-batches per epoch: the runs cross an epoch boundary. The steps take ~0.1 s here:
+# those after the step-4 checkpoint are the time a stop has to land before the run ends.
+MAX_STEPS = 20
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +73,7 @@ def test_a_killed_worker_is_restarted_from_its_checkpoint_and_finishes_the_same_
     with kill_a_worker_after(root / "killed" / "train", 4) as killed:
         summary = run(validate(tree("killed")))
     assert killed, "the worker was never killed"
-    assert summary["metrics"]["resumed_from_step"] in (4, 8, 12)
+    assert summary["metrics"]["resumed_from_step"] in range(4, MAX_STEPS, 4)
     assert_same_run(root, "killed")
 
 
@@ -146,7 +148,8 @@ def test_sigterm_then_rerun_from_s3_equals_straight_and_leaks_no_secret(
                             env=env, cwd=tmp_path)
     deadline = time.monotonic() + 300
     # SIGTERM once the step-4 checkpoint is being written: the driver asks for a clean stop,
-    # which lands a step or so later (the steps are fast; registration can lag them).
+    # which lands within ~0.3 s (rank 0 asks every 0.25 s), a few of these fast steps later.
+    # It used to come up to 1 s later still (Ray's signal check in ray.get; raylora.cli).
     while not s3.list_objects_v2(Bucket=bucket, Prefix="run/train/checkpoint_").get("KeyCount") \
             and proc.poll() is None:
         assert time.monotonic() < deadline

@@ -15,12 +15,33 @@ groups() {
   { cat "$STATE/pgids" 2>/dev/null; pgrep -f -- "$STATE/tmp" | xargs -r ps -o pgid= -p; } \
     | tr -d ' ' | sort -u | grep -vx -- "$own" | grep -vx 1 || true
 }
-alive() { for g in $(groups); do pgrep -g "$g" >/dev/null && return 0; done; return 1; }
+# This cluster's processes that still run: "pgid pid stat args". A zombie (exited, not yet
+# reaped by init, which on some machines takes seconds) is not one.
+running() {
+  local gs
+  gs=" $(groups | tr '\n' ' ') "
+  [ -n "${gs// /}" ] || return 0
+  ps -e -o pgid=,pid=,stat=,args= | awk -v gs="$gs" '$3 !~ /^Z/ && index(gs, " " $1 " ")'
+}
+alive() { [ -n "$(running)" ]; }
 for g in $(groups); do kill -TERM -- "-$g" 2>/dev/null || true; done
 for _ in $(seq 1 40); do
   alive || break
   sleep 0.25
 done
-for g in $(groups); do kill -KILL -- "-$g" 2>/dev/null || true; done
+# What is left after 10 s is killed. Ray 2.60's GCS, stopped together with its raylets, can
+# hang in its own shutdown ("flushing remaining events", seen for over 20 s). Then wait: a
+# killed process is gone only once it has exited, and "stopped" must mean that nothing of
+# this cluster runs any more (a next local-up.sh reuses its ports; a test checks for it).
+for _ in $(seq 1 40); do
+  alive || break
+  for g in $(groups); do kill -KILL -- "-$g" 2>/dev/null || true; done
+  sleep 0.25
+done
+if alive; then
+  echo "local-down.sh: still running 10 s after SIGKILL:" >&2
+  running | cut -c1-200 >&2
+  exit 1
+fi
 rm -f "$STATE/address" "$STATE/dashboard" "$STATE/env" "$STATE/auth_token" "$STATE/pgids"
 echo "ray cluster in $STATE stopped"

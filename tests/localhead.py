@@ -22,9 +22,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ray_pids(state: str) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "--", state], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
+def ray_processes(state: str) -> list[str]:
+    """"pid command line" of every process naming ``state`` (a zombie names nothing)."""
+    out = subprocess.run(["pgrep", "-af", "--", state], capture_output=True, text=True).stdout
+    return [line[:200] for line in out.splitlines()]
 
 
 @contextlib.contextmanager
@@ -52,7 +53,7 @@ def local_head(extra: list[str]):
     finally:
         down = subprocess.run([os.path.join(REPO, "cluster", "local-down.sh")],
                               capture_output=True, text=True, env=env, timeout=120)
-        left = ray_pids(state)
+        left = ray_processes(state)
         shutil.rmtree(state, ignore_errors=True)
         assert down.returncode == 0, down.stderr
         assert left == [], f"Ray processes left behind: {left}"

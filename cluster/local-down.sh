@@ -24,7 +24,8 @@ running() {
   ps -e -o pgid=,pid=,stat=,args= | awk -v gs="$gs" '$3 !~ /^Z/ && index(gs, " " $1 " ")'
 }
 alive() { [ -n "$(running)" ]; }
-for g in $(groups); do kill -TERM -- "-$g" 2>/dev/null || true; done
+signal_all() { for g in $(groups); do kill "-$1" -- "-$g" 2>/dev/null || true; done; }
+signal_all TERM
 for _ in $(seq 1 40); do
   alive || break
   sleep 0.25
@@ -35,7 +36,7 @@ done
 # this cluster runs any more (a next local-up.sh reuses its ports; a test checks for it).
 for _ in $(seq 1 40); do
   alive || break
-  for g in $(groups); do kill -KILL -- "-$g" 2>/dev/null || true; done
+  signal_all KILL
   sleep 0.25
 done
 if alive; then

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from killer import kill_a_worker_after, written_step
+from localhead import ray_processes
 from raylora.config import validate
 
 # 12 micro-batches per epoch: the runs cross an epoch boundary. The steps take ~0.1 s here:
@@ -160,8 +161,8 @@ def test_sigterm_then_rerun_from_s3_equals_straight_and_leaks_no_secret(
     assert proc.returncode == 130, out[-3000:]
     assert "run the same command again to resume" in out
     time.sleep(2)
-    left = subprocess.run(["pgrep", "-f", ray_tmp], capture_output=True, text=True).stdout.split()
-    assert left == [], "Ray processes of the interrupted run are still running"
+    left = ray_processes(ray_tmp)
+    assert left == [], f"Ray processes of the interrupted run are still running: {left}"
 
     again = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     logs = [out, again.stdout + again.stderr]

@@ -343,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
     # a SIGTERM then reached the stop handler up to a second late, and fast steps trained
     # on meanwhile. Set before Ray reads its config (ray.init); a user's value wins.
     os.environ.setdefault("RAY_get_check_signal_interval_milliseconds", "100")
+    # A job sent by `raylora submit`: its credentials, before anything reads storage.
+    from raylora import jobs
+
+    jobs.load_job_secrets()
     if getattr(args, "verbose", False):
         os.environ[quiet.VERBOSE_ENV] = "1"  # Ray workers inherit it (launch.job_runtime_env)
     quiet.apply()  # before the model libraries are imported: they read env vars then

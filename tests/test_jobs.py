@@ -5,9 +5,11 @@ resumes from it and finishes the run."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import time
+import uuid
 
 import pytest
 
@@ -37,19 +39,31 @@ def _wait(predicate, timeout: float, what: str):
 
 
 def test_submit_status_stop_then_resubmit_resumes_and_finishes(
-    head, tiny_model, demo_data, tmp_path, capsys, monkeypatch
+    head, tiny_model, demo_data, moto_endpoint, tmp_path, capsys, monkeypatch
 ):
+    import boto3
+
     from raylora import jobs
 
     monkeypatch.setenv("RAY_ADDRESS", head["dashboard"])
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", head["token"])
-    # A credential the job must get as env, never in its command line.
-    secret = "rAyLoRa/SubmitSecret+0023"
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIARAYLORASUBMIT023")
+    # The head has no credentials of its own; the jobs read their data from S3 with the
+    # submitter's, which must reach the driver and workers and no log, file or dashboard.
+    assert not any(k.startswith("AWS_") for k in head["env"] if k != "AWS_CA_BUNDLE")
+    # Made here, not written in this file: the job's working dir ships this file.
+    secret = "rAyLoRa/Submit+" + uuid.uuid4().hex
+    aws = {"AWS_ENDPOINT_URL": moto_endpoint, "AWS_ACCESS_KEY_ID": "AKIARAYLORASUBMIT023",
+           "AWS_SECRET_ACCESS_KEY": secret, "AWS_REGION": "us-east-1"}
+    for k, v in aws.items():
+        monkeypatch.setenv(k, v)
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
+    s3.create_bucket(Bucket="raylora-submit")
+    for f in sorted(os.listdir(demo_data)):
+        if f.endswith(".parquet"):
+            s3.upload_file(os.path.join(demo_data, f), "raylora-submit", f"data/{f}")
     out = tmp_path / "out"
-    overrides = [f"model.pretrained={tiny_model}", f"data.uri={demo_data}", f"output.uri={out}",
+    overrides = [f"model.pretrained={tiny_model}", "data.uri=s3://raylora-submit/data", f"output.uri={out}",
                  f"train.max_steps={MAX_STEPS}", "train.batch_size=2", "train.lr_warmup_steps=0",
                  "train.log_every_n_steps=1", "checkpoint.every_n_steps=100"]
     config = os.path.join(REPO, "jobs", "configs", "tiny-local.yaml")
@@ -61,7 +75,10 @@ def test_submit_status_stop_then_resubmit_resumes_and_finishes(
     assert main(["submit", config, *overrides, "--working-dir", REPO, "--job-id", "rl-stop"]) == 0
     assert capsys.readouterr().out.strip() == "rl-stop"
     info = jobs.client(None).get_job_info("rl-stop")
-    assert secret not in info.entrypoint
+    assert secret not in info.entrypoint and secret not in json.dumps(info.runtime_env)
+    assert info.runtime_env["env_vars"]["AWS_ENDPOINT_URL"] == moto_endpoint  # not a secret
+    assert info.runtime_env["env_vars"][jobs.SECRETS_ENV] == "1"
+    assert [m.startswith("gcs://_ray_pkg_") for m in info.runtime_env["py_modules"]] == [True]
     assert info.entrypoint.startswith("python -m raylora train jobs/configs/tiny-local.yaml")
 
     # Running, with the run's own progress line once it has taken a few steps.
@@ -98,3 +115,53 @@ def test_submit_status_stop_then_resubmit_resumes_and_finishes(
     assert ["rl-stop", "STOPPED", "tiny-local.yaml"] in rows
     assert ["rl-resume", "SUCCEEDED", "tiny-local.yaml"] in rows
     assert all(r[0] in ("rl-stop", "rl-resume") for r in rows)  # local-up's probe jobs: not ours
+
+    # Both drivers read and deleted their credentials file: no file of the cluster (logs,
+    # unpacked runtime_env packages) holds the secret.
+    for root, _, files in os.walk(head["state"]):
+        for f in files:
+            path = os.path.join(root, f)
+            if os.path.isfile(path) and not os.path.islink(path):
+                with open(path, "rb") as fh:
+                    assert secret.encode() not in fh.read(), path
+    # Nor does any worker get their package: the driver drops it from the job config its
+    # ray.init passes on. The runtime-env agent logs each runtime_env it sets up; the
+    # workers' are those with raylora's setup hook, the driver's own has the package.
+    pkgs = [jobs.client(None).get_job_info(j).runtime_env["py_modules"][0] for j in ("rl-stop", "rl-resume")]
+    pkgs = [p.removeprefix("gcs://").removesuffix(".zip") for p in pkgs]
+    (agent_log,) = {os.path.realpath(p) for p in glob.glob(  # session_latest links the one session
+        os.path.join(head["state"], "**", "runtime_env_agent.log"), recursive=True)}
+    lines = open(agent_log).read().splitlines()
+    workers = [line for line in lines if "worker_process_setup_hook" in line]
+    assert workers and not [line for line in workers if any(p in line for p in pkgs)]
+    assert all(any(p in line for line in lines) for p in pkgs)  # the drivers' envs name them
+
+
+def test_job_secrets_reach_the_driver_once_and_no_worker(tmp_path, monkeypatch):
+    """The driver's side of the credentials package, as Ray lays it out for a submitted
+    job's driver: the package's folder on sys.path, its URI in the job config's py_modules
+    beside the user's own."""
+    from raylora import jobs
+
+    unpacked = tmp_path / "_ray_pkg_0123abcd"
+    unpacked.mkdir()
+    pkg = jobs._secrets_package({"AWS_SECRET_ACCESS_KEY": "s3cr3t-0024"}, str(unpacked))
+    assert oct(os.stat(os.path.join(pkg, jobs.SECRETS_FILE)).st_mode & 0o777) == "0o600"
+    other = "gcs://_ray_pkg_feedbeef.zip"
+    config = {"runtime_env": {"py_modules": [other, "gcs://_ray_pkg_0123abcd.zip"],
+                              "env_vars": {jobs.SECRETS_ENV: "1"}}, "metadata": {}}
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps(config))
+    monkeypatch.setenv(jobs.SECRETS_ENV, "1")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY", raising=False)
+    monkeypatch.syspath_prepend(str(unpacked))
+
+    jobs.load_job_secrets()
+    assert os.environ["AWS_SECRET_ACCESS_KEY"] == "s3cr3t-0024"
+    assert not os.path.exists(os.path.join(pkg, jobs.SECRETS_FILE))
+    seen = json.loads(os.environ["RAY_JOB_CONFIG_JSON_ENV_VAR"])
+    assert seen["runtime_env"]["py_modules"] == [other]  # the user's package stays
+    assert seen["runtime_env"]["env_vars"] == {jobs.SECRETS_ENV: "1"}
+    # A second read (the file is gone) is an error that names the package, not a run
+    # that fails later on storage without credentials.
+    with pytest.raises(SystemExit, match=jobs.SECRETS_PACKAGE):
+        jobs.load_job_secrets()

@@ -14,8 +14,10 @@ install: $(STAMP)
 # multi-GB CUDA build while resolving the rest. With a GPU (nvidia-smi present), pip
 # resolves torch from the project's dependency as usual (see README "GPU install").
 CPU_CONSTRAINTS := $(VENV)/cpu-constraints.txt
+# The versions CI last passed with (see its header); `make install LOCK=` resolves afresh.
+LOCK ?= .ci/constraints.txt
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	if command -v nvidia-smi >/dev/null 2>&1; then \
@@ -23,7 +25,7 @@ $(STAMP): pyproject.toml
 	else \
 		echo "torch==2.13.0" > $(CPU_CONSTRAINTS); \
 		$(PY) -m pip install -q torch==2.13.0 && \
-		$(PY) -m pip install -q -c $(CPU_CONSTRAINTS) -e '.[dev]'; \
+		$(PY) -m pip install -q -c $(CPU_CONSTRAINTS) $(if $(LOCK),-c $(LOCK)) -e '.[dev]'; \
 	fi
 	touch $(STAMP)
 

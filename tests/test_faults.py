@@ -104,9 +104,20 @@ def test_a_sigtermed_worker_checkpoints_at_its_step_and_the_run_resumes_the_same
     assert_same_run(root, "sigtermed")
 
 
+@pytest.fixture
+def ray_tmp():
+    """The subprocess's own Ray temp dir: short (Ray's socket paths), removed afterwards."""
+    import shutil
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="rl-", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.mark.integration
 def test_sigterm_then_rerun_from_s3_equals_straight_and_leaks_no_secret(
-    setup, tiny_model, moto_endpoint, tmp_path
+    setup, tiny_model, moto_endpoint, ray_tmp, tmp_path
 ):
     """Stopped and resumed = straight, with everything in object storage. `raylora train`
     (a fresh process, embedded Ray) with the model, the data and the output in S3 gets
@@ -118,7 +129,6 @@ def test_sigterm_then_rerun_from_s3_equals_straight_and_leaks_no_secret(
     import glob
     import subprocess
     import sys
-    import tempfile
 
     import boto3
     import yaml
@@ -139,7 +149,6 @@ def test_sigterm_then_rerun_from_s3_equals_straight_and_leaks_no_secret(
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(job_tree))
 
-    ray_tmp = tempfile.mkdtemp(prefix="rl-", dir="/tmp")  # short: Ray's socket paths
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("AWS_")}
     env.update(RAY_TMPDIR=ray_tmp, RAYLORA_CACHE=str(tmp_path / "cache"),
                AWS_ENDPOINT_URL=moto_endpoint, AWS_ACCESS_KEY_ID=key_id,

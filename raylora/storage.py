@@ -13,6 +13,7 @@ the endpoint and region, so pickling one into a Ray task or checkpoint leaks no 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import shutil
@@ -218,9 +219,14 @@ class Storage:
         staging prefix, the old copy at ``dest_uri`` is removed, the files are copied into
         place with the weights last, and ``manifest.json`` (names, sizes) is written after
         everything else: readers treat the adapter as complete only once the manifest exists.
+        What an earlier publish to ``dest_uri`` left when it was killed midway (its
+        temporary or staging copy, or the previous copy it had moved aside) is removed
+        first: this one supersedes them, and on an object store each is a whole adapter.
         """
         dest_uri = normalize(dest_uri)
+        name = os.path.basename(dest_uri)
         if is_local(dest_uri):
+            self._remove_leftovers(dest_uri, (f".{name}.tmp-", f".{name}.old-"))
             dest = Path(local_path(dest_uri))
             dest.parent.mkdir(parents=True, exist_ok=True)
             tmp = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
@@ -237,6 +243,7 @@ class Storage:
         manifest = "manifest.json"
         # Weights last among the payload, manifest after all.
         ordered = sorted((n for n in names if n != manifest), key=lambda n: n.endswith(".safetensors"))
+        self._remove_leftovers(dest_uri, (f"{name}.staging-",))
         staging = f"{dest_uri}.staging-{uuid.uuid4().hex[:8]}"
         self.upload_dir(src_dir, staging)
         self.delete_dir(dest_uri)
@@ -245,6 +252,25 @@ class Storage:
             fs.copy_file(fs_path(join(staging, n)), fs_path(join(dest_uri, n)))
         self.delete_dir(staging)
         return dest_uri
+
+    def _remove_leftovers(self, dest_uri: str, prefixes: tuple[str, ...]) -> None:
+        """Delete the siblings of ``dest_uri`` named one of ``prefixes`` + 8 hex digits
+        (``publish_dir``'s temporary names). Tidying only: a storage error here is a
+        warning, and the publish goes on."""
+        fs, path = self.fs(dest_uri)
+        leftover = re.compile("(" + "|".join(map(re.escape, prefixes)) + ")[0-9a-f]{8}")
+        parent = path.rsplit("/", 1)[0]
+        try:
+            for info in fs.get_file_info(pafs.FileSelector(parent, allow_not_found=True)):
+                if leftover.fullmatch(info.base_name):
+                    if info.type == pafs.FileType.Directory:
+                        fs.delete_dir(info.path)
+                    else:
+                        fs.delete_file(info.path)
+        except OSError as exc:
+            logging.getLogger(__name__).warning(
+                "%s: could not remove an earlier publish's leftovers beside it: %s",
+                dest_uri, _short(exc))
 
 
 def _replace_file(path: str, data: bytes) -> None:

@@ -219,6 +219,24 @@ def test_training_reads_each_format_from_s3(s3, ray_s3, shards, tiny_model, fmt)
 
 
 
+def test_publish_replaces_the_adapter_and_removes_a_killed_publishs_staging_copy(s3, tmp_path):
+    from raylora.storage import Storage
+
+    src = tmp_path / "adapter"
+    src.mkdir()
+    (src / "w.safetensors").write_bytes(b"new weights")
+    (src / "manifest.json").write_text("{}")
+    for key in ("pub/adapter/w.safetensors", "pub/adapter/old.json",  # the previous adapter
+                "pub/adapter.staging-0123abcd/w.safetensors",  # a killed publish's staging
+                "pub/adapter.staging-keep/w.safetensors", "pub/adapter-v1/w.safetensors"):
+        s3.put_object(Bucket=BUCKET, Key=key, Body=b"old")
+    Storage().publish_dir(str(src), f"s3://{BUCKET}/pub/adapter")
+    assert sorted(k for k in keys(s3, "pub/") if not k.endswith("/")) == [
+        "pub/adapter-v1/w.safetensors", "pub/adapter.staging-keep/w.safetensors",
+        "pub/adapter/manifest.json", "pub/adapter/w.safetensors"]
+    assert s3.get_object(Bucket=BUCKET, Key="pub/adapter/w.safetensors")["Body"].read() == b"new weights"
+
+
 def test_endpoint_from_config_without_env(s3, shards, monkeypatch):
     """storage.endpoint_url alone (no AWS_ENDPOINT_URL) reaches an S3-compatible store."""
     from raylora.config import StorageSection

@@ -36,9 +36,16 @@ def test_publish_dir_replaces_atomically_and_leaves_no_temporaries(tmp_path):
     dest = tmp_path / "out" / "adapter"
     st.publish_dir(str(src1), str(dest))
     assert (dest / "w.safetensors").read_text() == "one"
+    # What publishes killed midway leave (a temporary copy; the old copy moved aside just
+    # before the swap) goes with the next publish; other siblings stay.
+    for left in (".adapter.tmp-0123abcd", ".adapter.old-89abcdef"):
+        (tmp_path / "out" / left).mkdir()
+        (tmp_path / "out" / left / "w.safetensors").write_text("stale")
+    (tmp_path / "out" / "adapter-v1").mkdir()
+    (tmp_path / "out" / ".adapter.tmp-notours").write_text("x")
     st.publish_dir(str(src2), str(dest))
     assert (dest / "w.safetensors").read_text() == "two"
-    assert sorted(os.listdir(tmp_path / "out")) == ["adapter"]
+    assert sorted(os.listdir(tmp_path / "out")) == [".adapter.tmp-notours", "adapter", "adapter-v1"]
 
 
 def test_local_write_bytes_replaces_whole_files_and_a_failed_write_keeps_the_old_one(tmp_path):

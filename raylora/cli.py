@@ -344,9 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     # on meanwhile. Set before Ray reads its config (ray.init); a user's value wins.
     os.environ.setdefault("RAY_get_check_signal_interval_milliseconds", "100")
     # A job sent by `raylora submit`: its credentials, before anything reads storage.
-    from raylora import jobs
+    from raylora import jobsecrets
 
-    jobs.load_job_secrets()
+    jobsecrets.load()
     if getattr(args, "verbose", False):
         os.environ[quiet.VERBOSE_ENV] = "1"  # Ray workers inherit it (launch.job_runtime_env)
     quiet.apply()  # before the model libraries are imported: they read env vars then

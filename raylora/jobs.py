@@ -16,26 +16,21 @@ Storage settings (endpoint, region) travel as the job's ``runtime_env`` ``env_va
 Credentials do not, and never go in the entrypoint: Ray's runtime-env agent writes a job's
 env_vars to its log on the head (``runtime_env_agent.log``) and the dashboard shows them
 to anyone who can read it (``ray job list``). They travel as a package of their own in the
-runtime_env's ``py_modules`` (``SECRETS_PACKAGE``), which the SDK uploads to the cluster's
-internal store; the dashboard and the logs show only its ``gcs://`` URI. The job's driver
-reads and deletes the file first thing (``load_job_secrets``), keeps the package from its
-workers, and hands the credentials on as an embedded or joined run does
+runtime_env's ``py_modules`` (``raylora.jobsecrets``); the job's driver reads it first
+thing and hands the credentials on as an embedded or joined run does
 (``launch.job_runtime_env``). Credentials the cluster has itself (an instance role, a
 Kubernetes Secret) need none of this.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import secrets
 import shlex
-import sys
 import tempfile
 import time
 
-from raylora import storage
+from raylora import jobsecrets, storage
 from raylora.progress import PROGRESS_FILE
 
 # Not shipped with the working dir: environments, VCS, outputs, weights.
@@ -74,27 +69,6 @@ def entrypoint(config: str, overrides: list[str], working_dir: str) -> str:
     return " ".join(shlex.quote(a) for a in ["python", "-m", "raylora", "train", rel, *overrides])
 
 
-# The job's credentials: a package named this in its py_modules, holding SECRETS_FILE; the
-# job's env_vars say SECRETS_ENV=1 so that its driver looks for it.
-SECRETS_PACKAGE = "_raylora_job_secrets"
-SECRETS_FILE = "env.json"
-SECRETS_ENV = "RAYLORA_JOB_SECRETS"
-
-
-def _secrets_package(creds: dict[str, str], into: str) -> str:
-    """Write the credentials package under ``into`` (a private temp dir); returns its path."""
-    pkg = os.path.join(into, SECRETS_PACKAGE)
-    os.mkdir(pkg, 0o700)
-    open(os.path.join(pkg, "__init__.py"), "w").close()
-    fd = os.open(os.path.join(pkg, SECRETS_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        # A nonce per submission: Ray keeps an unpacked package by its content's hash, and
-        # the driver deletes this file once read, so two jobs with the same credentials
-        # must not share one copy.
-        json.dump({"nonce": secrets.token_hex(16), "env": creds}, f)
-    return pkg
-
-
 def runtime_env(cfg, working_dir: str, scratch: str) -> dict:
     """Working dir + the env the job's driver needs: storage settings, credentials
     (``storage.forwarded_env``; the driver hands them on to its workers itself) as a
@@ -102,9 +76,8 @@ def runtime_env(cfg, working_dir: str, scratch: str) -> dict:
     clean stop may take."""
     from raylora import quiet
 
-    forwarded = storage.forwarded_env()
-    creds = {k: v for k, v in forwarded.items() if k in storage.SECRET_ENV_VARS}
-    env = {**{k: v for k, v in forwarded.items() if k not in creds}, **quiet.worker_env()}
+    plain, creds = storage.split_secrets(storage.forwarded_env())
+    env = {**plain, **quiet.worker_env()}
     if quiet.verbose():
         env[quiet.VERBOSE_ENV] = "1"
     # `raylora stop` → stop_job → SIGTERM to the driver, which stops the run at a step
@@ -112,51 +85,9 @@ def runtime_env(cfg, working_dir: str, scratch: str) -> dict:
     env["RAY_JOB_STOP_WAIT_TIME_S"] = str(int(cfg.failure.stop_timeout_s) + 30)
     renv = {"working_dir": working_dir, "excludes": EXCLUDES, "env_vars": env}
     if creds:
-        env[SECRETS_ENV] = "1"
-        renv["py_modules"] = [_secrets_package(creds, scratch)]
+        env[jobsecrets.ENV] = "1"
+        renv["py_modules"] = [jobsecrets.write_package(creds, scratch)]
     return renv
-
-
-def load_job_secrets() -> None:
-    """In the driver of a job that ``submit`` sent with credentials (``SECRETS_ENV``): put
-    them in this process's environment, delete their file, and drop their package from
-    the job config this driver's ``ray.init`` reads, so that no worker node unpacks a copy.
-    A no-op anywhere else."""
-    if os.environ.get(SECRETS_ENV) != "1":
-        return
-    # Ray puts each py_modules package's unpacked folder on the driver's PYTHONPATH.
-    found = [os.path.join(d, SECRETS_PACKAGE, SECRETS_FILE) for d in sys.path]
-    path = next((p for p in found if os.path.isfile(p)), None)
-    if path is None:
-        raise SystemExit(f"raylora: this job was submitted with credentials ({SECRETS_ENV}=1), "
-                         f"but {SECRETS_PACKAGE}/{SECRETS_FILE} is not on the Python path: "
-                         "its driver reads and deletes it once; submit the job again")
-    with open(path) as f:
-        os.environ.update(json.load(f)["env"])
-    with contextlib.suppress(OSError):
-        os.remove(path)
-    _drop_py_module(os.path.basename(os.path.dirname(os.path.dirname(path))))
-
-
-def _drop_py_module(unpacked: str) -> None:
-    """Remove the py_modules URI of the package unpacked into folder ``unpacked``
-    (``_ray_pkg_<hash>``, that of URI ``gcs://_ray_pkg_<hash>.zip``) from the job config
-    Ray hands the driver as JSON in ``RAY_JOB_CONFIG_JSON_ENV_VAR``: the driver's
-    ``ray.init`` gives that runtime_env to every worker of the job."""
-    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
-    if not raw:
-        return
-    config = json.loads(raw)
-    renv = config.get("runtime_env") or {}
-    mods = renv.get("py_modules") or []
-    keep = [m for m in mods if f"/{unpacked}." not in m]
-    if len(keep) == len(mods):
-        return
-    if keep:
-        renv["py_modules"] = keep
-    else:
-        renv.pop("py_modules")
-    os.environ["RAY_JOB_CONFIG_JSON_ENV_VAR"] = json.dumps(config)
 
 
 def submit(config: str, overrides: list[str], address: str | None = None,

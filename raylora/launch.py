@@ -551,9 +551,7 @@ def job_runtime_env() -> dict:
     """
     from raylora import quiet
 
-    env = storage.forwarded_env()
-    secret = {k: v for k, v in env.items() if k in storage.SECRET_ENV_VARS}
-    plain = {k: v for k, v in env.items() if k not in secret}
+    plain, secret = storage.split_secrets(storage.forwarded_env())
     # A variable the submitted job's runtime_env already sets reaches the workers anyway,
     # and Ray refuses a driver runtime_env that sets it again.
     taken = _job_env_vars()

@@ -226,14 +226,15 @@ class Storage:
         dest_uri = normalize(dest_uri)
         name = os.path.basename(dest_uri)
         if is_local(dest_uri):
-            self._remove_leftovers(dest_uri, (f".{name}.tmp-", f".{name}.old-"))
+            tmp_prefix, old_prefix = f".{name}.tmp-", f".{name}.old-"
+            self._remove_leftovers(dest_uri, (tmp_prefix, old_prefix))
             dest = Path(local_path(dest_uri))
             dest.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
+            tmp = dest.with_name(_unique(tmp_prefix))
             shutil.copytree(src_dir, tmp)
             old = None
             if dest.exists():
-                old = dest.with_name(f".{dest.name}.old-{uuid.uuid4().hex[:8]}")
+                old = dest.with_name(_unique(old_prefix))
                 os.replace(dest, old)
             os.replace(tmp, dest)
             if old is not None:
@@ -244,7 +245,7 @@ class Storage:
         # Weights last among the payload, manifest after all.
         ordered = sorted((n for n in names if n != manifest), key=lambda n: n.endswith(".safetensors"))
         self._remove_leftovers(dest_uri, (f"{name}.staging-",))
-        staging = f"{dest_uri}.staging-{uuid.uuid4().hex[:8]}"
+        staging = _unique(f"{dest_uri}.staging-")  # the sibling named as just above
         self.upload_dir(src_dir, staging)
         self.delete_dir(dest_uri)
         fs, _ = self.fs(dest_uri)
@@ -254,11 +255,11 @@ class Storage:
         return dest_uri
 
     def _remove_leftovers(self, dest_uri: str, prefixes: tuple[str, ...]) -> None:
-        """Delete the siblings of ``dest_uri`` named one of ``prefixes`` + 8 hex digits
-        (``publish_dir``'s temporary names). Tidying only: a storage error here is a
-        warning, and the publish goes on."""
+        """Delete the siblings of ``dest_uri`` named ``_unique(prefix)`` for one of
+        ``prefixes`` (``publish_dir``'s temporary names). Tidying only: a storage error
+        here is a warning, and the publish goes on."""
         fs, path = self.fs(dest_uri)
-        leftover = re.compile("(" + "|".join(map(re.escape, prefixes)) + ")[0-9a-f]{8}")
+        leftover = re.compile("(" + "|".join(map(re.escape, prefixes)) + ")" + _UNIQUE_SUFFIX)
         parent = path.rsplit("/", 1)[0]
         try:
             for info in fs.get_file_info(pafs.FileSelector(parent, allow_not_found=True)):
@@ -273,6 +274,15 @@ class Storage:
                 dest_uri, _short(exc))
 
 
+# What ``_unique`` appends: a name made by it is found again by this pattern.
+_UNIQUE_SUFFIX = "[0-9a-f]{8}"
+
+
+def _unique(prefix: str) -> str:
+    """``prefix`` + 8 random hex digits: a temporary name no other writer picks."""
+    return prefix + uuid.uuid4().hex[:8]
+
+
 def _replace_file(path: str, data: bytes) -> None:
     """Write a hidden temporary sibling, then rename it over ``path`` (atomic on POSIX in
     one directory): a write that dies midway otherwise leaves a truncated file that readers
@@ -281,7 +291,7 @@ def _replace_file(path: str, data: bytes) -> None:
     no data suffix) from ``expand`` and from the folders' own listings."""
     folder, name = os.path.split(path)
     os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp = os.path.join(folder, _unique(f".{name}.tmp-"))
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -327,3 +337,10 @@ def _short(exc: Exception) -> str:
 def forwarded_env() -> dict[str, str]:
     """AWS variables set in this process, to forward to Ray workers via runtime_env."""
     return {k: os.environ[k] for k in AWS_ENV_VARS if os.environ.get(k)}
+
+
+def split_secrets(env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """(settings, credentials) of ``env``: the credentials (``SECRET_ENV_VARS``) must travel
+    where Ray does not log them; the settings may go as plain ``env_vars``."""
+    secret = {k: v for k, v in env.items() if k in SECRET_ENV_VARS}
+    return {k: v for k, v in env.items() if k not in secret}, secret

@@ -28,6 +28,20 @@ def ray_processes(state: str) -> list[str]:
     return [line[:200] for line in out.splitlines()]
 
 
+def files_holding(root: str, needle: str, under: str = "") -> list[str]:
+    """The files below ``root`` (those whose path contains ``under``) that contain
+    ``needle``: where a secret must not be."""
+    found = []
+    for folder, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(folder, name)
+            if under in path and os.path.isfile(path):
+                with open(path, "rb") as f:
+                    if needle.encode() in f.read():
+                        found.append(path)
+    return found
+
+
 @contextlib.contextmanager
 def local_head(extra: list[str]):
     """Yields env (with the cluster's auth token, as ``source $STATE/env`` gives a client),

@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 from killer import registered_step
-from localhead import REPO, local_head
+from localhead import REPO, files_holding, local_head
 from raylora.cli import main
 
 pytestmark = pytest.mark.integration
@@ -43,7 +43,7 @@ def test_submit_status_stop_then_resubmit_resumes_and_finishes(
 ):
     import boto3
 
-    from raylora import jobs
+    from raylora import jobs, jobsecrets
 
     monkeypatch.setenv("RAY_ADDRESS", head["dashboard"])
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
@@ -77,7 +77,7 @@ def test_submit_status_stop_then_resubmit_resumes_and_finishes(
     info = jobs.client(None).get_job_info("rl-stop")
     assert secret not in info.entrypoint and secret not in json.dumps(info.runtime_env)
     assert info.runtime_env["env_vars"]["AWS_ENDPOINT_URL"] == moto_endpoint  # not a secret
-    assert info.runtime_env["env_vars"][jobs.SECRETS_ENV] == "1"
+    assert info.runtime_env["env_vars"][jobsecrets.ENV] == "1"
     assert [m.startswith("gcs://_ray_pkg_") for m in info.runtime_env["py_modules"]] == [True]
     assert info.entrypoint.startswith("python -m raylora train jobs/configs/tiny-local.yaml")
 
@@ -118,12 +118,7 @@ def test_submit_status_stop_then_resubmit_resumes_and_finishes(
 
     # Both drivers read and deleted their credentials file: no file of the cluster (logs,
     # unpacked runtime_env packages) holds the secret.
-    for root, _, files in os.walk(head["state"]):
-        for f in files:
-            path = os.path.join(root, f)
-            if os.path.isfile(path) and not os.path.islink(path):
-                with open(path, "rb") as fh:
-                    assert secret.encode() not in fh.read(), path
+    assert files_holding(head["state"], secret) == []
     # Nor does any worker get their package: the driver drops it from the job config its
     # ray.init passes on. The runtime-env agent logs each runtime_env it sets up; the
     # workers' are those with raylora's setup hook, the driver's own has the package.
@@ -141,27 +136,27 @@ def test_job_secrets_reach_the_driver_once_and_no_worker(tmp_path, monkeypatch):
     """The driver's side of the credentials package, as Ray lays it out for a submitted
     job's driver: the package's folder on sys.path, its URI in the job config's py_modules
     beside the user's own."""
-    from raylora import jobs
+    from raylora import jobsecrets
 
     unpacked = tmp_path / "_ray_pkg_0123abcd"
     unpacked.mkdir()
-    pkg = jobs._secrets_package({"AWS_SECRET_ACCESS_KEY": "s3cr3t-0024"}, str(unpacked))
-    assert oct(os.stat(os.path.join(pkg, jobs.SECRETS_FILE)).st_mode & 0o777) == "0o600"
+    pkg = jobsecrets.write_package({"AWS_SECRET_ACCESS_KEY": "s3cr3t-0024"}, str(unpacked))
+    assert oct(os.stat(os.path.join(pkg, jobsecrets.FILE)).st_mode & 0o777) == "0o600"
     other = "gcs://_ray_pkg_feedbeef.zip"
     config = {"runtime_env": {"py_modules": [other, "gcs://_ray_pkg_0123abcd.zip"],
-                              "env_vars": {jobs.SECRETS_ENV: "1"}}, "metadata": {}}
+                              "env_vars": {jobsecrets.ENV: "1"}}, "metadata": {}}
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps(config))
-    monkeypatch.setenv(jobs.SECRETS_ENV, "1")
+    monkeypatch.setenv(jobsecrets.ENV, "1")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY", raising=False)
     monkeypatch.syspath_prepend(str(unpacked))
 
-    jobs.load_job_secrets()
+    jobsecrets.load()
     assert os.environ["AWS_SECRET_ACCESS_KEY"] == "s3cr3t-0024"
-    assert not os.path.exists(os.path.join(pkg, jobs.SECRETS_FILE))
+    assert not os.path.exists(os.path.join(pkg, jobsecrets.FILE))
     seen = json.loads(os.environ["RAY_JOB_CONFIG_JSON_ENV_VAR"])
     assert seen["runtime_env"]["py_modules"] == [other]  # the user's package stays
-    assert seen["runtime_env"]["env_vars"] == {jobs.SECRETS_ENV: "1"}
+    assert seen["runtime_env"]["env_vars"] == {jobsecrets.ENV: "1"}
     # A second read (the file is gone) is an error that names the package, not a run
     # that fails later on storage without credentials.
-    with pytest.raises(SystemExit, match=jobs.SECRETS_PACKAGE):
-        jobs.load_job_secrets()
+    with pytest.raises(SystemExit, match=jobsecrets.PACKAGE):
+        jobsecrets.load()

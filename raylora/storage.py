@@ -62,12 +62,16 @@ def join(uri: str, *parts: str) -> str:
     return "/".join([base, *[p.strip("/") for p in parts if p]])
 
 
+# Attempts the AWS SDK makes at one request (the first and its retries).
+S3_ATTEMPTS = 6
+
+
 def _s3(endpoint_url: str | None, region: str | None) -> pafs.S3FileSystem:
     endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
     kwargs: dict = {
         "region": region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
         # Transient errors (throttling, 5xx, resets) are retried with backoff by the SDK.
-        "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=6),
+        "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=S3_ATTEMPTS),
         "connect_timeout": 10,
         "request_timeout": 60,
     }
@@ -196,9 +200,13 @@ class Storage:
         fs, path = self.fs(uri)
         return fs.open_input_file(path)
 
-    def upload_dir(self, local_dir: str, uri: str) -> None:
+    def upload_dir(self, local_dir: str, uri: str, growing: bool = False) -> None:
+        """Copy a local directory's files under ``uri``, each one checked to have arrived
+        (``complete_upload``). ``growing``: files may still be appended to while this runs
+        (a tracker's logs), so only their presence is checked, not their size."""
         fs, path = self.fs(uri)
         pafs.copy_files(local_dir, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+        complete_upload(local_dir, fs, path, what=uri, sizes=not growing)
 
     def download_dir(self, uri: str, local_dir: str) -> None:
         fs, path = self.fs(uri)
@@ -272,6 +280,55 @@ class Storage:
             logging.getLogger(__name__).warning(
                 "%s: could not remove an earlier publish's leftovers beside it: %s",
                 dest_uri, _short(exc))
+
+
+def complete_upload(local_dir: str, fs: pafs.FileSystem, dest: str, what: str = "",
+                    sizes: bool = True) -> list[str]:
+    """Check that every file of ``local_dir`` is at ``dest`` (with its size, unless
+    ``sizes`` is False), upload again the ones that are not, and return their relative
+    names (usually none).
+
+    Why: ``pyarrow.fs.copy_files`` to S3 (pyarrow 26; Ray Train uploads checkpoints with it)
+    returns normally when a file's part upload fails for good (an error the SDK does not
+    retry, or a 503 after its S3_ATTEMPTS): the error is logged as "Error ignored when
+    destroying file" and the file is simply absent. (Arrow's C++ ``CopyFiles`` closes each
+    destination with ``CloseAsync()``, waits on those futures and returns OK without
+    reading their status.) A
+    single stream's ``close()`` raises the same error, so a file written again here either
+    arrives or raises. One listing of ``dest`` per call; other writers' files there (the
+    other ranks of one checkpoint) are left alone. Raises OSError naming the files still
+    missing or short after the second upload.
+    """
+    dest = dest.rstrip("/")
+    want = {}
+    for root, _, files in os.walk(local_dir):
+        for name in files:
+            full = os.path.join(root, name)
+            want[os.path.relpath(full, local_dir).replace(os.sep, "/")] = os.path.getsize(full)
+
+    def wrong() -> list[str]:
+        found = fs.get_file_info(pafs.FileSelector(dest, recursive=True, allow_not_found=True))
+        have = {i.path[len(dest) + 1:]: i.size for i in found if i.type == pafs.FileType.File}
+        return sorted(rel for rel, size in want.items()
+                      if rel not in have or (sizes and have[rel] != size))
+
+    bad = wrong()
+    if not bad:
+        return []
+    where = what or dest
+    logging.getLogger(__name__).warning(
+        "%s: %d file(s) missing or short after the upload, uploading them again: %s",
+        where, len(bad), ", ".join(bad))
+    for rel in bad:
+        target = f"{dest}/{rel}"
+        if fs.type_name == "local":
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(os.path.join(local_dir, rel), "rb") as src, fs.open_output_stream(target) as out:
+            shutil.copyfileobj(src, out, 16 << 20)
+    still = wrong()
+    if still:
+        raise OSError(f"{where}: still missing or short after a second upload: {', '.join(still)}")
+    return bad
 
 
 # What ``_unique`` appends: a name made by it is found again by this pattern.

@@ -61,7 +61,7 @@ class Tracker:
         if self.remote_uri is not None and self.local_dir is not None:
             for local, uri in self._uploads():
                 if os.path.isdir(local):
-                    self._store.upload_dir(local, uri)
+                    self._store.upload_dir(local, uri, growing=True)
 
     def close(self) -> None:
         """Finish the backend, upload a remote output's files and delete the temp dir."""

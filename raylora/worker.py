@@ -28,6 +28,7 @@ from raylora.entry import WorkerSpec
 from raylora.launch import Plan
 from raylora.model.lora import digest
 from raylora.progress import every_n_steps
+from raylora.storage import complete_upload
 from raylora.train.loop import LoopHooks, LoopSettings, run_loop, sample_hashes
 from raylora.train.fsdp import param_bytes_per_rank
 from raylora.train.setup import attention_planner, build_run, nonfinite_advice, write_checkpoint
@@ -441,7 +442,18 @@ class _Reporter:
             checkpoint=ray.train.Checkpoint.from_directory(d),
             checkpoint_upload_mode=mode,
             delete_local_checkpoint_after_upload=True,
+            checkpoint_upload_fn=upload_checkpoint,
         )
+
+
+def upload_checkpoint(checkpoint: ray.train.Checkpoint, dir_name: str) -> ray.train.Checkpoint:
+    """Ray Train's own upload of this rank's checkpoint directory, then a check that every
+    file arrived (``storage.complete_upload``: Ray's pyarrow copy can drop a file on S3
+    and return normally, and Ray would record the checkpoint without it). An error here
+    fails the report, so Ray never records an incomplete checkpoint as the latest."""
+    persisted = ray.train.get_context().get_storage().persist_current_checkpoint(checkpoint, dir_name)
+    complete_upload(checkpoint.path, persisted.filesystem, persisted.path, what=f"checkpoint {dir_name}")
+    return persisted
 
 
 def _restored(rank: int):
@@ -614,4 +626,5 @@ def lr_find_per_worker(loop_config: dict) -> None:
     d = tempfile.mkdtemp(prefix="raylora-lrfind-")
     with open(f"{d}/lr_find.json", "w") as f:
         json.dump(rows, f)
-    ray.train.report({"steps_run": len(rows)}, checkpoint=ray.train.Checkpoint.from_directory(d))
+    ray.train.report({"steps_run": len(rows)}, checkpoint=ray.train.Checkpoint.from_directory(d),
+                     checkpoint_upload_fn=upload_checkpoint)

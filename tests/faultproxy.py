@@ -12,16 +12,24 @@ from urllib.parse import urlparse
 
 SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
              b"<Message>Please reduce your request rate.</Message></Error>")
+# What a store answers a request it will never accept, which the SDK does not retry.
+ACCESS_DENIED = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code>'
+                 b"<Message>Access Denied</Message></Error>")
 
 
 class FaultProxy:
     """Forwards to ``upstream``; request n (counted from 1) gets a 503 when n % fail_every
-    == 0, and waits ``delay`` seconds first when n % slow_every == 0. ``failed`` counts the
-    injected errors by method and by path, so a test can tell what had to be retried."""
+    == 0, and waits ``delay`` seconds first when n % slow_every == 0. ``fail_if(method,
+    path)`` (path with its query), when given, picks further requests to fail: a test aims
+    a fault at one operation on one key; it answers True (503 SlowDown) or 403 (Access
+    Denied). ``failed`` counts the injected errors by method
+    and by path, so a test can tell what had to be retried."""
 
-    def __init__(self, upstream: str, fail_every: int = 5, slow_every: int = 7, delay: float = 0.3):
+    def __init__(self, upstream: str, fail_every: int = 0, slow_every: int = 0, delay: float = 0.3,
+                 fail_if=None):
         self.upstream = urlparse(upstream)
         self.fail_every, self.slow_every, self.delay = fail_every, slow_every, delay
+        self.fail_if = fail_if
         self.requests = 0
         self.failed: Counter = Counter()
         self.failed_paths: list[str] = []
@@ -54,8 +62,9 @@ class FaultProxy:
                 with proxy._lock:
                     proxy.requests += 1
                     n = proxy.requests
-                    fail = n % proxy.fail_every == 0
-                    slow = n % proxy.slow_every == 0
+                    fail = (bool(proxy.fail_every) and n % proxy.fail_every == 0) or (
+                        proxy.fail_if is not None and proxy.fail_if(self.command, self.path))
+                    slow = bool(proxy.slow_every) and n % proxy.slow_every == 0
                     if fail:
                         proxy.failed[self.command] += 1
                         proxy.failed_paths.append(self.path)
@@ -64,12 +73,13 @@ class FaultProxy:
                 if slow:
                     time.sleep(proxy.delay)
                 if fail:
-                    self.send_response(503)
+                    status, error = (403, ACCESS_DENIED) if fail == 403 else (503, SLOW_DOWN)
+                    self.send_response(status)
                     self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(SLOW_DOWN)))
+                    self.send_header("Content-Length", str(len(error)))
                     self.end_headers()
                     if self.command != "HEAD":
-                        self.wfile.write(SLOW_DOWN)
+                        self.wfile.write(error)
                     return
                 conn = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=60)
                 # The body goes on whole, with its length (100-continue was answered here).
@@ -109,3 +119,20 @@ class FaultProxy:
     def __exit__(self, *exc) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def failing_puts(match, times: int, status=True):
+    """A ``fail_if`` rule: the first ``times`` PUTs (whole objects or parts of one) of
+    each object whose path (``/bucket/key``) ``match`` accepts fail, with ``status``
+    (True: 503 SlowDown, which the SDK retries; 403: Access Denied, which it does not)."""
+    counts: Counter = Counter()
+
+    def rule(method: str, path: str):
+        key = path.split("?", 1)[0]
+        if method != "PUT" or not match(key):
+            return False
+        counts[key] += 1
+        return status if counts[key] <= times else False
+
+    rule.counts = counts  # PUTs seen per key, failed or not
+    return rule

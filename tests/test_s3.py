@@ -237,6 +237,41 @@ def test_publish_replaces_the_adapter_and_removes_a_killed_publishs_staging_copy
     assert s3.get_object(Bucket=BUCKET, Key="pub/adapter/w.safetensors")["Body"].read() == b"new weights"
 
 
+def test_upload_dir_uploads_again_a_file_that_pyarrow_dropped(s3, tmp_path, caplog):
+    """One file's part upload fails with an error the SDK does not retry (403). pyarrow's
+    copy_files, which Ray Train uploads checkpoints with, returns normally without that
+    file (the warning says so: it is logged only for files missing after the copy), and
+    upload_dir uploads it again. The same happens to a 503 SlowDown once the SDK's
+    S3_ATTEMPTS are spent, at the cost of its backoff (about 25 s here). A file the store
+    refuses for good is an error naming it."""
+    import logging
+
+    from faultproxy import FaultProxy, failing_puts
+
+    from raylora.storage import Storage
+
+    files = {"a.bin": os.urandom(3000), "history.jsonl": b'{"step": 1}\n' * 50,
+             "sub/state.pt": os.urandom(2000)}
+    for rel, data in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(data)
+    once = failing_puts(lambda k: k == "/raylora-test/upload/checked/history.jsonl", 1, status=403)
+    always = failing_puts(lambda k: k == "/raylora-test/upload/refused/history.jsonl", 99, status=403)
+    with FaultProxy(os.environ["AWS_ENDPOINT_URL"], fail_if=lambda m, p: once(m, p) or always(m, p)) as proxy:
+        store = Storage(endpoint_url=proxy.url)
+        with caplog.at_level(logging.WARNING, logger="raylora.storage"):
+            store.upload_dir(str(tmp_path), f"s3://{BUCKET}/upload/checked")
+            with pytest.raises(OSError, match="upload/refused/history.jsonl"):
+                store.upload_dir(str(tmp_path), f"s3://{BUCKET}/upload/refused")
+    for rel, data in files.items():
+        assert s3.get_object(Bucket=BUCKET, Key=f"upload/checked/{rel}")["Body"].read() == data
+    assert [p.split("?")[0] for p in proxy.failed_paths] == [
+        "/raylora-test/upload/checked/history.jsonl"] + ["/raylora-test/upload/refused/history.jsonl"] * 2
+    warned = [r.getMessage() for r in caplog.records if "uploading them again" in r.getMessage()]
+    assert warned == [f"s3://{BUCKET}/upload/{d}: 1 file(s) missing or short after the upload, "
+                      "uploading them again: history.jsonl" for d in ("checked", "refused")]
+
+
 def test_endpoint_from_config_without_env(s3, shards, monkeypatch):
     """storage.endpoint_url alone (no AWS_ENDPOINT_URL) reaches an S3-compatible store."""
     from raylora.config import StorageSection
@@ -250,14 +285,19 @@ def test_endpoint_from_config_without_env(s3, shards, monkeypatch):
 
 def test_training_and_checkpointing_survive_a_faulty_object_store(s3, ray_s3, shards, tiny_model, caplog):
     """Every 5th request through the proxy fails with 503 SlowDown, every 7th is slow:
-    data reads, checkpoint uploads and the export are retried (with backoff) and succeed."""
+    data reads, checkpoint uploads and the export are retried (with backoff) and succeed.
+    And each checkpoint's history.jsonl has its first upload refused (403): Ray's own
+    upload returns without that file (test_upload_dir_uploads_again_a_file_that_pyarrow_
+    dropped), and the worker's check uploads it again before Ray records the checkpoint."""
     import logging
 
-    from faultproxy import FaultProxy
+    from faultproxy import FaultProxy, failing_puts
 
     from raylora.launch import run
 
-    with FaultProxy(os.environ["AWS_ENDPOINT_URL"], fail_every=5, slow_every=7) as proxy:
+    refused = failing_puts(lambda k: "/runs/faulty/train/checkpoint_" in k and k.endswith("/history.jsonl"),
+                           1, status=403)
+    with FaultProxy(os.environ["AWS_ENDPOINT_URL"], fail_every=5, slow_every=7, fail_if=refused) as proxy:
         tree = {
             "model": {"pretrained": tiny_model},
             "data": {"uri": f"s3://{BUCKET}/data/parquet", "resolution": 64, "center_crop": True},
@@ -284,3 +324,7 @@ def test_training_and_checkpointing_survive_a_faulty_object_store(s3, ray_s3, sh
     for r in snapshot["checkpoint_results"]:
         prefix = f"runs/faulty/train/{r['checkpoint_dir_name']}/"
         assert {prefix + "lora.safetensors", prefix + "history.jsonl"} <= set(stored)
+        history = s3.get_object(Bucket=BUCKET, Key=prefix + "history.jsonl")["Body"].read().splitlines()
+        assert [json.loads(row)["step"] for row in history] == list(range(1, r["metrics"]["step"] + 1))
+    # Each checkpoint's history.jsonl was refused once, and the upload after that arrived.
+    assert len(refused.counts) == 2 and min(refused.counts.values()) >= 2

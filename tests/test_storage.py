@@ -65,3 +65,33 @@ def test_local_write_bytes_replaces_whole_files_and_a_failed_write_keeps_the_old
         st.write_bytes(str(tmp_path / "gen" / "manifest.json"), {"count": 3})
     assert os.listdir(tmp_path / "gen") == ["00000.png"]
     assert st.read_bytes(f"file://{uri}") == b"second"
+
+
+@pytest.mark.parametrize("sizes", [True, False])
+def test_complete_upload_uploads_missing_and_short_files_again(tmp_path, caplog, sizes):
+    """What an upload left out is uploaded again: missing files always, short ones unless
+    only presence is checked (a tracker's logs, which grow while they are copied). Files
+    of other writers at the destination stay."""
+    import logging
+
+    import pyarrow.fs as pafs
+
+    from raylora.storage import complete_upload
+
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    files = {"whole.bin": b"w" * 100, "short.bin": b"s" * 100, "sub/missing.bin": b"m" * 50}
+    for rel, data in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(data)
+    dest.mkdir()
+    (dest / "whole.bin").write_bytes(files["whole.bin"])
+    (dest / "short.bin").write_bytes(b"s" * 10)
+    (dest / "rank1.bin").write_bytes(b"another writer's")
+    with caplog.at_level(logging.WARNING, logger="raylora.storage"):
+        again = complete_upload(str(src), pafs.LocalFileSystem(), str(dest) + "/", sizes=sizes)
+    assert again == (["short.bin", "sub/missing.bin"] if sizes else ["sub/missing.bin"])
+    assert (dest / "sub/missing.bin").read_bytes() == files["sub/missing.bin"]
+    assert (dest / "short.bin").read_bytes() == (files["short.bin"] if sizes else b"s" * 10)
+    assert (dest / "rank1.bin").read_bytes() == b"another writer's"
+    assert f"{len(again)} file(s) missing or short" in caplog.text
+    assert complete_upload(str(src), pafs.LocalFileSystem(), str(dest), sizes=sizes) == []

@@ -743,8 +743,12 @@ def _fit(cfg: RayLoraConfig, p: Plan):
     with (progress.watch(p.max_steps, t.log_every_n_steps, t.log_every_n_seconds, sink) as board,
           stop.driver_requests(cfg.failure.stop_timeout_s, SIGTERM_HOOKS) as stops):
         trainer = build_trainer(cfg, p, cfg.output.uri, TRAIN_RUN_NAME, progress_board=board,
-                                stop_requests=stops)
-        return trainer.fit()
+                                stop_requests=stops.name)
+        result = trainer.fit()
+    if stops.signalled and not (result.metrics or {}).get("stopped"):
+        log.warning("SIGTERM came after the last step had started: the run finished "
+                    "normally, no stop was needed")
+    return result
 
 
 def drop_unrecorded_checkpoints(store, run_uri: str) -> list[str]:

@@ -46,6 +46,7 @@ import threading
 import time
 import uuid
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 log = logging.getLogger("raylora.stop")
 
@@ -83,27 +84,37 @@ def start_requests(name: str):
                           scheduling_strategy=on_driver_node()).remote()
 
 
+@dataclass
+class DriverStop:
+    """What ``driver_requests`` yields: the actor's name (``WorkerSpec.stop_requests``)
+    and whether the driver got its SIGTERM."""
+
+    name: str
+    signalled: bool = False
+
+
 @contextmanager
 def driver_requests(timeout_s: float, sigterm_hooks: list):
-    """Around a run's ``fit()`` on the driver: its ``Requests`` actor (the name is yielded
-    for ``WorkerSpec.stop_requests``), asked to stop by the driver's first SIGTERM
-    (``sigterm_hooks``: what ``launch``'s SIGTERM handler calls). A second SIGTERM, or
-    ``timeout_s`` without ``fit()`` returning, interrupts the driver as before
-    (KeyboardInterrupt: Ray shut down, no new checkpoint)."""
+    """Around a run's ``fit()`` on the driver: its ``Requests`` actor, asked to stop by
+    the driver's first SIGTERM (``sigterm_hooks``: what ``launch``'s SIGTERM handler
+    calls). A second SIGTERM, or ``timeout_s`` without ``fit()`` returning, interrupts the
+    driver as before (KeyboardInterrupt: Ray shut down, no new checkpoint)."""
     import _thread
 
     import ray
 
-    name = f"raylora-stop-{uuid.uuid4().hex[:12]}"
-    actor = start_requests(name)
+    stop = DriverStop(f"raylora-stop-{uuid.uuid4().hex[:12]}")
+    actor = start_requests(stop.name)
     timers: list[threading.Timer] = []
 
     def on_sigterm() -> bool:
         if timers:
             return False  # asked twice: interrupt now
+        stop.signalled = True
         actor.request.remote("SIGTERM to the driver")
-        log.warning("SIGTERM: stopping at the next step with a checkpoint (up to %gs; send "
-                    "it again to interrupt now)", timeout_s)
+        # Not a promise: a run already past its last step finishes (launch says so then).
+        log.warning("SIGTERM: asking the workers to checkpoint and stop at their next step "
+                    "(up to %gs; send it again to interrupt now)", timeout_s)
         timers.append(threading.Timer(timeout_s, _thread.interrupt_main))
         timers[0].daemon = True
         timers[0].start()
@@ -111,7 +122,7 @@ def driver_requests(timeout_s: float, sigterm_hooks: list):
 
     sigterm_hooks.append(on_sigterm)
     try:
-        yield name
+        yield stop
     finally:
         sigterm_hooks.remove(on_sigterm)
         for t in timers:

@@ -113,6 +113,43 @@ def test_second_run_resumes_from_stored_checkpoint(first_run):
     assert int(load_file(os.path.join(train_dir, latest, "ema.safetensors"))["num_updates"]) == 20
 
 
+def test_a_stop_asked_on_the_last_step_lets_the_run_finish(ray_local, tiny_model, demo_data, tmp_path, caplog):
+    """The driver's SIGTERM hook (what `raylora stop` and a pod's TERM reach) fires while
+    the run's only step trains: the last step never stops, so the run finishes and
+    exports, and the driver says no stop was needed instead of leaving its promise."""
+    import logging
+    import threading
+    import time
+
+    from raylora import launch
+
+    tree = {
+        "model": {"pretrained": tiny_model},
+        "data": {"uri": demo_data, "resolution": 64, "center_crop": True},
+        "train": {"batch_size": 2, "max_steps": 1},
+        "output": {"uri": str(tmp_path / "out")},
+    }
+    asked = []
+
+    def sigterm_when_fitting():
+        deadline = time.monotonic() + 300
+        while not launch.SIGTERM_HOOKS and time.monotonic() < deadline:
+            time.sleep(0.01)
+        asked.append(launch.SIGTERM_HOOKS[-1]())
+
+    t = threading.Thread(target=sigterm_when_fitting, daemon=True)
+    t.start()
+    with caplog.at_level(logging.WARNING):
+        summary = launch.run(validate(tree))
+    t.join(timeout=10)
+    assert asked == [True]
+    assert "stopped" not in summary and summary["metrics"]["steps"] == 1
+    assert os.path.exists(tmp_path / "out" / "adapter" / "pytorch_lora_weights.safetensors")
+    said = [r.getMessage() for r in caplog.records if "SIGTERM" in r.getMessage()]
+    assert said[0].startswith("SIGTERM: asking the workers to checkpoint and stop at their next step")
+    assert said[-1] == "SIGTERM came after the last step had started: the run finished normally, no stop was needed"
+
+
 def test_sample_command_renders_with_adapter(first_run, tiny_model, tmp_path):
     tree, summary = first_run
     out = tmp_path / "sample.png"

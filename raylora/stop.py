@@ -108,7 +108,7 @@ def driver_requests(timeout_s: float, sigterm_hooks: list):
     timers: list[threading.Timer] = []
 
     def on_sigterm() -> bool:
-        if timers:
+        if stop.signalled:
             return False  # asked twice: interrupt now
         stop.signalled = True
         actor.request.remote("SIGTERM to the driver")

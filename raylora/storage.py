@@ -293,9 +293,8 @@ def complete_upload(local_dir: str, fs: pafs.FileSystem, dest: str, what: str = 
     retry, or a 503 after its S3_ATTEMPTS): the error is logged as "Error ignored when
     destroying file" and the file is simply absent. (Arrow's C++ ``CopyFiles`` closes each
     destination with ``CloseAsync()``, waits on those futures and returns OK without
-    reading their status.) A
-    single stream's ``close()`` raises the same error, so a file written again here either
-    arrives or raises. One listing of ``dest`` per call; other writers' files there (the
+    reading their status.) A single stream's ``close()`` raises the same error, so a file
+    written again here either arrives or raises. One listing of ``dest`` per call; other writers' files there (the
     other ranks of one checkpoint) are left alone. Raises OSError naming the files still
     missing or short after the second upload.
     """

@@ -608,6 +608,9 @@ class Setup:
     memory: bool = True  # the memory preflight (lr-find runs without one)
     # (label, config) pairs checked for memory besides the base (tune's bounding values)
     variants: Callable[[RayLoraConfig], list] | None = None
+    # The run under output.uri that resumes from its latest checkpoint: that checkpoint is
+    # checked to be whole before Ray starts (raylora.checkpoint.recorded.check_latest).
+    resumes: str | None = None
 
 
 @dataclass
@@ -623,13 +626,20 @@ class Prepared:
 @contextmanager
 def prepared(cfg: RayLoraConfig, setup: Setup) -> Iterator[Prepared]:
     """The one preamble of every run: local paths made absolute, model/data/arithmetic
-    planned and the memory preflight (all before Ray starts, so a typo costs a second);
+    planned, the checkpoint to resume from checked and the memory preflight (all before
+    Ray starts, so a typo or a broken checkpoint costs a second);
     then Ray joined or started (storage settings and secrets reach the workers through
     ``job_runtime_env``, quiet logging), the cluster checked to hold the workers, the
     bad-record counter and latent cache. On the way out the counter is stopped and a Ray
     this call started is shut down."""
     cfg = resolve_paths(cfg)
     p = setup.make_plan(cfg)
+    if setup.resumes:
+        from raylora.checkpoint.recorded import check_latest
+
+        latest = check_latest(cfg.storage.client(), storage.join(cfg.output.uri, setup.resumes))
+        if latest:
+            log.info("resuming from %s (the latest checkpoint of this output.uri)", latest)
     variants = setup.variants(cfg) if setup.variants is not None else ()
     remote = setup.memory and preflight.on_cluster(cfg)
     if setup.memory and not remote:
@@ -660,7 +670,7 @@ def run(cfg: RayLoraConfig) -> dict:
     """Train, then export the adapter to ``{output.uri}/adapter``. Returns a summary dict."""
     from raylora.checkpoint.export import export_run
 
-    with prepared(cfg, Setup(need_cpus=_train_cpus)) as r:
+    with prepared(cfg, Setup(need_cpus=_train_cpus, resumes=TRAIN_RUN_NAME)) as r:
         cfg, p = r.cfg, r.plan
         if cfg.data.cache == "latents":  # a fresh build read every row: judge them now
             check_bad_records(cfg, p)
@@ -736,8 +746,9 @@ def fit_judging_data(cfg: RayLoraConfig, p: Plan, fit):
 
 def _fit(cfg: RayLoraConfig, p: Plan):
     from raylora import progress, stop
+    from raylora.checkpoint.recorded import drop_unrecorded
 
-    drop_unrecorded_checkpoints(cfg.storage.client(), storage.join(cfg.output.uri, TRAIN_RUN_NAME))
+    drop_unrecorded(cfg.storage.client(), storage.join(cfg.output.uri, TRAIN_RUN_NAME))
     t = cfg.train
     sink = progress.write_progress(cfg.storage.client(), cfg.output.uri)
     with (progress.watch(p.max_steps, t.log_every_n_steps, t.log_every_n_seconds, sink) as board,
@@ -749,38 +760,6 @@ def _fit(cfg: RayLoraConfig, p: Plan):
         log.warning("SIGTERM came after the last step had started: the run finished "
                     "normally, no stop was needed")
     return result
-
-
-def drop_unrecorded_checkpoints(store, run_uri: str) -> list[str]:
-    """Delete checkpoint folders Ray Train wrote but never recorded; returns their URIs.
-
-    A process stopped after a checkpoint's upload but before Ray registered it (SIGTERM,
-    a lost driver) leaves a complete-looking folder that no run will resume from or count
-    against ``checkpoint.num_to_keep``: it would stay in the bucket for good. Called before
-    a run starts, when nothing else writes there. Ray's snapshot (its record of what it
-    kept) is internal: an unexpected format deletes nothing.
-    """
-    import pyarrow.fs as pafs
-
-    snap = storage.join(run_uri, "checkpoint_manager_snapshot.json")
-    try:
-        if not store.exists(snap):
-            return []
-        recorded = {r["checkpoint_dir_name"]
-                    for r in json.loads(store.read_bytes(snap))["checkpoint_results"]}
-    except (KeyError, TypeError, ValueError):
-        return []
-    fs, path = store.fs(run_uri)
-    dropped = []
-    for info in fs.get_file_info(pafs.FileSelector(path)):
-        if (info.type == pafs.FileType.Directory and info.base_name.startswith("checkpoint_")
-                and info.base_name not in recorded):
-            fs.delete_dir(info.path)
-            dropped.append(storage.join(run_uri, info.base_name))
-    if dropped:
-        log.warning("removed %d checkpoint folder(s) that an interrupted run wrote but Ray "
-                    "never recorded: %s", len(dropped), ", ".join(dropped))
-    return dropped
 
 
 def build_trainer(

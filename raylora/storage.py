@@ -299,15 +299,10 @@ def complete_upload(local_dir: str, fs: pafs.FileSystem, dest: str, what: str = 
     missing or short after the second upload.
     """
     dest = dest.rstrip("/")
-    want = {}
-    for root, _, files in os.walk(local_dir):
-        for name in files:
-            full = os.path.join(root, name)
-            want[os.path.relpath(full, local_dir).replace(os.sep, "/")] = os.path.getsize(full)
+    want = local_sizes(local_dir)
 
     def wrong() -> list[str]:
-        found = fs.get_file_info(pafs.FileSelector(dest, recursive=True, allow_not_found=True))
-        have = {i.path[len(dest) + 1:]: i.size for i in found if i.type == pafs.FileType.File}
+        have = listed_sizes(fs, dest)
         return sorted(rel for rel, size in want.items()
                       if rel not in have or (sizes and have[rel] != size))
 
@@ -328,6 +323,24 @@ def complete_upload(local_dir: str, fs: pafs.FileSystem, dest: str, what: str = 
     if still:
         raise OSError(f"{where}: still missing or short after a second upload: {', '.join(still)}")
     return bad
+
+
+def local_sizes(directory: str) -> dict[str, int]:
+    """Every file under the local ``directory``: its path relative to it, '/'-separated
+    (as in a bucket), → size in bytes."""
+    out = {}
+    for root, _, files in os.walk(directory):
+        for name in files:
+            full = os.path.join(root, name)
+            out[os.path.relpath(full, directory).replace(os.sep, "/")] = os.path.getsize(full)
+    return out
+
+
+def listed_sizes(fs: pafs.FileSystem, path: str) -> dict[str, int]:
+    """``local_sizes`` of a folder on ``fs``, in one listing ({} when it does not exist)."""
+    path = path.rstrip("/")
+    found = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
+    return {i.path[len(path) + 1:]: i.size for i in found if i.type == pafs.FileType.File}
 
 
 # What ``_unique`` appends: a name made by it is found again by this pattern.

@@ -462,7 +462,7 @@ def _restored(rank: int):
     if checkpoint is None:
         return None
     with checkpoint.as_directory() as d:
-        state = load_state(d, rank)
+        state = load_state(d, rank, where=checkpoint.path)
         if state.sharded_dir is not None:
             # Read after the model is built and sharded, when a downloaded copy of the
             # checkpoint is gone: keep the shards (LoRA + optimizer state, small).

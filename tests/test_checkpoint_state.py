@@ -1,6 +1,18 @@
+import json
+import os
+import shutil
+
+import pytest
 import torch
 
-from raylora.checkpoint.state import LoopState, load_state, save_main_state, save_rank_state
+from raylora.checkpoint.state import (
+    FILES_FILE,
+    IncompleteCheckpoint,
+    LoopState,
+    load_state,
+    save_main_state,
+    save_rank_state,
+)
 
 
 def test_state_round_trip(tmp_path):
@@ -48,9 +60,7 @@ def test_state_round_trip(tmp_path):
 def test_unrecorded_checkpoint_folders_are_dropped_before_a_run(tmp_path):
     """A folder Ray wrote but never recorded (stopped between upload and registration) is
     removed; recorded ones, other files, and everything under an unreadable snapshot stay."""
-    import json
-
-    from raylora.launch import drop_unrecorded_checkpoints
+    from raylora.checkpoint.recorded import drop_unrecorded as drop_unrecorded_checkpoints
     from raylora.storage import Storage
 
     run = tmp_path / "train"
@@ -70,3 +80,79 @@ def test_unrecorded_checkpoint_folders_are_dropped_before_a_run(tmp_path):
     snap.write_text(json.dumps({"format": "changed"}))
     assert drop_unrecorded_checkpoints(Storage(), str(run)) == []
     assert (run / "checkpoint_orphan").is_dir()
+
+
+def _two_rank_checkpoint(directory) -> dict[str, int]:
+    """What two ranks of an EMA run leave in one merged checkpoint folder (rank 1's files
+    in it as Ray merges them); returns its files and sizes."""
+    from raylora.storage import local_sizes
+
+    os.makedirs(directory)
+    save_rank_state(str(directory), rank=0)
+    os.makedirs(directory / "fsdp")
+    (directory / "fsdp" / "__0_0.distcp").write_bytes(b"rank 0 shard")
+    loop = LoopState(global_step=4, world_size=2, history=[{"step": i, "loss": 0.5} for i in (1, 2, 3, 4)])
+    save_main_state(str(directory), lora_sd={"w": torch.ones(3, 4)}, optimizer_sd={}, scheduler_sd={},
+                    scaler_sd=None, loop=loop, ema_sd={"w": torch.ones(3, 4)},
+                    other_ranks_files=["fsdp/__0_0.distcp", "fsdp/__1_0.distcp"])
+    # Rank 1's directory, merged in by Ray after rank 0 wrote its record.
+    save_rank_state(str(directory), rank=1)
+    (directory / "fsdp" / "__1_0.distcp").write_bytes(b"rank 1 shard")
+    return local_sizes(str(directory))
+
+
+def test_a_checkpoint_records_its_files_and_a_lost_one_is_named(tmp_path):
+    """``checkpoint_files.json`` holds rank 0's files with their sizes and the other ranks'
+    by name; a file missing or short after that is named by ``load_state`` (workers) and
+    ``check_latest`` (driver, before a cluster starts), never read as a setting."""
+    from raylora.checkpoint.recorded import check_latest
+    from raylora.storage import Storage, local_sizes
+
+    run = tmp_path / "train"
+    ckpt = run / "checkpoint_b"
+    files = _two_rank_checkpoint(ckpt)
+    record = json.loads((ckpt / FILES_FILE).read_text())
+    assert set(record["rank0"]) == {"rng_rank0.pt", "fsdp/__0_0.distcp", "lora.safetensors",
+                                    "ema.safetensors", "trainer_state.pt", "history.jsonl"}
+    assert all(record["rank0"][name] == files[name] for name in record["rank0"])
+    # Rank 0's shard is listed once, with its size; rank 1's files by name.
+    assert record["other_ranks"] == ["fsdp/__1_0.distcp", "rng_rank1.pt"]
+
+    (run / "checkpoint_manager_snapshot.json").write_text(json.dumps({
+        "checkpoint_results": [{"checkpoint_dir_name": "checkpoint_b"}],
+        "latest_checkpoint_result": {"checkpoint_dir_name": "checkpoint_b"}}))
+    assert check_latest(Storage(), str(run)) == str(ckpt)
+    assert check_latest(Storage(), str(tmp_path / "fresh")) is None
+    r = load_state(str(ckpt), rank=1)
+    assert r.loop.global_step == 4 and len(r.loop.history) == 4 and r.ema_sd is not None and r.rng is not None
+
+    lora = (ckpt / "lora.safetensors").read_bytes()
+    (ckpt / "lora.safetensors").write_bytes(lora[:100])
+    (ckpt / "history.jsonl").unlink()
+    (ckpt / "rng_rank1.pt").unlink()
+    (ckpt / "ema.safetensors").unlink()
+    want = ["ema.safetensors (missing)", "history.jsonl (missing)",
+            f"lora.safetensors (100 of {len(lora)} bytes)", "rng_rank1.pt (missing)"]
+    with pytest.raises(IncompleteCheckpoint) as exc:
+        load_state(str(ckpt), rank=0, where="s3://b/out/train/checkpoint_b")
+    assert exc.value.missing == want
+    assert str(exc.value).startswith("checkpoint s3://b/out/train/checkpoint_b is incomplete: "
+                                     "ema.safetensors (missing), history.jsonl (missing), lora.")
+    with pytest.raises(IncompleteCheckpoint) as exc:
+        check_latest(Storage(), str(run))
+    assert exc.value.missing == want and str(ckpt) in str(exc.value)
+    # Nothing was changed by looking: the remaining files are as they were.
+    left = local_sizes(str(ckpt))
+    assert left == {k: (100 if k == "lora.safetensors" else v) for k, v in files.items()
+                    if k not in ("history.jsonl", "rng_rank1.pt", "ema.safetensors")}
+
+    # A checkpoint written before the record existed resumes as it did: no history is none yet.
+    (ckpt / FILES_FILE).unlink()
+    (ckpt / "lora.safetensors").write_bytes(lora)
+    assert load_state(str(ckpt), rank=0).loop.history == []
+    assert check_latest(Storage(), str(run)) == str(ckpt)
+    # The latest checkpoint's folder gone altogether: named too.
+    shutil.rmtree(ckpt)
+    ckpt.mkdir()
+    with pytest.raises(IncompleteCheckpoint, match="every file"):
+        check_latest(Storage(), str(run))

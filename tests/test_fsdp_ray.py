@@ -81,6 +81,10 @@ def test_fsdp_trains_the_adapter_ddp_trains_on_half_the_memory(runs, tiny, famil
     assert meta["config"]["scaling"]["strategy"] == "fsdp"
     ckpts = sorted(p for p in (root / f"{family}-fsdp" / "train").iterdir() if p.name.startswith("checkpoint_2"))
     assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(ckpts[-1] / "fsdp"))
+    # ...and records them: rank 1's shard by the name rank 0's .metadata gives it.
+    record = json.load(open(ckpts[-1] / "checkpoint_files.json"))
+    assert record["other_ranks"] == ["fsdp/__1_0.distcp", "rng_rank1.pt"]
+    assert {"fsdp/.metadata", "fsdp/__0_0.distcp", "lora.safetensors"} <= set(record["rank0"])
     assert stock_image_change(family, tiny(family), root / f"{family}-fsdp" / "adapter") > 1e-4
 
 

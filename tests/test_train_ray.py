@@ -113,6 +113,42 @@ def test_second_run_resumes_from_stored_checkpoint(first_run):
     assert int(load_file(os.path.join(train_dir, latest, "ema.safetensors"))["num_updates"]) == 20
 
 
+def test_a_resume_from_an_incomplete_checkpoint_stops_before_ray(first_run, tmp_path, capsys, monkeypatch):
+    """Every checkpoint records its files (checkpoint_files.json). One lost from the
+    checkpoint a rerun resumes from (an upload from before raylora checked them, a hand
+    deletion) makes ``raylora train`` exit 2 naming it, before Ray is started, and the
+    run's files stay as they were."""
+    import shutil
+
+    import yaml
+
+    from raylora import launch
+    from raylora.cli import main
+    from raylora.storage import local_sizes
+
+    tree, _ = first_run
+    out = tmp_path / "out"
+    shutil.copytree(tree["output"]["uri"], out)
+    latest = out / "train" / sorted(d for d in os.listdir(out / "train") if d.startswith("checkpoint_2"))[-1]
+    record = json.loads((latest / "checkpoint_files.json").read_text())
+    assert record["other_ranks"] == ["rng_rank1.pt"]
+    assert {"lora.safetensors", "ema.safetensors", "trainer_state.pt", "history.jsonl", "rng_rank0.pt",
+            "adapter/pytorch_lora_weights.safetensors"} <= set(record["rank0"])
+    (latest / "rng_rank1.pt").unlink()
+    before = local_sizes(str(out))
+
+    def no_ray(*_):
+        raise AssertionError("Ray was started before the checkpoint was checked")
+
+    monkeypatch.setattr(launch, "init_ray", no_ray)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({**tree, "output": {"uri": str(out)}}))
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"raylora: error: checkpoint {latest} is incomplete: rng_rank1.pt (missing)." in err
+    assert local_sizes(str(out)) == before
+
+
 def test_a_stop_asked_on_the_last_step_lets_the_run_finish(ray_local, tiny_model, demo_data, tmp_path, caplog):
     """The driver's SIGTERM hook (what `raylora stop` and a pod's TERM reach) fires while
     the run's only step trains: the last step never stops, so the run finishes and

@@ -13,6 +13,15 @@ Layout of one checkpoint directory::
                                                shards (__R_0.distcp per rank, .metadata)
     history.jsonl                              one row per optimizer step           rank 0
     rng_rank{R}.pt                             torch CPU (+ CUDA) RNG of rank R     every rank
+    checkpoint_files.json                      what the checkpoint holds: rank 0's   rank 0
+                                               files with their sizes, the other
+                                               ranks' by name (written last)
+
+A checkpoint is checked against ``checkpoint_files.json`` before it is resumed from
+(``load_state`` on the workers, ``raylora.checkpoint.recorded`` on the driver): a file lost
+on the way to storage is named, not taken for a setting (no ``ema.safetensors`` read as "EMA
+was off", no ``fsdp/.metadata`` as "written by DDP", no history as "none yet"). Checkpoints
+written before it was recorded are read as they were.
 
 Everything read back is loaded with ``weights_only=True`` / safetensors: a checkpoint in
 shared storage is never a way to run code.
@@ -27,12 +36,15 @@ from dataclasses import asdict, dataclass, field
 import torch
 from safetensors.torch import load_file, save_file
 
+from raylora.storage import local_sizes
+
 TRAINER_STATE = "trainer_state.pt"
 LORA_FILE = "lora.safetensors"
 EMA_FILE = "ema.safetensors"
 HISTORY_FILE = "history.jsonl"
 ADAPTER_DIR = "adapter"
 SHARDED_DIR = "fsdp"
+FILES_FILE = "checkpoint_files.json"
 
 
 @dataclass
@@ -112,7 +124,12 @@ def save_main_state(
     scaler_sd: dict | None,
     loop: LoopState,
     ema_sd: dict[str, torch.Tensor] | None = None,
+    other_ranks_files: list[str] = (),
 ) -> None:
+    """Rank 0's part of a checkpoint, after this rank's RNG and shards are in ``directory``
+    (``raylora.train.setup.write_checkpoint``). ``other_ranks_files``: what the other ranks
+    write into their own directories (Ray merges them into this checkpoint); with
+    ``loop.world_size`` ranks' RNG files they go into ``checkpoint_files.json``."""
     save_file(lora_sd, os.path.join(directory, LORA_FILE))
     if ema_sd is not None:
         save_file(ema_sd, os.path.join(directory, EMA_FILE))
@@ -128,6 +145,44 @@ def save_main_state(
     with open(os.path.join(directory, HISTORY_FILE), "w") as f:
         for row in loop.history:
             f.write(json.dumps(row) + "\n")
+    mine = local_sizes(directory)
+    others = {rng_file(r) for r in range(1, loop.world_size or 1)} | set(other_ranks_files)
+    with open(os.path.join(directory, FILES_FILE), "w") as f:
+        json.dump({"rank0": mine, "other_ranks": sorted(others - set(mine))}, f, indent=1,
+                  sort_keys=True)
+
+
+def missing_files(recorded: dict, present: dict[str, int]) -> list[str]:
+    """What ``present`` (relative path → size) lacks of a ``checkpoint_files.json``:
+    one entry per file, "NAME (missing)" or "NAME (N of M bytes)"."""
+    out = [f"{name} (missing)" if name not in present else f"{name} ({present[name]} of {size} bytes)"
+           for name, size in sorted(recorded["rank0"].items()) if present.get(name) != size]
+    return out + [f"{name} (missing)" for name in recorded["other_ranks"] if name not in present]
+
+
+class IncompleteCheckpoint(ValueError):
+    """A checkpoint lacks files its ``checkpoint_files.json`` lists."""
+
+    def __init__(self, where: str, missing: list[str]):
+        super().__init__(
+            f"checkpoint {where} is incomplete: {', '.join(missing)}. It is the checkpoint a "
+            f"run with this output.uri resumes from; restore the files, or start a new "
+            f"output.uri (each checkpoint's adapter/ folder is that step's adapter, loadable as it is)")
+        self.missing = missing
+
+
+def check_complete(directory: str, where: str | None = None) -> bool:
+    """Raise ``IncompleteCheckpoint`` when a local checkpoint lacks a file it recorded;
+    False for a checkpoint with no record (written before one was kept), True otherwise."""
+    path = os.path.join(directory, FILES_FILE)
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        recorded = json.load(f)
+    missing = missing_files(recorded, local_sizes(directory))
+    if missing:
+        raise IncompleteCheckpoint(where or directory, missing)
+    return True
 
 
 @dataclass
@@ -144,7 +199,10 @@ class RestoredState:
     sharded_dir: str | None = None
 
 
-def load_state(directory: str, rank: int) -> RestoredState:
+def load_state(directory: str, rank: int, where: str | None = None) -> RestoredState:
+    """Rank ``rank``'s state in the local checkpoint ``directory`` (``where``: its URI, for
+    errors); ``IncompleteCheckpoint`` when a file it recorded is missing or short."""
+    check_complete(directory, where)
     trainer = torch.load(os.path.join(directory, TRAINER_STATE), weights_only=True)
     history = []
     hist_path = os.path.join(directory, HISTORY_FILE)

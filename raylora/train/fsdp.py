@@ -123,6 +123,13 @@ def save_sharded(directory: str, model: torch.nn.Module, optimizer: torch.optim.
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(directory))
 
 
+def shard_files(directory: str) -> list[str]:
+    """The files of the DCP checkpoint ``save_sharded`` wrote (every rank's, as named by
+    the ``.metadata`` rank 0 wrote into ``directory``), relative to ``directory``."""
+    meta = dcp.FileSystemReader(str(directory)).read_metadata()
+    return sorted({info.relative_path for info in meta.storage_data.values()} | {".metadata"})
+
+
 def load_sharded(directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Load what ``save_sharded`` wrote into ``model``/``optimizer`` in place, on any world
     size (DCP reads each rank's slice of the saved shards)."""

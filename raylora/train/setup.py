@@ -41,6 +41,7 @@ from raylora.train.fsdp import (
     load_sharded,
     save_sharded,
     shard_and_load,
+    shard_files,
 )
 from raylora.train.optim import build_lr_scheduler, build_optimizer
 from raylora.train.step import FrozenParts
@@ -351,6 +352,8 @@ def write_checkpoint(directory: str, run: TrainingRun, rank: int) -> dict[str, t
             scaler_sd=scaler.state_dict() if scaler is not None else None,
             loop=run.state,
             ema_sd=run.ema.state_dict() if run.ema is not None else None,
+            other_ranks_files=[f"{SHARDED_DIR}/{name}" for name in shard_files(
+                os.path.join(directory, SHARDED_DIR))] if run.sharded else [],
         )
     return sd
 

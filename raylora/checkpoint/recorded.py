@@ -1,0 +1,81 @@
+"""The checkpoints Ray Train recorded for a run, read on the driver before a run starts.
+
+Ray Train V2 keeps its record in ``{run}/checkpoint_manager_snapshot.json``: the checkpoints
+it kept and the latest one, which a run with the same storage path and name resumes from.
+The snapshot is Ray's internal format: a snapshot that does not read as expected is left to
+Ray (nothing deleted, nothing refused).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from raylora import storage
+from raylora.checkpoint.state import FILES_FILE, IncompleteCheckpoint, missing_files
+
+log = logging.getLogger("raylora")
+
+SNAPSHOT = "checkpoint_manager_snapshot.json"
+
+
+def _snapshot(store, run_uri: str) -> dict | None:
+    uri = storage.join(run_uri, SNAPSHOT)
+    if not store.exists(uri):
+        return None
+    try:
+        snap = json.loads(store.read_bytes(uri))
+    except ValueError:
+        return None
+    return snap if isinstance(snap, dict) else None
+
+
+def drop_unrecorded(store, run_uri: str) -> list[str]:
+    """Delete checkpoint folders Ray Train wrote but never recorded; returns their URIs.
+
+    A process stopped after a checkpoint's upload but before Ray registered it (SIGTERM,
+    a lost driver) leaves a complete-looking folder that no run will resume from or count
+    against ``checkpoint.num_to_keep``: it would stay in the bucket for good. Called before
+    a run starts, when nothing else writes there.
+    """
+    import pyarrow.fs as pafs
+
+    try:
+        recorded = {r["checkpoint_dir_name"] for r in (_snapshot(store, run_uri) or {})["checkpoint_results"]}
+    except (KeyError, TypeError):
+        return []
+    fs, path = store.fs(run_uri)
+    dropped = []
+    for info in fs.get_file_info(pafs.FileSelector(path)):
+        if (info.type == pafs.FileType.Directory and info.base_name.startswith("checkpoint_")
+                and info.base_name not in recorded):
+            fs.delete_dir(info.path)
+            dropped.append(storage.join(run_uri, info.base_name))
+    if dropped:
+        log.warning("removed %d checkpoint folder(s) that an interrupted run wrote but Ray "
+                    "never recorded: %s", len(dropped), ", ".join(dropped))
+    return dropped
+
+
+def check_latest(store, run_uri: str) -> str | None:
+    """The URI of the checkpoint a run at ``run_uri`` would resume from (None: it starts
+    afresh, or Ray's record is unreadable). Raises ``IncompleteCheckpoint`` naming the
+    files it lacks of its ``checkpoint_files.json`` (one listing and one small read), so a
+    resume that would fail on the workers fails here, before a cluster is started."""
+    try:
+        name = (_snapshot(store, run_uri) or {})["latest_checkpoint_result"]["checkpoint_dir_name"]
+    except (KeyError, TypeError):
+        return None
+    uri = storage.join(run_uri, name)
+    fs, path = store.fs(uri)
+    try:
+        present = storage.listed_sizes(fs, path)
+    except OSError as exc:
+        raise OSError(f"{uri}: cannot list the checkpoint to resume from: {exc}") from None
+    if not present:
+        raise IncompleteCheckpoint(uri, ["every file (the folder is empty or gone)"])
+    if FILES_FILE in present:  # absent: written before raylora recorded its files
+        missing = missing_files(json.loads(store.read_bytes(storage.join(uri, FILES_FILE))), present)
+        if missing:
+            raise IncompleteCheckpoint(uri, missing)
+    return uri

@@ -328,3 +328,16 @@ def test_training_and_checkpointing_survive_a_faulty_object_store(s3, ray_s3, sh
         assert [json.loads(row)["step"] for row in history] == list(range(1, r["metrics"]["step"] + 1))
     # Each checkpoint's history.jsonl was refused once, and the upload after that arrived.
     assert len(refused.counts) == 2 and min(refused.counts.values()) >= 2
+    # The checkpoint a rerun resumes from lists its files, all there; one deleted is named.
+    from raylora.checkpoint.recorded import check_latest
+    from raylora.checkpoint.state import IncompleteCheckpoint
+    from raylora.storage import Storage
+
+    latest = snapshot["latest_checkpoint_result"]["checkpoint_dir_name"]
+    run_uri, store = f"s3://{BUCKET}/runs/faulty/train", Storage(os.environ["AWS_ENDPOINT_URL"])
+    assert f"runs/faulty/train/{latest}/checkpoint_files.json" in stored
+    assert check_latest(store, run_uri) == f"{run_uri}/{latest}"
+    s3.delete_object(Bucket=BUCKET, Key=f"runs/faulty/train/{latest}/history.jsonl")
+    with pytest.raises(IncompleteCheckpoint, match=f"checkpoint {run_uri}/{latest} is incomplete: "
+                                                    r"history.jsonl \(missing\)\."):
+        check_latest(store, run_uri)

@@ -66,12 +66,34 @@ def join(uri: str, *parts: str) -> str:
 S3_ATTEMPTS = 6
 
 
+class RetryingS3(pafs.S3FileSystem):
+    """pyarrow's S3 filesystem whose transient errors (throttling, 5xx, resets) the SDK
+    retries with backoff, S3_ATTEMPTS attempts in all, in every process it reaches.
+
+    Why a subclass: ``S3FileSystem.__reduce__`` (pyarrow 26.0.1) leaves the retry strategy
+    out, so each copy Ray pickled to another process (Ray Train's controller, which writes
+    the run's checkpoint record, and workers, which upload checkpoints; Ray Data's read
+    tasks) came back with arrow's default of 3 attempts. This one pickles the arguments it
+    was made from (region, endpoint, timeouts: no credentials, which come from each
+    process's environment) and is rebuilt whole."""
+
+    def __init__(self, **kwargs):
+        super().__init__(retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=S3_ATTEMPTS),
+                         **kwargs)
+        self.kwargs = kwargs
+
+    def __reduce__(self):
+        return _retrying_s3, (self.kwargs,)
+
+
+def _retrying_s3(kwargs: dict) -> RetryingS3:
+    return RetryingS3(**kwargs)
+
+
 def _s3(endpoint_url: str | None, region: str | None) -> pafs.S3FileSystem:
     endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
     kwargs: dict = {
         "region": region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
-        # Transient errors (throttling, 5xx, resets) are retried with backoff by the SDK.
-        "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=S3_ATTEMPTS),
         "connect_timeout": 10,
         "request_timeout": 60,
     }
@@ -79,7 +101,7 @@ def _s3(endpoint_url: str | None, region: str | None) -> pafs.S3FileSystem:
         parsed = urlparse(endpoint)
         kwargs["endpoint_override"] = parsed.netloc or parsed.path
         kwargs["scheme"] = parsed.scheme or "https"
-    return pafs.S3FileSystem(**kwargs)
+    return RetryingS3(**kwargs)
 
 
 def fs_path(uri: str) -> str:

@@ -322,3 +322,49 @@ def test_masks_reach_training_rows_through_ray_data(ray_local, tiny_model, tmp_p
         assert r["loss_mask"].shape == (1, 16, 16) and r["loss_mask"].dtype == np.uint8
         np.testing.assert_array_equal(r["loss_mask"][0], r["pixel_values"][0])
     assert sum(int((r["loss_mask"] == 255).all()) for r in rows) == 2  # the unmasked two
+
+
+def test_a_masked_run_through_ray_learns_nothing_where_every_mask_is_black(ray_local, tiny_model, tmp_path):
+    """The whole path of data.masked_loss through ``raylora train`` (Ray Data → worker →
+    step → export): every row's mask is black (weight 0) but one row's, which is unreadable
+    (a counted bad_mask row). If the masks reached the loss, it is exactly 0 at every step
+    and the exported adapter's up-projections are still their initial zeros; a mask lost
+    on the way gives a positive loss and a trained adapter (masked_loss off: loss ≈ 1.02)."""
+    import io
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+    from safetensors.torch import load_file
+
+    from raylora.config import validate
+    from raylora.launch import run
+
+    def png(img):
+        buf = io.BytesIO()
+        img.save(buf, format="PNG")
+        return buf.getvalue()
+
+    rng = np.random.default_rng(3)
+    images = [png(Image.fromarray(rng.integers(0, 256, (24, 24, 3), dtype=np.uint8), "RGB")) for _ in range(9)]
+    black = png(Image.new("L", (24, 24), 0))
+    pq.write_table(pa.table({"image": images, "text": [f"row {i}" for i in range(9)],
+                             "mask": [black] * 8 + [b"not a png"]}), str(tmp_path / "p.parquet"))
+    out = tmp_path / "out"
+    summary = run(validate({
+        "model": {"pretrained": tiny_model},
+        "data": {"uri": str(tmp_path / "p.parquet"), "resolution": 16, "masked_loss": True,
+                 "max_bad_fraction": 0.5},
+        "train": {"batch_size": 2, "max_steps": 3, "learning_rate": 1e-2, "seed": 5},
+        "scaling": {"num_workers": 1},
+        "output": {"uri": str(out)}}))
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["loss"] for r in rows] == [0.0, 0.0, 0.0]
+    meta = json.load(open(out / "adapter" / "raylora.json"))
+    assert meta["data"]["bad_records"]["bad_mask"] >= 1
+    weights = load_file(str(out / "adapter" / "pytorch_lora_weights.safetensors"))
+    ups = [v for k, v in weights.items() if "lora_B" in k or "lora.up" in k]
+    assert ups and all(not v.any() for v in ups)
+    assert summary["metrics"]["steps"] == 3

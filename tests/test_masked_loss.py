@@ -3,7 +3,8 @@ family), where masks come from (alpha, sidecar files in a tar or a folder, a par
 column), that they follow the image's crop/resize/flip/bucket, that a mask that does not
 fit is a counted bad row, and that the latent cache stores them. One process, no Ray (the
 Ray Data path: test_formats.py::test_masks_reach_training_rows_through_ray_data, which
-shares that module's local Ray)."""
+shares that module's local Ray; a whole masked run through it: test_formats.py::test_a_masked_
+run_through_ray_learns_nothing_where_every_mask_is_black)."""
 
 from __future__ import annotations
 

@@ -272,6 +272,41 @@ def test_upload_dir_uploads_again_a_file_that_pyarrow_dropped(s3, tmp_path, capl
                       "uploading them again: history.jsonl" for d in ("checked", "refused")]
 
 
+def test_a_filesystem_ray_copies_to_another_process_keeps_its_retries(s3):
+    """Ray pickles the S3 filesystem it is given to its controller, workers and read tasks.
+    pyarrow's own pickling drops the retry strategy (arrow's default: 3 attempts); raylora's
+    copy keeps S3_ATTEMPTS: the 4th attempt at an object whose first 3 part uploads were
+    refused with 503 succeeds in the unpickled copy as in the original."""
+    import pickle
+
+    import pyarrow.fs as pafs
+    from faultproxy import FaultProxy, failing_puts
+
+    from raylora.storage import S3_ATTEMPTS, Storage
+
+    assert S3_ATTEMPTS > 4
+    refused = failing_puts(lambda k: k.startswith("/raylora-test/pickled/"), 3)
+    with FaultProxy(os.environ["AWS_ENDPOINT_URL"], fail_if=refused) as proxy:
+        fs, path = Storage(endpoint_url=proxy.url).fs(f"s3://{BUCKET}/pickled")
+        plain = pafs.S3FileSystem(**{k: v for k, v in fs.__reduce__()[1][0].items()
+                                     if k in ("region", "scheme", "endpoint_override")})
+        for name, copy in (("original", fs), ("unpickled", pickle.loads(pickle.dumps(fs))),
+                           ("plain", pickle.loads(pickle.dumps(plain)))):
+            try:
+                with copy.open_output_stream(f"{path}/{name}") as out:
+                    out.write(name.encode())
+            except OSError as exc:
+                assert name == "plain" and "SLOW_DOWN" in str(exc), exc  # arrow's 3 attempts
+            else:
+                assert name != "plain", "arrow's default retried more than 3 times"
+    assert type(pickle.loads(pickle.dumps(fs))) is type(fs)
+    assert {k.rsplit("/", 1)[1]: n for k, n in refused.counts.items()} == {
+        "original": 4, "unpickled": 4, "plain": 3}
+    for name in ("original", "unpickled"):
+        assert s3.get_object(Bucket=BUCKET, Key=f"pickled/{name}")["Body"].read() == name.encode()
+    assert proxy.failed["PUT"] == 9
+
+
 def test_endpoint_from_config_without_env(s3, shards, monkeypatch):
     """storage.endpoint_url alone (no AWS_ENDPOINT_URL) reaches an S3-compatible store."""
     from raylora.config import StorageSection

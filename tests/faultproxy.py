@@ -20,9 +20,9 @@ ACCESS_DENIED = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDeni
 class FaultProxy:
     """Forwards to ``upstream``; request n (counted from 1) gets a 503 when n % fail_every
     == 0, and waits ``delay`` seconds first when n % slow_every == 0. ``fail_if(method,
-    path)`` (path with its query), when given, picks further requests to fail: a test aims
-    a fault at one operation on one key; it answers True (503 SlowDown) or 403 (Access
-    Denied). ``failed`` counts the injected errors by method and by path, so a test can
+    path, body)`` (path with its query), when given, picks further requests to fail: a
+    test aims a fault at one operation on one key, or at one content; it answers True (503
+    SlowDown) or 403 (Access Denied). ``failed`` counts the injected errors by method and by path, so a test can
     tell what had to be retried."""
 
     def __init__(self, upstream: str, fail_every: int = 0, slow_every: int = 0, delay: float = 0.3,
@@ -63,7 +63,7 @@ class FaultProxy:
                     proxy.requests += 1
                     n = proxy.requests
                     fail = (bool(proxy.fail_every) and n % proxy.fail_every == 0) or (
-                        proxy.fail_if is not None and proxy.fail_if(self.command, self.path))
+                        proxy.fail_if is not None and proxy.fail_if(self.command, self.path, body))
                     slow = bool(proxy.slow_every) and n % proxy.slow_every == 0
                     if fail:
                         proxy.failed[self.command] += 1
@@ -127,7 +127,7 @@ def failing_puts(match, times: int, status=True):
     (True: 503 SlowDown, which the SDK retries; 403: Access Denied, which it does not)."""
     counts: Counter = Counter()
 
-    def rule(method: str, path: str):
+    def rule(method: str, path: str, body: bytes = b""):
         key = path.split("?", 1)[0]
         if method != "PUT" or not match(key):
             return False

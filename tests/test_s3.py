@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections import Counter
 
 import pytest
@@ -257,7 +258,7 @@ def test_upload_dir_uploads_again_a_file_that_pyarrow_dropped(s3, tmp_path, capl
         (tmp_path / rel).write_bytes(data)
     once = failing_puts(lambda k: k == "/raylora-test/upload/checked/history.jsonl", 1, status=403)
     always = failing_puts(lambda k: k == "/raylora-test/upload/refused/history.jsonl", 99, status=403)
-    with FaultProxy(os.environ["AWS_ENDPOINT_URL"], fail_if=lambda m, p: once(m, p) or always(m, p)) as proxy:
+    with FaultProxy(os.environ["AWS_ENDPOINT_URL"], fail_if=lambda m, p, b: once(m, p) or always(m, p)) as proxy:
         store = Storage(endpoint_url=proxy.url)
         with caplog.at_level(logging.WARNING, logger="raylora.storage"):
             store.upload_dir(str(tmp_path), f"s3://{BUCKET}/upload/checked")
@@ -270,6 +271,57 @@ def test_upload_dir_uploads_again_a_file_that_pyarrow_dropped(s3, tmp_path, capl
     warned = [r.getMessage() for r in caplog.records if "uploading them again" in r.getMessage()]
     assert warned == [f"s3://{BUCKET}/upload/{d}: 1 file(s) missing or short after the upload, "
                       "uploading them again: history.jsonl" for d in ("checked", "refused")]
+
+
+def test_a_refused_checkpoint_record_fails_the_run_and_a_rerun_resumes_from_the_one_before(
+        s3, ray_s3, shards, tiny_model, caplog):
+    """Ray Train's controller writes its record of the checkpoints
+    (checkpoint_manager_snapshot.json) after each upload; Ray does not retry a controller
+    error. The store refuses that write once the second checkpoint's folder is in the
+    bucket: the run fails naming the key, the record still names only the first
+    checkpoint, and the same config run again drops the unrecorded folder and resumes from
+    the first checkpoint to the end."""
+    import logging
+
+    from faultproxy import FaultProxy
+
+    from raylora.launch import run
+
+    run_key = "runs/record/train"
+
+    def checkpoints() -> set[str]:
+        listed = s3.list_objects_v2(Bucket=BUCKET, Prefix=f"{run_key}/checkpoint_2").get("Contents", [])
+        return {o["Key"].split("/")[3] for o in listed}
+
+    def refuse_second_record(method: str, path: str, body: bytes):
+        """403 to the upload of a record that names step 4's checkpoint."""
+        record = path.split("?", 1)[0] == f"/{BUCKET}/{run_key}/checkpoint_manager_snapshot.json"
+        return 403 if record and method == "PUT" and re.search(rb'"step":\s*4\b', body) else False
+
+    tree = {
+        "model": {"pretrained": tiny_model},
+        "data": {"uri": f"s3://{BUCKET}/data/parquet", "resolution": 64, "center_crop": True},
+        "train": {"batch_size": 2, "max_steps": 4, "learning_rate": 1e-3},
+        "scaling": {"num_workers": 1},
+        "checkpoint": {"every_n_steps": 2, "num_to_keep": 3},
+        "output": {"uri": f"s3://{BUCKET}/runs/record"},
+    }
+    with FaultProxy(os.environ["AWS_ENDPOINT_URL"], fail_if=refuse_second_record) as proxy:
+        with pytest.raises(Exception, match="checkpoint_manager_snapshot.json"):
+            run(validate({**tree, "storage": {"endpoint_url": proxy.url}}))
+    assert proxy.failed["PUT"] >= 1
+    assert len(checkpoints()) == 2
+    record = json.loads(s3.get_object(Bucket=BUCKET, Key=f"{run_key}/checkpoint_manager_snapshot.json")["Body"].read())
+    assert [r["metrics"]["step"] for r in record["checkpoint_results"]] == [2]
+    first = record["latest_checkpoint_result"]["checkpoint_dir_name"]
+
+    with caplog.at_level(logging.WARNING, logger="raylora"):
+        summary = run(validate(tree))
+    assert summary["metrics"]["resumed_from_step"] == 2 and summary["metrics"]["steps"] == 4
+    assert any("removed 1 checkpoint folder(s)" in r.getMessage() for r in caplog.records)
+    record = json.loads(s3.get_object(Bucket=BUCKET, Key=f"{run_key}/checkpoint_manager_snapshot.json")["Body"].read())
+    assert [r["metrics"]["step"] for r in record["checkpoint_results"]] == [2, 4]
+    assert checkpoints() == {r["checkpoint_dir_name"] for r in record["checkpoint_results"]} and first in checkpoints()
 
 
 def test_a_filesystem_ray_copies_to_another_process_keeps_its_retries(s3):

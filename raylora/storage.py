@@ -316,9 +316,10 @@ def complete_upload(local_dir: str, fs: pafs.FileSystem, dest: str, what: str = 
     destroying file" and the file is simply absent. (Arrow's C++ ``CopyFiles`` closes each
     destination with ``CloseAsync()``, waits on those futures and returns OK without
     reading their status.) A single stream's ``close()`` raises the same error, so a file
-    written again here either arrives or raises. One listing of ``dest`` per call; other writers' files there (the
-    other ranks of one checkpoint) are left alone. Raises OSError naming the files still
-    missing or short after the second upload.
+    written again here either arrives or raises. One listing of ``dest`` when everything
+    arrived (a second after uploading again); other writers' files there (the other ranks
+    of one checkpoint) are left alone. Raises OSError naming the files still missing or
+    short after the second upload.
     """
     dest = dest.rstrip("/")
     want = local_sizes(local_dir)

@@ -22,8 +22,8 @@ class FaultProxy:
     == 0, and waits ``delay`` seconds first when n % slow_every == 0. ``fail_if(method,
     path, body)`` (path with its query), when given, picks further requests to fail: a
     test aims a fault at one operation on one key, or at one content; it answers True (503
-    SlowDown) or 403 (Access Denied). ``failed`` counts the injected errors by method and by path, so a test can
-    tell what had to be retried."""
+    SlowDown) or 403 (Access Denied). ``failed`` counts the injected errors by method and
+    by path, so a test can tell what had to be retried."""
 
     def __init__(self, upstream: str, fail_every: int = 0, slow_every: int = 0, delay: float = 0.3,
                  fail_if=None):

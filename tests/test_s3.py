@@ -277,8 +277,8 @@ def test_a_refused_checkpoint_record_fails_the_run_and_a_rerun_resumes_from_the_
         s3, ray_s3, shards, tiny_model, caplog):
     """Ray Train's controller writes its record of the checkpoints
     (checkpoint_manager_snapshot.json) after each upload; Ray does not retry a controller
-    error. The store refuses that write once the second checkpoint's folder is in the
-    bucket: the run fails naming the key, the record still names only the first
+    error. The store refuses the upload of the record that names the second checkpoint
+    (step 4): the run fails naming the key, the record still names only the first
     checkpoint, and the same config run again drops the unrecorded folder and resumes from
     the first checkpoint to the end."""
     import logging
@@ -340,8 +340,7 @@ def test_a_filesystem_ray_copies_to_another_process_keeps_its_retries(s3):
     refused = failing_puts(lambda k: k.startswith("/raylora-test/pickled/"), 3)
     with FaultProxy(os.environ["AWS_ENDPOINT_URL"], fail_if=refused) as proxy:
         fs, path = Storage(endpoint_url=proxy.url).fs(f"s3://{BUCKET}/pickled")
-        plain = pafs.S3FileSystem(**{k: v for k, v in fs.__reduce__()[1][0].items()
-                                     if k in ("region", "scheme", "endpoint_override")})
+        plain = pafs.S3FileSystem(**fs.kwargs)  # the same filesystem, pyarrow's own class
         for name, copy in (("original", fs), ("unpickled", pickle.loads(pickle.dumps(fs))),
                            ("plain", pickle.loads(pickle.dumps(plain)))):
             try:

@@ -374,6 +374,13 @@ def main(argv: list[str] | None = None) -> int:
         # Bad input named by URI/path: one line, not a stack trace.
         print(f"raylora: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        # Storage that failed mid-way (raylora.storage names the URI in the message): one
+        # line too; the stack trace is for a bug report, so only with --verbose.
+        if getattr(args, "verbose", False):
+            raise
+        print(f"raylora: error: {exc} (--verbose shows where)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -130,8 +130,23 @@ def resolve_paths(cfg: RayLoraConfig) -> RayLoraConfig:
     return cfg
 
 
+def write_problems(cfg: RayLoraConfig, store: storage.Storage) -> list[str]:
+    """``key: why`` for each place the run writes to that cannot be written
+    (``Storage.write_problem``): the output, and the latent and compile caches when set
+    apart from it. The workers write them much later, after the run has spent its start."""
+    places = {"output.uri": cfg.output.uri, "train.compile_cache_uri": cfg.train.compile_cache_uri}
+    if cfg.data.cache == "latents":
+        places["data.cache_uri"] = cfg.data.cache_uri
+    problems = []
+    for key, uri in places.items():
+        if uri and (problem := store.write_problem(uri)):
+            problems.append(f"{key}: {problem}")
+    return problems
+
+
 def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
-    """Check model, data and step arithmetic; raise one ConfigError with every problem.
+    """Check model, data, the places the run writes to (``write_problems``) and step
+    arithmetic; raise one ConfigError with every problem.
     ``heldout=False`` skips reading the held-out rows (a run that never evaluates)."""
     from raylora.data.plan import plan_data
     from raylora.model.load import check_model, is_hub_id, resolve_family
@@ -150,11 +165,7 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
             problems.append(str(exc) if str(exc).startswith("model.") else f"model.pretrained: {exc}")
     native = scheduler_objective_kind(scheduler) if scheduler else None
     problems += family_problems(cfg, family, factor * family.patch, native)
-    if cfg.train.compile_cache_uri:  # read by the workers only: checked here, up front
-        try:
-            storage.check_scheme(cfg.train.compile_cache_uri)
-        except ValueError as exc:
-            problems.append(f"train.compile_cache_uri: {exc}")
+    problems += write_problems(cfg, store)
     objective = cfg.train.prediction_type or native
 
     data = None

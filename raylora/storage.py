@@ -217,6 +217,44 @@ class Storage:
         with fs.open_output_stream(path) as f:
             f.write(data)
 
+    def write_problem(self, uri: str) -> str | None:
+        """Why nothing can be written under ``uri`` (one line), or None. Checked before a
+        run starts Ray: otherwise a wrong bucket, endpoint or key surfaces from Ray Train's
+        own storage setup or the first checkpoint, as a stack trace, minutes in.
+
+        Local: the nearest folder that exists must be a folder this process may write to;
+        nothing is created (a run refused later must leave no output folder behind).
+        Object storage: one empty object is written under ``uri`` and deleted, since only a
+        write tests the bucket, the credentials and the endpoint together. Its name is
+        unique, so nothing already there is touched; pyarrow's delete leaves the zero-byte
+        folder marker (``key/``) that Ray Train's own storage setup writes anyway."""
+        if is_local(uri):
+            path = local_path(uri)
+            existing = path
+            while not os.path.lexists(existing):
+                existing = os.path.dirname(existing)
+            if not os.path.isdir(existing):
+                return f"{uri}: {existing} is a file, not a folder"
+            if not os.access(existing, os.W_OK | os.X_OK):
+                return f"{uri}: no permission to write in {existing}"
+            return None
+        try:
+            check_scheme(uri)
+        except ValueError as exc:
+            return str(exc)
+        fs, path = self.fs(uri)
+        probe = f"{path.rstrip('/')}/{_unique('.raylora-write-check-')}"
+        try:
+            with fs.open_output_stream(probe):
+                pass
+        except OSError as exc:
+            return f"{uri}: cannot write there: {_short(exc)}"
+        try:
+            fs.delete_file(probe)
+        except OSError as exc:  # runs delete old checkpoints and unrecorded folders
+            return f"{uri}: can write but not delete there (left {to_uri(uri, probe)}): {_short(exc)}"
+        return None
+
     def open_input(self, uri: str):
         """A seekable file object (tar and parquet readers need random access)."""
         fs, path = self.fs(uri)

@@ -34,18 +34,41 @@ def test_bad_config_exits_2_before_ray_with_every_problem(tmp_path):
     assert "Started a local Ray instance" not in p.stderr + p.stdout
 
 
-def test_missing_model_and_data_named_before_ray(tmp_path):
+def test_missing_model_and_data_and_an_unwritable_output_named_before_ray(tmp_path):
     cfg = tmp_path / "job.yaml"
+    (tmp_path / "runs").write_text("a file where the output's parent folder would go")
+    out = tmp_path / "runs" / "out"
     cfg.write_text(yaml.safe_dump({
         "model": {"pretrained": str(tmp_path / "no-model")},
         "data": {"uri": str(tmp_path / "no-data")},
-        "output": {"uri": str(tmp_path / "out")},
+        "output": {"uri": str(out)},
     }))
     p = _run(["train", str(cfg)])
     assert p.returncode == 2, p.stderr
+    assert "3 config problem(s)" in p.stderr
     assert f"model.pretrained: {tmp_path / 'no-model'}: no such directory" in p.stderr
     assert f"data.uri: {tmp_path / 'no-data'}: no such file or directory" in p.stderr
-    assert not os.path.exists(tmp_path / "out")
+    assert f"output.uri: {out}: {tmp_path / 'runs'} is a file, not a folder" in p.stderr
+    assert "Started a local Ray instance" not in p.stderr + p.stdout
+    # a writable output is not created by the check: a run refused later leaves no folder
+    cfg.write_text(yaml.safe_dump({"model": {"pretrained": str(tmp_path / "no-model")},
+                                   "data": {"uri": str(tmp_path / "no-data")},
+                                   "output": {"uri": str(tmp_path / "new" / "out")}}))
+    p = _run(["train", str(cfg)])
+    assert p.returncode == 2 and "2 config problem(s)" in p.stderr, p.stderr
+    assert not os.path.exists(tmp_path / "new")
+
+
+def test_an_os_error_is_one_line_and_its_stack_trace_is_for_verbose(tmp_path):
+    (tmp_path / "f").write_text("")
+    target = tmp_path / "f" / "data"
+    p = _run(["demo-data", str(target)])
+    assert p.returncode == 1
+    assert f"raylora: error: [Errno 20] Not a directory: '{target}' (--verbose shows where)" in p.stderr
+    assert "Traceback" not in p.stderr
+    p = _run(["demo-data", str(target), "--verbose"])
+    assert p.returncode == 1 and "Traceback" in p.stderr
+    assert p.stderr.strip().splitlines()[-1] == f"NotADirectoryError: [Errno 20] Not a directory: '{target}'"
 
 
 def test_tiny_model_and_demo_data_commands(tmp_path):

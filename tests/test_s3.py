@@ -358,6 +358,54 @@ def test_a_filesystem_ray_copies_to_another_process_keeps_its_retries(s3):
     assert proxy.failed["PUT"] == 9
 
 
+def test_a_place_the_run_cannot_write_is_named_before_ray_starts(s3, shards, tiny_model, tmp_path,
+                                                                 monkeypatch, capsys):
+    """The output and the latent cache are written by the workers, long after the start: a
+    bucket that does not exist, or a store that refuses the write or the delete, is named
+    by its key when the run is planned. A writable place keeps nothing of the check."""
+    import yaml
+    from faultproxy import FaultProxy
+
+    from raylora import launch
+    from raylora.cli import main
+    from raylora.storage import Storage
+
+    store = Storage()
+    assert store.write_problem(f"s3://{BUCKET}/writable/out") is None
+    assert [k for k in keys(s3, "writable/") if not k.endswith("/")] == []
+    assert store.write_problem("s3://raylora-no-such-bucket/out").startswith(
+        "s3://raylora-no-such-bucket/out: cannot write there: ")
+
+    def refuse(method: str):
+        return lambda m, p, b: 403 if m == method and "/.raylora-write-check-" in p else False
+
+    for method, said in (("PUT", "cannot write there: "), ("DELETE", "can write but not delete there")):
+        with FaultProxy(os.environ["AWS_ENDPOINT_URL"], fail_if=refuse(method)) as proxy:
+            problem = Storage(endpoint_url=proxy.url).write_problem(f"s3://{BUCKET}/refused")
+        assert problem.startswith(f"s3://{BUCKET}/refused: {said}") and "ACCESS_DENIED" in problem, problem
+        assert proxy.failed[method] == 1
+    left = [k for k in keys(s3, "refused/") if not k.endswith("/")]  # the refused delete's probe
+    assert len(left) == 1 and f"(left s3://{BUCKET}/{left[0]})" in problem
+
+    def no_ray(*_):
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(launch, "init_ray", no_ray)
+    (tmp_path / "cache").write_text("a file where the cache folder would go")
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({
+        "model": {"pretrained": tiny_model},
+        "data": {"uri": f"s3://{BUCKET}/data/parquet", "resolution": 64, "center_crop": True,
+                 "cache": "latents", "cache_uri": str(tmp_path / "cache" / "latents")},
+        "output": {"uri": "s3://raylora-no-such-bucket/out"},
+    }))
+    assert main(["train", str(job)]) == 2
+    err = capsys.readouterr().err
+    assert "2 config problem(s)" in err
+    assert "  - output.uri: s3://raylora-no-such-bucket/out: cannot write there: " in err
+    assert f"  - data.cache_uri: {tmp_path / 'cache' / 'latents'}: {tmp_path / 'cache'} is a file, not a folder" in err
+
+
 def test_endpoint_from_config_without_env(s3, shards, monkeypatch):
     """storage.endpoint_url alone (no AWS_ENDPOINT_URL) reaches an S3-compatible store."""
     from raylora.config import StorageSection

@@ -8,6 +8,8 @@ sees the held-out loss at every evaluation (``time_attr="step"``) and stops losi
 Storage under ``output.uri``::
 
     tune/                       Tune's experiment state and per-trial result logs
+    tune/search.json            the resolved config the search started with (a rerun of
+                                the same command resumes the search; another config is refused)
     tune/trials/trial_<id>/     each trial's Ray Train run (checkpoints)
     tune/results.csv|json       one row per trial: sampled values, metrics, steps, status
     best/adapter/               the best trial's adapter, same contract as ``raylora train``
@@ -32,6 +34,10 @@ TUNE_DIR = "tune"
 TRIALS_DIR = "trials"
 BEST_DIR = "best"
 TRIAL_DRIVER_CPU = 0.01
+# Under tune/: the resolved config a search started with, checked when it is resumed.
+SEARCH_FILE = "search.json"
+# Config sections a resumed search may change: they do not change what a trial trains.
+RESUME_MAY_CHANGE = ("storage", "failure")
 # Trials that change the step arithmetic get it checked for every bounding value up front.
 ARITHMETIC_KEYS = (
     "train.batch_size", "train.gradient_accumulation_steps", "train.max_steps", "train.num_epochs",
@@ -140,9 +146,16 @@ def _trial(params: dict, *, base_tree: dict, base_plan: Plan, trials_uri: str) -
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
+    from raylora.checkpoint.recorded import check_latest, drop_unrecorded
+
     trial_cfg = validate(trial_tree(base_tree, params))
     p = replan(trial_cfg, base_plan)
     name = f"trial_{tune.get_context().get_trial_id()}"
+    # A trial of a resumed search resumes its own run as ``raylora train`` does: folders an
+    # interruption left unrecorded go, and the checkpoint it resumes from must be whole.
+    run_uri, store = storage.join(trials_uri, name), trial_cfg.storage.client()
+    drop_unrecorded(store, run_uri)
+    check_latest(store, run_uri)
     trainer = build_trainer(trial_cfg, p, trials_uri, name, callbacks=[TuneReportCallback()])
     trainer.fit()
 
@@ -155,7 +168,14 @@ def run_tune(cfg: RayLoraConfig) -> dict:
     # bounding value of the search; the cluster must place one trial's workers, at least.
     # One bad-record counter for the search (every trial's reads count in it) and one
     # latent cache for every trial, built (or found) before the first one starts.
-    setup = Setup(need_cpus=lambda c: trial_resources(c)["CPU"], make_plan=preflight,
+    resume = []  # whether output.uri's search is resumed: after the plan, before Ray
+
+    def plan_and_resume(c: RayLoraConfig) -> Plan:
+        p = preflight(c)
+        resume.append(search_to_resume(c))
+        return p
+
+    setup = Setup(need_cpus=lambda c: trial_resources(c)["CPU"], make_plan=plan_and_resume,
                   variants=trial_variants)
     with prepared(cfg, setup) as r:
         # Trials are sized by the config as asked (trial_resources), not by the
@@ -169,7 +189,10 @@ def run_tune(cfg: RayLoraConfig) -> dict:
             "tune: %d trial(s), up to %d at a time (%s per trial), metric %s",
             n_trials, concurrency, trial_resources(cfg), tn.metric,
         )
-        grid = _tuner(cfg, base_plan, out, concurrency).fit()
+        if not resume[0]:
+            cfg.storage.client().write_bytes(storage.join(out, TUNE_DIR, SEARCH_FILE),
+                                             json.dumps({"config": cfg.to_dict()}, indent=1).encode())
+        grid = _tuner(cfg, base_plan, out, concurrency, resume=resume[0]).fit()
         # Raises when too much of what was read was bad; the counts are the whole search's.
         bad = check_bad_records(cfg, base_plan)
         rows = results_table(grid, tn, base_plan.max_steps)
@@ -179,6 +202,43 @@ def run_tune(cfg: RayLoraConfig) -> dict:
             summary["best"] = best
             summary["best_adapter"] = export_best(best, grid, cfg, base_plan, out, bad)
         return summary
+
+
+def search_to_resume(cfg: RayLoraConfig) -> bool:
+    """True when ``{output.uri}/tune`` holds a search Tune can restore (an interrupted one,
+    or a finished one, which then trains nothing and is reported again). Raises ConfigError
+    when that search was started with another config (``SEARCH_FILE``): Tune restores its
+    own search space, scheduler and sampler, so a changed value would be ignored for some
+    trials and used by others; only ``storage`` and ``failure`` may change."""
+    from ray import tune
+
+    from raylora.config import ConfigError
+
+    store = cfg.storage.client()
+    fs, path = store.fs(storage.join(cfg.output.uri, TUNE_DIR))
+    if not tune.Tuner.can_restore(path, storage_filesystem=fs):
+        return False
+    where = storage.join(cfg.output.uri, TUNE_DIR)
+    record = storage.join(where, SEARCH_FILE)
+    if store.exists(record):  # absent: a search started before raylora recorded its config
+        started = json.loads(store.read_bytes(record))["config"]
+        changed = [f"{key}: {old!r} then, {new!r} now"
+                   for key, old, new in _differences(started, cfg.to_dict()) if key.split(".")[0] not in RESUME_MAY_CHANGE]
+        if changed:
+            raise ConfigError([f"output.uri: {where} holds a search started with another config; "
+                               "run it with that config to resume it, or use a new output.uri. "
+                               f"Changed: {'; '.join(changed)}"])
+    log.info("tune: resuming the search in %s: finished trials stay as they ended, the others "
+             "continue from their latest checkpoints", where)
+    return True
+
+
+def _differences(a, b, prefix: str = "") -> list[tuple[str, object, object]]:
+    """(dotted key, a's value, b's value) wherever two config trees differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b), key=str)
+                for d in _differences(a.get(k), b.get(k), f"{prefix}{k}.")]
+    return [] if a == b else [(prefix.rstrip("."), a, b)]
 
 
 def _scheduler(tn: TuneSection, max_steps: int):
@@ -191,24 +251,31 @@ def _scheduler(tn: TuneSection, max_steps: int):
                          reduction_factor=tn.reduction_factor)
 
 
-def _tuner(cfg: RayLoraConfig, base_plan: Plan, out: str, concurrency: int):
-    """The search: ``_trial`` per sampled config, experiment state under ``out/tune``."""
+def _tuner(cfg: RayLoraConfig, base_plan: Plan, out: str, concurrency: int, resume: bool = False):
+    """The search: ``_trial`` per sampled config, experiment state under ``out/tune``;
+    ``resume``: the interrupted search there, continued."""
     from ray import tune
 
     tn = cfg.tune
     seed = tn.seed if tn.seed is not None else cfg.train.seed
     fs, path = cfg.storage.client().fs(out)
     trials_uri = storage.join(out, TUNE_DIR, TRIALS_DIR)
+    # Large inputs (held-out images) travel once through the object store.
+    trainable = tune.with_resources(
+        tune.with_parameters(_trial, base_tree=cfg.to_dict(), base_plan=base_plan, trials_uri=trials_uri),
+        # Tune refuses an empty request; a sliver of a CPU places the trial's driver
+        # anywhere without taking a core from training or data.
+        {"CPU": TRIAL_DRIVER_CPU},
+    )
+    if resume:
+        # Finished and early-stopped trials stay as they ended; unfinished and errored ones
+        # run again, and each one's TorchTrainer resumes from its own latest checkpoint
+        # (its run name is its trial id, which Tune keeps). Scheduler and search state
+        # are Tune's own, restored with the experiment.
+        return tune.Tuner.restore(f"{path}/{TUNE_DIR}", trainable, resume_unfinished=True,
+                                  resume_errored=True, storage_filesystem=fs)
     return tune.Tuner(
-        # Large inputs (held-out images) travel once through the object store.
-        tune.with_resources(
-            tune.with_parameters(
-                _trial, base_tree=cfg.to_dict(), base_plan=base_plan, trials_uri=trials_uri
-            ),
-            # Tune refuses an empty request; a sliver of a CPU places the trial's
-            # driver anywhere without taking a core from training or data.
-            {"CPU": TRIAL_DRIVER_CPU},
-        ),
+        trainable,
         param_space=param_space(tn),
         tune_config=tune.TuneConfig(
             metric=tn.metric,

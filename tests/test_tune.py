@@ -395,6 +395,73 @@ def test_search_stops_the_diverging_trial_and_exports_the_best(ray_local, tiny_m
 
 
 @pytest.mark.integration
+def test_an_interrupted_search_resumes_with_the_same_command(ray_local, tiny_model, demo_data, tmp_path,
+                                                            capsys):
+    """A search whose driver gets SIGTERM (a job stopped, a head pod deleted) is resumed by
+    the same command: the same trials, each run resuming from its own recorded checkpoint,
+    and one results table. Another config is refused before Ray, naming what changed."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import ray
+
+    from raylora.cli import main
+
+    out = tmp_path / "out"
+    job = tmp_path / "tune.yaml"
+    job.write_text(yaml.safe_dump({
+        "model": {"pretrained": tiny_model},
+        "data": {"uri": demo_data, "resolution": 64, "center_crop": True},
+        "train": {"batch_size": 2, "max_steps": 40, "seed": 3},
+        "scaling": {"num_workers": WORKERS},
+        "checkpoint": {"every_n_steps": 4},
+        "output": {"uri": str(out)},
+        "tune": {"search_space": {"train.learning_rate": {"grid": [1e-3, 5e-4]}}, "num_samples": 1,
+                 "metric": "train_loss", "scheduler": "fifo"},
+    }))
+    # The first driver joins this module's Ray and is stopped once a trial has a recorded
+    # checkpoint (step 4 of 40), as `raylora stop` or Kubernetes would stop it.
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    driver = subprocess.Popen([sys.executable, "-m", "raylora", "tune", str(job)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not list(out.glob("tune/trials/*/checkpoint_manager_snapshot.json")):
+        assert driver.poll() is None and time.monotonic() < deadline, driver.communicate()
+        time.sleep(0.1)
+    driver.send_signal(signal.SIGTERM)
+    _, err = driver.communicate(timeout=120)
+    assert driver.returncode == 130, err
+    assert "run the same command again to resume" in err
+    trials = sorted(p.name for p in (out / "tune" / "trials").iterdir())
+    recorded = {}
+    for t in trials:
+        snap = out / "tune" / "trials" / t / "checkpoint_manager_snapshot.json"
+        if snap.exists():
+            recorded[t] = json.loads(snap.read_text())["latest_checkpoint_result"]["metrics"]["step"]
+    assert recorded and all(0 < s < 40 for s in recorded.values()), recorded
+    assert not (out / "tune" / "results.json").exists()
+
+    changed = main(["tune", str(job), "train.max_steps=30", "lora.rank=8"])
+    err = capsys.readouterr().err
+    assert changed == 2
+    assert f"output.uri: {out / 'tune'} holds a search started with another config" in err
+    assert "Changed: lora.rank: 4 then, 8 now; train.max_steps: 40 then, 30 now" in err
+
+    assert main(["tune", str(job)]) == 0
+    doc = json.loads((out / "tune" / "results.json").read_text())
+    assert sorted(f"trial_{r['trial_id']}" for r in doc["trials"]) == trials
+    assert sorted(p.name for p in (out / "tune" / "trials").iterdir()) == trials
+    assert all(r["status"] == "completed" and r["steps"] == 40 for r in doc["trials"]), doc
+    for t, step in recorded.items():  # Tune's own per-trial log of every report
+        [log] = out.glob(f"tune/_trial_{t[len('trial_'):]}_*/result.json")
+        resumed = {json.loads(line).get("resumed_from_step") for line in log.read_text().splitlines()}
+        assert step in resumed, (t, resumed)
+    assert (out / "best" / "adapter" / "pytorch_lora_weights.safetensors").exists()
+
+
+@pytest.mark.integration
 def test_two_workers_share_the_heldout_evaluation(ray_local, tiny_model, demo_data, tmp_path):
     """2 DDP workers each evaluate half the held-out items and all-reduce the sums: the run's
     number equals one process evaluating all of them."""

@@ -223,7 +223,8 @@ def search_to_resume(cfg: RayLoraConfig) -> bool:
     if store.exists(record):  # absent: a search started before raylora recorded its config
         started = json.loads(store.read_bytes(record))["config"]
         changed = [f"{key}: {old!r} then, {new!r} now"
-                   for key, old, new in _differences(started, cfg.to_dict()) if key.split(".")[0] not in RESUME_MAY_CHANGE]
+                   for key, old, new in _differences(started, cfg.to_dict())
+                   if key.split(".")[0] not in RESUME_MAY_CHANGE]
         if changed:
             raise ConfigError([f"output.uri: {where} holds a search started with another config; "
                                "run it with that config to resume it, or use a new output.uri. "

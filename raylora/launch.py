@@ -619,9 +619,10 @@ class Setup:
     memory: bool = True  # the memory preflight (lr-find runs without one)
     # (label, config) pairs checked for memory besides the base (tune's bounding values)
     variants: Callable[[RayLoraConfig], list] | None = None
-    # The run under output.uri that resumes from its latest checkpoint: that checkpoint is
-    # checked to be whole before Ray starts (raylora.checkpoint.recorded.check_latest).
-    resumes: str | None = None
+    # What a rerun resumes under output.uri, checked after the plan and before Ray starts
+    # (train: its latest checkpoint, whole; tune: the search, same config). It may raise;
+    # its answer is Prepared.resume.
+    resume: Callable[[RayLoraConfig], object] | None = None
 
 
 @dataclass
@@ -632,31 +633,27 @@ class Prepared:
     cfg: RayLoraConfig
     plan: Plan
     resolved: RayLoraConfig  # before check_cluster_fits: what tune sizes its trials by
+    resume: object = None  # Setup.resume's answer
 
 
 @contextmanager
 def prepared(cfg: RayLoraConfig, setup: Setup) -> Iterator[Prepared]:
     """The one preamble of every run: local paths made absolute, model/data/arithmetic
-    planned, the checkpoint to resume from checked and the memory preflight (all before
-    Ray starts, so a typo or a broken checkpoint costs a second);
+    planned, what a rerun resumes checked (``Setup.resume``) and the memory preflight (all
+    before Ray starts, so a typo or a broken checkpoint costs a second);
     then Ray joined or started (storage settings and secrets reach the workers through
     ``job_runtime_env``, quiet logging), the cluster checked to hold the workers, the
     bad-record counter and latent cache. On the way out the counter is stopped and a Ray
     this call started is shut down."""
     cfg = resolve_paths(cfg)
     p = setup.make_plan(cfg)
-    if setup.resumes:
-        from raylora.checkpoint.recorded import check_latest
-
-        latest = check_latest(cfg.storage.client(), storage.join(cfg.output.uri, setup.resumes))
-        if latest:
-            log.info("resuming from %s (the latest checkpoint of this output.uri)", latest)
+    resume = setup.resume(cfg) if setup.resume is not None else None
     variants = setup.variants(cfg) if setup.variants is not None else ()
     remote = setup.memory and preflight.on_cluster(cfg)
     if setup.memory and not remote:
         preflight.check_memory(cfg, variants=variants)
     started = init_ray(setup.need_cpus(cfg))
-    run = Prepared(cfg, p, cfg)
+    run = Prepared(cfg, p, cfg, resume)
     try:
         if remote:  # the workers' GPUs are the cluster's: read once joined, before asking for any
             preflight.check_memory(cfg, cluster=True, variants=variants)
@@ -677,11 +674,22 @@ def _train_cpus(cfg: RayLoraConfig) -> float:
     return cfg.scaling.max_workers * cfg.scaling.cpus_per_worker
 
 
+def _latest_checkpoint(cfg: RayLoraConfig) -> str | None:
+    """The checkpoint ``raylora train`` resumes from, checked whole
+    (raylora.checkpoint.recorded.check_latest); None: it starts afresh."""
+    from raylora.checkpoint.recorded import check_latest
+
+    latest = check_latest(cfg.storage.client(), storage.join(cfg.output.uri, TRAIN_RUN_NAME))
+    if latest:
+        log.info("resuming from %s (the latest checkpoint of this output.uri)", latest)
+    return latest
+
+
 def run(cfg: RayLoraConfig) -> dict:
     """Train, then export the adapter to ``{output.uri}/adapter``. Returns a summary dict."""
     from raylora.checkpoint.export import export_run
 
-    with prepared(cfg, Setup(need_cpus=_train_cpus, resumes=TRAIN_RUN_NAME)) as r:
+    with prepared(cfg, Setup(need_cpus=_train_cpus, resume=_latest_checkpoint)) as r:
         cfg, p = r.cfg, r.plan
         if cfg.data.cache == "latents":  # a fresh build read every row: judge them now
             check_bad_records(cfg, p)

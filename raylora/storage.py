@@ -229,8 +229,7 @@ class Storage:
         unique, so nothing already there is touched; pyarrow's delete leaves the zero-byte
         folder marker (``key/``) that Ray Train's own storage setup writes anyway."""
         if is_local(uri):
-            path = local_path(uri)
-            existing = path
+            existing = local_path(uri)
             while not os.path.lexists(existing):
                 existing = os.path.dirname(existing)
             if not os.path.isdir(existing):

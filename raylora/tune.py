@@ -167,16 +167,10 @@ def run_tune(cfg: RayLoraConfig) -> dict:
     # An embedded Ray is sized for one trial; the memory preflight also checks every
     # bounding value of the search; the cluster must place one trial's workers, at least.
     # One bad-record counter for the search (every trial's reads count in it) and one
-    # latent cache for every trial, built (or found) before the first one starts.
-    resume = []  # whether output.uri's search is resumed: after the plan, before Ray
-
-    def plan_and_resume(c: RayLoraConfig) -> Plan:
-        p = preflight(c)
-        resume.append(search_to_resume(c))
-        return p
-
-    setup = Setup(need_cpus=lambda c: trial_resources(c)["CPU"], make_plan=plan_and_resume,
-                  variants=trial_variants)
+    # latent cache for every trial, built (or found) before the first one starts. A search
+    # already under output.uri is resumed (search_to_resume: r.resume).
+    setup = Setup(need_cpus=lambda c: trial_resources(c)["CPU"], make_plan=preflight,
+                  variants=trial_variants, resume=search_to_resume)
     with prepared(cfg, setup) as r:
         # Trials are sized by the config as asked (trial_resources), not by the
         # cpus_per_worker check_cluster_fits may have lowered for one run.
@@ -189,10 +183,10 @@ def run_tune(cfg: RayLoraConfig) -> dict:
             "tune: %d trial(s), up to %d at a time (%s per trial), metric %s",
             n_trials, concurrency, trial_resources(cfg), tn.metric,
         )
-        if not resume[0]:
+        if not r.resume:
             cfg.storage.client().write_bytes(storage.join(out, TUNE_DIR, SEARCH_FILE),
                                              json.dumps({"config": cfg.to_dict()}, indent=1).encode())
-        grid = _tuner(cfg, base_plan, out, concurrency, resume=resume[0]).fit()
+        grid = _tuner(cfg, base_plan, out, concurrency, resume=r.resume).fit()
         # Raises when too much of what was read was bad; the counts are the whole search's.
         bad = check_bad_records(cfg, base_plan)
         rows = results_table(grid, tn, base_plan.max_steps)
@@ -215,10 +209,10 @@ def search_to_resume(cfg: RayLoraConfig) -> bool:
     from raylora.config import ConfigError
 
     store = cfg.storage.client()
-    fs, path = store.fs(storage.join(cfg.output.uri, TUNE_DIR))
+    where = storage.join(cfg.output.uri, TUNE_DIR)
+    fs, path = store.fs(where)
     if not tune.Tuner.can_restore(path, storage_filesystem=fs):
         return False
-    where = storage.join(cfg.output.uri, TUNE_DIR)
     record = storage.join(where, SEARCH_FILE)
     if store.exists(record):  # absent: a search started before raylora recorded its config
         started = json.loads(store.read_bytes(record))["config"]

@@ -10,11 +10,14 @@ import sys
 
 
 def _train(args) -> int:
-    from raylora.config import load_config
+    from raylora.config import ConfigError, load_config
     from raylora.launch import run
     from raylora.progress import summary_lines
 
     cfg = load_config(args.config, args.overrides)
+    if cfg.tune is not None:  # one run of a search's base config is rarely what was meant
+        raise ConfigError(["tune: this config is a search; run it with `raylora tune`, or add "
+                           "the override tune=null to train its base config once"], args.config)
     summary = run(cfg)
     if "stopped" in summary:  # raylora.stop: a checkpoint at this step, no adapter yet
         print(f"raylora: stopped at step {summary['step']}/{summary['max_steps']} "
@@ -185,7 +188,7 @@ def _list(args) -> int:
     from raylora import jobs
 
     for r in jobs.list_jobs(args.address):
-        print(f"{r['job']}  {r['state']:<9}  {r['config']}")
+        print(f"{r['job']}  {r['state']:<9}  {r['command']:<5}  {r['config']}")
     return 0
 
 
@@ -239,12 +242,14 @@ def _run_commands(sub) -> None:
     t = sub.add_parser("train", help="fine-tune a LoRA adapter with Ray Train")
     t.add_argument("config", help="job YAML")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.learning_rate=2e-4")
-    t.set_defaults(fn=_train)
+    t.set_defaults(fn=_train, on_rerun="; run the same command again to resume from the "
+                   "latest checkpoint")
 
     tu = sub.add_parser("tune", help="search hyperparameters with Ray Tune (a `tune:` section)")
     tu.add_argument("config", help="job YAML with a tune: section")
     tu.add_argument("overrides", nargs="*", help="dotted overrides, e.g. tune.num_samples=16")
-    tu.set_defaults(fn=_tune)
+    tu.set_defaults(fn=_tune, on_rerun="; run the same command again to resume the search "
+                    "(each unfinished trial from its latest checkpoint)")
 
     pl = sub.add_parser("plan", help="estimate per-GPU memory and check it fits (runs nothing); "
                         "exit 3 when it does not fit")
@@ -361,8 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except KeyboardInterrupt:
-        print("raylora: interrupted; run the same command again to resume from the latest "
-              "checkpoint", file=sys.stderr)
+        print(f"raylora: interrupted{getattr(args, 'on_rerun', '')}", file=sys.stderr)
         return 130
     except DoesNotFit as exc:
         print(f"raylora: {exc}", file=sys.stderr)

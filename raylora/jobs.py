@@ -9,9 +9,10 @@ Bearer`` itself (``_auth_headers``): the SDK's own ``get_auth_headers_if_auth_en
 follows Ray's process-wide auth mode, fixed at Ray's first use in the process, and a head
 started with token auth answers 401 without it (Ray 2.60).
 
-A job is ``python -m raylora train CONFIG OVERRIDES`` run in the shipped working dir,
-tagged ``raylora_*`` in the job's metadata (config name, output URI, max steps) so that
-``status`` can read the run's own ``progress.json`` and ``list`` can name the config.
+A job is ``python -m raylora train CONFIG OVERRIDES`` (``tune`` for a config with a
+``tune:`` section) run in the shipped working dir, tagged ``raylora_*`` in the job's
+metadata (config name, command, output URI, max steps) so that ``status`` can read the
+run's own ``progress.json`` and ``list`` can name the config.
 Storage settings (endpoint, region) travel as the job's ``runtime_env`` ``env_vars``.
 Credentials do not, and never go in the entrypoint: Ray's runtime-env agent writes a job's
 env_vars to its log on the head (``runtime_env_agent.log``) and the dashboard shows them
@@ -38,6 +39,7 @@ EXCLUDES = [".git", ".venv", "venv", "runs", ".ray-local", "**/__pycache__", ".p
             "*.safetensors", "*.ckpt", "*.pt", "*.bin"]
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 META = "raylora_config"
+COMMAND = "raylora_command"  # train | tune (absent: train, jobs of raylora before it)
 
 
 def _auth_headers() -> dict:
@@ -60,13 +62,26 @@ def client(address: str | None):
     return JobSubmissionClient(address or os.environ.get("RAY_ADDRESS"), headers=_auth_headers())
 
 
-def entrypoint(config: str, overrides: list[str], working_dir: str) -> str:
-    """The job's command: the config by its path inside the working dir (shipped with it)."""
+def command(cfg):
+    """(CLI command, its launch.Setup) that runs a config: a ``tune:`` section makes it a
+    search (`raylora tune`), else one run (`raylora train`)."""
+    from raylora import launch
+
+    if cfg.tune is not None:
+        from raylora.tune import search_setup
+
+        return "tune", search_setup()
+    return "train", launch.TRAIN
+
+
+def entrypoint(cmd: str, config: str, overrides: list[str], working_dir: str) -> str:
+    """The job's command line: ``cmd`` on the config by its path inside the working dir
+    (shipped with it)."""
     rel = os.path.relpath(os.path.abspath(config), os.path.abspath(working_dir))
     if rel.startswith(".."):
         raise ValueError(f"{config}: the config must be inside the working dir {working_dir} "
                          "(it is shipped with it); pass --working-dir")
-    return " ".join(shlex.quote(a) for a in ["python", "-m", "raylora", "train", rel, *overrides])
+    return " ".join(shlex.quote(a) for a in ["python", "-m", "raylora", cmd, rel, *overrides])
 
 
 def runtime_env(cfg, working_dir: str, scratch: str) -> dict:
@@ -92,22 +107,20 @@ def runtime_env(cfg, working_dir: str, scratch: str) -> dict:
 
 def submit(config: str, overrides: list[str], address: str | None = None,
            working_dir: str = ".", submission_id: str | None = None) -> str:
-    """Validate and preflight the config here (what `raylora train` checks before Ray),
-    then submit it; returns the job id."""
-    from raylora import launch, preflight
+    """Check the config here as its command checks it before Ray (``command``: plan,
+    resume, memory where the GPUs are known here), then submit it; returns the job id."""
+    from raylora import launch
     from raylora.config import load_config
 
     cfg = load_config(config, overrides)
-    resolved = launch.resolve_paths(cfg)
-    p = launch.plan(resolved)
-    if not preflight.on_cluster(resolved):  # GPU sizes known here (gpu_memory_gb) or none
-        preflight.check_memory(resolved)
-    meta = {META: os.path.basename(config), "raylora_output": resolved.output.uri,
-            "raylora_max_steps": str(p.max_steps)}
+    cmd, setup = command(cfg)
+    r = launch.checked(cfg, setup)
+    meta = {META: os.path.basename(config), COMMAND: cmd, "raylora_output": r.cfg.output.uri,
+            "raylora_max_steps": str(r.plan.max_steps)}
     # The SDK uploads the credentials package within submit_job; nothing of it stays here.
     with tempfile.TemporaryDirectory(prefix="raylora-submit-") as scratch:
         return client(address).submit_job(
-            entrypoint=entrypoint(config, overrides, working_dir), submission_id=submission_id,
+            entrypoint=entrypoint(cmd, config, overrides, working_dir), submission_id=submission_id,
             runtime_env=runtime_env(cfg, os.path.abspath(working_dir), scratch), metadata=meta,
         )
 
@@ -126,8 +139,11 @@ def last_progress(info) -> dict | None:
 
 
 def status(job: str, address: str | None = None) -> tuple[str, str | None]:
-    """(job state, the run's last progress line or None)."""
+    """(job state, the run's last progress line or None). A search has no one line (its
+    trials run side by side, each its own run): it says where Tune's trial table is."""
     info = client(address).get_job_info(job)
+    if (info.metadata or {}).get(COMMAND) == "tune":
+        return str(info.status.value), f"a search (raylora tune): its trial table is in `raylora logs {job}`"
     row = last_progress(info)
     line = row["line"].removeprefix("raylora: ") if row else None
     return str(info.status.value), line
@@ -168,5 +184,5 @@ def list_jobs(address: str | None = None) -> list[dict]:
         if META not in meta:
             continue
         rows.append({"job": j.submission_id, "state": str(j.status.value), "config": meta[META],
-                     "start_time": j.start_time or 0})
+                     "command": meta.get(COMMAND, "train"), "start_time": j.start_time or 0})
     return sorted(rows, key=lambda r: r["start_time"])

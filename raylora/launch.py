@@ -636,27 +636,37 @@ class Prepared:
     resume: object = None  # Setup.resume's answer
 
 
-@contextmanager
-def prepared(cfg: RayLoraConfig, setup: Setup) -> Iterator[Prepared]:
-    """The one preamble of every run: local paths made absolute, model/data/arithmetic
-    planned, what a rerun resumes checked (``Setup.resume``) and the memory preflight (all
-    before Ray starts, so a typo or a broken checkpoint costs a second);
-    then Ray joined or started (storage settings and secrets reach the workers through
-    ``job_runtime_env``, quiet logging), the cluster checked to hold the workers, the
-    bad-record counter and latent cache. On the way out the counter is stopped and a Ray
-    this call started is shut down."""
+def checked(cfg: RayLoraConfig, setup: Setup) -> Prepared:
+    """Everything a run checks before Ray starts, so a typo or a broken checkpoint costs a
+    second: local paths made absolute, model/data/arithmetic planned, what a rerun resumes
+    (``Setup.resume``) and the memory preflight where the GPUs are known here. ``prepared``
+    runs it first; ``raylora submit`` runs it alone, with the command's own Setup."""
     cfg = resolve_paths(cfg)
     p = setup.make_plan(cfg)
     resume = setup.resume(cfg) if setup.resume is not None else None
-    variants = setup.variants(cfg) if setup.variants is not None else ()
-    remote = setup.memory and preflight.on_cluster(cfg)
-    if setup.memory and not remote:
-        preflight.check_memory(cfg, variants=variants)
+    if setup.memory and not preflight.on_cluster(cfg):
+        preflight.check_memory(cfg, variants=_variants(cfg, setup))
+    return Prepared(cfg, p, cfg, resume)
+
+
+def _variants(cfg: RayLoraConfig, setup: Setup) -> list:
+    return setup.variants(cfg) if setup.variants is not None else []
+
+
+@contextmanager
+def prepared(cfg: RayLoraConfig, setup: Setup) -> Iterator[Prepared]:
+    """The one preamble of every run: ``checked``, then Ray joined or started (storage
+    settings and secrets reach the workers through ``job_runtime_env``, quiet logging),
+    the memory preflight on the cluster's own GPUs, the cluster checked to hold the
+    workers, the bad-record counter and latent cache. On the way out the counter is
+    stopped and a Ray this call started is shut down."""
+    remote = setup.memory and preflight.on_cluster(cfg)  # before init_ray: Ray running is a cue
+    run = checked(cfg, setup)
+    cfg = run.cfg
     started = init_ray(setup.need_cpus(cfg))
-    run = Prepared(cfg, p, cfg, resume)
     try:
         if remote:  # the workers' GPUs are the cluster's: read once joined, before asking for any
-            preflight.check_memory(cfg, cluster=True, variants=variants)
+            preflight.check_memory(cfg, cluster=True, variants=_variants(cfg, setup))
         run.cfg = check_cluster_fits(cfg, num_workers=setup.num_workers)
         run.plan = start_bad_records(run.plan)
         run.plan = apply_cache(run.cfg, run.plan)
@@ -685,11 +695,14 @@ def _latest_checkpoint(cfg: RayLoraConfig) -> str | None:
     return latest
 
 
+TRAIN = Setup(need_cpus=_train_cpus, resume=_latest_checkpoint)  # `raylora train`
+
+
 def run(cfg: RayLoraConfig) -> dict:
     """Train, then export the adapter to ``{output.uri}/adapter``. Returns a summary dict."""
     from raylora.checkpoint.export import export_run
 
-    with prepared(cfg, Setup(need_cpus=_train_cpus, resume=_latest_checkpoint)) as r:
+    with prepared(cfg, TRAIN) as r:
         cfg, p = r.cfg, r.plan
         if cfg.data.cache == "latents":  # a fresh build read every row: judge them now
             check_bad_records(cfg, p)

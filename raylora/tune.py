@@ -164,14 +164,9 @@ def run_tune(cfg: RayLoraConfig) -> dict:
     """Run the search; write the results table; export the best adapter. Returns a summary."""
     import ray
 
-    # An embedded Ray is sized for one trial; the memory preflight also checks every
-    # bounding value of the search; the cluster must place one trial's workers, at least.
     # One bad-record counter for the search (every trial's reads count in it) and one
-    # latent cache for every trial, built (or found) before the first one starts. A search
-    # already under output.uri is resumed (search_to_resume: r.resume).
-    setup = Setup(need_cpus=lambda c: trial_resources(c)["CPU"], make_plan=preflight,
-                  variants=trial_variants, resume=search_to_resume)
-    with prepared(cfg, setup) as r:
+    # latent cache for every trial, built (or found) before the first one starts.
+    with prepared(cfg, search_setup()) as r:
         # Trials are sized by the config as asked (trial_resources), not by the
         # cpus_per_worker check_cluster_fits may have lowered for one run.
         cfg, base_plan = r.resolved, r.plan
@@ -196,6 +191,15 @@ def run_tune(cfg: RayLoraConfig) -> dict:
             summary["best"] = best
             summary["best_adapter"] = export_best(best, grid, cfg, base_plan, out, bad)
         return summary
+
+
+def search_setup() -> Setup:
+    """`raylora tune`'s preamble (launch.prepared; `raylora submit` checks with it too): an
+    embedded Ray sized for one trial, the plan of every bounding batch (``preflight``),
+    the memory preflight of every bounding value, and a search already under output.uri
+    resumed (``search_to_resume``: Prepared.resume)."""
+    return Setup(need_cpus=lambda c: trial_resources(c)["CPU"], make_plan=preflight,
+                 variants=trial_variants, resume=search_to_resume)
 
 
 def search_to_resume(cfg: RayLoraConfig) -> bool:

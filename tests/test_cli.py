@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 RAYLORA = [sys.executable, "-m", "raylora"]
@@ -57,6 +58,49 @@ def test_missing_model_and_data_and_an_unwritable_output_named_before_ray(tmp_pa
     p = _run(["train", str(cfg)])
     assert p.returncode == 2 and "2 config problem(s)" in p.stderr, p.stderr
     assert not os.path.exists(tmp_path / "new")
+
+
+def test_train_refuses_a_search_config_and_tune_null_trains_its_base(tmp_path):
+    cfg = tmp_path / "search.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "model": {"pretrained": str(tmp_path / "m")}, "data": {"uri": str(tmp_path / "d")},
+        "output": {"uri": str(tmp_path / "out")},
+        "tune": {"search_space": {"train.learning_rate": {"grid": [1e-4, 1e-3]}},
+                 "metric": "train_loss"},
+    }))
+    p = _run(["train", str(cfg)])
+    assert p.returncode == 2, p.stderr
+    assert (f"1 config problem(s) in {cfg}:\n  - tune: this config is a search; run it with "
+            "`raylora tune`, or add the override tune=null to train its base config once") in p.stderr
+    p = _run(["validate", str(cfg), "tune=null"])
+    assert p.returncode == 0, p.stderr
+    assert yaml.safe_load(p.stdout)["tune"] is None
+
+
+@pytest.mark.parametrize("cmd, runner, said", [
+    ("train", "raylora.launch.run",
+     "; run the same command again to resume from the latest checkpoint"),
+    ("tune", "raylora.tune.run_tune",
+     "; run the same command again to resume the search (each unfinished trial from its latest checkpoint)"),
+    ("lr-find", "raylora.launch.run_lr_find", ""),  # keeps no checkpoints: a rerun starts over
+])
+def test_an_interrupt_says_what_running_the_command_again_does(cmd, runner, said, tmp_path,
+                                                              monkeypatch, capsys):
+    from raylora.cli import main
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt("signal 15")
+
+    monkeypatch.setattr(runner, interrupted)
+    cfg = tmp_path / "job.yaml"
+    tree = {"model": {"pretrained": str(tmp_path / "m")}, "data": {"uri": str(tmp_path / "d")},
+            "output": {"uri": str(tmp_path / "out")}}
+    if cmd == "tune":
+        tree["tune"] = {"search_space": {"train.learning_rate": {"grid": [1e-4, 1e-3]}},
+                        "metric": "train_loss"}
+    cfg.write_text(yaml.safe_dump(tree))
+    assert main([cmd, str(cfg)]) == 130
+    assert capsys.readouterr().err == f"raylora: interrupted{said}\n"
 
 
 def test_an_os_error_is_one_line_and_its_stack_trace_is_for_verbose(tmp_path):

@@ -112,8 +112,8 @@ def test_submit_status_stop_then_resubmit_resumes_and_finishes(
 
     assert main(["list"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
-    assert ["rl-stop", "STOPPED", "tiny-local.yaml"] in rows
-    assert ["rl-resume", "SUCCEEDED", "tiny-local.yaml"] in rows
+    assert ["rl-stop", "STOPPED", "train", "tiny-local.yaml"] in rows
+    assert ["rl-resume", "SUCCEEDED", "train", "tiny-local.yaml"] in rows
     assert all(r[0] in ("rl-stop", "rl-resume") for r in rows)  # local-up's probe jobs: not ours
 
     # Both drivers read and deleted their credentials file: no file of the cluster (logs,
@@ -130,6 +130,46 @@ def test_submit_status_stop_then_resubmit_resumes_and_finishes(
     workers = [line for line in lines if "worker_process_setup_hook" in line]
     assert workers and not [line for line in workers if any(p in line for p in pkgs)]
     assert all(any(p in line for line in lines) for p in pkgs)  # the drivers' envs name them
+
+
+def test_a_search_config_is_submitted_as_a_search(head, tiny_model, demo_data, tmp_path, capsys,
+                                                  monkeypatch):
+    """A config with a tune: section runs as `raylora tune` on the cluster (before, submit
+    ran `raylora train` on it: one run of the base config). Submitting it again with
+    another config is refused here, before a job is sent, as `raylora tune` refuses it."""
+    from raylora import jobs
+
+    monkeypatch.setenv("RAY_ADDRESS", head["dashboard"])
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", head["token"])
+    out = tmp_path / "out"
+    space = json.dumps({"train.learning_rate": {"grid": [1e-3, 5e-4]}})
+    overrides = [f"model.pretrained={tiny_model}", f"data.uri={demo_data}", f"output.uri={out}",
+                 "train.max_steps=4", "train.batch_size=2", "train.lr_warmup_steps=0",
+                 "scaling.num_workers=1", "checkpoint.every_n_steps=4", f"tune.search_space={space}",
+                 "tune.num_samples=1", "tune.metric=train_loss", "tune.scheduler=fifo"]
+    config = os.path.join(REPO, "jobs", "configs", "tiny-local.yaml")
+
+    assert main(["submit", config, *overrides, "--working-dir", REPO, "--job-id", "rl-tune"]) == 0
+    capsys.readouterr()
+    info = jobs.client(None).get_job_info("rl-tune")
+    assert info.entrypoint.startswith("python -m raylora tune jobs/configs/tiny-local.yaml ")
+    assert main(["status", "rl-tune"]) == 0
+    assert ("raylora: a search (raylora tune): its trial table is in `raylora logs rl-tune`"
+            in capsys.readouterr().out)
+    assert main(["logs", "-f", "rl-tune"]) == 0
+    text = capsys.readouterr().out
+    assert "raylora: best adapter" in text and "Trial status: 2 TERMINATED" in text, text
+    _wait(lambda: jobs.status("rl-tune")[0] == "SUCCEEDED", 60, "SUCCEEDED")
+    doc = json.loads((out / "tune" / "results.json").read_text())
+    assert sorted(r["train.learning_rate"] for r in doc["trials"]) == [5e-4, 1e-3]
+    assert all(r["status"] == "completed" and r["steps"] == 4 for r in doc["trials"]), doc
+    assert (out / "best" / "adapter" / "pytorch_lora_weights.safetensors").exists()
+
+    assert main(["submit", config, *overrides, "lora.rank=8", "--working-dir", REPO,
+                 "--job-id", "rl-tune-changed"]) == 2
+    assert "Changed: lora.rank: 4 then, 8 now" in capsys.readouterr().err
+    assert "rl-tune-changed" not in [j.submission_id for j in jobs.client(None).list_jobs()]
 
 
 def test_job_secrets_reach_the_driver_once_and_no_worker(tmp_path, monkeypatch):

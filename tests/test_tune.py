@@ -433,7 +433,7 @@ def test_an_interrupted_search_resumes_with_the_same_command(ray_local, tiny_mod
     driver.send_signal(signal.SIGTERM)
     _, err = driver.communicate(timeout=120)
     assert driver.returncode == 130, err
-    assert "run the same command again to resume" in err
+    assert "raylora: interrupted; run the same command again to resume the search" in err
     trials = sorted(p.name for p in (out / "tune" / "trials").iterdir())
     recorded = {}
     for t in trials:

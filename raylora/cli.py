@@ -81,6 +81,20 @@ def _plan(args) -> int:
            if preflight.on_cluster(cfg) else preflight.gpu_size(cfg))
     text, fits, _ = preflight.report(memory.from_config(cfg), gpu)
     print(text)
+    if cfg.tune is not None:  # a search: each bounding value too, as `raylora tune` checks them
+        from raylora.memory import size
+        from raylora.tune import trial_variants
+
+        variants = preflight.distinct_settings([("", cfg), *trial_variants(cfg)])[1:]
+        print(f"search: {len(variants)} trial setting(s) with another estimate")
+        for label, c in variants:
+            est = memory.from_config(c)
+            vtext, vfits, _ = preflight.report(est, gpu)
+            said = {True: "fits", False: "does NOT fit", None: "not checked"}[vfits]
+            print(f"  {label}: {size(est.total)} per GPU, {said}")
+            if vfits is False:
+                print("\n".join(f"    {line}" for line in vtext.splitlines()))
+                fits = False
     return preflight.EXIT_DOES_NOT_FIT if fits is False else 0
 
 

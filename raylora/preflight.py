@@ -133,6 +133,20 @@ def report(est, gpu: GpuSize) -> tuple[str, bool | None, list[str]]:
     return "\n".join(lines), False, advice
 
 
+def distinct_settings(configs: list[tuple[str, RayLoraConfig]]) -> list[tuple[str, RayLoraConfig]]:
+    """The first (label, config) of each distinct memory estimate: a search dimension that
+    does not change the estimate (the learning rate) costs nothing to check."""
+    from raylora import memory
+
+    seen, kept = set(), []
+    for label, c in configs:
+        key = tuple(sorted(memory.config_args(c).items()))
+        if key not in seen:
+            seen.add(key)
+            kept.append((label, c))
+    return kept
+
+
 def check_memory(cfg: RayLoraConfig, cluster: bool = False,
                  variants: list[tuple[str, RayLoraConfig]] = ()) -> None:
     """Refuse (``DoesNotFit``) a run whose worker cannot fit its GPU; log the estimate
@@ -147,13 +161,8 @@ def check_memory(cfg: RayLoraConfig, cluster: bool = False,
         log.info("memory preflight: not checked, GPU size unknown (%s; set "
                  "scaling.gpu_memory_gb to check)", gpu.source)
         return
-    seen = set()
-    for label, c in [("", cfg), *variants]:
-        args = memory.config_args(c)
-        key = tuple(sorted(args.items()))
-        if key in seen:
-            continue
-        seen.add(key)
+    distinct = distinct_settings([("", cfg), *variants])
+    for label, c in distinct:
         try:
             est = memory.from_config(c)
         except Exception as exc:  # an estimator gap must not stop a run that may fit
@@ -168,4 +177,4 @@ def check_memory(cfg: RayLoraConfig, cluster: bool = False,
         if not label:
             log.info("memory preflight: fits\n%s", text)
     if variants:
-        log.info("memory preflight: %d distinct trial setting(s) fit too", len(seen) - 1)
+        log.info("memory preflight: %d distinct trial setting(s) fit too", len(distinct) - 1)

@@ -93,7 +93,7 @@ def test_plan_prints_the_report_and_exits_by_fit(job, capsys):
     assert not ray.is_initialized()
 
 
-def test_tune_checks_each_trial_setting(job):
+def test_tune_checks_each_trial_setting(job, tmp_path, capsys):
     from raylora.tune import trial_variants
 
     tree, _, est = job
@@ -108,6 +108,25 @@ def test_tune_checks_each_trial_setting(job):
     with pytest.raises(DoesNotFit, match=r"memory preflight for tune.search_space.train.batch_size=8: "):
         check_memory(cfg, variants=variants)
     check_memory(cfg, variants=variants[:1] + variants[2:])  # batch 1 and the lr bounds fit
+
+    # `raylora plan` of the search sizes the same settings: the lr bounds share the base's
+    # estimate; batch 8 does not fit, so the plan exits 3 with its table.
+    def total(label):
+        return memory.size(memory.from_config(dict(variants)[label]).total)
+
+    path = tmp_path / "search.yaml"
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    assert main(["plan", str(path)]) == EXIT_DOES_NOT_FIT
+    out = capsys.readouterr().out
+    lines = out[out.index("search: "):].splitlines()
+    assert lines[:3] == [
+        "search: 2 trial setting(s) with another estimate",
+        f"  tune.search_space.train.batch_size=1: {total('tune.search_space.train.batch_size=1')} per GPU, fits",
+        f"  tune.search_space.train.batch_size=8: {total('tune.search_space.train.batch_size=8')} per GPU, "
+        "does NOT fit"]
+    assert "    GPU: " in out and "does NOT fit (" in out
+    assert main(["plan", str(path), 'tune.search_space={"train.batch_size": {"choice": [1, 2]}}']) == 0
+    assert "search: 1 trial setting(s) with another estimate" in capsys.readouterr().out
 
 
 def test_gpu_size_from_config_and_from_rays_accelerator_type(job):

@@ -333,6 +333,9 @@ def results_table(grid, tn: TuneSection, max_steps: int) -> list[dict]:
             # The last reported metric was NaN/inf: the run blew up (table shows no final).
             "diverged": nonfinite_abort or (last is not None and _finite(last) is None),
             "checkpoint_path": ckpts[-1] if ckpts else None,
+            # A resumed search: the step this trial's run last resumed from (None: it ran
+            # from step 0 in one go).
+            "resumed_from_step": m.get("resumed_from_step"),
             "error": None if result.error is None else str(result.error).splitlines()[0][:300],
         })
         rows.append(row)

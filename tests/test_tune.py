@@ -368,7 +368,7 @@ def test_search_stops_the_diverging_trial_and_exports_the_best(ray_local, tiny_m
     # Diverged (a NaN/inf held-out loss) or simply worse than every finished trial.
     assert bad["diverged"] or all(bad["final_eval_loss"] > r["final_eval_loss"] for r in completed)
     assert not any(r["diverged"] for r in completed)
-    assert all(r["error"] is None for r in doc["trials"])
+    assert all(r["error"] is None and r["resumed_from_step"] is None for r in doc["trials"])
 
     best = min(completed, key=lambda r: r["final_eval_loss"])
     meta = json.loads((out / "best" / "adapter" / "raylora.json").read_text())
@@ -454,6 +454,10 @@ def test_an_interrupted_search_resumes_with_the_same_command(ray_local, tiny_mod
     assert sorted(f"trial_{r['trial_id']}" for r in doc["trials"]) == trials
     assert sorted(p.name for p in (out / "tune" / "trials").iterdir()) == trials
     assert all(r["status"] == "completed" and r["steps"] == 40 for r in doc["trials"]), doc
+    assert {f"trial_{r['trial_id']}": r["resumed_from_step"] for r in doc["trials"]
+            if f"trial_{r['trial_id']}" in recorded} == recorded
+    with open(out / "tune" / "results.csv") as f:
+        assert {r["resumed_from_step"] for r in csv.DictReader(f)} <= {"", *map(str, recorded.values())}
     for t, step in recorded.items():  # Tune's own per-trial log of every report
         [log] = out.glob(f"tune/_trial_{t[len('trial_'):]}_*/result.json")
         resumed = {json.loads(line).get("resumed_from_step") for line in log.read_text().splitlines()}

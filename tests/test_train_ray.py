@@ -147,6 +147,12 @@ def test_a_resume_from_an_incomplete_checkpoint_stops_before_ray(first_run, tmp_
     err = capsys.readouterr().err
     assert f"raylora: error: checkpoint {latest} is incomplete: rng_rank1.pt (missing)." in err
     assert local_sizes(str(out)) == before
+    # `raylora submit` makes the same check here, before it reaches any cluster (none
+    # listens at this address: a submission would fail with exit 1, not 2).
+    monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:9")
+    assert main(["submit", str(path), "--working-dir", str(tmp_path)]) == 2
+    assert f"raylora: error: checkpoint {latest} is incomplete: rng_rank1.pt (missing)." in capsys.readouterr().err
+    assert local_sizes(str(out)) == before
 
 
 def test_a_stop_asked_on_the_last_step_lets_the_run_finish(ray_local, tiny_model, demo_data, tmp_path, caplog):

@@ -1401,8 +1401,14 @@ def _format_pydantic(err: ValidationError) -> list[str]:
     return out
 
 
+SEARCH_SPACE = ["tune", "search_space"]  # its keys are dotted config keys themselves
+
+
 def parse_override(item: str) -> tuple[list[str], Any]:
-    """``a.b.c=VALUE`` → (["a","b","c"], VALUE parsed as a YAML scalar or flow list)."""
+    """``a.b.c=VALUE`` → (["a","b","c"], VALUE parsed as a YAML scalar or flow list).
+    Under ``tune.search_space`` the rest is one key, a dimension's dotted config key:
+    ``tune.search_space.lora.rank={choice: [8, 16]}`` → (["tune","search_space","lora.rank"], …);
+    ``apply_overrides`` drops a dimension set to null."""
     if "=" not in item:
         raise ConfigError([f"{item}: override must look like key.path=value"])
     key, raw = item.split("=", 1)
@@ -1413,7 +1419,10 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
         raise ConfigError([f"{key}: cannot parse override value {raw!r}: {exc}"]) from None
-    return key.split("."), value
+    path = key.split(".")
+    if path[:2] == SEARCH_SPACE and len(path) > 2:
+        path = [*SEARCH_SPACE, ".".join(path[2:])]
+    return path, value
 
 
 def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -1433,7 +1442,10 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 break
             node = child
         else:
-            node[path[-1]] = value
+            if value is None and path[:-1] == SEARCH_SPACE:
+                node.pop(path[-1], None)  # `tune.search_space.lora.rank=null`: not searched
+            else:
+                node[path[-1]] = value
     if problems:
         raise ConfigError(problems)
     return tree

@@ -57,6 +57,22 @@ def test_overrides_parse_yaml_scalars_and_flow_lists(tmp_path):
     assert cfg.data.uri == ["a", "b"]
 
 
+def test_a_search_dimension_is_one_override_under_its_dotted_key():
+    """Search-space keys are dotted config keys: `tune.search_space.lora.rank=...` sets
+    the `lora.rank` dimension (not tune.search_space.lora.rank as nested sections); null
+    drops one; an unknown config key is still named."""
+    tree = {**MIN, "tune": {"metric": "train_loss", "search_space": {
+        "train.learning_rate": {"loguniform": [1e-5, 1e-3]}, "lora.alpha": {"choice": [4, 8]}}}}
+    cfg = validate(apply_overrides(tree, ["tune.search_space.lora.rank={choice: [8, 16]}",
+                                          "tune.search_space.lora.alpha=null"]))
+    space = cfg.tune.search_space
+    assert list(space) == ["train.learning_rate", "lora.rank"]
+    assert (space["lora.rank"].kind, list(space["lora.rank"].choice)) == ("choice", [8, 16])
+    assert tuple(space["train.learning_rate"].loguniform) == (1e-5, 1e-3)
+    with pytest.raises(ConfigError, match=r"tune.search_space.lora.rank.choice: Input should be a valid dict"):
+        validate(apply_overrides(tree, ["tune.search_space.lora.rank.choice=[8, 16]"]))
+
+
 def test_every_problem_reported_at_once_naming_keys():
     tree = apply_overrides(
         MIN,

@@ -634,6 +634,8 @@ class Prepared:
     plan: Plan
     resolved: RayLoraConfig  # before check_cluster_fits: what tune sizes its trials by
     resume: object = None  # Setup.resume's answer
+    # The memory preflight is left for the cluster's own GPUs (read once Ray is joined).
+    memory_on_cluster: bool = False
 
 
 def checked(cfg: RayLoraConfig, setup: Setup) -> Prepared:
@@ -644,9 +646,11 @@ def checked(cfg: RayLoraConfig, setup: Setup) -> Prepared:
     cfg = resolve_paths(cfg)
     p = setup.make_plan(cfg)
     resume = setup.resume(cfg) if setup.resume is not None else None
-    if setup.memory and not preflight.on_cluster(cfg):
+    # Decided here, before any Ray starts: on_cluster takes a running Ray as a cue.
+    remote = setup.memory and preflight.on_cluster(cfg)
+    if setup.memory and not remote:
         preflight.check_memory(cfg, variants=_variants(cfg, setup))
-    return Prepared(cfg, p, cfg, resume)
+    return Prepared(cfg, p, cfg, resume, memory_on_cluster=remote)
 
 
 def _variants(cfg: RayLoraConfig, setup: Setup) -> list:
@@ -660,12 +664,11 @@ def prepared(cfg: RayLoraConfig, setup: Setup) -> Iterator[Prepared]:
     the memory preflight on the cluster's own GPUs, the cluster checked to hold the
     workers, the bad-record counter and latent cache. On the way out the counter is
     stopped and a Ray this call started is shut down."""
-    remote = setup.memory and preflight.on_cluster(cfg)  # before init_ray: Ray running is a cue
     run = checked(cfg, setup)
     cfg = run.cfg
     started = init_ray(setup.need_cpus(cfg))
     try:
-        if remote:  # the workers' GPUs are the cluster's: read once joined, before asking for any
+        if run.memory_on_cluster:  # the workers' GPUs: read once joined, before asking for any
             preflight.check_memory(cfg, cluster=True, variants=_variants(cfg, setup))
         run.cfg = check_cluster_fits(cfg, num_workers=setup.num_workers)
         run.plan = start_bad_records(run.plan)

@@ -60,14 +60,20 @@ def test_missing_model_and_data_and_an_unwritable_output_named_before_ray(tmp_pa
     assert not os.path.exists(tmp_path / "new")
 
 
+def _job(tmp_path, search: bool):
+    """A valid job YAML (model and data need not exist), with a 2-value search or none."""
+    tree = {"model": {"pretrained": str(tmp_path / "m")}, "data": {"uri": str(tmp_path / "d")},
+            "output": {"uri": str(tmp_path / "out")}}
+    if search:
+        tree["tune"] = {"search_space": {"train.learning_rate": {"grid": [1e-4, 1e-3]}},
+                        "metric": "train_loss"}
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump(tree))
+    return cfg
+
+
 def test_train_refuses_a_search_config_and_tune_null_trains_its_base(tmp_path):
-    cfg = tmp_path / "search.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "model": {"pretrained": str(tmp_path / "m")}, "data": {"uri": str(tmp_path / "d")},
-        "output": {"uri": str(tmp_path / "out")},
-        "tune": {"search_space": {"train.learning_rate": {"grid": [1e-4, 1e-3]}},
-                 "metric": "train_loss"},
-    }))
+    cfg = _job(tmp_path, search=True)
     p = _run(["train", str(cfg)])
     assert p.returncode == 2, p.stderr
     assert (f"1 config problem(s) in {cfg}:\n  - tune: this config is a search; run it with "
@@ -92,13 +98,7 @@ def test_an_interrupt_says_what_running_the_command_again_does(cmd, runner, said
         raise KeyboardInterrupt("signal 15")
 
     monkeypatch.setattr(runner, interrupted)
-    cfg = tmp_path / "job.yaml"
-    tree = {"model": {"pretrained": str(tmp_path / "m")}, "data": {"uri": str(tmp_path / "d")},
-            "output": {"uri": str(tmp_path / "out")}}
-    if cmd == "tune":
-        tree["tune"] = {"search_space": {"train.learning_rate": {"grid": [1e-4, 1e-3]}},
-                        "metric": "train_loss"}
-    cfg.write_text(yaml.safe_dump(tree))
+    cfg = _job(tmp_path, search=cmd == "tune")
     assert main([cmd, str(cfg)]) == 130
     assert capsys.readouterr().err == f"raylora: interrupted{said}\n"
 

@@ -19,7 +19,7 @@ from raylora.config import validate
 from raylora.train import attention
 from raylora.train.step import compute_loss
 
-FAMILIES = ["sd", "sdxl", "flux", "sd3", "qwenimage"]
+from raylora.model.tiny import FAMILIES  # every family raylora has a tiny model of
 FLASH = "aten::_scaled_dot_product_flash_attention_for_cpu"
 MATH = "aten::_scaled_dot_product_attention_math"
 

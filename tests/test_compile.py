@@ -19,7 +19,7 @@ from raylora.config import LoraSection, validate
 from raylora.model.lora import add_lora, lora_state_dict
 from raylora.train.compile import UNET_RESNET_BLOCKS, compile_denoiser, repeated_blocks
 
-FAMILIES = ["sd", "sdxl", "flux", "sd3", "qwenimage"]
+from raylora.model.tiny import FAMILIES  # every family raylora has a tiny model of
 
 
 def _loss_and_grads(model, parts, params, batch, seed: int):

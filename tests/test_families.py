@@ -22,7 +22,7 @@ from raylora.train.objective import (
     shift_sigmas,
 )
 
-FAMILIES = ["sd", "sdxl", "flux", "sd3", "qwenimage"]
+from raylora.model.tiny import FAMILIES  # every family raylora has a tiny model of
 
 
 # ---------------------------------------------------------------- detection
@@ -254,3 +254,64 @@ def test_qwenimage_guidance_kwargs_run_a_second_transformer_pass_per_step(tiny):
     assert img_guided.shape == (32, 32, 3)
     np.testing.assert_array_equal(img_plain, img_one)  # both unguided, same seed
     assert np.abs(img_guided - img_plain).max() > 0  # the negative pass changes the picture
+
+
+# ---------------------------------------------------------------- conditioning
+
+
+def _pipeline_conditioning(family: str, pipe, captions: list[str]) -> dict:
+    """What the stock pipeline conditions its denoiser on for ``captions`` (no guidance, 32
+    tokens for the long-context encoders), named as raylora's ``Cond``."""
+    kw = {"max_sequence_length": 32}
+    if family == "sd":
+        return {"prompt_embeds": pipe.encode_prompt(captions, "cpu", 1, do_classifier_free_guidance=False)[0]}
+    if family == "sdxl":
+        e, _, pooled, _ = pipe.encode_prompt(captions, device="cpu", do_classifier_free_guidance=False)
+        return {"prompt_embeds": e, "pooled_prompt_embeds": pooled}
+    if family == "flux":
+        e, pooled, _ = pipe.encode_prompt(captions, None, **kw)
+        return {"prompt_embeds": e, "pooled_prompt_embeds": pooled}
+    if family == "sd3":
+        e, _, pooled, _ = pipe.encode_prompt(captions, None, None, do_classifier_free_guidance=False, **kw)
+        return {"prompt_embeds": e, "pooled_prompt_embeds": pooled}
+    if family == "qwenimage":
+        e, mask = pipe.encode_prompt(captions, **kw)
+        return {"prompt_embeds": e, "prompt_embeds_mask": mask}
+    raise AssertionError(f"no stock conditioning call for {family}: add one here")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_conditions_the_denoiser_as_the_stock_pipeline_does(tiny, family):
+    """Captions through raylora's tokenizers (the fast backend the preprocess stage
+    rebuilds, with the family's template and length) and the family's ``encode_text`` give
+    the tensors the stock pipeline's ``encode_prompt`` gives at inference: an adapter
+    trained on other conditioning would be trained for inputs it never sees."""
+    import diffusers
+
+    from raylora.config import validate
+    from raylora.data.tokenize import CaptionTokenizer, load_specs
+    from raylora.model.load import load_components
+    from raylora.storage import Storage
+    from stock import PIPELINES
+
+    model = tiny(family)
+    captions = ["a red circle", "a small blue square on the green grass"]  # two lengths
+    cfg = validate({"model": {"pretrained": model, "max_sequence_length": 32},
+                    "data": {"uri": "d"}, "output": {"uri": "o"}})
+    comps = load_components(cfg.model, torch.float32)
+    # SDXL's encoder step also builds its per-image time ids (unused by the comparison)
+    batch = {k: torch.tensor([[64, 64]] * 2) for k in ("original_size", "crop_top_left", "target_size")}
+    for spec in load_specs(model, family, Storage(), 32):
+        ids, mask = CaptionTokenizer(spec).encode(captions)
+        batch[spec.ids_key] = torch.from_numpy(ids)
+        if spec.mask_key:
+            batch[spec.mask_key] = torch.from_numpy(mask)
+    pipe = getattr(diffusers, PIPELINES[family][0]).from_pretrained(model)
+    with torch.no_grad():
+        ours = comps.family.encode_text(comps.text_encoders, batch)
+        theirs = _pipeline_conditioning(family, pipe, list(captions))
+    for key, want in theirs.items():
+        got = ours[key]
+        assert got.shape == want.shape, (key, got.shape, want.shape)
+        torch.testing.assert_close(got.to(want.dtype), want, rtol=1e-5, atol=1e-6, msg=key)
+    assert set(ours) - set(theirs) <= {"time_ids"}  # SDXL's come from the image, not the text

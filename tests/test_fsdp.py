@@ -207,7 +207,7 @@ def test_offload_without_an_accelerator_is_refused_up_front():
         shard_denoiser(torch.nn.Linear(2, 2), ("Linear",), offload=True)
 
 
-FAMILIES = ["sd", "sdxl", "flux", "sd3", "qwenimage"]
+from raylora.model.tiny import FAMILIES  # every family raylora has a tiny model of
 
 
 def _hollow_ranks(rank: int, world: int, port: int, out: str, paths: dict):

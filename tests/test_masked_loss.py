@@ -24,7 +24,7 @@ from raylora.data.preprocess import Preprocess, StageSpec
 from raylora.storage import Storage
 from raylora.train.loss import denoising_loss, latent_mask
 
-FAMILIES = ["sd", "sdxl", "flux", "sd3", "qwenimage"]
+from raylora.model.tiny import FAMILIES  # every family raylora has a tiny model of
 
 
 def png(img: Image.Image) -> bytes:

@@ -19,7 +19,7 @@ from raylora import memory
 from raylora.config import ModelSection, validate
 from raylora.model.load import load_components
 
-FAMILIES = ["sd", "sdxl", "flux", "sd3", "qwenimage"]
+from raylora.model.tiny import FAMILIES  # every family raylora has a tiny model of
 KIB = 1024
 
 

@@ -14,7 +14,7 @@ import torch
 from raylora.config import ConfigError, validate
 from raylora.train.loss import combine_prior, denoising_loss, split_pairs
 
-FAMILIES = ["sd", "sdxl", "flux", "sd3", "qwenimage"]
+from raylora.model.tiny import FAMILIES  # every family raylora has a tiny model of
 
 
 # ---------------------------------------------------------------- pure

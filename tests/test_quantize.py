@@ -11,7 +11,7 @@ from torch import nn
 from raylora.config import ConfigError, validate
 from raylora.model.quantize import Float8Linear, quantize_module, quantized_linear_bytes
 
-FAMILIES = ["sd", "sdxl", "flux", "sd3", "qwenimage"]
+from raylora.model.tiny import FAMILIES  # every family raylora has a tiny model of
 MIN = {"model": {"pretrained": "m"}, "data": {"uri": "d"}, "output": {"uri": "o"}}
 
 

@@ -7,6 +7,7 @@ rank 16 on the family's default targets, cached latents and text embeddings (wha
 
     python bench/gpu_dit.py                       # flux + sd35m at 1024 px, batch 1 and 2
     python bench/gpu_dit.py --models flux --batch-sizes 1 --modes none
+    python bench/gpu_dit.py --models zimage       # Z-Image-Turbo's architecture (not in the default)
     python bench/gpu_dit.py --smoke               # toy widths on a CPU, checks the script
 
 FLOPs are counted once per (model, batch) with ``torch.utils.flop_counter`` over one eager
@@ -40,8 +41,13 @@ SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24,
                    caption_projection_dim=1536, pooled_projection_dim=2048, out_channels=16,
                    pos_embed_max_size=384, dual_attention_layers=tuple(range(13)),
                    qk_norm="rms_norm")
+# Tongyi-MAI/Z-Image-Turbo transformer/config.json (ZImageTransformer2DModel's defaults)
+ZIMAGE_TURBO = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=3840,
+                    n_layers=30, n_refiner_layers=2, n_heads=30, n_kv_heads=30, cap_feat_dim=2560,
+                    axes_dims=[32, 48, 48], axes_lens=[1024, 512, 512])
 # (family, transformer class, config, latent channels, text tokens, pooled width, the
-#  pipelines' scheduler config for the shift)
+#  pipelines' scheduler config for the shift). Z-Image takes each caption unpadded: 256
+#  tokens stand for a long caption in its chat template.
 MODELS = {
     "flux": ("flux", "FluxTransformer2DModel", FLUX_DEV, 16, 512, 768,
              {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0,
@@ -49,13 +55,17 @@ MODELS = {
               "base_image_seq_len": 256, "max_image_seq_len": 4096}),
     "sd35m": ("sd3", "SD3Transformer2DModel", SD35_MEDIUM, 16, 77 + 256, 2048,
               {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0}),
+    "zimage": ("zimage", "ZImageTransformer2DModel", ZIMAGE_TURBO, 16, 256, None,
+               {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0}),
 }
 SMOKE = {"flux": dict(num_layers=1, num_single_layers=1, attention_head_dim=16,
                       num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16,
                       axes_dims_rope=(4, 6, 6)),
          "sd35m": dict(num_layers=2, attention_head_dim=16, num_attention_heads=2,
                        joint_attention_dim=32, caption_projection_dim=32,
-                       pooled_projection_dim=16, dual_attention_layers=(0,), pos_embed_max_size=64)}
+                       pooled_projection_dim=16, dual_attention_layers=(0,), pos_embed_max_size=64),
+         "zimage": dict(dim=32, n_layers=1, n_refiner_layers=1, n_heads=2, n_kv_heads=2,
+                        cap_feat_dim=32, axes_dims=[4, 6, 6])}
 
 
 def build(model: str, device, dtype, smoke: bool):
@@ -79,15 +89,22 @@ def build(model: str, device, dtype, smoke: bool):
 
 def cached_batch(model: str, b: int, res: int, net, device) -> dict:
     """What the latent cache holds for ``b`` images: posterior params and embeddings."""
-    _, _, cfg, ch, tokens, pooled, _ = MODELS[model]
+    from raylora.model import families
+
+    family, _, cfg, ch, tokens, pooled, _ = MODELS[model]
+    keys = families.get(family).cond_keys()
     g = torch.Generator().manual_seed(b)
     h = res // 8
-    width = net.config.joint_attention_dim
-    return {
+    width = getattr(net.config, "joint_attention_dim", None) or net.config.cap_feat_dim
+    batch = {
         "latent_params": torch.randn(b, 2 * ch, h, h, generator=g).to(device),
         "prompt_embeds": torch.randn(b, tokens, width, generator=g).to(device),
-        "pooled_prompt_embeds": torch.randn(b, net.config.pooled_projection_dim, generator=g).to(device),
     }
+    if "pooled_prompt_embeds" in keys:
+        batch["pooled_prompt_embeds"] = torch.randn(b, net.config.pooled_projection_dim, generator=g).to(device)
+    if "prompt_embeds_mask" in keys:  # every caption fills its tokens
+        batch["prompt_embeds_mask"] = torch.ones(b, tokens, dtype=torch.long, device=device)
+    return batch
 
 
 def raylora_step(model: str, net, mode: str, rank: int):

@@ -297,7 +297,8 @@ def _adapter_commands(sub) -> None:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--steps", type=int, default=25)
     s.add_argument("--guidance-scale", type=float, default=None,
-                   help="default: the family's (SD 7.5, Flux.1-dev 3.5, SD3 7.0, Qwen-Image 4.0)")
+                   help="default: the family's (SD 7.5, Flux.1-dev 3.5, SD3 7.0, Qwen-Image 4.0, "
+                        "Z-Image 5.0; Z-Image-Turbo samples at 0)")
     s.add_argument("--size", type=int, default=None, help="pixels; default: the model's size")
     s.set_defaults(fn=_sample)
 
@@ -313,7 +314,8 @@ def _adapter_commands(sub) -> None:
     e.set_defaults(fn=_export)
 
     m = sub.add_parser("tiny-model", help="write a tiny random diffusers pipeline (offline)")
-    m.add_argument("--family", choices=["sd", "sdxl", "flux", "sd3", "qwenimage"], default="sd")
+    m.add_argument("--family", choices=["sd", "sdxl", "flux", "sd3", "qwenimage", "zimage"],
+                   default="sd")
     m.add_argument("--schnell", action="store_true",
                    help="flux: Flux.1-schnell (no guidance embedding, static shift) instead of -dev")
     m.add_argument("dest")

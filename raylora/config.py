@@ -72,8 +72,8 @@ class ModelSection(_Section):
     max_sequence_length: int | None = Field(
         None, gt=0, le=4096,
         description="Tokens per caption for the long-context text encoder (T5 of Flux/SD3, "
-        "Qwen-Image's LLM). Default: the pipeline's (Flux.1-dev 512, schnell use 256; SD3 256; "
-        "Qwen-Image 512).",
+        "Qwen-Image's and Z-Image's LLMs). Default: the pipeline's (Flux.1-dev 512, schnell use "
+        "256; SD3 256; Qwen-Image 512; Z-Image 512, its chat template included).",
     )
 
     @field_validator("family")
@@ -252,7 +252,7 @@ class DataSection(_Section):
     )
     bucket_step: int = Field(
         64, gt=0, description="data.bucketing: bucket sides are multiples of this (pixels); "
-        "a multiple of the model's latent grid (8 for SD/SDXL, 16 for Flux/SD3/Qwen-Image).",
+        "a multiple of the model's latent grid (8 for SD/SDXL, 16 for Flux/SD3/Qwen-Image/Z-Image).",
     )
     center_crop: bool = Field(False, description="Center crop (True) or random crop (False).")
     random_flip: bool = Field(False, description="Random horizontal flip with p=0.5.")
@@ -433,7 +433,7 @@ class LoraSection(_Section):
     target_modules: list[str] | None = Field(
         None,
         description="Denoiser module names that get LoRA layers. Default: the family's (SD/"
-        "SDXL/Qwen-Image: attention projections; Flux, SD3: attention projections of both "
+        "SDXL/Qwen-Image/Z-Image: attention projections; Flux, SD3: attention projections of both "
         "streams (and Flux's feed-forwards), as diffusers' LoRA scripts).",
     )
     train_text_encoder: bool = Field(
@@ -461,7 +461,7 @@ class LoraSection(_Section):
 
 
 class FlowSection(_Section):
-    """Rectified-flow training (the objective of Flux, SD3 and Qwen-Image): how σ is drawn,
+    """Rectified-flow training (the objective of Flux, SD3, Qwen-Image and Z-Image): how σ is drawn,
     shifted and weighted. Names and defaults as in diffusers' and SimpleTuner's scripts."""
 
     timestep_sampling: Literal["uniform", "logit_normal", "mode", "cosmap"] = Field(
@@ -582,10 +582,10 @@ class TrainSection(_Section):
     )
     prediction_type: Literal["epsilon", "v_prediction", "flow_matching"] | None = Field(
         None, description="The objective. Default: the model's scheduler config (flow "
-        "matching for FlowMatch* schedulers: Flux, SD3, Qwen-Image; else its prediction_type).",
+        "matching for FlowMatch* schedulers: Flux, SD3, Qwen-Image, Z-Image; else its prediction_type).",
     )
     flow: FlowSection = Field(default_factory=lambda: FlowSection(),
-                              description="Flow-matching settings (Flux, SD3, Qwen-Image).")
+                              description="Flow-matching settings (Flux, SD3, Qwen-Image, Z-Image).")
     optimizer: Literal[OPTIMIZERS] = Field(  # type: ignore[valid-type]
         "adamw",
         description="adamw: torch AdamW. adamw8bit: bitsandbytes 8-bit AdamW (state ~2 "

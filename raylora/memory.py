@@ -543,7 +543,10 @@ def cached_batch(comps, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 
 def _longest(batch) -> int:
-    return max((v.shape[1] for k, v in batch.items() if k.startswith("input_ids")), default=0)
+    """Token columns' length: token ids of a raw batch, caption masks of a cached one
+    (Z-Image reads each caption's length from its mask in the step)."""
+    return max((v.shape[1] for k, v in batch.items()
+                if k.startswith("input_ids") or k.endswith("mask")), default=0)
 
 
 def attach_lora(comps, rank: int, targets: Sequence[str] | None = None,

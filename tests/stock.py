@@ -90,6 +90,7 @@ PIPELINES = {
     "flux": ("FluxPipeline", {"max_sequence_length": 32}),
     "sd3": ("StableDiffusion3Pipeline", {"max_sequence_length": 32}),
     "qwenimage": ("QwenImagePipeline", {"max_sequence_length": 32}),
+    "zimage": ("ZImagePipeline", {"max_sequence_length": 32}),
 }
 
 

@@ -277,6 +277,9 @@ def _pipeline_conditioning(family: str, pipe, captions: list[str]) -> dict:
     if family == "qwenimage":
         e, mask = pipe.encode_prompt(captions, **kw)
         return {"prompt_embeds": e, "prompt_embeds_mask": mask}
+    if family == "zimage":  # each caption's own tokens, at its own length
+        e, _ = pipe.encode_prompt(captions, do_classifier_free_guidance=False, **kw)
+        return {"prompt_embeds": e}
     raise AssertionError(f"no stock conditioning call for {family}: add one here")
 
 
@@ -310,6 +313,12 @@ def test_training_conditions_the_denoiser_as_the_stock_pipeline_does(tiny, famil
     with torch.no_grad():
         ours = comps.family.encode_text(comps.text_encoders, batch)
         theirs = _pipeline_conditioning(family, pipe, list(captions))
+    if family == "zimage":  # a list of (L_i, D): compare each caption's unpadded rows
+        mask = ours.pop("prompt_embeds_mask").bool()
+        ours["prompt_embeds"] = [e[m] for e, m in zip(ours["prompt_embeds"], mask)]
+        assert [len(e) for e in theirs["prompt_embeds"]] == mask.sum(1).tolist()
+        ours, theirs = ({f"prompt_embeds.{i}": e for i, e in enumerate(d["prompt_embeds"])}
+                        for d in (ours, theirs))
     for key, want in theirs.items():
         got = ours[key]
         assert got.shape == want.shape, (key, got.shape, want.shape)

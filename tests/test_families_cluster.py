@@ -25,6 +25,7 @@ CASES = {
     "flux": ("flux", "tiny"),
     "sd3": ("sd3", "tiny"),
     "qwenimage": ("qwenimage", "tiny"),
+    "zimage": ("zimage", "tiny"),
     "flux-userbuilt": ("flux", "build_user_flux"),
     "sd3-userbuilt": ("sd3", "build_user_sd3"),
 }

@@ -64,12 +64,14 @@ def test_the_meta_model_is_the_loaded_model(tiny, family):
     assert memory.weight_bytes(meta.denoiser) == memory.weight_bytes(real.denoiser)  # LoRA is not a weight
 
 
-CASES = [(f, "no", False) for f in FAMILIES] + [
-    ("sd", "no", True), ("flux", "no", True), ("qwenimage", "no", True), ("sdxl", "bf16", False)]
+CASES = [(f, "no", False, False) for f in FAMILIES] + [(f, "no", False, True) for f in FAMILIES] + [
+    ("sd", "no", True, False), ("flux", "no", True, False), ("qwenimage", "no", True, False),
+    ("zimage", "no", True, False), ("sdxl", "bf16", False, False)]
 
 
-@pytest.mark.parametrize("family, mixed_precision, checkpointing", CASES)
-def test_a_meta_step_keeps_what_a_real_cpu_step_keeps(tiny, family, mixed_precision, checkpointing):
+@pytest.mark.parametrize("family, mixed_precision, checkpointing, cached", CASES)
+def test_a_meta_step_keeps_what_a_real_cpu_step_keeps(tiny, family, mixed_precision, checkpointing,
+                                                      cached):
     """The same training step (VAE encode, text encoding, denoise, fp32 loss, backward) on
     meta tensors and on a real CPU model, measured the same way: the bytes autograd saves
     for backward are equal to the byte in fp32; under bf16 (CPU autocast, imitated on meta)
@@ -83,6 +85,9 @@ def test_a_meta_step_keeps_what_a_real_cpu_step_keeps(tiny, family, mixed_precis
         comps = memory.meta_components(path, dtype) if device == "meta" else _real(path, dtype)
         memory.attach_lora(comps, 4)
         batch = memory.raw_batch(comps, 2, 32, device=device)
+        if cached:  # the latent cache's columns; the step runs the denoiser alone
+            batch = memory.cached_batch(comps, batch)
+            comps = dataclasses.replace(comps, vae=None, text_encoders=[])
         prof[device] = memory.profile_step(comps, batch, mixed_precision=mixed_precision,
                                            gradient_checkpointing=checkpointing,
                                            autocast_device="cpu")

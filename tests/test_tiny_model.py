@@ -1,5 +1,5 @@
 """The tiny offline models: tokenizers (CLIP BPE, T5 Unigram, Qwen2 byte-level BPE) and the
-flux / sd3 / qwenimage pipelines, which load through diffusers and raylora's loader."""
+flux / sd3 / qwenimage / zimage pipelines, which load through diffusers and raylora's loader."""
 
 import json
 import math
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from raylora.model import tiny
+from raylora.model.families import zimage
 from raylora.model.tiny import BOS, EOS, bytes_to_unicode, learn_bpe
 
 
@@ -46,17 +47,19 @@ def test_tiny_tokenizer_is_clip_shaped(tiny_model):
 # ---------------------------------------------------------------------------------------
 # Flow-matching families: flux, sd3, qwenimage. Each is built once for the module.
 
-NEW_FAMILIES = ("flux", "sd3", "qwenimage")
+NEW_FAMILIES = ("flux", "sd3", "qwenimage", "zimage")
 PIPELINE_CLASS = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline",
-                  "qwenimage": "QwenImagePipeline"}
+                  "qwenimage": "QwenImagePipeline", "zimage": "ZImagePipeline"}
 TOKENIZERS = {
     "flux": {"tokenizer": "CLIPTokenizer", "tokenizer_2": "T5Tokenizer"},
     "sd3": {"tokenizer": "CLIPTokenizer", "tokenizer_2": "CLIPTokenizer",
             "tokenizer_3": "T5Tokenizer"},
     "qwenimage": {"tokenizer": "Qwen2Tokenizer"},
+    "zimage": {"tokenizer": "Qwen2Tokenizer"},
 }
 # 64 px through a factor-2 VAE with 16 channels (Qwen-Image's VAE is a video VAE: frames axis)
-LATENT_SHAPE = {"flux": (1, 16, 32, 32), "sd3": (1, 16, 32, 32), "qwenimage": (1, 16, 1, 32, 32)}
+LATENT_SHAPE = {"flux": (1, 16, 32, 32), "sd3": (1, 16, 32, 32), "qwenimage": (1, 16, 1, 32, 32),
+                "zimage": (1, 16, 32, 32)}
 CAPTIONS = ["a red circle", "a small blue square on the green grass"]  # different lengths
 
 
@@ -83,7 +86,7 @@ def test_model_index_names_the_pipeline_and_its_components(family_model, family_
     for sub, cls in TOKENIZERS[fam].items():
         assert index[sub] == ["transformers", cls]
     denoiser = {"flux": "FluxTransformer2DModel", "sd3": "SD3Transformer2DModel",
-                "qwenimage": "QwenImageTransformer2DModel"}[fam]
+                "qwenimage": "QwenImageTransformer2DModel", "zimage": "ZImageTransformer2DModel"}[fam]
     assert index["transformer"] == ["diffusers", denoiser]
     assert index["scheduler"] == ["diffusers", "FlowMatchEulerDiscreteScheduler"]
 
@@ -180,6 +183,23 @@ def test_qwen_template_prefix_is_34_tokens_as_the_pipeline_drops(family_model, f
     assert tok.convert_ids_to_tokens(tok("a red circle").input_ids) == ["a", "Ġred", "Ġcircle"]
 
 
+@pytest.mark.parametrize("family_model", ["zimage"], indirect=True)
+def test_zimage_tokenizer_writes_qwen3s_chat_template_as_the_family_does(family_model):
+    """ZImagePipeline formats each caption with ``tokenizer.apply_chat_template``; the tiny
+    tokenizer carries Qwen3's template, which gives raylora's ``zimage.TEMPLATE`` (the
+    tokens the preprocess stage writes), with an empty think block only when thinking is off."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(family_model[1], subfolder="tokenizer")
+    msg = [{"role": "user", "content": CAPTIONS[1]}]
+    text = tok.apply_chat_template(msg, tokenize=False, add_generation_prompt=True, enable_thinking=True)
+    assert text == zimage.TEMPLATE.format(CAPTIONS[1])
+    off = tok.apply_chat_template(msg, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert off == text + "<think>\n\n</think>\n\n"
+    assert tok.convert_ids_to_tokens(tok(text).input_ids)[:3] == ["<|im_start|>", "user", "Ċ"]
+    assert (tok.eos_token, tok.pad_token, tok.padding_side) == ("<|im_end|>", "<|endoftext|>", "right")
+
+
 def test_encode_prompt_shapes(family_pipe):
     fam, pipe = family_pipe
     with torch.no_grad():
@@ -194,6 +214,12 @@ def test_encode_prompt_shapes(family_pipe):
             # 77 CLIP tokens (32 + 48 wide, zero-padded to T5's 96) then 32 T5 tokens
             assert embeds.shape == (1, 77 + 32, 96) and pooled.shape == (1, 32 + 48)
             assert not embeds[:, :77, 80:].any()
+        elif fam == "zimage":
+            # a copy: the pipeline writes the templated text into the list it is given
+            embeds, _ = pipe.encode_prompt(list(CAPTIONS), do_classifier_free_guidance=False)
+            # one (L_i, 32) per caption: its own tokens in Qwen3's chat template, no padding
+            n = [len(pipe.tokenizer(zimage.TEMPLATE.format(c)).input_ids) for c in CAPTIONS]
+            assert [tuple(e.shape) for e in embeds] == [(k, 32) for k in n] and n[0] < n[1]
         else:
             embeds, mask = pipe.encode_prompt(CAPTIONS)
             # caption tokens + the 5 template tokens after it (<|im_end|> \n <|im_start|>
@@ -230,6 +256,12 @@ def test_component_configs_are_consistent(family_model):
         assert (tr["in_channels"], tr["out_channels"], tr["patch_size"]) == (16, 16, 2)
         assert (vae["scaling_factor"], vae["shift_factor"]) == (1.5305, 0.0609)
         assert sch["shift"] == 3.0 and sch["use_dynamic_shifting"] is False
+    elif fam == "zimage":
+        assert tr["cap_feat_dim"] == cfg("text_encoder")["hidden_size"] == 32
+        assert tr["in_channels"] == vae["latent_channels"] == 16 and tr["all_patch_size"] == [2]
+        assert sum(tr["axes_dims"]) == tr["dim"] // tr["n_heads"]
+        assert (vae["scaling_factor"], vae["shift_factor"]) == (0.3611, 0.1159)  # Flux.1's VAE
+        assert sch["shift"] == 3.0 and sch["use_dynamic_shifting"] is False
     else:
         te = cfg("text_encoder")
         assert tr["joint_attention_dim"] == te["text_config"]["hidden_size"] == 32
@@ -260,7 +292,8 @@ def test_transformer_trains_at_64px_and_is_cpu_sized(family_pipe):
     """One forward + backward at 64 px (32×32 latents) in the pipeline's own layout."""
     fam, pipe = family_pipe
     tr = pipe.transformer
-    assert sum(p.numel() for p in tr.parameters()) < 150_000
+    # Z-Image's timestep MLP is 256 → 1024 → dim whatever the width (296k of its 365k)
+    assert sum(p.numel() for p in tr.parameters()) < (400_000 if fam == "zimage" else 150_000)
     b, g = 2, torch.Generator().manual_seed(0)
     if fam == "flux":
         x = torch.randn(b, 256, 64, generator=g)  # 16×16 tokens of 2×2×16
@@ -275,6 +308,10 @@ def test_transformer_trains_at_64px_and_is_cpu_sized(family_pipe):
         out = tr(hidden_states=x, timestep=torch.rand(b) * 1000,
                  encoder_hidden_states=torch.randn(b, 77 + 32, 96),
                  pooled_projections=torch.randn(b, 80), return_dict=False)[0]
+    elif fam == "zimage":  # lists: each image [C, frames, h, w], each caption at its length
+        x = torch.randn(b, 16, 1, 32, 32, generator=g)
+        out = torch.stack(tr(list(x), torch.rand(b), [torch.randn(7, 32), torch.randn(12, 32)],
+                             return_dict=False)[0])
     else:
         x = torch.randn(b, 256, 64, generator=g)
         mask = torch.ones(b, 12, dtype=torch.long)
@@ -300,7 +337,7 @@ def test_raylora_loader_reads_the_tiny_model_back(family_model):
     c = load_components(ModelSection(pretrained=path), torch.float32)
     assert [type(t).__name__ for t in c.tokenizers] == list(TOKENIZERS[fam].values())
     assert type(c.denoiser).__name__ == json.load(open(f"{path}/model_index.json"))["transformer"][1]
-    if fam == "flux":
+    if fam in ("flux", "zimage"):
         assert (c.latent_shift, c.latent_scale) == (0.1159, 0.3611)
     elif fam == "sd3":
         assert (c.latent_shift, c.latent_scale) == (0.0609, 1.5305)

@@ -1,4 +1,4 @@
-"""Tiny random diffusers pipelines (SD-1.x, SDXL, Flux.1, SD3, Qwen-Image), built offline.
+"""Tiny random diffusers pipelines (SD-1.x, SDXL, Flux.1, SD3, Qwen-Image, Z-Image), built offline.
 
 Tests and the demo need a model but have no hub access. This builds the real diffusers /
 transformers classes with tiny sizes and writes them with ``save_pretrained``, so training
@@ -674,12 +674,71 @@ def build_tiny_qwenimage(dest: str | Path, seed: int = 0) -> Path:
     return dest
 
 
+# Qwen3's chat template, the part ZImagePipeline reaches (one user message, a generation
+# prompt, enable_thinking=True): each message in ChatML, then "<|im_start|>assistant\n";
+# thinking off would add an empty think block, as Qwen3's own template does.
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+ZIMAGE_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)  # Z-Image-Turbo
+
+
+def build_tiny_zimage(dest: str | Path, seed: int = 0) -> Path:
+    """Save a tiny random ZImagePipeline to ``dest``; returns the path.
+
+    * ``text_encoder``: Qwen3Model, hidden 32, 2 layers; the pipeline takes the
+      second-to-last hidden state of each caption's own tokens (its chat template included,
+      padding dropped): a list of (L_i, 32). ``tokenizer``: the Qwen2 byte-level BPE with
+      Qwen3's chat template (``QWEN3_CHAT_TEMPLATE``).
+    * ``transformer``: ZImageTransformer2DModel, dim 32 = 2 heads × 16, 2 layers plus one
+      noise- and one caption-refiner block, rope axes (4, 6, 6), patch 2, 16 latent
+      channels, cap_feat_dim 32.
+    * ``vae``: AutoencoderKL (32, 64) → factor 2, 16 latent channels, Flux's scaling 0.3611
+      / shift 0.1159 (Z-Image uses the Flux.1 VAE): 64 px → latents (B, 16, 32, 32).
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    dest = Path(dest)
+    torch.manual_seed(seed)
+    tokenizer = build_qwen2_tokenizer()
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+    ids = tokenizer.convert_tokens_to_ids
+    text_encoder = Qwen3Model(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6,
+        max_position_embeddings=4096, rope_theta=1000000.0, tie_word_embeddings=True,
+        bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"),
+    )).eval()
+    transformer = ZImageTransformer2DModel(
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32, n_layers=2,
+        n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=32,
+        axes_dims=[4, 6, 6],  # sums to the head dim, like Z-Image's (32, 48, 48) of 128
+    )
+    vae = _tiny_vae(
+        latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159,
+        use_quant_conv=False, use_post_quant_conv=False, force_upcast=True,
+    )
+    pipe = ZImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**ZIMAGE_SCHEDULER), vae=vae,
+        text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer,
+    )
+    pipe.save_pretrained(dest)
+    return dest
+
+
 BUILDERS = {
     "sd": build_tiny_sd,
     "sdxl": build_tiny_sdxl,
     "flux": build_tiny_flux,
     "sd3": build_tiny_sd3,
     "qwenimage": build_tiny_qwenimage,
+    "zimage": build_tiny_zimage,
 }
 FAMILIES = tuple(BUILDERS)
 

@@ -6,7 +6,7 @@ Two objectives, chosen by the model's scheduler config (``train.prediction_type`
 - ``DDPM``: integer steps t in [0, T), x_t = sqrt(ᾱ_t)·x₀ + sqrt(1−ᾱ_t)·ε, target ε or v;
   min-SNR-γ weighting and noise offset (SD 1.x/2.x, SDXL).
 - ``FlowMatching``: rectified flow, σ in (0, 1), x_σ = (1−σ)·x₀ + σ·ε, target ε − x₀
-  (Flux, SD3, Qwen-Image). σ is drawn from a density (uniform, logit-normal, mode,
+  (Flux, SD3, Qwen-Image, Z-Image). σ is drawn from a density (uniform, logit-normal, mode,
   cosmap) and shifted toward noise, statically (``shift``) or by image size (Flux's
   ``base_shift``/``max_shift``); the loss can be weighted by σ (``sigma_sqrt``, ``cosmap``).
 

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from raylora.model.families.base import Cond, Family, TextInput, pack_2x2, unpack_2x2
+from raylora.model.families.base import (
+    Cond,
+    Family,
+    TextInput,
+    llm_conditioning,
+    pack_2x2,
+    unpack_2x2,
+)
 
 # QwenImagePipeline.prompt_template_encode and its start index
 TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, "
@@ -63,17 +70,7 @@ class QwenImage(Family):
 
     @classmethod
     def encode_text(cls, encoders, batch) -> Cond:
-        ids, mask = batch["input_ids"], batch["attention_mask"]
-        # Right padding under a causal LM: cutting the padding after the longest caption
-        # changes no hidden state, and saves encoding ~1000 pad tokens per caption.
-        n = int(mask.sum(1).max())
-        ids, mask = ids[:, :n], mask[:, :n]
-        hidden = encoders[0](input_ids=ids, attention_mask=mask,
-                             output_hidden_states=True).hidden_states[-1]
-        mask = mask[:, DROP:]
-        # The pipeline pads with zeros past each caption: the same here.
-        emb = hidden[:, DROP:] * mask.unsqueeze(-1).to(hidden.dtype)
-        return Cond(prompt_embeds=emb, prompt_embeds_mask=mask.long())
+        return llm_conditioning(encoders[0], batch, layer=-1, drop=DROP)  # the last hidden state
 
     @classmethod
     def denoise(cls, model, noisy, t, cond: Cond, **extra) -> torch.Tensor:

@@ -35,17 +35,14 @@ def sample(
     load_adapter(pipe, family, adapter)
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
-    if size is None:
-        from raylora.train.preview import denoiser_of
-
-        latent = getattr(denoiser_of(pipe).config, "sample_size", None) or pipe.default_sample_size
-        size = latent * pipe.vae_scale_factor
+    # No size: the pipeline's own default (the model's sample size; ZImagePipeline's 1024,
+    # as it has no sample-size attribute to derive one from).
+    dims = {} if size is None else {"height": size, "width": size}
     image = pipe(
         prompt,
         num_inference_steps=steps,
         **family.guidance_kwargs(guidance_scale),
-        height=size,
-        width=size,
+        **dims,
         generator=torch.Generator(device="cpu").manual_seed(seed),
     ).images[0]
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

@@ -218,11 +218,13 @@ def test_guidance_kwargs_are_arguments_of_the_stock_pipeline_call(family):
     from raylora.checkpoint.export import _usage
     from raylora.config import validate
 
-    card = _usage(validate({"model": {"pretrained": "some/model"}, "data": {"uri": "d"},
-                            "output": {"uri": "o"}}), fam)
-    line = next(x for x in card.splitlines() if x.startswith("image = pipe("))
-    call = ast.parse(line).body[0].value.value.value  # pipe(...) in pipe(...).images[0]
-    assert {k.arg: ast.literal_eval(k.value) for k in call.keywords} == fam.guidance_kwargs()
+    # At the scale the run validated with, else the family's.
+    for scale in (None, 0.0, 2.0):
+        card = _usage(validate({"model": {"pretrained": "some/model"}, "data": {"uri": "d"},
+                                "output": {"uri": "o"}, "validation": {"guidance_scale": scale}}), fam)
+        line = next(x for x in card.splitlines() if x.startswith("image = pipe("))
+        call = ast.parse(line).body[0].value.value.value  # pipe(...) in pipe(...).images[0]
+        assert {k.arg: ast.literal_eval(k.value) for k in call.keywords} == fam.guidance_kwargs(scale)
 
 
 def test_qwenimage_guidance_kwargs_run_a_second_transformer_pass_per_step(tiny):

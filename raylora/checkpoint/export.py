@@ -111,9 +111,12 @@ def _usage(cfg: RayLoraConfig, family) -> str:
     """How to load this folder: stock ``load_lora_weights`` for lora/dora; peft (and the
     LyCORIS file in ComfyUI / Forge) for lokr/loha, which diffusers' loaders do not read."""
     pipe = f'pipe = {family.pipeline}.from_pretrained("{cfg.model.pretrained}")'
-    # The family's guidance arguments: Qwen-Image guides only with true_cfg_scale and a
-    # negative prompt, so a bare pipe("...") would sample it unguided.
-    args = "".join(f", {k}={v!r}" for k, v in family.guidance_kwargs().items())
+    # The family's guidance arguments (Qwen-Image guides only with true_cfg_scale and a
+    # negative prompt, so a bare pipe("...") would sample it unguided) at the scale the
+    # run's previews used: validation.guidance_scale, else the family's default (a
+    # guidance-distilled model such as Z-Image-Turbo is validated at 0).
+    args = "".join(f", {k}={v!r}" for k, v in
+                   family.guidance_kwargs(cfg.validation.guidance_scale).items())
     call = f'image = pipe("your prompt"{args}).images[0]'
     if cfg.lora.variant in ("lora", "dora"):
         return (f"```python\nfrom diffusers import {family.pipeline}\n{pipe}\n"

@@ -332,7 +332,7 @@ _FP32 = {
 # fp32_set_opt_dtype: left alone when the call gives a dtype
 _OPT_DTYPE = {"prod", "softmax", "log_softmax", "cumprod", "cumsum", "vector_norm",
               "matrix_norm", "sum"}
-_SCALAR_READS = {"__int__", "__index__", "item", "__bool__"}
+_SCALAR_READS = {"__int__", "__index__", "item", "__bool__", "tolist"}
 
 
 class _FlashAttention(torch.autograd.Function):
@@ -371,7 +371,8 @@ class _MetaStep(TorchFunctionMode):
     (``flash``), and answers for integer / boolean scalars read from meta tensors, which
     have no values. The only such reads in a family's step are Qwen-Image's caption
     masks (trimming the padding after the longest caption; transformers checking for
-    padding): every caption is taken to fill its ``scalar`` tokens."""
+    padding) and Z-Image's caption lengths: every caption is taken to fill its ``scalar``
+    tokens."""
 
     def __init__(self, dtype: torch.dtype | None, autocast: str | None, flash: bool,
                  scalar: int | None):
@@ -400,7 +401,10 @@ class _MetaStep(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in _SCALAR_READS and self.scalar is not None and isinstance(args[0], torch.Tensor) \
                 and args[0].is_meta and not args[0].is_floating_point():
-            # a full mask: its length, and "all set" (transformers' padding check)
+            # a full mask: its length (each caption's, for a list of them), and "all set"
+            # (transformers' padding check)
+            if name == "tolist":
+                return [self.scalar] * args[0].numel()
             return True if name == "__bool__" else self.scalar
         if self.autocast is not None:
             if name in _LOWER[self.autocast]:

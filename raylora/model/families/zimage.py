@@ -49,10 +49,10 @@ class ZImage(Family):
     @classmethod
     def denoise(cls, model, noisy, t, cond: Cond, **extra) -> torch.Tensor:
         emb = cond["prompt_embeds"]
-        # The model takes each caption at its own length: reading the lengths is a host
-        # sync, as the pipeline's boolean mask is (captions are right-padded).
-        lengths = cond["prompt_embeds_mask"].sum(1)
-        captions = [e[:int(n)] for e, n in zip(emb, lengths)]
+        # The model takes each caption at its own length: reading the lengths is one host
+        # sync per step, as the pipeline's boolean mask is (captions are right-padded).
+        lengths = cond["prompt_embeds_mask"].sum(1).tolist()
+        captions = [e[:n] for e, n in zip(emb, lengths)]
         images = list(noisy.unsqueeze(2).unbind(0))  # each [C, frames=1, h, w]
         out = model(images, cls.model_timestep(t).to(noisy.dtype), captions, return_dict=False)[0]
         return -torch.stack(out).squeeze(2)

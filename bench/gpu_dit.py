@@ -8,6 +8,7 @@ rank 16 on the family's default targets, cached latents and text embeddings (wha
     python bench/gpu_dit.py                       # flux + sd35m at 1024 px, batch 1 and 2
     python bench/gpu_dit.py --models flux --batch-sizes 1 --modes none
     python bench/gpu_dit.py --models zimage       # Z-Image-Turbo's architecture (not in the default)
+    python bench/gpu_dit.py --models klein4b      # Flux.2 [klein] 4B's (not in the default)
     python bench/gpu_dit.py --smoke               # toy widths on a CPU, checks the script
 
 FLOPs are counted once per (model, batch) with ``torch.utils.flop_counter`` over one eager
@@ -45,6 +46,12 @@ SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24,
 ZIMAGE_TURBO = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=3840,
                     n_layers=30, n_refiner_layers=2, n_heads=30, n_kv_heads=30, cap_feat_dim=2560,
                     axes_dims=[32, 48, 48], axes_lens=[1024, 512, 512])
+# black-forest-labs/FLUX.2-klein-4B transformer/config.json (as published in several public
+# configs and diffusers' Flux.2 conversion script's klein-4b entry): 5 double + 20 single blocks
+KLEIN_4B = dict(patch_size=1, in_channels=128, num_layers=5, num_single_layers=20,
+                attention_head_dim=128, num_attention_heads=24, joint_attention_dim=7680,
+                timestep_guidance_channels=256, mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32),
+                rope_theta=2000, guidance_embeds=False)
 # (family, transformer class, config, latent channels, text tokens, pooled width, the
 #  pipelines' scheduler config for the shift). Z-Image takes each caption unpadded: 256
 #  tokens stand for a long caption in its chat template.
@@ -57,7 +64,14 @@ MODELS = {
               {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0}),
     "zimage": ("zimage", "ZImageTransformer2DModel", ZIMAGE_TURBO, 16, 256, None,
                {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0}),
+    # Klein's latents are the VAE's 32 channels patchified 2×2 (128 per 16 px); the text is
+    # always the pipeline's 512 tokens, padding included.
+    "klein4b": ("flux2klein", "Flux2Transformer2DModel", KLEIN_4B, 128, 512, None,
+                {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0,
+                 "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15,
+                 "base_image_seq_len": 256, "max_image_seq_len": 4096}),
 }
+PIXELS_PER_LATENT = {"klein4b": 16}  # the others: 8
 SMOKE = {"flux": dict(num_layers=1, num_single_layers=1, attention_head_dim=16,
                       num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16,
                       axes_dims_rope=(4, 6, 6)),
@@ -65,7 +79,10 @@ SMOKE = {"flux": dict(num_layers=1, num_single_layers=1, attention_head_dim=16,
                        joint_attention_dim=32, caption_projection_dim=32,
                        pooled_projection_dim=16, dual_attention_layers=(0,), pos_embed_max_size=64),
          "zimage": dict(dim=32, n_layers=1, n_refiner_layers=1, n_heads=2, n_kv_heads=2,
-                        cap_feat_dim=32, axes_dims=[4, 6, 6])}
+                        cap_feat_dim=32, axes_dims=[4, 6, 6]),
+         "klein4b": dict(num_layers=1, num_single_layers=1, attention_head_dim=16,
+                         num_attention_heads=2, joint_attention_dim=48,
+                         timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4))}
 
 
 def build(model: str, device, dtype, smoke: bool):
@@ -94,7 +111,7 @@ def cached_batch(model: str, b: int, res: int, net, device) -> dict:
     family, _, cfg, ch, tokens, pooled, _ = MODELS[model]
     keys = families.get(family).cond_keys()
     g = torch.Generator().manual_seed(b)
-    h = res // 8
+    h = res // PIXELS_PER_LATENT.get(model, 8)
     width = getattr(net.config, "joint_attention_dim", None) or net.config.cap_feat_dim
     batch = {
         "latent_params": torch.randn(b, 2 * ch, h, h, generator=g).to(device),
@@ -126,7 +143,7 @@ def raylora_step(model: str, net, mode: str, rank: int):
     GradientState._reset_state()
     cuda = next(net.parameters()).device.type == "cuda"
     accel = Accelerator(mixed_precision="bf16" if cuda else "no", cpu=not cuda)
-    params = add_lora(net, LoraSection(rank=rank, alpha=rank), fam.lora_targets)
+    params = add_lora(net, LoraSection(rank=rank, alpha=rank), fam.default_lora_targets(net))
     compile_denoiser(net, mode, fam.repeated_blocks)
     opt = torch.optim.AdamW(params, lr=1e-4, fused=cuda)
     net_p, opt = accel.prepare(net, opt)

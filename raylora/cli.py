@@ -281,6 +281,17 @@ def _run_commands(sub) -> None:
     lf.set_defaults(fn=_lr_find)
 
 
+def _family_names() -> list[str]:
+    """The family modules' names (= ``model.family`` values), listed as
+    ``raylora.model.families`` lists them but without importing them, and so torch, for
+    ``--help``."""
+    import importlib.util
+    import pkgutil
+
+    where = importlib.util.find_spec("raylora.model.families").submodule_search_locations
+    return sorted(m.name for m in pkgutil.iter_modules(where) if m.name != "base")
+
+
 def _adapter_commands(sub) -> None:
     """validate, sample, export, tiny-model: configs, adapters and models on this machine."""
     v = sub.add_parser("validate", help="check a config and print it resolved")
@@ -298,7 +309,7 @@ def _adapter_commands(sub) -> None:
     s.add_argument("--steps", type=int, default=25)
     s.add_argument("--guidance-scale", type=float, default=None,
                    help="default: the family's (SD 7.5, Flux.1-dev 3.5, SD3 7.0, Qwen-Image 4.0, "
-                        "Z-Image 5.0; Z-Image-Turbo samples at 0)")
+                        "Z-Image 5.0, Flux.2 [klein] 4.0; Z-Image-Turbo samples at 0)")
     s.add_argument("--size", type=int, default=None, help="pixels; default: the model's size")
     s.set_defaults(fn=_sample)
 
@@ -314,8 +325,7 @@ def _adapter_commands(sub) -> None:
     e.set_defaults(fn=_export)
 
     m = sub.add_parser("tiny-model", help="write a tiny random diffusers pipeline (offline)")
-    m.add_argument("--family", choices=["sd", "sdxl", "flux", "sd3", "qwenimage", "zimage"],
-                   default="sd")
+    m.add_argument("--family", choices=_family_names(), default="sd")
     m.add_argument("--schnell", action="store_true",
                    help="flux: Flux.1-schnell (no guidance embedding, static shift) instead of -dev")
     m.add_argument("dest")

@@ -563,7 +563,7 @@ def attach_lora(comps, rank: int, targets: Sequence[str] | None = None,
 
     fam = comps.family
     section = LoraSection(rank=rank, target_modules=list(targets) if targets else None)
-    params = add_lora(comps.denoiser, section, fam.lora_targets)
+    params = add_lora(comps.denoiser, section, fam.default_lora_targets(comps.denoiser))
     te_params = []
     if train_text_encoder:
         names = fam.text_encoder_lora()

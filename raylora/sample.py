@@ -38,8 +38,9 @@ def sample(
     # No size: the pipeline's own default (the model's sample size; ZImagePipeline's 1024,
     # as it has no sample-size attribute to derive one from).
     dims = {} if size is None else {"height": size, "width": size}
+    # prompt by name: Flux2KleinPipeline's first parameter is a reference image.
     image = pipe(
-        prompt,
+        prompt=prompt,
         num_inference_steps=steps,
         **family.guidance_kwargs(guidance_scale),
         **dims,

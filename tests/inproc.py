@@ -72,7 +72,7 @@ def lora_step_setup(model: str, demo_data: str, out_uri: str):
                     "output": {"uri": out_uri}})
     comps = load_components(cfg.model, torch.float32)
     torch.manual_seed(0)
-    params = add_lora(comps.denoiser, cfg.lora, comps.family.lora_targets)
+    params = add_lora(comps.denoiser, cfg.lora, comps.family.default_lora_targets(comps.denoiser))
     batch = cached_demo_batch(comps.family, comps, model, demo_data)
     parts = replace(frozen_parts(cfg, comps, "cpu", torch.float32), vae=None, text_encoders=[])
     return comps, params, parts, batch

@@ -64,7 +64,7 @@ model, adapter, pipeline, extra = sys.argv[1], sys.argv[2], sys.argv[3], json.lo
 pipe = getattr(diffusers, pipeline).from_pretrained(model)
 pipe.set_progress_bar_config(disable=True)
 def render():
-    return pipe("a red circle on a blue background", num_inference_steps=2, height=64, width=64,
+    return pipe(prompt="a red circle on a blue background", num_inference_steps=2, height=64, width=64,
                 generator=torch.Generator().manual_seed(0), output_type="pt", **extra).images
 with torch.no_grad():
     before = render()
@@ -91,6 +91,7 @@ PIPELINES = {
     "sd3": ("StableDiffusion3Pipeline", {"max_sequence_length": 32}),
     "qwenimage": ("QwenImagePipeline", {"max_sequence_length": 32}),
     "zimage": ("ZImagePipeline", {"max_sequence_length": 32}),
+    "flux2klein": ("Flux2KleinPipeline", {"max_sequence_length": 32}),
 }
 
 
@@ -133,7 +134,7 @@ def stock_image_change(family: str, model: str, adapter, check_pipe=None) -> flo
     kw = dict(num_inference_steps=2, height=64, width=64, output_type="np", **extra)
 
     def image():
-        return pipe("a red circle", generator=torch.Generator().manual_seed(0), **kw).images[0]
+        return pipe(prompt="a red circle", generator=torch.Generator().manual_seed(0), **kw).images[0]
 
     base = image()
     pipe.load_lora_weights(str(adapter))

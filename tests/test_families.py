@@ -224,7 +224,10 @@ def test_guidance_kwargs_are_arguments_of_the_stock_pipeline_call(family):
                                 "output": {"uri": "o"}, "validation": {"guidance_scale": scale}}), fam)
         line = next(x for x in card.splitlines() if x.startswith("image = pipe("))
         call = ast.parse(line).body[0].value.value.value  # pipe(...) in pipe(...).images[0]
-        assert {k.arg: ast.literal_eval(k.value) for k in call.keywords} == fam.guidance_kwargs(scale)
+        kw = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+        # the prompt by name: Flux2KleinPipeline's first positional parameter is an image
+        assert not call.args and kw.pop("prompt") == "your prompt" and "prompt" in params
+        assert kw == fam.guidance_kwargs(scale)
 
 
 def test_qwenimage_guidance_kwargs_run_a_second_transformer_pass_per_step(tiny):
@@ -279,6 +282,9 @@ def _pipeline_conditioning(family: str, pipe, captions: list[str]) -> dict:
     if family == "qwenimage":
         e, mask = pipe.encode_prompt(captions, **kw)
         return {"prompt_embeds": e, "prompt_embeds_mask": mask}
+    if family == "flux2klein":  # layers 9, 18, 27 side by side, every padding position kept
+        e, _ = pipe.encode_prompt(captions, **kw)
+        return {"prompt_embeds": e}
     if family == "zimage":  # each caption's own tokens, at its own length
         e, _ = pipe.encode_prompt(captions, do_classifier_free_guidance=False, **kw)
         return {"prompt_embeds": e}

@@ -2,7 +2,7 @@
 adapter loads in the family's stock diffusers pipeline (in a process that never imports
 raylora) and changes its image; validation grids and ``raylora sample`` work too.
 
-Cases: raylora's own tiny Flux / SD3 / Qwen-Image folders, and a Flux and an SD3 folder
+Cases: raylora's own tiny Flux / SD3 / Qwen-Image / Z-Image / Flux.2 [klein] folders, and a Flux and an SD3 folder
 built straight with diffusers classes (tests/userbuilt.py, as a user's converted
 checkpoint arrives). SD 1.x runs the same path in test_train_ray.py, SDXL in
 test_sdxl_cache.py.
@@ -26,6 +26,7 @@ CASES = {
     "sd3": ("sd3", "tiny"),
     "qwenimage": ("qwenimage", "tiny"),
     "zimage": ("zimage", "tiny"),
+    "flux2klein": ("flux2klein", "tiny"),
     "flux-userbuilt": ("flux", "build_user_flux"),
     "sd3-userbuilt": ("sd3", "build_user_sd3"),
 }

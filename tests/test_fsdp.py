@@ -228,12 +228,12 @@ def _hollow_ranks(rank: int, world: int, port: int, out: str, paths: dict):
             lora = LoraSection(rank=4)
             set_seed(3)
             ref = load_components(ModelSection(pretrained=path), torch.float32)
-            add_lora(ref.denoiser, lora, ref.family.lora_targets)
+            add_lora(ref.denoiser, lora, ref.family.default_lora_targets(ref.denoiser))
             set_seed(3)
             comps = load_components(ModelSection(pretrained=path), torch.float32, encoders=False,
                                     hollow_denoiser=True)
             model = comps.denoiser
-            add_lora(model, lora, comps.family.lora_targets)
+            add_lora(model, lora, comps.family.default_lora_targets(model))
             units = shard_and_load(model, comps.family.repeated_blocks,
                                    component_folder(comps.path, comps.family.denoiser), "cpu")
             got = model.state_dict()

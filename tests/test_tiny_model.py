@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from raylora.model import tiny
-from raylora.model.families import zimage
+from raylora.model.families import flux2klein, zimage
 from raylora.model.tiny import BOS, EOS, bytes_to_unicode, learn_bpe
 
 
@@ -45,21 +45,24 @@ def test_tiny_tokenizer_is_clip_shaped(tiny_model):
 
 
 # ---------------------------------------------------------------------------------------
-# Flow-matching families: flux, sd3, qwenimage. Each is built once for the module.
+# Flow-matching families: flux, sd3, qwenimage, zimage, flux2klein. Each is built once for the module.
 
-NEW_FAMILIES = ("flux", "sd3", "qwenimage", "zimage")
+NEW_FAMILIES = ("flux", "sd3", "qwenimage", "zimage", "flux2klein")
 PIPELINE_CLASS = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline",
-                  "qwenimage": "QwenImagePipeline", "zimage": "ZImagePipeline"}
+                  "qwenimage": "QwenImagePipeline", "zimage": "ZImagePipeline",
+                  "flux2klein": "Flux2KleinPipeline"}
 TOKENIZERS = {
     "flux": {"tokenizer": "CLIPTokenizer", "tokenizer_2": "T5Tokenizer"},
     "sd3": {"tokenizer": "CLIPTokenizer", "tokenizer_2": "CLIPTokenizer",
             "tokenizer_3": "T5Tokenizer"},
     "qwenimage": {"tokenizer": "Qwen2Tokenizer"},
     "zimage": {"tokenizer": "Qwen2Tokenizer"},
+    "flux2klein": {"tokenizer": "Qwen2Tokenizer"},
 }
-# 64 px through a factor-2 VAE with 16 channels (Qwen-Image's VAE is a video VAE: frames axis)
+# 64 px through a factor-2 VAE with 16 channels (Qwen-Image's VAE is a video VAE: frames
+# axis; the tiny Flux.2 VAE has 8, patchified to 32 by the pipeline)
 LATENT_SHAPE = {"flux": (1, 16, 32, 32), "sd3": (1, 16, 32, 32), "qwenimage": (1, 16, 1, 32, 32),
-                "zimage": (1, 16, 32, 32)}
+                "zimage": (1, 16, 32, 32), "flux2klein": (1, 8, 32, 32)}
 CAPTIONS = ["a red circle", "a small blue square on the green grass"]  # different lengths
 
 
@@ -86,7 +89,8 @@ def test_model_index_names_the_pipeline_and_its_components(family_model, family_
     for sub, cls in TOKENIZERS[fam].items():
         assert index[sub] == ["transformers", cls]
     denoiser = {"flux": "FluxTransformer2DModel", "sd3": "SD3Transformer2DModel",
-                "qwenimage": "QwenImageTransformer2DModel", "zimage": "ZImageTransformer2DModel"}[fam]
+                "qwenimage": "QwenImageTransformer2DModel", "zimage": "ZImageTransformer2DModel",
+                "flux2klein": "Flux2Transformer2DModel"}[fam]
     assert index["transformer"] == ["diffusers", denoiser]
     assert index["scheduler"] == ["diffusers", "FlowMatchEulerDiscreteScheduler"]
 
@@ -96,7 +100,8 @@ def test_two_step_inference_at_64px(family_pipe):
     kw = {"max_sequence_length": 32}
     if fam == "qwenimage":
         kw["true_cfg_scale"] = 1.0  # no negative prompt: plain conditional sampling
-    out = pipe(CAPTIONS, num_inference_steps=2, height=64, width=64, output_type="np",
+    # a copy: ZImagePipeline writes the templated text into the list it is given
+    out = pipe(prompt=list(CAPTIONS), num_inference_steps=2, height=64, width=64, output_type="np",
                generator=torch.Generator().manual_seed(0), **kw).images
     assert out.shape == (2, 64, 64, 3)
     assert np.isfinite(out).all() and out.min() >= 0.0 and out.max() <= 1.0
@@ -187,7 +192,8 @@ def test_qwen_template_prefix_is_34_tokens_as_the_pipeline_drops(family_model, f
 def test_zimage_tokenizer_writes_qwen3s_chat_template_as_the_family_does(family_model):
     """ZImagePipeline formats each caption with ``tokenizer.apply_chat_template``; the tiny
     tokenizer carries Qwen3's template, which gives raylora's ``zimage.TEMPLATE`` (the
-    tokens the preprocess stage writes), with an empty think block only when thinking is off."""
+    tokens the preprocess stage writes), with an empty think block only when thinking is off
+    (Flux2KleinPipeline turns it off: ``flux2klein.TEMPLATE``)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(family_model[1], subfolder="tokenizer")
@@ -195,7 +201,7 @@ def test_zimage_tokenizer_writes_qwen3s_chat_template_as_the_family_does(family_
     text = tok.apply_chat_template(msg, tokenize=False, add_generation_prompt=True, enable_thinking=True)
     assert text == zimage.TEMPLATE.format(CAPTIONS[1])
     off = tok.apply_chat_template(msg, tokenize=False, add_generation_prompt=True, enable_thinking=False)
-    assert off == text + "<think>\n\n</think>\n\n"
+    assert off == text + "<think>\n\n</think>\n\n" == flux2klein.TEMPLATE.format(CAPTIONS[1])
     assert tok.convert_ids_to_tokens(tok(text).input_ids)[:3] == ["<|im_start|>", "user", "Ċ"]
     assert (tok.eos_token, tok.pad_token, tok.padding_side) == ("<|im_end|>", "<|endoftext|>", "right")
 
@@ -214,6 +220,14 @@ def test_encode_prompt_shapes(family_pipe):
             # 77 CLIP tokens (32 + 48 wide, zero-padded to T5's 96) then 32 T5 tokens
             assert embeds.shape == (1, 77 + 32, 96) and pooled.shape == (1, 32 + 48)
             assert not embeds[:, :77, 80:].any()
+        elif fam == "flux2klein":
+            embeds, text_ids = pipe.encode_prompt(CAPTIONS, max_sequence_length=32)
+            # layers 9, 18 and 27 of the 16-wide LM side by side; every padding position kept,
+            # and text position ids (0, 0, 0, l)
+            assert embeds.shape == (2, 32, 48) and text_ids.shape == (2, 32, 4)
+            assert text_ids[..., 3].tolist() == [list(range(32))] * 2 and not text_ids[..., :3].any()
+            n = len(pipe.tokenizer(flux2klein.TEMPLATE.format(CAPTIONS[0])).input_ids)
+            assert n < 32 and embeds[0, n:].abs().amin() > 0  # pads are encoded, not zeroed
         elif fam == "zimage":
             # a copy: the pipeline writes the templated text into the list it is given
             embeds, _ = pipe.encode_prompt(list(CAPTIONS), do_classifier_free_guidance=False)
@@ -256,6 +270,14 @@ def test_component_configs_are_consistent(family_model):
         assert (tr["in_channels"], tr["out_channels"], tr["patch_size"]) == (16, 16, 2)
         assert (vae["scaling_factor"], vae["shift_factor"]) == (1.5305, 0.0609)
         assert sch["shift"] == 3.0 and sch["use_dynamic_shifting"] is False
+    elif fam == "flux2klein":
+        te = cfg("text_encoder")
+        assert tr["joint_attention_dim"] == 3 * te["hidden_size"] == 48
+        assert te["num_hidden_layers"] > max(flux2klein.LAYERS)  # intermediate layers, as 4B's
+        assert tr["in_channels"] == 4 * vae["latent_channels"] == 32 and tr["patch_size"] == 1
+        assert tr["guidance_embeds"] is False
+        assert sum(tr["axes_dims_rope"]) == tr["attention_head_dim"] and len(tr["axes_dims_rope"]) == 4
+        assert sch["shift"] == 3.0 and sch["use_dynamic_shifting"] is True
     elif fam == "zimage":
         assert tr["cap_feat_dim"] == cfg("text_encoder")["hidden_size"] == 32
         assert tr["in_channels"] == vae["latent_channels"] == 16 and tr["all_patch_size"] == [2]
@@ -273,7 +295,7 @@ def test_component_configs_are_consistent(family_model):
         assert (sch["base_shift"], sch["max_shift"], sch["shift_terminal"]) == (0.5, 0.9, 0.02)
         assert (sch["base_image_seq_len"], sch["max_image_seq_len"]) == (256, 8192)
         assert sch["time_shift_type"] == "exponential"
-    if fam != "qwenimage":
+    if fam not in ("qwenimage", "flux2klein"):  # AutoencoderKLFlux2 keeps its quant convs
         assert vae["use_quant_conv"] is False and vae["use_post_quant_conv"] is False
 
 
@@ -286,6 +308,29 @@ def test_latents_of_a_64px_image(family_pipe):
     with torch.no_grad():
         z = pipe.vae.encode(pixels).latent_dist.mode()
     assert tuple(z.shape) == LATENT_SHAPE[fam]
+
+
+@pytest.mark.parametrize("family_model", ["flux2klein"], indirect=True)
+def test_flux2klein_posterior_is_the_pipelines_patchified_normalised_latents(family_pipe):
+    """Flux2KleinPipeline patchifies the VAE's latents 2×2 and normalises them by the VAE's
+    batch-norm statistics (weights, not config). The family folds both into the posterior it
+    returns (what the latent cache stores): its mean is the pipeline's image latents, and a
+    draw from it has the variance of the normalised draw."""
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+    fam, pipe = family_pipe
+    pixels = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    with torch.no_grad():
+        params = flux2klein.FAMILY.encode_pixels(pipe.vae, pixels)
+        want = pipe._encode_vae_image(pixels, generator=None)  # argmax: the mode
+        raw = pipe.vae.encode(pixels).latent_dist
+    assert params.shape == (2, 64, 16, 16) and want.shape == (2, 32, 16, 16)
+    assert pipe.vae.bn.running_var.min() != 1.0  # the tiny VAE's statistics are not identity
+    torch.testing.assert_close(params[:, :32], want, rtol=1e-5, atol=1e-5)
+    bn_var = pipe.vae.bn.running_var + pipe.vae.config.batch_norm_eps
+    var = DiagonalGaussianDistribution(params).var
+    torch.testing.assert_close(var, flux2klein.patchify(raw.var) / bn_var.view(1, -1, 1, 1),
+                               rtol=1e-4, atol=1e-7)
 
 
 def test_transformer_trains_at_64px_and_is_cpu_sized(family_pipe):
@@ -308,6 +353,15 @@ def test_transformer_trains_at_64px_and_is_cpu_sized(family_pipe):
         out = tr(hidden_states=x, timestep=torch.rand(b) * 1000,
                  encoder_hidden_states=torch.randn(b, 77 + 32, 96),
                  pooled_projections=torch.randn(b, 80), return_dict=False)[0]
+    elif fam == "flux2klein":
+        x = torch.randn(b, 256, 32, generator=g)  # 16×16 tokens of the patchified 32 channels
+        ids = torch.zeros(16, 16, 4)
+        ids[..., 1] += torch.arange(16)[:, None]
+        ids[..., 2] += torch.arange(16)[None, :]
+        txt_ids = torch.zeros(32, 4)
+        txt_ids[:, 3] = torch.arange(32)
+        out = tr(hidden_states=x, timestep=torch.rand(b), encoder_hidden_states=torch.randn(b, 32, 48),
+                 img_ids=ids.reshape(-1, 4), txt_ids=txt_ids, guidance=None, return_dict=False)[0]
     elif fam == "zimage":  # lists: each image [C, frames, h, w], each caption at its length
         x = torch.randn(b, 16, 1, 32, 32, generator=g)
         out = torch.stack(tr(list(x), torch.rand(b), [torch.randn(7, 32), torch.randn(12, 32)],
@@ -333,7 +387,8 @@ def test_raylora_loader_reads_the_tiny_model_back(family_model):
 
     fam, path = family_model
     info = check_model(path, Storage())
-    assert info["family"].name == fam and info["vae_factor"] == 2
+    # Flux.2's pipeline patchifies the VAE's latents 2×2: 4 pixels per latent side
+    assert info["family"].name == fam and info["vae_factor"] == (4 if fam == "flux2klein" else 2)
     c = load_components(ModelSection(pretrained=path), torch.float32)
     assert [type(t).__name__ for t in c.tokenizers] == list(TOKENIZERS[fam].values())
     assert type(c.denoiser).__name__ == json.load(open(f"{path}/model_index.json"))["transformer"][1]
@@ -341,6 +396,8 @@ def test_raylora_loader_reads_the_tiny_model_back(family_model):
         assert (c.latent_shift, c.latent_scale) == (0.1159, 0.3611)
     elif fam == "sd3":
         assert (c.latent_shift, c.latent_scale) == (0.0609, 1.5305)
+    elif fam == "flux2klein":  # its batch-norm statistics are applied in encode_pixels
+        assert (c.latent_shift, c.latent_scale) == (0.0, 1.0)
     else:
         assert c.latent_shift[0] == -0.7571 and math.isclose(c.latent_scale[0], 1 / 2.8184)
 

@@ -251,7 +251,8 @@ class GenerateStage:
 
         seeds = [int(s) for s in batch["seed"]]
         with torch.no_grad():
-            images = self.pipe([self.prompt] * len(seeds), **self.call,
+            # prompt by name: Flux2KleinPipeline's first parameter is a reference image
+            images = self.pipe(prompt=[self.prompt] * len(seeds), **self.call,
                                **self.family.guidance_kwargs(self.guidance, batch=len(seeds)),
                                generator=[torch.Generator().manual_seed(s) for s in seeds]).images
         for i, img in zip(batch["index"], images):

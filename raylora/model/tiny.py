@@ -685,6 +685,25 @@ QWEN3_CHAT_TEMPLATE = (
     "{%- if enable_thinking is defined and enable_thinking is false %}"
     "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
 )
+def _qwen3_text_encoder(model_class: str, hidden: int, layers: int):
+    """Qwen3's tokenizer (the Qwen2 byte-level BPE with ``QWEN3_CHAT_TEMPLATE``) and a random
+    transformers ``model_class`` (``Qwen3Model``, ``Qwen3ForCausalLM``) over it, ``hidden``
+    wide (2 query heads, 1 key/value head) with ``layers`` layers, in eval mode."""
+    import transformers
+
+    tokenizer = build_qwen2_tokenizer()
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+    ids = tokenizer.convert_tokens_to_ids
+    encoder = getattr(transformers, model_class)(transformers.Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=hidden // 2, rms_norm_eps=1e-6, max_position_embeddings=4096,
+        rope_theta=1000000.0, tie_word_embeddings=True,
+        bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"),
+    )).eval()
+    return tokenizer, encoder
+
+
 ZIMAGE_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)  # Z-Image-Turbo
 
 
@@ -702,19 +721,10 @@ def build_tiny_zimage(dest: str | Path, seed: int = 0) -> Path:
       / shift 0.1159 (Z-Image uses the Flux.1 VAE): 64 px → latents (B, 16, 32, 32).
     """
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
-    from transformers import Qwen3Config, Qwen3Model
 
     dest = Path(dest)
     torch.manual_seed(seed)
-    tokenizer = build_qwen2_tokenizer()
-    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
-    ids = tokenizer.convert_tokens_to_ids
-    text_encoder = Qwen3Model(Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6,
-        max_position_embeddings=4096, rope_theta=1000000.0, tie_word_embeddings=True,
-        bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"),
-    )).eval()
+    tokenizer, text_encoder = _qwen3_text_encoder("Qwen3Model", hidden=32, layers=2)
     transformer = ZImageTransformer2DModel(
         all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32, n_layers=2,
         n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=32,
@@ -732,6 +742,51 @@ def build_tiny_zimage(dest: str | Path, seed: int = 0) -> Path:
     return dest
 
 
+def build_tiny_flux2klein(dest: str | Path, seed: int = 0) -> Path:
+    """Save a tiny random Flux2KleinPipeline (the base model: not distilled) to ``dest``;
+    returns the path.
+
+    * ``text_encoder``: Qwen3ForCausalLM, hidden 16, 28 layers (so the pipeline's layers
+      9, 18 and 27 are intermediate ones, as in Qwen3-4B's 36) → ``prompt_embeds``
+      (B, L, 48), every padding position kept. ``tokenizer``: the Qwen2 byte-level BPE with
+      Qwen3's chat template (``QWEN3_CHAT_TEMPLATE``; the pipeline turns thinking off).
+    * ``transformer``: Flux2Transformer2DModel, 1 double + 2 single blocks, 2 heads × 16,
+      rope axes (4, 4, 4, 4), in_channels 32 = 8 latent channels × 2×2 patchify,
+      joint_attention_dim 48, no guidance embedding (Klein's).
+    * ``vae``: AutoencoderKLFlux2 (32, 64) → factor 2, 8 latent channels, its batch norm
+      over the 32 patchified channels given random running statistics (a fresh one is the
+      identity): 64 px → latents (B, 8, 32, 32) → patchified (B, 32, 16, 16), 256 tokens.
+    * ``scheduler``: Flux.1-dev's dynamic-shift config (``FLUX_DEV_SCHEDULER``).
+    """
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
+    from diffusers import Flux2Transformer2DModel
+
+    dest = Path(dest)
+    torch.manual_seed(seed)
+    # 28 layers: the pipeline's layers 9, 18 and 27 are intermediate ones, as in Qwen3-4B's 36
+    tokenizer, text_encoder = _qwen3_text_encoder("Qwen3ForCausalLM", hidden=16, layers=28)
+    transformer = Flux2Transformer2DModel(
+        patch_size=1, in_channels=32, num_layers=1, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=3 * text_encoder.config.hidden_size,
+        timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False,
+    )
+    vae = AutoencoderKLFlux2(
+        in_channels=3, out_channels=3, block_out_channels=(32, 64),
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"), latent_channels=8,
+        layers_per_block=1, norm_num_groups=32, sample_size=64,
+    )
+    with torch.no_grad():
+        vae.bn.running_mean.normal_(0.0, 0.5)
+        vae.bn.running_var.uniform_(0.5, 2.0)
+    pipe = Flux2KleinPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_DEV_SCHEDULER), vae=vae,
+        text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer,
+    )
+    pipe.save_pretrained(dest)
+    return dest
+
+
 BUILDERS = {
     "sd": build_tiny_sd,
     "sdxl": build_tiny_sdxl,
@@ -739,6 +794,7 @@ BUILDERS = {
     "sd3": build_tiny_sd3,
     "qwenimage": build_tiny_qwenimage,
     "zimage": build_tiny_zimage,
+    "flux2klein": build_tiny_flux2klein,
 }
 FAMILIES = tuple(BUILDERS)
 

@@ -64,8 +64,8 @@ def render(pipe, prompts: list[str], seed: int, steps: int, guidance: dict,
         images = []
         for i, prompt in enumerate(prompts):
             with autocast() if autocast is not None else nullcontext():
-                out = pipe(
-                    prompt, num_inference_steps=steps, **guidance,
+                out = pipe(  # prompt by name: Flux2KleinPipeline's first is an image
+                    prompt=prompt, num_inference_steps=steps, **guidance,
                     height=resolution, width=resolution,
                     generator=torch.Generator().manual_seed(seed + i),
                 )

@@ -112,7 +112,7 @@ def _attach_lora(cfg: RayLoraConfig, comps) -> tuple[list, dict, list]:
     """LoRA on the denoiser (and the text encoders the family's pipeline can load LoRA
     into, when trained): (denoiser params, trained encoders by name, their params)."""
     fam = comps.family
-    params = add_lora(comps.denoiser, cfg.lora, fam.lora_targets)
+    params = add_lora(comps.denoiser, cfg.lora, fam.default_lora_targets(comps.denoiser))
     trained = {}
     if cfg.lora.train_text_encoder:
         names = fam.text_encoder_lora()

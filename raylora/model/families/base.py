@@ -157,6 +157,12 @@ class Family:
         return tuple(t.encoder for t in cls.text if t.encoder in cls.lora_components())
 
     @classmethod
+    def default_lora_targets(cls, denoiser) -> tuple[str, ...]:
+        """``lora.target_modules``' default for this ``denoiser``: ``lora_targets``. A family
+        whose default names modules by block index (peft matches name suffixes) overrides."""
+        return cls.lora_targets
+
+    @classmethod
     def pipeline_class(cls):
         import diffusers
 

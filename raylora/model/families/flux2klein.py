@@ -1,0 +1,120 @@
+"""Flux.2 [klein] (4B, 9B; base and step-distilled): an MMDiT with double- and single-stream
+blocks and flow matching, conditioned on three intermediate hidden states of a Qwen3
+language model (the caption in Qwen3's chat template, thinking off, padded to 512 tokens);
+the Flux.2 VAE, whose latents are 2×2-patchified and normalised by the VAE's own batch-norm
+statistics; 4-axis (t, h, w, l) position ids. As diffusers' Flux.2 [klein] pipeline and
+LoRA script."""
+
+from __future__ import annotations
+
+import torch
+
+from raylora.model.families.base import Cond, Family, TextInput
+
+# What Flux2KleinPipeline's tokenizer.apply_chat_template(add_generation_prompt=True,
+# enable_thinking=False) makes of a one-message conversation with Qwen3's template.
+TEMPLATE = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+# The pipeline's text_encoder_out_layers: the hidden states it stacks, joined per token.
+# (diffusers' train_dreambooth_lora_flux2_klein.py defaults to (10, 20, 30), Flux.2-dev's
+# Mistral layers; the pipeline that samples the adapter reads (9, 18, 27), so train on that.)
+LAYERS = (9, 18, 27)
+
+
+def patchify(z: torch.Tensor) -> torch.Tensor:
+    """``[B, C, h, w]`` → ``[B, 4C, h/2, w/2]``, channel c·4 + 2·dy + dx, as the pipeline's
+    ``_patchify_latents`` (the order the VAE's batch-norm statistics are kept in)."""
+    b, c, h, w = z.shape
+    z = z.view(b, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4)
+    return z.reshape(b, c * 4, h // 2, w // 2)
+
+
+class Flux2Klein(Family):
+    name = "flux2klein"
+    class_names = ("Flux2KleinPipeline",)
+    pipeline = "Flux2KleinPipeline"
+    # 512 as the pipeline's max_sequence_length, the template's tokens included. The
+    # pipeline keeps every padding position: the transformer attends to all 512, unmasked.
+    text = (TextInput("text_encoder", "tokenizer", "input_ids", max_length=512, template=TEMPLATE,
+                      mask_key="attention_mask", long_context=True),)
+    # diffusers' train_dreambooth_lora_flux2_klein.py defaults: both streams' attention, the
+    # single blocks' fused qkv+MLP input and (default_lora_targets) their output projection.
+    lora_targets = ("to_k", "to_q", "to_v", "to_out.0", "to_qkv_mlp_proj")
+    repeated_blocks = ("Flux2TransformerBlock", "Flux2SingleTransformerBlock")
+    # The 2×2 patchify is the VAE side's (encode_pixels): the objective's latents are
+    # already one token per position.
+    patch = 1
+    # Flux2KleinPipeline's default, which runs classifier-free guidance for the base models;
+    # the distilled ones (is_distilled) ignore it and sample in about 4 steps.
+    default_guidance_scale = 4.0
+    description = "Flux.2 [klein] (MMDiT, Qwen3 text encoder)"
+
+    @classmethod
+    def default_lora_targets(cls, denoiser) -> tuple[str, ...]:
+        # A single block's attn.to_out is a Linear, a double block's a ModuleList (whose
+        # Linear is to_out.0): peft matches name suffixes, so name the single ones in full.
+        model = getattr(denoiser, "module", denoiser)
+        singles = len(model.single_transformer_blocks)
+        return cls.lora_targets + tuple(f"single_transformer_blocks.{i}.attn.to_out"
+                                        for i in range(singles))
+
+    # ---- latents ------------------------------------------------------------------------
+
+    @staticmethod
+    def latent_stats(vae_config):
+        # encode_pixels normalises already (the statistics are weights, not config).
+        return 0.0, 1.0
+
+    @staticmethod
+    def vae_factor(vae_config):
+        return 2 ** (len(vae_config["block_out_channels"]) - 1) * 2  # × the 2×2 patchify
+
+    @staticmethod
+    def encode_pixels(vae, pixels):
+        # Posterior of the patchified, batch-norm-normalised latents: patchify and the
+        # per-channel affine map commute with the Gaussian draw, so a draw from
+        # (mean', logvar') = ((mean − μ)/σ, logvar − 2 log σ) has the distribution of the
+        # pipeline's (patchify(z) − μ)/σ (its noise laid out in the patchified order), and
+        # its mean is exactly the pipeline's image latents. The cache stores these, so the
+        # statistics, which are weights and not config, are never needed without the VAE.
+        mean, logvar = vae.encode(pixels).latent_dist.parameters.chunk(2, dim=1)
+        bn = vae.bn
+        mu = bn.running_mean.view(1, -1, 1, 1).to(mean.dtype)
+        sd = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(mean.dtype)
+        return torch.cat([(patchify(mean) - mu) / sd, patchify(logvar) - 2 * torch.log(sd)], dim=1)
+
+    # ---- text ---------------------------------------------------------------------------
+
+    @classmethod
+    def encode_text(cls, encoders, batch) -> Cond:
+        lm = encoders[0]
+        # The decoder stack alone: Qwen3ForCausalLM's hidden states are its inner model's,
+        # and its LM head would project all 512 positions onto a 151k vocabulary for nothing.
+        lm = getattr(lm, "model", lm)
+        out = lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                 output_hidden_states=True, use_cache=False)
+        h = torch.stack([out.hidden_states[k] for k in LAYERS], dim=1)  # [B, 3, L, D]
+        b, n, length, d = h.shape
+        return Cond(prompt_embeds=h.permute(0, 2, 1, 3).reshape(b, length, n * d))
+
+    # ---- the denoiser -------------------------------------------------------------------
+
+    @classmethod
+    def denoise(cls, model, noisy, t, cond: Cond, **extra) -> torch.Tensor:
+        b, c, h, w = noisy.shape
+        dev = noisy.device
+        # Position ids (t, row, col, l) = (0, i, j, 0) for the image and (0, 0, 0, k) for the
+        # text, built where the model runs; the model reads one [S, 4] set for the batch.
+        img_ids = torch.zeros(h, w, 4, device=dev)
+        img_ids[..., 1] += torch.arange(h, device=dev)[:, None]
+        img_ids[..., 2] += torch.arange(w, device=dev)[None, :]
+        txt_ids = torch.zeros(cond["prompt_embeds"].shape[1], 4, device=dev)
+        txt_ids[:, 3] = torch.arange(txt_ids.shape[0], device=dev)
+        tokens = noisy.reshape(b, c, h * w).permute(0, 2, 1)
+        # guidance=None as the pipeline passes it: Klein has no guidance embedding.
+        out = model(hidden_states=tokens, encoder_hidden_states=cond["prompt_embeds"],
+                    timestep=t.to(noisy.dtype), img_ids=img_ids.reshape(-1, 4),
+                    txt_ids=txt_ids, guidance=None, return_dict=False)[0]
+        return out.permute(0, 2, 1).reshape(b, c, h, w)
+
+
+FAMILY = Flux2Klein

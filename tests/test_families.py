@@ -291,32 +291,41 @@ def _pipeline_conditioning(family: str, pipe, captions: list[str]) -> dict:
     raise AssertionError(f"no stock conditioning call for {family}: add one here")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_training_conditions_the_denoiser_as_the_stock_pipeline_does(tiny, family):
-    """Captions through raylora's tokenizers (the fast backend the preprocess stage
-    rebuilds, with the family's template and length) and the family's ``encode_text`` give
-    the tensors the stock pipeline's ``encode_prompt`` gives at inference: an adapter
-    trained on other conditioning would be trained for inputs it never sees."""
-    import diffusers
-
+def _raylora_batch(model: str, family: str, captions: list[str]):
+    """(components, batch): ``captions`` through raylora's tokenizers (the fast backend the
+    preprocess stage rebuilds, with the family's template and 32 tokens for the long-context
+    encoders) and SDXL's size columns of an uncropped 64 px image, as a worker gets them."""
     from raylora.config import validate
     from raylora.data.tokenize import CaptionTokenizer, load_specs
     from raylora.model.load import load_components
     from raylora.storage import Storage
-    from stock import PIPELINES
 
-    model = tiny(family)
-    captions = ["a red circle", "a small blue square on the green grass"]  # two lengths
     cfg = validate({"model": {"pretrained": model, "max_sequence_length": 32},
                     "data": {"uri": "d"}, "output": {"uri": "o"}})
     comps = load_components(cfg.model, torch.float32)
-    # SDXL's encoder step also builds its per-image time ids (unused by the comparison)
-    batch = {k: torch.tensor([[64, 64]] * 2) for k in ("original_size", "crop_top_left", "target_size")}
+    n = len(captions)
+    batch = {"original_size": torch.tensor([[64, 64]] * n), "target_size": torch.tensor([[64, 64]] * n),
+             "crop_top_left": torch.tensor([[0, 0]] * n)}
     for spec in load_specs(model, family, Storage(), 32):
         ids, mask = CaptionTokenizer(spec).encode(captions)
         batch[spec.ids_key] = torch.from_numpy(ids)
         if spec.mask_key:
             batch[spec.mask_key] = torch.from_numpy(mask)
+    return comps, batch
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_conditions_the_denoiser_as_the_stock_pipeline_does(tiny, family):
+    """Captions through raylora's tokenizers and the family's ``encode_text`` give the
+    tensors the stock pipeline's ``encode_prompt`` gives at inference: an adapter trained
+    on other conditioning would be trained for inputs it never sees."""
+    import diffusers
+
+    from stock import PIPELINES
+
+    model = tiny(family)
+    captions = ["a red circle", "a small blue square on the green grass"]  # two lengths
+    comps, batch = _raylora_batch(model, family, captions)
     pipe = getattr(diffusers, PIPELINES[family][0]).from_pretrained(model)
     with torch.no_grad():
         ours = comps.family.encode_text(comps.text_encoders, batch)
@@ -332,3 +341,93 @@ def test_training_conditions_the_denoiser_as_the_stock_pipeline_does(tiny, famil
         assert got.shape == want.shape, (key, got.shape, want.shape)
         torch.testing.assert_close(got.to(want.dtype), want, rtol=1e-5, atol=1e-6, msg=key)
     assert set(ours) - set(theirs) <= {"time_ids"}  # SDXL's come from the image, not the text
+
+
+# ---------------------------------------------------------------- the denoiser call
+
+# The guidance scale at which each stock pipeline makes one conditional denoiser pass a
+# step (no classifier-free guidance): 1.0, except Z-Image's, which guides above 0.
+UNGUIDED = {"zimage": 0.0}
+
+
+class _Probed(Exception):
+    """Raised by the probe hook once it has seen what the family feeds the denoiser."""
+
+
+def _flat(x) -> torch.Tensor:
+    """A denoiser input or output as one vector (Z-Image's are lists of per-image tensors)."""
+    return torch.cat([t.flatten() for t in x]) if isinstance(x, (list, tuple)) else x.flatten()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_calls_the_denoiser_as_the_stock_pipeline_does(tiny, family):
+    """The family's ``denoise`` (what the training step calls) gives the denoiser the call
+    the stock pipeline makes while sampling: for the latents, step and prompt of each of
+    two sampling steps, the denoiser's raw output is the pipeline's. This covers what the
+    family owns between latents and model: packing (2×2 tokens, Flux.2's flat tokens,
+    Z-Image's lists), position ids, the timestep's scale and direction, guidance input,
+    masks and micro-conditioning. The family's latent layout is read by feeding its
+    ``denoise`` numbered latents and seeing where each number lands; the pipeline's latents
+    are put back into that layout through the same map."""
+    import diffusers
+
+    from raylora.train.objective import scheduler_objective_kind
+    from stock import PIPELINES
+
+    model = tiny(family)
+    fam = families.get(family)
+    comps, batch = _raylora_batch(model, family, ["a red circle"])
+    pipe = getattr(diffusers, PIPELINES[family][0]).from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+    net = getattr(pipe, fam.denoiser)
+    scale = UNGUIDED.get(family, 1.0)
+    seen: list[dict] = []
+
+    def before(mod, args, kwargs):
+        seen.append({"x": args[0] if args else kwargs["hidden_states"],
+                     "t": args[1] if len(args) > 1 else kwargs.get("timestep")})
+
+    def after(mod, args, kwargs, out):
+        seen[-1]["out"] = out[0]
+
+    hooks = [net.register_forward_pre_hook(before, with_kwargs=True),
+             net.register_forward_hook(after, with_kwargs=True)]
+    with torch.no_grad():
+        pipe(prompt="a red circle", num_inference_steps=2, height=64, width=64, output_type="np",
+             generator=torch.Generator().manual_seed(0),
+             **{**PIPELINES[family][1], **fam.guidance_kwargs(scale)})
+        assert len(seen) == 2, "one unguided denoiser pass per step expected"
+        theirs = list(seen)
+        flow = scheduler_objective_kind(dict(pipe.scheduler.config)) == "flow_matching"
+        cond = fam.encode_text(comps.text_encoders, batch)
+
+        # Where each latent value lands in the denoiser's input, in raylora's layout.
+        params = fam.encode_pixels(pipe.vae, torch.zeros(1, 3, 64, 64))
+        shape = (1, params.shape[1] // 2, *params.shape[2:])
+        n = math.prod(shape)
+
+        def probe(mod, args, kwargs):
+            seen.append({"x": args[0] if args else kwargs["hidden_states"]})
+            raise _Probed
+
+        h = net.register_forward_pre_hook(probe, with_kwargs=True, prepend=True)
+        with pytest.raises(_Probed):
+            fam.denoise(net, torch.arange(n, dtype=torch.float32).view(shape), torch.ones(1), cond,
+                        guidance=scale)
+        h.remove()
+        where = _flat(seen.pop()["x"]).long()
+        assert sorted(where.tolist()) == list(range(n))  # every latent value, once
+
+        for i, call in enumerate(theirs):
+            x = torch.empty(n)
+            x[where] = _flat(call["x"]).float()
+            # the objective's step: flow σ of the pipeline's schedule, else its integer step
+            t = pipe.scheduler.sigmas[i].reshape(1) if flow else call["t"].reshape(1)
+            del seen[:]
+            fam.denoise(net, x.view(shape), t, cond, guidance=scale)
+            ours = seen[0]
+            assert torch.equal(_flat(ours["x"]), _flat(call["x"]))
+            torch.testing.assert_close(_flat(ours["out"]), _flat(call["out"]), rtol=1e-4, atol=1e-5,
+                                       msg=f"step {i}: the denoiser's output differs")
+    for hk in hooks:
+        hk.remove()

@@ -586,8 +586,8 @@ class TrainSection(_Section):
     )
     prediction_type: Literal["epsilon", "v_prediction", "flow_matching"] | None = Field(
         None, description="The objective. Default: the model's scheduler config (flow "
-        "matching for FlowMatch* schedulers: Flux, SD3, Qwen-Image, Z-Image, Flux.2 [klein]; else its "
-        "prediction_type).",
+        "matching for FlowMatch* schedulers: Flux, SD3, Qwen-Image, Z-Image, Flux.2 [klein]; "
+        "else its prediction_type).",
     )
     flow: FlowSection = Field(default_factory=lambda: FlowSection(),
                               description="Flow-matching settings (Flux, SD3, Qwen-Image, Z-Image, "

@@ -64,8 +64,9 @@ model, adapter, pipeline, extra = sys.argv[1], sys.argv[2], sys.argv[3], json.lo
 pipe = getattr(diffusers, pipeline).from_pretrained(model)
 pipe.set_progress_bar_config(disable=True)
 def render():
-    return pipe(prompt="a red circle on a blue background", num_inference_steps=2, height=64, width=64,
-                generator=torch.Generator().manual_seed(0), output_type="pt", **extra).images
+    return pipe(prompt="a red circle on a blue background", num_inference_steps=2, height=64,
+                width=64, generator=torch.Generator().manual_seed(0), output_type="pt",
+                **extra).images
 with torch.no_grad():
     before = render()
     pipe.load_lora_weights(adapter)
@@ -134,7 +135,8 @@ def stock_image_change(family: str, model: str, adapter, check_pipe=None) -> flo
     kw = dict(num_inference_steps=2, height=64, width=64, output_type="np", **extra)
 
     def image():
-        return pipe(prompt="a red circle", generator=torch.Generator().manual_seed(0), **kw).images[0]
+        g = torch.Generator().manual_seed(0)
+        return pipe(prompt="a red circle", generator=g, **kw).images[0]
 
     base = image()
     pipe.load_lora_weights(str(adapter))

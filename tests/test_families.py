@@ -304,8 +304,8 @@ def _raylora_batch(model: str, family: str, captions: list[str]):
                     "data": {"uri": "d"}, "output": {"uri": "o"}})
     comps = load_components(cfg.model, torch.float32)
     n = len(captions)
-    batch = {"original_size": torch.tensor([[64, 64]] * n), "target_size": torch.tensor([[64, 64]] * n),
-             "crop_top_left": torch.tensor([[0, 0]] * n)}
+    size = torch.tensor([[64, 64]] * n)
+    batch = {"original_size": size, "target_size": size, "crop_top_left": torch.zeros_like(size)}
     for spec in load_specs(model, family, Storage(), 32):
         ids, mask = CaptionTokenizer(spec).encode(captions)
         batch[spec.ids_key] = torch.from_numpy(ids)

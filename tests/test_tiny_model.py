@@ -45,7 +45,8 @@ def test_tiny_tokenizer_is_clip_shaped(tiny_model):
 
 
 # ---------------------------------------------------------------------------------------
-# Flow-matching families: flux, sd3, qwenimage, zimage, flux2klein. Each is built once for the module.
+# Flow-matching families: flux, sd3, qwenimage, zimage, flux2klein. Each is built once for the
+# module.
 
 NEW_FAMILIES = ("flux", "sd3", "qwenimage", "zimage", "flux2klein")
 PIPELINE_CLASS = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline",
@@ -225,7 +226,8 @@ def test_encode_prompt_shapes(family_pipe):
             # layers 9, 18 and 27 of the 16-wide LM side by side; every padding position kept,
             # and text position ids (0, 0, 0, l)
             assert embeds.shape == (2, 32, 48) and text_ids.shape == (2, 32, 4)
-            assert text_ids[..., 3].tolist() == [list(range(32))] * 2 and not text_ids[..., :3].any()
+            assert text_ids[..., 3].tolist() == [list(range(32))] * 2
+            assert not text_ids[..., :3].any()
             n = len(pipe.tokenizer(flux2klein.TEMPLATE.format(CAPTIONS[0])).input_ids)
             assert n < 32 and embeds[0, n:].abs().amin() > 0  # pads are encoded, not zeroed
         elif fam == "zimage":
@@ -276,7 +278,8 @@ def test_component_configs_are_consistent(family_model):
         assert te["num_hidden_layers"] > max(flux2klein.LAYERS)  # intermediate layers, as 4B's
         assert tr["in_channels"] == 4 * vae["latent_channels"] == 32 and tr["patch_size"] == 1
         assert tr["guidance_embeds"] is False
-        assert sum(tr["axes_dims_rope"]) == tr["attention_head_dim"] and len(tr["axes_dims_rope"]) == 4
+        assert len(tr["axes_dims_rope"]) == 4  # (t, h, w, l)
+        assert sum(tr["axes_dims_rope"]) == tr["attention_head_dim"]
         assert sch["shift"] == 3.0 and sch["use_dynamic_shifting"] is True
     elif fam == "zimage":
         assert tr["cap_feat_dim"] == cfg("text_encoder")["hidden_size"] == 32
@@ -360,8 +363,9 @@ def test_transformer_trains_at_64px_and_is_cpu_sized(family_pipe):
         ids[..., 2] += torch.arange(16)[None, :]
         txt_ids = torch.zeros(32, 4)
         txt_ids[:, 3] = torch.arange(32)
-        out = tr(hidden_states=x, timestep=torch.rand(b), encoder_hidden_states=torch.randn(b, 32, 48),
-                 img_ids=ids.reshape(-1, 4), txt_ids=txt_ids, guidance=None, return_dict=False)[0]
+        out = tr(hidden_states=x, timestep=torch.rand(b),
+                 encoder_hidden_states=torch.randn(b, 32, 48), img_ids=ids.reshape(-1, 4),
+                 txt_ids=txt_ids, guidance=None, return_dict=False)[0]
     elif fam == "zimage":  # lists: each image [C, frames, h, w], each caption at its length
         x = torch.randn(b, 16, 1, 32, 32, generator=g)
         out = torch.stack(tr(list(x), torch.rand(b), [torch.randn(7, 32), torch.randn(12, 32)],

@@ -2,11 +2,10 @@
 adapter loads in the family's stock diffusers pipeline (in a process that never imports
 raylora) and changes its image; validation grids and ``raylora sample`` work too.
 
-Cases: raylora's own tiny model of every DiT family, and a Flux and an SD3 folder
-built straight with diffusers classes (tests/userbuilt.py, as a user's converted
-checkpoint arrives). SD 1.x runs the same path in test_train_ray.py, SDXL in
-test_sdxl_cache.py.
-"""
+Cases: raylora's own tiny model of every DiT family. SD 1.x runs the same path in
+test_train_ray.py, SDXL in test_sdxl_cache.py; the Flux and SD3 folders built straight with
+diffusers classes (tests/userbuilt.py, as a user's converted checkpoint arrives) train
+through the same step in-process in test_tiny_model.py."""
 
 import json
 import os
@@ -21,32 +20,17 @@ from stock import PIPELINES, stock_load
 
 pytestmark = pytest.mark.integration
 
-# case → (family, how the folder is built): every DiT family's tiny model (SD 1.x and SDXL
-# run elsewhere: see the docstring), and two folders built as a user's conversion would be.
-CASES = {
-    **{f: (f, "tiny") for f in FAMILIES if f not in ("sd", "sdxl")},
-    "flux-userbuilt": ("flux", "build_user_flux"),
-    "sd3-userbuilt": ("sd3", "build_user_sd3"),
-}
+# Every DiT family's tiny model (SD 1.x and SDXL run elsewhere: see the docstring).
+DIT_FAMILIES = [f for f in FAMILIES if f not in ("sd", "sdxl")]
 
 
-def _model(case: str, tiny, tmp_path_factory) -> str:
-    family, how = CASES[case]
-    if how == "tiny":
-        return tiny(family)
-    import userbuilt
-
-    return str(getattr(userbuilt, how)(tmp_path_factory.mktemp(case) / case))
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_two_workers_train_from_parquet_and_stock_pipeline_loads(case, ray_local, tiny, demo_data,
-                                                                  tmp_path, tmp_path_factory):
+@pytest.mark.parametrize("family", DIT_FAMILIES)
+def test_two_workers_train_from_parquet_and_stock_pipeline_loads(family, ray_local, tiny, demo_data,
+                                                                  tmp_path):
     from raylora.launch import run
     from raylora.sample import sample
 
-    family, _ = CASES[case]
-    model = _model(case, tiny, tmp_path_factory)
+    model = tiny(family)
     out = tmp_path / "out"
     tree = {
         "model": {"pretrained": model, "max_sequence_length": 32},

@@ -445,9 +445,12 @@ def test_cli_tiny_model_family_choices():
 
 @pytest.mark.parametrize("builder,pipeline", [("build_user_flux", "FluxPipeline"),
                                               ("build_user_sd3", "StableDiffusion3Pipeline")])
-def test_user_built_folder_loads(tmp_path, builder, pipeline):
+def test_user_built_folder_loads_learns_and_its_adapter_loads(tmp_path, builder, pipeline,
+                                                               demo_data):
     """A folder written straight by diffusers/transformers (other sizes than tiny.py's,
-    factor-8 VAE) loads like a converted user checkpoint."""
+    factor-8 VAE) loads like a converted user checkpoint, raylora's step learns on it, and
+    the stock pipeline loads the adapter. (The 2-worker Ray path around the same step runs
+    every family's tiny model in test_families_cluster.py.)"""
     from diffusers import DiffusionPipeline
 
     from raylora.model.load import check_model
@@ -466,3 +469,23 @@ def test_user_built_folder_loads(tmp_path, builder, pipeline):
     with torch.no_grad():
         z = pipe.vae.encode(torch.zeros(1, 3, 64, 64)).latent_dist.mode()
     assert tuple(z.shape) == (1, 16, 8, 8)
+
+    from inproc import _fresh_accelerator, demo_batch, overfit
+    from stock import stock_image_change
+
+    from raylora.config import validate
+    from raylora.model.lora import save_diffusers_adapter
+    from raylora.train.setup import build_run
+
+    family = info["family"].name
+    cfg = validate({"model": {"pretrained": str(path), "max_sequence_length": 32},
+                    "data": {"uri": demo_data, "resolution": 64}, "lora": {"rank": 8},
+                    "train": {"learning_rate": 1e-2, "seed": 0},
+                    "output": {"uri": str(tmp_path / "o")}})
+    accel = _fresh_accelerator(1)
+    run = build_run(cfg, accel, 20, rank=0)
+    before, after = overfit(run, demo_batch(family, str(path), demo_data), 20)
+    assert after < 0.95 * before, (before, after)
+    adapter = tmp_path / "adapter"
+    save_diffusers_adapter(accel.unwrap_model(run.model), str(adapter), run.family)
+    assert stock_image_change(family, str(path), adapter) > 1e-3

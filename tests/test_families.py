@@ -1,7 +1,7 @@
 """The model-family and objective seams, for every family: detection, the flow-matching
 sampler's statistics, a run that learns (held-out loss at fixed σ/t and noise drops on an
 overfit batch) and an adapter that the family's stock diffusers pipeline loads and that
-changes its output. One process, no Ray (the 2-worker Ray runs are test_families_ray.py)."""
+changes its output. One process, no Ray (the 2-worker Ray runs are test_families_cluster.py)."""
 
 from __future__ import annotations
 

@@ -685,6 +685,8 @@ QWEN3_CHAT_TEMPLATE = (
     "{%- if enable_thinking is defined and enable_thinking is false %}"
     "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
 )
+
+
 def _qwen3_text_encoder(model_class: str, hidden: int, layers: int):
     """Qwen3's tokenizer (the Qwen2 byte-level BPE with ``QWEN3_CHAT_TEMPLATE``) and a random
     transformers ``model_class`` (``Qwen3Model``, ``Qwen3ForCausalLM``) over it, ``hidden``

@@ -73,6 +73,16 @@ def unpack_2x2(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return x.reshape(b, d // 4, h, w)
 
 
+def grid_ids(rows: int, cols: int, axes: int, device=None) -> torch.Tensor:
+    """Position ids ``[rows·cols, axes]`` (fp32) of a token grid in row-major order: axis 1
+    the row, axis 2 the column, every other axis 0 (Flux.1's 3-axis and Flux.2's 4-axis
+    image ids). Built on ``device``, where the model runs: no host-to-device copy a step."""
+    ids = torch.zeros(rows, cols, axes, device=device)
+    ids[..., 1] += torch.arange(rows, device=device)[:, None]
+    ids[..., 2] += torch.arange(cols, device=device)[None, :]
+    return ids.reshape(-1, axes)
+
+
 def llm_conditioning(encoder, batch: dict[str, torch.Tensor], layer: int, drop: int = 0) -> Cond:
     """A causal LM's hidden state ``layer`` over right-padded captions (``input_ids``,
     ``attention_mask``), its first ``drop`` (template) positions dropped, zero past each

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from raylora.checkpoint.kohya import Rule, fused
-from raylora.model.families.base import Cond, Family, TextInput, pack_2x2, unpack_2x2
+from raylora.model.families.base import Cond, Family, TextInput, grid_ids, pack_2x2, unpack_2x2
 
 _D = r"transformer_blocks\.(\d+)\."
 _S = r"single_transformer_blocks\.(\d+)\."
@@ -78,11 +78,8 @@ class Flux(Family):
     def denoise(cls, model, noisy, t, cond: Cond, guidance: float = 1.0, **extra) -> torch.Tensor:
         b, _, h, w = noisy.shape
         dtype, dev = noisy.dtype, noisy.device
-        # Position ids (0, row, col) of the token grid, built where the model runs (no
-        # host-to-device copy in the step).
-        ids = torch.zeros(h // 2, w // 2, 3, device=dev)
-        ids[..., 1] += torch.arange(h // 2, device=dev)[:, None]
-        ids[..., 2] += torch.arange(w // 2, device=dev)[None, :]
+        # Position ids (0, row, col) of the 2×2-token grid.
+        ids = grid_ids(h // 2, w // 2, 3, dev)
         txt_ids = torch.zeros(cond["prompt_embeds"].shape[1], 3, device=dev, dtype=dtype)
         g = None
         # Flux.1-dev embeds the distilled guidance; schnell has no such input. (DDP wraps
@@ -92,7 +89,7 @@ class Flux(Family):
         out = model(hidden_states=pack_2x2(noisy), timestep=t.to(dtype), guidance=g,
                     pooled_projections=cond["pooled_prompt_embeds"],
                     encoder_hidden_states=cond["prompt_embeds"], txt_ids=txt_ids,
-                    img_ids=ids.reshape(-1, 3).to(dtype), return_dict=False)[0]
+                    img_ids=ids.to(dtype), return_dict=False)[0]
         return unpack_2x2(out, h, w)
 
     @classmethod

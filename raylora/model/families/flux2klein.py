@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from raylora.model.families.base import Cond, Family, TextInput
+from raylora.model.families.base import Cond, Family, TextInput, grid_ids
 
 # What Flux2KleinPipeline's tokenizer.apply_chat_template(add_generation_prompt=True,
 # enable_thinking=False) makes of a one-message conversation with Qwen3's template.
@@ -76,7 +76,7 @@ class Flux2Klein(Family):
         # pipeline's (patchify(z) − μ)/σ (its noise laid out in the patchified order), and
         # its mean is exactly the pipeline's image latents. The cache stores these, so the
         # statistics, which are weights and not config, are never needed without the VAE.
-        mean, logvar = vae.encode(pixels).latent_dist.parameters.chunk(2, dim=1)
+        mean, logvar = Family.encode_pixels(vae, pixels).chunk(2, dim=1)
         bn = vae.bn
         mu = bn.running_mean.view(1, -1, 1, 1).to(mean.dtype)
         sd = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(mean.dtype)
@@ -104,15 +104,13 @@ class Flux2Klein(Family):
         dev = noisy.device
         # Position ids (t, row, col, l) = (0, i, j, 0) for the image and (0, 0, 0, k) for the
         # text, built where the model runs; the model reads one [S, 4] set for the batch.
-        img_ids = torch.zeros(h, w, 4, device=dev)
-        img_ids[..., 1] += torch.arange(h, device=dev)[:, None]
-        img_ids[..., 2] += torch.arange(w, device=dev)[None, :]
+        img_ids = grid_ids(h, w, 4, dev)
         txt_ids = torch.zeros(cond["prompt_embeds"].shape[1], 4, device=dev)
         txt_ids[:, 3] = torch.arange(txt_ids.shape[0], device=dev)
         tokens = noisy.reshape(b, c, h * w).permute(0, 2, 1)
         # guidance=None as the pipeline passes it: Klein has no guidance embedding.
         out = model(hidden_states=tokens, encoder_hidden_states=cond["prompt_embeds"],
-                    timestep=t.to(noisy.dtype), img_ids=img_ids.reshape(-1, 4),
+                    timestep=t.to(noisy.dtype), img_ids=img_ids,
                     txt_ids=txt_ids, guidance=None, return_dict=False)[0]
         return out.permute(0, 2, 1).reshape(b, c, h, w)
 

@@ -73,7 +73,9 @@ def _heldout_batch(spec: WorkerSpec) -> dict[str, torch.Tensor]:
 
     heldout = spec.plan.worker_heldout()
     if isinstance(heldout, dict):
-        return {k: torch.from_numpy(np.asarray(v)) for k, v in heldout.items()}
+        from raylora.data.cache import from_column
+
+        return {k: from_column(v) for k, v in heldout.items()}
     # Buckets or not: one square size (the largest resolution), so they batch together.
     pre = Preprocess(StageSpec(**_stage_kwargs("heldout", spec)))
     batch = pre({
@@ -273,9 +275,11 @@ def _to_device(device):
     non_blocking: the copy is queued behind the running step instead of this thread
     waiting for it (a pageable copy blocks until the GPU is done with everything queued
     before it); torch keeps the pinned buffer until the copy ran."""
+    from raylora.data.cache import from_column  # cached bf16 columns arrive as uint16
+
     if torch.device(device).type != "cuda":
-        return lambda batch: {k: torch.from_numpy(v).to(device) for k, v in batch.items()}
-    return lambda batch: {k: torch.from_numpy(v).pin_memory().to(device, non_blocking=True)
+        return lambda batch: {k: from_column(v).to(device) for k, v in batch.items()}
+    return lambda batch: {k: from_column(v).pin_memory().to(device, non_blocking=True)
                           for k, v in batch.items()}
 
 

@@ -195,3 +195,38 @@ def test_latent_cache_build_reuse_and_training(ray_local, tiny_model, tmp_path):
     assert column("latent_params").shape == (16, 8, 32, 32)  # mean ‖ logvar, 4 ch, 64/2 px
     np.testing.assert_allclose(column("latent_params"), enc["latent_params"], atol=1e-5)
     np.testing.assert_allclose(column("prompt_embeds"), enc["prompt_embeds"], atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_the_cache_stores_each_tensor_in_the_dtype_the_encoders_computed_it_in(tiny_model, dtype):
+    """A bf16 run's cache holds the encoders' bf16 output bit for bit (as uint16: numpy
+    and Arrow have no bfloat16) in half the bytes of fp32, and reads back as the tensors
+    uncached training feeds the denoiser; fp16 and fp32 outputs are stored as they are."""
+    from raylora.data.cache import EncodeStage, from_column
+    from raylora.data.demo import make_samples
+    from raylora.data.preprocess import Preprocess, StageSpec
+    from raylora.model.families import get as get_family
+    from raylora.train.encode import batch_condition, vae_posterior
+
+    samples = make_samples(4, size=64, seed=2)
+    pre = Preprocess(StageSpec(tiny_model, 64, center_crop=True, random_flip=False))
+    raw = pre({"image": np.array([img for img, _ in samples], dtype=object),
+               "text": np.array([text for _, text in samples], dtype=object)})
+    enc = EncodeStage(tiny_model, "sd", dtype, resolution=64)
+    out = enc(dict(raw))
+
+    # The text encoder runs in the run's dtype; the VAE too, except in fp16 (SD's VAE
+    # overflows there: it is kept in fp32, as diffusers' scripts keep it).
+    embeds = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}[dtype]
+    latents = np.float32 if dtype == "float16" else embeds
+    assert (out["prompt_embeds"].dtype, out["latent_params"].dtype) == (embeds, latents)
+    # What uncached training computes from the same batch, in the same dtype.
+    family = get_family("sd")
+    batch = {k: torch.from_numpy(v) for k, v in raw.items()}
+    with torch.no_grad():
+        params = vae_posterior(family, enc.vae, batch["pixel_values"])
+        cond = batch_condition(family, enc.text_encoders, batch)
+    for name, want in (("latent_params", params), ("prompt_embeds", cond["prompt_embeds"])):
+        got = from_column(out[name])
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+        assert out[name].nbytes == want.numel() * want.element_size()  # 2 bytes for bf16

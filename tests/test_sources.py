@@ -4,9 +4,11 @@ runs on a local Ray (one Ray for the module; each run ~30 s on 2 cores)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from raylora.config import validate
@@ -24,7 +26,8 @@ def test_caption_folder_with_repeats_trains_from_cached_latents(ray_local, tiny_
     """6 images, 3 of them in 10_mychar (one without a caption file: it trains on
     "mychar"): an epoch is 33 samples, 11 steps of 3, in which each mychar image is
     trained on 10 times and the others once. Through the latent cache: the 6 distinct
-    images are encoded once and repeated when training reads the cache."""
+    images are encoded once and repeated when training reads the cache. In bf16: the
+    cache's parts hold bf16 columns (as uint16) and training reads them back."""
     from raylora.launch import run
 
     out = str(tmp_path / "out")
@@ -32,7 +35,8 @@ def test_caption_folder_with_repeats_trains_from_cached_latents(ray_local, tiny_
         "model": {"pretrained": tiny_model},
         "data": {"uri": write_kohya(tmp_path / "kohya", KOHYA), "resolution": 32,
                  "center_crop": True, "cache": "latents", "shuffle_buffer_size": 8},
-        "train": {"batch_size": 3, "num_epochs": 1, "learning_rate": 1e-3, "record_samples": True},
+        "train": {"batch_size": 3, "num_epochs": 1, "learning_rate": 1e-3, "record_samples": True,
+                  "mixed_precision": "bf16"},
         "checkpoint": {"every_n_steps": 100},
         "output": {"uri": out},
     }
@@ -49,6 +53,14 @@ def test_caption_folder_with_repeats_trains_from_cached_latents(ray_local, tiny_
     assert sorted(seen.values()) == [1, 1, 1, 10, 10, 10]
     manifest = json.load(open(os.path.join(data["cache_uri"], "manifest.json")))
     assert sorted(manifest["file_repeats"]) == [1, 10]  # one part per run of equal repeats
+    assert all(math.isfinite(r["loss"]) for r in metrics_rows(out))
+    import pyarrow.parquet as pq
+    import ray.data
+
+    ray.data.DataContext.get_current()  # importing ray.data registers the parts' tensor type
+    part = pq.read_table(os.path.join(data["cache_uri"], manifest["files"][0]))
+    assert {c: part[c].chunks[0].to_numpy().dtype for c in ("latent_params", "prompt_embeds")} == \
+        {"latent_params": np.uint16, "prompt_embeds": np.uint16}
 
 
 @pytest.fixture(scope="module")

@@ -402,6 +402,11 @@ def test_raylora_loader_reads_the_tiny_model_back(family_model):
         assert (c.latent_shift, c.latent_scale) == (0.0609, 1.5305)
     elif fam == "flux2klein":  # its batch-norm statistics are applied in encode_pixels
         assert (c.latent_shift, c.latent_scale) == (0.0, 1.0)
+        # The Qwen3 runs up to the deepest layer read (27): 28 of the tiny model's 30 layers
+        # (test_families: its hidden states still equal the pipeline's full encoder's).
+        (te,) = c.text_encoders
+        assert len(te.model.layers) == te.config.num_hidden_layers == max(flux2klein.LAYERS) + 1
+        assert json.load(open(f"{path}/text_encoder/config.json"))["num_hidden_layers"] == 30
     else:
         assert c.latent_shift[0] == -0.7571 and math.isclose(c.latent_scale[0], 1 / 2.8184)
 

@@ -215,8 +215,8 @@ def load_components(
     if hollow_denoiser:
         from raylora.train.fsdp import hollow_component
 
-        denoiser = hollow_component(path, index, family.denoiser, weight_dtype, device,
-                                    revision=model.revision)
+        denoiser = family.adapt_component(family.denoiser, hollow_component(
+            path, index, family.denoiser, weight_dtype, device, revision=model.revision))
     else:
         denoiser = family.load_component(path, index, family.denoiser, weight_dtype,
                                          variant=model.variant, **kw)

@@ -748,8 +748,9 @@ def build_tiny_flux2klein(dest: str | Path, seed: int = 0) -> Path:
     """Save a tiny random Flux2KleinPipeline (the base model: not distilled) to ``dest``;
     returns the path.
 
-    * ``text_encoder``: Qwen3ForCausalLM, hidden 16, 28 layers (so the pipeline's layers
-      9, 18 and 27 are intermediate ones, as in Qwen3-4B's 36) → ``prompt_embeds``
+    * ``text_encoder``: Qwen3ForCausalLM, hidden 16, 30 layers (so the pipeline's layers
+      9, 18 and 27 are intermediate ones, as in Qwen3-4B's 36, and raylora's loader drops
+      layers 28-29 as it drops 28-35 there) → ``prompt_embeds``
       (B, L, 48), every padding position kept. ``tokenizer``: the Qwen2 byte-level BPE with
       Qwen3's chat template (``QWEN3_CHAT_TEMPLATE``; the pipeline turns thinking off).
     * ``transformer``: Flux2Transformer2DModel, 1 double + 2 single blocks, 2 heads × 16,
@@ -766,7 +767,7 @@ def build_tiny_flux2klein(dest: str | Path, seed: int = 0) -> Path:
     dest = Path(dest)
     torch.manual_seed(seed)
     # 28 layers: the pipeline's layers 9, 18 and 27 are intermediate ones, as in Qwen3-4B's 36
-    tokenizer, text_encoder = _qwen3_text_encoder("Qwen3ForCausalLM", hidden=16, layers=28)
+    tokenizer, text_encoder = _qwen3_text_encoder("Qwen3ForCausalLM", hidden=16, layers=30)
     transformer = Flux2Transformer2DModel(
         patch_size=1, in_channels=32, num_layers=1, num_single_layers=2, attention_head_dim=16,
         num_attention_heads=2, joint_attention_dim=3 * text_encoder.config.hidden_size,

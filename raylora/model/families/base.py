@@ -200,7 +200,14 @@ class Family:
         klass = import_class(library, class_name)
         if dtype is not None:
             kw["torch_dtype"] = dtype
-        return klass.from_pretrained(path, subfolder=component, **kw)
+        return cls.adapt_component(component, klass.from_pretrained(path, subfolder=component, **kw))
+
+    @classmethod
+    def adapt_component(cls, component: str, module):
+        """``component`` as loaded → as raylora uses it (Flux.2 [klein] drops the text
+        encoder's layers it never reads). Applied to the real and the meta (memory
+        preflight) components alike."""
+        return module
 
     @classmethod
     def set_attention(cls, model, kind: str) -> None:

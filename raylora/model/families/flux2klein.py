@@ -28,6 +28,23 @@ def patchify(z: torch.Tensor) -> torch.Tensor:
     return z.reshape(b, c * 4, h // 2, w // 2)
 
 
+def keep_layers(lm, n: int) -> None:
+    """Drop the frozen Qwen3's decoder layers after the first ``n``: the conditioning reads
+    hidden state 27 at most (the output of layers[26]; transformers replaces the last hidden
+    state by its final-normed one, so layers[27] stays), and Qwen3-4B's and -8B's
+    layers[28:36] ran for nothing: their time on every uncached caption and their memory on
+    every worker. Keeping ``max(LAYERS) + 1`` leaves hidden states 0..27 as the full model's
+    (test_families: equal to the stock pipeline's encode_prompt)."""
+    model = getattr(lm, "model", lm)
+    if len(model.layers) <= n:
+        return
+    model.layers = torch.nn.ModuleList(list(model.layers)[:n])
+    for config in {id(c): c for c in (lm.config, model.config)}.values():
+        config.num_hidden_layers = n
+        if getattr(config, "layer_types", None):
+            config.layer_types = config.layer_types[:n]
+
+
 class Flux2Klein(Family):
     name = "flux2klein"
     class_names = ("Flux2KleinPipeline",)
@@ -56,6 +73,12 @@ class Flux2Klein(Family):
         singles = len(model.single_transformer_blocks)
         return cls.lora_targets + tuple(f"single_transformer_blocks.{i}.attn.to_out"
                                         for i in range(singles))
+
+    @classmethod
+    def adapt_component(cls, component: str, module):
+        if component == "text_encoder":
+            keep_layers(module, max(LAYERS) + 1)
+        return module
 
     # ---- latents ------------------------------------------------------------------------
 

@@ -350,6 +350,41 @@ def test_training_conditions_the_denoiser_as_the_stock_pipeline_does(tiny, famil
 UNGUIDED = {"zimage": 0.0}
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_caption_dropout_trains_on_the_unconditional_prompt_the_family_samples_with(tiny, family):
+    """A dropped caption is the prompt raylora's previews and model card give guidance's
+    unconditional branch: " " for Qwen-Image (its negative prompt; None would turn its
+    guidance off), the pipelines' default "" for the rest."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from raylora.config import DataSection
+    from raylora.data.preprocess import Preprocess, StageSpec, stage_kwargs
+    from raylora.data.tokenize import CaptionTokenizer, load_specs
+    from raylora.storage import Storage
+
+    fam, model = families.get(family), tiny(family)
+    negative = fam.guidance_kwargs(fam.default_guidance_scale).get("negative_prompt", [""])[0]
+    assert fam.empty_caption == negative == (" " if family == "qwenimage" else "")
+
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), (200, 10, 10)).save(buf, "PNG")
+    n = 40
+    data = DataSection(uri="/d", resolution=32, center_crop=True, caption_dropout=0.5)
+    stage = Preprocess(StageSpec(**stage_kwargs("train", data, model_path=model, family=family,
+                                                storage=Storage(), max_sequence_length=32)))
+    out = stage({"image": np.array([buf.getvalue()] * n, dtype=object),
+                 "text": np.array(["a red square"] * n, dtype=object)})
+    key = fam.text[-1].ids_key
+    spec = [s for s in load_specs(model, family, Storage(), 32) if s.ids_key == key][0]
+    (caption, empty, bare), _ = CaptionTokenizer(spec).encode(["a red square", negative, ""])
+    dropped = (out[key] == empty).all(axis=1)
+    assert 0 < dropped.sum() < n and ((out[key] == caption).all(axis=1) | dropped).all()
+    assert (empty != bare).any() == (family == "qwenimage")  # " " is its own prompt there
+
+
 class _Probed(Exception):
     """Raised by the probe hook once it has seen what the family feeds the denoiser."""
 

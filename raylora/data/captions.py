@@ -52,15 +52,15 @@ def shuffle_tags(text: str, keep_tokens: int, rng: np.random.Generator) -> str:
 
 
 def apply_policies(captions: list[str], policies: list[CaptionPolicy],
-                   rng: np.random.Generator) -> list[str]:
+                   rng: np.random.Generator, empty: str = "") -> list[str]:
     """Caption dropout, then tag shuffling, each row by its own policy. Draws from ``rng``
     only for what is on: one draw per row for dropout when any row has it (as a single
     ``data.caption_dropout`` always drew), one permutation per shuffled row."""
     p = np.array([pol.dropout for pol in policies], dtype=np.float64)
     if p.any():
-        # The empty prompt, as the unconditional branch of classifier-free guidance sees
-        # it at inference: keeps the adapter usable with guidance.
+        # ``empty``: the prompt of the unconditional branch of classifier-free guidance as
+        # the family samples (Family.empty_caption): keeps the adapter usable with guidance.
         drop = rng.random(len(captions)) < p
-        captions = ["" if d else c for c, d in zip(captions, drop)]
-    return [shuffle_tags(c, pol.keep_tokens, rng) if pol.shuffle_tags and c else c
+        captions = [empty if d else c for c, d in zip(captions, drop)]
+    return [shuffle_tags(c, pol.keep_tokens, rng) if pol.shuffle_tags and c.strip() else c
             for c, pol in zip(captions, policies)]

@@ -146,6 +146,7 @@ class StageSpec:
     endpoint_url: str | None = None
     region: str | None = None
     caption_dropout: float = 0.0
+    empty_caption: str = ""  # what a dropped caption becomes: the family's (Family.empty_caption)
     family: str = "sd"
     max_image_pixels: int = 178_956_970
     min_size: int = 0
@@ -195,7 +196,10 @@ def stage_kwargs(purpose: str, data, *, model_path: str, family: str, storage,
     if purpose in ("train", "cache"):
         kw.update(caption_policies=caption_policies(data), buckets=bucket_set(data))
     if purpose == "train":
-        kw.update(caption_dropout=data.caption_dropout, bad_records=bad_records)
+        from raylora.model import families
+
+        kw.update(caption_dropout=data.caption_dropout, bad_records=bad_records,
+                  empty_caption=families.get(family).empty_caption)
     if purpose != "heldout":
         kw.update(masks=data.masked_loss)
     return kw
@@ -229,6 +233,7 @@ class Preprocess:
         self.caption_column = spec.caption_column
         self.rng = np.random.default_rng(spec.seed)
         self.policies = tuple(spec.caption_policies or (CaptionPolicy(spec.caption_dropout),))
+        self.empty_caption = spec.empty_caption
         self.decode = dict(
             max_pixels=spec.max_image_pixels, min_size=spec.min_size, small_images=spec.small_images,
             background=tuple(spec.background_color),
@@ -292,7 +297,8 @@ class Preprocess:
         # Rows kept per source: the run's per-source counts (raylora.json data.sources).
         by_source = {} if sources is None else {"by_source": dict(Counter(kept))}
         self.reporter.send(len(out), bad, examples, **by_source)
-        captions = apply_policies(captions, [self.policies[s] for s in kept], self.rng)
+        captions = apply_policies(captions, [self.policies[s] for s in kept], self.rng,
+                                  self.empty_caption)
         result = {"pixel_values": self._pixels([o[0] for o in out]),
                   **self._text_columns(captions)}
         result["original_size"] = np.array([o[1] for o in out], dtype=np.int64).reshape(-1, 2)

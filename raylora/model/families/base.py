@@ -119,6 +119,9 @@ class Family:
     repeated_blocks: ClassVar[tuple[str, ...]]
     patch: ClassVar[int] = 1  # latent pixels per token side (2 for 2×2-patched DiTs)
     default_guidance_scale: ClassVar[float] = 7.5  # sampling's, when the config leaves it unset
+    # The prompt of classifier-free guidance's unconditional branch as raylora samples the
+    # family (previews, the model card): what data.caption_dropout trains on.
+    empty_caption: ClassVar[str] = ""
     # cuDNN's SDPA kernels: off for the DiTs. On an H100 (torch 2.11, CUDA 13) the Flux.1-dev
     # step failed in backward inside cuDNN's attention graph (illegal memory access;
     # bench/RESULTS.md 2026-11-23); flash / memory-efficient SDPA ran it at 38-40 % MFU.

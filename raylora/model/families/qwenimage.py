@@ -35,6 +35,8 @@ class QwenImage(Family):
     repeated_blocks = ("QwenImageTransformerBlock",)
     patch = 2
     default_guidance_scale = 4.0  # as true_cfg_scale (see guidance_kwargs)
+    # The empty negative prompt the pipeline's docstring names (None turns guidance off).
+    empty_caption = " "
     description = "Qwen-Image (MMDiT, Qwen2.5-VL text encoder)"
 
     @classmethod
@@ -44,11 +46,10 @@ class QwenImage(Family):
         # transformer pass per step) only for true_cfg_scale > 1 *and* a negative prompt.
         # One per prompt: a single one is encoded as a text batch of 1, which the
         # transformer (diffusers 0.42, SDPA) happens to broadcast over a batch of images.
-        # " " is the empty negative prompt the pipeline's docstring names.
         s = cls.resolve_guidance(scale)
         if s <= 1:  # no guidance: a negative prompt would only be encoded, warned about, unused
             return {"true_cfg_scale": s}
-        return {"true_cfg_scale": s, "negative_prompt": [" "] * batch}
+        return {"true_cfg_scale": s, "negative_prompt": [cls.empty_caption] * batch}
 
     @classmethod
     def cond_keys(cls):

@@ -1,6 +1,7 @@
 """What every model family shares; each family module overrides what its architecture does
-differently. No Ray; torch and diffusers are imported where they are used, so the config can
-list families without loading either.
+differently. No Ray; diffusers and transformers are imported where they are used, torch at
+the top (so importing a family loads torch: ``raylora --help`` lists the family modules
+without importing them, raylora.cli._family_names).
 
 A family owns, for its pipeline layout: detection (``model_index.json`` ``_class_name``),
 which components are the denoiser, VAE and text encoders (loaded by the classes the folder's

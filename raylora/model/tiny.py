@@ -766,7 +766,7 @@ def build_tiny_flux2klein(dest: str | Path, seed: int = 0) -> Path:
 
     dest = Path(dest)
     torch.manual_seed(seed)
-    # 28 layers: the pipeline's layers 9, 18 and 27 are intermediate ones, as in Qwen3-4B's 36
+    # 30 layers: the pipeline's 9, 18 and 27 are intermediate ones, and 28-29 are dropped
     tokenizer, text_encoder = _qwen3_text_encoder("Qwen3ForCausalLM", hidden=16, layers=30)
     transformer = Flux2Transformer2DModel(
         patch_size=1, in_channels=32, num_layers=1, num_single_layers=2, attention_head_dim=16,

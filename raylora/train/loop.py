@@ -316,6 +316,7 @@ def sample_hashes(batch: dict[str, torch.Tensor]) -> list[str]:
         h = hashlib.blake2b(digest_size=6)
         for k in keys:
             # Bytes, whatever the dtype: numpy has no bfloat16 (a bf16 run's cached columns).
-            h.update(batch[k][i].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            row = batch[k][i].detach().cpu().contiguous().reshape(-1)
+            h.update(row.view(torch.uint8).numpy().tobytes())
         out.append(h.hexdigest())
     return out

@@ -204,7 +204,8 @@ class Family:
         klass = import_class(library, class_name)
         if dtype is not None:
             kw["torch_dtype"] = dtype
-        return cls.adapt_component(component, klass.from_pretrained(path, subfolder=component, **kw))
+        module = klass.from_pretrained(path, subfolder=component, **kw)
+        return cls.adapt_component(component, module)
 
     @classmethod
     def adapt_component(cls, component: str, module):

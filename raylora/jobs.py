@@ -140,10 +140,11 @@ def last_progress(info) -> dict | None:
 
 def status(job: str, address: str | None = None) -> tuple[str, str | None]:
     """(job state, the run's last progress line or None). A search has no one line (its
-    trials run side by side, each its own run): it says where Tune's trial table is."""
+    trials run side by side, each its own run): it says where each trial's lines are."""
     info = client(address).get_job_info(job)
     if (info.metadata or {}).get(COMMAND) == "tune":
-        return str(info.status.value), f"a search (raylora tune): its trial table is in `raylora logs {job}`"
+        return str(info.status.value), (f"a search (raylora tune): each trial's progress lines "
+                                         f"and Tune's trial table are in `raylora logs {job}`")
     row = last_progress(info)
     line = row["line"].removeprefix("raylora: ") if row else None
     return str(info.status.value), line

@@ -807,11 +807,12 @@ def build_trainer(
     lr_find=None,
     progress_board: str | None = None,
     stop_requests: str | None = None,
+    progress_label: str | None = None,
 ):
     """The TorchTrainer of one run: datasets, workers, storage. ``raylora train`` fits one
     (rank 0 sends step rows to ``progress_board``, raylora.progress); each Tune trial
-    builds its own (with ``TuneReportCallback``); lr-find passes its own per-worker
-    function."""
+    builds its own (with ``TuneReportCallback``, its rows labelled ``progress_label``);
+    lr-find passes its own per-worker function."""
     import ray.data
     import ray.train
     from ray.train.torch import TorchTrainer
@@ -828,7 +829,7 @@ def build_trainer(
     data_bars = sys.stdout.isatty() and quiet.verbose()
     ray.data.DataContext.get_current().enable_progress_bars = data_bars
     spec = WorkerSpec(cfg, p, progress_bar=data_bars, lr_find=lr_find, progress_board=progress_board,
-                      stop_requests=stop_requests)
+                      stop_requests=stop_requests, progress_label=progress_label)
     # The workers build the run's one dataset themselves (worker._epoch_batches: rank 0
     # splits it, or each worker reads its own files), so Ray Train is given none. The
     # tokenizer is read once, here, for all of them (cached latents need none).

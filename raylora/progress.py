@@ -108,18 +108,37 @@ class Stats:
         return f"raylora: step {self.step}/{self.total} ({pct}%) {self.fields()}"
 
 
+@dataclass
+class _Track:
+    """One run's line: its stats and when it was last printed (the clock starts at its
+    first step: model loading is not a silence to fill)."""
+
+    stats: Stats
+    label: str | None = None  # a search's trial; None: the one run of `raylora train`
+    printed_step: int | None = None
+    printed_t: float | None = None
+
+    def line(self) -> str:
+        line = self.stats.line()
+        if self.label is None:
+            return line
+        return line.replace("raylora: ", f"raylora: {self.label} ", 1)
+
+
 class ProgressPrinter:
     """Polls the board from a thread: a tqdm line on a TTY, else one plain line every
-    ``every_steps`` steps or ``every_s`` seconds, whichever comes first, and the last step."""
+    ``every_steps`` steps or ``every_s`` seconds, whichever comes first, and the last step.
+    ``labelled`` (a search): rows carry a ``label`` (their trial) and their run's
+    ``total``, and each label gets lines of its own, always plain (one bar cannot show
+    several runs)."""
 
     def __init__(self, board, total: int, every_steps: int, every_s: float,
-                 stream=None, tty: bool | None = None, sink=None):
+                 stream=None, tty: bool | None = None, sink=None, labelled: bool = False):
         self.board, self.stream, self.sink = board, stream or sys.stdout, sink
-        self.tty = self.stream.isatty() if tty is None else tty
-        self.stats = Stats(total)
-        self.every_steps, self.every_s = every_steps, every_s
-        # The clock starts at the first step: model loading is not a silence to fill.
-        self._seen, self._printed_step, self._printed_t = 0, None, None
+        self.tty = (self.stream.isatty() if tty is None else tty) and not labelled
+        self.total, self.every_steps, self.every_s = total, every_steps, every_s
+        self.tracks: dict[str | None, _Track] = {}
+        self._seen = 0
         self._size = None  # (workers, accumulation) of the latest step
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="raylora-progress", daemon=True)
@@ -129,22 +148,24 @@ class ProgressPrinter:
         if self.tty:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=self.stats.total, desc="raylora train", file=self.stream,
+            self._bar = tqdm(total=self.total, desc="raylora train", file=self.stream,
                              dynamic_ncols=True, disable=False)
         self._thread.start()
         return self
 
     def stop(self) -> None:
-        """Stop polling and show what arrived last (the final step)."""
+        """Stop polling and show what arrived last (each run's final step)."""
         self._stop.set()
         self._thread.join(timeout=10)
         self._poll()
         if self._bar is not None:
             self._bar.close()
-            if self.stats.step and self._printed_step != self.stats.step:
-                self._record()
-        elif self.stats.step and self._printed_step != self.stats.step:
-            self._print()
+        for track in self.tracks.values():
+            if track.stats.step and track.printed_step != track.stats.step:
+                if self._bar is not None and track.label is None:
+                    self._record(track)
+                else:
+                    self._print(track)
 
     def _loop(self) -> None:
         while not self._stop.wait(POLL_S):
@@ -161,26 +182,34 @@ class ProgressPrinter:
         for row in rows:
             self._consume(row, time.monotonic())
 
+    def _track(self, row: dict) -> _Track:
+        label = row.get("label")
+        if label not in self.tracks:
+            self.tracks[label] = _Track(Stats(row.get("total") or self.total), label)
+        return self.tracks[label]
+
     def _consume(self, row: dict, now: float) -> None:
+        track = self._track(row)
         self._note_size(row)
-        self.stats.update(row, now)
-        if self._printed_t is None:
-            self._printed_t = now
-        due = (self.stats.step % self.every_steps == 0 or self.stats.step >= self.stats.total
-               or now - self._printed_t >= self.every_s)
-        if self._bar is not None:
-            self._bar.update(self.stats.step - self._bar.n)
-            self._bar.set_postfix_str(self.stats.fields(), refresh=False)
+        stats = track.stats
+        stats.update(row, now)
+        if track.printed_t is None:
+            track.printed_t = now
+        due = (stats.step % self.every_steps == 0 or stats.step >= stats.total
+               or now - track.printed_t >= self.every_s)
+        if self._bar is not None and track.label is None:
+            self._bar.update(stats.step - self._bar.n)
+            self._bar.set_postfix_str(stats.fields(), refresh=False)
             if due:
-                self._record()
+                self._record(track)
         elif due:
-            self._print()
+            self._print(track)
 
     def _note_size(self, row: dict) -> None:
         """A line when the workers' number changed (an elastic run resized; a restart at
         the same size is not one)."""
         size = (row.get("world_size"), row.get("accumulation"))
-        if size[0] is None or size == self._size:
+        if size[0] is None or row.get("label") is not None or size == self._size:
             return
         if self._size is not None:
             line = (f"raylora: resized to {size[0]} worker(s), gradient accumulation {size[1]} "
@@ -188,18 +217,18 @@ class ProgressPrinter:
             print(line, file=self.stream, flush=True)
         self._size = size
 
-    def _print(self) -> None:
-        print(self.stats.line(), file=self.stream, flush=True)
-        self._record()
+    def _print(self, track: _Track) -> None:
+        print(track.line(), file=self.stream, flush=True)
+        self._record(track)
 
-    def _record(self) -> None:
+    def _record(self, track: _Track) -> None:
         """The line is due: hand it to ``sink`` (progress.json) too."""
-        self._printed_step, self._printed_t = self.stats.step, time.monotonic()
+        stats = track.stats
+        track.printed_step, track.printed_t = stats.step, time.monotonic()
         if self.sink is not None:
             try:
-                self.sink({"step": self.stats.step, "total": self.stats.total,
-                           "loss": self.stats.loss, "eta_s": self.stats.eta_s(),
-                           "line": self.stats.line(), "time": time.time()})
+                self.sink({"step": stats.step, "total": stats.total, "loss": stats.loss,
+                           "eta_s": stats.eta_s(), "line": track.line(), "time": time.time()})
             except Exception as exc:  # a storage hiccup must not stop the progress line
                 print(f"raylora: progress.json not written: {exc}", file=sys.stderr)
 
@@ -242,10 +271,11 @@ def summary_lines(s: dict) -> list[str]:
 
 
 @contextmanager
-def watch(total: int, log_every_n_steps: int | None, log_every_n_seconds: float, sink=None):
+def watch(total: int, log_every_n_steps: int | None, log_every_n_seconds: float, sink=None,
+          labelled: bool = False):
     """Around ``fit()``: a board for the workers (its name is yielded, for ``WorkerSpec``)
-    and the printer reading it; ``sink(dict)`` gets each line due (``write_progress``).
-    Needs Ray."""
+    and the printer reading it; ``sink(dict)`` gets each line due (``write_progress``);
+    ``labelled``: a search's trials share the board (``ProgressPrinter``). Needs Ray."""
     import uuid
 
     import ray
@@ -253,7 +283,7 @@ def watch(total: int, log_every_n_steps: int | None, log_every_n_seconds: float,
     name = f"raylora-progress-{uuid.uuid4().hex[:12]}"
     board = start_board(name)
     printer = ProgressPrinter(board, total, every_n_steps(log_every_n_steps, total),
-                              log_every_n_seconds, sink=sink).start()
+                              log_every_n_seconds, sink=sink, labelled=labelled).start()
     try:
         yield name
     finally:

@@ -24,7 +24,7 @@ import logging
 import math
 import os
 
-from raylora import storage
+from raylora import progress, storage
 from raylora.config import RayLoraConfig, TuneSection, trial_tree, validate
 from raylora.launch import Plan, Setup, build_trainer, check_bad_records, plan, prepared, replan
 
@@ -140,9 +140,11 @@ def trial_variants(cfg: RayLoraConfig) -> list[tuple[str, RayLoraConfig]]:
             for key, dim in cfg.tune.search_space.items() for value in dim.values]
 
 
-def _trial(params: dict, *, base_tree: dict, base_plan: Plan, trials_uri: str) -> None:
+def _trial(params: dict, *, base_tree: dict, base_plan: Plan, trials_uri: str,
+           progress_board: str | None = None) -> None:
     """One Tune trial (runs in Tune's trial actor): the sampled values applied to the base
-    config, then a full TorchTrainer run reporting to Tune."""
+    config, then a full TorchTrainer run reporting to Tune; its rank 0 sends its steps to
+    the search's ``progress_board``, labelled with its name."""
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
@@ -156,7 +158,8 @@ def _trial(params: dict, *, base_tree: dict, base_plan: Plan, trials_uri: str) -
     run_uri, store = storage.join(trials_uri, name), trial_cfg.storage.client()
     drop_unrecorded(store, run_uri)
     check_latest(store, run_uri)
-    trainer = build_trainer(trial_cfg, p, trials_uri, name, callbacks=[TuneReportCallback()])
+    trainer = build_trainer(trial_cfg, p, trials_uri, name, callbacks=[TuneReportCallback()],
+                            progress_board=progress_board, progress_label=name)
     trainer.fit()
 
 
@@ -181,7 +184,12 @@ def run_tune(cfg: RayLoraConfig) -> dict:
         if not r.resume:
             cfg.storage.client().write_bytes(storage.join(out, TUNE_DIR, SEARCH_FILE),
                                              json.dumps({"config": cfg.to_dict()}, indent=1).encode())
-        grid = _tuner(cfg, base_plan, out, concurrency, resume=r.resume).fit()
+        # A line per trial every train.log_every_n_steps steps or log_every_n_seconds
+        # (Tune's own table shows only what trials report, at evaluations).
+        t = cfg.train
+        with progress.watch(base_plan.max_steps, t.log_every_n_steps, t.log_every_n_seconds,
+                            labelled=True) as board:
+            grid = _tuner(cfg, base_plan, out, concurrency, resume=r.resume, board=board).fit()
         # Raises when too much of what was read was bad; the counts are the whole search's.
         bad = check_bad_records(cfg, base_plan)
         rows = results_table(grid, tn, base_plan.max_steps)
@@ -250,9 +258,11 @@ def _scheduler(tn: TuneSection, max_steps: int):
                          reduction_factor=tn.reduction_factor)
 
 
-def _tuner(cfg: RayLoraConfig, base_plan: Plan, out: str, concurrency: int, resume: bool = False):
+def _tuner(cfg: RayLoraConfig, base_plan: Plan, out: str, concurrency: int, resume: bool = False,
+           board: str | None = None):
     """The search: ``_trial`` per sampled config, experiment state under ``out/tune``;
-    ``resume``: the interrupted search there, continued."""
+    ``resume``: the interrupted search there, continued; ``board``: the driver's progress
+    board (raylora.progress) the trials send their steps to."""
     from ray import tune
 
     tn = cfg.tune
@@ -261,7 +271,8 @@ def _tuner(cfg: RayLoraConfig, base_plan: Plan, out: str, concurrency: int, resu
     trials_uri = storage.join(out, TUNE_DIR, TRIALS_DIR)
     # Large inputs (held-out images) travel once through the object store.
     trainable = tune.with_resources(
-        tune.with_parameters(_trial, base_tree=cfg.to_dict(), base_plan=base_plan, trials_uri=trials_uri),
+        tune.with_parameters(_trial, base_tree=cfg.to_dict(), base_plan=base_plan,
+                             trials_uri=trials_uri, progress_board=board),
         # Tune refuses an empty request; a sliver of a CPU places the trial's driver
         # anywhere without taking a core from training or data.
         {"CPU": TRIAL_DRIVER_CPU},

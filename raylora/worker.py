@@ -352,9 +352,10 @@ class _Reporter:
         self.tracker.log(row["step"], {k: v for k, v in row.items() if k not in ("step", "samples")})
         if self.board is not None:
             # Not waited for: the driver prints it (raylora.progress).
-            self.board.push.remote({k: row[k] for k in ("step", "epoch", "loss", "lr", "images_per_s",
-                                                        "world_size", "accumulation")})
-        elif self.rank == 0 and row["step"] % self.log_every == 0:  # Tune trials: in their log
+            keys = ("step", "epoch", "loss", "lr", "images_per_s", "world_size", "accumulation")
+            self.board.push.remote({**{k: row[k] for k in keys},
+                                    "label": self.spec.progress_label, "total": self.max_steps})
+        elif self.rank == 0 and row["step"] % self.log_every == 0:  # no driver watching
             log.info("step %d/%d loss %.5f lr %.3g images/s %.1f",
                      row["step"], self.max_steps, row["loss"], row["lr"], row["images_per_s"])
 

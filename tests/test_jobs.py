@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import time
 import uuid
 
@@ -155,11 +156,12 @@ def test_a_search_config_is_submitted_as_a_search(head, tiny_model, demo_data, t
     info = jobs.client(None).get_job_info("rl-tune")
     assert info.entrypoint.startswith("python -m raylora tune jobs/configs/tiny-local.yaml ")
     assert main(["status", "rl-tune"]) == 0
-    assert ("raylora: a search (raylora tune): its trial table is in `raylora logs rl-tune`"
-            in capsys.readouterr().out)
+    assert ("raylora: a search (raylora tune): each trial's progress lines and Tune's trial "
+            "table are in `raylora logs rl-tune`") in capsys.readouterr().out
     assert main(["logs", "-f", "rl-tune"]) == 0
     text = capsys.readouterr().out
     assert "raylora: best adapter" in text and "Trial status: 2 TERMINATED" in text, text
+    assert len(set(re.findall(r"^raylora: (trial_\S+) step \d+/\d+ ", text, re.M))) == 2, text
     _wait(lambda: jobs.status("rl-tune")[0] == "SUCCEEDED", 60, "SUCCEEDED")
     doc = json.loads((out / "tune" / "results.json").read_text())
     assert sorted(r["train.learning_rate"] for r in doc["trials"]) == [5e-4, 1e-3]

@@ -7,6 +7,7 @@ import csv
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -365,6 +366,13 @@ def test_search_stops_the_diverging_trial_and_exports_the_best(ray_local, tiny_m
     assert bad["steps"] < 8
     completed = [r for r in doc["trials"] if r["status"] == "completed"]
     assert completed and all(r["steps"] == 8 for r in completed)
+    # The driver prints each trial's own progress lines; the completed ones reach step 8.
+    seen: dict[str, int] = {}
+    for m in re.finditer(r"^raylora: (trial_\S+) step (\d+)/8 \(\d+%\) epoch \d+ loss ", printed,
+                         re.M):
+        seen[m[1]] = max(seen.get(m[1], 0), int(m[2]))
+    assert set(seen) == {f"trial_{r['trial_id']}" for r in doc["trials"]}
+    assert all(seen[f"trial_{r['trial_id']}"] == 8 for r in completed)
     # Diverged (a NaN/inf held-out loss) or simply worse than every finished trial.
     assert bad["diverged"] or all(bad["final_eval_loss"] > r["final_eval_loss"] for r in completed)
     assert not any(r["diverged"] for r in completed)

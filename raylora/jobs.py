@@ -140,11 +140,15 @@ def last_progress(info) -> dict | None:
 
 def status(job: str, address: str | None = None) -> tuple[str, str | None]:
     """(job state, the run's last progress line or None). A search has no one line (its
-    trials run side by side, each its own run): it says where each trial's lines are."""
+    trials run side by side, each its own run): each trial's latest line, one per line,
+    after a line saying where all of them and Tune's trial table are."""
     info = client(address).get_job_info(job)
     if (info.metadata or {}).get(COMMAND) == "tune":
-        return str(info.status.value), (f"a search (raylora tune): each trial's progress lines "
-                                         f"and Tune's trial table are in `raylora logs {job}`")
+        trials = ((last_progress(info) or {}).get("trials") or {})
+        lines = [f"a search (raylora tune): each trial's progress lines and Tune's trial table "
+                 f"are in `raylora logs {job}`"]
+        lines += [r["line"].removeprefix("raylora: ") for _, r in sorted(trials.items())]
+        return str(info.status.value), "\nraylora: ".join(lines)
     row = last_progress(info)
     line = row["line"].removeprefix("raylora: ") if row else None
     return str(info.status.value), line

@@ -228,7 +228,8 @@ class ProgressPrinter:
         if self.sink is not None:
             try:
                 self.sink({"step": stats.step, "total": stats.total, "loss": stats.loss,
-                           "eta_s": stats.eta_s(), "line": track.line(), "time": time.time()})
+                           "eta_s": stats.eta_s(), "line": track.line(), "time": time.time(),
+                           "label": track.label})
             except Exception as exc:  # a storage hiccup must not stop the progress line
                 print(f"raylora: progress.json not written: {exc}", file=sys.stderr)
 
@@ -302,3 +303,16 @@ def write_progress(store, output_uri: str):
 
     uri = storage.join(output_uri, PROGRESS_FILE)
     return lambda row: store.write_bytes(uri, json.dumps(row).encode())
+
+
+def write_search_progress(store, output_uri: str):
+    """A ``sink`` for a search's ``watch``: every trial's latest line, as
+    ``{output_uri}/progress.json`` ``{"trials": {label: row}}`` (replaced)."""
+    latest: dict[str, dict] = {}
+    write = write_progress(store, output_uri)
+
+    def sink(row: dict) -> None:
+        latest[row["label"]] = row
+        write({"trials": latest})
+
+    return sink

@@ -187,8 +187,10 @@ def run_tune(cfg: RayLoraConfig) -> dict:
         # A line per trial every train.log_every_n_steps steps or log_every_n_seconds
         # (Tune's own table shows only what trials report, at evaluations).
         t = cfg.train
+        # Each trial's latest line is also kept for `raylora status` (progress.json).
+        sink = progress.write_search_progress(cfg.storage.client(), out)
         with progress.watch(base_plan.max_steps, t.log_every_n_steps, t.log_every_n_seconds,
-                            labelled=True) as board:
+                            sink=sink, labelled=True) as board:
             grid = _tuner(cfg, base_plan, out, concurrency, resume=r.resume, board=board).fit()
         # Raises when too much of what was read was bad; the counts are the whole search's.
         bad = check_bad_records(cfg, base_plan)

@@ -166,8 +166,9 @@ def test_a_search_config_is_submitted_as_a_search(head, tiny_model, demo_data, t
     # Status then shows each trial's last line (the search's progress.json) under the pointer.
     assert main(["status", "rl-tune"]) == 0
     shown = capsys.readouterr().out.splitlines()
-    assert shown[:2] == ["raylora: job rl-tune SUCCEEDED", "raylora: a search (raylora tune): each "
-                         "trial's progress lines and Tune's trial table are in `raylora logs rl-tune`"]
+    assert shown[:2] == ["raylora: job rl-tune SUCCEEDED",
+                         "raylora: a search (raylora tune): each trial's progress lines and "
+                         "Tune's trial table are in `raylora logs rl-tune`"]
     assert [re.match(r"raylora: (trial_\S+) step (\d+)/4 ", x)[2] for x in shown[2:]] == ["4", "4"]
     doc = json.loads((out / "tune" / "results.json").read_text())
     assert sorted(r["train.learning_rate"] for r in doc["trials"]) == [5e-4, 1e-3]

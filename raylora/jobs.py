@@ -144,7 +144,7 @@ def status(job: str, address: str | None = None) -> tuple[str, str | None]:
     after a line saying where all of them and Tune's trial table are."""
     info = client(address).get_job_info(job)
     if (info.metadata or {}).get(COMMAND) == "tune":
-        trials = ((last_progress(info) or {}).get("trials") or {})
+        trials = (last_progress(info) or {}).get("trials") or {}
         lines = [f"a search (raylora tune): each trial's progress lines and Tune's trial table "
                  f"are in `raylora logs {job}`"]
         lines += [r["line"].removeprefix("raylora: ") for _, r in sorted(trials.items())]

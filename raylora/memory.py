@@ -180,15 +180,17 @@ def meta_components(model_path: str, dtype: torch.dtype):
     index = read_index(model_path)
     family = families.detect(index, f"model.pretrained: {model_path}")
     scheduler = dict(import_class(*index["scheduler"][:2]).load_config(model_path, subfolder="scheduler"))
-    vae = family.adapt_component("vae", meta_component(model_path, index, "vae", dtype))
+
+    def component(name: str) -> nn.Module:  # as load_components has it: adapted by the family
+        return family.adapt_component(name, meta_component(model_path, index, name, dtype))
+
+    vae = component("vae")
     if dtype == torch.float16 and vae.config.get("force_upcast", False):
         vae.to(torch.float32)  # as raylora.model.load.load_vae
-    text = [family.adapt_component(t.encoder, meta_component(model_path, index, t.encoder, dtype))
-            for t in family.text]
+    text = [component(t.encoder) for t in family.text]
     tokenizers = [SimpleNamespace(model_max_length=_tokenizer_max(model_path, t.tokenizer))
                   for t in family.text]
-    denoiser = family.adapt_component(family.denoiser,
-                                      meta_component(model_path, index, family.denoiser, dtype))
+    denoiser = component(family.denoiser)
     shift, scale = family.latent_stats(dict(vae.config))
     return Components(family, tokenizers, text, vae, denoiser, scheduler, shift, scale)
 

@@ -103,9 +103,11 @@ class Stats:
         return (f"epoch {self.epoch} loss {loss} lr {self.lr:.3g} {ips} img/s "
                 f"ETA {'?' if eta is None else _eta(eta)}")
 
-    def line(self) -> str:
+    def line(self, label: str | None = None) -> str:
+        """``label``: a search's trial, named before the step."""
         pct = 100 * self.step // max(self.total, 1)
-        return f"raylora: step {self.step}/{self.total} ({pct}%) {self.fields()}"
+        who = f"{label} " if label else ""
+        return f"raylora: {who}step {self.step}/{self.total} ({pct}%) {self.fields()}"
 
 
 @dataclass
@@ -119,10 +121,7 @@ class _Track:
     printed_t: float | None = None
 
     def line(self) -> str:
-        line = self.stats.line()
-        if self.label is None:
-            return line
-        return line.replace("raylora: ", f"raylora: {self.label} ", 1)
+        return self.stats.line(self.label)
 
 
 class ProgressPrinter:

@@ -355,8 +355,6 @@ def test_caption_dropout_trains_on_the_unconditional_prompt_the_family_samples_w
     """A dropped caption is the prompt raylora's previews and model card give guidance's
     unconditional branch: " " for Qwen-Image (its negative prompt; None would turn its
     guidance off), the pipelines' default "" for the rest."""
-    import io
-
     import numpy as np
     from PIL import Image
 
@@ -369,13 +367,13 @@ def test_caption_dropout_trains_on_the_unconditional_prompt_the_family_samples_w
     negative = fam.guidance_kwargs(fam.default_guidance_scale).get("negative_prompt", [""])[0]
     assert fam.empty_caption == negative == (" " if family == "qwenimage" else "")
 
-    buf = io.BytesIO()
-    Image.new("RGB", (32, 32), (200, 10, 10)).save(buf, "PNG")
-    n = 40
+    from test_bad_data import png
+
+    n, image = 40, png(Image.new("RGB", (32, 32), (200, 10, 10)))
     data = DataSection(uri="/d", resolution=32, center_crop=True, caption_dropout=0.5)
     stage = Preprocess(StageSpec(**stage_kwargs("train", data, model_path=model, family=family,
                                                 storage=Storage(), max_sequence_length=32)))
-    out = stage({"image": np.array([buf.getvalue()] * n, dtype=object),
+    out = stage({"image": np.array([image] * n, dtype=object),
                  "text": np.array(["a red square"] * n, dtype=object)})
     key = fam.text[-1].ids_key
     spec = [s for s in load_specs(model, family, Storage(), 32) if s.ids_key == key][0]

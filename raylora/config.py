@@ -72,9 +72,9 @@ class ModelSection(_Section):
     max_sequence_length: int | None = Field(
         None, gt=0, le=4096,
         description="Tokens per caption for the long-context text encoder (T5 of Flux/SD3, "
-        "Qwen-Image's, Z-Image's and Flux.2 [klein]'s LLMs). Default: the pipeline's (Flux.1-dev "
-        "512, schnell use 256; SD3 256; Qwen-Image 512; Z-Image and Flux.2 [klein] 512, the chat "
-        "template included).",
+        "Qwen-Image's, Z-Image's and Flux.2 [klein]'s LLMs, Wan's UMT5). Default: the pipeline's "
+        "(Flux.1-dev 512, schnell use 256; SD3 256; Qwen-Image 512; Z-Image and Flux.2 [klein] "
+        "512, the chat template included; Wan 512).",
     )
 
     @field_validator("family")
@@ -254,7 +254,7 @@ class DataSection(_Section):
     bucket_step: int = Field(
         64, gt=0, description="data.bucketing: bucket sides are multiples of this (pixels); "
         "a multiple of the model's latent grid (8 for SD/SDXL, 16 for Flux/SD3/Qwen-Image/Z-Image/"
-        "Flux.2 [klein]).",
+        "Flux.2 [klein]/Wan 2.1, 32 for Wan 2.2 TI2V-5B).",
     )
     center_crop: bool = Field(False, description="Center crop (True) or random crop (False).")
     random_flip: bool = Field(False, description="Random horizontal flip with p=0.5.")
@@ -435,7 +435,7 @@ class LoraSection(_Section):
     target_modules: list[str] | None = Field(
         None,
         description="Denoiser module names that get LoRA layers. Default: the family's (SD/"
-        "SDXL/Qwen-Image/Z-Image: attention projections; Flux, SD3: attention projections of both "
+        "SDXL/Qwen-Image/Z-Image/Wan: attention projections; Flux, SD3: attention projections of both "
         "streams (and Flux's feed-forwards); Flux.2 [klein]: attention and the single blocks' "
         "fused input and output projections; as diffusers' LoRA scripts).",
     )
@@ -464,8 +464,8 @@ class LoraSection(_Section):
 
 
 class FlowSection(_Section):
-    """Rectified-flow training (the objective of Flux, SD3, Qwen-Image, Z-Image and Flux.2
-    [klein]): how σ is drawn, shifted and weighted. Names and defaults as in diffusers' and
+    """Rectified-flow training (the objective of Flux, SD3, Qwen-Image, Z-Image, Flux.2
+    [klein] and Wan): how σ is drawn, shifted and weighted. Names and defaults as in diffusers' and
     SimpleTuner's scripts."""
 
     timestep_sampling: Literal["uniform", "logit_normal", "mode", "cosmap"] = Field(
@@ -587,11 +587,11 @@ class TrainSection(_Section):
     prediction_type: Literal["epsilon", "v_prediction", "flow_matching"] | None = Field(
         None, description="The objective. Default: the model's scheduler config (flow "
         "matching for FlowMatch* schedulers: Flux, SD3, Qwen-Image, Z-Image, Flux.2 [klein]; "
-        "else its prediction_type).",
+        "and for a flow_prediction solver: Wan's UniPC; else its prediction_type).",
     )
     flow: FlowSection = Field(default_factory=lambda: FlowSection(),
                               description="Flow-matching settings (Flux, SD3, Qwen-Image, Z-Image, "
-                              "Flux.2 [klein]).")
+                              "Flux.2 [klein], Wan).")
     optimizer: Literal[OPTIMIZERS] = Field(  # type: ignore[valid-type]
         "adamw",
         description="adamw: torch AdamW. adamw8bit: bitsandbytes 8-bit AdamW (state ~2 "

@@ -114,9 +114,9 @@ def read_index(model_path: str) -> dict:
 
 
 def _keep_fp32(model: nn.Module, dtype: torch.dtype) -> None:
-    """The modules ``from_pretrained(torch_dtype=dtype)`` leaves in fp32: transformers'
+    """The modules transformers' ``from_pretrained(torch_dtype=dtype)`` leaves in fp32:
     ``_keep_in_fp32_modules`` under fp16 (T5's ``wo``) and ``_keep_in_fp32_modules_strict``
-    under fp16/bf16; diffusers' ``_keep_in_fp32_modules`` under fp16."""
+    under fp16/bf16."""
     names = set()
     if dtype == torch.float16:
         names |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
@@ -127,6 +127,34 @@ def _keep_fp32(model: nn.Module, dtype: torch.dtype) -> None:
     for name, module in model.named_modules():
         if names & set(name.split(".")):
             module.to(torch.float32)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def _cast_state(model: nn.Module, dtype: torch.dtype, keep: tuple[str, ...]) -> None:
+    """Cast the floating tensors of ``model``'s state dict (parameters, persistent buffers)
+    to ``dtype``, or fp32 where a name part is in ``keep``, as diffusers' loader does."""
+    for prefix, module in model.named_modules():
+        tensors = [(n, p, True) for n, p in module._parameters.items() if p is not None]
+        tensors += [(n, b, False) for n, b in module._buffers.items()
+                    if b is not None and n not in module._non_persistent_buffers_set]
+        for name, t, is_param in tensors:
+            if not t.is_floating_point():
+                continue
+            parts = f"{prefix}.{name}".split(".") if prefix else [name]
+            want = torch.float32 if any(k in parts for k in keep) else dtype
+            if is_param:
+                module._parameters[name] = nn.Parameter(t.to(want), requires_grad=t.requires_grad)
+            else:
+                module._buffers[name] = t.to(want)
 
 
 def meta_component(model_path: str, index: dict, component: str, dtype: torch.dtype,
@@ -144,9 +172,13 @@ def meta_component(model_path: str, index: dict, component: str, dtype: torch.dt
     empty = init_empty_weights(include_buffers=False) if real_buffers else torch.device("meta")
     if library == "diffusers":
         config = klass.load_config(model_path, subfolder=component, revision=revision)
-        with empty:
+        # As diffusers' from_pretrained: built under the dtype (buffers a module computes in
+        # fp32 on purpose, Wan's rope, stay fp32), then the state dict's tensors cast to it,
+        # except those of _keep_in_fp32_modules (Wan's norms and time embedder: fp32 under
+        # any dtype).
+        with empty, _default_dtype(dtype):
             model = klass.from_config(config)
-        model.to(dtype)  # diffusers' from_pretrained casts parameters and buffers
+        _cast_state(model, dtype, tuple(klass._keep_in_fp32_modules or ()))
     else:
         from transformers import AutoConfig
 

@@ -135,7 +135,7 @@ def _previewer(spec: WorkerSpec, run, tracker, rank: int):
                 model_path, run.family, model, run.parts.vae, run.parts.text_encoders,
                 dtype=run.parts.weight_dtype, device=acc.device,
             )
-            images = pv.render(pipe, v.prompts, v.seed, v.num_inference_steps, guidance,
+            images = pv.render(pipe, run.family, v.prompts, v.seed, v.num_inference_steps, guidance,
                                cfg.data.max_resolution(), autocast=acc.autocast)
             del pipe
             pv.free_memory()

@@ -64,9 +64,9 @@ model, adapter, pipeline, extra = sys.argv[1], sys.argv[2], sys.argv[3], json.lo
 pipe = getattr(diffusers, pipeline).from_pretrained(model)
 pipe.set_progress_bar_config(disable=True)
 def render():
-    return pipe(prompt="a red circle on a blue background", num_inference_steps=2, height=64,
-                width=64, generator=torch.Generator().manual_seed(0), output_type="pt",
-                **extra).images
+    out = pipe(prompt="a red circle on a blue background", num_inference_steps=2, height=64,
+               width=64, generator=torch.Generator().manual_seed(0), output_type="pt", **extra)
+    return out.frames if hasattr(out, "frames") else out.images  # a video pipeline's frames
 with torch.no_grad():
     before = render()
     pipe.load_lora_weights(adapter)
@@ -93,6 +93,7 @@ PIPELINES = {
     "qwenimage": ("QwenImagePipeline", {"max_sequence_length": 32}),
     "zimage": ("ZImagePipeline", {"max_sequence_length": 32}),
     "flux2klein": ("Flux2KleinPipeline", {"max_sequence_length": 32}),
+    "wan": ("WanPipeline", {"max_sequence_length": 32, "num_frames": 1}),
 }
 
 
@@ -136,7 +137,9 @@ def stock_image_change(family: str, model: str, adapter, check_pipe=None) -> flo
 
     def image():
         g = torch.Generator().manual_seed(0)
-        return pipe(prompt="a red circle", generator=g, **kw).images[0]
+        out = pipe(prompt="a red circle", generator=g, **kw)
+        # a video pipeline (Wan): the first frame of the first video
+        return out.frames[0][0] if hasattr(out, "frames") else out.images[0]
 
     base = image()
     pipe.load_lora_weights(str(adapter))

@@ -19,6 +19,7 @@ from raylora.train.objective import (
     flow_loss_weights,
     flow_shift_from_scheduler,
     sample_density,
+    scheduler_objective_kind,
     shift_sigmas,
 )
 
@@ -48,12 +49,37 @@ def test_flux_folder_is_never_sdxl(tiny):
 
 def test_unknown_pipeline_is_named_with_the_supported_ones():
     with pytest.raises(ValueError) as exc:
-        families.detect({"_class_name": "WanPipeline"})
+        families.detect({"_class_name": "CogView4Pipeline"})
     msg = str(exc.value)
-    assert "WanPipeline" in msg
+    assert "CogView4Pipeline" in msg
     for name, cls in [("flux", "FluxPipeline"), ("sd3", "StableDiffusion3Pipeline"),
-                      ("qwenimage", "QwenImagePipeline"), ("sdxl", "StableDiffusionXLPipeline")]:
+                      ("qwenimage", "QwenImagePipeline"), ("sdxl", "StableDiffusionXLPipeline"),
+                      ("wan", "WanPipeline")]:
         assert f"{name}: {cls}" in msg
+
+
+def test_a_wan_pipeline_with_two_experts_is_refused_before_anything_is_loaded(tiny, tmp_path):
+    """Wan 2.2 A14B samples with ``transformer`` above ``boundary_ratio`` and
+    ``transformer_2`` below it; raylora trains one denoiser, so such a folder is refused by
+    the check every run makes before its workers start, naming the folder and the key."""
+    import shutil
+
+    from raylora.model.load import check_model
+    from raylora.storage import Storage
+
+    one = tiny("wan")
+    assert check_model(one, Storage())["family"].name == "wan"  # 2.1: transformer_2 [null, null]
+    two = tmp_path / "wan22-a14b"
+    shutil.copytree(one, two)
+    shutil.copytree(two / "transformer", two / "transformer_2")
+    index = json.loads((two / "model_index.json").read_text())
+    assert index["transformer_2"] == [None, None]
+    index.update(transformer_2=["diffusers", "WanTransformer3DModel"], boundary_ratio=0.875)
+    (two / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"model.pretrained: .*wan22-a14b: a Wan 2.2 pipeline "
+                                         r"with two experts \(transformer_2 below boundary_ratio "
+                                         r"0.875\)"):
+        check_model(str(two), Storage())
 
 
 def test_family_config_checks_name_the_key(tiny, demo_data, tmp_path):
@@ -91,7 +117,7 @@ def test_family_config_checks_name_the_key(tiny, demo_data, tmp_path):
     with pytest.raises(ConfigError, match="train.sdpa_backend: flash picks an SDPA kernel; model.attention=eager"):
         plan(sd_eager)
     with pytest.raises(ValueError, match="model.family"):
-        validate({"model": {"pretrained": "x", "family": "wan"}, "data": {"uri": "d"}, "output": {"uri": "o"}})
+        validate({"model": {"pretrained": "x", "family": "cogview4"}, "data": {"uri": "d"}, "output": {"uri": "o"}})
 
 
 # ---------------------------------------------------------------- flow-matching sampler
@@ -141,6 +167,14 @@ def test_static_and_dynamic_shift():
     shift, dyn = flow_shift_from_scheduler({"use_dynamic_shifting": True, "base_shift": 0.5,
                                             "max_shift": 0.9, "max_image_seq_len": 8192})
     assert shift == 1.0 and dyn == DynamicShift(0.5, 0.9, 256, 8192)
+    # Wan ships UniPC sampling flow sigmas with a static flow_shift: flow matching, shifted
+    wan = {"_class_name": "UniPCMultistepScheduler", "prediction_type": "flow_prediction",
+           "use_flow_sigmas": True, "flow_shift": 5.0}
+    assert scheduler_objective_kind(wan) == "flow_matching"
+    assert flow_shift_from_scheduler(wan) == (5.0, None)
+    # the same solver on a DDPM model (its default ε) is not
+    assert scheduler_objective_kind({"_class_name": "UniPCMultistepScheduler"}) == "epsilon"
+    assert flow_shift_from_scheduler({"_class_name": "UniPCMultistepScheduler"}) == (1.0, None)
 
 
 def test_flow_forward_process_target_and_weights():
@@ -223,11 +257,13 @@ def test_guidance_kwargs_are_arguments_of_the_stock_pipeline_call(family):
         card = _usage(validate({"model": {"pretrained": "some/model"}, "data": {"uri": "d"},
                                 "output": {"uri": "o"}, "validation": {"guidance_scale": scale}}), fam)
         line = next(x for x in card.splitlines() if x.startswith("image = pipe("))
-        call = ast.parse(line).body[0].value.value.value  # pipe(...) in pipe(...).images[0]
+        # pipe(...) in pipe(...).images[0] (a video pipeline's pipe(...).frames[0][0])
+        call = next(n for n in ast.walk(ast.parse(line)) if isinstance(n, ast.Call))
         kw = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
         # the prompt by name: Flux2KleinPipeline's first positional parameter is an image
         assert not call.args and kw.pop("prompt") == "your prompt" and "prompt" in params
-        assert kw == fam.guidance_kwargs(scale)
+        assert kw == {**fam.guidance_kwargs(scale), **fam.image_call()} and set(kw) <= set(params)
+        assert line.endswith(")" + fam.image_code())
 
 
 def test_qwenimage_guidance_kwargs_run_a_second_transformer_pass_per_step(tiny):
@@ -248,7 +284,7 @@ def test_qwenimage_guidance_kwargs_run_a_second_transformer_pass_per_step(tiny):
 
     def passes(guidance: dict):
         rows.clear()
-        image = pv.render(pipe, ["a red circle"], 0, steps, guidance, 32)[0]
+        image = pv.render(pipe, fam, ["a red circle"], 0, steps, guidance, 32)[0]
         return list(rows), np.asarray(image, dtype=np.float32)
 
     guided, img_guided = passes(fam.guidance_kwargs())
@@ -286,6 +322,9 @@ def _pipeline_conditioning(family: str, pipe, captions: list[str]) -> dict:
         e, _ = pipe.encode_prompt(captions, **kw)
         return {"prompt_embeds": e}
     if family == "zimage":  # each caption's own tokens, at its own length
+        e, _ = pipe.encode_prompt(captions, do_classifier_free_guidance=False, **kw)
+        return {"prompt_embeds": e}
+    if family == "wan":  # UMT5's last hidden state, zero past each caption
         e, _ = pipe.encode_prompt(captions, do_classifier_free_guidance=False, **kw)
         return {"prompt_embeds": e}
     raise AssertionError(f"no stock conditioning call for {family}: add one here")
@@ -404,7 +443,6 @@ def test_training_calls_the_denoiser_as_the_stock_pipeline_does(tiny, family):
     are put back into that layout through the same map."""
     import diffusers
 
-    from raylora.train.objective import scheduler_objective_kind
     from stock import PIPELINES
 
     model = tiny(family)
@@ -454,8 +492,11 @@ def test_training_calls_the_denoiser_as_the_stock_pipeline_does(tiny, family):
         for i, call in enumerate(theirs):
             x = torch.empty(n)
             x[where] = _flat(call["x"]).float()
-            # the objective's step: flow σ of the pipeline's schedule, else its integer step
+            # the objective's step: flow σ of the pipeline's schedule, else its integer step;
+            # UniPC over flow sigmas (Wan) passes σ·1000 floored to an integer step: its σ
             t = pipe.scheduler.sigmas[i].reshape(1) if flow else call["t"].reshape(1)
+            if flow and not call["t"].is_floating_point():
+                t = call["t"].reshape(1).float() / 1000
             del seen[:]
             fam.denoise(net, x.view(shape), t, cond, guidance=scale)
             ours = seen[0]

@@ -45,13 +45,13 @@ def test_tiny_tokenizer_is_clip_shaped(tiny_model):
 
 
 # ---------------------------------------------------------------------------------------
-# Flow-matching families: flux, sd3, qwenimage, zimage, flux2klein. Each is built once for the
-# module.
+# Flow-matching families: flux, sd3, qwenimage, zimage, flux2klein, wan. Each is built once
+# for the module.
 
-NEW_FAMILIES = ("flux", "sd3", "qwenimage", "zimage", "flux2klein")
+NEW_FAMILIES = ("flux", "sd3", "qwenimage", "zimage", "flux2klein", "wan")
 PIPELINE_CLASS = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline",
                   "qwenimage": "QwenImagePipeline", "zimage": "ZImagePipeline",
-                  "flux2klein": "Flux2KleinPipeline"}
+                  "flux2klein": "Flux2KleinPipeline", "wan": "WanPipeline"}
 TOKENIZERS = {
     "flux": {"tokenizer": "CLIPTokenizer", "tokenizer_2": "T5Tokenizer"},
     "sd3": {"tokenizer": "CLIPTokenizer", "tokenizer_2": "CLIPTokenizer",
@@ -59,11 +59,13 @@ TOKENIZERS = {
     "qwenimage": {"tokenizer": "Qwen2Tokenizer"},
     "zimage": {"tokenizer": "Qwen2Tokenizer"},
     "flux2klein": {"tokenizer": "Qwen2Tokenizer"},
+    "wan": {"tokenizer": "T5Tokenizer"},
 }
-# 64 px through a factor-2 VAE with 16 channels (Qwen-Image's VAE is a video VAE: frames
-# axis; the tiny Flux.2 VAE has 8, patchified to 32 by the pipeline)
+# 64 px through a factor-2 VAE with 16 channels (Qwen-Image's and Wan's VAEs are video VAEs:
+# frames axis; the tiny Flux.2 VAE has 8, patchified to 32 by the pipeline)
 LATENT_SHAPE = {"flux": (1, 16, 32, 32), "sd3": (1, 16, 32, 32), "qwenimage": (1, 16, 1, 32, 32),
-                "zimage": (1, 16, 32, 32), "flux2klein": (1, 8, 32, 32)}
+                "zimage": (1, 16, 32, 32), "flux2klein": (1, 8, 32, 32), "wan": (1, 16, 1, 32, 32)}
+VIDEO = ("qwenimage", "wan")  # a frames axis in the VAE's input and latents
 CAPTIONS = ["a red circle", "a small blue square on the green grass"]  # different lengths
 
 
@@ -91,9 +93,11 @@ def test_model_index_names_the_pipeline_and_its_components(family_model, family_
         assert index[sub] == ["transformers", cls]
     denoiser = {"flux": "FluxTransformer2DModel", "sd3": "SD3Transformer2DModel",
                 "qwenimage": "QwenImageTransformer2DModel", "zimage": "ZImageTransformer2DModel",
-                "flux2klein": "Flux2Transformer2DModel"}[fam]
+                "flux2klein": "Flux2Transformer2DModel", "wan": "WanTransformer3DModel"}[fam]
     assert index["transformer"] == ["diffusers", denoiser]
-    assert index["scheduler"] == ["diffusers", "FlowMatchEulerDiscreteScheduler"]
+    # Wan's checkpoints ship UniPC over flow sigmas
+    scheduler = "UniPCMultistepScheduler" if fam == "wan" else "FlowMatchEulerDiscreteScheduler"
+    assert index["scheduler"] == ["diffusers", scheduler]
 
 
 def test_two_step_inference_at_64px(family_pipe):
@@ -101,9 +105,15 @@ def test_two_step_inference_at_64px(family_pipe):
     kw = {"max_sequence_length": 32}
     if fam == "qwenimage":
         kw["true_cfg_scale"] = 1.0  # no negative prompt: plain conditional sampling
+    if fam == "wan":
+        kw["num_frames"] = 1  # a video pipeline: one frame is an image
     # a copy: ZImagePipeline writes the templated text into the list it is given
     out = pipe(prompt=list(CAPTIONS), num_inference_steps=2, height=64, width=64, output_type="np",
-               generator=torch.Generator().manual_seed(0), **kw).images
+               generator=torch.Generator().manual_seed(0), **kw)
+    if fam == "wan":
+        assert out.frames.shape == (2, 1, 64, 64, 3)  # (videos, frames, H, W, RGB)
+        out.images = out.frames[:, 0]
+    out = out.images
     assert out.shape == (2, 64, 64, 3)
     assert np.isfinite(out).all() and out.min() >= 0.0 and out.max() <= 1.0
     assert out.std() > 0.01  # random weights still give an image, not a constant
@@ -236,6 +246,14 @@ def test_encode_prompt_shapes(family_pipe):
             # one (L_i, 32) per caption: its own tokens in Qwen3's chat template, no padding
             n = [len(pipe.tokenizer(zimage.TEMPLATE.format(c)).input_ids) for c in CAPTIONS]
             assert [tuple(e.shape) for e in embeds] == [(k, 32) for k in n] and n[0] < n[1]
+        elif fam == "wan":
+            embeds, _ = pipe.encode_prompt(CAPTIONS, do_classifier_free_guidance=False,
+                                           max_sequence_length=32)
+            # UMT5's last hidden state at 32 positions, zero past each caption's tokens (</s>
+            # included), the transformer takes no mask
+            n = [len(pipe.tokenizer(c).input_ids) for c in CAPTIONS]
+            assert embeds.shape == (2, 32, 64) and n[0] < n[1]
+            assert all(not e[k:].any() and e[:k].abs().amin(1).gt(0).all() for e, k in zip(embeds, n))
         else:
             embeds, mask = pipe.encode_prompt(CAPTIONS)
             # caption tokens + the 5 template tokens after it (<|im_end|> \n <|im_start|>
@@ -287,6 +305,14 @@ def test_component_configs_are_consistent(family_model):
         assert sum(tr["axes_dims"]) == tr["dim"] // tr["n_heads"]
         assert (vae["scaling_factor"], vae["shift_factor"]) == (0.3611, 0.1159)  # Flux.1's VAE
         assert sch["shift"] == 3.0 and sch["use_dynamic_shifting"] is False
+    elif fam == "wan":
+        te = cfg("text_encoder")
+        assert te["model_type"] == "umt5" and tr["text_dim"] == te["d_model"] == 64
+        assert tr["in_channels"] == tr["out_channels"] == vae["z_dim"] == 16
+        assert tr["patch_size"] == [1, 2, 2]
+        assert vae["latents_std"][0] == 2.8184 and vae["scale_factor_spatial"] == 2
+        assert (sch["prediction_type"], sch["use_flow_sigmas"], sch["flow_shift"]) == \
+            ("flow_prediction", True, 3.0)
     else:
         te = cfg("text_encoder")
         assert tr["joint_attention_dim"] == te["text_config"]["hidden_size"] == 32
@@ -298,15 +324,16 @@ def test_component_configs_are_consistent(family_model):
         assert (sch["base_shift"], sch["max_shift"], sch["shift_terminal"]) == (0.5, 0.9, 0.02)
         assert (sch["base_image_seq_len"], sch["max_image_seq_len"]) == (256, 8192)
         assert sch["time_shift_type"] == "exponential"
-    if fam not in ("qwenimage", "flux2klein"):  # AutoencoderKLFlux2 keeps its quant convs
+    if fam not in ("qwenimage", "flux2klein", "wan"):  # AutoencoderKLFlux2 keeps its quant convs
         assert vae["use_quant_conv"] is False and vae["use_post_quant_conv"] is False
 
 
 def test_latents_of_a_64px_image(family_pipe):
     fam, pipe = family_pipe
-    assert pipe.vae_scale_factor == 2
+    # WanPipeline names it for the spatial axes (a temporal one too)
+    assert getattr(pipe, "vae_scale_factor_spatial" if fam == "wan" else "vae_scale_factor") == 2
     pixels = torch.rand(1, 3, 64, 64) * 2 - 1
-    if fam == "qwenimage":
+    if fam in VIDEO:
         pixels = pixels.unsqueeze(2)  # [B, C, frames=1, H, W]
     with torch.no_grad():
         z = pipe.vae.encode(pixels).latent_dist.mode()
@@ -370,6 +397,10 @@ def test_transformer_trains_at_64px_and_is_cpu_sized(family_pipe):
         x = torch.randn(b, 16, 1, 32, 32, generator=g)
         out = torch.stack(tr(list(x), torch.rand(b), [torch.randn(7, 32), torch.randn(12, 32)],
                              return_dict=False)[0])
+    elif fam == "wan":  # [B, C, frames, h, w], the timestep as σ·1000
+        x = torch.randn(b, 16, 1, 32, 32, generator=g)
+        out = tr(hidden_states=x, timestep=torch.rand(b) * 1000,
+                 encoder_hidden_states=torch.randn(b, 32, 64), return_dict=False)[0]
     else:
         x = torch.randn(b, 256, 64, generator=g)
         mask = torch.ones(b, 12, dtype=torch.long)

@@ -118,7 +118,8 @@ def _usage(cfg: RayLoraConfig, family) -> str:
     args = "".join(f", {k}={v!r}" for k, v in
                    family.guidance_kwargs(cfg.validation.guidance_scale).items())
     # prompt by name: Flux2KleinPipeline's first parameter is a reference image.
-    call = f'image = pipe(prompt="your prompt"{args}).images[0]'
+    args += "".join(f", {k}={v!r}" for k, v in family.image_call().items())
+    call = f'image = pipe(prompt="your prompt"{args}){family.image_code()}'
     if cfg.lora.variant in ("lora", "dora"):
         return (f"```python\nfrom diffusers import {family.pipeline}\n{pipe}\n"
                 f'pipe.load_lora_weights("path/to/this/folder")\n{call}\n```')

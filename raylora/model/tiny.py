@@ -790,6 +790,52 @@ def build_tiny_flux2klein(dest: str | Path, seed: int = 0) -> Path:
     return dest
 
 
+# Wan2.1-T2V-1.3B's scheduler: UniPC over flow sigmas, shifted statically
+WAN_SCHEDULER = dict(num_train_timesteps=1000, prediction_type="flow_prediction",
+                     use_flow_sigmas=True, flow_shift=3.0)
+
+
+def build_tiny_wan(dest: str | Path, seed: int = 0) -> Path:
+    """Save a tiny random WanPipeline (Wan 2.1 text-to-video layout) to ``dest``; returns
+    the path.
+
+    * ``text_encoder``: UMT5EncoderModel, d_model 64, 2 layers (a position bias per layer,
+      UMT5's), over the tiny T5 tokenizer; the pipeline takes its last hidden state, zero
+      past each caption: ``prompt_embeds`` (B, max_sequence_length, 64).
+    * ``transformer``: WanTransformer3DModel, 2 blocks, 2 heads × 16, patch (1, 2, 2),
+      16 latent channels, text_dim 64.
+    * ``vae``: AutoencoderKLWan z_dim 16, base_dim 32, dim_mult (1, 2): one downsampling
+      (``scale_factor_spatial`` 2), Wan's per-channel latents_mean / latents_std. Latents
+      are 5-D: 64 px, one frame → (B, 16, 1, 32, 32).
+    * ``scheduler``: UniPC with ``flow_prediction`` and ``flow_shift`` 3.0 (``WAN_SCHEDULER``),
+      as the Wan checkpoints ship it.
+    """
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    dest = Path(dest)
+    torch.manual_seed(seed)
+    tokenizer = build_t5_tokenizer()
+    t5 = _t5_config(tokenizer).to_dict()
+    text_encoder = UMT5EncoderModel(UMT5Config(**{k: v for k, v in t5.items()
+                                                  if k in UMT5Config().to_dict()})).eval()
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16,
+        out_channels=16, text_dim=text_encoder.config.d_model, freq_dim=32, ffn_dim=64,
+        num_layers=2, rope_max_seq_len=256,
+    )
+    # Wan's VAE has dim_mult (1, 2, 4, 4) → factor 8; the real latents_mean/std defaults are
+    # kept, being the per-channel statistics the pipeline uses.
+    vae = AutoencoderKLWan(base_dim=32, z_dim=16, dim_mult=[1, 2], num_res_blocks=1,
+                           temperal_downsample=[False], scale_factor_spatial=2)
+    pipe = WanPipeline(
+        scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER), vae=vae, text_encoder=text_encoder,
+        tokenizer=tokenizer, transformer=transformer,
+    )
+    pipe.save_pretrained(dest)
+    return dest
+
+
 BUILDERS = {
     "sd": build_tiny_sd,
     "sdxl": build_tiny_sdxl,
@@ -798,6 +844,7 @@ BUILDERS = {
     "qwenimage": build_tiny_qwenimage,
     "zimage": build_tiny_zimage,
     "flux2klein": build_tiny_flux2klein,
+    "wan": build_tiny_wan,
 }
 FAMILIES = tuple(BUILDERS)
 

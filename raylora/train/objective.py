@@ -6,7 +6,7 @@ Two objectives, chosen by the model's scheduler config (``train.prediction_type`
 - ``DDPM``: integer steps t in [0, T), x_t = sqrt(ᾱ_t)·x₀ + sqrt(1−ᾱ_t)·ε, target ε or v;
   min-SNR-γ weighting and noise offset (SD 1.x/2.x, SDXL).
 - ``FlowMatching``: rectified flow, σ in (0, 1), x_σ = (1−σ)·x₀ + σ·ε, target ε − x₀
-  (Flux, SD3, Qwen-Image, Z-Image). σ is drawn from a density (uniform, logit-normal, mode,
+  (Flux, SD3, Qwen-Image, Z-Image, Wan). σ is drawn from a density (uniform, logit-normal, mode,
   cosmap) and shifted toward noise, statically (``shift``) or by image size (Flux's
   ``base_shift``/``max_shift``); the loss can be weighted by σ (``sigma_sqrt``, ``cosmap``).
 
@@ -195,15 +195,19 @@ class FlowMatching:
 
 def scheduler_objective_kind(scheduler_config: dict[str, Any]) -> str:
     """What the model was trained with, from its scheduler config: flow matching for the
-    FlowMatch* schedulers, else the config's ``prediction_type`` (ε by default)."""
+    FlowMatch* schedulers and for a multistep solver set to ``flow_prediction`` (Wan ships
+    UniPC that way), else the config's ``prediction_type`` (ε by default)."""
     if "FlowMatch" in str(scheduler_config.get("_class_name", "")):
+        return "flow_matching"
+    if scheduler_config.get("prediction_type") == "flow_prediction":
         return "flow_matching"
     return scheduler_config.get("prediction_type") or "epsilon"
 
 
 def flow_shift_from_scheduler(scheduler_config: dict[str, Any]) -> tuple[float, DynamicShift | None]:
     """The shift the model's own sampler applies: dynamic when ``use_dynamic_shifting``
-    (Flux, Qwen-Image), else the static ``shift`` (SD3: 3.0)."""
+    (Flux, Qwen-Image), else the static ``shift`` (SD3: 3.0), or a multistep solver's
+    ``flow_shift`` when it samples ``use_flow_sigmas`` (Wan's UniPC: 3.0 or 5.0)."""
     if scheduler_config.get("use_dynamic_shifting"):
         defaults = DynamicShift()
         return 1.0, DynamicShift(
@@ -212,4 +216,6 @@ def flow_shift_from_scheduler(scheduler_config: dict[str, Any]) -> tuple[float, 
             int(scheduler_config.get("base_image_seq_len", defaults.base_seq_len)),
             int(scheduler_config.get("max_image_seq_len", defaults.max_seq_len)),
         )
+    if "shift" not in scheduler_config and scheduler_config.get("use_flow_sigmas"):
+        return float(scheduler_config.get("flow_shift", 1.0)), None
     return float(scheduler_config.get("shift", 1.0)), None

@@ -52,11 +52,11 @@ def denoiser_of(pipe) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def render(pipe, prompts: list[str], seed: int, steps: int, guidance: dict,
+def render(pipe, family, prompts: list[str], seed: int, steps: int, guidance: dict,
            resolution: int, autocast=None) -> list[Image.Image]:
     """One image per prompt; image i uses generator seed ``seed + i`` on the CPU, so the
     same adapter gives the same picture on any device and at any step. ``guidance``: the
-    family's ``guidance_kwargs`` (one prompt per call), as its pipeline takes them."""
+    ``family``'s ``guidance_kwargs`` (one prompt per call), as its pipeline takes them."""
     model = denoiser_of(pipe)
     was_training = model.training
     model.eval()
@@ -66,10 +66,10 @@ def render(pipe, prompts: list[str], seed: int, steps: int, guidance: dict,
             with autocast() if autocast is not None else nullcontext():
                 out = pipe(  # prompt by name: Flux2KleinPipeline's first is an image
                     prompt=prompt, num_inference_steps=steps, **guidance,
-                    height=resolution, width=resolution,
+                    height=resolution, width=resolution, **family.image_call(),
                     generator=torch.Generator().manual_seed(seed + i),
                 )
-            images.append(out.images[0])
+            images.append(family.images_of(out)[0])
         return images
     finally:
         model.train(was_training)

@@ -123,6 +123,9 @@ class Family:
     # The prompt of classifier-free guidance's unconditional branch as raylora samples the
     # family (previews, the model card): what data.caption_dropout trains on.
     empty_caption: ClassVar[str] = ""
+    # A video pipeline trained and sampled as single frames (Wan): its call takes
+    # num_frames=1 and returns ``.frames`` (a list of frames per prompt) instead of ``.images``.
+    video: ClassVar[bool] = False
     # cuDNN's SDPA kernels: off for the DiTs. On an H100 (torch 2.11, CUDA 13) the Flux.1-dev
     # step failed in backward inside cuDNN's attention graph (illegal memory access;
     # bench/RESULTS.md 2026-11-23); flash / memory-efficient SDPA ran it at 38-40 % MFU.
@@ -177,12 +180,33 @@ class Family:
         return cls.lora_targets
 
     @classmethod
+    def check_index(cls, index: dict, where: str) -> None:
+        """Refuse, naming ``where``, a pipeline of this family's class whose layout raylora
+        does not train (Wan 2.2 A14B's second expert); called whenever a family is detected,
+        before anything is loaded."""
+
+    @classmethod
     def pipeline_class(cls):
         import diffusers
 
         return getattr(diffusers, cls.pipeline)
 
     # ---- sampling with the stock pipeline ---------------------------------------------
+
+    @classmethod
+    def image_call(cls) -> dict:
+        """Call arguments that make the stock pipeline give still images as PIL images."""
+        return {"num_frames": 1, "output_type": "pil"} if cls.video else {}
+
+    @classmethod
+    def images_of(cls, output) -> list:
+        """The images of a stock pipeline call made with ``image_call()``, one per prompt."""
+        return [frames[0] for frames in output.frames] if cls.video else list(output.images)
+
+    @classmethod
+    def image_code(cls) -> str:
+        """``images_of`` as Python source for a model card: what follows ``pipe(...)``."""
+        return ".frames[0][0]" if cls.video else ".images[0]"
 
     @classmethod
     def resolve_guidance(cls, scale: float | None) -> float:

@@ -1,0 +1,85 @@
+"""Wan 2.1 / 2.2 (text-to-video), trained and sampled as single frames, as ai-toolkit and
+musubi-tuner train its image LoRAs: a DiT over 3-D latents (a frame axis of 1 here, patch
+1×2×2) with flow matching, conditioned on UMT5-XXL's last hidden state over the caption,
+zero past each caption's own tokens (512 in all); the Wan VAE (a frame axis, per-channel
+latent mean/std). The checkpoints ship UniPC set to ``flow_prediction`` with a static
+``flow_shift``, which the objective reads as flow matching with that shift. The timestep
+is σ·1000.
+
+Wan 2.2 A14B (a high-noise and a low-noise expert, ``transformer_2`` below
+``boundary_ratio``) is refused: raylora trains one denoiser. Wan 2.2 TI2V-5B (one
+transformer, a 16× VAE) trains as 2.1 does; its per-token timesteps are all σ for a text
+prompt, the same conditioning as one timestep per sample."""
+
+from __future__ import annotations
+
+import torch
+
+from raylora.model.families.base import Cond, Family, TextInput
+
+
+class Wan(Family):
+    name = "wan"
+    class_names = ("WanPipeline",)
+    pipeline = "WanPipeline"
+    # 512: WanPipeline's max_sequence_length; UMT5's </s> included, as the pipeline's
+    text = (TextInput("text_encoder", "tokenizer", "input_ids", max_length=512,
+                      mask_key="attention_mask", long_context=True),)
+    lora_targets = ("to_k", "to_q", "to_v", "to_out.0")  # self- and cross-attention
+    repeated_blocks = ("WanTransformerBlock",)
+    patch = 2
+    default_guidance_scale = 5.0  # WanPipeline's
+    video = True
+    description = "Wan 2.1 / 2.2 (video DiT trained and sampled as single frames, UMT5-XXL)"
+
+    @classmethod
+    def check_index(cls, index: dict, where: str) -> None:
+        second = index.get("transformer_2") or [None]
+        if second[0] is not None:
+            raise ValueError(
+                f"{where}: a Wan 2.2 pipeline with two experts (transformer_2 below "
+                f"boundary_ratio {index.get('boundary_ratio')}); raylora trains one denoiser: "
+                "use a single-transformer Wan (2.1, or 2.2 TI2V-5B)"
+            )
+
+    @staticmethod
+    def latent_stats(vae_config):
+        # normalised = (z − mean) / std per channel, as the pipeline's decode undoes it
+        return list(vae_config["latents_mean"]), [1.0 / s for s in vae_config["latents_std"]]
+
+    @staticmethod
+    def vae_factor(vae_config):
+        # The pipeline reads scale_factor_spatial (16 for 2.2's patchifying VAE); configs
+        # saved before diffusers had the key are 2.1's, whose factor is its downsamplings'.
+        if vae_config.get("scale_factor_spatial"):
+            return int(vae_config["scale_factor_spatial"])
+        return 2 ** len(vae_config["temperal_downsample"]) * int(vae_config.get("patch_size") or 1)
+
+    @staticmethod
+    def encode_pixels(vae, pixels):
+        # A video VAE: one frame. [B, 3, 1, H, W] → [B, 2C, 1, h, w] → drop the frame axis.
+        return vae.encode(pixels.unsqueeze(2)).latent_dist.parameters.squeeze(2)
+
+    @classmethod
+    def encode_text(cls, encoders, batch) -> Cond:
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        # Padding is masked out of every attention, and UMT5's position bias is relative:
+        # encoding up to the longest caption gives the same rows for the caption tokens and
+        # saves encoding up to ~500 pads. The pipeline zeroes the rest; so does this.
+        n = int(mask.sum(1).max())
+        hidden = encoders[0](input_ids=ids[:, :n], attention_mask=mask[:, :n]).last_hidden_state
+        emb = hidden * mask[:, :n].unsqueeze(-1).to(hidden.dtype)
+        return Cond(prompt_embeds=torch.nn.functional.pad(emb, (0, 0, 0, ids.shape[1] - n)))
+
+    @classmethod
+    def model_timestep(cls, t):
+        return t * 1000
+
+    @classmethod
+    def denoise(cls, model, noisy, t, cond: Cond, **extra) -> torch.Tensor:
+        out = model(hidden_states=noisy.unsqueeze(2), timestep=cls.model_timestep(t).to(noisy.dtype),
+                    encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
+        return out.squeeze(2)
+
+
+FAMILY = Wan

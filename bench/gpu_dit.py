@@ -9,6 +9,7 @@ rank 16 on the family's default targets, cached latents and text embeddings (wha
     python bench/gpu_dit.py --models flux --batch-sizes 1 --modes none
     python bench/gpu_dit.py --models zimage       # Z-Image-Turbo's architecture (not in the default)
     python bench/gpu_dit.py --models klein4b      # Flux.2 [klein] 4B's (not in the default)
+    python bench/gpu_dit.py --models wan14b       # Wan 2.1 T2V-14B's, one frame (not in the default)
     python bench/gpu_dit.py --smoke               # toy widths on a CPU, checks the script
 
 FLOPs are counted once per (model, batch) with ``torch.utils.flop_counter`` over one eager
@@ -52,6 +53,11 @@ KLEIN_4B = dict(patch_size=1, in_channels=128, num_layers=5, num_single_layers=2
                 attention_head_dim=128, num_attention_heads=24, joint_attention_dim=7680,
                 timestep_guidance_channels=256, mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32),
                 rope_theta=2000, guidance_embeds=False)
+# Wan-AI/Wan2.1-T2V-14B-Diffusers transformer/config.json (WanTransformer3DModel's defaults):
+# 40 blocks of 40 heads × 128, UMT5-XXL's 4096-wide text
+WAN_14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128,
+               in_channels=16, out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824,
+               num_layers=40, cross_attn_norm=True, qk_norm="rms_norm_across_heads")
 # (family, transformer class, config, latent channels, text tokens, pooled width, the
 #  pipelines' scheduler config for the shift). Z-Image takes each caption unpadded: 256
 #  tokens stand for a long caption in its chat template.
@@ -70,6 +76,11 @@ MODELS = {
                 {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0,
                  "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15,
                  "base_image_seq_len": 256, "max_image_seq_len": 4096}),
+    # Wan's text is always the pipeline's 512 positions (zeros past the caption); its
+    # scheduler is UniPC over flow sigmas with a static flow_shift.
+    "wan14b": ("wan", "WanTransformer3DModel", WAN_14B, 16, 512, None,
+               {"_class_name": "UniPCMultistepScheduler", "prediction_type": "flow_prediction",
+                "use_flow_sigmas": True, "flow_shift": 3.0}),
 }
 PIXELS_PER_LATENT = {"klein4b": 16}  # the others: 8
 SMOKE = {"flux": dict(num_layers=1, num_single_layers=1, attention_head_dim=16,
@@ -82,7 +93,9 @@ SMOKE = {"flux": dict(num_layers=1, num_single_layers=1, attention_head_dim=16,
                         cap_feat_dim=32, axes_dims=[4, 6, 6]),
          "klein4b": dict(num_layers=1, num_single_layers=1, attention_head_dim=16,
                          num_attention_heads=2, joint_attention_dim=48,
-                         timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4))}
+                         timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4)),
+         "wan14b": dict(num_attention_heads=2, attention_head_dim=16, text_dim=32, freq_dim=32,
+                        ffn_dim=64, num_layers=2)}
 
 
 def build(model: str, device, dtype, smoke: bool):
@@ -112,7 +125,8 @@ def cached_batch(model: str, b: int, res: int, net, device) -> dict:
     keys = families.get(family).cond_keys()
     g = torch.Generator().manual_seed(b)
     h = res // PIXELS_PER_LATENT.get(model, 8)
-    width = getattr(net.config, "joint_attention_dim", None) or net.config.cap_feat_dim
+    width = (getattr(net.config, "joint_attention_dim", None) or getattr(net.config, "text_dim", None)
+             or net.config.cap_feat_dim)
     batch = {
         "latent_params": torch.randn(b, 2 * ch, h, h, generator=g).to(device),
         "prompt_embeds": torch.randn(b, tokens, width, generator=g).to(device),

@@ -10,13 +10,13 @@
 #       pydantic_core==2.50.4 annotated_types==0.8.0 typing_extensions==4.16.0 \
 #       typing_inspection==0.4.5
 #   # there, through the device tool (carry: .whl):
-#   bash bench/gpu_session.sh sd15        # then: sdxl, sdxl-full, dits
+#   bash bench/gpu_session.sh sd15        # then: sdxl, sdxl-full, dits, wan
 #
 # Each step appends its table to bench/RESULTS.md and copies that file to $OUT (the device
 # tool brings $OUT back), so the section can be committed here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-step=${1:?usage: bench/gpu_session.sh sd15|sdxl|sdxl-full|dits|smoke}
+step=${1:?usage: bench/gpu_session.sh sd15|sdxl|sdxl-full|dits|wan|smoke}
 WHEELS=${WHEELS:-.whl}
 PY=${PYTHON:-python3}
 SITE=${SITE:-/tmp/raylora-site}
@@ -43,6 +43,7 @@ case "$step" in
   # The DiT families with no GPU figures yet (Flux.2 [klein] 4B, Z-Image-Turbo) @1024,
   # cached, eager and regional, batch 1 and 2.
   dits) "$PY" bench/gpu_dit.py --models klein4b,zimage --batch-sizes 1,2 ;;
+  wan) "$PY" bench/gpu_dit.py --models wan14b --batch-sizes 1,2 ;;
   # CPU check of this script and the bench (toy widths; not a measurement, not recorded).
   smoke) cp bench/RESULTS.md "${TMPDIR:-/tmp}/RESULTS.md.before"
          "$PY" bench/gpu_throughput.py --smoke --models sd15 --batch-sizes 2 --profile 1 \

@@ -82,6 +82,24 @@ def test_a_wan_pipeline_with_two_experts_is_refused_before_anything_is_loaded(ti
         check_model(str(two), Storage())
 
 
+def test_wan_one_timestep_per_sample_is_wan22_ti2vs_per_token_timesteps_of_a_text_prompt(tiny):
+    """WanPipeline with ``expand_timesteps`` (Wan 2.2 TI2V-5B) passes a timestep per latent
+    token, σ·1000 wherever no image conditions the frame, so for text-to-image all equal;
+    the family passes one per sample. The transformer gives the same output for both."""
+    from diffusers import WanTransformer3DModel
+
+    tr = WanTransformer3DModel.from_pretrained(tiny("wan"), subfolder="transformer")
+    g = torch.Generator().manual_seed(0)
+    x, text = torch.randn(2, 16, 1, 32, 32, generator=g), torch.randn(2, 32, 64, generator=g)
+    t = torch.tensor([700.5, 120.25])
+    with torch.no_grad():
+        one = tr(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+        per_token = tr(hidden_states=x, timestep=t[:, None].expand(2, 16 * 16),
+                       encoder_hidden_states=text, return_dict=False)[0]
+    torch.testing.assert_close(one, per_token, rtol=1e-5, atol=1e-5)
+    assert one.abs().max() > 0.1
+
+
 def test_family_config_checks_name_the_key(tiny, demo_data, tmp_path):
     from raylora.config import ConfigError, validate
     from raylora.launch import plan

@@ -381,7 +381,9 @@ def test_training_conditions_the_denoiser_as_the_stock_pipeline_does(tiny, famil
     from stock import PIPELINES
 
     model = tiny(family)
-    captions = ["a red circle", "a small blue square on the green grass"]  # two lengths
+    # two lengths; the third as scraped captions come (WanPipeline cleans prompts first)
+    captions = ["a red circle", "a small blue square on the green grass",
+                " a  blue\nsquare &amp; a red circle "]
     comps, batch = _raylora_batch(model, family, captions)
     pipe = getattr(diffusers, PIPELINES[family][0]).from_pretrained(model)
     with torch.no_grad():

@@ -199,6 +199,19 @@ def test_caption_tokenizer_gives_transformers_ids(tiny_model, pad):
     assert "TokenizerSpec(" in repr(spec) and len(repr(spec)) < 120  # a digest, not the JSON
 
 
+def test_clean_prompt_is_wan_pipelines_prompt_clean():
+    """A spec with ``clean`` (Wan's text input) tokenizes each caption as WanPipeline's
+    ``prompt_clean`` leaves it; diffusers' own function is the reference."""
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+    from raylora.data.tokenize import clean_prompt
+
+    messy = ["  a  red\ncircle\t", "fish &amp;amp; chips", "caf&eacute; &lt;b&gt;", "", " ",
+             "plain text"]
+    assert [clean_prompt(c) for c in messy] == [prompt_clean(c) for c in messy]
+    assert clean_prompt(messy[0]) == "a red circle" and clean_prompt(messy[1]) == "fish & chips"
+
+
 def test_preprocess_with_driver_specs_equals_loading_the_tokenizer(tiny_model):
     from raylora.data.tokenize import load_specs
     from raylora.storage import Storage

@@ -11,7 +11,9 @@ No Ray here.
 
 from __future__ import annotations
 
+import html
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 
@@ -34,6 +36,7 @@ class TokenizerSpec:
     # none of torch (seconds per process).
     ids_key: str = "input_ids"
     mask_key: str | None = None
+    clean: bool = False  # clean_prompt each caption first, as the family's pipeline does
 
     @property
     def mask(self) -> bool:
@@ -44,7 +47,7 @@ class TokenizerSpec:
 
         digest = hashlib.sha256(self.backend_json.encode()).hexdigest()[:16]
         return (f"TokenizerSpec({digest}, {self.max_length}, {self.pad_id}, {self.pad_token!r}, "
-                f"{self.template!r}, {self.mask})")
+                f"{self.template!r}, {self.mask}{', clean' if self.clean else ''})")
 
 
 def spec_from_tokenizer(tok, text=None, max_sequence_length: int | None = None) -> TokenizerSpec:
@@ -55,7 +58,8 @@ def spec_from_tokenizer(tok, text=None, max_sequence_length: int | None = None) 
     length = text.length(int(tok.model_max_length), max_sequence_length) if text else int(tok.model_max_length)
     return TokenizerSpec(tok.backend_tokenizer.to_str(), length, int(tok.pad_token_id),
                          str(tok.pad_token), text.template if text else "{}",
-                         text.ids_key if text else "input_ids", text.mask_key if text else None)
+                         text.ids_key if text else "input_ids", text.mask_key if text else None,
+                         bool(text and text.clean))
 
 
 def load_specs(model_path: str, family: str, store,
@@ -82,6 +86,20 @@ def load_specs(model_path: str, family: str, store,
         return specs(tmp)
 
 
+def clean_prompt(text: str) -> str:
+    """WanPipeline's ``prompt_clean``, which it applies to every prompt before tokenizing:
+    ftfy's ``fix_text`` when ftfy is installed, HTML entities unescaped (twice), whitespace
+    runs made one space, the ends stripped."""
+    try:
+        import ftfy
+    except ImportError:
+        pass
+    else:
+        text = ftfy.fix_text(text)
+    text = html.unescape(html.unescape(text)).strip()
+    return re.sub(r"\s+", " ", text).strip()
+
+
 class CaptionTokenizer:
     """``tokenizer([template.format(c) for c in captions], padding="max_length",
     truncation=True, max_length=max_length)`` → int64 ids ``[B, max_length]`` (and, for a
@@ -92,12 +110,15 @@ class CaptionTokenizer:
 
         self.model_max_length = spec.max_length
         self.template = spec.template
+        self.clean = spec.clean
         self.backend = Tokenizer.from_str(spec.backend_json)
         self.backend.enable_truncation(spec.max_length)
         self.backend.enable_padding(length=spec.max_length, pad_id=spec.pad_id, pad_token=spec.pad_token)
 
     def encode(self, captions: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """(ids, attention mask), both int64 ``[B, max_length]``."""
+        if self.clean:
+            captions = [clean_prompt(c) for c in captions]
         out = self.backend.encode_batch([self.template.format(c) for c in captions],
                                         add_special_tokens=True)
         shape = (len(out), self.model_max_length)

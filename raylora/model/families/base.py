@@ -36,6 +36,9 @@ class TextInput:
     # True: a long-context encoder (T5, an LLM) whose length model.max_sequence_length sets
     long_context: bool = False
     drop: int = 0  # template tokens dropped from the front of the encoder's output
+    # The pipeline cleans each prompt before tokenizing it (WanPipeline's prompt_clean:
+    # raylora.data.tokenize.clean_prompt)
+    clean: bool = False
 
     def length(self, tokenizer_max: int, max_sequence_length: int | None = None) -> int:
         """Tokens per caption: the content length (``model.max_sequence_length`` for a

@@ -22,9 +22,10 @@ class Wan(Family):
     name = "wan"
     class_names = ("WanPipeline",)
     pipeline = "WanPipeline"
-    # 512: WanPipeline's max_sequence_length; UMT5's </s> included, as the pipeline's
+    # 512: WanPipeline's max_sequence_length; UMT5's </s> included, as the pipeline's. The
+    # pipeline cleans each prompt first (HTML entities, whitespace runs): so does raylora.
     text = (TextInput("text_encoder", "tokenizer", "input_ids", max_length=512,
-                      mask_key="attention_mask", long_context=True),)
+                      mask_key="attention_mask", long_context=True, clean=True),)
     lora_targets = ("to_k", "to_q", "to_v", "to_out.0")  # self- and cross-attention
     repeated_blocks = ("WanTransformerBlock",)
     patch = 2

@@ -187,7 +187,7 @@ def meta_component(model_path: str, index: dict, component: str, dtype: torch.dt
         # computes in fp32 on purpose (rotary inv_freq) stay fp32
         with empty:
             model = klass._from_config(config, dtype=dtype)
-    _keep_fp32(model, dtype)
+        _keep_fp32(model, dtype)
     model.requires_grad_(False)
     model.eval()
     return model

@@ -48,7 +48,9 @@ def test_the_meta_model_is_the_loaded_model(tiny, family):
     (count, dtype, bytes) that from_pretrained gives raylora, and the LoRA attached to it
     has the same shapes."""
     path = tiny(family)
-    dtype = torch.float16 if family == "flux" else torch.bfloat16  # fp16: T5 keeps `wo` in fp32
+    # fp16: T5 keeps `wo` in fp32 (transformers' rule, under fp16 only); diffusers keeps a
+    # model's _keep_in_fp32_modules fp32 under any dtype (Wan's norms, both dtypes here)
+    dtype = torch.float16 if family in ("flux", "wan") else torch.bfloat16
     real, meta = _real(path, dtype), memory.meta_components(path, dtype)
     assert meta.family is real.family
     for name, m in _parts(meta).items():
@@ -58,6 +60,8 @@ def test_the_meta_model_is_the_loaded_model(tiny, family):
         assert memory.weight_bytes(m) == memory.weight_bytes(r) > 0
     if family == "flux":  # T5's feed-forward output stays fp32 under fp16, as transformers loads it
         assert ("torch.float32", "param") in _tensors(_parts(meta)["text_encoder_2"])
+    if family in ("wan", "qwenimage"):  # Wan's norms and time embedder; none in Qwen-Image's
+        assert (("torch.float32", "param") in _tensors(meta.denoiser)) == (family == "wan")
     lora_real, _ = memory.attach_lora(real, 8)
     lora_meta, _ = memory.attach_lora(meta, 8)
     assert [(p.shape, p.dtype) for p in lora_meta] == [(p.shape, p.dtype) for p in lora_real]

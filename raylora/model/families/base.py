@@ -87,6 +87,18 @@ def grid_ids(rows: int, cols: int, axes: int, device=None) -> torch.Tensor:
     return ids.reshape(-1, axes)
 
 
+def per_channel_stats(vae_config: dict) -> tuple[list, list]:
+    """(shift, scale) of a video VAE with per-channel ``latents_mean``/``latents_std``
+    (Qwen-Image's, Wan's): normalised = (z − mean) / std, as their pipelines' decode undoes."""
+    return list(vae_config["latents_mean"]), [1.0 / s for s in vae_config["latents_std"]]
+
+
+def encode_one_frame(vae, pixels: torch.Tensor) -> torch.Tensor:
+    """A video VAE's posterior of a still image as one frame: ``[B, 3, H, W]`` →
+    ``[B, 3, 1, H, W]`` → ``[B, 2C, 1, h, w]`` → the frame axis dropped."""
+    return vae.encode(pixels.unsqueeze(2)).latent_dist.parameters.squeeze(2)
+
+
 def llm_conditioning(encoder, batch: dict[str, torch.Tensor], layer: int, drop: int = 0) -> Cond:
     """A causal LM's hidden state ``layer`` over right-padded captions (``input_ids``,
     ``attention_mask``), its first ``drop`` (template) positions dropped, zero past each

@@ -12,8 +12,10 @@ from raylora.model.families.base import (
     Cond,
     Family,
     TextInput,
+    encode_one_frame,
     llm_conditioning,
     pack_2x2,
+    per_channel_stats,
     unpack_2x2,
 )
 
@@ -38,6 +40,9 @@ class QwenImage(Family):
     # The empty negative prompt the pipeline's docstring names (None turns guidance off).
     empty_caption = " "
     description = "Qwen-Image (MMDiT, Qwen2.5-VL text encoder)"
+    # a video VAE (per-channel statistics), a still image as one frame
+    latent_stats = staticmethod(per_channel_stats)
+    encode_pixels = staticmethod(encode_one_frame)
 
     @classmethod
     def guidance_kwargs(cls, scale: float | None = None, batch: int = 1) -> dict:
@@ -56,18 +61,8 @@ class QwenImage(Family):
         return ("prompt_embeds", "prompt_embeds_mask")
 
     @staticmethod
-    def latent_stats(vae_config):
-        # normalised = (z − mean) / std per channel
-        return list(vae_config["latents_mean"]), [1.0 / s for s in vae_config["latents_std"]]
-
-    @staticmethod
     def vae_factor(vae_config):
         return 2 ** len(vae_config["temperal_downsample"])
-
-    @staticmethod
-    def encode_pixels(vae, pixels):
-        # A video VAE: one frame. [B, 3, 1, H, W] → [B, 2C, 1, h, w] → drop the frame axis.
-        return vae.encode(pixels.unsqueeze(2)).latent_dist.parameters.squeeze(2)
 
     @classmethod
     def encode_text(cls, encoders, batch) -> Cond:

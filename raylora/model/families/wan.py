@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from raylora.model.families.base import Cond, Family, TextInput
+from raylora.model.families.base import Cond, Family, TextInput, encode_one_frame, per_channel_stats
 
 
 class Wan(Family):
@@ -32,6 +32,9 @@ class Wan(Family):
     default_guidance_scale = 5.0  # WanPipeline's
     video = True
     description = "Wan 2.1 / 2.2 (video DiT trained and sampled as single frames, UMT5-XXL)"
+    # a video VAE (per-channel statistics), a still image as one frame
+    latent_stats = staticmethod(per_channel_stats)
+    encode_pixels = staticmethod(encode_one_frame)
 
     @classmethod
     def check_index(cls, index: dict, where: str) -> None:
@@ -44,22 +47,12 @@ class Wan(Family):
             )
 
     @staticmethod
-    def latent_stats(vae_config):
-        # normalised = (z − mean) / std per channel, as the pipeline's decode undoes it
-        return list(vae_config["latents_mean"]), [1.0 / s for s in vae_config["latents_std"]]
-
-    @staticmethod
     def vae_factor(vae_config):
         # The pipeline reads scale_factor_spatial (16 for 2.2's patchifying VAE); configs
         # saved before diffusers had the key are 2.1's, whose factor is its downsamplings'.
         if vae_config.get("scale_factor_spatial"):
             return int(vae_config["scale_factor_spatial"])
         return 2 ** len(vae_config["temperal_downsample"]) * int(vae_config.get("patch_size") or 1)
-
-    @staticmethod
-    def encode_pixels(vae, pixels):
-        # A video VAE: one frame. [B, 3, 1, H, W] → [B, 2C, 1, h, w] → drop the frame axis.
-        return vae.encode(pixels.unsqueeze(2)).latent_dist.parameters.squeeze(2)
 
     @classmethod
     def encode_text(cls, encoders, batch) -> Cond:

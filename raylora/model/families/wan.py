@@ -1,5 +1,5 @@
-"""Wan 2.1 / 2.2 (text-to-video), trained and sampled as single frames, as ai-toolkit and
-musubi-tuner train its image LoRAs: a DiT over 3-D latents (a frame axis of 1 here, patch
+"""Wan 2.1 / 2.2 (text-to-video), trained and sampled as single frames (an image LoRA on a
+video model: each picture a video of one frame): a DiT over 3-D latents (a frame axis of 1 here, patch
 1×2×2) with flow matching, conditioned on UMT5-XXL's last hidden state over the caption,
 zero past each caption's own tokens (512 in all); the Wan VAE (a frame axis, per-channel
 latent mean/std). The checkpoints ship UniPC set to ``flow_prediction`` with a static

@@ -9,7 +9,7 @@ rank 16 on the family's default targets, cached latents and text embeddings (wha
     python bench/gpu_dit.py --models flux --batch-sizes 1 --modes none
     python bench/gpu_dit.py --models zimage       # Z-Image-Turbo's architecture (not in the default)
     python bench/gpu_dit.py --models klein4b      # Flux.2 [klein] 4B's (not in the default)
-    python bench/gpu_dit.py --models wan14b       # Wan 2.1 T2V-14B's, one frame (not in the default)
+    python bench/gpu_dit.py --models wan14b       # Wan 2.1 T2V-14B's, one frame (not default)
     python bench/gpu_dit.py --smoke               # toy widths on a CPU, checks the script
 
 FLOPs are counted once per (model, batch) with ``torch.utils.flop_counter`` over one eager
@@ -125,8 +125,8 @@ def cached_batch(model: str, b: int, res: int, net, device) -> dict:
     keys = families.get(family).cond_keys()
     g = torch.Generator().manual_seed(b)
     h = res // PIXELS_PER_LATENT.get(model, 8)
-    width = (getattr(net.config, "joint_attention_dim", None) or getattr(net.config, "text_dim", None)
-             or net.config.cap_feat_dim)
+    width = (getattr(net.config, "joint_attention_dim", None)
+             or getattr(net.config, "text_dim", None) or net.config.cap_feat_dim)
     batch = {
         "latent_params": torch.randn(b, 2 * ch, h, h, generator=g).to(device),
         "prompt_embeds": torch.randn(b, tokens, width, generator=g).to(device),

@@ -435,8 +435,8 @@ class LoraSection(_Section):
     target_modules: list[str] | None = Field(
         None,
         description="Denoiser module names that get LoRA layers. Default: the family's (SD/"
-        "SDXL/Qwen-Image/Z-Image/Wan: attention projections; Flux, SD3: attention projections of both "
-        "streams (and Flux's feed-forwards); Flux.2 [klein]: attention and the single blocks' "
+        "SDXL/Qwen-Image/Z-Image/Wan: attention projections; Flux, SD3: attention projections "
+        "of both streams (and Flux's feed-forwards); Flux.2 [klein]: attention and the single blocks' "
         "fused input and output projections; as diffusers' LoRA scripts).",
     )
     train_text_encoder: bool = Field(

@@ -135,7 +135,8 @@ def test_family_config_checks_name_the_key(tiny, demo_data, tmp_path):
     with pytest.raises(ConfigError, match="train.sdpa_backend: flash picks an SDPA kernel; model.attention=eager"):
         plan(sd_eager)
     with pytest.raises(ValueError, match="model.family"):
-        validate({"model": {"pretrained": "x", "family": "cogview4"}, "data": {"uri": "d"}, "output": {"uri": "o"}})
+        validate({"model": {"pretrained": "x", "family": "cogview4"}, "data": {"uri": "d"},
+                  "output": {"uri": "o"}})
 
 
 # ---------------------------------------------------------------- flow-matching sampler

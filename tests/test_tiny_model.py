@@ -253,7 +253,8 @@ def test_encode_prompt_shapes(family_pipe):
             # included), the transformer takes no mask
             n = [len(pipe.tokenizer(c).input_ids) for c in CAPTIONS]
             assert embeds.shape == (2, 32, 64) and n[0] < n[1]
-            assert all(not e[k:].any() and e[:k].abs().amin(1).gt(0).all() for e, k in zip(embeds, n))
+            assert all(not e[k:].any() and e[:k].abs().amin(1).gt(0).all()
+                       for e, k in zip(embeds, n))
         else:
             embeds, mask = pipe.encode_prompt(CAPTIONS)
             # caption tokens + the 5 template tokens after it (<|im_end|> \n <|im_start|>

@@ -810,7 +810,8 @@ def build_tiny_wan(dest: str | Path, seed: int = 0) -> Path:
     * ``scheduler``: UniPC with ``flow_prediction`` and ``flow_shift`` 3.0 (``WAN_SCHEDULER``),
       as the Wan checkpoints ship it.
     """
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+    from diffusers import WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
     dest = Path(dest)

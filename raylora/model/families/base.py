@@ -4,8 +4,9 @@ the top (so importing a family loads torch: ``raylora --help`` lists the family 
 without importing them, raylora.cli._family_names).
 
 A family owns, for its pipeline layout: detection (``model_index.json`` ``_class_name``;
-``check_index`` refuses a layout of that class raylora does not train), which components are the denoiser, VAE and text encoders (loaded by the classes the folder's
-own ``model_index.json`` names, so a user's checkpoint loads as diffusers would load it), how
+``check_index`` refuses a layout of that class raylora does not train), which components
+are the denoiser, VAE and text encoders (loaded by the classes the folder's own
+``model_index.json`` names, so a user's checkpoint loads as diffusers would load it), how
 captions are tokenized, how a batch is encoded into conditioning, the denoiser call, latent
 normalisation, default LoRA targets, repeated blocks (regional compile, FSDP shard units),
 the stock pipeline class that loads the adapter and how it is called for still images

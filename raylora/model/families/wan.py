@@ -1,10 +1,10 @@
 """Wan 2.1 / 2.2 (text-to-video), trained and sampled as single frames (an image LoRA on a
-video model: each picture a video of one frame): a DiT over 3-D latents (a frame axis of 1 here, patch
-1×2×2) with flow matching, conditioned on UMT5-XXL's last hidden state over the caption,
-zero past each caption's own tokens (512 in all); the Wan VAE (a frame axis, per-channel
-latent mean/std). The checkpoints ship UniPC set to ``flow_prediction`` with a static
-``flow_shift``, which the objective reads as flow matching with that shift. The timestep
-is σ·1000.
+video model: each picture a video of one frame): a DiT over 3-D latents (a frame axis of 1
+here, patch 1×2×2) with flow matching, conditioned on UMT5-XXL's last hidden state over the
+caption, zero past each caption's own tokens (512 in all); the Wan VAE (a frame axis,
+per-channel latent mean/std). The checkpoints ship UniPC set to ``flow_prediction`` with a
+static ``flow_shift``, which the objective reads as flow matching with that shift. The
+timestep is σ·1000.
 
 Wan 2.2 A14B (a high-noise and a low-noise expert, ``transformer_2`` below
 ``boundary_ratio``) is refused: raylora trains one denoiser. Wan 2.2 TI2V-5B (one
@@ -71,7 +71,8 @@ class Wan(Family):
 
     @classmethod
     def denoise(cls, model, noisy, t, cond: Cond, **extra) -> torch.Tensor:
-        out = model(hidden_states=noisy.unsqueeze(2), timestep=cls.model_timestep(t).to(noisy.dtype),
+        out = model(hidden_states=noisy.unsqueeze(2),
+                    timestep=cls.model_timestep(t).to(noisy.dtype),
                     encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
         return out.squeeze(2)
 

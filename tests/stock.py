@@ -123,7 +123,8 @@ def stock_load(model: str, adapter: str, workdir, family: str = "sd") -> dict:
 def stock_image_change(family: str, model: str, adapter, check_pipe=None) -> float:
     """In this process: the family's stock pipeline renders the same seed before and after
     ``load_lora_weights(adapter)``; returns the largest pixel change (the image after the
-    load must be finite). ``check_pipe(pipe)`` may inspect the pipeline first."""
+    load must be finite, the adapter active and every LoRA module of the file live in the
+    pipeline, as ``stock_load`` checks). ``check_pipe(pipe)`` may inspect the pipeline first."""
     import diffusers
     import numpy as np
     import torch
@@ -144,5 +145,9 @@ def stock_image_change(family: str, model: str, adapter, check_pipe=None) -> flo
     base = image()
     pipe.load_lora_weights(str(adapter))
     with_lora = image()
-    assert np.isfinite(with_lora).all()
+    assert np.isfinite(with_lora).all() and pipe.get_active_adapters()
+    scope = {"pipe": pipe, "adapter": str(adapter)}
+    exec(COUNT_LOADED, scope)  # the same count the fresh-process script makes
+    counts = scope["lora_modules"]
+    assert counts and all(a == b > 0 for a, b in counts.values()), counts
     return float(np.abs(with_lora - base).max())

@@ -39,14 +39,14 @@ def sample(
     # as it has no sample-size attribute to derive one from).
     dims = {} if size is None else {"height": size, "width": size}
     # prompt by name: Flux2KleinPipeline's first parameter is a reference image.
-    image = family.images_of(pipe(
+    image = family.images(
+        pipe,
         prompt=prompt,
         num_inference_steps=steps,
         **family.guidance_kwargs(guidance_scale),
         **dims,
-        **family.image_call(),
         generator=torch.Generator(device="cpu").manual_seed(seed),
-    ))[0]
+    )[0]
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     image.save(out)
     return out

@@ -252,10 +252,10 @@ class GenerateStage:
         seeds = [int(s) for s in batch["seed"]]
         with torch.no_grad():
             # prompt by name: Flux2KleinPipeline's first parameter is a reference image
-            images = self.family.images_of(self.pipe(
-                prompt=[self.prompt] * len(seeds), **self.call, **self.family.image_call(),
+            images = self.family.images(
+                self.pipe, prompt=[self.prompt] * len(seeds), **self.call,
                 **self.family.guidance_kwargs(self.guidance, batch=len(seeds)),
-                generator=[torch.Generator().manual_seed(s) for s in seeds]))
+                generator=[torch.Generator().manual_seed(s) for s in seeds])
         for i, img in zip(batch["index"], images):
             png = storage.join(self.out_uri, image_name(int(i)))
             buf = io.BytesIO()

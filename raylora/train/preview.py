@@ -64,12 +64,12 @@ def render(pipe, family, prompts: list[str], seed: int, steps: int, guidance: di
         images = []
         for i, prompt in enumerate(prompts):
             with autocast() if autocast is not None else nullcontext():
-                out = pipe(  # prompt by name: Flux2KleinPipeline's first is an image
-                    prompt=prompt, num_inference_steps=steps, **guidance,
-                    height=resolution, width=resolution, **family.image_call(),
+                # prompt by name: Flux2KleinPipeline's first is an image
+                images.append(family.images(
+                    pipe, prompt=prompt, num_inference_steps=steps, **guidance,
+                    height=resolution, width=resolution,
                     generator=torch.Generator().manual_seed(seed + i),
-                )
-            images.append(family.images_of(out)[0])
+                )[0])
         return images
     finally:
         model.train(was_training)

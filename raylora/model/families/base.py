@@ -216,13 +216,16 @@ class Family:
         return {"num_frames": 1, "output_type": "pil"} if cls.video else {}
 
     @classmethod
-    def images_of(cls, output) -> list:
-        """The images of a stock pipeline call made with ``image_call()``, one per prompt."""
-        return [frames[0] for frames in output.frames] if cls.video else list(output.images)
+    def images(cls, pipe, **call) -> list:
+        """The stock pipeline ``pipe`` called with ``call`` plus ``image_call()``: one PIL
+        image per prompt (a video pipeline's: the first frame of each video)."""
+        out = pipe(**call, **cls.image_call())
+        return [frames[0] for frames in out.frames] if cls.video else list(out.images)
 
     @classmethod
     def image_code(cls) -> str:
-        """``images_of`` as Python source for a model card: what follows ``pipe(...)``."""
+        """How ``images`` reads a call's output, as Python source for a model card: what
+        follows ``pipe(...)`` for its first image."""
         return ".frames[0][0]" if cls.video else ".images[0]"
 
     @classmethod

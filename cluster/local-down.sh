@@ -39,10 +39,10 @@ for _ in $(seq 1 40); do
   alive || break
   sleep 0.25
 done
-# What is left after 10 s is killed. Ray 2.60's GCS, stopped together with its raylets, can
-# hang in its own shutdown ("flushing remaining events", seen for over 20 s). Then wait: a
-# killed process is gone only once it has exited, and "stopped" must mean that nothing of
-# this cluster runs any more (a next local-up.sh reuses its ports; a test checks for it).
+# What is left after 10 s more is killed (a hung GCS shutdown was seen to last over
+# 20 s). Then wait: a killed process is gone only once it has exited, and
+# "stopped" must mean that nothing of this cluster runs any more (a next local-up.sh
+# reuses its ports; a test checks for it).
 for _ in $(seq 1 40); do
   alive || break
   signal_all KILL

@@ -62,16 +62,41 @@ def base_config(tiny_model, demo_data, tmp_path) -> dict:
     }
 
 
+@pytest.fixture(scope="session")
+def _shared_ray():
+    """The local Ray behind ``ray_local``, shut down at the end of the session."""
+    import ray
+
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+
+
 @pytest.fixture(scope="module")
-def ray_local():
-    """A local Ray with 4 logical CPUs, one per test module, always shut down."""
+def ray_local(_shared_ray):
+    """A local Ray with 4 logical CPUs in this process. One serves the modules that ask for
+    it in a row: starting and stopping one took 5-10 s here, once per module before. A
+    module marked ``own_ray`` stops it first (see ``_own_ray``); the next asking module
+    starts a fresh one. Its workers' runtime_env is made when it starts, as before."""
     import ray
 
     from raylora.launch import start_local_ray
 
-    start_local_ray(num_cpus=4)
+    if not ray.is_initialized():
+        start_local_ray(num_cpus=4)
     yield
-    ray.shutdown()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _own_ray(request, _shared_ray):
+    """Modules marked ``own_ray`` start their own Ray in this process (another size, a
+    cluster of nodes) or check that none runs: the shared one is stopped before them."""
+    if request.node.get_closest_marker("own_ray") is not None:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+    yield
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,9 @@ from raylora.checkpoint.state import LoopState
 from raylora.config import ConfigError, validate
 from raylora.data.source import EpochStream, global_share, pass_batches
 
+# Its clusters of nodes are joined with ray.init(address=...) in this process.
+pytestmark = pytest.mark.own_ray
+
 
 def _tree(**scaling_and_more) -> dict:
     tree = {

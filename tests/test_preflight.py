@@ -17,6 +17,9 @@ from raylora.cli import main
 from raylora.config import validate
 from raylora.preflight import EXIT_DOES_NOT_FIT, KNOWN_GPU_MIB, DoesNotFit, check_memory, gpu_size
 
+# Checks that a refused run started no Ray, and starts one with a fake GPU.
+pytestmark = pytest.mark.own_ray
+
 
 @pytest.fixture
 def job(tiny, demo_data, tmp_path):

@@ -18,7 +18,8 @@ import pytest
 
 from raylora.config import validate
 
-pytestmark = pytest.mark.integration
+# ray_s3 starts its own Ray with the storage settings in its workers' environment.
+pytestmark = [pytest.mark.integration, pytest.mark.own_ray]
 
 BUCKET = "raylora-test"
 FAKE_KEY_ID = "AKIARAYLORAFAKE00001"

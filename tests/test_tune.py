@@ -22,6 +22,9 @@ from raylora.train import lr_find
 from raylora.train.evaluate import heldout_loss, prepare_heldout
 from stock import stock_load
 
+# Its Ray is sized for exactly two trials at a time (ray_local below).
+pytestmark = pytest.mark.own_ray
+
 # ---------------------------------------------------------------- held-out split
 
 

@@ -10,7 +10,9 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.integration
+# Its heads come from cluster/local-up.sh; a Ray in this process holds the dashboard
+# agent's default port (52365) that their job agent needs, so none may run beside them.
+pytestmark = [pytest.mark.integration, pytest.mark.own_ray]
 
 from localhead import REPO, files_holding, local_head
 

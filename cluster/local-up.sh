@@ -80,6 +80,16 @@ for i in $(seq 1 60); do
        --submission-id "local-up-ready-$i" -- true >"$STATE/ready.log" 2>&1; then
     break
   fi
+  # The agent's HTTP port is Ray's fixed default (52365): another Ray on this machine (an
+  # embedded `raylora train`, another cluster) may hold it, and jobs then never start.
+  taken=$(sed -n 's/.*Agent port #\([0-9]*\) failed to bind.*/\1/p' \
+          "$STATE"/tmp/session_latest/logs/dashboard_agent.log 2>/dev/null | head -1 || true)
+  if [ -n "$taken" ]; then
+    echo "local-up.sh: the head's dashboard agent could not bind port $taken: another Ray" \
+         "on this machine holds it; stop that one and run this again" >&2
+    "$ROOT/cluster/local-down.sh" >/dev/null
+    exit 1
+  fi
   [ "$i" = 60 ] && { echo "local-up.sh: the cluster's job agent never became ready" >&2; exit 1; }
   sleep 2
 done

@@ -103,29 +103,15 @@ def test_local_up_beside_another_ray_names_the_taken_port_and_leaves_nothing(ray
     local-up.sh starts beside it can never take a job. The script says so at once, names
     the port, and stops what it started (it used to wait out 2 minutes of retries)."""
     import os
-    import subprocess
-    import sys
-    import tempfile
 
-    from localhead import REPO, free_port, ray_processes
+    from localhead import local_up, ray_processes
 
-    state = tempfile.mkdtemp(prefix="rl-", dir="/tmp")  # short: Ray's socket paths
-    bin_dir = os.path.dirname(sys.executable)
-    env = {**os.environ, "RAYLORA_LOCAL_STATE": state, "RAY_BIN": os.path.join(bin_dir, "ray")}
-    env.pop("RAY_ADDRESS", None)
-    try:
-        t0 = time.monotonic()
-        up = subprocess.run([os.path.join(REPO, "cluster", "local-up.sh"), "--cpus", "1",
-                             "--port", str(free_port()), "--dashboard-port", str(free_port())],
-                            capture_output=True, text=True, env=env, timeout=240)
+    t0 = time.monotonic()
+    with local_up(["--cpus", "1"]) as (up, _, state, _, _):
         took = time.monotonic() - t0
         assert up.returncode == 1, up.stdout + up.stderr
         assert ("local-up.sh: the head's dashboard agent could not bind port 52365: another Ray "
                 "on this machine holds it; stop that one and run this again") in up.stderr
         assert took < 60, took
-        assert ray_processes(state) == []
+        assert ray_processes(state) == []  # before local_up's own local-down.sh
         assert not os.path.exists(os.path.join(state, "address"))
-    finally:
-        subprocess.run([os.path.join(REPO, "cluster", "local-down.sh")], env=env,
-                       capture_output=True, timeout=120)
-        shutil.rmtree(state, ignore_errors=True)

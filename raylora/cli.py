@@ -36,6 +36,9 @@ def _tune(args) -> int:
     if cfg.tune is None:
         raise ConfigError(["tune: section missing (search_space, num_samples, ...)"], args.config)
     summary = run_tune(cfg)
+    if "stopped" in summary:  # raylora.tune_stop: the search's state is saved, no results yet
+        _say_search_stopped(summary)
+        return 130
     print(summary["table"])
     print(f"raylora: results      {summary['results_csv']}")
     print(f"raylora:              {summary['results_json']}")
@@ -47,6 +50,20 @@ def _tune(args) -> int:
         return 0
     print("raylora: no trial produced a checkpoint to export", file=sys.stderr)
     return 1
+
+
+def _say_search_stopped(summary: dict) -> None:
+    from raylora.tune_stop import describe
+
+    how = (f"interrupted {summary['timeout_s']:g} s after {summary['stopped']} "
+           "(failure.stop_timeout_s)" if summary["expired"] else f"stopped ({summary['stopped']})")
+    print(f"raylora: search {how}; its state is in {summary['search']}", file=sys.stderr)
+    for trial_id, step in sorted(summary["parked"].items()):
+        print(f"raylora:   {describe(trial_id, step, summary['max_steps'])}", file=sys.stderr)
+    if summary["expired"]:
+        print("raylora:   any other trial that was running resumes from its latest periodic "
+              "checkpoint", file=sys.stderr)
+    print("raylora: run the same command again to resume the search", file=sys.stderr)
 
 
 def _lr_find(args) -> int:

@@ -52,6 +52,7 @@ log = logging.getLogger("raylora.stop")
 
 NONE, REQUESTED, PREEMPTED = 0, 1, 2
 REASONS = {REQUESTED: "stop requested", PREEMPTED: "SIGTERM (preemption)"}
+DRIVER_SIGTERM = "SIGTERM to the driver"  # why the driver asks its workers to stop
 # Rank 0 asks the driver's actor at most this often (a step may take milliseconds).
 POLL_S = 0.25
 
@@ -62,16 +63,33 @@ class Preempted(RuntimeError):
 
 
 class Requests:
-    """The driver's stop request (plain Python; ``start_requests`` makes it an actor)."""
+    """The driver's stop request (plain Python; ``start_requests`` makes it an actor), and
+    for a search, the trials that will train no further in this run (raylora.tune_stop)."""
 
     def __init__(self) -> None:
         self.reason: str | None = None
+        self.parked: dict[str, int | None] = {}
+        self.released = False
 
     def request(self, reason: str) -> None:
         self.reason = self.reason or reason
 
     def requested(self) -> str | None:
         return self.reason
+
+    def park(self, trial_id: str, step: int | None) -> None:
+        """A search's trial stopped at ``step`` with a checkpoint (None: before it trained)."""
+        self.parked[trial_id] = step
+
+    def parked_trials(self) -> dict[str, int | None]:
+        return dict(self.parked)
+
+    def release(self) -> None:
+        """The search's state is being saved with the parked trials unfinished: they may end."""
+        self.released = True
+
+    def is_released(self) -> bool:
+        return self.released
 
 
 def start_requests(name: str):
@@ -87,10 +105,13 @@ def start_requests(name: str):
 @dataclass
 class DriverStop:
     """What ``driver_requests`` yields: the actor's name (``WorkerSpec.stop_requests``)
-    and whether the driver got its SIGTERM."""
+    and handle, whether the driver got its SIGTERM, and whether ``timeout_s`` passed
+    after it (``expired``: the driver was interrupted)."""
 
     name: str
+    actor: object = None
     signalled: bool = False
+    expired: bool = False
 
 
 @contextmanager
@@ -103,19 +124,26 @@ def driver_requests(timeout_s: float, sigterm_hooks: list):
 
     import ray
 
-    stop = DriverStop(f"raylora-stop-{uuid.uuid4().hex[:12]}")
-    actor = start_requests(stop.name)
+    name = f"raylora-stop-{uuid.uuid4().hex[:12]}"
+    actor = start_requests(name)
+    stop = DriverStop(name, actor)
     timers: list[threading.Timer] = []
+
+    def expire() -> None:
+        stop.expired = True
+        # SIGINT in the main thread: KeyboardInterrupt, or during a search Tune's own
+        # handler, which ends its loop and saves the search's state (raylora.tune_stop).
+        _thread.interrupt_main()
 
     def on_sigterm() -> bool:
         if stop.signalled:
             return False  # asked twice: interrupt now
         stop.signalled = True
-        actor.request.remote("SIGTERM to the driver")
+        actor.request.remote(DRIVER_SIGTERM)
         # Not a promise: a run already past its last step finishes (launch says so then).
         log.warning("SIGTERM: asking the workers to checkpoint and stop at their next step "
                     "(up to %gs; send it again to interrupt now)", timeout_s)
-        timers.append(threading.Timer(timeout_s, _thread.interrupt_main))
+        timers.append(threading.Timer(timeout_s, expire))
         timers[0].daemon = True
         timers[0].start()
         return True

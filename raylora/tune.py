@@ -141,31 +141,44 @@ def trial_variants(cfg: RayLoraConfig) -> list[tuple[str, RayLoraConfig]]:
 
 
 def _trial(params: dict, *, base_tree: dict, base_plan: Plan, trials_uri: str,
-           progress_board: str | None = None) -> None:
+           progress_board: str | None = None, stop_requests: str | None = None) -> None:
     """One Tune trial (runs in Tune's trial actor): the sampled values applied to the base
     config, then a full TorchTrainer run reporting to Tune; its rank 0 sends its steps to
-    the search's ``progress_board``, labelled with its name."""
+    the search's ``progress_board``, labelled with its name. A stop of the search
+    (``stop_requests``) stops its run at a step, and the trial parks (raylora.tune_stop)."""
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
+    from raylora import tune_stop
     from raylora.checkpoint.recorded import check_latest, drop_unrecorded
 
+    trial_id = tune.get_context().get_trial_id()
+    if tune_stop.asked(stop_requests):  # Tune started it after the search was asked to stop
+        tune_stop.park(stop_requests, trial_id, None)
     trial_cfg = validate(trial_tree(base_tree, params))
     p = replan(trial_cfg, base_plan)
-    name = f"trial_{tune.get_context().get_trial_id()}"
+    name = f"trial_{trial_id}"
     # A trial of a resumed search resumes its own run as ``raylora train`` does: folders an
     # interruption left unrecorded go, and the checkpoint it resumes from must be whole.
     run_uri, store = storage.join(trials_uri, name), trial_cfg.storage.client()
     drop_unrecorded(store, run_uri)
     check_latest(store, run_uri)
     trainer = build_trainer(trial_cfg, p, trials_uri, name, callbacks=[TuneReportCallback()],
-                            progress_board=progress_board, progress_label=name)
-    trainer.fit()
+                            progress_board=progress_board, progress_label=name,
+                            stop_requests=stop_requests)
+    result = trainer.fit()
+    if stop_requests and (result.metrics or {}).get("stopped"):
+        tune_stop.park(stop_requests, trial_id, int(result.metrics["step"]))
 
 
 def run_tune(cfg: RayLoraConfig) -> dict:
-    """Run the search; write the results table; export the best adapter. Returns a summary."""
+    """Run the search; write the results table; export the best adapter. Returns a summary;
+    a search stopped by SIGTERM (raylora.tune_stop) writes no results and says so."""
     import ray
+
+    from raylora import tune_stop
+    from raylora.launch import SIGTERM_HOOKS
+    from raylora.stop import DRIVER_SIGTERM
 
     # One bad-record counter for the search (every trial's reads count in it) and one
     # latent cache for every trial, built (or found) before the first one starts.
@@ -189,9 +202,18 @@ def run_tune(cfg: RayLoraConfig) -> dict:
         t = cfg.train
         # Each trial's latest line is also kept for `raylora status` (progress.json).
         sink = progress.write_search_progress(cfg.storage.client(), out)
-        with progress.watch(base_plan.max_steps, t.log_every_n_steps, t.log_every_n_seconds,
-                            sink=sink, labelled=True) as board:
-            grid = _tuner(cfg, base_plan, out, concurrency, resume=r.resume, board=board).fit()
+        with (progress.watch(base_plan.max_steps, t.log_every_n_steps, t.log_every_n_seconds,
+                             sink=sink, labelled=True) as board,
+              tune_stop.search_requests(cfg.failure.stop_timeout_s, SIGTERM_HOOKS) as stops):
+            grid = _tuner(cfg, base_plan, out, concurrency, resume=r.resume, board=board,
+                          stop_requests=stops.stop.name).fit()
+        if stops.stopped:
+            return {"stopped": DRIVER_SIGTERM, "expired": stops.stop.expired,
+                    "timeout_s": cfg.failure.stop_timeout_s, "parked": stops.parked,
+                    "max_steps": base_plan.max_steps, "search": storage.join(out, TUNE_DIR)}
+        if stops.stop.signalled:
+            log.warning("SIGTERM came after the last trial's last step had started: the search "
+                        "finished normally, no stop was needed")
         # Raises when too much of what was read was bad; the counts are the whole search's.
         bad = check_bad_records(cfg, base_plan)
         rows = results_table(grid, tn, base_plan.max_steps)
@@ -261,11 +283,14 @@ def _scheduler(tn: TuneSection, max_steps: int):
 
 
 def _tuner(cfg: RayLoraConfig, base_plan: Plan, out: str, concurrency: int, resume: bool = False,
-           board: str | None = None):
+           board: str | None = None, stop_requests: str | None = None):
     """The search: ``_trial`` per sampled config, experiment state under ``out/tune``;
     ``resume``: the interrupted search there, continued; ``board``: the driver's progress
-    board (raylora.progress) the trials send their steps to."""
+    board (raylora.progress) the trials send their steps to; ``stop_requests``: the
+    driver's stop actor (raylora.tune_stop)."""
     from ray import tune
+
+    from raylora.tune_stop import EndWhenParked
 
     tn = cfg.tune
     seed = tn.seed if tn.seed is not None else cfg.train.seed
@@ -274,7 +299,8 @@ def _tuner(cfg: RayLoraConfig, base_plan: Plan, out: str, concurrency: int, resu
     # Large inputs (held-out images) travel once through the object store.
     trainable = tune.with_resources(
         tune.with_parameters(_trial, base_tree=cfg.to_dict(), base_plan=base_plan,
-                             trials_uri=trials_uri, progress_board=board),
+                             trials_uri=trials_uri, progress_board=board,
+                             stop_requests=stop_requests),
         # Tune refuses an empty request; a sliver of a CPU places the trial's driver
         # anywhere without taking a core from training or data.
         {"CPU": TRIAL_DRIVER_CPU},
@@ -299,7 +325,9 @@ def _tuner(cfg: RayLoraConfig, base_plan: Plan, out: str, concurrency: int, resu
             # others in a ConcurrencyLimiter.
             max_concurrent_trials=None if tn.search_alg in ("random", "grid") else concurrency,
         ),
-        run_config=tune.RunConfig(name=TUNE_DIR, storage_path=path, storage_filesystem=fs, verbose=1),
+        # A resumed search gets its callbacks back from the saved state, not from here.
+        run_config=tune.RunConfig(name=TUNE_DIR, storage_path=path, storage_filesystem=fs, verbose=1,
+                                  callbacks=[EndWhenParked()]),
     )
 
 

@@ -192,6 +192,26 @@ def test_a_stop_asked_on_the_last_step_lets_the_run_finish(ray_local, tiny_model
     assert said[-1] == "SIGTERM came after the last step had started: the run finished normally, no stop was needed"
 
 
+def test_a_stop_not_done_within_its_timeout_interrupts_the_driver(ray_local):
+    """failure.stop_timeout_s after the driver's SIGTERM, with the run not yet stopped, the
+    driver is interrupted (KeyboardInterrupt here; in a search, Tune's own SIGINT handler)
+    and ``expired`` says so: a search's summary tells an interrupted search from a stopped one."""
+    import time
+
+    import ray
+
+    from raylora import stop
+
+    hooks = []
+    with pytest.raises(KeyboardInterrupt):
+        with stop.driver_requests(0.2, hooks) as s:
+            assert hooks[-1]() is True  # the first SIGTERM: a stop is asked for
+            assert ray.get(s.actor.requested.remote()) == stop.DRIVER_SIGTERM
+            assert not s.expired
+            time.sleep(10)
+    assert s.signalled and s.expired and hooks == []
+
+
 def test_sample_command_renders_with_adapter(first_run, tiny_model, tmp_path):
     tree, summary = first_run
     out = tmp_path / "sample.png"

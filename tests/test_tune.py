@@ -405,12 +405,19 @@ def test_search_stops_the_diverging_trial_and_exports_the_best(ray_local, tiny_m
     assert again == pytest.approx(best["final_eval_loss"], rel=1e-5)
 
 
+def _recorded_steps(out) -> dict[str, dict]:
+    """Each trial's latest checkpoint that Ray Train recorded: its metrics, by trial folder."""
+    return {p.parent.name: json.loads(p.read_text())["latest_checkpoint_result"]["metrics"]
+            for p in (out / "tune" / "trials").glob("*/checkpoint_manager_snapshot.json")}
+
+
 @pytest.mark.integration
-def test_an_interrupted_search_resumes_with_the_same_command(ray_local, tiny_model, demo_data, tmp_path,
-                                                            capsys):
-    """A search whose driver gets SIGTERM (a job stopped, a head pod deleted) is resumed by
-    the same command: the same trials, each run resuming from its own recorded checkpoint,
-    and one results table. Another config is refused before Ray, naming what changed."""
+def test_a_stopped_search_resumes_each_trial_from_its_stop(ray_local, tiny_model, demo_data, tmp_path,
+                                                          capsys):
+    """`raylora stop` (SIGTERM to the search's driver) stops every running trial at a step with
+    a checkpoint of that step, saves the search and says so; the same command resumes each
+    trial from that step, and one results table comes at the end. Another config is
+    refused before Ray, naming what changed."""
     import signal
     import subprocess
     import sys
@@ -433,25 +440,31 @@ def test_an_interrupted_search_resumes_with_the_same_command(ray_local, tiny_mod
                  "metric": "train_loss", "scheduler": "fifo"},
     }))
     # The first driver joins this module's Ray and is stopped once a trial has a recorded
-    # checkpoint (step 4 of 40), as `raylora stop` or Kubernetes would stop it.
+    # checkpoint (step 4 of 40), as `raylora stop` or Kubernetes would stop it. Both trials
+    # run side by side.
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     driver = subprocess.Popen([sys.executable, "-m", "raylora", "tune", str(job)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
-    while not list(out.glob("tune/trials/*/checkpoint_manager_snapshot.json")):
+    while not _recorded_steps(out):
         assert driver.poll() is None and time.monotonic() < deadline, driver.communicate()
         time.sleep(0.1)
     driver.send_signal(signal.SIGTERM)
     _, err = driver.communicate(timeout=120)
     assert driver.returncode == 130, err
-    assert "raylora: interrupted; run the same command again to resume the search" in err
+    assert f"raylora: search stopped (SIGTERM to the driver); its state is in {out / 'tune'}" in err
+    assert "raylora: run the same command again to resume the search" in err
+    said = {f"trial_{t}": int(s) for t, s in
+            re.findall(r"raylora:   trial_(\w+) stopped at step (\d+)/40 with a checkpoint", err)}
     trials = sorted(p.name for p in (out / "tune" / "trials").iterdir())
-    recorded = {}
-    for t in trials:
-        snap = out / "tune" / "trials" / t / "checkpoint_manager_snapshot.json"
-        if snap.exists():
-            recorded[t] = json.loads(snap.read_text())["latest_checkpoint_result"]["metrics"]["step"]
-    assert recorded and all(0 < s < 40 for s in recorded.values()), recorded
+    stopped = _recorded_steps(out)
+    recorded = {t: m["step"] for t, m in stopped.items()}
+    # Every trial that trained stopped at a step of its own, not at a periodic checkpoint,
+    # and the checkpoint recorded last is that step's, written for the stop.
+    assert said and said == recorded, (said, err)
+    assert all(m["stopped"] == "stop requested" for m in stopped.values()), stopped
+    assert all(0 < s < 40 for s in said.values())
+    assert sorted(said) == trials and len(trials) == 2, err
     assert not (out / "tune" / "results.json").exists()
 
     changed = main(["tune", str(job), "train.max_steps=30", "lora.rank=8"])

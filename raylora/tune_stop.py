@@ -1,0 +1,130 @@
+"""A clean stop of a search: `raylora stop`, or SIGTERM to the `raylora tune` driver.
+
+One run stops at a step with a checkpoint (raylora.stop). A search is many runs, and Tune
+tells only two kinds of trial apart on a resume: one whose function returned is finished
+and never runs again; one whose actor was still running is unfinished and resumes. So:
+
+- the driver's first SIGTERM asks every trial's workers to stop, through the same
+  ``Requests`` actor a run uses (each trial's TorchTrainer gets its name);
+- a trial whose run stopped, or that starts after the request, does not return yet: it
+  *parks* (tells the actor at which step, then waits), so Tune still counts it as running;
+- once every running trial is parked, ``EndWhenParked`` ends Tune's loop the way Ctrl-C
+  does (Tune's own SIGINT handler) and releases them: Tune saves the experiment state one
+  last time, with the parked trials unfinished, and stops their actors. The same command
+  then resumes each one from its stop's checkpoint and starts the ones that never ran.
+
+A second SIGTERM, or ``failure.stop_timeout_s`` without every trial parked, interrupts
+as before: each running trial then resumes from its latest periodic checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from ray import tune
+
+from raylora.stop import POLL_S, DriverStop, driver_requests
+
+log = logging.getLogger("raylora.tune")
+
+
+@dataclass
+class SearchStop:
+    """What ``search_requests`` yields; after the block, ``parked`` holds each parked
+    trial's step (None: it did not train in this run) and ``stopped`` says whether the
+    search was stopped before it finished."""
+
+    stop: DriverStop
+    ended: bool = False
+    parked: dict[str, int | None] = field(default_factory=dict)
+    asked_at: float = 0.0
+
+    @property
+    def stopped(self) -> bool:
+        return self.ended or self.stop.expired
+
+
+# The search this driver process runs. Tune pickles its callbacks into the search's state
+# (tuner.pkl) and a resumed search gets them back from there, so the callback holds
+# nothing and finds the search here.
+_ACTIVE: list[SearchStop] = []
+
+
+@contextmanager
+def search_requests(timeout_s: float, sigterm_hooks: list):
+    """Around a search's ``fit()``: ``raylora.stop.driver_requests`` for all of its trials."""
+    import ray
+
+    with driver_requests(timeout_s, sigterm_hooks) as stop:
+        search = SearchStop(stop)
+        _ACTIVE.append(search)
+        try:
+            yield search
+        finally:
+            _ACTIVE.remove(search)
+            if stop.signalled:
+                search.parked = ray.get(stop.actor.parked_trials.remote())
+
+
+class EndWhenParked(tune.Callback):
+    """Ends Tune's loop once a stop was asked and every running trial is parked. Runs in
+    the driver's main thread, between Tune's steps (so the signal reaches Tune's handler
+    there). A class at module level: Tune restores it by name from a saved search."""
+
+    def on_step_end(self, iteration: int, trials: list, **info) -> None:
+        search = _ACTIVE[-1] if _ACTIVE else None
+        if search is None or not search.stop.signalled or search.ended:
+            return
+        if time.monotonic() - search.asked_at < POLL_S:
+            return
+        import ray
+
+        search.asked_at = time.monotonic()
+        parked = ray.get(search.stop.actor.parked_trials.remote())
+        running = {t.trial_id for t in trials if t.status == "RUNNING"}
+        if running <= parked.keys():
+            search.ended = True
+            log.info("tune: every running trial has stopped (%s); saving the search",
+                     ", ".join(describe(t, parked[t]) for t in sorted(running)) or "none was running")
+            signal.raise_signal(signal.SIGINT)
+            # Tune's handler has run: its loop ends after this call, before it looks at any
+            # trial again, and saves the state with these trials running. Ending their
+            # functions now lets Tune stop their actors at once (a parked one holds its
+            # actor's only task, and Tune waits 10 s before it kills such an actor).
+            search.stop.actor.release.remote()
+
+
+def asked(stop_requests: str | None) -> bool:
+    """In a trial: whether the search was asked to stop."""
+    if not stop_requests:
+        return False
+    import ray
+
+    from raylora.data.badrecords import NAMESPACE
+
+    return bool(ray.get(ray.get_actor(stop_requests, namespace=NAMESPACE).requested.remote()))
+
+
+def describe(trial_id: str, step: int | None, max_steps: int | None = None) -> str:
+    if step is None:
+        return f"trial_{trial_id} did not start"
+    return f"trial_{trial_id} stopped at step {step}{f'/{max_steps}' if max_steps else ''} with a checkpoint"
+
+
+def park(stop_requests: str, trial_id: str, step: int | None) -> None:
+    """In a trial: tell the driver this trial trains no further in this run (stopped at
+    ``step`` with a checkpoint; None: before it trained), then wait until the driver has
+    ended Tune's loop (``EndWhenParked``). Returning earlier would make the trial finished
+    in the saved search, and a resumed search would not run it again."""
+    import ray
+
+    from raylora.data.badrecords import NAMESPACE
+
+    actor = ray.get_actor(stop_requests, namespace=NAMESPACE)
+    ray.get(actor.park.remote(trial_id, step))
+    while not ray.get(actor.is_released.remote()):
+        time.sleep(POLL_S)

@@ -326,8 +326,8 @@ def _tuner(cfg: RayLoraConfig, base_plan: Plan, out: str, concurrency: int, resu
             max_concurrent_trials=None if tn.search_alg in ("random", "grid") else concurrency,
         ),
         # A resumed search gets its callbacks back from the saved state, not from here.
-        run_config=tune.RunConfig(name=TUNE_DIR, storage_path=path, storage_filesystem=fs, verbose=1,
-                                  callbacks=[EndWhenParked()]),
+        run_config=tune.RunConfig(name=TUNE_DIR, storage_path=path, storage_filesystem=fs,
+                                  verbose=1, callbacks=[EndWhenParked()]),
     )
 
 

@@ -25,8 +25,10 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import ray
 from ray import tune
 
+from raylora.data.badrecords import NAMESPACE
 from raylora.stop import POLL_S, DriverStop, driver_requests
 
 log = logging.getLogger("raylora.tune")
@@ -57,17 +59,15 @@ _ACTIVE: list[SearchStop] = []
 @contextmanager
 def search_requests(timeout_s: float, sigterm_hooks: list):
     """Around a search's ``fit()``: ``raylora.stop.driver_requests`` for all of its trials."""
-    import ray
-
     with driver_requests(timeout_s, sigterm_hooks) as stop:
         search = SearchStop(stop)
         _ACTIVE.append(search)
         try:
             yield search
-        finally:
-            _ACTIVE.remove(search)
             if stop.signalled:
                 search.parked = ray.get(stop.actor.parked_trials.remote())
+        finally:
+            _ACTIVE.remove(search)
 
 
 class EndWhenParked(tune.Callback):
@@ -81,15 +81,14 @@ class EndWhenParked(tune.Callback):
             return
         if time.monotonic() - search.asked_at < POLL_S:
             return
-        import ray
-
         search.asked_at = time.monotonic()
         parked = ray.get(search.stop.actor.parked_trials.remote())
         running = {t.trial_id for t in trials if t.status == "RUNNING"}
         if running <= parked.keys():
             search.ended = True
             log.info("tune: every running trial has stopped (%s); saving the search",
-                     ", ".join(describe(t, parked[t]) for t in sorted(running)) or "none was running")
+                     ", ".join(describe(t, parked[t]) for t in sorted(running))
+                     or "none was running")
             signal.raise_signal(signal.SIGINT)
             # Tune's handler has run: its loop ends after this call, before it looks at any
             # trial again, and saves the state with these trials running. Ending their
@@ -102,17 +101,15 @@ def asked(stop_requests: str | None) -> bool:
     """In a trial: whether the search was asked to stop."""
     if not stop_requests:
         return False
-    import ray
-
-    from raylora.data.badrecords import NAMESPACE
-
     return bool(ray.get(ray.get_actor(stop_requests, namespace=NAMESPACE).requested.remote()))
 
 
 def describe(trial_id: str, step: int | None, max_steps: int | None = None) -> str:
+    """A parked trial, as the driver says it."""
     if step is None:
         return f"trial_{trial_id} did not start"
-    return f"trial_{trial_id} stopped at step {step}{f'/{max_steps}' if max_steps else ''} with a checkpoint"
+    of = f"/{max_steps}" if max_steps else ""
+    return f"trial_{trial_id} stopped at step {step}{of} with a checkpoint"
 
 
 def park(stop_requests: str, trial_id: str, step: int | None) -> None:
@@ -120,10 +117,6 @@ def park(stop_requests: str, trial_id: str, step: int | None) -> None:
     ``step`` with a checkpoint; None: before it trained), then wait until the driver has
     ended Tune's loop (``EndWhenParked``). Returning earlier would make the trial finished
     in the saved search, and a resumed search would not run it again."""
-    import ray
-
-    from raylora.data.badrecords import NAMESPACE
-
     actor = ray.get_actor(stop_requests, namespace=NAMESPACE)
     ray.get(actor.park.remote(trial_id, step))
     while not ray.get(actor.is_released.remote()):

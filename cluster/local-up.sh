@@ -59,15 +59,21 @@ export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$STATE/auth_token"
 # their own session and process group, recorded below: some Ray processes rename
 # themselves (ray::DashboardAgent), so local-down.sh stops them by group, and the caller's
 # own group (a shell, a test runner) is never in the line of fire.
+# Each node's dashboard agent listens on a free port (0; Ray records it in the GCS, where
+# the job head looks it up). Ray's fixed default, 52365, is held by any other Ray on this
+# machine (an embedded `raylora train`, another cluster), and a head whose agent cannot
+# bind it never takes a job; a second node's agent could never bind it beside the head's.
 setsid "$RAY_BIN" start --head \
   --node-ip-address=127.0.0.1 --port="$PORT" \
   --dashboard-host=127.0.0.1 --dashboard-port="$DASH_PORT" \
+  --dashboard-agent-listen-port=0 \
   --num-cpus="$CPUS" --num-gpus="$GPUS" \
   --temp-dir="$STATE/tmp" --disable-usage-stats </dev/null >"$STATE/head.log" 2>&1 \
   || { cat "$STATE/head.log" >&2; exit 1; }
 
 if [ "$WORKER_NODE" = 1 ]; then
   setsid "$RAY_BIN" start --address="127.0.0.1:$PORT" --node-ip-address=127.0.0.1 \
+    --dashboard-agent-listen-port=0 \
     --num-cpus="$WORKER_CPUS" --num-gpus="$WORKER_GPUS" \
     --temp-dir="$STATE/tmp" --disable-usage-stats </dev/null >"$STATE/worker.log" 2>&1 \
     || { cat "$STATE/worker.log" >&2; "$ROOT/cluster/local-down.sh"; exit 1; }
@@ -79,16 +85,6 @@ for i in $(seq 1 60); do
   if "$RAY_BIN" job submit --no-wait --address "http://127.0.0.1:$DASH_PORT" \
        --submission-id "local-up-ready-$i" -- true >"$STATE/ready.log" 2>&1; then
     break
-  fi
-  # The agent's HTTP port is Ray's fixed default (52365): another Ray on this machine (an
-  # embedded `raylora train`, another cluster) may hold it, and jobs then never start.
-  taken=$(sed -n 's/.*Agent port #\([0-9]*\) failed to bind.*/\1/p' \
-          "$STATE"/tmp/session_latest/logs/dashboard_agent.log 2>/dev/null | head -1 || true)
-  if [ -n "$taken" ]; then
-    echo "local-up.sh: the head's dashboard agent could not bind port $taken: another Ray" \
-         "on this machine holds it; stop that one and run this again" >&2
-    "$ROOT/cluster/local-down.sh" >/dev/null
-    exit 1
   fi
   [ "$i" = 60 ] && { echo "local-up.sh: the cluster's job agent never became ready" >&2; exit 1; }
   sleep 2

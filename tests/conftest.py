@@ -90,9 +90,7 @@ def ray_local(_shared_ray):
 @pytest.fixture(scope="module", autouse=True)
 def _own_ray(request, _shared_ray):
     """Modules marked ``own_ray`` start their own Ray in this process (another size, a
-    cluster of nodes), check that none runs, or start `ray start` heads, whose dashboard
-    agent cannot bind its port (52365) while an in-process Ray holds it: the shared one
-    is stopped before them."""
+    cluster of nodes) or check that none runs: the shared one is stopped before them."""
     if request.node.get_closest_marker("own_ray") is not None:
         import ray
 

@@ -10,9 +10,7 @@ import sys
 
 import pytest
 
-# Its heads come from cluster/local-up.sh; a Ray in this process holds the dashboard
-# agent's default port (52365) that their job agent needs, so none may run beside them.
-pytestmark = [pytest.mark.integration, pytest.mark.own_ray]
+pytestmark = pytest.mark.integration
 
 from localhead import REPO, files_holding, local_head
 
@@ -61,18 +59,32 @@ def test_demo_job_via_ray_job_submit_on_a_two_cpu_head(local_cluster, tiny_model
 
 @pytest.mark.parametrize("local_cluster", [["--worker-node", "--worker-cpus", "2"]], indirect=True)
 def test_two_node_spread_from_s3_matches_single_node(
-    local_cluster, moto_endpoint, tiny_model, demo_data, tmp_path
+    ray_local, local_cluster, moto_endpoint, tiny_model, demo_data, tmp_path
 ):
     """Head + a second `ray start --address` node on this machine, both started without
-    any AWS_* variables. The driver has them and joins through RAY_ADDRESS: STRICT_SPREAD
-    puts one training worker on each node, and both read s3:// data and write s3:// output
-    (the settings travel as the job's runtime_env; the secret reaches no cluster log). The
-    same job packed onto one node from local files (same seed, per-worker shard files) ends
-    with the same adapter."""
+    any AWS_* variables, beside this process's own Ray. The driver has them and joins
+    through RAY_ADDRESS: STRICT_SPREAD puts one training worker on each node, and both
+    read s3:// data and write s3:// output (the settings travel as the job's runtime_env;
+    the secret reaches no cluster log). The same job packed onto one node from local files
+    (same seed, per-worker shard files) ends with the same adapter."""
+    import glob
+    import re
+    import socket
+
     import boto3
     from safetensors.torch import load_file
 
     c = local_cluster
+    # This process's Ray holds Ray's fixed dashboard-agent port; local-up.sh's nodes each
+    # listen on a free one, and the head took local-up's readiness job through its agent
+    # (a head whose agent could not bind its port never took a job, and the second node's
+    # agent had no HTTP server).
+    with pytest.raises(OSError), socket.socket() as sock:
+        sock.bind(("127.0.0.1", 52365))
+    agents = glob.glob(os.path.join(c["state"], "tmp", "session_latest", "logs", "dashboard_agent*.log"))
+    ports = [int(p) for f in agents
+             for p in re.findall(r"Dashboard agent http address: \S+:(\d+)", open(f).read())]
+    assert len(ports) == 2 and 52365 not in ports, ports
     assert not any(k.startswith("AWS_") for k in c["env"] if k != "AWS_CA_BUNDLE")
     secret = "rAyLoRa/JoinedClusterSecret+0002"
     aws = {"AWS_ENDPOINT_URL": moto_endpoint, "AWS_ACCESS_KEY_ID": "AKIARAYLORAJOIN0002",

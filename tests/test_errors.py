@@ -96,22 +96,3 @@ def test_more_workers_than_the_cluster_can_place(ray_local):
         check_cluster_fits(validate(tree(scaling={"use_gpu": True}, train={"mixed_precision": "bf16"})))
     # A cluster that grows on demand is not judged by the nodes it has now.
     check_cluster_fits(validate(tree(scaling={"num_workers": 64, "autoscaling": True})))
-
-
-def test_local_up_beside_another_ray_names_the_taken_port_and_leaves_nothing(ray_local):
-    """This process's Ray holds Ray's fixed dashboard-agent port (52365): a head that
-    local-up.sh starts beside it can never take a job. The script says so at once, names
-    the port, and stops what it started (it used to wait out 2 minutes of retries)."""
-    import os
-
-    from localhead import local_up, ray_processes
-
-    t0 = time.monotonic()
-    with local_up(["--cpus", "1"]) as (up, _, state, _, _):
-        took = time.monotonic() - t0
-        assert up.returncode == 1, up.stdout + up.stderr
-        assert ("local-up.sh: the head's dashboard agent could not bind port 52365: another Ray "
-                "on this machine holds it; stop that one and run this again") in up.stderr
-        assert took < 60, took
-        assert ray_processes(state) == []  # before local_up's own local-down.sh
-        assert not os.path.exists(os.path.join(state, "address"))

@@ -18,9 +18,7 @@ from killer import registered_step
 from localhead import REPO, files_holding, local_head
 from raylora.cli import main
 
-# Its heads come from cluster/local-up.sh; a Ray in this process holds the dashboard
-# agent's default port (52365) that their job agent needs, so none may run beside them.
-pytestmark = [pytest.mark.integration, pytest.mark.own_ray]
+pytestmark = pytest.mark.integration
 
 MAX_STEPS = 40
 

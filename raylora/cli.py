@@ -239,9 +239,9 @@ def _job_commands(sub) -> None:
     lg.add_argument("job")
     lg.add_argument("--follow", "-f", action="store_true", help="follow until the job ends")
     lg.set_defaults(fn=_logs)
-    sp = sub.add_parser("stop", help="stop a job cleanly: a checkpoint at the next step; "
-                        "submitting the same config again resumes from it (a search: each "
-                        "unfinished trial from its latest periodic checkpoint)")
+    sp = sub.add_parser("stop", help="stop a job cleanly: a checkpoint at the next step (a "
+                        "search: of each running trial); submitting the same config again "
+                        "resumes from it")
     sp.add_argument("job")
     sp.add_argument("--timeout", type=float, default=600, help="seconds to wait for the end")
     sp.set_defaults(fn=_stop)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -58,7 +59,11 @@ _ACTIVE: list[SearchStop] = []
 
 @contextmanager
 def search_requests(timeout_s: float, sigterm_hooks: list):
-    """Around a search's ``fit()``: ``raylora.stop.driver_requests`` for all of its trials."""
+    """Around a search's ``fit()``: ``raylora.stop.driver_requests`` for all of its trials.
+    Also puts back the SIGINT handler from before: Tune's ``fit()`` installs its own and
+    leaves it there unless a signal came, and then a later run in this process (a library
+    caller's) would not be interrupted by Ctrl-C or its stop timeout."""
+    sigint = signal.getsignal(signal.SIGINT)
     with driver_requests(timeout_s, sigterm_hooks) as stop:
         search = SearchStop(stop)
         _ACTIVE.append(search)
@@ -68,6 +73,8 @@ def search_requests(timeout_s: float, sigterm_hooks: list):
                 search.parked = ray.get(stop.actor.parked_trials.remote())
         finally:
             _ACTIVE.remove(search)
+            if sigint is not None and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGINT, sigint)
 
 
 class EndWhenParked(tune.Callback):

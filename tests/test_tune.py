@@ -473,7 +473,10 @@ def test_a_stopped_search_resumes_each_trial_from_its_stop(ray_local, tiny_model
     assert f"output.uri: {out / 'tune'} holds a search started with another config" in err
     assert "Changed: lora.rank: 4 then, 8 now; train.max_steps: 40 then, 30 now" in err
 
+    sigint = signal.getsignal(signal.SIGINT)
     assert main(["tune", str(job)]) == 0
+    # Tune's fit() left its own SIGINT handler installed; raylora puts this one back.
+    assert signal.getsignal(signal.SIGINT) is sigint
     doc = json.loads((out / "tune" / "results.json").read_text())
     assert sorted(f"trial_{r['trial_id']}" for r in doc["trials"]) == trials
     assert sorted(p.name for p in (out / "tune" / "trials").iterdir()) == trials

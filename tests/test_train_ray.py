@@ -196,17 +196,24 @@ def test_a_stop_not_done_within_its_timeout_interrupts_the_driver(ray_local):
     """failure.stop_timeout_s after the driver's SIGTERM, with the run not yet stopped, the
     driver is interrupted (KeyboardInterrupt here; in a search, Tune's own SIGINT handler)
     and ``expired`` says so: a search's summary tells an interrupted search from a stopped one."""
+    import signal
     import time
 
     from raylora import stop
 
     hooks = []
-    with pytest.raises(KeyboardInterrupt):
-        with stop.driver_requests(1.0, hooks) as s:
-            t0 = time.monotonic()
-            assert hooks[-1]() is True  # the first SIGTERM: a stop is asked for
-            while time.monotonic() - t0 < 30:  # as fit()'s ray.get, it sees the interrupt
-                time.sleep(0.05)
+    # Python's own handler: Ray Train V2's fit() (earlier tests in this process) installs
+    # its SIGINT handler (abort the controller) and leaves it there.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with stop.driver_requests(1.0, hooks) as s:
+                t0 = time.monotonic()
+                assert hooks[-1]() is True  # the first SIGTERM: a stop is asked for
+                while time.monotonic() - t0 < 30:  # as fit()'s ray.get, it sees the interrupt
+                    time.sleep(0.05)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert 1.0 <= time.monotonic() - t0 < 30
     assert s.signalled and s.expired and hooks == []
 

@@ -43,11 +43,12 @@ def files_holding(root: str, needle: str, under: str = "") -> list[str]:
 
 
 @contextlib.contextmanager
-def local_up(extra: list[str]):
-    """Runs cluster/local-up.sh with ``extra`` (plus a free GCS and dashboard port, and
-    4 CPUs unless given) on a fresh state dir; yields (its CompletedProcess, env, state,
-    port, dashboard port), whatever it returned. Always runs local-down.sh, checks that no
-    process of the state dir is left and removes it, also when the body failed."""
+def local_head(extra: list[str]):
+    """cluster/local-up.sh with ``extra`` (plus a free GCS and dashboard port, and 4 CPUs
+    unless given) on a fresh state dir. Yields env (with the cluster's auth token, as
+    ``source $STATE/env`` gives a client), state dir, GCS address, dashboard URL and
+    local-up's stdout. Always runs local-down.sh, checks that no process of the state dir
+    is left and removes it, also when the body failed."""
     # Short path: Ray's unix sockets must stay under 107 characters.
     state = tempfile.mkdtemp(prefix="rl-", dir="/tmp")
     env = {**os.environ, "RAYLORA_LOCAL_STATE": state, "RAY_BIN": os.path.join(BIN, "ray"),
@@ -59,7 +60,12 @@ def local_up(extra: list[str]):
     try:
         up = subprocess.run([os.path.join(REPO, "cluster", "local-up.sh"), *args],
                             capture_output=True, text=True, env=env, timeout=240)
-        yield up, env, state, port, dash
+        assert up.returncode == 0, up.stdout + up.stderr
+        client = {**env, "RAY_AUTH_MODE": "token",
+                  "RAY_AUTH_TOKEN_PATH": os.path.join(state, "auth_token")}
+        yield {"env": client, "state": state, "address": f"127.0.0.1:{port}",
+               "dashboard": f"http://127.0.0.1:{dash}", "stdout": up.stdout,
+               "token": os.path.join(state, "auth_token")}
     finally:
         down = subprocess.run([os.path.join(REPO, "cluster", "local-down.sh")],
                               capture_output=True, text=True, env=env, timeout=120)
@@ -67,17 +73,3 @@ def local_up(extra: list[str]):
         shutil.rmtree(state, ignore_errors=True)
         assert down.returncode == 0, down.stderr
         assert left == [], f"Ray processes left behind: {left}"
-
-
-@contextlib.contextmanager
-def local_head(extra: list[str]):
-    """Yields env (with the cluster's auth token, as ``source $STATE/env`` gives a client),
-    state dir, GCS address, dashboard URL and local-up's stdout (``local_up``: torn down
-    and checked afterwards)."""
-    with local_up(extra) as (up, env, state, port, dash):
-        assert up.returncode == 0, up.stdout + up.stderr
-        env = {**env, "RAY_AUTH_MODE": "token",
-               "RAY_AUTH_TOKEN_PATH": os.path.join(state, "auth_token")}
-        yield {"env": env, "state": state, "address": f"127.0.0.1:{port}",
-               "dashboard": f"http://127.0.0.1:{dash}", "stdout": up.stdout,
-               "token": os.path.join(state, "auth_token")}

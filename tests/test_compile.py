@@ -147,6 +147,9 @@ def test_modes_and_default_blocks():
         compile_denoiser(unet, "fast")
     with pytest.raises(ValueError, match="no \\['FluxTransformerBlock'\\]"):
         compile_denoiser(unet, "regional", ["FluxTransformerBlock"])
+    # torch.compile's own mode passes through (the bench's CUDA-graph and autotune rows).
+    assert compile_denoiser(unet, "full", mode="reduce-overhead") == [""]
+    assert unet._compiled_call_impl is not None
     # UNets: diffusers' _repeated_blocks (resnets only when asked for); SD3 declares none.
     assert repeated_blocks(unet) == ("BasicTransformerBlock",)
     sd3 = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=1,

@@ -47,16 +47,17 @@ def repeated_blocks(model: torch.nn.Module) -> tuple[str, ...]:
     return tuple(getattr(model, "_repeated_blocks", None) or FALLBACK_BLOCKS.get(name, ()))
 
 
-def compile_denoiser(model: torch.nn.Module, mode: str, blocks=None, **compile_kwargs) -> list[str]:
+def compile_denoiser(model: torch.nn.Module, how: str, blocks=None, **compile_kwargs) -> list[str]:
     """Compile ``model`` in place; returns the names of the compiled modules ("" for the
-    whole model). ``blocks``: class names to compile in ``regional`` mode (default:
-    ``repeated_blocks(model)``). ``compile_kwargs`` go to ``torch.compile``."""
-    if mode not in MODES:
-        raise ValueError(f"compile mode {mode!r}: expected one of {MODES}")
-    if mode == "none":
+    whole model). ``how``: train.compile's mode (``MODES``). ``blocks``: class names to
+    compile in ``regional`` mode (default: ``repeated_blocks(model)``). ``compile_kwargs``
+    go to ``torch.compile`` (its own ``mode``, e.g. ``reduce-overhead``, among them)."""
+    if how not in MODES:
+        raise ValueError(f"compile mode {how!r}: expected one of {MODES}")
+    if how == "none":
         return []
     compile_kwargs.setdefault("dynamic", False)
-    if mode == "full":
+    if how == "full":
         model.compile(**compile_kwargs)
         return [""]
     blocks = tuple(blocks) if blocks is not None else repeated_blocks(model)

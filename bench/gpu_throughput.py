@@ -35,8 +35,9 @@ Every row runs in its own process (no compile, LoRA or allocator state leaks bet
 rows), with a fresh inductor cache (compile seconds are what a fresh worker pays). Its
 first step (compilation happens there) must finish within ``--compile-budget`` seconds,
 else the row is recorded as over budget and killed, not waited on. ``compile s`` is that
-first step's time minus the steady step time; ``step ms`` and ``peak mem GiB`` are over the
-timed steps only.
+first step's time minus the steady step time; ``step ms``, ``peak mem GiB`` (allocated) and
+``reserved GiB`` (the allocator's reserved peak: it includes a ``+ro`` row's CUDA-graph pool,
+recorded before the timed steps) are over the timed steps only.
 
 ``--profile N`` runs N more steps under torch.profiler after the timed ones and records the
 device's busy share of their wall time (well under 100%: the GPU waits on the host, which
@@ -451,6 +452,9 @@ def run_case(args) -> None:
         row["compile s"] = max(first - sec, 0.0)
     if device.type == "cuda":
         row["peak mem GiB"] = torch.cuda.max_memory_allocated() / 2**30
+        # CUDA graphs' private pool is allocated while recording (before the reset above)
+        # and replays allocate nothing, so the allocated peak leaves it out; reserved counts it.
+        row["reserved GiB"] = torch.cuda.max_memory_reserved() / 2**30
         # The caching allocator freeing everything and retrying cudaMalloc: memory pressure
         # that costs time (a suspect for a compiled step slower than the eager one).
         row["alloc retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
@@ -676,7 +680,8 @@ def main() -> None:
                     r["x baseline"] = round(r["img/s"] / base["img/s"], 2)
 
     cols = ["model", "res", "batch", "variant", "img/s", "step ms", "TFLOP/step", "MFU %",
-            "x baseline", "compile s", "peak mem GiB", "alloc retries", "graphs", "breaks"]
+            "x baseline", "compile s", "peak mem GiB", "reserved GiB", "alloc retries", "graphs",
+            "breaks"]
     if args.profile:
         cols.append("busy %")
     dtype = "bf16" if cuda else "fp32"
@@ -689,7 +694,8 @@ def main() -> None:
                "compile s: first step minus steady step, " + (
                    "inductor/triton caches shared between rows (warm)" if args.shared_compile_cache
                    else "fresh inductor/triton cache per row (cold)") +
-               f"; budget {args.compile_budget:.0f} s. peak mem: over the timed steps. graphs/"
+               f"; budget {args.compile_budget:.0f} s. peak mem: allocated, over the timed steps "
+               "(a +ro row's CUDA-graph pool is in reserved, not there). graphs/"
                "breaks: dynamo's unique graphs and graph breaks in the row's process.",
                f"MFU against {peak / 1e12:.0f} TFLOP/s peak dense bf16." if peak else
                "MFU: no peak FLOP/s known for this device (use --peak-tflops).",

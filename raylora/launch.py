@@ -779,6 +779,37 @@ def fit_judging_data(cfg: RayLoraConfig, p: Plan, fit):
     return result, check_bad_records(cfg, p)
 
 
+def fit_interruptibly(trainer):
+    """``trainer.fit()``, with Ctrl-C and the stop timeout (raylora.stop) still raising
+    KeyboardInterrupt in this thread: the embedded Ray shut down, exit 130, "interrupted".
+
+    Ray Train V2's ``fit()`` on the main thread installs its own SIGINT handler and keeps
+    it: it aborts the run's controller, then exits the process, with code 1 and no word of
+    why. Off the main thread it installs none (as in a Tune trial), so the fit runs in a
+    helper thread while this one waits where a signal's handler can run."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return trainer.fit()
+    out: dict = {}
+
+    def fit() -> None:
+        try:
+            out["result"] = trainer.fit()
+        except BaseException as exc:  # re-raised below, in the caller's thread
+            out["error"] = exc
+
+    # A daemon: an interrupted driver exits without waiting on the fit's ray.get (the
+    # embedded Ray's shutdown, or the driver's exit on a cluster, ends the run).
+    helper = threading.Thread(target=fit, name="raylora-fit", daemon=True)
+    helper.start()
+    while helper.is_alive():
+        helper.join(0.25)
+    if "error" in out:
+        raise out["error"]
+    return out["result"]
+
+
 def _fit(cfg: RayLoraConfig, p: Plan):
     from raylora import progress, stop
     from raylora.checkpoint.recorded import drop_unrecorded
@@ -790,7 +821,7 @@ def _fit(cfg: RayLoraConfig, p: Plan):
           stop.driver_requests(cfg.failure.stop_timeout_s, SIGTERM_HOOKS) as stops):
         trainer = build_trainer(cfg, p, cfg.output.uri, TRAIN_RUN_NAME, progress_board=board,
                                 stop_requests=stops.name)
-        result = trainer.fit()
+        result = fit_interruptibly(trainer)
     if stops.signalled and not (result.metrics or {}).get("stopped"):
         log.warning("SIGTERM came after the last step had started: the run finished "
                     "normally, no stop was needed")
@@ -906,7 +937,7 @@ def run_lr_find(
             lr_find=settings,
         )
         # A curve measured on a fraction of the data is refused like a run trained on one.
-        result, bad = fit_judging_data(cfg, p, trainer.fit)
+        result, bad = fit_judging_data(cfg, p, lambda: fit_interruptibly(trainer))
         with result.checkpoint.as_directory() as d, open(os.path.join(d, "lr_find.json")) as f:
             rows = json.load(f)
     suggestion = lr_find.suggest_lr(rows)

@@ -131,8 +131,11 @@ def driver_requests(timeout_s: float, sigterm_hooks: list):
 
     def expire() -> None:
         stop.expired = True
-        # SIGINT in the main thread: KeyboardInterrupt, or during a search Tune's own
-        # handler, which ends its loop and saves the search's state (raylora.tune_stop).
+        log.warning("SIGTERM: not stopped within failure.stop_timeout_s (%gs): interrupting "
+                    "the driver", timeout_s)
+        # SIGINT in the main thread: KeyboardInterrupt (a run's fit waits in a helper
+        # thread: launch.fit_interruptibly), or during a search Tune's own handler, which
+        # ends its loop and saves the search's state (raylora.tune_stop).
         _thread.interrupt_main()
 
     def on_sigterm() -> bool:

@@ -208,3 +208,42 @@ def test_sigterm_then_rerun_from_s3_equals_straight_and_leaks_no_secret(
         with open(path, "rb") as f:
             data = f.read()
         assert secret.encode() not in data and key_id.encode() not in data, path
+
+
+@pytest.mark.integration
+def test_a_stop_past_its_timeout_interrupts_raylora_train_with_exit_130(setup, ray_tmp, tmp_path):
+    """`raylora train` (a fresh process, embedded Ray) gets SIGTERM with a stop timeout
+    shorter than any step: the timeout interrupts the driver through SIGINT's handler,
+    the one Ctrl-C reaches. Ray Train's fit() on the main thread would put its own there
+    (abort, then exit 1 without a word); raylora's driver exits 130 saying how to resume,
+    and leaves no Ray process behind."""
+    import glob
+    import subprocess
+    import sys
+
+    import yaml
+
+    root, tree, _ = setup
+    job_tree = tree("timeout", max_steps=400)
+    job_tree["failure"]["stop_timeout_s"] = 0.01
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(job_tree))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_TMPDIR"] = ray_tmp
+    proc = subprocess.Popen([sys.executable, "-m", "raylora", "train", str(job)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=tmp_path)
+    deadline = time.monotonic() + 300
+    while not glob.glob(str(root / "timeout" / "train" / "checkpoint_*")) and proc.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert proc.poll() is None, "finished before it could be stopped"
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-3000:]
+    assert time.monotonic() - t0 < 60
+    assert "SIGTERM: not stopped within failure.stop_timeout_s (0.01s): interrupting the driver" in out
+    assert "raylora: interrupted; run the same command again to resume from the latest checkpoint" in out
+    time.sleep(2)
+    assert ray_processes(ray_tmp) == []

@@ -202,8 +202,9 @@ def test_a_stop_not_done_within_its_timeout_interrupts_the_driver(ray_local):
     from raylora import stop
 
     hooks = []
-    # Python's own handler: Ray Train V2's fit() (earlier tests in this process) installs
-    # its SIGINT handler (abort the controller) and leaves it there.
+    # Python's own handler, whatever ran before: Ray Train V2's fit() called on the main
+    # thread installs its SIGINT handler (abort the controller) and leaves it there
+    # (raylora's runs fit in a helper thread: launch.fit_interruptibly).
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):

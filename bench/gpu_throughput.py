@@ -26,7 +26,8 @@ training does; ``regional-res``: and the UNet's ResnetBlock2D too), and the
 ``cudnn`` / ``efficient`` / ``math`` (that SDPA kernel in every attention layer) and
 ``sdpa-auto`` (each layer's fastest, timed on the first batch: ``train.sdpa_backend`` as
 training runs it), ``mat`` (inductor ``max-autotune-no-cudagraphs``), ``ro``
-(``reduce-overhead``: CUDA graphs). ``raylora`` alone is the uncached eager step.
+(``reduce-overhead``: CUDA graphs, as ``train.cuda_graphs`` runs them). ``raylora`` alone
+is the uncached eager step.
 ``warm``: the same row as without it, compiled in a fresh process whose empty inductor
 cache is first filled from what that row stored (``train.compile_cache_uri``: a restarted
 worker or a new pod); list it after that row.
@@ -196,7 +197,8 @@ def fresh_accelerator(unet):
                        cpu=unet.device.type == "cpu")
 
 
-def raylora_step(model, unet, vae, encoders, scheduler, scale, res, cached: bool):
+def raylora_step(model, unet, vae, encoders, scheduler, scale, res, cached: bool,
+                 cuda_graphs: bool = False):
     """raylora's own step through the family seam: ``add_lora`` (fp32 LoRA on a bf16
     base), DDPM ε objective, Accelerate bf16, ``train_micro_step``, AdamW as
     ``build_optimizer`` picks it; cached batches: no encoders. Compiled by the caller,
@@ -212,7 +214,8 @@ def raylora_step(model, unet, vae, encoders, scheduler, scale, res, cached: bool
     opt = torch.optim.AdamW(params, lr=1e-4, **adamw_impl(unet.device))
     unet_p, opt = accel.prepare(unet, opt)
     parts = FrozenParts(family(model), None if cached else vae, [] if cached else encoders,
-                        DDPM(scheduler, "epsilon"), unet.dtype, latent_scale=scale)
+                        DDPM(scheduler, "epsilon"), unet.dtype, latent_scale=scale,
+                        cuda_graphs=cuda_graphs)
 
     def step(batch):
         return train_micro_step(accel, unet_p, parts, opt, None, params, batch, 1.0)
@@ -327,7 +330,7 @@ def profile_steps(step, batch, device, steps: int, top: int = 8) -> dict:
 
     cuda = device.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=cuda) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
             step(batch)
@@ -346,9 +349,29 @@ def profile_steps(step, batch, device, steps: int, top: int = 8) -> dict:
         kind = kernel_kind(name)
         shares[kind] = shares.get(kind, 0.0) + 100 * t / total
     ranked = sorted(times, key=lambda x: -x[1])[:top]
-    return {"busy %": 100 * total / wall_us if cuda else None,
-            "kinds %": {k: round(v, 1) for k, v in sorted(shares.items(), key=lambda x: -x[1])},
-            "top": [[name[:90], round(100 * t / total, 1)] for name, t in ranked]}
+    out = {"busy %": 100 * total / wall_us if cuda else None,
+           "kinds %": {k: round(v, 1) for k, v in sorted(shares.items(), key=lambda x: -x[1])},
+           "top": [[name[:90], round(100 * t / total, 1)] for name, t in ranked]}
+    if cuda:
+        try:
+            out["copies"] = copy_sources(prof, total, top)
+        except Exception as exc:  # a diagnostic: never the reason a measured row is lost
+            out["copies"] = [[f"not read: {type(exc).__name__}: {exc}"[:90], 0.0]]
+    return out
+
+
+def copy_sources(prof, total: float, top: int) -> list:
+    """The copy kernels' launchers (#24: 15 % of SD 1.5's kernel time, launcher unknown):
+    aten's copy ops by input shapes, their kernels' share of the kernel time. A dtype cast
+    (``_to_copy``) of an activation-sized tensor points at autocast around the eager ops."""
+    from torch.autograd import DeviceType
+
+    rows = [(f"{e.key} {e.input_shapes}", e.self_device_time_total)
+            for e in prof.key_averages(group_by_input_shape=True)
+            if e.device_type == DeviceType.CPU and e.key in ("aten::copy_", "aten::_to_copy")
+            and e.self_device_time_total > 0]
+    return [[name[:120], round(100 * t / total, 1)]
+            for name, t in sorted(rows, key=lambda x: -x[1])[:top]]
 
 
 def emit(**event) -> None:
@@ -392,7 +415,8 @@ def run_case(args) -> None:
             vae, encoders = None, []  # a cached run's worker never loads them
         if "cl" in tokens:  # as build_run does for train.channels_last
             unet.to(memory_format=torch.channels_last)
-        step = raylora_step(model, unet, vae, encoders, scheduler, scale, res, cached)
+        step = raylora_step(model, unet, vae, encoders, scheduler, scale, res, cached,
+                            cuda_graphs="ro" in tokens)
         for line in pin_attention(tokens, unet, lambda: step.forward(batch),
                                   family(model).cudnn_sdpa):
             print(f"attention: {line}", flush=True)
@@ -412,12 +436,6 @@ def run_case(args) -> None:
     if mode != "none" and args.artifacts:
         cold = "+".join(sorted(tokens - {"warm"}))
         stored = CompileCache(LocalFiles(), os.path.join(args.artifacts, f"{model}-{b}-{cold}.bin"))
-    if "ro" in tokens:  # CUDA graph trees: each step is a new generation of outputs
-        inner = step
-
-        def step(batch):
-            torch.compiler.cudagraph_mark_step_begin()
-            return inner(batch)
     emit(event="built", flops=flops)
 
     t0 = time.perf_counter()
@@ -668,7 +686,7 @@ def main() -> None:
                     row["TFLOP/step"] = row["flops"] / 1e12 if row["flops"] else None
                 row["wall s"] = time.monotonic() - t0
                 rows.append(row)
-                shown = {k: v for k, v in row.items() if k not in ("flops", "top")}
+                shown = {k: v for k, v in row.items() if k not in ("flops", "top", "copies")}
                 print(shown, flush=True)
                 if args.jsonl:
                     with open(args.jsonl, "a") as f:
@@ -718,7 +736,9 @@ def profile_notes(rows: list[dict], steps: int) -> list[str]:
         if "kinds %" in r:
             kinds = ", ".join(f"{k} {v}" for k, v in r["kinds %"].items())
             top = "; ".join(f"`{n}` {v}" for n, v in r["top"][:5])
-            out.append(f"{r['model']} b{r['batch']} {r['variant']}: {kinds}. Top: {top}")
+            copies = "; ".join(f"`{n}` {v}" for n, v in r.get("copies", [])[:5])
+            out.append(f"{r['model']} b{r['batch']} {r['variant']}: {kinds}. Top: {top}"
+                       + (f". Copies by launcher: {copies}" if copies else ""))
     return out
 
 

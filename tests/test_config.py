@@ -111,6 +111,24 @@ def test_fp16_on_cpu_rejected_with_key():
     assert cfg.train.mixed_precision == "fp16"
 
 
+def test_cuda_graphs_named_where_a_graph_cannot_stand_for_the_step():
+    gpu = ["train.cuda_graphs=true", "scaling.use_gpu=true"]
+    cfg = validate(apply_overrides(MIN, gpu))  # compile auto: regional on a GPU
+    assert cfg.train.cuda_graphs and cfg.compile_mode == "regional"
+    cases = {
+        "train.cuda_graphs: CUDA graphs need a GPU (scaling.use_gpu is false)":
+            ["train.cuda_graphs=true", "train.compile=regional"],
+        "train.cuda_graphs: the graphs are made by torch.compile, and train.compile is none "
+        "(no compile here); use regional": gpu + ["train.compile=none"],
+        "train.cuda_graphs: needs one micro-batch per optimizer step "
+        "(train.gradient_accumulation_steps is 4)": gpu + ["train.gradient_accumulation_steps=4"],
+    }
+    for message, overrides in cases.items():
+        with pytest.raises(ConfigError) as ei:
+            validate(apply_overrides(MIN, overrides))
+        assert ei.value.problems == [message]
+
+
 def test_override_syntax_errors_named():
     with pytest.raises(ConfigError, match="override must look like key.path=value"):
         apply_overrides(MIN, ["train.learning_rate"])

@@ -105,6 +105,7 @@ def frozen_parts(cfg: RayLoraConfig, comps, device, weight_dtype: torch.dtype,
         latent_shift=comps.latent_shift, latent_scale=comps.latent_scale,
         guidance=cfg.train.flow.guidance, text_encoder_params=list(te_params),
         prior_loss_weight=cfg.train.prior_loss_weight if cfg.data.prior_preservation else None,
+        cuda_graphs=cfg.train.cuda_graphs,
     )
 
 
@@ -223,7 +224,8 @@ def build_run(
     if comps.family.channels_last if t.channels_last is None else t.channels_last:
         # 4-D tensors only (conv weights): Linear weights and LoRA factors keep their layout.
         comps.denoiser.to(memory_format=torch.channels_last)
-    compile_denoiser(comps.denoiser, cfg.compile_mode, comps.family.repeated_blocks)
+    compile_denoiser(comps.denoiser, cfg.compile_mode, comps.family.repeated_blocks,
+                     **({"mode": "reduce-overhead"} if t.cuda_graphs else {}))
     compile_cache = open_compile_cache(cfg, comps, accelerator.device, rank)
     parts = frozen_parts(cfg, comps, accelerator.device, weight_dtype, te_params)
     if restored is not None:
@@ -270,7 +272,9 @@ def compile_cache_inputs(cfg: RayLoraConfig, comps) -> dict:
         # Prior preservation appends the class rows to every micro-batch.
         "batch": [t.batch_size, d.max_resolution(), d.prior_preservation, d.masked_loss,
                   d.cache == "latents"],
-        "switches": [t.gradient_checkpointing, t.channels_last, t.sdpa_backend],
+        # CUDA graphs only when on: entries stored before the switch existed keep their name.
+        "switches": [t.gradient_checkpointing, t.channels_last, t.sdpa_backend]
+        + (["cuda_graphs"] if t.cuda_graphs else []),
     }
 
 

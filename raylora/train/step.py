@@ -41,6 +41,9 @@ class FrozenParts:
     # Prior preservation: batches are instance ‖ class halves, and this weights the class
     # half's loss (train.prior_loss_weight); None: plain batches.
     prior_loss_weight: float | None = None
+    # train.cuda_graphs: the compiled blocks replay CUDA graphs; each micro-step is a new
+    # generation of their outputs (see train_micro_step).
+    cuda_graphs: bool = False
 
 
 def encode_batch(parts: FrozenParts, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Cond]:
@@ -102,6 +105,11 @@ def train_micro_step(
     fp16 the GradScaler makes that call itself (and lowers its scale), so it still steps.
     """
     skip, finite, flagged = False, None, None
+    if parts.cuda_graphs:
+        # Tells the graph trees that a new step begins: the last step's outputs
+        # (activations, gradients: the optimizer has stepped and zero_grad dropped them)
+        # are dead, so this replay may write over them (as the bench's +ro rows do).
+        torch.compiler.cudagraph_mark_step_begin()
     with accelerator.accumulate(model):
         if hasattr(model, "set_requires_gradient_sync"):
             # FSDP (not DDP-wrapped, so accumulate() cannot skip its sync): reduce-scatter

@@ -32,11 +32,11 @@ common=(--time-limit "${TIME_LIMIT:-540}" --profile 3)
 case "$step" in
   # SD 1.5 @512, cached (short of 40% MFU at 26% on an H200, 2026-11-26, with 41% of its
   # kernel time elementwise/copy/norm outside the compiled blocks): regional with the copy
-  # kernels' launchers profiled, then the resnets compiled too (their step time, past the
-  # 90 s budget), then warm from the stored compile cache.
+  # kernels' launchers profiled, the GroupNorms out of autocast (gn16), the resnets
+  # compiled too (their step time, past the 90 s budget), then warm from the stored cache.
   sd15) "$PY" bench/gpu_throughput.py --models sd15 --batch-sizes 64 "${common[@]}" \
           --compile-budget 240 \
-          --variants cached+regional,cached+regional-res,cached+regional+warm ;;
+          --variants cached+regional,cached+regional+gn16,cached+regional-res,cached+regional+warm ;;
   # SDXL @1024: regional with CUDA graphs (train.cuda_graphs; 33% MFU on an H200), eager
   # beside it, and its warm compile.
   sdxl) "$PY" bench/gpu_throughput.py --models sdxl --batch-sizes 8 "${common[@]}" \

@@ -25,7 +25,9 @@ training does; ``regional-res``: and the UNet's ResnetBlock2D too), and the
 "fast step" switches ``cl`` (channels-last UNet: ``train.channels_last``), ``flash`` /
 ``cudnn`` / ``efficient`` / ``math`` (that SDPA kernel in every attention layer) and
 ``sdpa-auto`` (each layer's fastest, timed on the first batch: ``train.sdpa_backend`` as
-training runs it), ``mat`` (inductor ``max-autotune-no-cudagraphs``), ``ro``
+training runs it), ``gn16`` (the UNet's GroupNorms in bf16, out of autocast's fp32: a
+hypothesis for SD 1.5's copy kernels, no train option), ``mat`` (inductor
+``max-autotune-no-cudagraphs``), ``ro``
 (``reduce-overhead``: CUDA graphs, as ``train.cuda_graphs`` runs them). ``raylora`` alone
 is the uncached eager step.
 ``warm``: the same row as without it, compiled in a fresh process whose empty inductor
@@ -125,7 +127,7 @@ LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 
 # Variant tokens (see the module docstring).
 TOKENS = {"baseline", "raylora", "cached", "regional", "regional-res", "full", "cl", "flash",
-          "cudnn", "efficient", "math", "sdpa-auto", "mat", "ro", "warm"}
+          "cudnn", "efficient", "math", "sdpa-auto", "mat", "ro", "warm", "gn16"}
 SDPA_TOKENS = {"flash", "cudnn", "efficient", "math", "sdpa-auto"}
 DEFAULT_BATCHES = "sd15=32,64;sdxl=4,8"
 DEFAULT_VARIANTS = "baseline,raylora,cached,cached+regional,cached+regional-res,cached+full,regional"
@@ -282,6 +284,23 @@ def count_flops(step, batch) -> int:
     return counter.get_total_flops()
 
 
+def groupnorm_outside_autocast(unet) -> int:
+    """``gn16``: every GroupNorm runs in the weights' dtype (bf16; CUDA's kernel keeps its
+    statistics in fp32) instead of autocast's fp32, so the eager resnets between the
+    compiled blocks do not cast each activation to fp32 and back around it (SD 1.5: 15 %
+    of the kernel time is copies, 9 % norms). A hypothesis to measure, not a train option.
+    Returns how many were changed."""
+    n = 0
+    for m in unet.modules():
+        if isinstance(m, torch.nn.GroupNorm):
+            def forward(x, _m=m, _forward=m.forward):
+                with torch.autocast(x.device.type, enabled=False):
+                    return _forward(x.to(_m.weight.dtype))
+            m.forward = forward
+            n += 1
+    return n
+
+
 def pin_attention(tokens: set, unet, forward, cudnn_allowed: bool) -> list[str]:
     """``train.sdpa_backend`` as training runs it (``raylora.train.attention``): the
     variant's kernel in every attention layer, or ``sdpa-auto``'s per-layer timing; no
@@ -415,6 +434,8 @@ def run_case(args) -> None:
             vae, encoders = None, []  # a cached run's worker never loads them
         if "cl" in tokens:  # as build_run does for train.channels_last
             unet.to(memory_format=torch.channels_last)
+        if "gn16" in tokens:
+            print(f"gn16: {groupnorm_outside_autocast(unet)} GroupNorms out of autocast", flush=True)
         step = raylora_step(model, unet, vae, encoders, scheduler, scale, res, cached,
                             cuda_graphs="ro" in tokens)
         for line in pin_attention(tokens, unet, lambda: step.forward(batch),

@@ -160,6 +160,7 @@ def test_a_stop_asked_on_the_last_step_lets_the_run_finish(ray_local, tiny_model
     the run's only step trains: the last step never stops, so the run finishes and
     exports, and the driver says no stop was needed instead of leaving its promise."""
     import logging
+    import signal
     import threading
     import time
 
@@ -181,9 +182,13 @@ def test_a_stop_asked_on_the_last_step_lets_the_run_finish(ray_local, tiny_model
 
     t = threading.Thread(target=sigterm_when_fitting, daemon=True)
     t.start()
+    sigint = signal.getsignal(signal.SIGINT)
     with caplog.at_level(logging.WARNING):
         summary = launch.run(validate(tree))
     t.join(timeout=10)
+    # The fit ran off the main thread (launch.fit_interruptibly): Ray Train installed no
+    # SIGINT handler of its own, so Ctrl-C and the stop timeout still reach this one.
+    assert signal.getsignal(signal.SIGINT) is sigint
     assert asked == [True]
     assert "stopped" not in summary and summary["metrics"]["steps"] == 1
     assert os.path.exists(tmp_path / "out" / "adapter" / "pytorch_lora_weights.safetensors")

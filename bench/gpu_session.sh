@@ -10,13 +10,13 @@
 #       pydantic_core==2.50.4 annotated_types==0.8.0 typing_extensions==4.16.0 \
 #       typing_inspection==0.4.5
 #   # there, through the device tool (carry: .whl):
-#   bash bench/gpu_session.sh sd15        # then: sdxl, sdxl-full, dits, wan
+#   bash bench/gpu_session.sh loop        # then: sd15, sd15-res, sdxl, sdxl-full, dits, wan
 #
 # Each step appends its table to bench/RESULTS.md and copies that file to $OUT (the device
 # tool brings $OUT back), so the section can be committed here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-step=${1:?usage: bench/gpu_session.sh sd15|sdxl|sdxl-full|dits|wan|smoke}
+step=${1:?usage: bench/gpu_session.sh loop|sd15|sd15-res|sdxl|sdxl-full|dits|wan|smoke}
 WHEELS=${WHEELS:-.whl}
 PY=${PYTHON:-python3}
 SITE=${SITE:-/tmp/raylora-site}
@@ -30,13 +30,20 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>
 # 540 s of the 600 s a call may run: the rows still to come are recorded as not run.
 common=(--time-limit "${TIME_LIMIT:-540}" --profile 3)
 case "$step" in
+  # A whole run (loop, EMA, held-out loss, previews, checkpoints, resume) with
+  # train.cuda_graphs against the same run without: what keeps the switch off by default.
+  # A tiny SDXL, so the compile is short; each run compiles afresh.
+  loop) "$PY" bench/gpu_loop_check.py --family sdxl --steps 16 ;;
   # SD 1.5 @512, cached (short of 40% MFU at 26% on an H200, 2026-11-26, with 41% of its
   # kernel time elementwise/copy/norm outside the compiled blocks): regional with the copy
-  # kernels' launchers profiled, the GroupNorms out of autocast (gn16), the resnets
-  # compiled too (their step time, past the 90 s budget), then warm from the stored cache.
+  # kernels' launchers profiled, the GroupNorms out of autocast (gn16), then warm from the
+  # stored cache.
   sd15) "$PY" bench/gpu_throughput.py --models sd15 --batch-sizes 64 "${common[@]}" \
-          --compile-budget 240 \
-          --variants cached+regional,cached+regional+gn16,cached+regional-res,cached+regional+warm ;;
+          --variants cached+regional,cached+regional+gn16,cached+regional+warm ;;
+  # The resnets compiled too: their step time (the cold compile was past 90 s on an
+  # H100), and how long a fresh process takes with the stored cache (train.compile_cache_uri).
+  sd15-res) "$PY" bench/gpu_throughput.py --models sd15 --batch-sizes 64 "${common[@]}" \
+          --compile-budget 300 --variants cached+regional-res,cached+regional-res+warm ;;
   # SDXL @1024: regional with CUDA graphs (train.cuda_graphs; 33% MFU on an H200), eager
   # beside it, and its warm compile.
   sdxl) "$PY" bench/gpu_throughput.py --models sdxl --batch-sizes 8 "${common[@]}" \
@@ -52,6 +59,7 @@ case "$step" in
   smoke) cp bench/RESULTS.md "${TMPDIR:-/tmp}/RESULTS.md.before"
          "$PY" bench/gpu_throughput.py --smoke --models sd15 --batch-sizes 2 --profile 1 \
            --variants cached+regional
+         "$PY" bench/gpu_loop_check.py --smoke --family sdxl --steps 4
          cp "${TMPDIR:-/tmp}/RESULTS.md.before" bench/RESULTS.md ;;
   *) echo "unknown step: $step" >&2; exit 2 ;;
 esac

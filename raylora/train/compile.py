@@ -16,7 +16,11 @@ graph. A UNet's resnet blocks (``UNET_RESNET_BLOCKS``) are not compiled by defau
 H100 (bench/RESULTS.md, 2026-11-23) they took SD 1.5's cold compile past 90 s (it has ~15
 kinds of ResnetBlock2D, each a forward and a backward graph), while its transformer
 blocks alone compiled in 49 s for 1.35x the eager step. (SDXL with its resnet blocks: 93 s,
-1.58x eager; SDXL without them is not measured yet.)
+1.58x eager on that H100; without them 24 s, 1.23x eager on an H200.) Dynamic shapes do
+not merge those resnet graphs: torch specialises the sizes back (GroupNorm's and
+convolution's shape checks, the backward's compile), so ``dynamic=True`` made the same
+graphs, 40 % slower to compile (bench/RESULTS.md, 2026-11-26); ``train.compile_cache_uri``
+is the way to pay for them once.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # raylora
@@ -172,27 +173,43 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="gpu-loop-")
     model_path = str(build_tiny(os.path.join(root, "model"), args.family))
     batches = raw_batches(args.family, model_path, n=4, b=2)
-    runs = {}
+    runs, failed = {}, {}
+
+    def attempt(name, cfg, **kw):
+        """A run that raises (a replayed graph's output read after it was overwritten is
+        an error torch raises) is recorded as failed, not lost with the rest."""
+        try:
+            runs[name] = train(cfg, batches, args.steps, os.path.join(root, name, "ckpt"), gpu, **kw)
+            print(f"{name}: {args.steps} steps in {runs[name]['wall_s']:.1f} s, last loss "
+                  f"{runs[name]['losses'][-1]:.4f}", flush=True)
+        except Exception as exc:
+            traceback.print_exc()
+            failed[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+
     plan = [("eager", "none", False), ("regional", "regional", False)]
     if gpu:
         plan.append(("regional+cg", "regional", True))
     for name, mode, cg in plan:
-        cfg = config(model_path, os.path.join(root, name), mode, cg, gpu, args.steps, every)
-        runs[name] = train(cfg, batches, args.steps, os.path.join(root, name, "ckpt"), gpu)
-        print(f"{name}: {args.steps} steps in {runs[name]['wall_s']:.1f} s, last loss "
-              f"{runs[name]['losses'][-1]:.4f}", flush=True)
+        attempt(name, config(model_path, os.path.join(root, name), mode, cg, gpu, args.steps, every))
     last = plan[-1][0]
     half = (args.steps // 2) // every * every or every
-    restored = load_state(os.path.join(root, last, "ckpt", f"step_{half}"), rank=0)
-    cfg = config(model_path, os.path.join(root, "resumed"), plan[-1][1], plan[-1][2], gpu,
-                 args.steps, every)
-    runs["resumed"] = train(cfg, batches, args.steps, os.path.join(root, "resumed", "ckpt"),
-                            gpu, restored=restored)
-    rows = [compare("eager vs regional", runs["eager"], runs["regional"])]
+    if last in runs:
+        restored = load_state(os.path.join(root, last, "ckpt", f"step_{half}"), rank=0)
+        attempt("resumed", config(model_path, os.path.join(root, "resumed"), plan[-1][1],
+                                  plan[-1][2], gpu, args.steps, every), restored=restored)
+    pairs = [("eager", "regional", "eager vs regional")]
     if gpu:
-        rows.append(compare("regional vs regional+cg", runs["regional"], runs["regional+cg"]))
-    rows.append(compare(f"{last} vs {last} resumed at step {half}", runs[last], runs["resumed"]))
-    cols = list(rows[0])
+        pairs.append(("regional", "regional+cg", "regional vs regional+cg"))
+    pairs.append((last, "resumed", f"{last} vs {last} resumed at step {half}"))
+    rows = []
+    for a, b, label in pairs:
+        if a in runs and b in runs:
+            rows.append(compare(label, runs[a], runs[b]))
+        else:
+            rows.append({"runs": label, "steps": "failed: " + "; ".join(
+                f"{n}: {failed.get(n, 'not run')}" for n in (a, b) if n not in runs)})
+    cols = ["runs", "steps", "max abs d loss", "max abs d eval loss", "max abs d LoRA",
+            "LoRA max", "max abs d preview (0-255)", "wall s (b)"]
     print(table(rows, cols))
     if args.smoke:
         return

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import os
 import json
+import math
 import threading
 import time
 
@@ -356,9 +357,16 @@ def test_an_elastic_run_grows_when_a_node_joins_and_shrinks_when_it_is_lost(
     grown_at = _wait_for_checkpoint(out, thread, world=1)
     node = cluster.add_node(num_cpus=NODE_CPUS)
     _reread_nodes()
-    drained_at = _wait_for_checkpoint(out, thread, world=2, after=grown_at)
+    seen_at = _wait_for_checkpoint(out, thread, world=2, after=grown_at)
+    # The workers answer a notice with a checkpoint at their next step, so its deadline must
+    # outlast a step or two: 8 s, or three steps as this run takes them (timed over its next
+    # checkpoint interval, writes included) where the machine is slow (seen: a CPU shared
+    # with compiles, ~10 s a step, and no notice checkpoint within 8 s).
+    t = time.monotonic()
+    drained_at = _wait_for_checkpoint(out, thread, world=2, after=seen_at)
+    step_s = (time.monotonic() - t) / (drained_at - seen_at)
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
-    drained, deadline_s = time.monotonic(), 8
+    drained, deadline_s = time.monotonic(), max(8, math.ceil(2 + 3 * step_s))
     drain = subprocess.run(
         [ray_cli, "drain-node", "--address", cluster.address, "--node-id", node.node_id,
          "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim (test)",
@@ -388,5 +396,5 @@ def test_an_elastic_run_grows_when_a_node_joins_and_shrinks_when_it_is_lost(
     assert said.count("raylora: resized to 2 worker(s), gradient accumulation 1 (was 1 × 2)") == 1
     assert said.count("raylora: resized to 1 worker(s), gradient accumulation 2 (was 2 × 1)") == 1
     print(f"elastic: grown after step {grown_at}, node drained after step {drained_at}, "
-          f"preemption checkpoint at step {noticed_at}, "
-          f"sizes {seen}, {time.monotonic() - t0:.0f} s")
+          f"preemption checkpoint at step {noticed_at} ({step_s:.2f} s a step, deadline "
+          f"{deadline_s} s), sizes {seen}, {time.monotonic() - t0:.0f} s")

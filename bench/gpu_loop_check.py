@@ -36,27 +36,18 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from common import machine, record, table  # noqa: E402
+from gpu_throughput import raw_batch  # noqa: E402
 
 RES = 64
 
 
 def raw_batches(family: str, model_path: str, n: int, b: int) -> list[dict]:
-    """``n`` fixed raw batches (pixels in [-1, 1], token ids) of one shape, as raylora's
-    preprocessing hands them to the step."""
+    """``n`` fixed raw batches of one shape (the throughput bench's, each from its own
+    seed), as raylora's preprocessing hands them to the step."""
     with open(os.path.join(model_path, "text_encoder", "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(n):
-        batch = {"pixel_values": torch.rand(b, 3, RES, RES, generator=g) * 2 - 1,
-                 "input_ids": torch.randint(0, vocab, (b, 77), generator=g)}
-        if family == "sdxl":
-            batch["input_ids_2"] = batch["input_ids"].clone()
-            batch["original_size"] = torch.full((b, 2), RES, dtype=torch.long)
-            batch["crop_top_left"] = torch.zeros((b, 2), dtype=torch.long)
-            batch["target_size"] = batch["original_size"].clone()
-        out.append(batch)
-    return out
+    arch = "sdxl" if family == "sdxl" else "sd15"
+    return [raw_batch(arch, b, RES, vocab, "cpu", seed=i) for i in range(n)]
 
 
 def config(model_path: str, out: str, compile_mode: str, cuda_graphs: bool, gpu: bool,
@@ -105,7 +96,7 @@ def train(cfg, batches, steps: int, ckpt_root: str, gpu: bool, restored=None) ->
     dev = accel.device
     heldout = prepare_heldout(run.parts, batches[0], num_timesteps=2, seed=0, device=dev)
     model = accel.unwrap_model(run.model)
-    got = {"losses": [], "eval": [], "previews": [], "checkpoints": []}
+    got = {"losses": [], "eval": [], "previews": []}
 
     def epoch_batches(epoch):
         return [{k: v.to(dev) for k, v in b.items()} for b in batches]
@@ -130,7 +121,6 @@ def train(cfg, batches, steps: int, ckpt_root: str, gpu: bool, restored=None) ->
         d = os.path.join(ckpt_root, f"step_{state.global_step}")
         os.makedirs(d, exist_ok=True)
         write_checkpoint(d, run, rank=0)
-        got["checkpoints"].append(state.global_step)
 
     settings = LoopSettings.from_config(cfg, steps, 1, device=dev.type)
     t0 = time.perf_counter()

@@ -163,8 +163,10 @@ def build(model: str, device, dtype, smoke: bool):
     return res, unet, vae, encoders, DDPMScheduler(), scale
 
 
-def raw_batch(model: str, b: int, res: int, vocab: int, device) -> dict:
-    g = torch.Generator().manual_seed(b)
+def raw_batch(model: str, b: int, res: int, vocab: int, device, seed: int | None = None) -> dict:
+    """Pixels in [-1, 1] and token ids (+ SDXL's size/crop conditioning) for ``b`` images;
+    drawn from ``seed`` (default: ``b``)."""
+    g = torch.Generator().manual_seed(b if seed is None else seed)
     batch = {"pixel_values": (torch.rand(b, 3, res, res, generator=g) * 2 - 1).to(device),
              "input_ids": torch.randint(0, vocab, (b, 77), generator=g).to(device)}
     if model == "sdxl":

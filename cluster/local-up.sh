@@ -18,6 +18,11 @@ RAY_BIN=${RAY_BIN:-}
 if [ -z "$RAY_BIN" ]; then
   if [ -x "$ROOT/.venv/bin/ray" ]; then RAY_BIN="$ROOT/.venv/bin/ray"; else RAY_BIN=$(command -v ray); fi
 fi
+# A job's entrypoint (`python -m raylora ...`: `raylora submit`, the line printed at the end)
+# runs with the head's PATH: lead it with the bin dir of the Python that Ray runs on, so
+# `python` is raylora's venv also when the caller's shell has not activated it.
+PATH="$(dirname "$RAY_BIN"):$PATH"
+export PATH
 
 CPUS=$(nproc)
 GPUS=0
@@ -102,5 +107,7 @@ echo "ray cluster up (state in $STATE); for clients: source $STATE/env"
 cat "$STATE/env"
 # The demo job (`make demo` builds runs/demo). runs/ is git-ignored, so the working dir the
 # job receives has no runs/demo: it is named by absolute paths (the head is this machine).
+# This cluster runs raylora's venv (PATH above), so the job installs nothing
+# (jobs/runtime_env.local.yaml says why).
 DEMO=$ROOT/runs/demo
-echo "ray job submit --address http://127.0.0.1:$DASH_PORT --working-dir . --runtime-env jobs/runtime_env.yaml -- python -m raylora train jobs/configs/tiny-local.yaml model.pretrained=$DEMO/model data.uri=$DEMO/data output.uri=$DEMO/output"
+echo "$RAY_BIN job submit --address http://127.0.0.1:$DASH_PORT --working-dir . --runtime-env jobs/runtime_env.local.yaml -- python -m raylora train jobs/configs/tiny-local.yaml model.pretrained=$DEMO/model data.uri=$DEMO/data output.uri=$DEMO/output"

@@ -51,8 +51,12 @@ def local_head(extra: list[str]):
     is left and removes it, also when the body failed."""
     # Short path: Ray's unix sockets must stay under 107 characters.
     state = tempfile.mkdtemp(prefix="rl-", dir="/tmp")
+    # PATH without the venv, as in a shell that has not activated it: local-up.sh itself
+    # must make a job's `python` the venv's (`raylora submit`'s and the demo line's jobs).
+    path = [p for p in os.environ["PATH"].split(os.pathsep)
+            if os.path.realpath(p) != os.path.realpath(BIN)]
     env = {**os.environ, "RAYLORA_LOCAL_STATE": state, "RAY_BIN": os.path.join(BIN, "ray"),
-           "PATH": BIN + os.pathsep + os.environ["PATH"]}
+           "PATH": os.pathsep.join(path)}
     env.pop("RAY_ADDRESS", None)
     port, dash = free_port(), free_port()
     args = ([] if "--cpus" in extra else ["--cpus", "4"]) + list(extra)

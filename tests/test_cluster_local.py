@@ -27,26 +27,35 @@ def test_demo_job_via_ray_job_submit_on_a_two_cpu_head(local_cluster, tiny_model
     """The README's path on a 2-core box: cluster/local-up.sh at its default size (one CPU
     per core; given explicitly, so any machine tests a 2-CPU head), a model and data as
     `raylora tiny-model` and `raylora demo-data` write them (the same builders), and the
-    demo job through the real `ray job submit` with jobs/runtime_env.yaml. Its 2 workers
-    of 1 CPU would hold both CPUs and leave Ray Data's preprocess tasks pending forever;
-    the driver halves their request instead."""
+    `ray job submit` line local-up.sh prints, run as printed from the repo (its paths
+    pointed at them, 3 steps). Its 2 workers of 1 CPU would hold both CPUs and leave Ray
+    Data's preprocess tasks pending forever; the driver halves their request instead. The
+    head was started from a PATH without the venv (tests/localhead.py): the job's `python`
+    is the venv's because local-up.sh put it first, and the job built no pip environment."""
+    import glob
+    import shlex
+
     c = local_cluster
     assert f"export RAY_ADDRESS={c['address']}" in c["stdout"]
+    ray = c["env"]["RAY_BIN"]
+    line = [ln for ln in c["stdout"].splitlines() if ln.startswith(f"{ray} job submit ")]
+    assert len(line) == 1, c["stdout"]
+    argv = shlex.split(line[0])
+    assert argv[argv.index("--runtime-env") + 1] == "jobs/runtime_env.local.yaml"
     out = tmp_path / "output"
-    # The job runs the repo as its working dir, exactly as a user submits it; runs/ is
-    # git-ignored and not shipped, so the demo's paths are absolute (as local-up.sh prints).
-    submit = subprocess.run(
-        ["ray", "job", "submit", "--address", c["dashboard"], "--working-dir", REPO,
-         "--runtime-env", os.path.join(REPO, "jobs", "runtime_env.yaml"),
-         "--submission-id", "raylora-demo", "--",
-         "python", "-m", "raylora", "train", "jobs/configs/tiny-local.yaml",
-         f"model.pretrained={tiny_model}", f"data.uri={demo_data}", f"output.uri={out}",
-         "train.max_steps=3", "train.lr_warmup_steps=0", "checkpoint.every_n_steps=3"],
-        capture_output=True, text=True, env=c["env"], timeout=600, cwd=tmp_path,
-    )
+    paths = {"model.pretrained": tiny_model, "data.uri": demo_data, "output.uri": out}
+    for i, arg in enumerate(argv):
+        key = arg.split("=", 1)[0]
+        if key in paths:
+            argv[i] = f"{key}={paths.pop(key)}"
+    assert not paths, f"local-up.sh's line names no {sorted(paths)}: {line[0]}"
+    argv[3:3] = ["--submission-id", "raylora-demo"]  # after `ray job submit`
+    argv += ["train.max_steps=3", "train.lr_warmup_steps=0", "checkpoint.every_n_steps=3"]
+    # runs/ is git-ignored and not shipped with the working dir: the paths are absolute.
+    submit = subprocess.run(argv, capture_output=True, text=True, env=c["env"], timeout=600, cwd=REPO)
     log = submit.stdout + submit.stderr
     assert submit.returncode == 0, log[-4000:]
-    status = subprocess.run(["ray", "job", "status", "--address", c["dashboard"], "raylora-demo"],
+    status = subprocess.run([ray, "job", "status", "--address", c["dashboard"], "raylora-demo"],
                             capture_output=True, text=True, env=c["env"], timeout=60)
     assert "job 'raylora-demo' succeeded" in (status.stdout + status.stderr).lower()
     assert "scaling.cpus_per_worker: 1 → 0.5" in log
@@ -55,6 +64,8 @@ def test_demo_job_via_ray_job_submit_on_a_two_cpu_head(local_cluster, tiny_model
     assert meta["config"]["scaling"]["cpus_per_worker"] == 0.5
     assert meta["metrics"]["steps"] == 3 and meta["metrics"]["replicas_in_sync"]
     assert (out / "adapter" / "pytorch_lora_weights.safetensors").stat().st_size > 1000
+    # Ray keeps a job's pip environment under its session's runtime_resources/pip.
+    assert glob.glob(os.path.join(c["state"], "tmp", "session_*", "runtime_resources", "pip", "*")) == []
 
 
 @pytest.mark.parametrize("local_cluster", [["--worker-node", "--worker-cpus", "2"]], indirect=True)

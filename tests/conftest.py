@@ -11,6 +11,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# A shell that sourced a cluster's env (local-up.sh's $STATE/env) must not steer the tests'
+# Rays: each test starts or names the cluster it uses. Seen: a stale token path failed 57
+# tests with AuthenticationError.
+for _var in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN"):
+    os.environ.pop(_var, None)
 # Ray Train's controller polls its workers every 2 s (default); a test run's 3-20 steps
 # take about a second, so the first and last polls were ~2.5 s of each ~20 s Ray run
 # (measured: 4 runs of one tiny SD3 test, 20.2-21.3 s at 2.0 vs 18.3-18.6 s at 0.25). Set

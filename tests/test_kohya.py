@@ -166,6 +166,20 @@ def _lora_cfg(model_path: str, targets=None):
                      "lora": lora}).lora
 
 
+def _adapter_and_kohya(model, fam, targets, tmp_path) -> tuple[str, dict[str, torch.Tensor]]:
+    """LoRA (rank 4, alpha 8, non-zero up weights) on ``targets`` of ``model`` → its diffusers
+    adapter folder (``tmp_path/adapter``) and the tensors of its kohya file (``k.safetensors``)."""
+    from raylora.model.lora import add_lora, save_diffusers_adapter
+
+    add_lora(model, _lora_cfg("m", targets), targets)
+    _randomize_b(model)
+    adapter = str(tmp_path / "adapter")
+    save_diffusers_adapter(model, adapter, fam)
+    export_kohya(os.path.join(adapter, "pytorch_lora_weights.safetensors"), str(tmp_path / "k.safetensors"),
+                 "tiny", fam)
+    return adapter, load_file(str(tmp_path / "k.safetensors"))
+
+
 @pytest.fixture(scope="module", params=DIT)
 def dit_adapter(request, tiny, tmp_path_factory):
     """(family, adapter folder): LoRA on the tiny model's transformer and its loadable CLIP
@@ -319,7 +333,6 @@ def test_kohya_file_patches_the_reference_checkpoint_as_the_adapter_does(family,
     from diffusers.loaders import single_file_utils as sf
 
     from raylora.model.families import get
-    from raylora.model.lora import add_lora, save_diffusers_adapter
 
     fam = get(family)
     if family == "flux":
@@ -328,12 +341,7 @@ def test_kohya_file_patches_the_reference_checkpoint_as_the_adapter_does(family,
     else:
         model, targets, convert = _sd35m_like(), ALL_SD3, sf.convert_sd3_transformer_checkpoint_to_diffusers
         keys = ["joint_blocks.0.x", "joint_blocks.1.x", "joint_blocks.0.x_block.attn2.x", "ln_q"]
-    add_lora(model, _lora_cfg("m", targets), targets)
-    _randomize_b(model)
-    save_diffusers_adapter(model, str(tmp_path / "adapter"), fam)
-    export_kohya(str(tmp_path / "adapter" / "pytorch_lora_weights.safetensors"), str(tmp_path / "k.safetensors"),
-                 "tiny", fam)
-    kohya = load_file(str(tmp_path / "k.safetensors"))
+    _, kohya = _adapter_and_kohya(model, fam, targets, tmp_path)
     if family == "flux":  # diffusers' kohya-Flux loader ignores final_layer alphas: folded in
         assert {float(kohya[f"lora_unet_final_layer_{m}.alpha"]) for m in ("linear", "adaLN_modulation_1")} == {4.0}
     ref = _Reference(kohya, keys)
@@ -342,6 +350,122 @@ def test_kohya_file_patches_the_reference_checkpoint_as_the_adapter_does(family,
     want = _lora_deltas(model, "default")
     assert len(want) == {"flux": 30, "sd3": 37}[family]
     _assert_close({k: v for k, v in back.items() if k in want or v.abs().max() > 0}, want, family)
+
+
+# ---- Qwen-Image, Z-Image, Flux.2 [klein], Wan: ComfyUI's names, diffusers' loaders -------
+
+NEWER = ["qwenimage", "zimage", "flux2klein", "wan"]
+
+
+def _identity(checkpoint):
+    """Qwen-Image's released transformer is in diffusers' layout: nothing to convert."""
+    return dict(checkpoint)
+
+
+def _single_file_converter(family: str):
+    from diffusers.loaders import single_file_utils as sf
+
+    return {"qwenimage": _identity, "zimage": sf.convert_z_image_transformer_checkpoint_to_diffusers,
+            "flux2klein": sf.convert_flux2_transformer_checkpoint_to_diffusers,
+            "wan": sf.convert_wan_transformer_to_diffusers}[family]
+
+
+def _tiny_denoiser(path: str, fam):
+    import diffusers
+
+    with open(os.path.join(path, "model_index.json")) as f:
+        cls = json.load(f)[fam.denoiser][1]
+    return getattr(diffusers, cls).from_pretrained(path, subfolder=fam.denoiser)
+
+
+def _dotted(flat: str, convert, weights: set[str]) -> dict[str, torch.Tensor]:
+    """The reference checkpoint's key for a kohya module name, as ComfyUI matches it
+    (``lora_unet_`` + the key with "." → "_"): every way of putting the dots back whose
+    conversion by diffusers' single-file converter lands on weights of the diffusers model.
+    Returns {reference key: the diffusers keys it becomes}; several only if they agree."""
+    parts = flat.split("_")
+    found = {}
+    for mask in range(2 ** (len(parts) - 1)):
+        key = parts[0] + "".join(("." if mask >> i & 1 else "_") + p for i, p in enumerate(parts[1:]))
+        try:
+            got = {k.removesuffix(".weight") for k in convert({key + ".weight": torch.zeros(6, 1)})}
+        except (KeyError, ValueError, IndexError, NameError):  # a converter's own error on a wrong split
+            continue
+        if got and got <= weights:
+            found[key] = got
+    assert found and len({frozenset(v) for v in found.values()}) == 1, (flat, found)
+    return found
+
+
+@pytest.mark.parametrize("family", NEWER)
+def test_newer_families_kohya_file_patches_comfyui_reference_checkpoint_as_the_adapter_does(
+        family, tiny, tmp_path):
+    """LoRA on every linear of the tiny denoiser (Wan: its patch convolution too). The kohya
+    file, applied to the reference checkpoint by name as ComfyUI applies it (ΔW = up · down ·
+    alpha / rank on the weight whose key, "." → "_", is the module's name) and mapped to
+    diffusers by diffusers' own single-file converter (Z-Image's and Flux.2's q/k/v splits,
+    Flux.2's (shift, scale) swap, Wan's renames), equals the adapter's effective weights."""
+    from raylora.model.families import get
+
+    fam = get(family)
+    model = _tiny_denoiser(tiny(family), fam)
+    kinds = (torch.nn.Linear, torch.nn.Conv3d)
+    targets = tuple(n for n, m in model.named_modules() if isinstance(m, kinds))
+    _, kohya = _adapter_and_kohya(model, fam, targets, tmp_path)
+    with safe_open(str(tmp_path / "k.safetensors"), framework="pt") as f:
+        assert f.metadata()["ss_network_module"] == fam.kohya_network
+    modules = {k.split(".")[0] for k in kohya}
+    assert all(m.startswith("lora_unet_") and {f"{m}.lora_down.weight", f"{m}.lora_up.weight", f"{m}.alpha"} <= set(kohya)
+               for m in modules)
+    convert = _single_file_converter(family)
+    weights = {k.removesuffix(".weight") for k in model.state_dict() if k.endswith(".weight")}
+    weights = {k.replace(".base_layer", "") for k in weights if ".lora_" not in k}
+    reference = {}
+    for m in sorted(modules):
+        down = kohya[f"{m}.lora_down.weight"].flatten(1).double()
+        up = kohya[f"{m}.lora_up.weight"].flatten(1).double()
+        delta = up @ (down @ _probe(down.shape[1])) * float(kohya[f"{m}.alpha"]) / down.shape[0]
+        key = next(iter(_dotted(m.removeprefix("lora_unet_"), convert, weights)))
+        reference[key + ".weight"] = delta
+    back = {k.removesuffix(".weight"): v for k, v in convert(reference).items()}
+    want = _lora_deltas(model, "default")
+    assert len(want) == len(targets)
+    assert set(back) == set(want)  # every LoRA module is in the file, nothing else
+    _assert_close(back, want, family)
+    fused = {"zimage": "lora_unet_layers_0_attention_qkv", "flux2klein": "lora_unet_double_blocks_0_img_attn_qkv"}
+    if family in fused:  # q, k, v as one block-structured LoRA: rank 3·4, alpha 3·8
+        assert kohya[f"{fused[family]}.lora_down.weight"].shape[0] == 12 and float(kohya[f"{fused[family]}.alpha"]) == 24.0
+
+
+def _default_targets(fam, model):
+    # Wan: diffusers reads a lora_unet_ Wan file (musubi-tuner's layout) only when it holds
+    # every block's self- and cross-attention and FFN
+    extra = ("ffn.net.0.proj", "ffn.net.2") if fam.name == "wan" else ()
+    return fam.default_lora_targets(model) + extra
+
+
+@pytest.mark.parametrize("family", NEWER)
+def test_stock_pipeline_loads_newer_families_kohya_file_to_the_same_weights(family, tiny, tmp_path):
+    """With the family's default targets, the pipeline's own ``load_lora_weights`` reads the
+    kohya file (diffusers' converters for these layouts: alpha folded in, fused q/k/v split)
+    to the same effective weights as the diffusers adapter."""
+    import diffusers
+
+    from raylora.model.families import get
+
+    fam = get(family)
+    model = _tiny_denoiser(tiny(family), fam)
+    adapter, _ = _adapter_and_kohya(model, fam, _default_targets(fam, model), tmp_path)
+    pipe = getattr(diffusers, fam.pipeline).from_pretrained(tiny(family))
+    pipe.load_lora_weights(adapter, adapter_name="diffusers")
+    pipe.load_lora_weights(str(tmp_path), weight_name="k.safetensors", adapter_name="kohya")
+    want = _lora_deltas(model, "default")
+    # the tiny models' blocks × their default targets (Klein: 1 double block × q/k/v/out,
+    # 2 single blocks × qkv_mlp/out; Z-Image: 2 layers and a noise and a context refiner)
+    assert len(want) == {"qwenimage": 2 * 4, "zimage": 4 * 4, "flux2klein": 4 + 2 * 2, "wan": 2 * 10}[family]
+    got = getattr(pipe, fam.denoiser)
+    _assert_close(_lora_deltas(got, "diffusers"), want, f"{family}: diffusers adapter")
+    _assert_close(_lora_deltas(got, "kohya"), want, f"{family}: kohya file")
 
 
 def test_a_module_without_a_reference_counterpart_is_named():
@@ -398,12 +522,19 @@ def test_export_command(dit_adapter, tmp_path, capsys):
             save_file({k: f.get_tensor(k) for k in f.keys() if k.startswith("transformer.")},
                       str(tmp_path / "pytorch_lora_weights.safetensors"), metadata=f.metadata())
         rc, out = run(tmp_path)
-        assert rc == 2 and "fit the kohya layouts of several families (flux, sd3); pass --family" in out
+        # (Flux.2's double blocks and Qwen-Image's blocks have these attention modules too)
+        assert rc == 2 and "fit the kohya layouts of several families (flux, flux2klein, qwenimage, sd3); " \
+                           "pass --family" in out
         rc, out = run(tmp_path, "--family", "sd3")
         assert rc == 0 and "family       sd3 (--family)" in out
 
-    rc, out = run(folder, "--family", "qwenimage")
-    assert rc == 2 and "kohya export is not available for qwenimage" in out
+    rc, out = run(folder, "--family", "wan")  # a family whose layout has none of these modules
+    want = {"flux": "transformer.transformer_blocks.0.attn.to_q, ",
+            "sd3": "text_encoder_2.text_model.encoder.layers.0.self_attn.k_proj.lora_A.weight: no kohya name "
+                   "for this component"}[fam.name]
+    assert rc == 2 and want in out
+    if fam.name == "flux":
+        assert "no module of wan's reference checkpoint (the kohya/ComfyUI layout) corresponds" in out
     rc, out = run(folder, "--family", "nope")
     assert rc == 2 and "--family: unknown family 'nope'" in out
     os.remove(folder / "pytorch_lora_weights.safetensors")

@@ -7,13 +7,15 @@ For SD 1.x/2.x the module paths are the diffusers UNet's own (as sd-scripts name
 which ComfyUI and A1111 map onto their UNets; text-encoder LoRA becomes ``lora_te_``
 (SDXL: ``lora_te1_``/``lora_te2_``) + the transformers module path. No torch code runs on load: safetensors only.
 
-The DiT families (Flux, SD3) are named after the modules of their reference checkpoints
-(BFL's Flux, SAI's MMDiT), as sd-scripts' ``lora_flux.py`` / ``lora_sd3.py`` write them and
-ComfyUI reads them (``lora_unet_`` + the checkpoint's module path). There one linear holds
-what diffusers splits (``qkv`` = ``to_q``, ``to_k``, ``to_v``; Flux's single-block
-``linear1`` = those + ``proj_mlp``): its LoRA is block-structured, down = the parts' downs
-stacked (rank k·r), up = their ups block-diagonal, alpha = k·alpha so alpha / rank keeps the
-parts' scale. diffusers' own kohya-Flux loader splits exactly this structure back.
+The DiT families are named after the modules of their reference checkpoints (BFL's Flux.1
+and Flux.2, SAI's MMDiT, Tongyi's Z-Image, Wan-AI's Wan; Qwen-Image's is in diffusers'
+layout), as sd-scripts' ``lora_flux.py`` / ``lora_sd3.py`` and musubi-tuner write them and
+ComfyUI reads them (``lora_unet_`` + the checkpoint's module path, "." → "_", which ComfyUI
+matches against every weight of the model it loaded). There one linear may hold what
+diffusers splits (``qkv`` = ``to_q``, ``to_k``, ``to_v``; Flux's single-block ``linear1`` =
+those + ``proj_mlp``): its LoRA is block-structured, down = the parts' downs stacked (rank
+k·r), up = their ups block-diagonal, alpha = k·alpha so alpha / rank keeps the parts' scale.
+diffusers' own kohya-Flux, Flux.2 and Z-Image loaders split exactly this structure back.
 """
 
 from __future__ import annotations
@@ -135,7 +137,8 @@ def to_kohya_reference(sd: dict[str, torch.Tensor], alphas: dict[str, float], de
             unmapped.append(comp + path)
             continue
         m, rule = hit
-        name = KOHYA_PREFIX + rule.name.format(*m.groups())
+        # a group may hold a dotted path (Z-Image's ``layers.0``): kohya names have no dots
+        name = KOHYA_PREFIX + rule.name.format(*m.groups()).replace(".", "_")
         groups.setdefault(name, (rule, {}))[1][rule.slot] = (t[".lora_down.weight"], t[".lora_up.weight"])
     if unmapped:
         raise ValueError(f"{', '.join(sorted(unmapped))}: no module of {what}'s reference "

@@ -152,7 +152,8 @@ class Family:
     channels_last: ClassVar[bool] = False
     kohya_prefix: ClassVar[str] = "lora_unet_"
     # kohya/ComfyUI export: module paths as sd-scripts names them (UNet families); a DiT
-    # family sets this when it maps its keys onto the reference (BFL/SAI) layout.
+    # family sets this with ``kohya_rules``, its keys mapped onto its reference checkpoint's
+    # layout (the names ComfyUI matches). A new family module without them is refused.
     kohya_export: ClassVar[bool] = False
     # DiT families: denoiser module → reference-checkpoint module (raylora.checkpoint.kohya.Rule);
     # empty: the denoiser's own module paths (UNet families).

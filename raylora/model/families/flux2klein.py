@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from raylora.checkpoint.kohya import Rule, fused
 from raylora.model.families.base import Cond, Family, TextInput, grid_ids
 
 # What Flux2KleinPipeline's tokenizer.apply_chat_template(add_generation_prompt=True,
@@ -18,6 +19,34 @@ TEMPLATE = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</
 # (diffusers' train_dreambooth_lora_flux2_klein.py defaults to (10, 20, 30), Flux.2-dev's
 # Mistral layers; the pipeline that samples the adapter reads (9, 18, 27), so train on that.)
 LAYERS = (9, 18, 27)
+
+_D = r"transformer_blocks\.(\d+)\."
+_S = r"single_transformer_blocks\.(\d+)\."
+# diffusers Flux2Transformer2DModel → BFL's Flux.2 module names, as ComfyUI and diffusers'
+# kohya-Flux.2 loader read them. The single blocks' linear1 is already one linear in
+# diffusers (to_qkv_mlp_proj), so only the double blocks' q/k/v are fused here.
+KOHYA_RULES = (
+    *fused(_D + r"attn\.", ("to_q", "to_k", "to_v"), "double_blocks_{0}_img_attn_qkv"),
+    Rule(_D + r"attn\.to_out\.0", "double_blocks_{0}_img_attn_proj"),
+    *fused(_D + r"attn\.", ("add_q_proj", "add_k_proj", "add_v_proj"), "double_blocks_{0}_txt_attn_qkv"),
+    Rule(_D + r"attn\.to_add_out", "double_blocks_{0}_txt_attn_proj"),
+    Rule(_D + r"ff\.linear_in", "double_blocks_{0}_img_mlp_0"),
+    Rule(_D + r"ff\.linear_out", "double_blocks_{0}_img_mlp_2"),
+    Rule(_D + r"ff_context\.linear_in", "double_blocks_{0}_txt_mlp_0"),
+    Rule(_D + r"ff_context\.linear_out", "double_blocks_{0}_txt_mlp_2"),
+    Rule(_S + r"attn\.to_qkv_mlp_proj", "single_blocks_{0}_linear1"),
+    Rule(_S + r"attn\.to_out", "single_blocks_{0}_linear2"),
+    Rule(r"x_embedder", "img_in"),
+    Rule(r"context_embedder", "txt_in"),
+    Rule(r"time_guidance_embed\.timestep_embedder\.linear_1", "time_in_in_layer"),
+    Rule(r"time_guidance_embed\.timestep_embedder\.linear_2", "time_in_out_layer"),
+    Rule(r"time_guidance_embed\.guidance_embedder\.linear_1", "guidance_in_in_layer"),
+    Rule(r"time_guidance_embed\.guidance_embedder\.linear_2", "guidance_in_out_layer"),
+    Rule(r"(double_stream_modulation_(?:img|txt)|single_stream_modulation)\.linear", "{0}_lin"),
+    Rule(r"proj_out", "final_layer_linear"),
+    # diffusers' AdaLayerNormContinuous: (scale, shift); BFL's final layer: (shift, scale)
+    Rule(r"norm_out\.linear", "final_layer_adaLN_modulation_1", scale_shift=True),
+)
 
 
 def patchify(z: torch.Tensor) -> torch.Tensor:
@@ -53,10 +82,14 @@ class Flux2Klein(Family):
     # pipeline keeps every padding position: the transformer attends to all 512, unmasked.
     text = (TextInput("text_encoder", "tokenizer", "input_ids", max_length=512, template=TEMPLATE,
                       mask_key="attention_mask", long_context=True),)
-    # diffusers' train_dreambooth_lora_flux2_klein.py defaults: both streams' attention, the
-    # single blocks' fused qkv+MLP input and (default_lora_targets) their output projection.
+    # diffusers' train_dreambooth_lora_flux2_klein.py defaults: the double blocks' image-stream
+    # attention (the text stream's is add_*_proj / to_add_out), the single blocks' fused
+    # qkv+MLP input and (default_lora_targets) their output projection.
     lora_targets = ("to_k", "to_q", "to_v", "to_out.0", "to_qkv_mlp_proj")
     repeated_blocks = ("Flux2TransformerBlock", "Flux2SingleTransformerBlock")
+    kohya_export = True
+    kohya_rules = KOHYA_RULES
+    kohya_network = "networks.lora_flux_2"  # musubi-tuner's
     # The 2×2 patchify is the VAE side's (encode_pixels): the objective's latents are
     # already one token per position.
     patch = 1

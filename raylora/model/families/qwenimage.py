@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from raylora.checkpoint.kohya import Rule
 from raylora.model.families.base import (
     Cond,
     Family,
@@ -25,6 +26,15 @@ TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shap
             "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n")
 DROP = 34
 
+# Qwen-Image's released transformer is in diffusers' layout, and so are ComfyUI's module
+# names for it: the kohya names are the denoiser's own paths, for its modules only (so an
+# adapter of another family does not pass for Qwen-Image's when raylora guesses one).
+KOHYA_RULES = (
+    Rule(r"transformer_blocks\.(\d+)\.(attn\.(?:to_[qkv]|to_out\.0|add_[qkv]_proj|to_add_out)"
+         r"|(?:img|txt)_mlp\.net\.(?:0\.proj|2)|(?:img|txt)_mod\.1)", "transformer_blocks_{0}_{1}"),
+    Rule(r"(img_in|txt_in|proj_out|norm_out\.linear|time_text_embed\.timestep_embedder\.linear_[12])", "{0}"),
+)
+
 
 class QwenImage(Family):
     name = "qwenimage"
@@ -35,6 +45,9 @@ class QwenImage(Family):
                       template=TEMPLATE, mask_key="attention_mask", long_context=True, drop=DROP),)
     lora_targets = ("to_k", "to_q", "to_v", "to_out.0")
     repeated_blocks = ("QwenImageTransformerBlock",)
+    kohya_export = True
+    kohya_rules = KOHYA_RULES
+    kohya_network = "networks.lora_qwen_image"  # musubi-tuner's
     patch = 2
     default_guidance_scale = 4.0  # as true_cfg_scale (see guidance_kwargs)
     # The empty negative prompt the pipeline's docstring names (None turns guidance off).

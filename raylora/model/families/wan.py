@@ -15,7 +15,32 @@ from __future__ import annotations
 
 import torch
 
+from raylora.checkpoint.kohya import Rule
 from raylora.model.families.base import Cond, Family, TextInput, encode_one_frame, per_channel_stats
+
+_B = r"blocks\.(\d+)\."
+_ATTN = (("to_q", "q"), ("to_k", "k"), ("to_v", "v"), (r"to_out\.0", "o"))
+# diffusers WanTransformer3DModel → Wan-AI's module names, as musubi-tuner's lora_wan.py
+# writes them and ComfyUI reads them (diffusers' WanPipeline reads this layout, musubi's,
+# only when every block's self- and cross-attention and FFN are in it: train those, or load
+# the diffusers adapter).
+KOHYA_RULES = (
+    *(Rule(_B + f"{ours}\\.{p}", f"blocks_{{0}}_{theirs}_{q}")
+      for ours, theirs in (("attn1", "self_attn"), ("attn2", "cross_attn")) for p, q in _ATTN),
+    Rule(_B + r"attn2\.add_k_proj", "blocks_{0}_cross_attn_k_img"),
+    Rule(_B + r"attn2\.add_v_proj", "blocks_{0}_cross_attn_v_img"),
+    Rule(_B + r"ffn\.net\.0\.proj", "blocks_{0}_ffn_0"),
+    Rule(_B + r"ffn\.net\.2", "blocks_{0}_ffn_2"),
+    Rule(r"condition_embedder\.time_embedder\.linear_1", "time_embedding_0"),
+    Rule(r"condition_embedder\.time_embedder\.linear_2", "time_embedding_2"),
+    Rule(r"condition_embedder\.text_embedder\.linear_1", "text_embedding_0"),
+    Rule(r"condition_embedder\.text_embedder\.linear_2", "text_embedding_2"),
+    Rule(r"condition_embedder\.time_proj", "time_projection_1"),
+    Rule(r"condition_embedder\.image_embedder\.ff\.net\.0\.proj", "img_emb_proj_1"),
+    Rule(r"condition_embedder\.image_embedder\.ff\.net\.2", "img_emb_proj_3"),
+    Rule(r"proj_out", "head_head"),
+    Rule(r"patch_embedding", "patch_embedding"),
+)
 
 
 class Wan(Family):
@@ -28,6 +53,9 @@ class Wan(Family):
                       mask_key="attention_mask", long_context=True, clean=True),)
     lora_targets = ("to_k", "to_q", "to_v", "to_out.0")  # self- and cross-attention
     repeated_blocks = ("WanTransformerBlock",)
+    kohya_export = True
+    kohya_rules = KOHYA_RULES
+    kohya_network = "networks.lora_wan"  # musubi-tuner's
     patch = 2
     default_guidance_scale = 5.0  # WanPipeline's
     video = True

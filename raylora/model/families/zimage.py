@@ -9,11 +9,25 @@ from __future__ import annotations
 
 import torch
 
+from raylora.checkpoint.kohya import Rule, fused
 from raylora.model.families.base import Cond, Family, TextInput, llm_conditioning
 
 # What ZImagePipeline's tokenizer.apply_chat_template(add_generation_prompt=True,
 # enable_thinking=True) makes of a one-message conversation with Qwen3's template.
 TEMPLATE = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+
+_L = r"((?:layers|noise_refiner|context_refiner)\.\d+)\."
+# diffusers ZImageTransformer2DModel → the released single-file checkpoint's module names
+# (fused attention.qkv, attention.out; ComfyUI's, as musubi-tuner's
+# convert_z_image_lora_to_comfy.py writes them and diffusers' Z-Image loader splits them).
+KOHYA_RULES = (
+    *fused(_L + r"attention\.", ("to_q", "to_k", "to_v"), "{0}_attention_qkv"),
+    Rule(_L + r"attention\.to_out\.0", "{0}_attention_out"),
+    Rule(_L + r"(feed_forward\.w[123]|adaLN_modulation\.0)", "{0}_{1}"),
+    Rule(r"all_x_embedder\.2-1", "x_embedder"),
+    Rule(r"all_final_layer\.2-1\.(linear|adaLN_modulation\.1)", "final_layer_{0}"),
+    Rule(r"(t_embedder\.mlp\.[02]|cap_embedder\.1)", "{0}"),
+)
 
 
 class ZImage(Family):
@@ -27,6 +41,9 @@ class ZImage(Family):
     # diffusers' train_dreambooth_lora_z_image.py defaults
     lora_targets = ("to_k", "to_q", "to_v", "to_out.0")
     repeated_blocks = ("ZImageTransformerBlock",)
+    kohya_export = True
+    kohya_rules = KOHYA_RULES
+    kohya_network = "networks.lora_zimage"  # musubi-tuner's
     patch = 2
     # ZImagePipeline's default; Z-Image-Turbo (guidance-distilled) samples at 0.
     default_guidance_scale = 5.0

@@ -103,16 +103,13 @@ def build(model: str, device, dtype, smoke: bool):
     (built there directly: a 12B model is never materialised in fp32 on the host)."""
     import diffusers
 
+    from raylora.memory import default_dtype
+
     family, cls, cfg, *_ = MODELS[model]
     cfg = {**cfg, **(SMOKE[model] if smoke else {})}
     torch.manual_seed(0)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            net = getattr(diffusers, cls)(**cfg)
-    finally:
-        torch.set_default_dtype(old)
+    with default_dtype(dtype), torch.device(device):
+        net = getattr(diffusers, cls)(**cfg)
     net.requires_grad_(False)
     return net
 

@@ -130,7 +130,9 @@ def _keep_fp32(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
+def default_dtype(dtype: torch.dtype):
+    """torch's default dtype set to ``dtype`` inside the block (a model built there is
+    never materialised in fp32 first)."""
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -176,7 +178,7 @@ def meta_component(model_path: str, index: dict, component: str, dtype: torch.dt
         # fp32 on purpose, Wan's rope, stay fp32), then the state dict's tensors cast to it,
         # except those of _keep_in_fp32_modules (Wan's norms and time embedder: fp32 under
         # any dtype).
-        with empty, _default_dtype(dtype):
+        with empty, default_dtype(dtype):
             model = klass.from_config(config)
         _cast_state(model, dtype, tuple(klass._keep_in_fp32_modules or ()))
     else:

@@ -210,9 +210,13 @@ def test_plan_counts_epochs_in_global_batches(tiny_model, demo_data):
 # --- integration: a real multi-node cluster on this machine ---------------------------------
 
 NODE_CPUS = 3  # one worker of 2 CPUs per node, 1 CPU beside it for its data tasks
-# 4 epochs of 8 steps: the run must still be training when the preemption notice's
-# deadline passes (~1 s a step here; the notice comes at about step 20).
-STEPS = 32
+# 6 epochs of 8 steps: the run must still be training when the preemption notice's
+# deadline passes. The node is drained after the second checkpoint on 2 workers (step 16
+# or 24 in the runs seen: the resize comes when Ray sees the node) with a deadline of 8 s at
+# the least. At ~1 s a step a 32-step run had ~8 s left then, and a clean-clone run saw it
+# finish (step 32) 0.5 s before the node went: sizes [1, 2], no shrink to test. Now 24 or
+# more steps are left, ~15 s past the deadline.
+STEPS = 48
 
 
 def _run_tree(tiny_model, demo_data, out) -> dict:

@@ -371,18 +371,17 @@ def _single_file_converter(family: str):
 
 
 def _tiny_denoiser(path: str, fam):
-    import diffusers
-
+    """The pipeline folder's denoiser, loaded as a training worker loads it."""
     with open(os.path.join(path, "model_index.json")) as f:
-        cls = json.load(f)[fam.denoiser][1]
-    return getattr(diffusers, cls).from_pretrained(path, subfolder=fam.denoiser)
+        return fam.load_component(path, json.load(f), fam.denoiser)
 
 
-def _dotted(flat: str, convert, weights: set[str]) -> dict[str, torch.Tensor]:
+def _dotted(flat: str, convert, weights: set[str]) -> str:
     """The reference checkpoint's key for a kohya module name, as ComfyUI matches it
     (``lora_unet_`` + the key with "." → "_"): every way of putting the dots back whose
     conversion by diffusers' single-file converter lands on weights of the diffusers model.
-    Returns {reference key: the diffusers keys it becomes}; several only if they agree."""
+    Several may fit (the converter accepts aliases) only if they become the same diffusers
+    keys; returns one of them."""
     parts = flat.split("_")
     found = {}
     for mask in range(2 ** (len(parts) - 1)):
@@ -394,7 +393,7 @@ def _dotted(flat: str, convert, weights: set[str]) -> dict[str, torch.Tensor]:
         if got and got <= weights:
             found[key] = got
     assert found and len({frozenset(v) for v in found.values()}) == 1, (flat, found)
-    return found
+    return next(iter(found))
 
 
 @pytest.mark.parametrize("family", NEWER)
@@ -425,8 +424,7 @@ def test_newer_families_kohya_file_patches_comfyui_reference_checkpoint_as_the_a
         down = kohya[f"{m}.lora_down.weight"].flatten(1).double()
         up = kohya[f"{m}.lora_up.weight"].flatten(1).double()
         delta = up @ (down @ _probe(down.shape[1])) * float(kohya[f"{m}.alpha"]) / down.shape[0]
-        key = next(iter(_dotted(m.removeprefix("lora_unet_"), convert, weights)))
-        reference[key + ".weight"] = delta
+        reference[_dotted(m.removeprefix("lora_unet_"), convert, weights) + ".weight"] = delta
     back = {k.removesuffix(".weight"): v for k, v in convert(reference).items()}
     want = _lora_deltas(model, "default")
     assert len(want) == len(targets)

@@ -54,7 +54,16 @@ def train_loop_per_worker(loop_config: dict) -> None:
     """``raylora train`` and Tune trials: raylora.worker.train_loop_per_worker."""
     from raylora import worker
 
-    worker.train_loop_per_worker(loop_config)
+    try:
+        worker.train_loop_per_worker(loop_config)
+    except Exception as error:
+        # After the worker closed its data stream and tracker: a rank whose node, or a
+        # peer's, is being preempted holds its error until Ray Train restarts the workers
+        # (raylora.stop.notice_wait_s says why).
+        from raylora.stop import hold_error_for_notice
+
+        hold_error_for_notice(error)
+        raise
 
 
 def lr_find_per_worker(loop_config: dict) -> None:

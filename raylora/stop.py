@@ -20,6 +20,9 @@ from the latest checkpoint without that node, and at most the steps since the no
 trained again. Ray counts that restart against ``failure.max_preemption_failures`` when it
 records the node's death as a preemption (GCS does for a drained node gone after its
 deadline), else against ``max_failures`` (a node killed before its deadline; seen here).
+A rank whose training fails while it holds a notice (the survivors' collective, when the
+node goes) holds that error back past the deadline (``hold_error_for_notice``): seen first,
+it would fail the run as an ordinary failure.
 
 Either way every rank must decide at the same step: a step is a DDP collective, and
 ``ray.train.report`` (the checkpoint) a barrier. ``StopWatch.check`` is called by every
@@ -215,6 +218,55 @@ def ray_preemption_notice():
     from ray.train.v2._internal.execution.context import get_train_context
 
     return get_train_context().preemption_context.preemption_info
+
+
+# Ray Train's controller polls its workers every 2 s (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S): a
+# rank that waits this long past a notice's deadline is polled twice after it first.
+NOTICE_GRACE_S = 5.0
+# How long Ray Train waits out a notice that has no deadline (DEFAULT_PREEMPTION_DEADLINE_S).
+NOTICE_NO_DEADLINE_S = 120.0
+
+
+def notice_wait_s(info, now_s: float) -> float:
+    """How long a rank that failed while holding preemption notice ``info`` (None: none)
+    holds its error back: until the notice's deadline plus ``NOTICE_GRACE_S``.
+
+    Why: once a node of the run is drained, Ray Train's controller waits out the notice and
+    then restarts the workers as a preemption (``failure.max_preemption_failures``). But a
+    worker *error* it sees first, unless it is the preempted node's own actor death, fails the
+    run as an ordinary failure (``failure.max_failures``; Ray 2.60's
+    ``_handle_preempting_state``). When the node goes, the survivors' next collective fails
+    at once ("Connection closed by peer"), often before the controller has seen the node's
+    death or its deadline pass: a spot reclaim counted against ``max_failures`` (seen in
+    tests/test_elastic.py, ``max_failures: 0``: the run failed). Held back, the error is never
+    seen: the controller restarts the workers from the notice's checkpoint at the deadline.
+    Bounded by the deadline, and cut short by that restart, which ends this process."""
+    if info is None:
+        return 0.0
+    deadline_s = info.deadline_ms / 1000 if info.deadline_ms else now_s + NOTICE_NO_DEADLINE_S
+    return max(0.0, deadline_s + NOTICE_GRACE_S - now_s)
+
+
+def hold_error_for_notice(error: BaseException, notice=None, now=time.time,
+                          sleep=time.sleep) -> float:
+    """A worker's training function failed with ``error``: if this rank holds a preemption
+    notice, wait ``notice_wait_s`` before the caller re-raises (why: there). Returns the
+    seconds waited. A SIGTERM's ``Preempted`` and a notice-less failure raise at once."""
+    if isinstance(error, Preempted) or not isinstance(error, Exception):
+        return 0.0
+    try:
+        info = (notice or ray_preemption_notice)()
+    except Exception:  # no Ray Train context (a plain process): no notice
+        return 0.0
+    wait = notice_wait_s(info, now())
+    if wait > 0:
+        log.warning("%s: %s, while node %s is being preempted: holding this error back %.0f s, "
+                    "past the notice's deadline, for Ray Train to restart the workers from the "
+                    "notice's checkpoint (a preemption's restart, not a failure's)",
+                    type(error).__name__, str(error).splitlines()[0][:200] if str(error) else "",
+                    ", ".join(n[:12] for n in info.preempted_node_ids), wait)
+        sleep(wait)
+    return wait
 
 
 class StopWatch:

@@ -330,6 +330,51 @@ def test_a_preemption_notice_checkpoints_once_and_training_goes_on(base_config, 
                               "no deadline given)")
 
 
+def test_an_error_while_a_notice_is_held_waits_until_past_its_deadline(caplog):
+    """raylora.stop.hold_error_for_notice: a rank failing while its run holds a preemption
+    notice (the survivors' collective when the drained node goes) holds the error until the
+    notice's deadline plus the grace, so Ray Train's controller restarts the workers as a
+    preemption before it sees this error; anything else raises at once."""
+    import logging
+
+    from ray.train import PreemptionInfo
+
+    from raylora.stop import NOTICE_GRACE_S, NOTICE_NO_DEADLINE_S, Preempted, hold_error_for_notice
+
+    now = 1_800_000_000.0
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                        "[127.0.0.1]:57995. This is typically caused by a remote worker crashing.")
+
+    def notice(deadline_in_s):
+        return PreemptionInfo(
+            deadline_ms=None if deadline_in_s is None else int((now + deadline_in_s) * 1000),
+            preempted_node_to_ranks={"0123456789abcdef0123": [1]})
+
+    def hold(error, info):
+        slept = []
+        waited = hold_error_for_notice(error, notice=lambda: info, now=lambda: now,
+                                       sleep=slept.append)
+        assert slept == ([waited] if waited else [])
+        return waited
+
+    with caplog.at_level(logging.WARNING, logger="raylora.stop"):
+        assert hold(gloo, notice(3)) == pytest.approx(3 + NOTICE_GRACE_S)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith(
+        "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer "), said
+    assert "while node 0123456789ab is being preempted: holding this error back 8 s" in said[0]
+    assert hold(gloo, notice(-2)) == pytest.approx(NOTICE_GRACE_S - 2)  # just past: the grace
+    assert hold(gloo, notice(-60)) == 0  # long past: Ray Train would have restarted by now
+    # No deadline given: Ray Train waits its default from the notice; so does the rank.
+    assert hold(gloo, notice(None)) == pytest.approx(NOTICE_NO_DEADLINE_S + NOTICE_GRACE_S)
+    # No notice, a SIGTERM's own stop, an interrupt: at once.
+    assert hold(gloo, None) == 0
+    assert hold(Preempted("step 7: a worker got SIGTERM"), notice(3)) == 0
+    assert hold(KeyboardInterrupt(), notice(3)) == 0
+    # Outside a Ray Train worker there is no train context to read a notice from.
+    assert hold_error_for_notice(gloo, now=lambda: now, sleep=pytest.fail) == 0
+
+
 def _two_rank_notices(rank: int, world: int, port: int, out: str) -> None:
     import json
 

@@ -376,15 +376,18 @@ def test_an_elastic_run_grows_when_a_node_joins_and_shrinks_when_it_is_lost(
          "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim (test)",
          "--deadline-remaining-seconds", str(deadline_s)], capture_output=True, text=True, timeout=60)
     assert drain.returncode == 0, drain.stdout + drain.stderr
-    # The CLI set the deadline at its own start: after `drained`, before it returned.
-    deadline_by = time.monotonic() + deadline_s
+    # The deadline GCS holds (the CLI set it at its own start, after `drained`), which Ray
+    # Train's PreemptionWatcher reads too.
+    deadline = ray._private.state.state.get_draining_nodes()[node.node_id] / 1000
     noticed_at = _wait_for_checkpoint(out, thread, world=2, after=drained_at, key="preemption_notice")
     assert time.monotonic() < drained + deadline_s, "the notice's checkpoint came after its deadline"
     # The node goes at the notice's deadline, as a reclaimed spot VM does: killed then, not
-    # before (GCS counts a drained node's death after its deadline as a preemption). The
-    # survivor's next collective fails at once; it holds that error past the deadline
-    # (raylora.stop.hold_error_for_notice), so Ray Train counts the restart as a preemption.
-    time.sleep(max(0.0, deadline_by + 0.5 - time.monotonic()))
+    # before (GCS counts a drained node's death after its deadline as a preemption; before
+    # it, an ordinary failure). The survivor's collective fails at once, before Ray Train's
+    # controller has looked at the deadline: the survivor holds that error back
+    # (raylora.stop.hold_error_for_notice), else the controller fails the run on it
+    # (max_failures: 0) instead of restarting it as a preemption.
+    time.sleep(max(0.0, deadline + 0.1 - time.time()))
     cluster.remove_node(node, allow_graceful=False)
     while any(n["Alive"] for n in ray.nodes() if n["NodeID"] == node.node_id):
         time.sleep(0.2)

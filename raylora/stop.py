@@ -227,6 +227,11 @@ NOTICE_GRACE_S = 5.0
 NOTICE_NO_DEADLINE_S = 120.0
 
 
+def notice_nodes(info) -> str:
+    """A preemption notice's nodes as the logs name them: each id's first 12 characters."""
+    return ", ".join(n[:12] for n in info.preempted_node_ids)
+
+
 def notice_wait_s(info, now_s: float) -> float:
     """How long a rank that failed while holding preemption notice ``info`` (None: none)
     holds its error back: until the notice's deadline plus ``NOTICE_GRACE_S``.
@@ -264,7 +269,7 @@ def hold_error_for_notice(error: BaseException, notice=None, now=time.time,
                     "past the notice's deadline, for Ray Train to restart the workers from the "
                     "notice's checkpoint (a preemption's restart, not a failure's)",
                     type(error).__name__, str(error).splitlines()[0][:200] if str(error) else "",
-                    ", ".join(n[:12] for n in info.preempted_node_ids), wait)
+                    notice_nodes(info), wait)
         sleep(wait)
     return wait
 

@@ -506,13 +506,15 @@ def _notice_checkpoint(watch, rank: int):
     notice (raylora.stop); rank 0 says which node goes and by when."""
     import time
 
+    from raylora.stop import notice_nodes
+
     def now(step: int) -> bool:
         if not watch.take_notice(step):  # the checkpoint's metrics say why (_Reporter._noticed)
             return False
         if rank == 0:
             info = watch.notice()  # None: another rank was told first
             what = "a node of this run goes" if info is None else "node {} goes, {}".format(
-                ", ".join(n[:12] for n in info.preempted_node_ids),
+                notice_nodes(info),
                 f"in {info.deadline_ms / 1000 - time.time():.0f} s" if info.deadline_ms
                 else "no deadline given")
             log.warning("step %d: preemption notice (%s): checkpointing at this step, training "

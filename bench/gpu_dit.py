@@ -207,8 +207,42 @@ def run_case(args, model, b, mode, device, dtype) -> dict:
     return row
 
 
+def case_in_child(args, argv: list[str], model: str, b: int, mode: str) -> dict:
+    """One case in a fresh process: a CUDA fault (an illegal memory access poisons the
+    process's CUDA context) or an OOM is that row's result, not every later row's. The
+    child's output passes through, its traceback included."""
+    import json
+    import subprocess
+
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--case", f"{model}:{b}:{mode}"]
+    base = {"model": model, "batch": b, "compile": mode}
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.case_timeout)
+    except subprocess.TimeoutExpired:
+        return {**base, "img/s": f"stopped: --case-timeout {args.case_timeout:.0f} s"}
+    rows = [json.loads(line[2:]) for line in proc.stdout.splitlines() if line.startswith("@@")]
+    for line in proc.stdout.splitlines():
+        if not line.startswith("@@"):
+            print(f"  [{model} b{b} {mode}] {line}", flush=True)
+    return rows[-1] if rows else {**base, "img/s": f"error: exit {proc.returncode}"}
+
+
+def one_case(args, model: str, b: int, mode: str, device, dtype) -> dict:
+    try:
+        return run_case(args, model, b, mode, device, dtype)
+    except torch.cuda.OutOfMemoryError:
+        return {"model": model, "batch": b, "compile": mode, "img/s": "OOM"}
+    except Exception as exc:  # one failing case is a result too
+        traceback.print_exc()
+        msg = " ".join(str(exc).split()).replace("|", "/")[:80]  # a table cell
+        return {"model": model, "batch": b, "compile": mode,
+                "img/s": f"error: {type(exc).__name__}: {msg}"}
+
+
 def main(argv: list[str] | None = None) -> None:
     """``argv``: bench/gpu_throughput.py hands its ``--models flux,sd35m`` rows here."""
+    import json
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="flux,sd35m")
     ap.add_argument("--batch-sizes", default="1,2")
@@ -219,9 +253,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--peak-tflops", type=float)
     ap.add_argument("--smoke", action="store_true", help="toy widths, 64 px, CPU ok")
-    ap.add_argument("--sdpa", default="default", choices=["default", "no-cudnn", "flash"],
-                    help="SDPA backends allowed (cuDNN's can fail on some shapes)")
+    ap.add_argument("--sdpa", default="family", choices=["family", "default", "no-cudnn", "flash"],
+                    help="SDPA backends allowed: the family's, as training runs them (cuDNN off "
+                         "for the DiTs: it crashed the Flux step), PyTorch's default, no cuDNN, "
+                         "flash only")
+    ap.add_argument("--case-timeout", type=float, default=600.0,
+                    help="seconds one case's process may run (build, compile, steps)")
+    ap.add_argument("--case", help=argparse.SUPPRESS)  # model:batch:mode, in a child process
     args = ap.parse_args(argv)
+    child_argv = list(sys.argv[1:] if argv is None else argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
@@ -237,24 +277,22 @@ def main(argv: list[str] | None = None) -> None:
     if args.sdpa == "flash":
         torch.backends.cuda.enable_mem_efficient_sdp(False)
         torch.backends.cuda.enable_math_sdp(False)
+    if args.case:
+        model, b, mode = args.case.split(":")
+        if args.sdpa == "family":
+            from raylora.model import families
+            from raylora.train.attention import use_family_backends
+
+            use_family_backends(families.get(MODELS[model][0]))
+        print("@@" + json.dumps(one_case(args, model, int(b), mode, device, dtype)), flush=True)
+        return
 
     rows = []
     for model in args.models.split(","):
         for b in map(int, args.batch_sizes.split(",")):
             flops = None
             for mode in args.modes.split(","):
-                try:
-                    row = run_case(args, model, b, mode, device, dtype)
-                except torch.cuda.OutOfMemoryError:
-                    row = {"model": model, "batch": b, "compile": mode, "img/s": "OOM"}
-                except Exception as exc:  # one failing case is a result too
-                    traceback.print_exc()
-                    row = {"model": model, "batch": b, "compile": mode,
-                           "img/s": f"error: {type(exc).__name__}"}
-                finally:
-                    gc.collect()
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
+                row = case_in_child(args, child_argv, model, b, mode)
                 flops = row.get("flops") or flops
                 if isinstance(row.get("img/s"), float):
                     row["flops"] = flops  # the same model FLOPs, eager or compiled
@@ -278,6 +316,7 @@ def main(argv: list[str] | None = None) -> None:
                "Target (#20): Flux.1-dev r16 at 1024 px >= 35% MFU on H100.",
                f"SDPA backends: {args.sdpa}.",
                "Command: `python " + " ".join(sys.argv) + "`",
+               "Each case in its own process (a CUDA fault is that row's error).",
            ])
 
 

@@ -342,6 +342,13 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
 
 
+def is_annotation(event) -> bool:
+    """A range on the device's timeline, not a kernel: inductor's ``## Call CompiledFxGraph
+    <key> ##`` spans a compiled graph's kernels, so counting it counts them twice (the
+    2026-11-26 22:19 H200 rows: busy 151-181 %, the spans in "other")."""
+    return bool(getattr(event, "is_user_annotation", False)) or event.key.startswith("## ")
+
+
 def profile_steps(step, batch, device, steps: int, top: int = 8) -> dict:
     """``steps`` more steps under torch.profiler: the device's busy share of the wall time
     (low: the GPU waits on the host, what CUDA graphs remove), each kernel kind's share of
@@ -361,7 +368,8 @@ def profile_steps(step, batch, device, steps: int, top: int = 8) -> dict:
         from torch.autograd import DeviceType
 
         times = [(e.key, e.self_device_time_total) for e in prof.key_averages()
-                 if e.device_type != DeviceType.CPU and e.self_device_time_total > 0]
+                 if e.device_type != DeviceType.CPU and e.self_device_time_total > 0
+                 and not is_annotation(e)]
     else:
         times = [(e.key, e.self_cpu_time_total) for e in prof.key_averages() if e.key.startswith("aten::")]
     total = sum(t for _, t in times) or 1.0

@@ -26,6 +26,7 @@ from raylora.model.families.base import Family
 from raylora.model.load import load_components
 from raylora.model.lora import add_lora, add_text_encoder_lora, load_lora_state_dict, lora_state_dict
 from raylora.model.lora import save_adapter
+from raylora.train import attention
 from raylora.train.ema import LoraEMA
 from raylora.train.compile import CompileCache, cache_key, compile_denoiser
 from raylora.train.compile import log as compile_log
@@ -216,8 +217,7 @@ def build_run(
         cfg.model, weight_dtype, cfg.storage.client(), encoders=cfg.data.cache != "latents",
         device=accelerator.device, hollow_denoiser=fsdp,
     )
-    if torch.cuda.is_available() and not comps.family.cudnn_sdpa:
-        torch.backends.cuda.enable_cudnn_sdp(False)
+    attention.use_family_backends(comps.family)
     params, trained_te, te_params = _attach_lora(cfg, comps)
     if t.gradient_checkpointing:
         enable_gradient_checkpointing(comps.denoiser, trained_te.values())
@@ -367,7 +367,6 @@ def attention_planner(cfg: RayLoraConfig, run: TrainingRun, log=None):
     denoiser's attention calls on the batch, pick each layer's kernels, pin them. None when
     PyTorch's own choice stands (``default``; ``auto`` off CUDA). Every rank pins rank 0's
     pick, so the ranks run the same kernels. ``log``: gets the timing lines (rank 0)."""
-    from raylora.train import attention
     from raylora.train.step import compute_loss
 
     mode, acc = cfg.train.sdpa_backend, run.accelerator

@@ -10,7 +10,7 @@
 #       pydantic_core==2.50.4 annotated_types==0.8.0 typing_extensions==4.16.0 \
 #       typing_inspection==0.4.5
 #   # there, through the device tool (carry: .whl):
-#   bash bench/gpu_session.sh loop        # then: sd15, sd15-res, sdxl, sdxl-full, dits, wan
+#   bash bench/gpu_session.sh dits        # then: sd15, sdxl, sdxl-full, wan, sd15-res (loop: done)
 #
 # Each step appends its table to bench/RESULTS.md and copies that file to $OUT (the device
 # tool brings $OUT back), so the section can be committed here.
@@ -34,12 +34,11 @@ case "$step" in
   # train.cuda_graphs against the same run without: what keeps the switch off by default.
   # A tiny SDXL, so the compile is short; each run compiles afresh.
   loop) "$PY" bench/gpu_loop_check.py --family sdxl --steps 16 ;;
-  # SD 1.5 @512, cached (short of 40% MFU at 26% on an H200, 2026-11-26, with 41% of its
-  # kernel time elementwise/copy/norm outside the compiled blocks): regional with the copy
-  # kernels' launchers profiled, the GroupNorms out of autocast (gn16), then warm from the
-  # stored cache.
+  # SD 1.5 @512, cached: regional 26.3 % MFU, +gn16 28.1 %, regional-res+gn16 29.3 % (compile
+  # 109 s) on an H200, 2026-11-26 22:19. Next: the kinds profile without inductor's ranges
+  # counted (fixed after that run), and gn16 warm from the stored cache.
   sd15) "$PY" bench/gpu_throughput.py --models sd15 --batch-sizes 64 "${common[@]}" \
-          --variants cached+regional,cached+regional+gn16,cached+regional+warm ;;
+          --variants cached+regional,cached+regional+gn16,cached+regional+gn16+warm ;;
   # The resnets compiled too: their step time (the cold compile was past 90 s on an
   # H100), and how long a fresh process takes with the stored cache (train.compile_cache_uri).
   sd15-res) "$PY" bench/gpu_throughput.py --models sd15 --batch-sizes 64 "${common[@]}" \
@@ -52,7 +51,8 @@ case "$step" in
   sdxl-full) "$PY" bench/gpu_throughput.py --models sdxl --batch-sizes 8 "${common[@]}" \
           --compile-budget 420 --variants cached+full,cached+full+warm ;;
   # The DiT families with no GPU figures yet (Flux.2 [klein] 4B, Z-Image-Turbo) @1024,
-  # cached, eager and regional, batch 1 and 2.
+  # cached, eager and regional, batch 1 and 2; the family's SDPA backends (cuDNN off, as
+  # training runs them: with it on, the first case died of an illegal memory access).
   dits) "$PY" bench/gpu_dit.py --models klein4b,zimage --batch-sizes 1,2 ;;
   wan) "$PY" bench/gpu_dit.py --models wan14b --batch-sizes 1,2 ;;
   # CPU check of this script and the bench (toy widths; not a measurement, not recorded).

@@ -20,7 +20,6 @@ time is the first compiled step minus a steady step; it is reported on its own.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 import time

@@ -44,9 +44,10 @@ case "$step" in
   sd15-res) "$PY" bench/gpu_throughput.py --models sd15 --batch-sizes 64 "${common[@]}" \
           --compile-budget 300 --variants cached+regional-res,cached+regional-res+warm ;;
   # SDXL @1024: regional with CUDA graphs (train.cuda_graphs; 33% MFU on an H200), eager
-  # beside it, and its warm compile.
+  # beside it, with bf16 GroupNorms (gn16: training's default since 2026-11-26, measured on
+  # SD 1.5 only), and its warm compile.
   sdxl) "$PY" bench/gpu_throughput.py --models sdxl --batch-sizes 8 "${common[@]}" \
-          --variants cached,cached+regional+ro,cached+regional+ro+warm ;;
+          --variants cached,cached+regional+ro,cached+regional+ro+gn16,cached+regional+ro+gn16+warm ;;
   # SDXL full compile: its step time, with a compile budget of several minutes; then warm.
   sdxl-full) "$PY" bench/gpu_throughput.py --models sdxl --batch-sizes 8 "${common[@]}" \
           --compile-budget 420 --variants cached+full,cached+full+warm ;;

@@ -25,8 +25,9 @@ training does; ``regional-res``: and the UNet's ResnetBlock2D too), and the
 "fast step" switches ``cl`` (channels-last UNet: ``train.channels_last``), ``flash`` /
 ``cudnn`` / ``efficient`` / ``math`` (that SDPA kernel in every attention layer) and
 ``sdpa-auto`` (each layer's fastest, timed on the first batch: ``train.sdpa_backend`` as
-training runs it), ``gn16`` (the UNet's GroupNorms in bf16, out of autocast's fp32: a
-hypothesis for SD 1.5's copy kernels, no train option), ``mat`` (inductor
+training runs it), ``gn16`` (the UNet's GroupNorms in bf16, out of autocast's fp32:
+``train.groupnorm_fp32`` false, training's default under bf16; a row without it runs
+them as ``train.groupnorm_fp32: true`` does), ``mat`` (inductor
 ``max-autotune-no-cudagraphs``), ``ro``
 (``reduce-overhead``: CUDA graphs, as ``train.cuda_graphs`` runs them). ``raylora`` alone
 is the uncached eager step.
@@ -286,23 +287,6 @@ def count_flops(step, batch) -> int:
     return counter.get_total_flops()
 
 
-def groupnorm_outside_autocast(unet) -> int:
-    """``gn16``: every GroupNorm runs in the weights' dtype (bf16; CUDA's kernel keeps its
-    statistics in fp32) instead of autocast's fp32, so the eager resnets between the
-    compiled blocks do not cast each activation to fp32 and back around it (SD 1.5: 15 %
-    of the kernel time is copies, 9 % norms). A hypothesis to measure, not a train option.
-    Returns how many were changed."""
-    n = 0
-    for m in unet.modules():
-        if isinstance(m, torch.nn.GroupNorm):
-            def forward(x, _m=m, _forward=m.forward):
-                with torch.autocast(x.device.type, enabled=False):
-                    return _forward(x.to(_m.weight.dtype))
-            m.forward = forward
-            n += 1
-    return n
-
-
 def pin_attention(tokens: set, unet, forward, cudnn_allowed: bool) -> list[str]:
     """``train.sdpa_backend`` as training runs it (``raylora.train.attention``): the
     variant's kernel in every attention layer, or ``sdpa-auto``'s per-layer timing; no
@@ -445,7 +429,9 @@ def run_case(args) -> None:
         if "cl" in tokens:  # as build_run does for train.channels_last
             unet.to(memory_format=torch.channels_last)
         if "gn16" in tokens:
-            print(f"gn16: {groupnorm_outside_autocast(unet)} GroupNorms out of autocast", flush=True)
+            from raylora.train.norms import groupnorms_in_weight_dtype
+
+            print(f"gn16: {groupnorms_in_weight_dtype(unet)} GroupNorms out of autocast", flush=True)
         step = raylora_step(model, unet, vae, encoders, scheduler, scale, res, cached,
                             cuda_graphs="ro" in tokens)
         for line in pin_attention(tokens, unet, lambda: step.forward(batch),

@@ -265,10 +265,12 @@ def search_to_resume(cfg: RayLoraConfig) -> bool:
 
 
 def _differences(a, b, prefix: str = "") -> list[tuple[str, object, object]]:
-    """(dotted key, a's value, b's value) wherever two config trees differ."""
+    """(dotted key, a's value, b's value) wherever two config trees differ. A key only one
+    tree has is no difference: a search recorded by an older raylora lacks the keys added
+    since (their defaults), and nobody can have set them for it."""
     if isinstance(a, dict) and isinstance(b, dict):
-        return [d for k in sorted(set(a) | set(b), key=str)
-                for d in _differences(a.get(k), b.get(k), f"{prefix}{k}.")]
+        return [d for k in sorted(set(a) & set(b), key=str)
+                for d in _differences(a[k], b[k], f"{prefix}{k}.")]
     return [] if a == b else [(prefix.rstrip("."), a, b)]
 
 

@@ -9,18 +9,19 @@ from raylora.train.loop import LoopHooks, LoopSettings, run_loop
 from raylora.train.setup import attention_planner, build_run, write_checkpoint
 
 
-def _fresh_accelerator(accum: int):
+def _fresh_accelerator(accum: int, mixed_precision: str = "no"):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    return Accelerator(cpu=True, gradient_accumulation_steps=accum)
+    return Accelerator(cpu=True, gradient_accumulation_steps=accum, mixed_precision=mixed_precision)
 
 
 def _train(cfg, batches, max_steps, ckpt_root, restored=None, stop_at=None):
     """Run the loop; checkpoints go to ckpt_root/step_N. Returns (run, steps checkpointed)."""
-    accel = _fresh_accelerator(cfg.train.gradient_accumulation_steps)
+    # Autocast as the worker's Accelerator sets it (raylora.worker._accelerator).
+    accel = _fresh_accelerator(cfg.train.gradient_accumulation_steps, cfg.train.mixed_precision)
     run = build_run(cfg, accel, max_steps, rank=0, restored=restored)
     saved = []
 

@@ -187,6 +187,52 @@ def test_channels_last_changes_the_layout_not_the_step(base_config, batches, tmp
         torch.testing.assert_close(nhwc[k], plain[k], rtol=1e-4, atol=atol)
 
 
+def test_bf16_groupnorms_run_in_bf16_unless_groupnorm_fp32(base_config, batches, tmp_path):
+    """train.mixed_precision bf16 (CPU autocast here, as the worker's Accelerator sets it):
+    every GroupNorm of the UNet runs outside autocast on a bf16 input, or under autocast
+    (CUDA's policy runs it in fp32; CPU's has no rule for it) with train.groupnorm_fp32.
+    Parameters and adapter keys are the same, and the two runs' losses agree to bf16's
+    rounding. Without bf16 nothing changes."""
+    from torch.overrides import TorchFunctionMode
+
+    from inproc import _train
+
+    from raylora.train.norms import GroupNormInWeightDtype
+
+    class GroupNormCalls(TorchFunctionMode):  # (autocast on?, input dtype) of each call
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.nn.functional.group_norm:
+                self.calls.append((torch.is_autocast_enabled("cpu"), args[0].dtype))
+            return func(*args, **(kwargs or {}))
+
+    base_config["train"].update(mixed_precision="bf16", max_steps=3)
+    runs, calls = {}, {}
+    for fp32 in (False, True):
+        base_config["train"]["groupnorm_fp32"] = fp32
+        runs[fp32], _ = _train(validate(base_config), batches, 3, str(tmp_path / str(fp32)))
+        norms = [m for m in runs[fp32].model.modules() if isinstance(m, torch.nn.GroupNorm)]
+        assert sum(type(m) is GroupNormInWeightDtype for m in norms) == (0 if fp32 else len(norms))
+        with torch.autocast("cpu", dtype=torch.bfloat16), GroupNormCalls() as mode:
+            runs[fp32].model(torch.randn(1, 4, 8, 8), torch.tensor([10]), torch.randn(1, 7, 32))
+        calls[fp32] = mode.calls
+        assert len(calls[fp32]) == len(norms) > 4
+    assert set(calls[False]) == {(False, torch.bfloat16)}
+    assert {on for on, _ in calls[True]} == {True}
+    assert [n for n, _ in runs[False].model.named_parameters()] == \
+        [n for n, _ in runs[True].model.named_parameters()]
+    assert lora_state_dict(runs[False].model).keys() == lora_state_dict(runs[True].model).keys()
+    bf16, fp32 = ([r["loss"] for r in runs[k].state.history] for k in (False, True))
+    assert len(bf16) == 3 and bf16 == pytest.approx(fp32, rel=0.05)
+
+    base_config["train"].update(mixed_precision="no", groupnorm_fp32=False, max_steps=1)
+    plain, _ = _train(validate(base_config), batches, 1, str(tmp_path / "no"))
+    assert not any(type(m) is GroupNormInWeightDtype for m in plain.model.modules())
+
+
 # ---------------------------------------------------------------- train.compile_cache_uri
 
 
@@ -271,12 +317,14 @@ def test_compile_cache_entry_names_what_shapes_the_graphs(tiny_model, demo_data,
 
     same = {key(), key(train__learning_rate=3e-4), key(output__uri=str(tmp_path / "other")),
             key(train__max_steps=9), key(train__compile_cache_uri="s3://b/cc"),
-            key(moved, model__pretrained=str(elsewhere)), key(scaling__use_gpu=True)}
+            key(moved, model__pretrained=str(elsewhere)), key(scaling__use_gpu=True),
+            key(train__groupnorm_fp32=True)}  # nothing to change without bf16
     assert len(same) == 1
     other = [key(lora__rank=8), key(train__batch_size=4), key(data__resolution=32),
              key(train__mixed_precision="bf16"), key(train__compile="full"),
              key(train__gradient_checkpointing=True),
-             key(train__cuda_graphs=True, train__compile="regional", scaling__use_gpu=True)]
+             key(train__cuda_graphs=True, train__compile="regional", scaling__use_gpu=True),
+             key(train__mixed_precision="bf16", train__groupnorm_fp32=True)]
     assert len(set(other) | same) == len(other) + 1
 
 

@@ -473,6 +473,13 @@ def test_a_stopped_search_resumes_each_trial_from_its_stop(ray_local, tiny_model
     assert f"output.uri: {out / 'tune'} holds a search started with another config" in err
     assert "Changed: lora.rank: 4 then, 8 now; train.max_steps: 40 then, 30 now" in err
 
+    # A search recorded by an older raylora lacks the keys added since: it still resumes.
+    from raylora.tune import SEARCH_FILE
+
+    record = out / "tune" / SEARCH_FILE
+    doc = json.loads(record.read_text())
+    del doc["config"]["train"]["groupnorm_fp32"]
+    record.write_text(json.dumps(doc))
     sigint = signal.getsignal(signal.SIGINT)
     assert main(["tune", str(job)]) == 0
     # Tune's fit() left its own SIGINT handler installed; raylora puts this one back.

@@ -27,6 +27,7 @@ from raylora.model.load import load_components
 from raylora.model.lora import add_lora, add_text_encoder_lora, load_lora_state_dict, lora_state_dict
 from raylora.model.lora import save_adapter
 from raylora.train import attention
+from raylora.train.norms import groupnorms_in_weight_dtype
 from raylora.train.ema import LoraEMA
 from raylora.train.compile import CompileCache, cache_key, compile_denoiser
 from raylora.train.compile import log as compile_log
@@ -224,6 +225,8 @@ def build_run(
     if comps.family.channels_last if t.channels_last is None else t.channels_last:
         # 4-D tensors only (conv weights): Linear weights and LoRA factors keep their layout.
         comps.denoiser.to(memory_format=torch.channels_last)
+    if t.mixed_precision == "bf16" and not t.groupnorm_fp32:
+        groupnorms_in_weight_dtype(comps.denoiser)
     compile_denoiser(comps.denoiser, cfg.compile_mode, comps.family.repeated_blocks,
                      **({"mode": "reduce-overhead"} if t.cuda_graphs else {}))
     compile_cache = open_compile_cache(cfg, comps, accelerator.device, rank)
@@ -274,7 +277,8 @@ def compile_cache_inputs(cfg: RayLoraConfig, comps) -> dict:
                   d.cache == "latents"],
         # CUDA graphs only when on: entries stored before the switch existed keep their name.
         "switches": [t.gradient_checkpointing, t.channels_last, t.sdpa_backend]
-        + (["cuda_graphs"] if t.cuda_graphs else []),
+        + (["cuda_graphs"] if t.cuda_graphs else [])
+        + (["groupnorm_fp32"] if t.groupnorm_fp32 and t.mixed_precision == "bf16" else []),
     }
 
 

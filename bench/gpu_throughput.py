@@ -431,7 +431,7 @@ def run_case(args) -> None:
         if "gn16" in tokens:
             from raylora.train.norms import groupnorms_in_weight_dtype
 
-            print(f"gn16: {groupnorms_in_weight_dtype(unet)} GroupNorms out of autocast", flush=True)
+            print(f"gn16: {len(groupnorms_in_weight_dtype(unet))} GroupNorms out of autocast", flush=True)
         step = raylora_step(model, unet, vae, encoders, scheduler, scale, res, cached,
                             cuda_graphs="ro" in tokens)
         for line in pin_attention(tokens, unet, lambda: step.forward(batch),

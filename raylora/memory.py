@@ -18,7 +18,8 @@ Meta tensors run no kernels, so two things a GPU does differently are imitated:
 
 * mixed precision: CUDA autocast's cast policy (matmuls, convolutions and SDPA in the
   lower precision; norms, softmax, reductions and losses in fp32), applied per torch
-  function, with autocast's cache of the cast trainable weights;
+  function, with autocast's cache of the cast trainable weights; under bf16 the
+  denoiser's GroupNorms outside it, in bf16, as training runs them (``train.groupnorm_fp32``);
 * SDPA: what the flash / memory-efficient kernels keep for backward (q, k, v, output and an
   fp32 logsumexp), not the [L, L] attention matrix of the math path the meta device takes.
 
@@ -44,6 +45,7 @@ Flux's peak from 50 to 45 GiB), the held-out evaluation, CPU offload.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import json
 import math
@@ -62,6 +64,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from raylora.model.quantize import quantizable, quantized_linear_bytes
+from raylora.train.norms import GroupNormInWeightDtype, groupnorms_in_weight_dtype
 
 GIB = 1024**3
 # Outside PyTorch's allocator, per GPU process: the CUDA context with PyTorch's kernels
@@ -403,6 +406,20 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     return _FlashAttention.apply(query, key, value, attn_mask)
 
 
+# Set while a GroupNorm that training runs outside autocast (raylora.train.norms) runs on
+# meta tensors, which have no autocast to leave: the rules cast nothing meanwhile.
+_OUTSIDE_AUTOCAST: contextvars.ContextVar[bool] = contextvars.ContextVar("outside_autocast", default=False)
+
+
+class _MetaGroupNorm(GroupNormInWeightDtype):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        token = _OUTSIDE_AUTOCAST.set(True)
+        try:
+            return super().forward(x)
+        finally:
+            _OUTSIDE_AUTOCAST.reset(token)
+
+
 class _MetaStep(TorchFunctionMode):
     """Torch-function rules for a step on meta tensors: autocast's casts (``autocast``:
     the device whose policy to follow, None: no mixed precision), fused-kernel SDPA
@@ -444,7 +461,7 @@ class _MetaStep(TorchFunctionMode):
             if name == "tolist":
                 return [self.scalar] * args[0].numel()
             return True if name == "__bool__" else self.scalar
-        if self.autocast is not None:
+        if self.autocast is not None and not _OUTSIDE_AUTOCAST.get():
             if name in _LOWER[self.autocast]:
                 args, kwargs = tree_map(lambda t: self._cast(t, self.dtype), (args, kwargs))
             elif name in _FP32[self.autocast] and not (name in _OPT_DTYPE and kwargs.get("dtype")):
@@ -611,12 +628,14 @@ def attach_lora(comps, rank: int, targets: Sequence[str] | None = None,
 
 
 def profile_step(comps, batch: dict[str, torch.Tensor], *, mixed_precision: str = "no",
-                 gradient_checkpointing: bool = False, autocast_device: str = "cuda") -> StepProfile:
+                 gradient_checkpointing: bool = False, autocast_device: str = "cuda",
+                 groupnorm_fp32: bool = False) -> StepProfile:
     """Run one training step (``compute_loss`` + backward) of ``comps`` (LoRA attached, on
     the denoiser and maybe text encoders) on ``batch`` and measure its tensors' bytes.
     Meta components and batch: the GPU is imitated (``autocast_device``'s autocast policy,
     fused SDPA). Real ones (CPU): the same step and measurement under real
-    ``torch.autocast``, which the tests compare against."""
+    ``torch.autocast``, which the tests compare against. ``groupnorm_fp32``: as
+    ``train.groupnorm_fp32`` (false: under bf16 the denoiser's GroupNorms run in bf16)."""
     from raylora.train.setup import enable_gradient_checkpointing
 
     trained = [m for m in comps.text_encoders if any(p.requires_grad for p in m.parameters())]
@@ -625,9 +644,15 @@ def profile_step(comps, batch: dict[str, torch.Tensor], *, mixed_precision: str 
     comps.denoiser.train()
     for m in trained:
         m.train()
+    norms = []
+    if mixed_precision == "bf16" and not groupnorm_fp32:  # as train.setup does
+        meta = comps.denoiser.device.type == "meta"
+        norms = groupnorms_in_weight_dtype(comps.denoiser, _MetaGroupNorm if meta else GroupNormInWeightDtype)
     try:
         return _measure(comps, batch, mixed_precision, autocast_device)
     finally:
+        for m in norms:  # the components are cached: they can be profiled again without it
+            m.__class__ = torch.nn.GroupNorm
         if gradient_checkpointing:  # the components can be profiled again without it
             comps.denoiser.disable_gradient_checkpointing()
             for m in trained:
@@ -860,7 +885,7 @@ def _components(model_path: str, mixed_precision: str, lora_rank: int,
 def _profile(model_path: str, batch_size: int, resolution: int | tuple[int, int], lora_rank: int,
              lora_targets: tuple[str, ...] | None, mixed_precision: str, gradient_checkpointing: bool,
              cached_latents: bool, train_text_encoder: bool, max_sequence_length: int | None,
-             autocast_device: str) -> StepProfile:
+             autocast_device: str, groupnorm_fp32: bool = False) -> StepProfile:
     """The step's profile; cached, since strategy, quantization and optimizer do not
     change it."""
     comps, _, _ = _components(model_path, mixed_precision, lora_rank, lora_targets, train_text_encoder)
@@ -869,7 +894,8 @@ def _profile(model_path: str, batch_size: int, resolution: int | tuple[int, int]
         batch = cached_batch(comps, batch)
     run = comps if not cached_latents else replace(comps, vae=None, text_encoders=[])
     return profile_step(run, batch, mixed_precision=mixed_precision,
-                        gradient_checkpointing=gradient_checkpointing, autocast_device=autocast_device)
+                        gradient_checkpointing=gradient_checkpointing, autocast_device=autocast_device,
+                        groupnorm_fp32=groupnorm_fp32)
 
 
 def estimate(model_path: str, *, batch_size: int = 1, resolution: int | tuple[int, int] = 1024,
@@ -880,7 +906,7 @@ def estimate(model_path: str, *, batch_size: int = 1, resolution: int | tuple[in
              optimizer: str = "adamw", cached_latents: bool = False,
              train_text_encoder: bool = False, max_sequence_length: int | None = None,
              prodigy_slice_p: int = 1, adafactor_beta1: float | None = None,
-             device: str = "cuda", samples_per_row: int = 1) -> Estimate:
+             device: str = "cuda", samples_per_row: int = 1, groupnorm_fp32: bool = False) -> Estimate:
     """Per-GPU bytes of one raylora training worker for the pipeline folder ``model_path``
     (configs only are read: a folder of ``model_index.json`` and ``config.json`` files is
     enough). ``batch_size``: per worker and micro-step. ``strategy``/``world_size``: ddp or
@@ -889,7 +915,8 @@ def estimate(model_path: str, *, batch_size: int = 1, resolution: int | tuple[in
     workers load neither VAE nor text encoders). ``device``: "cuda" adds the CUDA constant
     (and NCCL's with more than one worker); "cpu" leaves both out and follows CPU
     autocast. ``samples_per_row``: 2 with prior preservation, whose micro-batch is
-    ``batch_size`` instance samples plus as many class samples."""
+    ``batch_size`` instance samples plus as many class samples. ``groupnorm_fp32``: as
+    ``train.groupnorm_fp32``."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy: {strategy!r} is not one of {', '.join(STRATEGIES)}")
     for key, kind in (("quantize", quantize), ("quantize_text_encoders", quantize_text_encoders)):
@@ -904,13 +931,14 @@ def estimate(model_path: str, *, batch_size: int = 1, resolution: int | tuple[in
                 quantize_text_encoders=quantize_text_encoders, optimizer=optimizer,
                 cached_latents=cached_latents, train_text_encoder=train_text_encoder,
                 max_sequence_length=max_sequence_length, prodigy_slice_p=prodigy_slice_p,
-                adafactor_beta1=adafactor_beta1, device=device, samples_per_row=samples_per_row)
+                adafactor_beta1=adafactor_beta1, device=device, samples_per_row=samples_per_row,
+                groupnorm_fp32=groupnorm_fp32)
     targets = tuple(lora_targets) if lora_targets else None
     comps, params, te_params = _components(model_path, mixed_precision, lora_rank, targets,
                                            train_text_encoder)
     prof = _profile(model_path, batch_size * samples_per_row, resolution, lora_rank, targets, mixed_precision,
                     gradient_checkpointing, cached_latents, train_text_encoder,
-                    max_sequence_length, device)
+                    max_sequence_length, device, groupnorm_fp32)
     fam = comps.family
     dtype = MIXED_PRECISION[mixed_precision]
     fsdp = strategy == "fsdp"
@@ -978,7 +1006,7 @@ def config_args(cfg) -> dict:
         quantize_text_encoders=m.quantize_text_encoders, cached_latents=d.cache == "latents",
         train_text_encoder=lo.train_text_encoder, max_sequence_length=m.max_sequence_length,
         device="cuda" if s.use_gpu else "cpu", samples_per_row=2 if d.prior_preservation else 1,
-        **optimizer_args(t))
+        groupnorm_fp32=t.groupnorm_fp32, **optimizer_args(t))
 
 
 def from_config(cfg, **changes) -> Estimate:

@@ -107,6 +107,26 @@ def test_a_meta_step_keeps_what_a_real_cpu_step_keeps(tiny, family, mixed_precis
     assert meta.saved <= meta.activations <= meta.peak
 
 
+def test_bf16_groupnorms_keep_less_than_autocasts_fp32_ones(tiny):
+    """train.groupnorm_fp32 on the meta step under CUDA's policy: the UNet's GroupNorms in
+    bf16 (the default) keep less for backward than autocast's fp32 ones, and the cached
+    components are plain GroupNorms again after each profile."""
+    comps = memory.meta_components(tiny("sdxl"), torch.bfloat16)
+    memory.attach_lora(comps, 4)
+    batch = memory.cached_batch(comps, memory.raw_batch(comps, 2, 64))
+    run = dataclasses.replace(comps, vae=None, text_encoders=[])
+    prof = {fp32: memory.profile_step(run, batch, mixed_precision="bf16", groupnorm_fp32=fp32)
+            for fp32 in (False, True)}
+    assert prof[False].saved < prof[True].saved and prof[False].activations < prof[True].activations
+    assert prof[False].grads == prof[True].grads
+    assert memory.profile_step(run, batch, mixed_precision="bf16") == prof[False]
+    norms = [m for m in run.denoiser.modules() if isinstance(m, torch.nn.GroupNorm)]
+    assert norms and all(type(m) is torch.nn.GroupNorm for m in norms)
+    kw = dict(batch_size=2, resolution=64, lora_rank=4, cached_latents=True)
+    assert memory.estimate(tiny("sdxl"), **kw).activations < \
+        memory.estimate(tiny("sdxl"), **kw, groupnorm_fp32=True).activations
+
+
 def test_gradient_checkpointing_keeps_block_inputs_not_block_activations(tiny):
     """With checkpointing the saved-tensor hooks see only what is saved outside the blocks;
     the blocks' inputs are held by the checkpoints themselves, which the alive-after-forward

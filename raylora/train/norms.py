@@ -28,12 +28,13 @@ class GroupNormInWeightDtype(torch.nn.GroupNorm):
             return F.group_norm(x.to(dtype), self.num_groups, self.weight, self.bias, self.eps)
 
 
-def groupnorms_in_weight_dtype(module: torch.nn.Module) -> int:
-    """Every plain ``nn.GroupNorm`` under ``module`` becomes a ``GroupNormInWeightDtype``
-    (subclasses are left alone: their forward is their own). Returns how many changed."""
-    n = 0
-    for m in module.modules():
-        if type(m) is torch.nn.GroupNorm:
-            m.__class__ = GroupNormInWeightDtype
-            n += 1
-    return n
+def groupnorms_in_weight_dtype(module: torch.nn.Module,
+                               cls: type[GroupNormInWeightDtype] = GroupNormInWeightDtype
+                               ) -> list[torch.nn.Module]:
+    """Every plain ``nn.GroupNorm`` under ``module`` becomes a ``cls`` (subclasses are left
+    alone: their forward is their own). Returns the modules changed; setting their
+    ``__class__`` back to ``nn.GroupNorm`` undoes it."""
+    changed = [m for m in module.modules() if type(m) is torch.nn.GroupNorm]
+    for m in changed:
+        m.__class__ = cls
+    return changed

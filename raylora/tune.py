@@ -251,7 +251,7 @@ def search_to_resume(cfg: RayLoraConfig) -> bool:
         return False
     record = storage.join(where, SEARCH_FILE)
     if store.exists(record):  # absent: a search started before raylora recorded its config
-        started = json.loads(store.read_bytes(record))["config"]
+        started = _as_read_now(json.loads(store.read_bytes(record))["config"])
         changed = [f"{key}: {old!r} then, {new!r} now"
                    for key, old, new in _differences(started, cfg.to_dict())
                    if key.split(".")[0] not in RESUME_MAY_CHANGE]
@@ -264,13 +264,26 @@ def search_to_resume(cfg: RayLoraConfig) -> bool:
     return True
 
 
+def _as_read_now(tree: dict) -> dict:
+    """A recorded config as this raylora reads it: the keys added since an older raylora
+    recorded it get their defaults, so only values set differently count as changes (a
+    key the user adds, to tune.search_space say, still does). A record this version
+    cannot read is compared as it is."""
+    from pydantic import ValidationError
+
+    from raylora.config import RayLoraConfig
+
+    try:
+        return RayLoraConfig.model_validate(tree).to_dict()
+    except ValidationError:
+        return tree
+
+
 def _differences(a, b, prefix: str = "") -> list[tuple[str, object, object]]:
-    """(dotted key, a's value, b's value) wherever two config trees differ. A key only one
-    tree has is no difference: a search recorded by an older raylora lacks the keys added
-    since (their defaults), and nobody can have set them for it."""
+    """(dotted key, a's value, b's value) wherever two config trees differ."""
     if isinstance(a, dict) and isinstance(b, dict):
-        return [d for k in sorted(set(a) & set(b), key=str)
-                for d in _differences(a[k], b[k], f"{prefix}{k}.")]
+        return [d for k in sorted(set(a) | set(b), key=str)
+                for d in _differences(a.get(k), b.get(k), f"{prefix}{k}.")]
     return [] if a == b else [(prefix.rstrip("."), a, b)]
 
 

@@ -264,6 +264,27 @@ def test_search_space_and_concurrency():
     assert param_space(validate(tree).tune)["lora.rank"] == {"grid_search": [4, 8, 16]}
 
 
+def test_a_recorded_search_config_is_compared_as_this_version_reads_it():
+    """Resuming a search compares its recorded config with today's: a key an older raylora
+    did not have is its default then, so it differs only where it is set now; a key added
+    to the search space is a change either way."""
+    from raylora.tune import _as_read_now, _differences
+
+    tree = {"model": {"pretrained": "m"}, "output": {"uri": "o"},
+            "data": {"uri": "d", "validation_split": 0.1},
+            "tune": {"search_space": {"train.learning_rate": {"choice": [1e-4, 1e-3]}}}}
+    now = validate(tree).to_dict()
+    old = json.loads(json.dumps(now))
+    del old["train"]["groupnorm_fp32"]  # as a raylora before that key recorded it
+    assert _differences(old, now) == [("train.groupnorm_fp32", None, False)]
+    assert _differences(_as_read_now(old), now) == []
+    tree["train"] = {"groupnorm_fp32": True}
+    tree["tune"]["search_space"]["lora.rank"] = {"choice": [4, 8]}
+    assert [k for k, _, _ in _differences(_as_read_now(old), validate(tree).to_dict())] == [
+        "train.groupnorm_fp32", "tune.search_space.lora.rank"]
+    assert _as_read_now({"train": {"no_such_key": 1}}) == {"train": {"no_such_key": 1}}
+
+
 def test_tune_config_errors_name_the_key():
     base = {"model": {"pretrained": "m"}, "output": {"uri": "o"}, "data": {"uri": "d"}}
     with pytest.raises(ConfigError) as ei:

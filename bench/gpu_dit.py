@@ -20,6 +20,7 @@ time is the first compiled step minus a steady step; it is reported on its own.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -210,7 +211,6 @@ def case_in_child(args, argv: list[str], model: str, b: int, mode: str) -> dict:
     """One case in a fresh process: a CUDA fault (an illegal memory access poisons the
     process's CUDA context) or an OOM is that row's result, not every later row's. The
     child's output passes through, its traceback included."""
-    import json
     import subprocess
 
     cmd = [sys.executable, os.path.abspath(__file__), *argv, "--case", f"{model}:{b}:{mode}"]
@@ -240,8 +240,6 @@ def one_case(args, model: str, b: int, mode: str, device, dtype) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     """``argv``: bench/gpu_throughput.py hands its ``--models flux,sd35m`` rows here."""
-    import json
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="flux,sd35m")
     ap.add_argument("--batch-sizes", default="1,2")

@@ -64,7 +64,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from raylora.model.quantize import quantizable, quantized_linear_bytes
-from raylora.train.norms import GroupNormInWeightDtype, groupnorms_in_weight_dtype
+from raylora.train.norms import GroupNormInWeightDtype, groupnorms_in_weight_dtype, in_weight_dtype
 
 GIB = 1024**3
 # Outside PyTorch's allocator, per GPU process: the CUDA context with PyTorch's kernels
@@ -645,7 +645,7 @@ def profile_step(comps, batch: dict[str, torch.Tensor], *, mixed_precision: str 
     for m in trained:
         m.train()
     norms = []
-    if mixed_precision == "bf16" and not groupnorm_fp32:  # as train.setup does
+    if in_weight_dtype(mixed_precision, groupnorm_fp32):  # as train.setup does
         meta = comps.denoiser.device.type == "meta"
         norms = groupnorms_in_weight_dtype(comps.denoiser, _MetaGroupNorm if meta else GroupNormInWeightDtype)
     try:

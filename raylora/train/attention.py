@@ -186,14 +186,12 @@ def pin_layer(module: torch.nn.Module, backends: list[SDPBackend]) -> None:
     module.forward = forward
 
 
-def use_family_backends(family) -> bool:
+def use_family_backends(family) -> None:
     """PyTorch's own per-call choice, less cuDNN's attention on CUDA for a family that does
     not allow it (``Family.cudnn_sdpa``): what every training step and the benches run.
-    Process-wide, as PyTorch's switch is. Returns whether cuDNN was switched off."""
+    Process-wide, as PyTorch's switch is."""
     if torch.cuda.is_available() and not family.cudnn_sdpa:
         torch.backends.cuda.enable_cudnn_sdp(False)
-        return True
-    return False
 
 
 def candidates(device, cudnn_allowed: bool) -> list[str]:

@@ -13,6 +13,8 @@ compiled blocks that call them stay as they were.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -22,10 +24,17 @@ class GroupNormInWeightDtype(torch.nn.GroupNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.weight.dtype if self.weight is not None else x.dtype
-        if not torch.amp.is_autocast_available(x.device.type):  # meta: no autocast to leave
+        outside = (torch.autocast(x.device.type, enabled=False)
+                   if torch.amp.is_autocast_available(x.device.type)
+                   else contextlib.nullcontext())  # meta: no autocast to leave
+        with outside:
             return F.group_norm(x.to(dtype), self.num_groups, self.weight, self.bias, self.eps)
-        with torch.autocast(x.device.type, enabled=False):
-            return F.group_norm(x.to(dtype), self.num_groups, self.weight, self.bias, self.eps)
+
+
+def in_weight_dtype(mixed_precision: str, groupnorm_fp32: bool) -> bool:
+    """Whether a run with these ``train`` values runs its GroupNorms in the weights'
+    dtype: what training does and the memory estimate imitates."""
+    return mixed_precision == "bf16" and not groupnorm_fp32
 
 
 def groupnorms_in_weight_dtype(module: torch.nn.Module,

@@ -27,7 +27,7 @@ from raylora.model.load import load_components
 from raylora.model.lora import add_lora, add_text_encoder_lora, load_lora_state_dict, lora_state_dict
 from raylora.model.lora import save_adapter
 from raylora.train import attention
-from raylora.train.norms import groupnorms_in_weight_dtype
+from raylora.train.norms import groupnorms_in_weight_dtype, in_weight_dtype
 from raylora.train.ema import LoraEMA
 from raylora.train.compile import CompileCache, cache_key, compile_denoiser
 from raylora.train.compile import log as compile_log
@@ -225,7 +225,7 @@ def build_run(
     if comps.family.channels_last if t.channels_last is None else t.channels_last:
         # 4-D tensors only (conv weights): Linear weights and LoRA factors keep their layout.
         comps.denoiser.to(memory_format=torch.channels_last)
-    if t.mixed_precision == "bf16" and not t.groupnorm_fp32:
+    if in_weight_dtype(t.mixed_precision, t.groupnorm_fp32):
         groupnorms_in_weight_dtype(comps.denoiser)
     compile_denoiser(comps.denoiser, cfg.compile_mode, comps.family.repeated_blocks,
                      **({"mode": "reduce-overhead"} if t.cuda_graphs else {}))

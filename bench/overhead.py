@@ -121,13 +121,12 @@ def main() -> None:
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from raylora.data.badrecords import start_counter
+    from raylora import desk
     from raylora.launch import start_local_ray
 
     start_local_ray(num_cpus=args.threads + 1)
     try:
-        counter = "bench-bad-records"
-        handle = start_counter(counter)
+        counter = desk.start()  # the run's desk, as raylora's runs have (its counts)
         trainer = TorchTrainer(
             ray_worker,
             train_loop_config={"cfg": cfg, "batches": batches, "steps": args.steps,
@@ -138,7 +137,7 @@ def main() -> None:
             run_config=ray.train.RunConfig(name="overhead", storage_path=os.path.join(work, "ray")),
         )
         on_ray = trainer.fit().metrics["steps_per_s"]
-        ray.kill(handle)
+        desk.stop(counter)
     finally:
         ray.shutdown()
     bare.append(timed_steps(cfg, batches, args.steps, args.warmup, args.threads))

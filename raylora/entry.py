@@ -38,11 +38,12 @@ class WorkerSpec:
     tokenizer_specs: tuple | None = None
     progress_bar: bool = False  # verbose, and a terminal is watching: Ray Data's bars
     lr_find: LrFindSettings | None = None
-    # The driver's raylora.progress board (``raylora train``, ``raylora tune``): rank 0 sends
-    # it each step, labelled with ``progress_label`` (a search's trial) when there is one.
+    # The run's desk (raylora.desk), by name, as the progress board (``raylora train``,
+    # ``raylora tune``): rank 0 sends it each step, labelled with ``progress_label`` (a
+    # search's trial) when there is one.
     progress_board: str | None = None
     progress_label: str | None = None
-    # The driver's raylora.stop.Requests actor (``raylora train``): rank 0 polls it.
+    # The run's desk again, for its raylora.stop.Requests: rank 0 polls it.
     stop_requests: str | None = None
 
     @classmethod

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from raylora import preflight, storage
+from raylora import desk, preflight, storage
 from raylora.config import ConfigError, RayLoraConfig, validate
 
 if TYPE_CHECKING:
@@ -53,7 +53,8 @@ class Plan:
     cache_uri: str | None = None
     cache_reused: bool | None = None
     heldout_encoded: dict | None = field(default=None, repr=False)
-    # Name of the run's bad-record counter actor (raylora.data.badrecords), once started.
+    # Name of the run's desk actor (raylora.desk: it counts the bad records, and carries the
+    # progress rows and stop requests), once started.
     bad_records: str | None = None
     # The data plan the counts above come from (sources, repeats): what workers read.
     data: DataPlan | None = field(default=None, repr=False)
@@ -628,7 +629,7 @@ class Setup:
 @dataclass
 class Prepared:
     """A run ready to fit: its config (paths resolved, workers fitted to the cluster) and
-    plan (bad-record counter started, latent cache applied)."""
+    plan (the run's desk started, latent cache applied)."""
 
     cfg: RayLoraConfig
     plan: Plan
@@ -662,7 +663,7 @@ def prepared(cfg: RayLoraConfig, setup: Setup) -> Iterator[Prepared]:
     """The one preamble of every run: ``checked``, then Ray joined or started (storage
     settings and secrets reach the workers through ``job_runtime_env``, quiet logging),
     the memory preflight on the cluster's own GPUs, the cluster checked to hold the
-    workers, the bad-record counter and latent cache. On the way out the counter is
+    workers, the run's desk (raylora.desk) and latent cache. On the way out the desk is
     stopped and a Ray this call started is shut down."""
     run = checked(cfg, setup)
     cfg = run.cfg
@@ -671,12 +672,12 @@ def prepared(cfg: RayLoraConfig, setup: Setup) -> Iterator[Prepared]:
         if run.memory_on_cluster:  # the workers' GPUs: read once joined, before asking for any
             preflight.check_memory(cfg, cluster=True, variants=_variants(cfg, setup))
         run.cfg = check_cluster_fits(cfg, num_workers=setup.num_workers)
-        run.plan = start_bad_records(run.plan)
+        run.plan = start_desk(run.plan)
         run.plan = apply_cache(run.cfg, run.plan)
         run.plan = apply_class_images(run.cfg, run.plan)
         yield run
     finally:
-        stop_bad_records(run.plan)
+        desk.stop(run.plan.bad_records)
         if started:
             import ray
 
@@ -724,27 +725,10 @@ def run(cfg: RayLoraConfig) -> dict:
                 **({"class_images": p.class_images} if p.class_images else {})}
 
 
-_COUNTERS: dict = {}
-
-
-def start_bad_records(p: Plan) -> Plan:
-    """Start the run's bad-record counter (needs Ray)."""
-    import uuid
-
-    from raylora.data.badrecords import start_counter
-
-    name = f"raylora-bad-records-{uuid.uuid4().hex[:12]}"
-    # Held here: a (non-detached) actor dies with its last handle, name or not.
-    _COUNTERS[name] = start_counter(name)
-    return replace(p, bad_records=name)
-
-
-def stop_bad_records(p: Plan) -> None:
-    import ray
-
-    actor = _COUNTERS.pop(p.bad_records, None)
-    if actor is not None and ray.is_initialized():
-        ray.kill(actor)
+def start_desk(p: Plan) -> Plan:
+    """Start the run's desk (raylora.desk: bad-record counts, progress rows, stop
+    requests); the plan carries its name to the workers. Needs Ray."""
+    return replace(p, bad_records=desk.start())
 
 
 def check_bad_records(cfg: RayLoraConfig, p: Plan) -> dict:
@@ -761,7 +745,7 @@ def check_bad_records(cfg: RayLoraConfig, p: Plan) -> dict:
     message = verdict(summary, cfg.data.max_bad_fraction, 1)
     if message:
         raise BadDataError(message)
-    # "bad_records" in the plan is the counter's name: the counts travel under their own key.
+    # "bad_records" in the plan is the desk's name: the counts travel under their own key.
     return {"bad_records_counts": summary["bad_records"], "bad_examples": summary["bad_examples"],
             "rows_decoded": summary["rows_ok"],
             "rows_decoded_by_source": summary.get("rows_ok_by_source", {})}
@@ -817,8 +801,9 @@ def _fit(cfg: RayLoraConfig, p: Plan):
     drop_unrecorded(cfg.storage.client(), storage.join(cfg.output.uri, TRAIN_RUN_NAME))
     t = cfg.train
     sink = progress.write_progress(cfg.storage.client(), cfg.output.uri)
-    with (progress.watch(p.max_steps, t.log_every_n_steps, t.log_every_n_seconds, sink) as board,
-          stop.driver_requests(cfg.failure.stop_timeout_s, SIGTERM_HOOKS) as stops):
+    with (progress.watch(p.bad_records, p.max_steps, t.log_every_n_steps, t.log_every_n_seconds,
+                         sink) as board,
+          stop.driver_requests(p.bad_records, cfg.failure.stop_timeout_s, SIGTERM_HOOKS) as stops):
         trainer = build_trainer(cfg, p, cfg.output.uri, TRAIN_RUN_NAME, progress_board=board,
                                 stop_requests=stops.name)
         result = fit_interruptibly(trainer)

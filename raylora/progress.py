@@ -3,8 +3,8 @@
 The numbers are made on the rank-0 worker, in another process (often another node).
 ``ray.train.report`` would carry them but is a barrier across all workers and is kept
 for checkpoints and evaluations; Ray Train's callbacks run on its controller, not here.
-So rank 0 sends each step's row to a small named actor without waiting
-(``Board.push.remote``), and a thread on the driver polls it twice a second.
+So rank 0 sends each step's row to the run's small named actor (raylora.desk) without
+waiting (``Board.push.remote``), and a thread on the driver polls it twice a second.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from raylora.data.badrecords import NAMESPACE
-
 POLL_S = 0.5
 # Under output.uri: the latest progress line, for `raylora status` (raylora.jobs).
 PROGRESS_FILE = "progress.json"
@@ -26,7 +24,7 @@ EMA = 0.9
 
 
 class Board:
-    """Step rows in arrival order; plain Python (``start_board`` wraps it in an actor)."""
+    """Step rows in arrival order; plain Python (part of the run's actor, raylora.desk)."""
 
     def __init__(self) -> None:
         self.rows: list[dict] = []
@@ -36,22 +34,6 @@ class Board:
 
     def since(self, n: int) -> list[dict]:
         return self.rows[n:]
-
-
-def start_board(name: str):
-    import ray
-
-    from raylora.data.badrecords import on_driver_node
-
-    remote = ray.remote(num_cpus=0)(Board)
-    return remote.options(name=name, namespace=NAMESPACE, get_if_exists=True,
-                          scheduling_strategy=on_driver_node()).remote()
-
-
-def board_handle(name: str):
-    import ray
-
-    return ray.get_actor(name, namespace=NAMESPACE)
 
 
 def every_n_steps(log_every_n_steps: int | None, total: int) -> int:
@@ -271,27 +253,23 @@ def summary_lines(s: dict) -> list[str]:
 
 
 @contextmanager
-def watch(total: int, log_every_n_steps: int | None, log_every_n_seconds: float, sink=None,
-          labelled: bool = False):
-    """Around ``fit()``: a board for the workers (its name is yielded, for ``WorkerSpec``)
-    and the printer reading it; ``sink(dict)`` gets each line due (``write_progress``);
-    ``labelled``: a search's trials share the board (``ProgressPrinter``). Needs Ray."""
-    import uuid
+def watch(desk: str, total: int, log_every_n_steps: int | None, log_every_n_seconds: float,
+          sink=None, labelled: bool = False):
+    """Around ``fit()``: the printer reading the board of the run's desk (raylora.desk,
+    by name: ``WorkerSpec.progress_board``); ``sink(dict)`` gets each line due
+    (``write_progress``); ``labelled``: a search's trials share the board
+    (``ProgressPrinter``). Needs Ray."""
+    from raylora.desk import handle
 
-    import ray
-
-    name = f"raylora-progress-{uuid.uuid4().hex[:12]}"
-    board = start_board(name)
-    printer = ProgressPrinter(board, total, every_n_steps(log_every_n_steps, total),
+    printer = ProgressPrinter(handle(desk), total, every_n_steps(log_every_n_steps, total),
                               log_every_n_seconds, sink=sink, labelled=labelled).start()
     try:
-        yield name
+        yield desk
     finally:
         try:
             printer.stop()
         except Exception:  # a failed run's error matters, not its last progress line
             pass
-        ray.kill(board)
 
 
 def write_progress(store, output_uri: str):

@@ -3,8 +3,8 @@
 Two ways a stop is asked for, one way it happens:
 
 - **A stop request** (the driver got SIGTERM: `raylora stop` → the Job SDK's ``stop_job``,
-  or ``kill`` of `raylora train`): the driver tells a small named actor (``Requests``);
-  rank 0 polls it without waiting. The run ends after a checkpoint; the same command
+  or ``kill`` of `raylora train`): the driver tells the run's small named actor
+  (``Requests``, part of raylora.desk); rank 0 polls it without waiting. The run ends after a checkpoint; the same command
   resumes from it.
 - **A preemption** (a training worker process got SIGTERM): the worker's handler sets a
   flag. After the checkpoint the workers raise ``Preempted``, a worker failure, so Ray
@@ -47,7 +47,6 @@ import logging
 import signal
 import threading
 import time
-import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -66,7 +65,7 @@ class Preempted(RuntimeError):
 
 
 class Requests:
-    """The driver's stop request (plain Python; ``start_requests`` makes it an actor), and
+    """The driver's stop request (plain Python; part of the run's actor, raylora.desk), and
     for a search, the trials that will train no further in this run (raylora.tune_stop)."""
 
     def __init__(self) -> None:
@@ -95,16 +94,6 @@ class Requests:
         return self.released
 
 
-def start_requests(name: str):
-    import ray
-
-    from raylora.data.badrecords import NAMESPACE, on_driver_node
-
-    remote = ray.remote(num_cpus=0)(Requests)
-    return remote.options(name=name, namespace=NAMESPACE, get_if_exists=True,
-                          scheduling_strategy=on_driver_node()).remote()
-
-
 @dataclass
 class DriverStop:
     """What ``driver_requests`` yields: the actor's name (``WorkerSpec.stop_requests``)
@@ -118,18 +107,17 @@ class DriverStop:
 
 
 @contextmanager
-def driver_requests(timeout_s: float, sigterm_hooks: list):
-    """Around a run's ``fit()`` on the driver: its ``Requests`` actor, asked to stop by
+def driver_requests(desk: str, timeout_s: float, sigterm_hooks: list):
+    """Around a run's ``fit()`` on the driver: the ``Requests`` of its desk, asked to stop by
     the driver's first SIGTERM (``sigterm_hooks``: what ``launch``'s SIGTERM handler
     calls). A second SIGTERM, or ``timeout_s`` without ``fit()`` returning, interrupts the
     driver as before (KeyboardInterrupt: Ray shut down, no new checkpoint)."""
     import _thread
 
-    import ray
+    from raylora.desk import handle
 
-    name = f"raylora-stop-{uuid.uuid4().hex[:12]}"
-    actor = start_requests(name)
-    stop = DriverStop(name, actor)
+    actor = handle(desk)
+    stop = DriverStop(desk, actor)
     timers: list[threading.Timer] = []
 
     def expire() -> None:
@@ -161,7 +149,6 @@ def driver_requests(timeout_s: float, sigterm_hooks: list):
         sigterm_hooks.remove(on_sigterm)
         for t in timers:
             t.cancel()
-        ray.kill(actor)
 
 
 # --- worker side -------------------------------------------------------------------
@@ -300,11 +287,9 @@ class StopWatch:
             self._group = dist.new_group(backend="gloo")  # collective: every rank, same order
         self._actor = None
         if rank == 0 and requests:
-            import ray
+            from raylora.desk import handle
 
-            from raylora.data.badrecords import NAMESPACE
-
-            self._actor = ray.get_actor(requests, namespace=NAMESPACE)
+            self._actor = handle(requests)
         self._pending, self._asked_at = None, 0.0
 
     def _requested(self) -> bool:

@@ -180,8 +180,9 @@ def run_tune(cfg: RayLoraConfig) -> dict:
     from raylora.launch import SIGTERM_HOOKS
     from raylora.stop import DRIVER_SIGTERM
 
-    # One bad-record counter for the search (every trial's reads count in it) and one
-    # latent cache for every trial, built (or found) before the first one starts.
+    # One desk (raylora.desk) for the search: every trial's bad rows count in it, every
+    # trial sends its rows to it, and one stop request reaches them all. One latent cache
+    # for every trial, built (or found) before the first one starts.
     with prepared(cfg, search_setup()) as r:
         # Trials are sized by the config as asked (trial_resources), not by the
         # cpus_per_worker check_cluster_fits may have lowered for one run.
@@ -202,9 +203,12 @@ def run_tune(cfg: RayLoraConfig) -> dict:
         t = cfg.train
         # Each trial's latest line is also kept for `raylora status` (progress.json).
         sink = progress.write_search_progress(cfg.storage.client(), out)
-        with (progress.watch(base_plan.max_steps, t.log_every_n_steps, t.log_every_n_seconds,
+        # The search's desk (raylora.desk: started by `prepared`) holds the trials' rows
+        # and the stop request, as for one run.
+        desk = base_plan.bad_records
+        with (progress.watch(desk, base_plan.max_steps, t.log_every_n_steps, t.log_every_n_seconds,
                              sink=sink, labelled=True) as board,
-              tune_stop.search_requests(cfg.failure.stop_timeout_s, SIGTERM_HOOKS) as stops):
+              tune_stop.search_requests(desk, cfg.failure.stop_timeout_s, SIGTERM_HOOKS) as stops):
             grid = _tuner(cfg, base_plan, out, concurrency, resume=r.resume, board=board,
                           stop_requests=stops.stop.name).fit()
         if stops.stopped:
@@ -300,9 +304,9 @@ def _scheduler(tn: TuneSection, max_steps: int):
 def _tuner(cfg: RayLoraConfig, base_plan: Plan, out: str, concurrency: int, resume: bool = False,
            board: str | None = None, stop_requests: str | None = None):
     """The search: ``_trial`` per sampled config, experiment state under ``out/tune``;
-    ``resume``: the interrupted search there, continued; ``board``: the driver's progress
-    board (raylora.progress) the trials send their steps to; ``stop_requests``: the
-    driver's stop actor (raylora.tune_stop)."""
+    ``resume``: the interrupted search there, continued; ``board``: the search's desk
+    (raylora.desk) the trials send their steps to; ``stop_requests``: the same desk, for
+    the driver's stop request (raylora.tune_stop)."""
     from ray import tune
 
     from raylora.tune_stop import EndWhenParked

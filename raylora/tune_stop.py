@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import ray
 from ray import tune
 
-from raylora.data.badrecords import NAMESPACE
+from raylora.desk import handle
 from raylora.stop import POLL_S, DriverStop, driver_requests
 
 log = logging.getLogger("raylora.tune")
@@ -58,13 +58,13 @@ _ACTIVE: list[SearchStop] = []
 
 
 @contextmanager
-def search_requests(timeout_s: float, sigterm_hooks: list):
+def search_requests(desk: str, timeout_s: float, sigterm_hooks: list):
     """Around a search's ``fit()``: ``raylora.stop.driver_requests`` for all of its trials.
     Also puts back the SIGINT handler from before: Tune's ``fit()`` installs its own and
     leaves it there unless a signal came, and then a later run in this process (a library
     caller's) would not be interrupted by Ctrl-C or its stop timeout."""
     sigint = signal.getsignal(signal.SIGINT)
-    with driver_requests(timeout_s, sigterm_hooks) as stop:
+    with driver_requests(desk, timeout_s, sigterm_hooks) as stop:
         search = SearchStop(stop)
         _ACTIVE.append(search)
         try:
@@ -108,7 +108,7 @@ def asked(stop_requests: str | None) -> bool:
     """In a trial: whether the search was asked to stop."""
     if not stop_requests:
         return False
-    return bool(ray.get(ray.get_actor(stop_requests, namespace=NAMESPACE).requested.remote()))
+    return bool(ray.get(handle(stop_requests).requested.remote()))
 
 
 def describe(trial_id: str, step: int | None, max_steps: int | None = None) -> str:
@@ -124,7 +124,7 @@ def park(stop_requests: str, trial_id: str, step: int | None) -> None:
     ``step`` with a checkpoint; None: before it trained), then wait until the driver has
     ended Tune's loop (``EndWhenParked``). Returning earlier would make the trial finished
     in the saved search, and a resumed search would not run it again."""
-    actor = ray.get_actor(stop_requests, namespace=NAMESPACE)
+    actor = handle(stop_requests)
     ray.get(actor.park.remote(trial_id, step))
     while not ray.get(actor.is_released.remote()):
         time.sleep(POLL_S)

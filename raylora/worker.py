@@ -318,9 +318,9 @@ class _Reporter:
             if rank == 0 else Tracker()
         self.board = None
         if rank == 0 and spec.progress_board:
-            from raylora.progress import board_handle
+            from raylora.desk import handle
 
-            self.board = board_handle(spec.progress_board)
+            self.board = handle(spec.progress_board)
         self.log_every = every_n_steps(cfg.train.log_every_n_steps, self.max_steps)
         self._compiled_saved = False
 

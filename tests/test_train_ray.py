@@ -27,11 +27,33 @@ def first_run(ray_local, tiny_model, demo_data, tmp_path_factory):
         "checkpoint": {"every_n_steps": 2, "num_to_keep": 2},
         "output": {"uri": str(out)},
     }
-    return tree, run(validate(tree))
+    before = {a.actor_id for a in _raylora_actors()}
+    summary = run(validate(tree))
+    _STARTED["first_run"] = [a for a in _raylora_actors() if a.actor_id not in before]
+    return tree, summary
+
+
+_STARTED: dict[str, list] = {}  # the raylora actors a fixture's run started
+
+
+def _raylora_actors() -> list:
+    """The actors raylora started in its namespace on this cluster, dead ones too."""
+    import ray
+    from ray.util.state import list_actors
+
+    return list_actors(address=ray.get_runtime_context().gcs_address, detail=True,
+                       filters=[("ray_namespace", "=", "raylora")])
 
 
 def test_two_ddp_workers_train_and_stay_in_sync(first_run):
     tree, summary = first_run
+    # One driver-side actor per run (raylora.desk), on the driver's node, gone after it.
+    import ray
+
+    desks = _STARTED["first_run"]
+    assert [(a.class_name, a.state) for a in desks] == [("Desk", "DEAD")], desks
+    assert desks[0].name.startswith("raylora-run-")
+    assert desks[0].node_id == ray.get_runtime_context().get_node_id()
     m = summary["metrics"]
     assert m["steps"] == 6
     assert m["images_seen"] == 6 * 2 * 2  # steps × batch × workers
@@ -204,22 +226,24 @@ def test_a_stop_not_done_within_its_timeout_interrupts_the_driver(ray_local):
     import signal
     import time
 
-    from raylora import stop
+    from raylora import desk, stop
 
     hooks = []
     # Python's own handler, whatever ran before: Ray Train V2's fit() called on the main
     # thread installs its SIGINT handler (abort the controller) and leaves it there
     # (raylora's runs fit in a helper thread: launch.fit_interruptibly).
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    name = desk.start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            with stop.driver_requests(1.0, hooks) as s:
+            with stop.driver_requests(name, 1.0, hooks) as s:
                 t0 = time.monotonic()
                 assert hooks[-1]() is True  # the first SIGTERM: a stop is asked for
                 while time.monotonic() - t0 < 30:  # as fit()'s ray.get, it sees the interrupt
                     time.sleep(0.05)
     finally:
         signal.signal(signal.SIGINT, previous)
+        desk.stop(name)
     assert 1.0 <= time.monotonic() - t0 < 30
     assert s.signalled and s.expired and hooks == []
 

@@ -1,6 +1,6 @@
 """Counting the rows ``raylora.data.decode`` rejected, across every preprocessing task.
 
-One small named Ray actor per run holds the counts (rows kept, rows dropped per reason, a
+The run's desk (raylora.desk, a small named Ray actor) holds the counts (rows kept, rows dropped per reason, a
 few example locations per reason). Preprocess tasks send their per-batch tallies without
 waiting; the rank-0 training worker reads the totals to stop a run whose bad fraction is
 over ``data.max_bad_fraction``; the driver reads them once more for ``raylora.json``.
@@ -14,8 +14,6 @@ from collections import Counter
 log = logging.getLogger("raylora.data")
 
 EXAMPLES_PER_REASON = 3
-# Named actors are looked up per namespace; the driver's is anonymous, so one is fixed.
-NAMESPACE = "raylora"
 
 
 class BadDataError(ValueError):
@@ -24,7 +22,7 @@ class BadDataError(ValueError):
 
 
 class Tally:
-    """Counts, mergeable; plain Python (the actor below wraps one)."""
+    """Counts, mergeable; plain Python (part of the run's actor, raylora.desk)."""
 
     def __init__(self) -> None:
         self.ok = 0
@@ -76,37 +74,16 @@ def verdict(summary: dict, max_fraction: float, min_rows: int) -> str | None:
     )
 
 
-def on_driver_node():
-    """Scheduling for the run's small driver-side actors (this counter, the progress
-    board, the stop requests): the driver's node, whose loss ends the run anyway. Left to
-    Ray they can land on a worker node, and losing that node (which an elastic run, or
-    failure.max_failures, is meant to survive) would kill them and fail every restart."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-
-
-def start_counter(name: str):
-    """The run's counter actor (0 CPUs: it only adds numbers)."""
-    import ray
-
-    @ray.remote(num_cpus=0)
-    class BadRecordCounter(Tally):
-        pass
-
-    return BadRecordCounter.options(name=name, namespace=NAMESPACE, get_if_exists=True,
-                                    scheduling_strategy=on_driver_node()).remote()
-
-
 def read_counter(name: str | None) -> dict | None:
     """The totals so far, or None when there is no counter (no run, or not started)."""
     if not name:
         return None
     import ray
 
+    from raylora.desk import handle
+
     try:
-        return ray.get(ray.get_actor(name, namespace=NAMESPACE).summary.remote())
+        return ray.get(handle(name).summary.remote())
     except ValueError:  # no actor by that name
         return None
 
@@ -124,8 +101,8 @@ class Reporter:
             log.warning("dropped %d bad row(s): %s", sum(bad.values()), dict(bad))
         if not self.name:
             return
-        import ray
+        from raylora.desk import handle
 
         if self._actor is None:
-            self._actor = ray.get_actor(self.name, namespace=NAMESPACE)
+            self._actor = handle(self.name)
         self._actor.add.remote(ok, dict(bad), examples, by_source)

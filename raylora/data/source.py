@@ -88,8 +88,8 @@ def build_dataset(
 ) -> ray.data.Dataset:
     """The training rows of passes ``epoch`` .. ``epoch + epochs - 1`` over the data,
     preprocessed, in pass order, each with its pass in an int32 ``epoch`` column: one
-    execution streams them all. ``bad_records``: the name of the run's counter actor
-    (``raylora.data.badrecords``) that rows failing the validating decode go to.
+    execution streams them all. ``bad_records``: the name of the run's actor
+    (``raylora.desk``) whose tally counts the rows failing the validating decode.
     ``tokenizer_specs``: ``load_specs(model_path, family, storage)`` when the caller
     already has them; else loaded here.
 

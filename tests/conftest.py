@@ -23,6 +23,21 @@ for _var in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TO
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 
 
+@pytest.fixture(autouse=True)
+def _environ_restored():
+    """Each test leaves this process's environment as it found it. Code under test sets
+    variables here: ``raylora.cli.main`` Ray's signal-check interval, the verbose flag and
+    the quiet-logging ones; ``jobsecrets.load`` a job's credentials. A later test (and a
+    Ray it starts) inherited them: a loaded secret failed test_cluster_local's clean-AWS
+    check when test_jobs ran first. Fixtures of wider scope are set up before this one, so
+    what they set (a module's Ray, the session's) stays."""
+    before = dict(os.environ)
+    yield
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     from raylora.model.tiny import build_tiny_sd

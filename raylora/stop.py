@@ -4,8 +4,8 @@ Two ways a stop is asked for, one way it happens:
 
 - **A stop request** (the driver got SIGTERM: `raylora stop` → the Job SDK's ``stop_job``,
   or ``kill`` of `raylora train`): the driver tells the run's small named actor
-  (``Requests``, part of raylora.desk); rank 0 polls it without waiting. The run ends after a checkpoint; the same command
-  resumes from it.
+  (``Requests``, part of raylora.desk); rank 0 polls it without waiting. The run ends
+  after a checkpoint; the same command resumes from it.
 - **A preemption** (a training worker process got SIGTERM): the worker's handler sets a
   flag. After the checkpoint the workers raise ``Preempted``, a worker failure, so Ray
   Train restarts them from that checkpoint (``failure.max_failures``), elsewhere if the

@@ -672,7 +672,7 @@ def prepared(cfg: RayLoraConfig, setup: Setup) -> Iterator[Prepared]:
         if run.memory_on_cluster:  # the workers' GPUs: read once joined, before asking for any
             preflight.check_memory(cfg, cluster=True, variants=_variants(cfg, setup))
         run.cfg = check_cluster_fits(cfg, num_workers=setup.num_workers)
-        run.plan = start_desk(run.plan)
+        run.plan = replace(run.plan, bad_records=desk.start())  # the workers get its name
         run.plan = apply_cache(run.cfg, run.plan)
         run.plan = apply_class_images(run.cfg, run.plan)
         yield run
@@ -723,12 +723,6 @@ def run(cfg: RayLoraConfig) -> dict:
         return {**summary, "checkpoints": checkpoints, "rows_decoded": bad.get("rows_decoded"),
                 **({"buckets": p.bucket_summary()} if p.bucket_steps is not None else {}),
                 **({"class_images": p.class_images} if p.class_images else {})}
-
-
-def start_desk(p: Plan) -> Plan:
-    """Start the run's desk (raylora.desk: bad-record counts, progress rows, stop
-    requests); the plan carries its name to the workers. Needs Ray."""
-    return replace(p, bad_records=desk.start())
 
 
 def check_bad_records(cfg: RayLoraConfig, p: Plan) -> dict:
@@ -801,11 +795,11 @@ def _fit(cfg: RayLoraConfig, p: Plan):
     drop_unrecorded(cfg.storage.client(), storage.join(cfg.output.uri, TRAIN_RUN_NAME))
     t = cfg.train
     sink = progress.write_progress(cfg.storage.client(), cfg.output.uri)
-    with (progress.watch(p.bad_records, p.max_steps, t.log_every_n_steps, t.log_every_n_seconds,
-                         sink) as board,
-          stop.driver_requests(p.bad_records, cfg.failure.stop_timeout_s, SIGTERM_HOOKS) as stops):
-        trainer = build_trainer(cfg, p, cfg.output.uri, TRAIN_RUN_NAME, progress_board=board,
-                                stop_requests=stops.name)
+    run_desk = p.bad_records  # raylora.desk: progress rows and stop requests go there too
+    with (progress.watch(run_desk, p.max_steps, t.log_every_n_steps, t.log_every_n_seconds, sink),
+          stop.driver_requests(run_desk, cfg.failure.stop_timeout_s, SIGTERM_HOOKS) as stops):
+        trainer = build_trainer(cfg, p, cfg.output.uri, TRAIN_RUN_NAME, progress_board=run_desk,
+                                stop_requests=run_desk)
         result = fit_interruptibly(trainer)
     if stops.signalled and not (result.metrics or {}).get("stopped"):
         log.warning("SIGTERM came after the last step had started: the run finished "

@@ -256,15 +256,15 @@ def summary_lines(s: dict) -> list[str]:
 def watch(desk: str, total: int, log_every_n_steps: int | None, log_every_n_seconds: float,
           sink=None, labelled: bool = False):
     """Around ``fit()``: the printer reading the board of the run's desk (raylora.desk,
-    by name: ``WorkerSpec.progress_board``); ``sink(dict)`` gets each line due
-    (``write_progress``); ``labelled``: a search's trials share the board
+    by name, as the workers get it: ``WorkerSpec.progress_board``); ``sink(dict)`` gets
+    each line due (``write_progress``); ``labelled``: a search's trials share the board
     (``ProgressPrinter``). Needs Ray."""
     from raylora.desk import handle
 
     printer = ProgressPrinter(handle(desk), total, every_n_steps(log_every_n_steps, total),
                               log_every_n_seconds, sink=sink, labelled=labelled).start()
     try:
-        yield desk
+        yield
     finally:
         try:
             printer.stop()

@@ -207,9 +207,9 @@ def run_tune(cfg: RayLoraConfig) -> dict:
         # and the stop request, as for one run.
         desk = base_plan.bad_records
         with (progress.watch(desk, base_plan.max_steps, t.log_every_n_steps, t.log_every_n_seconds,
-                             sink=sink, labelled=True) as board,
+                             sink=sink, labelled=True),
               tune_stop.search_requests(desk, cfg.failure.stop_timeout_s, SIGTERM_HOOKS) as stops):
-            grid = _tuner(cfg, base_plan, out, concurrency, resume=r.resume, board=board,
+            grid = _tuner(cfg, base_plan, out, concurrency, resume=r.resume, board=desk,
                           stop_requests=stops.stop.name).fit()
         if stops.stopped:
             return {"stopped": DRIVER_SIGTERM, "expired": stops.stop.expired,

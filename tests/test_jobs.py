@@ -196,11 +196,8 @@ def test_job_secrets_reach_the_driver_once_and_no_worker(tmp_path, monkeypatch):
                               "env_vars": {jobsecrets.ENV: "1"}}, "metadata": {}}
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps(config))
     monkeypatch.setenv(jobsecrets.ENV, "1")
-    # setenv first: delenv of an unset variable records nothing to restore, and the
-    # secret load() sets would then stay in this process for every later test (a later
-    # module that asserts a clean environment failed when it ran after this one).
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "unset")
-    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    # The secret load() sets is removed after the test by conftest's _environ_restored.
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY", raising=False)
     monkeypatch.syspath_prepend(str(unpacked))
 
     jobsecrets.load()

@@ -1,7 +1,7 @@
 """Counting the rows ``raylora.data.decode`` rejected, across every preprocessing task.
 
-The run's desk (raylora.desk, a small named Ray actor) holds the counts (rows kept, rows dropped per reason, a
-few example locations per reason). Preprocess tasks send their per-batch tallies without
+The run's desk (raylora.desk, a small named Ray actor) holds the counts (rows kept, rows
+dropped per reason, a few example locations per reason). Preprocess tasks send their per-batch tallies without
 waiting; the rank-0 training worker reads the totals to stop a run whose bad fraction is
 over ``data.max_bad_fraction``; the driver reads them once more for ``raylora.json``.
 """

@@ -107,6 +107,13 @@ def ray_local(_shared_ray):
     yield
 
 
+def pytest_collection_modifyitems(items):
+    """The ``own_ray`` modules run after all the others (each keeps its tests in order).
+    Each stops the shared Ray; in file order the next module asking for one started it
+    again: four extra starts and stops in a full run."""
+    items.sort(key=lambda item: item.get_closest_marker("own_ray") is not None)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _own_ray(request, _shared_ray):
     """Modules marked ``own_ray`` start their own Ray in this process (another size, a

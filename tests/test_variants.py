@@ -71,13 +71,11 @@ def test_each_variant_learns_an_overfit_batch(trained, variant):
     assert names and any(marker in n for n in names)
 
 
-def test_dora_loads_in_the_stock_pipeline_and_changes_the_image(trained, tiny_model, tmp_path):
-    from stock import stock_image_change, stock_load
+def test_dora_loads_in_the_stock_pipeline_and_changes_the_image(trained, tiny_model):
+    from stock import stock_image_change
 
     run, _, _, folder = trained["dora"]
     assert os.listdir(folder) == ["pytorch_lora_weights.safetensors"]
-    res = stock_load(tiny_model, folder, tmp_path, "sd")
-    assert res["raylora_imported"] is False and res["max_abs_diff"] > 1e-3
     # The stock pipeline's UNet with the file equals the trained UNet.
     from diffusers import UNet2DConditionModel
 

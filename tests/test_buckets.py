@@ -249,27 +249,41 @@ def _tree(data: str, out, workers: int, cache: str = "none", **train) -> dict:
     }
 
 
-@pytest.mark.integration
-def test_caption_folder_trains_in_buckets_on_two_workers_in_step(ray_local, tiny_model, tmp_path):
-    from stock import stock_load
-
+def _bucketed_run(data: str, out, tiny_model: str, cache: str) -> tuple[dict, list[dict]]:
+    """A bucketed run of ``data`` on 2 workers: its summary and its metrics rows."""
     from raylora.launch import run
-    from raylora.progress import summary_lines
 
-    data = write_mixed_folder(tmp_path / "data")
-    tree = _tree(data, tmp_path / "out", workers=2)
+    tree = _tree(data, out, workers=2, cache=cache)
     tree["model"] = {"pretrained": tiny_model}
     summary = run(validate(tree))
+    return summary, [json.loads(x) for x in open(out / "metrics.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def uncached(ray_local, tiny_model, tmp_path_factory):
+    """The mixed folder trained on 2 workers without a cache: what the first test below
+    checks, and what the second compares its cached run with."""
+    root = tmp_path_factory.mktemp("buckets")
+    data = write_mixed_folder(root / "data")
+    return (data, root / "out", *_bucketed_run(data, root / "out", tiny_model, "none"))
+
+
+@pytest.mark.integration
+def test_caption_folder_trains_in_buckets_on_two_workers_in_step(uncached, tiny_model):
+    from stock import stock_image_change
+
+    from raylora.progress import summary_lines
+
+    _, out, summary, rows = uncached
     m = summary["metrics"]
     assert m["steps"] == 4 and m["replicas_in_sync"] is True
-    meta = json.loads((tmp_path / "out" / "adapter" / "raylora.json").read_text())
+    meta = json.loads((out / "adapter" / "raylora.json").read_text())
     buckets = meta["data"]["buckets"]
     # The histogram: distinct images per bucket WxH; 128x32 (the 4:1 image, worker 0's
     # only) fills no batch on worker 1, so no worker trains it.
     assert buckets["rows"] == {"64x64": 4, "80x48": 4, "48x80": 4, "128x32": 1}
     # Each worker: 2 images of a bucket x 5 repeats = 10 rows = 5 batches of 2.
     assert buckets["batches_per_epoch"] == {"64x64": 5, "80x48": 5, "48x80": 5}
-    rows = [json.loads(x) for x in open(tmp_path / "out" / "metrics.jsonl")]
     per_step = [buckets["sizes"][r["bucket"]] for r in rows]
     assert len(set(per_step)) >= 2, per_step
     # Every rank trained the same bucket at every step (gathered from each rank's history).
@@ -278,33 +292,29 @@ def test_caption_folder_trains_in_buckets_on_two_workers_in_step(ray_local, tiny
     # The run log prints the histogram once.
     lines = [ln for ln in summary_lines(summary) if ln.startswith("raylora: buckets")]
     assert lines == ["raylora: buckets      48x80 4, 64x64 4, 80x48 4, 128x32 1 rows (3 of 4 fill a batch)"]
-    res = stock_load(tiny_model, str(tmp_path / "out" / "adapter"), tmp_path)
-    assert not res["raylora_imported"] and res["finite"] and res["max_abs_diff"] > 0
+    assert stock_image_change("sd", tiny_model, out / "adapter") > 0
 
 
 @pytest.mark.integration
-def test_bucketed_cached_run_equals_uncached(ray_local, tiny_model, tmp_path):
-    from raylora.launch import run
-
-    data = write_mixed_folder(tmp_path / "data")
-
-    def go(name: str, cache: str):
-        tree = _tree(data, tmp_path / name, workers=1, cache=cache)
-        tree["model"] = {"pretrained": tiny_model}
-        summary = run(validate(tree))
-        rows = [json.loads(x) for x in open(tmp_path / name / "metrics.jsonl")]
-        return summary, rows
-
-    plain, plain_rows = go("plain", "none")
-    cached, cached_rows = go("cached", "latents")
+def test_bucketed_cached_run_equals_uncached(uncached, tiny_model, tmp_path):
+    """The same folder cached, on the same 2 workers (before, a caption folder of up to
+    256 images was one cache part, and data.sharding=files refused a second worker after
+    the cache was built): each image its own part, dealt out as the images were."""
+    data, _, plain, plain_rows = uncached
+    cached, cached_rows = _bucketed_run(data, tmp_path / "cached", tiny_model, "latents")
+    assert plain["metrics"]["encoders_on_worker"] is True
     assert cached["metrics"]["encoders_on_worker"] is False
-    # the same buckets in the same order, and the same losses (VAE batch numerics aside)
+    # the same buckets in the same order on both ranks, and the same losses (VAE batch
+    # numerics aside)
     assert [r["bucket"] for r in cached_rows] == [r["bucket"] for r in plain_rows]
+    assert cached["metrics"]["replica_bucket_digests"] == plain["metrics"]["replica_bucket_digests"]
     assert len({r["bucket"] for r in plain_rows}) >= 2
     np.testing.assert_allclose([r["loss"] for r in cached_rows], [r["loss"] for r in plain_rows],
                                rtol=1e-4)
     meta = json.loads((tmp_path / "cached" / "adapter" / "raylora.json").read_text())["data"]
     manifest = json.loads(open(os.path.join(meta["cache_uri"], "manifest.json")).read())
+    assert len(manifest["files"]) == 13 and manifest["file_rows"] == [1] * 13
+    assert meta["buckets"]["batches_per_epoch"] == {"64x64": 5, "80x48": 5, "48x80": 5}
     # the cache stores each image's bucketed latent: per file, its rows per bucket id
     sizes = meta["buckets"]["sizes"]
     counted = {}

@@ -132,7 +132,10 @@ def test_latent_cache_encodes_each_source_with_its_prefix(two_sources, tiny_mode
     cfg, store = config("sks"), Storage()
     plan = plan_data(cfg.data, store)
     items = _work_items(cfg.data, plan, store, 256)
-    assert [(it["k"], it["source"], it["index"]) for it in items] == [(0, 0, 0), (0, 0, 1), (1, 1, 0)]
+    # A unit per parquet shard; the caption folder's 8 images one each (a folder is cut
+    # into up to CAPTIONFOLDER_MIN_PARTS parts, for data.sharding=files to deal them out).
+    folder_units = [(1, 1, i) for i in range(8)]
+    assert [(it["k"], it["source"], it["index"]) for it in items] == [(0, 0, 0), (0, 0, 1), *folder_units]
     pre, enc = _stage_kwargs(cfg, tiny_model, "sd", store)
     parts = str(tmp_path / "parts")
     stage = EncodeFiles(cfg.data.model_dump(), [s.format for s in plan.sources],
@@ -141,10 +144,11 @@ def test_latent_cache_encodes_each_source_with_its_prefix(two_sources, tiny_mode
     assert all(r["text"].startswith("a thing, number") for r in stage._rows(1, 1, 0, 0, 8))
     written = stage({k: np.array([it[k] for it in items]) for k in
                      ("item", "k", "source", "index", "start", "stop")})
-    assert list(written["rows"]) == [8, 8, 8]
+    assert list(written["rows"]) == [8, 8] + [1] * 8
     files = [f"{parts}/{n}" for n in written["name"]]
     assert pq_.read_table(files[0]).num_rows == 8
-    entry = CacheEntry(str(tmp_path), files, [8, 8, 8], False, sources=[0, 0, 1], repeats=[1, 1, 1])
+    entry = CacheEntry(str(tmp_path), files, [8, 8] + [1] * 8, False, sources=[0, 0] + [1] * 8,
+                       repeats=[1] * 10)
     cached = entry.plan(cfg.data)
     assert cached.rows == 24 and [s["share"] for s in cached.summary()] == [0.75, 0.25]
     assert fingerprint(cfg, "sd", tiny_model, plan, store) != \

@@ -43,6 +43,12 @@ log = logging.getLogger("raylora.cache")
 
 CACHE_VERSION = 1
 MANIFEST = "manifest.json"
+# A caption folder's images are cached in at least this many parts (while it has that
+# many images). data.sharding=files deals the cache's parts to the workers as it deals the
+# images of an uncached run; runs of up to 256 images made a few hundred images one part,
+# which left a second worker none (a bucketed multi-worker run was refused after the
+# cache was built).
+CAPTIONFOLDER_MIN_PARTS = 64
 CACHED_READ_CPUS = 0.25  # per read task of cached rows (no decoding: mostly I/O)
 # Columns shaped by the bucket (a variable-shaped tensor column with data.bucketing).
 PER_BUCKET = ("latent_params", "loss_mask")
@@ -170,8 +176,8 @@ def fingerprint(cfg: RayLoraConfig, family: str, model_path: str, data: DataPlan
         "resolution": d.resolution, "center_crop": d.center_crop, "random_flip": d.random_flip,
         "image_column": d.image_column, "caption_column": d.caption_column,
         "validation_split": d.validation_split,
-        # Only where it changes the rows: older entries keep their fingerprints.
-        **({"caption_extension": d.caption_extension}
+        # Only where it changes the rows (or the parts): older entries keep their fingerprints.
+        **({"caption_extension": d.caption_extension, "min_parts": CAPTIONFOLDER_MIN_PARTS}
            if any(s.format == "captionfolder" for s in data.sources) else {}),
         **({"sources": [{k: getattr(s, k) for k in ("format", "image_column", "caption_column",
                                                      "caption_extension", "caption_prefix")}
@@ -350,7 +356,10 @@ def _work_items(data, plan: DataPlan, store: Storage, per_item: int) -> list[dic
     items, sections = [], data.source_sections()
     for k, s in enumerate(plan.sources):
         reps = s.file_repeats()
-        units = get_format(s.format).units(sections[s.index], s.files, store, per_item)
+        size = per_item
+        if s.format == "captionfolder":  # a file per image: CAPTIONFOLDER_MIN_PARTS runs
+            size = max(1, min(per_item, -(-len(s.files) // CAPTIONFOLDER_MIN_PARTS)))
+        units = get_format(s.format).units(sections[s.index], s.files, store, size)
         for index, start, stop in units:
             items.append({"item": len(items), "k": k, "source": s.index, "index": index,
                           "start": start, "stop": stop, "repeats": reps[index]})
@@ -430,13 +439,3 @@ def encode_rows(cfg: RayLoraConfig, family: str, model_path: str, rows: list[dic
     res = {"num_gpus": 1} if cfg.scaling.use_gpu else {"num_cpus": 1}
     task = ray.remote(**res)(_encode_rows_task)
     return ray.get(task.remote(cfg.to_dict(), family, model_path, rows))
-
-
-def read_cached_dataset(entry_files: list[str], file_rows: list[int] | None, store: Storage,
-                        seed: int):
-    """Training rows from cache files: parquet straight into the workers, no stage, read
-    in parts like the shards (``raylora.data.parquet_parts``)."""
-    from raylora.data.parquet_parts import read_parquet_parts
-
-    return read_parquet_parts(entry_files, file_rows, store, seed, shuffle=True,
-                              with_path=False, num_cpus=CACHED_READ_CPUS)

@@ -104,8 +104,11 @@ def build_dataset(
         # plan.files are the cache's parquet files (see raylora.data.cache).
         from raylora.data.cache import CACHED_READ_CPUS
 
-        ds = _read_passes(data, plan, storage, seed, passes, shuffle=True, cached=True,
-                          num_cpus=CACHED_READ_CPUS)
+        # sharding=files: the parts in file order every pass, as the uncached rows (below),
+        # so a cached run trains the uncached run's batches (a caption folder's cache has a
+        # part per few images: a shuffled part order was another row order).
+        ds = _read_passes(data, plan, storage, seed, passes, shuffle=data.sharding != "files",
+                          cached=True, num_cpus=CACHED_READ_CPUS)
     else:
         ds = _preprocessed_rows(data, plan, storage, model_path, seed, passes,
                                 num_preprocess_tasks, family, bad_records, tokenizer_specs)

@@ -109,9 +109,8 @@ def ray_local(_shared_ray):
 
 def pytest_collection_modifyitems(items):
     """The ``own_ray`` modules run after all the others (each keeps its tests in order).
-    Each stops the shared Ray; in file order the next module asking for one, or running
-    raylora in this process without one, started another (a full run started 19 Rays in
-    file order, 13 in this one: gcs_server processes counted)."""
+    Each stops the shared Ray, and in file order the next module asking for one started
+    another (gcs_server processes of a full run, counted: 19 in file order, 13 in this)."""
     items.sort(key=lambda item: item.get_closest_marker("own_ray") is not None)
 
 

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
@@ -20,6 +21,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float, what, every: float = 0.5):
+    """``predicate()``'s first true value within ``timeout`` s, polled ``every`` s; else an
+    AssertionError naming ``what`` (a string, or a function giving one at the timeout)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
 
 
 def ray_processes(state: str) -> list[str]:

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from killer import kill_a_worker_after, written_step
-from localhead import ray_processes
+from localhead import ray_processes, wait_for
 from raylora.config import validate
 
 # 12 micro-batches per epoch: the runs cross an epoch boundary. The steps take ~0.1 s here:
@@ -73,16 +73,6 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _soon(predicate, timeout: float = 10.0) -> bool:
-    """``predicate()`` holds within ``timeout`` s (processes take a moment to exit)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
 @pytest.mark.integration
 def test_a_killed_worker_is_restarted_from_its_checkpoint_and_finishes_the_same_run(setup):
     from raylora.launch import run
@@ -116,8 +106,9 @@ def test_a_sigtermed_worker_checkpoints_at_its_step_and_the_run_resumes_the_same
     # Past the step-4 checkpoint (a worker killed outright restarts from 4): the checkpoint
     # the stop wrote at the step it agreed on.
     assert 4 < resumed < MAX_STEPS, (at, resumed)
-    # The signalled process is gone (Ray replaced it).
-    assert _soon(lambda: not _alive(signalled[0])), signalled
+    # The signalled process is gone (Ray replaced it): processes take a moment to exit.
+    wait_for(lambda: not _alive(signalled[0]), 10, f"the signalled process {signalled[0]} to exit",
+             every=0.1)
     assert_same_run(root, "sigtermed")
 
 
@@ -186,8 +177,8 @@ def test_sigterm_then_rerun_from_s3_equals_straight_and_leaks_no_secret(
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out[-3000:]
     assert "run the same command again to resume" in out
-    assert _soon(lambda: ray_processes(ray_tmp) == []), \
-        f"Ray processes of the interrupted run are still running: {ray_processes(ray_tmp)}"
+    wait_for(lambda: ray_processes(ray_tmp) == [], 10, lambda: "the interrupted run's Ray "
+             f"processes to exit; still running: {ray_processes(ray_tmp)}", every=0.1)
 
     again = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     logs = [out, again.stdout + again.stderr]
@@ -261,4 +252,5 @@ def test_a_stop_past_its_timeout_interrupts_raylora_train_with_exit_130(setup, r
     assert time.monotonic() - t0 < 60
     assert "SIGTERM: not stopped within failure.stop_timeout_s (0.01s): interrupting the driver" in out
     assert "raylora: interrupted; run the same command again to resume from the latest checkpoint" in out
-    assert _soon(lambda: ray_processes(ray_tmp) == []), ray_processes(ray_tmp)
+    wait_for(lambda: ray_processes(ray_tmp) == [], 10, lambda: "the interrupted driver's Ray "
+             f"processes to exit; still running: {ray_processes(ray_tmp)}", every=0.1)

@@ -9,13 +9,12 @@ import glob
 import json
 import os
 import re
-import time
 import uuid
 
 import pytest
 
 from killer import registered_step
-from localhead import REPO, files_holding, local_head
+from localhead import REPO, files_holding, local_head, wait_for
 from raylora.cli import main
 
 pytestmark = pytest.mark.integration
@@ -27,16 +26,6 @@ MAX_STEPS = 40
 def head():
     with local_head(["--cpus", "4"]) as c:
         yield c
-
-
-def _wait(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_submit_status_stop_then_resubmit_resumes_and_finishes(
@@ -83,7 +72,7 @@ def test_submit_status_stop_then_resubmit_resumes_and_finishes(
     assert info.entrypoint.startswith("python -m raylora train jobs/configs/tiny-local.yaml")
 
     # Running, with the run's own progress line once it has taken a few steps.
-    _wait(lambda: (jobs.status("rl-stop")[1] or "").startswith("step ")
+    wait_for(lambda: (jobs.status("rl-stop")[1] or "").startswith("step ")
           and int(jobs.status("rl-stop")[1].split()[1].split("/")[0]) >= 3, 300, "step 3")
     assert main(["status", "rl-stop"]) == 0
     text = capsys.readouterr().out
@@ -106,7 +95,7 @@ def test_submit_status_stop_then_resubmit_resumes_and_finishes(
     assert main(["logs", "-f", "rl-resume"]) == 0
     text = capsys.readouterr().out
     assert f"resumed from step {stopped_at}" in text and f"trained {MAX_STEPS} steps" in text
-    _wait(lambda: jobs.status("rl-resume")[0] == "SUCCEEDED", 60, "SUCCEEDED")
+    wait_for(lambda: jobs.status("rl-resume")[0] == "SUCCEEDED", 60, "SUCCEEDED")
     meta = json.loads((out / "adapter" / "raylora.json").read_text())
     assert meta["metrics"]["resumed_from_step"] == stopped_at
     assert meta["metrics"]["steps"] == MAX_STEPS
@@ -162,7 +151,7 @@ def test_a_search_config_is_submitted_as_a_search(head, tiny_model, demo_data, t
     text = capsys.readouterr().out
     assert "raylora: best adapter" in text and "Trial status: 2 TERMINATED" in text, text
     assert len(set(re.findall(r"^raylora: (trial_\S+) step \d+/\d+ ", text, re.M))) == 2, text
-    _wait(lambda: jobs.status("rl-tune")[0] == "SUCCEEDED", 60, "SUCCEEDED")
+    wait_for(lambda: jobs.status("rl-tune")[0] == "SUCCEEDED", 60, "SUCCEEDED")
     # Status then shows each trial's last line (the search's progress.json) under the pointer.
     assert main(["status", "rl-tune"]) == 0
     shown = capsys.readouterr().out.splitlines()

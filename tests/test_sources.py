@@ -65,6 +65,35 @@ def test_caption_folder_with_repeats_trains_from_cached_latents(ray_local, tiny_
         {"latent_params": np.uint16, "prompt_embeds": np.uint16}
 
 
+def test_a_caption_folder_is_cached_in_a_part_per_worker_past_64(tiny_model, tmp_path):
+    """The cache cuts a caption folder into at least 64 parts, or one per worker past 64
+    (data.sharding=files deals parts to workers), while it has that many images; runs of up
+    to 64 workers share one cache entry."""
+    from raylora.data.cache import _work_items, captionfolder_parts, fingerprint
+    from raylora.data.plan import plan_data
+    from raylora.storage import Storage
+
+    folder = write_kohya(tmp_path / "f", {f"img{i:03d}": f"a shape {i}" for i in range(200)})
+    store = Storage()
+
+    def cfg(workers: int):
+        return validate({"model": {"pretrained": tiny_model}, "output": {"uri": str(tmp_path)},
+                         "data": {"uri": folder, "format": "captionfolder", "cache": "latents",
+                                  "center_crop": True, "sharding": "files"},
+                         "scaling": {"num_workers": workers}})
+
+    plan = plan_data(cfg(1).data, store)
+    parts = {}
+    for workers in (1, 64, 100):
+        c = cfg(workers)
+        items = _work_items(c.data, plan, store, 256, captionfolder_parts(c))
+        assert sum(it["stop"] for it in items) == 200  # every image once
+        parts[workers] = (len(items), fingerprint(c, "sd", tiny_model, plan, store))
+    # 200 // 64 = 3 images a part: 67 parts; 200 // 100 = 2: 100 parts.
+    assert [n for n, _ in parts.values()] == [67, 67, 100]
+    assert parts[1][1] == parts[64][1] != parts[100][1]
+
+
 @pytest.fixture(scope="module")
 def folder8(tmp_path_factory) -> str:
     """A caption folder of 8 images with tag captions."""

@@ -43,11 +43,11 @@ log = logging.getLogger("raylora.cache")
 
 CACHE_VERSION = 1
 MANIFEST = "manifest.json"
-# A caption folder's images are cached in at least this many parts (while it has that
-# many images). data.sharding=files deals the cache's parts to the workers as it deals the
-# images of an uncached run; runs of up to 256 images made a few hundred images one part,
-# which left a second worker none (a bucketed multi-worker run was refused after the
-# cache was built).
+# A caption folder's images are cached in at least this many parts, or one per worker
+# past that (while it has that many images). data.sharding=files deals the cache's parts
+# to the workers as it deals the images of an uncached run; runs of up to 256 images made
+# a few hundred images one part, which left a second worker none (a bucketed multi-worker
+# run was refused after the cache was built).
 CAPTIONFOLDER_MIN_PARTS = 64
 CACHED_READ_CPUS = 0.25  # per read task of cached rows (no decoding: mostly I/O)
 # Columns shaped by the bucket (a variable-shaped tensor column with data.bucketing).
@@ -158,6 +158,13 @@ class CacheEntry:
         return DataPlan.of(apply_shares(data, out))
 
 
+def captionfolder_parts(cfg: RayLoraConfig) -> int:
+    """The fewest parts a caption folder is cached in (fewer only with fewer images). Runs
+    of up to 64 workers share one cache entry; a larger run has its own, whose parts
+    still cover every worker."""
+    return max(CAPTIONFOLDER_MIN_PARTS, cfg.scaling.max_workers)
+
+
 def cache_root(cfg: RayLoraConfig) -> str:
     return cfg.data.cache_uri or storage.join(cfg.output.uri, "cache")
 
@@ -177,7 +184,7 @@ def fingerprint(cfg: RayLoraConfig, family: str, model_path: str, data: DataPlan
         "image_column": d.image_column, "caption_column": d.caption_column,
         "validation_split": d.validation_split,
         # Only where it changes the rows (or the parts): older entries keep their fingerprints.
-        **({"caption_extension": d.caption_extension, "min_parts": CAPTIONFOLDER_MIN_PARTS}
+        **({"caption_extension": d.caption_extension, "min_parts": captionfolder_parts(cfg)}
            if any(s.format == "captionfolder" for s in data.sources) else {}),
         **({"sources": [{k: getattr(s, k) for k in ("format", "image_column", "caption_column",
                                                      "caption_extension", "caption_prefix")}
@@ -349,16 +356,19 @@ def _encode_by_bucket(enc: EncodeStage, batch: dict[str, np.ndarray]) -> dict[st
     return out
 
 
-def _work_items(data, plan: DataPlan, store: Storage, per_item: int) -> list[dict]:
+def _work_items(data, plan: DataPlan, store: Storage, per_item: int,
+                min_parts: int = CAPTIONFOLDER_MIN_PARTS) -> list[dict]:
     """Every source's read units (one per shard file; an imagefolder's row list and a
-    caption folder's images in runs of at most ``per_item``), numbered in source order,
-    with the source (``k``: its place in the plan) and the times its rows count."""
+    caption folder's images in runs of at most ``per_item``, and in at least ``min_parts``
+    runs while it has that many images), numbered in source order, with the source (``k``:
+    its place in the plan) and the times its rows count."""
     items, sections = [], data.source_sections()
     for k, s in enumerate(plan.sources):
         reps = s.file_repeats()
         size = per_item
-        if s.format == "captionfolder":  # a file per image: CAPTIONFOLDER_MIN_PARTS runs
-            size = max(1, min(per_item, -(-len(s.files) // CAPTIONFOLDER_MIN_PARTS)))
+        if s.format == "captionfolder":  # a file per image: at least min_parts runs
+            # Rounded down: runs of n // min_parts images make at least min_parts runs.
+            size = max(1, min(per_item, len(s.files) // min_parts))
         units = get_format(s.format).units(sections[s.index], s.files, store, size)
         for index, start, stop in units:
             items.append({"item": len(items), "k": k, "source": s.index, "index": index,
@@ -385,7 +395,7 @@ def ensure_cache(cfg: RayLoraConfig, family: str, model_path: str, data: DataPla
     log.info("latent cache: encoding %d file(s) into %s", len(data.files), uri)
     pre, enc = _stage_kwargs(cfg, model_path, family, store)
     pre["bad_records"] = bad_records
-    items = _work_items(cfg.data, data, store, rows_per_part)
+    items = _work_items(cfg.data, data, store, rows_per_part, captionfolder_parts(cfg))
     gpu = {"num_gpus": 1} if cfg.scaling.use_gpu else {"num_cpus": 1}
     written = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
         EncodeFiles,

@@ -249,7 +249,9 @@ def cluster(monkeypatch):
     # long (Ray's default: 60 s) before trying the size there is room for. Inherited by
     # the cluster's processes, the Train controller among them.
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "10")
-    # Ray Train's PreemptionWatcher looks for drained nodes this often (default: 5 s).
+    # Ray Train's PreemptionWatcher (off in the other tests: conftest) looks for drained
+    # nodes this often (default: 5 s).
+    monkeypatch.setenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1")
     monkeypatch.setenv("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "1")
     c = Cluster(initialize_head=True, head_node_args={
         "num_cpus": NODE_CPUS, "include_dashboard": True, "dashboard_host": "127.0.0.1",

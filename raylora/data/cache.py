@@ -184,7 +184,9 @@ def fingerprint(cfg: RayLoraConfig, family: str, model_path: str, data: DataPlan
         "image_column": d.image_column, "caption_column": d.caption_column,
         "validation_split": d.validation_split,
         # Only where it changes the rows (or the parts): older entries keep their fingerprints.
-        **({"caption_extension": d.caption_extension, "min_parts": captionfolder_parts(cfg)}
+        # "parts", not the earlier "min_parts": entries cut by the earlier rule (runs
+        # rounded up, so fewer parts than promised) are rebuilt.
+        **({"caption_extension": d.caption_extension, "parts": {"min": captionfolder_parts(cfg)}}
            if any(s.format == "captionfolder" for s in data.sources) else {}),
         **({"sources": [{k: getattr(s, k) for k in ("format", "image_column", "caption_column",
                                                      "caption_extension", "caption_prefix")}

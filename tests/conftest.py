@@ -23,9 +23,9 @@ for _var in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TO
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 # Ray Train starts a PreemptionWatcher actor per run, a process that imports ray.train
 # (pandas, Ray Data: ~2 CPU-s here) to watch for drained nodes. Only test_elastic drains
-# a node, and its cluster turns the watcher back on; raylora itself keeps Ray's default
-# (on). Measured on test_families_cluster (6 two-worker runs): 362 -> 338 busy CPU-s,
-# 203 -> 192 s.
+# a node, and its cluster turns the watcher back on, as test_faults does for its SIGTERMed
+# workers; raylora itself keeps Ray's default (on). Measured on test_families_cluster (6
+# two-worker runs): 362 -> 338 busy CPU-s, 203 -> 192 s.
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
 

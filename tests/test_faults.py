@@ -20,6 +20,17 @@ from raylora.config import validate
 MAX_STEPS = 20
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _preemption_watcher():
+    """SIGTERM to a worker is half of a spot reclaim (the drain notice is the other half):
+    these runs keep Ray Train's PreemptionWatcher on, as raylora runs it (conftest turns it
+    off for the other modules). The controller and the `raylora train` processes here
+    inherit it from this process."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1")
+        yield
+
+
 @pytest.fixture(scope="module")
 def setup(ray_local, tiny_model, tmp_path_factory):
     from raylora.data.demo import write_parquet_shards

@@ -73,7 +73,7 @@ def test_submit_status_stop_then_resubmit_resumes_and_finishes(
 
     # Running, with the run's own progress line once it has taken a few steps.
     wait_for(lambda: (jobs.status("rl-stop")[1] or "").startswith("step ")
-          and int(jobs.status("rl-stop")[1].split()[1].split("/")[0]) >= 3, 300, "step 3")
+             and int(jobs.status("rl-stop")[1].split()[1].split("/")[0]) >= 3, 300, "step 3")
     assert main(["status", "rl-stop"]) == 0
     text = capsys.readouterr().out
     assert "raylora: job rl-stop RUNNING" in text and f"/{MAX_STEPS} " in text and "loss" in text

@@ -131,7 +131,7 @@ def test_latent_cache_encodes_each_source_with_its_prefix(two_sources, tiny_mode
 
     cfg, store = config("sks"), Storage()
     plan = plan_data(cfg.data, store)
-    items = _work_items(cfg.data, plan, store, 256)
+    items = _work_items(cfg, plan, store, 256)
     # A unit per parquet shard; the caption folder's 8 images one each (a folder is cut
     # into up to CAPTIONFOLDER_MIN_PARTS parts, for data.sharding=files to deal them out).
     folder_units = [(1, 1, i) for i in range(8)]

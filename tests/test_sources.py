@@ -69,7 +69,7 @@ def test_a_caption_folder_is_cached_in_a_part_per_worker_past_64(tiny_model, tmp
     """The cache cuts a caption folder into at least 64 parts, or one per worker past 64
     (data.sharding=files deals parts to workers), while it has that many images; runs of up
     to 64 workers share one cache entry."""
-    from raylora.data.cache import _work_items, captionfolder_parts, fingerprint
+    from raylora.data.cache import _work_items, fingerprint
     from raylora.data.plan import plan_data
     from raylora.storage import Storage
 
@@ -86,7 +86,7 @@ def test_a_caption_folder_is_cached_in_a_part_per_worker_past_64(tiny_model, tmp
     parts = {}
     for workers in (1, 64, 100):
         c = cfg(workers)
-        items = _work_items(c.data, plan, store, 256, captionfolder_parts(c))
+        items = _work_items(c, plan, store, 256)
         assert sum(it["stop"] for it in items) == 200  # every image once
         parts[workers] = (len(items), fingerprint(c, "sd", tiny_model, plan, store))
     # 200 // 64 = 3 images a part: 67 parts; 200 // 100 = 2: 100 parts.

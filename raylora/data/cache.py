@@ -358,13 +358,13 @@ def _encode_by_bucket(enc: EncodeStage, batch: dict[str, np.ndarray]) -> dict[st
     return out
 
 
-def _work_items(data, plan: DataPlan, store: Storage, per_item: int,
-                min_parts: int = CAPTIONFOLDER_MIN_PARTS) -> list[dict]:
+def _work_items(cfg: RayLoraConfig, plan: DataPlan, store: Storage, per_item: int) -> list[dict]:
     """Every source's read units (one per shard file; an imagefolder's row list and a
-    caption folder's images in runs of at most ``per_item``, and in at least ``min_parts``
-    runs while it has that many images), numbered in source order, with the source (``k``:
-    its place in the plan) and the times its rows count."""
-    items, sections = [], data.source_sections()
+    caption folder's images in runs of at most ``per_item``, and in at least
+    ``captionfolder_parts(cfg)`` runs while it has that many images: the number the
+    fingerprint holds), numbered in source order, with the source (``k``: its place in the
+    plan) and the times its rows count."""
+    items, sections, min_parts = [], cfg.data.source_sections(), captionfolder_parts(cfg)
     for k, s in enumerate(plan.sources):
         reps = s.file_repeats()
         size = per_item
@@ -397,7 +397,7 @@ def ensure_cache(cfg: RayLoraConfig, family: str, model_path: str, data: DataPla
     log.info("latent cache: encoding %d file(s) into %s", len(data.files), uri)
     pre, enc = _stage_kwargs(cfg, model_path, family, store)
     pre["bad_records"] = bad_records
-    items = _work_items(cfg.data, data, store, rows_per_part, captionfolder_parts(cfg))
+    items = _work_items(cfg, data, store, rows_per_part)
     gpu = {"num_gpus": 1} if cfg.scaling.use_gpu else {"num_cpus": 1}
     written = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
         EncodeFiles,

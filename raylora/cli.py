@@ -129,6 +129,7 @@ def _sample(args) -> int:
     out = sample(
         args.model, args.adapter, args.prompt, args.out,
         seed=args.seed, steps=args.steps, guidance_scale=args.guidance_scale, size=args.size,
+        expert=args.expert,
     )
     print(f"raylora: sample image {out}")
     return 0
@@ -146,7 +147,8 @@ def _export(args) -> int:
 def _tiny_model(args) -> int:
     from raylora.model.tiny import build_tiny
 
-    dest = build_tiny(args.dest, family=args.family, seed=args.seed, schnell=args.schnell)
+    dest = build_tiny(args.dest, family=args.family, seed=args.seed, schnell=args.schnell,
+                      experts=args.experts)
     print(f"raylora: tiny model   {dest}")
     return 0
 
@@ -328,6 +330,9 @@ def _adapter_commands(sub) -> None:
                    help="default: the family's (SD 7.5, Flux.1-dev 3.5, SD3 7.0, Qwen-Image 4.0, "
                         "Z-Image 5.0, Flux.2 [klein] 4.0, Wan 5.0; Z-Image-Turbo samples at 0)")
     s.add_argument("--size", type=int, default=None, help="pixels; default: the model's size")
+    s.add_argument("--expert", choices=["high_noise", "low_noise"], default=None,
+                   help="a pipeline of experts (Wan 2.2 A14B): the one the adapter trained; "
+                        "default: model.expert in the adapter folder's raylora.json")
     s.set_defaults(fn=_sample)
 
     e = sub.add_parser("export", help="convert a diffusers adapter folder to another format")
@@ -345,6 +350,8 @@ def _adapter_commands(sub) -> None:
     m.add_argument("--family", choices=_family_names(), default="sd")
     m.add_argument("--schnell", action="store_true",
                    help="flux: Flux.1-schnell (no guidance embedding, static shift) instead of -dev")
+    m.add_argument("--experts", action="store_true",
+                   help="wan: Wan 2.2 A14B's layout, a high-noise and a low-noise transformer")
     m.add_argument("dest")
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(fn=_tiny_model)

@@ -66,8 +66,16 @@ class ModelSection(_Section):
     family: str = Field(
         "auto",
         description="auto: from model_index.json's _class_name. Or a family name: sd (SD "
-        "1.x/2.x), sdxl, flux (Flux.1 dev/schnell), sd3 (SD3/3.5), qwenimage; it must match "
-        "the model.",
+        "1.x/2.x), sdxl, flux (Flux.1 dev/schnell), sd3 (SD3/3.5), qwenimage, zimage, "
+        "flux2klein (Flux.2 [klein]), wan (Wan 2.1/2.2); it must match the model.",
+    )
+    expert: Literal["high_noise", "low_noise"] | None = Field(
+        None,
+        description="A pipeline of experts (Wan 2.2 A14B: transformer samples σ ≥ "
+        "boundary_ratio, transformer_2 below it): the one this run trains, on the σ of its "
+        "range only. high_noise: transformer; low_noise: transformer_2, whose adapter loads "
+        "with load_lora_weights(..., load_into_transformer_2=True). Required for such a "
+        "pipeline, refused for any other; train both experts as two runs.",
     )
     max_sequence_length: int | None = Field(
         None, gt=0, le=4096,

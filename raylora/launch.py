@@ -162,6 +162,8 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
             info = check_model(model_path, store)
             family, factor = resolve_family(cfg.model, info["index"]), info["vae_factor"]
             scheduler = info["scheduler_config"]
+            if family.experts:  # whether this folder has them; a family without: family_problems
+                family.sigma_range(info["index"], cfg.model.expert, f"model.pretrained: {model_path}")
         except (FileNotFoundError, KeyError, ValueError, OSError) as exc:
             problems.append(str(exc) if str(exc).startswith("model.") else f"model.pretrained: {exc}")
     native = scheduler_objective_kind(scheduler) if scheduler else None
@@ -212,6 +214,9 @@ def family_problems(cfg: RayLoraConfig, family, multiple: int, native: str | Non
     if flow and t.noise_offset:
         out.append(f"train.noise_offset: applies to DDPM models; {family.name} trains with "
                    "flow matching")
+    if cfg.model.expert and not family.experts:
+        out.append(f"model.expert: {cfg.model.expert}: {family.name} pipelines have one denoiser; "
+                   "leave it unset")
     if cfg.model.attention != "sdpa" and family.denoiser != "unet":
         out.append(f"model.attention: {cfg.model.attention} is for UNet families; "
                    f"{family.name} uses sdpa")

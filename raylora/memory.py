@@ -227,6 +227,8 @@ def meta_components(model_path: str, dtype: torch.dtype):
     text = [component(t.encoder) for t in family.text]
     tokenizers = [SimpleNamespace(model_max_length=_tokenizer_max(model_path, t.tokenizer))
                   for t in family.text]
+    # A pipeline of experts (Wan 2.2 A14B): the first one stands for the one trained; they
+    # share one architecture.
     denoiser = component(family.denoiser)
     shift, scale = family.latent_stats(dict(vae.config))
     return Components(family, tokenizers, text, vae, denoiser, scheduler, shift, scale)

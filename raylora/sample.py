@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -16,9 +17,13 @@ def sample(
     steps: int = 25,
     guidance_scale: float | None = None,
     size: int | None = None,
+    expert: str | None = None,
 ) -> str:
     """``guidance_scale``: default the family's (SD 7.5, Flux.1-dev 3.5, ...), passed as the
-    family's pipeline takes it (Qwen-Image: true CFG with an empty negative prompt)."""
+    family's pipeline takes it (Qwen-Image: true CFG with an empty negative prompt).
+    ``expert``: the expert a pipeline of experts' adapter trained (Wan 2.2 A14B); default
+    ``model.expert`` in the adapter folder's ``raylora.json``. The pipeline samples with
+    every expert, the adapter in the trained one."""
     from diffusers import DiffusionPipeline
 
     from raylora import quiet
@@ -29,10 +34,14 @@ def sample(
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     path = os.path.abspath(model) if os.path.isdir(model) else model
     # The family, and the pipeline class that loads the adapter, from model_index.json.
-    family = families.detect(DiffusionPipeline.load_config(path), "--model")
+    index = DiffusionPipeline.load_config(path)
+    family = families.detect(index, "--model")
+    expert = expert or trained_expert(adapter)
+    # Refused before the pipeline loads: an expert this pipeline lacks, or none for experts.
+    family.sigma_range(index, expert, f"--model {model}", key="--expert")
     quiet.diffusers_bars_off()  # "Loading pipeline components..."
     pipe = family.pipeline_class().from_pretrained(path, dtype=dtype)
-    load_adapter(pipe, family, adapter)
+    load_adapter(pipe, family, adapter, expert)
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     # No size: the pipeline's own default (the model's sample size; ZImagePipeline's 1024,
@@ -52,17 +61,29 @@ def sample(
     return out
 
 
-def load_adapter(pipe, family, adapter: str) -> None:
+def trained_expert(adapter: str) -> str | None:
+    """``model.expert`` of the run that wrote the adapter folder (its ``raylora.json``), if
+    it says."""
+    meta = os.path.join(adapter, "raylora.json")
+    if not os.path.isfile(meta):
+        return None
+    with open(meta) as f:
+        return json.load(f).get("config", {}).get("model", {}).get("expert")
+
+
+def load_adapter(pipe, family, adapter: str, expert: str | None = None) -> None:
     """A diffusers LoRA/DoRA file through the stock loader; a LoKr/LoHa peft folder
-    (``lora.variant`` lokr/loha, which diffusers' loaders do not read) through peft."""
+    (``lora.variant`` lokr/loha, which diffusers' loaders do not read) through peft. Into
+    the denoiser ``expert`` names (``model.expert``), else the family's one."""
     from raylora.model.lora import is_peft_folder
 
     if os.path.isdir(adapter) and is_peft_folder(adapter):
         from peft import PeftModel
 
-        denoiser = getattr(pipe, family.denoiser)
+        component = family.trained_component(expert)
         # merge: the pipeline then runs a plain module again (PeftModel's forward wraps
         # the signature the pipeline calls with).
-        setattr(pipe, family.denoiser, PeftModel.from_pretrained(denoiser, adapter).merge_and_unload())
+        setattr(pipe, component,
+                PeftModel.from_pretrained(getattr(pipe, component), adapter).merge_and_unload())
     else:
-        pipe.load_lora_weights(adapter)
+        pipe.load_lora_weights(adapter, **family.lora_load_kwargs(expert))

@@ -133,7 +133,7 @@ def _previewer(spec: WorkerSpec, run, tracker, rank: int):
         with run.ema.swapped_in(run.params) if run.ema is not None else nullcontext():
             pipe = pv.build_pipeline(
                 model_path, run.family, model, run.parts.vae, run.parts.text_encoders,
-                dtype=run.parts.weight_dtype, device=acc.device,
+                dtype=run.parts.weight_dtype, device=acc.device, expert=cfg.model.expert,
             )
             images = pv.render(pipe, run.family, v.prompts, v.seed, v.num_inference_steps, guidance,
                                cfg.data.max_resolution(), autocast=acc.autocast)

@@ -53,15 +53,18 @@ def tiny_model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
-    """family → a tiny pipeline folder of that family, built once per session on first use."""
+    """family → a tiny pipeline folder of that family, built once per session on first use.
+    ``experts=True``: Wan 2.2 A14B's two-transformer layout (wan)."""
     from raylora.model.tiny import build_tiny
 
     built = {}
 
-    def get(family: str) -> str:
-        if family not in built:
-            built[family] = str(build_tiny(tmp_path_factory.mktemp(family) / family, family=family))
-        return built[family]
+    def get(family: str, experts: bool = False) -> str:
+        if (family, experts) not in built:
+            name = f"{family}-experts" if experts else family
+            built[family, experts] = str(build_tiny(tmp_path_factory.mktemp(name) / name,
+                                                    family=family, experts=experts))
+        return built[family, experts]
 
     return get
 

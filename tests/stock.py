@@ -9,7 +9,9 @@ import subprocess
 import sys
 
 # LoRA modules per component: in the adapter file, and wrapped in the pipeline after the
-# load (a loader that silently skips keys leaves the second count short).
+# load (a loader that silently skips keys leaves the second count short). ``into``, where
+# defined: file component → the pipeline component it was loaded into (a Wan 2.2 expert's
+# "transformer" keys into transformer_2).
 COUNT_LOADED = r"""
 from safetensors import safe_open
 import os
@@ -22,7 +24,8 @@ with safe_open(file, "pt") as f:
     for k in f.keys():
         comp, rest = k.split(".", 1)
         in_file.setdefault(comp, set()).add(next(rest[:-len(e)] for e in ENDS if rest.endswith(e)))
-lora_modules = {c: [len(names), sum(1 for _, m in getattr(pipe, c).named_modules()
+into = globals().get("into") or {}
+lora_modules = {c: [len(names), sum(1 for _, m in getattr(pipe, into.get(c, c)).named_modules()
                                    if hasattr(m, "lora_A") and len(m.lora_A))]
                 for c, names in in_file.items()}
 """
@@ -120,11 +123,13 @@ def stock_load(model: str, adapter: str, workdir, family: str = "sd") -> dict:
     return res
 
 
-def stock_image_change(family: str, model: str, adapter, check_pipe=None) -> float:
+def stock_image_change(family: str, model: str, adapter, check_pipe=None, expert=None) -> float:
     """In this process: the family's stock pipeline renders the same seed before and after
     ``load_lora_weights(adapter)``; returns the largest pixel change (the image after the
     load must be finite, the adapter active and every LoRA module of the file live in the
-    pipeline, as ``stock_load`` checks). ``check_pipe(pipe)`` may inspect the pipeline first."""
+    pipeline, as ``stock_load`` checks). ``check_pipe(pipe)`` may inspect the pipeline first.
+    ``expert`` (a Wan 2.2 expert): loaded into that expert's transformer with the stock
+    loader's own argument, and no other denoiser gets a LoRA module."""
     import diffusers
     import numpy as np
     import torch
@@ -143,10 +148,17 @@ def stock_image_change(family: str, model: str, adapter, check_pipe=None) -> flo
         return out.frames[0][0] if hasattr(out, "frames") else out.images[0]
 
     base = image()
-    pipe.load_lora_weights(str(adapter))
+    into = {}
+    if expert is None:
+        pipe.load_lora_weights(str(adapter))
+    else:
+        into = {"transformer": {"high_noise": "transformer", "low_noise": "transformer_2"}[expert]}
+        pipe.load_lora_weights(str(adapter), load_into_transformer_2=expert == "low_noise")
+        other = next(c for c in ("transformer", "transformer_2") if c != into["transformer"])
+        assert not any(hasattr(m, "lora_A") for _, m in getattr(pipe, other).named_modules())
     with_lora = image()
     assert np.isfinite(with_lora).all() and pipe.get_active_adapters()
-    scope = {"pipe": pipe, "adapter": str(adapter)}
+    scope = {"pipe": pipe, "adapter": str(adapter), "into": into}
     exec(COUNT_LOADED, scope)  # the same count the fresh-process script makes
     counts = scope["lora_modules"]
     assert counts and all(a == b > 0 for a, b in counts.values()), counts

@@ -58,28 +58,56 @@ def test_unknown_pipeline_is_named_with_the_supported_ones():
         assert f"{name}: {cls}" in msg
 
 
-def test_a_wan_pipeline_with_two_experts_is_refused_before_anything_is_loaded(tiny, tmp_path):
-    """Wan 2.2 A14B samples with ``transformer`` above ``boundary_ratio`` and
-    ``transformer_2`` below it; raylora trains one denoiser, so such a folder is refused by
-    the check every run makes before its workers start, naming the folder and the key."""
+def test_model_expert_is_required_by_a_pipeline_of_experts_and_refused_by_any_other(tiny, demo_data,
+                                                                                   tmp_path):
+    """Wan 2.2 A14B samples with ``transformer`` for σ ≥ ``boundary_ratio`` and
+    ``transformer_2`` below it; a run trains the one ``model.expert`` names. The check every
+    run makes before its workers start names the key and the folder: no expert for such a
+    folder, an expert for a one-denoiser folder (Wan 2.1, SD), and a folder whose
+    ``model_index.json`` names an expert it lacks. The two experts' runs share a latent
+    cache entry."""
     import shutil
 
-    from raylora.model.load import check_model
+    from raylora.config import ConfigError, validate
+    from raylora.data.cache import fingerprint
+    from raylora.data.plan import plan_data
+    from raylora.launch import plan
     from raylora.storage import Storage
 
-    one = tiny("wan")
-    assert check_model(one, Storage())["family"].name == "wan"  # 2.1: transformer_2 [null, null]
-    two = tmp_path / "wan22-a14b"
-    shutil.copytree(one, two)
-    shutil.copytree(two / "transformer", two / "transformer_2")
-    index = json.loads((two / "model_index.json").read_text())
-    assert index["transformer_2"] == [None, None]
-    index.update(transformer_2=["diffusers", "WanTransformer3DModel"], boundary_ratio=0.875)
-    (two / "model_index.json").write_text(json.dumps(index))
-    with pytest.raises(ValueError, match=r"model.pretrained: .*wan22-a14b: a Wan 2.2 pipeline "
-                                         r"with two experts \(transformer_2 below boundary_ratio "
-                                         r"0.875\)"):
-        check_model(str(two), Storage())
+    two = tiny("wan", experts=True)
+
+    def config(model: str, expert=None):
+        return validate({"model": {"pretrained": model, "expert": expert}, "output": {"uri": str(tmp_path)},
+                         "data": {"uri": demo_data, "resolution": 64, "cache": "latents",
+                                  "center_crop": True}})
+
+    def problems(model: str, expert=None) -> str:
+        cfg = config(model, expert)
+        try:
+            plan(cfg, heldout=False)
+        except ConfigError as exc:
+            return str(exc)
+        return ""
+
+    assert problems(two, "low_noise") == problems(two, "high_noise") == ""
+    low, high = config(two, "low_noise"), config(two, "high_noise")
+    store = Storage()
+    assert (fingerprint(low, "wan", two, plan_data(low.data, store), store)
+            == fingerprint(high, "wan", two, plan_data(high.data, store), store))
+    assert (f"model.expert: model.pretrained: {two} is a Wan 2.2 pipeline with two experts, "
+            "transformer for σ ≥ boundary_ratio 0.875 (high-noise steps) and transformer_2 below "
+            "it; a run trains one: set model.expert to high_noise or low_noise") in problems(two)
+    assert (f"model.expert: low_noise: model.pretrained: {tiny('wan')} is a Wan pipeline with one "
+            "transformer") in problems(tiny("wan"), "low_noise")
+    assert ("model.expert: high_noise: sd pipelines have one denoiser; leave it unset"
+            in problems(tiny("sd"), "high_noise"))
+    lacking = tmp_path / "wan22-lacking"
+    shutil.copytree(two, lacking, ignore=shutil.ignore_patterns("transformer_2"))
+    assert (f"model.pretrained: {lacking}: missing component folder(s) of a wan pipeline: "
+            "transformer_2") in problems(str(lacking), "low_noise")
+    with pytest.raises(ValueError, match="model.expert"):
+        validate({"model": {"pretrained": two, "expert": "middle"}, "data": {"uri": "d"},
+                  "output": {"uri": "o"}})
 
 
 def test_wan_one_timestep_per_sample_is_wan22_ti2vs_per_token_timesteps_of_a_text_prompt(tiny):
@@ -202,6 +230,38 @@ def test_static_and_dynamic_shift():
     assert flow_shift_from_scheduler({"_class_name": "UniPCMultistepScheduler"}) == (1.0, None)
 
 
+@pytest.mark.parametrize("density", ["uniform", "logit_normal", "mode", "cosmap"])
+def test_an_experts_sigma_range_truncates_the_density_and_shift(density):
+    """A Wan 2.2 expert trains on σ in its range only, drawn from the run's density and
+    shift truncated to it: the same distribution as draws over all of σ that happen to
+    fall in the range (quantiles within 0.01), not the range squeezed onto (0, 1). Static
+    and dynamic shift; the held-out evaluation's fixed σ lie in the range too."""
+    q = torch.tensor([0.05, 0.25, 0.5, 0.75, 0.95])
+    latents = torch.zeros(1, 16, 64, 64).expand(50_000, -1, -1, -1)
+    for shift in ({"shift": 3.0}, {"dynamic": DynamicShift()}):
+        full = FlowMatching(density, **shift)
+        torch.manual_seed(0)
+        everywhere = full.sample_timesteps(latents)
+        for lo, hi in ((0.0, 0.875), (0.875, 1.0)):
+            part = FlowMatching(density, sigma_range=(lo, hi), **shift)
+            torch.manual_seed(1)
+            sig = part.sample_timesteps(latents)
+            assert sig.shape == (50_000,) and sig.dtype == torch.float32
+            assert lo <= float(sig.min()) and float(sig.max()) <= hi, (shift, lo, hi)
+            kept = everywhere[(everywhere >= lo) & (everywhere <= hi)]
+            gap = (torch.quantile(kept, q) - torch.quantile(sig, q)).abs().max()
+            assert float(gap) < 0.01, (shift, lo, hi, float(gap))
+            ev = part.eval_timesteps(4, latents[:1])
+            assert bool(((ev > lo) & (ev < hi)).all()) and bool((ev.diff() > 0).all())
+    # no range: the draw is the one the objective always made
+    torch.manual_seed(2)
+    a = FlowMatching(density, shift=3.0).sample_timesteps(latents[:8])
+    torch.manual_seed(2)
+    torch.testing.assert_close(a, shift_sigmas(sample_density(density, 8).clamp(1e-5, 1 - 1e-5), 3.0))
+    with pytest.raises(ValueError, match="sigma_range"):
+        FlowMatching(density, sigma_range=(0.9, 0.2))
+
+
 def test_flow_forward_process_target_and_weights():
     x, eps = torch.randn(3, 4, 2, 2), torch.randn(3, 4, 2, 2)
     sig = torch.tensor([0.0, 0.5, 1.0])
@@ -247,6 +307,66 @@ def test_every_family_learns_and_its_stock_pipeline_loads_the_adapter(tiny, fami
 
     # The family's stock pipeline, with nothing of raylora's, loads it and its image changes.
     assert stock_image_change(family, model, adapter) > 1e-3
+
+
+@pytest.mark.parametrize("expert", ["high_noise", "low_noise"])
+def test_a_wan22_expert_trains_its_own_transformer_on_its_sigmas_and_loads_into_it(tiny, expert,
+                                                                                   demo_data, tmp_path):
+    """``model.expert`` picks the transformer a run trains (its weights, not the other
+    expert's) and the σ it sees; the adapter is saved as the stock loader saves any Wan
+    adapter (``transformer.`` keys) and loads into that expert only, high_noise by default
+    and low_noise with ``load_into_transformer_2``, changing the stock pipeline's image.
+    A preview samples with the trained expert alone."""
+    from diffusers import WanTransformer3DModel
+    from inproc import _fresh_accelerator, demo_batch, overfit
+    from safetensors.torch import load_file
+    from stock import stock_image_change
+
+    from raylora.config import validate
+    from raylora.model.lora import save_diffusers_adapter
+    from raylora.train import preview as pv
+    from raylora.train.setup import build_run
+
+    model = tiny("wan", experts=True)
+    component, (lo, hi) = {"high_noise": ("transformer", (0.875, 1.0)),
+                           "low_noise": ("transformer_2", (0.0, 0.875))}[expert]
+    cfg = validate({"model": {"pretrained": model, "max_sequence_length": 32, "expert": expert},
+                    "data": {"uri": demo_data, "resolution": 64},
+                    "lora": {"rank": 8}, "train": {"learning_rate": 1e-2, "seed": 0},
+                    "output": {"uri": str(tmp_path / "o")}})
+    run = build_run(cfg, _fresh_accelerator(1), 30, rank=0)
+    trained = run.accelerator.unwrap_model(run.model)
+    for name, other in (("transformer", "transformer_2"), ("transformer_2", "transformer")):
+        ref = WanTransformer3DModel.from_pretrained(model, subfolder=name).patch_embedding.weight
+        same = torch.equal(trained.patch_embedding.weight, ref)
+        assert same == (name == component), (name, component)
+    torch.manual_seed(0)
+    sig = run.parts.objective.sample_timesteps(torch.zeros(1, 16, 32, 32).expand(4096, -1, -1, -1))
+    assert lo <= float(sig.min()) and float(sig.max()) <= hi
+    before, after = overfit(run, demo_batch("wan", model, demo_data), 30)
+    assert after < 0.95 * before, (before, after)
+
+    adapter = tmp_path / "adapter"
+    save_diffusers_adapter(trained, str(adapter), run.family)
+    keys = load_file(str(adapter / "pytorch_lora_weights.safetensors")).keys()
+    assert keys and {k.split(".")[0] for k in keys} == {"transformer"}
+    assert run.family.lora_load_kwargs(expert) == ({"load_into_transformer_2": True}
+                                                   if expert == "low_noise" else {})
+    assert stock_image_change("wan", model, adapter, expert=expert) > 1e-3
+
+    # raylora sample: the expert from raylora.json (none in this bare folder) or --expert
+    from raylora.sample import sample
+
+    with pytest.raises(ValueError, match=f"--expert: --model {model} is a Wan 2.2 pipeline with two experts"):
+        sample(model, str(adapter), "a red circle", str(tmp_path / "s.png"), steps=2, size=32)
+    png = sample(model, str(adapter), "a red circle", str(tmp_path / "s.png"), steps=2, size=32,
+                 expert=expert)
+    assert os.path.getsize(png) > 0
+
+    pipe = pv.build_pipeline(model, run.family, trained, expert=expert)
+    assert pipe.transformer is trained and pipe.transformer_2 is None
+    image = pv.render(pipe, run.family, ["a red circle"], 0, 2, run.family.guidance_kwargs(), 32)[0]
+    assert image.size == (32, 32)
 
 
 # ---------------------------------------------------------------- guidance at sampling

@@ -2,7 +2,9 @@
 adapter loads in the family's stock diffusers pipeline (every module live) and changes its
 image; validation grids and ``raylora sample`` work too.
 
-Cases: raylora's own tiny model of every DiT family. SD 1.x runs the same path in
+Cases: raylora's own tiny model of every DiT family, and Wan 2.2 A14B's layout training its
+low-noise expert (``model.expert``: previews, card, ``raylora sample`` and the stock load
+all put the adapter into ``transformer_2``). SD 1.x runs the same path in
 test_train_ray.py, SDXL in test_sdxl_cache.py; the Flux and SD3 folders built straight with
 diffusers classes (tests/userbuilt.py, as a user's converted checkpoint arrives) train
 through the same step in-process in test_tiny_model.py."""
@@ -22,18 +24,19 @@ pytestmark = pytest.mark.integration
 
 # Every DiT family's tiny model (SD 1.x and SDXL run elsewhere: see the docstring).
 DIT_FAMILIES = [f for f in FAMILIES if f not in ("sd", "sdxl")]
+CASES = [*((f, None) for f in DIT_FAMILIES), ("wan", "low_noise")]
 
 
-@pytest.mark.parametrize("family", DIT_FAMILIES)
-def test_two_workers_train_from_parquet_and_stock_pipeline_loads(family, ray_local, tiny, demo_data,
-                                                                  tmp_path):
+@pytest.mark.parametrize("family,expert", CASES, ids=[f"{f}-{e}" if e else f for f, e in CASES])
+def test_two_workers_train_from_parquet_and_stock_pipeline_loads(family, expert, ray_local, tiny,
+                                                                  demo_data, tmp_path):
     from raylora.launch import run
     from raylora.sample import sample
 
-    model = tiny(family)
+    model = tiny(family, experts=expert is not None)
     out = tmp_path / "out"
     tree = {
-        "model": {"pretrained": model, "max_sequence_length": 32},
+        "model": {"pretrained": model, "max_sequence_length": 32, "expert": expert},
         "data": {"uri": demo_data, "resolution": 64, "center_crop": True},
         "lora": {"rank": 4},
         "train": {"batch_size": 1, "max_steps": 3, "learning_rate": 5e-3, "seed": 3},
@@ -52,7 +55,17 @@ def test_two_workers_train_from_parquet_and_stock_pipeline_loads(family, ray_loc
     pipeline = PIPELINES[family][0]
     meta = json.loads((adapter / "raylora.json").read_text())["data"]
     assert (meta["family"], meta["pipeline"], meta["objective"]) == (family, pipeline, "flow_matching")
-    assert f"from diffusers import {pipeline}" in (adapter / "README.md").read_text()
+    card = (adapter / "README.md").read_text()
+    assert f"from diffusers import {pipeline}" in card
+    if expert:
+        # The card's own code, up to its load, puts the adapter into the trained expert.
+        code = card.split("```python\n")[1].split("image = pipe(")[0]
+        scope: dict = {}
+        exec(code.replace("path/to/this/folder", str(adapter)), scope)
+        assert "load_into_transformer_2=True" in code and "expert `low_noise` (`transformer_2`)" in card
+        lora = [sum(hasattr(m, "lora_A") for _, m in getattr(scope["pipe"], c).named_modules())
+                for c in ("transformer", "transformer_2")]
+        assert lora[0] == 0 and lora[1] > 0, lora
 
     # Validation grids before the first step and at the end, drawn by the family's pipeline.
     grids = sorted(os.listdir(out / "validation"))
@@ -63,7 +76,8 @@ def test_two_workers_train_from_parquet_and_stock_pipeline_loads(family, ray_loc
     # The family's stock pipeline loads the adapter (active, every module live) and its
     # image changes. In this process: a fresh one, which never imports raylora, costs ~8 s
     # of imports per family; test_train_ray and test_sdxl_cache load sd/sdxl adapters so.
-    assert stock_image_change(family, model, str(adapter)) > 1e-4
+    assert stock_image_change(family, model, str(adapter), expert=expert) > 1e-4
 
+    # raylora sample: the expert from the folder's raylora.json
     png = sample(model, str(adapter), "a red circle", str(tmp_path / "sample.png"), steps=2, size=64)
     assert Image.open(png).size == (64, 64)

@@ -456,11 +456,13 @@ def test_flux_schnell_variant(tmp_path):
     assert out.shape == (1, 64, 64, 3) and np.isfinite(out).all()
 
 
-def test_build_tiny_rejects_unknown_family_and_misplaced_schnell(tmp_path):
+def test_build_tiny_rejects_unknown_family_and_misplaced_variants(tmp_path):
     with pytest.raises(ValueError, match="unknown family 'sd4'"):
         tiny.build_tiny(tmp_path / "x", "sd4")
     with pytest.raises(ValueError, match="schnell"):
         tiny.build_tiny(tmp_path / "x", "sd3", schnell=True)
+    with pytest.raises(ValueError, match="experts are a Wan 2.2 layout, not flux"):
+        tiny.build_tiny(tmp_path / "x", "flux", experts=True)
     # Every family module has a tiny model, so every family-parametrized test covers it.
     from raylora.model import families
     from stock import PIPELINES
@@ -476,6 +478,12 @@ def test_cli_tiny_model_family_choices():
         args = build_parser().parse_args(["tiny-model", "--family", fam, "out"])
         assert (args.family, args.schnell, args.dest) == (fam, False, "out")
     assert build_parser().parse_args(["tiny-model", "--family", "flux", "--schnell", "o"]).schnell
+    assert build_parser().parse_args(["tiny-model", "--family", "wan", "--experts", "o"]).experts
+    sample = ["sample", "--model", "m", "--adapter", "a", "--prompt", "p", "--out", "o.png"]
+    assert build_parser().parse_args(sample).expert is None
+    assert build_parser().parse_args([*sample, "--expert", "low_noise"]).expert == "low_noise"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*sample, "--expert", "transformer_2"])
     with pytest.raises(SystemExit):
         build_parser().parse_args(["tiny-model", "--family", "sd4", "out"])
 

@@ -121,14 +121,23 @@ def _usage(cfg: RayLoraConfig, family) -> str:
     args += "".join(f", {k}={v!r}" for k, v in family.image_call().items())
     call = f'image = pipe(prompt="your prompt"{args}){family.image_code()}'
     if cfg.lora.variant in ("lora", "dora"):
+        # A pipeline of experts: into the one trained (Wan 2.2's low-noise transformer_2).
+        into = "".join(f", {k}={v!r}" for k, v in family.lora_load_kwargs(cfg.model.expert).items())
         return (f"```python\nfrom diffusers import {family.pipeline}\n{pipe}\n"
-                f'pipe.load_lora_weights("path/to/this/folder")\n{call}\n```')
+                f'pipe.load_lora_weights("path/to/this/folder"{into})\n{call}\n```')
+    denoiser = family.trained_component(cfg.model.expert)
     comfy = (f"`{LYCORIS_FILE}` is the LyCORIS file: put it in ComfyUI's `models/loras` (or "
              "Forge / A1111's) and load it as a LoRA.\n\n" if family.lycoris_file else "")
     return (f"{comfy}In Python, the peft folder (`{PEFT_CONFIG}`, `{PEFT_WEIGHTS}`):\n\n"
             f"```python\nfrom diffusers import {family.pipeline}\nfrom peft import PeftModel\n"
-            f"{pipe}\npipe.{family.denoiser} = PeftModel.from_pretrained(pipe.{family.denoiser}, "
+            f"{pipe}\npipe.{denoiser} = PeftModel.from_pretrained(pipe.{denoiser}, "
             f'"path/to/this/folder")\n{call}\n```')
+
+
+def _expert(cfg: RayLoraConfig, family) -> str:
+    """``, expert `low_noise` (transformer_2)``: the one a pipeline of experts trained."""
+    e = cfg.model.expert
+    return f", expert `{e}` (`{family.trained_component(e)}`)" if e else ""
 
 
 def model_card(cfg: RayLoraConfig, metrics: dict, data: dict) -> str:
@@ -154,7 +163,7 @@ inference: true
 
 # LoRA adapter for {cfg.model.pretrained}
 
-A {family.description} LoRA (family `{family.name}`, objective
+A {family.description} LoRA (family `{family.name}`{_expert(cfg, family)}, objective
 `{data.get("objective")}`), trained with [raylora](https://github.com/) on Ray Train
 ({_workers(cfg.scaling)} worker(s), {"GPU" if cfg.scaling.use_gpu else "CPU"}, mixed
 precision `{t.mixed_precision}`).

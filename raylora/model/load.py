@@ -38,6 +38,13 @@ class Components:
     latent_shift: Any = 0.0
     latent_scale: Any = 0.18215
     path: str = ""  # the local (materialized) model folder, or the hub id
+    # The pipeline component ``denoiser`` is, and the σ it trains on: one expert's (Wan
+    # 2.2 A14B, model.expert), else the family's denoiser over all of σ.
+    component: str = ""
+    sigma_range: tuple[float, float] = (0.0, 1.0)
+
+    def __post_init__(self):
+        self.component = self.component or self.family.denoiser
 
 
 def resolve_family(model: ModelSection, index: dict | None) -> type[Family]:
@@ -87,7 +94,9 @@ def check_model(path: str, store: Storage) -> dict:
     index = json.loads(store.read_bytes(storage.join(path, "model_index.json")))
     family = families.detect(index, f"model.pretrained: {path}")
     present = {f.split("/", 1)[0] for f in files if "/" in f}
-    missing = [c for c in family.components() if c not in present]
+    # and every expert the index names (Wan 2.2 A14B's transformer_2)
+    experts = [c for c in family.experts.values() if (index.get(c) or [None])[0] is not None]
+    missing = [c for c in dict.fromkeys([*family.components(), *experts]) if c not in present]
     if missing:
         raise FileNotFoundError(
             f"model.pretrained: {path}: missing component folder(s) of a {family.name} "
@@ -202,6 +211,8 @@ def load_components(
     if index is None:
         raise FileNotFoundError(f"model.pretrained: {model.pretrained}: no model_index.json")
     family = resolve_family(model, index)
+    sigmas = family.sigma_range(index, model.expert, f"model.pretrained: {model.pretrained}")
+    component = family.trained_component(model.expert)
     kw: dict[str, Any] = {"revision": model.revision}
     scheduler_config = dict(import_class(*index["scheduler"][:2]).load_config(
         path, subfolder="scheduler", revision=model.revision))
@@ -215,10 +226,10 @@ def load_components(
     if hollow_denoiser:
         from raylora.train.fsdp import hollow_component
 
-        denoiser = family.adapt_component(family.denoiser, hollow_component(
-            path, index, family.denoiser, weight_dtype, device, revision=model.revision))
+        denoiser = family.adapt_component(component, hollow_component(
+            path, index, component, weight_dtype, device, revision=model.revision))
     else:
-        denoiser = family.load_component(path, index, family.denoiser, weight_dtype,
+        denoiser = family.load_component(path, index, component, weight_dtype,
                                          variant=model.variant, **kw)
     denoiser.requires_grad_(False)
     quantize_module(denoiser, model.quantize, weight_dtype, device)
@@ -226,4 +237,4 @@ def load_components(
     vae_cls = import_class(*index["vae"][:2])
     shift, scale = family.latent_stats(vae_cls.load_config(path, subfolder="vae", revision=model.revision))
     return Components(family, tokenizers, text_encoders, vae, denoiser, scheduler_config, shift,
-                      scale, path)
+                      scale, path, component, sigmas)

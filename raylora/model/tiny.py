@@ -795,9 +795,10 @@ WAN_SCHEDULER = dict(num_train_timesteps=1000, prediction_type="flow_prediction"
                      use_flow_sigmas=True, flow_shift=3.0)
 
 
-def build_tiny_wan(dest: str | Path, seed: int = 0) -> Path:
+def build_tiny_wan(dest: str | Path, seed: int = 0, experts: bool = False) -> Path:
     """Save a tiny random WanPipeline (Wan 2.1 text-to-video layout) to ``dest``; returns
-    the path.
+    the path. ``experts``: Wan 2.2 A14B's layout, a second transformer (other random
+    weights) as ``transformer_2`` for σ below ``boundary_ratio`` 0.875.
 
     * ``text_encoder``: UMT5EncoderModel, d_model 64, 2 layers (a position bias per layer,
       UMT5's), over the tiny T5 tokenizer; the pipeline takes its last hidden state, zero
@@ -829,9 +830,13 @@ def build_tiny_wan(dest: str | Path, seed: int = 0) -> Path:
     # kept, being the per-channel statistics the pipeline uses.
     vae = AutoencoderKLWan(base_dim=32, z_dim=16, dim_mult=[1, 2], num_res_blocks=1,
                            temperal_downsample=[False], scale_factor_spatial=2)
+    second = {}
+    if experts:
+        second = {"transformer_2": WanTransformer3DModel.from_config(transformer.config),
+                  "boundary_ratio": 0.875}
     pipe = WanPipeline(
         scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER), vae=vae, text_encoder=text_encoder,
-        tokenizer=tokenizer, transformer=transformer,
+        tokenizer=tokenizer, transformer=transformer, **second,
     )
     pipe.save_pretrained(dest)
     return dest
@@ -850,13 +855,19 @@ BUILDERS = {
 FAMILIES = tuple(BUILDERS)
 
 
-def build_tiny(dest: str | Path, family: str = "sd", seed: int = 0, *, schnell: bool = False) -> Path:
+def build_tiny(dest: str | Path, family: str = "sd", seed: int = 0, *, schnell: bool = False,
+               experts: bool = False) -> Path:
     """Build the tiny ``family`` pipeline (one of ``FAMILIES``) at ``dest``. ``schnell``:
-    Flux.1-schnell instead of -dev (flux only)."""
+    Flux.1-schnell instead of -dev (flux only); ``experts``: Wan 2.2 A14B's two
+    transformers (wan only)."""
     if family not in BUILDERS:
         raise ValueError(f"tiny model: unknown family {family!r}; one of {', '.join(FAMILIES)}")
     if schnell and family != "flux":
         raise ValueError(f"tiny model: schnell is a Flux variant, not {family}")
+    if experts and family != "wan":
+        raise ValueError(f"tiny model: experts are a Wan 2.2 layout, not {family}")
     if family == "flux":
         return build_tiny_flux(dest, seed, schnell=schnell)
+    if family == "wan":
+        return build_tiny_wan(dest, seed, experts=experts)
     return BUILDERS[family](dest, seed)

@@ -114,17 +114,41 @@ def sample_density(kind: str, n: int, device=None, logit_mean: float = 0.0,
     """u in (0, 1) ``[n]`` fp32 from the timestep density (SD3 paper, §3.1):
     uniform; logit_normal: sigmoid(N(mean, std)); mode: 1 − u − s·(cos²(πu/2) − 1 + u);
     cosmap: 1 − 1/(tan(πu/2) + 1)."""
+    if kind not in DENSITIES:
+        raise ValueError(f"train.flow.timestep_sampling: unknown density {kind!r} (one of {DENSITIES})")
     if kind == "logit_normal":
         z = torch.randn(n, generator=generator, device=device) * logit_std + logit_mean
         return torch.sigmoid(z)
-    u = torch.rand(n, generator=generator, device=device)
+    return density_of_uniform(kind, torch.rand(n, generator=generator, device=device), logit_mean,
+                              logit_std, mode_scale)
+
+
+def density_of_uniform(kind: str, v: torch.Tensor, logit_mean: float = 0.0, logit_std: float = 1.0,
+                       mode_scale: float = 1.29) -> torch.Tensor:
+    """The density's u as a monotone function of a uniform ``v`` in (0, 1) (logit_normal:
+    its inverse CDF, sigmoid(mean + std·Φ⁻¹(v))): what ``sample_density`` draws, written so
+    that a slice of v is the density truncated to a slice of u."""
     if kind == "uniform":
-        return u
+        return v
+    if kind == "logit_normal":
+        return torch.sigmoid(torch.special.ndtri(v) * logit_std + logit_mean)
     if kind == "mode":
-        return 1 - u - mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
-    if kind == "cosmap":
-        return 1 - 1 / (torch.tan(math.pi * u / 2) + 1)
-    raise ValueError(f"train.flow.timestep_sampling: unknown density {kind!r} (one of {DENSITIES})")
+        return 1 - v - mode_scale * (torch.cos(math.pi * v / 2) ** 2 - 1 + v)
+    return 1 - 1 / (torch.tan(math.pi * v / 2) + 1)  # cosmap
+
+
+def invert_monotone(f, target: float, iters: int = 60) -> float:
+    """v in [0, 1] with ``f(v) = target`` for a monotone ``f`` (rising or falling) of floats,
+    by bisection (2⁻⁶⁰: exact in fp32 and for the doubles ``f`` takes)."""
+    lo, hi = 0.0, 1.0
+    rising = f(1.0) >= f(0.0)
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        if (f(mid) < target) == rising:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
 
 
 def shift_sigmas(sigma: torch.Tensor, shift: float = 1.0, mu: float | None = None) -> torch.Tensor:
@@ -148,7 +172,13 @@ def flow_loss_weights(kind: str, sigma: torch.Tensor) -> torch.Tensor | None:
 
 
 class FlowMatching:
-    """Rectified flow: x_σ = (1−σ)·x₀ + σ·ε, target ε − x₀ (the velocity toward noise)."""
+    """Rectified flow: x_σ = (1−σ)·x₀ + σ·ε, target ε − x₀ (the velocity toward noise).
+
+    ``sigma_range`` (lo, hi): σ only in [lo, hi], for one expert of a pipeline that
+    denoises each σ range with its own model (Wan 2.2 A14B: ``transformer`` for σ ≥
+    boundary_ratio, ``transformer_2`` below). Drawn from the same density and shift
+    truncated to the range (not squeezed into it): the expert sees the σ it would have
+    seen in a run over all of σ, in the same proportions."""
 
     kind = "flow"
     # σ is kept inside [EPS, 1−EPS]: σ=0 is a clean image (nothing to learn, and the
@@ -158,28 +188,60 @@ class FlowMatching:
     def __init__(self, density: str = "logit_normal", logit_mean: float = 0.0,
                  logit_std: float = 1.0, mode_scale: float = 1.29, shift: float = 1.0,
                  dynamic: DynamicShift | None = None, weighting: str = "none",
-                 seq_len=None):
+                 seq_len=None, sigma_range: tuple[float, float] = (0.0, 1.0)):
         self.density, self.weighting = density, weighting
         self.logit_mean, self.logit_std, self.mode_scale = logit_mean, logit_std, mode_scale
         self.shift, self.dynamic = shift, dynamic
         # latents → image token count, for the dynamic shift (the family's patching)
         self.seq_len = seq_len or (lambda shape: (shape[-2] // 2) * (shape[-1] // 2))
+        lo, hi = (float(x) for x in sigma_range)
+        if not 0.0 <= lo < hi <= 1.0:
+            raise ValueError(f"sigma_range: {sigma_range} is not a range within [0, 1]")
+        self.sigma_range = (lo, hi)
+        self._bounds: dict = {}  # (density, token count) → the slice of v that gives the range
 
     def shifted(self, u: torch.Tensor, latents_shape) -> torch.Tensor:
         u = u.clamp(self.EPS, 1 - self.EPS)
         mu = self.dynamic.mu(self.seq_len(latents_shape)) if self.dynamic else None
         return shift_sigmas(u, self.shift, mu)
 
+    @property
+    def truncated(self) -> bool:
+        return self.sigma_range != (0.0, 1.0)
+
+    def _slice(self, density: str, latents_shape) -> tuple[float, float]:
+        """(v_lo, v_hi): the uniform v whose σ (density, then shift) falls in the range.
+        Per image size under a dynamic shift; bisection once per size."""
+        key = (density, self.seq_len(latents_shape) if self.dynamic else None)
+        if key not in self._bounds:
+            def sigma(v: float) -> float:
+                u = density_of_uniform(density, torch.tensor([v], dtype=torch.float64),
+                                       self.logit_mean, self.logit_std, self.mode_scale)
+                return float(self.shifted(u, latents_shape))
+
+            a, b = (invert_monotone(sigma, s) for s in self.sigma_range)
+            self._bounds[key] = (min(a, b), max(a, b))
+        return self._bounds[key]
+
     def sample_timesteps(self, latents: torch.Tensor) -> torch.Tensor:
         """σ ``[B]`` fp32 from torch's global RNG (drawn on the CPU, so every device and
         rank draws the same numbers from the same seed), shifted."""
-        u = sample_density(self.density, latents.shape[0], None, self.logit_mean,
-                           self.logit_std, self.mode_scale)
+        n = latents.shape[0]
+        if self.truncated:
+            lo, hi = self._slice(self.density, latents.shape)
+            u = density_of_uniform(self.density, lo + (hi - lo) * torch.rand(n, dtype=torch.float64),
+                                   self.logit_mean, self.logit_std, self.mode_scale)
+            sigma = self.shifted(u, latents.shape).float()
+            # bisection's last ulp: the range's own ends are kept exactly
+            return sigma.clamp(*self.sigma_range).to(latents.device)
+        u = sample_density(self.density, n, None, self.logit_mean, self.logit_std, self.mode_scale)
         return self.shifted(u, latents.shape).to(latents.device)
 
     def eval_timesteps(self, k: int, latents: torch.Tensor) -> torch.Tensor:
-        """K fixed σ: the centres of K equal slices of (0, 1), shifted as in training."""
-        u = (torch.arange(k, dtype=torch.float32) + 0.5) / k
+        """K fixed σ: the centres of K equal slices of (0, 1) (of the part of it that
+        ``sigma_range`` keeps), shifted as in training."""
+        lo, hi = self._slice("uniform", latents.shape) if self.truncated else (0.0, 1.0)
+        u = lo + (hi - lo) * (torch.arange(k, dtype=torch.float32) + 0.5) / k
         return self.shifted(u, latents.shape).to(latents.device)
 
     def offset(self, noise: torch.Tensor) -> torch.Tensor:

@@ -29,10 +29,11 @@ def make_grid(images: list[Image.Image], cols: int | None = None) -> Image.Image
 
 
 def build_pipeline(model_path: str, family, model, vae=None, text_encoders=(), tokenizers=(),
-                   dtype: torch.dtype = torch.float32, device="cpu"):
+                   dtype: torch.dtype = torch.float32, device="cpu", expert: str | None = None):
     """The family's stock pipeline sharing the trained ``model`` (and whatever encoders are
-    already loaded); the rest is loaded from ``model_path``."""
-    kw: dict = {family.denoiser: model}
+    already loaded); the rest is loaded from ``model_path``. ``expert``: ``model.expert``
+    (a pipeline of experts samples with the trained one alone, ``Family.pipeline_with``)."""
+    kw: dict = family.pipeline_with(model, expert)
     if vae is not None:
         kw["vae"] = vae
     for t, enc in zip(family.text, text_encoders):

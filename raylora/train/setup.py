@@ -78,16 +78,21 @@ class TrainingRun:
         return lora_state_dict(self.accelerator.unwrap_model(self.model), self.trained_text_encoders)
 
 
-def build_objective(cfg: RayLoraConfig, family: type[Family], scheduler_config: dict):
+def build_objective(cfg: RayLoraConfig, family: type[Family], scheduler_config: dict,
+                    sigma_range: tuple[float, float] = (0.0, 1.0)):
     """DDPM (ε / v) or flow matching, as the model's scheduler config says unless
-    ``train.prediction_type`` overrides it (launch.plan checks the combination)."""
+    ``train.prediction_type`` overrides it (launch.plan checks the combination).
+    ``sigma_range``: the trained expert's (``Components.sigma_range``; flow matching only)."""
     t, f = cfg.train, cfg.train.flow
     kind = t.prediction_type or scheduler_objective_kind(scheduler_config)
     if kind == "flow_matching":
         shift, dynamic = (flow_shift_from_scheduler(scheduler_config) if f.shift == "auto"
                           else (float(f.shift), None))
         return FlowMatching(f.timestep_sampling, f.logit_mean, f.logit_std, f.mode_scale, shift,
-                            dynamic, f.loss_weighting, seq_len=family.image_seq_len)
+                            dynamic, f.loss_weighting, seq_len=family.image_seq_len,
+                            sigma_range=sigma_range)
+    if sigma_range != (0.0, 1.0):  # experts exist only in flow-matching pipelines
+        raise ValueError(f"model.expert: a σ range needs flow matching, not {kind}")
     from diffusers import DDPMScheduler
 
     # The DDPM forward process whatever sampler the pipeline ships (PNDM, Euler, ...):
@@ -103,7 +108,7 @@ def frozen_parts(cfg: RayLoraConfig, comps, device, weight_dtype: torch.dtype,
             m.to(device)
     return FrozenParts(
         comps.family, comps.vae, comps.text_encoders,
-        build_objective(cfg, comps.family, comps.scheduler_config), weight_dtype,
+        build_objective(cfg, comps.family, comps.scheduler_config, comps.sigma_range), weight_dtype,
         latent_shift=comps.latent_shift, latent_scale=comps.latent_scale,
         guidance=cfg.train.flow.guidance, text_encoder_params=list(te_params),
         prior_loss_weight=cfg.train.prior_loss_weight if cfg.data.prior_preservation else None,
@@ -269,7 +274,9 @@ def compile_cache_inputs(cfg: RayLoraConfig, comps) -> dict:
         # (what saved it): the class and its config values make the architecture.
         "denoiser": [type(comps.denoiser).__name__,
                      {k: v for k, v in comps.denoiser.config.items() if not k.startswith("_")}],
-        "model": cfg.model.model_dump(mode="json", exclude={"pretrained", "revision", "variant"}),
+        # Not model.expert: the experts share the architecture "denoiser" holds.
+        "model": cfg.model.model_dump(mode="json",
+                                      exclude={"pretrained", "revision", "variant", "expert"}),
         "lora": cfg.lora.model_dump(mode="json"),
         "mixed_precision": t.mixed_precision,
         # Prior preservation appends the class rows to every micro-batch.
@@ -308,7 +315,7 @@ def shard_denoiser_of(cfg: RayLoraConfig, comps, accelerator, weight_dtype) -> l
     f = cfg.scaling.fsdp
     model = comps.denoiser
     shard_and_load(
-        model, comps.family.repeated_blocks, component_folder(comps.path, comps.family.denoiser,
+        model, comps.family.repeated_blocks, component_folder(comps.path, comps.component,
                                                               cfg.model.revision),
         accelerator.device, variant=cfg.model.variant,
         param_dtype=None if weight_dtype == torch.float32 else weight_dtype,

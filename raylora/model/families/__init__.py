@@ -38,7 +38,6 @@ def detect(index: dict, where: str = "model.pretrained") -> type[Family]:
     for n in _modules():
         fam = get(n)
         if found in fam.class_names:
-            fam.check_index(index, where)
             return fam
     supported = "; ".join(f"{get(n).name}: {', '.join(get(n).class_names)}" for n in _modules())
     raise ValueError(

@@ -3,14 +3,14 @@ differently. No Ray; diffusers and transformers are imported where they are used
 the top (so importing a family loads torch: ``raylora --help`` lists the family modules
 without importing them, raylora.cli._family_names).
 
-A family owns, for its pipeline layout: detection (``model_index.json`` ``_class_name``;
-``check_index`` refuses a layout of that class raylora does not train), which components
-are the denoiser, VAE and text encoders (loaded by the classes the folder's own
-``model_index.json`` names, so a user's checkpoint loads as diffusers would load it), how
-captions are tokenized, how a batch is encoded into conditioning, the denoiser call, latent
-normalisation, default LoRA targets, repeated blocks (regional compile, FSDP shard units),
-the stock pipeline class that loads the adapter and how it is called for still images
-(``video``: one frame of a video pipeline), and the kohya/ComfyUI key names.
+A family owns, for its pipeline layout: detection (``model_index.json`` ``_class_name``),
+which components are the denoiser (or its experts, each for a σ range), VAE and text
+encoders (loaded by the classes the folder's own ``model_index.json`` names, so a user's
+checkpoint loads as diffusers would load it), how captions are tokenized, how a batch is
+encoded into conditioning, the denoiser call, latent normalisation, default LoRA targets,
+repeated blocks (regional compile, FSDP shard units), the stock pipeline class that loads
+the adapter and how it is called for still images (``video``: one frame of a video
+pipeline), and the kohya/ComfyUI key names.
 
 Conditioning travels as a ``Cond``: named tensors with the batch first, the same names the
 latent cache stores as columns (``prompt_embeds``, ``pooled_prompt_embeds``, ...).
@@ -129,7 +129,13 @@ class Family:
     # model_index.json _class_name values that are this family
     class_names: ClassVar[tuple[str, ...]]
     pipeline: ClassVar[str]  # the stock diffusers pipeline that loads the adapter
-    denoiser: ClassVar[str] = "transformer"  # its pipeline component / subfolder
+    # Its pipeline component / subfolder, and the component its adapter is saved under.
+    denoiser: ClassVar[str] = "transformer"
+    # A pipeline whose sampling hands σ ranges to different denoisers (Wan 2.2 A14B's
+    # experts): ``model.expert`` value → the pipeline component it trains. The stock
+    # loaders save every expert's adapter under ``denoiser`` and take the expert at load
+    # (``lora_load_kwargs``). Empty: one denoiser, trained over all of σ.
+    experts: ClassVar[dict[str, str]] = {}
     text: ClassVar[tuple[TextInput, ...]]
     lora_targets: ClassVar[tuple[str, ...]]  # default lora.target_modules
     text_encoder_lora_targets: ClassVar[tuple[str, ...]] = ("q_proj", "k_proj", "v_proj", "out_proj")
@@ -198,10 +204,34 @@ class Family:
         return cls.lora_targets
 
     @classmethod
-    def check_index(cls, index: dict, where: str) -> None:
-        """Refuse, naming ``where``, a pipeline of this family's class whose layout raylora
-        does not train (Wan 2.2 A14B's second expert); called whenever a family is detected,
-        before anything is loaded."""
+    def trained_component(cls, expert: str | None = None) -> str:
+        """The pipeline component (folder, pipeline attribute) a run with ``model.expert``
+        ``expert`` trains."""
+        return cls.experts[expert] if expert else cls.denoiser
+
+    @classmethod
+    def sigma_range(cls, index: dict, expert: str | None, where: str,
+                    key: str = "model.expert") -> tuple[float, float]:
+        """The σ range the trained denoiser samples in this pipeline (``model_index.json``
+        ``index``): all of it for one denoiser. Refuses, naming ``key`` and ``where``
+        before anything is loaded, an expert for a pipeline without experts, and no expert
+        for one with them."""
+        if expert is not None:
+            raise ValueError(f"{key}: {expert}: {where} is a {cls.name} pipeline with one "
+                             f"denoiser ({cls.denoiser}); leave {key} unset")
+        return (0.0, 1.0)
+
+    @classmethod
+    def lora_load_kwargs(cls, expert: str | None = None) -> dict:
+        """What the stock pipeline's ``load_lora_weights`` needs besides the adapter to put
+        it into the denoiser that ``expert`` trained."""
+        return {}
+
+    @classmethod
+    def pipeline_with(cls, model, expert: str | None = None) -> dict:
+        """``from_pretrained`` arguments that build the stock pipeline around the trained
+        ``model`` for previews (a pipeline of experts: the trained one alone, see Wan)."""
+        return {cls.trained_component(expert): model}
 
     @classmethod
     def pipeline_class(cls):

@@ -6,10 +6,12 @@ per-channel latent mean/std). The checkpoints ship UniPC set to ``flow_predictio
 static ``flow_shift``, which the objective reads as flow matching with that shift. The
 timestep is σ·1000.
 
-Wan 2.2 A14B (a high-noise and a low-noise expert, ``transformer_2`` below
-``boundary_ratio``) is refused: raylora trains one denoiser. Wan 2.2 TI2V-5B (one
-transformer, a 16× VAE) trains as 2.1 does; its per-token timesteps are all σ for a text
-prompt, the same conditioning as one timestep per sample."""
+Wan 2.2 A14B samples with two experts: ``transformer`` for σ ≥ ``boundary_ratio`` (the
+high-noise steps), ``transformer_2`` below it. A run trains one (``model.expert``), on the
+σ of its range only; its adapter loads with ``load_lora_weights`` (``load_into_transformer_2``
+for the low-noise expert). Wan 2.2 TI2V-5B (one transformer, a 16× VAE) trains as 2.1
+does; its per-token timesteps are all σ for a text prompt, the same conditioning as one
+timestep per sample."""
 
 from __future__ import annotations
 
@@ -59,20 +61,46 @@ class Wan(Family):
     patch = 2
     default_guidance_scale = 5.0  # WanPipeline's
     video = True
+    experts = {"high_noise": "transformer", "low_noise": "transformer_2"}
     description = "Wan 2.1 / 2.2 (video DiT trained and sampled as single frames, UMT5-XXL)"
     # a video VAE (per-channel statistics), a still image as one frame
     latent_stats = staticmethod(per_channel_stats)
     encode_pixels = staticmethod(encode_one_frame)
 
     @classmethod
-    def check_index(cls, index: dict, where: str) -> None:
-        second = index.get("transformer_2") or [None]
-        if second[0] is not None:
+    def sigma_range(cls, index, expert, where, key="model.expert"):
+        boundary = index.get("boundary_ratio")
+        if (index.get("transformer_2") or [None])[0] is None:
+            if expert is not None:
+                raise ValueError(f"{key}: {expert}: {where} is a Wan pipeline with one "
+                                 f"transformer (Wan 2.1, 2.2 TI2V-5B), no experts; leave {key} unset")
+            return (0.0, 1.0)
+        if boundary is None:
+            raise ValueError(f"{where}: model_index.json has a transformer_2 but no "
+                             "boundary_ratio (the σ where sampling hands over to it)")
+        if expert is None:
             raise ValueError(
-                f"{where}: a Wan 2.2 pipeline with two experts (transformer_2 below "
-                f"boundary_ratio {index.get('boundary_ratio')}); raylora trains one denoiser: "
-                "use a single-transformer Wan (2.1, or 2.2 TI2V-5B)"
-            )
+                f"{key}: {where} is a Wan 2.2 pipeline with two experts, transformer for "
+                f"σ ≥ boundary_ratio {boundary} (high-noise steps) and transformer_2 below it; "
+                f"a run trains one: set {key} to high_noise or low_noise (both: two runs)")
+        b = float(boundary)
+        return (b, 1.0) if expert == "high_noise" else (0.0, b)
+
+    @classmethod
+    def lora_load_kwargs(cls, expert=None):
+        # WanLoraLoaderMixin saves an expert's adapter under "transformer" and loads it
+        # into transformer_2 when asked.
+        return {"load_into_transformer_2": True} if cls.trained_component(expert) == "transformer_2" else {}
+
+    @classmethod
+    def pipeline_with(cls, model, expert=None):
+        # Previews sample with the trained expert at every step: loading the other expert
+        # (14B, unsharded on every rank under FSDP) for a preview would double the
+        # denoiser's memory. They follow the training, not the two-expert samples that
+        # `raylora sample` and the model card's code make.
+        if expert is None:
+            return super().pipeline_with(model)
+        return {"transformer": model, "transformer_2": None, "boundary_ratio": None}
 
     @staticmethod
     def vae_factor(vae_config):

@@ -211,8 +211,9 @@ from raylora.model.tiny import FAMILIES  # every family raylora has a tiny model
 
 
 def _hollow_ranks(rank: int, world: int, port: int, out: str, paths: dict):
-    """Per family: from_pretrained + LoRA (the DDP path) vs hollow + LoRA + shard + read
-    (the FSDP path), same seed: the largest difference of any tensor, and bytes."""
+    """Per case (family, or family-expert): from_pretrained + LoRA (the DDP path) vs hollow
+    + LoRA + shard + read (the FSDP path), same seed: the largest difference of any tensor,
+    and bytes. ``paths``: case → (model folder, model.expert)."""
     from accelerate.utils import set_seed
     from torch.distributed.tensor import DTensor
 
@@ -224,18 +225,19 @@ def _hollow_ranks(rank: int, world: int, port: int, out: str, paths: dict):
     _init(rank, world, port)
     result = {}
     try:
-        for family, path in paths.items():
+        for family, (path, expert) in paths.items():
             lora = LoraSection(rank=4)
             set_seed(3)
-            ref = load_components(ModelSection(pretrained=path), torch.float32)
+            ref = load_components(ModelSection(pretrained=path, expert=expert), torch.float32)
             add_lora(ref.denoiser, lora, ref.family.default_lora_targets(ref.denoiser))
             set_seed(3)
-            comps = load_components(ModelSection(pretrained=path), torch.float32, encoders=False,
-                                    hollow_denoiser=True)
+            comps = load_components(ModelSection(pretrained=path, expert=expert), torch.float32,
+                                    encoders=False, hollow_denoiser=True)
             model = comps.denoiser
             add_lora(model, lora, comps.family.default_lora_targets(model))
+            # the folder training reads (raylora.train.setup.shard_denoiser_of)
             units = shard_and_load(model, comps.family.repeated_blocks,
-                                   component_folder(comps.path, comps.family.denoiser), "cpu")
+                                   component_folder(comps.path, comps.component), "cpu")
             got = model.state_dict()
             worst = 0.0
             for k, v in ref.denoiser.state_dict().items():
@@ -254,11 +256,13 @@ def _hollow_ranks(rank: int, world: int, port: int, out: str, paths: dict):
 
 def test_every_family_loads_shard_by_shard_to_the_loaded_model(tiny, tmp_path):
     """The FSDP loading path (no rank holds the whole base) gives every tensor of the
-    loaded model, LoRA's initial weights included (peft drew them from the same seed)."""
-    paths = {f: tiny(f) for f in FAMILIES}
+    loaded model, LoRA's initial weights included (peft drew them from the same seed); for
+    Wan 2.2's low-noise expert, transformer_2's."""
+    paths = {f: (tiny(f), None) for f in FAMILIES}
+    paths["wan-low_noise"] = (tiny("wan", experts=True), "low_noise")
     spawn(_hollow_ranks, 2, 2, free_port(), str(tmp_path), paths)
     r = torch.load(os.path.join(tmp_path, "hollow.pt"))
-    assert set(r) == set(FAMILIES)
+    assert set(r) == set(paths)
     for family, x in r.items():
         assert x["worst"] == 0.0, (family, x)
         assert x["units"] >= 3 and x["lora"] > 0, (family, x)

@@ -320,8 +320,10 @@ def _adapter_commands(sub) -> None:
 
     s = sub.add_parser("sample", help="generate an image with base model + adapter")
     s.add_argument("--model", required=True, help="base model: hub id or diffusers folder")
-    s.add_argument("--adapter", required=True, help="adapter folder: pytorch_lora_weights."
-                   "safetensors (lora, dora) or a peft folder (lokr, loha)")
+    s.add_argument("--adapter", required=True, action="append",
+                   help="adapter folder: pytorch_lora_weights.safetensors (lora, dora) or a peft "
+                        "folder (lokr, loha). A pipeline of experts (Wan 2.2 A14B) takes one per "
+                        "expert: --adapter HIGH --adapter LOW (each raylora.json names its expert)")
     s.add_argument("--prompt", required=True)
     s.add_argument("--out", required=True, help="output PNG")
     s.add_argument("--seed", type=int, default=0)
@@ -331,8 +333,8 @@ def _adapter_commands(sub) -> None:
                         "Z-Image 5.0, Flux.2 [klein] 4.0, Wan 5.0; Z-Image-Turbo samples at 0)")
     s.add_argument("--size", type=int, default=None, help="pixels; default: the model's size")
     s.add_argument("--expert", choices=["high_noise", "low_noise"], default=None,
-                   help="a pipeline of experts (Wan 2.2 A14B): the one the adapter trained; "
-                        "default: model.expert in the adapter folder's raylora.json")
+                   help="a pipeline of experts (Wan 2.2 A14B): the one the (single) adapter "
+                        "trained; default: model.expert in the adapter folder's raylora.json")
     s.set_defaults(fn=_sample)
 
     e = sub.add_parser("export", help="convert a diffusers adapter folder to another format")

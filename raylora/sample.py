@@ -10,7 +10,7 @@ import torch
 
 def sample(
     model: str,
-    adapter: str,
+    adapter: str | list[str],
     prompt: str,
     out: str,
     seed: int = 0,
@@ -21,27 +21,11 @@ def sample(
 ) -> str:
     """``guidance_scale``: default the family's (SD 7.5, Flux.1-dev 3.5, ...), passed as the
     family's pipeline takes it (Qwen-Image: true CFG with an empty negative prompt).
-    ``expert``: the expert a pipeline of experts' adapter trained (Wan 2.2 A14B); default
-    ``model.expert`` in the adapter folder's ``raylora.json``. The pipeline samples with
-    every expert, the adapter in the trained one."""
-    from diffusers import DiffusionPipeline
-
-    from raylora import quiet
-    from raylora.model import families
-
+    ``adapter``, ``expert``: see ``load_pipeline``."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # bf16 on GPUs: fp16 overflows in Flux/SD3/Qwen-Image transformers.
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    path = os.path.abspath(model) if os.path.isdir(model) else model
-    # The family, and the pipeline class that loads the adapter, from model_index.json.
-    index = DiffusionPipeline.load_config(path)
-    family = families.detect(index, "--model")
-    expert = expert or trained_expert(adapter)
-    # Refused before the pipeline loads: an expert this pipeline lacks, or none for experts.
-    family.sigma_range(index, expert, f"--model {model}", key="--expert")
-    quiet.diffusers_bars_off()  # "Loading pipeline components..."
-    pipe = family.pipeline_class().from_pretrained(path, dtype=dtype)
-    load_adapter(pipe, family, adapter, expert)
+    pipe, family = load_pipeline(model, adapter, expert,
+                                 torch.bfloat16 if device == "cuda" else torch.float32)
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     # No size: the pipeline's own default (the model's sample size; ZImagePipeline's 1024,
@@ -59,6 +43,43 @@ def sample(
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     image.save(out)
     return out
+
+
+def load_pipeline(model: str, adapter: str | list[str], expert: str | None = None,
+                  dtype: torch.dtype = torch.float32):
+    """(the family's stock pipeline of ``model`` with the adapter loaded, the family).
+
+    A pipeline of experts (Wan 2.2 A14B) samples with every expert; an adapter goes into
+    the one it trained: ``expert``, else ``model.expert`` in the adapter folder's
+    ``raylora.json``. ``adapter`` may list one adapter per expert (each folder's
+    ``raylora.json`` names its expert), e.g. a high-noise and a low-noise run."""
+    from diffusers import DiffusionPipeline
+
+    from raylora import quiet
+    from raylora.model import families
+
+    adapters = [adapter] if isinstance(adapter, str) else list(adapter)
+    path = os.path.abspath(model) if os.path.isdir(model) else model
+    # The family, and the pipeline class that loads the adapter, from model_index.json.
+    index = DiffusionPipeline.load_config(path)
+    family = families.detect(index, "--model")
+    if len(adapters) > 1 and expert is not None:
+        raise ValueError("--expert: names the expert of one --adapter; with several, each "
+                         "folder's raylora.json does")
+    experts = [expert or trained_expert(a) for a in adapters]
+    # Refused before the pipeline loads: an expert this pipeline lacks, none for experts,
+    # two adapters for one denoiser.
+    for a, e in zip(adapters, experts):
+        family.sigma_range(index, e, f"--model {model}", key=f"--expert (--adapter {a})"
+                           if len(adapters) > 1 else "--expert")
+    if len(set(experts)) < len(experts):
+        raise ValueError(f"--adapter: {', '.join(adapters)} train the same denoiser "
+                         f"({', '.join(str(e) for e in experts)}); give one adapter per expert")
+    quiet.diffusers_bars_off()  # "Loading pipeline components..."
+    pipe = family.pipeline_class().from_pretrained(path, dtype=dtype)
+    for a, e in zip(adapters, experts):
+        load_adapter(pipe, family, a, e)
+    return pipe, family
 
 
 def trained_expert(adapter: str) -> str | None:

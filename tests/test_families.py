@@ -355,13 +355,29 @@ def test_a_wan22_expert_trains_its_own_transformer_on_its_sigmas_and_loads_into_
     assert stock_image_change("wan", model, adapter, expert=expert) > 1e-3
 
     # raylora sample: the expert from raylora.json (none in this bare folder) or --expert
-    from raylora.sample import sample
+    import shutil
+
+    from raylora.sample import load_pipeline, sample
 
     with pytest.raises(ValueError, match=f"--expert: --model {model} is a Wan 2.2 pipeline with two experts"):
         sample(model, str(adapter), "a red circle", str(tmp_path / "s.png"), steps=2, size=32)
     png = sample(model, str(adapter), "a red circle", str(tmp_path / "s.png"), steps=2, size=32,
                  expert=expert)
     assert os.path.getsize(png) > 0
+    # One adapter per expert, each folder's raylora.json naming its expert (the other one
+    # here: this adapter's weights, which fit either transformer): each into its own.
+    other_expert = {"high_noise": "low_noise", "low_noise": "high_noise"}[expert]
+    other = tmp_path / "other"
+    shutil.copytree(adapter, other)
+    for folder, e in ((adapter, expert), (other, other_expert)):
+        (folder / "raylora.json").write_text(json.dumps({"config": {"model": {"expert": e}}}))
+    pipe, _ = load_pipeline(model, [str(adapter), str(other)])
+    assert [sum(hasattr(m, "lora_A") for _, m in getattr(pipe, c).named_modules()) > 0
+            for c in ("transformer", "transformer_2")] == [True, True]
+    with pytest.raises(ValueError, match="--adapter: .* train the same denoiser"):
+        load_pipeline(model, [str(adapter), str(adapter)])
+    with pytest.raises(ValueError, match="--expert: names the expert of one --adapter"):
+        load_pipeline(model, [str(adapter), str(other)], expert=expert)
 
     pipe = pv.build_pipeline(model, run.family, trained, expert=expert)
     assert pipe.transformer is trained and pipe.transformer_2 is None

@@ -63,6 +63,7 @@ def test_two_workers_train_from_parquet_and_stock_pipeline_loads(family, expert,
         scope: dict = {}
         exec(code.replace("path/to/this/folder", str(adapter)), scope)
         assert "load_into_transformer_2=True" in code and "expert `low_noise` (`transformer_2`)" in card
+        assert '# pipe.load_lora_weights("path/to/that/folder")\n' in code  # the high-noise one
         lora = [sum(hasattr(m, "lora_A") for _, m in getattr(scope["pipe"], c).named_modules())
                 for c in ("transformer", "transformer_2")]
         assert lora[0] == 0 and lora[1] > 0, lora

@@ -123,8 +123,13 @@ def _usage(cfg: RayLoraConfig, family) -> str:
     if cfg.lora.variant in ("lora", "dora"):
         # A pipeline of experts: into the one trained (Wan 2.2's low-noise transformer_2).
         into = "".join(f", {k}={v!r}" for k, v in family.lora_load_kwargs(cfg.model.expert).items())
+        others = "".join(
+            f"# the {e} expert's adapter too, if a run with model.expert={e} made one:\n"
+            f'# pipe.load_lora_weights("path/to/that/folder"'
+            + "".join(f", {k}={v!r}" for k, v in family.lora_load_kwargs(e).items()) + ")\n"
+            for e in family.experts if cfg.model.expert and e != cfg.model.expert)
         return (f"```python\nfrom diffusers import {family.pipeline}\n{pipe}\n"
-                f'pipe.load_lora_weights("path/to/this/folder"{into})\n{call}\n```')
+                f'pipe.load_lora_weights("path/to/this/folder"{into})\n{others}{call}\n```')
     denoiser = family.trained_component(cfg.model.expert)
     comfy = (f"`{LYCORIS_FILE}` is the LyCORIS file: put it in ComfyUI's `models/loras` (or "
              "Forge / A1111's) and load it as a LoRA.\n\n" if family.lycoris_file else "")

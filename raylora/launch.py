@@ -698,7 +698,8 @@ def _latest_checkpoint(cfg: RayLoraConfig) -> str | None:
     (raylora.checkpoint.recorded.check_latest); None: it starts afresh."""
     from raylora.checkpoint.recorded import check_latest
 
-    latest = check_latest(cfg.storage.client(), storage.join(cfg.output.uri, TRAIN_RUN_NAME))
+    latest = check_latest(cfg.storage.client(), storage.join(cfg.output.uri, TRAIN_RUN_NAME),
+                          trained={"expert": cfg.model.expert})
     if latest:
         log.info("resuming from %s (the latest checkpoint of this output.uri)", latest)
     return latest

@@ -246,7 +246,9 @@ def summary_lines(s: dict) -> list[str]:
         + (f" (of {s['rows_decoded'] + m.get('bad_records', 0)} rows read)"
            if s.get("rows_decoded") is not None else ""),
         f"raylora: use it       pipe = {s['pipeline']}.from_pretrained(\"{s['base_model']}\"); "
-        + (f"pipe.load_lora_weights(\"{s['adapter']}\")" if s.get("variant", "lora") in ("lora", "dora")
+        + (f"pipe.load_lora_weights(\"{s['adapter']}\""
+           + "".join(f", {k}={v!r}" for k, v in (s.get("load_kwargs") or {}).items()) + ")"
+           if s.get("variant", "lora") in ("lora", "dora")
            else f"pipe.{s['denoiser']} = PeftModel.from_pretrained(pipe.{s['denoiser']}, \"{s['adapter']}\")"),
     ]
     return lines

@@ -101,6 +101,38 @@ def _two_rank_checkpoint(directory) -> dict[str, int]:
     return local_sizes(str(directory))
 
 
+def test_a_rerun_with_the_other_expert_is_refused_before_it_resumes(tmp_path):
+    """The checkpoint records which Wan 2.2 expert its LoRA is for; a rerun at the same
+    output.uri with another ``model.expert`` (the two share an architecture, so the LoRA
+    would load) is refused by the driver's check, naming the key and the checkpoint.
+    Checkpoints from before the record resume as they did."""
+    from raylora.checkpoint.recorded import check_latest
+    from raylora.storage import Storage
+
+    run = tmp_path / "train"
+    ckpt = run / "checkpoint_a"
+    ckpt.mkdir(parents=True)
+    loop = LoopState(global_step=2, world_size=1)
+    save_rank_state(str(ckpt), rank=0)
+    save_main_state(str(ckpt), lora_sd={"w": torch.ones(2)}, optimizer_sd={}, scheduler_sd={},
+                    scaler_sd=None, loop=loop, trained={"expert": "low_noise"})
+    assert json.loads((ckpt / FILES_FILE).read_text())["trained"] == {"expert": "low_noise"}
+    (run / "checkpoint_manager_snapshot.json").write_text(json.dumps({
+        "latest_checkpoint_result": {"checkpoint_dir_name": "checkpoint_a"}}))
+    assert check_latest(Storage(), str(run), trained={"expert": "low_noise"}) == str(ckpt)
+    for other in ("high_noise", None):
+        with pytest.raises(ValueError) as exc:
+            check_latest(Storage(), str(run), trained={"expert": other})
+        assert str(exc.value) == (
+            f"model.expert: {other}, but the checkpoint this output.uri resumes from ({ckpt}) "
+            "trained model.expert: low_noise; set it back to resume that run, or give this one "
+            "its own output.uri")
+    record = json.loads((ckpt / FILES_FILE).read_text())
+    del record["trained"]
+    (ckpt / FILES_FILE).write_text(json.dumps(record))
+    assert check_latest(Storage(), str(run), trained={"expert": "high_noise"}) == str(ckpt)
+
+
 def test_a_checkpoint_records_its_files_and_a_lost_one_is_named(tmp_path):
     """``checkpoint_files.json`` holds rank 0's files with their sizes and the other ranks'
     by name; a file missing or short after that is named by ``load_state`` (workers) and

@@ -67,6 +67,16 @@ def test_two_workers_train_from_parquet_and_stock_pipeline_loads(family, expert,
         lora = [sum(hasattr(m, "lora_A") for _, m in getattr(scope["pipe"], c).named_modules())
                 for c in ("transformer", "transformer_2")]
         assert lora[0] == 0 and lora[1] > 0, lora
+        # The run's summary says the same; a rerun at this output.uri with the other expert
+        # is refused before Ray starts (it would resume this expert's LoRA as that one's).
+        from raylora.progress import summary_lines
+
+        assert 'load_lora_weights("' + summary["adapter"] + '", load_into_transformer_2=True)' in \
+            "\n".join(summary_lines(summary))
+        other = {**tree, "model": {**tree["model"], "expert": "high_noise"}}
+        with pytest.raises(ValueError, match="model.expert: high_noise, but the checkpoint this "
+                                             "output.uri resumes from"):
+            run(validate(other))
 
     # Validation grids before the first step and at the end, drawn by the family's pipeline.
     grids = sorted(os.listdir(out / "validation"))

@@ -345,5 +345,8 @@ def export_run(
         "pipeline": family.pipeline,
         "base_model": cfg.model.pretrained,
         "variant": cfg.lora.variant,
-        "denoiser": family.denoiser,
+        # the pipeline component the adapter goes into, and the stock loader's argument
+        # that puts it there (Wan 2.2's low-noise expert: load_into_transformer_2)
+        "denoiser": family.trained_component(cfg.model.expert),
+        "load_kwargs": family.lora_load_kwargs(cfg.model.expert),
     }

@@ -57,11 +57,15 @@ def drop_unrecorded(store, run_uri: str) -> list[str]:
     return dropped
 
 
-def check_latest(store, run_uri: str) -> str | None:
+def check_latest(store, run_uri: str, trained: dict | None = None) -> str | None:
     """The URI of the checkpoint a run at ``run_uri`` would resume from (None: it starts
     afresh, or Ray's record is unreadable). Raises ``IncompleteCheckpoint`` naming the
     files it lacks of its ``checkpoint_files.json`` (one listing and one small read), so a
-    resume that would fail on the workers fails here, before a cluster is started."""
+    resume that would fail on the workers fails here, before a cluster is started.
+    ``trained`` (``{"expert": model.expert}`` of the rerun): a checkpoint that recorded
+    another value is refused, naming the key: the same output.uri with the other Wan 2.2
+    expert would otherwise continue (or, finished, re-export) one expert's LoRA as the
+    other's, their architectures being the same."""
     try:
         name = (_snapshot(store, run_uri) or {})["latest_checkpoint_result"]["checkpoint_dir_name"]
     except (KeyError, TypeError):
@@ -75,7 +79,16 @@ def check_latest(store, run_uri: str) -> str | None:
     if not present:
         raise IncompleteCheckpoint(uri, ["every file (the folder is empty or gone)"])
     if FILES_FILE in present:  # absent: written before raylora recorded its files
-        missing = missing_files(json.loads(store.read_bytes(storage.join(uri, FILES_FILE))), present)
+        recorded = json.loads(store.read_bytes(storage.join(uri, FILES_FILE)))
+        missing = missing_files(recorded, present)
         if missing:
             raise IncompleteCheckpoint(uri, missing)
+        # "trained" absent: written before raylora recorded it
+        for key, was in (recorded.get("trained") or {}).items():
+            now = (trained or {}).get(key, was)
+            if now != was:
+                raise ValueError(
+                    f"model.{key}: {now}, but the checkpoint this output.uri resumes from "
+                    f"({uri}) trained model.{key}: {was}; set it back to resume that run, or "
+                    "give this one its own output.uri")
     return uri

@@ -125,11 +125,14 @@ def save_main_state(
     loop: LoopState,
     ema_sd: dict[str, torch.Tensor] | None = None,
     other_ranks_files: list[str] = (),
+    trained: dict | None = None,
 ) -> None:
     """Rank 0's part of a checkpoint, after this rank's RNG and shards are in ``directory``
     (``raylora.train.setup.write_checkpoint``). ``other_ranks_files``: what the other ranks
     write into their own directories (Ray merges them into this checkpoint); with
-    ``loop.world_size`` ranks' RNG files they go into ``checkpoint_files.json``."""
+    ``loop.world_size`` ranks' RNG files they go into ``checkpoint_files.json``, and so does
+    ``trained`` (``{"expert": model.expert}``: which denoiser the LoRA is for), which the
+    driver compares with a rerun's config before resuming (``recorded.check_latest``)."""
     save_file(lora_sd, os.path.join(directory, LORA_FILE))
     if ema_sd is not None:
         save_file(ema_sd, os.path.join(directory, EMA_FILE))
@@ -148,7 +151,8 @@ def save_main_state(
     mine = local_sizes(directory)
     others = {rng_file(r) for r in range(1, loop.world_size or 1)} | set(other_ranks_files)
     with open(os.path.join(directory, FILES_FILE), "w") as f:
-        json.dump({"rank0": mine, "other_ranks": sorted(others - set(mine))}, f, indent=1,
+        json.dump({"rank0": mine, "other_ranks": sorted(others - set(mine)),
+                   **({"trained": trained} if trained is not None else {})}, f, indent=1,
                   sort_keys=True)
 
 

@@ -66,6 +66,7 @@ class TrainingRun:
     sharded: bool = False  # scaling.strategy=fsdp: model and optimizer state are shards
     # train.compile_cache_uri: the compiled code loaded at build; the worker saves it.
     compile_cache: CompileCache | None = None
+    expert: str | None = None  # model.expert: which expert's denoiser the LoRA belongs to
 
     @property
     def family(self) -> type[Family]:
@@ -255,7 +256,8 @@ def build_run(
     for te in trained_te.values():
         te.train()  # LoRA dropout on, as for the denoiser
     return TrainingRun(accelerator, model, parts, optimizer, lr_scheduler, params + te_params,
-                       state, ema, trained_te, sharded=fsdp, compile_cache=compile_cache)
+                       state, ema, trained_te, sharded=fsdp, compile_cache=compile_cache,
+                       expert=cfg.model.expert)
 
 
 def compile_cache_inputs(cfg: RayLoraConfig, comps) -> dict:
@@ -369,6 +371,7 @@ def write_checkpoint(directory: str, run: TrainingRun, rank: int) -> dict[str, t
             ema_sd=run.ema.state_dict() if run.ema is not None else None,
             other_ranks_files=[f"{SHARDED_DIR}/{name}" for name in shard_files(
                 os.path.join(directory, SHARDED_DIR))] if run.sharded else [],
+            trained={"expert": run.expert},
         )
     return sd
 

@@ -225,6 +225,8 @@ def bucket_line(b: dict) -> str:
 
 def summary_lines(s: dict) -> list[str]:
     """The end-of-run summary from ``launch.run``'s result."""
+    from raylora.checkpoint.export import call_args
+
     m = s["metrics"]
     wall = m.get("wall_seconds") or 0.0
     ips = m["images_seen"] / wall if wall else 0.0
@@ -246,8 +248,7 @@ def summary_lines(s: dict) -> list[str]:
         + (f" (of {s['rows_decoded'] + m.get('bad_records', 0)} rows read)"
            if s.get("rows_decoded") is not None else ""),
         f"raylora: use it       pipe = {s['pipeline']}.from_pretrained(\"{s['base_model']}\"); "
-        + (f"pipe.load_lora_weights(\"{s['adapter']}\""
-           + "".join(f", {k}={v!r}" for k, v in (s.get("load_kwargs") or {}).items()) + ")"
+        + (f"pipe.load_lora_weights(\"{s['adapter']}\"{call_args(s.get('load_kwargs') or {})})"
            if s.get("variant", "lora") in ("lora", "dora")
            else f"pipe.{s['denoiser']} = PeftModel.from_pretrained(pipe.{s['denoiser']}, \"{s['adapter']}\")"),
     ]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
@@ -85,11 +84,9 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
 def trained_expert(adapter: str) -> str | None:
     """``model.expert`` of the run that wrote the adapter folder (its ``raylora.json``), if
     it says."""
-    meta = os.path.join(adapter, "raylora.json")
-    if not os.path.isfile(meta):
-        return None
-    with open(meta) as f:
-        return json.load(f).get("config", {}).get("model", {}).get("expert")
+    from raylora.checkpoint.export import read_run_meta
+
+    return read_run_meta(adapter).get("config", {}).get("model", {}).get("expert")
 
 
 def load_adapter(pipe, family, adapter: str, expert: str | None = None) -> None:

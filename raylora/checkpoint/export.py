@@ -26,6 +26,8 @@ from raylora.checkpoint.state import ADAPTER_DIR, HISTORY_FILE
 from raylora.config import RayLoraConfig
 from raylora.model.lora import LYCORIS_FILE, PEFT_CONFIG, PEFT_WEIGHTS, WEIGHT_NAME
 
+RUN_META = "raylora.json"  # an adapter folder's config, metrics, data and versions
+
 SUMMARY_KEYS = (
     "train_loss_first",
     "train_loss_last",
@@ -107,6 +109,21 @@ def _workers(s) -> str:
     return f"{s.min_workers}-{s.max_workers}" if s.elastic else str(s.num_workers)
 
 
+def call_args(kwargs: dict) -> str:
+    """Keyword arguments as the Python source that follows a call's first argument:
+    ``{"a": 1, "b": True}`` → ``", a=1, b=True"`` (the card's and the summary's code)."""
+    return "".join(f", {k}={v!r}" for k, v in kwargs.items())
+
+
+def read_run_meta(folder: str) -> dict:
+    """An adapter folder's ``raylora.json`` (``_write_adapter_folder``), {} when it has none."""
+    path = os.path.join(folder, RUN_META)
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
 def _usage(cfg: RayLoraConfig, family) -> str:
     """How to load this folder: stock ``load_lora_weights`` for lora/dora; peft (and the
     LyCORIS file in ComfyUI / Forge) for lokr/loha, which diffusers' loaders do not read."""
@@ -115,18 +132,16 @@ def _usage(cfg: RayLoraConfig, family) -> str:
     # negative prompt, so a bare pipe("...") would sample it unguided) at the scale the
     # run's previews used: validation.guidance_scale, else the family's default (a
     # guidance-distilled model such as Z-Image-Turbo is validated at 0).
-    args = "".join(f", {k}={v!r}" for k, v in
-                   family.guidance_kwargs(cfg.validation.guidance_scale).items())
+    args = call_args(family.guidance_kwargs(cfg.validation.guidance_scale))
     # prompt by name: Flux2KleinPipeline's first parameter is a reference image.
-    args += "".join(f", {k}={v!r}" for k, v in family.image_call().items())
+    args += call_args(family.image_call())
     call = f'image = pipe(prompt="your prompt"{args}){family.image_code()}'
     if cfg.lora.variant in ("lora", "dora"):
         # A pipeline of experts: into the one trained (Wan 2.2's low-noise transformer_2).
-        into = "".join(f", {k}={v!r}" for k, v in family.lora_load_kwargs(cfg.model.expert).items())
+        into = call_args(family.lora_load_kwargs(cfg.model.expert))
         others = "".join(
             f"# the {e} expert's adapter too, if a run with model.expert={e} made one:\n"
-            f'# pipe.load_lora_weights("path/to/that/folder"'
-            + "".join(f", {k}={v!r}" for k, v in family.lora_load_kwargs(e).items()) + ")\n"
+            f'# pipe.load_lora_weights("path/to/that/folder"{call_args(family.lora_load_kwargs(e))})\n'
             for e in family.experts if cfg.model.expert and e != cfg.model.expert)
         return (f"```python\nfrom diffusers import {family.pipeline}\n{pipe}\n"
                 f'pipe.load_lora_weights("path/to/this/folder"{into})\n{others}{call}\n```')
@@ -286,7 +301,7 @@ def _write_adapter_folder(adapter: str, ckpt_dir: str, cfg: RayLoraConfig, metri
         "versions": {p: _version(p) for p in ("raylora", "ray", "torch", "diffusers", "peft")},
         **(extra or {}),
     }
-    with open(os.path.join(adapter, "raylora.json"), "w") as f:
+    with open(os.path.join(adapter, RUN_META), "w") as f:
         json.dump(meta, f, indent=2)
     listing = {n: os.path.getsize(os.path.join(adapter, n)) for n in sorted(os.listdir(adapter))}
     with open(os.path.join(adapter, "manifest.json"), "w") as f:

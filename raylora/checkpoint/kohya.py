@@ -248,6 +248,7 @@ def export_folder(adapter_dir: str, dest: str | None = None, family: str | None 
     file, by default ``adapter_kohya.safetensors`` beside the folder (where ``raylora train``
     puts it). The family: ``family``, else the one ``raylora.json`` names, else the one whose
     layout fits the keys. Returns (file written, family, how the family was found)."""
+    from raylora.checkpoint.export import read_run_meta
     from raylora.model import families
     from raylora.model.lora import WEIGHT_NAME
 
@@ -256,10 +257,7 @@ def export_folder(adapter_dir: str, dest: str | None = None, family: str | None 
         raise FileNotFoundError(f"{adapter_dir}: no such adapter folder")
     if not os.path.isfile(weights):
         raise FileNotFoundError(f"{weights}: not found; {adapter_dir} is not a diffusers adapter folder")
-    info = {}
-    if os.path.isfile(os.path.join(adapter_dir, "raylora.json")):
-        with open(os.path.join(adapter_dir, "raylora.json")) as f:
-            info = json.load(f)
+    info = read_run_meta(adapter_dir)
     base_model = str(info.get("config", {}).get("model", {}).get("pretrained", ""))
     how = "--family"
     if family is None and info.get("data", {}).get("family"):

@@ -67,7 +67,8 @@ class ModelSection(_Section):
         "auto",
         description="auto: from model_index.json's _class_name. Or a family name: sd (SD "
         "1.x/2.x), sdxl, flux (Flux.1 dev/schnell), sd3 (SD3/3.5), qwenimage, zimage, "
-        "flux2klein (Flux.2 [klein]), wan (Wan 2.1/2.2); it must match the model.",
+        "flux2klein (Flux.2 [klein]), flux2 (Flux.2 [dev]), wan (Wan 2.1/2.2); it must match "
+        "the model.",
     )
     expert: Literal["high_noise", "low_noise"] | None = Field(
         None,
@@ -80,9 +81,9 @@ class ModelSection(_Section):
     max_sequence_length: int | None = Field(
         None, gt=0, le=4096,
         description="Tokens per caption for the long-context text encoder (T5 of Flux/SD3, "
-        "Qwen-Image's, Z-Image's and Flux.2 [klein]'s LLMs, Wan's UMT5). Default: the pipeline's "
-        "(Flux.1-dev 512, schnell use 256; SD3 256; Qwen-Image 512; Z-Image and Flux.2 [klein] "
-        "512, the chat template included; Wan 512).",
+        "Qwen-Image's, Z-Image's and Flux.2's LLMs, Wan's UMT5). Default: the pipeline's "
+        "(Flux.1-dev 512, schnell use 256; SD3 256; Qwen-Image 512; Z-Image and Flux.2 "
+        "[klein]/[dev] 512, the chat template (and [dev]'s system message) included; Wan 512).",
     )
 
     @field_validator("family")
@@ -262,7 +263,7 @@ class DataSection(_Section):
     bucket_step: int = Field(
         64, gt=0, description="data.bucketing: bucket sides are multiples of this (pixels); "
         "a multiple of the model's latent grid (8 for SD/SDXL, 16 for Flux/SD3/Qwen-Image/Z-Image/"
-        "Flux.2 [klein]/Wan 2.1, 32 for Wan 2.2 TI2V-5B).",
+        "Flux.2/Wan 2.1, 32 for Wan 2.2 TI2V-5B).",
     )
     center_crop: bool = Field(False, description="Center crop (True) or random crop (False).")
     random_flip: bool = Field(False, description="Random horizontal flip with p=0.5.")
@@ -444,7 +445,7 @@ class LoraSection(_Section):
         None,
         description="Denoiser module names that get LoRA layers. Default: the family's (SD/"
         "SDXL/Qwen-Image/Z-Image/Wan: attention projections; Flux, SD3: attention projections "
-        "of both streams (and Flux's feed-forwards); Flux.2 [klein]: attention and the single blocks' "
+        "of both streams (and Flux's feed-forwards); Flux.2: attention and the single blocks' "
         "fused input and output projections; as diffusers' LoRA scripts).",
     )
     train_text_encoder: bool = Field(
@@ -473,7 +474,7 @@ class LoraSection(_Section):
 
 class FlowSection(_Section):
     """Rectified-flow training (the objective of Flux, SD3, Qwen-Image, Z-Image, Flux.2
-    [klein] and Wan): how σ is drawn, shifted and weighted. Names and defaults as in diffusers' and
+    and Wan): how σ is drawn, shifted and weighted. Names and defaults as in diffusers' and
     SimpleTuner's scripts."""
 
     timestep_sampling: Literal["uniform", "logit_normal", "mode", "cosmap"] = Field(
@@ -495,9 +496,9 @@ class FlowSection(_Section):
     )
     guidance: float = Field(
         1.0, ge=0,
-        description="Flux.1-dev's guidance-embedding input during training (guidance-"
-        "distilled models; ignored by models without one). 1.0 as SimpleTuner/ai-toolkit; "
-        "diffusers' script uses 3.5.",
+        description="The guidance-embedding input of guidance-distilled models during training "
+        "(Flux.1-dev, Flux.2 [dev]; ignored by models without one). 1.0 as SimpleTuner/"
+        "ai-toolkit; diffusers' Flux.1 and Flux.2 scripts use 3.5.",
     )
 
     @field_validator("shift")
@@ -594,12 +595,12 @@ class TrainSection(_Section):
     )
     prediction_type: Literal["epsilon", "v_prediction", "flow_matching"] | None = Field(
         None, description="The objective. Default: the model's scheduler config (flow "
-        "matching for FlowMatch* schedulers: Flux, SD3, Qwen-Image, Z-Image, Flux.2 [klein]; "
+        "matching for FlowMatch* schedulers: Flux, SD3, Qwen-Image, Z-Image, Flux.2; "
         "and for a flow_prediction solver: Wan's UniPC; else its prediction_type).",
     )
     flow: FlowSection = Field(default_factory=lambda: FlowSection(),
                               description="Flow-matching settings (Flux, SD3, Qwen-Image, Z-Image, "
-                              "Flux.2 [klein], Wan).")
+                              "Flux.2, Wan).")
     optimizer: Literal[OPTIMIZERS] = Field(  # type: ignore[valid-type]
         "adamw",
         description="adamw: torch AdamW. adamw8bit: bitsandbytes 8-bit AdamW (state ~2 "

@@ -75,7 +75,7 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
         raise ValueError(f"--adapter: {', '.join(adapters)} train the same denoiser "
                          f"({', '.join(str(e) for e in experts)}); give one adapter per expert")
     quiet.diffusers_bars_off()  # "Loading pipeline components..."
-    pipe = family.pipeline_class().from_pretrained(path, dtype=dtype)
+    pipe = family.load_pipeline(path, dtype=dtype)
     for a, e in zip(adapters, experts):
         load_adapter(pipe, family, a, e)
     return pipe, family

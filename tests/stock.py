@@ -96,6 +96,8 @@ PIPELINES = {
     "qwenimage": ("QwenImagePipeline", {"max_sequence_length": 32}),
     "zimage": ("ZImagePipeline", {"max_sequence_length": 32}),
     "flux2klein": ("Flux2KleinPipeline", {"max_sequence_length": 32}),
+    # its system message alone is 31 of the tiny tokenizer's tokens
+    "flux2": ("Flux2Pipeline", {"max_sequence_length": 64}),
     "wan": ("WanPipeline", {"max_sequence_length": 32, "num_frames": 1}),
 }
 

@@ -461,10 +461,18 @@ def test_qwenimage_guidance_kwargs_run_a_second_transformer_pass_per_step(tiny):
 # ---------------------------------------------------------------- conditioning
 
 
+def _text_length(family: str) -> int:
+    """Tokens per caption for the long-context encoders: 32, or what the family's tiny
+    model needs for a caption to fit after its template (tests/stock.py's PIPELINES)."""
+    from stock import PIPELINES
+
+    return PIPELINES[family][1].get("max_sequence_length", 32)
+
+
 def _pipeline_conditioning(family: str, pipe, captions: list[str]) -> dict:
-    """What the stock pipeline conditions its denoiser on for ``captions`` (no guidance, 32
-    tokens for the long-context encoders), named as raylora's ``Cond``."""
-    kw = {"max_sequence_length": 32}
+    """What the stock pipeline conditions its denoiser on for ``captions`` (no guidance,
+    ``_text_length`` tokens for the long-context encoders), named as raylora's ``Cond``."""
+    kw = {"max_sequence_length": _text_length(family)}
     if family == "sd":
         return {"prompt_embeds": pipe.encode_prompt(captions, "cpu", 1, do_classifier_free_guidance=False)[0]}
     if family == "sdxl":
@@ -479,7 +487,7 @@ def _pipeline_conditioning(family: str, pipe, captions: list[str]) -> dict:
     if family == "qwenimage":
         e, mask = pipe.encode_prompt(captions, **kw)
         return {"prompt_embeds": e, "prompt_embeds_mask": mask}
-    if family == "flux2klein":  # layers 9, 18, 27 side by side, every padding position kept
+    if family in ("flux2klein", "flux2"):  # 3 layers side by side, every padding position kept
         e, _ = pipe.encode_prompt(captions, **kw)
         return {"prompt_embeds": e}
     if family == "zimage":  # each caption's own tokens, at its own length
@@ -493,20 +501,21 @@ def _pipeline_conditioning(family: str, pipe, captions: list[str]) -> dict:
 
 def _raylora_batch(model: str, family: str, captions: list[str]):
     """(components, batch): ``captions`` through raylora's tokenizers (the fast backend the
-    preprocess stage rebuilds, with the family's template and 32 tokens for the long-context
-    encoders) and SDXL's size columns of an uncropped 64 px image, as a worker gets them."""
+    preprocess stage rebuilds, with the family's template and ``_text_length`` tokens for the
+    long-context encoders) and SDXL's size columns of an uncropped 64 px image, as a worker gets them."""
     from raylora.config import validate
     from raylora.data.tokenize import CaptionTokenizer, load_specs
     from raylora.model.load import load_components
     from raylora.storage import Storage
 
-    cfg = validate({"model": {"pretrained": model, "max_sequence_length": 32},
+    length = _text_length(family)
+    cfg = validate({"model": {"pretrained": model, "max_sequence_length": length},
                     "data": {"uri": "d"}, "output": {"uri": "o"}})
     comps = load_components(cfg.model, torch.float32)
     n = len(captions)
     size = torch.tensor([[64, 64]] * n)
     batch = {"original_size": size, "target_size": size, "crop_top_left": torch.zeros_like(size)}
-    for spec in load_specs(model, family, Storage(), 32):
+    for spec in load_specs(model, family, Storage(), length):
         ids, mask = CaptionTokenizer(spec).encode(captions)
         batch[spec.ids_key] = torch.from_numpy(ids)
         if spec.mask_key:
@@ -543,6 +552,50 @@ def test_training_conditions_the_denoiser_as_the_stock_pipeline_does(tiny, famil
         assert got.shape == want.shape, (key, got.shape, want.shape)
         torch.testing.assert_close(got.to(want.dtype), want, rtol=1e-5, atol=1e-6, msg=key)
     assert set(ours) - set(theirs) <= {"time_ids"}  # SDXL's come from the image, not the text
+
+
+def test_flux2_checkpoint_whose_tokenizer_is_a_pixtral_processor_needs_no_torchvision(tiny, tmp_path):
+    """FLUX.2-dev ships its tokenizer folder as a PixtralProcessor (the Mistral tokenizer
+    and an image processor), which transformers 5 builds only with torchvision; the tiny
+    model saves the tokenizer alone. Laid out as the release is, the folder still gives
+    raylora the same tokenizer specs, and ``load_pipeline`` (previews, class images,
+    ``raylora sample``) the same caption embeddings as the stock pipeline of the tiny."""
+    import importlib.util
+    import shutil
+
+    from diffusers import Flux2Pipeline
+
+    from raylora.data.tokenize import load_specs
+    from raylora.model.load import check_model
+    from raylora.storage import Storage
+
+    src, dst = tiny("flux2"), tmp_path / "flux2-processor"
+    shutil.copytree(src, dst)
+    index = json.loads((dst / "model_index.json").read_text())
+    index["tokenizer"] = ["transformers", "PixtralProcessor"]
+    (dst / "model_index.json").write_text(json.dumps(index))
+    (dst / "tokenizer" / "processor_config.json").write_text(json.dumps({
+        "processor_class": "PixtralProcessor", "patch_size": 8, "spatial_merge_size": 1,
+        "image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}))
+    (dst / "tokenizer" / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "PixtralImageProcessor", "processor_class": "PixtralProcessor",
+        "patch_size": 8, "size": {"longest_edge": 32}}))
+    if importlib.util.find_spec("torchvision") is None:  # the layout is the processor's
+        # (diffusers 0.42 gets transformers' placeholder for the class: "cannot be loaded")
+        with pytest.raises((ImportError, ValueError), match="[Pp]ixtral"):
+            Flux2Pipeline.from_pretrained(str(dst))
+
+    fam = families.get("flux2")
+    assert check_model(str(dst), Storage())["family"] is fam
+    assert [repr(s) for s in load_specs(str(dst), "flux2", Storage(), 64)] == \
+        [repr(s) for s in load_specs(src, "flux2", Storage(), 64)]
+    captions = ["a red circle", "a small blue square on the green grass"]
+    ours = fam.load_pipeline(str(dst))
+    with torch.no_grad():
+        got, _ = ours.encode_prompt(captions, max_sequence_length=64)
+        want, _ = Flux2Pipeline.from_pretrained(src).encode_prompt(captions, max_sequence_length=64)
+    assert got.shape == (2, 64, 48)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------- the denoiser call

@@ -354,7 +354,7 @@ def test_kohya_file_patches_the_reference_checkpoint_as_the_adapter_does(family,
 
 # ---- Qwen-Image, Z-Image, Flux.2 [klein], Wan: ComfyUI's names, diffusers' loaders -------
 
-NEWER = ["qwenimage", "zimage", "flux2klein", "wan"]
+NEWER = ["qwenimage", "zimage", "flux2klein", "flux2", "wan"]
 
 
 def _identity(checkpoint):
@@ -367,6 +367,7 @@ def _single_file_converter(family: str):
 
     return {"qwenimage": _identity, "zimage": sf.convert_z_image_transformer_checkpoint_to_diffusers,
             "flux2klein": sf.convert_flux2_transformer_checkpoint_to_diffusers,
+            "flux2": sf.convert_flux2_transformer_checkpoint_to_diffusers,
             "wan": sf.convert_wan_transformer_to_diffusers}[family]
 
 
@@ -430,7 +431,8 @@ def test_newer_families_kohya_file_patches_comfyui_reference_checkpoint_as_the_a
     assert len(want) == len(targets)
     assert set(back) == set(want)  # every LoRA module is in the file, nothing else
     _assert_close(back, want, family)
-    fused = {"zimage": "lora_unet_layers_0_attention_qkv", "flux2klein": "lora_unet_double_blocks_0_img_attn_qkv"}
+    fused = {"zimage": "lora_unet_layers_0_attention_qkv", "flux2klein": "lora_unet_double_blocks_0_img_attn_qkv",
+             "flux2": "lora_unet_double_blocks_0_img_attn_qkv"}
     if family in fused:  # q, k, v as one block-structured LoRA: rank 3·4, alpha 3·8
         assert kohya[f"{fused[family]}.lora_down.weight"].shape[0] == 12 and float(kohya[f"{fused[family]}.alpha"]) == 24.0
 
@@ -460,7 +462,8 @@ def test_stock_pipeline_loads_newer_families_kohya_file_to_the_same_weights(fami
     want = _lora_deltas(model, "default")
     # the tiny models' blocks × their default targets (Klein: 1 double block × q/k/v/out,
     # 2 single blocks × qkv_mlp/out; Z-Image: 2 layers and a noise and a context refiner)
-    assert len(want) == {"qwenimage": 2 * 4, "zimage": 4 * 4, "flux2klein": 4 + 2 * 2, "wan": 2 * 10}[family]
+    assert len(want) == {"qwenimage": 2 * 4, "zimage": 4 * 4, "flux2klein": 4 + 2 * 2, "flux2": 4 + 2 * 2,
+                         "wan": 2 * 10}[family]
     got = getattr(pipe, fam.denoiser)
     _assert_close(_lora_deltas(got, "diffusers"), want, f"{family}: diffusers adapter")
     _assert_close(_lora_deltas(got, "kohya"), want, f"{family}: kohya file")
@@ -521,7 +524,7 @@ def test_export_command(dit_adapter, tmp_path, capsys):
                       str(tmp_path / "pytorch_lora_weights.safetensors"), metadata=f.metadata())
         rc, out = run(tmp_path)
         # (Flux.2's double blocks and Qwen-Image's blocks have these attention modules too)
-        assert rc == 2 and "fit the kohya layouts of several families (flux, flux2klein, qwenimage, sd3); " \
+        assert rc == 2 and "fit the kohya layouts of several families (flux, flux2, flux2klein, qwenimage, sd3); " \
                            "pass --family" in out
         rc, out = run(tmp_path, "--family", "sd3")
         assert rc == 0 and "family       sd3 (--family)" in out

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from raylora.model import tiny
-from raylora.model.families import flux2klein, zimage
+from raylora.model.families import flux2, flux2klein, zimage
 from raylora.model.tiny import BOS, EOS, bytes_to_unicode, learn_bpe
 
 
@@ -45,13 +45,13 @@ def test_tiny_tokenizer_is_clip_shaped(tiny_model):
 
 
 # ---------------------------------------------------------------------------------------
-# Flow-matching families: flux, sd3, qwenimage, zimage, flux2klein, wan. Each is built once
+# Flow-matching families: flux, sd3, qwenimage, zimage, flux2klein, flux2, wan. Each is built once
 # for the module.
 
-NEW_FAMILIES = ("flux", "sd3", "qwenimage", "zimage", "flux2klein", "wan")
+NEW_FAMILIES = ("flux", "sd3", "qwenimage", "zimage", "flux2klein", "flux2", "wan")
 PIPELINE_CLASS = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline",
                   "qwenimage": "QwenImagePipeline", "zimage": "ZImagePipeline",
-                  "flux2klein": "Flux2KleinPipeline", "wan": "WanPipeline"}
+                  "flux2klein": "Flux2KleinPipeline", "flux2": "Flux2Pipeline", "wan": "WanPipeline"}
 TOKENIZERS = {
     "flux": {"tokenizer": "CLIPTokenizer", "tokenizer_2": "T5Tokenizer"},
     "sd3": {"tokenizer": "CLIPTokenizer", "tokenizer_2": "CLIPTokenizer",
@@ -59,12 +59,16 @@ TOKENIZERS = {
     "qwenimage": {"tokenizer": "Qwen2Tokenizer"},
     "zimage": {"tokenizer": "Qwen2Tokenizer"},
     "flux2klein": {"tokenizer": "Qwen2Tokenizer"},
+    # the Mistral tokenizer alone (the real checkpoint wraps it in a PixtralProcessor,
+    # which needs torchvision: tiny.build_tiny_flux2)
+    "flux2": {"tokenizer": "TokenizersBackend"},
     "wan": {"tokenizer": "T5Tokenizer"},
 }
 # 64 px through a factor-2 VAE with 16 channels (Qwen-Image's and Wan's VAEs are video VAEs:
 # frames axis; the tiny Flux.2 VAE has 8, patchified to 32 by the pipeline)
 LATENT_SHAPE = {"flux": (1, 16, 32, 32), "sd3": (1, 16, 32, 32), "qwenimage": (1, 16, 1, 32, 32),
-                "zimage": (1, 16, 32, 32), "flux2klein": (1, 8, 32, 32), "wan": (1, 16, 1, 32, 32)}
+                "zimage": (1, 16, 32, 32), "flux2klein": (1, 8, 32, 32), "flux2": (1, 8, 32, 32),
+                "wan": (1, 16, 1, 32, 32)}
 VIDEO = ("qwenimage", "wan")  # a frames axis in the VAE's input and latents
 CAPTIONS = ["a red circle", "a small blue square on the green grass"]  # different lengths
 
@@ -93,7 +97,8 @@ def test_model_index_names_the_pipeline_and_its_components(family_model, family_
         assert index[sub] == ["transformers", cls]
     denoiser = {"flux": "FluxTransformer2DModel", "sd3": "SD3Transformer2DModel",
                 "qwenimage": "QwenImageTransformer2DModel", "zimage": "ZImageTransformer2DModel",
-                "flux2klein": "Flux2Transformer2DModel", "wan": "WanTransformer3DModel"}[fam]
+                "flux2klein": "Flux2Transformer2DModel", "flux2": "Flux2Transformer2DModel",
+                "wan": "WanTransformer3DModel"}[fam]
     assert index["transformer"] == ["diffusers", denoiser]
     # Wan's checkpoints ship UniPC over flow sigmas
     scheduler = "UniPCMultistepScheduler" if fam == "wan" else "FlowMatchEulerDiscreteScheduler"
@@ -102,7 +107,8 @@ def test_model_index_names_the_pipeline_and_its_components(family_model, family_
 
 def test_two_step_inference_at_64px(family_pipe):
     fam, pipe = family_pipe
-    kw = {"max_sequence_length": 32}
+    # Flux.2 [dev]'s system message alone is 31 of the tiny tokenizer's tokens
+    kw = {"max_sequence_length": 64 if fam == "flux2" else 32}
     if fam == "qwenimage":
         kw["true_cfg_scale"] = 1.0  # no negative prompt: plain conditional sampling
     if fam == "wan":
@@ -240,6 +246,27 @@ def test_encode_prompt_shapes(family_pipe):
             assert not text_ids[..., :3].any()
             n = len(pipe.tokenizer(flux2klein.TEMPLATE.format(CAPTIONS[0])).input_ids)
             assert n < 32 and embeds[0, n:].abs().amin() > 0  # pads are encoded, not zeroed
+        elif fam == "flux2":
+            embeds, text_ids = pipe.encode_prompt(CAPTIONS, max_sequence_length=64)
+            # layers 10, 20 and 30 of the 16-wide Mistral side by side, 64 positions with
+            # text position ids (0, 0, 0, l); the tokenizer pads on the left, so each
+            # caption's template ends at the last position and its padding comes first
+            assert embeds.shape == (2, 64, 48) and text_ids.shape == (2, 64, 4)
+            assert text_ids[..., 3].tolist() == [list(range(64))] * 2
+            tok = pipe.tokenizer
+            n = [len(tok(flux2.TEMPLATE.format(c), add_special_tokens=False).input_ids) for c in CAPTIONS]
+            assert n[0] < n[1] < 64
+            ids = tok.apply_chat_template(
+                [[{"role": "system", "content": [{"type": "text", "text": flux2.SYSTEM_MESSAGE}]},
+                  {"role": "user", "content": [{"type": "text", "text": c}]}] for c in CAPTIONS],
+                tokenize=True, return_dict=True, padding="max_length", max_length=64)["input_ids"]
+            assert [r.count(tok.pad_token_id) for r in ids] == [64 - k for k in n]
+            assert ids[0][:64 - n[0]] == [tok.pad_token_id] * (64 - n[0])
+            assert ids[0][64 - n[0]] == tok.bos_token_id and ids[0].count(tok.bos_token_id) == 1
+            # the template and caption are the last n positions (the pad embedding row is
+            # zero in a fresh Mistral, and the masked pads stay zero through its layers)
+            assert embeds[0, 64 - n[0]:].abs().amax(1).gt(0).all()
+            assert not embeds[0, :64 - n[0]].any()
         elif fam == "zimage":
             # a copy: the pipeline writes the templated text into the list it is given
             embeds, _ = pipe.encode_prompt(list(CAPTIONS), do_classifier_free_guidance=False)
@@ -298,6 +325,15 @@ def test_component_configs_are_consistent(family_model):
         assert tr["in_channels"] == 4 * vae["latent_channels"] == 32 and tr["patch_size"] == 1
         assert tr["guidance_embeds"] is False
         assert len(tr["axes_dims_rope"]) == 4  # (t, h, w, l)
+    elif fam == "flux2":
+        te = cfg("text_encoder")
+        assert te["architectures"] == ["Mistral3ForConditionalGeneration"]
+        text = te["text_config"]
+        assert tr["joint_attention_dim"] == 3 * text["hidden_size"] == 48
+        assert text["num_hidden_layers"] > max(flux2.LAYERS)  # intermediate layers, as 24B's 40
+        assert tr["in_channels"] == 4 * vae["latent_channels"] == 32 and tr["patch_size"] == 1
+        assert tr["guidance_embeds"] is True  # guidance-distilled, as Flux.1-dev
+        assert len(tr["axes_dims_rope"]) == 4
         assert sum(tr["axes_dims_rope"]) == tr["attention_head_dim"]
         assert sch["shift"] == 3.0 and sch["use_dynamic_shifting"] is True
     elif fam == "zimage":
@@ -325,7 +361,7 @@ def test_component_configs_are_consistent(family_model):
         assert (sch["base_shift"], sch["max_shift"], sch["shift_terminal"]) == (0.5, 0.9, 0.02)
         assert (sch["base_image_seq_len"], sch["max_image_seq_len"]) == (256, 8192)
         assert sch["time_shift_type"] == "exponential"
-    if fam not in ("qwenimage", "flux2klein", "wan"):  # AutoencoderKLFlux2 keeps its quant convs
+    if fam not in ("qwenimage", "flux2klein", "flux2", "wan"):  # AutoencoderKLFlux2 keeps its quant convs
         assert vae["use_quant_conv"] is False and vae["use_post_quant_conv"] is False
 
 
@@ -384,7 +420,7 @@ def test_transformer_trains_at_64px_and_is_cpu_sized(family_pipe):
         out = tr(hidden_states=x, timestep=torch.rand(b) * 1000,
                  encoder_hidden_states=torch.randn(b, 77 + 32, 96),
                  pooled_projections=torch.randn(b, 80), return_dict=False)[0]
-    elif fam == "flux2klein":
+    elif fam in ("flux2klein", "flux2"):
         x = torch.randn(b, 256, 32, generator=g)  # 16×16 tokens of the patchified 32 channels
         ids = torch.zeros(16, 16, 4)
         ids[..., 1] += torch.arange(16)[:, None]
@@ -393,7 +429,8 @@ def test_transformer_trains_at_64px_and_is_cpu_sized(family_pipe):
         txt_ids[:, 3] = torch.arange(32)
         out = tr(hidden_states=x, timestep=torch.rand(b),
                  encoder_hidden_states=torch.randn(b, 32, 48), img_ids=ids.reshape(-1, 4),
-                 txt_ids=txt_ids, guidance=None, return_dict=False)[0]
+                 txt_ids=txt_ids, guidance=torch.full((b,), 4.0) if fam == "flux2" else None,
+                 return_dict=False)[0]
     elif fam == "zimage":  # lists: each image [C, frames, h, w], each caption at its length
         x = torch.randn(b, 16, 1, 32, 32, generator=g)
         out = torch.stack(tr(list(x), torch.rand(b), [torch.randn(7, 32), torch.randn(12, 32)],
@@ -424,7 +461,7 @@ def test_raylora_loader_reads_the_tiny_model_back(family_model):
     fam, path = family_model
     info = check_model(path, Storage())
     # Flux.2's pipeline patchifies the VAE's latents 2×2: 4 pixels per latent side
-    assert info["family"].name == fam and info["vae_factor"] == (4 if fam == "flux2klein" else 2)
+    assert info["family"].name == fam and info["vae_factor"] == (4 if fam.startswith("flux2") else 2)
     c = load_components(ModelSection(pretrained=path), torch.float32)
     assert [type(t).__name__ for t in c.tokenizers] == list(TOKENIZERS[fam].values())
     assert type(c.denoiser).__name__ == json.load(open(f"{path}/model_index.json"))["transformer"][1]
@@ -439,6 +476,16 @@ def test_raylora_loader_reads_the_tiny_model_back(family_model):
         (te,) = c.text_encoders
         assert len(te.model.layers) == te.config.num_hidden_layers == max(flux2klein.LAYERS) + 1
         assert json.load(open(f"{path}/text_encoder/config.json"))["num_hidden_layers"] == 30
+    elif fam == "flux2":
+        assert (c.latent_shift, c.latent_scale) == (0.0, 1.0)
+        # Mistral3ForConditionalGeneration's language model alone (no vision tower, no LM
+        # head), up to the deepest layer read (30): 31 of the tiny model's 32 layers
+        (te,) = c.text_encoders
+        assert type(te).__name__ == "MistralModel"
+        assert len(te.layers) == te.config.num_hidden_layers == max(flux2.LAYERS) + 1
+        assert not any("vision" in n or "lm_head" in n for n, _ in te.named_parameters())
+        saved = json.load(open(f"{path}/text_encoder/config.json"))
+        assert saved["text_config"]["num_hidden_layers"] == 32
     else:
         assert c.latent_shift[0] == -0.7571 and math.isclose(c.latent_scale[0], 1 / 2.8184)
 

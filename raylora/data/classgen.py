@@ -237,7 +237,7 @@ class GenerateStage:
             extra = {"safety_checker": None, "requires_safety_checker": False}
         quiet.diffusers_bars_off()
         path = materialize(model_path, self.store)
-        self.pipe = fam.pipeline_class().from_pretrained(path, dtype=dtype, **extra).to(self.device)
+        self.pipe = fam.load_pipeline(path, dtype=dtype, **extra).to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
         self.call = dict(num_inference_steps=steps, height=resolution, width=resolution)
         self.family, self.guidance = fam, guidance  # the call's guidance: per batch size

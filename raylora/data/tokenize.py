@@ -37,6 +37,11 @@ class TokenizerSpec:
     ids_key: str = "input_ids"
     mask_key: str | None = None
     clean: bool = False  # clean_prompt each caption first, as the family's pipeline does
+    special_tokens: bool = True  # the tokenizer's own (bos/eos) added around each caption
+    # The sides captions are padded (the family's TextInput.padding_side) and truncated on
+    # (the tokenizer's truncation_side, as the pipeline's call truncates).
+    padding_side: str = "right"
+    truncation_side: str = "right"
 
     @property
     def mask(self) -> bool:
@@ -46,8 +51,14 @@ class TokenizerSpec:
         import hashlib
 
         digest = hashlib.sha256(self.backend_json.encode()).hexdigest()[:16]
+        # Only what differs from the defaults: the repr is part of the latent cache's
+        # fingerprint, which stays the same for tokenizers that tokenized the same before.
+        extra = "".join([", clean" if self.clean else "",
+                         ", no special tokens" if not self.special_tokens else "",
+                         f", pad {self.padding_side}" if self.padding_side != "right" else "",
+                         f", truncate {self.truncation_side}" if self.truncation_side != "right" else ""])
         return (f"TokenizerSpec({digest}, {self.max_length}, {self.pad_id}, {self.pad_token!r}, "
-                f"{self.template!r}, {self.mask}{', clean' if self.clean else ''})")
+                f"{self.template!r}, {self.mask}{extra})")
 
 
 def spec_from_tokenizer(tok, text=None, max_sequence_length: int | None = None) -> TokenizerSpec:
@@ -59,7 +70,13 @@ def spec_from_tokenizer(tok, text=None, max_sequence_length: int | None = None) 
     return TokenizerSpec(tok.backend_tokenizer.to_str(), length, int(tok.pad_token_id),
                          str(tok.pad_token), text.template if text else "{}",
                          text.ids_key if text else "input_ids", text.mask_key if text else None,
-                         bool(text and text.clean))
+                         bool(text and text.clean), text.special_tokens if text else True,
+                         _padding_side(tok, text), str(tok.truncation_side))
+
+
+def _padding_side(tok, text) -> str:
+    side = text.padding_side if text else "right"
+    return str(tok.padding_side) if side is None else side
 
 
 def load_specs(model_path: str, family: str, store,
@@ -111,16 +128,18 @@ class CaptionTokenizer:
         self.model_max_length = spec.max_length
         self.template = spec.template
         self.clean = spec.clean
+        self.special_tokens = spec.special_tokens
         self.backend = Tokenizer.from_str(spec.backend_json)
-        self.backend.enable_truncation(spec.max_length)
-        self.backend.enable_padding(length=spec.max_length, pad_id=spec.pad_id, pad_token=spec.pad_token)
+        self.backend.enable_truncation(spec.max_length, direction=spec.truncation_side)
+        self.backend.enable_padding(length=spec.max_length, pad_id=spec.pad_id, pad_token=spec.pad_token,
+                                    direction=spec.padding_side)
 
     def encode(self, captions: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """(ids, attention mask), both int64 ``[B, max_length]``."""
         if self.clean:
             captions = [clean_prompt(c) for c in captions]
         out = self.backend.encode_batch([self.template.format(c) for c in captions],
-                                        add_special_tokens=True)
+                                        add_special_tokens=self.special_tokens)
         shape = (len(out), self.model_max_length)
         return (np.array([e.ids for e in out], dtype=np.int64).reshape(shape),
                 np.array([e.attention_mask for e in out], dtype=np.int64).reshape(shape))

@@ -1,4 +1,5 @@
-"""Tiny random diffusers pipelines (SD-1.x, SDXL, Flux.1, SD3, Qwen-Image, Z-Image), built offline.
+"""Tiny random diffusers pipelines (SD-1.x, SDXL, Flux.1, SD3, Qwen-Image, Z-Image, Flux.2
+[klein] and [dev], Wan), built offline.
 
 Tests and the demo need a model but have no hub access. This builds the real diffusers /
 transformers classes with tiny sizes and writes them with ``save_pretrained``, so training
@@ -17,6 +18,8 @@ The tokenizers are genuine, built here from a small English corpus, all with a f
   Qwen2.5-VL's special tokens; the corpus holds QwenImagePipeline's prompt template, so its
   system prefix is 34 tokens exactly as with the real tokenizer (the pipeline drops that
   many hidden states: ``prompt_template_encode_start_idx``).
+* Mistral (Flux.2 [dev]): the same byte-level BPE with Mistral's control tokens and chat
+  template (``build_mistral_tokenizer``).
 """
 
 from __future__ import annotations
@@ -744,34 +747,26 @@ def build_tiny_zimage(dest: str | Path, seed: int = 0) -> Path:
     return dest
 
 
-def build_tiny_flux2klein(dest: str | Path, seed: int = 0) -> Path:
-    """Save a tiny random Flux2KleinPipeline (the base model: not distilled) to ``dest``;
-    returns the path.
+def _save_flux2(pipeline_class, dest: Path, tokenizer, text_encoder, text_width: int,
+                guidance_embeds: bool) -> Path:
+    """A Flux.2 pipeline (``pipeline_class``: [klein]'s or [dev]'s) around ``tokenizer`` and
+    ``text_encoder`` (whose three stacked layers are ``text_width`` wide), saved to ``dest``:
 
-    * ``text_encoder``: Qwen3ForCausalLM, hidden 16, 30 layers (so the pipeline's layers
-      9, 18 and 27 are intermediate ones, as in Qwen3-4B's 36, and raylora's loader drops
-      layers 28-29 as it drops 28-35 there) → ``prompt_embeds``
-      (B, L, 48), every padding position kept. ``tokenizer``: the Qwen2 byte-level BPE with
-      Qwen3's chat template (``QWEN3_CHAT_TEMPLATE``; the pipeline turns thinking off).
     * ``transformer``: Flux2Transformer2DModel, 1 double + 2 single blocks, 2 heads × 16,
-      rope axes (4, 4, 4, 4), in_channels 32 = 8 latent channels × 2×2 patchify,
-      joint_attention_dim 48, no guidance embedding (Klein's).
+      rope axes (4, 4, 4, 4), in_channels 32 = 8 latent channels × 2×2 patchify; the
+      guidance embedding of a guidance-distilled model when ``guidance_embeds``.
     * ``vae``: AutoencoderKLFlux2 (32, 64) → factor 2, 8 latent channels, its batch norm
       over the 32 patchified channels given random running statistics (a fresh one is the
       identity): 64 px → latents (B, 8, 32, 32) → patchified (B, 32, 16, 16), 256 tokens.
     * ``scheduler``: Flux.1-dev's dynamic-shift config (``FLUX_DEV_SCHEDULER``).
     """
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler
     from diffusers import Flux2Transformer2DModel
 
-    dest = Path(dest)
-    torch.manual_seed(seed)
-    # 30 layers: the pipeline's 9, 18 and 27 are intermediate ones, and 28-29 are dropped
-    tokenizer, text_encoder = _qwen3_text_encoder("Qwen3ForCausalLM", hidden=16, layers=30)
     transformer = Flux2Transformer2DModel(
         patch_size=1, in_channels=32, num_layers=1, num_single_layers=2, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=3 * text_encoder.config.hidden_size,
-        timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False,
+        num_attention_heads=2, joint_attention_dim=text_width, timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4), guidance_embeds=guidance_embeds,
     )
     vae = AutoencoderKLFlux2(
         in_channels=3, out_channels=3, block_out_channels=(32, 64),
@@ -782,12 +777,139 @@ def build_tiny_flux2klein(dest: str | Path, seed: int = 0) -> Path:
     with torch.no_grad():
         vae.bn.running_mean.normal_(0.0, 0.5)
         vae.bn.running_var.uniform_(0.5, 2.0)
-    pipe = Flux2KleinPipeline(
+    pipe = pipeline_class(
         scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_DEV_SCHEDULER), vae=vae,
         text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer,
     )
     pipe.save_pretrained(dest)
     return dest
+
+
+def build_tiny_flux2klein(dest: str | Path, seed: int = 0) -> Path:
+    """Save a tiny random Flux2KleinPipeline (the base model: not distilled) to ``dest``;
+    returns the path.
+
+    * ``text_encoder``: Qwen3ForCausalLM, hidden 16, 30 layers (so the pipeline's layers
+      9, 18 and 27 are intermediate ones, as in Qwen3-4B's 36, and raylora's loader drops
+      layers 28-29 as it drops 28-35 there) → ``prompt_embeds``
+      (B, L, 48), every padding position kept. ``tokenizer``: the Qwen2 byte-level BPE with
+      Qwen3's chat template (``QWEN3_CHAT_TEMPLATE``; the pipeline turns thinking off).
+    * ``transformer``, ``vae``, ``scheduler``: ``_save_flux2``'s, joint_attention_dim 48,
+      no guidance embedding (Klein's).
+    """
+    from diffusers import Flux2KleinPipeline
+
+    dest = Path(dest)
+    torch.manual_seed(seed)
+    # 30 layers: the pipeline's 9, 18 and 27 are intermediate ones, and 28-29 are dropped
+    tokenizer, text_encoder = _qwen3_text_encoder("Qwen3ForCausalLM", hidden=16, layers=30)
+    return _save_flux2(Flux2KleinPipeline, dest, tokenizer, text_encoder,
+                       3 * text_encoder.config.hidden_size, guidance_embeds=False)
+
+
+# Mistral (Flux.2 [dev]'s tokenizer, a PixtralProcessor's): byte-level BPE with the
+# control tokens Flux2Pipeline's chat template and the processor use, first as in Tekken
+# (whose ids 0-999 are control tokens; here only those named). bos <s>, eos </s>, pad <pad>.
+MISTRAL_SPECIAL_TOKENS = (
+    "<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]",
+    "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
+)
+MISTRAL_MAX_LENGTH = 131072  # Mistral Small 3.x's context
+# Mistral Small 3.x's chat template, the part Flux2Pipeline reaches: <s>, the system
+# message (a string or, as format_input sends it, a list of text blocks) in
+# [SYSTEM_PROMPT]…[/SYSTEM_PROMPT], each user message in [INST]…[/INST] (text blocks joined,
+# an image block as [IMG]), assistant messages closed by </s>.
+MISTRAL_CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{%- if messages[0]['content'] is string %}{%- set system_message = messages[0]['content'] %}"
+    "{%- else %}{%- set system_message = messages[0]['content'][0]['text'] %}{%- endif %}"
+    "{%- set loop_messages = messages[1:] %}"
+    "{{- '[SYSTEM_PROMPT]' + system_message + '[/SYSTEM_PROMPT]' }}"
+    "{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+    "{%- for message in loop_messages %}"
+    "{%- if message['role'] == 'user' %}"
+    "{%- if message['content'] is string %}{{- '[INST]' + message['content'] + '[/INST]' }}"
+    "{%- else %}{{- '[INST]' }}{%- for block in message['content'] %}"
+    "{%- if block['type'] == 'text' %}{{- block['text'] }}{%- else %}{{- '[IMG]' }}{%- endif %}"
+    "{%- endfor %}{{- '[/INST]' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}{{- message['content'] + eos_token }}{%- endif %}"
+    "{%- endfor %}"
+)
+
+
+def build_mistral_tokenizer(corpus: str = ""):
+    """A Mistral-style tokenizer: byte-level BPE learned from the caption corpus and
+    ``corpus`` (Flux2Pipeline's system message), Qwen2's pre-tokenizer split, the control
+    tokens ``MISTRAL_SPECIAL_TOKENS`` (ids 0-10), a post-processor that prepends <s> (the
+    processor's ``apply_chat_template`` turns it off for a template that writes <s> itself),
+    Mistral Small's chat template. It pads on the left, the default of transformers'
+    LlamaTokenizer: raylora reads the side from the tokenizer, so this tiny checks that
+    path (a right-padding checkpoint takes the other)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import Regex
+    from transformers import PreTrainedTokenizerFast
+
+    split = pre_tokenizers.Split(Regex(_QWEN2_PRETOKENIZE), behavior="isolated")
+    text = corpus + "\n" + " ".join(_CORPUS.split())
+    merges = learn_bpe(Counter(p for p, _ in split.pre_tokenize_str(text)), 10_000, end_of_word="")
+    tokens = list(MISTRAL_SPECIAL_TOKENS) + list(bytes_to_unicode().values()) + ["".join(m) for m in merges]
+    vocab = {t: i for i, t in enumerate(dict.fromkeys(tokens))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", vocab["<s>"])])
+    backend.add_special_tokens(list(MISTRAL_SPECIAL_TOKENS))
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        pad_token="<pad>", padding_side="left", model_max_length=MISTRAL_MAX_LENGTH,
+    )
+    tok.chat_template = MISTRAL_CHAT_TEMPLATE
+    return tok
+
+
+def build_tiny_flux2(dest: str | Path, seed: int = 0) -> Path:
+    """Save a tiny random Flux2Pipeline (Flux.2 [dev]) to ``dest``; returns the path.
+
+    * ``text_encoder``: Mistral3ForConditionalGeneration, text hidden 16 with 32 layers (so
+      the pipeline's layers 10, 20 and 30 are intermediate ones, as in Mistral Small's 40,
+      and raylora's loader drops layer 31 as it drops 31-39 there), a 1-layer Pixtral
+      vision tower the captions never reach → ``prompt_embeds`` (B, 512, 48), every padding
+      position kept. ``tokenizer``: ``build_mistral_tokenizer`` itself, where the real
+      checkpoint has a PixtralProcessor around its tokenizer: transformers 5's
+      PixtralProcessor requires torchvision, which has no CPU build here. The pipeline
+      calls ``tokenizer.apply_chat_template(...)`` on either; the processor's tokenizes
+      with its tokenizer and, for a template that writes <s> itself, adds no special
+      tokens, as a tokenizer's never does: the same ids.
+    * ``transformer``, ``vae``, ``scheduler``: ``_save_flux2``'s, as Flux.2 [klein]'s tiny,
+      but with the guidance embedding of the guidance-distilled [dev].
+    """
+    from diffusers import Flux2Pipeline
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    dest = Path(dest)
+    torch.manual_seed(seed)
+    tokenizer = build_mistral_tokenizer(SYSTEM_MESSAGE)
+    ids = tokenizer.convert_tokens_to_ids
+    hidden = 16
+    text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(
+        text_config=dict(
+            model_type="mistral", vocab_size=len(tokenizer), hidden_size=hidden,
+            intermediate_size=2 * hidden, num_hidden_layers=32, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=hidden // 2, rms_norm_eps=1e-5,
+            max_position_embeddings=4096, rope_theta=1000000000.0, sliding_window=None,
+            bos_token_id=ids("<s>"), eos_token_id=ids("</s>"), pad_token_id=ids("<pad>"),
+        ),
+        vision_config=dict(model_type="pixtral", hidden_size=16, num_hidden_layers=1,
+                           num_attention_heads=2, intermediate_size=32, image_size=32,
+                           patch_size=8, num_channels=3),
+        image_token_index=ids("[IMG]"), spatial_merge_size=1, vision_feature_layer=-1,
+        tie_word_embeddings=False,
+    )).eval()
+    return _save_flux2(Flux2Pipeline, dest, tokenizer, text_encoder, 3 * hidden, guidance_embeds=True)
 
 
 # Wan2.1-T2V-1.3B's scheduler: UniPC over flow sigmas, shifted statically
@@ -850,6 +972,7 @@ BUILDERS = {
     "qwenimage": build_tiny_qwenimage,
     "zimage": build_tiny_zimage,
     "flux2klein": build_tiny_flux2klein,
+    "flux2": build_tiny_flux2,
     "wan": build_tiny_wan,
 }
 FAMILIES = tuple(BUILDERS)

@@ -43,7 +43,7 @@ def build_pipeline(model_path: str, family, model, vae=None, text_encoders=(), t
     extra = {}
     if "safety_checker" in family.pipeline_class()._optional_components:
         extra = {"safety_checker": None, "requires_safety_checker": False}
-    pipe = family.pipeline_class().from_pretrained(model_path, dtype=dtype, **kw, **extra)
+    pipe = family.load_pipeline(model_path, dtype=dtype, **kw, **extra)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
 

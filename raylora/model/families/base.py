@@ -41,6 +41,14 @@ class TextInput:
     # The pipeline cleans each prompt before tokenizing it (WanPipeline's prompt_clean:
     # raylora.data.tokenize.clean_prompt)
     clean: bool = False
+    # False: the tokenizer adds no special tokens of its own (a chat template that writes
+    # them itself, as transformers' processors tokenize one that starts with bos).
+    special_tokens: bool = True
+    # The side captions are padded on. "right" where the conditioning drops the padding by
+    # the mask (raylora's llm_conditioning cuts it after the longest caption); None: the
+    # tokenizer's own padding_side, for a pipeline that keeps every padding position
+    # (Flux.2), whose transformer then sees the padding where the tokenizer put it.
+    padding_side: str | None = "right"
 
     def length(self, tokenizer_max: int, max_sequence_length: int | None = None) -> int:
         """Tokens per caption: the content length (``model.max_sequence_length`` for a
@@ -238,6 +246,24 @@ class Family:
         import diffusers
 
         return getattr(diffusers, cls.pipeline)
+
+    @classmethod
+    def stock_components(cls, path: str) -> dict:
+        """Components raylora hands the stock pipeline in place of the folder's own when it
+        loads one itself (previews, class images, ``raylora sample``): none, except where
+        the folder's class needs what raylora does not (Flux.2 [dev]'s tokenizer)."""
+        return {}
+
+    @classmethod
+    def load_pipeline(cls, path: str, **kw):
+        """The stock pipeline from the folder ``path``: ``from_pretrained(path, **kw)`` with
+        ``stock_components`` in place of the folder's own. (Those are set after loading:
+        ``from_pretrained`` refuses a component of another class than the folder names.)"""
+        own = {k: v for k, v in cls.stock_components(path).items() if k not in kw}
+        pipe = cls.pipeline_class().from_pretrained(path, **{k: None for k in own}, **kw)
+        if own:
+            pipe.register_modules(**own)
+        return pipe
 
     # ---- sampling with the stock pipeline ---------------------------------------------
 

@@ -81,7 +81,9 @@ class Flux2Klein(Family):
     # 512 as the pipeline's max_sequence_length, the template's tokens included. The
     # pipeline keeps every padding position: the transformer attends to all 512, unmasked.
     text = (TextInput("text_encoder", "tokenizer", "input_ids", max_length=512, template=TEMPLATE,
-                      mask_key="attention_mask", long_context=True),)
+                      mask_key="attention_mask", long_context=True, padding_side=None),)
+    # The language model's hidden states the conditioning stacks (text_encoder_out_layers).
+    layers: tuple[int, ...] = LAYERS
     # diffusers' train_dreambooth_lora_flux2_klein.py defaults: the double blocks' image-stream
     # attention (the text stream's is add_*_proj / to_add_out), the single blocks' fused
     # qkv+MLP input and (default_lora_targets) their output projection.
@@ -110,7 +112,7 @@ class Flux2Klein(Family):
     @classmethod
     def adapt_component(cls, component: str, module):
         if component == "text_encoder":
-            keep_layers(module, max(LAYERS) + 1)
+            keep_layers(module, max(cls.layers) + 1)
         return module
 
     # ---- latents ------------------------------------------------------------------------
@@ -148,14 +150,14 @@ class Flux2Klein(Family):
         lm = getattr(lm, "model", lm)
         out = lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                  output_hidden_states=True, use_cache=False)
-        h = torch.stack([out.hidden_states[k] for k in LAYERS], dim=1)  # [B, 3, L, D]
+        h = torch.stack([out.hidden_states[k] for k in cls.layers], dim=1)  # [B, 3, L, D]
         b, n, length, d = h.shape
         return Cond(prompt_embeds=h.permute(0, 2, 1, 3).reshape(b, length, n * d))
 
     # ---- the denoiser -------------------------------------------------------------------
 
     @classmethod
-    def denoise(cls, model, noisy, t, cond: Cond, **extra) -> torch.Tensor:
+    def denoise(cls, model, noisy, t, cond: Cond, guidance: float = 1.0, **extra) -> torch.Tensor:
         b, c, h, w = noisy.shape
         dev = noisy.device
         # Position ids (t, row, col, l) = (0, i, j, 0) for the image and (0, 0, 0, k) for the
@@ -164,10 +166,14 @@ class Flux2Klein(Family):
         txt_ids = torch.zeros(cond["prompt_embeds"].shape[1], 4, device=dev)
         txt_ids[:, 3] = torch.arange(txt_ids.shape[0], device=dev)
         tokens = noisy.reshape(b, c, h * w).permute(0, 2, 1)
-        # guidance=None as the pipeline passes it: Klein has no guidance embedding.
+        # Klein has no guidance embedding (the pipeline passes None); Flux.2 [dev], guidance-
+        # distilled, embeds train.flow.guidance. (DDP wraps the model: config is inside.)
+        g = None
+        if getattr(model, "module", model).config.guidance_embeds:
+            g = torch.full((b,), float(guidance), device=dev, dtype=torch.float32)
         out = model(hidden_states=tokens, encoder_hidden_states=cond["prompt_embeds"],
                     timestep=t.to(noisy.dtype), img_ids=img_ids,
-                    txt_ids=txt_ids, guidance=None, return_dict=False)[0]
+                    txt_ids=txt_ids, guidance=g, return_dict=False)[0]
         return out.permute(0, 2, 1).reshape(b, c, h, w)
 
 

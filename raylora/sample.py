@@ -71,6 +71,10 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
     for a, e in zip(adapters, experts):
         family.sigma_range(index, e, f"--model {model}", key=f"--expert (--adapter {a})"
                            if len(adapters) > 1 else "--expert")
+    # (sigma_range let None through: this pipeline has one denoiser)
+    if len(adapters) > 1 and None in experts:
+        raise ValueError(f"--adapter: {len(adapters)} given, but --model {model} has one denoiser "
+                         f"({family.denoiser}); give one --adapter")
     if len(set(experts)) < len(experts):
         raise ValueError(f"--adapter: {', '.join(adapters)} train the same denoiser "
                          f"({', '.join(str(e) for e in experts)}); give one adapter per expert")

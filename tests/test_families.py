@@ -376,6 +376,14 @@ def test_a_wan22_expert_trains_its_own_transformer_on_its_sigmas_and_loads_into_
             for c in ("transformer", "transformer_2")] == [True, True]
     with pytest.raises(ValueError, match="--adapter: .* train the same denoiser"):
         load_pipeline(model, [str(adapter), str(adapter)])
+    # Two bare folders (no raylora.json) for a one-transformer Wan: said so, before loading
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(adapter / "pytorch_lora_weights.safetensors", bare)
+    one = tiny("wan")
+    with pytest.raises(ValueError, match=f"--adapter: 2 given, but --model {one} has one denoiser "
+                                         r"\(transformer\); give one --adapter"):
+        load_pipeline(one, [str(bare), str(bare)])
     with pytest.raises(ValueError, match="--expert: names the expert of one --adapter"):
         load_pipeline(model, [str(adapter), str(other)], expert=expert)
 
@@ -533,9 +541,10 @@ def test_training_conditions_the_denoiser_as_the_stock_pipeline_does(tiny, famil
     from stock import PIPELINES
 
     model = tiny(family)
-    # two lengths; the third as scraped captions come (WanPipeline cleans prompts first)
+    # two lengths; the third as scraped captions come (WanPipeline cleans prompts first;
+    # Flux2Pipeline deletes "[IMG]", a control token of its tokenizer)
     captions = ["a red circle", "a small blue square on the green grass",
-                " a  blue\nsquare &amp; a red circle "]
+                " a  blue\nsquare &amp; a red [IMG]circle "]
     comps, batch = _raylora_batch(model, family, captions)
     pipe = getattr(diffusers, PIPELINES[family][0]).from_pretrained(model)
     with torch.no_grad():

@@ -42,6 +42,7 @@ class TokenizerSpec:
     # (the tokenizer's truncation_side, as the pipeline's call truncates).
     padding_side: str = "right"
     truncation_side: str = "right"
+    remove: tuple[str, ...] = ()  # deleted from each caption first, as the pipeline does
 
     @property
     def mask(self) -> bool:
@@ -56,7 +57,8 @@ class TokenizerSpec:
         extra = "".join([", clean" if self.clean else "",
                          ", no special tokens" if not self.special_tokens else "",
                          f", pad {self.padding_side}" if self.padding_side != "right" else "",
-                         f", truncate {self.truncation_side}" if self.truncation_side != "right" else ""])
+                         f", truncate {self.truncation_side}" if self.truncation_side != "right" else "",
+                         f", remove {list(self.remove)}" if self.remove else ""])
         return (f"TokenizerSpec({digest}, {self.max_length}, {self.pad_id}, {self.pad_token!r}, "
                 f"{self.template!r}, {self.mask}{extra})")
 
@@ -71,7 +73,8 @@ def spec_from_tokenizer(tok, text=None, max_sequence_length: int | None = None) 
                          str(tok.pad_token), text.template if text else "{}",
                          text.ids_key if text else "input_ids", text.mask_key if text else None,
                          bool(text and text.clean), text.special_tokens if text else True,
-                         _padding_side(tok, text), str(tok.truncation_side))
+                         _padding_side(tok, text), str(tok.truncation_side),
+                         tuple(text.remove) if text else ())
 
 
 def _padding_side(tok, text) -> str:
@@ -129,6 +132,7 @@ class CaptionTokenizer:
         self.template = spec.template
         self.clean = spec.clean
         self.special_tokens = spec.special_tokens
+        self.remove = spec.remove
         self.backend = Tokenizer.from_str(spec.backend_json)
         self.backend.enable_truncation(spec.max_length, direction=spec.truncation_side)
         self.backend.enable_padding(length=spec.max_length, pad_id=spec.pad_id, pad_token=spec.pad_token,
@@ -138,6 +142,8 @@ class CaptionTokenizer:
         """(ids, attention mask), both int64 ``[B, max_length]``."""
         if self.clean:
             captions = [clean_prompt(c) for c in captions]
+        for s in self.remove:
+            captions = [c.replace(s, "") for c in captions]
         out = self.backend.encode_batch([self.template.format(c) for c in captions],
                                         add_special_tokens=self.special_tokens)
         shape = (len(out), self.model_max_length)

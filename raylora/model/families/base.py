@@ -49,6 +49,9 @@ class TextInput:
     # tokenizer's own padding_side, for a pipeline that keeps every padding position
     # (Flux.2), whose transformer then sees the padding where the tokenizer put it.
     padding_side: str | None = "right"
+    # Strings the pipeline deletes from every caption before templating it (Flux2Pipeline's
+    # format_input: "[IMG]", which Pixtral's processor would count as an image slot).
+    remove: tuple[str, ...] = ()
 
     def length(self, tokenizer_max: int, max_sequence_length: int | None = None) -> int:
         """Tokens per caption: the content length (``model.max_sequence_length`` for a

@@ -31,7 +31,7 @@ class Flux2(Flux2Klein):
     # padding position kept, on the side the tokenizer pads.
     text = (TextInput("text_encoder", "tokenizer", "input_ids", max_length=512, template=TEMPLATE,
                       mask_key="attention_mask", long_context=True, special_tokens=False,
-                      padding_side=None),)
+                      padding_side=None, remove=("[IMG]",)),)
     layers = LAYERS
     # Flux2Pipeline's default; the embedded guidance of the distilled model, not CFG.
     default_guidance_scale = 4.0

@@ -108,7 +108,7 @@ def _plan(args) -> int:
             est = memory.from_config(c)
             vtext, vfits, _ = preflight.report(est, gpu)
             said = {True: "fits", False: "does NOT fit", None: "not checked"}[vfits]
-            print(f"  {label}: {size(est.total)} per GPU, {said}")
+            print(f"  {label}: {size(est.peak)} per GPU, {said}")
             if vfits is False:
                 print("\n".join(f"    {line}" for line in vtext.splitlines()))
                 fits = False

@@ -724,7 +724,9 @@ class Estimate:
     further bytes at the step's peak (activation gradients, recomputed blocks,
     temporaries), beyond activations and LoRA gradients. ``gathered``: FSDP's unsharded
     units. ``buckets``: DDP's gradient buckets. ``margin``: the fragmentation margin over
-    all of it; ``overhead``: CUDA context, workspaces, NCCL."""
+    all of it; ``overhead``: CUDA context, workspaces, NCCL. ``preview``: what a preview
+    (``validation.prompts``) loads besides, with cached latents: the text encoders and the
+    VAE the workers never loaded, as the stock pipeline loads them (``at_preview``)."""
 
     weights: dict[str, int]
     lora_params: int
@@ -740,6 +742,7 @@ class Estimate:
     settings: dict[str, Any] = field(default_factory=dict)
     saved: int = 0  # autograd's saved tensors alone (the hooks' view), for reference
     lora_count: int = 0  # trainable parameters (elements)
+    preview: int = 0
 
     @property
     def allocated(self) -> int:
@@ -751,13 +754,31 @@ class Estimate:
     def total(self) -> int:
         return self.allocated + self.margin + self.overhead
 
+    @property
+    def at_preview(self) -> int:
+        """Bytes while a preview samples (0 when it loads nothing new): what stays between
+        steps (weights, LoRA and its gradients, optimizer state, FSDP's gathered units) and
+        ``preview``, with the fragmentation margin and the CUDA overhead; the sampling
+        forward's own activations (no autograd) are not counted."""
+        if not self.preview:
+            return 0
+        kept = (sum(self.weights.values()) + self.lora_params + self.lora_grads + self.optimizer
+                + self.gathered + self.preview)
+        return kept + int(FRAGMENTATION * kept) + self.overhead
+
+    @property
+    def peak(self) -> int:
+        """The larger of a training step's ``total`` and ``at_preview``."""
+        return max(self.total, self.at_preview)
+
     def gib(self) -> float:
-        return self.total / GIB
+        return self.peak / GIB
 
     def fits(self, gpu_gb: float) -> bool:
         """Whether the estimate fits a GPU of ``gpu_gb`` GiB (the figure a card is sold by:
-        an "80 GB" H100 holds 79.6 GiB, so leave headroom or give what nvidia-smi shows)."""
-        return self.total <= gpu_gb * GIB
+        an "80 GB" H100 holds 79.6 GiB, so leave headroom or give what nvidia-smi shows):
+        a training step and, when the run renders previews, a preview."""
+        return self.peak <= gpu_gb * GIB
 
     def lines(self) -> list[tuple[str, int]]:
         """(label, bytes) per line of ``table()``, the total aside."""
@@ -805,13 +826,18 @@ class Estimate:
                 f"{'on' if s.get('gradient_checkpointing') else 'off'}, "
                 f"{'cached latents' if s.get('cached_latents') else 'VAE + text encoders on the worker'}")
         rows = self.lines() + [("total per GPU", self.total)]
-        width = max(len(r[0]) for r in rows)
-        unit, div = ("GiB", GIB) if self.total >= GIB else ("MiB", 2**20)
+        after = []
+        if self.preview:
+            after = [("previews: text encoders + VAE the pipeline loads", self.preview),
+                     ("at a preview (weights, LoRA, optimizer state, these)", self.at_preview)]
+        width = max(len(r[0]) for r in rows + after)
+        unit, div = ("GiB", GIB) if self.peak >= GIB else ("MiB", 2**20)
         out = [head, f"{'':{width}}    {unit}"]
         for i, (name, n) in enumerate(rows):
             if i == len(rows) - 1:
                 out.append("-" * (width + 10))
             out.append(f"{name:{width}}  {n / div:7.2f}")
+        out += [f"{name:{width}}  {n / div:7.2f}" for name, n in after]
         return "\n".join(out)
 
     def advice(self, gpu_gb: float) -> list[str]:
@@ -836,6 +862,8 @@ class Estimate:
             options.append((f"train.batch_size={b} (train.gradient_accumulation_steps x"
                             f"{a['batch_size'] // b} keeps the effective batch)", {"batch_size": b}))
             b //= 2
+        if self.preview:
+            options.append(("validation.prompts=[] (no previews while training)", {"previews": False}))
         if not a["cached_latents"]:
             if a["quantize_text_encoders"] != "nf4":
                 options.append(("model.quantize_text_encoders=nf4", {"quantize_text_encoders": "nf4"}))
@@ -862,7 +890,7 @@ def _fitting(args: dict, options: list[tuple[str, dict]], gpu_gb: float, single:
             continue
         e = estimate(**new)
         if e.fits(gpu_gb):
-            out.append(f"{' '.join(label for label, _ in combo)}: {size(e.total)}")
+            out.append(f"{' '.join(label for label, _ in combo)}: {size(e.peak)}")
             kinds.add(kind)
     return out
 
@@ -908,7 +936,8 @@ def estimate(model_path: str, *, batch_size: int = 1, resolution: int | tuple[in
              optimizer: str = "adamw", cached_latents: bool = False,
              train_text_encoder: bool = False, max_sequence_length: int | None = None,
              prodigy_slice_p: int = 1, adafactor_beta1: float | None = None,
-             device: str = "cuda", samples_per_row: int = 1, groupnorm_fp32: bool = False) -> Estimate:
+             device: str = "cuda", samples_per_row: int = 1, groupnorm_fp32: bool = False,
+             previews: bool = False) -> Estimate:
     """Per-GPU bytes of one raylora training worker for the pipeline folder ``model_path``
     (configs only are read: a folder of ``model_index.json`` and ``config.json`` files is
     enough). ``batch_size``: per worker and micro-step. ``strategy``/``world_size``: ddp or
@@ -918,7 +947,7 @@ def estimate(model_path: str, *, batch_size: int = 1, resolution: int | tuple[in
     (and NCCL's with more than one worker); "cpu" leaves both out and follows CPU
     autocast. ``samples_per_row``: 2 with prior preservation, whose micro-batch is
     ``batch_size`` instance samples plus as many class samples. ``groupnorm_fp32``: as
-    ``train.groupnorm_fp32``."""
+    ``train.groupnorm_fp32``. ``previews``: the run renders ``validation.prompts``."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy: {strategy!r} is not one of {', '.join(STRATEGIES)}")
     for key, kind in (("quantize", quantize), ("quantize_text_encoders", quantize_text_encoders)):
@@ -934,7 +963,7 @@ def estimate(model_path: str, *, batch_size: int = 1, resolution: int | tuple[in
                 cached_latents=cached_latents, train_text_encoder=train_text_encoder,
                 max_sequence_length=max_sequence_length, prodigy_slice_p=prodigy_slice_p,
                 adafactor_beta1=adafactor_beta1, device=device, samples_per_row=samples_per_row,
-                groupnorm_fp32=groupnorm_fp32)
+                groupnorm_fp32=groupnorm_fp32, previews=previews)
     targets = tuple(lora_targets) if lora_targets else None
     comps, params, te_params = _components(model_path, mixed_precision, lora_rank, targets,
                                            train_text_encoder)
@@ -979,6 +1008,13 @@ def estimate(model_path: str, *, batch_size: int = 1, resolution: int | tuple[in
     est = Estimate(weights, lora, grads, opt, prof.activations, backward, gathered, buckets, dequantize,
                    saved=prof.saved, lora_count=sum(p.numel() for p in trainable))
     est.margin = int(FRAGMENTATION * est.allocated)
+    if previews and cached_latents:
+        # A preview builds the stock pipeline around the trained denoiser on every rank
+        # (raylora.train.preview.build_pipeline): the text encoders and the VAE the cache
+        # spared the workers are loaded then, whole, as the pipeline's own classes load them.
+        index = read_index(model_path)
+        est.preview = weight_bytes(comps.vae) + sum(
+            weight_bytes(meta_component(model_path, index, t.encoder, dtype)) for t in fam.text)
     if device == "cuda":
         est.overhead = CUDA_OVERHEAD_BYTES + (NCCL_BYTES if world_size > 1 else 0)
     est.settings = {**args, "family": fam.name, "denoiser": fam.denoiser, "args": args}
@@ -1008,7 +1044,7 @@ def config_args(cfg) -> dict:
         quantize_text_encoders=m.quantize_text_encoders, cached_latents=d.cache == "latents",
         train_text_encoder=lo.train_text_encoder, max_sequence_length=m.max_sequence_length,
         device="cuda" if s.use_gpu else "cpu", samples_per_row=2 if d.prior_preservation else 1,
-        groupnorm_fp32=t.groupnorm_fp32, **optimizer_args(t))
+        groupnorm_fp32=t.groupnorm_fp32, previews=bool(cfg.validation.prompts), **optimizer_args(t))
 
 
 def from_config(cfg, **changes) -> Estimate:

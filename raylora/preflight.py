@@ -119,10 +119,10 @@ def report(est, gpu: GpuSize) -> tuple[str, bool | None, list[str]]:
     fits = est.fits(gpu.gib)
     head = f"GPU: {size(gpu.gib * GIB)} ({gpu.source}): "
     if fits:
-        lines.append(head + f"fits, {size(gpu.gib * GIB - est.total)} to spare")
+        lines.append(head + f"fits, {size(gpu.gib * GIB - est.peak)} to spare")
         return "\n".join(lines), True, []
     advice = est.advice(gpu.gib)
-    lines.append(head + f"does NOT fit ({size(est.total)} needed)")
+    lines.append(head + f"does NOT fit ({size(est.peak)} needed)")
     if advice:
         lines.append("These would fit (each re-estimated; key=value, as overrides or in the YAML):")
         lines += [f"  {a}" for a in advice]
@@ -172,7 +172,7 @@ def check_memory(cfg: RayLoraConfig, cluster: bool = False,
         text, fits, advice = report(est, gpu)
         if not fits:
             where = f" for {label}" if label else ""
-            raise DoesNotFit(f"memory preflight{where}: one worker needs ~{size(est.total)} "
+            raise DoesNotFit(f"memory preflight{where}: one worker needs ~{size(est.peak)} "
                              f"per GPU\n{text}", advice)
         if not label:
             log.info("memory preflight: fits\n%s", text)

@@ -394,3 +394,52 @@ def test_flux_dev_config_folder_has_the_published_sizes(tmp_path):
     assert count == {"transformer": 11_901_408_320, "text_encoder_2": 4_762_310_656,
                      "text_encoder": 123_060_480}
     assert math.isclose(count["transformer"] * 2 / memory.GIB, 22.17, abs_tol=0.005)
+
+
+def test_previews_with_cached_latents_count_what_the_preview_pipeline_loads(tiny, tmp_path):
+    """With cached latents the workers load no text encoder, but a preview builds the
+    stock pipeline on every rank and loads them then, whole (Flux.2 [dev]: the Mistral3
+    with its vision tower, LM head and every layer) with the VAE: the preflight counts
+    those bytes beside what a worker keeps between steps, and names validation.prompts."""
+    from diffusers import Flux2Pipeline
+
+    path = tiny("flux2")
+    # a short caption and checkpointing: a step smaller than the encoders, as a 32B
+    # transformer's sharded step beside a 24B text encoder can be
+    kw = dict(batch_size=1, resolution=64, lora_rank=4, cached_latents=True, max_sequence_length=32,
+              gradient_checkpointing=True, mixed_precision="no", device="cpu")
+    plain, shown = memory.estimate(path, **kw), memory.estimate(path, previews=True, **kw)
+    pipe = Flux2Pipeline.from_pretrained(path)
+    loaded = sum(t.numel() * t.element_size() for m in (pipe.text_encoder, pipe.vae)
+                 for t in [*m.parameters(), *m.buffers()])
+    assert shown.preview == loaded > 0 and plain.preview == plain.at_preview == 0
+    assert shown.total == plain.total  # the step is the same step
+    kept = (sum(shown.weights.values()) + shown.lora_params + shown.lora_grads + shown.optimizer
+            + shown.preview)
+    assert shown.at_preview == kept + int(memory.FRAGMENTATION * kept)
+    assert shown.at_preview > shown.total and shown.peak == shown.at_preview
+    assert "at a preview (weights, LoRA, optimizer state, these)" in shown.table()
+    budget = (shown.total + shown.at_preview) / 2 / memory.GIB  # the step fits, a preview not
+    assert plain.fits(budget) and not shown.fits(budget)
+    assert any(a.startswith("validation.prompts=[] (no previews while training): ")
+               for a in shown.advice(budget))
+    # Without the cache the workers hold the encoders already: a preview adds nothing.
+    assert memory.estimate(path, **{**kw, "cached_latents": False}, previews=True).preview == 0
+    cfg = validate({"model": {"pretrained": path},
+                    "data": {"uri": str(tmp_path), "cache": "latents", "center_crop": True},
+                    "validation": {"prompts": ["a red circle"]}, "output": {"uri": str(tmp_path / "o")}})
+    assert memory.from_config(cfg).settings["previews"] is True
+    # raylora train / plan's preflight: refused before Ray, naming the preview and the fix
+    from raylora.preflight import DoesNotFit, check_memory
+
+    tree = {"model": {"pretrained": path, "max_sequence_length": 32},
+            "data": {"uri": str(tmp_path), "cache": "latents", "center_crop": True, "resolution": 64},
+            "lora": {"rank": 4}, "train": {"gradient_checkpointing": True, "batch_size": 1,
+                                           "mixed_precision": "no"},
+            "validation": {"prompts": ["a red circle"]}, "output": {"uri": str(tmp_path / "o")},
+            "scaling": {"gpu_memory_gb": budget}}
+    assert memory.from_config(validate(tree)).peak == shown.peak
+    with pytest.raises(DoesNotFit, match=r"(?s)at a preview .*validation\.prompts=\[\] \(no previews"):
+        check_memory(validate(tree))
+    tree["validation"] = {"prompts": []}
+    check_memory(validate(tree))  # no previews: fits

@@ -10,7 +10,8 @@ from raylora.model.families.base import TextInput
 from raylora.model.families.flux2klein import Flux2Klein
 
 # diffusers.pipelines.flux2.system_messages.SYSTEM_MESSAGE, the system message
-# Flux2Pipeline.encode_prompt formats every caption with (test_families: equal to it).
+# Flux2Pipeline.encode_prompt formats every caption with (test_families' conditioning test
+# compares with the stock pipeline, which uses diffusers' own).
 SYSTEM_MESSAGE = (
     "You are an AI that reasons about image descriptions. You give structured responses "
     "focusing on object relationships, object\nattribution and actions without speculation."

@@ -911,6 +911,19 @@ def _components(model_path: str, mixed_precision: str, lora_rank: int,
     return comps, params, te_params
 
 
+@functools.lru_cache(maxsize=4)
+def _whole_encoder_bytes(model_path: str, mixed_precision: str) -> int:
+    """The text encoders' bytes as the stock pipeline loads them (not adapted: Flux.2
+    [dev]'s whole Mistral 3). Cached: ``advice`` re-estimates the same model, and building
+    a 24B encoder on meta is not free."""
+    from raylora.model import families
+
+    dtype = MIXED_PRECISION[mixed_precision]
+    index = read_index(model_path)
+    fam = families.detect(index, f"model.pretrained: {model_path}")
+    return sum(weight_bytes(meta_component(model_path, index, t.encoder, dtype)) for t in fam.text)
+
+
 @functools.lru_cache(maxsize=32)
 def _profile(model_path: str, batch_size: int, resolution: int | tuple[int, int], lora_rank: int,
              lora_targets: tuple[str, ...] | None, mixed_precision: str, gradient_checkpointing: bool,
@@ -1012,9 +1025,7 @@ def estimate(model_path: str, *, batch_size: int = 1, resolution: int | tuple[in
         # A preview builds the stock pipeline around the trained denoiser on every rank
         # (raylora.train.preview.build_pipeline): the text encoders and the VAE the cache
         # spared the workers are loaded then, whole, as the pipeline's own classes load them.
-        index = read_index(model_path)
-        est.preview = weight_bytes(comps.vae) + sum(
-            weight_bytes(meta_component(model_path, index, t.encoder, dtype)) for t in fam.text)
+        est.preview = weight_bytes(comps.vae) + _whole_encoder_bytes(model_path, mixed_precision)
     if device == "cuda":
         est.overhead = CUDA_OVERHEAD_BYTES + (NCCL_BYTES if world_size > 1 else 0)
     est.settings = {**args, "family": fam.name, "denoiser": fam.denoiser, "args": args}

@@ -100,6 +100,16 @@ def grid_ids(rows: int, cols: int, axes: int, device=None) -> torch.Tensor:
     return ids.reshape(-1, axes)
 
 
+def embedded_guidance(model, guidance: float, batch: int, device) -> torch.Tensor | None:
+    """The ``guidance`` input of a guidance-distilled transformer (Flux.1-dev, Flux.2
+    [dev]): the scale for each of ``batch`` rows, fp32 as their pipelines pass it; None for
+    a model without a guidance embedding (schnell, Klein). DDP wraps the model: its config
+    is on the module inside."""
+    if not getattr(model, "module", model).config.guidance_embeds:
+        return None
+    return torch.full((batch,), float(guidance), device=device, dtype=torch.float32)
+
+
 def per_channel_stats(vae_config: dict) -> tuple[list, list]:
     """(shift, scale) of a video VAE with per-channel ``latents_mean``/``latents_std``
     (Qwen-Image's, Wan's): normalised = (z − mean) / std, as their pipelines' decode undoes."""

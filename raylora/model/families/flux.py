@@ -7,7 +7,15 @@ from __future__ import annotations
 import torch
 
 from raylora.checkpoint.kohya import Rule, fused
-from raylora.model.families.base import Cond, Family, TextInput, grid_ids, pack_2x2, unpack_2x2
+from raylora.model.families.base import (
+    Cond,
+    Family,
+    TextInput,
+    embedded_guidance,
+    grid_ids,
+    pack_2x2,
+    unpack_2x2,
+)
 
 _D = r"transformer_blocks\.(\d+)\."
 _S = r"single_transformer_blocks\.(\d+)\."
@@ -81,12 +89,9 @@ class Flux(Family):
         # Position ids (0, row, col) of the 2×2-token grid.
         ids = grid_ids(h // 2, w // 2, 3, dev)
         txt_ids = torch.zeros(cond["prompt_embeds"].shape[1], 3, device=dev, dtype=dtype)
-        g = None
-        # Flux.1-dev embeds the distilled guidance; schnell has no such input. (DDP wraps
-        # the transformer: the config is on the module inside.)
-        if getattr(model, "module", model).config.guidance_embeds:
-            g = torch.full((b,), float(guidance), device=dev, dtype=torch.float32)
-        out = model(hidden_states=pack_2x2(noisy), timestep=t.to(dtype), guidance=g,
+        # Flux.1-dev embeds the distilled guidance; schnell has no such input.
+        out = model(hidden_states=pack_2x2(noisy), timestep=t.to(dtype),
+                    guidance=embedded_guidance(model, guidance, b, dev),
                     pooled_projections=cond["pooled_prompt_embeds"],
                     encoder_hidden_states=cond["prompt_embeds"], txt_ids=txt_ids,
                     img_ids=ids.to(dtype), return_dict=False)[0]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from raylora.checkpoint.kohya import Rule, fused
-from raylora.model.families.base import Cond, Family, TextInput, grid_ids
+from raylora.model.families.base import Cond, Family, TextInput, embedded_guidance, grid_ids
 
 # What Flux2KleinPipeline's tokenizer.apply_chat_template(add_generation_prompt=True,
 # enable_thinking=False) makes of a one-message conversation with Qwen3's template.
@@ -167,13 +167,10 @@ class Flux2Klein(Family):
         txt_ids[:, 3] = torch.arange(txt_ids.shape[0], device=dev)
         tokens = noisy.reshape(b, c, h * w).permute(0, 2, 1)
         # Klein has no guidance embedding (the pipeline passes None); Flux.2 [dev], guidance-
-        # distilled, embeds train.flow.guidance. (DDP wraps the model: config is inside.)
-        g = None
-        if getattr(model, "module", model).config.guidance_embeds:
-            g = torch.full((b,), float(guidance), device=dev, dtype=torch.float32)
+        # distilled, embeds train.flow.guidance.
         out = model(hidden_states=tokens, encoder_hidden_states=cond["prompt_embeds"],
-                    timestep=t.to(noisy.dtype), img_ids=img_ids,
-                    txt_ids=txt_ids, guidance=g, return_dict=False)[0]
+                    timestep=t.to(noisy.dtype), img_ids=img_ids, txt_ids=txt_ids,
+                    guidance=embedded_guidance(model, guidance, b, dev), return_dict=False)[0]
         return out.permute(0, 2, 1).reshape(b, c, h, w)
 
 

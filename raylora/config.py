@@ -110,8 +110,9 @@ class ModelSection(_Section):
     quantize_text_encoders: Literal[QUANTIZE_KINDS] = Field(  # type: ignore[valid-type]
         "none",
         description="The same for the text encoders the workers load (T5-XXL, Qwen2.5-VL: "
-        "most of a Flux/Qwen-Image job's frozen bytes). Not with data.cache=latents (workers "
-        "then load no text encoder).",
+        "most of a Flux/Qwen-Image job's frozen bytes). With data.cache=latents workers load "
+        "them only to render validation.prompts (the cache stage encodes at full precision), "
+        "so it applies to previews alone, and needs them.",
     )
 
 
@@ -1260,10 +1261,11 @@ def _quantize_checks(cfg: RayLoraConfig) -> list[str]:
         if kind == "fp8" and not cfg.scaling.use_gpu:
             problems.append(f"{key}: fp8 is for GPUs (scaling.use_gpu is false); on CPU use "
                             "nf4 or int8")
-    if m.quantize_text_encoders != "none" and cfg.data.cache == "latents":
+    if m.quantize_text_encoders != "none" and cfg.data.cache == "latents" and not cfg.validation.prompts:
         problems.append(
-            "model.quantize_text_encoders: has no effect with data.cache=latents (training "
-            "workers load no text encoder; the cache stage encodes at full precision); set none"
+            "model.quantize_text_encoders: has no effect with data.cache=latents and no "
+            "validation.prompts (training workers load no text encoder, the cache stage encodes "
+            "at full precision, and there are no previews to load one); set none"
         )
     return problems
 

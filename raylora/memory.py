@@ -726,7 +726,7 @@ class Estimate:
     units. ``buckets``: DDP's gradient buckets. ``margin``: the fragmentation margin over
     all of it; ``overhead``: CUDA context, workspaces, NCCL. ``preview``: what a preview
     (``validation.prompts``) loads besides, with cached latents: the text encoders and the
-    VAE the workers never loaded, as the stock pipeline loads them (``at_preview``)."""
+    VAE the workers never loaded, as a worker without the cache holds them (``at_preview``)."""
 
     weights: dict[str, int]
     lora_params: int
@@ -828,7 +828,7 @@ class Estimate:
         rows = self.lines() + [("total per GPU", self.total)]
         after = []
         if self.preview:
-            after = [("previews: text encoders + VAE the pipeline loads", self.preview),
+            after = [("previews: text encoders + VAE they load", self.preview),
                      ("at a preview (weights, LoRA, optimizer state, these)", self.at_preview)]
         width = max(len(r[0]) for r in rows + after)
         unit, div = ("GiB", GIB) if self.peak >= GIB else ("MiB", 2**20)
@@ -864,11 +864,10 @@ class Estimate:
             b //= 2
         if self.preview:
             options.append(("validation.prompts=[] (no previews while training)", {"previews": False}))
-        if not a["cached_latents"]:
-            if a["quantize_text_encoders"] != "nf4":
-                options.append(("model.quantize_text_encoders=nf4", {"quantize_text_encoders": "nf4"}))
-            if not a["train_text_encoder"]:
-                options.append(("data.cache=latents", {"cached_latents": True}))
+        if a["quantize_text_encoders"] != "nf4" and (self.preview or not a["cached_latents"]):
+            options.append(("model.quantize_text_encoders=nf4", {"quantize_text_encoders": "nf4"}))
+        if not a["cached_latents"] and not a["train_text_encoder"]:
+            options.append(("data.cache=latents", {"cached_latents": True}))
         found = _fitting(a, options, gpu_gb, single=True)
         if not found:
             found = _fitting(a, options, gpu_gb, single=False)
@@ -897,8 +896,11 @@ def _fitting(args: dict, options: list[tuple[str, dict]], gpu_gb: float, single:
 
 def _allowed(args: dict) -> bool:
     """Whether the config would accept these settings: raylora.config refuses FSDP with a
-    quantized base or text-encoder LoRA, so advice never names those combinations."""
-    return args["strategy"] != "fsdp" or (args["quantize"] == "none" and not args["train_text_encoder"])
+    quantized base or text-encoder LoRA, and quantized text encoders that nothing loads
+    (cached latents, no previews), so advice never names those combinations."""
+    idle = args["cached_latents"] and not args["previews"] and args["quantize_text_encoders"] != "none"
+    return not idle and (args["strategy"] != "fsdp"
+                         or (args["quantize"] == "none" and not args["train_text_encoder"]))
 
 
 @functools.lru_cache(maxsize=4)
@@ -909,19 +911,6 @@ def _components(model_path: str, mixed_precision: str, lora_rank: int,
     comps = meta_components(model_path, MIXED_PRECISION[mixed_precision])
     params, te_params = attach_lora(comps, lora_rank, lora_targets, train_text_encoder)
     return comps, params, te_params
-
-
-@functools.lru_cache(maxsize=4)
-def _whole_encoder_bytes(model_path: str, mixed_precision: str) -> int:
-    """The text encoders' bytes as the stock pipeline loads them (not adapted: Flux.2
-    [dev]'s whole Mistral 3). Cached: ``advice`` re-estimates the same model, and building
-    a 24B encoder on meta is not free."""
-    from raylora.model import families
-
-    dtype = MIXED_PRECISION[mixed_precision]
-    index = read_index(model_path)
-    fam = families.detect(index, f"model.pretrained: {model_path}")
-    return sum(weight_bytes(meta_component(model_path, index, t.encoder, dtype)) for t in fam.text)
 
 
 @functools.lru_cache(maxsize=32)
@@ -955,8 +944,8 @@ def estimate(model_path: str, *, batch_size: int = 1, resolution: int | tuple[in
     (configs only are read: a folder of ``model_index.json`` and ``config.json`` files is
     enough). ``batch_size``: per worker and micro-step. ``strategy``/``world_size``: ddp or
     fsdp over that many workers. ``quantize``: the frozen denoiser's linears;
-    ``quantize_text_encoders``: the text encoders' (ignored with ``cached_latents``, where
-    workers load neither VAE nor text encoders). ``device``: "cuda" adds the CUDA constant
+    ``quantize_text_encoders``: the text encoders' (with ``cached_latents``, where workers
+    load neither VAE nor text encoders: those a preview loads). ``device``: "cuda" adds the CUDA constant
     (and NCCL's with more than one worker); "cpu" leaves both out and follows CPU
     autocast. ``samples_per_row``: 2 with prior preservation, whose micro-batch is
     ``batch_size`` instance samples plus as many class samples. ``groupnorm_fp32``: as
@@ -1023,9 +1012,10 @@ def estimate(model_path: str, *, batch_size: int = 1, resolution: int | tuple[in
     est.margin = int(FRAGMENTATION * est.allocated)
     if previews and cached_latents:
         # A preview builds the stock pipeline around the trained denoiser on every rank
-        # (raylora.train.preview.build_pipeline): the text encoders and the VAE the cache
-        # spared the workers are loaded then, whole, as the pipeline's own classes load them.
-        est.preview = weight_bytes(comps.vae) + _whole_encoder_bytes(model_path, mixed_precision)
+        # with the text encoders and the VAE the cache spared the workers, loaded as a
+        # worker without the cache holds them (raylora.train.preview.encoders_for).
+        est.preview = weight_bytes(comps.vae) + sum(weight_bytes(e, quantize_text_encoders)
+                                                    for e in comps.text_encoders)
     if device == "cuda":
         est.overhead = CUDA_OVERHEAD_BYTES + (NCCL_BYTES if world_size > 1 else 0)
     est.settings = {**args, "family": fam.name, "denoiser": fam.denoiser, "args": args}

@@ -4,7 +4,7 @@ image; validation grids and ``raylora sample`` work too.
 
 Cases: raylora's own tiny model of every DiT family, and Wan 2.2 A14B's layout training its
 low-noise expert (``model.expert``: previews, card, ``raylora sample`` and the stock load
-all put the adapter into ``transformer_2``). SD 1.x runs the same path in
+all put the adapter into ``transformer_2``). Flux.2 [dev] trains from the latent cache. SD 1.x runs the same path in
 test_train_ray.py, SDXL in test_sdxl_cache.py; the Flux and SD3 folders built straight with
 diffusers classes (tests/userbuilt.py, as a user's converted checkpoint arrives) train
 through the same step in-process in test_tiny_model.py."""
@@ -45,6 +45,11 @@ def test_two_workers_train_from_parquet_and_stock_pipeline_loads(family, expert,
         "validation": {"prompts": ["a red circle"], "num_inference_steps": 2, "every_n_steps": 3},
         "output": {"uri": str(out)},
     }
+    if family == "flux2":
+        # From the latent cache, whose workers hold no text encoder: each preview loads it
+        # as training would, quantized (test_quantize checks what it loads).
+        tree["data"]["cache"] = "latents"
+        tree["model"]["quantize_text_encoders"] = "nf4"
     summary = run(validate(tree))
     m = summary["metrics"]
     assert m["steps"] == 3 and m["images_seen"] == 3 * 1 * 2

@@ -397,11 +397,16 @@ def test_flux_dev_config_folder_has_the_published_sizes(tmp_path):
 
 
 def test_previews_with_cached_latents_count_what_the_preview_pipeline_loads(tiny, tmp_path):
-    """With cached latents the workers load no text encoder, but a preview builds the
-    stock pipeline on every rank and loads them then, whole (Flux.2 [dev]: the Mistral3
-    with its vision tower, LM head and every layer) with the VAE: the preflight counts
-    those bytes beside what a worker keeps between steps, and names validation.prompts."""
+    """With cached latents the workers load no text encoder, but a preview loads them on
+    every rank with the VAE, as a worker without the cache holds them (Flux.2 [dev]: the
+    Mistral 3's language model, not its vision tower and LM head): the preflight counts
+    those bytes beside what a worker keeps between steps, and names validation.prompts.
+    (test_quantize: the preview renders with exactly these, quantized or not.)"""
     from diffusers import Flux2Pipeline
+
+    from raylora.config import ModelSection
+    from raylora.model import families
+    from raylora.model.load import load_encoders, read_index
 
     path = tiny("flux2")
     # a short caption and checkpointing: a step smaller than the encoders, as a 32B
@@ -409,10 +414,14 @@ def test_previews_with_cached_latents_count_what_the_preview_pipeline_loads(tiny
     kw = dict(batch_size=1, resolution=64, lora_rank=4, cached_latents=True, max_sequence_length=32,
               gradient_checkpointing=True, mixed_precision="no", device="cpu")
     plain, shown = memory.estimate(path, **kw), memory.estimate(path, previews=True, **kw)
-    pipe = Flux2Pipeline.from_pretrained(path)
-    loaded = sum(t.numel() * t.element_size() for m in (pipe.text_encoder, pipe.vae)
-                 for t in [*m.parameters(), *m.buffers()])
-    assert shown.preview == loaded > 0 and plain.preview == plain.at_preview == 0
+    def size(*modules):
+        return sum(t.numel() * t.element_size() for m in modules for t in [*m.parameters(), *m.buffers()])
+
+    _, (enc,), vae = load_encoders(path, families.get("flux2"), torch.float32,
+                                   read_index(ModelSection(pretrained=path), path), ModelSection(pretrained=path))
+    pipe = Flux2Pipeline.from_pretrained(path)  # the stock pipeline's own: more
+    assert shown.preview == size(enc, vae) < size(pipe.text_encoder, pipe.vae)
+    assert plain.preview == plain.at_preview == 0
     assert shown.total == plain.total  # the step is the same step
     kept = (sum(shown.weights.values()) + shown.lora_params + shown.lora_grads + shown.optimizer
             + shown.preview)
@@ -443,3 +452,10 @@ def test_previews_with_cached_latents_count_what_the_preview_pipeline_loads(tiny
         check_memory(validate(tree))
     tree["validation"] = {"prompts": []}
     check_memory(validate(tree))  # no previews: fits
+    # model.quantize_text_encoders quantizes what a preview loads, so advice names it
+    q = memory.estimate(path, previews=True, quantize_text_encoders="nf4", **kw)
+    assert q.total == shown.total and q.preview < shown.preview
+    between = (q.peak + shown.peak) / 2 / memory.GIB
+    assert any(a.startswith("model.quantize_text_encoders=nf4: ") for a in shown.advice(between))
+    # ... but never for a cached run without previews (the config refuses it: it would load nothing)
+    assert not memory._allowed({**plain.settings["args"], "quantize_text_encoders": "nf4"})

@@ -130,9 +130,13 @@ def test_config_and_worker_refuse_what_cannot_run(tiny_model, tmp_path):
                      "scaling": {"use_gpu": True}}).model.quantize == "fp8"
     with pytest.raises(ConfigError, match="model.quantize: Input should be"):
         validate({**MIN, "model": {"pretrained": "m", "quantize": "int4"}})
-    with pytest.raises(ConfigError, match="model.quantize_text_encoders: has no effect with data.cache=latents"):
-        validate({**MIN, "model": {"pretrained": "m", "quantize_text_encoders": "nf4"},
-                  "data": {"uri": "d", "cache": "latents", "center_crop": True}})
+    cached = {"model": {"pretrained": "m", "quantize_text_encoders": "nf4"},
+              "data": {"uri": "d", "cache": "latents", "center_crop": True}}
+    with pytest.raises(ConfigError, match="model.quantize_text_encoders: has no effect with "
+                                          "data.cache=latents and no validation.prompts"):
+        validate({**MIN, **cached})
+    # with previews it quantizes what they load (test_a_cached_run_previews_with_...)
+    assert validate({**MIN, **cached, "validation": {"prompts": ["a"]}}).model.quantize_text_encoders == "nf4"
     # a config validated for a GPU that lands on a CPU worker: refused before loading
     from raylora.model.load import load_components
 
@@ -261,3 +265,59 @@ def test_cached_latents_workers_hold_no_encoder(tiny_model, demo_data, tmp_path)
                     "output": {"uri": str(tmp_path / "o")}})
     run = build_run(cfg, _fresh_accelerator(1), 4, rank=0)
     assert run.parts.vae is None and run.parts.text_encoders == []
+
+
+@pytest.mark.parametrize("kind", ["none", "nf4"])
+def test_a_cached_run_previews_with_the_encoders_a_worker_would_hold(tiny, demo_data, tmp_path, kind):
+    """With data.cache=latents a worker holds no text encoder; a preview loads them as a
+    worker without the cache holds them (adapted by the family, quantized as
+    model.quantize_text_encoders says), not as the stock pipeline would: for Flux.2 [dev]
+    Mistral 3's 31-layer language model instead of the whole model with its vision tower
+    and LM head. Unquantized, the preview is the stock encoder's, pixel for pixel."""
+    import bitsandbytes as bnb
+    import numpy as np
+    from inproc import _fresh_accelerator
+    from transformers import MistralModel
+
+    from raylora.memory import estimate
+    from raylora.model.load import read_index
+    from raylora.train import preview as pv
+    from raylora.train.setup import build_run
+
+    model = tiny("flux2")
+    cfg = validate({"model": {"pretrained": model, "max_sequence_length": 32, "quantize_text_encoders": kind},
+                    "data": {"uri": demo_data, "resolution": 64, "cache": "latents", "center_crop": True},
+                    "validation": {"prompts": ["a red circle"]}, "output": {"uri": str(tmp_path / "o")}})
+    run = build_run(cfg, _fresh_accelerator(1), 4, rank=0)
+    assert run.parts.vae is None and run.parts.text_encoders == []
+    vae, encoders, tokenizers = pv.encoders_for(run.parts, model, read_index(cfg.model, model), cfg.model, "cpu")
+    (enc,) = encoders
+    assert type(enc) is MistralModel and len(enc.layers) == 31
+    assert sum(isinstance(m, bnb.nn.Linear4bit) for m in enc.modules()) == (0 if kind == "none" else 31 * 7)
+    # what the memory preflight counts for a preview is what was loaded
+    loaded = sum(t.numel() * t.element_size() for m in (enc, vae) for t in [*m.parameters(), *m.buffers()])
+    for m in enc.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            qs = m.weight.quant_state
+            loaded += sum(t.numel() * t.element_size() for t in (qs.absmax, qs.state2.absmax, qs.code, qs.offset))
+    est = estimate(model, cached_latents=True, previews=True, quantize_text_encoders=kind, lora_rank=8,
+                   max_sequence_length=32, resolution=64, mixed_precision="no", device="cpu")
+    assert est.preview == loaded
+
+    denoiser = run.accelerator.unwrap_model(run.model)
+
+    def image(*parts):
+        pipe = pv.build_pipeline(model, run.family, denoiser, *parts)
+        (img,) = pv.render(pipe, run.family, ["a red circle"], 0, 2, run.family.guidance_kwargs(None), 64)
+        return pipe, np.asarray(img, dtype=np.float32)
+
+    pipe, ours = image(vae, encoders, tokenizers)
+    assert pipe.text_encoder is enc and pipe.vae is vae and ours.shape == (64, 64, 3)
+    stock_pipe, stock = image()  # the folder's own: Mistral3ForConditionalGeneration, whole
+    whole = stock_pipe.text_encoder
+    assert type(whole).__name__ == "Mistral3ForConditionalGeneration"
+    assert whole.lm_head.weight.numel() > 0 and whole.model.vision_tower is not None
+    if kind == "none":
+        np.testing.assert_array_equal(ours, stock)
+    else:  # the quantized encoder conditions it, a little differently
+        assert 0 < np.abs(ours - stock).max()

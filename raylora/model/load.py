@@ -185,6 +185,23 @@ def load_vae(path: str, family: type[Family], weight_dtype: torch.dtype, index: 
     return vae
 
 
+def load_encoders(path: str, family: type[Family], weight_dtype: torch.dtype, index: dict,
+                  model: ModelSection, device=None):
+    """(tokenizers, text encoders, VAE) as a worker uses them: each encoder adapted by the
+    family (Flux.2 [dev]: Mistral 3's language model alone) and its linears quantized on
+    ``device`` as ``model.quantize_text_encoders`` says. Training batches that are not
+    cached need them, and so does a preview of a run whose batches are
+    (``raylora.train.preview.encoders_for``)."""
+    from raylora.model.quantize import quantize_module
+
+    tokenizers, text_encoders = load_text_encoders(path, family, weight_dtype, index, model.revision,
+                                                   model.variant)
+    vae = load_vae(path, family, weight_dtype, index, model.revision, model.variant)
+    for enc in text_encoders:
+        quantize_module(enc, model.quantize_text_encoders, weight_dtype, device or "cpu")
+    return tokenizers, text_encoders, vae
+
+
 def load_components(
     model: ModelSection,
     weight_dtype: torch.dtype,
@@ -204,8 +221,8 @@ def load_components(
     device = device or "cpu"
     # Refused before anything is read: a whole base model is loaded only for a run that can go.
     check_supported(model.quantize, "model.quantize", device)
-    if encoders:
-        check_supported(model.quantize_text_encoders, "model.quantize_text_encoders", device)
+    # With cached latents too: previews load the text encoders so (load_encoders).
+    check_supported(model.quantize_text_encoders, "model.quantize_text_encoders", device)
     path = materialize(resolve_model_path(model), store or Storage())
     index = read_index(model, path)
     if index is None:
@@ -218,11 +235,7 @@ def load_components(
         path, subfolder="scheduler", revision=model.revision))
     tokenizers, text_encoders, vae = [], [], None
     if encoders:
-        tokenizers, text_encoders = load_text_encoders(
-            path, family, weight_dtype, index, model.revision, model.variant)
-        vae = load_vae(path, family, weight_dtype, index, model.revision, model.variant)
-        for enc in text_encoders:
-            quantize_module(enc, model.quantize_text_encoders, weight_dtype, device)
+        tokenizers, text_encoders, vae = load_encoders(path, family, weight_dtype, index, model, device)
     if hollow_denoiser:
         from raylora.train.fsdp import hollow_component
 

@@ -3,8 +3,8 @@
 Rank 0 builds the family's stock diffusers pipeline around the denoiser it trains (LoRA layers live
 inside it, so no weights are copied), renders every prompt with the same seed each time,
 and frees the pipeline again, so the training GPU holds it only while rendering. With the
-latent cache the worker has no VAE or text encoder; they are loaded for the render and
-dropped after it.
+latent cache the worker has no VAE or text encoder; they are loaded for the render, as
+training would load them (``encoders_for``), and dropped after it.
 """
 
 from __future__ import annotations
@@ -26,6 +26,23 @@ def make_grid(images: list[Image.Image], cols: int | None = None) -> Image.Image
     for i, img in enumerate(images):
         grid.paste(img.convert("RGB"), ((i % cols) * w, (i // cols) * h))
     return grid
+
+
+def encoders_for(parts, model_path: str, index: dict, model, device) -> tuple:
+    """(VAE, text encoders, tokenizers) a preview renders with: the worker's own
+    (``parts``: ``FrozenParts``), or, with cached latents, where the worker holds none,
+    loaded as a worker would hold them (``raylora.model.load.load_encoders``: adapted by the
+    family, quantized as ``model.quantize_text_encoders`` says), not as the stock
+    pipeline loads them: Flux.2 [dev]'s would be the whole 24B Mistral 3, vision tower and
+    LM head included, at full precision. The memory preflight sizes these
+    (``raylora.memory``, ``Estimate.preview``)."""
+    if parts.vae is not None:
+        return parts.vae, parts.text_encoders, ()
+    from raylora.model.load import load_encoders
+
+    tokenizers, encoders, vae = load_encoders(model_path, parts.family, parts.weight_dtype, index,
+                                              model, device)
+    return vae, encoders, tokenizers
 
 
 def build_pipeline(model_path: str, family, model, vae=None, text_encoders=(), tokenizers=(),

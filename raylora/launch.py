@@ -628,7 +628,7 @@ class Setup:
     # What a rerun resumes under output.uri, checked after the plan and before Ray starts
     # (train: its latest checkpoint, whole; tune: the search, same config). It may raise;
     # its answer is Prepared.resume.
-    resume: Callable[[RayLoraConfig], object] | None = None
+    resume: Callable[[RayLoraConfig, Plan], object] | None = None
 
 
 @dataclass
@@ -651,7 +651,7 @@ def checked(cfg: RayLoraConfig, setup: Setup) -> Prepared:
     runs it first; ``raylora submit`` runs it alone, with the command's own Setup."""
     cfg = resolve_paths(cfg)
     p = setup.make_plan(cfg)
-    resume = setup.resume(cfg) if setup.resume is not None else None
+    resume = setup.resume(cfg, p) if setup.resume is not None else None
     # Decided here, before any Ray starts: on_cluster takes a running Ray as a cue.
     remote = setup.memory and preflight.on_cluster(cfg)
     if setup.memory and not remote:
@@ -693,13 +693,14 @@ def _train_cpus(cfg: RayLoraConfig) -> float:
     return cfg.scaling.max_workers * cfg.scaling.cpus_per_worker
 
 
-def _latest_checkpoint(cfg: RayLoraConfig) -> str | None:
-    """The checkpoint ``raylora train`` resumes from, checked whole
-    (raylora.checkpoint.recorded.check_latest); None: it starts afresh."""
+def _latest_checkpoint(cfg: RayLoraConfig, p: Plan) -> str | None:
+    """The checkpoint ``raylora train`` resumes from, checked whole and against this
+    run's LoRA settings (raylora.checkpoint.recorded.check_latest); None: it starts afresh."""
     from raylora.checkpoint.recorded import check_latest
+    from raylora.checkpoint.state import trained_settings
 
     latest = check_latest(cfg.storage.client(), storage.join(cfg.output.uri, TRAIN_RUN_NAME),
-                          trained={"expert": cfg.model.expert})
+                          trained=trained_settings(cfg, p.family))
     if latest:
         log.info("resuming from %s (the latest checkpoint of this output.uri)", latest)
     return latest

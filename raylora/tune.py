@@ -238,7 +238,7 @@ def search_setup() -> Setup:
                  variants=trial_variants, resume=search_to_resume)
 
 
-def search_to_resume(cfg: RayLoraConfig) -> bool:
+def search_to_resume(cfg: RayLoraConfig, _plan=None) -> bool:
     """True when ``{output.uri}/tune`` holds a search Tune can restore (an interrupted one,
     or a finished one, which then trains nothing and is reported again). Raises ConfigError
     when that search was started with another config (``SEARCH_FILE``): Tune restores its

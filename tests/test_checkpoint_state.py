@@ -105,7 +105,8 @@ def test_a_rerun_with_the_other_expert_is_refused_before_it_resumes(tmp_path):
     """The checkpoint records which Wan 2.2 expert its LoRA is for; a rerun at the same
     output.uri with another ``model.expert`` (the two share an architecture, so the LoRA
     would load) is refused by the driver's check, naming the key and the checkpoint.
-    Checkpoints from before the record resume as they did."""
+    Checkpoints from before the record resume as they did. (The record is written here as
+    raylora did before it kept more: a bare "expert".)"""
     from raylora.checkpoint.recorded import check_latest
     from raylora.storage import Storage
 
@@ -119,18 +120,67 @@ def test_a_rerun_with_the_other_expert_is_refused_before_it_resumes(tmp_path):
     assert json.loads((ckpt / FILES_FILE).read_text())["trained"] == {"expert": "low_noise"}
     (run / "checkpoint_manager_snapshot.json").write_text(json.dumps({
         "latest_checkpoint_result": {"checkpoint_dir_name": "checkpoint_a"}}))
-    assert check_latest(Storage(), str(run), trained={"expert": "low_noise"}) == str(ckpt)
+    assert check_latest(Storage(), str(run), trained={"model.expert": "low_noise"}) == str(ckpt)
     for other in ("high_noise", None):
         with pytest.raises(ValueError) as exc:
-            check_latest(Storage(), str(run), trained={"expert": other})
+            check_latest(Storage(), str(run), trained={"model.expert": other})
         assert str(exc.value) == (
-            f"model.expert: {other}, but the checkpoint this output.uri resumes from ({ckpt}) "
-            "trained model.expert: low_noise; set it back to resume that run, or give this one "
-            "its own output.uri")
+            f"model.expert: this run has model.expert={other or 'null'}, but the checkpoint this "
+            f"output.uri resumes from ({ckpt}) trained model.expert=low_noise; set it back to "
+            "resume that run, or give this one its own output.uri")
     record = json.loads((ckpt / FILES_FILE).read_text())
     del record["trained"]
     (ckpt / FILES_FILE).write_text(json.dumps(record))
-    assert check_latest(Storage(), str(run), trained={"expert": "high_noise"}) == str(ckpt)
+    assert check_latest(Storage(), str(run), trained={"model.expert": "high_noise"}) == str(ckpt)
+
+
+def test_a_rerun_with_other_lora_settings_is_refused_naming_each(tmp_path):
+    """trained_settings: what a checkpoint's LoRA state is for, by config key; check_latest
+    names every key a rerun changed. Settings that leave the state loadable as it was
+    (learning rate, steps, dropout) are not among them; a key a checkpoint did not record
+    (older raylora: a bare "expert") is compared under its config name or not at all."""
+    from raylora.checkpoint.recorded import check_latest
+    from raylora.checkpoint.state import trained_settings
+    from raylora.config import validate
+    from raylora.storage import Storage
+
+    def cfg(lora=None, train=None):
+        return validate({"model": {"pretrained": "m"}, "data": {"uri": "d"}, "output": {"uri": "o"},
+                         "lora": {"rank": 16, **(lora or {})}, "train": train or {}})
+
+    was = trained_settings(cfg({"target_modules": ["to_q", "to_v"]}), "flux")
+    assert was == {"model.family": "flux", "model.expert": None, "lora.variant": "lora", "lora.rank": 16,
+                   "lora.alpha": 16, "lora.target_modules": ["to_q", "to_v"],
+                   "lora.train_text_encoder": False}
+    assert trained_settings(cfg({"target_modules": ["to_q", "to_v"], "dropout": 0.1, "alpha": 16.0},
+                                {"learning_rate": 1e-3, "max_steps": 9}), "flux") == was
+    lokr = trained_settings(cfg({"variant": "lokr", "factor": 4}), "sd")
+    assert (lokr["lora.factor"], lokr["lora.decompose_both"]) == (4, False)
+    run = tmp_path / "train"
+    ckpt = run / "checkpoint_a"
+    ckpt.mkdir(parents=True)
+    save_rank_state(str(ckpt), rank=0)
+    save_main_state(str(ckpt), lora_sd={"w": torch.ones(2)}, optimizer_sd={}, scheduler_sd={},
+                    scaler_sd=None, loop=LoopState(global_step=2, world_size=1), trained=was)
+    (run / "checkpoint_manager_snapshot.json").write_text(json.dumps({
+        "latest_checkpoint_result": {"checkpoint_dir_name": "checkpoint_a"}}))
+    assert check_latest(Storage(), str(run), trained=was) == str(ckpt)
+    now = trained_settings(cfg({"target_modules": ["to_q"], "rank": 32}), "sd")
+    with pytest.raises(ValueError) as exc:
+        check_latest(Storage(), str(run), trained=now)
+    assert str(exc.value) == (
+        "model.family, lora.rank, lora.alpha, lora.target_modules: this run has model.family=sd, "
+        'lora.rank=32, lora.alpha=32, lora.target_modules=["to_q"], but the checkpoint this '
+        f"output.uri resumes from ({ckpt}) trained model.family=flux, lora.rank=16, lora.alpha=16, "
+        'lora.target_modules=["to_q", "to_v"]; set them back to resume that run, or give this '
+        "one its own output.uri")
+    # a record from before raylora kept more than the expert
+    record = json.loads((ckpt / FILES_FILE).read_text())
+    record["trained"] = {"expert": None}
+    (ckpt / FILES_FILE).write_text(json.dumps(record))
+    assert check_latest(Storage(), str(run), trained=now) == str(ckpt)
+    with pytest.raises(ValueError, match="^model.expert: this run has model.expert=low_noise, but"):
+        check_latest(Storage(), str(run), trained={**now, "model.expert": "low_noise"})
 
 
 def test_a_checkpoint_records_its_files_and_a_lost_one_is_named(tmp_path):

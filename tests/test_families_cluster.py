@@ -79,9 +79,23 @@ def test_two_workers_train_from_parquet_and_stock_pipeline_loads(family, expert,
         assert 'load_lora_weights("' + summary["adapter"] + '", load_into_transformer_2=True)' in \
             "\n".join(summary_lines(summary))
         other = {**tree, "model": {**tree["model"], "expert": "high_noise"}}
-        with pytest.raises(ValueError, match="model.expert: high_noise, but the checkpoint this "
-                                             "output.uri resumes from"):
+        with pytest.raises(ValueError, match="model.expert: this run has model.expert=high_noise, "
+                                             "but the checkpoint this output.uri resumes from"):
             run(validate(other))
+
+    # A rerun at this output.uri with another rank or alpha is refused before Ray starts,
+    # naming each key (another rank could not load the LoRA state; another alpha would
+    # carry it on scaled otherwise).
+    from raylora.launch import TRAIN, checked
+
+    changed = {**tree, "lora": {"rank": 8, "alpha": 2}}
+    with pytest.raises(ValueError) as exc:
+        checked(validate(changed), TRAIN)
+    assert str(exc.value).startswith("lora.rank, lora.alpha: this run has lora.rank=8, lora.alpha=2.0, "
+                                     "but the checkpoint this output.uri resumes from (")
+    assert str(exc.value).endswith("trained lora.rank=4, lora.alpha=4; set them back to resume that "
+                                   "run, or give this one its own output.uri")
+    assert checked(validate(tree), TRAIN).resume  # unchanged: it resumes
 
     # Validation grids before the first step and at the end, drawn by the family's pipeline.
     grids = sorted(os.listdir(out / "validation"))

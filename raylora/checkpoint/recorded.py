@@ -62,10 +62,11 @@ def check_latest(store, run_uri: str, trained: dict | None = None) -> str | None
     afresh, or Ray's record is unreadable). Raises ``IncompleteCheckpoint`` naming the
     files it lacks of its ``checkpoint_files.json`` (one listing and one small read), so a
     resume that would fail on the workers fails here, before a cluster is started.
-    ``trained`` (``{"expert": model.expert}`` of the rerun): a checkpoint that recorded
-    another value is refused, naming the key: the same output.uri with the other Wan 2.2
-    expert would otherwise continue (or, finished, re-export) one expert's LoRA as the
-    other's, their architectures being the same."""
+    ``trained`` (``state.trained_settings`` of the rerun): a checkpoint that recorded
+    other values is refused, naming each key, before a cluster starts: another rank or
+    family fails on every worker once the model is up; another alpha, or the other Wan
+    2.2 expert, would continue (or, finished, re-export) the LoRA silently changed. A key
+    one side lacks (a checkpoint from before raylora recorded it) is not compared."""
     try:
         name = (_snapshot(store, run_uri) or {})["latest_checkpoint_result"]["checkpoint_dir_name"]
     except (KeyError, TypeError):
@@ -83,12 +84,23 @@ def check_latest(store, run_uri: str, trained: dict | None = None) -> str | None
         missing = missing_files(recorded, present)
         if missing:
             raise IncompleteCheckpoint(uri, missing)
-        # "trained" absent: written before raylora recorded it
-        for key, was in (recorded.get("trained") or {}).items():
-            now = (trained or {}).get(key, was)
-            if now != was:
-                raise ValueError(
-                    f"model.{key}: {now}, but the checkpoint this output.uri resumes from "
-                    f"({uri}) trained model.{key}: {was}; set it back to resume that run, or "
-                    "give this one its own output.uri")
+        # "trained" absent: written before raylora recorded it; a bare "expert": before
+        # it recorded more than model.expert
+        was = {k if "." in k else f"model.{k}": v for k, v in (recorded.get("trained") or {}).items()}
+        now = trained or {}
+        differ = [k for k in now if k in was and now[k] != was[k]]
+        if differ:
+            def settings(values):
+                return ", ".join(f"{k}={_shown(values[k])}" for k in differ)
+
+            raise ValueError(
+                f"{', '.join(differ)}: this run has {settings(now)}, but the checkpoint this "
+                f"output.uri resumes from ({uri}) trained {settings(was)}; set "
+                f"{'it' if len(differ) == 1 else 'them'} back to resume that run, or give this "
+                "one its own output.uri")
     return uri
+
+
+def _shown(value) -> str:
+    """A setting as the config spells it (lists as YAML flow lists, None as null)."""
+    return "null" if value is None else json.dumps(value) if isinstance(value, list) else str(value)

@@ -115,6 +115,24 @@ def save_rank_state(directory: str, rank: int) -> None:
     torch.save(capture_rng(), os.path.join(directory, rng_file(rank)))
 
 
+def trained_settings(cfg, family: str) -> dict:
+    """What a checkpoint's LoRA state was made for, by config key (``family``: the model's
+    resolved ``model.family``). A rerun at the same ``output.uri`` that differs in any of
+    them could not load that state (another family, variant, rank or set of modules: a
+    shape or key mismatch on every worker, once the cluster and the model are up) or would
+    carry on with it silently changed (another alpha; one Wan 2.2 expert's LoRA as the
+    other's, the two sharing an architecture). ``recorded.check_latest`` refuses it first."""
+    lo = cfg.lora
+    out = {"model.family": family, "model.expert": cfg.model.expert, "lora.variant": lo.variant,
+           "lora.rank": lo.rank, "lora.alpha": lo.alpha if lo.alpha is not None else lo.rank,
+           "lora.target_modules": lo.target_modules, "lora.train_text_encoder": lo.train_text_encoder}
+    if lo.train_text_encoder:
+        out["lora.text_encoder_target_modules"] = lo.text_encoder_target_modules
+    if lo.variant == "lokr":
+        out |= {"lora.factor": lo.factor, "lora.decompose_both": lo.decompose_both}
+    return out
+
+
 def save_main_state(
     directory: str,
     *,
@@ -131,8 +149,8 @@ def save_main_state(
     (``raylora.train.setup.write_checkpoint``). ``other_ranks_files``: what the other ranks
     write into their own directories (Ray merges them into this checkpoint); with
     ``loop.world_size`` ranks' RNG files they go into ``checkpoint_files.json``, and so does
-    ``trained`` (``{"expert": model.expert}``: which denoiser the LoRA is for), which the
-    driver compares with a rerun's config before resuming (``recorded.check_latest``)."""
+    ``trained`` (``trained_settings``: what the LoRA state is for), which the driver
+    compares with a rerun's config before resuming (``recorded.check_latest``)."""
     save_file(lora_sd, os.path.join(directory, LORA_FILE))
     if ema_sd is not None:
         save_file(ema_sd, os.path.join(directory, EMA_FILE))

@@ -20,6 +20,7 @@ from raylora.checkpoint.state import (
     restore_rng,
     save_main_state,
     save_rank_state,
+    trained_settings,
 )
 from raylora.config import RayLoraConfig
 from raylora.model.families.base import Family
@@ -66,7 +67,8 @@ class TrainingRun:
     sharded: bool = False  # scaling.strategy=fsdp: model and optimizer state are shards
     # train.compile_cache_uri: the compiled code loaded at build; the worker saves it.
     compile_cache: CompileCache | None = None
-    expert: str | None = None  # model.expert: which expert's denoiser the LoRA belongs to
+    # What the LoRA state is for (checkpoint.state.trained_settings): into every checkpoint
+    trained: dict = field(default_factory=dict)
 
     @property
     def family(self) -> type[Family]:
@@ -257,7 +259,7 @@ def build_run(
         te.train()  # LoRA dropout on, as for the denoiser
     return TrainingRun(accelerator, model, parts, optimizer, lr_scheduler, params + te_params,
                        state, ema, trained_te, sharded=fsdp, compile_cache=compile_cache,
-                       expert=cfg.model.expert)
+                       trained=trained_settings(cfg, comps.family.name))
 
 
 def compile_cache_inputs(cfg: RayLoraConfig, comps) -> dict:
@@ -371,7 +373,7 @@ def write_checkpoint(directory: str, run: TrainingRun, rank: int) -> dict[str, t
             ema_sd=run.ema.state_dict() if run.ema is not None else None,
             other_ranks_files=[f"{SHARDED_DIR}/{name}" for name in shard_files(
                 os.path.join(directory, SHARDED_DIR))] if run.sharded else [],
-            trained={"expert": run.expert},
+            trained=run.trained,
         )
     return sd
 

@@ -10,6 +10,8 @@ rank 16 on the family's default targets, cached latents and text embeddings (wha
     python bench/gpu_dit.py --models zimage       # Z-Image-Turbo's architecture (not in the default)
     python bench/gpu_dit.py --models klein4b      # Flux.2 [klein] 4B's (not in the default)
     python bench/gpu_dit.py --models wan14b       # Wan 2.1 T2V-14B's, one frame (not default)
+    python bench/gpu_dit.py --models flux2dev --batch-sizes 1 --gradient-checkpointing
+                                                  # Flux.2 [dev]'s 32B (not default)
     python bench/gpu_dit.py --smoke               # toy widths on a CPU, checks the script
 
 FLOPs are counted once per (model, batch) with ``torch.utils.flop_counter`` over one eager
@@ -53,6 +55,13 @@ KLEIN_4B = dict(patch_size=1, in_channels=128, num_layers=5, num_single_layers=2
                 attention_head_dim=128, num_attention_heads=24, joint_attention_dim=7680,
                 timestep_guidance_channels=256, mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32),
                 rope_theta=2000, guidance_embeds=False)
+# black-forest-labs/FLUX.2-dev transformer/config.json (diffusers' Flux.2 conversion
+# script's flux2-dev entry): 8 double + 48 single blocks of 48 heads × 128, Mistral's 3 ×
+# 5120-wide hidden states; 32B parameters (64 GB in bf16), the guidance embedding on
+FLUX2_DEV = dict(patch_size=1, in_channels=128, num_layers=8, num_single_layers=48,
+                 attention_head_dim=128, num_attention_heads=48, joint_attention_dim=15360,
+                 timestep_guidance_channels=256, mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32),
+                 rope_theta=2000, guidance_embeds=True)
 # Wan-AI/Wan2.1-T2V-14B-Diffusers transformer/config.json (WanTransformer3DModel's defaults):
 # 40 blocks of 40 heads × 128, UMT5-XXL's 4096-wide text
 WAN_14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128,
@@ -76,13 +85,18 @@ MODELS = {
                 {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0,
                  "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15,
                  "base_image_seq_len": 256, "max_image_seq_len": 4096}),
+    # Flux.2 [dev]: Klein's latents, text and scheduler
+    "flux2dev": ("flux2", "Flux2Transformer2DModel", FLUX2_DEV, 128, 512, None,
+                 {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0,
+                  "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15,
+                  "base_image_seq_len": 256, "max_image_seq_len": 4096}),
     # Wan's text is always the pipeline's 512 positions (zeros past the caption); its
     # scheduler is UniPC over flow sigmas with a static flow_shift.
     "wan14b": ("wan", "WanTransformer3DModel", WAN_14B, 16, 512, None,
                {"_class_name": "UniPCMultistepScheduler", "prediction_type": "flow_prediction",
                 "use_flow_sigmas": True, "flow_shift": 3.0}),
 }
-PIXELS_PER_LATENT = {"klein4b": 16}  # the others: 8
+PIXELS_PER_LATENT = {"klein4b": 16, "flux2dev": 16}  # the others: 8
 SMOKE = {"flux": dict(num_layers=1, num_single_layers=1, attention_head_dim=16,
                       num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16,
                       axes_dims_rope=(4, 6, 6)),
@@ -94,6 +108,9 @@ SMOKE = {"flux": dict(num_layers=1, num_single_layers=1, attention_head_dim=16,
          "klein4b": dict(num_layers=1, num_single_layers=1, attention_head_dim=16,
                          num_attention_heads=2, joint_attention_dim=48,
                          timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4)),
+         "flux2dev": dict(num_layers=1, num_single_layers=1, attention_head_dim=16,
+                          num_attention_heads=2, joint_attention_dim=48,
+                          timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4)),
          "wan14b": dict(num_attention_heads=2, attention_head_dim=16, text_dim=32, freq_dim=32,
                         ffn_dim=64, num_layers=2)}
 
@@ -135,7 +152,7 @@ def cached_batch(model: str, b: int, res: int, net, device) -> dict:
     return batch
 
 
-def raylora_step(model: str, net, mode: str, rank: int):
+def raylora_step(model: str, net, mode: str, rank: int, checkpointing: bool = False):
     """raylora's step: family default LoRA targets (fp32), flow-matching objective from the
     pipeline's scheduler config, Accelerate bf16 autocast, fused AdamW, optional regional
     compile (the family's repeated blocks)."""
@@ -155,6 +172,8 @@ def raylora_step(model: str, net, mode: str, rank: int):
     cuda = next(net.parameters()).device.type == "cuda"
     accel = Accelerator(mixed_precision="bf16" if cuda else "no", cpu=not cuda)
     params = add_lora(net, LoraSection(rank=rank, alpha=rank), fam.default_lora_targets(net))
+    if checkpointing:  # train.gradient_checkpointing, as setup enables it: before the compile
+        net.enable_gradient_checkpointing()
     compile_denoiser(net, mode, fam.repeated_blocks)
     opt = torch.optim.AdamW(params, lr=1e-4, fused=cuda)
     net_p, opt = accel.prepare(net, opt)
@@ -173,7 +192,7 @@ def run_case(args, model, b, mode, device, dtype) -> dict:
     net = build(model, device, dtype, args.smoke)
     n_base = sum(p.numel() for p in net.parameters())
     batch = cached_batch(model, b, args.resolution, net, device)
-    step, n_lora = raylora_step(model, net, mode, args.rank)
+    step, n_lora = raylora_step(model, net, mode, args.rank, args.gradient_checkpointing)
     flops = None
     if mode == "none":
         from torch.utils.flop_counter import FlopCounterMode
@@ -198,7 +217,8 @@ def run_case(args, model, b, mode, device, dtype) -> dict:
     sec = (time.perf_counter() - t0) / args.steps
     if not torch.isfinite(loss):
         raise RuntimeError(f"non-finite loss {loss.item()}")
-    row = {"model": model, "res": args.resolution, "batch": b, "compile": mode,
+    row = {"model": model + (" +ckpt" if args.gradient_checkpointing else ""),
+           "res": args.resolution, "batch": b, "compile": mode,
            "img/s": b / sec, "step ms": sec * 1000, "flops": flops,
            "compile s": max(first - sec, 0.0) if mode != "none" else None,
            "base params B": n_base / 1e9, "LoRA params M": n_lora / 1e6}
@@ -250,6 +270,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--peak-tflops", type=float)
     ap.add_argument("--smoke", action="store_true", help="toy widths, 64 px, CPU ok")
+    ap.add_argument("--gradient-checkpointing", action="store_true",
+                    help="train.gradient_checkpointing (a 32B transformer's activations at 1024 px "
+                         "do not fit beside its 64 GB of weights otherwise)")
     ap.add_argument("--sdpa", default="family", choices=["family", "default", "no-cudnn", "flash"],
                     help="SDPA backends allowed: the family's, as training runs them (cuDNN off "
                          "for the DiTs: it crashed the Flux step), PyTorch's default, no cuDNN, "
@@ -312,6 +335,10 @@ def main(argv: list[str] | None = None) -> None:
                if peak else "MFU: no peak FLOP/s known for this device.",
                "Target (#20): Flux.1-dev r16 at 1024 px >= 35% MFU on H100.",
                f"SDPA backends: {args.sdpa}.",
+               *(["+ckpt: gradient checkpointing. Its FLOPs are those executed, the recomputed "
+                  "forward included, so its MFU counts recomputation as work (a frozen base's "
+                  "backward computes input gradients only: without the recompute the step does "
+                  "about 2 forwards' FLOPs, with it about 3)."] if args.gradient_checkpointing else []),
                "Command: `python " + " ".join(sys.argv) + "`",
                "Each case in its own process (a CUDA fault is that row's error).",
            ])

@@ -35,6 +35,11 @@ AWS_ENV_VARS = (
     # Tracking (tracking.backend=wandb) runs in the rank-0 worker, which needs the key too.
     "WANDB_API_KEY",
     "WANDB_BASE_URL",
+    # gs:// against an emulator (GCS_EMULATOR_ENV) and its project. Not
+    # GOOGLE_APPLICATION_CREDENTIALS: a key file's path on this machine, which a
+    # cluster's nodes lack (they find their own default credentials).
+    "STORAGE_EMULATOR_HOST",
+    "GOOGLE_CLOUD_PROJECT",
 )
 SECRET_ENV_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "WANDB_API_KEY")
 
@@ -104,6 +109,21 @@ def _s3(endpoint_url: str | None, region: str | None) -> pafs.S3FileSystem:
     return RetryingS3(**kwargs)
 
 
+# Google's storage clients (and gcsfs) read this for an emulator ("host:port" or a URL:
+# fake-gcs-server, gcp-storage-emulator). Set, gs:// goes there without credentials;
+# GOOGLE_CLOUD_PROJECT names the project its buckets belong to.
+GCS_EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
+
+
+def _gcs() -> pafs.GcsFileSystem:
+    emulator = os.environ.get(GCS_EMULATOR_ENV)
+    if not emulator:
+        return pafs.GcsFileSystem()  # Google's default credentials, wherever this runs
+    parsed = urlparse(emulator if "://" in emulator else f"http://{emulator}")
+    return pafs.GcsFileSystem(anonymous=True, scheme=parsed.scheme, endpoint_override=parsed.netloc,
+                              project_id=os.environ.get("GOOGLE_CLOUD_PROJECT"))
+
+
 def fs_path(uri: str) -> str:
     """The path of ``uri`` inside its filesystem: ``bucket/key`` for remote URIs."""
     if is_local(uri):
@@ -129,7 +149,7 @@ def filesystem(
         return pafs.LocalFileSystem(), local_path(uri)
     if urlparse(uri).scheme in ("s3", "s3a"):
         return _s3(endpoint_url, region), fs_path(uri)
-    return pafs.GcsFileSystem(), fs_path(uri)
+    return _gcs(), fs_path(uri)
 
 
 def to_uri(uri_like: str, path: str) -> str:
@@ -275,7 +295,7 @@ class Storage:
     def delete_dir(self, uri: str) -> None:
         fs, path = self.fs(uri)
         if self.exists(uri):
-            fs.delete_dir(path)
+            delete_tree(fs, path)
 
     def publish_dir(self, src_dir: str, dest_uri: str) -> str:
         """Make a finished local directory visible at ``dest_uri`` without a reader ever
@@ -332,13 +352,27 @@ class Storage:
             for info in fs.get_file_info(pafs.FileSelector(parent, allow_not_found=True)):
                 if leftover.fullmatch(info.base_name):
                     if info.type == pafs.FileType.Directory:
-                        fs.delete_dir(info.path)
+                        delete_tree(fs, info.path)
                     else:
                         fs.delete_file(info.path)
         except OSError as exc:
             logging.getLogger(__name__).warning(
                 "%s: could not remove an earlier publish's leftovers beside it: %s",
                 dest_uri, _short(exc))
+
+
+def delete_tree(fs: pafs.FileSystem, path: str) -> None:
+    """The folder ``path`` and everything under it. On GCS a "folder" written object by
+    object has no marker object (``key/``), and pyarrow's ``delete_dir`` (26.0.1), having
+    deleted the contents, deletes that marker too and fails on its 404: the contents
+    are gone, so that one is not an error here (nor is a folder that no longer shows,
+    having been its contents only)."""
+    fs.delete_dir_contents(path, missing_dir_ok=True)
+    if fs.get_file_info(path).type == pafs.FileType.Directory:  # a local folder, a marker
+        try:
+            fs.delete_dir(path)
+        except FileNotFoundError:
+            pass
 
 
 def complete_upload(local_dir: str, fs: pafs.FileSystem, dest: str, what: str = "",

@@ -49,7 +49,7 @@ def drop_unrecorded(store, run_uri: str) -> list[str]:
     for info in fs.get_file_info(pafs.FileSelector(path)):
         if (info.type == pafs.FileType.Directory and info.base_name.startswith("checkpoint_")
                 and info.base_name not in recorded):
-            fs.delete_dir(info.path)
+            storage.delete_tree(fs, info.path)
             dropped.append(storage.join(run_uri, info.base_name))
     if dropped:
         log.warning("removed %d checkpoint folder(s) that an interrupted run wrote but Ray "

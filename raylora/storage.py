@@ -115,13 +115,23 @@ def _s3(endpoint_url: str | None, region: str | None) -> pafs.S3FileSystem:
 GCS_EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
 
 
+# Seconds GCS's client retries one request's transient errors (throttling, 5xx, no
+# connection) before it fails. Its own default is 15 minutes: an unreachable endpoint or
+# a machine without Google credentials hung the check before Ray starts that long
+# (measured: still waiting after 300 s); with this limit it fails after about twice this.
+GCS_RETRY_S = 20
+
+
 def _gcs() -> pafs.GcsFileSystem:
+    from datetime import timedelta
+
+    retry = timedelta(seconds=GCS_RETRY_S)
     emulator = os.environ.get(GCS_EMULATOR_ENV)
-    if not emulator:
-        return pafs.GcsFileSystem()  # Google's default credentials, wherever this runs
+    if not emulator:  # Google's default credentials, wherever this runs
+        return pafs.GcsFileSystem(retry_time_limit=retry)
     parsed = urlparse(emulator if "://" in emulator else f"http://{emulator}")
     return pafs.GcsFileSystem(anonymous=True, scheme=parsed.scheme, endpoint_override=parsed.netloc,
-                              project_id=os.environ.get("GOOGLE_CLOUD_PROJECT"))
+                              project_id=os.environ.get("GOOGLE_CLOUD_PROJECT"), retry_time_limit=retry)
 
 
 def fs_path(uri: str) -> str:

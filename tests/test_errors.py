@@ -65,21 +65,26 @@ def test_model_and_data_problems_found_before_any_worker(tiny_model, demo_data, 
         plan(cfg)
 
 
-def test_unreachable_storage_is_one_line_naming_the_uri_and_never_hangs(tiny_model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_unreachable_storage_is_one_line_naming_the_uri_and_never_hangs(tiny_model, tmp_path, monkeypatch,
+                                                                       scheme):
+    """Nothing listens at the endpoint (port 9). GCS's client would retry for 15 minutes
+    by its own default; raylora bounds it (storage.GCS_RETRY_S)."""
     from raylora.launch import plan
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    cfg = validate({"model": {"pretrained": tiny_model}, "data": {"uri": "s3://bucket/shards/"},
-                    "storage": {"endpoint_url": "http://127.0.0.1:9"},  # nothing listens there
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:9")  # what gs:// reads
+    cfg = validate({"model": {"pretrained": tiny_model}, "data": {"uri": f"{scheme}://bucket/shards/"},
+                    "storage": {"endpoint_url": "http://127.0.0.1:9"},  # what s3:// reads
                     "output": {"uri": str(tmp_path / "out")}})
     t0 = time.monotonic()
     with pytest.raises(ConfigError) as exc:
         plan(cfg)
     took = time.monotonic() - t0
     assert len(exc.value.problems) == 1
-    assert exc.value.problems[0].startswith("data.uri: s3://bucket/shards: cannot reach storage")
-    assert took < 120  # bounded retries with backoff, then the error (about 15 s here)
+    assert exc.value.problems[0].startswith(f"data.uri: {scheme}://bucket/shards: cannot reach storage")
+    assert took < 120  # bounded retries with backoff, then the error (s3 ~15 s, gs ~26 s here)
 
 
 @pytest.mark.integration

@@ -125,13 +125,13 @@ GCS_RETRY_S = 20
 def _gcs() -> pafs.GcsFileSystem:
     from datetime import timedelta
 
-    retry = timedelta(seconds=GCS_RETRY_S)
+    kwargs: dict = {"retry_time_limit": timedelta(seconds=GCS_RETRY_S)}
     emulator = os.environ.get(GCS_EMULATOR_ENV)
-    if not emulator:  # Google's default credentials, wherever this runs
-        return pafs.GcsFileSystem(retry_time_limit=retry)
-    parsed = urlparse(emulator if "://" in emulator else f"http://{emulator}")
-    return pafs.GcsFileSystem(anonymous=True, scheme=parsed.scheme, endpoint_override=parsed.netloc,
-                              project_id=os.environ.get("GOOGLE_CLOUD_PROJECT"), retry_time_limit=retry)
+    if emulator:  # else Google's default credentials, wherever this runs
+        parsed = urlparse(emulator if "://" in emulator else f"http://{emulator}")
+        kwargs |= {"anonymous": True, "scheme": parsed.scheme, "endpoint_override": parsed.netloc,
+                   "project_id": os.environ.get("GOOGLE_CLOUD_PROJECT")}
+    return pafs.GcsFileSystem(**kwargs)
 
 
 def fs_path(uri: str) -> str:
@@ -508,7 +508,8 @@ def _short(exc: Exception) -> str:
 
 
 def forwarded_env() -> dict[str, str]:
-    """AWS variables set in this process, to forward to Ray workers via runtime_env."""
+    """``AWS_ENV_VARS`` set in this process (S3, tracking and GCS-emulator settings, despite
+    the name), to forward to Ray workers via runtime_env."""
     return {k: os.environ[k] for k in AWS_ENV_VARS if os.environ.get(k)}
 
 

@@ -119,20 +119,19 @@ def _previewer(spec: WorkerSpec, run, tracker, rank: int):
     import io
 
     from raylora import storage
-    from raylora.model.load import materialize, read_index
+    from raylora.model.load import materialize
     from raylora.train import preview as pv
 
     cfg = spec.config
     v, acc = cfg.validation, run.accelerator
     store = cfg.storage.client()
     model_path = materialize(spec.plan.model_path, store)
-    index = read_index(cfg.model, model_path)
     model = acc.unwrap_model(run.model)
     guidance = run.family.guidance_kwargs(v.guidance_scale)  # None: the family's default
 
     def render() -> list:
         # The pipeline and the encoders loaded for it (cached latents) go when this returns.
-        vae, encoders, tokenizers = pv.encoders_for(run.parts, model_path, index, cfg.model, acc.device)
+        vae, encoders, tokenizers = pv.encoders_for(run.parts, model_path, cfg.model, acc.device)
         pipe = pv.build_pipeline(
             model_path, run.family, model, vae, encoders, tokenizers,
             dtype=run.parts.weight_dtype, device=acc.device, expert=cfg.model.expert,

@@ -23,6 +23,22 @@ def _cfg(model, demo_data, tmp_path, model_keys=None, train=None):
                      "output": {"uri": str(tmp_path / "o")}})
 
 
+def _stored_bytes(*modules) -> int:
+    """Parameters and buffers of ``modules``, bitsandbytes' statistics beside the quantized
+    weights included: absmax per block (+ its own), code table and offset for 4-bit, an
+    fp32 scale per row for 8-bit."""
+    import bitsandbytes as bnb
+
+    out = sum(t.numel() * t.element_size() for m in modules for t in [*m.parameters(), *m.buffers()])
+    for m in (x for module in modules for x in module.modules()):
+        if isinstance(m, bnb.nn.Linear4bit):
+            qs = m.weight.quant_state
+            out += sum(t.numel() * t.element_size() for t in (qs.absmax, qs.state2.absmax, qs.code, qs.offset))
+        elif isinstance(m, bnb.nn.Linear8bitLt):
+            out += 4 * m.weight.SCB.numel()
+    return out
+
+
 # ---------------------------------------------------------------- quantized base
 
 
@@ -151,7 +167,6 @@ def test_sizes_for_a_memory_estimate(tiny, kind):
     """The memory preflight's weight bytes (raylora.memory.weight_bytes on a meta-device
     model, reading quantize's own list of layers and storage sizes) = the bytes of the
     model quantize_module swapped, bitsandbytes' statistics beside the weights included."""
-    import bitsandbytes as bnb
     from diffusers import UNet2DConditionModel
 
     from raylora.memory import weight_bytes
@@ -164,14 +179,7 @@ def test_sizes_for_a_memory_estimate(tiny, kind):
     assert weight_bytes(meta) == full
     linear = [m for m in meta.modules() if type(m) is nn.Linear]
     assert quantize_module(model, kind, torch.float32, "cpu") == len(linear) > 0
-    got = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    for m in model.modules():
-        if isinstance(m, bnb.nn.Linear4bit):  # absmax per block (+ its own), code table, offset
-            qs = m.weight.quant_state
-            stats = (qs.absmax, qs.state2.absmax, qs.code, qs.offset)
-            got += sum(t.numel() * t.element_size() for t in stats)
-        elif isinstance(m, bnb.nn.Linear8bitLt):  # fp32 scale per row
-            got += 4 * m.weight.SCB.numel()
+    got = _stored_bytes(model)
     est = weight_bytes(meta, kind)
     assert est == got < full
     # the linears' weights are what shrinks
@@ -280,7 +288,6 @@ def test_a_cached_run_previews_with_the_encoders_a_worker_would_hold(tiny, demo_
     from transformers import MistralModel
 
     from raylora.memory import estimate
-    from raylora.model.load import read_index
     from raylora.train import preview as pv
     from raylora.train.setup import build_run
 
@@ -290,16 +297,12 @@ def test_a_cached_run_previews_with_the_encoders_a_worker_would_hold(tiny, demo_
                     "validation": {"prompts": ["a red circle"]}, "output": {"uri": str(tmp_path / "o")}})
     run = build_run(cfg, _fresh_accelerator(1), 4, rank=0)
     assert run.parts.vae is None and run.parts.text_encoders == []
-    vae, encoders, tokenizers = pv.encoders_for(run.parts, model, read_index(cfg.model, model), cfg.model, "cpu")
+    vae, encoders, tokenizers = pv.encoders_for(run.parts, model, cfg.model, "cpu")
     (enc,) = encoders
     assert type(enc) is MistralModel and len(enc.layers) == 31
     assert sum(isinstance(m, bnb.nn.Linear4bit) for m in enc.modules()) == (0 if kind == "none" else 31 * 7)
     # what the memory preflight counts for a preview is what was loaded
-    loaded = sum(t.numel() * t.element_size() for m in (enc, vae) for t in [*m.parameters(), *m.buffers()])
-    for m in enc.modules():
-        if isinstance(m, bnb.nn.Linear4bit):
-            qs = m.weight.quant_state
-            loaded += sum(t.numel() * t.element_size() for t in (qs.absmax, qs.state2.absmax, qs.code, qs.offset))
+    loaded = _stored_bytes(enc, vae)
     est = estimate(model, cached_latents=True, previews=True, quantize_text_encoders=kind, lora_rank=8,
                    max_sequence_length=32, resolution=64, mixed_precision="no", device="cpu")
     assert est.preview == loaded

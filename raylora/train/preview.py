@@ -28,7 +28,7 @@ def make_grid(images: list[Image.Image], cols: int | None = None) -> Image.Image
     return grid
 
 
-def encoders_for(parts, model_path: str, index: dict, model, device) -> tuple:
+def encoders_for(parts, model_path: str, model, device) -> tuple:
     """(VAE, text encoders, tokenizers) a preview renders with: the worker's own
     (``parts``: ``FrozenParts``), or, with cached latents, where the worker holds none,
     loaded as a worker would hold them (``raylora.model.load.load_encoders``: adapted by the
@@ -38,10 +38,10 @@ def encoders_for(parts, model_path: str, index: dict, model, device) -> tuple:
     (``raylora.memory``, ``Estimate.preview``)."""
     if parts.vae is not None:
         return parts.vae, parts.text_encoders, ()
-    from raylora.model.load import load_encoders
+    from raylora.model.load import load_encoders, read_index
 
-    tokenizers, encoders, vae = load_encoders(model_path, parts.family, parts.weight_dtype, index,
-                                              model, device)
+    tokenizers, encoders, vae = load_encoders(model_path, parts.family, parts.weight_dtype,
+                                              read_index(model, model_path), model, device)
     return vae, encoders, tokenizers
 
 

@@ -460,6 +460,15 @@ class LoraSection(_Section):
     text_encoder_lr: float | None = Field(
         None, gt=0, description="Learning rate of the text-encoder LoRA; default train.learning_rate."
     )
+    init_from: str | None = Field(
+        None,
+        description="Start from this adapter instead of a no-op: a folder raylora wrote "
+        "(output.uri/adapter), a diffusers LoRA folder or any .safetensors LoRA file the "
+        "family's stock pipeline load_lora_weights reads (kohya/ComfyUI files included), or a "
+        "peft folder (lokr/loha); local or a storage URI. Its rank and variant must be this "
+        "run's; lora.alpha may differ (its B is rescaled so step 0 equals the stock pipeline "
+        "with that adapter loaded). A rerun that resumes a checkpoint ignores it.",
+    )
 
     @field_validator("target_modules", "text_encoder_target_modules")
     @classmethod
@@ -1411,6 +1420,11 @@ def _tune_checks(cfg: RayLoraConfig) -> list[str]:
         if cfg.data.cache == "latents" and key.split(".")[0] in ("model", "data"):
             problems.append(f"{where}: with data.cache=latents every trial shares one cache; "
                             "model.* and data.* cannot be searched")
+            continue
+        if cfg.lora.init_from and key in ("lora.rank", "lora.variant"):
+            problems.append(f"{where}: every trial starts from lora.init_from "
+                            f"({cfg.lora.init_from}), whose {key.split('.')[1]} is fixed; "
+                            "search other keys")
             continue
         if key.startswith(("data.class_", "data.num_class_images")):
             problems.append(f"{where}: the class images are read (and generated) once for "

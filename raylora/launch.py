@@ -128,6 +128,8 @@ def resolve_paths(cfg: RayLoraConfig) -> RayLoraConfig:
     cfg.output.uri = storage.normalize(cfg.output.uri)
     if cfg.train.compile_cache_uri:
         cfg.train.compile_cache_uri = storage.normalize(cfg.train.compile_cache_uri)
+    if cfg.lora.init_from:
+        cfg.lora.init_from = storage.normalize(cfg.lora.init_from)
     return cfg
 
 
@@ -150,6 +152,7 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
     arithmetic; raise one ConfigError with every problem.
     ``heldout=False`` skips reading the held-out rows (a run that never evaluates)."""
     from raylora.data.plan import plan_data
+    from raylora.model import lora_init
     from raylora.model.load import check_model, is_hub_id, resolve_family
     from raylora.train.objective import scheduler_objective_kind
 
@@ -169,6 +172,7 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
     native = scheduler_objective_kind(scheduler) if scheduler else None
     problems += family_problems(cfg, family, factor * family.patch, native)
     problems += write_problems(cfg, store)
+    problems += lora_init.problems(cfg, store)
     objective = cfg.train.prediction_type or native
 
     data = None

@@ -221,6 +221,41 @@ def test_training_reads_each_format_from_s3(s3, ray_s3, shards, tiny_model, fmt)
 
 
 
+def test_a_run_started_from_an_adapter_in_the_bucket_evaluates_as_that_adapter_did(
+        s3, ray_s3, shards, tiny_model):
+    """lora.init_from an s3:// adapter folder, on 2 FSDP workers at another lora.alpha:
+    its held-out loss before a step (eval_loss_base) is the held-out loss the run that
+    wrote the adapter (DDP) ended with, on the same held-out rows and noise; then it trains
+    on from there."""
+    from raylora.launch import run
+
+    def tree(name, steps, **more):
+        return {
+            "model": {"pretrained": tiny_model},
+            "data": {"uri": f"s3://{BUCKET}/data/parquet", "resolution": 64, "center_crop": True,
+                     "validation_split": 0.25},
+            "train": {"batch_size": 2, "max_steps": steps, "learning_rate": 1e-2, "seed": 3},
+            "validation": {"every_n_steps": 2},
+            "scaling": {"num_workers": 2, **more.pop("scaling", {})},
+            "output": {"uri": f"s3://{BUCKET}/runs/{name}"},
+            **more,
+        }
+
+    first = run(validate(tree("init-a", 4)))["metrics"]
+    assert first["eval_loss_last"] != first["eval_loss_base"]  # the adapter moved
+    adapter = f"s3://{BUCKET}/runs/init-a/adapter"
+    then = run(validate(tree("init-b", 2, lora={"init_from": adapter, "alpha": 1.0},
+                             scaling={"strategy": "fsdp"})))["metrics"]
+    assert then["eval_loss_base"] == pytest.approx(first["eval_loss_last"], rel=1e-5)
+    assert then["eval_loss_base"] != pytest.approx(first["eval_loss_base"], rel=1e-3)
+    assert then["steps"] == 2 and then["eval_loss_last"] != then["eval_loss_base"]
+    meta = json.loads(s3.get_object(Bucket=BUCKET, Key="runs/init-b/adapter/raylora.json")["Body"].read())
+    assert meta["config"]["lora"]["init_from"] == adapter
+    card = s3.get_object(Bucket=BUCKET, Key="runs/init-b/adapter/README.md")["Body"].read().decode()
+    assert f"| started from (lora.init_from) | {adapter} |" in card
+    assert f"| held-out loss: start (lora.init_from) → last (best at step) | {then['eval_loss_base']:.5f}" in card
+
+
 def test_publish_replaces_the_adapter_and_removes_a_killed_publishs_staging_copy(s3, tmp_path):
     from raylora.storage import Storage
 

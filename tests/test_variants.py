@@ -141,6 +141,34 @@ def test_peft_folder_loads_with_peft(trained, tiny_model, variant):
     assert torch.allclose(_unet_out(loaded), want, atol=1e-5)
 
 
+@pytest.mark.parametrize("variant", ["dora", "lokr", "loha"])
+def test_a_run_started_from_a_variant_adapter_computes_what_the_trained_one_did(
+        trained, tiny_model, demo_data, tmp_path, variant):
+    """lora.init_from with the folder each variant publishes (DoRA's diffusers file, the
+    LoKr/LoHa peft folder), at another lora.alpha: the new run's UNet computes what the
+    trained one does before a step; a LoRA run cannot start from them."""
+    from inproc import _fresh_accelerator
+    from raylora.launch import plan
+    from raylora.train.setup import build_run
+
+    run, _, _, folder = trained[variant]
+    tree = _cfg(tiny_model, demo_data, tmp_path / "out", variant).model_dump()
+    tree["lora"].update(init_from=folder, alpha=1.0)
+    started = build_run(validate(tree), _fresh_accelerator(1), STEPS, rank=0)
+    want = _unet_out(run.accelerator.unwrap_model(run.model))
+    from diffusers import UNet2DConditionModel
+
+    base = _unet_out(UNet2DConditionModel.from_pretrained(tiny_model, subfolder="unet"))
+    assert (want - base).abs().max() > 1e-3  # the trained adapter is not a no-op
+    got = _unet_out(started.accelerator.unwrap_model(started.model))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    tree["lora"].update(variant="lora")
+    with pytest.raises(ConfigError) as exc:
+        plan(validate(tree))
+    (line,) = exc.value.problems
+    assert line.startswith(f"lora.init_from: {folder}") and "lora.variant" in line
+
+
 def test_lycoris_names_match_real_files():
     """raylora's names for the SD 1.5 modules in the vendored real keys are those keys."""
     from peft import LoHaConfig, LoKrConfig

@@ -198,7 +198,7 @@ precision `{t.mixed_precision}`).
 |---|---|
 | adapter variant | {lo.variant}{f" (factor {lo.factor}, decompose_both {lo.decompose_both})" if lo.variant == "lokr" else ""} |
 | LoRA rank / alpha / dropout | {lo.rank} / {lo.effective_alpha:g} / {lo.dropout:g} |
-| target modules | {", ".join(targets)} |
+{f"| started from (lora.init_from) | {lo.init_from} |{chr(10)}" if lo.init_from else ""}| target modules | {", ".join(targets)} |
 | learning rate (scale_lr) | {t.learning_rate:g} ({t.scale_lr}) |
 | LR schedule, warmup | {t.lr_scheduler}, {t.lr_warmup_steps} steps |
 | AdamW betas, weight decay, eps | {t.adam_beta1:g}/{t.adam_beta2:g}, {t.adam_weight_decay:g}, {t.adam_epsilon:g} |
@@ -220,7 +220,7 @@ precision `{t.mixed_precision}`).
 |---|---|
 | train loss, first step | {fmt(loss_first)} |
 | train loss, last step | {fmt(loss_last)} |
-| held-out loss: base model → last (best at step) | {fmt(metrics.get("eval_loss_base"))} → {fmt(metrics.get("eval_loss_last"))} ({fmt(metrics.get("eval_loss_best"))} at {metrics.get("eval_loss_best_step")}) |
+| held-out loss: {"start (lora.init_from)" if lo.init_from else "base model"} → last (best at step) | {fmt(metrics.get("eval_loss_base"))} → {fmt(metrics.get("eval_loss_last"))} ({fmt(metrics.get("eval_loss_best"))} at {metrics.get("eval_loss_best_step")}) |
 | wall time (s) | {metrics.get("wall_seconds") or 0:.1f} |
 """
 

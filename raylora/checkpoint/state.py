@@ -125,7 +125,10 @@ def trained_settings(cfg, family: str) -> dict:
     lo = cfg.lora
     out = {"model.family": family, "model.expert": cfg.model.expert, "lora.variant": lo.variant,
            "lora.rank": lo.rank, "lora.alpha": lo.alpha if lo.alpha is not None else lo.rank,
-           "lora.target_modules": lo.target_modules, "lora.train_text_encoder": lo.train_text_encoder}
+           "lora.target_modules": lo.target_modules, "lora.train_text_encoder": lo.train_text_encoder,
+           # what the LoRA started as: a resumed run ignores lora.init_from, so a rerun that
+           # names another one would otherwise carry on from the first without a word
+           "lora.init_from": lo.init_from}
     if lo.train_text_encoder:
         out["lora.text_encoder_target_modules"] = lo.text_encoder_target_modules
     if lo.variant == "lokr":

@@ -131,6 +131,20 @@ def _attach_lora(cfg: RayLoraConfig, comps) -> tuple[list, dict, list]:
     return params, trained, add_text_encoder_lora(trained, cfg.lora)
 
 
+def start_from(cfg: RayLoraConfig, comps, trained_te: dict, rank: int) -> None:
+    """``lora.init_from``: the LoRA starts as that adapter (``raylora.model.lora_init``)."""
+    from raylora.model import lora_init
+
+    uri = cfg.lora.init_from
+    counts = lora_init.start_from(uri, cfg.storage.client(), comps.family, comps.denoiser,
+                                  trained_te)
+    if rank == 0:
+        lora_init.log.info("lora.init_from: %s", "; ".join(
+            f"{name}: {c['loaded']} LoRA layers from {uri}"
+            + (f", {c['fresh']} not in it start as no-ops" if c["fresh"] else "")
+            for name, c in counts.items()))
+
+
 def enable_gradient_checkpointing(denoiser, trained_text_encoders=()) -> None:
     """Recompute activations in backward: the denoiser's blocks (diffusers' own switch,
     non-reentrant ``torch.utils.checkpoint``, so LoRA weights inside a block get gradients
@@ -241,6 +255,8 @@ def build_run(
     parts = frozen_parts(cfg, comps, accelerator.device, weight_dtype, te_params)
     if restored is not None:
         load_lora_state_dict(comps.denoiser, restored.lora_sd, trained_te)
+    elif cfg.lora.init_from:  # before FSDP shards it: every rank loads the whole adapter
+        start_from(cfg, comps, trained_te, rank)
     if fsdp:  # the LoRA parameters become DTensors (this rank's shards)
         params = shard_denoiser_of(cfg, comps, accelerator, weight_dtype)
 

@@ -1100,10 +1100,6 @@ def _prior_checks(d: DataSection) -> list[str]:
                     "data.class_prompt and/or data.class_sources)"]
         return []
     problems = []
-    if d.cache == "latents":
-        problems.append("data.cache: latents is not supported with prior preservation yet "
-                        "(class images are not cached); set data.cache=none or unset "
-                        "data.class_sources/data.class_prompt")
     if d.bucketing:
         # Instance and class halves of a batch must have one image size.
         problems.append("data.bucketing: not supported with prior preservation (a batch "

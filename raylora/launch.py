@@ -66,12 +66,16 @@ class Plan:
     # batches with, and what raylora.json says of them (raylora.data.classgen).
     class_rows: list[dict] | None = field(default=None, repr=False)
     class_images: dict | None = None
+    # ...with data.cache=latents, those rows encoded instead ({column: array}, by the
+    # cache's stages, raylora.data.cache.encode_rows): workers hold no encoders then.
+    class_encoded: dict | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("heldout")
         d.pop("heldout_encoded")
         d.pop("class_rows")
+        d.pop("class_encoded")
         d.pop("data")
         d["sources"] = self.data_plan().summary()
         d["content_files"] = self.data_plan().content_files()
@@ -248,7 +252,7 @@ def _carry(p: Plan, base: Plan, **changes) -> Plan:
     """``p`` (fresh step arithmetic) with what ``base`` learned beyond it: family, cache."""
     keep = {k: getattr(base, k)
             for k in ("family", "objective", "cache_uri", "cache_reused", "heldout_encoded", "bad_records",
-                      "class_rows", "class_images")}
+                      "class_rows", "class_images", "class_encoded")}
     return replace(p, **{**keep, **changes})
 
 
@@ -270,15 +274,21 @@ def apply_cache(cfg: RayLoraConfig, p: Plan) -> Plan:
 
 def apply_class_images(cfg: RayLoraConfig, p: Plan) -> Plan:
     """Prior preservation: the class images read, and the missing ones generated (Ray
-    Data, on the cluster) or reused; they travel to the workers in the plan."""
+    Data, on the cluster) or reused; they travel to the workers in the plan, encoded
+    (one Ray task, as the held-out rows) where the run trains from the latent cache."""
+    from raylora.data.cache import encode_rows
     from raylora.data.classgen import ensure_class_images
 
     if not cfg.data.prior_preservation:
         return p
+    store = cfg.storage.client()
     try:
-        found = ensure_class_images(cfg, p.family, p.model_path, cfg.storage.client())
+        found = ensure_class_images(cfg, p.family, p.model_path, store)
     except (FileNotFoundError, ValueError, OSError) as exc:
         raise ConfigError([str(exc) if str(exc).startswith("data.") else f"data.class_sources: {exc}"])
+    if cfg.data.cache == "latents":
+        return replace(p, class_images=found.summary(), class_encoded=encode_rows(
+            cfg, p.family, p.model_path, found.rows, store, purpose="class"))
     return replace(p, class_rows=found.rows, class_images=found.summary())
 
 

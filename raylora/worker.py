@@ -224,7 +224,8 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
     splits = []
     # Prior preservation: class samples appended to every batch (raylora.data.prior), in
     # the prefetch thread like the rest of the stream.
-    classes = _class_batches(spec, rank, data_seed) if plan.class_rows else None
+    classes = (_class_batches(spec, rank, data_seed)
+               if plan.class_rows or plan.class_encoded is not None else None)
 
     def shard(epoch: int):
         if by_files:
@@ -289,10 +290,13 @@ def _to_device(device):
 
 def _class_batches(spec: WorkerSpec, rank: int, seed: int):
     """This worker's class samples (prior preservation), preprocessed as the instance
-    images are, without caption dropout or prefixes (class prompts are used as given)."""
-    from raylora.data.prior import ClassBatches
+    images are, without caption dropout or prefixes (class prompts are used as given);
+    with the latent cache, encoded so by the driver."""
+    from raylora.data.prior import ClassBatches, EncodedClassBatches
     from raylora.data.preprocess import Preprocess, StageSpec
 
+    if spec.plan.class_encoded is not None:
+        return EncodedClassBatches(spec.plan.class_encoded, seed, rank)
     stage = Preprocess(StageSpec(**_stage_kwargs("class", spec)))
     return ClassBatches(spec.plan.class_rows, stage, seed, rank)
 

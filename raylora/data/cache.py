@@ -431,23 +431,28 @@ def ensure_cache(cfg: RayLoraConfig, family: str, model_path: str, data: DataPla
                       repeats=manifest["file_repeats"], buckets=manifest.get("file_buckets"))
 
 
-def _encode_rows_task(cfg_dict: dict, family: str, model_path: str, rows: list[dict]) -> dict:
-    from raylora.data.preprocess import Preprocess, StageSpec
+def _encode_rows_task(cfg_dict: dict, family: str, model_path: str, rows: list[dict],
+                      purpose: str) -> dict:
+    from raylora.data.preprocess import Preprocess, StageSpec, stage_kwargs
 
     cfg = RayLoraConfig.model_validate(cfg_dict)
     store = cfg.storage.client()
     pre, enc = _stage_kwargs(cfg, model_path, family, store)
-    # Held-out rows are evaluated together: one square size, buckets or not; unmasked.
-    pre["buckets"], pre["masks"] = None, False
+    if purpose == "class":  # prompts as given; masks when the instance rows have them
+        pre = stage_kwargs("class", cfg.data, model_path=model_path, family=family,
+                           storage=store, max_sequence_length=cfg.model.max_sequence_length)
+    else:  # held-out rows are evaluated together: one square size, buckets or not; unmasked
+        pre["buckets"], pre["masks"] = None, False
     return encode_chunk(Preprocess(StageSpec(**pre)), EncodeStage(**enc), rows)
 
 
 def encode_rows(cfg: RayLoraConfig, family: str, model_path: str, rows: list[dict],
-                store: Storage) -> dict[str, np.ndarray]:
-    """Held-out rows ``{image, text}`` → cached columns, in order, by the same code as the
-    cache, in one Ray task (on a GPU when training uses them): a few hundred rows at most."""
+                store: Storage, purpose: str = "heldout") -> dict[str, np.ndarray]:
+    """Held-out rows, or prior preservation's class rows (``purpose="class"``), ``{image,
+    text}`` → cached columns, in order, by the same code as the cache, in one Ray task (on
+    a GPU when training uses them): a few hundred rows at most."""
     import ray
 
     res = {"num_gpus": 1} if cfg.scaling.use_gpu else {"num_cpus": 1}
     task = ray.remote(**res)(_encode_rows_task)
-    return ray.get(task.remote(cfg.to_dict(), family, model_path, rows))
+    return ray.get(task.remote(cfg.to_dict(), family, model_path, rows, purpose))

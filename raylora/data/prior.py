@@ -33,13 +33,14 @@ class ClassBatches:
             raise ValueError("prior preservation: no class images")
         self.images = np.array([r["image"] for r in rows], dtype=object)
         self.texts = np.array([r["text"] for r in rows], dtype=object)
+        self.count = len(rows)
         self.stage, self.seed, self.rank = stage, seed, rank
 
     def _rng(self, *keys: int) -> np.random.Generator:
         return np.random.default_rng([PRIOR_SEED_SALT, self.seed, self.rank, *keys])
 
     def indices(self, epoch: int, i: int, n: int) -> list[int]:
-        rows = len(self.images)
+        rows = self.count
         out = []
         for k in range(i * n, i * n + n):
             cycle, at = divmod(k, rows)
@@ -56,6 +57,23 @@ class ClassBatches:
                              "image(s) could not be decoded (see the bad-record counts); "
                              "replace them in data.class_sources")
         return out
+
+
+class EncodedClassBatches(ClassBatches):
+    """``ClassBatches`` of class rows the driver encoded (data.cache=latents:
+    ``raylora.data.cache.encode_rows``): the same rows for the same batch, picked from
+    ``columns`` instead of preprocessed (a cache holds one view of each image: centre
+    crop, no flip)."""
+
+    def __init__(self, columns: dict[str, np.ndarray], seed: int, rank: int):
+        self.count = len(next(iter(columns.values()), ()))
+        if not self.count:
+            raise ValueError("prior preservation: no class images")
+        self.columns, self.seed, self.rank = columns, seed, rank
+
+    def batch(self, epoch: int, i: int, n: int) -> dict[str, np.ndarray]:
+        idx = self.indices(epoch, i, n)
+        return {k: v[idx] for k, v in self.columns.items()}
 
 
 def concat_pair(instance: dict[str, np.ndarray], prior: dict[str, np.ndarray]) -> dict:

@@ -356,3 +356,39 @@ def test_from_the_latent_cache_prior_preservation_trains_as_uncached_training_do
         # not bit-equal: the VAE's numerics depend a little on its batch size
         np.testing.assert_allclose(got, want, rtol=1e-4)
     assert all(r["loss_prior"] > 0 for r in rows("cached"))
+    # What the workers got: both images' latents, their one prompt's embedding once
+    from raylora.data.cache import encode_rows
+    from raylora.data.classgen import ensure_class_images
+    from raylora.storage import Storage
+
+    cfg = tree("cached", "latents")
+    found = ensure_class_images(cfg, "sd", tiny_model, Storage())
+    encoded = encode_rows(cfg, "sd", tiny_model, found.rows, Storage(), purpose="class")
+    assert encoded["latent_params"].shape[0] == 2
+    distinct, index = encoded["prompt_embeds"]
+    assert distinct.shape[0] == 1 and index.tolist() == [0, 0]
+
+
+def test_encoded_class_rows_keep_a_repeated_prompt_embedding_once():
+    """fold_repeats: a column whose rows repeat is kept once per distinct row (bytes equal),
+    and EncodedClassBatches gives every batch exactly the rows the unfolded columns hold."""
+    from raylora.data.prior import EncodedClassBatches, fold_repeats
+
+    rng = np.random.default_rng(0)
+    embeds = rng.standard_normal((2, 8, 16)).astype(np.float32)
+    columns = {"latent_params": rng.standard_normal((5, 8, 4, 4)).astype(np.float32),
+               "prompt_embeds": embeds[[0, 0, 1, 0, 1]],  # two prompts over five images
+               "time_ids": np.zeros((5, 6), np.float32)}
+    folded = fold_repeats(columns)
+    assert folded["latent_params"] is columns["latent_params"]  # no repeats: as it was
+    distinct, index = folded["prompt_embeds"]
+    assert distinct.shape == (2, 8, 16) and index.tolist() == [0, 0, 1, 0, 1]
+    assert folded["time_ids"][0].shape == (1, 6) and folded["time_ids"][1].tolist() == [0] * 5
+    whole = EncodedClassBatches(columns, seed=3, rank=1)
+    small = EncodedClassBatches(folded, seed=3, rank=1)
+    assert small.count == whole.count == 5
+    for epoch, i in [(0, 0), (0, 1), (1, 2)]:
+        a, b = whole.batch(epoch, i, 3), small.batch(epoch, i, 3)
+        assert set(a) == set(b)
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k])

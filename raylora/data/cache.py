@@ -439,18 +439,23 @@ def _encode_rows_task(cfg_dict: dict, family: str, model_path: str, rows: list[d
     store = cfg.storage.client()
     pre, enc = _stage_kwargs(cfg, model_path, family, store)
     if purpose == "class":  # prompts as given; masks when the instance rows have them
+        from raylora.data.prior import fold_repeats
+
         pre = stage_kwargs("class", cfg.data, model_path=model_path, family=family,
                            storage=store, max_sequence_length=cfg.model.max_sequence_length)
-    else:  # held-out rows are evaluated together: one square size, buckets or not; unmasked
-        pre["buckets"], pre["masks"] = None, False
+        # one copy of a prompt's embedding, not one per image, to the driver and workers
+        return fold_repeats(encode_chunk(Preprocess(StageSpec(**pre)), EncodeStage(**enc), rows))
+    # held-out rows are evaluated together: one square size, buckets or not; unmasked
+    pre["buckets"], pre["masks"] = None, False
     return encode_chunk(Preprocess(StageSpec(**pre)), EncodeStage(**enc), rows)
 
 
 def encode_rows(cfg: RayLoraConfig, family: str, model_path: str, rows: list[dict],
                 store: Storage, purpose: str = "heldout") -> dict[str, np.ndarray]:
-    """Held-out rows, or prior preservation's class rows (``purpose="class"``), ``{image,
-    text}`` → cached columns, in order, by the same code as the cache, in one Ray task (on
-    a GPU when training uses them): a few hundred rows at most."""
+    """Held-out rows, or prior preservation's class rows (``purpose="class"``, their
+    repeated rows folded: ``raylora.data.prior.fold_repeats``), ``{image, text}`` → cached
+    columns, in order, by the same code as the cache, in one Ray task (on a GPU when
+    training uses them): a few hundred rows at most."""
     import ray
 
     res = {"num_gpus": 1} if cfg.scaling.use_gpu else {"num_cpus": 1}

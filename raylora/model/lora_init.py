@@ -293,6 +293,15 @@ def _take_over(module: torch.nn.Module, name: str, uri: str,
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     layers = [(n, m) for n, m in module.named_modules() if isinstance(m, BaseTunerLayer)]
+    # diffusers' text-encoder loader casts the whole encoder to its dtype, the run's LoRA
+    # with it: that stays fp32 (raylora.model.lora._fp32_trainable), and the same objects,
+    # which the optimizer is built on next
+    for _, m in layers:
+        for attr in m.adapter_layer_names:
+            held = getattr(m, attr)
+            for _, p in _tensors(held["default"]) if "default" in held else ():
+                if p.is_floating_point() and p.dtype != torch.float32:
+                    p.data = p.data.float()
     mine = [(n, m) for n, m in layers if SCRATCH in m.scaling]
     if not mine:
         return {"loaded": 0, "fresh": sum("default" in m.scaling for _, m in layers)}
@@ -301,14 +310,6 @@ def _take_over(module: torch.nn.Module, name: str, uri: str,
         raise ValueError(f"{KEY}: {uri} has LoRA layers on {len(lacking)} module(s) of {name} "
                          f"this run's adapter does not target, e.g. {lacking[:3]}; widen "
                          "lora.target_modules (or lora.text_encoder_target_modules)")
-    # diffusers' text-encoder loader casts the whole encoder to its dtype, the run's LoRA
-    # with it: that is kept in fp32 (raylora.model.lora._fp32_trainable), the same objects
-    # the optimizer will step
-    for _, m in layers:
-        for attr in m.adapter_layer_names:
-            for _, p in _tensors(getattr(m, attr)["default"]) if "default" in getattr(m, attr) else ():
-                if p.is_floating_point() and p.dtype != torch.float32:
-                    p.data = p.data.float()
     variant = _variant(module.peft_config["default"])
     for n, m in mine:
         moved = 0

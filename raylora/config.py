@@ -1266,11 +1266,13 @@ def _quantize_checks(cfg: RayLoraConfig) -> list[str]:
         if kind == "fp8" and not cfg.scaling.use_gpu:
             problems.append(f"{key}: fp8 is for GPUs (scaling.use_gpu is false); on CPU use "
                             "nf4 or int8")
-    if m.quantize_text_encoders != "none" and cfg.data.cache == "latents" and not cfg.validation.prompts:
+    if (m.quantize_text_encoders != "none" and cfg.data.cache == "latents"
+            and not cfg.validation.prompts and cfg.data.class_prompt is None):
         problems.append(
-            "model.quantize_text_encoders: has no effect with data.cache=latents and no "
-            "validation.prompts (training workers load no text encoder, the cache stage encodes "
-            "at full precision, and there are no previews to load one); set none"
+            "model.quantize_text_encoders: has no effect with data.cache=latents, no "
+            "validation.prompts and no data.class_prompt (training workers load no text "
+            "encoder, the cache stage encodes at full precision, and there are no previews or "
+            "class images to generate with one); set none"
         )
     return problems
 

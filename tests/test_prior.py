@@ -167,6 +167,18 @@ def test_every_family_generates_class_images_with_its_stock_pipeline(tiny, famil
     out = str(tmp_path / "gen")
     stage = GenerateStage(tiny(family), family, "a photo of a shape", out, resolution=32,
                           steps=2, guidance=2.0, max_sequence_length=32)
+    # Its text encoders are the ones a training worker holds (the family's adaptation:
+    # Flux.2's Mistral without its vision tower, LM head and unused layers), not the
+    # stock pipeline's own.
+    fam = families.get(family)
+    stock = fam.load_pipeline(tiny(family))
+    for t in fam.text:
+        mine, theirs = getattr(stage.pipe, t.encoder), getattr(stock, t.encoder)
+        size = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+        if family in ("flux2", "flux2klein"):
+            assert size(mine) < size(theirs)
+        else:
+            assert type(mine) is type(theirs) and size(mine) == size(theirs)
     rows: list[int] = []  # batch rows of each denoiser call
     denoiser = getattr(stage.pipe, families.get(family).denoiser)
 
@@ -193,6 +205,29 @@ def test_every_family_generates_class_images_with_its_stock_pipeline(tiny, famil
     np.testing.assert_allclose(a.astype(float), b.astype(float), atol=2)
 
 
+def test_class_images_are_generated_with_the_text_encoders_quantized_as_configured(tiny, tmp_path):
+    """model.quantize_text_encoders reaches the generation stage: Flux.2 [dev]'s adapted
+    Mistral in nf4, and the image it renders differs from the unquantized one's only by
+    what the quantization changes (same seed, same size, finite)."""
+    import bitsandbytes as bnb
+    from PIL import Image
+
+    from raylora.data.classgen import GenerateStage
+
+    images = {}
+    for kind in ("none", "nf4"):
+        out = str(tmp_path / kind)
+        stage = GenerateStage(tiny("flux2"), "flux2", "a photo of a shape", out, resolution=32,
+                              steps=2, guidance=2.0, max_sequence_length=32,
+                              model={"quantize_text_encoders": kind})
+        quantized = [m for m in stage.pipe.text_encoder.modules() if isinstance(m, bnb.nn.Linear4bit)]
+        assert bool(quantized) == (kind == "nf4")
+        stage({"index": np.array([0]), "seed": np.array([4])})
+        images[kind] = np.asarray(Image.open(os.path.join(out, "00000.png"))).astype(float)
+    assert images["nf4"].shape == images["none"].shape == (32, 32, 3)
+    assert np.abs(images["nf4"] - images["none"]).max() > 0
+
+
 def test_generation_keys_stay_those_of_existing_folders_unless_the_call_changed():
     """A generated folder is reused by its key: for the families whose pipeline call did
     not change, the keys are the ones computed before families had their own guidance
@@ -211,6 +246,10 @@ def test_generation_keys_stay_those_of_existing_folders_unless_the_call_changed(
     kept = [f for f in before if f != "qwenimage"]  # families added since have no old key
     assert {f: keys[f] for f in kept} == {f: before[f] for f in kept}
     assert keys["qwenimage"] != before["qwenimage"] and len(keys["qwenimage"]) == 16
+    # quantized text encoders draw other images: another folder
+    tree = cfg.model_dump()
+    tree["model"]["quantize_text_encoders"] = "nf4"
+    assert generation_key(validate(tree), "sd", "org/base", 3, _store()) != keys["sd"]
 
 
 def test_class_rows_need_a_prompt_and_an_interrupted_folder_is_completed(tiny_model, demo_data,

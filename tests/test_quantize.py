@@ -149,10 +149,14 @@ def test_config_and_worker_refuse_what_cannot_run(tiny_model, tmp_path):
     cached = {"model": {"pretrained": "m", "quantize_text_encoders": "nf4"},
               "data": {"uri": "d", "cache": "latents", "center_crop": True}}
     with pytest.raises(ConfigError, match="model.quantize_text_encoders: has no effect with "
-                                          "data.cache=latents and no validation.prompts"):
+                                          "data.cache=latents, no validation.prompts and no "
+                                          "data.class_prompt"):
         validate({**MIN, **cached})
-    # with previews it quantizes what they load (test_a_cached_run_previews_with_...)
+    # with previews it quantizes what they load (test_a_cached_run_previews_with_...), and
+    # with class images to generate, what the generation loads (test_prior)
     assert validate({**MIN, **cached, "validation": {"prompts": ["a"]}}).model.quantize_text_encoders == "nf4"
+    assert validate({**MIN, **cached, "data": {**cached["data"], "class_prompt": "a dog"}}
+                    ).model.quantize_text_encoders == "nf4"
     # a config validated for a GPU that lands on a CPU worker: refused before loading
     from raylora.model.load import load_components
 

@@ -109,12 +109,16 @@ def generation_key(cfg: RayLoraConfig, family: str, model_path: str, count: int,
     from raylora.model.load import is_hub_id
 
     g, h = cfg.data.class_generation, hashlib.sha256()
+    q = cfg.model.quantize_text_encoders
     h.update(json.dumps({
         "version": GEN_VERSION, "model": model_path, "revision": cfg.model.revision,
         "variant": cfg.model.variant, "family": family, "prompt": cfg.data.class_prompt,
         "count": count, "seed": g.seed, "resolution": cfg.data.max_resolution(),
         "steps": g.num_inference_steps,
         "guidance": _guidance_key(family, guidance_scale(cfg, family)),
+        # quantized encoders condition the images a little differently; only when on, so
+        # the folders of unquantized runs keep their keys
+        **({"quantize_text_encoders": q} if q != "none" else {}),
     }, sort_keys=True).encode())
     if not is_hub_id(model_path):  # retrained weights: new images
         h.update(data_fingerprint(store.list_files(model_path), store).encode())
@@ -206,7 +210,8 @@ def generate(cfg: RayLoraConfig, family: str, model_path: str, uri: str,
                  out_uri=uri, resolution=cfg.data.max_resolution(),
                  steps=g.num_inference_steps, guidance=guidance_scale(cfg, family),
                  endpoint_url=cfg.storage.endpoint_url, region=cfg.storage.region,
-                 max_sequence_length=cfg.model.max_sequence_length)
+                 max_sequence_length=cfg.model.max_sequence_length,
+                 model=cfg.model.model_dump(mode="json"))
     ds = ray.data.from_items(items, override_num_blocks=max(1, len(items) // g.batch_size))
     written = ds.map_batches(GenerateStage, fn_constructor_kwargs=stage, batch_size=g.batch_size,
                              batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=actors),
@@ -217,16 +222,22 @@ def generate(cfg: RayLoraConfig, family: str, model_path: str, uri: str,
 
 class GenerateStage:
     """Ray Data actor: ``{index, seed}`` rows → images written to storage (PNG + prompt).
-    Loads the family's stock pipeline once (bf16 on a GPU, fp32 on a CPU)."""
+    Loads the family's stock pipeline once (bf16 on a GPU, fp32 on a CPU), with the text
+    encoders and VAE as a training worker holds them (``raylora.model.load.load_encoders``:
+    adapted by the family, quantized as ``model.quantize_text_encoders`` says), not as the
+    stock pipeline loads them: Flux.2 [dev]'s would be the whole 24B Mistral 3 beside the
+    32B transformer. ``model``: the run's ``model`` section (``ModelSection`` fields)."""
 
     def __init__(self, model_path: str, family: str, prompt: str, out_uri: str, resolution: int,
                  steps: int, guidance: float, endpoint_url=None, region=None,
-                 max_sequence_length=None):
+                 max_sequence_length=None, model: dict | None = None):
         import torch
 
         from raylora import quiet
+        from raylora.config import ModelSection
         from raylora.model import families
-        from raylora.model.load import materialize
+        from raylora.model.load import load_encoders, materialize, read_index
+        from raylora.train.preview import encoder_kwargs
 
         self.store = Storage(endpoint_url, region)
         fam = families.get(family)
@@ -237,7 +248,11 @@ class GenerateStage:
             extra = {"safety_checker": None, "requires_safety_checker": False}
         quiet.diffusers_bars_off()
         path = materialize(model_path, self.store)
-        self.pipe = fam.load_pipeline(path, dtype=dtype, **extra).to(self.device)
+        section = ModelSection(**{**(model or {}), "pretrained": path})
+        tokenizers, encoders, vae = load_encoders(path, fam, dtype, read_index(section, path),
+                                                  section, self.device)
+        self.pipe = fam.load_pipeline(path, dtype=dtype, **encoder_kwargs(fam, vae, encoders, tokenizers),
+                                      **extra).to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
         self.call = dict(num_inference_steps=steps, height=resolution, width=resolution)
         self.family, self.guidance = fam, guidance  # the call's guidance: per batch size

@@ -129,7 +129,7 @@ def _sample(args) -> int:
     out = sample(
         args.model, args.adapter, args.prompt, args.out,
         seed=args.seed, steps=args.steps, guidance_scale=args.guidance_scale, size=args.size,
-        expert=args.expert,
+        expert=args.expert, quantize_text_encoders=args.quantize_text_encoders,
     )
     print(f"raylora: sample image {out}")
     return 0
@@ -313,6 +313,8 @@ def _family_names() -> list[str]:
 
 def _adapter_commands(sub) -> None:
     """validate, sample, export, tiny-model: configs, adapters and models on this machine."""
+    from raylora.config import QUANTIZE_KINDS  # (pydantic only: --help stays quick)
+
     v = sub.add_parser("validate", help="check a config and print it resolved")
     v.add_argument("config")
     v.add_argument("overrides", nargs="*")
@@ -336,6 +338,11 @@ def _adapter_commands(sub) -> None:
     s.add_argument("--expert", choices=["high_noise", "low_noise"], default=None,
                    help="a pipeline of experts (Wan 2.2 A14B): the one the (single) adapter "
                         "trained; default: model.expert in the adapter folder's raylora.json")
+    s.add_argument("--quantize-text-encoders", choices=list(QUANTIZE_KINDS),
+                   default="none", help="the text encoders' linears quantized, as "
+                   "model.quantize_text_encoders does (fp8: GPU only); they are loaded as "
+                   "training holds them either way (Flux.2 [dev]: Mistral's language model "
+                   "alone)")
     s.set_defaults(fn=_sample)
 
     e = sub.add_parser("export", help="convert a diffusers adapter folder to another format")

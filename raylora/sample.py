@@ -17,14 +17,16 @@ def sample(
     guidance_scale: float | None = None,
     size: int | None = None,
     expert: str | None = None,
+    quantize_text_encoders: str = "none",
 ) -> str:
     """``guidance_scale``: default the family's (SD 7.5, Flux.1-dev 3.5, ...), passed as the
     family's pipeline takes it (Qwen-Image: true CFG with an empty negative prompt).
-    ``adapter``, ``expert``: see ``load_pipeline``."""
+    ``adapter``, ``expert``, ``quantize_text_encoders``: see ``load_pipeline``."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # bf16 on GPUs: fp16 overflows in Flux/SD3/Qwen-Image transformers.
     pipe, family = load_pipeline(model, adapter, expert,
-                                 torch.bfloat16 if device == "cuda" else torch.float32)
+                                 torch.bfloat16 if device == "cuda" else torch.float32,
+                                 quantize_text_encoders, device)
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     # No size: the pipeline's own default (the model's sample size; ZImagePipeline's 1024,
@@ -45,17 +47,27 @@ def sample(
 
 
 def load_pipeline(model: str, adapter: str | list[str], expert: str | None = None,
-                  dtype: torch.dtype = torch.float32):
+                  dtype: torch.dtype = torch.float32, quantize_text_encoders: str = "none",
+                  device="cpu"):
     """(the family's stock pipeline of ``model`` with the adapter loaded, the family).
 
     A pipeline of experts (Wan 2.2 A14B) samples with every expert; an adapter goes into
     the one it trained: ``expert``, else ``model.expert`` in the adapter folder's
     ``raylora.json``. ``adapter`` may list one adapter per expert (each folder's
-    ``raylora.json`` names its expert), e.g. a high-noise and a low-noise run."""
+    ``raylora.json`` names its expert), e.g. a high-noise and a low-noise run.
+
+    The text encoders and VAE are loaded as a training worker holds them
+    (``raylora.model.load.load_encoders``: adapted by the family, so Flux.2 [dev]'s is
+    Mistral 3's language model without its vision tower, LM head and unused layers, 36 GB
+    in bf16 instead of 48), the encoders' linears quantized on ``device`` as
+    ``quantize_text_encoders`` (``model.quantize_text_encoders``' values) says."""
     from diffusers import DiffusionPipeline
 
     from raylora import quiet
+    from raylora.config import ModelSection
     from raylora.model import families
+    from raylora.model.load import load_encoders
+    from raylora.train.preview import encoder_kwargs
 
     adapters = [adapter] if isinstance(adapter, str) else list(adapter)
     path = os.path.abspath(model) if os.path.isdir(model) else model
@@ -79,7 +91,9 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
         raise ValueError(f"--adapter: {', '.join(adapters)} train the same denoiser "
                          f"({', '.join(str(e) for e in experts)}); give one adapter per expert")
     quiet.diffusers_bars_off()  # "Loading pipeline components..."
-    pipe = family.load_pipeline(path, dtype=dtype)
+    section = ModelSection(pretrained=path, quantize_text_encoders=quantize_text_encoders)
+    tokenizers, encoders, vae = load_encoders(path, family, dtype, index, section, device)
+    pipe = family.load_pipeline(path, dtype=dtype, **encoder_kwargs(family, vae, encoders, tokenizers))
     for a, e in zip(adapters, experts):
         load_adapter(pipe, family, a, e)
     return pipe, family

@@ -279,6 +279,47 @@ def test_cached_latents_workers_hold_no_encoder(tiny_model, demo_data, tmp_path)
     assert run.parts.vae is None and run.parts.text_encoders == []
 
 
+def test_raylora_sample_loads_the_encoders_as_training_holds_them(tiny, tmp_path):
+    """raylora sample: Flux.2 [dev]'s pipeline with Mistral's language model alone (the
+    image equal, pixel for pixel, to the stock pipeline's with the whole
+    Mistral3ForConditionalGeneration and the same adapter), and with
+    --quantize-text-encoders nf4 its linears in 4 bits (another image)."""
+    import bitsandbytes as bnb
+    import numpy as np
+    from diffusers import Flux2Transformer2DModel
+
+    from raylora.config import LoraSection
+    from raylora.model import families
+    from raylora.model.lora import add_lora, save_diffusers_adapter
+    from raylora.sample import load_adapter, load_pipeline
+
+    model, fam = tiny("flux2"), families.get("flux2")
+    transformer = Flux2Transformer2DModel.from_pretrained(model, subfolder="transformer")
+    add_lora(transformer, LoraSection(rank=4), fam.default_lora_targets(transformer))
+    torch.manual_seed(0)
+    for p in transformer.parameters():
+        if p.requires_grad:
+            p.data.normal_(0, 0.05)
+    save_diffusers_adapter(transformer, str(tmp_path / "adapter"), fam)
+
+    def image(pipe):
+        pipe.set_progress_bar_config(disable=True)
+        return np.asarray(fam.images(pipe, prompt="a red circle", num_inference_steps=2, height=32,
+                                     width=32, generator=torch.Generator().manual_seed(1))[0], float)
+
+    stock = fam.load_pipeline(model)
+    load_adapter(stock, fam, str(tmp_path / "adapter"))
+    mine, _ = load_pipeline(model, str(tmp_path / "adapter"))
+    small, _ = load_pipeline(model, str(tmp_path / "adapter"), quantize_text_encoders="nf4")
+    assert type(stock.text_encoder).__name__ == "Mistral3ForConditionalGeneration"
+    assert type(mine.text_encoder).__name__ == type(small.text_encoder).__name__ == "MistralModel"
+    assert not any(isinstance(m, bnb.nn.Linear4bit) for m in mine.text_encoder.modules())
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in small.text_encoder.modules())
+    want = image(stock)
+    np.testing.assert_array_equal(image(mine), want)
+    assert np.abs(image(small) - want).max() > 0
+
+
 @pytest.mark.parametrize("kind", ["none", "nf4"])
 def test_a_cached_run_previews_with_the_encoders_a_worker_would_hold(tiny, demo_data, tmp_path, kind):
     """With data.cache=latents a worker holds no text encoder; a preview loads them as a

@@ -66,8 +66,9 @@ class Plan:
     # batches with, and what raylora.json says of them (raylora.data.classgen).
     class_rows: list[dict] | None = field(default=None, repr=False)
     class_images: dict | None = None
-    # ...with data.cache=latents, those rows encoded instead ({column: array}, by the
-    # cache's stages, raylora.data.cache.encode_rows): workers hold no encoders then.
+    # ...with data.cache=latents, those rows encoded instead ({column: array}, a repeated
+    # column folded: raylora.data.prior.fold_repeats; by the cache's stages,
+    # raylora.data.cache.encode_rows): workers hold no encoders then.
     class_encoded: dict | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict:

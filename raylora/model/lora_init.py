@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import struct
 import warnings
 
@@ -155,7 +156,6 @@ def start_from(uri: str, store: Storage, family, denoiser: torch.nn.Module,
     """``load_init`` of the adapter at ``uri``, downloaded into a temporary folder (not the
     node's model cache, which is keyed by URI: an adapter rewritten in place, as a rerun
     rewrites output.uri/adapter, must not be read stale)."""
-    import os
     import tempfile
 
     import pyarrow.fs as pafs
@@ -180,8 +180,6 @@ def load_init(uri: str, local: str, family, denoiser: torch.nn.Module,
     trained ``text_encoders`` (component name → module). Returns layers loaded and layers
     the file does not have (they start as a no-op), per component. Raises ``ValueError``
     naming ``lora.init_from`` for layers the run's adapter lacks."""
-    import os
-
     from raylora.model.lora import is_peft_folder
 
     counts = {}
@@ -265,8 +263,6 @@ def _component_meta(metadata: dict | None, prefix: str) -> dict | None:
 def _load_peft(local: str, denoiser, uri: str) -> dict[str, torch.Tensor]:
     from peft import PeftConfig, inject_adapter_in_model, set_peft_model_state_dict
     from safetensors.torch import load_file
-
-    import os
 
     config = PeftConfig.from_pretrained(local)
     sd = {k.removeprefix("base_model.model."): v

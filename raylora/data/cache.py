@@ -439,15 +439,17 @@ def _encode_rows_task(cfg_dict: dict, family: str, model_path: str, rows: list[d
     store = cfg.storage.client()
     pre, enc = _stage_kwargs(cfg, model_path, family, store)
     if purpose == "class":  # prompts as given; masks when the instance rows have them
-        from raylora.data.prior import fold_repeats
-
         pre = stage_kwargs("class", cfg.data, model_path=model_path, family=family,
                            storage=store, max_sequence_length=cfg.model.max_sequence_length)
-        # one copy of a prompt's embedding, not one per image, to the driver and workers
-        return fold_repeats(encode_chunk(Preprocess(StageSpec(**pre)), EncodeStage(**enc), rows))
-    # held-out rows are evaluated together: one square size, buckets or not; unmasked
-    pre["buckets"], pre["masks"] = None, False
-    return encode_chunk(Preprocess(StageSpec(**pre)), EncodeStage(**enc), rows)
+    else:  # held-out rows are evaluated together: one square size, buckets or not; unmasked
+        pre["buckets"], pre["masks"] = None, False
+    encoded = encode_chunk(Preprocess(StageSpec(**pre)), EncodeStage(**enc), rows)
+    if purpose != "class":
+        return encoded
+    from raylora.data.prior import fold_repeats
+
+    # one copy of a prompt's embedding, not one per image, to the driver and workers
+    return fold_repeats(encoded)
 
 
 def encode_rows(cfg: RayLoraConfig, family: str, model_path: str, rows: list[dict],

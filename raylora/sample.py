@@ -57,17 +57,16 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
     ``raylora.json`` names its expert), e.g. a high-noise and a low-noise run.
 
     The text encoders and VAE are loaded as a training worker holds them
-    (``raylora.model.load.load_encoders``: adapted by the family, so Flux.2 [dev]'s is
-    Mistral 3's language model without its vision tower, LM head and unused layers, 36 GB
-    in bf16 instead of 48), the encoders' linears quantized on ``device`` as
+    (``raylora.model.load.load_pipeline_as_trained``: Flux.2 [dev]'s is Mistral 3's
+    language model without its vision tower, LM head and unused layers, 36 GB in bf16
+    instead of 48), the encoders' linears quantized on ``device`` as
     ``quantize_text_encoders`` (``model.quantize_text_encoders``' values) says."""
     from diffusers import DiffusionPipeline
 
     from raylora import quiet
     from raylora.config import ModelSection
     from raylora.model import families
-    from raylora.model.load import load_encoders
-    from raylora.train.preview import encoder_kwargs
+    from raylora.model.load import load_pipeline_as_trained
 
     adapters = [adapter] if isinstance(adapter, str) else list(adapter)
     path = os.path.abspath(model) if os.path.isdir(model) else model
@@ -92,8 +91,7 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
                          f"({', '.join(str(e) for e in experts)}); give one adapter per expert")
     quiet.diffusers_bars_off()  # "Loading pipeline components..."
     section = ModelSection(pretrained=path, quantize_text_encoders=quantize_text_encoders)
-    tokenizers, encoders, vae = load_encoders(path, family, dtype, index, section, device)
-    pipe = family.load_pipeline(path, dtype=dtype, **encoder_kwargs(family, vae, encoders, tokenizers))
+    pipe = load_pipeline_as_trained(path, family, dtype, index, section, device)
     for a, e in zip(adapters, experts):
         load_adapter(pipe, family, a, e)
     return pipe, family

@@ -223,10 +223,10 @@ def generate(cfg: RayLoraConfig, family: str, model_path: str, uri: str,
 class GenerateStage:
     """Ray Data actor: ``{index, seed}`` rows → images written to storage (PNG + prompt).
     Loads the family's stock pipeline once (bf16 on a GPU, fp32 on a CPU), with the text
-    encoders and VAE as a training worker holds them (``raylora.model.load.load_encoders``:
-    adapted by the family, quantized as ``model.quantize_text_encoders`` says), not as the
-    stock pipeline loads them: Flux.2 [dev]'s would be the whole 24B Mistral 3 beside the
-    32B transformer. ``model``: the run's ``model`` section (``ModelSection`` fields)."""
+    encoders and VAE as a training worker holds them
+    (``raylora.model.load.load_pipeline_as_trained``: quantized as
+    ``model.quantize_text_encoders`` says). ``model``: the run's ``model`` section
+    (``ModelSection`` fields)."""
 
     def __init__(self, model_path: str, family: str, prompt: str, out_uri: str, resolution: int,
                  steps: int, guidance: float, endpoint_url=None, region=None,
@@ -236,8 +236,7 @@ class GenerateStage:
         from raylora import quiet
         from raylora.config import ModelSection
         from raylora.model import families
-        from raylora.model.load import load_encoders, materialize, read_index
-        from raylora.train.preview import encoder_kwargs
+        from raylora.model.load import load_pipeline_as_trained, materialize, read_index
 
         self.store = Storage(endpoint_url, region)
         fam = families.get(family)
@@ -249,10 +248,8 @@ class GenerateStage:
         quiet.diffusers_bars_off()
         path = materialize(model_path, self.store)
         section = ModelSection(**{**(model or {}), "pretrained": path})
-        tokenizers, encoders, vae = load_encoders(path, fam, dtype, read_index(section, path),
-                                                  section, self.device)
-        self.pipe = fam.load_pipeline(path, dtype=dtype, **encoder_kwargs(fam, vae, encoders, tokenizers),
-                                      **extra).to(self.device)
+        self.pipe = load_pipeline_as_trained(path, fam, dtype, read_index(section, path), section,
+                                             self.device, **extra).to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
         self.call = dict(num_inference_steps=steps, height=resolution, width=resolution)
         self.family, self.guidance = fam, guidance  # the call's guidance: per batch size

@@ -202,6 +202,28 @@ def load_encoders(path: str, family: type[Family], weight_dtype: torch.dtype, in
     return tokenizers, text_encoders, vae
 
 
+def encoder_kwargs(family: type[Family], vae=None, text_encoders=(), tokenizers=()) -> dict:
+    """The pipeline components, by name, of whatever encoders and tokenizers are given."""
+    kw: dict = {} if vae is None else {"vae": vae}
+    for t, enc in zip(family.text, text_encoders):
+        kw[t.encoder] = enc
+    for t, tok in zip(family.text, tokenizers):
+        kw[t.tokenizer] = tok
+    return kw
+
+
+def load_pipeline_as_trained(path: str, family: type[Family], weight_dtype: torch.dtype, index: dict,
+                             model: ModelSection, device=None, **kw):
+    """The family's stock pipeline of the folder ``path`` (on the CPU), its text encoders
+    and VAE loaded as a worker holds them (``load_encoders``), not as the stock pipeline
+    loads them: Flux.2 [dev]'s would be the whole 24B Mistral 3, vision tower and LM head
+    included, at full precision. Class images and ``raylora sample`` render with it; ``kw``
+    goes to ``from_pretrained``."""
+    tokenizers, encoders, vae = load_encoders(path, family, weight_dtype, index, model, device)
+    return family.load_pipeline(path, dtype=weight_dtype, **encoder_kwargs(family, vae, encoders, tokenizers),
+                                **kw)
+
+
 def load_components(
     model: ModelSection,
     weight_dtype: torch.dtype,

@@ -50,6 +50,8 @@ def build_pipeline(model_path: str, family, model, vae=None, text_encoders=(), t
     """The family's stock pipeline sharing the trained ``model`` (and whatever encoders are
     already loaded); the rest is loaded from ``model_path``. ``expert``: ``model.expert``
     (a pipeline of experts samples with the trained one alone, ``Family.pipeline_with``)."""
+    from raylora.model.load import encoder_kwargs
+
     kw = family.pipeline_with(model, expert) | encoder_kwargs(family, vae, text_encoders, tokenizers)
     extra = {}
     if "safety_checker" in family.pipeline_class()._optional_components:
@@ -57,16 +59,6 @@ def build_pipeline(model_path: str, family, model, vae=None, text_encoders=(), t
     pipe = family.load_pipeline(model_path, dtype=dtype, **kw, **extra)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
-
-
-def encoder_kwargs(family, vae=None, text_encoders=(), tokenizers=()) -> dict:
-    """The pipeline components, by name, of whatever encoders and tokenizers are given."""
-    kw: dict = {} if vae is None else {"vae": vae}
-    for t, enc in zip(family.text, text_encoders):
-        kw[t.encoder] = enc
-    for t, tok in zip(family.text, tokenizers):
-        kw[t.tokenizer] = tok
-    return kw
 
 
 def denoiser_of(pipe) -> torch.nn.Module:

@@ -422,6 +422,25 @@ class _MetaGroupNorm(GroupNormInWeightDtype):
             _OUTSIDE_AUTOCAST.reset(token)
 
 
+def _to_meta(t, index: bool = False):
+    if not (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() > 0):
+        return t
+    if index and t.dtype == torch.bool and t.dim() == 1:
+        t = t.nonzero().squeeze(-1)  # the positions it selects, read on the host
+    return t.to("meta")
+
+
+def _host_to_meta(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A call's host tensors (with values) moved to meta, where the call has meta tensors
+    too (``_MetaStep``)."""
+    if name == "repeat_interleave" and len(args) > 1 and isinstance(args[1], torch.Tensor) \
+            and args[1].device.type == "cpu":
+        return (args[0], args[1].to("meta"), *args[2:]), {**kwargs, "output_size": int(args[1].sum())}
+    if name in ("__getitem__", "__setitem__"):
+        return (args[0], tree_map(lambda t: _to_meta(t, index=True), args[1]), *args[2:]), kwargs
+    return tree_map(_to_meta, (args, kwargs))
+
+
 class _MetaStep(TorchFunctionMode):
     """Torch-function rules for a step on meta tensors: autocast's casts (``autocast``:
     the device whose policy to follow, None: no mixed precision), fused-kernel SDPA
@@ -429,7 +448,10 @@ class _MetaStep(TorchFunctionMode):
     have no values. The only such reads in a family's step are Qwen-Image's caption
     masks (trimming the padding after the longest caption; transformers checking for
     padding) and Z-Image's caption lengths: every caption is taken to fill its ``scalar``
-    tokens."""
+    tokens. A host tensor that meets a meta one goes to meta (a family that builds a mask
+    on the host so that the denoiser's data-dependent layout can be computed: Qwen-Image
+    2.1's): a boolean index as the positions it selects, and ``repeat_interleave`` by host
+    repeats with the output size they give."""
 
     def __init__(self, dtype: torch.dtype | None, autocast: str | None, flash: bool,
                  scalar: int | None):
@@ -456,6 +478,8 @@ class _MetaStep(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
+        if any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_flatten((args, kwargs))[0]):
+            args, kwargs = _host_to_meta(name, args, kwargs)
         if name in _SCALAR_READS and self.scalar is not None and isinstance(args[0], torch.Tensor) \
                 and args[0].is_meta and not args[0].is_floating_point():
             # a full mask: its length (each caption's, for a list of them), and "all set"

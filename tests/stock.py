@@ -31,6 +31,28 @@ lora_modules = {c: [len(names), sum(1 for _, m in getattr(pipe, into.get(c, c)).
 """
 
 
+# What the stock pipeline is handed in place of a component this machine cannot build:
+# QwenImage21Pipeline's Qwen3VLProcessor needs torchvision (its video processor), which has
+# no CPU build here. Text to image reads captions alone through it; a caption-only subclass
+# around the folder's own tokenizer does that (as raylora's qwenimage21.caption_processor,
+# written again here: these scripts never import raylora).
+STOCK_COMPONENTS = r"""
+def stock_components(pipeline, model):
+    if pipeline != "QwenImage21Pipeline":
+        return {}
+    from transformers import AutoTokenizer, Qwen3VLProcessor
+    class CaptionProcessor(Qwen3VLProcessor):
+        def __init__(self, tokenizer):
+            self.tokenizer, self.chat_template = tokenizer, tokenizer.chat_template
+        def __call__(self, text=None, images=None, videos=None, **kw):
+            assert images is None and videos is None
+            return self.tokenizer(text, **kw)
+        def apply_chat_template(self, conversation, **kw):
+            return [self.tokenizer.apply_chat_template(conversation, **kw)]
+    return {"processor": CaptionProcessor(AutoTokenizer.from_pretrained(model, subfolder="processor"))}
+"""
+
+
 STOCK_LOAD = r"""
 import json, sys, torch
 from diffusers import StableDiffusionPipeline
@@ -64,7 +86,8 @@ STOCK_LOAD_PIPELINE = r"""
 import json, sys, torch
 import diffusers
 model, adapter, pipeline, extra = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
-pipe = getattr(diffusers, pipeline).from_pretrained(model)
+""" + STOCK_COMPONENTS + r"""
+pipe = getattr(diffusers, pipeline).from_pretrained(model, **stock_components(pipeline, model))
 pipe.set_progress_bar_config(disable=True)
 def render():
     out = pipe(prompt="a red circle on a blue background", num_inference_steps=2, height=64,
@@ -99,7 +122,21 @@ PIPELINES = {
     # its system message alone is 31 of the tiny tokenizer's tokens
     "flux2": ("Flux2Pipeline", {"max_sequence_length": 64}),
     "wan": ("WanPipeline", {"max_sequence_length": 32, "num_frames": 1}),
+    # It keeps every caption token (no max_sequence_length). Its KV cache (on by default)
+    # makes every step after the first a decode of the image tokens alone, which agrees
+    # with the whole pass to rounding: raylora trains the whole pass, which this compares.
+    "qwenimage21": ("QwenImage21Pipeline", {"use_kv_cache": False}),
 }
+
+
+def stock_pipeline(family: str, model: str):
+    """The family's stock pipeline ``from_pretrained(model)`` (with ``STOCK_COMPONENTS``)."""
+    import diffusers
+
+    scope: dict = {}
+    exec(STOCK_COMPONENTS, scope)
+    pipeline = PIPELINES[family][0]
+    return getattr(diffusers, pipeline).from_pretrained(model, **scope["stock_components"](pipeline, model))
 
 
 def stock_load(model: str, adapter: str, workdir, family: str = "sd") -> dict:
@@ -132,12 +169,11 @@ def stock_image_change(family: str, model: str, adapter, check_pipe=None, expert
     pipeline, as ``stock_load`` checks). ``check_pipe(pipe)`` may inspect the pipeline first.
     ``expert`` (a Wan 2.2 expert): loaded into that expert's transformer with the stock
     loader's own argument, and no other denoiser gets a LoRA module."""
-    import diffusers
     import numpy as np
     import torch
 
-    pipeline, extra = PIPELINES[family]
-    pipe = getattr(diffusers, pipeline).from_pretrained(model)
+    extra = PIPELINES[family][1]
+    pipe = stock_pipeline(family, model)
     pipe.set_progress_bar_config(disable=True)
     if check_pipe is not None:
         check_pipe(pipe)

@@ -409,7 +409,7 @@ def test_guidance_kwargs_are_arguments_of_the_stock_pipeline_call(family):
         kw = fam.guidance_kwargs(scale, batch=batch)
         assert set(kw) <= set(params), (family, kw)
         want = fam.default_guidance_scale if scale is None else scale
-        if family == "qwenimage":
+        if family in QWEN:
             # true CFG needs scale > 1 and a negative prompt; at 1 there is none to encode.
             neg = {"negative_prompt": [" "] * batch} if want > 1 else {}
             assert kw == {"true_cfg_scale": want, **neg}
@@ -474,7 +474,9 @@ def _text_length(family: str) -> int:
     model needs for a caption to fit after its template (tests/stock.py's PIPELINES)."""
     from stock import PIPELINES
 
-    return PIPELINES[family][1].get("max_sequence_length", 32)
+    # QwenImage21Pipeline takes no max_sequence_length (it keeps every token): 64 holds
+    # these captions whole after its system turn.
+    return {"qwenimage21": 64}.get(family) or PIPELINES[family][1].get("max_sequence_length", 32)
 
 
 def _pipeline_conditioning(family: str, pipe, captions: list[str]) -> dict:
@@ -494,6 +496,9 @@ def _pipeline_conditioning(family: str, pipe, captions: list[str]) -> dict:
         return {"prompt_embeds": e, "pooled_prompt_embeds": pooled}
     if family == "qwenimage":
         e, mask = pipe.encode_prompt(captions, **kw)
+        return {"prompt_embeds": e, "prompt_embeds_mask": mask}
+    if family == "qwenimage21":  # every token kept: no max_sequence_length; no mask when all valid
+        e, mask, _ = pipe.encode_prompt(captions)
         return {"prompt_embeds": e, "prompt_embeds_mask": mask}
     if family in ("flux2klein", "flux2"):  # 3 layers side by side, every padding position kept
         e, _ = pipe.encode_prompt(captions, **kw)
@@ -536,9 +541,8 @@ def test_training_conditions_the_denoiser_as_the_stock_pipeline_does(tiny, famil
     """Captions through raylora's tokenizers and the family's ``encode_text`` give the
     tensors the stock pipeline's ``encode_prompt`` gives at inference: an adapter trained
     on other conditioning would be trained for inputs it never sees."""
-    import diffusers
 
-    from stock import PIPELINES
+    from stock import stock_pipeline
 
     model = tiny(family)
     # two lengths; the third as scraped captions come (WanPipeline cleans prompts first;
@@ -546,7 +550,7 @@ def test_training_conditions_the_denoiser_as_the_stock_pipeline_does(tiny, famil
     captions = ["a red circle", "a small blue square on the green grass",
                 " a  blue\nsquare &amp; a red [IMG]circle "]
     comps, batch = _raylora_batch(model, family, captions)
-    pipe = getattr(diffusers, PIPELINES[family][0]).from_pretrained(model)
+    pipe = stock_pipeline(family, model)
     with torch.no_grad():
         ours = comps.family.encode_text(comps.text_encoders, batch)
         theirs = _pipeline_conditioning(family, pipe, list(captions))
@@ -607,18 +611,55 @@ def test_flux2_checkpoint_whose_tokenizer_is_a_pixtral_processor_needs_no_torchv
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_qwenimage21_reads_captions_without_torchvision_and_encodes_images_as_rgba(tiny):
+    """Qwen-Image 2.1's folder names a Qwen3VLProcessor, whose video processor transformers 5
+    builds only with torchvision: raylora reads its tokenizer, and hands the stock pipeline
+    a caption-only processor around it, whose system turn is the one the family drops. Its
+    VAE reads RGBA (the pipeline converts an image to RGBA before encoding it): the family's
+    normalised latents of RGB pixels are the pipeline's of that image, opaque."""
+    import numpy as np
+    from PIL import Image
+    from transformers import Qwen3VLProcessor
+
+    from raylora.model.families.qwenimage21 import TEMPLATE, system_turn
+    from raylora.train.encode import vae_posterior
+
+    model, fam = tiny("qwenimage21"), families.get("qwenimage21")
+    assert json.load(open(os.path.join(model, "model_index.json")))["processor"] == \
+        ["transformers", "Qwen3VLProcessor"]
+    pipe = fam.load_pipeline(model)
+    assert isinstance(pipe.processor, Qwen3VLProcessor)
+    ids = pipe.processor.tokenizer([TEMPLATE.format("a red circle")], return_tensors="pt").input_ids
+    assert system_turn(ids) == pipe._drop_idx > 3
+    with pytest.raises(ValueError, match="captions alone"):
+        pipe.processor(text=["x"], images=[Image.new("RGB", (32, 32))])
+
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8))
+    rgba = pipe.image_processor.preprocess(image.convert("RGBA"), width=64, height=64).unsqueeze(2)
+    pixels = torch.from_numpy(np.asarray(image)).permute(2, 0, 1)[None].float() / 127.5 - 1
+    with torch.no_grad():
+        want = pipe._encode_vae_image(rgba, None)[:, :, 0]  # the posterior mean, normalised
+        params = vae_posterior(fam, pipe.vae, pixels)
+    mean = params[:, : params.shape[1] // 2]
+    shift, scale = (torch.tensor(v).view(1, -1, 1, 1) for v in fam.latent_stats(pipe.vae.config))
+    assert want.shape == (1, 16, 4, 4)
+    torch.testing.assert_close((mean - shift) * scale, want, rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------- the denoiser call
 
 # The guidance scale at which each stock pipeline makes one conditional denoiser pass a
 # step (no classifier-free guidance): 1.0, except Z-Image's, which guides above 0.
 UNGUIDED = {"zimage": 0.0}
+QWEN = ("qwenimage", "qwenimage21")  # true CFG with a negative prompt of " "
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_caption_dropout_trains_on_the_unconditional_prompt_the_family_samples_with(tiny, family):
     """A dropped caption is the prompt raylora's previews and model card give guidance's
     unconditional branch: " " for Qwen-Image (its negative prompt; None would turn its
-    guidance off), the pipelines' default "" for the rest."""
+    guidance off; 2.1's pipeline makes "" into " "), the pipelines' default "" for the rest."""
     import numpy as np
     from PIL import Image
 
@@ -628,8 +669,8 @@ def test_caption_dropout_trains_on_the_unconditional_prompt_the_family_samples_w
     from raylora.storage import Storage
 
     fam, model = families.get(family), tiny(family)
-    negative = fam.guidance_kwargs(fam.default_guidance_scale).get("negative_prompt", [""])[0]
-    assert fam.empty_caption == negative == (" " if family == "qwenimage" else "")
+    negative = fam.guidance_kwargs(5.0).get("negative_prompt", [""])[0]  # guided
+    assert fam.empty_caption == negative == (" " if family in QWEN else "")
 
     from test_bad_data import png
 
@@ -644,7 +685,7 @@ def test_caption_dropout_trains_on_the_unconditional_prompt_the_family_samples_w
     (caption, empty, bare), _ = CaptionTokenizer(spec).encode(["a red square", negative, ""])
     dropped = (out[key] == empty).all(axis=1)
     assert 0 < dropped.sum() < n and ((out[key] == caption).all(axis=1) | dropped).all()
-    assert (empty != bare).any() == (family == "qwenimage")  # " " is its own prompt there
+    assert (empty != bare).any() == (family in QWEN)  # " " is its own prompt there
 
 
 class _Probed(Exception):
@@ -666,14 +707,12 @@ def test_training_calls_the_denoiser_as_the_stock_pipeline_does(tiny, family):
     masks and micro-conditioning. The family's latent layout is read by feeding its
     ``denoise`` numbered latents and seeing where each number lands; the pipeline's latents
     are put back into that layout through the same map."""
-    import diffusers
-
-    from stock import PIPELINES
+    from stock import PIPELINES, stock_pipeline
 
     model = tiny(family)
     fam = families.get(family)
     comps, batch = _raylora_batch(model, family, ["a red circle"])
-    pipe = getattr(diffusers, PIPELINES[family][0]).from_pretrained(model)
+    pipe = stock_pipeline(family, model)
     pipe.set_progress_bar_config(disable=True)
     net = getattr(pipe, fam.denoiser)
     scale = UNGUIDED.get(family, 1.0)

@@ -4,7 +4,8 @@ image; validation grids and ``raylora sample`` work too.
 
 Cases: raylora's own tiny model of every DiT family, and Wan 2.2 A14B's layout training its
 low-noise expert (``model.expert``: previews, card, ``raylora sample`` and the stock load
-all put the adapter into ``transformer_2``). Flux.2 [dev] trains from the latent cache. SD 1.x runs the same path in
+all put the adapter into ``transformer_2``). Flux.2 [dev] and Qwen-Image 2.1 train from the
+latent cache. SD 1.x runs the same path in
 test_train_ray.py, SDXL in test_sdxl_cache.py; the Flux and SD3 folders built straight with
 diffusers classes (tests/userbuilt.py, as a user's converted checkpoint arrives) train
 through the same step in-process in test_tiny_model.py."""
@@ -50,6 +51,8 @@ def test_two_workers_train_from_parquet_and_stock_pipeline_loads(family, expert,
         # as training would, quantized (test_quantize checks what it loads).
         tree["data"]["cache"] = "latents"
         tree["model"]["quantize_text_encoders"] = "nf4"
+    if family == "qwenimage21":  # its RGBA latents and unpadded captions, through the cache
+        tree["data"]["cache"] = "latents"
     summary = run(validate(tree))
     m = summary["metrics"]
     assert m["steps"] == 3 and m["images_seen"] == 3 * 1 * 2

@@ -81,7 +81,9 @@ def test_a_meta_step_keeps_what_a_real_cpu_step_keeps(tiny, family, mixed_precis
     for backward are equal to the byte in fp32; under bf16 (CPU autocast, imitated on meta)
     within 1% (CPU's layer_norm keeps its mean/rstd in bf16, CUDA's and the meta kernel's in
     fp32). Alive-after-forward and peak: within 1% or 256 KiB (the CPU's mse_loss returns
-    its 0-dim loss as a view of its elementwise buffer, a latent-sized tensor)."""
+    its 0-dim loss as a view of its elementwise buffer, a latent-sized tensor). Qwen-Image
+    2.1 drops its template's system turn by the ids' values, which meta ids lack: the meta
+    step keeps those tokens (one here, where the synthetic ids are all 0), within 1% too."""
     path = tiny(family)
     dtype = memory.MIXED_PRECISION[mixed_precision]
     prof = {}
@@ -97,7 +99,7 @@ def test_a_meta_step_keeps_what_a_real_cpu_step_keeps(tiny, family, mixed_precis
                                            autocast_device="cpu")
     meta, cpu = prof["meta"], prof["cpu"]
     assert cpu.saved > 100 * KIB
-    if mixed_precision == "no":
+    if mixed_precision == "no" and family != "qwenimage21":
         assert meta.saved == cpu.saved
     else:
         assert meta.saved == pytest.approx(cpu.saved, rel=0.01)

@@ -136,9 +136,8 @@ def test_text_encoder_lora_of_every_family_loads_in_its_stock_pipeline(family, t
     """#25 item 4: the CLIP encoders each family's stock pipeline loads LoRA into train it
     (their LoRA moves), and the stock pipeline loads those encoders' LoRA from the file:
     their outputs equal the trained encoders'."""
-    import diffusers
     from inproc import _fresh_accelerator, demo_batch, overfit
-    from stock import PIPELINES
+    from stock import stock_pipeline
 
     from raylora.model.lora import save_diffusers_adapter
     from raylora.train.setup import build_run
@@ -155,7 +154,7 @@ def test_text_encoder_lora_of_every_family_loads_in_its_stock_pipeline(family, t
     adapter = tmp_path / "adapter"
     save_diffusers_adapter(accel.unwrap_model(run.model), str(adapter), run.family, run.trained_text_encoders)
 
-    pipe = getattr(diffusers, PIPELINES[family][0]).from_pretrained(model)
+    pipe = stock_pipeline(family, model)
     ids = torch.randint(0, 100, (1, 77))
     base = {n: getattr(pipe, n)(ids)[0].detach() for n in TE_FAMILIES[family]}
     pipe.load_lora_weights(str(adapter))

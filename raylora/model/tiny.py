@@ -1,5 +1,5 @@
-"""Tiny random diffusers pipelines (SD-1.x, SDXL, Flux.1, SD3, Qwen-Image, Z-Image, Flux.2
-[klein] and [dev], Wan), built offline.
+"""Tiny random diffusers pipelines (SD-1.x, SDXL, Flux.1, SD3, Qwen-Image and 2.1, Z-Image,
+Flux.2 [klein] and [dev], Wan), built offline.
 
 Tests and the demo need a model but have no hub access. This builds the real diffusers /
 transformers classes with tiny sizes and writes them with ``save_pretrained``, so training
@@ -24,6 +24,7 @@ The tokenizers are genuine, built here from a small English corpus, all with a f
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import shutil
@@ -419,17 +420,18 @@ _QWEN2_PRETOKENIZE = (
 )
 
 
-def build_qwen2_tokenizer(dest: str | Path | None = None):
+def build_qwen2_tokenizer(dest: str | Path | None = None, corpus: str = ""):
     """A Qwen2 tokenizer (``Qwen2Tokenizer``: in transformers 5 the fast class, a
     ``tokenizers`` BPE backend) learned from the corpus and QwenImagePipeline's prompt
     template; saved to ``dest`` when given. Every corpus/template word is one token, so the
-    template's system prefix is ``QWEN_DROP_IDX`` (34) tokens as with the real tokenizer."""
+    template's system prefix is ``QWEN_DROP_IDX`` (34) tokens as with the real tokenizer.
+    ``corpus``: more words to learn (a family's own template)."""
     from tokenizers import Regex, pre_tokenizers
     from transformers import Qwen2Tokenizer
 
     split = pre_tokenizers.Split(Regex(_QWEN2_PRETOKENIZE), behavior="isolated")
     specials = re.compile("|".join(re.escape(t) for t in QWEN_SPECIAL_TOKENS))
-    text = specials.sub("\n", QWEN_PROMPT_TEMPLATE.format(" ".join(_CORPUS.split())))
+    text = specials.sub("\n", QWEN_PROMPT_TEMPLATE.format(" ".join((_CORPUS + corpus).split())))
     words = Counter(piece for piece, _ in split.pre_tokenize_str(text))
     # Enough merges to make every word one symbol (learn_bpe stops there).
     merges = learn_bpe(words, num_merges=10_000, end_of_word="")
@@ -674,6 +676,95 @@ def build_tiny_qwenimage(dest: str | Path, seed: int = 0) -> Path:
         text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer,
     )
     pipe.save_pretrained(dest)
+    return dest
+
+
+# Qwen3-VL's chat template, the part QwenImage21Pipeline reaches (a system message whose
+# content is a list of text parts): each message in ChatML.
+QWEN3_VL_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}{%- else %}"
+    "{%- for part in message['content'] %}{%- if part['type'] == 'text' %}{{- part['text'] }}"
+    "{%- endif %}{%- endfor %}{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# Qwen-Image 2.1's scheduler (flow matching, shifted by image size)
+QWENIMAGE21_SCHEDULER = dict(
+    num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5,
+    max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096,
+)
+
+
+def build_tiny_qwenimage21(dest: str | Path, seed: int = 0) -> Path:
+    """Save a tiny random QwenImage21Pipeline (Qwen-Image 2.1) to ``dest``; returns the path.
+
+    * ``text_encoder``: Qwen3VLForConditionalGeneration, text hidden 32, 2 layers (M-RoPE
+      sections (2, 3, 3) of head dim 16), a 1-block vision tower the captions never reach;
+      the pipeline takes the last decoder layer's output before the final norm and drops
+      the system turn → ``prompt_embeds`` (B, L, 32). ``processor``: the Qwen2 byte-level
+      BPE with ``QWEN3_VL_CHAT_TEMPLATE``, saved as the processor folder's tokenizer
+      (``model_index.json`` names Qwen3VLProcessor, as the real checkpoint's does; its
+      image and video processors need torchvision, which has no CPU build here, and
+      text-to-image reads captions alone: raylora's ``qwenimage21.caption_processor``).
+    * ``transformer``: QwenImage21Transformer2DModel, 2 blocks, 2 heads × 16, rope axes
+      (4, 6, 6), 16 latent channels unpatched, context 32.
+    * ``vae``: AutoencoderKLQwenImage21 (RGBA in and out), base_dim 8, four downsamplings →
+      16× per side as the real one: 64 px → (B, 16, 1, 4, 4); per-channel latents_mean /
+      latents_std of the first 16 of the real 64.
+    """
+    from diffusers import (
+        AutoencoderKLQwenImage21,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImage21Pipeline,
+        QwenImage21Transformer2DModel,
+    )
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    from raylora.model.families.qwenimage21 import SYSTEM, caption_processor
+
+    dest = Path(dest)
+    torch.manual_seed(seed)
+    tokenizer = build_qwen2_tokenizer(corpus=SYSTEM)
+    tokenizer.chat_template = QWEN3_VL_CHAT_TEMPLATE
+    ids = tokenizer.convert_tokens_to_ids
+    hidden = 32
+    text_encoder = Qwen3VLForConditionalGeneration(Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+            rms_norm_eps=1e-6, max_position_embeddings=4096,
+            rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
+                             "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+            bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"),
+        ),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                           out_hidden_size=hidden, deepstack_visual_indexes=[0],
+                           num_position_embeddings=16, patch_size=8),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+        tie_word_embeddings=False,
+    )).eval()
+    transformer = QwenImage21Transformer2DModel(
+        in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+        context_in_dim=hidden, mlp_ratio=2, axes_dims_rope=(4, 6, 6),
+    )
+    # the real statistics are the class's defaults
+    init = inspect.signature(AutoencoderKLQwenImage21.__init__).parameters
+    vae = AutoencoderKLQwenImage21(
+        base_dim=8, decoder_base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1, 1], num_res_blocks=1,
+        temperal_downsample=[False] * 4, latents_mean=list(init["latents_mean"].default[:16]),
+        latents_std=list(init["latents_std"].default[:16]),
+    )
+    pipe = QwenImage21Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWENIMAGE21_SCHEDULER), vae=vae,
+        text_encoder=text_encoder, processor=caption_processor(tokenizer), transformer=transformer,
+    )
+    pipe.save_pretrained(dest)
+    # The class the real checkpoint's folder names (save_pretrained wrote raylora's).
+    index_path = dest / "model_index.json"
+    index = json.loads(index_path.read_text())
+    index["processor"] = ["transformers", "Qwen3VLProcessor"]
+    index_path.write_text(json.dumps(index, indent=2) + "\n")
     return dest
 
 
@@ -970,6 +1061,7 @@ BUILDERS = {
     "flux": build_tiny_flux,
     "sd3": build_tiny_sd3,
     "qwenimage": build_tiny_qwenimage,
+    "qwenimage21": build_tiny_qwenimage21,
     "zimage": build_tiny_zimage,
     "flux2klein": build_tiny_flux2klein,
     "flux2": build_tiny_flux2,

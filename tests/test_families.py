@@ -616,7 +616,10 @@ def test_qwenimage21_reads_captions_without_torchvision_and_encodes_images_as_rg
     builds only with torchvision: raylora reads its tokenizer, and hands the stock pipeline
     a caption-only processor around it, whose system turn is the one the family drops. Its
     VAE reads RGBA (the pipeline converts an image to RGBA before encoding it): the family's
-    normalised latents of RGB pixels are the pipeline's of that image, opaque."""
+    normalised latents of RGB pixels are the pipeline's of that image, opaque. Its
+    transformer's output spans caption and image: ``denoise`` returns the image part, the
+    prediction the pipeline steps its scheduler with (test_training_calls_... compares the
+    raw outputs)."""
     import numpy as np
     from PIL import Image
     from transformers import Qwen3VLProcessor
@@ -645,6 +648,23 @@ def test_qwenimage21_reads_captions_without_torchvision_and_encodes_images_as_rg
     shift, scale = (torch.tensor(v).view(1, -1, 1, 1) for v in fam.latent_stats(pipe.vae.config))
     assert want.shape == (1, 16, 4, 4)
     torch.testing.assert_close((mean - shift) * scale, want, rtol=1e-5, atol=1e-5)
+
+    # The prediction: the transformer's output covers caption and image; what the family's
+    # denoise returns is what the pipeline steps its scheduler with (the image's tail).
+    stepped = []
+    step = pipe.scheduler.step
+    pipe.scheduler.step = lambda out, t, x, **kw: stepped.append((out, t, x)) or step(out, t, x, **kw)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        pipe(prompt="a red circle", num_inference_steps=2, height=96, width=64, output_type="latent",
+             generator=torch.Generator().manual_seed(0), use_kv_cache=False)
+        e, m, _ = pipe.encode_prompt(["a red circle"])
+        cond = {"prompt_embeds": e, "prompt_embeds_mask": torch.ones(e.shape[:2], dtype=torch.long)}
+        for pred, t, x in stepped:  # packed (1, h·w, C) at 96 × 64 px: h 6, w 4
+            unpack = lambda z: z.transpose(1, 2).reshape(1, 16, 6, 4)  # noqa: E731
+            ours = fam.denoise(pipe.transformer, unpack(x), (t / 1000).reshape(1), cond)
+            torch.testing.assert_close(ours, unpack(pred), rtol=1e-4, atol=1e-5)
+    assert len(stepped) == 2 and m is None
 
 
 # ---------------------------------------------------------------- the denoiser call

@@ -18,9 +18,18 @@ BIN = os.path.dirname(sys.executable)
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports: all bound at once, since a port closed a moment ago is
+    free again and may be handed out twice (seen: GCS and dashboard both given 41729,
+    which `ray start` refuses)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def wait_for(predicate, timeout: float, what, every: float = 0.5):
@@ -71,7 +80,7 @@ def local_head(extra: list[str]):
     env = {**os.environ, "RAYLORA_LOCAL_STATE": state, "RAY_BIN": os.path.join(BIN, "ray"),
            "PATH": os.pathsep.join(path)}
     env.pop("RAY_ADDRESS", None)
-    port, dash = free_port(), free_port()
+    port, dash = free_ports(2)
     args = ([] if "--cpus" in extra else ["--cpus", "4"]) + list(extra)
     args += ["--port", str(port), "--dashboard-port", str(dash)]
     try:

@@ -726,7 +726,8 @@ def test_training_calls_the_denoiser_as_the_stock_pipeline_does(tiny, family):
     Z-Image's lists), position ids, the timestep's scale and direction, guidance input,
     masks and micro-conditioning. The family's latent layout is read by feeding its
     ``denoise`` numbered latents and seeing where each number lands; the pipeline's latents
-    are put back into that layout through the same map."""
+    are put back into that layout through the same map, and what ``denoise`` returns is
+    compared through it with the prediction the pipeline steps its scheduler with."""
     from stock import PIPELINES, stock_pipeline
 
     model = tiny(family)
@@ -747,6 +748,14 @@ def test_training_calls_the_denoiser_as_the_stock_pipeline_does(tiny, family):
 
     hooks = [net.register_forward_pre_hook(before, with_kwargs=True),
              net.register_forward_hook(after, with_kwargs=True)]
+    stepped: list[torch.Tensor] = []  # the prediction each step hands the scheduler
+    step = pipe.scheduler.step
+
+    def record(model_output, *args, **kwargs):
+        stepped.append(model_output)
+        return step(model_output, *args, **kwargs)
+
+    pipe.scheduler.step = record
     with torch.no_grad():
         pipe(prompt="a red circle", num_inference_steps=2, height=64, width=64, output_type="np",
              generator=torch.Generator().manual_seed(0),
@@ -782,10 +791,15 @@ def test_training_calls_the_denoiser_as_the_stock_pipeline_does(tiny, family):
             if flow and not call["t"].is_floating_point():
                 t = call["t"].reshape(1).float() / 1000
             del seen[:]
-            fam.denoise(net, x.view(shape), t, cond, guidance=scale)
+            pred = fam.denoise(net, x.view(shape), t, cond, guidance=scale)
             ours = seen[0]
             assert torch.equal(_flat(ours["x"]), _flat(call["x"]))
             torch.testing.assert_close(_flat(ours["out"]), _flat(call["out"]), rtol=1e-4, atol=1e-5,
                                        msg=f"step {i}: the denoiser's output differs")
+            # ...and what denoise makes of it (unpacked, sliced, negated) is the prediction
+            # the pipeline steps its scheduler with, in the latents' layout.
+            assert pred.shape == shape
+            torch.testing.assert_close(_flat(pred).float()[where], _flat(stepped[i]).float(),
+                                       rtol=1e-4, atol=1e-5, msg=f"step {i}: the prediction differs")
     for hk in hooks:
         hk.remove()

@@ -122,6 +122,12 @@ def encode_one_frame(vae, pixels: torch.Tensor) -> torch.Tensor:
     return vae.encode(pixels.unsqueeze(2)).latent_dist.parameters.squeeze(2)
 
 
+def language_model(module):
+    """A vision-language model's language model (``module.model.language_model``: Mistral 3's,
+    Qwen3-VL's), or ``module`` itself when it is not one."""
+    return getattr(getattr(module, "model", None), "language_model", module)
+
+
 def llm_conditioning(encoder, batch: dict[str, torch.Tensor], layer: int, drop: int = 0) -> Cond:
     """A causal LM's hidden state ``layer`` over right-padded captions (``input_ids``,
     ``attention_mask``), its first ``drop`` (template) positions dropped, zero past each

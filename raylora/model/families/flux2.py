@@ -6,7 +6,7 @@ train_dreambooth_lora_flux2.py; everything else is Flux.2 [klein]'s."""
 
 from __future__ import annotations
 
-from raylora.model.families.base import TextInput
+from raylora.model.families.base import TextInput, language_model
 from raylora.model.families.flux2klein import Flux2Klein
 
 # diffusers.pipelines.flux2.system_messages.SYSTEM_MESSAGE, the system message
@@ -55,7 +55,7 @@ class Flux2(Flux2Klein):
             # Mistral3ForConditionalGeneration → its language model: captions never reach
             # the vision tower (~0.4B) and the LM head (5120 × 131k) would project every
             # position for nothing; the pipeline's hidden states are the language model's.
-            module = getattr(getattr(module, "model", None), "language_model", module)
+            module = language_model(module)
         return super().adapt_component(component, module)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from raylora.model.families.base import Cond, TextInput, llm_conditioning
+from raylora.model.families.base import Cond, TextInput, language_model, llm_conditioning
 from raylora.model.families.qwenimage import QwenImage
 
 # QwenImage21Pipeline.sys_prompt and prompt_template_t2i
@@ -108,10 +108,9 @@ class QwenImage21(QwenImage):
 
     @classmethod
     def encode_text(cls, encoders, batch) -> Cond:
-        encoder = encoders[0]
         # The language model alone: captions never reach the vision tower, and the LM head
         # would project every position for nothing.
-        lm = getattr(getattr(encoder, "model", None), "language_model", encoder)
+        lm = language_model(encoders[0])
         # Its last decoder layer's output, before the final RMSNorm, as the pipeline reads
         # it (transformers 5 returns the normed state as hidden_states[-1]; the pipeline
         # and raylora both undo the norm with a hook returning its input).

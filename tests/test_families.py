@@ -512,10 +512,11 @@ def _pipeline_conditioning(family: str, pipe, captions: list[str]) -> dict:
     raise AssertionError(f"no stock conditioning call for {family}: add one here")
 
 
-def _raylora_batch(model: str, family: str, captions: list[str]):
+def _raylora_batch(model: str, family: str, captions: list[str], size=(64, 64)):
     """(components, batch): ``captions`` through raylora's tokenizers (the fast backend the
     preprocess stage rebuilds, with the family's template and ``_text_length`` tokens for the
-    long-context encoders) and SDXL's size columns of an uncropped 64 px image, as a worker gets them."""
+    long-context encoders) and SDXL's size columns of an uncropped image of ``size`` (h, w)
+    px, as a worker gets them."""
     from raylora.config import validate
     from raylora.data.tokenize import CaptionTokenizer, load_specs
     from raylora.model.load import load_components
@@ -526,7 +527,7 @@ def _raylora_batch(model: str, family: str, captions: list[str]):
                     "data": {"uri": "d"}, "output": {"uri": "o"}})
     comps = load_components(cfg.model, torch.float32)
     n = len(captions)
-    size = torch.tensor([[64, 64]] * n)
+    size = torch.tensor([list(size)] * n)
     batch = {"original_size": size, "target_size": size, "crop_top_left": torch.zeros_like(size)}
     for spec in load_specs(model, family, Storage(), length):
         ids, mask = CaptionTokenizer(spec).encode(captions)
@@ -616,10 +617,7 @@ def test_qwenimage21_reads_captions_without_torchvision_and_encodes_images_as_rg
     builds only with torchvision: raylora reads its tokenizer, and hands the stock pipeline
     a caption-only processor around it, whose system turn is the one the family drops. Its
     VAE reads RGBA (the pipeline converts an image to RGBA before encoding it): the family's
-    normalised latents of RGB pixels are the pipeline's of that image, opaque. Its
-    transformer's output spans caption and image: ``denoise`` returns the image part, the
-    prediction the pipeline steps its scheduler with (test_training_calls_... compares the
-    raw outputs)."""
+    normalised latents of RGB pixels are the pipeline's of that image, opaque."""
     import numpy as np
     from PIL import Image
     from transformers import Qwen3VLProcessor
@@ -648,23 +646,6 @@ def test_qwenimage21_reads_captions_without_torchvision_and_encodes_images_as_rg
     shift, scale = (torch.tensor(v).view(1, -1, 1, 1) for v in fam.latent_stats(pipe.vae.config))
     assert want.shape == (1, 16, 4, 4)
     torch.testing.assert_close((mean - shift) * scale, want, rtol=1e-5, atol=1e-5)
-
-    # The prediction: the transformer's output covers caption and image; what the family's
-    # denoise returns is what the pipeline steps its scheduler with (the image's tail).
-    stepped = []
-    step = pipe.scheduler.step
-    pipe.scheduler.step = lambda out, t, x, **kw: stepped.append((out, t, x)) or step(out, t, x, **kw)
-    pipe.set_progress_bar_config(disable=True)
-    with torch.no_grad():
-        pipe(prompt="a red circle", num_inference_steps=2, height=96, width=64, output_type="latent",
-             generator=torch.Generator().manual_seed(0), use_kv_cache=False)
-        e, m, _ = pipe.encode_prompt(["a red circle"])
-        cond = {"prompt_embeds": e, "prompt_embeds_mask": torch.ones(e.shape[:2], dtype=torch.long)}
-        for pred, t, x in stepped:  # packed (1, h·w, C) at 96 × 64 px: h 6, w 4
-            unpack = lambda z: z.transpose(1, 2).reshape(1, 16, 6, 4)  # noqa: E731
-            ours = fam.denoise(pipe.transformer, unpack(x), (t / 1000).reshape(1), cond)
-            torch.testing.assert_close(ours, unpack(pred), rtol=1e-4, atol=1e-5)
-    assert len(stepped) == 2 and m is None
 
 
 # ---------------------------------------------------------------- the denoiser call
@@ -727,12 +708,15 @@ def test_training_calls_the_denoiser_as_the_stock_pipeline_does(tiny, family):
     masks and micro-conditioning. The family's latent layout is read by feeding its
     ``denoise`` numbered latents and seeing where each number lands; the pipeline's latents
     are put back into that layout through the same map, and what ``denoise`` returns is
-    compared through it with the prediction the pipeline steps its scheduler with."""
+    compared through it with the prediction the pipeline steps its scheduler with. The
+    image is taller than wide, so rows and columns swapped in a family's packing, position
+    ids or unpacking fail it."""
     from stock import PIPELINES, stock_pipeline
 
+    H, W = 96, 64
     model = tiny(family)
     fam = families.get(family)
-    comps, batch = _raylora_batch(model, family, ["a red circle"])
+    comps, batch = _raylora_batch(model, family, ["a red circle"], size=(H, W))
     pipe = stock_pipeline(family, model)
     pipe.set_progress_bar_config(disable=True)
     net = getattr(pipe, fam.denoiser)
@@ -757,7 +741,7 @@ def test_training_calls_the_denoiser_as_the_stock_pipeline_does(tiny, family):
 
     pipe.scheduler.step = record
     with torch.no_grad():
-        pipe(prompt="a red circle", num_inference_steps=2, height=64, width=64, output_type="np",
+        pipe(prompt="a red circle", num_inference_steps=2, height=H, width=W, output_type="np",
              generator=torch.Generator().manual_seed(0),
              **{**PIPELINES[family][1], **fam.guidance_kwargs(scale)})
         assert len(seen) == 2, "one unguided denoiser pass per step expected"
@@ -766,7 +750,7 @@ def test_training_calls_the_denoiser_as_the_stock_pipeline_does(tiny, family):
         cond = fam.encode_text(comps.text_encoders, batch)
 
         # Where each latent value lands in the denoiser's input, in raylora's layout.
-        params = fam.encode_pixels(pipe.vae, torch.zeros(1, 3, 64, 64))
+        params = fam.encode_pixels(pipe.vae, torch.zeros(1, 3, H, W))
         shape = (1, params.shape[1] // 2, *params.shape[2:])
         n = math.prod(shape)
 

@@ -134,11 +134,12 @@ def test_a_rerun_with_the_other_expert_is_refused_before_it_resumes(tmp_path):
     assert check_latest(Storage(), str(run), trained={"model.expert": "high_noise"}) == str(ckpt)
 
 
-def test_a_rerun_with_other_lora_settings_is_refused_naming_each(tmp_path):
+def test_a_rerun_with_other_lora_settings_is_refused_naming_each(tmp_path, caplog):
     """trained_settings: what a checkpoint's LoRA state is for, by config key; check_latest
     names every key a rerun changed. Settings that leave the state loadable as it was
     (learning rate, steps, dropout) are not among them; a key a checkpoint did not record
-    (older raylora: a bare "expert") is compared under its config name or not at all."""
+    (older raylora: a bare "expert") is compared under its config name or not at all.
+    Another model.pretrained (the model moved, or another base) resumes with a warning."""
     from raylora.checkpoint.recorded import check_latest
     from raylora.checkpoint.state import trained_settings
     from raylora.config import validate
@@ -151,7 +152,7 @@ def test_a_rerun_with_other_lora_settings_is_refused_naming_each(tmp_path):
     was = trained_settings(cfg({"target_modules": ["to_q", "to_v"]}), "flux")
     assert was == {"model.family": "flux", "model.expert": None, "lora.variant": "lora", "lora.rank": 16,
                    "lora.alpha": 16, "lora.target_modules": ["to_q", "to_v"],
-                   "lora.train_text_encoder": False, "lora.init_from": None}
+                   "lora.train_text_encoder": False, "lora.init_from": None, "model.pretrained": "m"}
     assert trained_settings(cfg({"target_modules": ["to_q", "to_v"], "dropout": 0.1, "alpha": 16.0},
                                 {"learning_rate": 1e-3, "max_steps": 9}), "flux") == was
     assert trained_settings(cfg({"init_from": "s3://b/a"}), "flux")["lora.init_from"] == "s3://b/a"
@@ -166,6 +167,11 @@ def test_a_rerun_with_other_lora_settings_is_refused_naming_each(tmp_path):
     (run / "checkpoint_manager_snapshot.json").write_text(json.dumps({
         "latest_checkpoint_result": {"checkpoint_dir_name": "checkpoint_a"}}))
     assert check_latest(Storage(), str(run), trained=was) == str(ckpt)
+    assert "model.pretrained" not in caplog.text
+    with caplog.at_level("WARNING", logger="raylora"):
+        assert check_latest(Storage(), str(run), trained={**was, "model.pretrained": "s3://b/m"}) == str(ckpt)
+    assert ("model.pretrained: this run has s3://b/m, but the checkpoint this output.uri resumes "
+            f"from ({ckpt}) was trained with m; resuming") in caplog.text
     now = trained_settings(cfg({"target_modules": ["to_q"], "rank": 32}), "sd")
     with pytest.raises(ValueError) as exc:
         check_latest(Storage(), str(run), trained=now)

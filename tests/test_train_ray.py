@@ -1,6 +1,7 @@
 """Integration on a real local Ray: 2 DDP workers, export, stock-diffusers load, resume."""
 
 import json
+import logging
 import os
 
 import pytest
@@ -105,15 +106,20 @@ def test_adapter_loads_in_stock_diffusers_and_changes_unet(first_run, tiny_model
     assert res["max_abs_diff"] > 1e-5, res
 
 
-def test_second_run_resumes_from_stored_checkpoint(first_run):
+def test_second_run_resumes_from_stored_checkpoint(first_run, caplog):
     """Raising max_steps continues the run: from step 6, on through two epoch boundaries
-    (8 batches per worker per epoch), both workers fed by one data stream split once."""
+    (8 batches per worker per epoch), both workers fed by one data stream split once.
+    The settings the workers recorded are the driver's (no model.pretrained warning)."""
     from raylora.launch import run
 
     tree, first = first_run
     first_rows = [json.loads(line) for line in open(os.path.join(tree["output"]["uri"], "metrics.jsonl"))]
     tree = {**tree, "train": {**tree["train"], "max_steps": 20}}
-    summary = run(validate(tree))
+    with caplog.at_level(logging.INFO, logger="raylora"):
+        summary = run(validate(tree))
+    said = [r.getMessage() for r in caplog.records]
+    assert [m for m in said if m.startswith("resuming from ")]
+    assert not [m for m in said if "was trained with" in m]
     m = summary["metrics"]
     assert m["resumed_from_step"] == 6
     assert m["steps"] == 20

@@ -17,6 +17,10 @@ from raylora.checkpoint.state import FILES_FILE, IncompleteCheckpoint, missing_f
 log = logging.getLogger("raylora")
 
 SNAPSHOT = "checkpoint_manager_snapshot.json"
+# Recorded settings a rerun may change with a warning: the same base model moved (a
+# bucket copied to another, a local mirror) is a legitimate resume a refusal would block
+# for good; another base model of the same family loads too, and is what the warning names.
+NOTED = ("model.pretrained",)
 
 
 def _snapshot(store, run_uri: str) -> dict | None:
@@ -65,8 +69,9 @@ def check_latest(store, run_uri: str, trained: dict | None = None) -> str | None
     ``trained`` (``state.trained_settings`` of the rerun): a checkpoint that recorded
     other values is refused, naming each key, before a cluster starts: another rank or
     family fails on every worker once the model is up; another alpha, or the other Wan
-    2.2 expert, would continue (or, finished, re-export) the LoRA silently changed. A key
-    one side lacks (a checkpoint from before raylora recorded it) is not compared."""
+    2.2 expert, would continue (or, finished, re-export) the LoRA silently changed. Another
+    ``model.pretrained`` (``NOTED``) is logged as a warning instead. A key one side lacks
+    (a checkpoint from before raylora recorded it) is not compared."""
     try:
         name = (_snapshot(store, run_uri) or {})["latest_checkpoint_result"]["checkpoint_dir_name"]
     except (KeyError, TypeError):
@@ -88,7 +93,13 @@ def check_latest(store, run_uri: str, trained: dict | None = None) -> str | None
         # it recorded more than model.expert
         was = {k if "." in k else f"model.{k}": v for k, v in (recorded.get("trained") or {}).items()}
         now = trained or {}
-        differ = [k for k in now if k in was and now[k] != was[k]]
+        changed = [k for k in now if k in was and now[k] != was[k]]
+        for k in (k for k in changed if k in NOTED):
+            log.warning("%s: this run has %s, but the checkpoint this output.uri resumes from "
+                        "(%s) was trained with %s; resuming (right if it is the same model moved; "
+                        "otherwise give this run its own output.uri)", k, _shown(now[k]), uri,
+                        _shown(was[k]))
+        differ = [k for k in changed if k not in NOTED]
         if differ:
             def settings(values):
                 return ", ".join(f"{k}={_shown(values[k])}" for k in differ)

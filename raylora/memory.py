@@ -430,6 +430,28 @@ def _to_meta(t, index: bool = False):
     return t.to("meta")
 
 
+def _meets_host(args: tuple, kwargs: dict) -> bool:
+    """Whether a call has both a meta tensor and a host tensor with values (``_to_meta``'s).
+    Runs on every op of a meta step: a plain walk, not pytree's flatten and map, which
+    took a sixth of a Flux.1 [dev] estimate when run on every call."""
+    meta = host = False
+    todo = [*args, *kwargs.values()]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, torch.Tensor):
+            if x.is_meta:
+                meta = True
+            elif x.device.type == "cpu" and x.dim() > 0:
+                host = True
+            if meta and host:
+                return True
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+    return False
+
+
 def _host_to_meta(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """A call's host tensors (with values) moved to meta, where the call has meta tensors
     too (``_MetaStep``)."""
@@ -478,7 +500,7 @@ class _MetaStep(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_flatten((args, kwargs))[0]):
+        if _meets_host(args, kwargs):
             args, kwargs = _host_to_meta(name, args, kwargs)
         if name in _SCALAR_READS and self.scalar is not None and isinstance(args[0], torch.Tensor) \
                 and args[0].is_meta and not args[0].is_floating_point():

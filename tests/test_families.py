@@ -638,7 +638,7 @@ def test_qwenimage21_reads_captions_without_torchvision_and_encodes_images_as_rg
     rng = np.random.default_rng(0)
     image = Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8))
     rgba = pipe.image_processor.preprocess(image.convert("RGBA"), width=64, height=64).unsqueeze(2)
-    pixels = torch.from_numpy(np.asarray(image)).permute(2, 0, 1)[None].float() / 127.5 - 1
+    pixels = torch.from_numpy(np.array(image)).permute(2, 0, 1)[None].float() / 127.5 - 1
     with torch.no_grad():
         want = pipe._encode_vae_image(rgba, None)[:, :, 0]  # the posterior mean, normalised
         params = vae_posterior(fam, pipe.vae, pixels)

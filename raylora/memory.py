@@ -431,7 +431,8 @@ def _to_meta(t, index: bool = False):
 
 
 def _meets_host(args: tuple, kwargs: dict) -> bool:
-    """Whether a call has both a meta tensor and a host tensor with values (``_to_meta``'s).
+    """Whether a call has both a meta tensor and a host tensor (any host tensor, 0-d ones
+    too: ``_host_to_meta`` moves ``repeat_interleave``'s repeats whatever their rank).
     Runs on every op of a meta step: a plain walk, not pytree's flatten and map, which
     took a sixth of a Flux.1 [dev] estimate when run on every call."""
     meta = host = False
@@ -441,7 +442,7 @@ def _meets_host(args: tuple, kwargs: dict) -> bool:
         if isinstance(x, torch.Tensor):
             if x.is_meta:
                 meta = True
-            elif x.device.type == "cpu" and x.dim() > 0:
+            elif x.device.type == "cpu":
                 host = True
             if meta and host:
                 return True

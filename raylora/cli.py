@@ -88,11 +88,11 @@ def _plan(args) -> int:
     from raylora import memory, preflight
     from raylora.config import load_config
     from raylora.launch import resolve_paths
-    from raylora.model.load import check_model, is_hub_id
+    from raylora.model.load import check_model
 
     cfg = resolve_paths(load_config(args.config, args.overrides))
-    if not is_hub_id(cfg.model.pretrained):
-        check_model(cfg.model.pretrained, cfg.storage.client())  # a missing folder: one line
+    # a missing folder, a gated or unreachable hub repo: one line (the estimate reads it too)
+    check_model(cfg.model.pretrained, cfg.storage.client(), cfg.model.revision)
     # with RAY_ADDRESS, this machine's GPU is not the workers', and Ray is not joined here
     gpu = (preflight.GpuSize(None, "RAY_ADDRESS is set: the workers' GPUs are the cluster's")
            if preflight.on_cluster(cfg) else preflight.gpu_size(cfg))

@@ -158,22 +158,31 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
     ``heldout=False`` skips reading the held-out rows (a run that never evaluates)."""
     from raylora.data.plan import plan_data
     from raylora.model import lora_init
-    from raylora.model.load import check_model, is_hub_id, resolve_family
+    from raylora.model import families, hub
+    from raylora.model.load import check_model, resolve_family
     from raylora.train.objective import scheduler_objective_kind
 
     problems: list[str] = []
     store = cfg.storage.client()
     model_path = cfg.model.pretrained
     family, factor, scheduler = resolve_family(cfg.model, None), 8, None
-    if not is_hub_id(model_path):
-        try:
-            info = check_model(model_path, store)
-            family, factor = resolve_family(cfg.model, info["index"]), info["vae_factor"]
-            scheduler = info["scheduler_config"]
-            if family.experts:  # whether this folder has them; a family without: family_problems
-                family.sigma_range(info["index"], cfg.model.expert, f"model.pretrained: {model_path}")
-        except (FileNotFoundError, KeyError, ValueError, OSError) as exc:
-            problems.append(str(exc) if str(exc).startswith("model.") else f"model.pretrained: {exc}")
+    try:
+        info = check_model(model_path, store, cfg.model.revision)
+        family, factor = resolve_family(cfg.model, info["index"]), info["vae_factor"]
+        scheduler = info["scheduler_config"]
+        if family.experts:  # whether this folder has them; a family without: family_problems
+            family.sigma_range(info["index"], cfg.model.expert, f"model.pretrained: {model_path}")
+    except hub.Unreachable as exc:
+        # A hub id nothing is known of here: the workers may still reach the hub. The
+        # family is the one thing the run cannot guess (SD's settings for a Flux repo).
+        if cfg.model.family == "auto":
+            problems.append(f"{exc}; set model.family ({', '.join(families.names())}) to "
+                            "start without reading it here")
+        else:
+            log.warning("%s; its family (%s) and components are not checked before the "
+                        "workers load it", exc, cfg.model.family)
+    except (FileNotFoundError, KeyError, ValueError, OSError) as exc:
+        problems.append(str(exc) if str(exc).startswith("model.") else f"model.pretrained: {exc}")
     native = scheduler_objective_kind(scheduler) if scheduler else None
     problems += family_problems(cfg, family, factor * family.patch, native)
     problems += write_problems(cfg, store)

@@ -40,8 +40,13 @@ AWS_ENV_VARS = (
     # cluster's nodes lack (they find their own default credentials).
     "STORAGE_EMULATOR_HOST",
     "GOOGLE_CLOUD_PROJECT",
+    # A hub id's model (gated: Flux.1 [dev], SD3.5) and its mirror, read by every worker;
+    # the token also when ``hf auth login`` stored it rather than exported it (forwarded_env).
+    "HF_TOKEN",
+    "HF_ENDPOINT",
 )
-SECRET_ENV_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "WANDB_API_KEY")
+SECRET_ENV_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "WANDB_API_KEY",
+                   "HF_TOKEN")
 
 
 def is_local(uri: str) -> bool:
@@ -508,9 +513,15 @@ def _short(exc: Exception) -> str:
 
 
 def forwarded_env() -> dict[str, str]:
-    """``AWS_ENV_VARS`` set in this process (S3, tracking and GCS-emulator settings, despite
-    the name), to forward to Ray workers via runtime_env."""
-    return {k: os.environ[k] for k in AWS_ENV_VARS if os.environ.get(k)}
+    """``AWS_ENV_VARS`` set in this process (S3, tracking, GCS-emulator and hub settings,
+    despite the name), to forward to Ray workers via runtime_env. ``HF_TOKEN`` is the token
+    this machine's huggingface_hub sends, exported or stored (``raylora.model.hub.token``):
+    the one the driver checked a gated repo with, which workers on other nodes lack."""
+    from raylora.model.hub import token
+
+    env = {k: os.environ[k] for k in AWS_ENV_VARS if os.environ.get(k)}
+    hf = token()
+    return {**env, "HF_TOKEN": hf} if hf else env
 
 
 def split_secrets(env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:

@@ -168,3 +168,14 @@ def batches(tiny_model, demo_data):
          "input_ids": torch.from_numpy(out["input_ids"][i : i + 2])}
         for i in range(0, 16, 2)
     ]
+
+
+@pytest.fixture(scope="session")
+def hub():
+    """A Hugging Face hub on 127.0.0.1 for the session (tests/hubemu.py); tests add repos
+    (``hub.add``) and point their processes at it with ``HF_ENDPOINT``."""
+    import hubemu
+
+    server = hubemu.Hub()
+    yield server
+    server.stop()

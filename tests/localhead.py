@@ -65,12 +65,15 @@ def files_holding(root: str, needle: str, under: str = "") -> list[str]:
 
 
 @contextlib.contextmanager
-def local_head(extra: list[str]):
+def local_head(extra: list[str], online: bool = False):
     """cluster/local-up.sh with ``extra`` (plus a free GCS and dashboard port, and 4 CPUs
     unless given) on a fresh state dir. Yields env (with the cluster's auth token, as
     ``source $STATE/env`` gives a client), state dir, GCS address, dashboard URL and
     local-up's stdout. Always runs local-down.sh, checks that no process of the state dir
-    is left and removes it, also when the body failed."""
+    is left and removes it, also when the body failed.
+    ``online``: the nodes may ask a Hugging Face hub (not offline, as conftest makes the
+    tests) but know none: their HF_ENDPOINT is a closed port, so a worker reaches a hub
+    only with the settings its driver forwards. Their hub cache is under the state dir."""
     # Short path: Ray's unix sockets must stay under 107 characters.
     state = tempfile.mkdtemp(prefix="rl-", dir="/tmp")
     # PATH without the venv, as in a shell that has not activated it: local-up.sh itself
@@ -79,6 +82,9 @@ def local_head(extra: list[str]):
             if os.path.realpath(p) != os.path.realpath(BIN)]
     env = {**os.environ, "RAYLORA_LOCAL_STATE": state, "RAY_BIN": os.path.join(BIN, "ray"),
            "PATH": os.pathsep.join(path)}
+    if online:
+        env.update(HF_HUB_OFFLINE="0", TRANSFORMERS_OFFLINE="0", HF_ENDPOINT="http://127.0.0.1:9",
+                   HF_HOME=os.path.join(state, "hf"))
     env.pop("RAY_ADDRESS", None)
     port, dash = free_ports(2)
     args = ([] if "--cpus" in extra else ["--cpus", "4"]) + list(extra)

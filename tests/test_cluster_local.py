@@ -17,8 +17,11 @@ from localhead import REPO, files_holding, local_head
 
 @pytest.fixture
 def local_cluster(request):
-    """A head (+ optional worker node) from the repo's scripts (tests/localhead.py)."""
-    with local_head(list(getattr(request, "param", []))) as c:
+    """A head (+ optional worker node) from the repo's scripts (tests/localhead.py): its
+    param is local-up.sh's arguments, and ``"online"`` among them makes its nodes ask a
+    hub (``local_head(online=True)``)."""
+    args = list(getattr(request, "param", []))
+    with local_head([a for a in args if a != "online"], online="online" in args) as c:
         yield c
 
 
@@ -68,16 +71,18 @@ def test_demo_job_via_ray_job_submit_on_a_two_cpu_head(local_cluster, tiny_model
     assert glob.glob(os.path.join(c["state"], "tmp", "session_*", "runtime_resources", "pip", "*")) == []
 
 
-@pytest.mark.parametrize("local_cluster", [["--worker-node", "--worker-cpus", "2"]], indirect=True)
+@pytest.mark.parametrize("local_cluster", [["--worker-node", "--worker-cpus", "2", "online"]],
+                         indirect=True)
 def test_two_node_spread_from_s3_matches_single_node(
-    ray_local, local_cluster, moto_endpoint, tiny_model, demo_data, tmp_path
+    ray_local, local_cluster, moto_endpoint, hub, tiny_model, demo_data, tmp_path
 ):
     """Head + a second `ray start --address` node on this machine, both started without
-    any AWS_* variables, beside this process's own Ray. The driver has them and joins
-    through RAY_ADDRESS: STRICT_SPREAD puts one training worker on each node, and both
-    read s3:// data and write s3:// output (the settings travel as the job's runtime_env;
-    the secret reaches no cluster log). The same job packed onto one node from local files
-    (same seed, per-worker shard files) ends with the same adapter."""
+    any AWS_* variables or hub settings, beside this process's own Ray. The driver has them
+    and joins through RAY_ADDRESS: STRICT_SPREAD puts one training worker on each node, and
+    both load the model from a gated hub repo (tests/hubemu.py: the tiny model), read s3://
+    data and write s3:// output (the settings travel as the job's runtime_env; the secrets,
+    the S3 key and HF_TOKEN, reach no cluster log). The same job packed onto one node from
+    local files (same seed, per-worker shard files) ends with the same adapter."""
     import glob
     import re
     import socket
@@ -106,12 +111,16 @@ def test_two_node_spread_from_s3_matches_single_node(
     for f in sorted(os.listdir(demo_data)):
         if f.endswith(".parquet"):
             s3.upload_file(os.path.join(demo_data, f), "raylora-joined", f"data/{f}")
+    token = "hf_RayLoraJoinedCluster0002"
+    repo = "org/joined"
+    hub.add(repo, tiny_model, token=token)
+    hf = {"HF_ENDPOINT": hub.endpoint, "HF_TOKEN": token}
     logs = []
 
-    def train(strategy: str, data: str, out: str, extra_env: dict):
+    def train(strategy: str, model: str, data: str, out: str, extra_env: dict):
         proc = subprocess.run(
             [sys.executable, "-m", "raylora", "train", os.path.join(REPO, "jobs/configs/tiny-local.yaml"),
-             f"model.pretrained={tiny_model}", f"data.uri={data}", f"output.uri={out}",
+             f"model.pretrained={model}", f"data.uri={data}", f"output.uri={out}",
              "train.max_steps=3", "train.batch_size=2", "checkpoint.every_n_steps=3",
              "train.lr_warmup_steps=0", "data.random_flip=false", "data.sharding=files",
              f"scaling.placement_strategy={strategy}"],
@@ -121,14 +130,20 @@ def test_two_node_spread_from_s3_matches_single_node(
         logs.append(proc.stdout + proc.stderr)
         assert proc.returncode == 0, logs[-1][-4000:]
 
-    train("STRICT_SPREAD", "s3://raylora-joined/data", "s3://raylora-joined/run", aws)
+    train("STRICT_SPREAD", repo, "s3://raylora-joined/data", "s3://raylora-joined/run", {**aws, **hf})
+    # Every file the driver and both workers asked of the gated repo, with the token (a
+    # request without it is refused, and that worker fails), the weights among them.
+    asked = [(m, p, t) for m, p, t in hub.seen if p.startswith(f"/{repo}/resolve/")]
+    assert {t for _, _, t in asked} == {token}
+    assert any(m == "GET" and p.endswith("/unet/diffusion_pytorch_model.safetensors")
+               for m, p, _ in asked)
     keys = [o["Key"] for o in s3.list_objects_v2(Bucket="raylora-joined", Prefix="run/")["Contents"]]
     assert any(k.startswith("run/train/checkpoint_") for k in keys)
     spread_dir = tmp_path / "spread"
     spread_dir.mkdir()
     for name in ("raylora.json", "pytorch_lora_weights.safetensors"):
         s3.download_file("raylora-joined", f"run/adapter/{name}", str(spread_dir / name))
-    train("STRICT_PACK", demo_data, str(tmp_path / "packed"), {})
+    train("STRICT_PACK", tiny_model, demo_data, str(tmp_path / "packed"), {})
 
     spread = json.load(open(spread_dir / "raylora.json"))["metrics"]
     packed = json.load(open(tmp_path / "packed" / "adapter" / "raylora.json"))["metrics"]
@@ -145,5 +160,6 @@ def test_two_node_spread_from_s3_matches_single_node(
         torch_close = (spread_w[k] - packed_w[k]).abs().max().item()
         assert torch_close <= 1e-6, (k, torch_close)
 
-    assert all(secret not in log for log in logs)
+    assert all(secret not in log and token not in log for log in logs)
     assert files_holding(c["state"], secret, under="/logs/") == []
+    assert files_holding(c["state"], token, under="/logs/") == []

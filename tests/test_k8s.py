@@ -26,6 +26,7 @@ CRD_DIR = REPO / "tests" / "data" / "kuberay-crds"
 CRD_FILES = ("ray.io_rayclusters.yaml", "ray.io_rayjobs.yaml")
 K8S_VERSION = "1.30.0"  # oldest Kubernetes these manifests target (kubernetes-validate schema)
 SECRET_NAME = "raylora-s3"
+HF_SECRET_NAME = "raylora-hf"  # HF_TOKEN, optional on every Ray container
 SECRET_ONLY = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")  # required on every Ray container
 ENTRYPOINT = re.compile(r"^python -m raylora (train|tune) (jobs/configs/[\w.-]+\.ya?ml)(\s|$)")
 
@@ -219,6 +220,13 @@ def secret_env_problems(doc: dict) -> list[str]:
                 problems.append(f"{group}/{c['name']}: {var} must come from Secret {SECRET_NAME}")
             elif var in SECRET_ONLY and ref.get("optional"):
                 problems.append(f"{group}/{c['name']}: {var} must not be optional")
+        # The hub token: from its own Secret, optional (a public model needs none, and a
+        # placeholder token would be refused by the hub even for public repos).
+        hf = env.get("HF_TOKEN", {})
+        ref = hf.get("valueFrom", {}).get("secretKeyRef", {})
+        if "value" in hf or ref.get("name") != HF_SECRET_NAME or not ref.get("optional"):
+            problems.append(f"{group}/{c['name']}: HF_TOKEN must come from Secret "
+                            f"{HF_SECRET_NAME}, optional")
     return problems
 
 

@@ -76,34 +76,49 @@ def is_hub_id(path: str) -> bool:
     return "://" not in path and not os.path.isabs(path)
 
 
-def check_model(path: str, store: Storage) -> dict:
-    """Problems with a local or stored diffusers folder, found before any worker starts.
+def check_model(path: str, store: Storage, revision: str | None = None) -> dict:
+    """Problems with a diffusers folder (local or stored) or hub repo (``is_hub_id``, at
+    ``revision``: ``raylora.model.hub``), found before any worker starts.
 
     Returns ``{"index": model_index.json, "family": Family, "vae_factor": int,
-    "scheduler_config": dict}``; raises
-    FileNotFoundError (or ValueError for an unsupported pipeline) naming the path.
+    "scheduler_config": dict}``; raises FileNotFoundError (or ValueError for an unsupported
+    pipeline, PermissionError for a gated repo) naming the path, ``hub.Unreachable`` when
+    a hub repo can be read neither from the hub nor from this machine's cache.
     """
-    info = store.info(path)
-    if info.type.name == "NotFound":
-        raise FileNotFoundError(f"model.pretrained: {path}: no such directory")
-    files = {f[len(path.rstrip("/")) + 1 :] for f in store.list_files(path)}
-    if "model_index.json" not in files:
+    if is_hub_id(path):
+        from raylora.model import hub
+
+        repo = hub.Repo(path, revision)
+        files, read = repo.files, repo.read_json  # files None: offline, the cache has no list
+        what = "repo"
+    else:
+        info = store.info(path)
+        if info.type.name == "NotFound":
+            raise FileNotFoundError(f"model.pretrained: {path}: no such directory")
+        files = {f[len(path.rstrip("/")) + 1 :] for f in store.list_files(path)}
+
+        def read(name: str) -> dict:
+            return json.loads(store.read_bytes(storage.join(path, name)))
+
+        what = "folder"
+    if files is not None and "model_index.json" not in files:
         raise FileNotFoundError(
-            f"model.pretrained: {path}: not a diffusers folder (no model_index.json)"
+            f"model.pretrained: {path}: not a diffusers {what} (no model_index.json)"
         )
-    index = json.loads(store.read_bytes(storage.join(path, "model_index.json")))
+    index = read("model_index.json")
     family = families.detect(index, f"model.pretrained: {path}")
-    present = {f.split("/", 1)[0] for f in files if "/" in f}
     # and every expert the index names (Wan 2.2 A14B's transformer_2)
     experts = [c for c in family.experts.values() if (index.get(c) or [None])[0] is not None]
-    missing = [c for c in dict.fromkeys([*family.components(), *experts]) if c not in present]
-    if missing:
-        raise FileNotFoundError(
-            f"model.pretrained: {path}: missing component folder(s) of a {family.name} "
-            f"pipeline: {', '.join(missing)}"
-        )
-    vae = json.loads(store.read_bytes(storage.join(path, "vae", "config.json")))
-    scheduler = json.loads(store.read_bytes(storage.join(path, "scheduler", "scheduler_config.json")))
+    if files is not None:
+        present = {f.split("/", 1)[0] for f in files if "/" in f}
+        missing = [c for c in dict.fromkeys([*family.components(), *experts]) if c not in present]
+        if missing:
+            raise FileNotFoundError(
+                f"model.pretrained: {path}: missing component folder(s) of a {family.name} "
+                f"pipeline: {', '.join(missing)}"
+            )
+    vae = read("vae/config.json")
+    scheduler = read("scheduler/scheduler_config.json")
     return {"index": index, "family": family, "vae_factor": family.vae_factor(vae),
             "scheduler_config": scheduler}
 

@@ -1,0 +1,111 @@
+"""A hub id (``model.pretrained: org/name``) read on the driver before Ray starts: the
+pipeline's small config files and its file list, through huggingface_hub (its cache,
+``HF_ENDPOINT``, ``HF_HUB_OFFLINE``, and ``HF_TOKEN`` or the token ``hf auth login``
+stored), so a hub model is checked as a folder is (``raylora.model.load.check_model``):
+its family, VAE, scheduler and component folders. A gated repo without access, a wrong
+id or revision is named here, not in a worker's traceback after the cluster started. The
+workers download the weights themselves, each node into its own hub cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+class Unreachable(OSError):
+    """The hub could not be asked (no network, ``HF_HUB_OFFLINE``) and the file is not in
+    this machine's hub cache: nothing is known about the repo here."""
+
+
+class Repo:
+    """Model repo ``repo`` at ``revision`` (None: main), read through huggingface_hub.
+
+    Its file list is asked for first: one request, which fails at once offline
+    (``HF_HUB_OFFLINE``) and after huggingface_hub's retries (~20 s) without a network.
+    Then ``files`` is None and every read comes from the cache only, so a missing network
+    costs one wait, not one per file."""
+
+    def __init__(self, repo: str, revision: str | None):
+        from huggingface_hub import HfApi
+
+        self.repo, self.revision, self.offline = repo, revision, ""
+        try:
+            self.files: set[str] | None = set(
+                _call(HfApi().list_repo_files, repo, revision, repo, revision=revision))
+        except Unreachable as exc:
+            self.files, self.offline = None, str(exc)
+
+    def read_json(self, filename: str) -> dict:
+        """``filename`` (``vae/config.json``), parsed."""
+        from huggingface_hub import hf_hub_download
+
+        try:
+            path = _call(hf_hub_download, self.repo, self.revision, self.repo, filename,
+                         revision=self.revision, local_files_only=bool(self.offline))
+        except Unreachable:
+            raise Unreachable(self.offline or f"model.pretrained: {self.repo}: {filename} could "
+                              "not be read from the hub") from None
+        with open(path) as f:
+            return json.load(f)
+
+
+def token() -> str | None:
+    """The token this machine's huggingface_hub sends: ``HF_TOKEN``, else the one
+    ``hf auth login`` stored. What the driver checked the repo with, so what its workers
+    on other nodes must send too (``raylora.storage.forwarded_env``)."""
+    from huggingface_hub import constants
+
+    if os.environ.get("HF_TOKEN"):
+        return os.environ["HF_TOKEN"]
+    try:
+        with open(constants.HF_TOKEN_PATH) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def _call(fn, repo_id: str, rev: str | None, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with the hub's answers turned into errors that name the
+    config key: PermissionError (gated), FileNotFoundError (no such repo or file),
+    ValueError (no such revision), ``Unreachable``."""
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        HfHubHTTPError,
+        HTTPError,  # httpx's, which huggingface_hub uses: its connection errors too
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    key = f"model.pretrained: {repo_id}"
+    try:
+        return fn(*args, **kwargs)
+    except GatedRepoError:  # before RepositoryNotFoundError, its base class
+        how = ("the token sent has no access" if token() else "no Hugging Face token is set")
+        raise PermissionError(
+            f"{key} is a gated repo and {how}: accept its terms on the hub, then set HF_TOKEN "
+            "(or run `hf auth login`) to a token with access") from None
+    except RepositoryNotFoundError:
+        raise FileNotFoundError(f"{key}: no such model repo on the hub (or a private one "
+                                "this machine's token may not read: set HF_TOKEN)") from None
+    except RevisionNotFoundError:
+        raise ValueError(f"model.revision: {rev}: no such revision of {repo_id}") from None
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled) as exc:
+        # The hub was not asked (offline) or not reached, and the cache lacks the file.
+        raise Unreachable(f"{key}: the hub could not be read here and this machine's hub "
+                          f"cache lacks it ({_first_line(exc)})") from None
+    except EntryNotFoundError:
+        raise FileNotFoundError(f"{key}: the repo has no {args[-1] if args else 'such file'}"
+                                ) from None
+    except HfHubHTTPError as exc:  # 5xx, rate limits: the hub is there but did not answer
+        raise Unreachable(f"{key}: the hub answered {_first_line(exc)}") from None
+    except (HTTPError, OSError) as exc:  # connection refused, DNS, timeouts
+        raise Unreachable(f"{key}: the hub could not be reached ({_first_line(exc)})") from None
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:300]

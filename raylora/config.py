@@ -465,7 +465,8 @@ class LoraSection(_Section):
         description="Start from this adapter instead of a no-op: a folder raylora wrote "
         "(output.uri/adapter), a diffusers LoRA folder or any .safetensors LoRA file the "
         "family's stock pipeline load_lora_weights reads (kohya/ComfyUI files included), or a "
-        "peft folder (lokr/loha); local or a storage URI. Its rank and variant must be this "
+        "peft folder (lokr/loha); local, a storage URI, or on the hub: hf://owner/name"
+        "[@revision][/path] (a folder or a .safetensors file). Its rank and variant must be this "
         "run's; lora.alpha may differ (its B is rescaled so step 0 equals the stock pipeline "
         "with that adapter loaded). A rerun that resumes a checkpoint ignores it.",
     )

@@ -134,3 +134,50 @@ def test_offline_a_cached_repo_is_read_and_an_unknown_one_needs_its_family(
         p = plan(_cfg(demo_data, tmp_path, pretrained="org/tiny-flux", family="flux"), heldout=False)
     assert p.family == "flux"
     assert "its family (flux) and components are not checked" in caplog.text
+
+
+def test_a_run_starts_from_an_adapter_on_the_hub(online, hub, tiny_model, demo_data, tmp_path,
+                                                 monkeypatch):
+    """``lora.init_from: hf://owner/name[@revision][/path]``: the adapter's folder in a
+    gated repo, and its one file at a revision, start the run as the same folder read
+    locally does; only the adapter's files are downloaded. What cannot be started from is
+    one line naming the key and the URI."""
+    import torch
+    from test_lora_init import _build, _cfg, _deltas, _random_adapter
+
+    from raylora.model import lora_init
+
+    repo = tmp_path / "repo"
+    _random_adapter(_build(_cfg(tiny_model, demo_data, tmp_path / "a", alpha=8)), str(repo / "style"))
+    (repo / "sample.png").write_bytes(b"not an adapter file")
+    hub.add("org/sd-lora", str(repo), token=TOKEN)
+
+    def problems(**lora):
+        cfg = _cfg(tiny_model, demo_data, tmp_path / "p", **lora)
+        return lora_init.problems(cfg, cfg.storage.client())
+
+    def start(init_from: str) -> dict:
+        run = _build(_cfg(tiny_model, demo_data, tmp_path / "b", alpha=2, init_from=init_from))
+        return _deltas(run.accelerator.unwrap_model(run.model), "default")
+
+    folder = "hf://org/sd-lora/style"
+    assert problems(init_from=folder) == [
+        f"lora.init_from: {folder} is a gated repo and no Hugging Face token is set: accept its "
+        "terms on the hub, then set HF_TOKEN (or run `hf auth login`) to a token with access"]
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    want = start(str(repo / "style"))
+    assert want and max(float(d.abs().max()) for d in want.values()) > 1e-3
+    for uri in (folder, "hf://org/sd-lora@main/style/pytorch_lora_weights.safetensors"):
+        assert problems(init_from=uri) == []
+        got = start(uri)
+        assert set(got) == set(want)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7)
+    assert not [p for _, p, _ in hub.seen if p.endswith("sample.png")]
+    assert problems(init_from=folder, rank=8) == [
+        f"lora.init_from: {folder} has rank 4, this run lora.rank=8; set lora.rank=4 to start from it"]
+    assert problems(init_from="hf://org/sd-lora/other") == [
+        "lora.init_from: hf://org/sd-lora/other: not found"]
+    assert problems(init_from="hf://org/no-such-lora")[0].startswith(
+        "lora.init_from: hf://org/no-such-lora: no such model repo on the hub")
+    assert problems(init_from="hf://org") == ["lora.init_from: hf://org: not hf://owner/name[@revision][/path]"]

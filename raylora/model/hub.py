@@ -50,6 +50,30 @@ class Repo:
             return json.load(f)
 
 
+SCHEME = "hf://"
+
+
+def fetch(uri: str, key: str) -> str:
+    """A local path for ``hf://owner/name[@revision][/path]`` (``key``: the config key it
+    came from, for errors), downloaded into the hub cache: a ``.safetensors`` path alone,
+    else that folder's (or the repo's) ``.safetensors`` and ``.json`` files, which is what
+    a LoRA or peft adapter folder holds (not its sample images)."""
+    from huggingface_hub import hf_hub_download, snapshot_download
+
+    owner, _, rest = uri[len(SCHEME):].strip("/").partition("/")
+    name, _, path = rest.partition("/")
+    name, _, revision = name.partition("@")
+    if not owner or not name:
+        raise ValueError(f"{key}: {uri}: not hf://owner/name[@revision][/path]")
+    repo, revision, where = f"{owner}/{name}", revision or None, f"{key}: {uri}"
+    if path.endswith(".safetensors"):
+        return _call(hf_hub_download, repo, revision, repo, path, revision=revision, key=where)
+    prefix = f"{path.rstrip('/')}/" if path else ""
+    root = _call(snapshot_download, repo, revision, repo, revision=revision, key=where,
+                 allow_patterns=[f"{prefix}*.safetensors", f"{prefix}*.json"])
+    return os.path.join(root, prefix)
+
+
 def token() -> str | None:
     """The token this machine's huggingface_hub sends: ``HF_TOKEN``, else the one
     ``hf auth login`` stored. What the driver checked the repo with, so what its workers
@@ -65,10 +89,10 @@ def token() -> str | None:
         return None
 
 
-def _call(fn, repo_id: str, rev: str | None, *args, **kwargs):
+def _call(fn, repo_id: str, rev: str | None, *args, key: str = "", **kwargs):
     """``fn(*args, **kwargs)`` with the hub's answers turned into errors that name the
-    config key: PermissionError (gated), FileNotFoundError (no such repo or file),
-    ValueError (no such revision), ``Unreachable``."""
+    config key (``key``, default ``model.pretrained: {repo_id}``): PermissionError (gated),
+    FileNotFoundError (no such repo or file), ValueError (no such revision), ``Unreachable``."""
     from huggingface_hub.errors import (
         EntryNotFoundError,
         GatedRepoError,
@@ -80,7 +104,7 @@ def _call(fn, repo_id: str, rev: str | None, *args, **kwargs):
         RevisionNotFoundError,
     )
 
-    key = f"model.pretrained: {repo_id}"
+    key = key or f"model.pretrained: {repo_id}"
     try:
         return fn(*args, **kwargs)
     except GatedRepoError:  # before RepositoryNotFoundError, its base class
@@ -92,7 +116,8 @@ def _call(fn, repo_id: str, rev: str | None, *args, **kwargs):
         raise FileNotFoundError(f"{key}: no such model repo on the hub (or a private one "
                                 "this machine's token may not read: set HF_TOKEN)") from None
     except RevisionNotFoundError:
-        raise ValueError(f"model.revision: {rev}: no such revision of {repo_id}") from None
+        raise ValueError(f"{'model.revision' if key.startswith('model.') else key}: {rev}: "
+                         f"no such revision of {repo_id}") from None
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as exc:
         # The hub was not asked (offline) or not reached, and the cache lacks the file.
         raise Unreachable(f"{key}: the hub could not be read here and this machine's hub "

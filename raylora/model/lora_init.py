@@ -26,6 +26,7 @@ import torch
 
 from raylora import storage
 from raylora.config import RayLoraConfig
+from raylora.model import hub
 from raylora.model.lora import PEFT_CONFIG, PEFT_WEIGHTS, WEIGHT_NAME
 from raylora.storage import Storage
 
@@ -89,13 +90,17 @@ def problems(cfg: RayLoraConfig, store: Storage) -> list[str]:
     uri = cfg.lora.init_from
     if not uri:
         return []
+    where = uri
     try:
-        kind, weights = locate(uri, store)
+        if uri.startswith(hub.SCHEME):  # downloaded into the hub cache, read there
+            where, store = hub.fetch(uri, KEY), Storage()
+        kind, weights = locate(where, store)
         shapes = read_header(weights, store)
-        out = (_peft_problems(json.loads(store.read_bytes(storage.join(uri, PEFT_CONFIG))), cfg, uri)
+        out = (_peft_problems(json.loads(store.read_bytes(storage.join(where, PEFT_CONFIG))), cfg, uri)
                if kind == "peft" else _file_problems(shapes, cfg, uri))
     except (FileNotFoundError, ValueError, OSError) as exc:
-        return [f"{KEY}: {exc}"]
+        why = str(exc).replace(where, uri) if where != uri else str(exc)  # the cache's path: the URI
+        return [why if why.startswith(KEY) else f"{KEY}: {why}"]
     text = [k for k in shapes if k.startswith(TEXT_PREFIXES)]
     if text and not cfg.lora.train_text_encoder:
         out.append(f"{KEY}: {uri} has text-encoder LoRA layers ({text[0]}, ...), which this run "
@@ -160,6 +165,8 @@ def start_from(uri: str, store: Storage, family, denoiser: torch.nn.Module,
 
     import pyarrow.fs as pafs
 
+    if uri.startswith(hub.SCHEME):  # into this node's hub cache (HF_TOKEN: forwarded)
+        return load_init(uri, hub.fetch(uri, KEY), family, denoiser, text_encoders)
     if storage.is_local(uri):
         return load_init(uri, storage.local_path(uri), family, denoiser, text_encoders)
     with tempfile.TemporaryDirectory(prefix="raylora-init-") as tmp:

@@ -181,3 +181,11 @@ def test_a_run_starts_from_an_adapter_on_the_hub(online, hub, tiny_model, demo_d
     assert problems(init_from="hf://org/no-such-lora")[0].startswith(
         "lora.init_from: hf://org/no-such-lora: no such model repo on the hub")
     assert problems(init_from="hf://org") == ["lora.init_from: hf://org: not hf://owner/name[@revision][/path]"]
+
+
+def test_a_relative_path_that_is_not_there_is_not_asked_of_the_hub(online, repos, demo_data,
+                                                                   tmp_path):
+    asked = len(repos.seen)
+    assert ("model.pretrained: runs/demo/modle: no such folder here, and not a hub id "
+            "(owner/name)") in _problems(_cfg(demo_data, tmp_path, pretrained="runs/demo/modle"))
+    assert len(repos.seen) == asked

@@ -113,8 +113,9 @@ def _call(fn, repo_id: str, rev: str | None, *args, key: str = "", **kwargs):
             f"{key} is a gated repo and {how}: accept its terms on the hub, then set HF_TOKEN "
             "(or run `hf auth login`) to a token with access") from None
     except RepositoryNotFoundError:
+        nor = ", nor a folder here" if key.startswith("model.pretrained") else ""
         raise FileNotFoundError(f"{key}: no such model repo on the hub (or a private one "
-                                "this machine's token may not read: set HF_TOKEN)") from None
+                                f"this machine's token may not read: set HF_TOKEN){nor}") from None
     except RevisionNotFoundError:
         raise ValueError(f"{'model.revision' if key.startswith('model.') else key}: {rev}: "
                          f"no such revision of {repo_id}") from None

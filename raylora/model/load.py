@@ -88,6 +88,9 @@ def check_model(path: str, store: Storage, revision: str | None = None) -> dict:
     if is_hub_id(path):
         from raylora.model import hub
 
+        if path.count("/") != 1:  # a relative path that is not there ("runs/demo/modle")
+            raise FileNotFoundError(f"model.pretrained: {path}: no such folder here, and not "
+                                    "a hub id (owner/name)")
         repo = hub.Repo(path, revision)
         files, read = repo.files, repo.read_json  # files None: offline, the cache has no list
         what = "repo"

@@ -30,6 +30,7 @@ class Hub:
     def __init__(self):
         self.repos: dict[str, str] = {}  # repo id → local folder
         self.tokens: dict[str, str] = {}  # gated repo id → the token that may read it
+        self.commits: dict[str, str] = {}  # repo id → its commit (main)
         self.seen: list[tuple[str, str, str | None]] = []  # (method, path, bearer token)
         self._lock = threading.Lock()
         self._srv = http_server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
@@ -38,13 +39,14 @@ class Hub:
         self._thread = threading.Thread(target=self._srv.serve_forever, daemon=True)
         self._thread.start()
 
-    def add(self, repo: str, folder: str, token: str | None = None) -> str:
-        """Serve ``folder`` as model repo ``repo`` (gated behind ``token`` if given);
-        returns its commit hash."""
+    def add(self, repo: str, folder: str, token: str | None = None, version: int = 0) -> str:
+        """Serve ``folder`` as model repo ``repo`` (gated behind ``token`` if given) at its
+        commit ``version`` (another: as if pushed to); returns that commit's hash."""
         self.repos[repo] = os.path.abspath(folder)
+        self.commits[repo] = commit(repo, version)
         if token:
             self.tokens[repo] = token
-        return commit(repo)
+        return self.commits[repo]
 
     def stop(self) -> None:
         self._srv.shutdown()
@@ -55,9 +57,9 @@ class Hub:
             self.seen.append((method, path, token))
 
 
-def commit(repo: str) -> str:
-    """A repo's one commit: 40 hex digits, fixed per repo id."""
-    return hashlib.sha1(repo.encode()).hexdigest()
+def commit(repo: str, version: int = 0) -> str:
+    """A repo's commit: 40 hex digits, fixed per repo id and version."""
+    return hashlib.sha1(f"{repo}@{version}".encode()).hexdigest()
 
 
 def _files(folder: str) -> list[str]:
@@ -105,7 +107,7 @@ def _handler(hub: Hub):
             rest = parts[2:]
             if repo not in hub.repos:
                 return self._error(401, "RepoNotFound", body)
-            folder, sha = hub.repos[repo], commit(repo)
+            folder, sha = hub.repos[repo], hub.commits[repo]
             if api:
                 return self._api(repo, folder, sha, rest, query, body)
             gate = hub.tokens.get(repo)

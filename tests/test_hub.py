@@ -189,3 +189,30 @@ def test_a_relative_path_that_is_not_there_is_not_asked_of_the_hub(online, repos
     assert ("model.pretrained: runs/demo/modle: no such folder here, and not a hub id "
             "(owner/name)") in _problems(_cfg(demo_data, tmp_path, pretrained="runs/demo/modle"))
     assert len(repos.seen) == asked
+
+
+def test_a_push_to_a_hub_repo_keys_new_latent_caches_and_class_images(online, hub, tiny_model,
+                                                                      demo_data, tmp_path):
+    """A hub id's latent cache and generated class images were keyed by its name alone: a
+    push to the repo (another VAE, another text encoder) reused what the old one made.
+    They are keyed by its commit now, as the hub says, or offline the cache."""
+    from raylora.data import cache, classgen
+    from raylora.data.plan import plan_data
+
+    hub.add("org/pushed", tiny_model)
+    cfg = _cfg(demo_data, tmp_path, pretrained="org/pushed")
+    store = cfg.storage.client()
+    data = plan_data(cfg.data, store)
+
+    def keys() -> tuple[str, str]:
+        return (cache.fingerprint(cfg, "sd", "org/pushed", data, store),
+                classgen.generation_key(cfg, "sd", "org/pushed", 4, store))
+
+    first = keys()
+    assert keys() == first
+    online.HF_HUB_OFFLINE = True  # monkeypatched: restored after the test
+    assert keys() == first
+    online.HF_HUB_OFFLINE = False
+    hub.add("org/pushed", tiny_model, version=1)
+    second = keys()
+    assert second[0] != first[0] and second[1] != first[1]

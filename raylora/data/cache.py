@@ -198,7 +198,12 @@ def fingerprint(cfg: RayLoraConfig, family: str, model_path: str, data: DataPlan
                         "resolutions": [s.resolutions() for s in d.source_sections()]}}
            if d.bucketing else {}),
     }, sort_keys=True).encode())
-    if not is_hub_id(model_path):
+    if is_hub_id(model_path):
+        from raylora.model import hub
+
+        # The repo's commit: a push to it (a new VAE on main) is a new cache.
+        h.update((hub.commit(model_path, cfg.model.revision) or "").encode())
+    else:
         # The encoders' weights and configs: a retrained or swapped VAE is a new cache.
         model_files = [
             f for f in store.list_files(model_path)

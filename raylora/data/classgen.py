@@ -120,7 +120,11 @@ def generation_key(cfg: RayLoraConfig, family: str, model_path: str, count: int,
         # the folders of unquantized runs keep their keys
         **({"quantize_text_encoders": q} if q != "none" else {}),
     }, sort_keys=True).encode())
-    if not is_hub_id(model_path):  # retrained weights: new images
+    if is_hub_id(model_path):  # a push to the repo: new images
+        from raylora.model import hub
+
+        h.update((hub.commit(model_path, cfg.model.revision) or "").encode())
+    else:  # retrained weights: new images
         h.update(data_fingerprint(store.list_files(model_path), store).encode())
     return h.hexdigest()[:16]
 

@@ -50,6 +50,20 @@ class Repo:
             return json.load(f)
 
 
+def commit(repo: str, revision: str | None) -> str | None:
+    """The commit ``revision`` (None: main) of model repo ``repo`` is at, as the hub or,
+    offline, this machine's cache knows it (the snapshot folder its files are read from);
+    None when neither does. What a cache of the model's outputs is keyed by, so a push to
+    the repo is a new one."""
+    from huggingface_hub import hf_hub_download
+
+    try:
+        path = _call(hf_hub_download, repo, revision, repo, "model_index.json", revision=revision)
+    except (OSError, ValueError):
+        return None
+    return os.path.basename(os.path.dirname(path))
+
+
 SCHEME = "hf://"
 
 

@@ -45,7 +45,9 @@ def test_submit_status_stop_then_resubmit_resumes_and_finishes(
     secret = "rAyLoRa/Submit+" + uuid.uuid4().hex
     aws = {"AWS_ENDPOINT_URL": moto_endpoint, "AWS_ACCESS_KEY_ID": "AKIARAYLORASUBMIT023",
            "AWS_SECRET_ACCESS_KEY": secret, "AWS_REGION": "us-east-1"}
-    for k, v in aws.items():
+    # A hub token travels as the S3 key does (the model here is a folder: it is only carried).
+    hf_token = "hf_RayLoraSubmit" + uuid.uuid4().hex
+    for k, v in {**aws, "HF_TOKEN": hf_token}.items():
         monkeypatch.setenv(k, v)
     s3 = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
     s3.create_bucket(Bucket="raylora-submit")
@@ -65,7 +67,8 @@ def test_submit_status_stop_then_resubmit_resumes_and_finishes(
     assert main(["submit", config, *overrides, "--working-dir", REPO, "--job-id", "rl-stop"]) == 0
     assert capsys.readouterr().out.strip() == "rl-stop"
     info = jobs.client(None).get_job_info("rl-stop")
-    assert secret not in info.entrypoint and secret not in json.dumps(info.runtime_env)
+    for hidden in (secret, hf_token):
+        assert hidden not in info.entrypoint and hidden not in json.dumps(info.runtime_env)
     assert info.runtime_env["env_vars"]["AWS_ENDPOINT_URL"] == moto_endpoint  # not a secret
     assert info.runtime_env["env_vars"][jobsecrets.ENV] == "1"
     assert [m.startswith("gcs://_ray_pkg_") for m in info.runtime_env["py_modules"]] == [True]
@@ -108,7 +111,7 @@ def test_submit_status_stop_then_resubmit_resumes_and_finishes(
 
     # Both drivers read and deleted their credentials file: no file of the cluster (logs,
     # unpacked runtime_env packages) holds the secret.
-    assert files_holding(head["state"], secret) == []
+    assert files_holding(head["state"], secret) == files_holding(head["state"], hf_token) == []
     # Nor does any worker get their package: the driver drops it from the job config its
     # ray.init passes on. The runtime-env agent logs each runtime_env it sets up; the
     # workers' are those with raylora's setup hook, the driver's own has the package.

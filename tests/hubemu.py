@@ -2,8 +2,9 @@
 huggingface_hub's downloads use (``HF_ENDPOINT`` points every client at it), serving local
 folders as model repos.
 
-The hub cannot be reached here (nor in CI), and no maintained server speaks its API, so
-this one does, as the hub answers (huggingface_hub 2.x reads these answers):
+The hub cannot be reached here (nor in CI). The servers on PyPI that speak its API are
+mirrors (olah) that serve what they fetched from the hub or git repos, without gating, so
+this one serves folders, as the hub answers (huggingface_hub 2.x reads these answers):
 - ``HEAD|GET /{repo}/resolve/{revision}/{path}``: the file, with ``X-Repo-Commit`` and an
   ``ETag``; a missing file is 404 ``X-Error-Code: EntryNotFound``;
 - ``GET /api/models/{repo}[/revision/{revision}]``: the repo's commit and files;

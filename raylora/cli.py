@@ -130,6 +130,7 @@ def _sample(args) -> int:
         args.model, args.adapter, args.prompt, args.out,
         seed=args.seed, steps=args.steps, guidance_scale=args.guidance_scale, size=args.size,
         expert=args.expert, quantize_text_encoders=args.quantize_text_encoders,
+        revision=args.revision,
     )
     print(f"raylora: sample image {out}")
     return 0
@@ -322,6 +323,9 @@ def _adapter_commands(sub) -> None:
 
     s = sub.add_parser("sample", help="generate an image with base model + adapter")
     s.add_argument("--model", required=True, help="base model: hub id or diffusers folder")
+    s.add_argument("--revision", default=None,
+                   help="a hub model's branch, tag or commit; default: the commit the adapter "
+                        "was trained on when its raylora.json names --model as its base, else main")
     s.add_argument("--adapter", required=True, action="append",
                    help="adapter folder: pytorch_lora_weights.safetensors (lora, dora) or a peft "
                         "folder (lokr, loha). A pipeline of experts (Wan 2.2 A14B) takes one per "

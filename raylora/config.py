@@ -1016,6 +1016,15 @@ class RayLoraConfig(_Section):
             "scaling": s.model_copy(update={"num_workers": (world, world)}),
         })
 
+    def at_commit(self, commit: str | None) -> RayLoraConfig:
+        """This config as the processes that load the model see it: a hub model's
+        ``model.revision`` pinned to the commit the driver read (``Plan.model_commit``), so
+        every worker, node and encoding task loads the same weights and tokenizers however
+        the branch moves meanwhile. What the run records keeps the revision as written."""
+        if commit is None or self.model.revision == commit:
+            return self
+        return self.model_copy(update={"model": self.model.model_copy(update={"revision": commit})})
+
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as plain data, same tree as the YAML."""
         return self.model_dump(mode="json")

@@ -48,6 +48,9 @@ class Plan:
     heldout: list[dict] = field(default_factory=list, repr=False)
     family: str = "sd"  # raylora.model.families name
     objective: str | None = None  # epsilon | v_prediction | flow_matching (None: hub id, unread)
+    # A hub model: the commit the driver read (model.revision resolved), which everything
+    # that loads the model loads (RayLoraConfig.at_commit); None: a folder, or unread.
+    model_commit: str | None = None
     # data.cache=latents: the cache entry the shard files belong to, and the held-out rows
     # encoded by the same stages ({column: array}), so workers need no encoders at all.
     cache_uri: str | None = None
@@ -165,11 +168,14 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
     problems: list[str] = []
     store = cfg.storage.client()
     model_path = cfg.model.pretrained
-    family, factor, scheduler = resolve_family(cfg.model, None), 8, None
+    family, factor, scheduler, commit = resolve_family(cfg.model, None), 8, None, None
     try:
         info = check_model(model_path, store, cfg.model.revision)
         family, factor = resolve_family(cfg.model, info["index"]), info["vae_factor"]
-        scheduler = info["scheduler_config"]
+        scheduler, commit = info["scheduler_config"], info["commit"]
+        if commit:
+            log.info("model.pretrained: %s: training its commit %s (%s)", model_path, commit,
+                     cfg.model.revision or "main")
         if family.experts:  # whether this folder has them; a family without: family_problems
             family.sigma_range(info["index"], cfg.model.expert, f"model.pretrained: {model_path}")
     except hub.Unreachable as exc:
@@ -202,7 +208,7 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
     if data is None:
         raise ConfigError(problems)
     p = _arithmetic(cfg, model_path, data, rows, problems)
-    p.family, p.objective = family.name, objective
+    p.family, p.objective, p.model_commit = family.name, objective, commit
     return p
 
 
@@ -261,8 +267,8 @@ def replan(cfg: RayLoraConfig, base: Plan) -> Plan:
 def _carry(p: Plan, base: Plan, **changes) -> Plan:
     """``p`` (fresh step arithmetic) with what ``base`` learned beyond it: family, cache."""
     keep = {k: getattr(base, k)
-            for k in ("family", "objective", "cache_uri", "cache_reused", "heldout_encoded", "bad_records",
-                      "class_rows", "class_images", "class_encoded")}
+            for k in ("family", "objective", "model_commit", "cache_uri", "cache_reused",
+                      "heldout_encoded", "bad_records", "class_rows", "class_images", "class_encoded")}
     return replace(p, **{**keep, **changes})
 
 
@@ -273,11 +279,11 @@ def apply_cache(cfg: RayLoraConfig, p: Plan) -> Plan:
 
     if cfg.data.cache != "latents":
         return p
-    store = cfg.storage.client()
-    entry = ensure_cache(cfg, p.family, p.model_path, p.data_plan(), store,
+    store, loads = cfg.storage.client(), cfg.at_commit(p.model_commit)
+    entry = ensure_cache(loads, p.family, p.model_path, p.data_plan(), store,
                          bad_records=p.bad_records)
     data = entry.plan(cfg.data)
-    encoded = encode_rows(cfg, p.family, p.model_path, p.heldout, store) if p.heldout else None
+    encoded = encode_rows(loads, p.family, p.model_path, p.heldout, store) if p.heldout else None
     return _carry(_arithmetic(cfg, p.model_path, data, p.heldout, []), p,
                   cache_uri=entry.uri, cache_reused=entry.reused, heldout_encoded=encoded)
 
@@ -291,14 +297,14 @@ def apply_class_images(cfg: RayLoraConfig, p: Plan) -> Plan:
 
     if not cfg.data.prior_preservation:
         return p
-    store = cfg.storage.client()
+    store, loads = cfg.storage.client(), cfg.at_commit(p.model_commit)
     try:
-        found = ensure_class_images(cfg, p.family, p.model_path, store)
+        found = ensure_class_images(loads, p.family, p.model_path, store)
     except (FileNotFoundError, ValueError, OSError) as exc:
         raise ConfigError([str(exc) if str(exc).startswith("data.") else f"data.class_sources: {exc}"])
     if cfg.data.cache == "latents":
         return replace(p, class_images=found.summary(), class_encoded=encode_rows(
-            cfg, p.family, p.model_path, found.rows, store, purpose="class"))
+            loads, p.family, p.model_path, found.rows, store, purpose="class"))
     return replace(p, class_rows=found.rows, class_images=found.summary())
 
 
@@ -724,7 +730,7 @@ def _latest_checkpoint(cfg: RayLoraConfig, p: Plan) -> str | None:
     from raylora.checkpoint.state import trained_settings
 
     latest = check_latest(cfg.storage.client(), storage.join(cfg.output.uri, TRAIN_RUN_NAME),
-                          trained=trained_settings(cfg, p.family))
+                          trained=trained_settings(cfg.at_commit(p.model_commit), p.family))
     if latest:
         log.info("resuming from %s (the latest checkpoint of this output.uri)", latest)
     return latest
@@ -869,13 +875,16 @@ def build_trainer(
     # CI they are thousands of lines of carriage returns.
     data_bars = sys.stdout.isatty() and quiet.verbose()
     ray.data.DataContext.get_current().enable_progress_bars = data_bars
-    spec = WorkerSpec(cfg, p, progress_bar=data_bars, lr_find=lr_find, progress_board=progress_board,
+    # Workers load the commit the driver read (a hub model), as the tokenizers below are.
+    loads = cfg.at_commit(p.model_commit)
+    spec = WorkerSpec(loads, p, progress_bar=data_bars, lr_find=lr_find, progress_board=progress_board,
                       stop_requests=stop_requests, progress_label=progress_label)
     # The workers build the run's one dataset themselves (worker._epoch_batches: rank 0
     # splits it, or each worker reads its own files), so Ray Train is given none. The
     # tokenizer is read once, here, for all of them (cached latents need none).
     if cfg.data.cache != "latents":
-        spec.tokenizer_specs = load_specs(p.model_path, p.family, store, cfg.model.max_sequence_length)
+        spec.tokenizer_specs = load_specs(p.model_path, p.family, store, cfg.model.max_sequence_length,
+                                          revision=loads.model.revision)
     ckpt_fs, ckpt_path = store.fs(storage_uri)
     return TorchTrainer(
         train_fn or train_loop_per_worker,

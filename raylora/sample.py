@@ -18,15 +18,16 @@ def sample(
     size: int | None = None,
     expert: str | None = None,
     quantize_text_encoders: str = "none",
+    revision: str | None = None,
 ) -> str:
     """``guidance_scale``: default the family's (SD 7.5, Flux.1-dev 3.5, ...), passed as the
     family's pipeline takes it (Qwen-Image: true CFG with an empty negative prompt).
-    ``adapter``, ``expert``, ``quantize_text_encoders``: see ``load_pipeline``."""
+    ``adapter``, ``expert``, ``quantize_text_encoders``, ``revision``: see ``load_pipeline``."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # bf16 on GPUs: fp16 overflows in Flux/SD3/Qwen-Image transformers.
     pipe, family = load_pipeline(model, adapter, expert,
                                  torch.bfloat16 if device == "cuda" else torch.float32,
-                                 quantize_text_encoders, device)
+                                 quantize_text_encoders, device, revision)
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     # No size: the pipeline's own default (the model's sample size; ZImagePipeline's 1024,
@@ -48,7 +49,7 @@ def sample(
 
 def load_pipeline(model: str, adapter: str | list[str], expert: str | None = None,
                   dtype: torch.dtype = torch.float32, quantize_text_encoders: str = "none",
-                  device="cpu"):
+                  device="cpu", revision: str | None = None):
     """(the family's stock pipeline of ``model`` with the adapter loaded, the family).
 
     A pipeline of experts (Wan 2.2 A14B) samples with every expert; an adapter goes into
@@ -60,7 +61,10 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
     (``raylora.model.load.load_pipeline_as_trained``: Flux.2 [dev]'s is Mistral 3's
     language model without its vision tower, LM head and unused layers, 36 GB in bf16
     instead of 48), the encoders' linears quantized on ``device`` as
-    ``quantize_text_encoders`` (``model.quantize_text_encoders``' values) says."""
+    ``quantize_text_encoders`` (``model.quantize_text_encoders``' values) says.
+
+    ``revision``: a hub model's; default the commit the adapter was trained on when its
+    ``raylora.json`` names ``model`` as its base (``trained_commit``), else main."""
     from diffusers import DiffusionPipeline
 
     from raylora import quiet
@@ -70,8 +74,9 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
 
     adapters = [adapter] if isinstance(adapter, str) else list(adapter)
     path = os.path.abspath(model) if os.path.isdir(model) else model
+    revision = revision or trained_commit(model, adapters)
     # The family, and the pipeline class that loads the adapter, from model_index.json.
-    index = DiffusionPipeline.load_config(path)
+    index = DiffusionPipeline.load_config(path, revision=revision)
     family = families.detect(index, "--model")
     if len(adapters) > 1 and expert is not None:
         raise ValueError("--expert: names the expert of one --adapter; with several, each "
@@ -90,11 +95,26 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
         raise ValueError(f"--adapter: {', '.join(adapters)} train the same denoiser "
                          f"({', '.join(str(e) for e in experts)}); give one adapter per expert")
     quiet.diffusers_bars_off()  # "Loading pipeline components..."
-    section = ModelSection(pretrained=path, quantize_text_encoders=quantize_text_encoders)
+    section = ModelSection(pretrained=path, revision=revision,
+                           quantize_text_encoders=quantize_text_encoders)
     pipe = load_pipeline_as_trained(path, family, dtype, index, section, device)
     for a, e in zip(adapters, experts):
         load_adapter(pipe, family, a, e)
     return pipe, family
+
+
+def trained_commit(model: str, adapters: list[str]) -> str | None:
+    """The hub commit of ``model`` the adapters' run loaded (``raylora.json``'s
+    ``model_commit``), when a run with ``model`` as its ``model.pretrained`` wrote one of
+    them: its base as trained, however the repo's main moved since."""
+    from raylora.checkpoint.export import read_run_meta
+
+    for a in adapters:
+        meta = read_run_meta(a)
+        if (meta.get("config", {}).get("model", {}).get("pretrained") == model
+                and meta.get("data", {}).get("model_commit")):
+            return meta["data"]["model_commit"]
+    return None
 
 
 def trained_expert(adapter: str) -> str | None:

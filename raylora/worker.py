@@ -61,7 +61,7 @@ def _stage_kwargs(purpose: str, spec: WorkerSpec) -> dict:
     cfg = spec.config
     return stage_kwargs(purpose, cfg.data, model_path=spec.plan.model_path, family=spec.plan.family,
                         storage=cfg.storage, max_sequence_length=cfg.model.max_sequence_length,
-                        tokenizer_specs=spec.tokenizer_specs)
+                        tokenizer_specs=spec.tokenizer_specs, revision=cfg.model.revision)
 
 
 def _heldout_batch(spec: WorkerSpec) -> dict[str, torch.Tensor]:
@@ -135,6 +135,7 @@ def _previewer(spec: WorkerSpec, run, tracker, rank: int):
         pipe = pv.build_pipeline(
             model_path, run.family, model, vae, encoders, tokenizers,
             dtype=run.parts.weight_dtype, device=acc.device, expert=cfg.model.expert,
+            revision=cfg.model.revision,
         )
         return pv.render(pipe, run.family, v.prompts, v.seed, v.num_inference_steps, guidance,
                          cfg.data.max_resolution(), autocast=acc.autocast)
@@ -216,7 +217,8 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
     def dataset(epoch: int, data_plan: DataPlan, tasks: int):
         ds = build_dataset(data, data_plan, store, model_path=plan.model_path, seed=data_seed,
                            num_preprocess_tasks=tasks, family=plan.family,
-                           bad_records=plan.bad_records, tokenizer_specs=spec.tokenizer_specs, epoch=epoch,
+                           bad_records=plan.bad_records, tokenizer_specs=spec.tokenizer_specs,
+                           revision=spec.config.model.revision, epoch=epoch,
                            epochs=_passes_needed(spec, epoch, per_epoch, world))
         ds.context.enable_progress_bars = spec.progress_bar
         return ds

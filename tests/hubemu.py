@@ -1,6 +1,7 @@
 """A Hugging Face hub on 127.0.0.1 for tests: the part of the hub's HTTP API that
 huggingface_hub's downloads use (``HF_ENDPOINT`` points every client at it), serving local
-folders as model repos.
+folders as model repos, each push (``Hub.add``) a new commit of the repo, its earlier ones
+still readable by their hashes.
 
 The hub cannot be reached here (nor in CI). The servers on PyPI that speak its API are
 mirrors (olah) that serve what they fetched from the hub or git repos, without gating, so
@@ -32,6 +33,7 @@ class Hub:
         self.repos: dict[str, str] = {}  # repo id → local folder
         self.tokens: dict[str, str] = {}  # gated repo id → the token that may read it
         self.commits: dict[str, str] = {}  # repo id → its commit (main)
+        self.history: dict[str, dict[str, str]] = {}  # repo id → {commit: folder}
         self.seen: list[tuple[str, str, str | None]] = []  # (method, path, bearer token)
         self._lock = threading.Lock()
         self._srv = http_server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
@@ -42,9 +44,11 @@ class Hub:
 
     def add(self, repo: str, folder: str, token: str | None = None, version: int = 0) -> str:
         """Serve ``folder`` as model repo ``repo`` (gated behind ``token`` if given) at its
-        commit ``version`` (another: as if pushed to); returns that commit's hash."""
+        commit ``version`` (another: as if pushed to, main moved there, the earlier commit
+        still served by its hash); returns that commit's hash."""
         self.repos[repo] = os.path.abspath(folder)
         self.commits[repo] = commit(repo, version)
+        self.history.setdefault(repo, {})[self.commits[repo]] = self.repos[repo]
         if token:
             self.tokens[repo] = token
         return self.commits[repo]
@@ -108,15 +112,15 @@ def _handler(hub: Hub):
             rest = parts[2:]
             if repo not in hub.repos:
                 return self._error(401, "RepoNotFound", body)
-            folder, sha = hub.repos[repo], hub.commits[repo]
             if api:
-                return self._api(repo, folder, sha, rest, query, body)
+                return self._api(repo, rest, query, body)
             gate = hub.tokens.get(repo)
             if gate and token != gate:
                 return self._error(401 if token is None else 403, "GatedRepo", body)
             if len(rest) < 3 or rest[0] != "resolve":
                 return self._error(404, "EntryNotFound", body)
-            if rest[1] not in ("main", sha):
+            sha, folder = self._at(repo, rest[1])
+            if folder is None:
                 return self._error(404, "RevisionNotFound", body)
             file = os.path.join(folder, *rest[2:])
             if not os.path.isfile(file):
@@ -126,9 +130,15 @@ def _handler(hub: Hub):
                                     "ETag": '"' + hashlib.sha256(data).hexdigest() + '"',
                                     "Content-Type": "application/octet-stream"}, body)
 
-        def _api(self, repo: str, folder: str, sha: str, rest: list[str], query: dict,
-                 body: bool) -> None:
-            if rest[:1] == ["revision"] and rest[1:2] not in (["main"], [sha]):
+        def _at(self, repo: str, revision: str) -> tuple[str, str | None]:
+            """(commit, folder) of ``revision`` (main or a commit hash); folder None: none."""
+            sha = hub.commits[repo] if revision == "main" else revision
+            return sha, hub.history[repo].get(sha)
+
+        def _api(self, repo: str, rest: list[str], query: dict, body: bool) -> None:
+            sha, folder = self._at(repo, rest[1] if rest[:1] in (["revision"], ["tree"])
+                                   and len(rest) >= 2 else "main")
+            if folder is None:
                 return self._error(404, "RevisionNotFound", body)
             if rest[:1] in ([], ["revision"]):
                 info = {"id": repo, "modelId": repo, "sha": sha, "private": False,
@@ -137,8 +147,6 @@ def _handler(hub: Hub):
                 return self._reply(200, json.dumps(info).encode(),
                                    {"Content-Type": "application/json"}, body)
             if rest[:1] == ["tree"] and len(rest) >= 2:
-                if rest[1] not in ("main", sha):
-                    return self._error(404, "RevisionNotFound", body)
                 sub = os.path.join(folder, *rest[2:])
                 if not os.path.isdir(sub):
                     return self._error(404, "EntryNotFound", body)

@@ -152,7 +152,8 @@ def test_a_rerun_with_other_lora_settings_is_refused_naming_each(tmp_path, caplo
     was = trained_settings(cfg({"target_modules": ["to_q", "to_v"]}), "flux")
     assert was == {"model.family": "flux", "model.expert": None, "lora.variant": "lora", "lora.rank": 16,
                    "lora.alpha": 16, "lora.target_modules": ["to_q", "to_v"],
-                   "lora.train_text_encoder": False, "lora.init_from": None, "model.pretrained": "m"}
+                   "lora.train_text_encoder": False, "lora.init_from": None, "model.pretrained": "m",
+                   "model.revision": None}
     assert trained_settings(cfg({"target_modules": ["to_q", "to_v"], "dropout": 0.1, "alpha": 16.0},
                                 {"learning_rate": 1e-3, "max_steps": 9}), "flux") == was
     assert trained_settings(cfg({"init_from": "s3://b/a"}), "flux")["lora.init_from"] == "s3://b/a"

@@ -113,7 +113,7 @@ def test_two_node_spread_from_s3_matches_single_node(
             s3.upload_file(os.path.join(demo_data, f), "raylora-joined", f"data/{f}")
     token = "hf_RayLoraJoinedCluster0002"
     repo = "org/joined"
-    hub.add(repo, tiny_model, token=token)
+    commit = hub.add(repo, tiny_model, token=token)
     hf = {"HF_ENDPOINT": hub.endpoint, "HF_TOKEN": token}
     logs = []
 
@@ -135,7 +135,8 @@ def test_two_node_spread_from_s3_matches_single_node(
     # request without it is refused, and that worker fails), the weights among them.
     asked = [(m, p, t) for m, p, t in hub.seen if p.startswith(f"/{repo}/resolve/")]
     assert {t for _, _, t in asked} == {token}
-    assert any(m == "GET" and p.endswith("/unet/diffusion_pytorch_model.safetensors")
+    # the workers' weights by the commit the driver's plan read (raylora.json names it)
+    assert any(m == "GET" and p == f"/{repo}/resolve/{commit}/unet/diffusion_pytorch_model.safetensors"
                for m, p, _ in asked)
     keys = [o["Key"] for o in s3.list_objects_v2(Bucket="raylora-joined", Prefix="run/")["Contents"]]
     assert any(k.startswith("run/train/checkpoint_") for k in keys)
@@ -145,6 +146,7 @@ def test_two_node_spread_from_s3_matches_single_node(
         s3.download_file("raylora-joined", f"run/adapter/{name}", str(spread_dir / name))
     train("STRICT_PACK", tiny_model, demo_data, str(tmp_path / "packed"), {})
 
+    assert json.load(open(spread_dir / "raylora.json"))["data"]["model_commit"] == commit
     spread = json.load(open(spread_dir / "raylora.json"))["metrics"]
     packed = json.load(open(tmp_path / "packed" / "adapter" / "raylora.json"))["metrics"]
     spread_w = load_file(spread_dir / "pytorch_lora_weights.safetensors")

@@ -5,6 +5,7 @@ cluster, the token reaching every worker: test_cluster_local."""
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 
@@ -20,9 +21,11 @@ def online(hub, monkeypatch, tmp_path):
     """This process's huggingface_hub pointed at ``hub`` with an empty cache, no token.
     It read HF_ENDPOINT, HF_HUB_OFFLINE (1: conftest) and its paths when imported, so its
     constants are set as those variables would have set them."""
-    from huggingface_hub import constants
+    from huggingface_hub import constants, hf_api
 
     monkeypatch.setattr(constants, "ENDPOINT", hub.endpoint)
+    # the module-level HfApi (model_info, resolve_revision: diffusers' pipeline download)
+    monkeypatch.setattr(hf_api.api, "endpoint", hub.endpoint)
     monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
                         hub.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
@@ -191,28 +194,128 @@ def test_a_relative_path_that_is_not_there_is_not_asked_of_the_hub(online, repos
     assert len(repos.seen) == asked
 
 
-def test_a_push_to_a_hub_repo_keys_new_latent_caches_and_class_images(online, hub, tiny_model,
-                                                                      demo_data, tmp_path):
-    """A hub id's latent cache and generated class images were keyed by its name alone: a
-    push to the repo (another VAE, another text encoder) reused what the old one made.
-    They are keyed by its commit now, as the hub says, or offline the cache."""
+@pytest.fixture
+def pushed(tiny_model, tmp_path) -> str:
+    """tiny_model as a push would change it: other UNet weights, another tokenizer length."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "pushed"
+    shutil.copytree(tiny_model, folder)
+    weights = folder / "unet" / "diffusion_pytorch_model.safetensors"
+    save_file({k: v + 1 for k, v in load_file(weights).items()}, weights)
+    config = folder / "tokenizer" / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "model_max_length": 40}))
+    return str(folder)
+
+
+def test_a_run_loads_the_commit_its_plan_read_while_the_repo_moves(
+        online, hub, tiny_model, pushed, demo_data, tmp_path, caplog):
+    """Every process downloaded the repo's main when it got to it: a push after the plan
+    gave the workers other weights than the driver checked (and two nodes' workers each
+    other's), the driver's tokenizers could be another commit's than the text encoders,
+    and a latent cache or class images made from the old commit were keyed as the new
+    one. The plan pins the commit it read: the driver's tokenizers, the workers' config,
+    the cache and class-image keys and the checkpoint's record follow it; the run's
+    config keeps model.revision as written. A new plan reads the push."""
+    import torch
+    from safetensors.torch import load_file
+
+    from raylora.checkpoint.recorded import check_latest
+    from raylora.checkpoint.state import trained_settings
     from raylora.data import cache, classgen
     from raylora.data.plan import plan_data
+    from raylora.launch import build_trainer, plan
+    from raylora.data.preprocess import Preprocess, StageSpec, stage_kwargs
+    from raylora.model import families
+    from raylora.model.load import load_components, load_pipeline_as_trained, read_index
 
-    hub.add("org/pushed", tiny_model)
+    v0 = hub.add("org/pushed", tiny_model)
     cfg = _cfg(demo_data, tmp_path, pretrained="org/pushed")
     store = cfg.storage.client()
     data = plan_data(cfg.data, store)
+    first = plan(cfg, heldout=False)
+    assert first.model_commit == v0 and cfg.model.revision is None
 
-    def keys() -> tuple[str, str]:
-        return (cache.fingerprint(cfg, "sd", "org/pushed", data, store),
-                classgen.generation_key(cfg, "sd", "org/pushed", 4, store))
+    def keys(p) -> tuple[str, str]:
+        loads = cfg.at_commit(p.model_commit)
+        return (cache.fingerprint(loads, "sd", "org/pushed", data, store),
+                classgen.generation_key(loads, "sd", "org/pushed", 4, store))
 
-    first = keys()
-    assert keys() == first
+    def unet_weight(model) -> torch.Tensor:
+        return load_components(model, torch.float32, encoders=False).denoiser.conv_in.weight
+
+    old = keys(first)
     online.HF_HUB_OFFLINE = True  # monkeypatched: restored after the test
-    assert keys() == first
+    offline = plan(cfg, heldout=False)
+    assert offline.model_commit == v0 and keys(offline) == old
     online.HF_HUB_OFFLINE = False
-    hub.add("org/pushed", tiny_model, version=1)
-    second = keys()
-    assert second[0] != first[0] and second[1] != first[1]
+
+    v1 = hub.add("org/pushed", pushed, version=1)  # main moves after the first plan
+    spec = build_trainer(cfg, first, str(tmp_path / "out"), "train").train_loop_config["spec"]
+    assert spec.config.model.revision == v0 and cfg.model.revision is None
+    assert [t.max_length for t in spec.tokenizer_specs] == [77]
+    stock = load_file(f"{tiny_model}/unet/diffusion_pytorch_model.safetensors")["conv_in.weight"]
+    torch.testing.assert_close(unet_weight(spec.config.model), stock)
+
+    # what loads the model inside Ray: the cache's and class images' preprocess stages
+    # (their tokenizers), the stock pipeline of class images and previews
+    loads = cfg.at_commit(first.model_commit)
+    stage = Preprocess(StageSpec(**stage_kwargs("cache", cfg.data, model_path="org/pushed",
+                                                family="sd", storage=store,
+                                                revision=loads.model.revision)))
+    assert [e.model_max_length for e in stage.encoders] == [77]
+    pipe = load_pipeline_as_trained("org/pushed", families.get("sd"), torch.float32,
+                                    read_index(loads.model, "org/pushed"), loads.model)
+    torch.testing.assert_close(pipe.unet.conv_in.weight, stock)
+
+    second = plan(cfg, heldout=False)
+    assert second.model_commit == v1
+    new = keys(second)
+    assert new[0] != old[0] and new[1] != old[1]
+    spec = build_trainer(cfg, second, str(tmp_path / "out"), "train").train_loop_config["spec"]
+    assert [t.max_length for t in spec.tokenizer_specs] == [40]
+    torch.testing.assert_close(unet_weight(spec.config.model), stock + 1)
+
+    # a checkpoint of the first run, resumed after the push: resumed, with the way back
+    run = tmp_path / "ckpts"
+    (run / "checkpoint_a").mkdir(parents=True)
+    was = trained_settings(cfg.at_commit(first.model_commit), "sd")
+    assert was["model.revision"] == v0
+    (run / "checkpoint_a" / "checkpoint_files.json").write_text(
+        json.dumps({"rank0": {}, "other_ranks": [], "trained": was}))
+    (run / "checkpoint_manager_snapshot.json").write_text(
+        '{"latest_checkpoint_result": {"checkpoint_dir_name": "checkpoint_a"}}')
+    with caplog.at_level(logging.WARNING, logger="raylora"):
+        check_latest(store, str(run), trained=trained_settings(cfg.at_commit(v1), "sd"))
+    assert (f"model.revision: this run has {v1}, but the checkpoint this output.uri resumes "
+            f"from ({run / 'checkpoint_a'}) was trained with {v0}; resuming (on this run's "
+            "commit: the repo moved since; set model.revision") in caplog.text
+
+
+def test_raylora_sample_loads_the_base_at_the_commit_its_adapter_trained_on(
+        online, hub, tiny_model, pushed, demo_data, tmp_path):
+    """``raylora sample --model org/name`` loaded main: after a push, an adapter sampled on
+    another base than it trained on. The adapter's raylora.json names the commit; a
+    --revision, or a raylora.json of another base, loads what it says."""
+    import torch
+    from safetensors.torch import load_file
+    from test_lora_init import _build, _cfg, _random_adapter
+
+    from raylora.sample import load_pipeline
+
+    v0 = hub.add("org/sampled", tiny_model)
+    v1 = hub.add("org/sampled", pushed, version=1)
+    adapter = tmp_path / "adapter"
+    _random_adapter(_build(_cfg(tiny_model, demo_data, tmp_path / "a")), str(adapter))
+    meta = {"config": {"model": {"pretrained": "org/sampled"}}, "data": {"model_commit": v0}}
+    (adapter / "raylora.json").write_text(json.dumps(meta))
+    stock = load_file(f"{tiny_model}/unet/diffusion_pytorch_model.safetensors")["conv_in.weight"]
+
+    def conv_in(**kw) -> torch.Tensor:
+        return load_pipeline("org/sampled", str(adapter), **kw)[0].unet.conv_in.weight
+
+    torch.testing.assert_close(conv_in(), stock)
+    torch.testing.assert_close(conv_in(revision=v1), stock + 1)
+    (adapter / "raylora.json").write_text(json.dumps(
+        {**meta, "config": {"model": {"pretrained": "org/other"}}}))
+    torch.testing.assert_close(conv_in(), stock + 1)

@@ -196,7 +196,7 @@ precision `{t.mixed_precision}`).
 
 | | |
 |---|---|
-| adapter variant | {lo.variant}{f" (factor {lo.factor}, decompose_both {lo.decompose_both})" if lo.variant == "lokr" else ""} |
+{f"| base model commit | {data['model_commit']} |{chr(10)}" if data.get("model_commit") else ""}| adapter variant | {lo.variant}{f" (factor {lo.factor}, decompose_both {lo.decompose_both})" if lo.variant == "lokr" else ""} |
 | LoRA rank / alpha / dropout | {lo.rank} / {lo.effective_alpha:g} / {lo.dropout:g} |
 {f"| started from (lora.init_from) | {lo.init_from} |{chr(10)}" if lo.init_from else ""}| target modules | {", ".join(targets)} |
 | learning rate (scale_lr) | {t.learning_rate:g} ({t.scale_lr}) |
@@ -267,6 +267,8 @@ def run_data(cfg: RayLoraConfig, plan: dict, store: Storage) -> dict:
         "pipeline": family.pipeline,
         "adapter_variant": cfg.lora.variant,
         "objective": plan.get("objective"),
+        # A hub model: the commit every worker loaded (model.revision resolved by the plan).
+        **({"model_commit": plan["model_commit"]} if plan.get("model_commit") else {}),
         # data.cache=latents: the entry trained from ("files"/"rows" above are its files).
         "cache_uri": plan.get("cache_uri"),
         "cache_reused": plan.get("cache_reused"),

@@ -20,7 +20,14 @@ SNAPSHOT = "checkpoint_manager_snapshot.json"
 # Recorded settings a rerun may change with a warning: the same base model moved (a
 # bucket copied to another, a local mirror) is a legitimate resume a refusal would block
 # for good; another base model of the same family loads too, and is what the warning names.
-NOTED = ("model.pretrained",)
+# model.revision: a hub model's commit (the run's pin, raylora.launch.Plan.model_commit):
+# the repo pushed to since the checkpoint; resuming on the new weights may be meant.
+NOTED = {
+    "model.pretrained": "right if it is the same model moved; otherwise give this run its "
+                        "own output.uri",
+    "model.revision": "on this run's commit: the repo moved since; set model.revision to "
+                      "the checkpoint's to resume on the weights it trained with",
+}
 
 
 def _snapshot(store, run_uri: str) -> dict | None:
@@ -96,9 +103,8 @@ def check_latest(store, run_uri: str, trained: dict | None = None) -> str | None
         changed = [k for k in now if k in was and now[k] != was[k]]
         for k in (k for k in changed if k in NOTED):
             log.warning("%s: this run has %s, but the checkpoint this output.uri resumes from "
-                        "(%s) was trained with %s; resuming (right if it is the same model moved; "
-                        "otherwise give this run its own output.uri)", k, _shown(now[k]), uri,
-                        _shown(was[k]))
+                        "(%s) was trained with %s; resuming (%s)", k, _shown(now[k]), uri,
+                        _shown(was[k]), NOTED[k])
         differ = [k for k in changed if k not in NOTED]
         if differ:
             def settings(values):

@@ -122,14 +122,16 @@ def trained_settings(cfg, family: str) -> dict:
     shape or key mismatch on every worker, once the cluster and the model are up) or would
     carry on with it silently changed (another alpha; one Wan 2.2 expert's LoRA as the
     other's, the two sharing an architecture). ``recorded.check_latest`` refuses it first.
-    ``model.pretrained`` is recorded too, but only warned about (``recorded.NOTED``)."""
+    ``model.pretrained`` and ``model.revision`` (a hub model's: the commit the run loaded,
+    ``RayLoraConfig.at_commit``) are recorded too, but only warned about (``recorded.NOTED``)."""
     lo = cfg.lora
     out = {"model.family": family, "model.expert": cfg.model.expert, "lora.variant": lo.variant,
            "lora.rank": lo.rank, "lora.alpha": lo.alpha if lo.alpha is not None else lo.rank,
            "lora.target_modules": lo.target_modules, "lora.train_text_encoder": lo.train_text_encoder,
            # what the LoRA started as: a resumed run ignores lora.init_from, so a rerun that
            # names another one would otherwise carry on from the first without a word
-           "lora.init_from": lo.init_from, "model.pretrained": cfg.model.pretrained}
+           "lora.init_from": lo.init_from, "model.pretrained": cfg.model.pretrained,
+           "model.revision": cfg.model.revision}
     if lo.train_text_encoder:
         out["lora.text_encoder_target_modules"] = lo.text_encoder_target_modules
     if lo.variant == "lokr":

@@ -198,12 +198,9 @@ def fingerprint(cfg: RayLoraConfig, family: str, model_path: str, data: DataPlan
                         "resolutions": [s.resolutions() for s in d.source_sections()]}}
            if d.bucketing else {}),
     }, sort_keys=True).encode())
-    if is_hub_id(model_path):
-        from raylora.model import hub
-
-        # The repo's commit: a push to it (a new VAE on main) is a new cache.
-        h.update((hub.commit(model_path, cfg.model.revision) or "").encode())
-    else:
+    # A hub model's weights are its commit: model.revision above, pinned to the commit the
+    # plan read (RayLoraConfig.at_commit), so a push to the repo is a new cache.
+    if not is_hub_id(model_path):
         # The encoders' weights and configs: a retrained or swapped VAE is a new cache.
         model_files = [
             f for f in store.list_files(model_path)
@@ -231,7 +228,8 @@ def _stage_kwargs(cfg: RayLoraConfig, model_path: str, family: str, store: Stora
     from raylora.data.preprocess import stage_kwargs
 
     pre = stage_kwargs("cache", cfg.data, model_path=model_path, family=family, storage=store,
-                       max_sequence_length=cfg.model.max_sequence_length)
+                       max_sequence_length=cfg.model.max_sequence_length,
+                       revision=cfg.model.revision)
     enc = dict(
         model_path=model_path, family=family, dtype=_dtype_name(cfg),
         revision=cfg.model.revision, variant=cfg.model.variant,
@@ -445,7 +443,8 @@ def _encode_rows_task(cfg_dict: dict, family: str, model_path: str, rows: list[d
     pre, enc = _stage_kwargs(cfg, model_path, family, store)
     if purpose == "class":  # prompts as given; masks when the instance rows have them
         pre = stage_kwargs("class", cfg.data, model_path=model_path, family=family,
-                           storage=store, max_sequence_length=cfg.model.max_sequence_length)
+                           storage=store, max_sequence_length=cfg.model.max_sequence_length,
+                           revision=cfg.model.revision)
     else:  # held-out rows are evaluated together: one square size, buckets or not; unmasked
         pre["buckets"], pre["masks"] = None, False
     encoded = encode_chunk(Preprocess(StageSpec(**pre)), EncodeStage(**enc), rows)

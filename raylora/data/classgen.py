@@ -120,11 +120,9 @@ def generation_key(cfg: RayLoraConfig, family: str, model_path: str, count: int,
         # the folders of unquantized runs keep their keys
         **({"quantize_text_encoders": q} if q != "none" else {}),
     }, sort_keys=True).encode())
-    if is_hub_id(model_path):  # a push to the repo: new images
-        from raylora.model import hub
-
-        h.update((hub.commit(model_path, cfg.model.revision) or "").encode())
-    else:  # retrained weights: new images
+    # A push to a hub repo: new images (model.revision, pinned to the plan's commit:
+    # RayLoraConfig.at_commit). Retrained weights in a folder: new images.
+    if not is_hub_id(model_path):
         h.update(data_fingerprint(store.list_files(model_path), store).encode())
     return h.hexdigest()[:16]
 

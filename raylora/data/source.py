@@ -85,13 +85,14 @@ def build_dataset(
     tokenizer_specs: tuple | None = None,
     epoch: int = 0,
     epochs: int = 1,
+    revision: str | None = None,
 ) -> ray.data.Dataset:
     """The training rows of passes ``epoch`` .. ``epoch + epochs - 1`` over the data,
     preprocessed, in pass order, each with its pass in an int32 ``epoch`` column: one
     execution streams them all. ``bad_records``: the name of the run's actor
     (``raylora.desk``) whose tally counts the rows failing the validating decode.
     ``tokenizer_specs``: ``load_specs(model_path, family, storage)`` when the caller
-    already has them; else loaded here.
+    already has them; else loaded here (a hub model's at ``revision``).
 
     A pass's read order and draws depend on the seed and the pass alone, not on where the
     dataset started: a dataset built from a resumed run's epoch repeats that epoch. With
@@ -111,7 +112,7 @@ def build_dataset(
                           cached=True, num_cpus=CACHED_READ_CPUS)
     else:
         ds = _preprocessed_rows(data, plan, storage, model_path, seed, passes,
-                                num_preprocess_tasks, family, bad_records, tokenizer_specs)
+                                num_preprocess_tasks, family, bad_records, tokenizer_specs, revision)
     # Pass after pass. A per-dataset copy of the context: other datasets keep Ray's default.
     ds.context.execution_options.preserve_order = True
     return ds
@@ -288,12 +289,14 @@ class _PassPreprocess:
 
 def _preprocessed_rows(data: DataSection, plan: DataPlan, storage: Storage, model_path: str,
                        seed: int, passes: range, num_preprocess_tasks: int, family: str,
-                       bad_records: str | None, tokenizer_specs: tuple | None) -> ray.data.Dataset:
+                       bad_records: str | None, tokenizer_specs: tuple | None,
+                       revision: str | None = None) -> ray.data.Dataset:
     """Shard rows read, decoded and preprocessed (build_dataset without a cache)."""
     # Read once, on the driver: see raylora.data.tokenize.
-    specs = tokenizer_specs or load_specs(model_path, family, storage)
+    specs = tokenizer_specs or load_specs(model_path, family, storage, revision=revision)
     stage = stage_kwargs("train", data, model_path=model_path, family=family, storage=storage,
-                         tokenizer_specs=specs, seed=seed, bad_records=bad_records)
+                         tokenizer_specs=specs, seed=seed, bad_records=bad_records,
+                         revision=revision)
     if data.sharding == "files":
         # One actor for the run (the dataset spans every epoch, so it starts once), one
         # task in flight: Ray Data lets an actor run its queued tasks out of order, which

@@ -82,9 +82,10 @@ def _padding_side(tok, text) -> str:
     return str(tok.padding_side) if side is None else side
 
 
-def load_specs(model_path: str, family: str, store,
-               max_sequence_length: int | None = None) -> tuple[TokenizerSpec, ...]:
-    """The model's tokenizers, in the family's order, as specs. A model in object storage
+def load_specs(model_path: str, family: str, store, max_sequence_length: int | None = None,
+               revision: str | None = None) -> tuple[TokenizerSpec, ...]:
+    """The model's tokenizers, in the family's order, as specs (a hub model's at
+    ``revision``: ``model.revision``, the run's pinned commit). A model in object storage
     has only its small tokenizer folders copied, to a temporary folder, not the whole model."""
     from transformers import AutoTokenizer
 
@@ -95,7 +96,8 @@ def load_specs(model_path: str, family: str, store,
     texts = families.get(family).text
 
     def specs(root: str) -> tuple[TokenizerSpec, ...]:
-        return tuple(spec_from_tokenizer(AutoTokenizer.from_pretrained(root, subfolder=t.tokenizer),
+        return tuple(spec_from_tokenizer(AutoTokenizer.from_pretrained(root, subfolder=t.tokenizer,
+                                                                       revision=revision),
                                          t, max_sequence_length) for t in texts)
 
     if st.is_local(model_path) or is_hub_id(model_path):

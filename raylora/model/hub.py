@@ -4,7 +4,9 @@ pipeline's small config files and its file list, through huggingface_hub (its ca
 stored), so a hub model is checked as a folder is (``raylora.model.load.check_model``):
 its family, VAE, scheduler and component folders. A gated repo without access, a wrong
 id or revision is named here, not in a worker's traceback after the cluster started. The
-workers download the weights themselves, each node into its own hub cache.
+workers download the weights themselves, each node into its own hub cache, at the commit
+the driver read (``Repo.commit``; ``raylora.launch.Plan.model_commit``), so every worker
+trains on the same weights even if the repo is pushed to while the run starts.
 """
 
 from __future__ import annotations
@@ -24,12 +26,16 @@ class Repo:
     Its file list is asked for first: one request, which fails at once offline
     (``HF_HUB_OFFLINE``) and after huggingface_hub's retries (~20 s) without a network.
     Then ``files`` is None and every read comes from the cache only, so a missing network
-    costs one wait, not one per file."""
+    costs one wait, not one per file.
+
+    ``commit``: the commit the files read came from (None before the first read): the
+    hub's for ``revision`` or, offline, the one this machine's cache has for it."""
 
     def __init__(self, repo: str, revision: str | None):
         from huggingface_hub import HfApi
 
         self.repo, self.revision, self.offline = repo, revision, ""
+        self.commit: str | None = None
         try:
             self.files: set[str] | None = set(
                 _call(HfApi().list_repo_files, repo, revision, repo, revision=revision))
@@ -46,22 +52,10 @@ class Repo:
         except Unreachable:
             raise Unreachable(self.offline or f"model.pretrained: {self.repo}: {filename} could "
                               "not be read from the hub") from None
+        # huggingface_hub's cache layout: .../snapshots/{commit}/{filename}
+        self.commit = os.path.basename(path[: -len(filename) - 1])
         with open(path) as f:
             return json.load(f)
-
-
-def commit(repo: str, revision: str | None) -> str | None:
-    """The commit ``revision`` (None: main) of model repo ``repo`` is at, as the hub or,
-    offline, this machine's cache knows it (the snapshot folder its files are read from);
-    None when neither does. What a cache of the model's outputs is keyed by, so a push to
-    the repo is a new one."""
-    from huggingface_hub import hf_hub_download
-
-    try:
-        path = _call(hf_hub_download, repo, revision, repo, "model_index.json", revision=revision)
-    except (OSError, ValueError):
-        return None
-    return os.path.basename(os.path.dirname(path))
 
 
 SCHEME = "hf://"

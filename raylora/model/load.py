@@ -81,7 +81,8 @@ def check_model(path: str, store: Storage, revision: str | None = None) -> dict:
     ``revision``: ``raylora.model.hub``), found before any worker starts.
 
     Returns ``{"index": model_index.json, "family": Family, "vae_factor": int,
-    "scheduler_config": dict}``; raises FileNotFoundError (or ValueError for an unsupported
+    "scheduler_config": dict, "commit": str | None}`` (``commit``: the hub commit read,
+    None for a folder); raises FileNotFoundError (or ValueError for an unsupported
     pipeline, PermissionError for a gated repo) naming the path, ``hub.Unreachable`` when
     a hub repo can be read neither from the hub nor from this machine's cache.
     """
@@ -103,7 +104,7 @@ def check_model(path: str, store: Storage, revision: str | None = None) -> dict:
         def read(name: str) -> dict:
             return json.loads(store.read_bytes(storage.join(path, name)))
 
-        what = "folder"
+        what, repo = "folder", None
     if files is not None and "model_index.json" not in files:
         raise FileNotFoundError(
             f"model.pretrained: {path}: not a diffusers {what} (no model_index.json)"
@@ -123,7 +124,7 @@ def check_model(path: str, store: Storage, revision: str | None = None) -> dict:
     vae = read("vae/config.json")
     scheduler = read("scheduler/scheduler_config.json")
     return {"index": index, "family": family, "vae_factor": family.vae_factor(vae),
-            "scheduler_config": scheduler}
+            "scheduler_config": scheduler, "commit": repo and repo.commit}
 
 
 def cache_root() -> str:
@@ -238,8 +239,8 @@ def load_pipeline_as_trained(path: str, family: type[Family], weight_dtype: torc
     included, at full precision. Class images and ``raylora sample`` render with it; ``kw``
     goes to ``from_pretrained``."""
     tokenizers, encoders, vae = load_encoders(path, family, weight_dtype, index, model, device)
-    return family.load_pipeline(path, dtype=weight_dtype, **encoder_kwargs(family, vae, encoders, tokenizers),
-                                **kw)
+    return family.load_pipeline(path, dtype=weight_dtype, revision=model.revision,
+                                **encoder_kwargs(family, vae, encoders, tokenizers), **kw)
 
 
 def load_components(

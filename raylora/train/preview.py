@@ -46,17 +46,19 @@ def encoders_for(parts, model_path: str, model, device) -> tuple:
 
 
 def build_pipeline(model_path: str, family, model, vae=None, text_encoders=(), tokenizers=(),
-                   dtype: torch.dtype = torch.float32, device="cpu", expert: str | None = None):
+                   dtype: torch.dtype = torch.float32, device="cpu", expert: str | None = None,
+                   revision: str | None = None):
     """The family's stock pipeline sharing the trained ``model`` (and whatever encoders are
     already loaded); the rest is loaded from ``model_path``. ``expert``: ``model.expert``
-    (a pipeline of experts samples with the trained one alone, ``Family.pipeline_with``)."""
+    (a pipeline of experts samples with the trained one alone, ``Family.pipeline_with``).
+    ``revision``: a hub model's, ``model.revision`` (the run's pinned commit)."""
     from raylora.model.load import encoder_kwargs
 
     kw = family.pipeline_with(model, expert) | encoder_kwargs(family, vae, text_encoders, tokenizers)
     extra = {}
     if "safety_checker" in family.pipeline_class()._optional_components:
         extra = {"safety_checker": None, "requires_safety_checker": False}
-    pipe = family.load_pipeline(model_path, dtype=dtype, **kw, **extra)
+    pipe = family.load_pipeline(model_path, dtype=dtype, revision=revision, **kw, **extra)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
 

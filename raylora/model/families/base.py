@@ -267,10 +267,11 @@ class Family:
         return getattr(diffusers, cls.pipeline)
 
     @classmethod
-    def stock_components(cls, path: str) -> dict:
+    def stock_components(cls, path: str, revision: str | None = None) -> dict:
         """Components raylora hands the stock pipeline in place of the folder's own when it
         loads one itself (previews, class images, ``raylora sample``): none, except where
-        the folder's class needs what raylora does not (Flux.2 [dev]'s tokenizer)."""
+        the folder's class needs what raylora does not (Flux.2 [dev]'s tokenizer).
+        ``revision``: a hub model's (``model.revision``)."""
         return {}
 
     @classmethod
@@ -278,7 +279,7 @@ class Family:
         """The stock pipeline from the folder ``path``: ``from_pretrained(path, **kw)`` with
         ``stock_components`` in place of the folder's own. (Those are set after loading:
         ``from_pretrained`` refuses a component of another class than the folder names.)"""
-        own = {k: v for k, v in cls.stock_components(path).items() if k not in kw}
+        own = {k: v for k, v in cls.stock_components(path, kw.get("revision")).items() if k not in kw}
         pipe = cls.pipeline_class().from_pretrained(path, **{k: None for k in own}, **kw)
         if own:
             pipe.register_modules(**own)

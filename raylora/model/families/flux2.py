@@ -39,7 +39,7 @@ class Flux2(Flux2Klein):
     description = "Flux.2 [dev] (MMDiT, Mistral Small 3 text encoder)"
 
     @classmethod
-    def stock_components(cls, path: str) -> dict:
+    def stock_components(cls, path: str, revision: str | None = None) -> dict:
         # The checkpoint's tokenizer folder is a PixtralProcessor (Mistral's tokenizer and an
         # image processor), which transformers 5 builds only with torchvision installed.
         # The pipeline reads captions alone through it, with apply_chat_template, which the
@@ -47,7 +47,8 @@ class Flux2(Flux2Klein):
         # raylora's own sampling needs no torchvision.
         from transformers import AutoTokenizer
 
-        return {"tokenizer": AutoTokenizer.from_pretrained(path, subfolder="tokenizer")}
+        return {"tokenizer": AutoTokenizer.from_pretrained(path, subfolder="tokenizer",
+                                                           revision=revision)}
 
     @classmethod
     def adapt_component(cls, component: str, module):

@@ -90,7 +90,8 @@ class QwenImage21(QwenImage):
         # their component name, model.load.encoder_kwargs), else the folder's.
         from transformers import AutoTokenizer, Qwen3VLProcessor
 
-        given = kw.pop("processor", None) or AutoTokenizer.from_pretrained(path, subfolder="processor")
+        given = kw.pop("processor", None) or AutoTokenizer.from_pretrained(
+            path, subfolder="processor", revision=kw.get("revision"))
         kw["processor"] = given if isinstance(given, Qwen3VLProcessor) else caption_processor(given)
         return cls.pipeline_class().from_pretrained(path, **kw)
 

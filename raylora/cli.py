@@ -92,7 +92,7 @@ def _plan(args) -> int:
 
     cfg = resolve_paths(load_config(args.config, args.overrides))
     # a missing folder, a gated or unreachable hub repo: one line (the estimate reads it too)
-    check_model(cfg.model.pretrained, cfg.storage.client(), cfg.model.revision)
+    check_model(cfg.model.pretrained, cfg.storage.client(), cfg.model.revision, cfg.model.variant)
     # with RAY_ADDRESS, this machine's GPU is not the workers', and Ray is not joined here
     gpu = (preflight.GpuSize(None, "RAY_ADDRESS is set: the workers' GPUs are the cluster's")
            if preflight.on_cluster(cfg) else preflight.gpu_size(cfg))

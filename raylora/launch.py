@@ -170,7 +170,7 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
     model_path = cfg.model.pretrained
     family, factor, scheduler, commit = resolve_family(cfg.model, None), 8, None, None
     try:
-        info = check_model(model_path, store, cfg.model.revision)
+        info = check_model(model_path, store, cfg.model.revision, cfg.model.variant)
         family, factor = resolve_family(cfg.model, info["index"]), info["vae_factor"]
         scheduler, commit = info["scheduler_config"], info["commit"]
         if commit:

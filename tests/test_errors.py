@@ -65,6 +65,38 @@ def test_model_and_data_problems_found_before_any_worker(tiny_model, demo_data, 
         plan(cfg)
 
 
+def test_a_weight_variant_the_model_lacks_is_named_before_any_worker(tiny_model, demo_data,
+                                                                     tmp_path):
+    """model.variant: fp16 of a folder without fp16 files failed in every worker's load
+    ("no file named diffusion_pytorch_model.fp16.safetensors") once the cluster was up.
+    A folder that has them plans, and its workers load them."""
+    import torch
+
+    from raylora.launch import plan
+    from raylora.model.load import load_components
+
+    def cfg(model: str):
+        return validate({"model": {"pretrained": model, "variant": "fp16"},
+                         "data": {"uri": demo_data, "resolution": 64},
+                         "output": {"uri": str(tmp_path / "out")}})
+
+    with pytest.raises(ConfigError) as exc:
+        plan(cfg(tiny_model), heldout=False)
+    assert exc.value.problems == [
+        f"model.variant: fp16: model.pretrained: {tiny_model} has no fp16 weights in unet, vae, "
+        "text_encoder (files named like diffusion_pytorch_model.fp16.safetensors); leave "
+        "model.variant unset to load the weights it has"]
+    half = tmp_path / "fp16"
+    shutil.copytree(tiny_model, half)
+    for f in half.glob("*/*.safetensors"):  # as save_pretrained(variant="fp16") names them
+        f.rename(f.with_name(f.name.replace(".safetensors", ".fp16.safetensors")))
+    for f in half.glob("*/*.safetensors.index.json"):
+        f.rename(f.with_name(f.name.replace(".index.json", ".index.fp16.json")))
+    assert plan(cfg(str(half)), heldout=False).family == "sd"
+    comps = load_components(cfg(str(half)).model, torch.float32)
+    assert comps.denoiser.conv_in.weight.shape[0] > 0 and comps.vae is not None
+
+
 @pytest.mark.parametrize("scheme", ["s3", "gs"])
 def test_unreachable_storage_is_one_line_naming_the_uri_and_never_hangs(tiny_model, tmp_path, monkeypatch,
                                                                        scheme):

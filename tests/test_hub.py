@@ -90,7 +90,10 @@ def test_a_hub_repos_family_and_grid_are_read_before_ray(online, repos, demo_dat
      "model.revision: v9: no such revision of org/tiny-sd"),
     ({"pretrained": "org/no-unet"},
      "model.pretrained: org/no-unet: missing component folder(s) of a sd pipeline: unet"),
-], ids=["gated", "no-repo", "no-revision", "no-unet"])
+    ({"pretrained": "org/tiny-sd", "variant": "fp16"},
+     "model.variant: fp16: model.pretrained: org/tiny-sd has no fp16 weights in unet, vae, "
+     "text_encoder"),
+], ids=["gated", "no-repo", "no-revision", "no-unet", "no-variant"])
 def test_a_hub_repo_that_cannot_be_trained_is_named_before_ray(online, repos, demo_data,
                                                                tmp_path, model, expected):
     assert expected in _problems(_cfg(demo_data, tmp_path, **model))

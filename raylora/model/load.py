@@ -76,9 +76,12 @@ def is_hub_id(path: str) -> bool:
     return "://" not in path and not os.path.isabs(path)
 
 
-def check_model(path: str, store: Storage, revision: str | None = None) -> dict:
+def check_model(path: str, store: Storage, revision: str | None = None,
+                variant: str | None = None) -> dict:
     """Problems with a diffusers folder (local or stored) or hub repo (``is_hub_id``, at
-    ``revision``: ``raylora.model.hub``), found before any worker starts.
+    ``revision``: ``raylora.model.hub``), found before any worker starts: its family,
+    component folders and, with ``variant`` (``model.variant``), that variant's weights in
+    each component that has weights.
 
     Returns ``{"index": model_index.json, "family": Family, "vae_factor": int,
     "scheduler_config": dict, "commit": str | None}`` (``commit``: the hub commit read,
@@ -121,10 +124,32 @@ def check_model(path: str, store: Storage, revision: str | None = None) -> dict:
                 f"model.pretrained: {path}: missing component folder(s) of a {family.name} "
                 f"pipeline: {', '.join(missing)}"
             )
+        if variant:
+            variant_problem(path, files, [*family.components(), *experts], variant)
     vae = read("vae/config.json")
     scheduler = read("scheduler/scheduler_config.json")
     return {"index": index, "family": family, "vae_factor": family.vae_factor(vae),
             "scheduler_config": scheduler, "commit": repo and repo.commit}
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+def variant_problem(path: str, files: set[str], components: list[str], variant: str) -> None:
+    """Raise ValueError naming ``model.variant`` when a component folder with weights has
+    none of that variant (``diffusion_pytorch_model.fp16.safetensors``, ``model.fp16.safetensors``,
+    a shard ``model.fp16-00001-of-00002.safetensors``): every worker's load would fail on it
+    after the cluster started."""
+    lacking = []
+    for c in dict.fromkeys(components):
+        names = [f.rsplit("/", 1)[-1] for f in files if f.startswith(f"{c}/") and f.endswith(WEIGHT_SUFFIXES)]
+        if names and not any(f".{variant}." in n or f".{variant}-" in n for n in names):
+            lacking.append(c)
+    if lacking:
+        raise ValueError(f"model.variant: {variant}: model.pretrained: {path} has no {variant} "
+                         f"weights in {', '.join(lacking)} (files named like "
+                         f"diffusion_pytorch_model.{variant}.safetensors); leave model.variant "
+                         "unset to load the weights it has")
 
 
 def cache_root() -> str:

@@ -1382,6 +1382,9 @@ def _variant_checks(cfg: RayLoraConfig) -> list[str]:
 # Keys a trial may not change: where results go, how storage is reached, and the resources
 # a trial holds (Tune sizes its concurrency from them).
 UNTUNABLE = ("tune", "output", "storage", "scaling", "failure")
+# The model the plan read once for every trial: its family, tokenizers, hub commit
+# (raylora.launch.Plan) would be the base config's in a trial of another.
+MODEL_IDENTITY = ("model.pretrained", "model.revision", "model.variant", "model.family")
 
 
 def set_dotted(tree: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
@@ -1428,6 +1431,11 @@ def _tune_checks(cfg: RayLoraConfig) -> list[str]:
         if cfg.data.cache == "latents" and key.split(".")[0] in ("model", "data"):
             problems.append(f"{where}: with data.cache=latents every trial shares one cache; "
                             "model.* and data.* cannot be searched")
+            continue
+        if key in MODEL_IDENTITY:
+            problems.append(f"{where}: every trial trains the model the search planned once "
+                            "(its family, tokenizers and hub commit); search one base model "
+                            "per raylora tune")
             continue
         if cfg.lora.init_from and key in ("lora.rank", "lora.variant"):
             problems.append(f"{where}: every trial starts from lora.init_from "

@@ -112,18 +112,25 @@ def expected_trials(tn: TuneSection) -> int:
 def preflight(cfg: RayLoraConfig) -> Plan:
     """Base plan (model, data, held-out rows) plus the step arithmetic of every bounding
     value of the dims that change it, so a trial never fails on a batch size that is
-    larger than its data."""
+    larger than its data; and every adapter a search of ``lora.init_from`` starts from,
+    checked as the base's is (``raylora.model.lora_init.problems``)."""
     from raylora.config import ConfigError
+    from raylora.model import lora_init
 
     base = plan(cfg)
     problems = []
     tree = cfg.to_dict()
     for key, dim in cfg.tune.search_space.items():
-        if key not in ARITHMETIC_KEYS:
+        if key not in ARITHMETIC_KEYS and key != lora_init.KEY:
             continue
         for value in dim.values:
+            trial = validate(trial_tree(tree, {key: value}))
             try:
-                replan(validate(trial_tree(tree, {key: value})), base)
+                if key == lora_init.KEY:
+                    problems.extend(f"tune.search_space.{key}={value!r}: {p}"
+                                    for p in lora_init.problems(trial, trial.storage.client()))
+                else:
+                    replan(trial, base)
             except ConfigError as exc:
                 problems.extend(f"tune.search_space.{key}={value!r}: {p}" for p in exc.problems)
     if problems:

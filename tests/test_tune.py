@@ -293,6 +293,7 @@ def test_tune_config_errors_name_the_key():
             "lora.rank": {"choice": [0, 4]},
             "train.batch_size": {"uniform": [1, 8]},
             "scaling.num_workers": {"choice": [1, 2]},
+            "model.pretrained": {"choice": ["org/a", "org/b"]},
         }}})
     msg = str(ei.value)
     assert "tune.metric: eval_loss needs held-out data" in msg
@@ -300,6 +301,9 @@ def test_tune_config_errors_name_the_key():
     assert "tune.search_space.lora.rank=0: lora.rank:" in msg
     assert "tune.search_space.train.batch_size=4.5: train.batch_size:" in msg
     assert "tune.search_space.scaling.num_workers: scaling.* cannot be searched" in msg
+    # a trial of another base would get the planned one's family, tokenizers and commit
+    assert ("tune.search_space.model.pretrained: every trial trains the model the search "
+            "planned once") in msg
     with pytest.raises(ConfigError, match=r"tune.search_space.x.y: Value error, loguniform: bounds"):
         validate({**base, "tune": {"search_space": {"x.y": {"loguniform": [0, 1]}}}})
     with pytest.raises(ConfigError, match="validation.every_n_steps: needs validation.prompts or held-out data"):
@@ -316,6 +320,26 @@ def test_tune_preflight_checks_every_batch_size_against_the_data(base_config):
     tree["tune"] = {"search_space": {"train.batch_size": {"choice": [2, 64]}}}
     with pytest.raises(ConfigError, match=r"tune.search_space.train.batch_size=64: data.uri: .*less than one optimizer step"):
         preflight(validate(tree))
+
+
+def test_tune_preflight_checks_every_adapter_a_search_starts_from(base_config, tiny_model,
+                                                                  demo_data, tmp_path):
+    """A search of lora.init_from: each adapter is checked as the base config's is, before
+    Ray; one that cannot start a run failed its trial on the worker."""
+    from test_lora_init import _build, _cfg, _random_adapter
+
+    from raylora.tune import preflight
+
+    good, missing = tmp_path / "good", tmp_path / "missing"
+    _random_adapter(_build(_cfg(tiny_model, demo_data, tmp_path / "a")), str(good))
+    tree = {**base_config, "lora": {"rank": 4}, "data": {**base_config["data"], "validation_split": 0.2}}
+    tree["tune"] = {"search_space": {"lora.init_from": {"choice": [str(good), str(missing)]}}}
+    with pytest.raises(ConfigError) as exc:
+        preflight(validate(tree))
+    assert exc.value.problems == [f"tune.search_space.lora.init_from={str(missing)!r}: "
+                                  f"lora.init_from: {missing}: not found"]
+    tree["tune"]["search_space"]["lora.init_from"]["choice"] = [str(good)]
+    assert preflight(validate(tree)).max_steps == base_config["train"]["max_steps"]
 
 
 # ---------------------------------------------------------------- on Ray

@@ -33,6 +33,7 @@ class Hub:
         self.repos: dict[str, str] = {}  # repo id → local folder
         self.tokens: dict[str, str] = {}  # gated repo id → the token that may read it
         self.commits: dict[str, str] = {}  # repo id → its commit (main)
+        self.branches: dict[str, dict[str, str]] = {}  # repo id → {other branch: commit}
         self.history: dict[str, dict[str, str]] = {}  # repo id → {commit: folder}
         self.seen: list[tuple[str, str, str | None]] = []  # (method, path, bearer token)
         self._lock = threading.Lock()
@@ -42,16 +43,20 @@ class Hub:
         self._thread = threading.Thread(target=self._srv.serve_forever, daemon=True)
         self._thread.start()
 
-    def add(self, repo: str, folder: str, token: str | None = None, version: int = 0) -> str:
+    def add(self, repo: str, folder: str, token: str | None = None, version: int = 0,
+            branch: str = "main") -> str:
         """Serve ``folder`` as model repo ``repo`` (gated behind ``token`` if given) at its
-        commit ``version`` (another: as if pushed to, main moved there, the earlier commit
-        still served by its hash); returns that commit's hash."""
-        self.repos[repo] = os.path.abspath(folder)
-        self.commits[repo] = commit(repo, version)
-        self.history.setdefault(repo, {})[self.commits[repo]] = self.repos[repo]
+        commit ``version`` (another: as if pushed to, ``branch`` moved there, the earlier
+        commit still served by its hash); returns that commit's hash."""
+        sha = commit(repo, version)
+        self.history.setdefault(repo, {})[sha] = os.path.abspath(folder)
+        if branch == "main" or repo not in self.repos:
+            self.repos[repo], self.commits[repo] = os.path.abspath(folder), sha
+        if branch != "main":
+            self.branches.setdefault(repo, {})[branch] = sha
         if token:
             self.tokens[repo] = token
-        return self.commits[repo]
+        return sha
 
     def stop(self) -> None:
         self._srv.shutdown()
@@ -131,8 +136,9 @@ def _handler(hub: Hub):
                                     "Content-Type": "application/octet-stream"}, body)
 
         def _at(self, repo: str, revision: str) -> tuple[str, str | None]:
-            """(commit, folder) of ``revision`` (main or a commit hash); folder None: none."""
-            sha = hub.commits[repo] if revision == "main" else revision
+            """(commit, folder) of ``revision`` (a branch or a commit hash); folder None: none."""
+            sha = (hub.commits[repo] if revision == "main"
+                   else hub.branches.get(repo, {}).get(revision, revision))
             return sha, hub.history[repo].get(sha)
 
         def _api(self, repo: str, rest: list[str], query: dict, body: bool) -> None:

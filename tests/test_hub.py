@@ -197,6 +197,23 @@ def test_a_relative_path_that_is_not_there_is_not_asked_of_the_hub(online, repos
     assert len(repos.seen) == asked
 
 
+def test_a_named_revision_is_trained_at_the_commit_it_names_when_planned(
+        online, hub, tiny_model, pushed, demo_data, tmp_path):
+    """model.revision: a branch (SD 1.5's old fp16 branch, a tag): the plan reads that
+    branch, not main, and the workers and tokenizers get its commit; the config keeps
+    the name."""
+    from raylora.launch import build_trainer, plan
+
+    hub.add("org/branchy", tiny_model)
+    fp16 = hub.add("org/branchy", pushed, version=1, branch="fp16")
+    cfg = _cfg(demo_data, tmp_path, pretrained="org/branchy", revision="fp16")
+    p = plan(cfg, heldout=False)
+    assert p.model_commit == fp16
+    spec = build_trainer(cfg, p, str(tmp_path / "out"), "train").train_loop_config["spec"]
+    assert (spec.config.model.revision, cfg.model.revision) == (fp16, "fp16")
+    assert [t.max_length for t in spec.tokenizer_specs] == [40]  # the branch's tokenizer
+
+
 @pytest.fixture
 def pushed(tiny_model, tmp_path) -> str:
     """tiny_model as a push would change it: other UNet weights, another tokenizer length."""

@@ -28,8 +28,9 @@ class Repo:
     Then ``files`` is None and every read comes from the cache only, so a missing network
     costs one wait, not one per file.
 
-    ``commit``: the commit the files read came from (None before the first read): the
-    hub's for ``revision`` or, offline, the one this machine's cache has for it."""
+    ``commit``: the commit the first file read came from, and every later one (None
+    before the first read): the hub's for ``revision`` or, offline, the one this
+    machine's cache has for it."""
 
     def __init__(self, repo: str, revision: str | None):
         from huggingface_hub import HfApi
@@ -52,8 +53,9 @@ class Repo:
         except Unreachable:
             raise Unreachable(self.offline or f"model.pretrained: {self.repo}: {filename} could "
                               "not be read from the hub") from None
-        # huggingface_hub's cache layout: .../snapshots/{commit}/{filename}
-        self.commit = os.path.basename(path[: -len(filename) - 1])
+        if self.commit is None:  # later reads at this commit: one commit's configs, however
+            # the branch moves meanwhile (huggingface_hub's cache: .../snapshots/{commit}/{filename})
+            self.commit = self.revision = os.path.basename(path[: -len(filename) - 1])
         with open(path) as f:
             return json.load(f)
 

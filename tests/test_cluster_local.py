@@ -147,6 +147,8 @@ def test_two_node_spread_from_s3_matches_single_node(
     train("STRICT_PACK", tiny_model, demo_data, str(tmp_path / "packed"), {})
 
     assert json.load(open(spread_dir / "raylora.json"))["data"]["model_commit"] == commit
+    card = s3.get_object(Bucket="raylora-joined", Key="run/adapter/README.md")["Body"].read().decode()
+    assert f"| base model commit | {commit} |" in card
     spread = json.load(open(spread_dir / "raylora.json"))["metrics"]
     packed = json.load(open(tmp_path / "packed" / "adapter" / "raylora.json"))["metrics"]
     spread_w = load_file(spread_dir / "pytorch_lora_weights.safetensors")

@@ -124,8 +124,8 @@ def preflight(cfg: RayLoraConfig) -> Plan:
         if key not in ARITHMETIC_KEYS and key != lora_init.KEY:
             continue
         for value in dim.values:
-            trial = validate(trial_tree(tree, {key: value}))
             try:
+                trial = validate(trial_tree(tree, {key: value}))
                 if key == lora_init.KEY:
                     problems.extend(f"tune.search_space.{key}={value!r}: {p}"
                                     for p in lora_init.problems(trial, trial.storage.client()))

@@ -116,16 +116,17 @@ def check_model(path: str, store: Storage, revision: str | None = None,
     family = families.detect(index, f"model.pretrained: {path}")
     # and every expert the index names (Wan 2.2 A14B's transformer_2)
     experts = [c for c in family.experts.values() if (index.get(c) or [None])[0] is not None]
+    components = list(dict.fromkeys([*family.components(), *experts]))
     if files is not None:
         present = {f.split("/", 1)[0] for f in files if "/" in f}
-        missing = [c for c in dict.fromkeys([*family.components(), *experts]) if c not in present]
+        missing = [c for c in components if c not in present]
         if missing:
             raise FileNotFoundError(
                 f"model.pretrained: {path}: missing component folder(s) of a {family.name} "
                 f"pipeline: {', '.join(missing)}"
             )
         if variant:
-            variant_problem(path, files, [*family.components(), *experts], variant)
+            variant_problem(path, files, components, variant)
     vae = read("vae/config.json")
     scheduler = read("scheduler/scheduler_config.json")
     return {"index": index, "family": family, "vae_factor": family.vae_factor(vae),
@@ -141,7 +142,7 @@ def variant_problem(path: str, files: set[str], components: list[str], variant: 
     a shard ``model.fp16-00001-of-00002.safetensors``): every worker's load would fail on it
     after the cluster started."""
     lacking = []
-    for c in dict.fromkeys(components):
+    for c in components:
         names = [f.rsplit("/", 1)[-1] for f in files if f.startswith(f"{c}/") and f.endswith(WEIGHT_SUFFIXES)]
         if names and not any(f".{variant}." in n or f".{variant}-" in n for n in names):
             lacking.append(c)

@@ -241,7 +241,7 @@ def test_a_run_loads_the_commit_its_plan_read_while_the_repo_moves(
     from safetensors.torch import load_file
 
     from raylora.checkpoint.recorded import check_latest
-    from raylora.checkpoint.state import trained_settings
+    from raylora.checkpoint.state import LoopState, save_main_state, trained_settings
     from raylora.data import cache, classgen
     from raylora.data.plan import plan_data
     from raylora.launch import build_trainer, plan
@@ -301,8 +301,9 @@ def test_a_run_loads_the_commit_its_plan_read_while_the_repo_moves(
     (run / "checkpoint_a").mkdir(parents=True)
     was = trained_settings(cfg.at_commit(first.model_commit), "sd")
     assert was["model.revision"] == v0
-    (run / "checkpoint_a" / "checkpoint_files.json").write_text(
-        json.dumps({"rank0": {}, "other_ranks": [], "trained": was}))
+    save_main_state(str(run / "checkpoint_a"), lora_sd={"w": torch.ones(2)}, optimizer_sd={},
+                    scheduler_sd={}, scaler_sd=None, loop=LoopState(global_step=2, world_size=1),
+                    trained=was)
     (run / "checkpoint_manager_snapshot.json").write_text(
         '{"latest_checkpoint_result": {"checkpoint_dir_name": "checkpoint_a"}}')
     with caplog.at_level(logging.WARNING, logger="raylora"):

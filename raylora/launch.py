@@ -51,6 +51,9 @@ class Plan:
     # A hub model: the commit the driver read (model.revision resolved), which everything
     # that loads the model loads (RayLoraConfig.at_commit); None: a folder, or unread.
     model_commit: str | None = None
+    # lora.init_from values on the hub (hf://, as written; a Tune search's too) → the same
+    # at the commit the driver checked, which every worker loads (raylora.model.hub.pinned).
+    pins: dict[str, str] = field(default_factory=dict)
     # data.cache=latents: the cache entry the shard files belong to, and the held-out rows
     # encoded by the same stages ({column: array}), so workers need no encoders at all.
     cache_uri: str | None = None
@@ -192,7 +195,8 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
     native = scheduler_objective_kind(scheduler) if scheduler else None
     problems += family_problems(cfg, family, factor * family.patch, native)
     problems += write_problems(cfg, store)
-    problems += lora_init.problems(cfg, store)
+    init_problems, init_loads = lora_init.checked(cfg, store)
+    problems += init_problems
     objective = cfg.train.prediction_type or native
 
     data = None
@@ -209,7 +213,17 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
         raise ConfigError(problems)
     p = _arithmetic(cfg, model_path, data, rows, problems)
     p.family, p.objective, p.model_commit = family.name, objective, commit
+    p.pins = pin(cfg.lora.init_from, init_loads)
     return p
+
+
+def pin(uri: str | None, loads: str | None) -> dict[str, str]:
+    """``Plan.pins``' entry for ``lora.init_from`` ``uri`` that workers load as ``loads``
+    (``raylora.model.lora_init.checked``), logged."""
+    if not uri or not loads or loads == uri:
+        return {}
+    log.info("lora.init_from: %s: starting from %s", uri, loads)
+    return {uri: loads}
 
 
 def family_problems(cfg: RayLoraConfig, family, multiple: int, native: str | None) -> list[str]:
@@ -267,7 +281,7 @@ def replan(cfg: RayLoraConfig, base: Plan) -> Plan:
 def _carry(p: Plan, base: Plan, **changes) -> Plan:
     """``p`` (fresh step arithmetic) with what ``base`` learned beyond it: family, cache."""
     keep = {k: getattr(base, k)
-            for k in ("family", "objective", "model_commit", "cache_uri", "cache_reused",
+            for k in ("family", "objective", "model_commit", "pins", "cache_uri", "cache_reused",
                       "heldout_encoded", "bad_records", "class_rows", "class_images", "class_encoded")}
     return replace(p, **{**keep, **changes})
 

@@ -26,7 +26,7 @@ import os
 
 from raylora import progress, storage
 from raylora.config import RayLoraConfig, TuneSection, trial_tree, validate
-from raylora.launch import Plan, Setup, build_trainer, check_bad_records, plan, prepared, replan
+from raylora.launch import Plan, Setup, build_trainer, check_bad_records, pin, plan, prepared, replan
 
 log = logging.getLogger("raylora.tune")
 
@@ -127,8 +127,9 @@ def preflight(cfg: RayLoraConfig) -> Plan:
             try:
                 trial = validate(trial_tree(tree, {key: value}))
                 if key == lora_init.KEY:
-                    problems.extend(f"tune.search_space.{key}={value!r}: {p}"
-                                    for p in lora_init.problems(trial, trial.storage.client()))
+                    found, loads = lora_init.checked(trial, trial.storage.client())
+                    problems.extend(f"tune.search_space.{key}={value!r}: {p}" for p in found)
+                    base.pins |= pin(trial.lora.init_from, loads)
                 else:
                     replan(trial, base)
             except ConfigError as exc:

@@ -489,7 +489,7 @@ def _restored(rank: int):
 
 def _build(spec: WorkerSpec, accelerator, restored, rank: int, max_steps: int):
     """The training run, resumed from ``restored`` when there is one."""
-    run = build_run(spec.config, accelerator, max_steps, rank, restored)
+    run = build_run(spec.config, accelerator, max_steps, rank, restored, pins=spec.plan.pins)
     if restored is not None and rank == 0:
         log.info("resumed from step %d (epoch %d)", run.state.global_step, run.state.epoch)
     if spec.config.scaling.elastic and rank == 0:
@@ -612,7 +612,7 @@ def lr_find_per_worker(loop_config: dict) -> None:
     epoch_batches = _epoch_batches(spec, 0, 1, accelerator.device)
     epoch_batches.start(0)  # while the model loads
     try:
-        run = build_run(cfg, accelerator, lf.num_steps, rank=0)
+        run = build_run(cfg, accelerator, lf.num_steps, rank=0, pins=spec.plan.pins)
     except BaseException:
         epoch_batches.close()
         raise

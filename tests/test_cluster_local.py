@@ -115,12 +115,22 @@ def test_two_node_spread_from_s3_matches_single_node(
     repo = "org/joined"
     commit = hub.add(repo, tiny_model, token=token)
     hf = {"HF_ENDPOINT": hub.endpoint, "HF_TOKEN": token}
+    # Both runs start from the same adapter: on the hub for the spread run, a folder for the
+    # packed one.
+    from test_lora_init import _build, _cfg, _random_adapter
+
+    start = tmp_path / "start"
+    _random_adapter(_build(_cfg(tiny_model, demo_data, tmp_path / "a",
+                                target_modules=["to_q", "to_k", "to_v", "to_out.0"])),
+                    str(start / "style"))
+    start_commit = hub.add("org/joined-lora", str(start))
     logs = []
 
-    def train(strategy: str, model: str, data: str, out: str, extra_env: dict):
+    def train(strategy: str, model: str, data: str, out: str, init_from: str, extra_env: dict):
         proc = subprocess.run(
             [sys.executable, "-m", "raylora", "train", os.path.join(REPO, "jobs/configs/tiny-local.yaml"),
              f"model.pretrained={model}", f"data.uri={data}", f"output.uri={out}",
+             f"lora.init_from={init_from}",
              "train.max_steps=3", "train.batch_size=2", "checkpoint.every_n_steps=3",
              "train.lr_warmup_steps=0", "data.random_flip=false", "data.sharding=files",
              f"scaling.placement_strategy={strategy}"],
@@ -130,7 +140,8 @@ def test_two_node_spread_from_s3_matches_single_node(
         logs.append(proc.stdout + proc.stderr)
         assert proc.returncode == 0, logs[-1][-4000:]
 
-    train("STRICT_SPREAD", repo, "s3://raylora-joined/data", "s3://raylora-joined/run", {**aws, **hf})
+    train("STRICT_SPREAD", repo, "s3://raylora-joined/data", "s3://raylora-joined/run",
+          "hf://org/joined-lora/style", {**aws, **hf})
     # Every file the driver and both workers asked of the gated repo, with the token (a
     # request without it is refused, and that worker fails), the weights among them.
     asked = [(m, p, t) for m, p, t in hub.seen if p.startswith(f"/{repo}/resolve/")]
@@ -138,17 +149,23 @@ def test_two_node_spread_from_s3_matches_single_node(
     # the workers' weights by the commit the driver's plan read (raylora.json names it)
     assert any(m == "GET" and p == f"/{repo}/resolve/{commit}/unet/diffusion_pytorch_model.safetensors"
                for m, p, _ in asked)
+    # ...and the adapter's: only the driver asked for main; the workers read the commit
+    # it pinned (here from the hub cache the nodes share with the driver on this machine)
+    listed = [p for m, p, _ in hub.seen if p.startswith("/api/models/org/joined-lora/revision/")]
+    assert listed == ["/api/models/org/joined-lora/revision/main"], listed
+    assert f"LoRA layers from hf://org/joined-lora@{start_commit}/style" in logs[-1], logs[-1][-3000:]
     keys = [o["Key"] for o in s3.list_objects_v2(Bucket="raylora-joined", Prefix="run/")["Contents"]]
     assert any(k.startswith("run/train/checkpoint_") for k in keys)
     spread_dir = tmp_path / "spread"
     spread_dir.mkdir()
     for name in ("raylora.json", "pytorch_lora_weights.safetensors"):
         s3.download_file("raylora-joined", f"run/adapter/{name}", str(spread_dir / name))
-    train("STRICT_PACK", tiny_model, demo_data, str(tmp_path / "packed"), {})
+    train("STRICT_PACK", tiny_model, demo_data, str(tmp_path / "packed"), str(start / "style"), {})
 
     assert json.load(open(spread_dir / "raylora.json"))["data"]["model_commit"] == commit
     card = s3.get_object(Bucket="raylora-joined", Key="run/adapter/README.md")["Body"].read().decode()
     assert f"| base model commit | {commit} |" in card
+    assert f"| started from (lora.init_from) | hf://org/joined-lora@{start_commit}/style |" in card
     spread = json.load(open(spread_dir / "raylora.json"))["metrics"]
     packed = json.load(open(tmp_path / "packed" / "adapter" / "raylora.json"))["metrics"]
     spread_w = load_file(spread_dir / "pytorch_lora_weights.safetensors")

@@ -189,6 +189,59 @@ def test_a_run_starts_from_an_adapter_on_the_hub(online, hub, tiny_model, demo_d
     assert problems(init_from="hf://org") == ["lora.init_from: hf://org: not hf://owner/name[@revision][/path]"]
 
 
+def test_an_adapter_on_the_hub_is_started_from_at_the_commit_its_plan_read(
+        online, hub, tiny_model, demo_data, tmp_path):
+    """Every worker downloaded ``lora.init_from: hf://owner/name/...`` at its branch when
+    it got to it: a push after the plan started the workers from another adapter than the
+    driver checked (two nodes, from each other's). The plan pins the commit it read, for a
+    search's adapters too; the workers start from it; raylora.json and the model card
+    name it; what a checkpoint records stays as written."""
+    import torch
+    from inproc import _fresh_accelerator
+    from test_lora_init import _build, _cfg, _deltas, _random_adapter
+
+    from raylora.checkpoint.export import model_card, run_data
+    from raylora.checkpoint.state import trained_settings
+    from raylora.launch import plan
+    from raylora.train.setup import build_run
+    from raylora.tune import preflight
+
+    made = _build(_cfg(tiny_model, demo_data, tmp_path / "a"))
+    for version in (0, 1):  # two different adapters, one per commit
+        _random_adapter(made, str(tmp_path / f"v{version}" / "style"), seed=version)
+    v0 = hub.add("org/moving-lora", str(tmp_path / "v0"))
+    uri = "hf://org/moving-lora/style"
+    cfg = _cfg(tiny_model, demo_data, tmp_path / "run", init_from=uri)
+    p = plan(cfg, heldout=False)
+    assert p.pins == {uri: f"hf://org/moving-lora@{v0}/style"}
+    v1 = hub.add("org/moving-lora", str(tmp_path / "v1"), version=1)  # main moves
+
+    def start(pins=None) -> dict:
+        run = build_run(cfg, _fresh_accelerator(1), 2, rank=0, pins=pins)
+        return _deltas(run.accelerator.unwrap_model(run.model), "default")
+
+    def same(a: dict, b: dict) -> bool:
+        return set(a) == set(b) and all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7) for k in a)
+
+    at = {v: start({uri: f"hf://org/moving-lora@{c}/style"}) for v, c in ((0, v0), (1, v1))}
+    assert not same(at[0], at[1])
+    assert same(start(p.pins), at[0])  # the workers: the plan's commit, not main's
+    assert same(start(), at[1])  # unpinned, as before: whatever main is now
+
+    data = run_data(cfg, p.to_dict(), cfg.storage.client())
+    assert data["init_from"] == f"hf://org/moving-lora@{v0}/style"
+    assert f"| started from (lora.init_from) | hf://org/moving-lora@{v0}/style |" in model_card(
+        cfg, {}, data)
+    assert trained_settings(cfg, "sd")["lora.init_from"] == uri  # a rerun compares as written
+
+    tree = {**cfg.to_dict(), "data": {**cfg.to_dict()["data"], "validation_split": 0.2}}
+    other = "hf://org/moving-lora@main/style/pytorch_lora_weights.safetensors"
+    tree["tune"] = {"search_space": {"lora.init_from": {"choice": [uri, other]}}}
+    pins = preflight(validate(tree)).pins
+    assert pins == {uri: f"hf://org/moving-lora@{v1}/style",
+                    other: f"hf://org/moving-lora@{v1}/style/pytorch_lora_weights.safetensors"}
+
+
 def test_a_relative_path_that_is_not_there_is_not_asked_of_the_hub(online, repos, demo_data,
                                                                    tmp_path):
     asked = len(repos.seen)

@@ -198,7 +198,7 @@ precision `{t.mixed_precision}`).
 |---|---|
 {f"| base model commit | {data['model_commit']} |{chr(10)}" if data.get("model_commit") else ""}| adapter variant | {lo.variant}{f" (factor {lo.factor}, decompose_both {lo.decompose_both})" if lo.variant == "lokr" else ""} |
 | LoRA rank / alpha / dropout | {lo.rank} / {lo.effective_alpha:g} / {lo.dropout:g} |
-{f"| started from (lora.init_from) | {lo.init_from} |{chr(10)}" if lo.init_from else ""}| target modules | {", ".join(targets)} |
+{f"| started from (lora.init_from) | {data.get('init_from') or lo.init_from} |{chr(10)}" if lo.init_from else ""}| target modules | {", ".join(targets)} |
 | learning rate (scale_lr) | {t.learning_rate:g} ({t.scale_lr}) |
 | LR schedule, warmup | {t.lr_scheduler}, {t.lr_warmup_steps} steps |
 | AdamW betas, weight decay, eps | {t.adam_beta1:g}/{t.adam_beta2:g}, {t.adam_weight_decay:g}, {t.adam_epsilon:g} |
@@ -269,6 +269,9 @@ def run_data(cfg: RayLoraConfig, plan: dict, store: Storage) -> dict:
         "objective": plan.get("objective"),
         # A hub model: the commit every worker loaded (model.revision resolved by the plan).
         **({"model_commit": plan["model_commit"]} if plan.get("model_commit") else {}),
+        # lora.init_from on the hub: the commit every worker started from (hf://...@commit).
+        **({"init_from": pinned} if (pinned := (plan.get("pins") or {}).get(cfg.lora.init_from))
+           else {}),
         # data.cache=latents: the entry trained from ("files"/"rows" above are its files).
         "cache_uri": plan.get("cache_uri"),
         "cache_reused": plan.get("cache_reused"),

@@ -70,18 +70,39 @@ def fetch(uri: str, key: str) -> str:
     a LoRA or peft adapter folder holds (not its sample images)."""
     from huggingface_hub import hf_hub_download, snapshot_download
 
-    owner, _, rest = uri[len(SCHEME):].strip("/").partition("/")
-    name, _, path = rest.partition("/")
-    name, _, revision = name.partition("@")
-    if not owner or not name:
-        raise ValueError(f"{key}: {uri}: not hf://owner/name[@revision][/path]")
-    repo, revision, where = f"{owner}/{name}", revision or None, f"{key}: {uri}"
+    repo, revision, path = _parts(uri, key)
+    where = f"{key}: {uri}"
     if path.endswith(".safetensors"):
         return _call(hf_hub_download, repo, revision, repo, path, revision=revision, key=where)
     prefix = f"{path.rstrip('/')}/" if path else ""
     root = _call(snapshot_download, repo, revision, repo, revision=revision, key=where,
                  allow_patterns=[f"{prefix}*.safetensors", f"{prefix}*.json"])
     return os.path.join(root, prefix)
+
+
+def pinned(uri: str, local: str, key: str) -> str:
+    """``uri`` (``hf://owner/name[@revision][/path]``) at the commit ``fetch`` read it
+    from (``local``, its answer: a path in the hub cache's ``snapshots/{commit}``), so a
+    process that fetches it later reads the same files however the branch moves."""
+    from huggingface_hub import constants
+
+    repo, _, path = _parts(uri, key)
+    # huggingface_hub's cache: {HF_HUB_CACHE}/models--{owner}--{name}/snapshots/{commit}/...
+    within = os.path.relpath(local, constants.HF_HUB_CACHE).split(os.sep)
+    commit = within[2] if len(within) > 2 and within[1] == "snapshots" else None
+    if commit is None:  # not in the cache this process reads: left as written
+        return uri
+    return f"{SCHEME}{repo}@{commit}" + (f"/{path}" if path else "")
+
+
+def _parts(uri: str, key: str) -> tuple[str, str | None, str]:
+    """(owner/name, revision or None, path in the repo) of an ``hf://`` URI."""
+    owner, _, rest = uri[len(SCHEME):].strip("/").partition("/")
+    name, _, path = rest.partition("/")
+    name, _, revision = name.partition("@")
+    if not owner or not name:
+        raise ValueError(f"{key}: {uri}: not hf://owner/name[@revision][/path]")
+    return f"{owner}/{name}", revision or None, path
 
 
 def token() -> str | None:

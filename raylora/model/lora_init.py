@@ -83,29 +83,36 @@ def read_header(uri: str, store: Storage) -> dict[str, list[int]]:
 
 
 def problems(cfg: RayLoraConfig, store: Storage) -> list[str]:
-    """What makes ``lora.init_from`` unusable for this run, one line each (none if unset).
+    """What makes ``lora.init_from`` unusable for this run, one line each (none if unset)."""
+    return checked(cfg, store)[0]
+
+
+def checked(cfg: RayLoraConfig, store: Storage) -> tuple[list[str], str | None]:
+    """(``problems``, the URI the workers load): an ``hf://`` adapter at the commit read
+    here (``hub.pinned``: ``raylora.launch.Plan.pins``), anything else as written.
     Reads the header and a peft folder's config; the layer names are matched with the
     denoiser's on the worker (``load_init``), where the model is. (A search of its rank or
     variant is refused with the config: ``raylora.config``'s tune checks.)"""
     uri = cfg.lora.init_from
     if not uri:
-        return []
-    where = uri
+        return [], None
+    where = loads = uri
     try:
         if uri.startswith(hub.SCHEME):  # downloaded into the hub cache, read there
             where, store = hub.fetch(uri, KEY), Storage()
+            loads = hub.pinned(uri, where, KEY)
         kind, weights = locate(where, store)
         shapes = read_header(weights, store)
         out = (_peft_problems(json.loads(store.read_bytes(storage.join(where, PEFT_CONFIG))), cfg, uri)
                if kind == "peft" else _file_problems(shapes, cfg, uri))
     except (FileNotFoundError, ValueError, OSError) as exc:
         why = str(exc).replace(where, uri) if where != uri else str(exc)  # the cache's path: the URI
-        return [why if why.startswith(KEY) else f"{KEY}: {why}"]
+        return [why if why.startswith(KEY) else f"{KEY}: {why}"], uri
     text = [k for k in shapes if k.startswith(TEXT_PREFIXES)]
     if text and not cfg.lora.train_text_encoder:
         out.append(f"{KEY}: {uri} has text-encoder LoRA layers ({text[0]}, ...), which this run "
                    "would drop; set lora.train_text_encoder: true to train them on")
-    return out
+    return out, loads
 
 
 def _file_problems(shapes: dict[str, list[int]], cfg: RayLoraConfig, uri: str) -> list[str]:

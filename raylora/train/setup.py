@@ -131,11 +131,13 @@ def _attach_lora(cfg: RayLoraConfig, comps) -> tuple[list, dict, list]:
     return params, trained, add_text_encoder_lora(trained, cfg.lora)
 
 
-def start_from(cfg: RayLoraConfig, comps, trained_te: dict, rank: int) -> None:
-    """``lora.init_from``: the LoRA starts as that adapter (``raylora.model.lora_init``)."""
+def start_from(cfg: RayLoraConfig, comps, trained_te: dict, rank: int,
+               pins: dict[str, str]) -> None:
+    """``lora.init_from``: the LoRA starts as that adapter (``raylora.model.lora_init``),
+    a hub one at the commit the driver checked (``pins``)."""
     from raylora.model import lora_init
 
-    uri = cfg.lora.init_from
+    uri = pins.get(cfg.lora.init_from, cfg.lora.init_from)
     counts = lora_init.start_from(uri, cfg.storage.client(), comps.family, comps.denoiser,
                                   trained_te)
     if rank == 0:
@@ -227,8 +229,10 @@ def build_run(
     max_steps: int,
     rank: int,
     restored: RestoredState | None = None,
+    pins: dict[str, str] | None = None,
 ) -> TrainingRun:
-    """Frozen base + fresh or restored LoRA, optimizer, schedule, RNG, loop state."""
+    """Frozen base + fresh or restored LoRA, optimizer, schedule, RNG, loop state.
+    ``pins``: ``raylora.launch.Plan.pins`` (the hub adapters' commits the driver read)."""
     from accelerate.utils import set_seed
 
     t = cfg.train
@@ -256,7 +260,7 @@ def build_run(
     if restored is not None:
         load_lora_state_dict(comps.denoiser, restored.lora_sd, trained_te)
     elif cfg.lora.init_from:  # before FSDP shards it: every rank loads the whole adapter
-        start_from(cfg, comps, trained_te, rank)
+        start_from(cfg, comps, trained_te, rank, pins or {})
     if fsdp:  # the LoRA parameters become DTensors (this rank's shards)
         params = shard_denoiser_of(cfg, comps, accelerator, weight_dtype)
 

@@ -699,7 +699,7 @@ def checked(cfg: RayLoraConfig, setup: Setup) -> Prepared:
     # Decided here, before any Ray starts: on_cluster takes a running Ray as a cue.
     remote = setup.memory and preflight.on_cluster(cfg)
     if setup.memory and not remote:
-        preflight.check_memory(cfg, variants=_variants(cfg, setup))
+        preflight.check_memory(cfg, variants=_variants(cfg, setup), commit=p.model_commit)
     return Prepared(cfg, p, cfg, resume, memory_on_cluster=remote)
 
 
@@ -719,7 +719,8 @@ def prepared(cfg: RayLoraConfig, setup: Setup) -> Iterator[Prepared]:
     started = init_ray(setup.need_cpus(cfg))
     try:
         if run.memory_on_cluster:  # the workers' GPUs: read once joined, before asking for any
-            preflight.check_memory(cfg, cluster=True, variants=_variants(cfg, setup))
+            preflight.check_memory(cfg, cluster=True, variants=_variants(cfg, setup),
+                                   commit=run.plan.model_commit)
         run.cfg = check_cluster_fits(cfg, num_workers=setup.num_workers)
         run.plan = replace(run.plan, bad_records=desk.start())  # the workers get its name
         run.plan = apply_cache(run.cfg, run.plan)

@@ -1098,12 +1098,17 @@ def config_args(cfg) -> dict:
 def from_config(cfg, **changes) -> Estimate:
     """The estimate for a validated ``RayLoraConfig``; ``changes``: ``estimate`` arguments
     to override. A model in object storage has its JSON configs copied to a temporary
-    folder first (nothing else is read)."""
-    from raylora.model.load import resolve_model_path
+    folder first, a hub model's are downloaded at ``model.revision`` (a run's: the commit
+    its plan pinned, ``RayLoraConfig.at_commit``); nothing else is read."""
+    from raylora.model.load import is_hub_id, resolve_model_path
 
     path = changes.pop("model_path", None) or resolve_model_path(cfg.model)
     if "://" in path and not path.startswith("file://"):
         path = _configs_only(path, cfg.storage.client())
+    elif is_hub_id(path):
+        from raylora.model import hub
+
+        path = hub.configs(path, cfg.model.revision)
     return estimate(path, **{**config_args(cfg), **changes})
 
 

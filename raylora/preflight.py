@@ -148,11 +148,13 @@ def distinct_settings(configs: list[tuple[str, RayLoraConfig]]) -> list[tuple[st
 
 
 def check_memory(cfg: RayLoraConfig, cluster: bool = False,
-                 variants: list[tuple[str, RayLoraConfig]] = ()) -> None:
+                 variants: list[tuple[str, RayLoraConfig]] = (), commit: str | None = None) -> None:
     """Refuse (``DoesNotFit``) a run whose worker cannot fit its GPU; log the estimate
     table when it fits. ``variants``: further configs of the same run (Tune trials), by a
-    label naming what differs; each distinct estimate is checked too. An estimate that
-    fails is logged and the run goes on: the preflight guards, it must not block."""
+    label naming what differs; each distinct estimate is checked too. ``commit``: a hub
+    model's, as the plan pinned it (``Plan.model_commit``): its configs are the ones read.
+    An estimate that fails is logged and the run goes on: the preflight guards, it must
+    not block."""
     from raylora import memory
     from raylora.memory import size
 
@@ -164,7 +166,7 @@ def check_memory(cfg: RayLoraConfig, cluster: bool = False,
     distinct = distinct_settings([("", cfg), *variants])
     for label, c in distinct:
         try:
-            est = memory.from_config(c)
+            est = memory.from_config(c.at_commit(commit))
         except Exception as exc:  # an estimator gap must not stop a run that may fit
             log.warning("memory preflight: not checked, the estimate failed (%s: %s)",
                         type(exc).__name__, exc)

@@ -341,6 +341,26 @@ def test_a_run_loads_the_commit_its_plan_read_while_the_repo_moves(
                                     read_index(loads.model, "org/pushed"), loads.model)
     torch.testing.assert_close(pipe.unet.conv_in.weight, stock)
 
+    # the memory preflight: the configs of the plan's commit (as the tiny folder's), not
+    # main's (its tokenizer's 40 tokens make another text-encoder step)
+    from raylora import memory
+    from raylora.preflight import check_memory
+
+    folder = memory.from_config(_cfg(demo_data, tmp_path, pretrained=tiny_model))
+    assert memory.from_config(loads).peak == folder.peak
+    assert memory.from_config(cfg).peak != folder.peak
+
+    def table(c, commit=None) -> str:  # the preflight's logged table, on an 80 GiB GPU
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="raylora"):
+            check_memory(c.model_copy(update={"scaling": c.scaling.model_copy(
+                update={"gpu_memory_gb": 80})}), commit=commit)
+        assert "memory preflight: fits" in caplog.text
+        return caplog.text
+
+    assert table(cfg, commit=v0) == table(_cfg(demo_data, tmp_path, pretrained=tiny_model))
+    assert table(cfg) != table(cfg, commit=v0)
+
     second = plan(cfg, heldout=False)
     assert second.model_commit == v1
     new = keys(second)

@@ -80,6 +80,17 @@ def fetch(uri: str, key: str) -> str:
     return os.path.join(root, prefix)
 
 
+def configs(repo: str, revision: str | None) -> str:
+    """A local folder (the hub cache's snapshot) of ``repo``'s configs at ``revision``:
+    ``model_index.json`` and each component's ``config.json``, scheduler and tokenizer
+    configs, no weights; what the memory estimate reads as it reads a model folder."""
+    from huggingface_hub import snapshot_download
+
+    return _call(snapshot_download, repo, revision, repo, revision=revision,
+                 allow_patterns=["model_index.json", "*/config.json", "*/scheduler_config.json",
+                                 "*/tokenizer_config.json"])
+
+
 def pinned(uri: str, local: str, key: str) -> str:
     """``uri`` (``hf://owner/name[@revision][/path]``) at the commit ``fetch`` read it
     from (``local``, its answer: a path in the hub cache's ``snapshots/{commit}``), so a

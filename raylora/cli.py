@@ -91,8 +91,11 @@ def _plan(args) -> int:
     from raylora.model.load import check_model
 
     cfg = resolve_paths(load_config(args.config, args.overrides))
-    # a missing folder, a gated or unreachable hub repo: one line (the estimate reads it too)
-    check_model(cfg.model.pretrained, cfg.storage.client(), cfg.model.revision, cfg.model.variant)
+    # a missing folder, a gated or unreachable hub repo: one line (the estimate reads it
+    # too, a hub repo at the commit read here)
+    info = check_model(cfg.model.pretrained, cfg.storage.client(), cfg.model.revision,
+                       cfg.model.variant)
+    cfg = cfg.at_commit(info["commit"])
     # with RAY_ADDRESS, this machine's GPU is not the workers', and Ray is not joined here
     gpu = (preflight.GpuSize(None, "RAY_ADDRESS is set: the workers' GPUs are the cluster's")
            if preflight.on_cluster(cfg) else preflight.gpu_size(cfg))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 
 import pytest
@@ -282,7 +283,7 @@ def pushed(tiny_model, tmp_path) -> str:
 
 
 def test_a_run_loads_the_commit_its_plan_read_while_the_repo_moves(
-        online, hub, tiny_model, pushed, demo_data, tmp_path, caplog):
+        online, hub, tiny_model, pushed, demo_data, tmp_path, caplog, capsys):
     """Every process downloaded the repo's main when it got to it: a push after the plan
     gave the workers other weights than the driver checked (and two nodes' workers each
     other's), the driver's tokenizers could be another commit's than the text encoders,
@@ -360,6 +361,20 @@ def test_a_run_loads_the_commit_its_plan_read_while_the_repo_moves(
 
     assert table(cfg, commit=v0) == table(_cfg(demo_data, tmp_path, pretrained=tiny_model))
     assert table(cfg) != table(cfg, commit=v0)
+    # `raylora plan` prints the table of the revision it is given, as a run would plan it
+    import yaml
+
+    from raylora.cli import main
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(cfg.to_dict()))
+    printed = {}
+    for revision in (v0, "main"):
+        capsys.readouterr()
+        assert main(["plan", str(job), f"model.revision={revision}"]) == 0
+        printed[revision] = capsys.readouterr().out
+    assert re.search(rf"\ntotal per GPU +{folder.total / 2**20:.2f}\n", printed[v0])  # MiB
+    assert printed["main"] != printed[v0]
 
     second = plan(cfg, heldout=False)
     assert second.model_commit == v1

@@ -57,9 +57,27 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def hub_model(uri: str, revision: str | None, keys=("model.pretrained", "model.revision")
+              ) -> tuple[str, str | None]:
+    """(``model.pretrained``, ``model.revision``) of ``hf://owner/name[@revision]`` (as
+    ``lora.init_from`` names a hub adapter): the hub id and its revision; anything else
+    as given. ``keys``: the two settings' names, for errors."""
+    if not uri.startswith("hf://"):
+        return uri, revision
+    repo, _, named = uri[len("hf://"):].strip("/").partition("@")
+    if repo.count("/") != 1 or not all(repo.split("/")) or "/" in named:
+        raise ValueError(f"{keys[0]}: {uri}: not hf://owner/name[@revision] (a hub model is a "
+                         "whole repo: owner/name, or its folder downloaded)")
+    if named and revision not in (None, named):
+        raise ValueError(f"{keys[0]}: {uri} names revision {named}, {keys[1]} {revision}; "
+                         "give one")
+    return repo, named or revision
+
+
 class ModelSection(_Section):
     pretrained: str = Field(
-        description="Hugging Face hub id, or a local diffusers folder (with model_index.json)."
+        description="Hugging Face hub id (owner/name, or hf://owner/name[@revision]: the id "
+        "and model.revision), a local diffusers folder (with model_index.json) or a storage URI."
     )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
     variant: str | None = Field(None, description="Weight variant, e.g. 'fp16'.")
@@ -85,6 +103,15 @@ class ModelSection(_Section):
         "(Flux.1-dev 512, schnell use 256; SD3 256; Qwen-Image 512; Z-Image and Flux.2 "
         "[klein]/[dev] 512, the chat template (and [dev]'s system message) included; Wan 512).",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hub_uri(cls, data):
+        if isinstance(data, dict) and isinstance(data.get("pretrained"), str):
+            repo, revision = hub_model(data["pretrained"], data.get("revision"))
+            if repo != data["pretrained"]:
+                return {**data, "pretrained": repo, "revision": revision}
+        return data
 
     @field_validator("family")
     @classmethod
@@ -1479,6 +1506,8 @@ def _format_pydantic(err: ValidationError) -> list[str]:
             out.append(f"{key}: unknown key")
         elif e["type"] == "missing":
             out.append(f"{key}: required key is missing")
+        elif e["type"] == "value_error" and str(e["ctx"]["error"]).startswith(f"{key}."):
+            out.append(str(e["ctx"]["error"]))  # a section's check naming its own key
         else:
             got = e.get("input")
             shown = "" if isinstance(got, dict) else f" (got {got!r})"

@@ -68,10 +68,11 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
     from diffusers import DiffusionPipeline
 
     from raylora import quiet
-    from raylora.config import ModelSection
+    from raylora.config import ModelSection, hub_model
     from raylora.model import families
     from raylora.model.load import load_pipeline_as_trained
 
+    model, revision = hub_model(model, revision, keys=("--model", "--revision"))
     adapters = [adapter] if isinstance(adapter, str) else list(adapter)
     path = os.path.abspath(model) if os.path.isdir(model) else model
     revision = revision or trained_commit(model, adapters)

@@ -104,6 +104,34 @@ def test_missing_required_sections_named():
     }
 
 
+@pytest.mark.parametrize("overrides,expected", [
+    (["model.pretrained=hf://org/x"], ("org/x", None)),
+    (["model.pretrained=hf://org/x@v1"], ("org/x", "v1")),
+    (["model.pretrained=hf://org/x@v1", "model.revision=v1"], ("org/x", "v1")),
+    (["model.pretrained=hf://org/x", "model.revision=v2"], ("org/x", "v2")),
+    (["model.pretrained=hf://org/x@v1", "model.revision=v2"],
+     "model.pretrained: hf://org/x@v1 names revision v1, model.revision v2; give one"),
+    (["model.pretrained=hf://org/x/unet"],
+     "model.pretrained: hf://org/x/unet: not hf://owner/name[@revision] (a hub model is a "
+     "whole repo: owner/name, or its folder downloaded)"),
+    (["model.pretrained=hf://org"],
+     "model.pretrained: hf://org: not hf://owner/name[@revision] (a hub model is a whole "
+     "repo: owner/name, or its folder downloaded)"),
+])
+def test_a_hub_model_may_be_named_as_lora_init_from_names_a_hub_adapter(overrides, expected):
+    """``hf://owner/name[@revision]``: the hub id and model.revision (before, "unsupported
+    URI scheme 'hf'" from the plan)."""
+    tree = apply_overrides(MIN, overrides)
+    if isinstance(expected, str):
+        with pytest.raises(ConfigError) as ei:
+            validate(tree)
+        assert ei.value.problems == [expected]
+    else:
+        cfg = validate(tree)
+        assert (cfg.model.pretrained, cfg.model.revision) == expected
+        assert validate(cfg.to_dict()).model == cfg.model  # what a run records, read back
+
+
 def test_fp16_on_cpu_rejected_with_key():
     with pytest.raises(ConfigError, match=r"train.mixed_precision: fp16 needs a GPU"):
         validate(apply_overrides(MIN, ["train.mixed_precision=fp16"]))

@@ -266,6 +266,10 @@ def test_a_named_revision_is_trained_at_the_commit_it_names_when_planned(
     spec = build_trainer(cfg, p, str(tmp_path / "out"), "train").train_loop_config["spec"]
     assert (spec.config.model.revision, cfg.model.revision) == (fp16, "fp16")
     assert [t.max_length for t in spec.tokenizer_specs] == [40]  # the branch's tokenizer
+    # named as lora.init_from names a hub adapter: the same repo and branch
+    uri = _cfg(demo_data, tmp_path, pretrained="hf://org/branchy@fp16")
+    assert (uri.model.pretrained, uri.model.revision) == ("org/branchy", "fp16")
+    assert plan(uri, heldout=False).model_commit == fp16
 
 
 @pytest.fixture
@@ -425,6 +429,8 @@ def test_raylora_sample_loads_the_base_at_the_commit_its_adapter_trained_on(
 
     torch.testing.assert_close(conv_in(), stock)
     torch.testing.assert_close(conv_in(revision=v1), stock + 1)
+    hf = load_pipeline(f"hf://org/sampled@{v1}", str(adapter))[0]  # as model.pretrained takes it
+    torch.testing.assert_close(hf.unet.conv_in.weight, stock + 1)
     (adapter / "raylora.json").write_text(json.dumps(
         {**meta, "config": {"model": {"pretrained": "org/other"}}}))
     torch.testing.assert_close(conv_in(), stock + 1)

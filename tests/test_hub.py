@@ -360,8 +360,9 @@ def test_a_run_loads_the_commit_its_plan_read_while_the_repo_moves(
         with caplog.at_level(logging.INFO, logger="raylora"):
             check_memory(c.model_copy(update={"scaling": c.scaling.model_copy(
                 update={"gpu_memory_gb": 80})}), commit=commit)
-        assert "memory preflight: fits" in caplog.text
-        return caplog.text
+        said = "\n".join(r.getMessage() for r in caplog.records)
+        assert "memory preflight: fits" in said
+        return said
 
     assert table(cfg, commit=v0) == table(_cfg(demo_data, tmp_path, pretrained=tiny_model))
     assert table(cfg) != table(cfg, commit=v0)

@@ -448,6 +448,54 @@ def test_a_place_the_run_cannot_write_is_named_before_ray_starts(s3, shards, tin
     assert f"  - data.cache_uri: {tmp_path / 'cache' / 'latents'}: {tmp_path / 'cache'} is a file, not a folder" in err
 
 
+def test_a_model_uploaded_again_under_its_uri_is_downloaded_again(s3, tiny_model, tmp_path):
+    """A node kept its first download of ``model.pretrained: s3://...`` for good: a model
+    uploaded again under the same URI (fixed weights, another precision) was trained on
+    from the node's old copy, silently. The node's copy is per version of the folder (its
+    listing); a folder that changes while it downloads is refused, not copied half-old."""
+    import time
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from raylora.model.load import materialize
+    from raylora.storage import Storage
+
+    uri, weights = f"s3://{BUCKET}/models/reuploaded", "unet/diffusion_pytorch_model.safetensors"
+    stock = load_file(f"{tiny_model}/{weights}")["conv_in.weight"]
+    store = Storage()
+    store.upload_dir(tiny_model, uri)
+    first = materialize(uri, store)
+    assert materialize(uri, store) == first  # unchanged: the node's copy, not downloaded again
+    torch.testing.assert_close(load_file(f"{first}/{weights}")["conv_in.weight"], stock)
+
+    def upload_changed(delta: float) -> None:
+        changed = tmp_path / "unet.safetensors"  # same names and size: other values
+        save_file({k: v + delta for k, v in load_file(f"{tiny_model}/{weights}").items()}, changed)
+        time.sleep(1.1)  # S3's last-modified is kept to the second
+        s3.upload_file(str(changed), BUCKET, f"models/reuploaded/{weights}")
+
+    upload_changed(1)
+    second = materialize(uri, store)
+    assert second != first
+    torch.testing.assert_close(load_file(f"{second}/{weights}")["conv_in.weight"], stock + 1)
+    assert os.path.exists(f"{first}/.complete")  # the old copy is left to a run still reading it
+
+    class UploadedMeanwhile(Storage):  # another upload lands while this node downloads
+        def download_dir(self, uri, local_dir):
+            super().download_dir(uri, local_dir)
+            upload_changed(2)
+
+    upload_changed(3)
+    with pytest.raises(RuntimeError, match=f"model.pretrained: {uri}: its files changed while "
+                                           "this node downloaded them; run again once the upload is done"):
+        materialize(uri, UploadedMeanwhile())
+    third = materialize(uri, store)  # once it stays put: the last upload
+    torch.testing.assert_close(load_file(f"{third}/{weights}")["conv_in.weight"], stock + 2)
+    with pytest.raises(FileNotFoundError, match="model.pretrained: s3://raylora-test/models/none: no files there"):
+        materialize(f"s3://{BUCKET}/models/none", store)
+
+
 def test_endpoint_from_config_without_env(s3, shards, monkeypatch):
     """storage.endpoint_url alone (no AWS_ENDPOINT_URL) reaches an S3-compatible store."""
     from raylora.config import StorageSection

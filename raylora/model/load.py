@@ -159,15 +159,21 @@ def cache_root() -> str:
 
 def materialize(path: str, store: Storage) -> str:
     """A local path for ``path``: local folders and hub ids unchanged; a storage URI is
-    downloaded once per node into the cache.
+    downloaded once per node into the cache, per version of the folder: its files' names,
+    sizes and modification times (one listing per call), so a model uploaded again under
+    the same URI is downloaded again, not trained on from the node's old copy.
 
     Every process on the node (training workers, preprocess tasks) calls this; an
     exclusive file lock lets one download while the others wait, and a ``.complete``
-    marker written last means a crashed download is never mistaken for a model.
+    marker written last means a crashed download is never mistaken for a model. A folder
+    that changes while it downloads is refused (the copy would mix two uploads).
     """
     if storage.is_local(path) or is_hub_id(path):
         return path
-    digest = hashlib.sha256(path.encode()).hexdigest()[:16]
+    listing = _listing(path, store)
+    if listing == "[]":
+        raise FileNotFoundError(f"model.pretrained: {path}: no files there")
+    digest = hashlib.sha256(f"{path}\n{listing}".encode()).hexdigest()[:16]
     dest = os.path.join(cache_root(), "models", digest)
     done = os.path.join(dest, ".complete")
     if os.path.exists(done):
@@ -180,6 +186,10 @@ def materialize(path: str, store: Storage) -> str:
                 tmp = f"{dest}.partial-{os.getpid()}"
                 shutil.rmtree(tmp, ignore_errors=True)
                 store.download_dir(path, tmp)
+                if _listing(path, store) != listing:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise RuntimeError(f"model.pretrained: {path}: its files changed while this "
+                                       "node downloaded them; run again once the upload is done")
                 shutil.rmtree(dest, ignore_errors=True)
                 os.replace(tmp, dest)
                 with open(done, "w") as f:
@@ -187,6 +197,21 @@ def materialize(path: str, store: Storage) -> str:
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return dest
+
+
+def _listing(path: str, store: Storage) -> str:
+    """The folder's version as ``materialize`` keys it: each file's name, size and
+    modification time (an object store's last-modified), one listing."""
+    import pyarrow.fs as pafs
+
+    fs, root = store.fs(path)
+    root = root.rstrip("/")
+    try:
+        found = fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
+    except FileNotFoundError:  # an S3 prefix without objects, despite allow_not_found
+        found = []
+    return json.dumps(sorted((i.path[len(root) + 1:], i.size, i.mtime_ns) for i in found
+                             if i.type == pafs.FileType.File))
 
 
 def read_index(model: ModelSection, path: str) -> dict | None:

@@ -1103,24 +1103,26 @@ def from_config(cfg, **changes) -> Estimate:
     from raylora.model.load import is_hub_id, resolve_model_path
 
     path = changes.pop("model_path", None) or resolve_model_path(cfg.model)
+    args = {**config_args(cfg), **changes}
     if "://" in path and not path.startswith("file://"):
-        path = _configs_only(path, cfg.storage.client())
-    elif is_hub_id(path):
+        with tempfile.TemporaryDirectory(prefix="raylora-configs-") as tmp:  # gone after
+            return estimate(_configs_only(path, cfg.storage.client(), tmp), **args)
+    if is_hub_id(path):
         from raylora.model import hub
 
         path = hub.configs(path, cfg.model.revision)
-    return estimate(path, **{**config_args(cfg), **changes})
+    return estimate(path, **args)
 
 
 _CONFIG_FILES = ("config.json", "scheduler_config.json", "tokenizer_config.json")
 
 
-def _configs_only(uri: str, store) -> str:
+def _configs_only(uri: str, store, dest: str) -> str:
     """The JSON files of a stored pipeline folder (model_index.json, each component's
-    config.json, the scheduler's and tokenizers' configs) copied to a local temp folder."""
+    config.json, the scheduler's and tokenizers' configs) copied into the local folder
+    ``dest``; returns it."""
     from raylora import storage
 
-    dest = tempfile.mkdtemp(prefix="raylora-configs-")
     root = uri.rstrip("/")
     for f in store.list_files(uri):
         rel = f[len(root) + 1:]

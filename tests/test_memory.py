@@ -364,7 +364,7 @@ def test_from_config_reads_todays_keys_and_defaults_the_new_ones(tiny, tmp_path)
     # a model in object storage: its JSON configs alone are copied, and give the same estimate
     from raylora.storage import Storage
 
-    copy = memory._configs_only(path, Storage())
+    copy = memory._configs_only(path, Storage(), str(tmp_path / "configs"))
     assert not any(f.endswith((".safetensors", "tokenizer.json", "vocab.json"))
                    for _, _, files in os.walk(copy) for f in files)
     assert memory.from_config(cfg, model_path=copy).total == est.total

@@ -496,6 +496,26 @@ def test_a_model_uploaded_again_under_its_uri_is_downloaded_again(s3, tiny_model
         materialize(f"s3://{BUCKET}/models/none", store)
 
 
+def test_the_estimate_of_a_model_in_the_bucket_is_the_folders_and_leaves_no_copy(
+        s3, tiny_model, tmp_path, monkeypatch):
+    """The memory preflight of ``model.pretrained: s3://...`` copies its JSON configs to a
+    temporary folder; each estimate (a search: one per distinct trial setting) left one."""
+    from raylora import memory
+    from raylora.storage import Storage
+
+    uri = f"s3://{BUCKET}/models/estimated"
+    Storage().upload_dir(tiny_model, uri)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)  # read TMPDIR again
+
+    def cfg(model: str):
+        return validate({"model": {"pretrained": model}, "data": {"uri": "d", "resolution": 64},
+                         "output": {"uri": "o"}})
+
+    assert memory.from_config(cfg(uri)).total == memory.from_config(cfg(tiny_model)).total
+    assert os.listdir(tmp_path) == []
+
+
 def test_endpoint_from_config_without_env(s3, shards, monkeypatch):
     """storage.endpoint_url alone (no AWS_ENDPOINT_URL) reaches an S3-compatible store."""
     from raylora.config import StorageSection

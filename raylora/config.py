@@ -62,12 +62,18 @@ def hub_model(uri: str, revision: str | None, keys=("model.pretrained", "model.r
     """(``model.pretrained``, ``model.revision``) of ``hf://owner/name[@revision]`` (as
     ``lora.init_from`` names a hub adapter): the hub id and its revision; anything else
     as given. ``keys``: the two settings' names, for errors."""
-    if not uri.startswith("hf://"):
+    from raylora.model import hub
+
+    if not uri.startswith(hub.SCHEME):
         return uri, revision
-    repo, _, named = uri[len("hf://"):].strip("/").partition("@")
-    if repo.count("/") != 1 or not all(repo.split("/")) or "/" in named:
-        raise ValueError(f"{keys[0]}: {uri}: not hf://owner/name[@revision] (a hub model is a "
-                         "whole repo: owner/name, or its folder downloaded)")
+    whole = (f"{keys[0]}: {uri}: not hf://owner/name[@revision] (a hub model is a whole repo: "
+             "owner/name, or its folder downloaded)")
+    try:
+        repo, named, path = hub.split_uri(uri, keys[0])
+    except ValueError:
+        raise ValueError(whole) from None
+    if path:
+        raise ValueError(whole)
     if named and revision not in (None, named):
         raise ValueError(f"{keys[0]}: {uri} names revision {named}, {keys[1]} {revision}; "
                          "give one")

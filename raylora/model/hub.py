@@ -54,8 +54,8 @@ class Repo:
             raise Unreachable(self.offline or f"model.pretrained: {self.repo}: {filename} could "
                               "not be read from the hub") from None
         if self.commit is None:  # later reads at this commit: one commit's configs, however
-            # the branch moves meanwhile (huggingface_hub's cache: .../snapshots/{commit}/{filename})
-            self.commit = self.revision = os.path.basename(path[: -len(filename) - 1])
+            # the branch moves meanwhile
+            self.commit = self.revision = snapshot_commit(path)
         with open(path) as f:
             return json.load(f)
 
@@ -70,7 +70,7 @@ def fetch(uri: str, key: str) -> str:
     a LoRA or peft adapter folder holds (not its sample images)."""
     from huggingface_hub import hf_hub_download, snapshot_download
 
-    repo, revision, path = _parts(uri, key)
+    repo, revision, path = split_uri(uri, key)
     where = f"{key}: {uri}"
     if path.endswith(".safetensors"):
         return _call(hf_hub_download, repo, revision, repo, path, revision=revision, key=where)
@@ -95,18 +95,24 @@ def pinned(uri: str, local: str, key: str) -> str:
     """``uri`` (``hf://owner/name[@revision][/path]``) at the commit ``fetch`` read it
     from (``local``, its answer: a path in the hub cache's ``snapshots/{commit}``), so a
     process that fetches it later reads the same files however the branch moves."""
-    from huggingface_hub import constants
-
-    repo, _, path = _parts(uri, key)
-    # huggingface_hub's cache: {HF_HUB_CACHE}/models--{owner}--{name}/snapshots/{commit}/...
-    within = os.path.relpath(local, constants.HF_HUB_CACHE).split(os.sep)
-    commit = within[2] if len(within) > 2 and within[1] == "snapshots" else None
-    if commit is None:  # not in the cache this process reads: left as written
+    repo, _, path = split_uri(uri, key)
+    commit = snapshot_commit(local)
+    if commit is None:  # not in a hub cache: left as written
         return uri
     return f"{SCHEME}{repo}@{commit}" + (f"/{path}" if path else "")
 
 
-def _parts(uri: str, key: str) -> tuple[str, str | None, str]:
+def snapshot_commit(local: str) -> str | None:
+    """The commit of a path huggingface_hub's cache gave
+    (``.../models--{owner}--{name}/snapshots/{commit}/...``); None for any other path."""
+    parts = os.path.normpath(local).split(os.sep)
+    for i, part in enumerate(parts[:-2]):
+        if part.startswith("models--") and parts[i + 1] == "snapshots":
+            return parts[i + 2]
+    return None
+
+
+def split_uri(uri: str, key: str) -> tuple[str, str | None, str]:
     """(owner/name, revision or None, path in the repo) of an ``hf://`` URI."""
     owner, _, rest = uri[len(SCHEME):].strip("/").partition("/")
     name, _, path = rest.partition("/")

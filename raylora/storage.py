@@ -445,11 +445,17 @@ def local_sizes(directory: str) -> dict[str, int]:
     return out
 
 
-def listed_sizes(fs: pafs.FileSystem, path: str) -> dict[str, int]:
-    """``local_sizes`` of a folder on ``fs``, in one listing ({} when it does not exist)."""
+def listed_files(fs: pafs.FileSystem, path: str) -> dict[str, pafs.FileInfo]:
+    """Relative name → ``FileInfo`` of every file under a folder on ``fs``, in one listing
+    ({} when it does not exist)."""
     path = path.rstrip("/")
     found = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
-    return {i.path[len(path) + 1:]: i.size for i in found if i.type == pafs.FileType.File}
+    return {i.path[len(path) + 1:]: i for i in found if i.type == pafs.FileType.File}
+
+
+def listed_sizes(fs: pafs.FileSystem, path: str) -> dict[str, int]:
+    """``local_sizes`` of a folder on ``fs``, in one listing ({} when it does not exist)."""
+    return {name: i.size for name, i in listed_files(fs, path).items()}
 
 
 # What ``_unique`` appends: a name made by it is found again by this pattern.

@@ -113,7 +113,7 @@ def preflight(cfg: RayLoraConfig) -> Plan:
     """Base plan (model, data, held-out rows) plus the step arithmetic of every bounding
     value of the dims that change it, so a trial never fails on a batch size that is
     larger than its data; and every adapter a search of ``lora.init_from`` starts from,
-    checked as the base's is (``raylora.model.lora_init.problems``)."""
+    checked as the base's is (``raylora.model.lora_init.checked``)."""
     from raylora.config import ConfigError
     from raylora.model import lora_init
 

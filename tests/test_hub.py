@@ -161,7 +161,7 @@ def test_a_run_starts_from_an_adapter_on_the_hub(online, hub, tiny_model, demo_d
 
     def problems(**lora):
         cfg = _cfg(tiny_model, demo_data, tmp_path / "p", **lora)
-        return lora_init.problems(cfg, cfg.storage.client())
+        return lora_init.checked(cfg, cfg.storage.client())[0]
 
     def start(init_from: str) -> dict:
         run = _build(_cfg(tiny_model, demo_data, tmp_path / "b", alpha=2, init_from=init_from))

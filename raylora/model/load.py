@@ -202,16 +202,11 @@ def materialize(path: str, store: Storage) -> str:
 def _listing(path: str, store: Storage) -> str:
     """The folder's version as ``materialize`` keys it: each file's name, size and
     modification time (an object store's last-modified), one listing."""
-    import pyarrow.fs as pafs
-
-    fs, root = store.fs(path)
-    root = root.rstrip("/")
     try:
-        found = fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
+        found = storage.listed_files(*store.fs(path))
     except FileNotFoundError:  # an S3 prefix without objects, despite allow_not_found
-        found = []
-    return json.dumps(sorted((i.path[len(root) + 1:], i.size, i.mtime_ns) for i in found
-                             if i.type == pafs.FileType.File))
+        found = {}
+    return json.dumps(sorted((name, i.size, i.mtime_ns) for name, i in found.items()))
 
 
 def read_index(model: ModelSection, path: str) -> dict | None:

@@ -9,7 +9,7 @@ the factor that carries the scale (LoRA's B) is rescaled by the file's scale ove
 run's (``lora.alpha / lora.rank``), so at step 0 the denoiser computes what the stock
 pipeline with that file loaded computes, whatever ``lora.alpha`` the run trains with.
 
-Before Ray starts, ``problems`` reads the file's header only (names, shapes, a peft
+Before Ray starts, ``checked`` reads the file's header only (names, shapes, a peft
 folder's config): a missing file, another rank, another variant, or text-encoder layers
 a run that does not train the text encoders would drop.
 """
@@ -82,14 +82,10 @@ def read_header(uri: str, store: Storage) -> dict[str, list[int]]:
     return {k: v["shape"] for k, v in entries.items() if k != "__metadata__"}
 
 
-def problems(cfg: RayLoraConfig, store: Storage) -> list[str]:
-    """What makes ``lora.init_from`` unusable for this run, one line each (none if unset)."""
-    return checked(cfg, store)[0]
-
-
 def checked(cfg: RayLoraConfig, store: Storage) -> tuple[list[str], str | None]:
-    """(``problems``, the URI the workers load): an ``hf://`` adapter at the commit read
-    here (``hub.pinned``: ``raylora.launch.Plan.pins``), anything else as written.
+    """(what makes ``lora.init_from`` unusable for this run, one line each (none if
+    unset); the URI the workers load: an ``hf://`` adapter at the commit read here
+    (``hub.pinned``: ``raylora.launch.Plan.pins``), anything else as written).
     Reads the header and a peft folder's config; the layer names are matched with the
     denoiser's on the worker (``load_init``), where the model is. (A search of its rank or
     variant is refused with the config: ``raylora.config``'s tune checks.)"""

@@ -85,7 +85,9 @@ class ModelSection(_Section):
         description="Hugging Face hub id (owner/name, or hf://owner/name[@revision]: the id "
         "and model.revision), a local diffusers folder (with model_index.json) or a storage URI."
     )
-    revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit). A "
+                                 "folder has none: one in object storage is trained as its "
+                                 "files are listed when the run starts.")
     variant: str | None = Field(None, description="Weight variant, e.g. 'fp16'.")
     family: str = Field(
         "auto",
@@ -1053,7 +1055,9 @@ class RayLoraConfig(_Section):
         """This config as the processes that load the model see it: a hub model's
         ``model.revision`` pinned to the commit the driver read (``Plan.model_commit``), so
         every worker, node and encoding task loads the same weights and tokenizers however
-        the branch moves meanwhile. What the run records keeps the revision as written."""
+        the branch moves meanwhile; a folder in object storage's to the version of its files
+        the driver listed (``raylora.model.load.materialize`` downloads that or stops).
+        What the run records keeps the revision as written."""
         if commit is None or self.model.revision == commit:
             return self
         return self.model_copy(update={"model": self.model.model_copy(update={"revision": commit})})

@@ -48,8 +48,10 @@ class Plan:
     heldout: list[dict] = field(default_factory=list, repr=False)
     family: str = "sd"  # raylora.model.families name
     objective: str | None = None  # epsilon | v_prediction | flow_matching (None: hub id, unread)
-    # A hub model: the commit the driver read (model.revision resolved), which everything
-    # that loads the model loads (RayLoraConfig.at_commit); None: a folder, or unread.
+    # A hub model: the commit the driver read (model.revision resolved); a folder in object
+    # storage: the version of its files listed (raylora.model.load.stored_version). What
+    # everything that loads the model loads (RayLoraConfig.at_commit); None: a local
+    # folder, or unread.
     model_commit: str | None = None
     # lora.init_from values on the hub (hf://, as written; a Tune search's too) → the same
     # at the commit the driver checked, which every worker loads (raylora.model.hub.pinned).
@@ -165,7 +167,7 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
     from raylora.data.plan import plan_data
     from raylora.model import lora_init
     from raylora.model import families, hub
-    from raylora.model.load import check_model, resolve_family
+    from raylora.model.load import check_model, is_hub_id, resolve_family
     from raylora.train.objective import scheduler_objective_kind
 
     problems: list[str] = []
@@ -176,9 +178,12 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
         info = check_model(model_path, store, cfg.model.revision, cfg.model.variant)
         family, factor = resolve_family(cfg.model, info["index"]), info["vae_factor"]
         scheduler, commit = info["scheduler_config"], info["commit"]
-        if commit:
+        if commit and is_hub_id(model_path):
             log.info("model.pretrained: %s: training its commit %s (%s)", model_path, commit,
                      cfg.model.revision or "main")
+        elif commit:  # in object storage: what each node downloads, or stops (materialize)
+            log.info("model.pretrained: %s: training its files as listed now (version %s)",
+                     model_path, commit)
         if family.experts:  # whether this folder has them; a family without: family_problems
             family.sigma_range(info["index"], cfg.model.expert, f"model.pretrained: {model_path}")
     except hub.Unreachable as exc:
@@ -192,6 +197,10 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
                         "workers load it", exc, cfg.model.family)
     except (FileNotFoundError, KeyError, ValueError, OSError) as exc:
         problems.append(str(exc) if str(exc).startswith("model.") else f"model.pretrained: {exc}")
+    if cfg.model.revision and not is_hub_id(model_path):
+        # A folder has no revisions; in object storage the run pins the version it lists.
+        problems.append(f"model.revision: {cfg.model.revision}: model.pretrained {model_path} "
+                        "is a folder, not a hub repo; only a hub model has revisions")
     native = scheduler_objective_kind(scheduler) if scheduler else None
     problems += family_problems(cfg, family, factor * family.patch, native)
     problems += write_problems(cfg, store)

@@ -110,6 +110,10 @@ def trained_commit(model: str, adapters: list[str]) -> str | None:
     them: its base as trained, however the repo's main moved since."""
     from raylora.checkpoint.export import read_run_meta
 
+    from raylora.model.load import is_hub_id
+
+    if not is_hub_id(model):  # a folder's recorded version is no revision it can load at
+        return None
     for a in adapters:
         meta = read_run_meta(a)
         if (meta.get("config", {}).get("model", {}).get("pretrained") == model

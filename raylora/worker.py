@@ -125,7 +125,7 @@ def _previewer(spec: WorkerSpec, run, tracker, rank: int):
     cfg = spec.config
     v, acc = cfg.validation, run.accelerator
     store = cfg.storage.client()
-    model_path = materialize(spec.plan.model_path, store)
+    model_path = materialize(spec.plan.model_path, store, cfg.model.revision)
     model = acc.unwrap_model(run.model)
     guidance = run.family.guidance_kwargs(v.guidance_scale)  # None: the family's default
 

@@ -214,8 +214,14 @@ def test_sigterm_then_rerun_from_s3_equals_straight_and_leaks_no_secret(
     # and its registration, the stopped run leaves a folder Ray never recorded: the rerun
     # removes it (seen here: step 8's, which made this 3 before that was fixed).
     assert len(ckpts) == 2
-    # The model was downloaded into this node's cache once, by the first run only.
-    assert len(glob.glob(str(tmp_path / "cache" / "models" / "*" / ".complete"))) == 1
+    # The model was downloaded into this node's cache once, by the first run only: the
+    # copy of the version both runs' plans listed, which the adapter's card names.
+    version = meta["data"]["model_commit"]
+    copies = glob.glob(str(tmp_path / "cache" / "models" / "*" / ".complete"))
+    assert [os.path.basename(os.path.dirname(c)) for c in copies] == [version]
+    assert (f"| base model version (its files as listed) | {version} |"
+            in (root / "sigterm" / "adapter" / "README.md").read_text())
+    assert "model.revision:" not in logs[1]  # the checkpoint's version, unchanged
 
     ray_logs = [p for p in glob.glob(os.path.join(ray_tmp, "**", "*"), recursive=True)
                 if os.path.isfile(p) and "/logs/" in p]

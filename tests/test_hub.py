@@ -402,8 +402,9 @@ def test_a_run_loads_the_commit_its_plan_read_while_the_repo_moves(
     with caplog.at_level(logging.WARNING, logger="raylora"):
         check_latest(store, str(run), trained=trained_settings(cfg.at_commit(v1), "sd"))
     assert (f"model.revision: this run has {v1}, but the checkpoint this output.uri resumes "
-            f"from ({run / 'checkpoint_a'}) was trained with {v0}; resuming (on this run's "
-            "commit: the repo moved since; set model.revision") in caplog.text
+            f"from ({run / 'checkpoint_a'}) was trained with {v0}; resuming (on the model as it "
+            "is now: it changed since the checkpoint (a hub repo: set model.revision to the "
+            "checkpoint's commit") in caplog.text
 
 
 def test_raylora_sample_loads_the_base_at_the_commit_its_adapter_trained_on(

@@ -448,20 +448,34 @@ def test_a_place_the_run_cannot_write_is_named_before_ray_starts(s3, shards, tin
     assert f"  - data.cache_uri: {tmp_path / 'cache' / 'latents'}: {tmp_path / 'cache'} is a file, not a folder" in err
 
 
+UNET_WEIGHTS = "unet/diffusion_pytorch_model.safetensors"
+
+
+def _upload_unet(s3, tiny_model: str, tmp_path, prefix: str, delta: float) -> None:
+    """The tiny model's UNet with ``delta`` added to every weight, uploaded over
+    ``{prefix}/unet``: same names and size, other values."""
+    import time
+
+    from safetensors.torch import load_file, save_file
+
+    changed = tmp_path / "unet.safetensors"
+    save_file({k: v + delta for k, v in load_file(f"{tiny_model}/{UNET_WEIGHTS}").items()}, changed)
+    time.sleep(1.1)  # S3's last-modified is kept to the second
+    s3.upload_file(str(changed), BUCKET, f"{prefix}/{UNET_WEIGHTS}")
+
+
 def test_a_model_uploaded_again_under_its_uri_is_downloaded_again(s3, tiny_model, tmp_path):
     """A node kept its first download of ``model.pretrained: s3://...`` for good: a model
     uploaded again under the same URI (fixed weights, another precision) was trained on
     from the node's old copy, silently. The node's copy is per version of the folder (its
     listing); a folder that changes while it downloads is refused, not copied half-old."""
-    import time
-
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     from raylora.model.load import materialize
     from raylora.storage import Storage
 
-    uri, weights = f"s3://{BUCKET}/models/reuploaded", "unet/diffusion_pytorch_model.safetensors"
+    uri, weights = f"s3://{BUCKET}/models/reuploaded", UNET_WEIGHTS
     stock = load_file(f"{tiny_model}/{weights}")["conv_in.weight"]
     store = Storage()
     store.upload_dir(tiny_model, uri)
@@ -470,10 +484,7 @@ def test_a_model_uploaded_again_under_its_uri_is_downloaded_again(s3, tiny_model
     torch.testing.assert_close(load_file(f"{first}/{weights}")["conv_in.weight"], stock)
 
     def upload_changed(delta: float) -> None:
-        changed = tmp_path / "unet.safetensors"  # same names and size: other values
-        save_file({k: v + delta for k, v in load_file(f"{tiny_model}/{weights}").items()}, changed)
-        time.sleep(1.1)  # S3's last-modified is kept to the second
-        s3.upload_file(str(changed), BUCKET, f"models/reuploaded/{weights}")
+        _upload_unet(s3, tiny_model, tmp_path, "models/reuploaded", delta)
 
     upload_changed(1)
     second = materialize(uri, store)
@@ -494,6 +505,81 @@ def test_a_model_uploaded_again_under_its_uri_is_downloaded_again(s3, tiny_model
     torch.testing.assert_close(load_file(f"{third}/{weights}")["conv_in.weight"], stock + 2)
     with pytest.raises(FileNotFoundError, match="model.pretrained: s3://raylora-test/models/none: no files there"):
         materialize(f"s3://{BUCKET}/models/none", store)
+
+
+def test_every_node_loads_the_version_of_a_stored_model_its_plan_listed(
+        s3, tiny_model, demo_data, tmp_path, monkeypatch, caplog):
+    """A node's copy was per version, but not the run's: two nodes that downloaded
+    ``model.pretrained: s3://...`` on either side of an upload trained two models (DDP
+    syncs only the LoRA gradients). The plan records the version it listed, every loader
+    gets it as ``model.revision`` (``at_commit``, as a hub commit), and a node loads its
+    copy of that version without reading the store, or downloads it if the folder is still
+    that version, or stops saying so."""
+    import logging
+
+    import torch
+    from safetensors.torch import load_file
+
+    from raylora.data.cache import fingerprint
+    from raylora.data.classgen import generation_key
+    from raylora.config import ConfigError
+    from raylora.launch import plan
+    from raylora.model.load import load_components, materialize, stored_files, stored_version
+    from raylora.storage import Storage
+
+    uri, store = f"s3://{BUCKET}/models/pinned", Storage()
+    store.upload_dir(tiny_model, uri)
+    stock = load_file(f"{tiny_model}/{UNET_WEIGHTS}")["conv_in.weight"]
+    cfg = validate({"model": {"pretrained": uri}, "data": {"uri": demo_data, "resolution": 64},
+                    "output": {"uri": str(tmp_path / "out")}})
+    with caplog.at_level(logging.INFO, logger="raylora"):
+        first = plan(cfg, heldout=False)
+    v0 = stored_version(uri, stored_files(uri, store))
+    assert first.model_commit == v0 and len(v0) == 16
+    assert (f"model.pretrained: {uri}: training its files as listed now (version {v0})"
+            in [r.getMessage() for r in caplog.records])
+    loads = cfg.at_commit(first.model_commit)
+    assert loads.model.revision == v0 and cfg.model.revision is None
+
+    def unet(model, store, node: str) -> torch.Tensor:
+        monkeypatch.setenv("RAYLORA_CACHE", str(tmp_path / node))
+        return load_components(model, torch.float32, store=store, encoders=False).denoiser.conv_in.weight
+
+    torch.testing.assert_close(unet(loads.model, store, "node-a"), stock)
+
+    def keys(c) -> tuple[str, str]:  # the latent cache's and the class images'
+        return (fingerprint(c, "sd", uri, first.data_plan(), store),
+                generation_key(c, "sd", uri, 4, store))
+
+    before = keys(loads)
+    _upload_unet(s3, tiny_model, tmp_path, "models/pinned", 1)
+    # Node a has the plan's version: it loads it even with the store out of reach.
+    unreachable = Storage(endpoint_url="http://127.0.0.1:9")
+    torch.testing.assert_close(unet(loads.model, unreachable, "node-a"), stock)
+    assert materialize(uri, unreachable, v0) == str(tmp_path / "node-a" / "models" / v0)
+    # Node b has no copy, and the folder is no longer that version: it stops.
+    v1 = stored_version(uri, stored_files(uri, store))
+    with pytest.raises(RuntimeError) as e:
+        unet(loads.model, store, "node-b")
+    assert str(e.value) == (
+        f"model.pretrained: {uri}: its files changed since this run's plan listed them "
+        f"(version {v0}, now {v1}: uploaded again?) and this node has no copy of the version "
+        "the other workers train; run again to train on the new files")
+    assert not os.path.exists(tmp_path / "node-b" / "models" / v0)
+    # The next run's plan trains the new upload, on both nodes.
+    second = plan(cfg, heldout=False)
+    assert second.model_commit == v1 != v0
+    for node in ("node-a", "node-b"):
+        torch.testing.assert_close(unet(cfg.at_commit(v1).model, store, node), stock + 1)
+    # The version is not in the latent cache's key: a new UNet leaves it (it hashes the
+    # encoders' files), and changes the class images' (every file is hashed).
+    after = keys(cfg.at_commit(v1))
+    assert after[0] == before[0] and after[1] != before[1]
+    # A folder has no revisions to choose: model.revision is refused, not ignored.
+    with pytest.raises(ConfigError) as e:
+        plan(cfg.at_commit("v1"), heldout=False)
+    assert (f"model.revision: v1: model.pretrained {uri} is a folder, not a hub repo; only a "
+            "hub model has revisions") in str(e.value)
 
 
 def test_the_estimate_of_a_model_in_the_bucket_is_the_folders_and_leaves_no_copy(

@@ -104,6 +104,13 @@ def _sources_table(sources: list[dict]) -> str:
     return f"\n| source | rows | rows per epoch | share |\n|---|---|---|---|\n{rows}"
 
 
+def _commit_label(cfg: RayLoraConfig) -> str:
+    """The card's name for ``model_commit``: a hub commit, or a stored folder's version."""
+    from raylora.model.load import is_hub_id
+
+    return "commit" if is_hub_id(cfg.model.pretrained) else "version (its files as listed)"
+
+
 def _workers(s) -> str:
     """``4``, or an elastic run's ``1-4``."""
     return f"{s.min_workers}-{s.max_workers}" if s.elastic else str(s.num_workers)
@@ -196,7 +203,7 @@ precision `{t.mixed_precision}`).
 
 | | |
 |---|---|
-{f"| base model commit | {data['model_commit']} |{chr(10)}" if data.get("model_commit") else ""}| adapter variant | {lo.variant}{f" (factor {lo.factor}, decompose_both {lo.decompose_both})" if lo.variant == "lokr" else ""} |
+{f"| base model {_commit_label(cfg)} | {data['model_commit']} |{chr(10)}" if data.get("model_commit") else ""}| adapter variant | {lo.variant}{f" (factor {lo.factor}, decompose_both {lo.decompose_both})" if lo.variant == "lokr" else ""} |
 | LoRA rank / alpha / dropout | {lo.rank} / {lo.effective_alpha:g} / {lo.dropout:g} |
 {f"| started from (lora.init_from) | {data.get('init_from') or lo.init_from} |{chr(10)}" if lo.init_from else ""}| target modules | {", ".join(targets)} |
 | learning rate (scale_lr) | {t.learning_rate:g} ({t.scale_lr}) |
@@ -267,7 +274,8 @@ def run_data(cfg: RayLoraConfig, plan: dict, store: Storage) -> dict:
         "pipeline": family.pipeline,
         "adapter_variant": cfg.lora.variant,
         "objective": plan.get("objective"),
-        # A hub model: the commit every worker loaded (model.revision resolved by the plan).
+        # A hub model: the commit every worker loaded (model.revision resolved by the plan);
+        # a folder in object storage: the version of its files they downloaded.
         **({"model_commit": plan["model_commit"]} if plan.get("model_commit") else {}),
         # lora.init_from on the hub: the commit every worker started from (hf://...@commit).
         **({"init_from": pinned} if (pinned := (plan.get("pins") or {}).get(cfg.lora.init_from))

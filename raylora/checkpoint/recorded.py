@@ -20,13 +20,15 @@ SNAPSHOT = "checkpoint_manager_snapshot.json"
 # Recorded settings a rerun may change with a warning: the same base model moved (a
 # bucket copied to another, a local mirror) is a legitimate resume a refusal would block
 # for good; another base model of the same family loads too, and is what the warning names.
-# model.revision: a hub model's commit (the run's pin, raylora.launch.Plan.model_commit):
-# the repo pushed to since the checkpoint; resuming on the new weights may be meant.
+# model.revision: a hub model's commit or a stored folder's version (the run's pin,
+# raylora.launch.Plan.model_commit): the repo pushed to, or the folder uploaded again,
+# since the checkpoint; resuming on the new weights may be meant.
 NOTED = {
     "model.pretrained": "right if it is the same model moved; otherwise give this run its "
                         "own output.uri",
-    "model.revision": "on this run's commit: the repo moved since; set model.revision to "
-                      "the checkpoint's to resume on the weights it trained with",
+    "model.revision": "on the model as it is now: it changed since the checkpoint (a hub "
+                      "repo: set model.revision to the checkpoint's commit to resume on the "
+                      "weights it trained with)",
 }
 
 

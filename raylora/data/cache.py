@@ -75,7 +75,7 @@ class EncodeStage:
         from raylora.model.load import load_text_encoders, load_vae, materialize, read_index
         from raylora.config import ModelSection
 
-        path = materialize(model_path, Storage(endpoint_url, region))
+        path = materialize(model_path, Storage(endpoint_url, region), revision)
         index = read_index(ModelSection(pretrained=path, revision=revision), path)
         weight_dtype = getattr(torch, dtype)
         self.family = families.get(family)
@@ -169,6 +169,15 @@ def cache_root(cfg: RayLoraConfig) -> str:
     return cfg.data.cache_uri or storage.join(cfg.output.uri, "cache")
 
 
+def _revision(cfg: RayLoraConfig, model_path: str) -> str | None:
+    """A hub model's pinned commit. A stored folder's pinned version (``at_commit``) is
+    left out: it changes with any file (a new UNet), and the encoders' own files are
+    hashed below."""
+    from raylora.model.load import is_hub_id
+
+    return cfg.model.revision if is_hub_id(model_path) else None
+
+
 def fingerprint(cfg: RayLoraConfig, family: str, model_path: str, data: DataPlan,
                 store: Storage) -> str:
     """sha256 over everything that changes what the encoders produce."""
@@ -178,7 +187,7 @@ def fingerprint(cfg: RayLoraConfig, family: str, model_path: str, data: DataPlan
     d = cfg.data
     h = hashlib.sha256()
     h.update(json.dumps({
-        "version": CACHE_VERSION, "model": model_path, "revision": cfg.model.revision,
+        "version": CACHE_VERSION, "model": model_path, "revision": _revision(cfg, model_path),
         "variant": cfg.model.variant, "family": family, "dtype": _dtype_name(cfg),
         "resolution": d.resolution, "center_crop": d.center_crop, "random_flip": d.random_flip,
         "image_column": d.image_column, "caption_column": d.caption_column,

@@ -111,7 +111,9 @@ def generation_key(cfg: RayLoraConfig, family: str, model_path: str, count: int,
     g, h = cfg.data.class_generation, hashlib.sha256()
     q = cfg.model.quantize_text_encoders
     h.update(json.dumps({
-        "version": GEN_VERSION, "model": model_path, "revision": cfg.model.revision,
+        # A stored folder's pinned version is left out: its files are hashed below.
+        "version": GEN_VERSION, "model": model_path,
+        "revision": cfg.model.revision if is_hub_id(model_path) else None,
         "variant": cfg.model.variant, "family": family, "prompt": cfg.data.class_prompt,
         "count": count, "seed": g.seed, "resolution": cfg.data.max_resolution(),
         "steps": g.num_inference_steps,
@@ -248,7 +250,7 @@ class GenerateStage:
         if "safety_checker" in fam.pipeline_class()._optional_components:
             extra = {"safety_checker": None, "requires_safety_checker": False}
         quiet.diffusers_bars_off()
-        path = materialize(model_path, self.store)
+        path = materialize(model_path, self.store, (model or {}).get("revision"))
         section = ModelSection(**{**(model or {}), "pretrained": path})
         self.pipe = load_pipeline_as_trained(path, fam, dtype, read_index(section, path), section,
                                              self.device, **extra).to(self.device)

@@ -84,10 +84,12 @@ def check_model(path: str, store: Storage, revision: str | None = None,
     each component that has weights.
 
     Returns ``{"index": model_index.json, "family": Family, "vae_factor": int,
-    "scheduler_config": dict, "commit": str | None}`` (``commit``: the hub commit read,
-    None for a folder); raises FileNotFoundError (or ValueError for an unsupported
-    pipeline, PermissionError for a gated repo) naming the path, ``hub.Unreachable`` when
-    a hub repo can be read neither from the hub nor from this machine's cache.
+    "scheduler_config": dict, "commit": str | None}`` (``commit``: the hub commit read; for
+    a folder in object storage the version of its files listed (``stored_version``), which
+    ``RayLoraConfig.at_commit`` pins as a hub commit is; None for a local folder); raises
+    FileNotFoundError (or ValueError for an unsupported pipeline, PermissionError for a
+    gated repo) naming the path, ``hub.Unreachable`` when a hub repo can be read neither
+    from the hub nor from this machine's cache.
     """
     if is_hub_id(path):
         from raylora.model import hub
@@ -102,12 +104,15 @@ def check_model(path: str, store: Storage, revision: str | None = None,
         info = store.info(path)
         if info.type.name == "NotFound":
             raise FileNotFoundError(f"model.pretrained: {path}: no such directory")
-        files = {f[len(path.rstrip("/")) + 1 :] for f in store.list_files(path)}
+        found = stored_files(path, store)
+        files = set(found)
 
         def read(name: str) -> dict:
             return json.loads(store.read_bytes(storage.join(path, name)))
 
         what, repo = "folder", None
+        # In object storage: the version of its files the run trains (materialize).
+        version = None if storage.is_local(path) else stored_version(path, found)
     if files is not None and "model_index.json" not in files:
         raise FileNotFoundError(
             f"model.pretrained: {path}: not a diffusers {what} (no model_index.json)"
@@ -130,7 +135,7 @@ def check_model(path: str, store: Storage, revision: str | None = None,
     vae = read("vae/config.json")
     scheduler = read("scheduler/scheduler_config.json")
     return {"index": index, "family": family, "vae_factor": family.vae_factor(vae),
-            "scheduler_config": scheduler, "commit": repo and repo.commit}
+            "scheduler_config": scheduler, "commit": repo.commit if repo else version}
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -157,11 +162,15 @@ def cache_root() -> str:
     return os.environ.get("RAYLORA_CACHE") or os.path.expanduser("~/.cache/raylora")
 
 
-def materialize(path: str, store: Storage) -> str:
+def materialize(path: str, store: Storage, version: str | None = None) -> str:
     """A local path for ``path``: local folders and hub ids unchanged; a storage URI is
-    downloaded once per node into the cache, per version of the folder: its files' names,
-    sizes and modification times (one listing per call), so a model uploaded again under
-    the same URI is downloaded again, not trained on from the node's old copy.
+    downloaded once per node into the cache, per version of the folder (``stored_version``:
+    its files' names, sizes and modification times), so a model uploaded again under the
+    same URI is downloaded again, not trained on from the node's old copy.
+
+    ``version``: the one the run's plan listed (``model.revision`` as ``at_commit`` pinned
+    it). A node with a copy of it reads nothing from the store; a node without one gets
+    the folder only if it is still that version, so two nodes never train on two uploads.
 
     Every process on the node (training workers, preprocess tasks) calls this; an
     exclusive file lock lets one download while the others wait, and a ``.complete``
@@ -170,11 +179,18 @@ def materialize(path: str, store: Storage) -> str:
     """
     if storage.is_local(path) or is_hub_id(path):
         return path
-    listing = _listing(path, store)
-    if listing == "[]":
+    if version and os.path.exists(os.path.join(_node_copy(version), ".complete")):
+        return _node_copy(version)
+    found = stored_files(path, store)
+    if not found:
         raise FileNotFoundError(f"model.pretrained: {path}: no files there")
-    digest = hashlib.sha256(f"{path}\n{listing}".encode()).hexdigest()[:16]
-    dest = os.path.join(cache_root(), "models", digest)
+    listed = stored_version(path, found)
+    if version and listed != version:
+        raise RuntimeError(
+            f"model.pretrained: {path}: its files changed since this run's plan listed them "
+            f"(version {version}, now {listed}: uploaded again?) and this node has no copy of "
+            "the version the other workers train; run again to train on the new files")
+    dest = _node_copy(listed)
     done = os.path.join(dest, ".complete")
     if os.path.exists(done):
         return dest
@@ -186,7 +202,7 @@ def materialize(path: str, store: Storage) -> str:
                 tmp = f"{dest}.partial-{os.getpid()}"
                 shutil.rmtree(tmp, ignore_errors=True)
                 store.download_dir(path, tmp)
-                if _listing(path, store) != listing:
+                if stored_version(path, stored_files(path, store)) != listed:
                     shutil.rmtree(tmp, ignore_errors=True)
                     raise RuntimeError(f"model.pretrained: {path}: its files changed while this "
                                        "node downloaded them; run again once the upload is done")
@@ -199,14 +215,24 @@ def materialize(path: str, store: Storage) -> str:
     return dest
 
 
-def _listing(path: str, store: Storage) -> str:
-    """The folder's version as ``materialize`` keys it: each file's name, size and
-    modification time (an object store's last-modified), one listing."""
+def _node_copy(version: str) -> str:
+    return os.path.join(cache_root(), "models", version)
+
+
+def stored_files(path: str, store: Storage) -> dict[str, Any]:
+    """Relative name → ``FileInfo`` of a folder in storage, one listing ({} if empty)."""
     try:
-        found = storage.listed_files(*store.fs(path))
+        return storage.listed_files(*store.fs(path))
     except FileNotFoundError:  # an S3 prefix without objects, despite allow_not_found
-        found = {}
-    return json.dumps(sorted((name, i.size, i.mtime_ns) for name, i in found.items()))
+        return {}
+
+
+def stored_version(path: str, found: dict[str, Any]) -> str:
+    """A stored folder's version: a digest of its URI and each file's name, size and
+    modification time (an object store's last-modified), from ``stored_files``. The plan
+    records it (``Plan.model_commit``) and each node's copy is named by it."""
+    listing = json.dumps(sorted((name, i.size, i.mtime_ns) for name, i in found.items()))
+    return hashlib.sha256(f"{path}\n{listing}".encode()).hexdigest()[:16]
 
 
 def read_index(model: ModelSection, path: str) -> dict | None:
@@ -310,7 +336,7 @@ def load_components(
     check_supported(model.quantize, "model.quantize", device)
     # With cached latents too: previews load the text encoders so (load_encoders).
     check_supported(model.quantize_text_encoders, "model.quantize_text_encoders", device)
-    path = materialize(resolve_model_path(model), store or Storage())
+    path = materialize(resolve_model_path(model), store or Storage(), model.revision)
     index = read_index(model, path)
     if index is None:
         raise FileNotFoundError(f"model.pretrained: {model.pretrained}: no model_index.json")

@@ -507,6 +507,53 @@ def test_a_model_uploaded_again_under_its_uri_is_downloaded_again(s3, tiny_model
         materialize(f"s3://{BUCKET}/models/none", store)
 
 
+def test_a_nodes_copy_of_an_older_version_is_removed_once_no_process_reads_it(
+        s3, tiny_model, tmp_path, monkeypatch, caplog):
+    """Each upload of a model under its URI left another full copy on every node that
+    trained it (tens of GB for Flux), for good. A process that loads a copy holds it in use
+    (a shared lock until it exits); a download removes the node's copies of the URI's other
+    versions that no process holds, and leaves other models' copies alone."""
+    import logging
+    import subprocess
+    import sys
+
+    from raylora.model.load import materialize
+    from raylora.storage import Storage
+
+    uri, other = f"s3://{BUCKET}/models/replaced", f"s3://{BUCKET}/models/untouched"
+    for u in (uri, other):
+        Storage().upload_dir(tiny_model, u)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("RAYLORA_CACHE", str(cache))
+    # A run's process on this node reading version 0 (and another model) until it exits.
+    reader = subprocess.Popen(
+        [sys.executable, "-c", "import sys\nfrom raylora.model.load import materialize\n"
+         "from raylora.storage import Storage\n"
+         "for u in sys.argv[1:]: print(materialize(u, Storage()), flush=True)\nsys.stdin.read()",
+         uri, other], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    v0, kept = reader.stdout.readline().strip(), reader.stdout.readline().strip()
+    assert os.path.exists(f"{v0}/.complete") and os.path.exists(f"{kept}/.complete")
+
+    def copies() -> list[str]:
+        return sorted(os.listdir(cache / "models"))
+
+    _upload_unet(s3, tiny_model, tmp_path, "models/replaced", 1)
+    v1 = materialize(uri, Storage())  # this process now reads version 1
+    assert os.path.exists(f"{v0}/.complete")  # the reader still reads it
+    reader.stdin.close()
+    assert reader.wait(timeout=60) == 0
+    _upload_unet(s3, tiny_model, tmp_path, "models/replaced", 2)
+    with caplog.at_level(logging.INFO, logger="raylora"):
+        v2 = materialize(uri, Storage())
+    name = os.path.basename
+    # Version 0 is gone, lock files and all; version 1 (held here) and the other model stay.
+    assert copies() == sorted(f"{name(c)}{s}" for c in (v1, v2, kept) for s in ("", ".inuse", ".lock"))
+    assert [r.getMessage() for r in caplog.records if "removed" in r.getMessage()] == [
+        f"model.pretrained: {uri}: removed this node's copy of an older version ({name(v0)}), "
+        "which no process here reads"]
+    assert all(os.path.exists(f"{c}/.complete") for c in (v1, v2, kept))
+
+
 def test_every_node_loads_the_version_of_a_stored_model_its_plan_listed(
         s3, tiny_model, demo_data, tmp_path, monkeypatch, caplog):
     """A node's copy was per version, but not the run's: two nodes that downloaded

@@ -6,9 +6,11 @@ local diffusers folder, so the tiny test model exercises what users run.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -21,6 +23,8 @@ from raylora.config import ModelSection
 from raylora.model import families
 from raylora.model.families.base import Family, import_class
 from raylora.storage import Storage
+
+log = logging.getLogger("raylora")
 
 @dataclass
 class Components:
@@ -179,7 +183,7 @@ def materialize(path: str, store: Storage, version: str | None = None) -> str:
     """
     if storage.is_local(path) or is_hub_id(path):
         return path
-    if version and os.path.exists(os.path.join(_node_copy(version), ".complete")):
+    if version and _use(_node_copy(version)):
         return _node_copy(version)
     found = stored_files(path, store)
     if not found:
@@ -191,9 +195,9 @@ def materialize(path: str, store: Storage, version: str | None = None) -> str:
             f"(version {version}, now {listed}: uploaded again?) and this node has no copy of "
             "the version the other workers train; run again to train on the new files")
     dest = _node_copy(listed)
-    done = os.path.join(dest, ".complete")
-    if os.path.exists(done):
+    if _use(dest):
         return dest
+    done = os.path.join(dest, ".complete")
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     with open(dest + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -212,7 +216,57 @@ def materialize(path: str, store: Storage, version: str | None = None) -> str:
                     f.write(path)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+    _use(dest)
+    _remove_unused_versions(path, dest)
     return dest
+
+
+# The node copies this process reads, each with a shared lock on its ``.inuse`` file held
+# until the process exits: what tells ``_remove_unused_versions`` to leave a copy alone.
+_IN_USE: dict[str, Any] = {}
+
+
+def _use(dest: str) -> bool:
+    """Whether the node copy ``dest`` is complete; if so, this process holds it in use."""
+    done = os.path.join(dest, ".complete")
+    if dest in _IN_USE or not os.path.exists(done):
+        return dest in _IN_USE
+    held = open(dest + ".inuse", "a")
+    fcntl.flock(held, fcntl.LOCK_SH)
+    if not os.path.exists(done):  # removed as an unused old version before the lock came
+        held.close()
+        return False
+    _IN_USE[dest] = held
+    return True
+
+
+def _remove_unused_versions(path: str, keep: str) -> None:
+    """Delete this node's copies of other versions of ``path`` that no process holds in
+    use: a model uploaded again leaves its old copy (tens of GB for Flux) only while a run
+    still reads it. The ``.complete`` marker goes first, so no process takes a half-deleted
+    copy for whole (``_use`` checks it again under its lock)."""
+    import glob
+
+    for done in glob.glob(os.path.join(cache_root(), "models", "*", ".complete")):
+        copy = os.path.dirname(done)
+        try:
+            with open(done) as f:
+                if copy == keep or f.read() != path:
+                    continue
+        except OSError:
+            continue
+        with open(copy + ".inuse", "a") as held:
+            try:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a run on this node still reads it
+            os.remove(done)
+            shutil.rmtree(copy, ignore_errors=True)
+            for lock in (copy + ".lock", copy + ".inuse"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(lock)
+        log.info("model.pretrained: %s: removed this node's copy of an older version (%s), "
+                 "which no process here reads", path, os.path.basename(copy))
 
 
 def _node_copy(version: str) -> str:

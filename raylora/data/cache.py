@@ -169,10 +169,10 @@ def cache_root(cfg: RayLoraConfig) -> str:
     return cfg.data.cache_uri or storage.join(cfg.output.uri, "cache")
 
 
-def _revision(cfg: RayLoraConfig, model_path: str) -> str | None:
-    """A hub model's pinned commit. A stored folder's pinned version (``at_commit``) is
-    left out: it changes with any file (a new UNet), and the encoders' own files are
-    hashed below."""
+def hub_revision(cfg: RayLoraConfig, model_path: str) -> str | None:
+    """A hub model's pinned commit, for the keys of what its encoders or pipeline made. A
+    stored folder's pinned version (``at_commit``) is left out: it changes with any file
+    (a new UNet), and the keys hash the files that matter themselves."""
     from raylora.model.load import is_hub_id
 
     return cfg.model.revision if is_hub_id(model_path) else None
@@ -187,7 +187,7 @@ def fingerprint(cfg: RayLoraConfig, family: str, model_path: str, data: DataPlan
     d = cfg.data
     h = hashlib.sha256()
     h.update(json.dumps({
-        "version": CACHE_VERSION, "model": model_path, "revision": _revision(cfg, model_path),
+        "version": CACHE_VERSION, "model": model_path, "revision": hub_revision(cfg, model_path),
         "variant": cfg.model.variant, "family": family, "dtype": _dtype_name(cfg),
         "resolution": d.resolution, "center_crop": d.center_crop, "random_flip": d.random_flip,
         "image_column": d.image_column, "caption_column": d.caption_column,

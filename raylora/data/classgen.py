@@ -106,14 +106,13 @@ def generation_key(cfg: RayLoraConfig, family: str, model_path: str, count: int,
                    store: Storage) -> str:
     """The generated folder's name: a hash of everything that changes its images."""
     from raylora.checkpoint.export import data_fingerprint
+    from raylora.data.cache import hub_revision
     from raylora.model.load import is_hub_id
 
     g, h = cfg.data.class_generation, hashlib.sha256()
     q = cfg.model.quantize_text_encoders
     h.update(json.dumps({
-        # A stored folder's pinned version is left out: its files are hashed below.
-        "version": GEN_VERSION, "model": model_path,
-        "revision": cfg.model.revision if is_hub_id(model_path) else None,
+        "version": GEN_VERSION, "model": model_path, "revision": hub_revision(cfg, model_path),
         "variant": cfg.model.variant, "family": family, "prompt": cfg.data.class_prompt,
         "count": count, "seed": g.seed, "resolution": cfg.data.max_resolution(),
         "steps": g.num_inference_steps,

@@ -17,7 +17,9 @@ import logging
 import os
 import re
 import shutil
+import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -74,6 +76,9 @@ def join(uri: str, *parts: str) -> str:
 
 # Attempts the AWS SDK makes at one request (the first and its retries).
 S3_ATTEMPTS = 6
+# Storage.download_dir: bytes per ranged read, and reads in flight (their buffers: 512 MiB).
+DOWNLOAD_PART = 32 * 2**20
+DOWNLOAD_THREADS = 16
 
 
 class RetryingS3(pafs.S3FileSystem):
@@ -303,9 +308,61 @@ class Storage:
         complete_upload(local_dir, fs, path, what=uri, sizes=not growing)
 
     def download_dir(self, uri: str, local_dir: str) -> None:
+        """Copy every file under ``uri`` into ``local_dir`` (created), in parts of
+        ``DOWNLOAD_PART`` bytes read concurrently (``DOWNLOAD_THREADS``).
+
+        Why not ``pyarrow.fs.copy_files``: it reads each file as one stream of 1 MiB
+        ranged GETs, one after another, so a 10 GB weights shard costs 10,000 requests in a
+        row, each waiting for its first byte (tens of ms against S3): a DiT's 20-60 GB took
+        minutes per node. Here a shard is a few hundred 32 MiB GETs, 16 in flight."""
         fs, path = self.fs(uri)
+        found = listed_files(fs, path)
+        if not found:
+            raise FileNotFoundError(f"{uri}: no files there")
         os.makedirs(local_dir, exist_ok=True)
-        pafs.copy_files(path, local_dir, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+        parts, files = [], {}
+        for name, info in found.items():
+            dest = os.path.join(local_dir, name)
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            with open(dest, "wb") as f:
+                f.truncate(info.size)
+            files[name] = dest
+            parts += [(name, offset) for offset in range(0, info.size, DOWNLOAD_PART)]
+        # One handle per file, shared by its parts: each ReadAt is its own ranged GET.
+        with contextlib.ExitStack() as stack:
+            handles = {name: stack.enter_context(fs.open_input_file(found[name].path))
+                       for name in {n for n, _ in parts}}
+
+            def fetch(part: tuple[str, int]) -> None:
+                name, offset = part
+                want = min(DOWNLOAD_PART, found[name].size - offset)
+                for attempt in range(S3_ATTEMPTS):
+                    try:
+                        data = handles[name].read_at(want, offset)
+                        break
+                    except OSError:
+                        # A 503 SlowDown's XML is longer than a small range's buffer: the
+                        # SDK fails it as a stream error ("Failed to flush response
+                        # stream") and does not retry it, so a throttled store broke
+                        # small files (copy_files too). Retried here, with backoff.
+                        if attempt == S3_ATTEMPTS - 1:
+                            raise
+                        time.sleep(0.05 * 2**attempt)
+                if len(data) != want:  # the object shrank since it was listed
+                    raise OSError(f"{to_uri(uri, found[name].path)}: {len(data)} bytes at "
+                                  f"{offset}, expected {want}: changed while downloading")
+                fd = os.open(files[name], os.O_WRONLY)
+                try:
+                    os.pwrite(fd, data, offset)
+                finally:
+                    os.close(fd)
+
+            pool = ThreadPoolExecutor(DOWNLOAD_THREADS)
+            try:
+                for _ in pool.map(fetch, parts):
+                    pass
+            finally:  # a failed part: the parts not started yet are not fetched for nothing
+                pool.shutdown(cancel_futures=True)
 
     def delete_dir(self, uri: str) -> None:
         fs, path = self.fs(uri)

@@ -183,8 +183,8 @@ def materialize(path: str, store: Storage, version: str | None = None) -> str:
     """
     if storage.is_local(path) or is_hub_id(path):
         return path
-    if version and _use(_node_copy(version)):
-        return _node_copy(version)
+    if version and _use(pinned := _node_copy(version)):
+        return pinned
     found = stored_files(path, store)
     if not found:
         raise FileNotFoundError(f"model.pretrained: {path}: no files there")
@@ -228,9 +228,11 @@ _IN_USE: dict[str, Any] = {}
 
 def _use(dest: str) -> bool:
     """Whether the node copy ``dest`` is complete; if so, this process holds it in use."""
+    if dest in _IN_USE:
+        return True
     done = os.path.join(dest, ".complete")
-    if dest in _IN_USE or not os.path.exists(done):
-        return dest in _IN_USE
+    if not os.path.exists(done):
+        return False
     held = open(dest + ".inuse", "a")
     fcntl.flock(held, fcntl.LOCK_SH)
     if not os.path.exists(done):  # removed as an unused old version before the lock came

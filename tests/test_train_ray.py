@@ -26,22 +26,21 @@ def first_run(ray_local, tiny_model, demo_data, tmp_path_factory):
         "checkpoint": {"every_n_steps": 2, "num_to_keep": 2},
         "output": {"uri": str(out)},
     }
-    before = {a.actor_id for a in _raylora_actors()}
+    before = {a.actor_id for a in _actors()}
     summary = run(validate(tree))
-    _STARTED["first_run"] = [a for a in _raylora_actors() if a.actor_id not in before]
+    _STARTED["first_run"] = [a for a in _actors() if a.actor_id not in before]
     return tree, summary
 
 
-_STARTED: dict[str, list] = {}  # the raylora actors a fixture's run started
+_STARTED: dict[str, list] = {}  # the actors a fixture's run started, Ray Train's too
 
 
-def _raylora_actors() -> list:
-    """The actors raylora started in its namespace on this cluster, dead ones too."""
+def _actors() -> list:
+    """The actors on this cluster, dead ones too."""
     import ray
     from ray.util.state import list_actors
 
-    return list_actors(address=ray.get_runtime_context().gcs_address, detail=True,
-                       filters=[("ray_namespace", "=", "raylora")])
+    return list_actors(address=ray.get_runtime_context().gcs_address, detail=True, limit=10_000)
 
 
 def test_two_ddp_workers_train_and_stay_in_sync(first_run):
@@ -49,7 +48,7 @@ def test_two_ddp_workers_train_and_stay_in_sync(first_run):
     # One driver-side actor per run (raylora.desk), on the driver's node, gone after it.
     import ray
 
-    desks = _STARTED["first_run"]
+    desks = [a for a in _STARTED["first_run"] if a.ray_namespace == "raylora"]
     assert [(a.class_name, a.state) for a in desks] == [("Desk", "DEAD")], desks
     assert desks[0].name.startswith("raylora-run-")
     assert desks[0].node_id == ray.get_runtime_context().get_node_id()
@@ -60,6 +59,15 @@ def test_two_ddp_workers_train_and_stay_in_sync(first_run):
     assert m["replicas_in_sync"] is True
     assert m["train_loss_first"] > 0 and m["train_loss_last"] > 0
     assert m["resumed_from_step"] is None
+
+
+def test_an_embedded_ray_runs_no_preemption_watcher(first_run):
+    """No node of a Ray this process started can be preempted: the run started Ray Train's
+    controller, workers and placement-group cleaner, and no PreemptionWatcher."""
+    started = sorted(a.class_name for a in _STARTED["first_run"])
+    assert {"TrainController", "RayTrainWorker", "PlacementGroupCleaner"} <= set(started), started
+    assert started.count("RayTrainWorker") == 2
+    assert "PreemptionWatcher" not in started, started
 
 
 def test_export_layout_and_metadata(first_run):

@@ -21,9 +21,12 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable, TypeVar
 from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
+
+T = TypeVar("T")
 
 # Read by the AWS SDK in every process; forwarded to Ray workers through runtime_env when
 # joining a cluster that was started without them. Never logged or written anywhere.
@@ -103,6 +106,30 @@ class RetryingS3(pafs.S3FileSystem):
 
 def _retrying_s3(kwargs: dict) -> RetryingS3:
     return RetryingS3(**kwargs)
+
+
+# A failed read worth another try: the patterns Ray Data retries its own reads on
+# (DataContext.retried_io_errors), and a plain 503.
+TRANSIENT_READ_ERRORS = ("AWS Error INTERNAL_FAILURE", "AWS Error NETWORK_CONNECTION",
+                         "AWS Error SLOW_DOWN", "AWS Error SERVICE_UNAVAILABLE", "(HTTP status 503)")
+
+
+def retried_read(read: Callable[[], T]) -> T:
+    """``read()``, tried again with backoff (S3_ATTEMPTS in all) when it fails as a
+    throttled or dropped request does; a missing key or a refusal fails at once.
+
+    Why the SDK's own retries are not enough: a 503 SlowDown to a GET of fewer bytes than
+    the error's XML (a caption file, a small JSON, a download's last part) overflows the
+    range's buffer, and the SDK fails it as ``INTERNAL_FAILURE ... Failed to flush response
+    stream`` without retrying it: one throttled caption failed its read task."""
+    for attempt in range(S3_ATTEMPTS):
+        try:
+            return read()
+        except OSError as exc:
+            if (attempt == S3_ATTEMPTS - 1 or isinstance(exc, FileNotFoundError)
+                    or not any(p in str(exc) for p in TRANSIENT_READ_ERRORS)):
+                raise
+            time.sleep(0.05 * 2**attempt)
 
 
 def _s3(endpoint_url: str | None, region: str | None) -> pafs.S3FileSystem:
@@ -244,8 +271,12 @@ class Storage:
 
     def read_bytes(self, uri: str) -> bytes:
         fs, path = self.fs(uri)
-        with fs.open_input_stream(path) as f:
-            return f.read()
+
+        def read() -> bytes:
+            with fs.open_input_stream(path) as f:
+                return f.read()
+
+        return read() if is_local(uri) else retried_read(read)
 
     def write_bytes(self, uri: str, data: bytes) -> None:
         """``data`` at ``uri``, all or nothing: readers see the old file or the new one,
@@ -336,18 +367,8 @@ class Storage:
             def fetch(part: tuple[str, int]) -> None:
                 name, offset = part
                 want = min(DOWNLOAD_PART, found[name].size - offset)
-                for attempt in range(S3_ATTEMPTS):
-                    try:
-                        data = handles[name].read_at(want, offset)
-                        break
-                    except OSError:
-                        # A 503 SlowDown's XML is longer than a small range's buffer: the
-                        # SDK fails it as a stream error ("Failed to flush response
-                        # stream") and does not retry it, so a throttled store broke
-                        # small files (copy_files too). Retried here, with backoff.
-                        if attempt == S3_ATTEMPTS - 1:
-                            raise
-                        time.sleep(0.05 * 2**attempt)
+                # copy_files failed small files of a throttled store so (retried_read).
+                data = retried_read(lambda: handles[name].read_at(want, offset))
                 if len(data) != want:  # the object shrank since it was listed
                     raise OSError(f"{to_uri(uri, found[name].path)}: {len(data)} bytes at "
                                   f"{offset}, expected {want}: changed while downloading")

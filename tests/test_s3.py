@@ -173,7 +173,12 @@ def test_shard_builder_parquet_from_txt_captions(s3, ray_s3, tmp_path):
 def test_caption_folder_with_kohya_repeats_from_s3(s3, ray_s3, tmp_path):
     """A caption folder in the bucket: captions read beside the images, the image without
     one in 10_mychar takes its class tokens (a missing object, not an error), and one
-    epoch of the Ray read stage reads each image as often as its folder says."""
+    epoch of the Ray read stage reads each image as often as its folder says, through a
+    store that throttles caption reads with 503 SlowDown, which the AWS SDK does not retry
+    on an object smaller than the error (storage.retried_read)."""
+    import threading
+
+    from faultproxy import FaultProxy
     from test_formats import KOHYA, write_kohya
 
     from raylora.config import DataSection
@@ -185,9 +190,26 @@ def test_caption_folder_with_kohya_repeats_from_s3(s3, ray_s3, tmp_path):
     data = DataSection(uri=f"s3://{BUCKET}/data/kohya")
     plan = plan_data(data, Storage())
     assert (plan.format, plan.rows, plan.sources[0].rows) == ("captionfolder", 33, 6)
-    texts = [r["text"] for r in get_format(plan.format).iter_rows(data, plan.files, Storage())]
-    assert texts == ["mychar smiling", "mychar, red hair", "mychar", "a cat", "a dog", "a bird"]
-    rows = _read_passes(data, plan, Storage(), seed=0, passes=range(2), shuffle=True).take_all()
+    gets, lock = Counter(), threading.Lock()
+
+    def throttle(method: str, path: str, body: bytes) -> bool:
+        if method != "GET" or not path.endswith(".txt"):
+            return False
+        with lock:
+            gets[path] += 1
+            # One reader: each read gets 503, 503, then its bytes. The read stage's
+            # tasks read a caption side by side: only the first GET of each fails there.
+            return gets[path] % 3 != 0 if one_reader else gets[path] == 1
+
+    with FaultProxy(os.environ["AWS_ENDPOINT_URL"], fail_if=throttle) as proxy:
+        store, one_reader = Storage(endpoint_url=proxy.url), True
+        texts = [r["text"] for r in get_format(plan.format).iter_rows(data, plan.files, store)]
+        assert texts == ["mychar smiling", "mychar, red hair", "mychar", "a cat", "a dog", "a bird"]
+        assert sorted(gets.values()) == [3] * 5 and proxy.failed["GET"] == 10  # 5 captions
+        gets.clear()
+        one_reader = False
+        rows = _read_passes(data, plan, store, seed=0, passes=range(2), shuffle=True).take_all()
+    assert len(gets) == 5 and proxy.failed["GET"] == 10 + 5, gets
     assert len(rows) == 2 * 33
     by_key = {}
     for r in rows:
@@ -557,6 +579,31 @@ def test_a_folder_downloads_in_parts_read_side_by_side(s3, tmp_path, monkeypatch
         assert (tmp_path / "b" / rel).read_bytes() == data, rel
     with pytest.raises(FileNotFoundError, match=f"s3://{BUCKET}/none: no files there"):
         Storage().download_dir(f"s3://{BUCKET}/none", str(tmp_path / "c"))
+
+
+def test_a_read_refused_or_missing_fails_at_once(s3):
+    """Only a throttled or dropped read is tried again (storage.retried_read): an object
+    that is not there, or a HEAD the store refuses (403), fails on its first request."""
+    from faultproxy import FaultProxy
+
+    from raylora.storage import Storage
+
+    s3.put_object(Bucket=BUCKET, Key="refused/config.json", Body=b'{"a": 1}')
+    seen = Counter()
+
+    def refuse(method: str, path: str, body: bytes):
+        seen[method, path.split("?")[0].removeprefix(f"/{BUCKET}/")] += 1
+        return 403 if path.endswith("refused/config.json") else False
+
+    with FaultProxy(os.environ["AWS_ENDPOINT_URL"], fail_if=refuse) as proxy:
+        store = Storage(endpoint_url=proxy.url)
+        with pytest.raises(OSError, match="ACCESS_DENIED") as refused:
+            store.read_bytes(f"s3://{BUCKET}/refused/config.json")
+        with pytest.raises(FileNotFoundError):
+            store.read_bytes(f"s3://{BUCKET}/refused/none.json")
+    assert not isinstance(refused.value, FileNotFoundError)
+    assert seen == {("HEAD", "refused/config.json"): 1, ("HEAD", "refused/none.json"): 1}
+    assert Storage().read_bytes(f"s3://{BUCKET}/refused/config.json") == b'{"a": 1}'
 
 
 def test_a_nodes_copy_of_an_older_version_is_removed_once_no_process_reads_it(

@@ -279,9 +279,75 @@ def test_a_run_started_from_an_adapter_in_the_bucket_evaluates_as_that_adapter_d
     assert then["steps"] == 2 and then["eval_loss_last"] != then["eval_loss_base"]
     meta = json.loads(s3.get_object(Bucket=BUCKET, Key="runs/init-b/adapter/raylora.json")["Body"].read())
     assert meta["config"]["lora"]["init_from"] == adapter
+    # What every worker started from: the adapter's files as the plan listed them.
+    from raylora.model import lora_init
+    from raylora.storage import Storage
+
+    pinned = f"{adapter}#version={lora_init.stored_version(adapter, lora_init.stored_files(adapter, Storage()))}"
+    assert meta["data"]["init_from"] == pinned
     card = s3.get_object(Bucket=BUCKET, Key="runs/init-b/adapter/README.md")["Body"].read().decode()
-    assert f"| started from (lora.init_from) | {adapter} |" in card
+    assert f"| started from (lora.init_from) | {pinned} |" in card
     assert f"| held-out loss: start (lora.init_from) → last (best at step) | {then['eval_loss_base']:.5f}" in card
+
+
+def test_every_worker_starts_from_the_version_of_a_stored_adapter_its_plan_listed(
+        s3, tiny_model, demo_data, tmp_path):
+    """lora.init_from in the bucket is pinned, like a hub adapter's commit, to the version
+    of its files the plan listed: a worker that finds it written again since stops saying
+    so rather than start from other weights than the others; a new plan pins the new one.
+    A single .safetensors file is pinned the same way."""
+    import time
+
+    import torch
+    from test_lora_init import _build, _cfg, _deltas, _random_adapter
+
+    from raylora.model import lora_init
+    from raylora.model.lora import WEIGHT_NAME
+    from raylora.storage import Storage
+    from raylora.train.setup import build_run
+
+    uri, file = f"s3://{BUCKET}/adapters/pinned", f"s3://{BUCKET}/adapters/pinned/{WEIGHT_NAME}"
+    for seed in (0, 1):
+        _random_adapter(_build(_cfg(tiny_model, demo_data, tmp_path / "a")), str(tmp_path / f"v{seed}"), seed)
+
+    def planned(init_from: str) -> str:
+        problems, loads = lora_init.checked(_cfg(tiny_model, demo_data, tmp_path / "o", init_from=init_from), Storage())
+        assert problems == []
+        return loads
+
+    def started(init_from: str, loads: str) -> dict:
+        from inproc import _fresh_accelerator
+
+        cfg = _cfg(tiny_model, demo_data, tmp_path / "b", init_from=init_from)
+        run = build_run(cfg, _fresh_accelerator(1), 2, rank=0, pins={init_from: loads})
+        return _deltas(run.accelerator.unwrap_model(run.model), "default")
+
+    Storage().upload_dir(str(tmp_path / "v0"), uri)
+    first = Storage().info(file).mtime_ns
+    loads, loads_file = planned(uri), planned(file)
+    listing = lora_init.stored_files(uri, Storage())
+    assert sorted(listing) == sorted(os.listdir(tmp_path / "v0"))
+    assert loads == f"{uri}#version={lora_init.stored_version(uri, listing)}"
+    assert loads_file == f"{file}#version={lora_init.stored_version(file, {'': Storage().info(file)})}"
+    assert loads_file.rpartition("=")[2] != loads.rpartition("=")[2]
+    v0 = started(uri, loads)
+    assert all(float(d.abs().max()) > 0 for d in v0.values())  # the adapter, not no-ops
+    while time.time_ns() // 10**9 == first // 10**9:  # a store's times count seconds
+        time.sleep(0.05)
+    Storage().upload_dir(str(tmp_path / "v1"), uri)  # written again after the plan
+    for pinned, where in ((uri, loads), (file, loads_file)):
+        with pytest.raises(RuntimeError) as exc:
+            started(pinned, where)
+        version = where.rpartition("=")[2]
+        now = lora_init.stored_version(pinned, lora_init.stored_files(pinned, Storage()))
+        assert str(exc.value) == (
+            f"lora.init_from: {pinned}: its files changed since this run's plan listed them "
+            f"(version {version}, now {now}: written again?); run again to start from the new files")
+    again = planned(uri)
+    assert again != loads
+    v1 = started(uri, again)
+    assert v1.keys() == v0.keys() and all(not torch.equal(v1[k], v0[k]) for k in v0)
+    assert started(file, planned(file)).keys() == v0.keys()
 
 
 def test_publish_replaces_the_adapter_and_removes_a_killed_publishs_staging_copy(s3, tmp_path):

@@ -277,7 +277,8 @@ def run_data(cfg: RayLoraConfig, plan: dict, store: Storage) -> dict:
         # A hub model: the commit every worker loaded (model.revision resolved by the plan);
         # a folder in object storage: the version of its files they downloaded.
         **({"model_commit": plan["model_commit"]} if plan.get("model_commit") else {}),
-        # lora.init_from on the hub: the commit every worker started from (hf://...@commit).
+        # lora.init_from on the hub: the commit every worker started from (hf://...@commit);
+        # in object storage: the version of its files they read ({uri}#version={version}).
         **({"init_from": pinned} if (pinned := (plan.get("pins") or {}).get(cfg.lora.init_from))
            else {}),
         # data.cache=latents: the entry trained from ("files"/"rows" above are its files).

@@ -32,6 +32,9 @@ from raylora.storage import Storage
 
 log = logging.getLogger("raylora.lora_init")
 
+# A stored adapter pinned to the files the plan listed: "{uri}#version={version}" (the
+# digest raylora.model.load.stored_version makes of their names, sizes and times).
+VERSION = "#version="
 SCRATCH = "raylora_init"  # the loaded adapter's name while its weights are copied over
 KEY = "lora.init_from"
 # Text-encoder layers: diffusers' component prefixes and kohya's lora_te_/lora_te1_/...
@@ -85,7 +88,8 @@ def read_header(uri: str, store: Storage) -> dict[str, list[int]]:
 def checked(cfg: RayLoraConfig, store: Storage) -> tuple[list[str], str | None]:
     """(what makes ``lora.init_from`` unusable for this run, one line each (none if
     unset); the URI the workers load: an ``hf://`` adapter at the commit read here
-    (``hub.pinned``: ``raylora.launch.Plan.pins``), anything else as written).
+    (``hub.pinned``: ``raylora.launch.Plan.pins``), one in object storage at the version
+    of its files listed here (``VERSION``), a local one as written).
     Reads the header and a peft folder's config; the layer names are matched with the
     denoiser's on the worker (``load_init``), where the model is. (A search of its rank or
     variant is refused with the config: ``raylora.config``'s tune checks.)"""
@@ -98,6 +102,8 @@ def checked(cfg: RayLoraConfig, store: Storage) -> tuple[list[str], str | None]:
             where, store = hub.fetch(uri, KEY), Storage()
             loads = hub.pinned(uri, where, KEY)
         kind, weights = locate(where, store)
+        if not storage.is_local(uri) and not uri.startswith(hub.SCHEME):
+            loads = f"{uri}{VERSION}{stored_version(uri, stored_files(uri, store))}"
         shapes = read_header(weights, store)
         out = (_peft_problems(json.loads(store.read_bytes(storage.join(where, PEFT_CONFIG))), cfg, uri)
                if kind == "peft" else _file_problems(shapes, cfg, uri))
@@ -159,27 +165,57 @@ def _value(cfg: RayLoraConfig, key: str):
     return getattr(cfg.lora, key.split(".")[1])
 
 
-def start_from(uri: str, store: Storage, family, denoiser: torch.nn.Module,
-               text_encoders: dict[str, torch.nn.Module]) -> dict[str, dict[str, int]]:
-    """``load_init`` of the adapter at ``uri``, downloaded into a temporary folder (not the
-    node's model cache, which is keyed by URI: an adapter rewritten in place, as a rerun
-    rewrites output.uri/adapter, must not be read stale)."""
-    import tempfile
-
+def stored_files(uri: str, store: Storage) -> dict:
+    """Relative name → ``FileInfo`` of an adapter in object storage: a folder's files, or
+    ``{"": info}`` for a file."""
     import pyarrow.fs as pafs
 
+    from raylora.model import load
+
+    info = store.info(uri)
+    return {"": info} if info.type == pafs.FileType.File else load.stored_files(uri, store)
+
+
+def stored_version(uri: str, found: dict) -> str:
+    """``stored_files``' version: the digest a stored model's copies are named by."""
+    from raylora.model import load
+
+    return load.stored_version(uri, found)
+
+
+def start_from(loads: str, store: Storage, family, denoiser: torch.nn.Module,
+               text_encoders: dict[str, torch.nn.Module]) -> dict[str, dict[str, int]]:
+    """``load_init`` of the adapter ``loads`` names (``checked``'s answer), downloaded into
+    a temporary folder (not the node's model cache, which is keyed by URI: an adapter
+    rewritten in place, as a rerun rewrites output.uri/adapter, must not be read stale).
+
+    One in object storage is read only while its files are the version the plan listed,
+    so no two workers start from two writes of it (FSDP shards whatever each rank loaded)."""
+    import tempfile
+
+    uri, _, version = loads.partition(VERSION)
     if uri.startswith(hub.SCHEME):  # into this node's hub cache (HF_TOKEN: forwarded)
         return load_init(uri, hub.fetch(uri, KEY), family, denoiser, text_encoders)
     if storage.is_local(uri):
         return load_init(uri, storage.local_path(uri), family, denoiser, text_encoders)
+
+    def listed(when: str) -> dict:
+        found = stored_files(uri, store)
+        if version and (now := stored_version(uri, found)) != version:
+            raise RuntimeError(
+                f"{KEY}: {uri}: its files changed {when} (version {version}, now {now}: "
+                "written again?); run again to start from the new files")
+        return found
+
     with tempfile.TemporaryDirectory(prefix="raylora-init-") as tmp:
-        if store.info(uri).type == pafs.FileType.File:
+        if "" in listed("since this run's plan listed them"):  # a file
             local = os.path.join(tmp, uri.rstrip("/").rsplit("/", 1)[-1])
             with open(local, "wb") as f:
                 f.write(store.read_bytes(uri))
         else:
             local = os.path.join(tmp, "adapter")
             store.download_dir(uri, local)
+        listed("while this worker downloaded them")
         return load_init(uri, local, family, denoiser, text_encoders)
 
 

@@ -134,7 +134,8 @@ def _attach_lora(cfg: RayLoraConfig, comps) -> tuple[list, dict, list]:
 def start_from(cfg: RayLoraConfig, comps, trained_te: dict, rank: int,
                pins: dict[str, str]) -> None:
     """``lora.init_from``: the LoRA starts as that adapter (``raylora.model.lora_init``),
-    a hub one at the commit the driver checked (``pins``)."""
+    a hub one at the commit the driver checked, one in object storage at the version of
+    its files the driver listed (``pins``)."""
     from raylora.model import lora_init
 
     uri = pins.get(cfg.lora.init_from, cfg.lora.init_from)

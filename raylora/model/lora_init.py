@@ -26,7 +26,8 @@ import torch
 
 from raylora import storage
 from raylora.config import RayLoraConfig
-from raylora.model import hub
+from raylora.model import hub, load
+from raylora.model.load import stored_version
 from raylora.model.lora import PEFT_CONFIG, PEFT_WEIGHTS, WEIGHT_NAME
 from raylora.storage import Storage
 
@@ -167,20 +168,11 @@ def _value(cfg: RayLoraConfig, key: str):
 
 def stored_files(uri: str, store: Storage) -> dict:
     """Relative name → ``FileInfo`` of an adapter in object storage: a folder's files, or
-    ``{"": info}`` for a file."""
+    ``{"": info}`` for a file; its version is ``stored_version``'s, as a stored model's."""
     import pyarrow.fs as pafs
-
-    from raylora.model import load
 
     info = store.info(uri)
     return {"": info} if info.type == pafs.FileType.File else load.stored_files(uri, store)
-
-
-def stored_version(uri: str, found: dict) -> str:
-    """``stored_files``' version: the digest a stored model's copies are named by."""
-    from raylora.model import load
-
-    return load.stored_version(uri, found)
 
 
 def start_from(loads: str, store: Storage, family, denoiser: torch.nn.Module,

@@ -311,8 +311,20 @@ def test_every_worker_starts_from_the_version_of_a_stored_adapter_its_plan_liste
         _random_adapter(_build(_cfg(tiny_model, demo_data, tmp_path / "a")), str(tmp_path / f"v{seed}"), seed)
 
     def planned(init_from: str) -> str:
-        problems, loads = lora_init.checked(_cfg(tiny_model, demo_data, tmp_path / "o", init_from=init_from), Storage())
-        assert problems == []
+        """checked() through a store that answers each object's first GET with a 503 (the
+        safetensors header's is 8 bytes: one the AWS SDK does not retry)."""
+        from faultproxy import FaultProxy
+
+        seen = Counter()
+
+        def throttle(method: str, path: str, body: bytes) -> bool:
+            seen[method, path] += 1
+            return method == "GET" and "list-type" not in path and seen[method, path] == 1
+
+        cfg = _cfg(tiny_model, demo_data, tmp_path / "o", init_from=init_from)
+        with FaultProxy(os.environ["AWS_ENDPOINT_URL"], fail_if=throttle) as proxy:
+            problems, loads = lora_init.checked(cfg, Storage(endpoint_url=proxy.url))
+        assert problems == [] and proxy.failed["GET"] >= 1
         return loads
 
     def started(init_from: str, loads: str) -> dict:

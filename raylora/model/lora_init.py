@@ -71,7 +71,12 @@ def locate(uri: str, store: Storage) -> tuple[str, str]:
 
 
 def read_header(uri: str, store: Storage) -> dict[str, list[int]]:
-    """Tensor name → shape, from a safetensors file's header (its first bytes only)."""
+    """Tensor name → shape, from a safetensors file's header (its first bytes only; read
+    again if throttled: an 8-byte GET is one the AWS SDK does not retry, retried_read)."""
+    return storage.retried_read(lambda: _header(uri, store))
+
+
+def _header(uri: str, store: Storage) -> dict[str, list[int]]:
     with store.open_input(uri) as f:
         head = f.read(8)
         if len(head) < 8:

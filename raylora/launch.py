@@ -638,6 +638,10 @@ def _job_env_vars() -> set[str]:
     return set(((json.loads(raw).get("runtime_env") or {}).get("env_vars") or {}))
 
 
+# Ray Train V2's switch for its per-run PreemptionWatcher actor (read by the controller).
+PREEMPTION_WATCHER = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+
+
 def start_local_ray(num_cpus: int) -> None:
     """An embedded local Ray with its dashboard on a free loopback port.
 
@@ -665,10 +669,6 @@ def start_local_ray(num_cpus: int) -> None:
         runtime_env["env_vars"][PREEMPTION_WATCHER] = "0"
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
              dashboard_port=port, runtime_env=runtime_env, logging_level=_ray_log_level())
-
-
-# Ray Train V2's switch for its per-run PreemptionWatcher actor (read by the controller).
-PREEMPTION_WATCHER = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 
 
 def _ray_log_level() -> int:

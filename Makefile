@@ -3,6 +3,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+LANES ?= 2
 STAMP := $(VENV)/.raylora-installed
 
 .PHONY: demo test bench install clean
@@ -48,8 +49,9 @@ demo: $(STAMP)
 	@echo "  loss curve   $(DEMO)/output/loss.png"
 	@echo "  step metrics $(DEMO)/output/metrics.jsonl"
 
+# Two pytest processes side by side (tests/lanes.py says why); LANES=1 runs one plain pytest.
 test: $(STAMP)
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	LANES=$(LANES) $(PY) tests/lanes.py $(PYTEST_ARGS)
 
 # Not part of `make test`: each script prints a table and appends it to bench/RESULTS.md.
 bench: $(STAMP)

@@ -116,10 +116,36 @@ def ray_local(_shared_ray):
     yield
 
 
-def pytest_collection_modifyitems(items):
+def pytest_addoption(parser):
+    parser.addoption(
+        "--lane", choices=("all", "ray", "free"), default="all",
+        help="ray: only the tests that start a Ray (marked integration or own_ray, or using "
+             "ray_local); free: only the others. tests/lanes.py (`make test`) runs the two "
+             "side by side.")
+
+
+def starts_ray(item) -> bool:
+    """Whether a test starts (or stops) a Ray. Checked for the free lane: a serial run of
+    the others started no raylet or gcs_server (pgrep every second)."""
+    return (item.get_closest_marker("integration") is not None
+            or item.get_closest_marker("own_ray") is not None
+            or "ray_local" in getattr(item, "fixturenames", ()))
+
+
+def pytest_collection_modifyitems(config, items):
     """The ``own_ray`` modules run after all the others (each keeps its tests in order).
     Each stops the shared Ray, and in file order the next module asking for one started
-    another (gcs_server processes of a full run, counted: 19 in file order, 13 in this)."""
+    another (gcs_server processes of a full run, counted: 19 in file order, 13 in this).
+
+    ``--lane`` keeps one side: two Rays on one machine contend for fixed ports (the
+    dashboard agent's 52365), so only one lane may start them."""
+    lane = config.getoption("lane")
+    if lane != "all":
+        keep = [item for item in items if starts_ray(item) == (lane == "ray")]
+        dropped = [item for item in items if starts_ray(item) != (lane == "ray")]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
     items.sort(key=lambda item: item.get_closest_marker("own_ray") is not None)
 
 

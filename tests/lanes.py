@@ -1,14 +1,16 @@
 """`make test`: the suite as two pytest processes side by side, one lane each.
 
 - ray: the ~105 tests that start a Ray (see ``starts_ray`` in conftest.py), in the
-  foreground, in order, as one plain ``pytest tests`` would run them. Only one lane starts
-  Rays: by default every Ray's dashboard agent listens on the same port (52365).
+  foreground, its most waiting modules first (``WAITING_FIRST`` there). Only one lane
+  starts Rays: by default every Ray's dashboard agent listens on the same port (52365).
 - free: the other ~650 (config, loss maths, in-process training, ...), at the lowest CPU
   priority with half the cores' threads, its output kept in a file and printed after.
 
-Why: a serial run leaves the 2 cores here ~20 % idle, mostly while Ray processes start and
-wait on each other, and the free tests alone need ~500 CPU-seconds. At nice 19 the free
-lane runs mostly in those gaps (figures in README "Tests").
+Why: the Ray tests alone leave the 2 cores here ~20 % idle (Ray processes starting and
+waiting on each other, S3 retries' backoff), and the free tests alone need ~500
+CPU-seconds. At nice 19 the free lane takes mostly idle CPU, but it still slowed the
+CPU-bound Ray tests beside it 1.2-1.7x; beside the most waiting ones it costs the Ray lane
+next to nothing (figures in README "Tests").
 
 ``LANES=1`` (``make test LANES=1``) or a ``--lane`` of one's own runs one plain pytest.
 The exit code is pytest's: the first lane's failure, else 0, or 5 when neither collected

@@ -150,8 +150,9 @@ def pytest_collection_modifyitems(config, items):
     default every Ray's dashboard agent listens on the same port (52365)."""
     lane = config.getoption("lane")
     if lane != "all":
-        keep = [item for item in items if starts_ray(item) == (lane == "ray")]
-        dropped = [item for item in items if starts_ray(item) != (lane == "ray")]
+        keep, dropped = [], []
+        for item in items:
+            (keep if starts_ray(item) == (lane == "ray") else dropped).append(item)
         if dropped:
             config.hook.pytest_deselected(items=dropped)
         items[:] = keep

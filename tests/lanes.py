@@ -65,18 +65,17 @@ def main(argv: list[str]) -> int:
         free = subprocess.Popen(pytest + lane_args(argv, "free"), stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=free_env, preexec_fn=lambda: os.nice(19))
-        free_done: list[float] = []
-        threading.Thread(target=lambda: (free.wait(), free_done.append(time.monotonic() - t0)),
-                         daemon=True).start()
+        free_done: list[float] = []  # when it ended, though the ray lane may end later
+        watcher = threading.Thread(
+            target=lambda: (free.wait(), free_done.append(time.monotonic() - t0)), daemon=True)
+        watcher.start()
         try:
             print(f"lanes: free lane (pid {free.pid}, nice 19, {threads} thread(s)) writes "
                   f"{log.name}; it is printed after the ray lane below", flush=True)
             ray_code = subprocess.call(pytest + lane_args(argv, "ray"))
             ray_s = time.monotonic() - t0
-            free_code = free.wait()
-            while not free_done:  # the watcher thread records when it ended
-                time.sleep(0.05)
-            free_s = free_done[0]
+            watcher.join()
+            free_code, free_s = free.returncode, free_done[0]
         finally:
             if free.poll() is None:  # interrupted: the free lane must not outlive us
                 free.terminate()

@@ -293,8 +293,12 @@ class Storage:
         run starts Ray: otherwise a wrong bucket, endpoint or key surfaces from Ray Train's
         own storage setup or the first checkpoint, as a stack trace, minutes in.
 
-        Local: the nearest folder that exists must be a folder this process may write to;
-        nothing is created (a run refused later must leave no output folder behind).
+        Local: the nearest folder that exists must be a folder this process can write
+        to, tested by making a file there and removing it: permission bits
+        (``os.access``) pass root wherever they stand, also where the write itself fails
+        (an NFS export that squashes root, a read-only or pseudo filesystem), and Ray
+        Train's controller then died on it with a stack trace. No folder is created (a
+        run refused later must leave no output folder behind).
         Object storage: one empty object is written under ``uri`` and deleted, since only a
         write tests the bucket, the credentials and the endpoint together. Its name is
         unique, so nothing already there is touched; pyarrow's delete leaves the zero-byte
@@ -305,8 +309,14 @@ class Storage:
                 existing = os.path.dirname(existing)
             if not os.path.isdir(existing):
                 return f"{uri}: {existing} is a file, not a folder"
-            if not os.access(existing, os.W_OK | os.X_OK):
+            probe = os.path.join(existing, _unique(".raylora-write-check-"))
+            try:
+                os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            except PermissionError:
                 return f"{uri}: no permission to write in {existing}"
+            except OSError as exc:
+                return f"{uri}: cannot write in {existing}: {exc.strerror or exc}"
+            os.unlink(probe)
             return None
         try:
             check_scheme(uri)

@@ -43,10 +43,14 @@ def test_missing_model_and_data_and_an_unwritable_output_named_before_ray(tmp_pa
         "model": {"pretrained": str(tmp_path / "no-model")},
         "data": {"uri": str(tmp_path / "no-data")},
         "output": {"uri": str(out)},
+        # Root passes os.access there, yet nothing can be made in /proc: the check writes.
+        "train": {"compile_cache_uri": "/proc/raylora-compile-cache"},
     }))
     p = _run(["train", str(cfg)])
     assert p.returncode == 2, p.stderr
-    assert "3 config problem(s)" in p.stderr
+    assert "4 config problem(s)" in p.stderr
+    assert any(f"train.compile_cache_uri: /proc/raylora-compile-cache: {why} /proc" in p.stderr
+               for why in ("cannot write in", "no permission to write in")), p.stderr
     assert f"model.pretrained: {tmp_path / 'no-model'}: no such directory" in p.stderr
     assert f"data.uri: {tmp_path / 'no-data'}: no such file or directory" in p.stderr
     assert f"output.uri: {out}: {tmp_path / 'runs'} is a file, not a folder" in p.stderr
@@ -58,6 +62,7 @@ def test_missing_model_and_data_and_an_unwritable_output_named_before_ray(tmp_pa
     p = _run(["train", str(cfg)])
     assert p.returncode == 2 and "2 config problem(s)" in p.stderr, p.stderr
     assert not os.path.exists(tmp_path / "new")
+    assert not [f for f in os.listdir(tmp_path) if "write-check" in f]  # the probe is gone
 
 
 def _job(tmp_path, search: bool):

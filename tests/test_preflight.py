@@ -78,7 +78,7 @@ def test_a_fitting_run_passes_and_logs_its_table(job, caplog):
     assert "not checked, GPU size unknown (scaling.use_gpu is false" in caplog.text
 
 
-def test_plan_prints_the_report_and_exits_by_fit(job, capsys):
+def test_plan_prints_the_report_and_exits_by_fit(job, tmp_path, capsys):
     import ray
 
     _, path, est = job
@@ -93,6 +93,11 @@ def test_plan_prints_the_report_and_exits_by_fit(job, capsys):
     assert "does NOT fit" in out and "  train.gradient_checkpointing=true: " in out
     assert main(["plan", path, "model.pretrained=/nonexistent/model"]) == 2
     assert "model.pretrained: /nonexistent/model: no such directory" in capsys.readouterr().err
+    single = tmp_path / "civitai-finetune.safetensors"  # a single-file checkpoint
+    single.write_bytes(b"\0" * 64)
+    assert main(["plan", path, f"model.pretrained={single}"]) == 2
+    assert (f"model.pretrained: {single}: a file, not a diffusers folder (model_index.json "
+            "and a folder per component)") in capsys.readouterr().err
     assert not ray.is_initialized()
 
 

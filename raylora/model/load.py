@@ -108,6 +108,12 @@ def check_model(path: str, store: Storage, revision: str | None = None,
         info = store.info(path)
         if info.type.name == "NotFound":
             raise FileNotFoundError(f"model.pretrained: {path}: no such directory")
+        if info.type.name == "File":  # a single-file checkpoint, as model sites share them
+            raise FileNotFoundError(
+                f"model.pretrained: {path}: a file, not a diffusers folder (model_index.json "
+                "and a folder per component). A single-file checkpoint (.safetensors, .ckpt) "
+                "becomes one with diffusers: the family's pipeline class .from_single_file(it), "
+                "then .save_pretrained(folder)")
         found = stored_files(path, store)
         files = set(found)
 

@@ -51,6 +51,11 @@ def test_each_bad_kind_gets_its_reason():
     assert reason(None) == "empty_image"
     assert reason({"bytes": None, "path": "x.png"}) == "empty_image"
     assert reason(b"certainly not an image") == "not_an_image"
+    # The details say what the value was (PIL's own names a BytesIO object).
+    with pytest.raises(BadRecord, match=r"^not_an_image: no image format PIL reads starts b'certainl'$"):
+        open_image(b"certainly not an image", 50_000)
+    with pytest.raises(BadRecord, match=r"^empty_image: no bytes, only the path 'x.png'$"):
+        open_image({"bytes": None, "path": "x.png"}, 50_000)
     assert reason(good[: len(good) // 2]) == "corrupt_image"  # truncated
     assert reason(png(rgb(300))) == "too_many_pixels"  # 90 000 px > 50 000
     assert reason(png(rgb(16))) == "too_small"

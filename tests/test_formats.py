@@ -368,3 +368,35 @@ def test_a_masked_run_through_ray_learns_nothing_where_every_mask_is_black(ray_l
     ups = [v for k, v in weights.items() if "lora_B" in k or "lora.up" in k]
     assert ups and all(not v.any() for v in ups)
     assert summary["metrics"]["steps"] == 3
+
+
+def test_a_parquet_image_column_of_paths_is_refused_before_reading(tmp_path, shards):
+    """A column of file paths (a common export) is named in planning, with what to do,
+    instead of every row dropping as empty_image once the run has started; the Hugging
+    Face {bytes, path} struct and plain binary pass."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    uris, _ = shards
+    paths = tmp_path / "paths"
+    paths.mkdir()
+    pq.write_table(pa.table({"image": ["imgs/0.png", "imgs/1.png"], "text": ["a", "b"]}),
+                   paths / "part-0.parquet")
+    with pytest.raises(ValueError) as exc:
+        plan_data(DataSection(uri=str(paths)), Storage())
+    assert str(exc.value).startswith(
+        f"{paths / 'part-0.parquet'}: data.image_column='image' holds strings (file paths or "
+        "URLs?), not encoded images: ")
+    assert "data.format captionfolder or imagefolder" in str(exc.value)
+    ids = tmp_path / "ids"
+    ids.mkdir()
+    pq.write_table(pa.table({"img": [1, 2], "text": ["a", "b"]}), ids / "part-0.parquet")
+    with pytest.raises(ValueError, match=r"data.image_column='img' holds int64, not encoded"):
+        plan_data(DataSection(uri=str(ids), image_column="img"), Storage())
+    assert plan_data(DataSection(uri=uris["parquet"]), Storage()).rows == N  # plain binary
+    struct = tmp_path / "struct"
+    struct.mkdir()
+    hf = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    pq.write_table(pa.table({"image": pa.array([{"bytes": b"x", "path": "0.png"}], hf),
+                             "text": ["a"]}), struct / "part-0.parquet")
+    assert plan_data(DataSection(uri=str(struct)), Storage()).rows == 1

@@ -52,6 +52,9 @@ def open_image(value: Any, max_pixels: int) -> Image.Image:
     bomb check is set to the same bound (raised or lowered by the config, never disabled).
     """
     if isinstance(value, dict):
+        if value.get("bytes") is None and value.get("path"):
+            # datasets' Image() of files not embedded (``embed_external_files=False``)
+            raise BadRecord("empty_image", f"no bytes, only the path {value['path']!r}")
         value = value.get("bytes")
     if value is None or not isinstance(value, (bytes, bytearray, memoryview)) or len(value) == 0:
         raise BadRecord("empty_image")
@@ -63,7 +66,9 @@ def open_image(value: Any, max_pixels: int) -> Image.Image:
             img = Image.open(io.BytesIO(bytes(value)))
     except Image.DecompressionBombError as exc:
         raise BadRecord("too_many_pixels", str(exc)) from None
-    except (UnidentifiedImageError, SyntaxError, ValueError) as exc:
+    except UnidentifiedImageError:  # its message names a BytesIO object, not the data
+        raise BadRecord("not_an_image", f"no image format PIL reads starts {bytes(value[:8])!r}") from None
+    except (SyntaxError, ValueError) as exc:
         raise BadRecord("not_an_image", str(exc)) from None
     w, h = img.size
     if w * h > max_pixels:

@@ -20,8 +20,11 @@ if TYPE_CHECKING:
 SCHEMA = pa.schema([("key", pa.string()), ("image", pa.binary()), ("text", pa.string())])
 
 
-def check_columns(data: DataSection, file: str, names: list[str]) -> None:
-    """Fail early, naming the file, when the configured columns are not in a shard."""
+def check_columns(data: DataSection, file: str, schema: pa.Schema) -> None:
+    """Fail early, naming the file, when the configured columns are not in a shard, or
+    its image column cannot hold encoded images (a column of file paths or URLs, say:
+    otherwise every row is dropped as a bad record once the run has started)."""
+    names = schema.names
     missing = [
         f"data.{key}={col!r}"
         for key, col in (("image_column", data.image_column), ("caption_column", data.caption_column))
@@ -29,6 +32,20 @@ def check_columns(data: DataSection, file: str, names: list[str]) -> None:
     ]
     if missing:
         raise ValueError(f"{file}: column(s) not found: {', '.join(missing)}; the shard has {names}")
+    kind = schema.field(data.image_column).type
+    if not (_binary(kind) or (pa.types.is_struct(kind) and kind.get_field_index("bytes") >= 0
+                              and _binary(kind.field("bytes").type))):
+        what = "strings (file paths or URLs?)" if pa.types.is_string(kind) or pa.types.is_large_string(kind) else str(kind)
+        raise ValueError(
+            f"{file}: data.image_column={data.image_column!r} holds {what}, not encoded images: "
+            "a shard carries each image's bytes (binary, or the Hugging Face datasets Image "
+            "struct {bytes, path}). Images kept as files beside a caption each read as a "
+            "folder (data.format captionfolder or imagefolder), or `raylora shards build` "
+            "turns that folder into shards")
+
+
+def _binary(kind: pa.DataType) -> bool:
+    return pa.types.is_binary(kind) or pa.types.is_large_binary(kind) or pa.types.is_binary_view(kind)
 
 
 def read_columns(data: DataSection, names: list[str]) -> list[str]:
@@ -51,7 +68,7 @@ class Parquet(ShardFormat):
             with storage.open_input(f) as fh:
                 pf = pq.ParquetFile(fh)
                 if not file_rows:
-                    check_columns(data, f, pf.schema_arrow.names)
+                    check_columns(data, f, pf.schema_arrow)
                 file_rows.append(pf.metadata.num_rows)
         return sum(file_rows), file_rows
 

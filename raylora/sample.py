@@ -74,6 +74,12 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
 
     model, revision = hub_model(model, revision, keys=("--model", "--revision"))
     adapters = [adapter] if isinstance(adapter, str) else list(adapter)
+    for key, p in [("--model", model), *(("--adapter", a) for a in adapters)]:
+        # A path that is not there reached the loaders as a hub id: their message was the
+        # hub's ("Repo id must be in the form ..."), after a try at the network.
+        if "://" not in p and not os.path.exists(p) and not _hub_id_form(p):
+            raise FileNotFoundError(f"{key}: {p}: no such file or folder here, and not a "
+                                    "hub id (owner/name)")
     path = os.path.abspath(model) if os.path.isdir(model) else model
     revision = revision or trained_commit(model, adapters)
     # The family, and the pipeline class that loads the adapter, from model_index.json.
@@ -120,6 +126,12 @@ def trained_commit(model: str, adapters: list[str]) -> str | None:
                 and meta.get("data", {}).get("model_commit")):
             return meta["data"]["model_commit"]
     return None
+
+
+def _hub_id_form(p: str) -> bool:
+    """``owner/name``: what the hub reads (a path of two parts is one too, as in
+    ``raylora.model.load.check_model``)."""
+    return p.count("/") == 1 and not p.startswith((".", "/", "~")) and all(p.split("/"))
 
 
 def trained_expert(adapter: str) -> str | None:

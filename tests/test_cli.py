@@ -133,3 +133,18 @@ def test_tiny_model_and_demo_data_commands(tmp_path):
     shards = sorted((tmp_path / "d").glob("*.parquet"))
     assert len(shards) == 3
     assert sum(pq.read_metadata(s).num_rows for s in shards) == 10
+
+
+def test_sample_names_a_model_or_adapter_path_that_is_not_there(tmp_path, capsys):
+    """Before, such a path went to the loaders as a hub id, and the message was the hub
+    client's ("Repo id must be in the form ...")."""
+    from raylora.cli import main
+
+    rest = ["--prompt", "p", "--out", str(tmp_path / "s.png")]
+    assert main(["sample", "--model", str(tmp_path / "no-model"), "--adapter", "owner/lora", *rest]) == 2
+    assert (f"raylora: error: --model: {tmp_path / 'no-model'}: no such file or folder here, "
+            "and not a hub id (owner/name)") in capsys.readouterr().err
+    missing = tmp_path / "runs" / "out" / "adapter"
+    assert main(["sample", "--model", str(tmp_path), "--adapter", str(missing), *rest]) == 2
+    assert f"raylora: error: --adapter: {missing}: no such file or folder here" in capsys.readouterr().err
+    assert not (tmp_path / "s.png").exists()

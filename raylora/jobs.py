@@ -59,7 +59,13 @@ def _auth_headers() -> dict:
 def client(address: str | None):
     from ray.job_submission import JobSubmissionClient
 
-    return JobSubmissionClient(address or os.environ.get("RAY_ADDRESS"), headers=_auth_headers())
+    from raylora.launch import ray_address_problem
+
+    given = address or os.environ.get("RAY_ADDRESS")
+    # A GCS address with no cluster behind it: the SDK waited 40 s, then a stack trace.
+    if given and (problem := ray_address_problem(given, "--address" if address else "RAY_ADDRESS")):
+        raise ValueError(problem)
+    return JobSubmissionClient(given, headers=_auth_headers())
 
 
 def command(cfg):

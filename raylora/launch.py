@@ -483,6 +483,27 @@ def interrupt_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, _raise_interrupt)
 
 
+def ray_address_problem(address: str, key: str = "RAY_ADDRESS", timeout: float = 5.0) -> str | None:
+    """Why nothing can be joined at ``RAY_ADDRESS`` (a GCS ``host:port`` or ``ray://``),
+    found in at most ``timeout`` seconds; None when something listens there, or for
+    addresses ``ray.init`` judges itself (``auto``, ``http://``: it refuses that one at
+    once). Why: with no cluster there (a stale RAY_ADDRESS after ``ray stop``), ray.init
+    retried for minutes (over 170 s here, Ray 2.60) before a stack trace."""
+    import socket
+
+    if "://" in address and not address.startswith("ray://"):
+        return None
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as exc:
+        return (f"{key}={address}: no Ray cluster answers there ({exc.strerror or exc}). "
+                f"Start it (ray start --head, cluster/local-up.sh) or point {key} at one")
+    return None
+
+
 def init_ray(need_cpus: float = 0) -> bool:
     """Join ``RAY_ADDRESS`` if set, else start an embedded local Ray. Returns True when this
     call started Ray (so the caller shuts it down)."""
@@ -491,6 +512,8 @@ def init_ray(need_cpus: float = 0) -> bool:
     if ray.is_initialized():
         return False
     if os.environ.get("RAY_ADDRESS"):
+        if problem := ray_address_problem(os.environ["RAY_ADDRESS"]):
+            raise ValueError(f"{problem}; or unset it to run on a local Ray this command starts")
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=job_runtime_env(),
                  logging_level=_ray_log_level())
         interrupt_on_sigterm()

@@ -12,7 +12,7 @@ RAYLORA = [sys.executable, "-m", "raylora"]
 
 
 def _run(args, **kw):
-    return subprocess.run(RAYLORA + args, capture_output=True, text=True, timeout=300, **kw)
+    return subprocess.run(RAYLORA + args, capture_output=True, text=True, **{"timeout": 300, **kw})
 
 
 def test_validate_prints_resolved_config_with_overrides(tmp_path):
@@ -148,3 +148,37 @@ def test_sample_names_a_model_or_adapter_path_that_is_not_there(tmp_path, capsys
     assert main(["sample", "--model", str(tmp_path), "--adapter", str(missing), *rest]) == 2
     assert f"raylora: error: --adapter: {missing}: no such file or folder here" in capsys.readouterr().err
     assert not (tmp_path / "s.png").exists()
+
+
+def test_a_ray_address_where_no_cluster_answers_is_named_at_once(tmp_path, tiny_model, demo_data):
+    """A stale RAY_ADDRESS (the cluster stopped): ray.init retried for minutes before a
+    stack trace; now one line naming it, before Ray. Addresses ray.init judges itself
+    pass through."""
+    import socket
+
+    from localhead import free_port
+    from raylora.launch import ray_address_problem
+
+    dead = f"127.0.0.1:{free_port()}"
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "model": {"pretrained": tiny_model}, "data": {"uri": demo_data, "resolution": 64},
+        "train": {"max_steps": 2}, "output": {"uri": str(tmp_path / "out")}}))
+    p = _run(["train", str(cfg)], env={**os.environ, "RAY_ADDRESS": dead}, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert f"raylora: error: RAY_ADDRESS={dead}: no Ray cluster answers there (Connection refused)" in p.stderr
+    assert "or unset it to run on a local Ray this command starts" in p.stderr
+    assert "Connecting to existing Ray cluster" not in p.stderr + p.stdout
+    # The job commands too (the Job SDK resolves a GCS address through the cluster: it
+    # waited 40 s, then a stack trace).
+    p = _run(["list"], env={**os.environ, "RAY_ADDRESS": dead}, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.startswith(f"raylora: error: RAY_ADDRESS={dead}: no Ray cluster answers there"), p.stderr
+    p = _run(["status", "some-job", "--address", dead], timeout=120)
+    assert p.returncode == 2 and f"--address={dead}: no Ray cluster" in p.stderr, p.stderr
+    assert ray_address_problem(f"ray://{dead}").startswith(f"RAY_ADDRESS=ray://{dead}: no Ray")
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        assert ray_address_problem(f"127.0.0.1:{listening.getsockname()[1]}") is None
+    assert ray_address_problem("auto") is ray_address_problem("http://127.0.0.1:8265") is None

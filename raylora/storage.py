@@ -296,7 +296,7 @@ class Storage:
         Local: the nearest folder that exists must be a folder this process can write
         to, tested by making a file there and removing it: permission bits
         (``os.access``) pass root wherever they stand, also where the write itself fails
-        (an NFS export that squashes root, a read-only or pseudo filesystem), and Ray
+        (an NFS export that squashes root, a pseudo filesystem such as /proc), and Ray
         Train's controller then died on it with a stack trace. No folder is created (a
         run refused later must leave no output folder behind).
         Object storage: one empty object is written under ``uri`` and deleted, since only a

@@ -168,15 +168,15 @@ def _demo_data(args) -> int:
 def _shards_build(args) -> int:
     import ray
 
-    from raylora.data.shards import build_shards
+    from raylora.data.shards import build_shards, checked_items
     from raylora.launch import init_ray
     from raylora.storage import Storage
 
+    store = Storage(args.endpoint_url, args.region)
+    items = checked_items(args.src, args.dest, args.format, args.shard_size, store)
     started = init_ray()
     try:
-        m = build_shards(
-            args.src, args.dest, args.format, args.shard_size, Storage(args.endpoint_url, args.region)
-        )
+        m = build_shards(args.src, args.dest, args.format, args.shard_size, store, items)
     finally:
         if started:
             ray.shutdown()

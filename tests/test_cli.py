@@ -182,3 +182,18 @@ def test_a_ray_address_where_no_cluster_answers_is_named_at_once(tmp_path, tiny_
         listening.listen()
         assert ray_address_problem(f"127.0.0.1:{listening.getsockname()[1]}") is None
     assert ray_address_problem("auto") is ray_address_problem("http://127.0.0.1:8265") is None
+
+
+def test_shards_build_names_a_bad_source_or_destination_before_ray(tmp_path, capsys, monkeypatch):
+    from raylora import launch
+    from raylora.cli import main
+    from raylora.data.demo import write_imagefolder
+
+    monkeypatch.setattr(launch, "init_ray", lambda *a, **k: pytest.fail("Ray was started"))
+    assert main(["shards", "build", str(tmp_path / "none"), str(tmp_path / "out")]) == 2
+    assert f"raylora: error: {tmp_path / 'none'}: no files found" in capsys.readouterr().err
+    src = write_imagefolder(tmp_path / "imgs", n=2, size=16, seed=0)
+    assert main(["shards", "build", str(src), "/proc/raylora-shards"]) == 2
+    assert "raylora: error: dest: /proc/raylora-shards: " in capsys.readouterr().err
+    assert main(["shards", "build", str(src), str(tmp_path / "out"), "--shard-size", "0"]) == 2
+    assert "--shard-size: must be positive, got 0" in capsys.readouterr().err

@@ -136,7 +136,8 @@ def test_shard_builder_round_trips_through_s3(s3, shards):
     m = shards["manifest"]
     assert m["count"] == 24 and [s["count"] for s in m["shards"]] == [10, 10, 4]
     assert sorted(keys(s3, "data/wds/")) == [
-        "data/wds/manifest.json", "data/wds/shard-00000.tar", "data/wds/shard-00001.tar",
+        # the folder marker pyarrow leaves when it deletes the write check's probe object
+        "data/wds/", "data/wds/manifest.json", "data/wds/shard-00000.tar", "data/wds/shard-00001.tar",
         "data/wds/shard-00002.tar",
     ]
     expected = sorted(

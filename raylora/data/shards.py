@@ -56,19 +56,33 @@ class _WriteShard:
         return write_shard(self.store, self.dest, self.fmt, int(row["index"]), json.loads(row["items"]))
 
 
-def build_shards(
-    src: str, dest: str, fmt: str, shard_size: int, store: Storage | None = None
-) -> dict:
-    """Shard ``src`` into ``dest`` with Ray Data (one task per shard); returns the manifest."""
-    import ray
-
+def checked_items(src: str, dest: str, fmt: str, shard_size: int, store: Storage) -> list[dict]:
+    """The arguments checked, and ``src``'s captioned images (``collect_items``), without
+    Ray: a source with nothing to shard or a destination that cannot be written is named
+    before a cluster is joined or started (each costs seconds; the shard tasks failed on
+    the destination only once they ran)."""
     if fmt not in formats.writable_formats():
         raise ValueError(f"--format: {fmt!r} is not {' or '.join(formats.writable_formats())}")
     if shard_size <= 0:
         raise ValueError(f"--shard-size: must be positive, got {shard_size}")
-    store = store or Storage()
-    dest = normalize(dest)
     items = collect_items(store, src)
+    if problem := store.write_problem(normalize(dest)):
+        raise ValueError(f"dest: {problem}")
+    return items
+
+
+def build_shards(
+    src: str, dest: str, fmt: str, shard_size: int, store: Storage | None = None,
+    items: list[dict] | None = None,
+) -> dict:
+    """Shard ``src`` into ``dest`` with Ray Data (one task per shard); returns the manifest.
+    ``items``: ``checked_items``' answer, when the caller checked before starting Ray."""
+    import ray
+
+    store = store or Storage()
+    if items is None:
+        items = checked_items(src, dest, fmt, shard_size, store)
+    dest = normalize(dest)
     chunks = [items[i : i + shard_size] for i in range(0, len(items), shard_size)]
     rows = [{"index": i, "items": json.dumps(c)} for i, c in enumerate(chunks)]
     ds = ray.data.from_items(rows, override_num_blocks=len(rows))

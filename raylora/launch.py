@@ -168,6 +168,7 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
     from raylora.model import lora_init
     from raylora.model import families, hub
     from raylora.model.load import check_model, is_hub_id, resolve_family
+    from raylora.track import tracking_problem
     from raylora.train.objective import scheduler_objective_kind
 
     problems: list[str] = []
@@ -204,6 +205,8 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
     native = scheduler_objective_kind(scheduler) if scheduler else None
     problems += family_problems(cfg, family, factor * family.patch, native)
     problems += write_problems(cfg, store)
+    if problem := tracking_problem(cfg.tracking):
+        problems.append(problem)
     init_problems, init_loads = lora_init.checked(cfg, store)
     problems += init_problems
     objective = cfg.train.prediction_type or native

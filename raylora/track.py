@@ -190,6 +190,34 @@ class WandbTracker(Tracker):
         return [(run_dir, storage.join(self.remote_uri, rel))]
 
 
+def tracking_problem(tracking: TrackingSection) -> str | None:
+    """Why the tracker cannot start, as one line naming the key, found before Ray: wandb
+    online with no API key wherever wandb looks (WANDB_API_KEY, the ~/.netrc entry
+    ``wandb login`` writes, its settings file) failed in the rank-0 worker once the run
+    had started, with a stack trace. Asked of wandb itself, so a key it would find is
+    never refused; a wandb without that function is not checked."""
+    if tracking.backend != "wandb" or tracking.wandb_mode != "online":
+        return None
+    try:
+        from wandb.errors import AuthenticationError
+        from wandb.sdk.lib.wbauth import authenticate_session
+    except ImportError:
+        return None
+    host = os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
+    try:
+        found = authenticate_session(host=host, source="raylora", prompt=False,
+                                     update_session=False)
+    except AuthenticationError as exc:  # a key in the wrong format
+        return f"tracking.backend: wandb: {exc}"
+    except TypeError:  # another signature: not checked here
+        return None
+    if found is None:
+        return (f"tracking.backend: wandb finds no API key for {host} here: set "
+                "WANDB_API_KEY (it reaches the workers as a secret) or run `wandb login`, "
+                "or set tracking.wandb_mode: offline and `wandb sync` the run afterwards")
+    return None
+
+
 def open_tracker(tracking: TrackingSection, output_uri: str, config: dict,
                  store: Storage | None = None) -> Tracker:
     """The tracker ``tracking.backend`` asks for, writing under ``{output_uri}/tracking``.

@@ -276,3 +276,38 @@ def test_wandb_offline_to_s3_uploads_the_run_dir_once(bucket, moto_endpoint, mon
     losses = [json.loads(i.value_json) for r in records if r.WhichOneof("record_type") == "history"
               for i in r.history.item if list(i.nested_key) == ["loss"]]
     assert losses == pytest.approx(LOSSES)
+
+
+def test_wandb_online_without_a_key_is_a_config_problem_before_ray(tmp_path, monkeypatch):
+    """Found where wandb looks (asked of wandb): none, a key in the environment, the
+    ~/.netrc entry `wandb login` writes. Offline and the other backends need none."""
+    from raylora.track import tracking_problem
+
+    for var in ("WANDB_API_KEY", "WANDB_BASE_URL", "NETRC"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))  # no settings key
+    online = TrackingSection(backend="wandb", project="proj")
+    assert tracking_problem(online) == (
+        "tracking.backend: wandb finds no API key for https://api.wandb.ai here: set "
+        "WANDB_API_KEY (it reaches the workers as a secret) or run `wandb login`, or set "
+        "tracking.wandb_mode: offline and `wandb sync` the run afterwards")
+    assert tracking_problem(TrackingSection(backend="wandb", wandb_mode="offline")) is None
+    assert tracking_problem(TrackingSection(backend="tensorboard")) is None
+    monkeypatch.setenv("WANDB_API_KEY", FAKE_WANDB_KEY)
+    assert tracking_problem(online) is None
+    monkeypatch.delenv("WANDB_API_KEY")
+    netrc = tmp_path / ".netrc"
+    netrc.write_text(f"machine api.wandb.ai\n  login user\n  password {FAKE_WANDB_KEY}\n")
+    netrc.chmod(0o600)
+    assert tracking_problem(online) is None
+    # The run: refused with it among the config problems, before Ray.
+    from raylora.config import ConfigError, validate
+    from raylora.launch import plan
+
+    netrc.unlink()
+    tree = {"model": {"pretrained": str(tmp_path / "no-model")}, "data": {"uri": str(tmp_path)},
+            "output": {"uri": str(tmp_path / "out")}, "tracking": {"backend": "wandb"}}
+    with pytest.raises(ConfigError) as exc:
+        plan(validate(tree))
+    assert any(p.startswith("tracking.backend: wandb finds no API key") for p in exc.value.problems)

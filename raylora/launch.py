@@ -168,7 +168,6 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
     from raylora.model import lora_init
     from raylora.model import families, hub
     from raylora.model.load import check_model, is_hub_id, resolve_family
-    from raylora.track import tracking_problem
     from raylora.train.objective import scheduler_objective_kind
 
     problems: list[str] = []
@@ -205,8 +204,6 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
     native = scheduler_objective_kind(scheduler) if scheduler else None
     problems += family_problems(cfg, family, factor * family.patch, native)
     problems += write_problems(cfg, store)
-    if problem := tracking_problem(cfg.tracking):
-        problems.append(problem)
     init_problems, init_loads = lora_init.checked(cfg, store)
     problems += init_problems
     objective = cfg.train.prediction_type or native
@@ -760,8 +757,15 @@ def prepared(cfg: RayLoraConfig, setup: Setup) -> Iterator[Prepared]:
     the memory preflight on the cluster's own GPUs, the cluster checked to hold the
     workers, the run's desk (raylora.desk) and latent cache. On the way out the desk is
     stopped and a Ray this call started is shut down."""
+    from raylora.track import tracking_problem
+
     run = checked(cfg, setup)
     cfg = run.cfg
+    # An embedded Ray's workers run here, with this machine's environment and files: what
+    # they read from them is checked before it starts. A joined cluster's workers have
+    # their nodes' own (a key in a pod's secret), not known here.
+    if not os.environ.get("RAY_ADDRESS") and (problem := tracking_problem(cfg.tracking)):
+        raise ConfigError([problem])
     started = init_ray(setup.need_cpus(cfg))
     try:
         if run.memory_on_cluster:  # the workers' GPUs: read once joined, before asking for any

@@ -278,7 +278,8 @@ def test_wandb_offline_to_s3_uploads_the_run_dir_once(bucket, moto_endpoint, mon
     assert losses == pytest.approx(LOSSES)
 
 
-def test_wandb_online_without_a_key_is_a_config_problem_before_ray(tmp_path, monkeypatch):
+def test_wandb_online_without_a_key_is_a_config_problem_before_ray(tmp_path, monkeypatch,
+                                                                  tiny_model, demo_data):
     """Found where wandb looks (asked of wandb): none, a key in the environment, the
     ~/.netrc entry `wandb login` writes. Offline and the other backends need none."""
     from raylora.track import tracking_problem
@@ -301,13 +302,21 @@ def test_wandb_online_without_a_key_is_a_config_problem_before_ray(tmp_path, mon
     netrc.write_text(f"machine api.wandb.ai\n  login user\n  password {FAKE_WANDB_KEY}\n")
     netrc.chmod(0o600)
     assert tracking_problem(online) is None
-    # The run: refused with it among the config problems, before Ray.
+    # A run on an embedded Ray (its workers read this machine's keys): refused before it
+    # starts. Joining a cluster (RAY_ADDRESS), whose nodes may hold a key of their own: not.
+    from raylora import launch
     from raylora.config import ConfigError, validate
-    from raylora.launch import plan
 
     netrc.unlink()
-    tree = {"model": {"pretrained": str(tmp_path / "no-model")}, "data": {"uri": str(tmp_path)},
+    monkeypatch.setattr(launch, "init_ray", lambda *a, **k: pytest.fail("Ray was started"))
+    tree = {"model": {"pretrained": tiny_model}, "data": {"uri": demo_data, "resolution": 64},
             "output": {"uri": str(tmp_path / "out")}, "tracking": {"backend": "wandb"}}
     with pytest.raises(ConfigError) as exc:
-        plan(validate(tree))
-    assert any(p.startswith("tracking.backend: wandb finds no API key") for p in exc.value.problems)
+        with launch.prepared(validate(tree), launch.TRAIN):
+            pass
+    assert exc.value.problems == [tracking_problem(online)]
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    with pytest.raises(pytest.fail.Exception, match="Ray was started"):
+        with launch.prepared(validate(tree), launch.TRAIN):
+            pass
+    assert not (tmp_path / "out").exists()

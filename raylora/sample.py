@@ -130,8 +130,10 @@ def trained_commit(model: str, adapters: list[str]) -> str | None:
 
 def _hub_id_form(p: str) -> bool:
     """``owner/name``: what the hub reads (a path of two parts is one too, as in
-    ``raylora.model.load.check_model``)."""
-    return p.count("/") == 1 and not p.startswith((".", "/", "~")) and all(p.split("/"))
+    ``raylora.model.load.check_model``), not ``./x`` or ``~/x``."""
+    from raylora.model.load import is_hub_id
+
+    return is_hub_id(p) and p.count("/") == 1 and not p.startswith((".", "~")) and all(p.split("/"))
 
 
 def trained_expert(adapter: str) -> str | None:

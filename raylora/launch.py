@@ -164,7 +164,7 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
     """Check model, data, the places the run writes to (``write_problems``) and step
     arithmetic; raise one ConfigError with every problem.
     ``heldout=False`` skips reading the held-out rows (a run that never evaluates)."""
-    from raylora.data.plan import plan_data
+    from raylora.data.plan import plan_data, sample_problems
     from raylora.model import lora_init
     from raylora.model import families, hub
     from raylora.model.load import check_model, is_hub_id, resolve_family
@@ -214,6 +214,8 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
     except (FileNotFoundError, ValueError, OSError) as exc:
         # Sources' problems name their keys (data.sources[i].uri), one line each.
         problems += getattr(exc, "problems", None) or [f"data.uri: {exc}"]
+    else:
+        problems += sample_problems(cfg.data, data, store)
     rows, problem = _plan_heldout(cfg, data, store) if heldout else ([], None)
     if problem:
         problems.append(problem)

@@ -65,6 +65,30 @@ def test_missing_model_and_data_and_an_unwritable_output_named_before_ray(tmp_pa
     assert not [f for f in os.listdir(tmp_path) if "write-check" in f]  # the probe is gone
 
 
+def test_data_with_no_usable_sampled_row_is_refused_before_ray(tmp_path, tiny_model):
+    """16 rows of bytes that are no image: before, Ray started, the model loaded and both
+    workers printed stack traces before the bad-fraction error (exit 2 after 47 s)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "data").mkdir()
+    pq.write_table(pa.table({"image": [b"notanimage-%d" % i for i in range(16)],
+                             "text": ["a red circle"] * 16}), tmp_path / "data" / "part-0.parquet")
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump({"model": {"pretrained": tiny_model},
+                                   "data": {"uri": str(tmp_path / "data")},
+                                   "output": {"uri": str(tmp_path / "out")}}))
+    p = _run(["train", str(cfg)])
+    assert p.returncode == 2, p.stderr
+    assert "1 config problem(s)" in p.stderr
+    assert (f"data.uri: {tmp_path / 'data'}: none of the 16 rows read to check it is usable "
+            f"(not_an_image=16; e.g. {tmp_path / 'data' / 'part-0.parquet'}#0: not_an_image: "
+            "no image format PIL reads starts b'notanima'): the run would drop every such row. "
+            "Check data.image_column") in p.stderr, p.stderr
+    assert "Started a local Ray instance" not in p.stderr + p.stdout
+    assert not (tmp_path / "out").exists()
+
+
 def _job(tmp_path, search: bool):
     """A valid job YAML (model and data need not exist), with a 2-value search or none."""
     tree = {"model": {"pretrained": str(tmp_path / "m")}, "data": {"uri": str(tmp_path / "d")},

@@ -400,3 +400,98 @@ def test_a_parquet_image_column_of_paths_is_refused_before_reading(tmp_path, sha
     pq.write_table(pa.table({"image": pa.array([{"bytes": b"x", "path": "0.png"}], hf),
                              "text": ["a"]}), struct / "part-0.parquet")
     assert plan_data(DataSection(uri=str(struct)), Storage()).rows == 1
+
+
+def _unreadable(root, n: int = 20) -> dict[str, str]:
+    """Every format's copy of ``n`` captioned files, none of them an image PIL reads."""
+    from raylora.data.demo import write_imagefolder
+
+    uris = {}
+    for fmt, captions in (("imagefolder", "metadata"), ("captionfolder", "txt")):
+        folder = write_imagefolder(root / fmt, n=n, size=16, seed=5, captions=captions)
+        for png in folder.glob("*.png"):
+            png.write_bytes(b"this is no image, " + png.name.encode())
+        uris[fmt] = str(folder)
+    store = Storage()
+    items = collect_items(store, uris["imagefolder"])
+    for fmt in formats.writable_formats():
+        dest = str(root / fmt)
+        write_shard(store, dest, fmt, 0, items[: n // 2])
+        write_shard(store, dest, fmt, 1, items[n // 2:])
+        uris[fmt] = dest
+    return uris
+
+
+@pytest.mark.parametrize("fmt", list(formats.FORMATS))
+def test_data_none_of_whose_sampled_rows_decodes_is_refused_in_planning(shards, fmt, tmp_path):
+    """Before, such data started Ray, loaded the model, and every worker read its rows
+    only to drop each one: stack traces, then the bad-fraction error (47 s for 16 rows)."""
+    from raylora.data.plan import SAMPLE_ROWS, sample_problems
+
+    uri = _unreadable(tmp_path)[fmt]
+    data = DataSection(uri=uri)
+    (line,) = sample_problems(data, plan_data(data, Storage()), Storage())
+    # 20 rows in 2 shards (20 images): 16 of them, spread over the files
+    assert line.startswith(f"data.uri: {uri}: none of the {SAMPLE_ROWS} rows read to check "
+                           f"it is usable (not_an_image={SAMPLE_ROWS}; e.g. {uri}/"), line
+    assert ": not_an_image: no image format PIL reads starts b'this is '" in line
+    assert line.endswith("(python -m PIL.report lists them; HEIC needs a plugin).")
+    # Mostly-bad data is what a config with data.max_bad_fraction >= 0.5 expects.
+    loose = DataSection(uri=uri, max_bad_fraction=0.5)
+    assert sample_problems(loose, plan_data(loose, Storage()), Storage()) == []
+    # One bad sample among good ones (the module's shards) is the run's to judge.
+    good = DataSection(uri=shards[0][fmt])
+    assert sample_problems(good, plan_data(good, Storage()), Storage()) == []
+
+
+def _parquet(path, images: list[bytes], captions: list[str]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"image": pa.array(images, pa.binary()), "text": captions}), path)
+
+
+def test_the_sample_reads_spread_rows_within_its_budget_and_names_sources_and_reasons(tmp_path, monkeypatch):
+    from raylora.data.demo import make_samples
+    from raylora.data.formats import parquet
+    from raylora.data.plan import sample_problems
+
+    def problems(**kw):
+        data = DataSection(**kw)
+        return sample_problems(data, plan_data(data, Storage()), Storage())
+
+    pngs = [png for png, _ in make_samples(84, size=16, seed=2)]
+    # A single file whose first 16 rows are bad: rows spread over its first row group are
+    # read (it is read whole anyway), not those 16 alone.
+    _parquet(tmp_path / "head" / "a.parquet", [b"junk"] * 16 + pngs, ["a caption"] * 100)
+    assert problems(uri=str(tmp_path / "head")) == []
+    # A first row group over what is left of the budget is not read at all.
+    _parquet(tmp_path / "bad" / "a.parquet", [b"junk"] * 20, ["a caption"] * 20)
+    assert problems(uri=str(tmp_path / "bad"))
+    monkeypatch.setattr(parquet, "SAMPLE_BYTES", 100)
+    assert problems(uri=str(tmp_path / "bad")) == []
+    monkeypatch.undo()
+
+    # Each source is judged alone and named by its key.
+    lines = problems(sources=[{"uri": str(tmp_path / "head")}, {"uri": str(tmp_path / "bad")}])
+    assert [line.split(": ")[0] for line in lines] == ["data.sources[1].uri"]
+
+    # The reasons' own hints, as the run's decode judges them (data.* settings).
+    _parquet(tmp_path / "blank" / "a.parquet", pngs[:20], [" "] * 20)
+    (line,) = problems(uri=str(tmp_path / "blank"))
+    assert "(missing_caption=16;" in line and line.endswith(
+        "or set data.caption_dropout > 0 to train them on the empty prompt.")
+    assert problems(uri=str(tmp_path / "blank"), caption_dropout=0.1) == []
+    _parquet(tmp_path / "small" / "a.parquet", pngs[:20], ["a caption"] * 20)
+    (line,) = problems(uri=str(tmp_path / "small"), min_size=32)  # 16 px images
+    assert "(too_small=16; e.g. " in line and ": too_small: 16x16 < data.min_size=32)" in line
+    assert line.endswith("the run would drop every such row. Lower data.min_size, or set "
+                         "data.small_images: upscale.")
+    assert problems(uri=str(tmp_path / "small"), min_size=32, small_images="upscale") == []
+    # Two reasons: both counted, an example and a hint of each. Rows 0, 7 and 13 of the
+    # 16 spread over 100 are junk; the other 13 are 16 px.
+    (line,) = problems(uri=str(tmp_path / "head"), min_size=32)
+    assert "(too_small=13, not_an_image=3; e.g. " in line and "a.parquet#0: not_an_image" in line
+    assert line.endswith("HEIC needs a plugin). Lower data.min_size, or set data.small_images: "
+                         "upscale.")

@@ -239,6 +239,71 @@ def plan_data(data: DataSection, storage: Storage) -> DataPlan:
     return DataPlan.of(apply_shares(data, sources))
 
 
+# Rows of each source the driver decodes before anything starts (``sample_problems``).
+SAMPLE_ROWS = 16
+
+
+def sample_problems(data: DataSection, plan: DataPlan, storage: Storage) -> list[str]:
+    """One line per source none of whose sampled rows (about ``SAMPLE_ROWS``, spread over
+    its files: ``ShardFormat.sample_rows``) decodes as the run's preprocess decodes it
+    (``raylora.data.decode``): every image in a format PIL does not read, every caption
+    empty, every image under data.min_size with ``small_images: skip``... The run would
+    drop each row it read, and found it only after Ray had started, the model had loaded
+    and the workers had read a batch: stack traces, then the data.max_bad_fraction error.
+
+    A source with some good rows among those sampled passes: the run judges its bad
+    fraction on every row it reads (data.max_bad_fraction). So does every source when
+    data.max_bad_fraction is 0.5 or more: a mostly-bad sample is then what the config
+    expects. Read errors are problems too: the run would fail on them."""
+    from raylora.data.decode import BadRecord, decode_mask, open_row
+
+    if data.max_bad_fraction >= 0.5:
+        return []
+    sections, problems = data.source_sections(), []
+    for s in plan.sources:
+        section, key = sections[s.index], data.source_key(s.index, "uri")
+        kw = section.decode_kwargs()
+        bad, seen, examples = Counter(), 0, {}
+        try:
+            for row in get_format(s.format).sample_rows(section, s.files, storage, SAMPLE_ROWS):
+                seen += 1
+                try:
+                    img, _ = open_row(row["image"], row["text"], max_pixels=kw["max_image_pixels"],
+                                      min_size=kw["min_size"], small_images=kw["small_images"],
+                                      keep_empty_captions=section.caption_dropout > 0)
+                    if section.masked_loss:
+                        decode_mask(img, row.get("mask"), kw["max_image_pixels"])
+                except BadRecord as exc:
+                    bad[exc.reason] += 1
+                    if exc.reason not in examples:
+                        examples[exc.reason] = f"{row['key']}: {exc}"[:200]
+        except OSError as exc:
+            problems.append(f"{key}: {s.uri}: reading rows to check them: {exc}")
+            continue
+        if seen and sum(bad.values()) == seen:
+            counts = ", ".join(f"{r}={n}" for r, n in bad.most_common())
+            problems.append(
+                f"{key}: {s.uri}: none of the {seen} rows read to check it is usable "
+                f"({counts}; e.g. {'; '.join(examples.values())}): the run would drop every "
+                "such row. " + ". ".join(SAMPLE_HINTS[r] for r in bad) + ".")
+    return problems
+
+
+# What to look at, per reason the sampled rows were bad for (raylora.data.decode).
+SAMPLE_HINTS = {
+    "empty_image": "Check data.image_column, or that the files hold image bytes",
+    "not_an_image": "Check data.image_column, and that the images are in a format this "
+                    "machine's PIL reads (python -m PIL.report lists them; HEIC needs a plugin)",
+    "corrupt_image": "Check that the images were copied whole",
+    "too_many_pixels": "Raise data.max_image_pixels if these images are wanted",
+    "too_small": "Lower data.min_size, or set data.small_images: upscale",
+    "missing_caption": "Check data.caption_column (or the caption files), or set "
+                       "data.caption_dropout > 0 to train them on the empty prompt",
+    "caption_not_utf8": "Re-encode the captions as UTF-8",
+    "bad_mask": "Check the loss masks (greyscale, the image's size), or turn data.masked_loss off",
+}
+
+
 def apply_shares(data: DataSection, sources: list[SourceFiles]) -> list[SourceFiles]:
     """Each source with its multiplier from ``data.sources``: its ``repeats`` (default 1),
     or, when the sources have weights, ``weight / Σ weights`` of an epoch as long as all

@@ -11,6 +11,7 @@ a bad sample at the same kind of place for every format.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import json
@@ -49,6 +50,13 @@ def image_bytes(value: Any) -> bytes:
     if value is None:
         return b""
     return bytes(value)
+
+
+def spread(n: int, k: int) -> list[int]:
+    """Up to ``k`` of the places ``0 .. n-1``, evenly spaced, the first and last included."""
+    if n <= k:
+        return list(range(n))
+    return sorted({round(j * (n - 1) / (k - 1)) for j in range(k)}) if k > 1 else [0]
 
 
 def read_manifest(storage: Storage, root: str) -> dict | None:
@@ -172,6 +180,18 @@ class ShardFormat:
         rows = itertools.islice(self.iter_rows(data, [files[index]], storage), start,
                                 None if stop < 0 else stop)
         return rows if keep is None else (r for j, r in enumerate(rows) if keep(j))
+
+    def sample_rows(self, data: DataSection, files: list[str], storage: Storage,
+                    k: int) -> Iterator[dict]:
+        """Up to about ``k`` rows spread over the data, for the driver's check that some of
+        them decode (``raylora.data.plan.sample_problems``): the first rows of up to ``k``
+        files evenly spaced in the listing, so that one bad shard among good ones is not
+        all it sees."""
+        picks = spread(len(files), k)
+        per = -(-k // max(1, len(picks)))
+        for i in picks:
+            with contextlib.closing(self.iter_rows(data, [files[i]], storage)) as rows:
+                yield from itertools.islice(rows, per)
 
     def write_shard(self, storage: Storage, index: int, items: list[dict]) -> tuple[str, bytes]:
         """Shard number ``index`` of ``items`` (``{key, uri, text}``): (file name, bytes)."""

@@ -11,7 +11,7 @@ import posixpath
 import numpy as np
 
 from raylora.data.formats.base import (
-    IMAGE_EXTS, ShardFormat, process_storage, sidecar_mask, with_mask,
+    IMAGE_EXTS, ShardFormat, process_storage, sidecar_mask, spread, with_mask,
 )
 
 METADATA = "metadata.jsonl"
@@ -78,6 +78,12 @@ class ImageFolder(ShardFormat):
     def iter_rows(self, data, files, storage):
         for row in imagefolder_rows(storage, files, data.caption_column):
             yield _row(data, storage, row)
+
+    def sample_rows(self, data, files, storage, k):
+        # Images spread over the one metadata list (read once), not the first k of it.
+        rows = imagefolder_rows(storage, files, data.caption_column)
+        for i in spread(len(rows), k):
+            yield _row(data, storage, rows[i])
 
     def units(self, data, files, storage, rows_per_unit):
         # One metadata list for the folder, not rows per file: slices of that list.

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ray.train
+
 from raylora.config import RayLoraConfig
 from raylora.launch import Plan
 
@@ -72,3 +74,30 @@ def lr_find_per_worker(loop_config: dict) -> None:
     from raylora import worker
 
     worker.lr_find_per_worker(loop_config)
+
+
+class RepeatedError(ValueError):
+    """A worker error that restarting the workers would only repeat (``EndOnRepeated``);
+    ``launch.fit_interruptibly`` raises it in place of Ray Train's error."""
+
+
+class EndOnRepeated(ray.train.UserCallback):
+    """Ends the run at a worker error whose class says a restart repeats it
+    (``restart_repeats``): data over data.max_bad_fraction, a loss that stayed NaN/inf,
+    a data stream that ended early.
+
+    Ray Train restarts the workers from the latest checkpoint after any worker error, up
+    to failure.max_failures: right for a lost node or a killed process, which is what that
+    setting is for. These errors came back each time, after the workers had loaded the
+    model and read the data again: with failure.max_failures -1, without end. Called in
+    the controller's poll of the workers; a ControllerError raised there ends the run
+    (its failure policy retries only the workers' errors and failed starts), with this
+    error as the run's."""
+
+    def after_exception(self, run_context, worker_exceptions):
+        for rank, error in sorted(worker_exceptions.items()):
+            cause = getattr(error, "_base_exc", error)  # Ray's UserExceptionWithTraceback
+            if getattr(cause, "restart_repeats", False):
+                raise ray.train.ControllerError(RepeatedError(
+                    f"rank {rank}: {type(cause).__name__}: {cause} (not retried: restarting "
+                    "the workers would repeat it; failure.max_failures is for lost workers)"))

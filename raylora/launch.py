@@ -872,7 +872,10 @@ def fit_interruptibly(trainer):
     import threading
 
     if threading.current_thread() is not threading.main_thread():
-        return trainer.fit()
+        try:
+            return trainer.fit()
+        except Exception as exc:
+            raise _repeated(exc) from None
     out: dict = {}
 
     def fit() -> None:
@@ -888,8 +891,17 @@ def fit_interruptibly(trainer):
     while helper.is_alive():
         helper.join(0.25)
     if "error" in out:
-        raise out["error"]
+        raise _repeated(out["error"]) from None
     return out["result"]
+
+
+def _repeated(error: BaseException) -> BaseException:
+    """The worker's error (one line: the CLI prints a ValueError so) when the run ended on
+    one that a restart would repeat (``raylora.entry.EndOnRepeated``); else ``error``."""
+    from raylora.entry import RepeatedError
+
+    cause = getattr(error, "controller_failure", None)
+    return cause if isinstance(cause, RepeatedError) else error
 
 
 def _fit(cfg: RayLoraConfig, p: Plan):
@@ -934,7 +946,7 @@ def build_trainer(
     from raylora import quiet
     from raylora.data.tokenize import load_specs
     # raylora.entry, not raylora.worker: Ray Train's controller imports what is pickled.
-    from raylora.entry import WorkerSpec, train_loop_per_worker
+    from raylora.entry import EndOnRepeated, WorkerSpec, train_loop_per_worker
 
     store = cfg.storage.client()
     # Ray Data's per-operator bars are for people watching a terminal, and then only when
@@ -969,7 +981,7 @@ def build_trainer(
                 max_failures=cfg.failure.max_failures,
                 # A drained node's workers checkpoint on the notice (raylora.stop).
                 max_preemption_failures=cfg.failure.max_preemption_failures),
-            callbacks=callbacks,
+            callbacks=[*(callbacks or []), EndOnRepeated()],
             # INFO is a TrainingReport(...) dump per report per worker (raylora.quiet).
             logging_config=ray.train.LoggingConfig(log_level=quiet.ray_train_log_level()),
         ),

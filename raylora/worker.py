@@ -29,7 +29,7 @@ from raylora.launch import Plan
 from raylora.model.lora import digest
 from raylora.progress import every_n_steps
 from raylora.storage import complete_upload
-from raylora.train.loop import LoopHooks, LoopSettings, run_loop, sample_hashes
+from raylora.train.loop import DataEndedError, LoopHooks, LoopSettings, run_loop, sample_hashes
 from raylora.train.fsdp import param_bytes_per_rank
 from raylora.train.setup import attention_planner, build_run, nonfinite_advice, write_checkpoint
 
@@ -235,7 +235,7 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
         if splits and world > 1:
             # Every rank would have to get here at the same step; they need not (their
             # batch counts per pass differ), so stop rather than hang (see _passes_needed).
-            raise RuntimeError(
+            raise DataEndedError(
                 f"epoch {epoch}: the data stream ended before the run did (fewer rows "
                 f"arrived than planned: bad records or data.validation_split)")
         if world == 1:  # nothing to split: no coordinator actor to start (1-2 s)

@@ -168,7 +168,7 @@ def test_a_run_trains_on_exactly_the_good_rows_and_reports_the_bad(ray_local, ti
     n_good, expected = mixed_shard(data / "part-00000.parquet")
     assert (n_good, sum(expected.values())) == (12, 8)
 
-    def tree(name, **data_over):
+    def tree(name, max_failures=0, **data_over):
         return {
             "model": {"pretrained": tiny_model},
             "data": {"uri": str(data), "resolution": 64, "center_crop": True, "sharding": "files",
@@ -177,6 +177,7 @@ def test_a_run_trains_on_exactly_the_good_rows_and_reports_the_bad(ray_local, ti
             # Exactly one epoch of the 12 good rows.
             "train": {"batch_size": 2, "max_steps": 6, "learning_rate": 1e-3, "seed": 1},
             "checkpoint": {"every_n_steps": 6},
+            "failure": {"max_failures": max_failures},
             "output": {"uri": str(tmp_path / name)},
         }
 
@@ -193,9 +194,11 @@ def test_a_run_trains_on_exactly_the_good_rows_and_reports_the_bad(ray_local, ti
     assert set(examples) == set(expected)
     assert all("part-00000.parquet" in e for ex in examples.values() for e in ex)
 
-    # Over the limit (default 5%): the run stops, saying why and where.
+    # Over the limit (default 5%): the run stops, saying why and where. At once, though
+    # failure.max_failures allows restarts: a restart would read the same rows again (it
+    # did, each time: 24 of 60 rows read with max_failures=2 before raylora.entry.EndOnRepeated).
     with pytest.raises(BadDataError) as exc:
-        run(validate(tree("strict")))
+        run(validate(tree("strict", max_failures=2)))
     msg = str(exc.value)
     assert "data.max_bad_fraction" in msg and "8 of 20 rows" in msg
     assert "too_many_pixels=1" in msg and "missing_caption=2" in msg and "part-00000.parquet" in msg
@@ -208,3 +211,43 @@ def test_a_run_trains_on_exactly_the_good_rows_and_reports_the_bad(ray_local, ti
         run_lr_find(validate(tree("lrfind")), num_steps=6)
     assert "8 of 20 rows" in str(exc.value) and "caption_not_utf8=1" in str(exc.value)
     assert not (tmp_path / "lrfind" / "lr_find.csv").exists()
+
+
+def test_an_error_a_restart_would_repeat_ends_the_run_and_reaches_the_cli_as_itself():
+    """raylora.entry.EndOnRepeated, as the controller calls it with the workers' errors
+    (the Ray run above shows the controller ending the run on it)."""
+    import pickle
+
+    import ray.train
+    from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
+
+    from raylora.data.badrecords import BadDataError
+    from raylora.entry import EndOnRepeated, RepeatedError
+    from raylora.launch import _repeated
+    from raylora.train.loop import DataEndedError, NonFiniteLossError
+
+    def wrapped(error):  # what a worker's error is when the controller polls it
+        return UserExceptionWithTraceback(error, "Traceback ...")
+
+    callback = EndOnRepeated()
+    # Any other error: Ray Train's failure policy decides (restarts, failure.max_failures).
+    callback.after_exception(None, {0: wrapped(RuntimeError("a peer went away")),
+                                    1: wrapped(OSError("connection reset"))})
+    for error in (BadDataError("data.max_bad_fraction: 8 of 20 rows"),
+                  NonFiniteLossError("loss or gradients were NaN/inf for 5 optimizer steps"),
+                  DataEndedError("epoch 0: the data stream ended before the run did")):
+        with pytest.raises(ray.train.ControllerError) as exc:
+            # rank 1's error is the collateral one; rank 0's says why
+            callback.after_exception(None, {1: wrapped(RuntimeError("gloo: connection closed")),
+                                            0: wrapped(error)})
+        # It crosses from the controller to the driver pickled.
+        ended = pickle.loads(pickle.dumps(exc.value))
+        cause = ended.controller_failure
+        assert isinstance(cause, RepeatedError) and isinstance(cause, ValueError)  # CLI: one line
+        assert str(cause) == (f"rank 0: {type(error).__name__}: {error} (not retried: restarting "
+                              "the workers would repeat it; failure.max_failures is for lost workers)")
+        # raylora.tune tells a diverged trial by the class name in the trial's error.
+        assert type(error).__name__ in str(ended)
+        assert _repeated(ended) is cause
+    other = ray.train.ControllerError(RuntimeError("the controller failed"))
+    assert _repeated(other) is other

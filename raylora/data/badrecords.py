@@ -20,6 +20,9 @@ class BadDataError(ValueError):
     """Too much of the data is unusable: training on the rest would silently be training on
     a different dataset."""
 
+    # A restart from the latest checkpoint reads the same data again (raylora.entry).
+    restart_repeats = True
+
 
 class Tally:
     """Counts, mergeable; plain Python (part of the run's actor, raylora.desk)."""

@@ -21,6 +21,16 @@ from raylora.train.step import train_micro_step
 class NonFiniteLossError(RuntimeError):
     """Training kept producing NaN/inf: stopping beats burning hours on a dead run."""
 
+    # A restart from the latest checkpoint retakes the same steps (raylora.entry).
+    restart_repeats = True
+
+
+class DataEndedError(RuntimeError):
+    """A worker's data ran out before the run's plan said it would (rows dropped as bad,
+    an empty shard): a restart reads the same data (raylora.entry)."""
+
+    restart_repeats = True
+
 
 @dataclass(frozen=True)
 class LoopSettings:
@@ -179,7 +189,7 @@ def _run_epoch(run, settings: LoopSettings, hooks: LoopHooks, progress: _Progres
         if state.global_step >= settings.max_steps or progress.stopped:
             return
     if not trained and skip == 0:
-        raise RuntimeError(f"epoch {state.epoch} gave this worker no batches: the data shard is empty")
+        raise DataEndedError(f"epoch {state.epoch} gave this worker no batches: the data shard is empty")
     state.epoch += 1
     state.batches_in_epoch = 0
 

@@ -495,3 +495,41 @@ def test_the_sample_reads_spread_rows_within_its_budget_and_names_sources_and_re
     assert "(too_small=13, not_an_image=3; e.g. " in line and "a.parquet#0: not_an_image" in line
     assert line.endswith("HEIC needs a plugin). Lower data.min_size, or set data.small_images: "
                          "upscale.")
+
+
+def test_a_tar_is_read_in_large_pieces(tmp_path, monkeypatch):
+    """Every read of an object-store file is a ranged GET, and tarfile reads 10 KiB at a
+    time: planning 16 tars of 3 MiB in moto took 6224 GETs and 21.7 s (0.27 s now)."""
+    import io
+
+    import pyarrow as pa
+    from PIL import Image
+
+    from raylora.data.demo import write_imagefolder
+    from raylora.data.formats import webdataset
+
+    src = write_imagefolder(tmp_path / "src", n=4, size=16, seed=1)
+    for i in range(4):  # ~770 KB each: a 3 MiB tar
+        img = np.random.default_rng(i).integers(0, 256, (512, 512, 3), dtype=np.uint8)
+        Image.fromarray(img).save(src / f"img_{i:05d}.png")
+    store = Storage()
+    write_shard(store, str(tmp_path / "wds"), "webdataset", 0, collect_items(store, str(src)))
+    reads = []
+
+    class Counting(io.FileIO):
+        def read(self, n=-1):
+            reads.append(n)
+            return super().read(n)
+
+        def readinto(self, b):
+            reads.append(len(b))
+            return super().readinto(b)
+
+    monkeypatch.setattr(Storage, "open_input", lambda self, uri: pa.PythonFile(Counting(uri), mode="r"))
+    data = DataSection(uri=str(tmp_path / "wds"))
+    plan = plan_data(data, store)
+    assert plan.rows == 4 and len(plan.files) == 1
+    size = (tmp_path / "wds" / "shard-00000.tar").stat().st_size
+    assert size > 3 << 20 and len(reads) <= 2, (size, len(reads))  # was one per 10 KiB
+    rows = list(webdataset.WebDataset().iter_rows(data, plan.files, store))
+    assert len(rows) == 4 and len(reads) <= 4

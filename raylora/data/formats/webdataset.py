@@ -10,9 +10,12 @@ import posixpath
 import tarfile
 from collections.abc import Iterator
 
+import pyarrow as pa
+
 from raylora.data.formats.base import (
     IMAGE_EXTS, MASK_SUFFIX, ShardFormat, decode_text, read_manifest,
 )
+from raylora.storage import Storage
 
 
 def split_key(name: str) -> tuple[str, str]:
@@ -60,6 +63,16 @@ def _finish(sample: dict, source: str, masks: bool = False) -> dict:
     return {**row, "mask": sample["mask"]} if masks else row
 
 
+# Bytes per read of a tar on the driver (row counts, held-out rows, samples). tarfile reads
+# a stream 10 KiB at a time, and each read of an object-store file is its own ranged GET:
+# planning 16 tars of 3 MiB in moto took 6224 GETs and 21.7 s before.
+TAR_BUFFER = 8 << 20
+
+
+def _tar_stream(storage: Storage, uri: str):
+    return pa.input_stream(storage.open_input(uri), buffer_size=TAR_BUFFER)
+
+
 def count_tar_samples(fileobj) -> int:
     keys = set()
     with tarfile.open(fileobj=fileobj, mode="r|*") as tar:
@@ -99,13 +112,13 @@ class WebDataset(ShardFormat):
                     return sum(counts), counts
         counts = []
         for f in files:
-            with storage.open_input(f) as fh:
+            with _tar_stream(storage, f) as fh:
                 counts.append(count_tar_samples(fh))
         return sum(counts), counts
 
     def iter_rows(self, data, files, storage):
         for f in files:
-            with storage.open_input(f) as fh:
+            with _tar_stream(storage, f) as fh:
                 yield from iter_tar_samples(fh, f, data.masked_loss)
 
     def read_dataset(self, data, files, file_rows, storage, seed, shuffle, **map_args):

@@ -150,6 +150,17 @@ def open_row(image: Any, caption: Any, *, max_pixels: int, min_size: int, small_
     return img, text
 
 
+def open_masked_row(image: Any, caption: Any, mask: Any, *, masks: bool, max_pixels: int,
+                    min_size: int, small_images: str,
+                    keep_empty_captions: bool) -> tuple[Image.Image, str, Image.Image | None]:
+    """``open_row`` and, with ``masks`` (data.masked_loss), the row's loss mask
+    (``decode_mask``, read before ``to_rgb`` composites the alpha channel away): the one
+    judgement of a row, in the preprocess stage and the driver's sample check."""
+    img, text = open_row(image, caption, max_pixels=max_pixels, min_size=min_size,
+                         small_images=small_images, keep_empty_captions=keep_empty_captions)
+    return img, text, decode_mask(img, mask, max_pixels) if masks else None
+
+
 def decode_mask(img: Image.Image, value: Any, max_pixels: int) -> Image.Image | None:
     """A row's loss mask as an 8-bit greyscale image of ``img``'s size (255: full weight):
     the encoded sidecar/column ``value`` when there is one, else ``img``'s alpha channel,

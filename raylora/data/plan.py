@@ -255,24 +255,22 @@ def sample_problems(data: DataSection, plan: DataPlan, storage: Storage) -> list
     fraction on every row it reads (data.max_bad_fraction). So does every source when
     data.max_bad_fraction is 0.5 or more: a mostly-bad sample is then what the config
     expects. Read errors are problems too: the run would fail on them."""
-    from raylora.data.decode import BadRecord, decode_mask, open_row
+    from raylora.data.decode import BadRecord, open_masked_row
 
     if data.max_bad_fraction >= 0.5:
         return []
     sections, problems = data.source_sections(), []
     for s in plan.sources:
         section, key = sections[s.index], data.source_key(s.index, "uri")
-        kw = section.decode_kwargs()
         bad, seen, examples = Counter(), 0, {}
         try:
             for row in get_format(s.format).sample_rows(section, s.files, storage, SAMPLE_ROWS):
                 seen += 1
                 try:
-                    img, _ = open_row(row["image"], row["text"], max_pixels=kw["max_image_pixels"],
-                                      min_size=kw["min_size"], small_images=kw["small_images"],
-                                      keep_empty_captions=section.caption_dropout > 0)
-                    if section.masked_loss:
-                        decode_mask(img, row.get("mask"), kw["max_image_pixels"])
+                    open_masked_row(row["image"], row["text"], row.get("mask"),
+                                    masks=section.masked_loss, max_pixels=section.max_image_pixels,
+                                    min_size=section.min_size, small_images=section.small_images,
+                                    keep_empty_captions=section.caption_dropout > 0)
                 except BadRecord as exc:
                     bad[exc.reason] += 1
                     if exc.reason not in examples:

@@ -256,14 +256,13 @@ class Preprocess:
 
     def _decode(self, image, text, mask, src: int):
         """One row → (RGB image, caption, "L" mask or None), or ``BadRecord``."""
-        from raylora.data.decode import decode_mask, open_row, to_rgb
+        from raylora.data.decode import open_masked_row, to_rgb
 
         # Caption dropout trains on the empty prompt anyway: a blank caption is kept.
-        img, caption = open_row(image, text, **{k: v for k, v in self.decode.items()
-                                                if k != "background"},
-                                keep_empty_captions=self.policies[src].dropout > 0)
-        # Read before to_rgb, which composites the alpha channel away.
-        loss_mask = decode_mask(img, mask, self.decode["max_pixels"]) if self.masks else None
+        img, caption, loss_mask = open_masked_row(
+            image, text, mask, masks=self.masks,
+            **{k: v for k, v in self.decode.items() if k != "background"},
+            keep_empty_captions=self.policies[src].dropout > 0)
         return to_rgb(img, self.decode["background"]), caption, loss_mask
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

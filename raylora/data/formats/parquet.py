@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -106,25 +107,24 @@ class Parquet(ShardFormat):
         # budget, spread over that group: a run of bad rows at a file's start is not all
         # it sees, at no extra read.
         budget, chosen = SAMPLE_BYTES, []
-        for i in spread(len(files), k):
-            with storage.open_input(files[i]) as fh:
-                pf = pq.ParquetFile(fh)
-                md, cols = pf.metadata, set(read_columns(data, pf.schema_arrow.names))
-            if not md.num_row_groups:
-                continue
-            group = md.row_group(0)
-            cost = sum(group.column(j).total_compressed_size for j in range(group.num_columns)
-                       if group.column(j).path_in_schema.split(".")[0] in cols)
-            if cost <= budget:
-                budget -= cost
-                chosen.append(i)
-        per = -(-k // max(1, len(chosen)))
-        for i in chosen:
-            with storage.open_input(files[i]) as fh:
-                pf = pq.ParquetFile(fh)
-                table = pf.read_row_group(0, columns=read_columns(data, pf.schema_arrow.names))
-            rows = spread(table.num_rows, per)
-            yield from _table_rows(data, files[i], table.take(rows), rows)
+        with contextlib.ExitStack() as stack:
+            # Each file opened once: the chosen ones stay open until their groups are read.
+            for i in spread(len(files), k):
+                pf = pq.ParquetFile(stack.enter_context(storage.open_input(files[i])))
+                cols = read_columns(data, pf.schema_arrow.names)
+                if not pf.metadata.num_row_groups:
+                    continue
+                group = pf.metadata.row_group(0)
+                cost = sum(group.column(j).total_compressed_size for j in range(group.num_columns)
+                           if group.column(j).path_in_schema.split(".")[0] in cols)
+                if cost <= budget:
+                    budget -= cost
+                    chosen.append((files[i], pf, cols))
+            per = -(-k // max(1, len(chosen)))
+            for f, pf, cols in chosen:
+                table = pf.read_row_group(0, columns=cols)
+                rows = spread(table.num_rows, per)
+                yield from _table_rows(data, f, table.take(rows), rows)
 
     def read_dataset(self, data, files, file_rows, storage, seed, shuffle, **map_args):
         # Imported here: the registry is imported where Ray is not (raylora.data.decode).

@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raylora.data.formats.base import ShardFormat, image_bytes, spread, with_mask
+from raylora.data.formats.base import (
+    ShardFormat, concurrently, image_bytes, img2dataset_metadata, spread, with_mask,
+)
 from raylora.storage import Storage
 
 if TYPE_CHECKING:
@@ -32,7 +34,8 @@ def check_columns(data: DataSection, file: str, schema: pa.Schema) -> None:
         if col not in names
     ]
     if missing:
-        raise ValueError(f"{file}: column(s) not found: {', '.join(missing)}; the shard has {names}")
+        raise ValueError(f"{file}: column(s) not found: {', '.join(missing)}; the shard has "
+                         f"{names}{_column_hint(data, schema)}")
     kind = schema.field(data.image_column).type
     if not (_binary(kind) or (pa.types.is_struct(kind) and kind.get_field_index("bytes") >= 0
                               and _binary(kind.field("bytes").type))):
@@ -43,6 +46,29 @@ def check_columns(data: DataSection, file: str, schema: pa.Schema) -> None:
             "struct {bytes, path}). Images kept as files beside a caption each read as a "
             "folder (data.format captionfolder or imagefolder), or `raylora shards build` "
             "turns that folder into shards")
+
+
+# Caption columns other tools write: img2dataset's parquet output has ``txt`` (and the
+# input's ``caption``), LAION's metadata ``caption``/``TEXT``, many datasets ``prompt``.
+CAPTION_NAMES = ("text", "txt", "caption", "TEXT", "prompt")
+
+
+def _column_hint(data: DataSection, schema: pa.Schema) -> str:
+    """Which of a shard's columns could be the missing ones: its binary (or datasets
+    Image struct) columns for the image, a caption-like string column for the caption
+    (img2dataset's parquet output: data.image_column=jpg data.caption_column=txt)."""
+    def kind(n: str) -> pa.DataType:
+        return schema.field(n).type
+
+    names = schema.names
+    picks = []
+    if data.image_column not in names:
+        picks += [f"data.image_column={n}" for n in names if _binary(kind(n)) or (
+            pa.types.is_struct(kind(n)) and kind(n).get_field_index("bytes") >= 0)][:1]
+    if data.caption_column not in names:
+        picks += [f"data.caption_column={n}" for n in CAPTION_NAMES if n in names and (
+            pa.types.is_string(kind(n)) or pa.types.is_large_string(kind(n)))][:1]
+    return f" (try {' '.join(picks)})" if picks else ""
 
 
 def _binary(kind: pa.DataType) -> bool:
@@ -85,14 +111,22 @@ class Parquet(ShardFormat):
     writable = True
     manifest_schema = {"key": "string", "image": "binary (encoded image)", "text": "string"}
 
+    def detects(self, files):
+        # Not img2dataset's metadata beside its tars or folders: those are the data (a
+        # folder of its webdataset output was taken for parquet, then refused for having
+        # no image column). data.format: parquet still reads them.
+        metadata = img2dataset_metadata(files)
+        return any(f not in metadata for f in self.select(files))
+
     def count_rows(self, data, files, storage):
-        file_rows = []
-        for f in files:
-            with storage.open_input(f) as fh:
+        def rows(i: int) -> int:
+            with storage.open_input(files[i]) as fh:
                 pf = pq.ParquetFile(fh)
-                if not file_rows:
-                    check_columns(data, f, pf.schema_arrow)
-                file_rows.append(pf.metadata.num_rows)
+                if i == 0:  # the first error in file order is the one raised
+                    check_columns(data, files[i], pf.schema_arrow)
+                return pf.metadata.num_rows
+
+        file_rows = concurrently(rows, range(len(files)))
         return sum(file_rows), file_rows
 
     def iter_rows(self, data: DataSection, files: list[str], storage: Storage) -> Iterator[dict]:

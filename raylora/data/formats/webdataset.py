@@ -6,16 +6,21 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import posixpath
 import tarfile
+from collections import Counter
 from collections.abc import Iterator
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 
 from raylora.data.formats.base import (
-    IMAGE_EXTS, MASK_SUFFIX, ShardFormat, decode_text, read_manifest,
+    IMAGE_EXTS, MASK_SUFFIX, ShardFormat, concurrently, decode_text, read_manifest,
 )
-from raylora.storage import Storage
+from raylora.storage import Storage, to_uri
+
+log = logging.getLogger("raylora.data")
 
 
 def split_key(name: str) -> tuple[str, str]:
@@ -73,6 +78,55 @@ def _tar_stream(storage: Storage, uri: str):
     return pa.input_stream(storage.open_input(uri), buffer_size=TAR_BUFFER)
 
 
+# img2dataset writes ``00000_stats.json`` beside ``00000.tar`` once the tar is closed; its
+# ``successes`` are the samples in the tar (a failed download or resize writes none).
+STATS_SUFFIX = "_stats.json"
+# A tar newer than its _stats.json by more than this was written again after img2dataset
+# counted it (filtered, re-downloaded): it is read to count it. Within it: copies and
+# uploads of many files at once that end in another order than they began.
+STATS_SLACK_S = 60.0
+# Tars read whole to count them whose size gets a line in the log (what planning waits on).
+SCAN_NOTE_BYTES = 1 << 30
+
+
+def stats_uri(tar: str) -> str:
+    return tar[: -len(".tar")] + STATS_SUFFIX
+
+
+def _folder_infos(storage: Storage, files: list[str]) -> dict[str, pafs.FileInfo]:
+    """URI → FileInfo of what lies beside the tars: one listing per folder (not one
+    request per tar and sidecar)."""
+    out: dict[str, pafs.FileInfo] = {}
+    for folder in sorted({f.rsplit("/", 1)[0] for f in files}):
+        fs, path = storage.fs(folder)
+        try:
+            infos = fs.get_file_info(pafs.FileSelector(path, recursive=False, allow_not_found=True))
+        except OSError as exc:
+            raise OSError(f"{folder}: cannot list: {exc}") from None
+        out.update((to_uri(folder, i.path), i) for i in infos if i.type == pafs.FileType.File)
+    return out
+
+
+def stats_count(storage: Storage, tar: str, infos: dict[str, pafs.FileInfo]) -> tuple[int | None, str]:
+    """(samples, "") from the tar's img2dataset ``_stats.json``, or (None, why not)."""
+    side = infos.get(stats_uri(tar))
+    if side is None:
+        return None, "no _stats.json"
+    mine = infos.get(tar)
+    if side.mtime is None or mine is None or mine.mtime is None:
+        return None, "no modification times to compare"
+    if (mine.mtime - side.mtime).total_seconds() > STATS_SLACK_S:
+        return None, "tar newer than its _stats.json"
+    try:
+        stats = json.loads(storage.read_bytes(stats_uri(tar)))
+    except (OSError, ValueError):
+        return None, "_stats.json unreadable"
+    n, total = (stats.get("successes"), stats.get("count")) if isinstance(stats, dict) else (None, None)
+    if type(n) is not int or n < 0 or (total is not None and (type(total) is not int or total < n)):
+        return None, "_stats.json without a sample count"
+    return n, ""
+
+
 def count_tar_samples(fileobj) -> int:
     keys = set()
     with tarfile.open(fileobj=fileobj, mode="r|*") as tar:
@@ -99,8 +153,9 @@ class WebDataset(ShardFormat):
                        "KEY.json": "{key, caption}"}
 
     def count_rows(self, data, files, storage):
-        """Samples per tar: from the shard builder's manifest when present, else by
-        scanning tar headers."""
+        """Samples per tar: from the shard builder's manifest when present, else from
+        img2dataset's ``_stats.json`` beside each tar, else by reading the tar (every
+        byte of it: its members' headers are spread through it)."""
         roots = {f.rsplit("/", 1)[0] for f in files}
         if len(roots) == 1:
             manifest = read_manifest(storage, roots.pop())
@@ -110,10 +165,24 @@ class WebDataset(ShardFormat):
                 if all(n in listed for n in names):
                     counts = [listed[n] for n in names]
                     return sum(counts), counts
-        counts = []
-        for f in files:
+        infos = _folder_infos(storage, files)
+        found = concurrently(lambda f: stats_count(storage, f, infos), files)
+
+        def scan(f: str) -> int:
             with _tar_stream(storage, f) as fh:
-                counts.append(count_tar_samples(fh))
+                return count_tar_samples(fh)
+
+        missing = [f for f, (n, _) in zip(files, found) if n is None]
+        scanned = dict(zip(missing, concurrently(scan, missing)))
+        counts = [scanned[f] if n is None else n for f, (n, _) in zip(files, found)]
+        size = sum(infos[f].size or 0 for f in missing if f in infos)
+        if missing and size >= SCAN_NOTE_BYTES:  # why planning takes this long, and what avoids it
+            why = Counter(w for n, w in found if n is None)
+            log.info("webdataset: %d of %d tar(s) (%.1f GB) read whole to count their samples "
+                     "(%s); a manifest.json (raylora shards build) or img2dataset's "
+                     "_stats.json beside them is read instead", len(missing), len(files),
+                     size / 1e9,
+                     ", ".join(f"{k}: {v}" for k, v in why.most_common()))
         return sum(counts), counts
 
     def iter_rows(self, data, files, storage):

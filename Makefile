@@ -59,6 +59,7 @@ bench: $(STAMP)
 	$(PY) bench/overhead.py
 	$(PY) bench/cache.py
 	$(PY) bench/download.py
+	$(PY) bench/plan.py
 	if $(PY) -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then \
 		$(PY) bench/gpu_throughput.py; \
 	else echo "bench: no CUDA device, skipping bench/gpu_throughput.py (try --smoke)"; fi

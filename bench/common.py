@@ -130,6 +130,27 @@ def record(title: str, env: dict, body: str, notes: list[str] = ()) -> str:
 
 
 @contextmanager
+def moto_bucket(bucket: str = "bench"):
+    """moto's S3 server on loopback for one benchmark, with bench credentials in the
+    environment (``AWS_ENDPOINT_URL`` too) and ``bucket`` made: yields (endpoint, client)."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
+                      AWS_REGION="us-east-1", AWS_ENDPOINT_URL=endpoint)
+    try:
+        s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+        s3.create_bucket(Bucket=bucket)
+        yield endpoint, s3
+    finally:
+        server.stop()
+
+
+@contextmanager
 def stopwatch(out: dict, key: str):
     t0 = time.perf_counter()
     yield

@@ -27,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
-from common import machine, record, table  # noqa: E402
+from common import machine, moto_bucket, record, table  # noqa: E402
 
 
 def main() -> None:
@@ -37,23 +37,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
 
-    import boto3
+    with moto_bucket("bench") as (endpoint, s3):
+        run(args, endpoint, s3)
+
+
+def run(args, endpoint: str, s3) -> None:
     import pyarrow.fs as pafs
-    from moto.server import ThreadedMotoServer
 
     from faultproxy import FaultProxy
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
-                      AWS_REGION="us-east-1", AWS_ENDPOINT_URL=endpoint)
     from raylora import storage
     from raylora.storage import Storage
 
-    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-    s3.create_bucket(Bucket="bench")
     # A DiT folder in miniature: one big weights file, a smaller one, small configs.
     folder = {"transformer/diffusion_pytorch_model.safetensors": args.mib * 2**20,
               "vae/diffusion_pytorch_model.safetensors": max(1, args.mib // 8) * 2**20,
@@ -96,7 +90,6 @@ def main() -> None:
                     assert got == total, (name, got, total)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        server.stop()
 
     base = statistics.mean(times["pyarrow copy_files (before)"])
     rows = [{"side": name, "GET requests": requests[name], "seconds (mean)": statistics.mean(t),

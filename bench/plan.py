@@ -31,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
-from common import machine, record, table  # noqa: E402
+from common import machine, moto_bucket, record, table  # noqa: E402
 
 SAMPLE_BYTES = 100_000  # an encoded 512px JPEG, about
 
@@ -57,25 +57,20 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
 
-    import boto3
+    with moto_bucket("bench") as (endpoint, s3):
+        run(args, endpoint, s3)
+
+
+def run(args, endpoint: str, s3) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from moto.server import ThreadedMotoServer
 
     from faultproxy import FaultProxy
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_REGION="us-east-1")
     from raylora.config import DataSection
     from raylora.data.formats import base, webdataset
     from raylora.data.source import plan_data
     from raylora.storage import Storage
 
-    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-    s3.create_bucket(Bucket="bench")
     samples = max(1, int(args.mib * 2**20 // SAMPLE_BYTES))
     meta = io.BytesIO()
     pq.write_table(pa.table({"key": ["k"], "status": ["success"]}), meta)
@@ -126,19 +121,16 @@ def main() -> None:
     expected = {"webdataset": args.shards * samples, "parquet": args.shards * 64}
     times = {k: [] for k in sides}
     requests = {}
-    try:
-        with FaultProxy(endpoint, slow_every=1, delay=args.latency_ms / 1000, fail_if=count) as proxy:
-            for _ in range(args.repeats):
-                for key, fn in sides.items():
-                    store = Storage(endpoint_url=proxy.url)  # no client or listing kept
-                    gets.append(0)
-                    t0 = time.perf_counter()
-                    rows = fn(store)
-                    times[key].append(time.perf_counter() - t0)
-                    requests[key] = gets[-1]
-                    assert rows == expected[key[0]], (key, rows)
-    finally:
-        server.stop()
+    with FaultProxy(endpoint, slow_every=1, delay=args.latency_ms / 1000, fail_if=count) as proxy:
+        for _ in range(args.repeats):
+            for key, fn in sides.items():
+                store = Storage(endpoint_url=proxy.url)  # no client or listing kept
+                gets.append(0)
+                t0 = time.perf_counter()
+                rows = fn(store)
+                times[key].append(time.perf_counter() - t0)
+                requests[key] = gets[-1]
+                assert rows == expected[key[0]], (key, rows)
 
     rows = []
     for key, t in times.items():

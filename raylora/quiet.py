@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import sys
 
 VERBOSE_ENV = "RAYLORA_VERBOSE"
 
@@ -41,6 +43,33 @@ QUIET_LOGGERS = {
 }
 
 
+# Ray Train's logger of a worker's error and its traceback ("Error in training function"),
+# on every rank that raised.
+TRAIN_FN_ERROR_LOGGER = "ray.train.v2._internal.util"
+_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*)(?::|$)")
+
+
+class RepeatedErrorTraceback(logging.Filter):
+    """Drops Ray Train's "Error in training function" traceback of an error that a
+    restart would repeat (``restart_repeats``: data over data.max_bad_fraction, a loss
+    that stayed NaN/inf, a data stream that ended early). The run ends on it, and the
+    driver prints it as one line naming the rank and the cause (``raylora.entry``): the
+    ranks' tracebacks before that line said nothing more, twice. Any other error keeps
+    its traceback (a bug, a lost peer: there it is the evidence)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if not text.startswith("Error in training function"):
+            return True
+        for line in reversed(text.rstrip().splitlines()):  # the last exception raised
+            match = _EXCEPTION_LINE.match(line)
+            module, _, name = match.group(1).rpartition(".") if match else ("", "", "")
+            error = getattr(sys.modules.get(module or "builtins"), name, None)
+            if isinstance(error, type) and issubclass(error, BaseException):
+                return not getattr(error, "restart_repeats", False)
+        return True
+
+
 def verbose() -> bool:
     return os.environ.get(VERBOSE_ENV, "").lower() not in ("", "0", "false", "no")
 
@@ -60,6 +89,9 @@ def apply() -> None:
     for name, level in QUIET_LOGGERS.items():
         logging.getLogger(name).setLevel(level)
     logging.getLogger(_train_context_logger()).setLevel(logging.WARNING)
+    errors = logging.getLogger(TRAIN_FN_ERROR_LOGGER)
+    if not any(isinstance(f, RepeatedErrorTraceback) for f in errors.filters):
+        errors.addFilter(RepeatedErrorTraceback())
 
 
 def _train_context_logger() -> str:

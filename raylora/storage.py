@@ -243,12 +243,16 @@ class Storage:
 
     def expand(self, uris: str | list[str], suffixes: tuple[str, ...] | None = None) -> list[str]:
         """Files behind a file, directory, glob or list of those (hidden ``.``/``_`` files
-        skipped), filtered by suffix. Raises FileNotFoundError naming the URI that matched
-        nothing."""
+        skipped), filtered by suffix. Brace notation as WebDataset writes shard lists
+        (``shard-{00000..00099}.tar``, ``{train,extra}/``) stands for each URI it spells.
+        Raises FileNotFoundError naming the URI that matched nothing."""
         out: list[str] = []
         for uri in [uris] if isinstance(uris, str) else uris:
             uri = normalize(uri)
-            if any(ch in uri for ch in "*?["):
+            spelled = braces(uri)
+            if len(spelled) > 1:
+                found = self._spelled(uri, spelled)
+            elif any(ch in uri for ch in "*?["):
                 root = uri[: min(uri.index(c) for c in "*?[" if c in uri)].rsplit("/", 1)[0]
                 pattern = _glob_regex(uri)
                 found = [f for f in self.list_files(root) if pattern.fullmatch(f)]
@@ -268,6 +272,33 @@ class Storage:
                 raise FileNotFoundError(f"{uri}: matched no {what} files")
             out.extend(found)
         return sorted(dict.fromkeys(out))
+
+    def _spelled(self, pattern: str, uris: list[str]) -> list[str]:
+        """The files behind the URIs a brace pattern spells: globs as globs, the others
+        found in one listing of each folder they are in (not a request each: a thousand
+        shards were a thousand HEADs one after another), folders listed. Raises
+        FileNotFoundError naming the pattern and the spelled URIs that are not there."""
+        found: list[str] = []
+        plain = [u for u in uris if not any(ch in u for ch in "*?[")]
+        for u in uris:
+            if u not in plain:
+                found += self.expand(u)
+        listed: dict[str, pafs.FileInfo] = {}
+        for folder in dict.fromkeys(u.rsplit("/", 1)[0] for u in plain):
+            fs, path = self.fs(folder)
+            try:
+                infos = fs.get_file_info(pafs.FileSelector(path, recursive=False, allow_not_found=True))
+            except OSError as exc:
+                raise OSError(f"{folder}: cannot list: {_short(exc)}") from None
+            listed.update((to_uri(folder, i.path), i) for i in infos)
+        missing = [u for u in plain if u not in listed]
+        if missing:
+            more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+            raise FileNotFoundError(f"{pattern}: no such file or directory: "
+                                    f"{', '.join(missing[:3])}{more}")
+        for u in plain:
+            found += [u] if listed[u].type == pafs.FileType.File else self.list_files(u)
+        return found
 
     def read_bytes(self, uri: str) -> bytes:
         fs, path = self.fs(uri)
@@ -572,6 +603,48 @@ def _replace_file(path: str, data: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
         raise
+
+
+# A brace group's integer range (``0..9``, ``000..099``, ``0..100..10``), as in
+# WebDataset's (braceexpand's) shard lists.
+_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?$")
+
+
+def braces(uri: str) -> list[str]:
+    """The URIs a brace pattern spells, in order: ``s-{00..02}.tar`` → s-00.tar, s-01.tar,
+    s-02.tar (the width of a bound with a leading zero pads every number), ``{a,b}/x`` →
+    a/x, b/x, nested groups too. A group that is neither (``{}``, ``{x}``) is kept as
+    written."""
+    depth, start = 0, -1
+    for i, c in enumerate(uri):
+        if c == "{":
+            depth, start = depth + 1, i if depth == 0 else start
+        elif c == "}" and depth:
+            depth -= 1
+            if depth == 0:
+                break
+    else:
+        return [uri]
+    head, inner, tail = uri[:start], uri[start + 1:i], uri[i + 1:]
+    r = _RANGE.match(inner)
+    if r:
+        lo, hi = int(r.group(1)), int(r.group(2))
+        step = abs(int(r.group(3) or 1)) or 1
+        padded = any(len(g.lstrip("-")) > 1 and g.lstrip("-").startswith("0") for g in r.group(1, 2))
+        pad = max(len(r.group(1)), len(r.group(2))) if padded else 0
+        seq = range(lo, hi + 1, step) if lo <= hi else range(lo, hi - 1, -step)
+        words = [f"{n:0{pad}d}" for n in seq]
+    else:
+        words, depth, last = [], 0, 0  # split at the group's own commas, not nested ones
+        for j, c in enumerate(inner):
+            depth += (c == "{") - (c == "}")
+            if c == "," and depth == 0:
+                words.append(inner[last:j])
+                last = j + 1
+        if not words:  # no comma: a literal group, whatever is inside it spelled
+            return [head + "{" + w + "}" + t for w in braces(inner) for t in braces(tail)]
+        words.append(inner[last:])
+    return [out for w in words for out in braces(head + w + tail)]
 
 
 def _glob_regex(pattern: str) -> re.Pattern:

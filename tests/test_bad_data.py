@@ -1,8 +1,10 @@
 """#7: bad samples never crash a job. The validating decode, row by row, and a Ray run over
 a shard that mixes good samples (in every image mode) with each kind of bad one."""
 
+import glob
 import io
 import json
+import os
 
 import numpy as np
 import pyarrow as pa
@@ -203,6 +205,15 @@ def test_a_run_trains_on_exactly_the_good_rows_and_reports_the_bad(ray_local, ti
     assert "data.max_bad_fraction" in msg and "8 of 20 rows" in msg
     assert "too_many_pixels=1" in msg and "missing_caption=2" in msg and "part-00000.parquet" in msg
     assert not (tmp_path / "strict" / "adapter").exists()
+    # That line is all a user sees of it: no rank printed its traceback first (raylora.quiet;
+    # Ray Train logged "Error in training function" and the stack on each rank).
+    import ray
+
+    logs = ray._private.worker._global_node.get_logs_dir_path()
+    printed = [p for p in glob.glob(os.path.join(logs, "**", "*"), recursive=True)
+               if os.path.isfile(p) and "BadDataError" in (t := open(p, errors="replace").read())
+               and "Error in training function" in t]
+    assert printed == []
 
     # lr-find reads through the same decode and refuses the same data, counting the same.
     from raylora.launch import run_lr_find

@@ -200,11 +200,45 @@ def test_detection_order_of_image_folders():
     imgs = ["/d/a.png", "/d/a.txt", "/d/b.jpg", "/d/b.txt"]
     assert formats.detect_format(imgs) == "captionfolder"
     assert formats.detect_format(imgs + ["/d/metadata.jsonl"]) == "imagefolder"
+    assert formats.detect_format(imgs + ["/d/metadata.csv"]) == "imagefolder"  # as HF's reads
+    assert formats.detect_format(imgs + ["/d/labels.csv"]) == "captionfolder"  # only that name
     assert formats.detect_format(["/d/10_x/a.png"]) == "captionfolder"  # class tokens only
     assert formats.detect_format(imgs + ["/d/s.parquet"]) == "parquet"
     assert formats.detect_format(imgs + ["/d/s.tar"]) == "webdataset"
-    with pytest.raises(ValueError, match="images with metadata.jsonl or images with .txt captions"):
+    with pytest.raises(ValueError, match="images with metadata.jsonl/.csv or images with .txt captions"):
         formats.detect_format(["/d/notes.md"])
+
+
+def test_an_imagefolder_with_metadata_csv_reads_as_the_jsonl_one(tmp_path):
+    """Hugging Face's imagefolder reads metadata.csv as it reads metadata.jsonl (a header
+    with file_name and the caption column). Before: the folder was a caption folder whose
+    every image had no caption, refused."""
+    import csv
+    import json
+
+    from raylora.data.demo import write_imagefolder
+
+    src = write_imagefolder(tmp_path / "csv", n=4, size=16, seed=3)
+    meta = [json.loads(line) for line in (src / "metadata.jsonl").read_text().splitlines()]
+    (src / "metadata.jsonl").unlink()
+    meta[1]["text"] = 'a "quoted" caption, with a comma\nand a second line'
+    with open(src / "sub.csv", "w") as f:  # not metadata: only that name is
+        f.write("x\n")
+    with open(src / "metadata.csv", "w", newline="", encoding="utf-8-sig") as f:  # Excel's BOM
+        w = csv.DictWriter(f, ["file_name", "text", "score"])
+        w.writeheader()
+        w.writerows({**m, "score": 1} for m in meta)
+    store = Storage()
+    plan = plan_data(DataSection(uri=str(src)), store)
+    assert plan.format == "imagefolder" and plan.rows == 4
+    assert sorted(f.rsplit("/", 1)[1] for f in plan.files)[-2:] == ["img_00003.png", "metadata.csv"]
+    rows = list(formats.get_format("imagefolder").iter_rows(DataSection(uri=str(src)), plan.files, store))
+    assert [r["text"] for r in rows] == [m["text"] for m in meta]
+    assert [r["key"] for r in rows] == [str(src / m["file_name"]) for m in meta]
+    with open(src / "metadata.csv", "w") as f:
+        f.write("name,text\nimg_00000.png,x\n")
+    with pytest.raises(ValueError, match=r"metadata.csv: no file_name column \(its header: \['name', 'text'\]\)"):
+        plan_data(DataSection(uri=str(src)), store)
 
 
 def test_missing_captions_are_refused_up_front_or_counted(tmp_path, tiny_model, base_config):

@@ -226,3 +226,8 @@ def test_img2dataset_tars_in_s3_are_counted_from_their_stats(tmp_path, s3_store)
     assert gets == ["/raylora-i2d/laion/out/00000_stats.json", "/raylora-i2d/laion/out/00001_stats.json"]
     rows = list(webdataset.WebDataset().iter_rows(DataSection(uri=uri), plan.files, store))
     assert len(rows) == 8
+    # The shards as WebDataset spells them: found in the folder's listing, no request each.
+    requests.clear()
+    spelled = plan_data(DataSection(uri=uri + "/{00000..00001}.tar"), store)
+    assert spelled.files == plan.files and spelled.file_rows == [4, 4]
+    assert [(m, p) for m, p in requests if p.endswith(".tar")] == []

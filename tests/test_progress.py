@@ -62,6 +62,51 @@ def test_worker_env_carries_verbose_or_quiet_settings(monkeypatch):
     assert quiet.ray_train_log_level() == "INFO"
 
 
+def test_a_traceback_is_dropped_only_for_errors_the_driver_prints_as_one_line(monkeypatch, caplog):
+    """Ray Train logs "Error in training function" and the traceback on every rank that
+    raised (``construct_user_exception_with_traceback``, called here as its worker calls
+    it). An error a restart would repeat ends the run and reaches the CLI as one line
+    (raylora.entry.EndOnRepeated): its tracebacks go, in quiet mode only; the rest stay."""
+    import logging
+
+    from ray.train.v2._internal.util import construct_user_exception_with_traceback
+
+    from raylora.data.badrecords import BadDataError
+    from raylora.train.loop import DataEndedError, NonFiniteLossError
+
+    errors = logging.getLogger(quiet.TRAIN_FN_ERROR_LOGGER)
+    monkeypatch.setattr(errors, "filters", [])  # what apply() adds goes with the test
+
+    def logged(error: BaseException) -> list[str]:
+        caplog.clear()
+        try:
+            try:
+                raise OSError("the read that failed first")
+            except OSError:
+                raise error  # chained: the last exception is the one that counts
+        except BaseException as exc:
+            construct_user_exception_with_traceback(exc)
+        return [r.getMessage() for r in caplog.records if r.name == quiet.TRAIN_FN_ERROR_LOGGER]
+
+    repeated = [BadDataError("data.max_bad_fraction: 8 of 20 rows\nmissing_caption=2"),
+                NonFiniteLossError("loss or gradients were NaN/inf for 5 optimizer steps"),
+                DataEndedError("epoch 0: the data stream ended before the run did")]
+    others = [RuntimeError("gloo: connection closed"), ValueError("a bug"), KeyboardInterrupt()]
+    with caplog.at_level(logging.ERROR):
+        monkeypatch.setenv(quiet.VERBOSE_ENV, "1")
+        quiet.apply()  # verbose: nothing filtered
+        assert [len(logged(e)) for e in repeated + others] == [1] * 6
+        monkeypatch.delenv(quiet.VERBOSE_ENV)
+        quiet.apply()
+        quiet.apply()  # once per process, however often called
+        assert len(errors.filters) == 1
+        assert [logged(e) for e in repeated] == [[], [], []]
+        for e in others:
+            (text,) = logged(e)
+            assert text.startswith("Error in training function:\n") and "Traceback" in text
+            assert text.rstrip().endswith(f"{type(e).__name__}: {e}".rstrip(": "))
+
+
 # Noise that quiet mode exists to remove (Ray Train, Ray Data, bitsandbytes, transformers).
 NOISE = ("TrainingReport(", "Checkpoint successfully created", "execution finished",
          "Execution plan of Dataset", "gemm_4bit_forward", "Loading weights",

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from raylora.storage import Storage, filesystem, normalize
+from raylora.storage import Storage, braces, filesystem, normalize
 
 
 def test_local_uris_normalize_to_absolute_paths(tmp_path, monkeypatch):
@@ -25,6 +25,38 @@ def test_expand_dir_glob_list_and_hidden_files(tmp_path):
     assert st.expand(str(tmp_path / "*.parquet")) == [str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")]
     with pytest.raises(FileNotFoundError, match=f"{tmp_path}/none: no such file"):
         st.expand([str(tmp_path / "a.parquet"), str(tmp_path / "none")])
+
+
+@pytest.mark.parametrize("pattern,spelled", [
+    ("s/{00..02}.tar", ["s/00.tar", "s/01.tar", "s/02.tar"]),  # webdataset's shard lists
+    ("s/{8..11}.tar", ["s/8.tar", "s/9.tar", "s/10.tar", "s/11.tar"]),  # no padding asked
+    ("s/{0..20..10}", ["s/0", "s/10", "s/20"]),
+    ("s/{2..0}", ["s/2", "s/1", "s/0"]),
+    ("{a,b}/{1..2}", ["a/1", "a/2", "b/1", "b/2"]),
+    ("{a,{b,c}}x", ["ax", "bx", "cx"]),
+    ("a{,b}", ["a", "ab"]),
+    ("a{}b{x}c{", ["a{}b{x}c{"]),  # neither a list nor a range: as written
+])
+def test_braces_spell_what_webdataset_shard_lists_spell(pattern, spelled):
+    assert braces(pattern) == spelled
+
+
+def test_expand_a_brace_list_finds_each_uri_and_names_the_missing(tmp_path):
+    for name in [f"wds/{i:05d}.tar" for i in range(12)] + ["a/x.parquet", "b/y.parquet"]:
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(b"x")
+    st = Storage()
+    found = st.expand(str(tmp_path / "wds" / "{00000..00011}.tar"))
+    assert found == [str(tmp_path / "wds" / f"{i:05d}.tar") for i in range(12)]
+    # Before: one URI named "{00000..00011}.tar", no such file.
+    assert st.expand(str(tmp_path / "{a,b}")) == [str(tmp_path / "a/x.parquet"), str(tmp_path / "b/y.parquet")]
+    assert st.expand(str(tmp_path / "{a/*.parquet,b}")) == [str(tmp_path / "a/x.parquet"),
+                                                            str(tmp_path / "b/y.parquet")]
+    pattern = str(tmp_path / "wds" / "{00010..00015}.tar")
+    with pytest.raises(FileNotFoundError) as err:
+        st.expand(pattern)
+    missing = ", ".join(str(tmp_path / "wds" / f"{i:05d}.tar") for i in (12, 13, 14))
+    assert str(err.value) == f"{pattern}: no such file or directory: {missing} (and 1 more)"
 
 
 def test_publish_dir_replaces_atomically_and_leaves_no_temporaries(tmp_path):

@@ -12,6 +12,7 @@ import json
 import posixpath
 
 from raylora.data import formats
+from raylora.data.formats.imagefolder import is_metadata
 from raylora.storage import Storage, join, normalize
 
 
@@ -21,7 +22,7 @@ def collect_items(store: Storage, src: str) -> list[dict]:
     files = store.list_files(src)
     if not files:
         raise FileNotFoundError(f"{src}: no files found")
-    if any(posixpath.basename(f) == formats.METADATA for f in files):
+    if any(is_metadata(f) for f in files):
         items = formats.imagefolder_rows(store, files, "text")
     else:
         texts = {f[: -len(".txt")] for f in files if f.endswith(".txt")}
@@ -33,7 +34,8 @@ def collect_items(store: Storage, src: str) -> list[dict]:
                 items.append({"key": stem, "uri": f, "text": text})
     if not items:
         raise FileNotFoundError(
-            f"{src}: no captioned images (need {formats.METADATA} or a .txt beside each image)"
+            f"{src}: no captioned images (need {formats.METADATA}, metadata.csv or a .txt "
+            "beside each image)"
         )
     for it in items:  # keys relative to the source folder, stable across machines
         it["key"] = posixpath.splitext(it["key"][len(src) + 1 :])[0]

@@ -1,9 +1,11 @@
 """Image folder (Hugging Face imagefolder): images plus ``metadata.jsonl`` lines
-``{"file_name": ..., "text": ...}`` in the same folder or a parent. A row's key is the
-image's URI."""
+``{"file_name": ..., "text": ...}`` (or a ``metadata.csv`` with those columns) in the same
+folder or a parent. A row's key is the image's URI."""
 
 from __future__ import annotations
 
+import csv
+import io
 import itertools
 import json
 import posixpath
@@ -15,32 +17,53 @@ from raylora.data.formats.base import (
 )
 
 METADATA = "metadata.jsonl"
+# The metadata files Hugging Face's imagefolder reads besides JSON lines (its parquet
+# metadata would be taken for a parquet shard: not read).
+METADATA_FILES = (METADATA, "metadata.csv")
+
+
+def is_metadata(uri: str) -> bool:
+    return posixpath.basename(uri) in METADATA_FILES
+
+
+def _records(meta: str, text: str):
+    """The records of a metadata file: JSON lines, or CSV rows under a header."""
+    if meta.endswith(".csv"):
+        reader = csv.DictReader(io.StringIO(text))
+        if "file_name" not in (reader.fieldnames or []):
+            raise ValueError(f"{meta}: no file_name column (its header: {reader.fieldnames})")
+        yield from reader
+        return
+    for i, line in enumerate(text.splitlines()):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            rec["file_name"]
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"{meta}:{i + 1}: not a JSON line with a file_name") from None
+        yield rec
 
 
 def imagefolder_rows(storage, files: list[str], caption_key: str) -> list[dict]:
-    """(image URI, caption) rows of an imagefolder, from its metadata.jsonl file(s).
+    """(image URI, caption) rows of an imagefolder, from its metadata.jsonl (or .csv)
+    file(s).
 
     ``file_name`` is relative to the folder holding the metadata file. Images without a
     metadata line are not training data (no caption) and are left out.
     """
-    metas = [f for f in files if posixpath.basename(f) == METADATA]
+    metas = [f for f in files if is_metadata(f)]
     if not metas:
         raise FileNotFoundError(
             f"{posixpath.dirname(files[0])}: imagefolder without {METADATA} "
-            "(lines of {\"file_name\": ..., \"text\": ...}); for a .txt caption beside "
-            "each image use data.format: captionfolder"
+            "(lines of {\"file_name\": ..., \"text\": ...}) or metadata.csv; for a .txt "
+            "caption beside each image use data.format: captionfolder"
         )
     rows = []
     for meta in metas:
         base = posixpath.dirname(meta)
-        for i, line in enumerate(storage.read_bytes(meta).decode("utf-8").splitlines()):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                name = rec["file_name"]
-            except (ValueError, KeyError):
-                raise ValueError(f"{meta}:{i + 1}: not a JSON line with a file_name") from None
+        for rec in _records(meta, storage.read_bytes(meta).decode("utf-8-sig")):
+            name = rec["file_name"]
             rows.append(
                 {"key": posixpath.join(base, name), "uri": posixpath.join(base, name),
                  "text": str(rec.get(caption_key) or "")}
@@ -65,12 +88,17 @@ def _read_images(batch: dict[str, np.ndarray], endpoint_url: str | None,
 
 class ImageFolder(ShardFormat):
     name = "imagefolder"
-    suffixes = IMAGE_EXTS + (METADATA,)
-    label = "images with metadata.jsonl"
+    suffixes = IMAGE_EXTS + METADATA_FILES
+    label = "images with metadata.jsonl/.csv"
+
+    def select(self, files):
+        # Not every .csv is metadata: only the imagefolder's own.
+        return [f for f in super().select(files)
+                if not f.lower().endswith(".csv") or is_metadata(f)]
 
     def detects(self, files):
-        # Images without a metadata.jsonl are a caption folder (next in the registry).
-        return any(posixpath.basename(f) == METADATA for f in files)
+        # Images without a metadata file are a caption folder (next in the registry).
+        return any(is_metadata(f) for f in files)
 
     def count_rows(self, data, files, storage):
         return len(imagefolder_rows(storage, files, data.caption_column)), None

@@ -379,7 +379,7 @@ def _data_commands(sub):
     sh = sub.add_parser("shards", help="shard tools")
     shsub = sh.add_subparsers(dest="shards_cmd", required=True)
     b = shsub.add_parser("build", help="image folder → parquet or WebDataset shards on any URI")
-    b.add_argument("src", help="folder (or URI) of images with metadata.jsonl or .txt captions")
+    b.add_argument("src", help="folder (or URI) of images with metadata.jsonl/.csv or .txt captions")
     b.add_argument("dest", help="where the shards and manifest.json go (path, s3://, gs://)")
     b.add_argument("--format", choices=["parquet", "webdataset"], default="parquet")
     b.add_argument("--shard-size", type=int, default=1000, help="samples per shard")

@@ -254,8 +254,8 @@ SOURCE_KEYS = ("format", "image_column", "caption_column", "mask_column", "capti
 
 class DataSection(_Section):
     uri: str | list[str] | None = Field(
-        None, description="Shard file, directory, glob, or a list of those; any storage URI. "
-        "Or data.sources, not both."
+        None, description="Shard file, directory, glob, or a list of those; any storage URI; "
+        "WebDataset's brace lists too ({00000..00999}.tar, {a,b}/). Or data.sources, not both."
     )
     sources: list[SourceSection] | None = Field(
         None, description="Several datasets mixed into every epoch, each {uri, weight | "
@@ -264,7 +264,8 @@ class DataSection(_Section):
     )
     format: Literal["auto", "parquet", "webdataset", "imagefolder", "captionfolder"] = Field(
         "auto", description="auto: detected from the files the URI matches (images with a "
-        "metadata.jsonl: imagefolder; images without one: captionfolder)."
+        "metadata.jsonl or metadata.csv: imagefolder; images without one: captionfolder; "
+        "img2dataset's metadata .parquet beside its tars or shard folders is not a shard)."
     )
     image_column: str = "image"
     caption_column: str = "text"

@@ -1,6 +1,6 @@
 """``raylora shards build``: an image folder → sized parquet or WebDataset shards on any URI.
 
-Captions come from ``metadata.jsonl`` (``file_name``, ``text``) or from a ``.txt`` file
+Captions come from ``metadata.jsonl`` or ``metadata.csv`` (``file_name``, ``text``) or a ``.txt`` file
 beside each image. Each shard is written by one Ray task, so a large folder is sharded in
 parallel across the cluster; a ``manifest.json`` (count, bytes, schema, per-shard counts)
 is written last, when every shard exists.

@@ -3,7 +3,7 @@
 - parquet: an image column of encoded bytes (or a datasets struct ``{bytes, path}``) and a
   caption column (``raylora.data.formats.parquet``).
 - webdataset: tar files as img2dataset writes them (``raylora.data.formats.webdataset``).
-- imagefolder: images plus ``metadata.jsonl`` (``raylora.data.formats.imagefolder``).
+- imagefolder: images plus ``metadata.jsonl`` or ``metadata.csv`` (``raylora.data.formats.imagefolder``).
 - captionfolder: images with a same-stem ``.txt`` caption each, kohya ``N_name`` folders
   (``raylora.data.formats.captionfolder``).
 
@@ -26,7 +26,7 @@ from raylora.data.formats.parquet import Parquet
 from raylora.data.formats.webdataset import WebDataset
 
 # In detection order: a listing with any parquet file is parquet, then tar, then images
-# with a metadata.jsonl (imagefolder), then images alone (captionfolder: captions beside
+# with a metadata.jsonl/.csv (imagefolder), then images alone (captionfolder: captions beside
 # them, or kohya folder names).
 FORMATS: dict[str, ShardFormat] = {
     f.name: f for f in (Parquet(), WebDataset(), ImageFolder(), CaptionFolder())}

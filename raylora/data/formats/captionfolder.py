@@ -75,7 +75,7 @@ class CaptionFolder(ShardFormat):
     label = "images with .txt captions"
 
     def detects(self, files):
-        # After imagefolder in the registry: a metadata.jsonl makes a folder imagefolder.
+        # After imagefolder in the registry: a metadata.jsonl/.csv makes a folder imagefolder.
         return any(f.lower().endswith(IMAGE_EXTS) for f in files)
 
     def _folders(self, data, files: list[str]) -> list[tuple[int, str] | None]:

@@ -237,7 +237,9 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
             # batch counts per pass differ), so stop rather than hang (see _passes_needed).
             raise DataEndedError(
                 f"epoch {epoch}: the data stream ended before the run did (fewer rows "
-                f"arrived than planned: bad records or data.validation_split)")
+                f"arrived than planned: bad records, data.validation_split, or shards "
+                f"holding fewer samples than their manifest.json or img2dataset "
+                f"_stats.json says)")
         if world == 1:  # nothing to split: no coordinator actor to start (1-2 s)
             splits.append(dataset(epoch, everything, 1))
             return splits[-1]

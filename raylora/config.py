@@ -254,8 +254,9 @@ SOURCE_KEYS = ("format", "image_column", "caption_column", "mask_column", "capti
 
 class DataSection(_Section):
     uri: str | list[str] | None = Field(
-        None, description="Shard file, directory, glob, or a list of those; any storage URI; "
-        "WebDataset's brace lists too ({00000..00999}.tar, {a,b}/). Or data.sources, not both."
+        None, description="Shard file, directory, glob, or a list of those; any storage URI or "
+        "hf://datasets/owner/name[@revision][/path]; WebDataset's brace lists too "
+        "({00000..00999}.tar, {a,b}/). Or data.sources, not both."
     )
     sources: list[SourceSection] | None = Field(
         None, description="Several datasets mixed into every epoch, each {uri, weight | "

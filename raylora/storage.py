@@ -183,8 +183,9 @@ def check_scheme(uri: str) -> None:
     """Raise ValueError naming ``uri`` when no filesystem here reads its scheme (without
     reaching the storage)."""
     scheme = "" if is_local(uri) else urlparse(uri).scheme
-    if scheme not in ("", "s3", "s3a", "gs", "gcs"):
-        raise ValueError(f"{uri}: unsupported URI scheme {scheme!r} (use s3://, gs:// or a path)")
+    if scheme not in ("", "s3", "s3a", "gs", "gcs", "hf"):
+        raise ValueError(f"{uri}: unsupported URI scheme {scheme!r} (use s3://, gs://, "
+                         "hf://datasets/ or a path)")
 
 
 def filesystem(
@@ -194,8 +195,13 @@ def filesystem(
     check_scheme(uri)
     if is_local(uri):
         return pafs.LocalFileSystem(), local_path(uri)
-    if urlparse(uri).scheme in ("s3", "s3a"):
+    scheme = urlparse(uri).scheme
+    if scheme in ("s3", "s3a"):
         return _s3(endpoint_url, region), fs_path(uri)
+    if scheme == "hf":  # Hugging Face dataset repos, read only
+        from raylora import hubfs
+
+        return hubfs.filesystem(), fs_path(uri)
     return _gcs(), fs_path(uri)
 
 
@@ -226,6 +232,8 @@ class Storage:
         fs, path = self.fs(uri)
         try:
             return fs.get_file_info(path)
+        except (FileNotFoundError, PermissionError):  # the store answered (hub: no such repo)
+            raise
         except OSError as exc:
             raise OSError(f"{uri}: cannot reach storage: {_short(exc)}") from None
 

@@ -1,14 +1,17 @@
 """A Hugging Face hub on 127.0.0.1 for tests: the part of the hub's HTTP API that
 huggingface_hub's downloads use (``HF_ENDPOINT`` points every client at it), serving local
-folders as model repos, each push (``Hub.add``) a new commit of the repo, its earlier ones
-still readable by their hashes.
+folders as model repos (or dataset repos: ``Hub.add(..., kind="dataset")``, ids
+``datasets/owner/name`` here, under ``/datasets/`` and ``/api/datasets/`` as on the hub),
+each push (``Hub.add``) a new commit of the repo, its earlier ones still readable by their
+hashes.
 
 The hub cannot be reached here (nor in CI). The servers on PyPI that speak its API are
 mirrors (olah) that serve what they fetched from the hub or git repos, without gating, so
 this one serves folders, as the hub answers (huggingface_hub 2.x reads these answers):
 - ``HEAD|GET /{repo}/resolve/{revision}/{path}``: the file, with ``X-Repo-Commit`` and an
   ``ETag``; a missing file is 404 ``X-Error-Code: EntryNotFound``;
-- ``GET /api/models/{repo}[/revision/{revision}]``: the repo's commit and files;
+- ``GET /api/models/{repo}[/revision/{revision}]``: the repo's commit and files (their
+  sizes too with ``?blobs=True``);
 - ``GET /api/models/{repo}/tree/{revision}[/{path}]``: a folder's entries;
 - an unknown repo is 401 ``RepoNotFound``, an unknown revision 404 ``RevisionNotFound``;
 - a gated repo's files answer 401 ``GatedRepo`` to a request without its token (403 with
@@ -44,10 +47,12 @@ class Hub:
         self._thread.start()
 
     def add(self, repo: str, folder: str, token: str | None = None, version: int = 0,
-            branch: str = "main") -> str:
-        """Serve ``folder`` as model repo ``repo`` (gated behind ``token`` if given) at its
-        commit ``version`` (another: as if pushed to, ``branch`` moved there, the earlier
-        commit still served by its hash); returns that commit's hash."""
+            branch: str = "main", kind: str = "model") -> str:
+        """Serve ``folder`` as model (or dataset) repo ``repo`` (gated behind ``token`` if
+        given) at its commit ``version`` (another: as if pushed to, ``branch`` moved there,
+        the earlier commit still served by its hash); returns that commit's hash."""
+        if kind == "dataset":
+            repo = "datasets/" + repo
         sha = commit(repo, version)
         self.history.setdefault(repo, {})[sha] = os.path.abspath(folder)
         if branch == "main" or repo not in self.repos:
@@ -110,11 +115,13 @@ def _handler(hub: Hub):
             token = auth[len("Bearer "):] if auth.startswith("Bearer ") else None
             hub.record(self.command, path, token)
             parts = path.strip("/").split("/")
-            api = parts[:2] == ["api", "models"]
+            api = parts[:2] in (["api", "models"], ["api", "datasets"])
             if api:
-                parts = parts[2:]
-            repo = "/".join(parts[:2])
-            rest = parts[2:]
+                kind, parts = parts[1], parts[2:]
+                parts = (["datasets"] if kind == "datasets" else []) + parts
+            n = 3 if parts[:1] == ["datasets"] else 2  # a dataset's id: datasets/owner/name
+            repo = "/".join(parts[:n])
+            rest = parts[n:]
             if repo not in hub.repos:
                 return self._error(401, "RepoNotFound", body)
             if api:
@@ -147,9 +154,11 @@ def _handler(hub: Hub):
             if folder is None:
                 return self._error(404, "RevisionNotFound", body)
             if rest[:1] in ([], ["revision"]):
-                info = {"id": repo, "modelId": repo, "sha": sha, "private": False,
-                        "gated": "manual" if repo in hub.tokens else False,
-                        "siblings": [{"rfilename": f} for f in _files(folder)]}
+                blobs = query.get("blobs", [""])[0].lower() == "true"
+                info = {"id": repo.removeprefix("datasets/"), "modelId": repo, "sha": sha,
+                        "private": False, "gated": "manual" if repo in hub.tokens else False,
+                        "siblings": [{"rfilename": f, **({"size": os.path.getsize(
+                            os.path.join(folder, f))} if blobs else {})} for f in _files(folder)]}
                 return self._reply(200, json.dumps(info).encode(),
                                    {"Content-Type": "application/json"}, body)
             if rest[:1] == ["tree"] and len(rest) >= 2:

@@ -160,7 +160,18 @@ def test_two_node_spread_from_s3_matches_single_node(
     spread_dir.mkdir()
     for name in ("raylora.json", "pytorch_lora_weights.safetensors"):
         s3.download_file("raylora-joined", f"run/adapter/{name}", str(spread_dir / name))
-    train("STRICT_PACK", tiny_model, demo_data, str(tmp_path / "packed"), str(start / "style"), {})
+    # The packed run reads the same parquet files from a gated dataset repo on the hub
+    # (raylora.hubfs): the same rows, so the same adapter.
+    data_repo = "org/joined-data"
+    data_commit = hub.add(data_repo, demo_data, token=token, kind="dataset")
+    hub.seen.clear()
+    train("STRICT_PACK", tiny_model, f"hf://datasets/{data_repo}", str(tmp_path / "packed"),
+          str(start / "style"), hf)
+    read = [(m, p, t) for m, p, t in hub.seen if p.startswith(f"/datasets/{data_repo}/resolve/")]
+    assert {p.split("/")[5] for _, p, _ in read} == {data_commit}
+    assert {t for _, _, t in read} == {token}
+    assert {p.rsplit("/", 1)[1] for m, p, _ in read if m == "GET"} == {
+        f for f in os.listdir(demo_data) if f.endswith(".parquet")}
 
     assert json.load(open(spread_dir / "raylora.json"))["data"]["model_commit"] == commit
     card = s3.get_object(Bucket="raylora-joined", Key="run/adapter/README.md")["Body"].read().decode()

@@ -17,25 +17,6 @@ from raylora.config import ConfigError, validate
 TOKEN = "hf_RayLoraHubTest0001doNotLeak"
 
 
-@pytest.fixture
-def online(hub, monkeypatch, tmp_path):
-    """This process's huggingface_hub pointed at ``hub`` with an empty cache, no token.
-    It read HF_ENDPOINT, HF_HUB_OFFLINE (1: conftest) and its paths when imported, so its
-    constants are set as those variables would have set them."""
-    from huggingface_hub import constants, hf_api
-
-    monkeypatch.setattr(constants, "ENDPOINT", hub.endpoint)
-    # the module-level HfApi (model_info, resolve_revision: diffusers' pipeline download)
-    monkeypatch.setattr(hf_api.api, "endpoint", hub.endpoint)
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
-                        hub.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
-    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "hf-token"))
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    return constants
-
-
 @pytest.fixture(scope="module")
 def repos(hub, tiny_model, tiny, tmp_path_factory):
     """org/tiny-sd (public), org/tiny-flux (gated behind TOKEN), org/no-unet (an SD

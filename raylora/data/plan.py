@@ -174,6 +174,10 @@ class DataPlan:
                      "rows": s.rows, "rows_per_epoch": s.epoch_rows(),
                      "share": round(s.epoch_rows() / self.rows, 6) if self.rows else 0.0,
                      "multiplier": s.mult}
+            if s.files and s.files[0].startswith("hf://"):  # a hub dataset: the commit read
+                from raylora.hubfs import split
+
+                entry["commit"] = split(s.files[0][len("hf://"):])[1]
             if s.repeats:
                 counts = Counter()
                 for r, n in zip(s.repeats, s.file_rows):

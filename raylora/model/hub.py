@@ -137,10 +137,11 @@ def token() -> str | None:
         return None
 
 
-def _call(fn, repo_id: str, rev: str | None, *args, key: str = "", **kwargs):
+def _call(fn, repo_id: str, rev: str | None, *args, key: str = "", kind: str = "model", **kwargs):
     """``fn(*args, **kwargs)`` with the hub's answers turned into errors that name the
     config key (``key``, default ``model.pretrained: {repo_id}``): PermissionError (gated),
-    FileNotFoundError (no such repo or file), ValueError (no such revision), ``Unreachable``."""
+    FileNotFoundError (no such repo or file), ValueError (no such revision), ``Unreachable``.
+    ``kind``: the kind of repo (model, dataset), as the errors call it."""
     from huggingface_hub.errors import (
         EntryNotFoundError,
         GatedRepoError,
@@ -162,7 +163,7 @@ def _call(fn, repo_id: str, rev: str | None, *args, key: str = "", **kwargs):
             "(or run `hf auth login`) to a token with access") from None
     except RepositoryNotFoundError:
         nor = ", nor a folder here" if key.startswith("model.pretrained") else ""
-        raise FileNotFoundError(f"{key}: no such model repo on the hub (or a private one "
+        raise FileNotFoundError(f"{key}: no such {kind} repo on the hub (or a private one "
                                 f"this machine's token may not read: set HF_TOKEN){nor}") from None
     except RevisionNotFoundError:
         raise ValueError(f"{'model.revision' if key.startswith('model.') else key}: {rev}: "

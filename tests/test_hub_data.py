@@ -1,0 +1,120 @@
+"""Hugging Face dataset repos as data (``data.uri: hf://datasets/owner/name``,
+``raylora.hubfs``): listed, planned and read from a hub on 127.0.0.1 (tests/hubemu.py) as
+huggingface_hub reads the real one, at the commit the plan read; a gated, unknown or
+misspelt repo named before anything starts."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from raylora.config import ConfigError, DataSection, validate
+from raylora.data import formats
+from raylora.data.source import plan_data
+from raylora.storage import Storage
+
+TOKEN = "hf_RayLoraHubData0001doNotLeak"
+
+
+def write_repo(root, captions: list[list[str]]) -> str:
+    """A dataset repo as ``datasets.push_to_hub`` writes one: ``data/train-*.parquet`` with
+    an Image column (``{bytes, path}``) and ``text``, one file per list of captions, and a
+    dataset card."""
+    os.makedirs(os.path.join(root, "data"), exist_ok=True)
+    image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    for i, texts in enumerate(captions):
+        cells = []
+        for j, _ in enumerate(texts):
+            buf = io.BytesIO()
+            Image.fromarray(np.full((16, 16, 3), 40 * j, np.uint8)).save(buf, "PNG")
+            cells.append({"bytes": buf.getvalue(), "path": f"{j}.png"})
+        table = pa.table({"image": pa.array(cells, image), "text": texts})
+        pq.write_table(table, os.path.join(root, "data", f"train-{i:05d}-of-{len(captions):05d}.parquet"))
+    with open(os.path.join(root, "README.md"), "w") as f:
+        f.write("---\nlicense: mit\n---\n# pets\n")
+    return str(root)
+
+
+def texts(plan, store) -> list[str]:
+    return [r["text"] for r in formats.get_format(plan.format).iter_rows(
+        DataSection(uri="x"), plan.files, store)]
+
+
+def test_a_hub_dataset_is_planned_and_read_at_the_commit_its_plan_read(online, hub, tmp_path):
+    from hubemu import commit
+
+    v0 = write_repo(tmp_path / "v0", [["a cat", "a dog", "a fox"], ["an owl", "a bee", "a rat"]])
+    v1 = write_repo(tmp_path / "v1", [["new 0", "new 1", "new 2", "new 3"]])
+    hub.add("org/pets", v0, kind="dataset")
+    first = commit("datasets/org/pets", 0)
+    store = Storage()
+    plan = plan_data(DataSection(uri="hf://datasets/org/pets"), store)
+    assert plan.format == "parquet" and plan.rows == 6 and plan.file_rows == [3, 3]
+    assert plan.files == [f"hf://datasets/org/pets@{first}/data/train-{i:05d}-of-00002.parquet"
+                          for i in range(2)]  # the card beside them is not data
+    hub.add("org/pets", v1, version=1, kind="dataset")  # pushed after the plan
+    # The files the plan named are the commit it read: what every worker reads.
+    assert texts(plan, Storage()) == ["a cat", "a dog", "a fox", "an owl", "a bee", "a rat"]
+    again = plan_data(DataSection(uri="hf://datasets/org/pets/data"), Storage())
+    assert again.rows == 4 and again.files == [
+        f"hf://datasets/org/pets@{commit('datasets/org/pets', 1)}/data/train-00000-of-00001.parquet"]
+    assert texts(again, Storage()) == ["new 0", "new 1", "new 2", "new 3"]
+    pinned = plan_data(DataSection(uri=f"hf://datasets/org/pets@{first}"), Storage())
+    assert pinned.files == plan.files
+    # raylora.json's data.sources names the commit trained on
+    assert [s["commit"] for s in plan.summary()] == [first]
+    # A file is downloaded once per machine (the hub cache), not per read: a second
+    # process's reads of a commit's files ask the hub nothing more.
+    hub.seen.clear()
+    assert texts(plan, Storage()) == texts(pinned, Storage())
+    assert [p for _, p, _ in hub.seen if "/resolve/" in p] == []
+
+
+def test_a_gated_unknown_or_misspelt_hub_dataset_is_named(online, hub, tmp_path, monkeypatch,
+                                                          tiny_model):
+    from raylora.launch import plan as launch_plan
+
+    hub.add("org/private-pets", write_repo(tmp_path / "p", [["a cat", "a dog"]]), token=TOKEN,
+            kind="dataset")
+    hub.add("org/pets2", write_repo(tmp_path / "q", [["a cat", "a dog"]]), kind="dataset")
+
+    def problems(uri: str, **over) -> list[str]:
+        cfg = validate({"model": {"pretrained": tiny_model},
+                        "data": {"uri": uri, "resolution": 64},
+                        "train": {"batch_size": 1, "max_steps": 2},
+                        "output": {"uri": str(tmp_path / "out")}, **over})
+        with pytest.raises(ConfigError) as err:
+            launch_plan(cfg)
+        return err.value.problems
+
+    assert problems("hf://datasets/org/private-pets") == [
+        "data.uri: hf://datasets/org/private-pets is a gated repo and no Hugging Face token is "
+        "set: accept its terms on the hub, then set HF_TOKEN (or run `hf auth login`) to a "
+        "token with access"]
+    assert problems("hf://datasets/org/nope") == [
+        "data.uri: hf://datasets/org/nope: no such dataset repo on the hub (or a private one "
+        "this machine's token may not read: set HF_TOKEN)"]
+    assert problems("hf://datasets/org/pets2@v9") == [
+        "data.uri: hf://datasets/org/pets2: v9: no such revision of org/pets2"]
+    assert problems("hf://datasets/org/pets2/images") == [
+        "data.uri: hf://datasets/org/pets2/images: no such file or directory"]
+    assert problems("hf://org/pets2") == [
+        "data.uri: hf://org/pets2: not hf://datasets/owner/name[@revision][/path] (a hub model "
+        "is model.pretrained: owner/name)"]
+    out = problems("hf://datasets/org/pets2",
+                   **{"output": {"uri": "hf://datasets/org/pets2/runs"}})
+    assert len(out) == 1 and out[0].startswith("output.uri: hf://datasets/org/pets2/runs") \
+        and "read here, not written" in out[0], out
+    # With the token it reads, and the token is what the hub was sent.
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    hub.seen.clear()
+    plan = plan_data(DataSection(uri="hf://datasets/org/private-pets"), Storage())
+    assert plan.rows == 2
+    sent = {t for _, p, t in hub.seen if "/resolve/" in p}
+    assert sent == {TOKEN}

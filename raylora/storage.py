@@ -291,14 +291,7 @@ class Storage:
         for u in uris:
             if u not in plain:
                 found += self.expand(u)
-        listed: dict[str, pafs.FileInfo] = {}
-        for folder in dict.fromkeys(u.rsplit("/", 1)[0] for u in plain):
-            fs, path = self.fs(folder)
-            try:
-                infos = fs.get_file_info(pafs.FileSelector(path, recursive=False, allow_not_found=True))
-            except OSError as exc:
-                raise OSError(f"{folder}: cannot list: {_short(exc)}") from None
-            listed.update((to_uri(folder, i.path), i) for i in infos)
+        listed = self.beside(plain)
         missing = [u for u in plain if u not in listed]
         if missing:
             more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
@@ -307,6 +300,19 @@ class Storage:
         for u in plain:
             found += [u] if listed[u].type == pafs.FileType.File else self.list_files(u)
         return found
+
+    def beside(self, uris: list[str]) -> dict[str, pafs.FileInfo]:
+        """URI → FileInfo of what the folders of ``uris`` hold (files and folders, not
+        below them): one listing per folder, not one request per URI."""
+        out: dict[str, pafs.FileInfo] = {}
+        for folder in dict.fromkeys(u.rsplit("/", 1)[0] for u in uris):
+            fs, path = self.fs(folder)
+            try:
+                infos = fs.get_file_info(pafs.FileSelector(path, recursive=False, allow_not_found=True))
+            except OSError as exc:
+                raise OSError(f"{folder}: cannot list: {_short(exc)}") from None
+            out.update((to_uri(folder, i.path), i) for i in infos)
+        return out
 
     def read_bytes(self, uri: str) -> bytes:
         fs, path = self.fs(uri)

@@ -18,7 +18,7 @@ import pyarrow.fs as pafs
 from raylora.data.formats.base import (
     IMAGE_EXTS, MASK_SUFFIX, ShardFormat, concurrently, decode_text, read_manifest,
 )
-from raylora.storage import Storage, to_uri
+from raylora.storage import Storage
 
 log = logging.getLogger("raylora.data")
 
@@ -93,20 +93,6 @@ def stats_uri(tar: str) -> str:
     return tar[: -len(".tar")] + STATS_SUFFIX
 
 
-def _folder_infos(storage: Storage, files: list[str]) -> dict[str, pafs.FileInfo]:
-    """URI → FileInfo of what lies beside the tars: one listing per folder (not one
-    request per tar and sidecar)."""
-    out: dict[str, pafs.FileInfo] = {}
-    for folder in sorted({f.rsplit("/", 1)[0] for f in files}):
-        fs, path = storage.fs(folder)
-        try:
-            infos = fs.get_file_info(pafs.FileSelector(path, recursive=False, allow_not_found=True))
-        except OSError as exc:
-            raise OSError(f"{folder}: cannot list: {exc}") from None
-        out.update((to_uri(folder, i.path), i) for i in infos if i.type == pafs.FileType.File)
-    return out
-
-
 def stats_count(storage: Storage, tar: str, infos: dict[str, pafs.FileInfo]) -> tuple[int | None, str]:
     """(samples, "") from the tar's img2dataset ``_stats.json``, or (None, why not)."""
     side = infos.get(stats_uri(tar))
@@ -165,7 +151,7 @@ class WebDataset(ShardFormat):
                 if all(n in listed for n in names):
                     counts = [listed[n] for n in names]
                     return sum(counts), counts
-        infos = _folder_infos(storage, files)
+        infos = storage.beside(files)  # the tars' and sidecars' sizes and times
         found = concurrently(lambda f: stats_count(storage, f, infos), files)
 
         def scan(f: str) -> int:

@@ -15,6 +15,7 @@ huggingface_hub sends (``HF_TOKEN``, forwarded to the workers, or ``hf auth logi
 from __future__ import annotations
 
 import re
+from urllib.parse import unquote
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -31,7 +32,9 @@ def split(path: str) -> tuple[str, str | None, str]:
         raise ValueError(f"hf://{path.strip('/')}: not hf://datasets/owner/name[@revision][/path] "
                          "(a hub model is model.pretrained: owner/name)")
     name, _, revision = parts[2].partition("@")
-    return f"{parts[1]}/{name}", revision or None, "/".join(parts[3:])
+    # A branch with a slash is written %2F, as huggingface_hub writes it: the dataset
+    # viewer's parquet copy of any dataset is @refs%2Fconvert%2Fparquet.
+    return f"{parts[1]}/{name}", unquote(revision) or None, "/".join(parts[3:])
 
 
 class HubDatasets(pafs.FileSystemHandler):

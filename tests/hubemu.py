@@ -114,7 +114,8 @@ def _handler(hub: Hub):
             auth = self.headers.get("Authorization") or ""
             token = auth[len("Bearer "):] if auth.startswith("Bearer ") else None
             hub.record(self.command, path, token)
-            parts = path.strip("/").split("/")
+            # Each segment unquoted on its own: a revision may hold a slash (%2F).
+            parts = [unquote(p) for p in url.path.strip("/").split("/")]
             api = parts[:2] in (["api", "models"], ["api", "datasets"])
             if api:
                 kind, parts = parts[1], parts[2:]

@@ -69,6 +69,10 @@ def test_a_hub_dataset_is_planned_and_read_at_the_commit_its_plan_read(online, h
     assert pinned.files == plan.files
     # raylora.json's data.sources names the commit trained on
     assert [s["commit"] for s in plan.summary()] == [first]
+    # A branch with a slash, as huggingface_hub writes it (the viewer's parquet copies)
+    hub.add("org/pets", v1, version=2, branch="refs/convert/parquet", kind="dataset")
+    converted = plan_data(DataSection(uri="hf://datasets/org/pets@refs%2Fconvert%2Fparquet"), Storage())
+    assert converted.rows == 4 and commit("datasets/org/pets", 2) in converted.files[0]
     # A file is downloaded once per machine (the hub cache), not per read: a second
     # process's reads of a commit's files ask the hub nothing more.
     hub.seen.clear()

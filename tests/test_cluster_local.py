@@ -161,7 +161,9 @@ def test_two_node_spread_from_s3_matches_single_node(
     for name in ("raylora.json", "pytorch_lora_weights.safetensors"):
         s3.download_file("raylora-joined", f"run/adapter/{name}", str(spread_dir / name))
     # The packed run reads the same parquet files from a gated dataset repo on the hub
-    # (raylora.hubfs): the same rows, so the same adapter.
+    # (raylora.hubfs): the same rows, so the same adapter. The driver's plan downloads
+    # them, with the token, at the commit it read; the workers read that commit's files
+    # (here from the hub cache both nodes share with the driver on this machine).
     data_repo = "org/joined-data"
     data_commit = hub.add(data_repo, demo_data, token=token, kind="dataset")
     hub.seen.clear()

@@ -88,13 +88,13 @@ def _read_images(batch: dict[str, np.ndarray], endpoint_url: str | None,
 
 class ImageFolder(ShardFormat):
     name = "imagefolder"
-    suffixes = IMAGE_EXTS + METADATA_FILES
+    suffixes = IMAGE_EXTS
     label = "images with metadata.jsonl/.csv"
 
     def select(self, files):
-        # Not every .csv is metadata: only the imagefolder's own.
-        return [f for f in super().select(files)
-                if not f.lower().endswith(".csv") or is_metadata(f)]
+        # The images, and the metadata files by their names (notes.csv is not one).
+        images = set(super().select(files))
+        return [f for f in files if f in images or is_metadata(f)]
 
     def detects(self, files):
         # Images without a metadata file are a caption folder (next in the registry).

@@ -260,7 +260,7 @@ class Storage:
             spelled = braces(uri)
             if len(spelled) > 1:
                 found = self._spelled(uri, spelled)
-            elif any(ch in uri for ch in "*?["):
+            elif _is_glob(uri):
                 root = uri[: min(uri.index(c) for c in "*?[" if c in uri)].rsplit("/", 1)[0]
                 pattern = _glob_regex(uri)
                 found = [f for f in self.list_files(root) if pattern.fullmatch(f)]
@@ -286,11 +286,8 @@ class Storage:
         found in one listing of each folder they are in (not a request each: a thousand
         shards were a thousand HEADs one after another), folders listed. Raises
         FileNotFoundError naming the pattern and the spelled URIs that are not there."""
-        found: list[str] = []
-        plain = [u for u in uris if not any(ch in u for ch in "*?[")]
-        for u in uris:
-            if u not in plain:
-                found += self.expand(u)
+        found = [f for u in uris if _is_glob(u) for f in self.expand(u)]
+        plain = [u for u in uris if not _is_glob(u)]
         listed = self.beside(plain)
         missing = [u for u in plain if u not in listed]
         if missing:
@@ -617,6 +614,10 @@ def _replace_file(path: str, data: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
         raise
+
+
+def _is_glob(uri: str) -> bool:
+    return any(ch in uri for ch in "*?[")
 
 
 # A brace group's integer range (``0..9``, ``000..099``, ``0..100..10``), as in

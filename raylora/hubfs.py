@@ -145,6 +145,15 @@ class HubDatasets(pafs.FileSystemHandler):
         self._read_only(dest)
 
 
+def planned_commit(uri: str) -> str | None:
+    """The commit a planned file URI reads (``hf://datasets/o/n@<commit>/...``); None for
+    any other URI."""
+    if not uri.startswith("hf://"):
+        return None
+    _, revision, _ = split(uri[len("hf://"):])
+    return revision if revision and _COMMIT.match(revision) else None
+
+
 def filesystem() -> pafs.FileSystem:
     return pafs.PyFileSystem(HubDatasets())
 

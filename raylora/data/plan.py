@@ -28,6 +28,7 @@ import numpy as np
 
 from raylora.data.captions import with_prefix
 from raylora.data.formats import detect_format, get_format
+from raylora.hubfs import planned_commit
 from raylora.storage import Storage
 
 if TYPE_CHECKING:
@@ -174,10 +175,8 @@ class DataPlan:
                      "rows": s.rows, "rows_per_epoch": s.epoch_rows(),
                      "share": round(s.epoch_rows() / self.rows, 6) if self.rows else 0.0,
                      "multiplier": s.mult}
-            if s.files and s.files[0].startswith("hf://"):  # a hub dataset: the commit read
-                from raylora.hubfs import split
-
-                entry["commit"] = split(s.files[0][len("hf://"):])[1]
+            if s.files and (commit := planned_commit(s.files[0])):  # a hub dataset's
+                entry["commit"] = commit
             if s.repeats:
                 counts = Counter()
                 for r, n in zip(s.repeats, s.file_rows):

@@ -133,7 +133,7 @@ def _sample(args) -> int:
         args.model, args.adapter, args.prompt, args.out,
         seed=args.seed, steps=args.steps, guidance_scale=args.guidance_scale, size=args.size,
         expert=args.expert, quantize_text_encoders=args.quantize_text_encoders,
-        revision=args.revision,
+        revision=args.revision, image=args.image,
     )
     print(f"raylora: sample image {out}")
     return 0
@@ -342,6 +342,9 @@ def _adapter_commands(sub) -> None:
                         "Z-Image 5.0, Flux.2 [klein] and [dev] 4.0, Wan 5.0; Z-Image-Turbo samples "
                         "at 0)")
     s.add_argument("--size", type=int, default=None, help="pixels; default: the model's size")
+    s.add_argument("--image", default=None,
+                   help="an image-edit model's input image (Flux.1 Kontext), a path or storage "
+                        "URI; resized to --size when given, else as the pipeline sizes it")
     s.add_argument("--expert", choices=["high_noise", "low_noise"], default=None,
                    help="a pipeline of experts (Wan 2.2 A14B): the one the (single) adapter "
                         "trained; default: model.expert in the adapter folder's raylora.json")

@@ -178,6 +178,7 @@ class SourceSection(_Section):
         "folder's N_name repeats multiply it). Not with weight.",
     )
     mask_column: str | None = None
+    control_column: str | None = None
     caption_prefix: str | None = Field(None, description="This source's trigger word(s).")
     caption_dropout: float | None = Field(None, ge=0.0, lt=1.0)
     shuffle_tags: bool | None = None
@@ -248,7 +249,8 @@ class ClassGenerationSection(_Section):
 
 
 # What a source may set for itself (unset: the data key of the same name).
-SOURCE_KEYS = ("format", "image_column", "caption_column", "mask_column", "caption_extension",
+SOURCE_KEYS = ("format", "image_column", "caption_column", "mask_column", "control_column",
+               "caption_extension",
                "caption_prefix", "caption_dropout", "shuffle_tags", "keep_tokens", "resolution")
 
 
@@ -261,7 +263,8 @@ class DataSection(_Section):
     sources: list[SourceSection] | None = Field(
         None, description="Several datasets mixed into every epoch, each {uri, weight | "
         "repeats, caption_prefix, caption_dropout, shuffle_tags, keep_tokens, resolution, format, "
-        "image_column, caption_column, mask_column, caption_extension}; instead of data.uri.",
+        "image_column, caption_column, mask_column, control_column, caption_extension}; instead "
+        "of data.uri.",
     )
     format: Literal["auto", "parquet", "webdataset", "imagefolder", "captionfolder"] = Field(
         "auto", description="auto: detected from the files the URI matches (images with a "
@@ -281,6 +284,21 @@ class DataSection(_Section):
     mask_column: str = Field(
         "mask", description="parquet, data.masked_loss: the column of encoded mask images "
         "(greyscale, the image's size); a shard without it, or a null cell, trains unmasked.",
+    )
+    control_images: bool = Field(
+        False, description="Image-edit training, for a family whose denoiser takes a "
+        "reference image (fluxkontext): every sample's control image, the edit's input, from "
+        "a sidecar KEY.control.<image extension> beside the image (WebDataset, imagefolder, "
+        "captionfolder) or the parquet column data.control_column. It is resized to its "
+        "target's size, cropped and flipped with it, and its latents (the VAE posterior's "
+        "mean, as the pipeline encodes its input image) go to the denoiser beside the noisy "
+        "ones. A sample without one is a missing_control bad record. Off: the family trains "
+        "text to image.",
+    )
+    control_column: str = Field(
+        "control_image", description="parquet, data.control_images: the column of encoded "
+        "control images (bytes or a datasets {bytes, path} struct), as diffusers' Kontext "
+        "script's --cond_image_column.",
     )
     caption_extension: str = Field(
         ".txt", description="captionfolder: the extension of the caption file beside each "
@@ -855,6 +873,12 @@ class ValidationSection(_Section):
         None, ge=0.0, description="Classifier-free guidance scale; default the family's "
         "(SD/SDXL 7.5, SD3 7.0, Flux.1 3.5, Qwen-Image 4.0).",
     )
+    control_images: list[str] = Field(
+        default_factory=list,
+        description="data.control_images: the input image of each of validation.prompts (a "
+        "path or storage URI, one per prompt), resized to the preview size and given to the "
+        "pipeline as its image. Empty: the previews are text to image.",
+    )
 
 
 class TrackingSection(_Section):
@@ -1099,6 +1123,7 @@ def _cross_checks(cfg: RayLoraConfig) -> list[str]:
         problems.append("train.compile_cache_uri: set, but train.compile is none (nothing is "
                         "compiled to keep); drop one of them")
     problems += _prior_checks(d)
+    problems += _control_checks(cfg)
     problems += _elastic_checks(cfg)
     if d.validation_split and d.validation_uri is not None:
         problems.append(
@@ -1233,6 +1258,22 @@ def _bucket_checks(d: DataSection, workers: int, compile_mode: str) -> list[str]
         problems.append(f"train.compile: {compile_mode} compiles for one input shape; "
                         "data.bucketing trains several (one per bucket); set it to none or auto")
     return problems
+
+
+def _control_checks(cfg: RayLoraConfig) -> list[str]:
+    """data.control_images (image-edit pairs) against the keys it cannot go with; whether
+    the family takes a reference image is checked with the model (raylora.launch)."""
+    d, v, out = cfg.data, cfg.validation, []
+    if v.control_images and not d.control_images:
+        out.append("validation.control_images: previews take an input image only when the run "
+                   "trains on them (data.control_images: true)")
+    elif v.control_images and len(v.control_images) != len(v.prompts):
+        out.append(f"validation.control_images: {len(v.control_images)} image(s) for "
+                   f"{len(v.prompts)} validation.prompts; give one per prompt")
+    if d.control_images and d.prior_preservation:
+        out.append("data.prior_preservation: class images have no control images; prior "
+                   "preservation cannot be combined with data.control_images")
+    return out
 
 
 def _data_checks(d: DataSection) -> list[str]:

@@ -278,6 +278,12 @@ def family_problems(cfg: RayLoraConfig, family, multiple: int, native: str | Non
     if "kohya" in cfg.export.formats and not family.kohya_export:
         out.append(f"export.formats: kohya export is not available for {family.name} yet; "
                    "export diffusers only")
+    if cfg.data.control_images and not family.reference_image:
+        from raylora.model import families
+
+        takes = ", ".join(n for n in families.names() if families.get(n).reference_image)
+        out.append(f"data.control_images: {family.name} ({family.pipeline}) takes no input "
+                   f"image; image-edit pairs train a family that does ({takes})")
     if cfg.lora.train_text_encoder and not family.text_encoder_lora():
         out.append(f"lora.train_text_encoder: {family.pipeline} loads no text-encoder LoRA")
     return out

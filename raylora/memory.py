@@ -619,11 +619,12 @@ def _objective(family, scheduler_config: dict):
 
 
 def raw_batch(comps, batch_size: int, resolution: int | tuple[int, int],
-              max_sequence_length: int | None = None, device="meta") -> dict[str, torch.Tensor]:
+              max_sequence_length: int | None = None, device="meta",
+              control_images: bool = False) -> dict[str, torch.Tensor]:
     """A worker's uncached batch for ``comps.family``: uint8 pixels (``resolution``: a
     square's side, or a bucket's ``(width, height)``), token ids of each tokenizer's full
     length (and attention masks), SDXL's size/crop columns (which other families
-    ignore)."""
+    ignore); ``control_images``: an edit pair's input pixels too (data.control_images)."""
     b = batch_size
     w, h = (resolution, resolution) if isinstance(resolution, int) else resolution
     size = torch.tensor([h, w], device=device).expand(b, 2)
@@ -631,6 +632,8 @@ def raw_batch(comps, batch_size: int, resolution: int | tuple[int, int],
              "original_size": size.clone(),
              "crop_top_left": torch.zeros(b, 2, dtype=torch.long, device=device),
              "target_size": size.clone()}
+    if control_images:
+        batch["control_values"] = torch.zeros(b, 3, h, w, dtype=torch.uint8, device=device)
     for t, tok in zip(comps.family.text, comps.tokenizers):
         n = t.length(tok.model_max_length, max_sequence_length)
         batch[t.ids_key] = torch.zeros(b, n, dtype=torch.long, device=device)
@@ -646,6 +649,8 @@ def cached_batch(comps, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
     with torch.no_grad(), _MetaStep(None, None, False, _longest(batch)):
         out = {"latent_params": vae_posterior(comps.family, comps.vae, batch["pixel_values"])}
+        if "control_values" in batch:
+            out["control_params"] = vae_posterior(comps.family, comps.vae, batch["control_values"])
         out.update(comps.family.encode_text(comps.text_encoders, batch))
     return {k: v.detach() for k, v in out.items()}
 
@@ -964,11 +969,13 @@ def _components(model_path: str, mixed_precision: str, lora_rank: int,
 def _profile(model_path: str, batch_size: int, resolution: int | tuple[int, int], lora_rank: int,
              lora_targets: tuple[str, ...] | None, mixed_precision: str, gradient_checkpointing: bool,
              cached_latents: bool, train_text_encoder: bool, max_sequence_length: int | None,
-             autocast_device: str, groupnorm_fp32: bool = False) -> StepProfile:
+             autocast_device: str, groupnorm_fp32: bool = False,
+             control_images: bool = False) -> StepProfile:
     """The step's profile; cached, since strategy, quantization and optimizer do not
     change it."""
     comps, _, _ = _components(model_path, mixed_precision, lora_rank, lora_targets, train_text_encoder)
-    batch = raw_batch(comps, batch_size, resolution, max_sequence_length)
+    batch = raw_batch(comps, batch_size, resolution, max_sequence_length,
+                      control_images=control_images)
     if cached_latents:
         batch = cached_batch(comps, batch)
     run = comps if not cached_latents else replace(comps, vae=None, text_encoders=[])
@@ -986,7 +993,7 @@ def estimate(model_path: str, *, batch_size: int = 1, resolution: int | tuple[in
              train_text_encoder: bool = False, max_sequence_length: int | None = None,
              prodigy_slice_p: int = 1, adafactor_beta1: float | None = None,
              device: str = "cuda", samples_per_row: int = 1, groupnorm_fp32: bool = False,
-             previews: bool = False) -> Estimate:
+             previews: bool = False, control_images: bool = False) -> Estimate:
     """Per-GPU bytes of one raylora training worker for the pipeline folder ``model_path``
     (configs only are read: a folder of ``model_index.json`` and ``config.json`` files is
     enough). ``batch_size``: per worker and micro-step. ``strategy``/``world_size``: ddp or
@@ -996,7 +1003,9 @@ def estimate(model_path: str, *, batch_size: int = 1, resolution: int | tuple[in
     (and NCCL's with more than one worker); "cpu" leaves both out and follows CPU
     autocast. ``samples_per_row``: 2 with prior preservation, whose micro-batch is
     ``batch_size`` instance samples plus as many class samples. ``groupnorm_fp32``: as
-    ``train.groupnorm_fp32``. ``previews``: the run renders ``validation.prompts``."""
+    ``train.groupnorm_fp32``. ``previews``: the run renders ``validation.prompts``.
+    ``control_images``: each sample brings an edit pair's input image, whose tokens the
+    denoiser sees beside the noisy ones (data.control_images)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy: {strategy!r} is not one of {', '.join(STRATEGIES)}")
     for key, kind in (("quantize", quantize), ("quantize_text_encoders", quantize_text_encoders)):
@@ -1012,13 +1021,13 @@ def estimate(model_path: str, *, batch_size: int = 1, resolution: int | tuple[in
                 cached_latents=cached_latents, train_text_encoder=train_text_encoder,
                 max_sequence_length=max_sequence_length, prodigy_slice_p=prodigy_slice_p,
                 adafactor_beta1=adafactor_beta1, device=device, samples_per_row=samples_per_row,
-                groupnorm_fp32=groupnorm_fp32, previews=previews)
+                groupnorm_fp32=groupnorm_fp32, previews=previews, control_images=control_images)
     targets = tuple(lora_targets) if lora_targets else None
     comps, params, te_params = _components(model_path, mixed_precision, lora_rank, targets,
                                            train_text_encoder)
     prof = _profile(model_path, batch_size * samples_per_row, resolution, lora_rank, targets, mixed_precision,
                     gradient_checkpointing, cached_latents, train_text_encoder,
-                    max_sequence_length, device, groupnorm_fp32)
+                    max_sequence_length, device, groupnorm_fp32, control_images)
     fam = comps.family
     dtype = MIXED_PRECISION[mixed_precision]
     fsdp = strategy == "fsdp"
@@ -1092,7 +1101,8 @@ def config_args(cfg) -> dict:
         quantize_text_encoders=m.quantize_text_encoders, cached_latents=d.cache == "latents",
         train_text_encoder=lo.train_text_encoder, max_sequence_length=m.max_sequence_length,
         device="cuda" if s.use_gpu else "cpu", samples_per_row=2 if d.prior_preservation else 1,
-        groupnorm_fp32=t.groupnorm_fp32, previews=bool(cfg.validation.prompts), **optimizer_args(t))
+        groupnorm_fp32=t.groupnorm_fp32, previews=bool(cfg.validation.prompts),
+        control_images=d.control_images, **optimizer_args(t))
 
 
 def from_config(cfg, **changes) -> Estimate:

@@ -19,15 +19,30 @@ def sample(
     expert: str | None = None,
     quantize_text_encoders: str = "none",
     revision: str | None = None,
+    image: str | None = None,
 ) -> str:
     """``guidance_scale``: default the family's (SD 7.5, Flux.1-dev 3.5, ...), passed as the
     family's pipeline takes it (Qwen-Image: true CFG with an empty negative prompt).
-    ``adapter``, ``expert``, ``quantize_text_encoders``, ``revision``: see ``load_pipeline``."""
+    ``adapter``, ``expert``, ``quantize_text_encoders``, ``revision``: see ``load_pipeline``.
+    ``image``: an edit model's input image (a path or storage URI; Flux.1 Kontext), resized
+    to ``size`` when given, else sized as the pipeline does."""
+    from raylora.storage import Storage
+
+    control = None
+    if image is not None:
+        from raylora.train.preview import read_control_images
+
+        try:
+            control = read_control_images([image], Storage())[0]
+        except (FileNotFoundError, ValueError) as exc:
+            raise ValueError(f"--image: {image}: {getattr(exc, 'strerror', None) or exc}") from None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # bf16 on GPUs: fp16 overflows in Flux/SD3/Qwen-Image transformers.
     pipe, family = load_pipeline(model, adapter, expert,
                                  torch.bfloat16 if device == "cuda" else torch.float32,
                                  quantize_text_encoders, device, revision)
+    if control is not None and not family.reference_image:
+        raise ValueError(f"--image: {family.name} ({family.pipeline}) takes no input image")
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     # No size: the pipeline's own default (the model's sample size; ZImagePipeline's 1024,
@@ -40,6 +55,7 @@ def sample(
         num_inference_steps=steps,
         **family.guidance_kwargs(guidance_scale),
         **dims,
+        **family.reference_kwargs(control, size, size),
         generator=torch.Generator(device="cpu").manual_seed(seed),
     )[0]
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

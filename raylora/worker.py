@@ -78,10 +78,8 @@ def _heldout_batch(spec: WorkerSpec) -> dict[str, torch.Tensor]:
         return {k: from_column(v) for k, v in heldout.items()}
     # Buckets or not: one square size (the largest resolution), so they batch together.
     pre = Preprocess(StageSpec(**_stage_kwargs("heldout", spec)))
-    batch = pre({
-        "image": np.array([r["image"] for r in heldout], dtype=object),
-        "text": np.array([r["text"] for r in heldout], dtype=object),
-    })
+    batch = pre({k: np.array([r.get(k) for r in heldout], dtype=object)
+                 for k in ("image", "text", "control") if k != "control" or pre.controls})
     return {k: torch.from_numpy(v) for k, v in batch.items()}
 
 
@@ -128,6 +126,7 @@ def _previewer(spec: WorkerSpec, run, tracker, rank: int):
     model_path = materialize(spec.plan.model_path, store, cfg.model.revision)
     model = acc.unwrap_model(run.model)
     guidance = run.family.guidance_kwargs(v.guidance_scale)  # None: the family's default
+    controls = pv.read_control_images(v.control_images, store)  # read once, rendered each time
 
     def render() -> list:
         # The pipeline and the encoders loaded for it (cached latents) go when this returns.
@@ -138,7 +137,7 @@ def _previewer(spec: WorkerSpec, run, tracker, rank: int):
             revision=cfg.model.revision,
         )
         return pv.render(pipe, run.family, v.prompts, v.seed, v.num_inference_steps, guidance,
-                         cfg.data.max_resolution(), autocast=acc.autocast)
+                         cfg.data.max_resolution(), autocast=acc.autocast, control_images=controls)
 
     def preview(step: int) -> None:
         with run.ema.swapped_in(run.params) if run.ema is not None else nullcontext():

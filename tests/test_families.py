@@ -488,7 +488,7 @@ def _pipeline_conditioning(family: str, pipe, captions: list[str]) -> dict:
     if family == "sdxl":
         e, _, pooled, _ = pipe.encode_prompt(captions, device="cpu", do_classifier_free_guidance=False)
         return {"prompt_embeds": e, "pooled_prompt_embeds": pooled}
-    if family == "flux":
+    if family in ("flux", "fluxkontext"):
         e, pooled, _ = pipe.encode_prompt(captions, None, **kw)
         return {"prompt_embeds": e, "pooled_prompt_embeds": pooled}
     if family == "sd3":
@@ -743,7 +743,7 @@ def test_training_calls_the_denoiser_as_the_stock_pipeline_does(tiny, family):
     with torch.no_grad():
         pipe(prompt="a red circle", num_inference_steps=2, height=H, width=W, output_type="np",
              generator=torch.Generator().manual_seed(0),
-             **{**PIPELINES[family][1], **fam.guidance_kwargs(scale)})
+             **{**PIPELINES[family][1], **fam.guidance_kwargs(scale), **fam.size_kwargs(H, W)})
         assert len(seen) == 2, "one unguided denoiser pass per step expected"
         theirs = list(seen)
         flow = scheduler_objective_kind(dict(pipe.scheduler.config)) == "flow_matching"

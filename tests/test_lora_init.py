@@ -25,6 +25,7 @@ from raylora.model.tiny import FAMILIES
 # converts no kohya names; zimage: it reads the fused qkv layers as rank 3r.
 KOHYA_REFUSED = {
     "flux": "FluxPipeline's lora_state_dict cannot read it (AssertionError",
+    "fluxkontext": "FluxKontextPipeline's lora_state_dict cannot read it (AssertionError",
     "wan": "WanPipeline's lora_state_dict cannot read it (KeyError",
     "sd3": "are not LoRA layers of a StableDiffusion3Pipeline component (transformer, "
            "text_encoder, text_encoder_2), e.g. lora_te1_",

@@ -143,6 +143,10 @@ def _usage(cfg: RayLoraConfig, family) -> str:
     # prompt by name: Flux2KleinPipeline's first parameter is a reference image.
     args += call_args(family.image_call())
     call = f'image = pipe(prompt="your prompt"{args}){family.image_code()}'
+    if cfg.data.control_images:  # an edit model: the input image the prompt edits
+        call = ('from diffusers.utils import load_image\n'
+                f'image = pipe(image=load_image("your input image.png"), '
+                f'prompt="your edit"{args}){family.image_code()}')
     if cfg.lora.variant in ("lora", "dora"):
         # A pipeline of experts: into the one trained (Wan 2.2's low-noise transformer_2).
         into = call_args(family.lora_load_kwargs(cfg.model.expert))

@@ -11,7 +11,9 @@ the text encoders, in the same row order as uncached training reads the source.
 What a cached row holds: ``latent_params`` = the VAE posterior's mean ‖ logvar
 (so training still draws a fresh latent sample every step, as uncached training does),
 ``prompt_embeds``, and for SDXL ``pooled_prompt_embeds`` and ``time_ids``; with
-data.masked_loss ``loss_mask`` ``[1, h, w]``, the mask pooled to the latent grid. Each
+data.masked_loss ``loss_mask`` ``[1, h, w]``, the mask pooled to the latent grid; with
+data.control_images ``control_params``, the control image's posterior as ``latent_params``
+(training takes its mean, as the uncached step does). Each
 tensor is stored in the dtype it was computed in (``to_column``): a bf16 run's cache is
 half an fp32 one's and holds exactly what uncached training would feed the denoiser.
 
@@ -36,6 +38,7 @@ from raylora import storage
 from raylora.config import RayLoraConfig
 from raylora.data.captions import with_prefix
 from raylora.data.formats import MASK_SUFFIX, get_format
+from raylora.data.formats.base import CONTROL_INFIX
 from raylora.data.plan import DataPlan, SourceFiles, apply_shares
 from raylora.storage import Storage
 
@@ -51,7 +54,7 @@ MANIFEST = "manifest.json"
 CAPTIONFOLDER_MIN_PARTS = 64
 CACHED_READ_CPUS = 0.25  # per read task of cached rows (no decoding: mostly I/O)
 # Columns shaped by the bucket (a variable-shaped tensor column with data.bucketing).
-PER_BUCKET = ("latent_params", "loss_mask")
+PER_BUCKET = ("latent_params", "loss_mask", "control_params")
 
 
 def _dtype_name(cfg: RayLoraConfig) -> str:
@@ -96,6 +99,8 @@ class EncodeStage:
         with torch.no_grad():
             cond = batch_condition(self.family, self.text_encoders, tensors)
         out = {"latent_params": params, **cond}
+        if "control_values" in tensors:  # data.control_images: the input's posterior
+            out["control_params"] = vae_posterior(self.family, self.vae, tensors["control_values"])
         if "loss_mask" in tensors:  # data.masked_loss: stored pooled to the latent grid
             from raylora.train.loss import latent_mask
 
@@ -202,6 +207,8 @@ def fingerprint(cfg: RayLoraConfig, family: str, model_path: str, data: DataPlan
                         for s in d.source_sections()]}
            if d.sources is not None or d.caption_prefix else {}),
         **({"masks": {"column": d.mask_column, "suffix": MASK_SUFFIX}} if d.masked_loss else {}),
+        **({"controls": {"column": d.control_column, "infix": CONTROL_INFIX}}
+           if d.control_images else {}),
         # Each image's bucket (its latent's shape) follows these.
         **({"buckets": {"step": d.bucket_step,
                         "resolutions": [s.resolutions() for s in d.source_sections()]}}
@@ -333,8 +340,9 @@ def encode_chunk(pre, enc: EncodeStage, rows: list[dict]) -> dict[str, np.ndarra
     columns, in order."""
     batch = {"image": np.array([r["image"] for r in rows], dtype=object),
              "text": np.array([r["text"] for r in rows], dtype=object)}
-    # where each is (bad-row reports), per-source counts, the loss mask (data.masked_loss)
-    for column in ("key", "source", "mask"):
+    # where each is (bad-row reports), per-source counts, the loss mask (data.masked_loss),
+    # the control image (data.control_images)
+    for column in ("key", "source", "mask", "control"):
         if all(column in r for r in rows):
             batch[column] = np.array([r[column] for r in rows], dtype=object)
     pre_out = pre(batch)
@@ -351,7 +359,7 @@ def _encode_by_bucket(enc: EncodeStage, batch: dict[str, np.ndarray]) -> dict[st
     parts, order = [], []
     for b in dict.fromkeys(ids.tolist()):
         sel = np.flatnonzero(ids == b)
-        group = {k: (np.stack(v[sel]) if k in ("pixel_values", "loss_mask") else v[sel])
+        group = {k: (np.stack(v[sel]) if k in ("pixel_values", "loss_mask", "control_values") else v[sel])
                  for k, v in batch.items() if k != "bucket"}
         parts.append(enc(group))
         order.append(sel)

@@ -15,6 +15,9 @@ Reasons (the keys of ``data.bad_records`` in ``raylora.json``):
   caption_not_utf8 caption bytes that are not UTF-8
   bad_mask        data.masked_loss: a sidecar/column mask that does not decode, is not
                   greyscale (1, L, I;16) or is not the image's size
+  missing_control data.control_images: no control image (sidecar or column) for the row
+  bad_control     data.control_images: a control image that does not decode, or is over
+                  data.max_image_pixels
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from raylora.data.formats import NOT_UTF8
 
 REASONS = (
     "empty_image", "not_an_image", "corrupt_image", "too_many_pixels", "too_small",
-    "missing_caption", "caption_not_utf8", "bad_mask",
+    "missing_caption", "caption_not_utf8", "bad_mask", "missing_control", "bad_control",
 )
 # Greyscale modes a mask may have (8-bit, bilevel, 16-bit). Colour is refused rather than
 # guessed at: which channel, or which mix of them, would be the weight?
@@ -151,14 +154,35 @@ def open_row(image: Any, caption: Any, *, max_pixels: int, min_size: int, small_
 
 
 def open_masked_row(image: Any, caption: Any, mask: Any, *, masks: bool, max_pixels: int,
-                    min_size: int, small_images: str,
-                    keep_empty_captions: bool) -> tuple[Image.Image, str, Image.Image | None]:
+                    min_size: int, small_images: str, keep_empty_captions: bool,
+                    control: Any = None, controls: bool = False,
+                    ) -> tuple[Image.Image, str, Image.Image | None, Image.Image | None]:
     """``open_row`` and, with ``masks`` (data.masked_loss), the row's loss mask
-    (``decode_mask``, read before ``to_rgb`` composites the alpha channel away): the one
+    (``decode_mask``, read before ``to_rgb`` composites the alpha channel away), and with
+    ``controls`` (data.control_images) its control image (``decode_control``): the one
     judgement of a row, in the preprocess stage and the driver's sample check."""
     img, text = open_row(image, caption, max_pixels=max_pixels, min_size=min_size,
                          small_images=small_images, keep_empty_captions=keep_empty_captions)
-    return img, text, decode_mask(img, mask, max_pixels) if masks else None
+    return (img, text, decode_mask(img, mask, max_pixels) if masks else None,
+            decode_control(img, control, max_pixels) if controls else None)
+
+
+def decode_control(img: Image.Image, value: Any, max_pixels: int) -> Image.Image:
+    """A row's control image (the input of an edit pair) in its own mode, resized to
+    ``img``'s size when it is another (bilinear, as training images are resized; an edit
+    pair's two images usually share a size, and ai-toolkit resizes the input to its
+    target's too). ``BadRecord`` ``missing_control`` when there is none, ``bad_control``
+    when it does not decode."""
+    if value is None or (isinstance(value, (bytes, bytearray, memoryview)) and not len(value)):
+        raise BadRecord("missing_control", "no KEY.control.<ext> beside the image, or an empty "
+                        "data.control_column cell")
+    try:
+        control = open_image(value, max_pixels)
+    except BadRecord as exc:
+        raise BadRecord("bad_control", f"control image: {exc}") from None
+    if control.size != img.size:
+        control = control.resize(img.size, Image.Resampling.BILINEAR)
+    return control
 
 
 def decode_mask(img: Image.Image, value: Any, max_pixels: int) -> Image.Image | None:

@@ -273,7 +273,8 @@ def sample_problems(data: DataSection, plan: DataPlan, storage: Storage) -> list
                     open_masked_row(row["image"], row["text"], row.get("mask"),
                                     masks=section.masked_loss, max_pixels=section.max_image_pixels,
                                     min_size=section.min_size, small_images=section.small_images,
-                                    keep_empty_captions=section.caption_dropout > 0)
+                                    keep_empty_captions=section.caption_dropout > 0,
+                                    control=row.get("control"), controls=section.control_images)
                 except BadRecord as exc:
                     bad[exc.reason] += 1
                     if exc.reason not in examples:
@@ -302,6 +303,9 @@ SAMPLE_HINTS = {
                        "data.caption_dropout > 0 to train them on the empty prompt",
     "caption_not_utf8": "Re-encode the captions as UTF-8",
     "bad_mask": "Check the loss masks (greyscale, the image's size), or turn data.masked_loss off",
+    "missing_control": "Put each image's control image beside it as KEY.control.<ext> (parquet: "
+                       "check data.control_column), or turn data.control_images off",
+    "bad_control": "Check that the control images were copied whole and are in a format PIL reads",
 }
 
 

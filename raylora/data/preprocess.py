@@ -95,10 +95,12 @@ def transform_sample(
     center_crop: bool,
     random_flip: bool,
     rng: np.random.Generator,
-) -> tuple[np.ndarray, tuple[int, int], tuple[int, int], np.ndarray | None]:
+    control: Image.Image | None = None,
+) -> tuple[np.ndarray, tuple[int, int], tuple[int, int], np.ndarray | None, np.ndarray | None]:
     """``transform_image_coords`` plus the image's loss ``mask`` (an "L" image of its
     size, or None) through the same view: uint8 ``[1, H, W]`` (255: full weight), or
-    None."""
+    None; and its ``control`` image (of its size, or None) likewise: uint8 ``[3, H, W]``
+    cut exactly where the image is, so an edit pair stays aligned pixel for pixel."""
     img = img.convert("RGB")
     w, h = img.size
     view = draw_view(w, h, resolution, center_crop, random_flip, rng)
@@ -106,7 +108,9 @@ def transform_sample(
     left = view.size[0] - view.crop[0] - view.left if view.flip else view.left
     pixels = np.ascontiguousarray(arr.transpose(2, 0, 1))
     masked = None if mask is None else np.ascontiguousarray(apply_view(mask, view)[None])
-    return pixels, (h, w), (view.top, left), masked
+    paired = None if control is None else np.ascontiguousarray(
+        apply_view(control.convert("RGB"), view).transpose(2, 0, 1))
+    return pixels, (h, w), (view.top, left), masked, paired
 
 
 def tokenize(tokenizer, captions: list[str]) -> np.ndarray:
@@ -134,7 +138,10 @@ class StageSpec:
     column (int32, the bucket's id) is added. ``masks`` (data.masked_loss): each row's
     loss mask (a ``mask`` column of encoded images, or the image's alpha) goes through
     the image's crop into a ``loss_mask`` column, uint8 ``[B, 1, H, W]`` (all 255 for a row
-    without one); a mask that does not fit is a ``bad_mask`` row."""
+    without one); a mask that does not fit is a ``bad_mask`` row. ``controls``
+    (data.control_images): each row's control image (a ``control`` column of encoded
+    images) goes through the image's crop into a ``control_values`` column, shaped and
+    bucketed as ``pixel_values``; a row without one is a ``missing_control`` row."""
 
     tokenizer_path: str
     resolution: int
@@ -159,6 +166,7 @@ class StageSpec:
     caption_policies: tuple | None = None
     buckets: object = None
     masks: bool = False
+    controls: bool = False
 
 
 STAGE_PURPOSES = ("train", "cache", "heldout", "class")
@@ -180,7 +188,10 @@ def stage_kwargs(purpose: str, data, *, model_path: str, family: str, storage,
     - ``heldout`` (the evaluation batch): centre crop, no flip, one square size, no masks;
     - ``class`` (prior preservation): the configured crop and flip; class prompts as
       given (no dropout or prefixes); masks when the instance rows have them, so the two
-      halves of a batch have the same columns (buckets are refused with prior)."""
+      halves of a batch have the same columns (buckets are refused with prior).
+
+    Control images (data.control_images) go with every stage but ``class`` (refused with
+    prior): the denoiser of an edit model takes one with every sample, held-out ones too."""
     from raylora.data.buckets import bucket_set
     from raylora.data.captions import caption_policies
 
@@ -203,6 +214,8 @@ def stage_kwargs(purpose: str, data, *, model_path: str, family: str, storage,
                   empty_caption=families.get(family).empty_caption)
     if purpose != "heldout":
         kw.update(masks=data.masked_loss)
+    if purpose != "class":
+        kw.update(controls=data.control_images)
     return kw
 
 
@@ -244,6 +257,7 @@ class Preprocess:
 
         self.reporter = Reporter(spec.bad_records)
         self.masks = spec.masks
+        self.controls = spec.controls
 
     def _text_columns(self, captions: list[str]) -> dict[str, np.ndarray]:
         out = {}
@@ -254,16 +268,20 @@ class Preprocess:
                 out[mask_key] = mask
         return out
 
-    def _decode(self, image, text, mask, src: int):
-        """One row → (RGB image, caption, "L" mask or None), or ``BadRecord``."""
+    def _decode(self, image, text, mask, control, src: int):
+        """One row → (RGB image, caption, "L" mask or None, RGB control image or None), or
+        ``BadRecord``."""
         from raylora.data.decode import open_masked_row, to_rgb
 
         # Caption dropout trains on the empty prompt anyway: a blank caption is kept.
-        img, caption, loss_mask = open_masked_row(
+        img, caption, loss_mask, paired = open_masked_row(
             image, text, mask, masks=self.masks,
             **{k: v for k, v in self.decode.items() if k != "background"},
-            keep_empty_captions=self.policies[src].dropout > 0)
-        return to_rgb(img, self.decode["background"]), caption, loss_mask
+            keep_empty_captions=self.policies[src].dropout > 0,
+            control=control, controls=self.controls)
+        background = self.decode["background"]
+        return (to_rgb(img, background), caption, loss_mask,
+                None if paired is None else to_rgb(paired, background))
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         from collections import Counter
@@ -274,12 +292,15 @@ class Preprocess:
         out, captions, kept, bad, examples, ids = [], [], [], Counter(), {}, []
         images, texts = batch[self.image_column], batch[self.caption_column]
         masks = batch.get("mask") if self.masks else None
+        controls = batch.get("control") if self.controls else None
         where = batch.get("key", batch.get("path"))
         sources = batch.get("source")
         for i, (image, text) in enumerate(zip(images, texts)):
             src = 0 if sources is None else int(sources[i])
             try:
-                img, caption, mask = self._decode(image, text, None if masks is None else masks[i], src)
+                img, caption, mask, control = self._decode(
+                    image, text, None if masks is None else masks[i],
+                    None if controls is None else controls[i], src)
             except BadRecord as exc:
                 # Dropped and counted, never fatal here: whether the run may go on is
                 # decided on the totals (data.max_bad_fraction).
@@ -292,7 +313,8 @@ class Preprocess:
                 bucket = self.buckets.assign(img.size[0], img.size[1], src)
                 size = self.buckets.sizes[bucket]
                 ids.append(bucket)
-            out.append(transform_sample(img, mask, size, self.center_crop, self.random_flip, self.rng))
+            out.append(transform_sample(img, mask, size, self.center_crop, self.random_flip,
+                                        self.rng, control))
             captions.append(caption)
             kept.append(src)
         # Rows kept per source: the run's per-source counts (raylora.json data.sources).
@@ -309,6 +331,8 @@ class Preprocess:
             result["loss_mask"] = self._pixels([
                 o[3] if o[3] is not None else np.full((1, *o[0].shape[-2:]), 255, np.uint8)
                 for o in out], channels=1)
+        if self.controls:
+            result["control_values"] = self._pixels([o[4] for o in out])
         if self.buckets is not None:
             result["bucket"] = np.array(ids, dtype=np.int32)
         return result

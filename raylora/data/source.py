@@ -189,14 +189,15 @@ def _as_source(table, section: DataSection, source: int):
 def _part_tables(item: dict, data: DataSection, cached: bool, store: Storage):
     """The rows of a parquet part that the item keeps: a cache's columns as they are, else
     ``key`` (``{uri}#{row}``), ``image`` (bytes, also from a ``{bytes, path}`` struct) and
-    ``text`` (and ``mask`` with data.masked_loss)."""
+    ``text`` (and ``mask`` with data.masked_loss, ``control`` with data.control_images)."""
     import pyarrow as pa
 
     from raylora.data.parquet_parts import part_tables
     from raylora.data.plan import keep_rows
 
     columns = None if cached else [data.image_column, data.caption_column]
-    optional = (data.mask_column,) if data.masked_loss and not cached else ()
+    optional = () if cached else ((data.mask_column,) if data.masked_loss else ()) + (
+        (data.control_column,) if data.control_images else ())
     for first, table in part_tables(store, str(item["uri"]), int(item["part"]),
                                     int(item["parts"]), columns, optional):
         rows = np.arange(first, first + len(table))
@@ -208,9 +209,12 @@ def _part_tables(item: dict, data: DataSection, cached: bool, store: Storage):
             continue
         out = {"image": _bytes_column(table[data.image_column]), "text": table[data.caption_column],
                "key": pa.array([f"{item['uri']}#{r}" for r in rows], pa.string())}
-        if data.masked_loss:  # a shard without the column: every row unmasked
-            out["mask"] = _bytes_column(table[data.mask_column]) \
-                if data.mask_column in table.column_names else pa.nulls(len(table), pa.binary())
+        # A shard without the column: every row unmasked, or without a control image.
+        for on, column, name in ((data.masked_loss, data.mask_column, "mask"),
+                                 (data.control_images, data.control_column, "control")):
+            if on:
+                out[name] = _bytes_column(table[column]) if column in table.column_names \
+                    else pa.nulls(len(table), pa.binary())
         yield pa.table(out)
 
 
@@ -243,6 +247,8 @@ def _unit_tables(item: dict, data: DataSection, fmt: str, files: list[str], stor
                              pa.string()),
             **({"mask": pa.array([r["mask"] or None for r in chunk], pa.binary())}
                if data.masked_loss else {}),
+            **({"control": pa.array([image_bytes(r["control"]) or None for r in chunk], pa.binary())}
+               if data.control_images else {}),
         })
 
 

@@ -57,11 +57,13 @@ def read_heldout_rows(
 ) -> list[dict]:
     """The evaluation rows: with ``split`` the first held-out rows of the training files,
     else (``data.validation_uri``) the first rows of the validation files (each row once,
-    whatever its repeats). Each row is ``{"image": bytes, "text": str}``."""
+    whatever its repeats). Each row is ``{"image": bytes, "text": str}`` (and its
+    ``control`` image with data.control_images: an edit model is evaluated on its pairs)."""
     rows = []
     for row in iter_plan_rows(data, plan, storage):
         if split is None or row_fraction(row["image"], row["text"]) < split:
-            rows.append({"image": row["image"], "text": "" if row["text"] is None else str(row["text"])})
+            rows.append({"image": row["image"], "text": "" if row["text"] is None else str(row["text"]),
+                         **({"control": row.get("control")} if data.control_images else {})})
             if len(rows) >= data.validation_max_samples:
                 break
     return rows

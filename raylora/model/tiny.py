@@ -1,5 +1,5 @@
-"""Tiny random diffusers pipelines (SD-1.x, SDXL, Flux.1, SD3, Qwen-Image and 2.1, Z-Image,
-Flux.2 [klein] and [dev], Wan), built offline.
+"""Tiny random diffusers pipelines (SD-1.x, SDXL, Flux.1 and Flux.1 Kontext, SD3, Qwen-Image and 2.1,
+Z-Image, Flux.2 [klein] and [dev], Wan), built offline.
 
 Tests and the demo need a model but have no hub access. This builds the real diffusers /
 transformers classes with tiny sizes and writes them with ``save_pretrained``, so training
@@ -468,7 +468,14 @@ QWENIMAGE_SCHEDULER = dict(
 )
 
 
-def build_tiny_flux(dest: str | Path, seed: int = 0, schnell: bool = False) -> Path:
+def build_tiny_fluxkontext(dest: str | Path, seed: int = 0) -> Path:
+    """Save a tiny random FluxKontextPipeline to ``dest``: ``build_tiny_flux``'s components
+    (Flux.1 Kontext [dev] is Flux.1-dev's architecture), under Kontext's pipeline class."""
+    return build_tiny_flux(dest, seed, pipeline="FluxKontextPipeline")
+
+
+def build_tiny_flux(dest: str | Path, seed: int = 0, schnell: bool = False,
+                    pipeline: str = "FluxPipeline") -> Path:
     """Save a tiny random FluxPipeline (Flux.1-dev layout; ``schnell``: no guidance
     embedding and schnell's static-shift scheduler) to ``dest``; returns the path.
 
@@ -483,7 +490,7 @@ def build_tiny_flux(dest: str | Path, seed: int = 0, schnell: bool = False) -> P
       scaling 0.3611 / shift 0.1159, no quant convs: 64 px → latents (B, 16, 32, 32) →
       packed (B, 256, 64).
     """
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextModel, T5EncoderModel
 
     dest = Path(dest)
@@ -511,7 +518,9 @@ def build_tiny_flux(dest: str | Path, seed: int = 0, schnell: bool = False) -> P
     scheduler = FlowMatchEulerDiscreteScheduler(
         **(FLUX_SCHNELL_SCHEDULER if schnell else FLUX_DEV_SCHEDULER)
     )
-    pipe = FluxPipeline(
+    import diffusers
+
+    pipe = getattr(diffusers, pipeline)(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
         text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer,
         image_encoder=None, feature_extractor=None,
@@ -1059,6 +1068,7 @@ BUILDERS = {
     "sd": build_tiny_sd,
     "sdxl": build_tiny_sdxl,
     "flux": build_tiny_flux,
+    "fluxkontext": build_tiny_fluxkontext,
     "sd3": build_tiny_sd3,
     "qwenimage": build_tiny_qwenimage,
     "qwenimage21": build_tiny_qwenimage21,

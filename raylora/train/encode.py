@@ -11,7 +11,11 @@ cached: latent_params [B,2C,h,w] (posterior mean ‖ logvar) + the family's cond
         (prompt_embeds [B,L,D], pooled_prompt_embeds [B,P], time_ids [B,6], ...)
 
 Either may carry ``loss_mask`` (data.masked_loss): uint8 [B,1,H,W] raw, float [B,1,h,w]
-cached; ``raylora.train.step.compute_loss`` brings it to the latent grid.
+cached; ``raylora.train.step.compute_loss`` brings it to the latent grid. And an edit
+pair's input image (data.control_images): ``control_values`` uint8 [B,3,H,W] raw,
+``control_params`` [B,2C,h,w] cached, which ``batch_reference`` makes the conditioning's
+``reference_latents`` (the posterior's mean, normalised: what the family's pipeline feeds
+its denoiser for an input image).
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import torch
 
 from raylora.model.families.base import Cond, Family
 
-__all__ = ["Cond", "batch_condition", "batch_posterior", "sample_latents", "vae_posterior"]
+__all__ = ["Cond", "batch_condition", "batch_posterior", "batch_reference", "sample_latents",
+           "vae_posterior"]
 
 
 @torch.no_grad()
@@ -65,3 +70,16 @@ def batch_posterior(family: type[Family], vae, batch: dict) -> torch.Tensor:
     if "latent_params" in batch:
         return batch["latent_params"]
     return vae_posterior(family, vae, batch["pixel_values"])
+
+
+def batch_reference(family: type[Family], vae, batch: dict, shift=0.0, scale=1.0) -> torch.Tensor | None:
+    """The normalised latents of a batch's control images (its posterior's mean: the
+    pipelines encode an input image with ``sample_mode="argmax"``), None for a batch
+    without them."""
+    if "control_params" in batch:
+        params = batch["control_params"]
+    elif "control_values" in batch:
+        params = vae_posterior(family, vae, batch["control_values"])
+    else:
+        return None
+    return sample_latents(params, shift, scale, sample=False)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from raylora.model.families.base import Cond, Family
-from raylora.train.encode import batch_condition, batch_posterior, sample_latents
+from raylora.train.encode import batch_condition, batch_posterior, batch_reference, sample_latents
 from raylora.train.step import FrozenParts
 
 
@@ -60,7 +60,11 @@ def prepare_heldout(
         params = batch_posterior(parts.family, parts.vae, chunk)
         latents.append(sample_latents(params.float(), parts.latent_shift, parts.latent_scale,
                                       sample=False))
-        texts.append(batch_condition(parts.family, parts.text_encoders, chunk))
+        cond = batch_condition(parts.family, parts.text_encoders, chunk)
+        # an edit pair's input latents: conditioning the text re-encoding keeps
+        reference = batch_reference(parts.family, parts.vae, chunk, parts.latent_shift,
+                                    parts.latent_scale)
+        texts.append(cond if reference is None else Cond(cond, reference_latents=reference))
     latents = torch.cat(latents)
     n = latents.shape[0]
     ts = parts.objective.eval_timesteps(num_timesteps, latents)
@@ -76,7 +80,8 @@ def prepare_heldout(
     index = torch.arange(n, device=device).repeat_interleave(len(ts))
     text_batch = None
     if parts.text_encoder_params:
-        text_batch = {k: v.to(device) for k, v in batch.items() if k != "pixel_values"}
+        text_batch = {k: v.to(device) for k, v in batch.items()
+                      if k not in ("pixel_values", "control_values")}
     return HeldOut(parts.family, noised.noisy, t, noised.target.float(), Cond.cat(texts), index,
                    text_batch, parts.guidance)
 
@@ -92,11 +97,13 @@ def encode_heldout_text(parts: FrozenParts, heldout: HeldOut, batch_size: int = 
         te.eval()
     try:
         n = next(iter(heldout.text_batch.values())).shape[0]
-        heldout.text = Cond.cat([
+        text = Cond.cat([
             batch_condition(parts.family, parts.text_encoders,
                             {k: v[i : i + batch_size] for k, v in heldout.text_batch.items()})
             for i in range(0, n, batch_size)
         ])
+        # what is not the text's (an edit pair's reference_latents) stays as encoded
+        heldout.text = Cond({**heldout.text, **text})
     finally:
         for te, mode in zip(parts.text_encoders, modes):
             te.train(mode)

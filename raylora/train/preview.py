@@ -67,12 +67,26 @@ def denoiser_of(pipe) -> torch.nn.Module:
     return pipe.unet if getattr(pipe, "unet", None) is not None else pipe.transformer
 
 
+def read_control_images(uris: list[str], store) -> list[Image.Image]:
+    """validation.control_images, decoded (RGB): each preview prompt's input image."""
+    import io
+
+    out = []
+    for uri in uris:
+        try:
+            out.append(Image.open(io.BytesIO(store.read_bytes(uri))).convert("RGB"))
+        except (OSError, ValueError) as exc:  # PIL's UnidentifiedImageError is an OSError
+            raise ValueError(f"validation.control_images: {uri}: {exc}") from None
+    return out
+
+
 @torch.no_grad()
 def render(pipe, family, prompts: list[str], seed: int, steps: int, guidance: dict,
-           resolution: int, autocast=None) -> list[Image.Image]:
+           resolution: int, autocast=None, control_images=()) -> list[Image.Image]:
     """One image per prompt; image i uses generator seed ``seed + i`` on the CPU, so the
     same adapter gives the same picture on any device and at any step. ``guidance``: the
-    ``family``'s ``guidance_kwargs`` (one prompt per call), as its pipeline takes them."""
+    ``family``'s ``guidance_kwargs`` (one prompt per call), as its pipeline takes them.
+    ``control_images``: an edit model's input image for each prompt (none: text to image)."""
     model = denoiser_of(pipe)
     was_training = model.training
     model.eval()
@@ -81,9 +95,11 @@ def render(pipe, family, prompts: list[str], seed: int, steps: int, guidance: di
         for i, prompt in enumerate(prompts):
             with autocast() if autocast is not None else nullcontext():
                 # prompt by name: Flux2KleinPipeline's first is an image
+                control = control_images[i] if control_images else None
                 images.append(family.images(
                     pipe, prompt=prompt, num_inference_steps=steps, **guidance,
                     height=resolution, width=resolution,
+                    **family.reference_kwargs(control, resolution, resolution),
                     generator=torch.Generator().manual_seed(seed + i),
                 )[0])
         return images

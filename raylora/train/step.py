@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from raylora.model.families.base import Cond, Family
-from raylora.train.encode import batch_condition, batch_posterior, sample_latents
+from raylora.train.encode import batch_condition, batch_posterior, batch_reference, sample_latents
 from raylora.train.loss import combine_prior, denoising_loss, latent_mask, split_pairs
 from raylora.train.objective import draw_noise
 
@@ -47,12 +47,17 @@ class FrozenParts:
 
 
 def encode_batch(parts: FrozenParts, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Cond]:
-    """A raw or cached batch → latents ``[B,C,h,w]`` (a posterior draw) and conditioning."""
+    """A raw or cached batch → latents ``[B,C,h,w]`` (a posterior draw) and conditioning
+    (with an edit pair's input latents as ``reference_latents``)."""
     with torch.no_grad():
         params = batch_posterior(parts.family, parts.vae, batch)
         latents = sample_latents(params, parts.latent_shift, parts.latent_scale)
+        reference = batch_reference(parts.family, parts.vae, batch, parts.latent_shift,
+                                    parts.latent_scale)
     with torch.set_grad_enabled(bool(parts.text_encoder_params) and torch.is_grad_enabled()):
         cond = batch_condition(parts.family, parts.text_encoders, batch)
+    if reference is not None:
+        cond = Cond(cond, reference_latents=reference)
     return latents, cond
 
 

@@ -4,7 +4,8 @@ A format is one ``ShardFormat`` object in the registry (``raylora.data.formats``
 of raylora asks it, by name, to pick its files out of a listing, count their rows, read
 them (plainly, in file order, or as a Ray dataset) and, where it can, write a shard. Rows
 are ``{"key", "image", "text"}`` (and ``mask``, encoded bytes or None, with
-``data.masked_loss``) whatever the format: ``key`` says where the sample is
+``data.masked_loss``; ``control``, likewise, with ``data.control_images``) whatever the
+format: ``key`` says where the sample is
 (file, and row or sample name), so the validating decode (``raylora.data.decode``) reports
 a bad sample at the same kind of place for every format.
 """
@@ -30,6 +31,11 @@ MANIFEST = "manifest.json"
 # A sample's loss mask beside its image (data.masked_loss): KEY.png + KEY.mask.png, in a
 # tar or a folder. Lossless only: JPEG ringing would leak weight across a mask's edges.
 MASK_SUFFIX = ".mask.png"
+
+# A sample's control image beside its image (data.control_images, the input of an edit
+# pair): KEY.control.<one of IMAGE_EXTS>, in a tar or a folder. Any image format: it is an
+# input the VAE encodes, as lossy as the user's photos.
+CONTROL_INFIX = ".control"
 
 # Marks a caption whose bytes were not UTF-8. Rows travel through Arrow, whose string
 # columns cannot hold the raw bytes (and a column of mixed str/bytes has no Arrow type),
@@ -102,6 +108,40 @@ def is_mask_file(name: str) -> bool:
     return name.lower().endswith(MASK_SUFFIX)
 
 
+def is_control_file(name: str) -> bool:
+    """A sidecar control image (``cat.control.png``): never a training image itself."""
+    stem, ext = posixpath.splitext(name.lower())
+    return ext in IMAGE_EXTS and stem.endswith(CONTROL_INFIX)
+
+
+def control_uris(image: str) -> list[str]:
+    """Where an image file's sidecar control image may be, in the order looked for: its
+    own extension first (``cat.jpg`` → ``cat.control.jpg``), then the others."""
+    stem, ext = posixpath.splitext(image)
+    exts = [ext] + [e for e in IMAGE_EXTS if e != ext.lower()]
+    return [stem + CONTROL_INFIX + e for e in exts]
+
+
+def sidecar_control(storage: Storage, image: str) -> bytes | None:
+    """The encoded sidecar control image of an image file, None when it has none (the
+    validating decode drops the row as missing_control)."""
+    for uri in control_uris(image):
+        try:
+            return storage.read_bytes(uri)
+        except FileNotFoundError:
+            continue
+    return None
+
+
+def control_companions(data: DataSection, files: list[str], listing: list[str]) -> list[str]:
+    """The sidecar control images in ``listing`` of image ``files`` (data.control_images;
+    else none): the first of each image's ``control_uris`` that is there."""
+    if not data.control_images:
+        return []
+    present = set(listing)
+    return [u for f in files for u in control_uris(f) if u in present]
+
+
 def mask_uri(image: str) -> str:
     """Where an image file's sidecar mask is: ``cat.png`` → ``cat.mask.png``."""
     return posixpath.splitext(image)[0] + MASK_SUFFIX
@@ -124,12 +164,22 @@ def mask_companions(data: DataSection, files: list[str], listing: list[str]) -> 
     return [m for m in map(mask_uri, files) if m in present]
 
 
-def with_mask(data: DataSection, row: dict, mask) -> dict:
-    """``row`` with its ``mask`` (encoded bytes or None) when data.masked_loss is on; as
-    it was otherwise (no extra column, nothing else read)."""
-    if not data.masked_loss:
-        return row
-    return {**row, "mask": mask() if callable(mask) else mask}
+def with_mask(data: DataSection, row: dict, mask, control=None) -> dict:
+    """``row`` with its ``mask`` (encoded bytes or None) when data.masked_loss is on, and
+    its ``control`` image likewise when data.control_images is; as it was otherwise (no
+    extra column, nothing else read). Either may be a function, called only then."""
+    if data.masked_loss:
+        row = {**row, "mask": mask() if callable(mask) else mask}
+    if data.control_images:
+        row = {**row, "control": control() if callable(control) else control}
+    return row
+
+
+def with_sidecars(data: DataSection, row: dict, storage: Storage, image: str) -> dict:
+    """``with_mask`` for an image file: its sidecar mask and control image, read only when
+    their keys are on. The one place folder formats look for them."""
+    return with_mask(data, row, lambda: sidecar_mask(storage, image),
+                     lambda: sidecar_control(storage, image))
 
 
 @functools.lru_cache(maxsize=4)
@@ -156,7 +206,8 @@ class ShardFormat:
 
     def select(self, files: list[str]) -> list[str]:
         """The files of a listing that this format reads (stray files dropped)."""
-        return [f for f in files if f.lower().endswith(self.suffixes) and not is_mask_file(f)]
+        return [f for f in files if f.lower().endswith(self.suffixes) and not is_mask_file(f)
+                and not is_control_file(f)]
 
     def check_listing(self, data: DataSection, files: list[str], listing: list[str]) -> None:
         """Problems the listing shows before any file is read (``files``: this format's
@@ -164,8 +215,9 @@ class ShardFormat:
 
     def companions(self, data: DataSection, files: list[str], listing: list[str]) -> list[str]:
         """Files of the listing besides ``files`` that rows are read from (a caption
-        folder's caption files, sidecar masks): a change to them is a change to the data."""
-        return mask_companions(data, files, listing)
+        folder's caption files, sidecar masks and control images): a change to them is a
+        change to the data."""
+        return mask_companions(data, files, listing) + control_companions(data, files, listing)
 
     def repeats(self, data: DataSection, files: list[str]) -> list[int] | None:
         """Times each file's rows count in an epoch, where the data says so (a caption

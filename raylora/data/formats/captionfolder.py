@@ -28,8 +28,8 @@ import re
 import numpy as np
 
 from raylora.data.formats.base import (
-    IMAGE_EXTS, ShardFormat, decode_text, mask_companions, process_storage, sidecar_mask,
-    with_mask,
+    IMAGE_EXTS, ShardFormat, control_companions, decode_text, mask_companions,
+    process_storage, with_sidecars,
 )
 from raylora.storage import normalize
 
@@ -94,7 +94,8 @@ class CaptionFolder(ShardFormat):
     def companions(self, data, files, listing):
         present = set(listing)
         captions = [c for c in (caption_uri(f, data.caption_extension) for f in files) if c in present]
-        return captions + mask_companions(data, files, listing)
+        return (captions + mask_companions(data, files, listing)
+                + control_companions(data, files, listing))
 
     def check_listing(self, data, files, listing):
         """Images with neither a caption file nor class tokens: refused up front when their
@@ -129,7 +130,7 @@ class CaptionFolder(ShardFormat):
         except FileNotFoundError:
             text = tokens
         row = {"key": image, "image": storage.read_bytes(image), "text": text}
-        return with_mask(data, row, lambda: sidecar_mask(storage, image))
+        return with_sidecars(data, row, storage, image)
 
     def iter_rows(self, data, files, storage):
         for f, k in zip(files, self._folders(data, files)):

@@ -13,7 +13,7 @@ import posixpath
 import numpy as np
 
 from raylora.data.formats.base import (
-    IMAGE_EXTS, ShardFormat, process_storage, sidecar_mask, spread, with_mask,
+    IMAGE_EXTS, ShardFormat, process_storage, spread, with_sidecars,
 )
 
 METADATA = "metadata.jsonl"
@@ -72,9 +72,10 @@ def imagefolder_rows(storage, files: list[str], caption_key: str) -> list[dict]:
 
 
 def _row(data, storage, row: dict) -> dict:
-    """A metadata row → ``{key, image, text}`` (+ its sidecar ``mask``), image bytes read."""
+    """A metadata row → ``{key, image, text}`` (+ its sidecar ``mask`` and ``control``),
+    image bytes read."""
     out = {"key": row["key"], "image": storage.read_bytes(row["uri"]), "text": row["text"]}
-    return with_mask(data, out, lambda: sidecar_mask(storage, row["uri"]))
+    return with_sidecars(data, out, storage, row["uri"])
 
 
 def _read_images(batch: dict[str, np.ndarray], endpoint_url: str | None,

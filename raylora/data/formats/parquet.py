@@ -76,10 +76,14 @@ def _binary(kind: pa.DataType) -> bool:
 
 
 def read_columns(data: DataSection, names: list[str]) -> list[str]:
-    """The columns to read from a shard with columns ``names``: image and caption, and
-    with data.masked_loss the mask column where the shard has one (else: unmasked)."""
+    """The columns to read from a shard with columns ``names``: image and caption, with
+    data.masked_loss the mask column where the shard has one (else: unmasked), and with
+    data.control_images the control column where it has one (else: every row a
+    missing_control)."""
     masks = data.masked_loss and data.mask_column in names
-    return [data.image_column, data.caption_column] + ([data.mask_column] if masks else [])
+    controls = data.control_images and data.control_column in names
+    return ([data.image_column, data.caption_column] + ([data.mask_column] if masks else [])
+            + ([data.control_column] if controls else []))
 
 
 # Bytes of first row groups that ``Parquet.sample_rows`` reads at most, in all.
@@ -99,9 +103,11 @@ def _table_rows(data: DataSection, f: str, table, places) -> Iterator[dict]:
     rows are at ``places`` in the file."""
     d = table.to_pydict()
     masks = d.get(data.mask_column, [None] * table.num_rows)
-    for row, img, txt, mask in zip(places, d[data.image_column], d[data.caption_column], masks):
+    controls = d.get(data.control_column, [None] * table.num_rows)
+    for row, img, txt, mask, control in zip(places, d[data.image_column], d[data.caption_column],
+                                            masks, controls):
         out = {"key": f"{f}#{row}", "image": image_bytes(img), "text": txt}
-        yield with_mask(data, out, lambda: image_bytes(mask) or None)
+        yield with_mask(data, out, image_bytes(mask) or None, image_bytes(control) or None)
 
 
 class Parquet(ShardFormat):

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from raylora.data.formats.base import (
-    IMAGE_EXTS, MASK_SUFFIX, ShardFormat, concurrently, decode_text, read_manifest,
+    CONTROL_INFIX, IMAGE_EXTS, MASK_SUFFIX, ShardFormat, concurrently, decode_text, read_manifest,
 )
 from raylora.storage import Storage
 
@@ -30,9 +30,11 @@ def split_key(name: str) -> tuple[str, str]:
     return posixpath.join(dirname, stem), "." + ext.lower() if ext else ""
 
 
-def iter_tar_samples(fileobj, source: str, masks: bool = False) -> Iterator[dict]:
+def iter_tar_samples(fileobj, source: str, masks: bool = False,
+                     controls: bool = False) -> Iterator[dict]:
     """Rows from one WebDataset tar, in file order. Samples without an image are skipped.
-    ``masks``: rows get a ``mask`` (the ``KEY.mask.png`` bytes, or None)."""
+    ``masks``: rows get a ``mask`` (the ``KEY.mask.png`` bytes, or None); ``controls``: a
+    ``control`` (the ``KEY.control.<image ext>`` bytes, or None)."""
     current: dict | None = None
     with tarfile.open(fileobj=fileobj, mode="r|*") as tar:
         for member in tar:
@@ -41,11 +43,14 @@ def iter_tar_samples(fileobj, source: str, masks: bool = False) -> Iterator[dict
             key, ext = split_key(member.name)
             if current is None or current["key"] != key:
                 if current is not None and current.get("image") is not None:
-                    yield _finish(current, source, masks)
-                current = {"key": key, "image": None, "text": None, "json": None, "mask": None}
+                    yield _finish(current, source, masks, controls)
+                current = {"key": key, "image": None, "text": None, "json": None, "mask": None,
+                           "control": None}
             data = tar.extractfile(member).read()
             if ext == MASK_SUFFIX:  # split_key keeps both dots: never taken for the image
                 current["mask"] = data
+            elif ext.startswith(CONTROL_INFIX + ".") and ext[len(CONTROL_INFIX):] in IMAGE_EXTS:
+                current["control"] = data
             elif ext in IMAGE_EXTS and current["image"] is None:
                 current["image"] = data
             elif ext == ".txt":
@@ -57,15 +62,19 @@ def iter_tar_samples(fileobj, source: str, masks: bool = False) -> Iterator[dict
                     current["json"] = None
             # Anything else (.pyd, .pickle, .cls, ...) is ignored on purpose.
         if current is not None and current.get("image") is not None:
-            yield _finish(current, source, masks)
+            yield _finish(current, source, masks, controls)
 
 
-def _finish(sample: dict, source: str, masks: bool = False) -> dict:
+def _finish(sample: dict, source: str, masks: bool = False, controls: bool = False) -> dict:
     text = sample["text"]
     if text is None and isinstance(sample["json"], dict):
         text = sample["json"].get("caption") or sample["json"].get("text")
     row = {"key": f"{source}#{sample['key']}", "image": sample["image"], "text": text or ""}
-    return {**row, "mask": sample["mask"]} if masks else row
+    if masks:
+        row["mask"] = sample["mask"]
+    if controls:
+        row["control"] = sample["control"]
+    return row
 
 
 # Bytes per read of a tar on the driver (row counts, held-out rows, samples). tarfile reads
@@ -174,7 +183,7 @@ class WebDataset(ShardFormat):
     def iter_rows(self, data, files, storage):
         for f in files:
             with _tar_stream(storage, f) as fh:
-                yield from iter_tar_samples(fh, f, data.masked_loss)
+                yield from iter_tar_samples(fh, f, data.masked_loss, data.control_images)
 
     def read_dataset(self, data, files, file_rows, storage, seed, shuffle, **map_args):
         # map_args are for the parquet read stage; a tar is one read task whatever they say.

@@ -176,6 +176,11 @@ class Family:
     # A video pipeline trained and sampled as single frames (Wan): its call takes
     # num_frames=1 and returns ``.frames`` (a list of frames per prompt) instead of ``.images``.
     video: ClassVar[bool] = False
+    # The denoiser takes a reference image beside the noisy latents (an image-edit model:
+    # Flux.1 Kontext): data.control_images trains it on (input, edited) pairs, the input's
+    # latents arriving in the conditioning as ``reference_latents`` [B, C, h, w], and its
+    # pipeline takes the input as ``image``. False: data.control_images is refused.
+    reference_image: ClassVar[bool] = False
     # cuDNN's SDPA kernels: off for the DiTs. On an H100 (torch 2.11, CUDA 13) the Flux.1-dev
     # step failed in backward inside cuDNN's attention graph (illegal memory access;
     # bench/RESULTS.md 2026-11-23); flash / memory-efficient SDPA ran it at 38-40 % MFU.
@@ -296,8 +301,23 @@ class Family:
     def images(cls, pipe, **call) -> list:
         """The stock pipeline ``pipe`` called with ``call`` plus ``image_call()``: one PIL
         image per prompt (a video pipeline's: the first frame of each video)."""
-        out = pipe(**call, **cls.image_call())
+        out = pipe(**call, **cls.image_call(), **cls.size_kwargs(call.get("height"), call.get("width")))
         return [frames[0] for frames in out.frames] if cls.video else list(out.images)
+
+    @classmethod
+    def size_kwargs(cls, height: int | None, width: int | None) -> dict:
+        """Call arguments besides ``height``/``width`` that make the stock pipeline sample at
+        that size (``images`` adds them); most pipelines need none."""
+        return {}
+
+    @classmethod
+    def reference_kwargs(cls, image, height: int | None, width: int | None) -> dict:
+        """The stock pipeline's call arguments that give it ``image`` (a PIL image, or
+        None) as its reference for an output of ``height`` × ``width`` (None: the size the
+        pipeline picks); a family without a reference input takes none."""
+        if image is None:
+            return {}
+        raise ValueError(f"{cls.name}: {cls.pipeline} takes no input image")
 
     @classmethod
     def image_code(cls) -> str:

@@ -64,6 +64,8 @@ def prepare_heldout(
         # an edit pair's input latents: conditioning the text re-encoding keeps
         reference = batch_reference(parts.family, parts.vae, chunk, parts.latent_shift,
                                     parts.latent_scale)
+        if reference is None and parts.control_images:
+            raise ValueError("data.control_images: held-out rows without control images")
         texts.append(cond if reference is None else Cond(cond, reference_latents=reference))
     latents = torch.cat(latents)
     n = latents.shape[0]

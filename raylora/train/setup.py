@@ -115,7 +115,7 @@ def frozen_parts(cfg: RayLoraConfig, comps, device, weight_dtype: torch.dtype,
         latent_shift=comps.latent_shift, latent_scale=comps.latent_scale,
         guidance=cfg.train.flow.guidance, text_encoder_params=list(te_params),
         prior_loss_weight=cfg.train.prior_loss_weight if cfg.data.prior_preservation else None,
-        cuda_graphs=cfg.train.cuda_graphs,
+        cuda_graphs=cfg.train.cuda_graphs, control_images=cfg.data.control_images,
     )
 
 

@@ -44,6 +44,9 @@ class FrozenParts:
     # train.cuda_graphs: the compiled blocks replay CUDA graphs; each micro-step is a new
     # generation of their outputs (see train_micro_step).
     cuda_graphs: bool = False
+    # data.control_images: every batch brings its samples' input images; one without them
+    # is an error, never an edit model trained text to image unnoticed.
+    control_images: bool = False
 
 
 def encode_batch(parts: FrozenParts, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Cond]:
@@ -58,6 +61,9 @@ def encode_batch(parts: FrozenParts, batch: dict[str, torch.Tensor]) -> tuple[to
         cond = batch_condition(parts.family, parts.text_encoders, batch)
     if reference is not None:
         cond = Cond(cond, reference_latents=reference)
+    elif parts.control_images:
+        raise ValueError(f"data.control_images: a batch without control images (columns "
+                         f"{sorted(batch)}): its input images were lost on the way")
     return latents, cond
 
 

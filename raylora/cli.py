@@ -338,8 +338,8 @@ def _adapter_commands(sub) -> None:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--steps", type=int, default=25)
     s.add_argument("--guidance-scale", type=float, default=None,
-                   help="default: the family's (SD 7.5, Flux.1-dev 3.5, SD3 7.0, Qwen-Image 4.0, "
-                        "Z-Image 5.0, Flux.2 [klein] and [dev] 4.0, Wan 5.0; Z-Image-Turbo samples "
+                   help="default: the family's (SD 7.5, Flux.1-dev 3.5, Flux.1 Kontext 2.5, SD3 "
+                        "7.0, Qwen-Image 4.0, Z-Image 5.0, Flux.2 [klein] and [dev] 4.0, Wan 5.0; Z-Image-Turbo samples "
                         "at 0)")
     s.add_argument("--size", type=int, default=None, help="pixels; default: the model's size")
     s.add_argument("--image", default=None,

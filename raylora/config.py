@@ -242,7 +242,7 @@ class ClassGenerationSection(_Section):
     num_inference_steps: int = Field(30, gt=0, le=1000, description="Sampler steps per image.")
     guidance_scale: float | None = Field(
         None, ge=0.0, description="Classifier-free guidance scale; default the family's "
-        "(SD/SDXL 7.5, SD3 7.0, Flux.1 3.5, Qwen-Image 4.0).",
+        "(SD/SDXL 7.5, SD3 7.0, Flux.1 3.5, Flux.1 Kontext 2.5, Qwen-Image 4.0).",
     )
     seed: int = Field(0, description="Image i is drawn with generator seed seed + i.")
     batch_size: int = Field(4, gt=0, le=64, description="Images per pipeline call.")
@@ -871,7 +871,7 @@ class ValidationSection(_Section):
     num_inference_steps: int = Field(20, gt=0, le=1000, description="Sampler steps per image.")
     guidance_scale: float | None = Field(
         None, ge=0.0, description="Classifier-free guidance scale; default the family's "
-        "(SD/SDXL 7.5, SD3 7.0, Flux.1 3.5, Qwen-Image 4.0).",
+        "(SD/SDXL 7.5, SD3 7.0, Flux.1 3.5, Flux.1 Kontext 2.5, Qwen-Image 4.0).",
     )
     control_images: list[str] = Field(
         default_factory=list,

@@ -203,6 +203,13 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
                         "is a folder, not a hub repo; only a hub model has revisions")
     native = scheduler_objective_kind(scheduler) if scheduler else None
     problems += family_problems(cfg, family, factor * family.patch, native)
+    if cfg.validation.control_images:  # a few preview inputs: read now, not at the first preview
+        from raylora.train.preview import read_control_images
+
+        try:
+            read_control_images(cfg.validation.control_images, store)
+        except ValueError as exc:
+            problems.append(str(exc))
     problems += write_problems(cfg, store)
     init_problems, init_loads = lora_init.checked(cfg, store)
     problems += init_problems

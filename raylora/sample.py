@@ -34,8 +34,8 @@ def sample(
 
         try:
             control = read_control_images([image], Storage())[0]
-        except (FileNotFoundError, ValueError) as exc:
-            raise ValueError(f"--image: {image}: {getattr(exc, 'strerror', None) or exc}") from None
+        except ValueError as exc:  # "validation.control_images: URI: why" → "--image: URI: why"
+            raise ValueError("--image: " + str(exc).split(": ", 1)[1]) from None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # bf16 on GPUs: fp16 overflows in Flux/SD3/Qwen-Image transformers.
     pipe, family = load_pipeline(model, adapter, expert,

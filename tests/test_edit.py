@@ -284,6 +284,38 @@ def test_control_keys_are_refused_where_they_cannot_apply(tiny):
         assert want in exc.value.problems, exc.value.problems
 
 
+def test_plan_refuses_pairs_for_a_text_to_image_model_and_unreadable_preview_inputs(tiny, tmp_path):
+    """``raylora plan`` (what ``train`` runs before Ray): data.control_images with a
+    folder of another family, and a preview input that is missing or not an image, each
+    one line naming the key and the file; a Kontext plan of the same pairs passes."""
+    from raylora.config import ConfigError
+    from raylora.launch import plan
+
+    data = write_pairs(tmp_path / "d", "captionfolder", w=32, h=32)
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    tree = {"model": {"pretrained": tiny(FAMILY), "max_sequence_length": 32},
+            "data": {"uri": data, "resolution": 32, "control_images": True},
+            "train": {"batch_size": 1},
+            "validation": {"prompts": ["a", "b"], "control_images": [str(tmp_path / "nope.png"),
+                                                                    str(tmp_path / "bad.png")]},
+            "output": {"uri": str(tmp_path / "o")}}
+    with pytest.raises(ConfigError) as exc:
+        plan(validate(tree))
+    assert exc.value.problems[0] == f"validation.control_images: {tmp_path / 'nope.png'}: no such file"
+    assert len(exc.value.problems) == 1  # the first unreadable one stops the reading
+    Image.fromarray(pattern(1)).save(tmp_path / "nope.png")
+    with pytest.raises(ConfigError) as exc:
+        plan(validate(tree))
+    assert exc.value.problems[0].startswith(f"validation.control_images: {tmp_path / 'bad.png'}: ")
+    tree["validation"]["control_images"][1] = str(tmp_path / "nope.png")
+    assert plan(validate(tree)).family == FAMILY
+    tree["model"]["pretrained"] = tiny("flux")
+    with pytest.raises(ConfigError) as exc:
+        plan(validate(tree))
+    assert exc.value.problems == ["data.control_images: flux (FluxPipeline) takes no input "
+                                  "image; image-edit pairs train a family that does (fluxkontext)"]
+
+
 # ---------------------------------------------------------------- the step
 
 

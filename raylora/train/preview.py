@@ -75,6 +75,8 @@ def read_control_images(uris: list[str], store) -> list[Image.Image]:
     for uri in uris:
         try:
             out.append(Image.open(io.BytesIO(store.read_bytes(uri))).convert("RGB"))
+        except FileNotFoundError:
+            raise ValueError(f"validation.control_images: {uri}: no such file") from None
         except (OSError, ValueError) as exc:  # PIL's UnidentifiedImageError is an OSError
             raise ValueError(f"validation.control_images: {uri}: {exc}") from None
     return out

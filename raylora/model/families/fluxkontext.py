@@ -22,7 +22,7 @@ class FluxKontext(Flux):
     class_names = ("FluxKontextPipeline",)
     pipeline = "FluxKontextPipeline"
     reference_image = True
-    default_guidance_scale = 2.5  # BFL's and diffusers' Kontext examples; the call's default is 3.5
+    default_guidance_scale = 2.5  # FluxKontextPipeline's docstring example, diffusers' docs; the call's default is 3.5
     description = "Flux.1 Kontext dev (image editing: Flux.1 with the input image's tokens)"
 
     @classmethod

@@ -343,8 +343,8 @@ def _adapter_commands(sub) -> None:
                         "at 0)")
     s.add_argument("--size", type=int, default=None, help="pixels; default: the model's size")
     s.add_argument("--image", default=None,
-                   help="an image-edit model's input image (Flux.1 Kontext), a path or storage "
-                        "URI; resized to --size when given, else as the pipeline sizes it")
+                   help="an image-edit model's input image (Flux.1 Kontext, Flux.2), a path or "
+                        "storage URI; resized to --size when given, else as the pipeline sizes it")
     s.add_argument("--expert", choices=["high_noise", "low_noise"], default=None,
                    help="a pipeline of experts (Wan 2.2 A14B): the one the (single) adapter "
                         "trained; default: model.expert in the adapter folder's raylora.json")

@@ -287,7 +287,7 @@ class DataSection(_Section):
     )
     control_images: bool = Field(
         False, description="Image-edit training, for a family whose denoiser takes a "
-        "reference image (fluxkontext): every sample's control image, the edit's input, from "
+        "reference image (fluxkontext, flux2klein, flux2): every sample's control image, the edit's input, from "
         "a sidecar KEY.control.<image extension> beside the image (WebDataset, imagefolder, "
         "captionfolder) or the parquet column data.control_column. It is resized to its "
         "target's size, cropped and flipped with it, and its latents (the VAE posterior's "

@@ -24,7 +24,7 @@ def sample(
     """``guidance_scale``: default the family's (SD 7.5, Flux.1-dev 3.5, ...), passed as the
     family's pipeline takes it (Qwen-Image: true CFG with an empty negative prompt).
     ``adapter``, ``expert``, ``quantize_text_encoders``, ``revision``: see ``load_pipeline``.
-    ``image``: an edit model's input image (a path or storage URI; Flux.1 Kontext), resized
+    ``image``: an edit model's input image (a path or storage URI; Flux.1 Kontext, Flux.2), resized
     to ``size`` when given, else sized as the pipeline does."""
     from raylora.storage import Storage
 

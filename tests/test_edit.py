@@ -1,9 +1,10 @@
 """Image-edit LoRAs: ``data.control_images`` (a control image per sample, the edit's input)
-on Flux.1 Kontext (``fluxkontext``). The denoiser call with an input image against the stock
-``FluxKontextPipeline``'s; where control images come from in each format; that they get
-their target's crop, flip and bucket; bad and missing ones counted; the keys refused where
-they cannot apply; the step's reference tokens, the same from the latent cache; and one run
-on a local Ray from a WebDataset of pairs to an adapter the stock pipeline edits with
+on the families whose denoiser takes one: Flux.1 Kontext (``fluxkontext``), Flux.2 [klein]
+and [dev]. The denoiser call with an input image against each stock pipeline's; where
+control images come from in each format and in built shards; that they get their target's
+crop, flip and bucket; bad and missing ones counted; the keys refused where they cannot
+apply; the step's reference tokens, the same from the latent cache; and one Kontext run on
+a local Ray from a WebDataset of pairs to an adapter the stock pipeline edits with
 (previews and held-out loss on pairs, ``raylora sample --image``).
 
 Every pair here is an image and its negative (control = 255 − image), so whether a control
@@ -25,6 +26,7 @@ from PIL import Image
 from raylora.config import validate
 from raylora.data.preprocess import Preprocess, StageSpec
 from raylora.model import families
+from raylora.model.tiny import FAMILIES
 from raylora.storage import Storage
 
 FAMILY = "fluxkontext"
@@ -99,26 +101,42 @@ def run_stage(s: Preprocess, rows: list[dict]) -> dict[str, np.ndarray]:
 # ---------------------------------------------------------------- the denoiser call
 
 
-def test_kontext_denoise_with_an_input_image_is_the_stock_pipeline_call(tiny):
-    """For the latents, step and prompt of each of two sampling steps of the stock
-    FluxKontextPipeline editing an input image, the family's ``denoise`` (given the
-    reference latents raylora's data path makes of that image) hands the transformer the
-    pipeline's sequence (noisy tokens, then the input's), position ids (the input's first
-    axis 1) and timestep, and returns the pipeline's prediction, read from the noisy tokens
-    only. Taller than wide: rows and columns swapped anywhere fail it."""
-    from raylora.model.families.base import pack_2x2, unpack_2x2
+EDIT_FAMILIES = [f for f in FAMILIES if families.get(f).reference_image]
+
+
+class _Probed(Exception):
+    pass
+
+
+def test_the_families_that_take_an_input_image():
+    assert sorted(EDIT_FAMILIES) == ["flux2", "flux2klein", "fluxkontext"]
+
+
+@pytest.mark.parametrize("family", EDIT_FAMILIES)
+def test_denoise_with_an_input_image_is_the_stock_pipeline_call(tiny, family):
+    """For the latents, step and prompt of each of two sampling steps of the family's
+    stock pipeline editing an input image, the family's ``denoise`` (given the reference
+    latents raylora's data path makes of that image) hands the denoiser the pipeline's
+    sequence (noisy tokens, then the input's), position ids and timestep, and returns the
+    pipeline's prediction, read from the noisy tokens only. Where each latent value lands
+    is read by feeding ``denoise`` numbered latents (as test_families does); the image is
+    taller than wide, so rows and columns swapped anywhere fail it."""
     from raylora.train.encode import batch_reference
-    from stock import stock_pipeline
+    from stock import PIPELINES, stock_pipeline
     from test_families import _raylora_batch
 
-    H, W = 48, 32
-    model, fam = tiny(FAMILY), families.get(FAMILY)
-    comps, batch = _raylora_batch(model, FAMILY, ["make it red"], size=(H, W))
-    pipe = stock_pipeline(FAMILY, model)
+    H, W = 96, 64  # Flux.2's image processor takes no input under 64 px a side
+    model, fam = tiny(family), families.get(family)
+    comps, batch = _raylora_batch(model, family, ["make it red"], size=(H, W))
+    pipe = stock_pipeline(family, model)
     pipe.set_progress_bar_config(disable=True)
     net = pipe.transformer
     seen: list[dict] = []
-    hooks = [net.register_forward_pre_hook(lambda m, a, kw: seen.append(dict(kw)), with_kwargs=True),
+
+    def before(m, a, kw):
+        seen.append(dict(kw))
+
+    hooks = [net.register_forward_pre_hook(before, with_kwargs=True),
              net.register_forward_hook(lambda m, a, kw, out: seen[-1].update(out=out[0]),
                                        with_kwargs=True)]
     stepped: list[torch.Tensor] = []
@@ -127,32 +145,53 @@ def test_kontext_denoise_with_an_input_image_is_the_stock_pipeline_call(tiny):
     source = Image.fromarray(pattern(7, W, H))
     with torch.no_grad():
         pipe(prompt="make it red", num_inference_steps=2, height=H, width=W, output_type="np",
-             generator=torch.Generator().manual_seed(0), max_sequence_length=32,
-             **fam.guidance_kwargs(1.0), **fam.size_kwargs(H, W),
-             **fam.reference_kwargs(source, H, W))
+             generator=torch.Generator().manual_seed(0),
+             **{**PIPELINES[family][1], **fam.guidance_kwargs(1.0), **fam.size_kwargs(H, W),
+                **fam.reference_kwargs(source, H, W)})
         theirs = list(seen)
-        assert len(theirs) == 2
+        assert len(theirs) == 2, "one unguided denoiser pass per step expected"
         cond = fam.encode_text(comps.text_encoders, batch)
         pixels = torch.from_numpy(np.array(source)).permute(2, 0, 1)[None]
         shift, scale = fam.latent_stats(pipe.vae.config)
         ref = batch_reference(fam, pipe.vae, {"control_values": pixels}, shift, scale)
-        h, w = ref.shape[-2:]
-        n = (h // 2) * (w // 2)
-        assert theirs[0]["hidden_states"].shape[1] == 2 * n  # the input's tokens follow
-        # the pipeline's encoding of its image is raylora's, from the uint8 pixels
-        torch.testing.assert_close(pack_2x2(ref), theirs[0]["hidden_states"][:, n:], rtol=1e-5, atol=1e-5)
+        n = ref.numel()
+
+        # Where each value of the noisy latents (0..n-1) and of the input's (n..2n-1) lands.
+        def probe(m, a, kw):
+            seen.append(dict(kw))
+            raise _Probed
+
+        h = net.register_forward_pre_hook(probe, with_kwargs=True, prepend=True)
+        numbered = torch.arange(2 * n, dtype=torch.float32)
+        with pytest.raises(_Probed):
+            fam.denoise(net, numbered[:n].view(ref.shape), torch.ones(1),
+                        {**cond, "reference_latents": numbered[n:].view(ref.shape)}, guidance=1.0)
+        h.remove()
+        where = seen.pop()["hidden_states"].flatten().long()
+        assert sorted(where.tolist()) == list(range(2 * n))
+        assert where[:n].lt(n).all()  # the noisy tokens first, then the input's
+        # The pipeline's encoding of its image is raylora's of the uint8 pixels.
+        x = torch.empty(2 * n)
+        x[where] = theirs[0]["hidden_states"].flatten().float()
+        torch.testing.assert_close(x[n:].view(ref.shape), ref, rtol=1e-5, atol=1e-5)
         cond["reference_latents"] = ref
         for i, call in enumerate(theirs):
+            x = torch.empty(2 * n)
+            x[where] = call["hidden_states"].flatten().float()
             del seen[:]
-            noisy = unpack_2x2(call["hidden_states"][:, :n], h, w)
-            pred = fam.denoise(net, noisy, pipe.scheduler.sigmas[i].reshape(1), cond, guidance=1.0)
+            pred = fam.denoise(net, x[:n].view(ref.shape), pipe.scheduler.sigmas[i].reshape(1),
+                               cond, guidance=1.0)
             ours = seen[0]
             torch.testing.assert_close(ours["hidden_states"], call["hidden_states"], rtol=1e-5, atol=1e-5)
-            assert torch.equal(ours["img_ids"], call["img_ids"])
-            assert ours["img_ids"][n:, 0].eq(1).all() and ours["img_ids"][:n, 0].eq(0).all()
+            ids, want = ours["img_ids"].reshape(-1, ours["img_ids"].shape[-1]), \
+                call["img_ids"].reshape(-1, call["img_ids"].shape[-1])
+            assert torch.equal(ids.to(want.dtype), want)
+            k = ids.shape[0] // 2  # tokens per image; the input's first axis is not the noisy's
+            assert ids[:k, 0].eq(0).all() and ids[k:, 0].gt(0).all()
             torch.testing.assert_close(ours["timestep"], call["timestep"])
             torch.testing.assert_close(ours["out"], call["out"], rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(pack_2x2(pred), stepped[i], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(pred.flatten()[where[:n]], stepped[i].flatten(),
+                                       rtol=1e-4, atol=1e-5)
     for hk in hooks:
         hk.remove()
 
@@ -191,6 +230,33 @@ def test_every_format_reads_each_samples_control_image(tmp_path, fmt):
         listing = Storage().list_files(uri)
         assert sum(".control." in f for f in get_format(fmt).companions(data, src.files, listing)) == \
             (3 if fmt != "webdataset" else 0)
+
+
+@pytest.mark.parametrize("fmt", ["webdataset", "parquet"])
+def test_shards_built_from_a_folder_of_pairs_keep_their_control_images_and_masks(tmp_path, fmt):
+    """``raylora shards build`` of a caption folder with sidecars: each shard sample keeps
+    its control image (and a loss mask where the folder has one) where the readers look
+    for them, and neither becomes a sample of its own."""
+    from raylora.data.formats import get_format
+    from raylora.data.plan import plan_data
+    from raylora.data.shards import collect_items, write_shard
+
+    src = write_pairs(tmp_path / "src", "captionfolder")
+    mask = png(Image.fromarray(np.full((32, 40), 128, np.uint8), "L"))
+    (tmp_path / "src" / "k1.mask.png").write_bytes(mask)
+    store = Storage()
+    items = collect_items(store, src)
+    assert [it["key"] for it in items] == ["k0", "k1", "k2"]
+    write_shard(store, str(tmp_path / "out"), fmt, 0, items)
+    data = section(str(tmp_path / "out"), masked_loss=True)
+    (s,) = plan_data(data, store).sources
+    assert s.format == fmt and s.rows == 3
+    rows = sorted(get_format(fmt).iter_rows(data, s.files, store), key=lambda r: r["text"])
+    for i, r in enumerate(rows):
+        image = np.array(Image.open(io.BytesIO(r["image"])))
+        control = np.array(Image.open(io.BytesIO(r["control"])).convert("RGB"))
+        assert np.abs(control.astype(int) - (255 - image)).mean() < (8 if i == 0 else 1e-9)
+        assert r["mask"] == (mask if i == 1 else None)
 
 
 @pytest.mark.parametrize("bucketing", [False, True])
@@ -267,7 +333,7 @@ def test_control_keys_are_refused_where_they_cannot_apply(tiny):
     (line,) = [p for p in family_problems(cfg, families.get("flux"), 16, "flow_matching")
                if p.startswith("data.control_images")]
     assert line == ("data.control_images: flux (FluxPipeline) takes no input image; image-edit "
-                    "pairs train a family that does (fluxkontext)")
+                    "pairs train a family that does (flux2, flux2klein, fluxkontext)")
     cases = {
         "validation.control_images: previews take an input image only when the run trains on "
         "them (data.control_images: true)":
@@ -313,13 +379,15 @@ def test_plan_refuses_pairs_for_a_text_to_image_model_and_unreadable_preview_inp
     with pytest.raises(ConfigError) as exc:
         plan(validate(tree))
     assert exc.value.problems == ["data.control_images: flux (FluxPipeline) takes no input "
-                                  "image; image-edit pairs train a family that does (fluxkontext)"]
+                                  "image; image-edit pairs train a family that does (flux2, "
+                                  "flux2klein, fluxkontext)"]
 
 
 # ---------------------------------------------------------------- the step
 
 
-def test_the_step_gives_the_denoiser_the_input_tokens_and_the_cache_the_same_loss(tiny, tmp_path):
+@pytest.mark.parametrize("family", EDIT_FAMILIES)
+def test_the_step_gives_the_denoiser_the_input_tokens_and_the_cache_the_same_loss(tiny, tmp_path, family):
     """With control images the transformer sees twice the image tokens (the noisy ones,
     then the input's) and the loss differs from the text-to-image step's; a batch from the
     latent cache (``control_params``, encoded once) gives the loss the raw batch gives, for
@@ -331,7 +399,7 @@ def test_the_step_gives_the_denoiser_the_input_tokens_and_the_cache_the_same_los
     from raylora.train.setup import build_run
     from raylora.train.step import compute_loss
 
-    model = tiny(FAMILY)
+    model = tiny(family)
     uri = write_pairs(tmp_path / "d", "captionfolder", w=32, h=32)
     cfg = validate({"model": {"pretrained": model, "max_sequence_length": 32},
                     "data": {"uri": uri, "resolution": 32, "center_crop": True, "control_images": True},
@@ -339,7 +407,7 @@ def test_the_step_gives_the_denoiser_the_input_tokens_and_the_cache_the_same_los
     run = build_run(cfg, _fresh_accelerator(1), 1, rank=0)
     rows = [{"image": pair(i, 32, 32)[0], "text": f"edit {i}", "control": pair(i, 32, 32)[1]}
             for i in range(2)]
-    pre, enc = _stage_kwargs(cfg, model, FAMILY, Storage())
+    pre, enc = _stage_kwargs(cfg, model, family, Storage())
     assert pre["controls"] is True
     raw = {k: torch.from_numpy(v) for k, v in run_stage(Preprocess(StageSpec(**pre)), rows).items()}
     cached = {k: from_column(v) for k, v in encode_chunk(Preprocess(StageSpec(**pre)),
@@ -362,8 +430,8 @@ def test_the_step_gives_the_denoiser_the_input_tokens_and_the_cache_the_same_los
     run.parts.control_images = False  # the family's text-to-image step, for comparison
     text_only = loss({k: v for k, v in raw.items() if k != "control_values"})
     hook.remove()
-    n = (32 // 2 // 2) ** 2  # 32 px → 16 latent pixels (the tiny VAE's factor 2) → 2×2 tokens
-    assert tokens == [2 * n, 2 * n, n]
+    n = tokens[-1]  # the text-to-image step's image tokens
+    assert tokens == [2 * n, 2 * n, n] and n == 64  # 32 px → a 2×2-patched 16² latent grid
     assert abs(with_ref - from_cache) < 1e-5 and abs(with_ref - text_only) > 1e-4
     kw = dict(batch_size=1, resolution=32, mixed_precision="no", device="cpu",
               max_sequence_length=32)

@@ -1,7 +1,10 @@
 """``raylora shards build``: an image folder → sized parquet or WebDataset shards on any URI.
 
 Captions come from ``metadata.jsonl`` or ``metadata.csv`` (``file_name``, ``text``) or a ``.txt`` file
-beside each image. Each shard is written by one Ray task, so a large folder is sharded in
+beside each image. An image's sidecar loss mask (``KEY.mask.png``) and control image
+(``KEY.control.<ext>``, an edit pair's input) travel with it into its shard, where the
+readers look for them (tar members beside the image; parquet columns ``mask`` and
+``control_image``, the defaults of data.mask_column and data.control_column). Each shard is written by one Ray task, so a large folder is sharded in
 parallel across the cluster; a ``manifest.json`` (count, bytes, schema, per-shard counts)
 is written last, when every shard exists.
 """
@@ -29,7 +32,8 @@ def collect_items(store: Storage, src: str) -> list[dict]:
         items = []
         for f in files:
             stem, ext = posixpath.splitext(f)
-            if ext.lower() in formats.IMAGE_EXTS and stem in texts:
+            if ext.lower() in formats.IMAGE_EXTS and stem in texts and not (
+                    formats.is_mask_file(f) or formats.is_control_file(f)):
                 text = store.read_bytes(stem + ".txt").decode("utf-8").strip()
                 items.append({"key": stem, "uri": f, "text": text})
     if not items:
@@ -37,8 +41,14 @@ def collect_items(store: Storage, src: str) -> list[dict]:
             f"{src}: no captioned images (need {formats.METADATA}, metadata.csv or a .txt "
             "beside each image)"
         )
+    present = set(files)
     for it in items:  # keys relative to the source folder, stable across machines
         it["key"] = posixpath.splitext(it["key"][len(src) + 1 :])[0]
+        if formats.mask_uri(it["uri"]) in present:
+            it["mask_uri"] = formats.mask_uri(it["uri"])
+        control = [u for u in formats.control_uris(it["uri"]) if u in present]
+        if control:
+            it["control_uri"] = control[0]
     return sorted(items, key=lambda it: it["key"])
 
 

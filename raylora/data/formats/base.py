@@ -124,7 +124,9 @@ def control_uris(image: str) -> list[str]:
 
 def sidecar_control(storage: Storage, image: str) -> bytes | None:
     """The encoded sidecar control image of an image file, None when it has none (the
-    validating decode drops the row as missing_control)."""
+    validating decode drops the row as missing_control). One read when it has the image's
+    extension; a missing one costs a read per extension (rows are read without their
+    folder's listing)."""
     for uri in control_uris(image):
         try:
             return storage.read_bytes(uri)
@@ -139,7 +141,8 @@ def control_companions(data: DataSection, files: list[str], listing: list[str]) 
     if not data.control_images:
         return []
     present = set(listing)
-    return [u for f in files for u in control_uris(f) if u in present]
+    found = (next((u for u in control_uris(f) if u in present), None) for f in files)
+    return [u for u in found if u is not None]
 
 
 def mask_uri(image: str) -> str:

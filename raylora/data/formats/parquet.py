@@ -115,7 +115,10 @@ class Parquet(ShardFormat):
     suffixes = (".parquet", ".pq")
     label = ".parquet"
     writable = True
-    manifest_schema = {"key": "string", "image": "binary (encoded image)", "text": "string"}
+    manifest_schema = {"key": "string", "image": "binary (encoded image)", "text": "string",
+                       "mask": "binary (loss mask; null where none), where the source has any",
+                       "control_image": "binary (control image; null where none), where the "
+                                        "source has any"}
 
     def detects(self, files):
         # Not img2dataset's metadata beside its tars or folders: those are the data (a
@@ -186,6 +189,12 @@ class Parquet(ShardFormat):
             },
             schema=SCHEMA,
         )
+        # Sidecars as the columns data.mask_column and data.control_column name by default.
+        for column, field in (("mask", "mask_uri"), ("control_image", "control_uri")):
+            if any(it.get(field) for it in items):
+                table = table.append_column(column, pa.array(
+                    [storage.read_bytes(it[field]) if it.get(field) else None for it in items],
+                    pa.binary()))
         buf = io.BytesIO()
         pq.write_table(table, buf)
         return f"shard-{index:05d}.parquet", buf.getvalue()

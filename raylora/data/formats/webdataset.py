@@ -145,7 +145,9 @@ class WebDataset(ShardFormat):
     label = ".tar"
     writable = True
     manifest_schema = {"KEY.<image ext>": "encoded image", "KEY.txt": "caption",
-                       "KEY.json": "{key, caption}"}
+                       "KEY.json": "{key, caption}",
+                       "KEY.mask.png": "loss mask, where the source image has one",
+                       "KEY.control.<image ext>": "control image, where the source image has one"}
 
     def count_rows(self, data, files, storage):
         """Samples per tar: from the shard builder's manifest when present, else from
@@ -205,10 +207,14 @@ class WebDataset(ShardFormat):
                 # img2dataset-style keys: the sample's index, zero-padded, shard-prefixed.
                 key = f"{index:05d}{i:04d}"
                 ext = posixpath.splitext(it["uri"])[1].lower()
+                sidecars = [(MASK_SUFFIX, it.get("mask_uri")),
+                            (CONTROL_INFIX + posixpath.splitext(it.get("control_uri") or "")[1].lower(),
+                             it.get("control_uri"))]
                 for suffix, payload in (
                     (ext, storage.read_bytes(it["uri"])),
                     (".txt", it["text"].encode("utf-8")),
                     (".json", json.dumps({"key": it["key"], "caption": it["text"]}).encode()),
+                    *((sfx, storage.read_bytes(uri)) for sfx, uri in sidecars if uri),
                 ):
                     info = tarfile.TarInfo(key + suffix)
                     info.size = len(payload)

@@ -177,7 +177,7 @@ class Family:
     # num_frames=1 and returns ``.frames`` (a list of frames per prompt) instead of ``.images``.
     video: ClassVar[bool] = False
     # The denoiser takes a reference image beside the noisy latents (an image-edit model:
-    # Flux.1 Kontext): data.control_images trains it on (input, edited) pairs, the input's
+    # Flux.1 Kontext, Flux.2): data.control_images trains it on (input, edited) pairs, the input's
     # latents arriving in the conditioning as ``reference_latents`` [B, C, h, w], and its
     # pipeline takes the input as ``image``. False: data.control_images is refused.
     reference_image: ClassVar[bool] = False

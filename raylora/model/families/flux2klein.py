@@ -19,6 +19,9 @@ TEMPLATE = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</
 # (diffusers' train_dreambooth_lora_flux2_klein.py defaults to (10, 20, 30), Flux.2-dev's
 # Mistral layers; the pipeline that samples the adapter reads (9, 18, 27), so train on that.)
 LAYERS = (9, 18, 27)
+# The time axis of the first reference image's position ids (the pipelines' _prepare_image_ids
+# scale: image i at 10 + 10·i; the noisy latents at 0).
+REFERENCE_T = 10
 
 _D = r"transformer_blocks\.(\d+)\."
 _S = r"single_transformer_blocks\.(\d+)\."
@@ -99,6 +102,8 @@ class Flux2Klein(Family):
     # the distilled ones (is_distilled) ignore it and sample in about 4 steps.
     default_guidance_scale = 4.0
     description = "Flux.2 [klein] (MMDiT, Qwen3 text encoder)"
+    # Flux2KleinPipeline(image=...) edits: the reference image's tokens follow the noisy ones
+    reference_image = True
 
     @classmethod
     def default_lora_targets(cls, denoiser) -> tuple[str, ...]:
@@ -166,12 +171,30 @@ class Flux2Klein(Family):
         txt_ids = torch.zeros(cond["prompt_embeds"].shape[1], 4, device=dev)
         txt_ids[:, 3] = torch.arange(txt_ids.shape[0], device=dev)
         tokens = noisy.reshape(b, c, h * w).permute(0, 2, 1)
+        ref = cond.get("reference_latents")
+        if ref is not None:
+            # An input image (data.control_images): its tokens after the noisy ones, ids
+            # (10, i, j, 0), the pipelines' first reference image (t = 10 + 10·index).
+            rh, rw = ref.shape[-2:]
+            ref_ids = grid_ids(rh, rw, 4, dev)
+            ref_ids[:, 0] = REFERENCE_T
+            tokens = torch.cat([tokens, ref.to(noisy.dtype).reshape(b, c, rh * rw).permute(0, 2, 1)], 1)
+            img_ids = torch.cat([img_ids, ref_ids])
         # Klein has no guidance embedding (the pipeline passes None); Flux.2 [dev], guidance-
         # distilled, embeds train.flow.guidance.
         out = model(hidden_states=tokens, encoder_hidden_states=cond["prompt_embeds"],
                     timestep=t.to(noisy.dtype), img_ids=img_ids, txt_ids=txt_ids,
                     guidance=embedded_guidance(model, guidance, b, dev), return_dict=False)[0]
-        return out.permute(0, 2, 1).reshape(b, c, h, w)
+        return out[:, : h * w].permute(0, 2, 1).reshape(b, c, h, w)
+
+    @classmethod
+    def reference_kwargs(cls, image, height: int | None, width: int | None) -> dict:
+        # The pipeline keeps an input of at most 1 MP at its own size (cut to a multiple of
+        # its grid): resized to the output's, it pairs with it as training does.
+        if image is None:
+            return {}
+        image = image.convert("RGB")
+        return {"image": image.resize((width, height)) if height and width else image}
 
 
 FAMILY = Flux2Klein

@@ -460,6 +460,33 @@ def test_control_images_reach_training_rows_through_ray_data(ray_local, tiny, tm
         np.testing.assert_array_equal(r["control_values"], 255 - r["pixel_values"])
 
 
+def test_the_bucketed_cache_keeps_each_inputs_latents_beside_its_targets(tiny, tmp_path):
+    """data.bucketing with the latent cache: rows of two buckets are encoded bucket by
+    bucket and put back in order; each row's ``control_params`` has its
+    ``latent_params``' shape, and is the posterior of its own input (an image's negative
+    has other latents than the image)."""
+    from raylora.data.cache import EncodeStage, _stage_kwargs, encode_chunk
+
+    model = tiny(FAMILY)
+    uri = write_pairs(tmp_path / "d", "captionfolder")
+    cfg = validate({"model": {"pretrained": model, "max_sequence_length": 32},
+                    "data": {"uri": uri, "resolution": 32, "center_crop": True, "bucketing": True,
+                             "bucket_step": 16, "sharding": "files", "control_images": True,
+                             "cache": "latents"},
+                    "output": {"uri": str(tmp_path / "o")}})
+    pre, enc = _stage_kwargs(cfg, model, FAMILY, Storage())
+    sizes = [(48, 24), (24, 48), (48, 24)]  # (w, h): a wide bucket, a tall one, the wide again
+    rows = [{"image": pair(i, w, h)[0], "text": f"e{i}", "control": pair(i, w, h)[1]}
+            for i, (w, h) in enumerate(sizes)]
+    out = encode_chunk(Preprocess(StageSpec(**pre)), EncodeStage(**enc), rows)
+    assert out["bucket"].tolist()[0] == out["bucket"].tolist()[2] != out["bucket"].tolist()[1]
+    shapes = [np.asarray(p).shape for p in out["latent_params"]]
+    assert [np.asarray(c).shape for c in out["control_params"]] == shapes
+    assert shapes[0] == shapes[2] != shapes[1] and shapes[0][-1] > shapes[0][-2]  # wide
+    for lat, ctl in zip(out["latent_params"], out["control_params"]):
+        assert np.abs(np.asarray(lat) - np.asarray(ctl)).max() > 1e-3
+
+
 # ---------------------------------------------------------------- a run, end to end
 
 

@@ -179,6 +179,7 @@ class SourceSection(_Section):
     )
     mask_column: str | None = None
     control_column: str | None = None
+    control_uri: str | None = None
     caption_prefix: str | None = Field(None, description="This source's trigger word(s).")
     caption_dropout: float | None = Field(None, ge=0.0, lt=1.0)
     shuffle_tags: bool | None = None
@@ -250,7 +251,7 @@ class ClassGenerationSection(_Section):
 
 # What a source may set for itself (unset: the data key of the same name).
 SOURCE_KEYS = ("format", "image_column", "caption_column", "mask_column", "control_column",
-               "caption_extension",
+               "control_uri", "caption_extension",
                "caption_prefix", "caption_dropout", "shuffle_tags", "keep_tokens", "resolution")
 
 
@@ -263,8 +264,8 @@ class DataSection(_Section):
     sources: list[SourceSection] | None = Field(
         None, description="Several datasets mixed into every epoch, each {uri, weight | "
         "repeats, caption_prefix, caption_dropout, shuffle_tags, keep_tokens, resolution, format, "
-        "image_column, caption_column, mask_column, control_column, caption_extension}; instead "
-        "of data.uri.",
+        "image_column, caption_column, mask_column, control_column, control_uri, "
+        "caption_extension}; instead of data.uri.",
     )
     format: Literal["auto", "parquet", "webdataset", "imagefolder", "captionfolder"] = Field(
         "auto", description="auto: detected from the files the URI matches (images with a "
@@ -299,6 +300,12 @@ class DataSection(_Section):
         "control_image", description="parquet, data.control_images: the column of encoded "
         "control images (bytes or a datasets {bytes, path} struct), as diffusers' Kontext "
         "script's --cond_image_column.",
+    )
+    control_uri: str | None = Field(
+        None, description="captionfolder, imagefolder, data.control_images: a folder of the "
+        "control images instead of sidecars, each under its image's path relative to "
+        "data.uri, with any image extension (ai-toolkit's control_path): {data.uri}/a/cat.jpg "
+        "→ {control_uri}/a/cat.png. Not inside data.uri.",
     )
     caption_extension: str = Field(
         ".txt", description="captionfolder: the extension of the caption file beside each "
@@ -1270,6 +1277,12 @@ def _control_checks(cfg: RayLoraConfig) -> list[str]:
     elif v.control_images and len(v.control_images) != len(v.prompts):
         out.append(f"validation.control_images: {len(v.control_images)} image(s) for "
                    f"{len(v.prompts)} validation.prompts; give one per prompt")
+    if not d.control_images:
+        for i, sec in enumerate(d.source_sections()):
+            if sec.control_uri:
+                out.append(f"{_caption_key(d, i, 'control_uri')}: set, but data.control_images "
+                           "is off (nothing reads it); turn it on or drop it")
+                break
     if d.control_images and d.prior_preservation:
         out.append("data.prior_preservation: class images have no control images; prior "
                    "preservation cannot be combined with data.control_images")

@@ -226,10 +226,87 @@ def test_every_format_reads_each_samples_control_image(tmp_path, fmt):
     off = get_format(fmt).iter_rows(section(uri, control_images=False), src.files, Storage())
     assert all("control" not in r for r in off)
     # the sidecars are part of the data: a change to one is a change to the cache's input
-    if fmt != "parquet":
-        listing = Storage().list_files(uri)
-        assert sum(".control." in f for f in get_format(fmt).companions(data, src.files, listing)) == \
-            (3 if fmt != "webdataset" else 0)
+    assert sum(".control." in f for f in src.companions) == (3 if fmt in ("captionfolder",
+                                                                         "imagefolder") else 0)
+    assert sum(".control." in f for f in plan_data(section(uri, control_images=False),
+                                                    Storage()).content_files()) == 0
+
+
+@pytest.mark.parametrize("fmt", ["captionfolder", "imagefolder"])
+def test_control_images_in_a_folder_of_their_own(tmp_path, fmt):
+    """data.control_uri (ai-toolkit's control_path): each image's control image under its
+    path relative to data.uri in another folder, any extension (one here is a JPEG of a
+    PNG image); they are the plan's companions (the cache's fingerprint), and sidecars
+    beside the images are then not read."""
+    from raylora.data.formats import get_format
+    from raylora.data.plan import plan_data
+
+    write_pairs(tmp_path / "data" / "sub", fmt)
+    controls = tmp_path / "control" / "sub"
+    controls.mkdir(parents=True)
+    for f in (tmp_path / "data" / "sub").glob("*.control.*"):
+        f.rename(controls / f.name.replace(".control", ""))
+    data = section(str(tmp_path / "data"), control_uri=str(tmp_path / "control"))
+    (src,) = plan_data(data, Storage()).sources
+    assert src.rows == 3 and sorted(c for c in src.companions if "/control/" in c) == \
+        [str(controls / "k0.jpg"), str(controls / "k1.png"), str(controls / "k2.png")]
+    rows = sorted(get_format(fmt).iter_rows(data, src.files, Storage()), key=lambda r: r["text"])
+    for i, r in enumerate(rows):
+        image = np.array(Image.open(io.BytesIO(r["image"])))
+        control = np.array(Image.open(io.BytesIO(r["control"])).convert("RGB"))
+        assert np.abs(control.astype(int) - (255 - image)).mean() < (8 if i == 0 else 1e-9)
+    # a sidecar beside an image is not read when the controls are in their own folder
+    (tmp_path / "data" / "sub" / "k1.control.png").write_bytes(pair(9)[1])
+    (controls / "k1.png").unlink()
+    rows = list(get_format(fmt).iter_rows(data, src.files, Storage()))
+    assert sum(r["control"] is None for r in rows) == 1
+
+
+def test_a_control_folder_that_cannot_serve_is_refused_naming_its_key(tmp_path):
+    """Before Ray: data.control_uri inside data.uri (its images would be targets), empty,
+    with shards, or set with data.control_images off; images without a control image over
+    data.max_bad_fraction (named, with examples), for data.uri and per source."""
+    from raylora.config import ConfigError
+    from raylora.data.plan import DataProblems, plan_data
+
+    uri = write_pairs(tmp_path / "d", "captionfolder")
+    shards = write_pairs(tmp_path / "w", "webdataset")
+    (tmp_path / "empty").mkdir()
+    cases = {
+        str(tmp_path / "d" / "ctl"): f"data.control_uri: {tmp_path / 'd' / 'ctl'} is inside data.uri "
+                                     f"({tmp_path / 'd'}): its images would train as targets",
+        str(tmp_path / "empty"): f"data.control_uri: {tmp_path / 'empty'}: no files",
+    }
+    for control, want in cases.items():
+        with pytest.raises(DataProblems) as exc:
+            plan_data(section(uri, control_uri=control), Storage())
+        assert exc.value.problems == [want]
+    with pytest.raises(DataProblems) as exc:
+        plan_data(section(shards, control_uri=str(tmp_path / "d")), Storage())
+    assert exc.value.problems == [f"data.control_uri: {tmp_path / 'd'}: webdataset shards hold their "
+                                  "own control images (KEY.control.<ext> members, "
+                                  "data.control_column); leave it unset"]
+    with pytest.raises(ConfigError) as exc:
+        validate({"model": {"pretrained": "m"}, "output": {"uri": "o"},
+                  "data": {"uri": uri, "control_uri": str(tmp_path / "empty")}})
+    assert exc.value.problems == ["data.control_uri: set, but data.control_images is off (nothing "
+                                  "reads it); turn it on or drop it"]
+    # 2 of 3 without a control image: refused at the default 5 %, dropped at 0.7
+    for f in ("k1.control.png", "k2.control.png"):
+        (tmp_path / "d" / f).unlink()
+    with pytest.raises(DataProblems) as exc:
+        plan_data(section(uri), Storage())
+    assert exc.value.problems == [
+        f"data.control_images: 2 of 3 images have no control image (no KEY.control.<ext> beside "
+        f"them; e.g. {tmp_path / 'd' / 'k1.png'}, {tmp_path / 'd' / 'k2.png'}); 66.7% of them, "
+        "over data.max_bad_fraction=0.05"]
+    assert plan_data(section(uri, max_bad_fraction=0.7), Storage()).rows == 3
+    mixed = validate({"model": {"pretrained": "m"}, "output": {"uri": "o"},
+                      "data": {"control_images": True, "sources": [
+                          {"uri": shards}, {"uri": uri, "control_uri": str(tmp_path / "empty")}]}}).data
+    with pytest.raises(DataProblems) as exc:
+        plan_data(mixed, Storage())
+    assert exc.value.problems == [f"data.sources[1].control_uri: {tmp_path / 'empty'}: no files"]
 
 
 @pytest.mark.parametrize("fmt", ["webdataset", "parquet"])
@@ -295,8 +372,8 @@ def test_control_image_gets_its_targets_crop_flip_and_bucket(tiny, bucketing):
 
 def test_missing_and_broken_control_images_are_counted_bad_rows(tiny, tmp_path):
     """A row without a control image is ``missing_control``, one that does not decode
-    ``bad_control``: dropped and counted like any bad record. A dataset none of whose
-    sampled rows has one is refused before anything starts, saying where they go."""
+    ``bad_control``: dropped and counted like any bad record. Shards none of whose sampled
+    rows has one are refused before anything starts, saying where they go."""
     from raylora.data.plan import plan_data, sample_problems
 
     s, sent = stage(tiny(FAMILY))
@@ -307,14 +384,13 @@ def test_missing_and_broken_control_images_are_counted_bad_rows(tiny, tmp_path):
     assert sent == [(1, {"missing_control": 1, "bad_control": 1})]
     assert out["pixel_values"].shape == out["control_values"].shape == (1, 3, 32, 32)
 
-    folder = tmp_path / "plain"
-    folder.mkdir()
-    for i in range(3):
-        (folder / f"k{i}.png").write_bytes(pair(i)[0])
-        (folder / f"k{i}.txt").write_text("x")
-    data = section(str(folder))
+    # shards (a folder's images are checked against its listing when planned: see
+    # test_a_control_folder_that_cannot_serve_is_refused_naming_its_key)
+    shards = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"image": [pair(i)[0] for i in range(3)], "text": ["x"] * 3}), str(shards))
+    data = section(str(shards))
     (problem,) = sample_problems(data, plan_data(data, Storage()), Storage())
-    assert problem.startswith(f"data.uri: {folder}: none of the 3 rows read to check it is usable "
+    assert problem.startswith(f"data.uri: {shards}: none of the 3 rows read to check it is usable "
                               "(missing_control=3")
     assert "KEY.control.<ext>" in problem and "data.control_images off" in problem
 

@@ -187,21 +187,78 @@ class DataPlan:
 
 
 def plan_source(section: DataSection, storage: Storage, index: int = 0,
-                buckets=None) -> SourceFiles:
+                buckets=None, key=lambda k: f"data.{k}") -> SourceFiles:
     """Resolve one source's URI, detect its format, check what can be checked and count
     its rows (per bucket of ``buckets``, a ``BucketSet``, when given). Raises
-    FileNotFoundError / ValueError / OSError naming the URI or file."""
+    FileNotFoundError / ValueError / OSError naming the URI or file; DataProblems for a
+    key besides the URI (``key``: how this source names one, ``data.sources[i].…``)."""
     listing = storage.expand(section.uri)
     fmt = get_format(detect_format(listing) if section.format == "auto" else section.format)
     files = fmt.select(listing)
     if not files:
         raise FileNotFoundError(f"{section.uri}: matched no {fmt.name} files")
     fmt.check_listing(section, files, listing)
+    controls = control_files(section, fmt.name, files, listing, storage, key)
     rows, file_rows = fmt.count_rows(section, files, storage)
     out = SourceFiles(index, fmt.name, files, rows, file_rows, fmt.repeats(section, files),
-                      section.uri, fmt.companions(section, files, listing))
+                      section.uri, fmt.companions(section, files, listing) + controls)
     return replace(out, bucket_counts=scan_buckets(section, out, storage, buckets, index)) \
         if buckets is not None else out
+
+
+# The formats whose images are files, found beside (or, data.control_uri, apart from) their
+# control images; the shard formats hold theirs inside.
+FOLDER_FORMATS = ("captionfolder", "imagefolder")
+
+
+def control_files(section: DataSection, fmt: str, files: list[str], listing: list[str],
+                  storage: Storage, key=lambda k: f"data.{k}") -> list[str]:
+    """data.control_images of a folder format: the control images its rows read (sidecars
+    in ``listing``, or data.control_uri's folder, listed here), for the fingerprint.
+    Refused up front: data.control_uri with shards, inside the data's folder, or empty;
+    images without a control image above data.max_bad_fraction of them (fewer: logged,
+    they are dropped as missing_control)."""
+    import logging
+
+    from raylora.data.formats.base import IMAGE_EXTS, control_candidates
+
+    if not section.control_images:
+        return []
+    if section.control_uri and fmt not in FOLDER_FORMATS:
+        raise DataProblems([f"{key('control_uri')}: {section.control_uri}: {fmt} shards hold "
+                            "their own control images (KEY.control.<ext> members, "
+                            "data.control_column); leave it unset"])
+    if fmt not in FOLDER_FORMATS:
+        return []
+    where = listing
+    if section.control_uri:
+        from raylora.data.formats.captionfolder import data_roots
+        from raylora.storage import normalize
+
+        root = normalize(section.control_uri).rstrip("/")
+        inside = [r for r in data_roots(section.uri) if root == r or root.startswith(r + "/")]
+        if inside:
+            raise DataProblems([f"{key('control_uri')}: {section.control_uri} is inside "
+                                f"{key('uri')} ({inside[0]}): its images would train as targets"])
+        where = storage.list_files(root)
+        if not where:
+            raise DataProblems([f"{key('control_uri')}: {section.control_uri}: no files"])
+    images = [f for f in files if f.lower().endswith(IMAGE_EXTS)]
+    present, found, missing = set(where), [], []
+    for f in images:
+        u = next((u for u in control_candidates(section, f) if u in present), None)
+        (found if u else missing).append(u or f)
+    if missing:
+        share = len(missing) / len(images)
+        place = f"none in {section.control_uri}" if section.control_uri else \
+            "no KEY.control.<ext> beside them"
+        what = (f"{len(missing)} of {len(images)} images have no control image ({place}; "
+                f"e.g. {', '.join(missing[:3])})")
+        if share > section.max_bad_fraction:
+            raise DataProblems([f"{key('control_images')}: {what}; {share:.1%} of them, over "
+                                f"data.max_bad_fraction={section.max_bad_fraction:g}"])
+        logging.getLogger("raylora.data").warning("%s: they are dropped as missing_control", what)
+    return found
 
 
 def scan_buckets(section: DataSection, s: SourceFiles, storage: Storage, buckets,
@@ -211,7 +268,8 @@ def scan_buckets(section: DataSection, s: SourceFiles, storage: Storage, buckets
     from raylora.data.buckets import scan_counts
 
     fmt = get_format(s.format)
-    section = unmasked(section)  # headers are all a scan reads: no sidecar masks
+    # headers are all a scan reads: no sidecar masks or control images
+    section = section.model_copy(update={"masked_loss": False, "control_images": False})
     keep = dict(min_size=section.min_size, skip_small=section.small_images == "skip",
                 keep_empty=section.caption_dropout > 0, max_pixels=section.max_image_pixels)
     if s.file_rows is None:  # one row list for the whole source
@@ -229,7 +287,12 @@ def plan_data(data: DataSection, storage: Storage) -> DataPlan:
     sources, problems, buckets = [], [], bucket_set(data)
     for i, section in enumerate(data.source_sections()):
         try:
-            sources.append(plan_source(section, storage, i, buckets))
+            sources.append(plan_source(section, storage, i, buckets,
+                                       key=lambda k, i=i: data.source_key(i, k)))
+        except DataProblems as exc:  # named by their own keys
+            if data.sources is None:
+                raise
+            problems += exc.problems
         except (FileNotFoundError, ValueError, OSError) as exc:
             if data.sources is None:
                 raise

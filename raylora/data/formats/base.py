@@ -118,31 +118,41 @@ def control_uris(image: str) -> list[str]:
     """Where an image file's sidecar control image may be, in the order looked for: its
     own extension first (``cat.jpg`` → ``cat.control.jpg``), then the others."""
     stem, ext = posixpath.splitext(image)
-    exts = [ext] + [e for e in IMAGE_EXTS if e != ext.lower()]
-    return [stem + CONTROL_INFIX + e for e in exts]
+    return [stem + CONTROL_INFIX + e for e in _own_first(ext)]
 
 
-def sidecar_control(storage: Storage, image: str) -> bytes | None:
-    """The encoded sidecar control image of an image file, None when it has none (the
-    validating decode drops the row as missing_control). One read when it has the image's
-    extension; a missing one costs a read per extension (rows are read without their
-    folder's listing)."""
-    for uri in control_uris(image):
+def _own_first(ext: str) -> list[str]:
+    return [ext] + [e for e in IMAGE_EXTS if e != ext.lower()]
+
+
+def control_candidates(data: DataSection, image: str) -> list[str]:
+    """Where an image file's control image may be, in the order looked for: its sidecars
+    (``control_uris``), or with data.control_uri the same relative path and stem in that
+    folder, its own extension first (``{data.uri}/a/cat.jpg`` → ``{control_uri}/a/cat.jpg``,
+    ``.../a/cat.png``, ...)."""
+    if not data.control_uri:
+        return control_uris(image)
+    from raylora.data.formats.captionfolder import data_roots
+    from raylora.storage import normalize
+
+    root = next((r for r in data_roots(data.uri) if image.startswith(r + "/")), None)
+    rel = image[len(root) + 1:] if root is not None else posixpath.basename(image)
+    stem, ext = posixpath.splitext(rel)
+    base = normalize(data.control_uri).rstrip("/")
+    return [f"{base}/{stem}{e}" for e in _own_first(ext)]
+
+
+def sidecar_control(storage: Storage, image: str, data: DataSection | None = None) -> bytes | None:
+    """The encoded control image of an image file (``control_candidates``), None when it
+    has none (the validating decode drops the row as missing_control). One read when it
+    has the image's extension; a missing one costs a read per extension (rows are read
+    without their folder's listing)."""
+    for uri in (control_candidates(data, image) if data is not None else control_uris(image)):
         try:
             return storage.read_bytes(uri)
         except FileNotFoundError:
             continue
     return None
-
-
-def control_companions(data: DataSection, files: list[str], listing: list[str]) -> list[str]:
-    """The sidecar control images in ``listing`` of image ``files`` (data.control_images;
-    else none): the first of each image's ``control_uris`` that is there."""
-    if not data.control_images:
-        return []
-    present = set(listing)
-    found = (next((u for u in control_uris(f) if u in present), None) for f in files)
-    return [u for u in found if u is not None]
 
 
 def mask_uri(image: str) -> str:
@@ -182,7 +192,7 @@ def with_sidecars(data: DataSection, row: dict, storage: Storage, image: str) ->
     """``with_mask`` for an image file: its sidecar mask and control image, read only when
     their keys are on. The one place folder formats look for them."""
     return with_mask(data, row, lambda: sidecar_mask(storage, image),
-                     lambda: sidecar_control(storage, image))
+                     lambda: sidecar_control(storage, image, data))
 
 
 @functools.lru_cache(maxsize=4)
@@ -218,9 +228,10 @@ class ShardFormat:
 
     def companions(self, data: DataSection, files: list[str], listing: list[str]) -> list[str]:
         """Files of the listing besides ``files`` that rows are read from (a caption
-        folder's caption files, sidecar masks and control images): a change to them is a
-        change to the data."""
-        return mask_companions(data, files, listing) + control_companions(data, files, listing)
+        folder's caption files, sidecar masks): a change to them is a
+        change to the data. Control images are found by ``raylora.data.plan.control_files``,
+        beside the images or in data.control_uri's folder."""
+        return mask_companions(data, files, listing)
 
     def repeats(self, data: DataSection, files: list[str]) -> list[int] | None:
         """Times each file's rows count in an epoch, where the data says so (a caption

@@ -28,8 +28,7 @@ import re
 import numpy as np
 
 from raylora.data.formats.base import (
-    IMAGE_EXTS, ShardFormat, control_companions, decode_text, mask_companions,
-    process_storage, with_sidecars,
+    IMAGE_EXTS, ShardFormat, decode_text, mask_companions, process_storage, with_sidecars,
 )
 from raylora.storage import normalize
 
@@ -94,8 +93,7 @@ class CaptionFolder(ShardFormat):
     def companions(self, data, files, listing):
         present = set(listing)
         captions = [c for c in (caption_uri(f, data.caption_extension) for f in files) if c in present]
-        return (captions + mask_companions(data, files, listing)
-                + control_companions(data, files, listing))
+        return captions + mask_companions(data, files, listing)
 
     def check_listing(self, data, files, listing):
         """Images with neither a caption file nor class tokens: refused up front when their

@@ -45,15 +45,17 @@ def test_tiny_tokenizer_is_clip_shaped(tiny_model):
 
 
 # ---------------------------------------------------------------------------------------
-# Flow-matching families: flux, sd3, qwenimage, zimage, flux2klein, flux2, wan. Each is built once
-# for the module.
+# Flow-matching families: flux, fluxkontext, sd3, qwenimage, zimage, flux2klein, flux2, wan. Each
+# is built once for the module.
 
-NEW_FAMILIES = ("flux", "sd3", "qwenimage", "zimage", "flux2klein", "flux2", "wan")
-PIPELINE_CLASS = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline",
+NEW_FAMILIES = ("flux", "fluxkontext", "sd3", "qwenimage", "zimage", "flux2klein", "flux2", "wan")
+PIPELINE_CLASS = {"flux": "FluxPipeline", "fluxkontext": "FluxKontextPipeline",
+                  "sd3": "StableDiffusion3Pipeline",
                   "qwenimage": "QwenImagePipeline", "zimage": "ZImagePipeline",
                   "flux2klein": "Flux2KleinPipeline", "flux2": "Flux2Pipeline", "wan": "WanPipeline"}
 TOKENIZERS = {
     "flux": {"tokenizer": "CLIPTokenizer", "tokenizer_2": "T5Tokenizer"},
+    "fluxkontext": {"tokenizer": "CLIPTokenizer", "tokenizer_2": "T5Tokenizer"},
     "sd3": {"tokenizer": "CLIPTokenizer", "tokenizer_2": "CLIPTokenizer",
             "tokenizer_3": "T5Tokenizer"},
     "qwenimage": {"tokenizer": "Qwen2Tokenizer"},
@@ -66,7 +68,7 @@ TOKENIZERS = {
 }
 # 64 px through a factor-2 VAE with 16 channels (Qwen-Image's and Wan's VAEs are video VAEs:
 # frames axis; the tiny Flux.2 VAE has 8, patchified to 32 by the pipeline)
-LATENT_SHAPE = {"flux": (1, 16, 32, 32), "sd3": (1, 16, 32, 32), "qwenimage": (1, 16, 1, 32, 32),
+LATENT_SHAPE = {"flux": (1, 16, 32, 32), "fluxkontext": (1, 16, 32, 32), "sd3": (1, 16, 32, 32), "qwenimage": (1, 16, 1, 32, 32),
                 "zimage": (1, 16, 32, 32), "flux2klein": (1, 8, 32, 32), "flux2": (1, 8, 32, 32),
                 "wan": (1, 16, 1, 32, 32)}
 VIDEO = ("qwenimage", "wan")  # a frames axis in the VAE's input and latents
@@ -95,7 +97,7 @@ def test_model_index_names_the_pipeline_and_its_components(family_model, family_
     assert type(family_pipe[1]).__name__ == PIPELINE_CLASS[fam]
     for sub, cls in TOKENIZERS[fam].items():
         assert index[sub] == ["transformers", cls]
-    denoiser = {"flux": "FluxTransformer2DModel", "sd3": "SD3Transformer2DModel",
+    denoiser = {"flux": "FluxTransformer2DModel", "fluxkontext": "FluxTransformer2DModel", "sd3": "SD3Transformer2DModel",
                 "qwenimage": "QwenImageTransformer2DModel", "zimage": "ZImageTransformer2DModel",
                 "flux2klein": "Flux2Transformer2DModel", "flux2": "Flux2Transformer2DModel",
                 "wan": "WanTransformer3DModel"}[fam]
@@ -113,6 +115,8 @@ def test_two_step_inference_at_64px(family_pipe):
         kw["true_cfg_scale"] = 1.0  # no negative prompt: plain conditional sampling
     if fam == "wan":
         kw["num_frames"] = 1  # a video pipeline: one frame is an image
+    if fam == "fluxkontext":
+        kw["max_area"] = 64 * 64  # it samples at max_area (1024²) whatever height × width say
     # a copy: ZImagePipeline writes the templated text into the list it is given
     out = pipe(prompt=list(CAPTIONS), num_inference_steps=2, height=64, width=64, output_type="np",
                generator=torch.Generator().manual_seed(0), **kw)
@@ -226,7 +230,7 @@ def test_zimage_tokenizer_writes_qwen3s_chat_template_as_the_family_does(family_
 def test_encode_prompt_shapes(family_pipe):
     fam, pipe = family_pipe
     with torch.no_grad():
-        if fam == "flux":
+        if fam in ("flux", "fluxkontext"):
             embeds, pooled, text_ids = pipe.encode_prompt("a red circle", None, max_sequence_length=32)
             assert embeds.shape == (1, 32, 64) and pooled.shape == (1, 32)
             assert text_ids.shape == (32, 3) and not text_ids.any()
@@ -300,7 +304,7 @@ def test_component_configs_are_consistent(family_model):
         return json.load(open(f"{path}/{sub}/{name}"))
 
     tr, vae, sch = cfg("transformer"), cfg("vae"), cfg("scheduler")
-    if fam == "flux":
+    if fam in ("flux", "fluxkontext"):
         assert tr["in_channels"] == 4 * vae["latent_channels"] == 64
         assert tr["joint_attention_dim"] == cfg("text_encoder_2")["d_model"] == 64
         assert tr["pooled_projection_dim"] == cfg("text_encoder")["hidden_size"] == 32
@@ -407,7 +411,7 @@ def test_transformer_trains_at_64px_and_is_cpu_sized(family_pipe):
     # Z-Image's timestep MLP is 256 → 1024 → dim whatever the width (296k of its 365k)
     assert sum(p.numel() for p in tr.parameters()) < (400_000 if fam == "zimage" else 150_000)
     b, g = 2, torch.Generator().manual_seed(0)
-    if fam == "flux":
+    if fam in ("flux", "fluxkontext"):
         x = torch.randn(b, 256, 64, generator=g)  # 16×16 tokens of 2×2×16
         ids = torch.zeros(16, 16, 3)
         ids[..., 1] += torch.arange(16)[:, None]
@@ -465,7 +469,7 @@ def test_raylora_loader_reads_the_tiny_model_back(family_model):
     c = load_components(ModelSection(pretrained=path), torch.float32)
     assert [type(t).__name__ for t in c.tokenizers] == list(TOKENIZERS[fam].values())
     assert type(c.denoiser).__name__ == json.load(open(f"{path}/model_index.json"))["transformer"][1]
-    if fam in ("flux", "zimage"):
+    if fam in ("flux", "fluxkontext", "zimage"):
         assert (c.latent_shift, c.latent_scale) == (0.1159, 0.3611)
     elif fam == "sd3":
         assert (c.latent_shift, c.latent_scale) == (0.0609, 1.5305)

@@ -876,7 +876,8 @@ class Estimate:
                 f"LoRA r{s.get('lora_rank')}, {mp}, {s.get('strategy')} x"
                 f"{s.get('world_size')}, quantize {s.get('quantize')}, gradient checkpointing "
                 f"{'on' if s.get('gradient_checkpointing') else 'off'}, "
-                f"{'cached latents' if s.get('cached_latents') else 'VAE + text encoders on the worker'}")
+                f"{'cached latents' if s.get('cached_latents') else 'VAE + text encoders on the worker'}"
+                f"{', an input image per sample' if s.get('control_images') else ''}")
         rows = self.lines() + [("total per GPU", self.total)]
         after = []
         if self.preview:

@@ -511,8 +511,10 @@ def test_the_step_gives_the_denoiser_the_input_tokens_and_the_cache_the_same_los
     assert abs(with_ref - from_cache) < 1e-5 and abs(with_ref - text_only) > 1e-4
     kw = dict(batch_size=1, resolution=32, mixed_precision="no", device="cpu",
               max_sequence_length=32)
-    assert estimate(model, control_images=True, **kw).activations > \
-        estimate(model, **kw).activations
+    paired, plain = estimate(model, control_images=True, **kw), estimate(model, **kw)
+    assert paired.activations > plain.activations
+    assert ", an input image per sample" in paired.table().splitlines()[0]
+    assert "input image" not in plain.table()
 
 
 @pytest.mark.integration

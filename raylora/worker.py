@@ -146,7 +146,7 @@ def _previewer(spec: WorkerSpec, run, tracker, rank: int):
         if rank != 0:
             return
         buf = io.BytesIO()
-        pv.make_grid(images).save(buf, format="PNG")
+        pv.make_grid(*pv.grid_with_inputs(images, controls)).save(buf, format="PNG")
         uri = storage.join(cfg.output.uri, "validation", f"step_{step:06d}.png")
         store.write_bytes(uri, buf.getvalue())
         tracker.log_images(step, "validation", images, list(v.prompts))

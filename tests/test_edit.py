@@ -602,7 +602,10 @@ def test_a_kontext_run_on_pairs_edits_in_the_stock_pipeline(ray_local, tiny, tmp
     assert m["eval_loss_base"] != m["eval_loss_last"]
     meta = json.loads((out / "adapter" / "raylora.json").read_text())["data"]
     assert (meta["family"], meta["pipeline"]) == (FAMILY, "FluxKontextPipeline")
-    assert Image.open(out / "validation" / "step_000004.png").size == (32, 32)
+    # the preview grid: the input, then what the adapter made of it
+    grid = np.asarray(Image.open(out / "validation" / "step_000004.png").convert("RGB"))
+    assert grid.shape == (32, 64, 3)
+    np.testing.assert_array_equal(grid[:, :32], pattern(11, 32, 32))
     card = (out / "adapter" / "README.md").read_text()
     assert 'image = pipe(image=load_image("your input image.png"), prompt="your edit", ' \
            'guidance_scale=2.5).images[0]' in card

@@ -28,6 +28,18 @@ def make_grid(images: list[Image.Image], cols: int | None = None) -> Image.Image
     return grid
 
 
+def grid_with_inputs(images: list[Image.Image], inputs=()) -> tuple[list[Image.Image], int | None]:
+    """(images, columns) of a preview grid: the rendered images as they are, or with an
+    edit model's inputs (validation.control_images) each beside what it became: rows of
+    (input, edit), the input at the edit's size."""
+    if not inputs:
+        return list(images), None
+    out = []
+    for src, img in zip(inputs, images):
+        out += [src.resize(img.size), img]
+    return out, 2
+
+
 def encoders_for(parts, model_path: str, model, device) -> tuple:
     """(VAE, text encoders, tokenizers) a preview renders with: the worker's own
     (``parts``: ``FrozenParts``), or, with cached latents, where the worker holds none,

@@ -456,8 +456,10 @@ def _plan_heldout(cfg: RayLoraConfig, data, store) -> tuple[list[dict], str | No
     d = cfg.data
     try:
         if d.validation_uri is not None:
-            # Read with the data.* keys (a source's caption keys are its own).
-            vd = d.model_copy(update={"uri": d.validation_uri, "sources": None})
+            # Read with the data.* keys (a source's caption keys are its own). Control images
+            # (data.control_images) beside the held-out images: data.control_uri mirrors the
+            # training folder, whose relative paths are not the held-out folder's.
+            vd = d.model_copy(update={"uri": d.validation_uri, "sources": None, "control_uri": None})
             rows = read_heldout_rows(vd, plan_data(vd, store), store, split=None)
             return rows, None if rows else f"data.validation_uri: {d.validation_uri}: no rows"
         if d.validation_split and data is not None:

@@ -262,6 +262,34 @@ def test_control_images_in_a_folder_of_their_own(tmp_path, fmt):
     assert sum(r["control"] is None for r in rows) == 1
 
 
+def test_held_out_pairs_come_with_their_inputs(tiny, tmp_path):
+    """The held-out rows the plan carries to the workers have their control images: from
+    the split of the training folder (its data.control_uri), and from data.validation_uri,
+    whose control images are its sidecars (data.control_uri mirrors the training folder)."""
+    from raylora.launch import plan
+
+    train = tmp_path / "train"
+    write_pairs(train, "captionfolder", n=6, w=32, h=32)
+    (tmp_path / "control").mkdir()
+    for f in train.glob("*.control.*"):
+        f.rename(tmp_path / "control" / f.name.replace(".control", ""))
+    held = write_pairs(tmp_path / "held", "captionfolder", n=2, w=32, h=32)
+    tree = {"model": {"pretrained": tiny(FAMILY), "max_sequence_length": 32},
+            "data": {"uri": str(train), "control_uri": str(tmp_path / "control"),
+                     "control_images": True, "resolution": 32, "validation_uri": held},
+            "train": {"batch_size": 1}, "output": {"uri": str(tmp_path / "o")}}
+    rows = plan(validate(tree)).heldout
+    assert len(rows) == 2
+    for r in rows:
+        image = np.array(Image.open(io.BytesIO(r["image"])))
+        control = np.array(Image.open(io.BytesIO(r["control"])).convert("RGB"))
+        assert np.abs(control.astype(int) - (255 - image)).mean() < (8 if r["text"] == "edit 0" else 1e-9)
+    tree["data"].pop("validation_uri")
+    tree["data"]["validation_split"] = 0.5
+    rows = plan(validate(tree)).heldout
+    assert rows and all(r["control"] for r in rows)
+
+
 def test_a_control_folder_that_cannot_serve_is_refused_naming_its_key(tmp_path):
     """Before Ray: data.control_uri inside data.uri (its images would be targets), empty,
     with shards, or set with data.control_images off; images without a control image over

@@ -40,9 +40,8 @@ def sample(
     # bf16 on GPUs: fp16 overflows in Flux/SD3/Qwen-Image transformers.
     pipe, family = load_pipeline(model, adapter, expert,
                                  torch.bfloat16 if device == "cuda" else torch.float32,
-                                 quantize_text_encoders, device, revision)
-    if control is not None and not family.reference_image:
-        raise ValueError(f"--image: {family.name} ({family.pipeline}) takes no input image")
+                                 quantize_text_encoders, device, revision,
+                                 with_image=control is not None)
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     # No size: the pipeline's own default (the model's sample size; ZImagePipeline's 1024,
@@ -65,7 +64,7 @@ def sample(
 
 def load_pipeline(model: str, adapter: str | list[str], expert: str | None = None,
                   dtype: torch.dtype = torch.float32, quantize_text_encoders: str = "none",
-                  device="cpu", revision: str | None = None):
+                  device="cpu", revision: str | None = None, with_image: bool = False):
     """(the family's stock pipeline of ``model`` with the adapter loaded, the family).
 
     A pipeline of experts (Wan 2.2 A14B) samples with every expert; an adapter goes into
@@ -80,7 +79,9 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
     ``quantize_text_encoders`` (``model.quantize_text_encoders``' values) says.
 
     ``revision``: a hub model's; default the commit the adapter was trained on when its
-    ``raylora.json`` names ``model`` as its base (``trained_commit``), else main."""
+    ``raylora.json`` names ``model`` as its base (``trained_commit``), else main.
+    ``with_image``: the call gives an input image (``--image``), refused for a family whose
+    pipeline takes none."""
     from diffusers import DiffusionPipeline
 
     from raylora import quiet
@@ -101,6 +102,8 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
     # The family, and the pipeline class that loads the adapter, from model_index.json.
     index = DiffusionPipeline.load_config(path, revision=revision)
     family = families.detect(index, "--model")
+    if with_image and not family.reference_image:
+        raise ValueError(f"--image: {family.name} ({family.pipeline}) takes no input image")
     if len(adapters) > 1 and expert is not None:
         raise ValueError("--expert: names the expert of one --adapter; with several, each "
                          "folder's raylora.json does")

@@ -659,6 +659,8 @@ def test_a_kontext_run_on_pairs_edits_in_the_stock_pipeline(ray_local, tiny, tmp
     png_out = sample(model, str(out / "adapter"), "edit it", str(tmp_path / "s.png"), steps=2,
                      size=32, image=str(source))
     assert Image.open(png_out).size == (32, 32)
-    with pytest.raises(ValueError, match=r"^--image: .*nope\.png"):
+    with pytest.raises(ValueError, match=r"^--image: .*nope\.png: no such file$"):
         sample(model, str(out / "adapter"), "x", str(tmp_path / "t.png"), steps=1, size=32,
                image=str(tmp_path / "nope.png"))
+    with pytest.raises(ValueError, match=r"^--image: sd \(StableDiffusionPipeline\) takes no input image$"):
+        sample(tiny("sd"), str(out / "adapter"), "x", str(tmp_path / "t.png"), image=str(source))

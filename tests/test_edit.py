@@ -335,6 +335,10 @@ def test_a_control_folder_that_cannot_serve_is_refused_naming_its_key(tmp_path):
     with pytest.raises(DataProblems) as exc:
         plan_data(mixed, Storage())
     assert exc.value.problems == [f"data.sources[1].control_uri: {tmp_path / 'empty'}: no files"]
+    mixed.sources[1].control_uri = None  # its sidecars: 2 of 3 missing
+    with pytest.raises(DataProblems) as exc:
+        plan_data(mixed, Storage())
+    assert [p.split(": 2 of 3")[0] for p in exc.value.problems] == ["data.control_images (data.sources[1])"]
 
 
 @pytest.mark.parametrize("fmt", ["webdataset", "parquet"])

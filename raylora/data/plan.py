@@ -288,7 +288,7 @@ def plan_data(data: DataSection, storage: Storage) -> DataPlan:
     for i, section in enumerate(data.source_sections()):
         try:
             sources.append(plan_source(section, storage, i, buckets,
-                                       key=lambda k, i=i: data.source_key(i, k)))
+                                       key=lambda k, i=i: _source_key(data, i, k)))
         except DataProblems as exc:  # named by their own keys
             if data.sources is None:
                 raise
@@ -303,6 +303,17 @@ def plan_data(data: DataSection, storage: Storage) -> DataPlan:
     if problems:
         raise DataProblems(problems)
     return DataPlan.of(apply_shares(data, sources))
+
+
+def _source_key(data: DataSection, i: int, key: str) -> str:
+    """How a problem of source ``i`` names ``key``: its own (``data.sources[i].uri``), or,
+    for a key only ``data`` has, that key and the source (``data.control_images
+    (data.sources[1])``)."""
+    from raylora.config import SOURCE_KEYS
+
+    if data.sources is None or key == "uri" or key in SOURCE_KEYS:
+        return data.source_key(i, key)
+    return f"data.{key} (data.sources[{i}])"
 
 
 # Rows of each source the driver decodes before anything starts (``sample_problems``).

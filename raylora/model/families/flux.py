@@ -88,14 +88,24 @@ class Flux(Family):
         dtype, dev = noisy.dtype, noisy.device
         # Position ids (0, row, col) of the 2×2-token grid.
         ids = grid_ids(h // 2, w // 2, 3, dev)
+        tokens = pack_2x2(noisy)
+        ref = cond.get("reference_latents")
+        if ref is not None:
+            # An input image (Kontext, data.control_images): its 2×2 tokens after the noisy
+            # ones, the ids of its own grid with the first axis 1 (the pipeline's image_ids).
+            ref_ids = grid_ids(ref.shape[-2] // 2, ref.shape[-1] // 2, 3, dev)
+            ref_ids[:, 0] = 1
+            ids = torch.cat([ids, ref_ids])
+            tokens = torch.cat([tokens, pack_2x2(ref.to(dtype))], dim=1)
         txt_ids = torch.zeros(cond["prompt_embeds"].shape[1], 3, device=dev, dtype=dtype)
         # Flux.1-dev embeds the distilled guidance; schnell has no such input.
-        out = model(hidden_states=pack_2x2(noisy), timestep=t.to(dtype),
+        out = model(hidden_states=tokens, timestep=t.to(dtype),
                     guidance=embedded_guidance(model, guidance, b, dev),
                     pooled_projections=cond["pooled_prompt_embeds"],
                     encoder_hidden_states=cond["prompt_embeds"], txt_ids=txt_ids,
                     img_ids=ids.to(dtype), return_dict=False)[0]
-        return unpack_2x2(out, h, w)
+        # The prediction is the noisy tokens' (an input image's follow them).
+        return unpack_2x2(out[:, : (h // 2) * (w // 2)], h, w)
 
     @classmethod
     def kohya_names(cls):

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from raylora.model.families.base import Cond, Family
-from raylora.train.encode import batch_condition, batch_posterior, batch_reference, sample_latents
-from raylora.train.step import FrozenParts
+from raylora.train.encode import batch_condition, batch_posterior, sample_latents
+from raylora.train.step import FrozenParts, with_reference
 
 
 @dataclass
@@ -60,13 +60,9 @@ def prepare_heldout(
         params = batch_posterior(parts.family, parts.vae, chunk)
         latents.append(sample_latents(params.float(), parts.latent_shift, parts.latent_scale,
                                       sample=False))
-        cond = batch_condition(parts.family, parts.text_encoders, chunk)
-        # an edit pair's input latents: conditioning the text re-encoding keeps
-        reference = batch_reference(parts.family, parts.vae, chunk, parts.latent_shift,
-                                    parts.latent_scale)
-        if reference is None and parts.control_images:
-            raise ValueError("data.control_images: held-out rows without control images")
-        texts.append(cond if reference is None else Cond(cond, reference_latents=reference))
+        # (an edit pair's input latents: conditioning the text re-encoding keeps)
+        texts.append(with_reference(parts, chunk, batch_condition(parts.family, parts.text_encoders,
+                                                                 chunk), "held-out rows"))
     latents = torch.cat(latents)
     n = latents.shape[0]
     ts = parts.objective.eval_timesteps(num_timesteps, latents)

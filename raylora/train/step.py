@@ -55,16 +55,25 @@ def encode_batch(parts: FrozenParts, batch: dict[str, torch.Tensor]) -> tuple[to
     with torch.no_grad():
         params = batch_posterior(parts.family, parts.vae, batch)
         latents = sample_latents(params, parts.latent_shift, parts.latent_scale)
-        reference = batch_reference(parts.family, parts.vae, batch, parts.latent_shift,
-                                    parts.latent_scale)
     with torch.set_grad_enabled(bool(parts.text_encoder_params) and torch.is_grad_enabled()):
         cond = batch_condition(parts.family, parts.text_encoders, batch)
+    return latents, with_reference(parts, batch, cond)
+
+
+@torch.no_grad()
+def with_reference(parts: FrozenParts, batch: dict[str, torch.Tensor], cond: Cond,
+                   what: str = "a batch") -> Cond:
+    """``cond`` with the batch's input latents as ``reference_latents`` (an edit pair's,
+    data.control_images), as it is for a batch without them; in an edit run such a batch
+    (``what``) is an error."""
+    reference = batch_reference(parts.family, parts.vae, batch, parts.latent_shift,
+                                parts.latent_scale)
     if reference is not None:
-        cond = Cond(cond, reference_latents=reference)
-    elif parts.control_images:
-        raise ValueError(f"data.control_images: a batch without control images (columns "
+        return Cond(cond, reference_latents=reference)
+    if parts.control_images:
+        raise ValueError(f"data.control_images: {what} without control images (columns "
                          f"{sorted(batch)}): its input images were lost on the way")
-    return latents, cond
+    return cond
 
 
 def compute_loss(model: torch.nn.Module, parts: FrozenParts, batch: dict[str, torch.Tensor],

@@ -192,12 +192,13 @@ def _part_tables(item: dict, data: DataSection, cached: bool, store: Storage):
     ``text`` (and ``mask`` with data.masked_loss, ``control`` with data.control_images)."""
     import pyarrow as pa
 
+    from raylora.data.formats.parquet import extra_columns
     from raylora.data.parquet_parts import part_tables
     from raylora.data.plan import keep_rows
 
     columns = None if cached else [data.image_column, data.caption_column]
-    optional = () if cached else ((data.mask_column,) if data.masked_loss else ()) + (
-        (data.control_column,) if data.control_images else ())
+    extras = [] if cached else extra_columns(data)
+    optional = tuple(column for column, _ in extras)
     for first, table in part_tables(store, str(item["uri"]), int(item["part"]),
                                     int(item["parts"]), columns, optional):
         rows = np.arange(first, first + len(table))
@@ -210,11 +211,9 @@ def _part_tables(item: dict, data: DataSection, cached: bool, store: Storage):
         out = {"image": _bytes_column(table[data.image_column]), "text": table[data.caption_column],
                "key": pa.array([f"{item['uri']}#{r}" for r in rows], pa.string())}
         # A shard without the column: every row unmasked, or without a control image.
-        for on, column, name in ((data.masked_loss, data.mask_column, "mask"),
-                                 (data.control_images, data.control_column, "control")):
-            if on:
-                out[name] = _bytes_column(table[column]) if column in table.column_names \
-                    else pa.nulls(len(table), pa.binary())
+        for column, name in extras:
+            out[name] = _bytes_column(table[column]) if column in table.column_names \
+                else pa.nulls(len(table), pa.binary())
         yield pa.table(out)
 
 

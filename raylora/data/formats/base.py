@@ -142,12 +142,12 @@ def control_candidates(data: DataSection, image: str) -> list[str]:
     return [f"{base}/{stem}{e}" for e in _own_first(ext)]
 
 
-def sidecar_control(storage: Storage, image: str, data: DataSection | None = None) -> bytes | None:
+def sidecar_control(storage: Storage, image: str, data: DataSection) -> bytes | None:
     """The encoded control image of an image file (``control_candidates``), None when it
     has none (the validating decode drops the row as missing_control). One read when it
     has the image's extension; a missing one costs a read per extension (rows are read
     without their folder's listing)."""
-    for uri in (control_candidates(data, image) if data is not None else control_uris(image)):
+    for uri in control_candidates(data, image):
         try:
             return storage.read_bytes(uri)
         except FileNotFoundError:

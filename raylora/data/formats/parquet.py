@@ -75,15 +75,21 @@ def _binary(kind: pa.DataType) -> bool:
     return pa.types.is_binary(kind) or pa.types.is_large_binary(kind) or pa.types.is_binary_view(kind)
 
 
+def extra_columns(data: DataSection) -> list[tuple[str, str]]:
+    """(column, row key) of the images a row carries besides its own that the config
+    reads: the mask column (data.masked_loss, ``mask``), the control column
+    (data.control_images, ``control``)."""
+    return [(column, key) for on, column, key in (
+        (data.masked_loss, data.mask_column, "mask"),
+        (data.control_images, data.control_column, "control")) if on]
+
+
 def read_columns(data: DataSection, names: list[str]) -> list[str]:
-    """The columns to read from a shard with columns ``names``: image and caption, with
-    data.masked_loss the mask column where the shard has one (else: unmasked), and with
-    data.control_images the control column where it has one (else: every row a
-    missing_control)."""
-    masks = data.masked_loss and data.mask_column in names
-    controls = data.control_images and data.control_column in names
-    return ([data.image_column, data.caption_column] + ([data.mask_column] if masks else [])
-            + ([data.control_column] if controls else []))
+    """The columns to read from a shard with columns ``names``: image and caption, and the
+    ``extra_columns`` the shard has (a shard without the mask column trains unmasked,
+    one without the control column gives every row a missing_control)."""
+    return [data.image_column, data.caption_column] + [
+        column for column, _ in extra_columns(data) if column in names]
 
 
 # Bytes of first row groups that ``Parquet.sample_rows`` reads at most, in all.

@@ -28,14 +28,9 @@ from raylora.data.preprocess import Preprocess, StageSpec
 from raylora.model import families
 from raylora.model.tiny import FAMILIES
 from raylora.storage import Storage
+from test_bad_data import png
 
 FAMILY = "fluxkontext"
-
-
-def png(img: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def pattern(seed: int, w: int = 40, h: int = 32) -> np.ndarray:

@@ -694,7 +694,7 @@ def profile_step(comps, batch: dict[str, torch.Tensor], *, mixed_precision: str 
 
     trained = [m for m in comps.text_encoders if any(p.requires_grad for p in m.parameters())]
     if gradient_checkpointing:
-        enable_gradient_checkpointing(comps.denoiser, trained)
+        enable_gradient_checkpointing(comps.family, comps.denoiser, trained)
     comps.denoiser.train()
     for m in trained:
         m.train()
@@ -708,7 +708,7 @@ def profile_step(comps, batch: dict[str, torch.Tensor], *, mixed_precision: str 
         for m in norms:  # the components are cached: they can be profiled again without it
             m.__class__ = torch.nn.GroupNorm
         if gradient_checkpointing:  # the components can be profiled again without it
-            comps.denoiser.disable_gradient_checkpointing()
+            comps.family.checkpoint_blocks(comps.denoiser, enable=False)
             for m in trained:
                 (getattr(m, "activation_checkpointing_disable", None) or m.gradient_checkpointing_disable)()
 

@@ -117,6 +117,7 @@ PIPELINES = {
     "flux": ("FluxPipeline", {"max_sequence_length": 32}),
     # it samples at max_area (1024² by default) whatever height × width say: the tiny's 64²
     "fluxkontext": ("FluxKontextPipeline", {"max_sequence_length": 32, "max_area": 64 * 64}),
+    "chroma": ("ChromaPipeline", {"max_sequence_length": 32}),
     "sd3": ("StableDiffusion3Pipeline", {"max_sequence_length": 32}),
     "qwenimage": ("QwenImagePipeline", {"max_sequence_length": 32}),
     "zimage": ("ZImagePipeline", {"max_sequence_length": 32}),

@@ -491,6 +491,9 @@ def _pipeline_conditioning(family: str, pipe, captions: list[str]) -> dict:
     if family in ("flux", "fluxkontext"):
         e, pooled, _ = pipe.encode_prompt(captions, None, **kw)
         return {"prompt_embeds": e, "pooled_prompt_embeds": pooled}
+    if family == "chroma":  # T5 with its mask; the transformer's mask keeps the first pad
+        e, _, mask, *_ = pipe.encode_prompt(captions, do_classifier_free_guidance=False, **kw)
+        return {"prompt_embeds": e, "prompt_embeds_mask": mask}
     if family == "sd3":
         e, _, pooled, _ = pipe.encode_prompt(captions, None, None, do_classifier_free_guidance=False, **kw)
         return {"prompt_embeds": e, "pooled_prompt_embeds": pooled}

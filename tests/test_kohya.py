@@ -244,6 +244,19 @@ def _flux_skeleton():
     return m.to_empty(device="cpu")
 
 
+def _chroma_skeleton():
+    """A Chroma transformer at Flux.1's width (its single-file converter assumes 3072), one
+    block of each kind, one approximator layer; weights uninitialised, as ``_flux_skeleton``."""
+    from diffusers import ChromaTransformer2DModel
+
+    with torch.device("meta"):
+        m = ChromaTransformer2DModel(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1,
+                                     attention_head_dim=128, num_attention_heads=24, joint_attention_dim=64,
+                                     axes_dims_rope=(16, 56, 56), approximator_num_channels=64,
+                                     approximator_hidden_dim=32, approximator_layers=1)
+    return m.to_empty(device="cpu")
+
+
 def test_stock_flux_pipeline_loads_the_kohya_file_to_the_same_weights(tiny, tmp_path):
     """diffusers' own kohya-Flux converter (FluxPipeline.load_lora_weights) reads the file to
     the same effective weights as the diffusers adapter, in every transformer block and the
@@ -317,18 +330,23 @@ ALL_FLUX = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add
             "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "norm1.linear",
             "norm1_context.linear", "proj_mlp", "proj_out", "norm.linear", "x_embedder", "context_embedder",
             "linear_1", "linear_2", "norm_out.linear")
+# Chroma: Flux.1's linears without the modulations, guidance and pooled-text embedders, plus
+# the approximator's (in_proj, out_proj, each layer's linear_1/2)
+ALL_CHROMA = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+              "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out",
+              "x_embedder", "context_embedder", "in_proj", "out_proj", "linear_1", "linear_2")
 ALL_SD3 = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
            "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "norm1.linear",
            "norm1_context.linear", "proj_out", "pos_embed.proj", "context_embedder", "linear_1", "linear_2",
            "norm_out.linear")
 
 
-@pytest.mark.parametrize("family", DIT)
+@pytest.mark.parametrize("family", [*DIT, "chroma"])
 def test_kohya_file_patches_the_reference_checkpoint_as_the_adapter_does(family, tmp_path):
     """Every linear LoRA can target (embedders, modulations, final layer, Flux's linear1/2,
     SD3.5's attn2 and patch conv): the kohya file applied to the reference checkpoint as
     ComfyUI applies it, mapped back to diffusers by diffusers' own single-file converter
-    (convert_flux/sd3_transformer_checkpoint_to_diffusers: the (shift, scale) swaps, the
+    (convert_flux/chroma/sd3_transformer_checkpoint_to_diffusers: the (shift, scale) swaps, the
     fused q/k/v/mlp splits), equals the adapter's effective weights."""
     from diffusers.loaders import single_file_utils as sf
 
@@ -338,6 +356,10 @@ def test_kohya_file_patches_the_reference_checkpoint_as_the_adapter_does(family,
     if family == "flux":
         model, targets, convert = _flux_skeleton(), ALL_FLUX, sf.convert_flux_transformer_checkpoint_to_diffusers
         keys = ["double_blocks.0.x", "single_blocks.0.x", "guidance_in.x"]
+    elif family == "chroma":
+        model, targets = _chroma_skeleton(), ALL_CHROMA
+        convert = sf.convert_chroma_transformer_checkpoint_to_diffusers
+        keys = ["double_blocks.0.x", "single_blocks.0.x", "distilled_guidance_layer.layers.0.x"]
     else:
         model, targets, convert = _sd35m_like(), ALL_SD3, sf.convert_sd3_transformer_checkpoint_to_diffusers
         keys = ["joint_blocks.0.x", "joint_blocks.1.x", "joint_blocks.0.x_block.attn2.x", "ln_q"]
@@ -348,7 +370,7 @@ def test_kohya_file_patches_the_reference_checkpoint_as_the_adapter_does(family,
     back = {k.removesuffix(".weight"): v for k, v in convert(ref).items() if k.endswith(".weight")}
     assert ref.used == set(ref.delta)  # every module of the file is a module of the checkpoint
     want = _lora_deltas(model, "default")
-    assert len(want) == {"flux": 30, "sd3": 37}[family]
+    assert len(want) == {"flux": 30, "chroma": 24, "sd3": 37}[family]
     _assert_close({k: v for k, v in back.items() if k in want or v.abs().max() > 0}, want, family)
 
 
@@ -524,7 +546,7 @@ def test_export_command(dit_adapter, tmp_path, capsys):
                       str(tmp_path / "pytorch_lora_weights.safetensors"), metadata=f.metadata())
         rc, out = run(tmp_path)
         # (Flux.2's double blocks and Qwen-Image's blocks have these attention modules too)
-        assert rc == 2 and "fit the kohya layouts of several families (flux, flux2, flux2klein, fluxkontext, qwenimage, sd3); " \
+        assert rc == 2 and "fit the kohya layouts of several families (chroma, flux, flux2, flux2klein, fluxkontext, qwenimage, sd3); " \
                            "pass --family" in out
         rc, out = run(tmp_path, "--family", "sd3")
         assert rc == 0 and "family       sd3 (--family)" in out

@@ -20,12 +20,13 @@ from raylora.model.tiny import FAMILIES
 
 
 # Families whose kohya export the stock pipeline does not read back as the same LoRA, and
-# the words that say so. flux: diffusers' sd-scripts converter has Flux.1's widths built in
+# the words that say so. flux (fluxkontext, chroma: the same converter): diffusers' sd-scripts converter has Flux.1's widths built in
 # (3072, 12288), not the tiny model's; wan: its converter expects other key names; sd3: it
 # converts no kohya names; zimage: it reads the fused qkv layers as rank 3r.
 KOHYA_REFUSED = {
     "flux": "FluxPipeline's lora_state_dict cannot read it (AssertionError",
     "fluxkontext": "FluxKontextPipeline's lora_state_dict cannot read it (AssertionError",
+    "chroma": "ChromaPipeline's lora_state_dict cannot read it (AssertionError",
     "wan": "WanPipeline's lora_state_dict cannot read it (KeyError",
     "sd3": "are not LoRA layers of a StableDiffusion3Pipeline component (transformer, "
            "text_encoder, text_encoder_2), e.g. lora_te1_",

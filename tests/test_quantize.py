@@ -231,17 +231,25 @@ def test_gradient_checkpointing_same_loss_and_lora_grads(tiny, family, demo_data
 
     model = tiny(family)
     batch = demo_batch(family, model, demo_data)
-    out = {}
+    out, calls = {}, {}
     for ckpt in (False, True):
         cfg = _cfg(model, demo_data, tmp_path, train={"gradient_checkpointing": ckpt})
         accel = _fresh_accelerator(1)
         run = build_run(cfg, accel, 4, rank=0)
-        # diffusers' switch reached every checkpointable block
-        flags = [m.gradient_checkpointing for m in accel.unwrap_model(run.model).modules()
-                 if hasattr(m, "gradient_checkpointing")]
-        assert flags and all(f is ckpt for f in flags)
+        # Calls of each repeated block's sub-modules during the step: a recomputed block
+        # runs them again in backward (diffusers' switch, or the family's own wrapping).
+        blocks = [m for m in accel.unwrap_model(run.model).modules()
+                  if type(m).__name__ in run.parts.family.repeated_blocks]
+        counts = [0] * len(blocks)
+        for i, block in enumerate(blocks):
+            for child in block.children():
+                child.register_forward_pre_hook(lambda *_, i=i: counts.__setitem__(i, counts[i] + 1))
         out[ckpt] = _loss_and_grads(run, batch)
+        calls[ckpt] = counts
         assert all(g is not None for g in out[ckpt][1])  # every LoRA matrix of the denoiser
+    # every block was recomputed once, in full
+    assert calls[False] and min(calls[False]) > 0
+    assert calls[True] == [2 * n for n in calls[False]]
     _same_step(out[False], out[True])
 
 

@@ -45,17 +45,18 @@ def test_tiny_tokenizer_is_clip_shaped(tiny_model):
 
 
 # ---------------------------------------------------------------------------------------
-# Flow-matching families: flux, fluxkontext, sd3, qwenimage, zimage, flux2klein, flux2, wan. Each
-# is built once for the module.
+# Flow-matching families: flux, fluxkontext, chroma, sd3, qwenimage, zimage, flux2klein, flux2, wan.
+# Each is built once for the module.
 
-NEW_FAMILIES = ("flux", "fluxkontext", "sd3", "qwenimage", "zimage", "flux2klein", "flux2", "wan")
-PIPELINE_CLASS = {"flux": "FluxPipeline", "fluxkontext": "FluxKontextPipeline",
+NEW_FAMILIES = ("flux", "fluxkontext", "chroma", "sd3", "qwenimage", "zimage", "flux2klein", "flux2", "wan")
+PIPELINE_CLASS = {"flux": "FluxPipeline", "fluxkontext": "FluxKontextPipeline", "chroma": "ChromaPipeline",
                   "sd3": "StableDiffusion3Pipeline",
                   "qwenimage": "QwenImagePipeline", "zimage": "ZImagePipeline",
                   "flux2klein": "Flux2KleinPipeline", "flux2": "Flux2Pipeline", "wan": "WanPipeline"}
 TOKENIZERS = {
     "flux": {"tokenizer": "CLIPTokenizer", "tokenizer_2": "T5Tokenizer"},
     "fluxkontext": {"tokenizer": "CLIPTokenizer", "tokenizer_2": "T5Tokenizer"},
+    "chroma": {"tokenizer": "T5Tokenizer"},
     "sd3": {"tokenizer": "CLIPTokenizer", "tokenizer_2": "CLIPTokenizer",
             "tokenizer_3": "T5Tokenizer"},
     "qwenimage": {"tokenizer": "Qwen2Tokenizer"},
@@ -68,7 +69,7 @@ TOKENIZERS = {
 }
 # 64 px through a factor-2 VAE with 16 channels (Qwen-Image's and Wan's VAEs are video VAEs:
 # frames axis; the tiny Flux.2 VAE has 8, patchified to 32 by the pipeline)
-LATENT_SHAPE = {"flux": (1, 16, 32, 32), "fluxkontext": (1, 16, 32, 32), "sd3": (1, 16, 32, 32), "qwenimage": (1, 16, 1, 32, 32),
+LATENT_SHAPE = {"flux": (1, 16, 32, 32), "fluxkontext": (1, 16, 32, 32), "chroma": (1, 16, 32, 32), "sd3": (1, 16, 32, 32), "qwenimage": (1, 16, 1, 32, 32),
                 "zimage": (1, 16, 32, 32), "flux2klein": (1, 8, 32, 32), "flux2": (1, 8, 32, 32),
                 "wan": (1, 16, 1, 32, 32)}
 VIDEO = ("qwenimage", "wan")  # a frames axis in the VAE's input and latents
@@ -97,7 +98,8 @@ def test_model_index_names_the_pipeline_and_its_components(family_model, family_
     assert type(family_pipe[1]).__name__ == PIPELINE_CLASS[fam]
     for sub, cls in TOKENIZERS[fam].items():
         assert index[sub] == ["transformers", cls]
-    denoiser = {"flux": "FluxTransformer2DModel", "fluxkontext": "FluxTransformer2DModel", "sd3": "SD3Transformer2DModel",
+    denoiser = {"flux": "FluxTransformer2DModel", "fluxkontext": "FluxTransformer2DModel",
+                "chroma": "ChromaTransformer2DModel", "sd3": "SD3Transformer2DModel",
                 "qwenimage": "QwenImageTransformer2DModel", "zimage": "ZImageTransformer2DModel",
                 "flux2klein": "Flux2Transformer2DModel", "flux2": "Flux2Transformer2DModel",
                 "wan": "WanTransformer3DModel"}[fam]
@@ -234,6 +236,16 @@ def test_encode_prompt_shapes(family_pipe):
             embeds, pooled, text_ids = pipe.encode_prompt("a red circle", None, max_sequence_length=32)
             assert embeds.shape == (1, 32, 64) and pooled.shape == (1, 32)
             assert text_ids.shape == (32, 3) and not text_ids.any()
+        elif fam == "chroma":
+            embeds, text_ids, mask, *_ = pipe.encode_prompt(CAPTIONS, do_classifier_free_guidance=False,
+                                                            max_sequence_length=32)
+            # T5's last hidden state at every one of the 32 positions (read with its mask);
+            # the transformer's mask keeps each caption's tokens (</s> included) and one pad
+            n = [len(pipe.tokenizer(c).input_ids) for c in CAPTIONS]
+            assert embeds.shape == (2, 32, 64) and text_ids.shape == (32, 3) and n[0] < n[1]
+            assert mask.sum(1).tolist() == [k + 1 for k in n]
+            assert mask[0, : n[0] + 1].all() and not mask[0, n[0] + 1:].any()
+            assert embeds[0, n[0] + 1:].abs().amax() > 0  # the masked pads are encoded, kept
         elif fam == "sd3":
             embeds, _, pooled, _ = pipe.encode_prompt("a red circle", None, None,
                                                       do_classifier_free_guidance=False,
@@ -314,6 +326,13 @@ def test_component_configs_are_consistent(family_model):
         assert sch["shift"] == 3.0 and sch["use_dynamic_shifting"] is True
         assert (sch["base_shift"], sch["max_shift"]) == (0.5, 1.15)
         assert (sch["base_image_seq_len"], sch["max_image_seq_len"]) == (256, 4096)
+    elif fam == "chroma":
+        assert tr["in_channels"] == 4 * vae["latent_channels"] == 64
+        assert tr["joint_attention_dim"] == cfg("text_encoder")["d_model"] == 64
+        assert "guidance_embeds" not in tr and "pooled_projection_dim" not in tr  # no CLIP
+        assert sum(tr["axes_dims_rope"]) == tr["attention_head_dim"]
+        assert (vae["scaling_factor"], vae["shift_factor"]) == (0.3611, 0.1159)  # Flux.1's VAE
+        assert sch["shift"] == 3.0 and sch["use_dynamic_shifting"] is True
     elif fam == "sd3":
         te, te2, te3 = cfg("text_encoder"), cfg("text_encoder_2"), cfg("text_encoder_3")
         assert tr["pooled_projection_dim"] == te["projection_dim"] + te2["projection_dim"] == 80
@@ -419,6 +438,16 @@ def test_transformer_trains_at_64px_and_is_cpu_sized(family_pipe):
         out = tr(hidden_states=x, timestep=torch.rand(b), guidance=torch.full((b,), 3.5),
                  pooled_projections=torch.randn(b, 32), encoder_hidden_states=torch.randn(b, 32, 64),
                  txt_ids=torch.zeros(32, 3), img_ids=ids.reshape(-1, 3), return_dict=False)[0]
+    elif fam == "chroma":  # no guidance or pooled input; a mask over caption + image tokens
+        x = torch.randn(b, 256, 64, generator=g)
+        ids = torch.zeros(16, 16, 3)
+        ids[..., 1] += torch.arange(16)[:, None]
+        ids[..., 2] += torch.arange(16)[None, :]
+        mask = torch.ones(b, 32 + 256)
+        mask[0, 8:32] = 0
+        out = tr(hidden_states=x, timestep=torch.rand(b), encoder_hidden_states=torch.randn(b, 32, 64),
+                 txt_ids=torch.zeros(32, 3), img_ids=ids.reshape(-1, 3), attention_mask=mask,
+                 return_dict=False)[0]
     elif fam == "sd3":
         x = torch.randn(b, 16, 32, 32, generator=g)
         out = tr(hidden_states=x, timestep=torch.rand(b) * 1000,
@@ -469,7 +498,7 @@ def test_raylora_loader_reads_the_tiny_model_back(family_model):
     c = load_components(ModelSection(pretrained=path), torch.float32)
     assert [type(t).__name__ for t in c.tokenizers] == list(TOKENIZERS[fam].values())
     assert type(c.denoiser).__name__ == json.load(open(f"{path}/model_index.json"))["transformer"][1]
-    if fam in ("flux", "fluxkontext", "zimage"):
+    if fam in ("flux", "fluxkontext", "chroma", "zimage"):
         assert (c.latent_shift, c.latent_scale) == (0.1159, 0.3611)
     elif fam == "sd3":
         assert (c.latent_shift, c.latent_scale) == (0.0609, 1.5305)

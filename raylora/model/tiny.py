@@ -530,6 +530,52 @@ def build_tiny_flux(dest: str | Path, seed: int = 0, schnell: bool = False,
     return dest
 
 
+def build_tiny_chroma(dest: str | Path, seed: int = 0) -> Path:
+    """Save a tiny random ChromaPipeline to ``dest``; returns the path.
+
+    * ``text_encoder``: T5EncoderModel, d_model 64 (``build_tiny_flux``'s T5) →
+      ``prompt_embeds`` (B, 512, 64), read with its attention mask; ``tokenizer`` T5, 512.
+    * ``transformer``: ChromaTransformer2DModel, 1 double + 2 single blocks, 2 heads × 16
+      (inner 32), rope axes (4, 6, 6), in_channels 64 = 16 × 2×2 packing,
+      joint_attention_dim 64; an approximator of 64 input channels, hidden 32, 2 layers
+      (Chroma1-HD: 64, 5120, 5).
+    * ``vae``: Flux.1's tiny one (factor 2, 16 channels, scaling 0.3611 / shift 0.1159).
+    * ``scheduler``: Flux.1-dev's config (dynamic shift), which ChromaPipeline samples with
+      through its ``mu``.
+    """
+    from diffusers import ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
+    from transformers import T5EncoderModel
+
+    dest = Path(dest)
+    torch.manual_seed(seed)
+    tokenizer = build_t5_tokenizer()
+    text_encoder = T5EncoderModel(_t5_config(tokenizer))
+    transformer = ChromaTransformer2DModel(
+        patch_size=1,
+        in_channels=64,
+        num_layers=1,
+        num_single_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=text_encoder.config.d_model,
+        axes_dims_rope=(4, 6, 6),
+        approximator_num_channels=64,
+        approximator_hidden_dim=32,
+        approximator_layers=2,
+    )
+    vae = _tiny_vae(
+        latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159,
+        use_quant_conv=False, use_post_quant_conv=False, force_upcast=True,
+    )
+    pipe = ChromaPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_DEV_SCHEDULER), vae=vae,
+        text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer,
+        image_encoder=None, feature_extractor=None,
+    )
+    pipe.save_pretrained(dest)
+    return dest
+
+
 def build_tiny_sd3(dest: str | Path, seed: int = 0) -> Path:
     """Save a tiny random StableDiffusion3Pipeline (SD3.5-large layout: qk RMS-norm, no
     dual-attention layers) to ``dest``; returns the path.
@@ -1069,6 +1115,7 @@ BUILDERS = {
     "sdxl": build_tiny_sdxl,
     "flux": build_tiny_flux,
     "fluxkontext": build_tiny_fluxkontext,
+    "chroma": build_tiny_chroma,
     "sd3": build_tiny_sd3,
     "qwenimage": build_tiny_qwenimage,
     "qwenimage21": build_tiny_qwenimage21,

@@ -148,12 +148,13 @@ def start_from(cfg: RayLoraConfig, comps, trained_te: dict, rank: int,
             for name, c in counts.items()))
 
 
-def enable_gradient_checkpointing(denoiser, trained_text_encoders=()) -> None:
-    """Recompute activations in backward: the denoiser's blocks (diffusers' own switch,
-    non-reentrant ``torch.utils.checkpoint``, so LoRA weights inside a block get gradients
-    though the block's inputs need none) and the layers of text encoders that train LoRA
-    (frozen encoders run under no_grad and keep no activations anyway)."""
-    denoiser.enable_gradient_checkpointing()
+def enable_gradient_checkpointing(family, denoiser, trained_text_encoders=()) -> None:
+    """Recompute activations in backward: the denoiser's blocks (the family's
+    ``checkpoint_blocks``: diffusers' own switch, non-reentrant ``torch.utils.checkpoint``,
+    so LoRA weights inside a block get gradients though the block's inputs need none) and
+    the layers of text encoders that train LoRA (frozen encoders run under no_grad and keep
+    no activations anyway)."""
+    family.checkpoint_blocks(denoiser)
     for te in trained_text_encoders:
         # transformers >= 5 names it activation checkpointing; reentrant checkpointing
         # would drop the LoRA gradients of layers whose inputs (frozen embeddings) need none.
@@ -248,7 +249,7 @@ def build_run(
     attention.use_family_backends(comps.family)
     params, trained_te, te_params = _attach_lora(cfg, comps)
     if t.gradient_checkpointing:
-        enable_gradient_checkpointing(comps.denoiser, trained_te.values())
+        enable_gradient_checkpointing(comps.family, comps.denoiser, trained_te.values())
     if comps.family.channels_last if t.channels_last is None else t.channels_last:
         # 4-D tensors only (conv weights): Linear weights and LoRA factors keep their layout.
         comps.denoiser.to(memory_format=torch.channels_last)

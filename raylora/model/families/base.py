@@ -356,6 +356,16 @@ class Family:
         return module
 
     @classmethod
+    def checkpoint_blocks(cls, denoiser, enable: bool = True) -> None:
+        """Recompute the denoiser's block activations in backward (``enable``), or stop:
+        diffusers' own switch (non-reentrant ``torch.utils.checkpoint``). A family whose
+        model drops an input on that path overrides this."""
+        if enable:
+            denoiser.enable_gradient_checkpointing()
+        else:
+            denoiser.disable_gradient_checkpointing()
+
+    @classmethod
     def set_attention(cls, model, kind: str) -> None:
         """``model.attention``. diffusers' transformer attention already runs on
         ``F.scaled_dot_product_attention``; the plain-matmul processor exists for UNets."""

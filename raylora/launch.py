@@ -291,6 +291,13 @@ def family_problems(cfg: RayLoraConfig, family, multiple: int, native: str | Non
         takes = ", ".join(n for n in families.names() if families.get(n).reference_image)
         out.append(f"data.control_images: {family.name} ({family.pipeline}) takes no input "
                    f"image; image-edit pairs train a family that does ({takes})")
+    if family.reference_required and not cfg.data.control_images:
+        out.append(f"data.control_images: {family.name} ({family.pipeline}) edits an input "
+                   "image and samples only from one: train it on image-edit pairs "
+                   "(data.control_images: true)")
+    elif family.reference_required and cfg.validation.prompts and not cfg.validation.control_images:
+        out.append(f"validation.control_images: {family.pipeline} samples only from an input "
+                   "image: give one per validation.prompts entry")
     if cfg.lora.train_text_encoder and not family.text_encoder_lora():
         out.append(f"lora.train_text_encoder: {family.pipeline} loads no text-encoder LoRA")
     return out

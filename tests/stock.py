@@ -36,8 +36,34 @@ lora_modules = {c: [len(names), sum(1 for _, m in getattr(pipe, into.get(c, c)).
 # no CPU build here. Text to image reads captions alone through it; a caption-only subclass
 # around the folder's own tokenizer does that (as raylora's qwenimage21.caption_processor,
 # written again here: these scripts never import raylora).
+#
+# QwenImageEditPlusPipeline's Qwen2VLProcessor likewise: it reads images too, which the
+# folder's image processor (its PIL backend) does without torchvision; each <|image_pad|>
+# is widened to its image's tokens as the processor does (raylora's
+# qwenimageedit.edit_processor).
 STOCK_COMPONENTS = r"""
 def stock_components(pipeline, model):
+    if pipeline == "QwenImageEditPlusPipeline":
+        from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, Qwen2VLProcessor
+        from transformers.feature_extraction_utils import BatchFeature
+        class EditProcessor(Qwen2VLProcessor):
+            def __init__(self, tokenizer, image_processor):
+                self.tokenizer, self.image_processor, self.chat_template = tokenizer, image_processor, None
+            def __call__(self, text=None, images=None, videos=None, return_tensors=None, **kw):
+                assert videos is None
+                out, texts = {}, list(text)
+                if images is not None:
+                    out.update(self.image_processor(images=images, return_tensors=return_tensors))
+                    counts = iter(int(g.prod()) // self.image_processor.merge_size ** 2
+                                  for g in out["image_grid_thw"])
+                    for i, t in enumerate(texts):
+                        while "<|image_pad|>" in t:
+                            t = t.replace("<|image_pad|>", "<|IMG|>" * next(counts), 1)
+                        texts[i] = t.replace("<|IMG|>", "<|image_pad|>")
+                out.update(self.tokenizer(texts, return_tensors=return_tensors, **kw))
+                return BatchFeature(out, tensor_type=return_tensors)
+        return {"processor": EditProcessor(AutoTokenizer.from_pretrained(model, subfolder="processor"),
+                                           Qwen2VLImageProcessorPil.from_pretrained(model, subfolder="processor"))}
     if pipeline != "QwenImage21Pipeline":
         return {}
     from transformers import AutoTokenizer, Qwen3VLProcessor
@@ -129,7 +155,38 @@ PIPELINES = {
     # makes every step after the first a decode of the image tokens alone, which agrees
     # with the whole pass to rounding: raylora trains the whole pass, which this compares.
     "qwenimage21": ("QwenImage21Pipeline", {"use_kv_cache": False}),
+    # It samples only from an input image (stock_image_change hands it edit_input's). It
+    # truncates no caption (the argument is only checked); raylora's 64 tokens after the
+    # system prefix hold the picture's prompt and these captions whole.
+    "qwenimageedit": ("QwenImageEditPlusPipeline", {"max_sequence_length": 64}),
 }
+
+
+def edit_input(pipeline: str, height: int, width: int):
+    """(call arguments, a context factory) for the stock ``pipeline`` to render at ``height`` ×
+    ``width``: none for a text-to-image pipeline; for QwenImageEditPlusPipeline, which
+    samples only from an input image, a fixed image and its VAE input area set to the
+    output's for the call (it encodes the input at 1024² px of area otherwise: about two
+    minutes for the tiny VAE on a CPU; raylora's previews sample so too)."""
+    import contextlib
+
+    import numpy as np
+    from PIL import Image
+
+    if pipeline != "QwenImageEditPlusPipeline":
+        return {}, contextlib.nullcontext
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as module
+
+    @contextlib.contextmanager
+    def area():
+        before, module.VAE_IMAGE_SIZE = module.VAE_IMAGE_SIZE, height * width
+        try:
+            yield
+        finally:
+            module.VAE_IMAGE_SIZE = before
+
+    rgb = np.random.default_rng(3).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return {"image": Image.fromarray(rgb)}, area
 
 
 def stock_pipeline(family: str, model: str):
@@ -180,11 +237,13 @@ def stock_image_change(family: str, model: str, adapter, check_pipe=None, expert
     pipe.set_progress_bar_config(disable=True)
     if check_pipe is not None:
         check_pipe(pipe)
-    kw = dict(num_inference_steps=2, height=64, width=64, output_type="np", **extra)
+    given, area = edit_input(PIPELINES[family][0], 64, 64)
+    kw = dict(num_inference_steps=2, height=64, width=64, output_type="np", **extra, **given)
 
     def image():
         g = torch.Generator().manual_seed(0)
-        out = pipe(prompt="a red circle", generator=g, **kw)
+        with area():
+            out = pipe(prompt="a red circle", generator=g, **kw)
         # a video pipeline (Wan): the first frame of the first video
         return out.frames[0][0] if hasattr(out, "frames") else out.images[0]
 

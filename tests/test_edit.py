@@ -1,10 +1,11 @@
 """Image-edit LoRAs: ``data.control_images`` (a control image per sample, the edit's input)
 on the families whose denoiser takes one: Flux.1 Kontext (``fluxkontext``), Flux.2 [klein]
-and [dev]. The denoiser call with an input image against each stock pipeline's; where
-control images come from in each format and in built shards; that they get their target's
-crop, flip and bucket; bad and missing ones counted; the keys refused where they cannot
-apply; the step's reference tokens, the same from the latent cache; and one Kontext run on
-a local Ray from a WebDataset of pairs to an adapter the stock pipeline edits with
+and [dev], Qwen-Image-Edit (``qwenimageedit``, whose text encoder reads the input too). The
+denoiser call with an input image against each stock pipeline's; where control images come
+from in each format and in built shards; that they get their target's crop, flip and
+bucket; bad and missing ones counted; the keys refused where they cannot apply; the step's
+reference tokens, the same from the latent cache; and a Kontext and a Qwen-Image-Edit run
+on a local Ray from a WebDataset of pairs to an adapter the stock pipeline edits with
 (previews and held-out loss on pairs, ``raylora sample --image``).
 
 Every pair here is an image and its negative (control = 255 − image), so whether a control
@@ -104,7 +105,7 @@ class _Probed(Exception):
 
 
 def test_the_families_that_take_an_input_image():
-    assert sorted(EDIT_FAMILIES) == ["flux2", "flux2klein", "fluxkontext"]
+    assert sorted(EDIT_FAMILIES) == ["flux2", "flux2klein", "fluxkontext", "qwenimageedit"]
 
 
 @pytest.mark.parametrize("family", EDIT_FAMILIES)
@@ -139,14 +140,18 @@ def test_denoise_with_an_input_image_is_the_stock_pipeline_call(tiny, family):
     pipe.scheduler.step = lambda out, *a, **k: (stepped.append(out), step(out, *a, **k))[1]
     source = Image.fromarray(pattern(7, W, H))
     with torch.no_grad():
-        pipe(prompt="make it red", num_inference_steps=2, height=H, width=W, output_type="np",
-             generator=torch.Generator().manual_seed(0),
-             **{**PIPELINES[family][1], **fam.guidance_kwargs(1.0), **fam.size_kwargs(H, W),
-                **fam.reference_kwargs(source, H, W)})
+        # through the family's images: how raylora samples (Kontext's max_area and
+        # Qwen-Image-Edit's VAE input at the output's size)
+        extra = {k: v for k, v in PIPELINES[family][1].items() if k not in fam.size_kwargs(H, W)}
+        fam.images(pipe, prompt="make it red", num_inference_steps=2, height=H, width=W,
+                   output_type="np", generator=torch.Generator().manual_seed(0),
+                   **{**extra, **fam.guidance_kwargs(1.0), **fam.reference_kwargs(source, H, W)})
         theirs = list(seen)
         assert len(theirs) == 2, "one unguided denoiser pass per step expected"
-        cond = fam.encode_text(comps.text_encoders, batch)
+        # the raw batch's input pixels, as a worker gets them (Qwen-Image-Edit's text
+        # encoder reads them too)
         pixels = torch.from_numpy(np.array(source)).permute(2, 0, 1)[None]
+        cond = fam.encode_text(comps.text_encoders, {**batch, "control_values": pixels})
         shift, scale = fam.latent_stats(pipe.vae.config)
         ref = batch_reference(fam, pipe.vae, {"control_values": pixels}, shift, scale)
         n = ref.numel()
@@ -178,17 +183,59 @@ def test_denoise_with_an_input_image_is_the_stock_pipeline_call(tiny, family):
                                cond, guidance=1.0)
             ours = seen[0]
             torch.testing.assert_close(ours["hidden_states"], call["hidden_states"], rtol=1e-5, atol=1e-5)
-            ids, want = ours["img_ids"].reshape(-1, ours["img_ids"].shape[-1]), \
-                call["img_ids"].reshape(-1, call["img_ids"].shape[-1])
-            assert torch.equal(ids.to(want.dtype), want)
-            k = ids.shape[0] // 2  # tokens per image; the input's first axis is not the noisy's
-            assert ids[:k, 0].eq(0).all() and ids[k:, 0].gt(0).all()
+            if "img_ids" in call:  # Flux.1 Kontext, Flux.2: position ids per token
+                ids, want = ours["img_ids"].reshape(-1, ours["img_ids"].shape[-1]), \
+                    call["img_ids"].reshape(-1, call["img_ids"].shape[-1])
+                assert torch.equal(ids.to(want.dtype), want)
+                k = ids.shape[0] // 2  # tokens per image; the input's first axis is not the noisy's
+                assert ids[:k, 0].eq(0).all() and ids[k:, 0].gt(0).all()
+            else:  # Qwen-Image-Edit: a rope grid per image, and the caption read with the image
+                assert ours["img_shapes"] == call["img_shapes"] == [[(1, H // 4, W // 4)] * 2]
+                torch.testing.assert_close(ours["encoder_hidden_states"], call["encoder_hidden_states"],
+                                           rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(ours["timestep"], call["timestep"])
             torch.testing.assert_close(ours["out"], call["out"], rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(pred.flatten()[where[:n]], stepped[i].flatten(),
                                        rtol=1e-4, atol=1e-5)
     for hk in hooks:
         hk.remove()
+
+
+def test_qwenimageedit_reads_each_captions_input_image_as_its_pipeline_does(tiny):
+    """A batch of two captions of different lengths, each with its own input image (right-
+    padded ids, each row's picture slot widened to its image's vision tokens): each row's
+    conditioning is what QwenImageEditPlusPipeline's ``encode_prompt`` gives that caption
+    with its condition image (the input at 384² px of area, as the pipeline resizes it)
+    alone; past each caption, zeros under a zero mask."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (
+        CONDITION_IMAGE_SIZE,
+        calculate_dimensions,
+    )
+
+    from stock import stock_pipeline
+    from test_families import _raylora_batch
+
+    family, (H, W) = "qwenimageedit", (48, 80)
+    model = tiny(family)
+    captions = ["make it red", "turn the small blue square into a green circle"]
+    comps, batch = _raylora_batch(model, family, captions, size=(H, W))
+    pipe = stock_pipeline(family, model)
+    images = [pattern(s, W, H) for s in (1, 2)]
+    control = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2)
+    with torch.no_grad():
+        ours = families.get(family).encode_text(comps.text_encoders, {**batch, "control_values": control})
+        lengths = []
+        for i, (caption, img) in enumerate(zip(captions, images)):
+            w, h = calculate_dimensions(CONDITION_IMAGE_SIZE, W / H)
+            want, mask = pipe.encode_prompt([caption], image=[pipe.image_processor.resize(Image.fromarray(img), h, w)])
+            n = want.shape[1]
+            lengths.append(n)
+            assert mask is None  # one caption: every position valid
+            torch.testing.assert_close(ours["prompt_embeds"][i, :n], want[0], rtol=1e-5, atol=1e-6)
+            assert ours["prompt_embeds_mask"][i, :n].all() and not ours["prompt_embeds_mask"][i, n:].any()
+            assert not ours["prompt_embeds"][i, n:].any()
+    # 170 vision tokens (480 × 288 px → 20 × 34 patches of 14 px, merged 2×2) in each
+    assert lengths[0] < lengths[1] == ours["prompt_embeds"].shape[1] and lengths[0] > 170
 
 
 # ---------------------------------------------------------------- where control images come from
@@ -436,7 +483,7 @@ def test_control_keys_are_refused_where_they_cannot_apply(tiny):
     (line,) = [p for p in family_problems(cfg, families.get("flux"), 16, "flow_matching")
                if p.startswith("data.control_images")]
     assert line == ("data.control_images: flux (FluxPipeline) takes no input image; image-edit "
-                    "pairs train a family that does (flux2, flux2klein, fluxkontext)")
+                    "pairs train a family that does (flux2, flux2klein, fluxkontext, qwenimageedit)")
     cases = {
         "validation.control_images: previews take an input image only when the run trains on "
         "them (data.control_images: true)":
@@ -483,7 +530,22 @@ def test_plan_refuses_pairs_for_a_text_to_image_model_and_unreadable_preview_inp
         plan(validate(tree))
     assert exc.value.problems == ["data.control_images: flux (FluxPipeline) takes no input "
                                   "image; image-edit pairs train a family that does (flux2, "
-                                  "flux2klein, fluxkontext)"]
+                                  "flux2klein, fluxkontext, qwenimageedit)"]
+    # Qwen-Image-Edit samples only from an input image: it trains on pairs alone, and its
+    # previews each need one.
+    tree["model"]["pretrained"] = tiny("qwenimageedit")
+    assert plan(validate(tree)).family == "qwenimageedit"
+    del tree["validation"]["control_images"]
+    with pytest.raises(ConfigError) as exc:
+        plan(validate(tree))
+    assert exc.value.problems == ["validation.control_images: QwenImageEditPlusPipeline samples "
+                                  "only from an input image: give one per validation.prompts entry"]
+    tree["data"]["control_images"] = False
+    with pytest.raises(ConfigError) as exc:
+        plan(validate({**tree, "validation": {}}))
+    assert exc.value.problems == ["data.control_images: qwenimageedit (QwenImageEditPlusPipeline) "
+                                  "edits an input image and samples only from one: train it on "
+                                  "image-edit pairs (data.control_images: true)"]
 
 
 # ---------------------------------------------------------------- the step
@@ -596,16 +658,19 @@ def test_the_bucketed_cache_keeps_each_inputs_latents_beside_its_targets(tiny, t
 
 
 @pytest.mark.integration
-def test_a_kontext_run_on_pairs_edits_in_the_stock_pipeline(ray_local, tiny, tmp_path):
+@pytest.mark.parametrize("family", [FAMILY, "qwenimageedit"])
+def test_an_edit_run_on_pairs_edits_in_the_stock_pipeline(ray_local, tiny, tmp_path, family):
     """``raylora train`` on a WebDataset of pairs, through the latent cache (the pairs'
-    inputs encoded once), with held-out pairs and a preview of an input image: the held-out
-    loss moves, the adapter loads in the stock FluxKontextPipeline and changes what it
+    inputs encoded once: Qwen-Image-Edit's captions with them), with held-out pairs and a
+    preview of an input image: the held-out loss moves, the adapter loads in the family's
+    stock pipeline (FluxKontextPipeline, QwenImageEditPlusPipeline) and changes what it
     makes of an input image, the card shows the edit call, and ``raylora sample --image``
     writes an edit of the asked size."""
     from raylora.launch import run
     from raylora.sample import sample
+    from stock import PIPELINES, edit_input, stock_pipeline
 
-    model = tiny(FAMILY)
+    model = tiny(family)
     data = write_pairs(tmp_path / "pairs", "webdataset", n=8, w=32, h=32)
     source = tmp_path / "input.png"
     Image.fromarray(pattern(11, 32, 32)).save(source)
@@ -627,27 +692,29 @@ def test_a_kontext_run_on_pairs_edits_in_the_stock_pipeline(ray_local, tiny, tmp
     # evaluated on the held-out pairs, input tokens and all: before and after training
     assert np.isfinite(m["eval_loss_base"]) and np.isfinite(m["eval_loss_last"])
     assert m["eval_loss_base"] != m["eval_loss_last"]
+    pipeline = PIPELINES[family][0]
     meta = json.loads((out / "adapter" / "raylora.json").read_text())["data"]
-    assert (meta["family"], meta["pipeline"]) == (FAMILY, "FluxKontextPipeline")
+    assert (meta["family"], meta["pipeline"]) == (family, pipeline)
     # the preview grid: the input, then what the adapter made of it
     grid = np.asarray(Image.open(out / "validation" / "step_000004.png").convert("RGB"))
     assert grid.shape == (32, 64, 3)
     np.testing.assert_array_equal(grid[:, :32], pattern(11, 32, 32))
     card = (out / "adapter" / "README.md").read_text()
+    fam = families.get(family)
+    guidance = {FAMILY: "guidance_scale=2.5", "qwenimageedit": "true_cfg_scale=4.0, negative_prompt=[' ']"}
     assert 'image = pipe(image=load_image("your input image.png"), prompt="your edit", ' \
-           'guidance_scale=2.5).images[0]' in card
+           f'{guidance[family]}).images[0]' in card
 
-    from diffusers import FluxKontextPipeline
-
-    pipe = FluxKontextPipeline.from_pretrained(model)
+    pipe = stock_pipeline(family, model)
     pipe.set_progress_bar_config(disable=True)
-    fam = families.get(FAMILY)
+    _, area = edit_input(pipeline, 32, 32)
 
     def edit():
-        return pipe(prompt="edit it", num_inference_steps=2, height=32, width=32,
-                    generator=torch.Generator().manual_seed(0), output_type="np",
-                    max_sequence_length=32, **fam.size_kwargs(32, 32),
-                    **fam.reference_kwargs(Image.open(source), 32, 32)).images[0]
+        with area():
+            return pipe(prompt="edit it", num_inference_steps=2, height=32, width=32,
+                        generator=torch.Generator().manual_seed(0), output_type="np",
+                        **{**PIPELINES[family][1], **fam.size_kwargs(32, 32)},
+                        **fam.reference_kwargs(Image.open(source), 32, 32)).images[0]
 
     before = edit()
     pipe.load_lora_weights(str(out / "adapter"))

@@ -25,6 +25,11 @@ from raylora.train.objective import (
 
 from raylora.model.tiny import FAMILIES  # every family raylora has a tiny model of
 
+# Those whose stock pipeline samples text to image; one that samples only from an input image
+# (Qwen-Image-Edit) is compared with its pipeline's sampling in test_edit.py
+# (test_denoise_with_an_input_image_is_the_stock_pipeline_call).
+TEXT_TO_IMAGE = [f for f in FAMILIES if not families.get(f).reference_required]
+
 
 # ---------------------------------------------------------------- detection
 
@@ -428,9 +433,13 @@ def test_guidance_kwargs_are_arguments_of_the_stock_pipeline_call(family):
         line = next(x for x in card.splitlines() if x.startswith("image = pipe("))
         # pipe(...) in pipe(...).images[0] (a video pipeline's pipe(...).frames[0][0])
         call = next(n for n in ast.walk(ast.parse(line)) if isinstance(n, ast.Call))
-        kw = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
-        # the prompt by name: Flux2KleinPipeline's first positional parameter is an image
-        assert not call.args and kw.pop("prompt") == "your prompt" and "prompt" in params
+        kw = {k.arg: k.value if k.arg == "image" else ast.literal_eval(k.value) for k in call.keywords}
+        # the prompt by name: Flux2KleinPipeline's first positional parameter is an image;
+        # a pipeline that samples only from an input image is shown with one
+        prompt = "your edit" if fam.reference_required else "your prompt"
+        assert not call.args and kw.pop("prompt") == prompt and "prompt" in params
+        if fam.reference_required:
+            assert ast.unparse(kw.pop("image")) == "load_image('your input image.png')" and "image" in params
         assert kw == {**fam.guidance_kwargs(scale), **fam.image_call()} and set(kw) <= set(params)
         assert line.endswith(")" + fam.image_code())
 
@@ -499,6 +508,9 @@ def _pipeline_conditioning(family: str, pipe, captions: list[str]) -> dict:
         return {"prompt_embeds": e, "pooled_prompt_embeds": pooled}
     if family == "qwenimage":
         e, mask = pipe.encode_prompt(captions, **kw)
+        return {"prompt_embeds": e, "prompt_embeds_mask": mask}
+    if family == "qwenimageedit":  # without an input image: the edit template, no picture
+        e, mask = pipe.encode_prompt(captions, image=None, **kw)
         return {"prompt_embeds": e, "prompt_embeds_mask": mask}
     if family == "qwenimage21":  # every token kept: no max_sequence_length; no mask when all valid
         e, mask, _ = pipe.encode_prompt(captions)
@@ -656,7 +668,7 @@ def test_qwenimage21_reads_captions_without_torchvision_and_encodes_images_as_rg
 # The guidance scale at which each stock pipeline makes one conditional denoiser pass a
 # step (no classifier-free guidance): 1.0, except Z-Image's, which guides above 0.
 UNGUIDED = {"zimage": 0.0}
-QWEN = ("qwenimage", "qwenimage21")  # true CFG with a negative prompt of " "
+QWEN = ("qwenimage", "qwenimage21", "qwenimageedit")  # true CFG with a negative prompt of " "
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -701,7 +713,7 @@ def _flat(x) -> torch.Tensor:
     return torch.cat([t.flatten() for t in x]) if isinstance(x, (list, tuple)) else x.flatten()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", TEXT_TO_IMAGE)
 def test_training_calls_the_denoiser_as_the_stock_pipeline_does(tiny, family):
     """The family's ``denoise`` (what the training step calls) gives the denoiser the call
     the stock pipeline makes while sampling: for the latents, step and prompt of each of

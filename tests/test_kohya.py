@@ -546,7 +546,7 @@ def test_export_command(dit_adapter, tmp_path, capsys):
                       str(tmp_path / "pytorch_lora_weights.safetensors"), metadata=f.metadata())
         rc, out = run(tmp_path)
         # (Flux.2's double blocks and Qwen-Image's blocks have these attention modules too)
-        assert rc == 2 and "fit the kohya layouts of several families (chroma, flux, flux2, flux2klein, fluxkontext, qwenimage, sd3); " \
+        assert rc == 2 and "fit the kohya layouts of several families (chroma, flux, flux2, flux2klein, fluxkontext, qwenimage, qwenimageedit, sd3); " \
                            "pass --family" in out
         rc, out = run(tmp_path, "--family", "sd3")
         assert rc == 0 and "family       sd3 (--family)" in out

@@ -15,6 +15,7 @@ from raylora.config import ConfigError, validate
 from raylora.train.loss import combine_prior, denoising_loss, split_pairs
 
 from raylora.model.tiny import FAMILIES  # every family raylora has a tiny model of
+from raylora.model import families
 
 
 # ---------------------------------------------------------------- pure
@@ -156,7 +157,9 @@ def test_every_family_trains_on_paired_batches(tiny, family, demo_data, tmp_path
     assert abs(float(other["loss_prior"] - terms["loss_prior"])) > 1e-6
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# Class images are text to image: a family whose pipeline samples only from an input image
+# trains on edit pairs, which prior preservation is refused with (test_edit).
+@pytest.mark.parametrize("family", [f for f in FAMILIES if not families.get(f).reference_required])
 def test_every_family_generates_class_images_with_its_stock_pipeline(tiny, family, tmp_path):
     """The generation stage itself (what each Ray Data actor runs), in this process."""
     from PIL import Image

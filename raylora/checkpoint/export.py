@@ -143,7 +143,8 @@ def _usage(cfg: RayLoraConfig, family) -> str:
     # prompt by name: Flux2KleinPipeline's first parameter is a reference image.
     args += call_args(family.image_call())
     call = f'image = pipe(prompt="your prompt"{args}){family.image_code()}'
-    if cfg.data.control_images:  # an edit model: the input image the prompt edits
+    # an edit model (its pipeline may sample only so): the input image the prompt edits
+    if cfg.data.control_images or family.reference_required:
         call = ('from diffusers.utils import load_image\n'
                 f'image = pipe(image=load_image("your input image.png"), '
                 f'prompt="your edit"{args}){family.image_code()}')

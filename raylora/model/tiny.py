@@ -750,6 +750,48 @@ QWENIMAGE21_SCHEDULER = dict(
 )
 
 
+def build_tiny_qwenimageedit(dest: str | Path, seed: int = 0) -> Path:
+    """Save a tiny random QwenImageEditPlusPipeline (Qwen-Image-Edit-2509's layout) to
+    ``dest``; returns the path. ``build_tiny_qwenimage``'s transformer, VAE and Qwen2.5-VL
+    encoder (whose 2-block vision tower reads the input image: 14 px patches, merged 2×2),
+    a tokenizer that also learned the edit template (its system prefix is 64 tokens, as
+    the pipeline drops), and the ``processor`` folder the released checkpoints carry
+    (``Qwen2VLProcessor``: that tokenizer and Qwen2-VL's image processor), written file by
+    file because transformers 5 builds the processor itself only with torchvision."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImageEditPlusPipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+    from raylora.model.families.qwenimageedit import SYSTEM
+
+    dest = Path(dest)
+    torch.manual_seed(seed)
+    tokenizer = build_qwen2_tokenizer(corpus=SYSTEM.replace("{}", " Picture 1: "))
+    text_encoder = Qwen2_5_VLForConditionalGeneration(_qwen2_5_vl_config(tokenizer)).eval()
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=text_encoder.config.text_config.hidden_size,
+        guidance_embeds=False, axes_dims_rope=(4, 6, 6),
+    )
+    vae = AutoencoderKLQwenImage(base_dim=32, z_dim=16, dim_mult=[1, 2], num_res_blocks=1,
+                                 temperal_downsample=[False])
+    pipe = QwenImageEditPlusPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWENIMAGE_SCHEDULER), vae=vae,
+        text_encoder=text_encoder, tokenizer=tokenizer, processor=None, transformer=transformer,
+    )
+    pipe.save_pretrained(dest)
+    tokenizer.save_pretrained(dest / "processor")
+    Qwen2VLImageProcessorPil().save_pretrained(dest / "processor")
+    index = json.loads((dest / "model_index.json").read_text())
+    index["processor"] = ["transformers", "Qwen2VLProcessor"]
+    (dest / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return dest
+
+
 def build_tiny_qwenimage21(dest: str | Path, seed: int = 0) -> Path:
     """Save a tiny random QwenImage21Pipeline (Qwen-Image 2.1) to ``dest``; returns the path.
 
@@ -1119,6 +1161,7 @@ BUILDERS = {
     "sd3": build_tiny_sd3,
     "qwenimage": build_tiny_qwenimage,
     "qwenimage21": build_tiny_qwenimage21,
+    "qwenimageedit": build_tiny_qwenimageedit,
     "zimage": build_tiny_zimage,
     "flux2klein": build_tiny_flux2klein,
     "flux2": build_tiny_flux2,

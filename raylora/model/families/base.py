@@ -128,16 +128,19 @@ def language_model(module):
     return getattr(getattr(module, "model", None), "language_model", module)
 
 
-def llm_conditioning(encoder, batch: dict[str, torch.Tensor], layer: int, drop: int = 0) -> Cond:
+def llm_conditioning(encoder, batch: dict[str, torch.Tensor], layer: int, drop: int = 0,
+                     **inputs) -> Cond:
     """A causal LM's hidden state ``layer`` over right-padded captions (``input_ids``,
     ``attention_mask``), its first ``drop`` (template) positions dropped, zero past each
     caption: ``prompt_embeds`` [B, L, D] and ``prompt_embeds_mask`` [B, L] (Qwen-Image,
     Z-Image). Cutting the padding after the longest caption changes no hidden state under
-    a causal LM and saves encoding up to ~1000 pad tokens per caption."""
+    a causal LM and saves encoding up to ~1000 pad tokens per caption. ``inputs``: the
+    encoder's other inputs (a vision-language model's ``pixel_values``, Qwen-Image-Edit)."""
     ids, mask = batch["input_ids"], batch["attention_mask"]
     n = int(mask.sum(1).max())
     ids, mask = ids[:, :n], mask[:, :n]
-    hidden = encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[layer]
+    hidden = encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True,
+                     **inputs).hidden_states[layer]
     mask = mask[:, drop:]
     # The pipelines pad with zeros past each caption: the same here.
     emb = hidden[:, drop:] * mask.unsqueeze(-1).to(hidden.dtype)
@@ -181,6 +184,9 @@ class Family:
     # latents arriving in the conditioning as ``reference_latents`` [B, C, h, w], and its
     # pipeline takes the input as ``image``. False: data.control_images is refused.
     reference_image: ClassVar[bool] = False
+    # Its pipeline samples only from an input image (Qwen-Image-Edit): data.control_images
+    # is required, and validation.control_images with validation.prompts.
+    reference_required: ClassVar[bool] = False
     # cuDNN's SDPA kernels: off for the DiTs. On an H100 (torch 2.11, CUDA 13) the Flux.1-dev
     # step failed in backward inside cuDNN's attention graph (illegal memory access;
     # bench/RESULTS.md 2026-11-23); flash / memory-efficient SDPA ran it at 38-40 % MFU.

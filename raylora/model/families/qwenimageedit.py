@@ -1,0 +1,216 @@
+"""Qwen-Image-Edit-2509 / -2511 (``QwenImageEditPlusPipeline``): Qwen-Image's MMDiT, VAE and
+Qwen2.5-VL encoder, trained on (input, edited) pairs (``data.control_images``). The input
+image reaches the model twice, as the pipeline samples:
+
+* through the text encoder: the caption follows "Picture 1: " and the image's vision tokens
+  in the edit chat template (whose first 64 tokens are dropped), the image resized to
+  384² px of area at its aspect ratio and read by Qwen2.5-VL's vision tower;
+* through the VAE: its 2×2-packed latents follow the noisy tokens in the transformer's
+  sequence, each image with its own rope grid (``img_shapes``); the prediction is the
+  noisy tokens'.
+
+A text-to-image batch (no control images: the family tests' shared batches) is encoded as
+``encode_prompt(image=None)`` encodes one: the template without the picture."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from raylora.model.families.base import Cond, TextInput, llm_conditioning, pack_2x2, unpack_2x2
+from raylora.model.families.qwenimage import QwenImage
+
+# QwenImageEditPlusPipeline.prompt_template_encode (its start index: DROP) with the prompt
+# of one input image before the caption (_get_qwen_prompt_embeds' img_prompt_template)
+SYSTEM = ("<|im_start|>system\nDescribe the key features of the input image (color, shape, "
+          "size, texture, objects, background), then explain how the user's text instruction "
+          "should alter or modify the image. Generate a new image that meets the user's "
+          "requirements while maintaining consistency with the original input where "
+          "appropriate.<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n")
+PICTURE = "Picture 1: <|vision_start|><|image_pad|><|vision_end|>"
+TEMPLATE = SYSTEM.format(PICTURE + "{}")
+DROP = 64
+# The pipeline's CONDITION_IMAGE_SIZE: the area the vision tower reads an input image at
+CONDITION_AREA = 384 * 384
+
+
+def dimensions(area: int, ratio: float) -> tuple[int, int]:
+    """(width, height) of ``area`` px at ``ratio`` = width / height, each a multiple of 32:
+    the pipeline's ``calculate_dimensions``."""
+    width = math.sqrt(area * ratio)
+    return round(width / 32) * 32, round(width / ratio / 32) * 32
+
+
+def vision_processor(vision_config):
+    """Qwen2.5-VL's image processor for this encoder's patching (PIL backend: no torchvision)."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(patch_size=vision_config.patch_size,
+                                    temporal_patch_size=vision_config.temporal_patch_size,
+                                    merge_size=vision_config.spatial_merge_size)
+
+
+def condition_images(control: torch.Tensor) -> list:
+    """uint8 ``[B, 3, H, W]`` input images → what the pipeline hands its processor: each
+    resized (Lanczos, as ``VaeImageProcessor.resize``) to ``CONDITION_AREA`` at its ratio."""
+    from PIL import Image
+
+    h, w = control.shape[-2:]
+    size = dimensions(CONDITION_AREA, w / h)
+    return [Image.fromarray(x.permute(1, 2, 0).cpu().numpy()).resize(size, Image.Resampling.LANCZOS)
+            for x in control]
+
+
+def vision_tokens(control_shape, vision_config) -> int:
+    """Image tokens the encoder reads for one input of ``control_shape`` (``[..., H, W]``):
+    the processor's grid over the condition size (``smart_resize``), merged 2×2."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    h, w = control_shape[-2:]
+    cw, ch = dimensions(CONDITION_AREA, w / h)
+    p = vision_config.patch_size * vision_config.spatial_merge_size
+    rh, rw = smart_resize(ch, cw, factor=p)
+    return (rh // vision_config.patch_size) * (rw // vision_config.patch_size) // vision_config.spatial_merge_size ** 2
+
+
+def splice(ids: torch.Tensor, mask: torch.Tensor, at: int, span: int, fill: torch.Tensor | None):
+    """Token columns with ``ids[:, at:at + span]`` replaced by the columns ``fill``
+    (``[k]``; None: removed), the mask ones there."""
+    head, tail = ids[:, :at], ids[:, at + span:]
+    if fill is None:
+        return torch.cat([head, tail], 1), torch.cat([mask[:, :at], mask[:, at + span:]], 1)
+    b = ids.shape[0]
+    new = fill.to(ids.device).expand(b, -1)
+    return (torch.cat([head, new, tail], 1),
+            torch.cat([mask[:, :at], torch.ones_like(new, dtype=mask.dtype), mask[:, at + span:]], 1))
+
+
+class QwenImageEdit(QwenImage):
+    name = "qwenimageedit"
+    class_names = ("QwenImageEditPlusPipeline",)
+    pipeline = "QwenImageEditPlusPipeline"
+    # Tokens per caption: the pipeline truncates nothing (its tokenizer_max_length, 1024,
+    # is a bound raylora pads to, model.max_sequence_length sets it), the template and one
+    # image slot (expanded to the image's tokens in encode_text) included.
+    text = (TextInput("text_encoder", "tokenizer", "input_ids", max_length=1024,
+                      template=TEMPLATE, mask_key="attention_mask", long_context=True, drop=DROP),)
+    reference_image = True
+    # QwenImageEditPlusPipeline samples only from an input image (it reads its size first)
+    reference_required = True
+    description = "Qwen-Image-Edit-2509/2511 (Qwen-Image on edit pairs, Qwen2.5-VL reads the input)"
+
+    @classmethod
+    def load_pipeline(cls, path: str, **kw):
+        # The processor goes in as the pipeline is built: the folder's is a
+        # Qwen2VLProcessor, which transformers 5 builds only with torchvision (its video
+        # processor); edit_processor reads the same files without it.
+        kw.setdefault("processor", edit_processor(path, kw.get("revision")))
+        return cls.pipeline_class().from_pretrained(path, **kw)
+
+    @classmethod
+    def reference_kwargs(cls, image, height: int | None, width: int | None) -> dict:
+        return {} if image is None else {"image": image}
+
+    @classmethod
+    def images(cls, pipe, **call) -> list:
+        # The pipeline VAE-encodes its input at 1024² px of area whatever the output's size;
+        # raylora trains it at the target's size, and samples (previews, raylora sample) so.
+        with input_area(call.get("height"), call.get("width")):
+            return super().images(pipe, **call)
+
+    @classmethod
+    def encode_text(cls, encoders, batch) -> Cond:
+        (te,) = encoders
+        vc = te.config.vision_config
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        control = batch.get("control_values")
+        pad = torch.tensor([te.config.image_token_id])
+        # Where the picture's tokens are (the template puts them at the same place in every
+        # caption); None for ids without them (a memory estimate's: meta or all zeros).
+        at, end = (None if ids.is_meta or not (ids[0] == k).any() else int((ids[0] == k).nonzero()[0])
+                   for k in (te.config.image_token_id, te.config.vision_end_token_id))
+        if control is None:  # text to image: the template without the picture
+            ids, mask = splice(ids, mask, DROP, 0 if end is None else end + 1 - DROP, None)
+            return llm_conditioning(te, {"input_ids": ids, "attention_mask": mask}, layer=-1, drop=DROP)
+        n = vision_tokens(control.shape, vc)
+        if at is None or control.is_meta:
+            # A memory estimate: the caption as long as with the image's tokens.
+            ids, mask = splice(ids, mask, DROP, 1, pad.to(ids.device).repeat(n))
+            return llm_conditioning(te, {"input_ids": ids, "attention_mask": mask}, layer=-1, drop=DROP)
+        vision = vision_processor(vc)(images=condition_images(control), return_tensors="pt")
+        grid = vision["image_grid_thw"]
+        assert int(grid[0].prod()) // vc.spatial_merge_size ** 2 == n
+        ids, mask = splice(ids, mask, at, 1, pad.repeat(n))
+        dtype = next(te.parameters()).dtype
+        return llm_conditioning(te, {"input_ids": ids, "attention_mask": mask}, layer=-1, drop=DROP,
+                                pixel_values=vision["pixel_values"].to(ids.device, dtype),
+                                image_grid_thw=grid.to(ids.device))
+
+    @classmethod
+    def denoise(cls, model, noisy, t, cond: Cond, **extra) -> torch.Tensor:
+        b, _, h, w = noisy.shape
+        tokens, shapes = pack_2x2(noisy), [(1, h // 2, w // 2)]
+        ref = cond.get("reference_latents")
+        if ref is not None:  # the input's tokens after the noisy ones, on a grid of its own
+            tokens = torch.cat([tokens, pack_2x2(ref.to(noisy.dtype))], dim=1)
+            shapes.append((1, ref.shape[-2] // 2, ref.shape[-1] // 2))
+        out = model(hidden_states=tokens, encoder_hidden_states=cond["prompt_embeds"],
+                    encoder_hidden_states_mask=cond["prompt_embeds_mask"],
+                    timestep=t.to(noisy.dtype), img_shapes=[shapes] * b, return_dict=False)[0]
+        return unpack_2x2(out[:, : (h // 2) * (w // 2)], h, w)
+
+
+@contextlib.contextmanager
+def input_area(height: int | None, width: int | None):
+    """The pipeline's VAE input area (``VAE_IMAGE_SIZE``, a module constant) set to
+    ``height`` × ``width`` for the block; unchanged when either is None."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as module
+
+    if height is None or width is None:
+        yield
+        return
+    before = module.VAE_IMAGE_SIZE
+    module.VAE_IMAGE_SIZE = height * width
+    try:
+        yield
+    finally:
+        module.VAE_IMAGE_SIZE = before
+
+
+def edit_processor(path: str, revision: str | None = None):
+    """The folder's ``processor`` (tokenizer + Qwen2-VL image processor) as a
+    ``Qwen2VLProcessor`` for images and captions, built without its video processor (which
+    needs torchvision in transformers 5). Its call is the processor's for a batch of
+    texts and images: each ``<|image_pad|>`` widened to its image's tokens, in order."""
+    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, Qwen2VLProcessor
+    from transformers.feature_extraction_utils import BatchFeature
+
+    class EditProcessor(Qwen2VLProcessor):
+        def __init__(self, tokenizer, image_processor):  # not ProcessorMixin's: no video
+            self.tokenizer, self.image_processor = tokenizer, image_processor
+            self.chat_template = getattr(tokenizer, "chat_template", None)
+
+        def __call__(self, text=None, images=None, videos=None, **kw):
+            if videos is not None:
+                raise ValueError("qwenimageedit: raylora's processor reads images, not videos")
+            texts, out = [text] if isinstance(text, str) else list(text), {}
+            return_tensors = kw.pop("return_tensors", None)
+            if images is not None:
+                vision = self.image_processor(images=images, return_tensors=return_tensors)
+                out.update(vision)
+                merge = self.image_processor.merge_size ** 2
+                counts = iter([int(g.prod()) // merge for g in vision["image_grid_thw"]])
+                slot = "<|image_pad|>"
+                texts = ["".join(part + (slot * next(counts) if i < t.count(slot) else "")
+                                 for i, part in enumerate(t.split(slot))) for t in texts]
+            out.update(self.tokenizer(texts, return_tensors=return_tensors, **kw))
+            return BatchFeature(out, tensor_type=return_tensors)
+
+    tok = AutoTokenizer.from_pretrained(path, subfolder="processor", revision=revision)
+    images = Qwen2VLImageProcessorPil.from_pretrained(path, subfolder="processor", revision=revision)
+    return EditProcessor(tok, images)
+
+
+FAMILY = QwenImageEdit

@@ -468,6 +468,13 @@ QWENIMAGE_SCHEDULER = dict(
 )
 
 
+def _flux1_vae():
+    """Flux.1's VAE at tiny sizes (factor 2, 16 channels, its scaling 0.3611 / shift 0.1159,
+    no quant convs), which Chroma and Z-Image ship too."""
+    return _tiny_vae(latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159,
+                     use_quant_conv=False, use_post_quant_conv=False, force_upcast=True)
+
+
 def build_tiny_fluxkontext(dest: str | Path, seed: int = 0) -> Path:
     """Save a tiny random FluxKontextPipeline to ``dest``: ``build_tiny_flux``'s components
     (Flux.1 Kontext [dev] is Flux.1-dev's architecture), under Kontext's pipeline class."""
@@ -511,10 +518,7 @@ def build_tiny_flux(dest: str | Path, seed: int = 0, schnell: bool = False,
         guidance_embeds=not schnell,
         axes_dims_rope=(4, 6, 6),  # sums to the head dim, like Flux's (16, 56, 56) of 128
     )
-    vae = _tiny_vae(
-        latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159,
-        use_quant_conv=False, use_post_quant_conv=False, force_upcast=True,
-    )
+    vae = _flux1_vae()
     scheduler = FlowMatchEulerDiscreteScheduler(
         **(FLUX_SCHNELL_SCHEDULER if schnell else FLUX_DEV_SCHEDULER)
     )
@@ -563,10 +567,7 @@ def build_tiny_chroma(dest: str | Path, seed: int = 0) -> Path:
         approximator_hidden_dim=32,
         approximator_layers=2,
     )
-    vae = _tiny_vae(
-        latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159,
-        use_quant_conv=False, use_post_quant_conv=False, force_upcast=True,
-    )
+    vae = _flux1_vae()
     pipe = ChromaPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_DEV_SCHEDULER), vae=vae,
         text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer,
@@ -923,10 +924,7 @@ def build_tiny_zimage(dest: str | Path, seed: int = 0) -> Path:
         n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=32,
         axes_dims=[4, 6, 6],  # sums to the head dim, like Z-Image's (32, 48, 48) of 128
     )
-    vae = _tiny_vae(
-        latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159,
-        use_quant_conv=False, use_post_quant_conv=False, force_upcast=True,
-    )
+    vae = _flux1_vae()
     pipe = ZImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**ZIMAGE_SCHEDULER), vae=vae,
         text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer,

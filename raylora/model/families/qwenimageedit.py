@@ -141,7 +141,12 @@ class QwenImageEdit(QwenImage):
             return llm_conditioning(te, {"input_ids": ids, "attention_mask": mask}, layer=-1, drop=DROP)
         vision = vision_processor(vc)(images=condition_images(control), return_tensors="pt")
         grid = vision["image_grid_thw"]
-        assert int(grid[0].prod()) // vc.spatial_merge_size ** 2 == n
+        # A batch's inputs share their size (their targets' bucket), so every caption's
+        # picture slot widens alike.
+        counts = (grid.prod(-1) // vc.spatial_merge_size ** 2).tolist()
+        if counts != [n] * len(counts):
+            raise RuntimeError(f"qwenimageedit: vision tokens {counts} for inputs of "
+                               f"{tuple(control.shape[-2:])} px, {n} expected")
         ids, mask = splice(ids, mask, at, 1, pad.repeat(n))
         dtype = next(te.parameters()).dtype
         return llm_conditioning(te, {"input_ids": ids, "attention_mask": mask}, layer=-1, drop=DROP,

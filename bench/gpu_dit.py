@@ -10,6 +10,9 @@ rank 16 on the family's default targets, cached latents and text embeddings (wha
     python bench/gpu_dit.py --models zimage       # Z-Image-Turbo's architecture (not in the default)
     python bench/gpu_dit.py --models klein4b      # Flux.2 [klein] 4B's (not in the default)
     python bench/gpu_dit.py --models wan14b       # Wan 2.1 T2V-14B's, one frame (not default)
+    python bench/gpu_dit.py --models chroma,qwenimage,qwenedit
+                                                  # Chroma1-HD's; Qwen-Image's 20B, text to
+                                                  # image and editing an input (not default)
     python bench/gpu_dit.py --models flux2dev --batch-sizes 1 --gradient-checkpointing
                                                   # Flux.2 [dev]'s 32B (not default)
     python bench/gpu_dit.py --smoke               # toy widths on a CPU, checks the script
@@ -67,14 +70,29 @@ FLUX2_DEV = dict(patch_size=1, in_channels=128, num_layers=8, num_single_layers=
 WAN_14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128,
                in_channels=16, out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824,
                num_layers=40, cross_attn_norm=True, qk_norm="rms_norm_across_heads")
+# lodestones/Chroma1-HD transformer/config.json: ChromaTransformer2DModel's defaults (Flux.1's
+# 19 double + 38 single blocks, 24 heads × 128, T5's 4096; the approximator 64 → 5120, 5 layers)
+CHROMA_HD = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38,
+                 attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
+                 axes_dims_rope=(16, 56, 56), approximator_num_channels=64,
+                 approximator_hidden_dim=5120, approximator_layers=5)
+# Qwen/Qwen-Image transformer/config.json (QwenImageTransformer2DModel's defaults; the
+# Edit-2509 checkpoint has the same): 60 blocks of 24 heads × 128, Qwen2.5-VL's 3584
+QWEN_IMAGE = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60,
+                  attention_head_dim=128, num_attention_heads=24, joint_attention_dim=3584,
+                  guidance_embeds=False, axes_dims_rope=(16, 56, 56))
+QWEN_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 1.0,
+                  "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 0.9,
+                  "base_image_seq_len": 256, "max_image_seq_len": 8192, "shift_terminal": 0.02,
+                  "time_shift_type": "exponential"}
 # (family, transformer class, config, latent channels, text tokens, pooled width, the
 #  pipelines' scheduler config for the shift). Z-Image takes each caption unpadded: 256
 #  tokens stand for a long caption in its chat template.
+MODELS_FLUX_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0,
+                         "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15,
+                         "base_image_seq_len": 256, "max_image_seq_len": 4096}
 MODELS = {
-    "flux": ("flux", "FluxTransformer2DModel", FLUX_DEV, 16, 512, 768,
-             {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0,
-              "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15,
-              "base_image_seq_len": 256, "max_image_seq_len": 4096}),
+    "flux": ("flux", "FluxTransformer2DModel", FLUX_DEV, 16, 512, 768, MODELS_FLUX_SCHEDULER),
     "sd35m": ("sd3", "SD3Transformer2DModel", SD35_MEDIUM, 16, 77 + 256, 2048,
               {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0}),
     "zimage": ("zimage", "ZImageTransformer2DModel", ZIMAGE_TURBO, 16, 256, None,
@@ -95,7 +113,16 @@ MODELS = {
     "wan14b": ("wan", "WanTransformer3DModel", WAN_14B, 16, 512, None,
                {"_class_name": "UniPCMultistepScheduler", "prediction_type": "flow_prediction",
                 "use_flow_sigmas": True, "flow_shift": 3.0}),
+    # Chroma: T5's 512 positions, all kept (the mask shows the caption and one pad)
+    "chroma": ("chroma", "ChromaTransformer2DModel", CHROMA_HD, 16, 512, None, MODELS_FLUX_SCHEDULER),
+    # Qwen-Image: a long caption's 256 tokens after the template; the edit model also the
+    # input image's vision tokens (384² px: 196) in its caption, and its latents
+    # (REFERENCE) after the noisy tokens: twice the image tokens
+    "qwenimage": ("qwenimage", "QwenImageTransformer2DModel", QWEN_IMAGE, 16, 256, None, QWEN_SCHEDULER),
+    "qwenedit": ("qwenimageedit", "QwenImageTransformer2DModel", QWEN_IMAGE, 16, 256 + 196 + 8, None,
+                 QWEN_SCHEDULER),
 }
+REFERENCE = {"qwenedit"}  # edit models: an input image's latents beside each target's
 PIXELS_PER_LATENT = {"klein4b": 16, "flux2dev": 16}  # the others: 8
 SMOKE = {"flux": dict(num_layers=1, num_single_layers=1, attention_head_dim=16,
                       num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16,
@@ -112,7 +139,12 @@ SMOKE = {"flux": dict(num_layers=1, num_single_layers=1, attention_head_dim=16,
                           num_attention_heads=2, joint_attention_dim=48,
                           timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4)),
          "wan14b": dict(num_attention_heads=2, attention_head_dim=16, text_dim=32, freq_dim=32,
-                        ffn_dim=64, num_layers=2)}
+                        ffn_dim=64, num_layers=2),
+         "chroma": dict(num_layers=1, num_single_layers=1, attention_head_dim=16,
+                        num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
+                        approximator_hidden_dim=32, approximator_layers=1)}
+SMOKE["qwenimage"] = SMOKE["qwenedit"] = dict(num_layers=1, attention_head_dim=16, num_attention_heads=2,
+                                              joint_attention_dim=32, axes_dims_rope=(4, 6, 6))
 
 
 def build(model: str, device, dtype, smoke: bool):
@@ -149,6 +181,8 @@ def cached_batch(model: str, b: int, res: int, net, device) -> dict:
         batch["pooled_prompt_embeds"] = torch.randn(b, net.config.pooled_projection_dim, generator=g).to(device)
     if "prompt_embeds_mask" in keys:  # every caption fills its tokens
         batch["prompt_embeds_mask"] = torch.ones(b, tokens, dtype=torch.long, device=device)
+    if model in REFERENCE:  # the input image's posterior, at the target's size
+        batch["control_params"] = torch.randn(b, 2 * ch, h, h, generator=g).to(device)
     return batch
 
 
@@ -173,14 +207,15 @@ def raylora_step(model: str, net, mode: str, rank: int, checkpointing: bool = Fa
     accel = Accelerator(mixed_precision="bf16" if cuda else "no", cpu=not cuda)
     params = add_lora(net, LoraSection(rank=rank, alpha=rank), fam.default_lora_targets(net))
     if checkpointing:  # train.gradient_checkpointing, as setup enables it: before the compile
-        net.enable_gradient_checkpointing()
+        fam.checkpoint_blocks(net)
     compile_denoiser(net, mode, fam.repeated_blocks)
     opt = torch.optim.AdamW(params, lr=1e-4, fused=cuda)
     net_p, opt = accel.prepare(net, opt)
     shift, dynamic = flow_shift_from_scheduler(MODELS[model][6])
     parts = FrozenParts(fam, None, [], FlowMatching("logit_normal", shift=shift, dynamic=dynamic,
                                                     seq_len=fam.image_seq_len),
-                        next(net.parameters()).dtype, guidance=1.0)
+                        next(net.parameters()).dtype, guidance=1.0,
+                        control_images=model in REFERENCE)
 
     def step(batch):
         return train_micro_step(accel, net_p, parts, opt, None, params, batch, 1.0)

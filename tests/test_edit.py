@@ -627,21 +627,23 @@ def test_control_images_reach_training_rows_through_ray_data(ray_local, tiny, tm
         np.testing.assert_array_equal(r["control_values"], 255 - r["pixel_values"])
 
 
-def test_the_bucketed_cache_keeps_each_inputs_latents_beside_its_targets(tiny, tmp_path):
+@pytest.mark.parametrize("family", [FAMILY, "qwenimageedit"])
+def test_the_bucketed_cache_keeps_each_inputs_latents_beside_its_targets(tiny, tmp_path, family):
     """data.bucketing with the latent cache: rows of two buckets are encoded bucket by
     bucket and put back in order; each row's ``control_params`` has its
     ``latent_params``' shape, and is the posterior of its own input (an image's negative
-    has other latents than the image)."""
+    has other latents than the image). Qwen-Image-Edit's captions are encoded with their
+    inputs: a bucket's inputs have their own number of vision tokens."""
     from raylora.data.cache import EncodeStage, _stage_kwargs, encode_chunk
 
-    model = tiny(FAMILY)
+    model = tiny(family)
     uri = write_pairs(tmp_path / "d", "captionfolder")
     cfg = validate({"model": {"pretrained": model, "max_sequence_length": 32},
                     "data": {"uri": uri, "resolution": 32, "center_crop": True, "bucketing": True,
                              "bucket_step": 16, "sharding": "files", "control_images": True,
                              "cache": "latents"},
                     "output": {"uri": str(tmp_path / "o")}})
-    pre, enc = _stage_kwargs(cfg, model, FAMILY, Storage())
+    pre, enc = _stage_kwargs(cfg, model, family, Storage())
     sizes = [(48, 24), (24, 48), (48, 24)]  # (w, h): a wide bucket, a tall one, the wide again
     rows = [{"image": pair(i, w, h)[0], "text": f"e{i}", "control": pair(i, w, h)[1]}
             for i, (w, h) in enumerate(sizes)]
@@ -652,6 +654,14 @@ def test_the_bucketed_cache_keeps_each_inputs_latents_beside_its_targets(tiny, t
     assert shapes[0] == shapes[2] != shapes[1] and shapes[0][-1] > shapes[0][-2]  # wide
     for lat, ctl in zip(out["latent_params"], out["control_params"]):
         assert np.abs(np.asarray(lat) - np.asarray(ctl)).max() > 1e-3
+    if family == "qwenimageedit":  # each caption's conditioning holds its input's vision tokens
+        from raylora.model.families.qwenimageedit import vision_tokens
+        from transformers import AutoConfig
+
+        vc = AutoConfig.from_pretrained(model, subfolder="text_encoder").vision_config
+        for (w, h), m in zip(sizes, out["prompt_embeds_mask"]):
+            n = vision_tokens((h, w), vc)
+            assert n > 100 and int(np.asarray(m).sum()) > n
 
 
 # ---------------------------------------------------------------- a run, end to end

@@ -468,6 +468,13 @@ QWENIMAGE_SCHEDULER = dict(
 )
 
 
+# Flux.1's transformer at tiny sizes (Chroma's too): 1 double + 2 single blocks, 2 heads × 16
+# (inner 32), rope axes summing to the head dim like Flux's (16, 56, 56) of 128, in_channels
+# 64 = 16 latent channels × 2×2 packing
+FLUX1_TINY_BLOCKS = dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=2,
+                         attention_head_dim=16, num_attention_heads=2, axes_dims_rope=(4, 6, 6))
+
+
 def _flux1_vae():
     """Flux.1's VAE at tiny sizes (factor 2, 16 channels, its scaling 0.3611 / shift 0.1159,
     no quant convs), which Chroma and Z-Image ship too."""
@@ -507,16 +514,10 @@ def build_tiny_flux(dest: str | Path, seed: int = 0, schnell: bool = False,
     text_encoder = CLIPTextModel(_text_config(tokenizer))
     text_encoder_2 = T5EncoderModel(_t5_config(tokenizer_2))
     transformer = FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=64,
-        num_layers=1,
-        num_single_layers=2,
-        attention_head_dim=16,
-        num_attention_heads=2,
+        **FLUX1_TINY_BLOCKS,
         joint_attention_dim=text_encoder_2.config.d_model,
         pooled_projection_dim=text_encoder.config.hidden_size,
         guidance_embeds=not schnell,
-        axes_dims_rope=(4, 6, 6),  # sums to the head dim, like Flux's (16, 56, 56) of 128
     )
     vae = _flux1_vae()
     scheduler = FlowMatchEulerDiscreteScheduler(
@@ -555,14 +556,8 @@ def build_tiny_chroma(dest: str | Path, seed: int = 0) -> Path:
     tokenizer = build_t5_tokenizer()
     text_encoder = T5EncoderModel(_t5_config(tokenizer))
     transformer = ChromaTransformer2DModel(
-        patch_size=1,
-        in_channels=64,
-        num_layers=1,
-        num_single_layers=2,
-        attention_head_dim=16,
-        num_attention_heads=2,
+        **FLUX1_TINY_BLOCKS,
         joint_attention_dim=text_encoder.config.d_model,
-        axes_dims_rope=(4, 6, 6),
         approximator_num_channels=64,
         approximator_hidden_dim=32,
         approximator_layers=2,

@@ -163,30 +163,24 @@ PIPELINES = {
 
 
 def edit_input(pipeline: str, height: int, width: int):
-    """(call arguments, a context factory) for the stock ``pipeline`` to render at ``height`` ×
-    ``width``: none for a text-to-image pipeline; for QwenImageEditPlusPipeline, which
+    """(call arguments, a context factory) for the stock ``pipeline`` to render at ``height``
+    × ``width``: none for a text-to-image pipeline; for QwenImageEditPlusPipeline, which
     samples only from an input image, a fixed image and its VAE input area set to the
-    output's for the call (it encodes the input at 1024² px of area otherwise: about two
-    minutes for the tiny VAE on a CPU; raylora's previews sample so too)."""
+    output's for the call (raylora's ``qwenimageedit.input_area``, as its previews sample:
+    the pipeline encodes the input at 1024² px of area otherwise, about two minutes for the
+    tiny VAE on a CPU)."""
     import contextlib
+    import functools
 
     import numpy as np
     from PIL import Image
 
     if pipeline != "QwenImageEditPlusPipeline":
         return {}, contextlib.nullcontext
-    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as module
-
-    @contextlib.contextmanager
-    def area():
-        before, module.VAE_IMAGE_SIZE = module.VAE_IMAGE_SIZE, height * width
-        try:
-            yield
-        finally:
-            module.VAE_IMAGE_SIZE = before
+    from raylora.model.families.qwenimageedit import input_area
 
     rgb = np.random.default_rng(3).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    return {"image": Image.fromarray(rgb)}, area
+    return {"image": Image.fromarray(rgb)}, functools.partial(input_area, height, width)
 
 
 def stock_pipeline(family: str, model: str):

@@ -15,7 +15,7 @@ A text-to-image batch (no control images: the family tests' shared batches) is e
 from __future__ import annotations
 
 import contextlib
-import math
+import functools
 
 import torch
 
@@ -32,33 +32,39 @@ SYSTEM = ("<|im_start|>system\nDescribe the key features of the input image (col
 PICTURE = "Picture 1: <|vision_start|><|image_pad|><|vision_end|>"
 TEMPLATE = SYSTEM.format(PICTURE + "{}")
 DROP = 64
-# The pipeline's CONDITION_IMAGE_SIZE: the area the vision tower reads an input image at
-CONDITION_AREA = 384 * 384
 
 
-def dimensions(area: int, ratio: float) -> tuple[int, int]:
-    """(width, height) of ``area`` px at ``ratio`` = width / height, each a multiple of 32:
-    the pipeline's ``calculate_dimensions``."""
-    width = math.sqrt(area * ratio)
-    return round(width / 32) * 32, round(width / ratio / 32) * 32
+def pipeline_module():
+    """diffusers' ``pipeline_qwenimage_edit_plus``: its ``calculate_dimensions``, the area
+    its vision tower reads an input at (``CONDITION_IMAGE_SIZE``, 384²) and its VAE input
+    area (``VAE_IMAGE_SIZE``). Imported when used: every family module is imported to
+    detect a folder's family."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
+
+    return pipeline_qwenimage_edit_plus
 
 
-def vision_processor(vision_config):
-    """Qwen2.5-VL's image processor for this encoder's patching (PIL backend: no torchvision)."""
+def condition_size(h: int, w: int) -> tuple[int, int]:
+    """(width, height) the pipeline resizes an ``h`` × ``w`` input to for its vision tower."""
+    module = pipeline_module()
+    return module.calculate_dimensions(module.CONDITION_IMAGE_SIZE, w / h)
+
+
+@functools.cache
+def vision_processor(patch: int, temporal: int, merge: int):
+    """Qwen2.5-VL's image processor for an encoder's patching (PIL backend: no torchvision),
+    built once per patching."""
     from transformers import Qwen2VLImageProcessorPil
 
-    return Qwen2VLImageProcessorPil(patch_size=vision_config.patch_size,
-                                    temporal_patch_size=vision_config.temporal_patch_size,
-                                    merge_size=vision_config.spatial_merge_size)
+    return Qwen2VLImageProcessorPil(patch_size=patch, temporal_patch_size=temporal, merge_size=merge)
 
 
 def condition_images(control: torch.Tensor) -> list:
     """uint8 ``[B, 3, H, W]`` input images → what the pipeline hands its processor: each
-    resized (Lanczos, as ``VaeImageProcessor.resize``) to ``CONDITION_AREA`` at its ratio."""
+    resized (Lanczos, as ``VaeImageProcessor.resize``) to ``condition_size``."""
     from PIL import Image
 
-    h, w = control.shape[-2:]
-    size = dimensions(CONDITION_AREA, w / h)
+    size = condition_size(*control.shape[-2:])
     return [Image.fromarray(x.permute(1, 2, 0).cpu().numpy()).resize(size, Image.Resampling.LANCZOS)
             for x in control]
 
@@ -68,8 +74,7 @@ def vision_tokens(control_shape, vision_config) -> int:
     the processor's grid over the condition size (``smart_resize``), merged 2×2."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-    h, w = control_shape[-2:]
-    cw, ch = dimensions(CONDITION_AREA, w / h)
+    cw, ch = condition_size(*control_shape[-2:])
     p = vision_config.patch_size * vision_config.spatial_merge_size
     rh, rw = smart_resize(ch, cw, factor=p)
     return (rh // vision_config.patch_size) * (rw // vision_config.patch_size) // vision_config.spatial_merge_size ** 2
@@ -137,9 +142,10 @@ class QwenImageEdit(QwenImage):
         n = vision_tokens(control.shape, vc)
         if at is None or control.is_meta:
             # A memory estimate: the caption as long as with the image's tokens.
-            ids, mask = splice(ids, mask, DROP, 1, pad.to(ids.device).repeat(n))
+            ids, mask = splice(ids, mask, DROP, 1, pad.repeat(n))
             return llm_conditioning(te, {"input_ids": ids, "attention_mask": mask}, layer=-1, drop=DROP)
-        vision = vision_processor(vc)(images=condition_images(control), return_tensors="pt")
+        processor = vision_processor(vc.patch_size, vc.temporal_patch_size, vc.spatial_merge_size)
+        vision = processor(images=condition_images(control), return_tensors="pt")
         grid = vision["image_grid_thw"]
         # A batch's inputs share their size (their targets' bucket), so every caption's
         # picture slot widens alike.
@@ -171,8 +177,7 @@ class QwenImageEdit(QwenImage):
 def input_area(height: int | None, width: int | None):
     """The pipeline's VAE input area (``VAE_IMAGE_SIZE``, a module constant) set to
     ``height`` × ``width`` for the block; unchanged when either is None."""
-    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as module
-
+    module = pipeline_module()
     if height is None or width is None:
         yield
         return

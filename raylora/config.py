@@ -26,6 +26,9 @@ from pydantic import (
 )
 
 QUANTIZE_KINDS = ("none", "nf4", "int8", "fp8")
+# data.control_inputs' bound: Qwen-Image-Edit-Plus is trained on up to 3 inputs, Flux.2's
+# pipelines take up to 10 references; past a few every step's sequence is mostly inputs.
+MAX_CONTROL_INPUTS = 4
 OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "prodigy", "adafactor")
 
 LR_SCHEDULERS = (
@@ -178,8 +181,8 @@ class SourceSection(_Section):
         "folder's N_name repeats multiply it). Not with weight.",
     )
     mask_column: str | None = None
-    control_column: str | None = None
-    control_uri: str | None = None
+    control_column: str | list[str] | None = None
+    control_uri: str | list[str] | None = None
     caption_prefix: str | None = Field(None, description="This source's trigger word(s).")
     caption_dropout: float | None = Field(None, ge=0.0, lt=1.0)
     shuffle_tags: bool | None = None
@@ -288,24 +291,35 @@ class DataSection(_Section):
     )
     control_images: bool = Field(
         False, description="Image-edit training, for a family whose denoiser takes a "
-        "reference image (fluxkontext, flux2klein, flux2): every sample's control image, the edit's input, from "
-        "a sidecar KEY.control.<image extension> beside the image (WebDataset, imagefolder, "
-        "captionfolder) or the parquet column data.control_column. It is resized to its "
+        "reference image (fluxkontext, flux2klein, flux2, qwenimageedit): every sample's "
+        "control image, the edit's input, from a sidecar KEY.control.<image extension> beside "
+        "the image (WebDataset, imagefolder, captionfolder), data.control_uri's folder, or the "
+        "parquet column data.control_column. It is resized to its "
         "target's size, cropped and flipped with it, and its latents (the VAE posterior's "
         "mean, as the pipeline encodes its input image) go to the denoiser beside the noisy "
         "ones. A sample without one is a missing_control bad record. Off: the family trains "
         "text to image.",
     )
-    control_column: str = Field(
+    control_inputs: int = Field(
+        1, ge=1, le=MAX_CONTROL_INPUTS, description="data.control_images: input images per sample, "
+        "for a family whose pipeline takes several (flux2klein, flux2, qwenimageedit: "
+        "Qwen-Image-Edit-Plus's Picture 1, Picture 2, ...). Input k ≥ 2 is the sidecar "
+        "KEY.control_k.<ext>, the k-th folder of data.control_uri, or the k-th column of "
+        "data.control_column (default {control_column}_k). Every sample has all of them "
+        "(a missing one: missing_control), each resized to its target's size.",
+    )
+    control_column: str | list[str] = Field(
         "control_image", description="parquet, data.control_images: the column of encoded "
         "control images (bytes or a datasets {bytes, path} struct), as diffusers' Kontext "
-        "script's --cond_image_column.",
+        "script's --cond_image_column; with data.control_inputs > 1 one column per input "
+        "(a list), or the first input's, the others being {column}_2, {column}_3, ...",
     )
-    control_uri: str | None = Field(
+    control_uri: str | list[str] | None = Field(
         None, description="captionfolder, imagefolder, data.control_images: a folder of the "
         "control images instead of sidecars, each under its image's path relative to "
         "data.uri, with any image extension (ai-toolkit's control_path): {data.uri}/a/cat.jpg "
-        "→ {control_uri}/a/cat.png. Not inside data.uri.",
+        "→ {control_uri}/a/cat.png. Not inside data.uri. With data.control_inputs > 1, a list "
+        "of that many folders, input k's in the k-th.",
     )
     caption_extension: str = Field(
         ".txt", description="captionfolder: the extension of the caption file beside each "
@@ -464,6 +478,17 @@ class DataSection(_Section):
         return [self.model_copy(update={
             **{k: getattr(s, k) for k in SOURCE_KEYS if getattr(s, k) is not None},
             "uri": s.uri, "sources": None}) for s in self.sources]
+
+    def control_columns(self) -> list[str]:
+        """data.control_column per input (data.control_inputs of them): a list as given, or
+        the first input's column and ``{column}_2``, ``{column}_3``, ... for the others."""
+        c = self.control_column
+        return list(c) if isinstance(c, list) else [control_key(c, i) for i in range(self.control_inputs)]
+
+    def control_folders(self) -> list[str] | None:
+        """data.control_uri per input (a folder each), None for sidecars."""
+        u = self.control_uri
+        return None if u is None else list(u) if isinstance(u, list) else [u]
 
     def source_key(self, index: int, key: str) -> str:
         """How an error names a source's key: ``data.uri`` or ``data.sources[i].uri``."""
@@ -880,10 +905,11 @@ class ValidationSection(_Section):
         None, ge=0.0, description="Classifier-free guidance scale; default the family's "
         "(SD/SDXL 7.5, SD3 7.0, Flux.1 3.5, Flux.1 Kontext 2.5, Qwen-Image 4.0).",
     )
-    control_images: list[str] = Field(
+    control_images: list[str | list[str]] = Field(
         default_factory=list,
         description="data.control_images: the input image of each of validation.prompts (a "
-        "path or storage URI, one per prompt), resized to the preview size and given to the "
+        "path or storage URI, one per prompt; with data.control_inputs > 1 a list of that "
+        "many per prompt), resized to the preview size and given to the "
         "pipeline as its image. Empty: the previews are text to image.",
     )
 
@@ -1226,6 +1252,13 @@ def _elastic_checks(cfg: RayLoraConfig) -> list[str]:
     return problems
 
 
+def control_key(base: str, i: int) -> str:
+    """The name of input ``i`` (0-based) of a sample's control images under ``base``: the
+    first's is ``base`` (``control``, ``control_values``, ``control_params``, ``.control``),
+    input k ≥ 2's ``base_k``; one input keeps the names it always had."""
+    return base if i == 0 else f"{base}_{i + 1}"
+
+
 def _caption_key(d: DataSection, i: int, key: str) -> str:
     """The key that set a source's caption setting: its own, else data's."""
     own = d.sources is not None and getattr(d.sources[i], key) is not None
@@ -1277,6 +1310,23 @@ def _control_checks(cfg: RayLoraConfig) -> list[str]:
     elif v.control_images and len(v.control_images) != len(v.prompts):
         out.append(f"validation.control_images: {len(v.control_images)} image(s) for "
                    f"{len(v.prompts)} validation.prompts; give one per prompt")
+    n = d.control_inputs
+    for i, entry in enumerate(v.control_images if d.control_images else []):
+        got = len(entry) if isinstance(entry, list) else 1
+        if got != n:
+            out.append(f"validation.control_images[{i}]: {got} input image(s), but "
+                       f"data.control_inputs is {n}; give {'a list of ' if n > 1 else ''}{n} per prompt")
+            break
+    if n > 1 and not d.control_images:
+        out.append(f"data.control_inputs: {n}, but data.control_images is off; turn it on or drop it")
+    for i, sec in enumerate(d.source_sections() if d.control_images else []):
+        cols, folders = sec.control_column, sec.control_folders()
+        if isinstance(cols, list) and len(cols) != n:
+            out.append(f"{_caption_key(d, i, 'control_column')}: {len(cols)} column(s) for "
+                       f"data.control_inputs {n}; give one per input")
+        if folders is not None and len(folders) != n:
+            out.append(f"{_caption_key(d, i, 'control_uri')}: {len(folders)} folder(s) for "
+                       f"data.control_inputs {n}; give {'a list of ' if n > 1 else ''}{n}, input k's in the k-th")
     if not d.control_images:
         for i, sec in enumerate(d.source_sections()):
             if sec.control_uri:

@@ -307,11 +307,11 @@ def plan_data(data: DataSection, storage: Storage) -> DataPlan:
 
 def _source_key(data: DataSection, i: int, key: str) -> str:
     """How a problem of source ``i`` names ``key``: its own (``data.sources[i].uri``), or,
-    for a key only ``data`` has, that key and the source (``data.control_images
-    (data.sources[1])``)."""
+    for a key only ``data`` has or one the source leaves to ``data``, that key and the
+    source (``data.control_images (data.sources[1])``)."""
     from raylora.config import SOURCE_KEYS
 
-    if data.sources is None or key == "uri" or key in SOURCE_KEYS:
+    if data.sources is None or key == "uri" or (key in SOURCE_KEYS and getattr(data.sources[i], key) is not None):
         return data.source_key(i, key)
     return f"data.{key} (data.sources[{i}])"
 

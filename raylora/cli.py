@@ -342,9 +342,11 @@ def _adapter_commands(sub) -> None:
                         "7.0, Qwen-Image 4.0, Z-Image 5.0, Flux.2 [klein] and [dev] 4.0, Wan 5.0; Z-Image-Turbo samples "
                         "at 0)")
     s.add_argument("--size", type=int, default=None, help="pixels; default: the model's size")
-    s.add_argument("--image", default=None,
-                   help="an image-edit model's input image (Flux.1 Kontext, Flux.2), a path or "
-                        "storage URI; resized to --size when given, else as the pipeline sizes it")
+    s.add_argument("--image", action="append", default=None,
+                   help="an image-edit model's input image (Flux.1 Kontext, Flux.2, "
+                        "Qwen-Image-Edit), a path or storage URI; resized to --size when given, "
+                        "else as the pipeline sizes it. Again for each further input (Flux.2, "
+                        "Qwen-Image-Edit: Picture 2, ...)")
     s.add_argument("--expert", choices=["high_noise", "low_noise"], default=None,
                    help="a pipeline of experts (Wan 2.2 A14B): the one the (single) adapter "
                         "trained; default: model.expert in the adapter folder's raylora.json")

@@ -479,6 +479,10 @@ class DataSection(_Section):
             **{k: getattr(s, k) for k in SOURCE_KEYS if getattr(s, k) is not None},
             "uri": s.uri, "sources": None}) for s in self.sources]
 
+    def references(self) -> int:
+        """Input images per sample: data.control_inputs with data.control_images, else 0."""
+        return self.control_inputs if self.control_images else 0
+
     def control_columns(self) -> list[str]:
         """data.control_column per input (data.control_inputs of them): a list as given, or
         the first input's column and ``{column}_2``, ``{column}_3``, ... for the others."""

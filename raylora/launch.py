@@ -291,6 +291,13 @@ def family_problems(cfg: RayLoraConfig, family, multiple: int, native: str | Non
         takes = ", ".join(n for n in families.names() if families.get(n).reference_image)
         out.append(f"data.control_images: {family.name} ({family.pipeline}) takes no input "
                    f"image; image-edit pairs train a family that does ({takes})")
+    elif cfg.data.references() > family.max_references:
+        from raylora.model import families
+
+        takes = ", ".join(n for n in families.names() if families.get(n).max_references > 1)
+        out.append(f"data.control_inputs: {cfg.data.control_inputs} input images a sample, but "
+                   f"{family.pipeline} takes {family.max_references}; several inputs train "
+                   f"{takes}")
     if family.reference_required and not cfg.data.control_images:
         out.append(f"data.control_images: {family.name} ({family.pipeline}) edits an input "
                    "image and samples only from one: train it on image-edit pairs "
@@ -985,7 +992,7 @@ def build_trainer(
     # tokenizer is read once, here, for all of them (cached latents need none).
     if cfg.data.cache != "latents":
         spec.tokenizer_specs = load_specs(p.model_path, p.family, store, cfg.model.max_sequence_length,
-                                          revision=loads.model.revision)
+                                          revision=loads.model.revision, references=cfg.data.references())
     ckpt_fs, ckpt_path = store.fs(storage_uri)
     return TorchTrainer(
         train_fn or train_loop_per_worker,

@@ -63,6 +63,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from raylora.config import control_key
 from raylora.model.quantize import quantizable, quantized_linear_bytes
 from raylora.train.norms import GroupNormInWeightDtype, groupnorms_in_weight_dtype, in_weight_dtype
 
@@ -620,11 +621,12 @@ def _objective(family, scheduler_config: dict):
 
 def raw_batch(comps, batch_size: int, resolution: int | tuple[int, int],
               max_sequence_length: int | None = None, device="meta",
-              control_images: bool = False) -> dict[str, torch.Tensor]:
+              control_images: int = 0) -> dict[str, torch.Tensor]:
     """A worker's uncached batch for ``comps.family``: uint8 pixels (``resolution``: a
     square's side, or a bucket's ``(width, height)``), token ids of each tokenizer's full
     length (and attention masks), SDXL's size/crop columns (which other families
-    ignore); ``control_images``: an edit pair's input pixels too (data.control_images)."""
+    ignore); ``control_images``: that many input images' pixels per sample too (an edit
+    pair's, data.control_images; True: one)."""
     b = batch_size
     w, h = (resolution, resolution) if isinstance(resolution, int) else resolution
     size = torch.tensor([h, w], device=device).expand(b, 2)
@@ -632,8 +634,8 @@ def raw_batch(comps, batch_size: int, resolution: int | tuple[int, int],
              "original_size": size.clone(),
              "crop_top_left": torch.zeros(b, 2, dtype=torch.long, device=device),
              "target_size": size.clone()}
-    if control_images:
-        batch["control_values"] = torch.zeros(b, 3, h, w, dtype=torch.uint8, device=device)
+    for i in range(int(control_images)):
+        batch[control_key("control_values", i)] = torch.zeros(b, 3, h, w, dtype=torch.uint8, device=device)
     for t, tok in zip(comps.family.text, comps.tokenizers):
         n = t.length(tok.model_max_length, max_sequence_length)
         batch[t.ids_key] = torch.zeros(b, n, dtype=torch.long, device=device)
@@ -649,10 +651,18 @@ def cached_batch(comps, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
     with torch.no_grad(), _MetaStep(None, None, False, _longest(batch)):
         out = {"latent_params": vae_posterior(comps.family, comps.vae, batch["pixel_values"])}
-        if "control_values" in batch:
-            out["control_params"] = vae_posterior(comps.family, comps.vae, batch["control_values"])
+        i = 0
+        while (raw := batch.get(control_key("control_values", i))) is not None:
+            out[control_key("control_params", i)] = vae_posterior(comps.family, comps.vae, raw)
+            i += 1
         out.update(comps.family.encode_text(comps.text_encoders, batch))
     return {k: v.detach() for k, v in out.items()}
+
+
+def _inputs(n) -> str:
+    """The estimate's header words for ``n`` input images a sample (0/None: none)."""
+    n = int(n or 0)
+    return "" if not n else ", an input image per sample" if n == 1 else f", {n} input images per sample"
 
 
 def _longest(batch) -> int:
@@ -877,7 +887,7 @@ class Estimate:
                 f"{s.get('world_size')}, quantize {s.get('quantize')}, gradient checkpointing "
                 f"{'on' if s.get('gradient_checkpointing') else 'off'}, "
                 f"{'cached latents' if s.get('cached_latents') else 'VAE + text encoders on the worker'}"
-                f"{', an input image per sample' if s.get('control_images') else ''}")
+                f"{_inputs(s.get('control_images'))}")
         rows = self.lines() + [("total per GPU", self.total)]
         after = []
         if self.preview:
@@ -971,7 +981,7 @@ def _profile(model_path: str, batch_size: int, resolution: int | tuple[int, int]
              lora_targets: tuple[str, ...] | None, mixed_precision: str, gradient_checkpointing: bool,
              cached_latents: bool, train_text_encoder: bool, max_sequence_length: int | None,
              autocast_device: str, groupnorm_fp32: bool = False,
-             control_images: bool = False) -> StepProfile:
+             control_images: int = 0) -> StepProfile:
     """The step's profile; cached, since strategy, quantization and optimizer do not
     change it."""
     comps, _, _ = _components(model_path, mixed_precision, lora_rank, lora_targets, train_text_encoder)
@@ -994,7 +1004,7 @@ def estimate(model_path: str, *, batch_size: int = 1, resolution: int | tuple[in
              train_text_encoder: bool = False, max_sequence_length: int | None = None,
              prodigy_slice_p: int = 1, adafactor_beta1: float | None = None,
              device: str = "cuda", samples_per_row: int = 1, groupnorm_fp32: bool = False,
-             previews: bool = False, control_images: bool = False) -> Estimate:
+             previews: bool = False, control_images: int = 0) -> Estimate:
     """Per-GPU bytes of one raylora training worker for the pipeline folder ``model_path``
     (configs only are read: a folder of ``model_index.json`` and ``config.json`` files is
     enough). ``batch_size``: per worker and micro-step. ``strategy``/``world_size``: ddp or
@@ -1005,8 +1015,9 @@ def estimate(model_path: str, *, batch_size: int = 1, resolution: int | tuple[in
     autocast. ``samples_per_row``: 2 with prior preservation, whose micro-batch is
     ``batch_size`` instance samples plus as many class samples. ``groupnorm_fp32``: as
     ``train.groupnorm_fp32``. ``previews``: the run renders ``validation.prompts``.
-    ``control_images``: each sample brings an edit pair's input image, whose tokens the
-    denoiser sees beside the noisy ones (data.control_images)."""
+    ``control_images``: each sample brings that many input images (an edit pair's, True:
+    one), whose tokens the denoiser sees beside the noisy ones (data.control_images,
+    data.control_inputs)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy: {strategy!r} is not one of {', '.join(STRATEGIES)}")
     for key, kind in (("quantize", quantize), ("quantize_text_encoders", quantize_text_encoders)):
@@ -1103,7 +1114,7 @@ def config_args(cfg) -> dict:
         train_text_encoder=lo.train_text_encoder, max_sequence_length=m.max_sequence_length,
         device="cuda" if s.use_gpu else "cpu", samples_per_row=2 if d.prior_preservation else 1,
         groupnorm_fp32=t.groupnorm_fp32, previews=bool(cfg.validation.prompts),
-        control_images=d.control_images, **optimizer_args(t))
+        control_images=d.references(), **optimizer_args(t))
 
 
 def from_config(cfg, **changes) -> Estimate:

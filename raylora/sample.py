@@ -19,16 +19,19 @@ def sample(
     expert: str | None = None,
     quantize_text_encoders: str = "none",
     revision: str | None = None,
-    image: str | None = None,
+    image: str | list[str] | None = None,
 ) -> str:
     """``guidance_scale``: default the family's (SD 7.5, Flux.1-dev 3.5, ...), passed as the
     family's pipeline takes it (Qwen-Image: true CFG with an empty negative prompt).
     ``adapter``, ``expert``, ``quantize_text_encoders``, ``revision``: see ``load_pipeline``.
-    ``image``: an edit model's input image (a path or storage URI; Flux.1 Kontext, Flux.2), resized
-    to ``size`` when given, else sized as the pipeline does."""
+    ``image``: an edit model's input image (a path or storage URI; Flux.1 Kontext, Flux.2,
+    Qwen-Image-Edit), or a list of them in order (Flux.2, Qwen-Image-Edit), resized to
+    ``size`` when given, else sized as the pipeline does."""
     from raylora.storage import Storage
 
     control = None
+    if isinstance(image, list):  # --image given several times: the inputs in order
+        image = image[0] if len(image) == 1 else image or None
     if image is not None:
         from raylora.train.preview import read_control_images
 
@@ -41,7 +44,8 @@ def sample(
     pipe, family = load_pipeline(model, adapter, expert,
                                  torch.bfloat16 if device == "cuda" else torch.float32,
                                  quantize_text_encoders, device, revision,
-                                 with_image=control is not None)
+                                 with_image=0 if control is None else
+                                 len(control) if isinstance(control, list) else 1)
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     # No size: the pipeline's own default (the model's sample size; ZImagePipeline's 1024,
@@ -64,7 +68,7 @@ def sample(
 
 def load_pipeline(model: str, adapter: str | list[str], expert: str | None = None,
                   dtype: torch.dtype = torch.float32, quantize_text_encoders: str = "none",
-                  device="cpu", revision: str | None = None, with_image: bool = False):
+                  device="cpu", revision: str | None = None, with_image: int = 0):
     """(the family's stock pipeline of ``model`` with the adapter loaded, the family).
 
     A pipeline of experts (Wan 2.2 A14B) samples with every expert; an adapter goes into
@@ -80,8 +84,8 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
 
     ``revision``: a hub model's; default the commit the adapter was trained on when its
     ``raylora.json`` names ``model`` as its base (``trained_commit``), else main.
-    ``with_image``: the call gives an input image (``--image``), refused for a family whose
-    pipeline takes none."""
+    ``with_image``: the call gives that many input images (``--image``), refused for a
+    family whose pipeline takes none or fewer."""
     from diffusers import DiffusionPipeline
 
     from raylora import quiet
@@ -104,6 +108,9 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
     family = families.detect(index, "--model")
     if with_image and not family.reference_image:
         raise ValueError(f"--image: {family.name} ({family.pipeline}) takes no input image")
+    if int(with_image) > family.max_references:
+        raise ValueError(f"--image: {int(with_image)} input images, but {family.pipeline} takes "
+                         f"{family.max_references}")
     if len(adapters) > 1 and expert is not None:
         raise ValueError("--expert: names the expert of one --adapter; with several, each "
                          "folder's raylora.json does")

@@ -23,7 +23,7 @@ import ray.train
 from ray.train import CheckpointUploadMode
 
 from raylora.checkpoint.state import LoopState, load_state
-from raylora.config import RayLoraConfig
+from raylora.config import RayLoraConfig, control_key
 from raylora.entry import WorkerSpec
 from raylora.launch import Plan
 from raylora.model.lora import digest
@@ -78,8 +78,9 @@ def _heldout_batch(spec: WorkerSpec) -> dict[str, torch.Tensor]:
         return {k: from_column(v) for k, v in heldout.items()}
     # Buckets or not: one square size (the largest resolution), so they batch together.
     pre = Preprocess(StageSpec(**_stage_kwargs("heldout", spec)))
+    controls = [control_key("control", i) for i in range(spec.config.data.references())]
     batch = pre({k: np.array([r.get(k) for r in heldout], dtype=object)
-                 for k in ("image", "text", "control") if k != "control" or pre.controls})
+                 for k in ("image", "text", *controls)})
     return {k: torch.from_numpy(v) for k, v in batch.items()}
 
 

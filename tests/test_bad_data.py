@@ -123,6 +123,41 @@ def test_modes_convert_to_the_right_rgb():
     assert tuple(grey[0, 0]) == (77, 77, 77)
 
 
+def test_each_input_of_an_edit_row_is_judged():
+    """data.control_images: a row's control images, one per input, each decoded and
+    resized to its image's size; a row lacking any of them is missing_control (before
+    any is decoded: a broken input 1 beside a missing input 2 is still missing_control),
+    one that does not decode or is over the pixel bound bad_control; with several
+    inputs the message names the input, with one it reads as it always did."""
+    from raylora.data.decode import open_masked_row
+
+    opts = {k: v for k, v in OPTS.items() if k != "background"}
+    image, small = png(rgb(64, 1)), png(rgb(32, 2))
+
+    def judged(controls) -> str:
+        with pytest.raises(BadRecord) as exc:
+            open_masked_row(image, "a", None, masks=False, controls=controls, **opts)
+        return str(exc.value)
+
+    _, _, _, (first, second) = open_masked_row(image, "a", None, masks=False,
+                                               controls=[png(rgb(64, 3)), small], **opts)
+    assert first.size == second.size == (64, 64)
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(rgb(64, 3)))
+    np.testing.assert_array_equal(np.asarray(second),
+                                  np.asarray(rgb(32, 2).resize((64, 64), Image.Resampling.BILINEAR)))
+    assert open_masked_row(image, "a", None, masks=False, **opts)[3] is None  # off
+    assert judged([None]) == ("missing_control: no KEY.control.<ext> beside the image, or an "
+                              "empty data.control_column cell")
+    assert judged([b"junk"]).startswith("bad_control: control image: not_an_image")
+    assert judged([small, b""]) == (
+        "missing_control: input 2: no KEY.control_2.<ext> beside the image (or in "
+        "data.control_uri's folder 2), or an empty cell in data.control_column's column 2")
+    assert judged([b"junk", small, None]).startswith("missing_control: input 3: no KEY.control_3.<ext>")
+    assert judged([small, b"junk"]).startswith("bad_control: control image (input 2): not_an_image")
+    assert judged([small, png(rgb(300, 4))]).startswith(
+        "bad_control: control image (input 2): too_many_pixels")
+
+
 def mixed_shard(path) -> tuple[int, dict]:
     """12 good rows (5 RGB + 7 other modes) and 8 bad ones, captions as UTF-8 bytes."""
     good = [png(rgb(64, s)) for s in range(5)]

@@ -9,7 +9,9 @@ on a local Ray from a WebDataset of pairs to an adapter the stock pipeline edits
 (previews and held-out loss on pairs, ``raylora sample --image``).
 
 Every pair here is an image and its negative (control = 255 − image), so whether a control
-image was cut where its target was is a check of equality."""
+image was cut where its target was is a check of equality. A sample of two inputs
+(data.control_inputs: 2) has a second one, the image with its channels reversed (RGB → BGR),
+which no crop, flip or resize changes but where it was cut."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import pytest
 import torch
 from PIL import Image
 
-from raylora.config import validate
+from raylora.config import control_key, validate
 from raylora.data.preprocess import Preprocess, StageSpec
 from raylora.model import families
 from raylora.model.tiny import FAMILIES
@@ -44,19 +46,30 @@ def pair(seed: int, w: int = 40, h: int = 32) -> tuple[bytes, bytes]:
     return png(Image.fromarray(a)), png(Image.fromarray(255 - a))
 
 
-def write_pairs(root, fmt: str, n: int = 3, w: int = 40, h: int = 32) -> str:
+def swapped(seed: int, w: int = 40, h: int = 32) -> bytes:
+    """A sample's second input: its image with the channels reversed, as PNG bytes."""
+    return png(Image.fromarray(np.ascontiguousarray(pattern(seed, w, h)[..., ::-1])))
+
+
+def write_pairs(root, fmt: str, n: int = 3, w: int = 40, h: int = 32, inputs: int = 1,
+                columns: tuple[str, str] = ("control_image", "control_image_2")) -> str:
     """``n`` pairs in ``fmt``; returns the data URI. Sidecars: KEY.control.png (the folder
-    formats also one KEY.control.jpg, found by its own extension's absence)."""
+    formats also one KEY.control.jpg, found by its own extension's absence). ``inputs``
+    2: each sample's second input too (``swapped``), KEY.control_2.png (the folder
+    formats' k1 a KEY.control_2.jpg), the parquet column ``columns[1]``."""
     root.mkdir(parents=True, exist_ok=True)
     pairs = [pair(i, w, h) for i in range(n)]
+    seconds = [swapped(i, w, h) for i in range(n)] if inputs == 2 else []
     if fmt == "parquet":
         pq.write_table(pa.table({"image": [p[0] for p in pairs], "text": [f"edit {i}" for i in range(n)],
-                                 "control_image": [p[1] for p in pairs]}), str(root / "p.parquet"))
+                                 columns[0]: [p[1] for p in pairs],
+                                 **({columns[1]: seconds} if seconds else {})}), str(root / "p.parquet"))
         return str(root / "p.parquet")
     if fmt == "webdataset":
         with tarfile.open(root / "000.tar", "w") as tar:
             for i, (img, ctl) in enumerate(pairs):
                 for name, data in ((f"k{i}.png", img), (f"k{i}.control.png", ctl),
+                                   *([(f"k{i}.control_2.png", seconds[i])] if seconds else []),
                                    (f"k{i}.txt", f"edit {i}".encode())):
                     info = tarfile.TarInfo(name)
                     info.size = len(data)
@@ -69,6 +82,11 @@ def write_pairs(root, fmt: str, n: int = 3, w: int = 40, h: int = 32) -> str:
             Image.open(io.BytesIO(ctl)).save(root / f"k{i}.control.jpg", quality=100, subsampling=0)
         else:
             (root / f"k{i}.control.png").write_bytes(ctl)
+        if seconds and i == 1:  # input 2's JPEG sidecar
+            Image.open(io.BytesIO(seconds[i])).save(root / f"k{i}.control_2.jpg", quality=100,
+                                                    subsampling=0)
+        elif seconds:
+            (root / f"k{i}.control_2.png").write_bytes(seconds[i])
         if fmt == "captionfolder":
             (root / f"k{i}.txt").write_text(f"edit {i}")
         lines.append(json.dumps({"file_name": f"k{i}.png", "text": f"edit {i}"}))
@@ -91,7 +109,15 @@ def stage(model: str, resolution: int = 32, **kw) -> tuple[Preprocess, list]:
 
 
 def run_stage(s: Preprocess, rows: list[dict]) -> dict[str, np.ndarray]:
-    return s({k: np.array([r.get(k) for r in rows], dtype=object) for k in ("image", "text", "control")})
+    """The stage on ``rows``: their image, text and control columns (``control_2``, ...
+    where any row has one)."""
+    more = sorted({k for r in rows for k in r if k.startswith("control_")})
+    return s({k: np.array([r.get(k) for r in rows], dtype=object)
+              for k in ("image", "text", "control", *more)})
+
+
+def decoded(value: bytes) -> np.ndarray:
+    return np.array(Image.open(io.BytesIO(value)).convert("RGB"))
 
 
 # ---------------------------------------------------------------- the denoiser call
@@ -106,24 +132,34 @@ class _Probed(Exception):
 
 def test_the_families_that_take_an_input_image():
     assert sorted(EDIT_FAMILIES) == ["flux2", "flux2klein", "fluxkontext", "qwenimageedit"]
+    # several a sample (data.control_inputs) where the pipeline takes a list of images
+    assert {f: families.get(f).max_references for f in EDIT_FAMILIES} == \
+        {"flux2": 4, "flux2klein": 4, "fluxkontext": 1, "qwenimageedit": 4}
 
 
-@pytest.mark.parametrize("family", EDIT_FAMILIES)
-def test_denoise_with_an_input_image_is_the_stock_pipeline_call(tiny, family):
+# (family, input images a sample): every edit family with one, and with two where its
+# pipeline takes a list
+INPUT_CASES = [(f, 1) for f in EDIT_FAMILIES] + \
+    [(f, 2) for f in EDIT_FAMILIES if families.get(f).max_references > 1]
+
+
+@pytest.mark.parametrize("family,inputs", INPUT_CASES, ids=[f"{f}-{n}" for f, n in INPUT_CASES])
+def test_denoise_with_input_images_is_the_stock_pipeline_call(tiny, family, inputs):
     """For the latents, step and prompt of each of two sampling steps of the family's
-    stock pipeline editing an input image, the family's ``denoise`` (given the reference
-    latents raylora's data path makes of that image) hands the denoiser the pipeline's
-    sequence (noisy tokens, then the input's), position ids and timestep, and returns the
-    pipeline's prediction, read from the noisy tokens only. Where each latent value lands
-    is read by feeding ``denoise`` numbered latents (as test_families does); the image is
-    taller than wide, so rows and columns swapped anywhere fail it."""
+    stock pipeline editing one input image, or two (``image=[a, b]``, data.control_inputs:
+    2), the family's ``denoise`` (given the reference latents raylora's data path makes of
+    them) hands the denoiser the pipeline's sequence (noisy tokens, then each input's in
+    order), position ids and timestep, and returns the pipeline's prediction, read from
+    the noisy tokens only. Where each latent value lands is read by feeding ``denoise``
+    numbered latents (as test_families does); the image is taller than wide, so rows and
+    columns swapped anywhere fail it, and the two inputs differ, so swapping them does."""
     from raylora.train.encode import batch_reference
     from stock import PIPELINES, stock_pipeline
     from test_families import _raylora_batch
 
     H, W = 96, 64  # Flux.2's image processor takes no input under 64 px a side
     model, fam = tiny(family), families.get(family)
-    comps, batch = _raylora_batch(model, family, ["make it red"], size=(H, W))
+    comps, batch = _raylora_batch(model, family, ["make it red"], size=(H, W), references=inputs)
     pipe = stock_pipeline(family, model)
     pipe.set_progress_bar_config(disable=True)
     net = pipe.transformer
@@ -138,48 +174,53 @@ def test_denoise_with_an_input_image_is_the_stock_pipeline_call(tiny, family):
     stepped: list[torch.Tensor] = []
     step = pipe.scheduler.step
     pipe.scheduler.step = lambda out, *a, **k: (stepped.append(out), step(out, *a, **k))[1]
-    source = Image.fromarray(pattern(7, W, H))
+    sources = [Image.fromarray(pattern(7 + k, W, H)) for k in range(inputs)]
     with torch.no_grad():
         # through the family's images: how raylora samples (Kontext's max_area and
         # Qwen-Image-Edit's VAE input at the output's size)
         extra = {k: v for k, v in PIPELINES[family][1].items() if k not in fam.size_kwargs(H, W)}
+        given = sources[0] if inputs == 1 else sources
         fam.images(pipe, prompt="make it red", num_inference_steps=2, height=H, width=W,
                    output_type="np", generator=torch.Generator().manual_seed(0),
-                   **{**extra, **fam.guidance_kwargs(1.0), **fam.reference_kwargs(source, H, W)})
+                   **{**extra, **fam.guidance_kwargs(1.0), **fam.reference_kwargs(given, H, W)})
         theirs = list(seen)
         assert len(theirs) == 2, "one unguided denoiser pass per step expected"
         # the raw batch's input pixels, as a worker gets them (Qwen-Image-Edit's text
         # encoder reads them too)
-        pixels = torch.from_numpy(np.array(source)).permute(2, 0, 1)[None]
-        cond = fam.encode_text(comps.text_encoders, {**batch, "control_values": pixels})
+        raw = {control_key("control_values", k): torch.from_numpy(np.array(s)).permute(2, 0, 1)[None]
+               for k, s in enumerate(sources)}
+        cond = fam.encode_text(comps.text_encoders, {**batch, **raw})
         shift, scale = fam.latent_stats(pipe.vae.config)
-        ref = batch_reference(fam, pipe.vae, {"control_values": pixels}, shift, scale)
-        n = ref.numel()
+        refs = [batch_reference(fam, pipe.vae, raw, shift, scale, index=k) for k in range(inputs)]
+        shape, n = refs[0].shape, refs[0].numel()
+        m = (1 + inputs) * n
 
-        # Where each value of the noisy latents (0..n-1) and of the input's (n..2n-1) lands.
-        def probe(m, a, kw):
+        # Where each value of the noisy latents (0..n-1) and of input k's (the k+1-th n) lands.
+        def probe(m_, a, kw):
             seen.append(dict(kw))
             raise _Probed
 
         h = net.register_forward_pre_hook(probe, with_kwargs=True, prepend=True)
-        numbered = torch.arange(2 * n, dtype=torch.float32)
+        numbered = torch.arange(m, dtype=torch.float32)
         with pytest.raises(_Probed):
-            fam.denoise(net, numbered[:n].view(ref.shape), torch.ones(1),
-                        {**cond, "reference_latents": numbered[n:].view(ref.shape)}, guidance=1.0)
+            fam.denoise(net, numbered[:n].view(shape), torch.ones(1),
+                        {**cond, **{control_key("reference_latents", k): numbered[(k + 1) * n:(k + 2) * n].view(shape)
+                                    for k in range(inputs)}}, guidance=1.0)
         h.remove()
         where = seen.pop()["hidden_states"].flatten().long()
-        assert sorted(where.tolist()) == list(range(2 * n))
-        assert where[:n].lt(n).all()  # the noisy tokens first, then the input's
-        # The pipeline's encoding of its image is raylora's of the uint8 pixels.
-        x = torch.empty(2 * n)
+        assert sorted(where.tolist()) == list(range(m))
+        assert where[:n].lt(n).all()  # the noisy tokens first, then the inputs'
+        # The pipeline's encoding of each image is raylora's of its uint8 pixels, in order.
+        x = torch.empty(m)
         x[where] = theirs[0]["hidden_states"].flatten().float()
-        torch.testing.assert_close(x[n:].view(ref.shape), ref, rtol=1e-5, atol=1e-5)
-        cond["reference_latents"] = ref
+        for k, ref in enumerate(refs):
+            torch.testing.assert_close(x[(k + 1) * n:(k + 2) * n].view(shape), ref, rtol=1e-5, atol=1e-5)
+            cond[control_key("reference_latents", k)] = ref
         for i, call in enumerate(theirs):
-            x = torch.empty(2 * n)
+            x = torch.empty(m)
             x[where] = call["hidden_states"].flatten().float()
             del seen[:]
-            pred = fam.denoise(net, x[:n].view(ref.shape), pipe.scheduler.sigmas[i].reshape(1),
+            pred = fam.denoise(net, x[:n].view(shape), pipe.scheduler.sigmas[i].reshape(1),
                                cond, guidance=1.0)
             ours = seen[0]
             torch.testing.assert_close(ours["hidden_states"], call["hidden_states"], rtol=1e-5, atol=1e-5)
@@ -187,10 +228,12 @@ def test_denoise_with_an_input_image_is_the_stock_pipeline_call(tiny, family):
                 ids, want = ours["img_ids"].reshape(-1, ours["img_ids"].shape[-1]), \
                     call["img_ids"].reshape(-1, call["img_ids"].shape[-1])
                 assert torch.equal(ids.to(want.dtype), want)
-                k = ids.shape[0] // 2  # tokens per image; the input's first axis is not the noisy's
-                assert ids[:k, 0].eq(0).all() and ids[k:, 0].gt(0).all()
-            else:  # Qwen-Image-Edit: a rope grid per image, and the caption read with the image
-                assert ours["img_shapes"] == call["img_shapes"] == [[(1, H // 4, W // 4)] * 2]
+                k = ids.shape[0] // (1 + inputs)  # tokens per image; each input's first axis its own
+                firsts = [set(ids[j * k:(j + 1) * k, 0].tolist()) for j in range(1 + inputs)]
+                assert firsts[0] == {0} and all(len(f) == 1 for f in firsts)
+                assert len(set().union(*firsts)) == 1 + inputs
+            else:  # Qwen-Image-Edit: a rope grid per image, and the caption read with the images
+                assert ours["img_shapes"] == call["img_shapes"] == [[(1, H // 4, W // 4)] * (1 + inputs)]
                 torch.testing.assert_close(ours["encoder_hidden_states"], call["encoder_hidden_states"],
                                            rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(ours["timestep"], call["timestep"])
@@ -201,12 +244,13 @@ def test_denoise_with_an_input_image_is_the_stock_pipeline_call(tiny, family):
         hk.remove()
 
 
-def test_qwenimageedit_reads_each_captions_input_image_as_its_pipeline_does(tiny):
-    """A batch of two captions of different lengths, each with its own input image (right-
-    padded ids, each row's picture slot widened to its image's vision tokens): each row's
-    conditioning is what QwenImageEditPlusPipeline's ``encode_prompt`` gives that caption
-    with its condition image (the input at 384² px of area, as the pipeline resizes it)
-    alone; past each caption, zeros under a zero mask."""
+@pytest.mark.parametrize("inputs", [1, 2])
+def test_qwenimageedit_reads_each_captions_input_images_as_its_pipeline_does(tiny, inputs):
+    """A batch of two captions of different lengths, each with its own input image (or
+    two: "Picture 1", "Picture 2"; right-padded ids, each picture slot widened to its
+    image's vision tokens): each row's conditioning is what QwenImageEditPlusPipeline's
+    ``encode_prompt`` gives that caption with its condition images (each input at 384² px
+    of area, as the pipeline resizes it) alone; past each caption, zeros under a zero mask."""
     from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (
         CONDITION_IMAGE_SIZE,
         calculate_dimensions,
@@ -218,90 +262,159 @@ def test_qwenimageedit_reads_each_captions_input_image_as_its_pipeline_does(tiny
     family, (H, W) = "qwenimageedit", (48, 80)
     model = tiny(family)
     captions = ["make it red", "turn the small blue square into a green circle"]
-    comps, batch = _raylora_batch(model, family, captions, size=(H, W))
+    comps, batch = _raylora_batch(model, family, captions, size=(H, W), references=inputs)
     pipe = stock_pipeline(family, model)
-    images = [pattern(s, W, H) for s in (1, 2)]
-    control = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2)
+    images = [[pattern(10 * s + k, W, H) for k in range(inputs)] for s in (1, 2)]  # [row][input]
+    raw = {control_key("control_values", k): torch.from_numpy(np.stack([row[k] for row in images])).permute(0, 3, 1, 2)
+           for k in range(inputs)}
     with torch.no_grad():
-        ours = families.get(family).encode_text(comps.text_encoders, {**batch, "control_values": control})
+        ours = families.get(family).encode_text(comps.text_encoders, {**batch, **raw})
         lengths = []
-        for i, (caption, img) in enumerate(zip(captions, images)):
-            w, h = calculate_dimensions(CONDITION_IMAGE_SIZE, W / H)
-            want, mask = pipe.encode_prompt([caption], image=[pipe.image_processor.resize(Image.fromarray(img), h, w)])
+        w, h = calculate_dimensions(CONDITION_IMAGE_SIZE, W / H)
+        for i, (caption, row) in enumerate(zip(captions, images)):
+            want, mask = pipe.encode_prompt(
+                [caption], image=[pipe.image_processor.resize(Image.fromarray(x), h, w) for x in row])
             n = want.shape[1]
             lengths.append(n)
             assert mask is None  # one caption: every position valid
             torch.testing.assert_close(ours["prompt_embeds"][i, :n], want[0], rtol=1e-5, atol=1e-6)
             assert ours["prompt_embeds_mask"][i, :n].all() and not ours["prompt_embeds_mask"][i, n:].any()
             assert not ours["prompt_embeds"][i, n:].any()
-    # 170 vision tokens (480 × 288 px → 20 × 34 patches of 14 px, merged 2×2) in each
-    assert lengths[0] < lengths[1] == ours["prompt_embeds"].shape[1] and lengths[0] > 170
+    # 170 vision tokens (480 × 288 px → 20 × 34 patches of 14 px, merged 2×2) per input
+    assert lengths[0] < lengths[1] == ours["prompt_embeds"].shape[1] and lengths[0] > 170 * inputs
 
 
 # ---------------------------------------------------------------- where control images come from
 
 
+@pytest.mark.parametrize("inputs", [1, 2])
 @pytest.mark.parametrize("fmt", ["webdataset", "captionfolder", "imagefolder", "parquet"])
-def test_every_format_reads_each_samples_control_image(tmp_path, fmt):
+def test_every_format_reads_each_samples_control_image(tmp_path, fmt, inputs):
     """The sidecar (tar member, folder file; PNG or JPEG) or the parquet column reaches
-    each row as ``control``; sidecars are never training images themselves, and the plan
-    counts the pairs, not their files. With data.control_images off rows have none and
-    nothing is read for them."""
+    each row as ``control``; with two inputs the second's (KEY.control_2.<ext>, the
+    column control_image_2) as ``control_2``. Sidecars are never training images
+    themselves, and the plan counts the pairs, not their files. With data.control_images
+    off rows have none and nothing is read for them."""
     from raylora.data.formats import get_format
     from raylora.data.plan import plan_data
 
-    uri = write_pairs(tmp_path / fmt, fmt)
-    data = section(uri)
+    uri = write_pairs(tmp_path / fmt, fmt, inputs=inputs)
+    data = section(uri, control_inputs=inputs)
     plan = plan_data(data, Storage())
     (src,) = plan.sources
     assert src.format == fmt and src.rows == 3
     rows = sorted(get_format(fmt).iter_rows(data, src.files, Storage()), key=lambda r: r["text"])
     assert [r["text"] for r in rows] == ["edit 0", "edit 1", "edit 2"]
+    folder = fmt in ("captionfolder", "imagefolder")
     for i, r in enumerate(rows):
         image = np.array(Image.open(io.BytesIO(r["image"])))
-        control = np.array(Image.open(io.BytesIO(r["control"])).convert("RGB"))
+        control = decoded(r["control"])
         np.testing.assert_array_equal(image, pattern(i))
-        if fmt in ("captionfolder", "imagefolder") and i == 0:  # the JPEG one
+        if folder and i == 0:  # the JPEG one
             assert np.abs(control.astype(int) - (255 - image)).mean() < 8
         else:
             np.testing.assert_array_equal(control, 255 - image)
+        assert ("control_2" in r) == (inputs == 2)
+        if inputs == 2:
+            second = decoded(r["control_2"])
+            tolerance = 8 if folder and i == 1 else 1e-9  # k1's is a JPEG
+            assert np.abs(second.astype(int) - image[..., ::-1]).mean() < tolerance
+            assert np.abs(second.astype(int) - image).mean() > 30  # not the image itself
     off = get_format(fmt).iter_rows(section(uri, control_images=False), src.files, Storage())
-    assert all("control" not in r for r in off)
+    assert all("control" not in r and "control_2" not in r for r in off)
     # the sidecars are part of the data: a change to one is a change to the cache's input
-    assert sum(".control." in f for f in src.companions) == (3 if fmt in ("captionfolder",
-                                                                         "imagefolder") else 0)
-    assert sum(".control." in f for f in plan_data(section(uri, control_images=False),
-                                                    Storage()).content_files()) == 0
+    assert sum(".control." in f for f in src.companions) == (3 if folder else 0)
+    assert sum(".control_2." in f for f in src.companions) == (3 if folder and inputs == 2 else 0)
+    assert sum(".control" in f for f in plan_data(section(uri, control_images=False),
+                                                   Storage()).content_files()) == 0
 
 
+def test_parquet_columns_of_several_inputs_named_or_derived(tmp_path):
+    """parquet with two inputs: the columns data.control_column names (a list), or the
+    first's and ``{column}_2``; a shard without input 2's column gives every row a None
+    ``control_2`` (a missing_control later), not an error."""
+    from raylora.data.formats import get_format
+
+    def rows(uri, **kw):
+        data = section(uri, control_inputs=2, **kw)
+        return list(get_format("parquet").iter_rows(data, [uri], Storage()))
+
+    named = write_pairs(tmp_path / "named", "parquet", inputs=2, columns=("before", "reference"))
+    derived = write_pairs(tmp_path / "derived", "parquet", inputs=2, columns=("src", "src_2"))
+    for got in (rows(named, control_column=["before", "reference"]),
+                rows(derived, control_column="src")):
+        assert len(got) == 3
+        for i, r in enumerate(got):
+            np.testing.assert_array_equal(decoded(r["control"]), 255 - pattern(i))
+            np.testing.assert_array_equal(decoded(r["control_2"]), pattern(i)[..., ::-1])
+    # input 2's column read from the list, not derived: src_2 is not looked at
+    got = rows(derived, control_column=["src", "other"])
+    assert all(r["control"] is not None and r["control_2"] is None for r in got)
+
+
+@pytest.mark.parametrize("inputs", [1, 2])
 @pytest.mark.parametrize("fmt", ["captionfolder", "imagefolder"])
-def test_control_images_in_a_folder_of_their_own(tmp_path, fmt):
+def test_control_images_in_a_folder_of_their_own(tmp_path, fmt, inputs):
     """data.control_uri (ai-toolkit's control_path): each image's control image under its
     path relative to data.uri in another folder, any extension (one here is a JPEG of a
-    PNG image); they are the plan's companions (the cache's fingerprint), and sidecars
-    beside the images are then not read."""
+    PNG image); with two inputs a list of two folders, input k's in the k-th. They are
+    the plan's companions (the cache's fingerprint), and sidecars beside the images are
+    then not read."""
     from raylora.data.formats import get_format
     from raylora.data.plan import plan_data
 
-    write_pairs(tmp_path / "data" / "sub", fmt)
-    controls = tmp_path / "control" / "sub"
-    controls.mkdir(parents=True)
-    for f in (tmp_path / "data" / "sub").glob("*.control.*"):
-        f.rename(controls / f.name.replace(".control", ""))
-    data = section(str(tmp_path / "data"), control_uri=str(tmp_path / "control"))
+    write_pairs(tmp_path / "data" / "sub", fmt, inputs=inputs)
+    folders = [tmp_path / "control", tmp_path / "second"][:inputs]
+    for folder, infix in zip(folders, (".control", ".control_2")):
+        (folder / "sub").mkdir(parents=True)
+        for f in (tmp_path / "data" / "sub").glob(f"*{infix}.*"):
+            f.rename(folder / "sub" / f.name.replace(infix, ""))
+    uris = [str(f) for f in folders]
+    data = section(str(tmp_path / "data"), control_inputs=inputs,
+                   control_uri=uris if inputs > 1 else uris[0])
     (src,) = plan_data(data, Storage()).sources
-    assert src.rows == 3 and sorted(c for c in src.companions if "/control/" in c) == \
+    assert src.rows == 3
+    controls = folders[0] / "sub"
+    assert sorted(c for c in src.companions if "/control/" in c) == \
         [str(controls / "k0.jpg"), str(controls / "k1.png"), str(controls / "k2.png")]
+    if inputs == 2:
+        seconds = folders[1] / "sub"
+        assert sorted(c for c in src.companions if "/second/" in c) == \
+            [str(seconds / "k0.png"), str(seconds / "k1.jpg"), str(seconds / "k2.png")]
     rows = sorted(get_format(fmt).iter_rows(data, src.files, Storage()), key=lambda r: r["text"])
     for i, r in enumerate(rows):
         image = np.array(Image.open(io.BytesIO(r["image"])))
-        control = np.array(Image.open(io.BytesIO(r["control"])).convert("RGB"))
+        control = decoded(r["control"])
         assert np.abs(control.astype(int) - (255 - image)).mean() < (8 if i == 0 else 1e-9)
+        if inputs == 2:
+            second = decoded(r["control_2"])
+            assert np.abs(second.astype(int) - image[..., ::-1]).mean() < (8 if i == 1 else 1e-9)
     # a sidecar beside an image is not read when the controls are in their own folder
     (tmp_path / "data" / "sub" / "k1.control.png").write_bytes(pair(9)[1])
+    (tmp_path / "data" / "sub" / "k1.control_2.png").write_bytes(pair(9)[1])
     (controls / "k1.png").unlink()
-    rows = list(get_format(fmt).iter_rows(data, src.files, Storage()))
-    assert sum(r["control"] is None for r in rows) == 1
+    if inputs == 2:
+        (folders[1] / "sub" / "k2.png").unlink()
+    rows = sorted(get_format(fmt).iter_rows(data, src.files, Storage()), key=lambda r: r["text"])
+    assert [r["control"] is None for r in rows] == [False, True, False]
+    if inputs == 2:
+        assert [r["control_2"] is None for r in rows] == [False, False, True]
+
+
+def test_held_out_rows_carry_every_input(tmp_path):
+    """The held-out rows read on the driver (``read_heldout_rows``) have each of their
+    inputs: ``control`` and ``control_2``, from their sidecars."""
+    from raylora.data.plan import plan_data
+    from raylora.data.split import read_heldout_rows
+
+    data = section(write_pairs(tmp_path / "d", "captionfolder", inputs=2), control_inputs=2)
+    rows = read_heldout_rows(data, plan_data(data, Storage()), Storage(), 1.0)  # every row
+    assert sorted(r["text"] for r in rows) == ["edit 0", "edit 1", "edit 2"]
+    for r in rows:
+        image = np.array(Image.open(io.BytesIO(r["image"])))
+        assert sorted(r) == ["control", "control_2", "image", "text"]
+        assert np.abs(decoded(r["control"]).astype(int) - (255 - image)).mean() < 8
+        assert np.abs(decoded(r["control_2"]).astype(int) - image[..., ::-1]).mean() < 8
 
 
 def test_held_out_pairs_come_with_their_inputs(tiny, tmp_path):
@@ -383,38 +496,98 @@ def test_a_control_folder_that_cannot_serve_is_refused_naming_its_key(tmp_path):
     assert [p.split(": 2 of 3")[0] for p in exc.value.problems] == ["data.control_images (data.sources[1])"]
 
 
+def test_folders_and_sidecars_of_several_inputs_that_cannot_serve_are_refused(tmp_path):
+    """Two inputs, before Ray: each data.control_uri folder inside data.uri or empty is
+    named (all at once); images without input 2's sidecar over data.max_bad_fraction are
+    refused naming data.control_images and KEY.control_2.<ext>; and images each lacking
+    one input or the other, each input under the bound, are refused together."""
+    from raylora.data.plan import DataProblems, plan_data
+
+    d = tmp_path / "d"
+    uri = write_pairs(d, "captionfolder", inputs=2)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "good").mkdir()
+    (tmp_path / "good" / "k0.png").write_bytes(pair(0)[1])
+
+    def problems(**kw) -> list[str]:
+        with pytest.raises(DataProblems) as exc:
+            plan_data(section(uri, control_inputs=2, **kw), Storage())
+        return exc.value.problems
+
+    assert problems(control_uri=[str(tmp_path / "good"), str(d / "ctl")]) == [
+        f"data.control_uri: {d / 'ctl'} is inside data.uri ({d}): its images would train as targets"]
+    assert problems(control_uri=[str(tmp_path / "empty"), str(d / "ctl")]) == [
+        f"data.control_uri: {tmp_path / 'empty'}: no files",
+        f"data.control_uri: {d / 'ctl'} is inside data.uri ({d}): its images would train as targets"]
+    # the good folder has k0's input 1 only; the sidecars beside the images are not read
+    assert problems(control_uri=[str(tmp_path / "good"), str(tmp_path / "good")]) == [
+        f"data.control_images: 2 of 3 images have no input {k}'s control image (none in "
+        f"{tmp_path / 'good'}; e.g. {d / 'k1.png'}, {d / 'k2.png'}); 66.7% of them, over "
+        "data.max_bad_fraction=0.05" for k in (1, 2)]
+
+    assert plan_data(section(uri, control_inputs=2), Storage()).rows == 3
+    for f in ("k1.control_2.jpg", "k2.control_2.png"):  # 2 of 3 without input 2
+        (d / f).unlink()
+    assert problems() == [
+        f"data.control_images: 2 of 3 images have no input 2's control image (no "
+        f"KEY.control_2.<ext> beside them; e.g. {d / 'k1.png'}, {d / 'k2.png'}); 66.7% of "
+        "them, over data.max_bad_fraction=0.05"]
+    (d / "k2.control_2.png").write_bytes(swapped(2))
+    (d / "k2.control.png").unlink()  # k1 lacks input 2, k2 input 1: a third each
+    assert problems(max_bad_fraction=0.4) == [
+        f"data.control_images: 2 of 3 images lack at least one of their 2 control images "
+        f"(e.g. {d / 'k1.png'}, {d / 'k2.png'}); 66.7% of them, over data.max_bad_fraction=0.4"]
+    plan = plan_data(section(uri, control_inputs=2, max_bad_fraction=0.7), Storage())
+    assert plan.rows == 3 and sorted(c.rsplit("/", 1)[1] for c in plan.sources[0].companions
+                                     if ".control" in c) == \
+        ["k0.control.jpg", "k0.control_2.png", "k1.control.png", "k2.control_2.png"]
+
+
+@pytest.mark.parametrize("inputs", [1, 2])
 @pytest.mark.parametrize("fmt", ["webdataset", "parquet"])
-def test_shards_built_from_a_folder_of_pairs_keep_their_control_images_and_masks(tmp_path, fmt):
+def test_shards_built_from_a_folder_of_pairs_keep_their_control_images_and_masks(tmp_path, fmt, inputs):
     """``raylora shards build`` of a caption folder with sidecars: each shard sample keeps
-    its control image (and a loss mask where the folder has one) where the readers look
-    for them, and neither becomes a sample of its own."""
+    its control images (input 2's too: a KEY.control_2.<ext> member, a control_image_2
+    column) and a loss mask where the folder has one, where the readers look for them,
+    and none becomes a sample of its own."""
     from raylora.data.formats import get_format
     from raylora.data.plan import plan_data
     from raylora.data.shards import collect_items, write_shard
 
-    src = write_pairs(tmp_path / "src", "captionfolder")
+    src = write_pairs(tmp_path / "src", "captionfolder", inputs=inputs)
     mask = png(Image.fromarray(np.full((32, 40), 128, np.uint8), "L"))
     (tmp_path / "src" / "k1.mask.png").write_bytes(mask)
     store = Storage()
     items = collect_items(store, src)
     assert [it["key"] for it in items] == ["k0", "k1", "k2"]
+    assert [sorted(k for k in it if k.startswith("control_uri")) for it in items] == \
+        [["control_uri", "control_uri_2"][:inputs]] * 3
     write_shard(store, str(tmp_path / "out"), fmt, 0, items)
-    data = section(str(tmp_path / "out"), masked_loss=True)
+    if fmt == "webdataset":  # each input's member keeps its sidecar's extension
+        with tarfile.open(tmp_path / "out" / "shard-00000.tar") as tar:
+            names = [m.name.split(".", 1)[1] for m in tar.getmembers() if m.name.startswith("000000001.")]
+        assert names == ["png", "txt", "json", "mask.png", "control.png", "control_2.jpg"][:6 if inputs == 2 else 5]
+    data = section(str(tmp_path / "out"), masked_loss=True, control_inputs=inputs)
     (s,) = plan_data(data, store).sources
     assert s.format == fmt and s.rows == 3
     rows = sorted(get_format(fmt).iter_rows(data, s.files, store), key=lambda r: r["text"])
     for i, r in enumerate(rows):
         image = np.array(Image.open(io.BytesIO(r["image"])))
-        control = np.array(Image.open(io.BytesIO(r["control"])).convert("RGB"))
+        control = decoded(r["control"])
         assert np.abs(control.astype(int) - (255 - image)).mean() < (8 if i == 0 else 1e-9)
         assert r["mask"] == (mask if i == 1 else None)
+        if inputs == 2:
+            second = decoded(r["control_2"])
+            assert np.abs(second.astype(int) - image[..., ::-1]).mean() < (8 if i == 1 else 1e-9)
 
 
+@pytest.mark.parametrize("inputs", [1, 2])
 @pytest.mark.parametrize("bucketing", [False, True])
-def test_control_image_gets_its_targets_crop_flip_and_bucket(tiny, bucketing):
+def test_control_image_gets_its_targets_crop_flip_and_bucket(tiny, bucketing, inputs):
     """Random crops and flips, drawn once per sample: the control image is cut where its
     image is (exactly, without a resize; to a pixel, bilinear, with a bucket's), and one
-    of another size is first resized to its image's. The draws are those of a run without
+    of another size is first resized to its image's; with two inputs the second
+    (``control_values_2``) likewise, its own. The draws are those of a run without
     control images (the same crops)."""
     model = tiny(FAMILY)
     kw = dict(center_crop=False, random_flip=True, seed=3)
@@ -423,16 +596,23 @@ def test_control_image_gets_its_targets_crop_flip_and_bucket(tiny, bucketing):
 
         kw["buckets"] = BucketSet.of([[32]], 16)
     rows = []
+
+    def half(image: bytes) -> bytes:
+        return png(Image.open(io.BytesIO(image)).resize((20, 16), Image.Resampling.BILINEAR))
+
     for i in range(8):
         img, ctl = pair(i)
         if i == 5:  # a control of half the size: resized to the image's first
-            ctl = png(Image.open(io.BytesIO(ctl)).resize((20, 16), Image.Resampling.BILINEAR))
+            ctl = half(ctl)
         rows.append({"image": img, "text": f"e{i}", "control": ctl})
-    s, sent = stage(model, **kw)
+        if inputs == 2:  # input 2 of half the size in another row
+            rows[-1]["control_2"] = half(swapped(i)) if i == 6 else swapped(i)
+    s, sent = stage(model, control_inputs=inputs, **kw)
     out = run_stage(s, rows)
     plain, _ = stage(model, **{**kw, "controls": False})
     ref = run_stage(plain, rows)
     assert sent == [(8, {})] and "control_values" not in ref
+    assert ("control_values_2" in out) == (inputs == 2) and "control_values_3" not in out
     for i in range(8):
         px, cv = np.asarray(out["pixel_values"][i]), np.asarray(out["control_values"][i])
         np.testing.assert_array_equal(px, np.asarray(ref["pixel_values"][i]))  # same draws
@@ -442,6 +622,14 @@ def test_control_image_gets_its_targets_crop_flip_and_bucket(tiny, bucketing):
             assert err.mean() < 60 and np.corrcoef(cv.ravel(), 255 - px.ravel())[0, 1] > 0.3
         else:
             assert err.max() <= (1 if bucketing else 0), (i, err.max())
+        if inputs == 2:
+            c2 = np.asarray(out["control_values_2"][i])
+            assert c2.shape == px.shape and c2.dtype == np.uint8
+            err = np.abs(c2.astype(int) - px[::-1].astype(int))  # the channels reversed
+            if i == 6:
+                assert err.mean() < 60 and np.corrcoef(c2.ravel(), px[::-1].ravel())[0, 1] > 0.3
+            else:
+                assert err.max() <= (1 if bucketing else 0), (i, err.max())
 
 
 def test_missing_and_broken_control_images_are_counted_bad_rows(tiny, tmp_path):
@@ -469,6 +657,44 @@ def test_missing_and_broken_control_images_are_counted_bad_rows(tiny, tmp_path):
     assert "KEY.control.<ext>" in problem and "data.control_images off" in problem
 
 
+def test_a_row_lacking_any_of_its_inputs_is_a_bad_row(tiny, tmp_path):
+    """Two inputs: a row without input 2 (or input 1) is ``missing_control``, one whose
+    input 2 does not decode ``bad_control``, each message naming the input; the rows kept
+    have both, ``control_values_2`` the second's pixels. Shards without input 2's column
+    are refused before anything starts, saying where input k's goes."""
+    from raylora.data.plan import plan_data, sample_problems
+
+    s, _ = stage(tiny(FAMILY), control_inputs=2)
+    reported = []
+    s.reporter.send = lambda ok, bad, examples, **_: reported.append((ok, dict(bad), examples))
+    img, ctl = pair(0, 32, 32)
+    out = run_stage(s, [{"image": img, "text": "a", "control": ctl, "control_2": swapped(0, 32, 32)},
+                        {"image": img, "text": "b", "control": ctl, "control_2": None},
+                        {"image": img, "text": "c", "control": None, "control_2": swapped(0, 32, 32)},
+                        {"image": img, "text": "d", "control": ctl, "control_2": b"not an image"}])
+    ((ok, bad, examples),) = reported
+    assert (ok, bad) == (1, {"missing_control": 2, "bad_control": 1})
+    assert [e.split(": ", 2)[2][:36] for e in examples["missing_control"]] == [
+        "input 2: no KEY.control_2.<ext> besi", "input 1: no KEY.control.<ext> beside"]
+    assert examples["bad_control"][0].split(": ", 1)[1].startswith(
+        "bad_control: control image (input 2): not_an_image")
+    assert out["pixel_values"].shape == out["control_values"].shape == \
+        out["control_values_2"].shape == (1, 3, 32, 32)
+    np.testing.assert_array_equal(out["control_values_2"][0], pattern(0, 32, 32).transpose(2, 0, 1)[::-1])
+    np.testing.assert_array_equal(out["control_values"][0], 255 - out["pixel_values"][0])
+    # a batch without input 2's column at all: every row lacks it
+    run_stage(s, [{"image": img, "text": "a", "control": ctl}])
+    assert reported[-1][:2] == (0, {"missing_control": 1})
+
+    shards = write_pairs(tmp_path / "one", "parquet")  # control_image only
+    data = section(shards, control_inputs=2)
+    (problem,) = sample_problems(data, plan_data(data, Storage()), Storage())
+    assert problem.startswith(f"data.uri: {shards}: none of the 3 rows read to check it is usable "
+                              "(missing_control=3")
+    assert "input 2: no KEY.control_2.<ext>" in problem
+    assert "input k's is KEY.control_k.<ext>, the k-th folder of data.control_uri" in problem
+
+
 def test_control_keys_are_refused_where_they_cannot_apply(tiny):
     """One line per key, before Ray: a family whose pipeline takes no input image,
     preview input images without pair training or not one per prompt, and prior
@@ -484,6 +710,11 @@ def test_control_keys_are_refused_where_they_cannot_apply(tiny):
                if p.startswith("data.control_images")]
     assert line == ("data.control_images: flux (FluxPipeline) takes no input image; image-edit "
                     "pairs train a family that does (flux2, flux2klein, fluxkontext, qwenimageedit)")
+    two = validate({**base, "data": {**base["data"], "control_inputs": 2}})
+    assert family_problems(two, families.get("flux2klein"), 16, "flow_matching") == []
+    assert family_problems(two, families.get(FAMILY), 16, "flow_matching") == [
+        "data.control_inputs: 2 input images a sample, but FluxKontextPipeline takes 1; several "
+        "inputs train flux2, flux2klein, qwenimageedit"]
     cases = {
         "validation.control_images: previews take an input image only when the run trains on "
         "them (data.control_images: true)":
@@ -493,6 +724,23 @@ def test_control_keys_are_refused_where_they_cannot_apply(tiny):
         "data.prior_preservation: class images have no control images; prior preservation "
         "cannot be combined with data.control_images":
             {"data": {"uri": "d", "control_images": True, "class_prompt": "a photo"}},
+        # several inputs a sample: the lists that name them, one entry per input
+        "data.control_inputs: 2, but data.control_images is off; turn it on or drop it":
+            {"data": {"uri": "d", "control_inputs": 2}},
+        "validation.control_images[0]: 1 input image(s), but data.control_inputs is 2; give "
+        "a list of 2 per prompt":
+            {"data": {"uri": "d", "control_images": True, "control_inputs": 2},
+             "validation": {"prompts": ["a"], "control_images": ["x.png"]}},
+        "validation.control_images[1]: 3 input image(s), but data.control_inputs is 2; give "
+        "a list of 2 per prompt":
+            {"data": {"uri": "d", "control_images": True, "control_inputs": 2},
+             "validation": {"prompts": ["a", "b"], "control_images": [["x", "y"], ["x", "y", "z"]]}},
+        "data.control_uri: 1 folder(s) for data.control_inputs 2; give a list of 2, input "
+        "k's in the k-th":
+            {"data": {"uri": "d", "control_images": True, "control_inputs": 2, "control_uri": "c"}},
+        "data.sources[1].control_column: 3 column(s) for data.control_inputs 2; give one per input":
+            {"data": {"control_images": True, "control_inputs": 2,
+                      "sources": [{"uri": "a"}, {"uri": "b", "control_column": ["x", "y", "z"]}]}},
     }
     for want, change in cases.items():
         with pytest.raises(ConfigError) as exc:
@@ -551,12 +799,17 @@ def test_plan_refuses_pairs_for_a_text_to_image_model_and_unreadable_preview_inp
 # ---------------------------------------------------------------- the step
 
 
-@pytest.mark.parametrize("family", EDIT_FAMILIES)
-def test_the_step_gives_the_denoiser_the_input_tokens_and_the_cache_the_same_loss(tiny, tmp_path, family):
-    """With control images the transformer sees twice the image tokens (the noisy ones,
-    then the input's) and the loss differs from the text-to-image step's; a batch from the
-    latent cache (``control_params``, encoded once) gives the loss the raw batch gives, for
-    the same draws; the memory preflight sizes the longer sequence."""
+# every edit family with one input a sample, and a Flux.2 and Qwen-Image-Edit step of two
+STEP_CASES = [(f, 1) for f in EDIT_FAMILIES] + [("flux2klein", 2), ("qwenimageedit", 2)]
+
+
+@pytest.mark.parametrize("family,inputs", STEP_CASES, ids=[f"{f}-{n}" for f, n in STEP_CASES])
+def test_the_step_gives_the_denoiser_the_input_tokens_and_the_cache_the_same_loss(tiny, tmp_path, family, inputs):
+    """With control images the transformer sees the noisy image tokens and then each
+    input's (twice the tokens with one input, three times with two) and the loss differs
+    from the text-to-image step's; a batch from the latent cache (``control_params``,
+    ``control_params_2``, encoded once) gives the loss the raw batch gives, for the same
+    draws; the memory preflight sizes the longer sequence, more for two inputs."""
     from inproc import _fresh_accelerator
 
     from raylora.data.cache import EncodeStage, _stage_kwargs, encode_chunk, from_column
@@ -565,19 +818,22 @@ def test_the_step_gives_the_denoiser_the_input_tokens_and_the_cache_the_same_los
     from raylora.train.step import compute_loss
 
     model = tiny(family)
-    uri = write_pairs(tmp_path / "d", "captionfolder", w=32, h=32)
+    uri = write_pairs(tmp_path / "d", "captionfolder", w=32, h=32, inputs=inputs)
     cfg = validate({"model": {"pretrained": model, "max_sequence_length": 32},
-                    "data": {"uri": uri, "resolution": 32, "center_crop": True, "control_images": True},
+                    "data": {"uri": uri, "resolution": 32, "center_crop": True, "control_images": True,
+                             "control_inputs": inputs},
                     "output": {"uri": str(tmp_path / "o")}})
     run = build_run(cfg, _fresh_accelerator(1), 1, rank=0)
-    rows = [{"image": pair(i, 32, 32)[0], "text": f"edit {i}", "control": pair(i, 32, 32)[1]}
-            for i in range(2)]
+    rows = [{"image": pair(i, 32, 32)[0], "text": f"edit {i}", "control": pair(i, 32, 32)[1],
+             **({"control_2": swapped(i, 32, 32)} if inputs == 2 else {})} for i in range(2)]
     pre, enc = _stage_kwargs(cfg, model, family, Storage())
-    assert pre["controls"] is True
+    assert pre["controls"] is True and pre["control_inputs"] == inputs
     raw = {k: torch.from_numpy(v) for k, v in run_stage(Preprocess(StageSpec(**pre)), rows).items()}
     cached = {k: from_column(v) for k, v in encode_chunk(Preprocess(StageSpec(**pre)),
                                                           EncodeStage(**enc), rows).items()}
-    assert cached["control_params"].shape == cached["latent_params"].shape
+    names = [control_key("control_params", k) for k in range(inputs)]
+    assert sorted(k for k in cached if k.startswith("control_params")) == names
+    assert all(cached[k].shape == cached["latent_params"].shape for k in names)
 
     tokens: list[int] = []
     net = run.accelerator.unwrap_model(run.model)
@@ -589,21 +845,26 @@ def test_the_step_gives_the_denoiser_the_input_tokens_and_the_cache_the_same_los
         with torch.no_grad():
             return compute_loss(run.model, run.parts, batch).item()
 
+    text = {k: v for k, v in raw.items() if not k.startswith("control_values")}
     with_ref, from_cache = loss(raw), loss(cached)
     with pytest.raises(ValueError, match="^data.control_images: a batch without control images"):
-        loss({k: v for k, v in raw.items() if k != "control_values"})
+        loss(text)
     run.parts.control_images = False  # the family's text-to-image step, for comparison
-    text_only = loss({k: v for k, v in raw.items() if k != "control_values"})
+    text_only = loss(text)
     hook.remove()
     n = tokens[-1]  # the text-to-image step's image tokens
-    assert tokens == [2 * n, 2 * n, n] and n == 64  # 32 px → a 2×2-patched 16² latent grid
+    # 32 px → a 2×2-patched 16² latent grid
+    assert tokens == [(1 + inputs) * n, (1 + inputs) * n, n] and n == 64
     assert abs(with_ref - from_cache) < 1e-5 and abs(with_ref - text_only) > 1e-4
     kw = dict(batch_size=1, resolution=32, mixed_precision="no", device="cpu",
               max_sequence_length=32)
-    paired, plain = estimate(model, control_images=True, **kw), estimate(model, **kw)
+    paired, plain = estimate(model, control_images=inputs, **kw), estimate(model, **kw)
     assert paired.activations > plain.activations
-    assert ", an input image per sample" in paired.table().splitlines()[0]
+    words = ", an input image per sample" if inputs == 1 else ", 2 input images per sample"
+    assert words in paired.table().splitlines()[0]
     assert "input image" not in plain.table()
+    if inputs == 2:  # the second input's tokens cost more than the first's alone
+        assert paired.activations > estimate(model, control_images=1, **kw).activations
 
 
 @pytest.mark.integration
@@ -664,36 +925,88 @@ def test_the_bucketed_cache_keeps_each_inputs_latents_beside_its_targets(tiny, t
             assert n > 100 and int(np.asarray(m).sum()) > n
 
 
+def test_the_cache_keeps_each_inputs_latents_and_tells_input_counts_apart(tiny, tmp_path):
+    """Two inputs through the bucketed latent cache: ``control_params_2`` per bucket, of
+    its row's ``latent_params``' shape, the posterior of its own input (neither the
+    target's nor input 1's). The fingerprint differs from one input's over the same
+    shard, and with the inputs' columns swapped; the same config gives the same one."""
+    from raylora.data.cache import EncodeStage, _stage_kwargs, encode_chunk, fingerprint
+    from raylora.data.plan import plan_data
+
+    model = tiny(FAMILY)
+    uri = write_pairs(tmp_path / "d", "parquet", inputs=2)
+
+    def config(**data):
+        return validate({"model": {"pretrained": model, "max_sequence_length": 32},
+                         "data": {"uri": uri, "resolution": 32, "center_crop": True,
+                                  "bucketing": True, "bucket_step": 16, "sharding": "files",
+                                  "control_images": True, "cache": "latents", **data},
+                         "output": {"uri": str(tmp_path / "o")}})
+
+    cfg = config(control_inputs=2)
+    pre, enc = _stage_kwargs(cfg, model, FAMILY, Storage())
+    assert pre["control_inputs"] == 2
+    sizes = [(48, 24), (24, 48), (48, 24)]
+    rows = [{"image": pair(i, w, h)[0], "text": f"e{i}", "control": pair(i, w, h)[1],
+             "control_2": swapped(i, w, h)} for i, (w, h) in enumerate(sizes)]
+    out = encode_chunk(Preprocess(StageSpec(**pre)), EncodeStage(**enc), rows)
+    assert out["bucket"].tolist()[0] == out["bucket"].tolist()[2] != out["bucket"].tolist()[1]
+    assert out["control_params_2"].dtype == object  # a variable-shaped column, as latent_params
+    shapes = [np.asarray(p).shape for p in out["latent_params"]]
+    assert [np.asarray(c).shape for c in out["control_params_2"]] == shapes
+    assert shapes[0] == shapes[2] != shapes[1] and "control_params_3" not in out
+    for lat, first, second in zip(out["latent_params"], out["control_params"], out["control_params_2"]):
+        lat, first, second = (np.asarray(a, dtype=np.float32) for a in (lat, first, second))
+        assert np.abs(second - lat).max() > 1e-3 and np.abs(second - first).max() > 1e-3
+    # each input's posterior is its own: input 2 encoded alone as a row's only input
+    alone = encode_chunk(Preprocess(StageSpec(**{**pre, "control_inputs": 1})), EncodeStage(**enc),
+                         [{**r, "control": r["control_2"]} for r in rows])
+    for a, b in zip(alone["control_params"], out["control_params_2"]):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-5)
+
+    def key(c) -> str:
+        return fingerprint(c, FAMILY, model, plan_data(c.data, Storage()), Storage())
+
+    one, two = key(config()), key(cfg)
+    swapped_columns = key(config(control_inputs=2, control_column=["control_image_2", "control_image"]))
+    assert len({one, two, swapped_columns}) == 3 and key(config(control_inputs=2)) == two
+
+
 # ---------------------------------------------------------------- a run, end to end
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("family", [FAMILY, "qwenimageedit"])
-def test_an_edit_run_on_pairs_edits_in_the_stock_pipeline(ray_local, tiny, tmp_path, family):
-    """``raylora train`` on a WebDataset of pairs, through the latent cache (the pairs'
-    inputs encoded once: Qwen-Image-Edit's captions with them), with held-out pairs and a
-    preview of an input image: the held-out loss moves, the adapter loads in the family's
-    stock pipeline (FluxKontextPipeline, QwenImageEditPlusPipeline) and changes what it
-    makes of an input image, the card shows the edit call, and ``raylora sample --image``
+@pytest.mark.parametrize("family,inputs", [(FAMILY, 1), ("qwenimageedit", 2)],
+                         ids=[FAMILY, "qwenimageedit-2"])
+def test_an_edit_run_on_pairs_edits_in_the_stock_pipeline(ray_local, tiny, tmp_path, family, inputs):
+    """``raylora train`` on a WebDataset of pairs (Qwen-Image-Edit: of samples with two
+    inputs, data.control_inputs: 2), through the latent cache (the inputs encoded once:
+    Qwen-Image-Edit's captions with them), with held-out samples and a preview of an input
+    image (two): the held-out loss moves, the adapter loads in the family's stock pipeline
+    (FluxKontextPipeline, QwenImageEditPlusPipeline) and changes what it makes of its
+    input(s), the card shows the edit call, and ``raylora sample --image`` (given twice)
     writes an edit of the asked size."""
     from raylora.launch import run
     from raylora.sample import sample
     from stock import PIPELINES, edit_input, stock_pipeline
 
     model = tiny(family)
-    data = write_pairs(tmp_path / "pairs", "webdataset", n=8, w=32, h=32)
-    source = tmp_path / "input.png"
-    Image.fromarray(pattern(11, 32, 32)).save(source)
+    data = write_pairs(tmp_path / "pairs", "webdataset", n=8, w=32, h=32, inputs=inputs)
+    sources = [tmp_path / f"input{k}.png" for k in range(inputs)]
+    for k, source in enumerate(sources):
+        Image.fromarray(pattern(11 + k, 32, 32)).save(source)
+    source = sources[0]
+    given = [str(x) for x in sources] if inputs > 1 else str(source)
     out = tmp_path / "out"
     summary = run(validate({
         "model": {"pretrained": model, "max_sequence_length": 32},
         "data": {"uri": data, "resolution": 32, "center_crop": True, "control_images": True,
-                 "cache": "latents", "validation_split": 0.3},
+                 "control_inputs": inputs, "cache": "latents", "validation_split": 0.3},
         "lora": {"rank": 4},
         "train": {"batch_size": 2, "max_steps": 4, "learning_rate": 1e-2, "seed": 1},
         "scaling": {"num_workers": 1},
         "checkpoint": {"every_n_steps": 4},
-        "validation": {"prompts": ["edit it"], "control_images": [str(source)],
+        "validation": {"prompts": ["edit it"], "control_images": [given],
                        "num_inference_steps": 2},
         "output": {"uri": str(out)},
     }))
@@ -705,26 +1018,29 @@ def test_an_edit_run_on_pairs_edits_in_the_stock_pipeline(ray_local, tiny, tmp_p
     pipeline = PIPELINES[family][0]
     meta = json.loads((out / "adapter" / "raylora.json").read_text())["data"]
     assert (meta["family"], meta["pipeline"]) == (family, pipeline)
-    # the preview grid: the input, then what the adapter made of it
+    # the preview grid: the input(s), then what the adapter made of them
     grid = np.asarray(Image.open(out / "validation" / "step_000004.png").convert("RGB"))
-    assert grid.shape == (32, 64, 3)
-    np.testing.assert_array_equal(grid[:, :32], pattern(11, 32, 32))
+    assert grid.shape == (32, 32 * (1 + inputs), 3)
+    for k in range(inputs):
+        np.testing.assert_array_equal(grid[:, 32 * k:32 * (k + 1)], pattern(11 + k, 32, 32))
     card = (out / "adapter" / "README.md").read_text()
     fam = families.get(family)
     guidance = {FAMILY: "guidance_scale=2.5", "qwenimageedit": "true_cfg_scale=4.0, negative_prompt=[' ']"}
-    assert 'image = pipe(image=load_image("your input image.png"), prompt="your edit", ' \
-           f'{guidance[family]}).images[0]' in card
+    image = 'load_image("your input image.png")' if inputs == 1 else \
+        '[load_image("input 1.png"), load_image("input 2.png")]'
+    assert f'image = pipe(image={image}, prompt="your edit", {guidance[family]}).images[0]' in card
 
     pipe = stock_pipeline(family, model)
     pipe.set_progress_bar_config(disable=True)
     _, area = edit_input(pipeline, 32, 32)
+    images = [Image.open(x) for x in sources]
 
     def edit():
         with area():
             return pipe(prompt="edit it", num_inference_steps=2, height=32, width=32,
                         generator=torch.Generator().manual_seed(0), output_type="np",
                         **{**PIPELINES[family][1], **fam.size_kwargs(32, 32)},
-                        **fam.reference_kwargs(Image.open(source), 32, 32)).images[0]
+                        **fam.reference_kwargs(images if inputs > 1 else images[0], 32, 32)).images[0]
 
     before = edit()
     pipe.load_lora_weights(str(out / "adapter"))
@@ -733,10 +1049,13 @@ def test_an_edit_run_on_pairs_edits_in_the_stock_pipeline(ray_local, tiny, tmp_p
     assert np.abs(after - before).max() > 1e-3
 
     png_out = sample(model, str(out / "adapter"), "edit it", str(tmp_path / "s.png"), steps=2,
-                     size=32, image=str(source))
+                     size=32, image=given)
     assert Image.open(png_out).size == (32, 32)
     with pytest.raises(ValueError, match=r"^--image: .*nope\.png: no such file$"):
         sample(model, str(out / "adapter"), "x", str(tmp_path / "t.png"), steps=1, size=32,
                image=str(tmp_path / "nope.png"))
     with pytest.raises(ValueError, match=r"^--image: sd \(StableDiffusionPipeline\) takes no input image$"):
         sample(tiny("sd"), str(out / "adapter"), "x", str(tmp_path / "t.png"), image=str(source))
+    with pytest.raises(ValueError, match=r"^--image: 2 input images, but FluxKontextPipeline takes 1$"):
+        sample(tiny(FAMILY), str(out / "adapter"), "x", str(tmp_path / "t.png"),
+               image=[str(source), str(source)])

@@ -527,11 +527,11 @@ def _pipeline_conditioning(family: str, pipe, captions: list[str]) -> dict:
     raise AssertionError(f"no stock conditioning call for {family}: add one here")
 
 
-def _raylora_batch(model: str, family: str, captions: list[str], size=(64, 64)):
+def _raylora_batch(model: str, family: str, captions: list[str], size=(64, 64), references: int = 0):
     """(components, batch): ``captions`` through raylora's tokenizers (the fast backend the
-    preprocess stage rebuilds, with the family's template and ``_text_length`` tokens for the
-    long-context encoders) and SDXL's size columns of an uncropped image of ``size`` (h, w)
-    px, as a worker gets them."""
+    preprocess stage rebuilds, with the family's template for samples of ``references``
+    input images and ``_text_length`` tokens for the long-context encoders) and SDXL's size
+    columns of an uncropped image of ``size`` (h, w) px, as a worker gets them."""
     from raylora.config import validate
     from raylora.data.tokenize import CaptionTokenizer, load_specs
     from raylora.model.load import load_components
@@ -544,7 +544,7 @@ def _raylora_batch(model: str, family: str, captions: list[str], size=(64, 64)):
     n = len(captions)
     size = torch.tensor([list(size)] * n)
     batch = {"original_size": size, "target_size": size, "crop_top_left": torch.zeros_like(size)}
-    for spec in load_specs(model, family, Storage(), length):
+    for spec in load_specs(model, family, Storage(), length, references=references):
         ids, mask = CaptionTokenizer(spec).encode(captions)
         batch[spec.ids_key] = torch.from_numpy(ids)
         if spec.mask_key:

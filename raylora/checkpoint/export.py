@@ -145,9 +145,12 @@ def _usage(cfg: RayLoraConfig, family) -> str:
     call = f'image = pipe(prompt="your prompt"{args}){family.image_code()}'
     # an edit model (its pipeline may sample only so): the input image the prompt edits
     if cfg.data.control_images or family.reference_required:
+        n = cfg.data.control_inputs if cfg.data.control_images else 1
+        # several inputs (data.control_inputs): a list, in the order they trained
+        image = ('load_image("your input image.png")' if n == 1 else
+                 "[" + ", ".join(f'load_image("input {k + 1}.png")' for k in range(n)) + "]")
         call = ('from diffusers.utils import load_image\n'
-                f'image = pipe(image=load_image("your input image.png"), '
-                f'prompt="your edit"{args}){family.image_code()}')
+                f'image = pipe(image={image}, prompt="your edit"{args}){family.image_code()}')
     if cfg.lora.variant in ("lora", "dora"):
         # A pipeline of experts: into the one trained (Wan 2.2's low-noise transformer_2).
         into = call_args(family.lora_load_kwargs(cfg.model.expert))

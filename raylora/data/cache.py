@@ -13,7 +13,8 @@ What a cached row holds: ``latent_params`` = the VAE posterior's mean ‖ logvar
 ``prompt_embeds``, and for SDXL ``pooled_prompt_embeds`` and ``time_ids``; with
 data.masked_loss ``loss_mask`` ``[1, h, w]``, the mask pooled to the latent grid; with
 data.control_images ``control_params``, the control image's posterior as ``latent_params``
-(training takes its mean, as the uncached step does). Each
+(training takes its mean, as the uncached step does), and ``control_params_2``, ... for
+the other inputs with data.control_inputs > 1. Each
 tensor is stored in the dtype it was computed in (``to_column``): a bf16 run's cache is
 half an fp32 one's and holds exactly what uncached training would feed the denoiser.
 
@@ -35,10 +36,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from raylora import storage
-from raylora.config import RayLoraConfig
+from raylora.config import MAX_CONTROL_INPUTS, RayLoraConfig, control_key
 from raylora.data.captions import with_prefix
 from raylora.data.formats import MASK_SUFFIX, get_format
-from raylora.data.formats.base import CONTROL_INFIX
+from raylora.data.formats.base import CONTROL_INFIX, control_infix
 from raylora.data.plan import DataPlan, SourceFiles, apply_shares
 from raylora.storage import Storage
 
@@ -53,8 +54,17 @@ MANIFEST = "manifest.json"
 # run was refused after the cache was built).
 CAPTIONFOLDER_MIN_PARTS = 64
 CACHED_READ_CPUS = 0.25  # per read task of cached rows (no decoding: mostly I/O)
+
+
+def _inputs(base: str) -> tuple[str, ...]:
+    """Every input's column under ``base``: ``control_params``, ``control_params_2``, ..."""
+    return tuple(control_key(base, i) for i in range(MAX_CONTROL_INPUTS))
+
+
 # Columns shaped by the bucket (a variable-shaped tensor column with data.bucketing).
-PER_BUCKET = ("latent_params", "loss_mask", "control_params")
+PER_BUCKET = ("latent_params", "loss_mask", *_inputs("control_params"))
+# The preprocessed pixel columns a bucket's rows are stacked in for one VAE call.
+STACKED = ("pixel_values", "loss_mask", *_inputs("control_values"))
 
 
 def _dtype_name(cfg: RayLoraConfig) -> str:
@@ -99,8 +109,10 @@ class EncodeStage:
         with torch.no_grad():
             cond = batch_condition(self.family, self.text_encoders, tensors)
         out = {"latent_params": params, **cond}
-        if "control_values" in tensors:  # data.control_images: the input's posterior
-            out["control_params"] = vae_posterior(self.family, self.vae, tensors["control_values"])
+        # data.control_images: each input's posterior (control_values_2 → control_params_2)
+        for values, name in zip(_inputs("control_values"), _inputs("control_params")):
+            if values in tensors:
+                out[name] = vae_posterior(self.family, self.vae, tensors[values])
         if "loss_mask" in tensors:  # data.masked_loss: stored pooled to the latent grid
             from raylora.train.loss import latent_mask
 
@@ -207,8 +219,7 @@ def fingerprint(cfg: RayLoraConfig, family: str, model_path: str, data: DataPlan
                         for s in d.source_sections()]}
            if d.sources is not None or d.caption_prefix else {}),
         **({"masks": {"column": d.mask_column, "suffix": MASK_SUFFIX}} if d.masked_loss else {}),
-        **({"controls": {"column": d.control_column, "infix": CONTROL_INFIX}}
-           if d.control_images else {}),
+        **({"controls": _controls_key(d)} if d.control_images else {}),
         # Each image's bucket (its latent's shape) follows these.
         **({"buckets": {"step": d.bucket_step,
                         "resolutions": [s.resolutions() for s in d.source_sections()]}}
@@ -226,6 +237,20 @@ def fingerprint(cfg: RayLoraConfig, family: str, model_path: str, data: DataPlan
         h.update(data_fingerprint(sorted(model_files), store).encode())
     h.update(data_fingerprint(data.content_files(), store).encode())
     return h.hexdigest()[:20]
+
+
+def _controls_key(d) -> dict:
+    """What of data.control_images the fingerprint holds: the column and infix (one input,
+    as entries made before several inputs had); with several, also how many and, per
+    source, each input's column and folder, and each input's infix: a 1-input entry is
+    never read for 2, nor one whose folders were swapped."""
+    key = {"column": d.control_column, "infix": CONTROL_INFIX}
+    if d.control_inputs == 1:
+        return key
+    return {**key, "inputs": d.control_inputs,
+            "infixes": [control_infix(i) for i in range(d.control_inputs)],
+            "columns": [s.control_columns() for s in d.source_sections()],
+            "folders": [s.control_folders() for s in d.source_sections()]}
 
 
 def read_entry(uri: str, store: Storage) -> CacheEntry | None:
@@ -341,8 +366,8 @@ def encode_chunk(pre, enc: EncodeStage, rows: list[dict]) -> dict[str, np.ndarra
     batch = {"image": np.array([r["image"] for r in rows], dtype=object),
              "text": np.array([r["text"] for r in rows], dtype=object)}
     # where each is (bad-row reports), per-source counts, the loss mask (data.masked_loss),
-    # the control image (data.control_images)
-    for column in ("key", "source", "mask", "control"):
+    # the control images (data.control_images: control, control_2, ...)
+    for column in ("key", "source", "mask", *_inputs("control")):
         if all(column in r for r in rows):
             batch[column] = np.array([r[column] for r in rows], dtype=object)
     pre_out = pre(batch)
@@ -359,7 +384,7 @@ def _encode_by_bucket(enc: EncodeStage, batch: dict[str, np.ndarray]) -> dict[st
     parts, order = [], []
     for b in dict.fromkeys(ids.tolist()):
         sel = np.flatnonzero(ids == b)
-        group = {k: (np.stack(v[sel]) if k in ("pixel_values", "loss_mask", "control_values") else v[sel])
+        group = {k: (np.stack(v[sel]) if k in STACKED else v[sel])
                  for k, v in batch.items() if k != "bucket"}
         parts.append(enc(group))
         order.append(sel)

@@ -15,9 +15,10 @@ Reasons (the keys of ``data.bad_records`` in ``raylora.json``):
   caption_not_utf8 caption bytes that are not UTF-8
   bad_mask        data.masked_loss: a sidecar/column mask that does not decode, is not
                   greyscale (1, L, I;16) or is not the image's size
-  missing_control data.control_images: no control image (sidecar or column) for the row
-  bad_control     data.control_images: a control image that does not decode, or is over
-                  data.max_image_pixels
+  missing_control data.control_images: no control image (sidecar or column) for the row,
+                  or for any one of its data.control_inputs
+  bad_control     data.control_images: a control image (any input's) that does not
+                  decode, or is over data.max_image_pixels
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from raylora.data.formats import NOT_UTF8
+from raylora.data.formats import NOT_UTF8, control_infix
 
 REASONS = (
     "empty_image", "not_an_image", "corrupt_image", "too_many_pixels", "too_small",
@@ -155,31 +156,53 @@ def open_row(image: Any, caption: Any, *, max_pixels: int, min_size: int, small_
 
 def open_masked_row(image: Any, caption: Any, mask: Any, *, masks: bool, max_pixels: int,
                     min_size: int, small_images: str, keep_empty_captions: bool,
-                    control: Any = None, controls: bool = False,
-                    ) -> tuple[Image.Image, str, Image.Image | None, Image.Image | None]:
+                    controls: list | None = None,
+                    ) -> tuple[Image.Image, str, Image.Image | None, list[Image.Image] | None]:
     """``open_row`` and, with ``masks`` (data.masked_loss), the row's loss mask
     (``decode_mask``, read before ``to_rgb`` composites the alpha channel away), and with
-    ``controls`` (data.control_images) its control image (``decode_control``): the one
-    judgement of a row, in the preprocess stage and the driver's sample check."""
+    ``controls`` (data.control_images: the row's encoded control images, one per input)
+    those images (``decode_controls``): the one judgement of a row, in the preprocess
+    stage and the driver's sample check."""
     img, text = open_row(image, caption, max_pixels=max_pixels, min_size=min_size,
                          small_images=small_images, keep_empty_captions=keep_empty_captions)
     return (img, text, decode_mask(img, mask, max_pixels) if masks else None,
-            decode_control(img, control, max_pixels) if controls else None)
+            None if controls is None else decode_controls(img, controls, max_pixels))
 
 
-def decode_control(img: Image.Image, value: Any, max_pixels: int) -> Image.Image:
-    """A row's control image (the input of an edit pair) in its own mode, resized to
-    ``img``'s size when it is another (bilinear, as training images are resized; an edit
-    pair's two images usually share a size, and ai-toolkit resizes the input to its
-    target's too). ``BadRecord`` ``missing_control`` when there is none, ``bad_control``
-    when it does not decode."""
-    if value is None or (isinstance(value, (bytes, bytearray, memoryview)) and not len(value)):
-        raise BadRecord("missing_control", "no KEY.control.<ext> beside the image, or an empty "
-                        "data.control_column cell")
+def decode_controls(img: Image.Image, values: list, max_pixels: int) -> list[Image.Image]:
+    """A row's control images (the inputs of an edit sample, data.control_inputs of them),
+    each ``decode_control``'d. Every input is looked for before any is decoded: a row
+    lacking one is ``missing_control`` whatever the others hold. With several, the
+    messages name the input (``input 2``)."""
+    several = len(values) > 1
+    for i, value in enumerate(values):
+        if value is None or (isinstance(value, (bytes, bytearray, memoryview)) and not len(value)):
+            raise BadRecord("missing_control", _missing_control(i, several))
+    return [decode_control(img, v, max_pixels, f"input {i + 1}" if several else None)
+            for i, v in enumerate(values)]
+
+
+def _missing_control(i: int, several: bool) -> str:
+    """Where input ``i``'s control image was looked for (one input: as it always read)."""
+    if not several:
+        return "no KEY.control.<ext> beside the image, or an empty data.control_column cell"
+    return (f"input {i + 1}: no KEY{control_infix(i)}.<ext> beside the image (or in "
+            f"data.control_uri's folder {i + 1}), or an empty cell in data.control_column's "
+            f"column {i + 1}")
+
+
+def decode_control(img: Image.Image, value: Any, max_pixels: int,
+                   which: str | None = None) -> Image.Image:
+    """A row's control image (the input of an edit pair; ``decode_controls`` has found
+    it) in its own mode, resized to ``img``'s size when it is another (bilinear, as
+    training images are resized; an edit pair's two images usually share a size, and
+    ai-toolkit resizes the input to its target's too). ``BadRecord`` ``bad_control`` when
+    it does not decode (``which``: the input, for the message, when there are several)."""
     try:
         control = open_image(value, max_pixels)
     except BadRecord as exc:
-        raise BadRecord("bad_control", f"control image: {exc}") from None
+        what = f"control image ({which})" if which else "control image"
+        raise BadRecord("bad_control", f"{what}: {exc}") from None
     if control.size != img.size:
         control = control.resize(img.size, Image.Resampling.BILINEAR)
     return control

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from raylora.data.captions import with_prefix
-from raylora.data.formats import detect_format, get_format
+from raylora.data.formats import IMAGE_EXTS, control_infix, control_names, detect_format, get_format
+from raylora.data.formats.base import control_candidates
 from raylora.hubfs import planned_commit
 from raylora.storage import Storage
 
@@ -214,14 +215,11 @@ FOLDER_FORMATS = ("captionfolder", "imagefolder")
 def control_files(section: DataSection, fmt: str, files: list[str], listing: list[str],
                   storage: Storage, key=lambda k: f"data.{k}") -> list[str]:
     """data.control_images of a folder format: the control images its rows read (sidecars
-    in ``listing``, or data.control_uri's folder, listed here), for the fingerprint.
-    Refused up front: data.control_uri with shards, inside the data's folder, or empty;
-    images without a control image above data.max_bad_fraction of them (fewer: logged,
-    they are dropped as missing_control)."""
-    import logging
-
-    from raylora.data.formats.base import IMAGE_EXTS, control_candidates
-
+    in ``listing``, or data.control_uri's folders, listed here), every input's (input 1's,
+    then input 2's, ...), for the fingerprint. Refused up front: data.control_uri with
+    shards, a folder of it inside the data's folder, or empty; images without a control
+    image (any one input's) above data.max_bad_fraction of them (fewer: logged, they are
+    dropped as missing_control)."""
     if not section.control_images:
         return []
     if section.control_uri and fmt not in FOLDER_FORMATS:
@@ -230,35 +228,81 @@ def control_files(section: DataSection, fmt: str, files: list[str], listing: lis
                             "data.control_column); leave it unset"])
     if fmt not in FOLDER_FORMATS:
         return []
-    where = listing
-    if section.control_uri:
-        from raylora.data.formats.captionfolder import data_roots
-        from raylora.storage import normalize
-
-        root = normalize(section.control_uri).rstrip("/")
-        inside = [r for r in data_roots(section.uri) if root == r or root.startswith(r + "/")]
-        if inside:
-            raise DataProblems([f"{key('control_uri')}: {section.control_uri} is inside "
-                                f"{key('uri')} ({inside[0]}): its images would train as targets"])
-        where = storage.list_files(root)
-        if not where:
-            raise DataProblems([f"{key('control_uri')}: {section.control_uri}: no files"])
+    folders = section.control_folders()
+    listed = [_control_listing(section, storage, key, folder) for folder in folders or []]
+    if problems := [p for _, p in listed if p]:  # every folder's, at once
+        raise DataProblems(problems)
+    wheres = [w for w, _ in listed] if folders else [listing] * section.control_inputs
     images = [f for f in files if f.lower().endswith(IMAGE_EXTS)]
+    found, lacking = [], set()
+    for i, where in enumerate(wheres):
+        got, missing = _find_controls(section, images, where, i)
+        found += got
+        lacking.update(missing)
+        if missing:
+            problems += _judge_missing(section, key, i, folders, len(images), missing)
+    if not problems and section.control_inputs > 1:
+        problems += _judge_lacking(section, key, len(images), lacking)
+    if problems:
+        raise DataProblems(problems)
+    return found
+
+
+def _control_listing(section: DataSection, storage: Storage, key,
+                     folder: str) -> tuple[list[str], str | None]:
+    """(the files of one data.control_uri folder, None), or ([], why it cannot serve:
+    inside the data, or empty)."""
+    from raylora.data.formats.captionfolder import data_roots
+    from raylora.storage import normalize
+
+    root = normalize(folder).rstrip("/")
+    inside = [r for r in data_roots(section.uri) if root == r or root.startswith(r + "/")]
+    if inside:
+        return [], (f"{key('control_uri')}: {folder} is inside {key('uri')} ({inside[0]}): "
+                    "its images would train as targets")
+    where = storage.list_files(root)
+    return where, None if where else f"{key('control_uri')}: {folder}: no files"
+
+
+def _find_controls(section: DataSection, images: list[str], where: list[str],
+                   i: int) -> tuple[list[str], list[str]]:
+    """(input ``i``'s control images of ``images`` found in the listing ``where``, the
+    images without one)."""
     present, found, missing = set(where), [], []
     for f in images:
-        u = next((u for u in control_candidates(section, f) if u in present), None)
+        u = next((u for u in control_candidates(section, f, i) if u in present), None)
         (found if u else missing).append(u or f)
-    if missing:
-        share = len(missing) / len(images)
-        place = f"none in {section.control_uri}" if section.control_uri else \
-            "no KEY.control.<ext> beside them"
-        what = (f"{len(missing)} of {len(images)} images have no control image ({place}; "
-                f"e.g. {', '.join(missing[:3])})")
-        if share > section.max_bad_fraction:
-            raise DataProblems([f"{key('control_images')}: {what}; {share:.1%} of them, over "
-                                f"data.max_bad_fraction={section.max_bad_fraction:g}"])
-        logging.getLogger("raylora.data").warning("%s: they are dropped as missing_control", what)
-    return found
+    return found, missing
+
+
+def _judge_missing(section: DataSection, key, i: int, folders: list[str] | None, n: int,
+                   missing: list[str]) -> list[str]:
+    """Input ``i``'s missing control images (of ``n`` images): the problem when they are
+    over data.max_bad_fraction, else logged (they are dropped as missing_control)."""
+    import logging
+
+    place = f"none in {folders[i]}" if folders else f"no KEY{control_infix(i)}.<ext> beside them"
+    which = f"input {i + 1}'s " if section.control_inputs > 1 else ""
+    what = (f"{len(missing)} of {n} images have no {which}control image ({place}; "
+            f"e.g. {', '.join(missing[:3])})")
+    share = len(missing) / n
+    if share > section.max_bad_fraction:
+        return [f"{key('control_images')}: {what}; {share:.1%} of them, over "
+                f"data.max_bad_fraction={section.max_bad_fraction:g}"]
+    logging.getLogger("raylora.data").warning("%s: they are dropped as missing_control", what)
+    return []
+
+
+def _judge_lacking(section: DataSection, key, n: int, lacking: set[str]) -> list[str]:
+    """The images lacking any one of several inputs: each input's share may be under
+    data.max_bad_fraction while together they drop more (every such row is dropped)."""
+    share = len(lacking) / n if n else 0.0
+    if share <= section.max_bad_fraction:
+        return []
+    return [f"{key('control_images')}: {len(lacking)} of {n} images lack at least one of "
+            f"their {section.control_inputs} control images (e.g. "
+            f"{', '.join(sorted(lacking)[:3])}); {share:.1%} of them, over "
+            f"data.max_bad_fraction={section.max_bad_fraction:g}"]
 
 
 def scan_buckets(section: DataSection, s: SourceFiles, storage: Storage, buckets,
@@ -348,7 +392,8 @@ def sample_problems(data: DataSection, plan: DataPlan, storage: Storage) -> list
                                     masks=section.masked_loss, max_pixels=section.max_image_pixels,
                                     min_size=section.min_size, small_images=section.small_images,
                                     keep_empty_captions=section.caption_dropout > 0,
-                                    control=row.get("control"), controls=section.control_images)
+                                    controls=[row.get(n) for n in control_names(section)]
+                                    if section.control_images else None)
                 except BadRecord as exc:
                     bad[exc.reason] += 1
                     if exc.reason not in examples:
@@ -378,7 +423,9 @@ SAMPLE_HINTS = {
     "caption_not_utf8": "Re-encode the captions as UTF-8",
     "bad_mask": "Check the loss masks (greyscale, the image's size), or turn data.masked_loss off",
     "missing_control": "Put each image's control image beside it as KEY.control.<ext> (parquet: "
-                       "check data.control_column), or turn data.control_images off",
+                       "check data.control_column), or turn data.control_images off; with "
+                       "data.control_inputs > 1 input k's is KEY.control_k.<ext>, the k-th "
+                       "folder of data.control_uri or the k-th of data.control_column's columns",
     "bad_control": "Check that the control images were copied whole and are in a format PIL reads",
 }
 

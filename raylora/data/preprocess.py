@@ -95,12 +95,13 @@ def transform_sample(
     center_crop: bool,
     random_flip: bool,
     rng: np.random.Generator,
-    control: Image.Image | None = None,
-) -> tuple[np.ndarray, tuple[int, int], tuple[int, int], np.ndarray | None, np.ndarray | None]:
+    controls: list[Image.Image] | None = None,
+) -> tuple[np.ndarray, tuple[int, int], tuple[int, int], np.ndarray | None, list[np.ndarray] | None]:
     """``transform_image_coords`` plus the image's loss ``mask`` (an "L" image of its
     size, or None) through the same view: uint8 ``[1, H, W]`` (255: full weight), or
-    None; and its ``control`` image (of its size, or None) likewise: uint8 ``[3, H, W]``
-    cut exactly where the image is, so an edit pair stays aligned pixel for pixel."""
+    None; and its ``controls`` (control images of its size, one per input, or None)
+    likewise: uint8 ``[3, H, W]`` each, cut exactly where the image is, so an edit
+    sample's images stay aligned pixel for pixel."""
     img = img.convert("RGB")
     w, h = img.size
     view = draw_view(w, h, resolution, center_crop, random_flip, rng)
@@ -108,8 +109,9 @@ def transform_sample(
     left = view.size[0] - view.crop[0] - view.left if view.flip else view.left
     pixels = np.ascontiguousarray(arr.transpose(2, 0, 1))
     masked = None if mask is None else np.ascontiguousarray(apply_view(mask, view)[None])
-    paired = None if control is None else np.ascontiguousarray(
-        apply_view(control.convert("RGB"), view).transpose(2, 0, 1))
+    paired = None if controls is None else [
+        np.ascontiguousarray(apply_view(c.convert("RGB"), view).transpose(2, 0, 1))
+        for c in controls]
     return pixels, (h, w), (view.top, left), masked, paired
 
 
@@ -139,9 +141,10 @@ class StageSpec:
     loss mask (a ``mask`` column of encoded images, or the image's alpha) goes through
     the image's crop into a ``loss_mask`` column, uint8 ``[B, 1, H, W]`` (all 255 for a row
     without one); a mask that does not fit is a ``bad_mask`` row. ``controls``
-    (data.control_images): each row's control image (a ``control`` column of encoded
-    images) goes through the image's crop into a ``control_values`` column, shaped and
-    bucketed as ``pixel_values``; a row without one is a ``missing_control`` row."""
+    (data.control_images): each row's control images (``control_inputs`` of them: the
+    ``control``, ``control_2``, ... columns of encoded images) go through the image's crop
+    into ``control_values``, ``control_values_2``, ... columns, shaped and bucketed as
+    ``pixel_values``; a row without any one of them is a ``missing_control`` row."""
 
     tokenizer_path: str
     resolution: int
@@ -167,6 +170,7 @@ class StageSpec:
     buckets: object = None
     masks: bool = False
     controls: bool = False
+    control_inputs: int = 1
 
 
 STAGE_PURPOSES = ("train", "cache", "heldout", "class")
@@ -190,8 +194,9 @@ def stage_kwargs(purpose: str, data, *, model_path: str, family: str, storage,
       given (no dropout or prefixes); masks when the instance rows have them, so the two
       halves of a batch have the same columns (buckets are refused with prior).
 
-    Control images (data.control_images) go with every stage but ``class`` (refused with
-    prior): the denoiser of an edit model takes one with every sample, held-out ones too."""
+    Control images (data.control_images, data.control_inputs of them) go with every
+    stage but ``class`` (refused with prior): the denoiser of an edit model takes them
+    with every sample, held-out ones too."""
     from raylora.data.buckets import bucket_set
     from raylora.data.captions import caption_policies
 
@@ -215,7 +220,7 @@ def stage_kwargs(purpose: str, data, *, model_path: str, family: str, storage,
     if purpose != "heldout":
         kw.update(masks=data.masked_loss)
     if purpose != "class":
-        kw.update(controls=data.control_images)
+        kw.update(controls=data.control_images, control_inputs=data.control_inputs)
     return kw
 
 
@@ -236,7 +241,8 @@ class Preprocess:
 
             tokenizer_specs = load_specs(spec.tokenizer_path, spec.family,
                                          Storage(spec.endpoint_url, spec.region), spec.max_sequence_length,
-                                         spec.revision)
+                                         spec.revision,
+                                         references=spec.control_inputs if spec.controls else 0)
         # Column names come with the specs: no import of the model families (and torch).
         self.keys = [(s.ids_key, s.mask_key) for s in tokenizer_specs]
         self.encoders = [CaptionTokenizer(s) for s in tokenizer_specs]
@@ -258,6 +264,12 @@ class Preprocess:
         self.reporter = Reporter(spec.bad_records)
         self.masks = spec.masks
         self.controls = spec.controls
+        from raylora.config import control_key
+
+        # The rows' control columns and the batch's (control_values, ...): one per input
+        inputs = spec.control_inputs if spec.controls else 0
+        self.control_names = [control_key("control", i) for i in range(inputs)]
+        self.control_outputs = [control_key("control_values", i) for i in range(inputs)]
 
     def _text_columns(self, captions: list[str]) -> dict[str, np.ndarray]:
         out = {}
@@ -268,20 +280,19 @@ class Preprocess:
                 out[mask_key] = mask
         return out
 
-    def _decode(self, image, text, mask, control, src: int):
-        """One row → (RGB image, caption, "L" mask or None, RGB control image or None), or
-        ``BadRecord``."""
+    def _decode(self, image, text, mask, controls: list | None, src: int):
+        """One row → (RGB image, caption, "L" mask or None, RGB control images or None),
+        or ``BadRecord``."""
         from raylora.data.decode import open_masked_row, to_rgb
 
         # Caption dropout trains on the empty prompt anyway: a blank caption is kept.
         img, caption, loss_mask, paired = open_masked_row(
             image, text, mask, masks=self.masks,
             **{k: v for k, v in self.decode.items() if k != "background"},
-            keep_empty_captions=self.policies[src].dropout > 0,
-            control=control, controls=self.controls)
+            keep_empty_captions=self.policies[src].dropout > 0, controls=controls)
         background = self.decode["background"]
         return (to_rgb(img, background), caption, loss_mask,
-                None if paired is None else to_rgb(paired, background))
+                None if paired is None else [to_rgb(c, background) for c in paired])
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         from collections import Counter
@@ -292,7 +303,8 @@ class Preprocess:
         out, captions, kept, bad, examples, ids = [], [], [], Counter(), {}, []
         images, texts = batch[self.image_column], batch[self.caption_column]
         masks = batch.get("mask") if self.masks else None
-        controls = batch.get("control") if self.controls else None
+        # A batch without an input's column: every row lacks it (missing_control)
+        controls = [batch.get(name) for name in self.control_names]
         where = batch.get("key", batch.get("path"))
         sources = batch.get("source")
         for i, (image, text) in enumerate(zip(images, texts)):
@@ -300,7 +312,8 @@ class Preprocess:
             try:
                 img, caption, mask, control = self._decode(
                     image, text, None if masks is None else masks[i],
-                    None if controls is None else controls[i], src)
+                    [None if c is None else c[i] for c in controls] if self.controls else None,
+                    src)
             except BadRecord as exc:
                 # Dropped and counted, never fatal here: whether the run may go on is
                 # decided on the totals (data.max_bad_fraction).
@@ -331,8 +344,8 @@ class Preprocess:
             result["loss_mask"] = self._pixels([
                 o[3] if o[3] is not None else np.full((1, *o[0].shape[-2:]), 255, np.uint8)
                 for o in out], channels=1)
-        if self.controls:
-            result["control_values"] = self._pixels([o[4] for o in out])
+        for j, name in enumerate(self.control_outputs):
+            result[name] = self._pixels([o[4][j] for o in out])
         if self.buckets is not None:
             result["bucket"] = np.array(ids, dtype=np.int32)
         return result

@@ -1,10 +1,11 @@
 """``raylora shards build``: an image folder → sized parquet or WebDataset shards on any URI.
 
 Captions come from ``metadata.jsonl`` or ``metadata.csv`` (``file_name``, ``text``) or a ``.txt`` file
-beside each image. An image's sidecar loss mask (``KEY.mask.png``) and control image
-(``KEY.control.<ext>``, an edit pair's input) travel with it into its shard, where the
-readers look for them (tar members beside the image; parquet columns ``mask`` and
-``control_image``, the defaults of data.mask_column and data.control_column). Each shard is written by one Ray task, so a large folder is sharded in
+beside each image. An image's sidecar loss mask (``KEY.mask.png``) and control images
+(``KEY.control.<ext>``, an edit pair's input; ``KEY.control_2.<ext>``, ... for the others
+of several) travel with it into its shard, where the readers look for them (tar members
+beside the image; parquet columns ``mask``, ``control_image``, ``control_image_2``, ...,
+the defaults of data.mask_column and data.control_column). Each shard is written by one Ray task, so a large folder is sharded in
 parallel across the cluster; a ``manifest.json`` (count, bytes, schema, per-shard counts)
 is written last, when every shard exists.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import posixpath
 
+from raylora.config import MAX_CONTROL_INPUTS, control_key
 from raylora.data import formats
 from raylora.data.formats.imagefolder import is_metadata
 from raylora.storage import Storage, join, normalize
@@ -46,9 +48,10 @@ def collect_items(store: Storage, src: str) -> list[dict]:
         it["key"] = posixpath.splitext(it["key"][len(src) + 1 :])[0]
         if formats.mask_uri(it["uri"]) in present:
             it["mask_uri"] = formats.mask_uri(it["uri"])
-        control = [u for u in formats.control_uris(it["uri"]) if u in present]
-        if control:
-            it["control_uri"] = control[0]
+        for i in range(MAX_CONTROL_INPUTS):  # control_uri, control_uri_2, ...
+            control = [u for u in formats.control_uris(it["uri"], i) if u in present]
+            if control:
+                it[control_key("control_uri", i)] = control[0]
     return sorted(items, key=lambda it: it["key"])
 
 

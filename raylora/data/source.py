@@ -189,7 +189,8 @@ def _as_source(table, section: DataSection, source: int):
 def _part_tables(item: dict, data: DataSection, cached: bool, store: Storage):
     """The rows of a parquet part that the item keeps: a cache's columns as they are, else
     ``key`` (``{uri}#{row}``), ``image`` (bytes, also from a ``{bytes, path}`` struct) and
-    ``text`` (and ``mask`` with data.masked_loss, ``control`` with data.control_images)."""
+    ``text`` (and ``mask`` with data.masked_loss, ``control``, ``control_2``, ... with
+    data.control_images)."""
     import pyarrow as pa
 
     from raylora.data.formats.parquet import extra_columns
@@ -227,13 +228,14 @@ def _bytes_column(column):
 
 def _unit_tables(item: dict, data: DataSection, fmt: str, files: list[str], store: Storage,
                  rows_per_table: int = 64):
-    """The ``{key, image, text}`` rows of a registry unit (``ShardFormat.iter_unit``) that
-    the item keeps."""
+    """The ``{key, image, text}`` rows (+ ``mask``, ``control``, ``control_2``, ... where
+    the config reads them) of a registry unit (``ShardFormat.iter_unit``) that the item
+    keeps."""
     import itertools
 
     import pyarrow as pa
 
-    from raylora.data.formats.base import image_bytes
+    from raylora.data.formats.base import control_names, image_bytes
     from raylora.data.plan import unit_keep
 
     rows = get_format(fmt).iter_unit(data, files, store, int(item["index"]),
@@ -246,8 +248,8 @@ def _unit_tables(item: dict, data: DataSection, fmt: str, files: list[str], stor
                              pa.string()),
             **({"mask": pa.array([r["mask"] or None for r in chunk], pa.binary())}
                if data.masked_loss else {}),
-            **({"control": pa.array([image_bytes(r["control"]) or None for r in chunk], pa.binary())}
-               if data.control_images else {}),
+            **{name: pa.array([image_bytes(r[name]) or None for r in chunk], pa.binary())
+               for name in control_names(data)},
         })
 
 
@@ -298,7 +300,8 @@ def _preprocessed_rows(data: DataSection, plan: DataPlan, storage: Storage, mode
                        revision: str | None = None) -> ray.data.Dataset:
     """Shard rows read, decoded and preprocessed (build_dataset without a cache)."""
     # Read once, on the driver: see raylora.data.tokenize.
-    specs = tokenizer_specs or load_specs(model_path, family, storage, revision=revision)
+    specs = tokenizer_specs or load_specs(model_path, family, storage, revision=revision,
+                                          references=data.references())
     stage = stage_kwargs("train", data, model_path=model_path, family=family, storage=storage,
                          tokenizer_specs=specs, seed=seed, bad_records=bad_records,
                          revision=revision)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from raylora.config import DataSection
-from raylora.data.formats import image_bytes
+from raylora.data.formats import control_names, image_bytes
 from raylora.data.plan import DataPlan, iter_plan_rows
 from raylora.storage import Storage
 
@@ -57,13 +57,14 @@ def read_heldout_rows(
 ) -> list[dict]:
     """The evaluation rows: with ``split`` the first held-out rows of the training files,
     else (``data.validation_uri``) the first rows of the validation files (each row once,
-    whatever its repeats). Each row is ``{"image": bytes, "text": str}`` (and its
-    ``control`` image with data.control_images: an edit model is evaluated on its pairs)."""
-    rows = []
+    whatever its repeats). Each row is ``{"image": bytes, "text": str}`` (and its control
+    images, ``control``, ``control_2``, ..., with data.control_images: an edit model is
+    evaluated on its pairs)."""
+    rows, names = [], control_names(data)
     for row in iter_plan_rows(data, plan, storage):
         if split is None or row_fraction(row["image"], row["text"]) < split:
             rows.append({"image": row["image"], "text": "" if row["text"] is None else str(row["text"]),
-                         **({"control": row.get("control")} if data.control_images else {})})
+                         **{name: row.get(name) for name in names}})
             if len(rows) >= data.validation_max_samples:
                 break
     return rows

@@ -83,17 +83,19 @@ def _padding_side(tok, text) -> str:
 
 
 def load_specs(model_path: str, family: str, store, max_sequence_length: int | None = None,
-               revision: str | None = None) -> tuple[TokenizerSpec, ...]:
+               revision: str | None = None, references: int = 0) -> tuple[TokenizerSpec, ...]:
     """The model's tokenizers, in the family's order, as specs (a hub model's at
-    ``revision``: ``model.revision``, the run's pinned commit). A model in object storage
-    has only its small tokenizer folders copied, to a temporary folder, not the whole model."""
+    ``revision``: ``model.revision``, the run's pinned commit), for captions of samples
+    with ``references`` input images (data.control_inputs; ``Family.texts``). A model in
+    object storage has only its small tokenizer folders copied, to a temporary folder, not
+    the whole model."""
     from transformers import AutoTokenizer
 
     from raylora import storage as st
     from raylora.model import families
     from raylora.model.load import is_hub_id
 
-    texts = families.get(family).text
+    texts = families.get(family).texts(references)
 
     def specs(root: str) -> tuple[TokenizerSpec, ...]:
         return tuple(spec_from_tokenizer(AutoTokenizer.from_pretrained(root, subfolder=t.tokenizer,

@@ -15,13 +15,15 @@ cached; ``raylora.train.step.compute_loss`` brings it to the latent grid. And an
 pair's input image (data.control_images): ``control_values`` uint8 [B,3,H,W] raw,
 ``control_params`` [B,2C,h,w] cached, which ``batch_reference`` makes the conditioning's
 ``reference_latents`` (the posterior's mean, normalised: what the family's pipeline feeds
-its denoiser for an input image).
+its denoiser for an input image); a sample's input k ≥ 2 (data.control_inputs) under
+``control_values_k`` / ``control_params_k`` → ``reference_latents_k``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from raylora.config import control_key
 from raylora.model.families.base import Cond, Family
 
 __all__ = ["Cond", "batch_condition", "batch_posterior", "batch_reference", "sample_latents",
@@ -72,14 +74,16 @@ def batch_posterior(family: type[Family], vae, batch: dict) -> torch.Tensor:
     return vae_posterior(family, vae, batch["pixel_values"])
 
 
-def batch_reference(family: type[Family], vae, batch: dict, shift=0.0, scale=1.0) -> torch.Tensor | None:
-    """The normalised latents of a batch's control images (its posterior's mean: the
-    pipelines encode an input image with ``sample_mode="argmax"``), None for a batch
-    without them."""
-    if "control_params" in batch:
-        params = batch["control_params"]
-    elif "control_values" in batch:
-        params = vae_posterior(family, vae, batch["control_values"])
+def batch_reference(family: type[Family], vae, batch: dict, shift=0.0, scale=1.0,
+                    index: int = 0) -> torch.Tensor | None:
+    """The normalised latents of a batch's control images, input ``index`` of each sample
+    (data.control_inputs; its posterior's mean: the pipelines encode an input image with
+    ``sample_mode="argmax"``), None for a batch without them."""
+    cached, raw = control_key("control_params", index), control_key("control_values", index)
+    if cached in batch:
+        params = batch[cached]
+    elif raw in batch:
+        params = vae_posterior(family, vae, batch[raw])
     else:
         return None
     return sample_latents(params, shift, scale, sample=False)

@@ -79,7 +79,7 @@ def prepare_heldout(
     text_batch = None
     if parts.text_encoder_params:
         text_batch = {k: v.to(device) for k, v in batch.items()
-                      if k not in ("pixel_values", "control_values")}
+                      if k != "pixel_values" and not k.startswith("control_values")}
     return HeldOut(parts.family, noised.noisy, t, noised.target.float(), Cond.cat(texts), index,
                    text_batch, parts.guidance)
 

@@ -31,13 +31,14 @@ def make_grid(images: list[Image.Image], cols: int | None = None) -> Image.Image
 def grid_with_inputs(images: list[Image.Image], inputs=()) -> tuple[list[Image.Image], int | None]:
     """(images, columns) of a preview grid: the rendered images as they are, or with an
     edit model's inputs (validation.control_images) each beside what it became: rows of
-    (input, edit), the input at the edit's size."""
+    (input, edit), or (input 1, input 2, ..., edit) for several, the inputs at the edit's
+    size."""
     if not inputs:
         return list(images), None
     out = []
     for src, img in zip(inputs, images):
-        out += [src.resize(img.size), img]
-    return out, 2
+        out += [x.resize(img.size) for x in (src if isinstance(src, list) else [src])] + [img]
+    return out, len(out) // len(images)
 
 
 def encoders_for(parts, model_path: str, model, device) -> tuple:
@@ -79,19 +80,20 @@ def denoiser_of(pipe) -> torch.nn.Module:
     return pipe.unet if getattr(pipe, "unet", None) is not None else pipe.transformer
 
 
-def read_control_images(uris: list[str], store) -> list[Image.Image]:
-    """validation.control_images, decoded (RGB): each preview prompt's input image."""
+def read_control_images(uris: list, store) -> list:
+    """validation.control_images, decoded (RGB): each preview prompt's input image, or
+    its list of them (data.control_inputs > 1) as a list."""
     import io
 
-    out = []
-    for uri in uris:
+    def read(uri: str) -> Image.Image:
         try:
-            out.append(Image.open(io.BytesIO(store.read_bytes(uri))).convert("RGB"))
+            return Image.open(io.BytesIO(store.read_bytes(uri))).convert("RGB")
         except FileNotFoundError:
             raise ValueError(f"validation.control_images: {uri}: no such file") from None
         except (OSError, ValueError) as exc:  # PIL's UnidentifiedImageError is an OSError
             raise ValueError(f"validation.control_images: {uri}: {exc}") from None
-    return out
+
+    return [[read(u) for u in uri] if isinstance(uri, list) else read(uri) for uri in uris]
 
 
 @torch.no_grad()
@@ -100,7 +102,8 @@ def render(pipe, family, prompts: list[str], seed: int, steps: int, guidance: di
     """One image per prompt; image i uses generator seed ``seed + i`` on the CPU, so the
     same adapter gives the same picture on any device and at any step. ``guidance``: the
     ``family``'s ``guidance_kwargs`` (one prompt per call), as its pipeline takes them.
-    ``control_images``: an edit model's input image for each prompt (none: text to image)."""
+    ``control_images``: an edit model's input image (or list of them) for each prompt
+    (none: text to image)."""
     model = denoiser_of(pipe)
     was_training = model.training
     model.eval()

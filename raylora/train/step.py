@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from raylora.config import control_key
 from raylora.model.families.base import Cond, Family
 from raylora.train.encode import batch_condition, batch_posterior, batch_reference, sample_latents
 from raylora.train.loss import combine_prior, denoising_loss, latent_mask, split_pairs
@@ -66,10 +67,12 @@ def with_reference(parts: FrozenParts, batch: dict[str, torch.Tensor], cond: Con
     """``cond`` with the batch's input latents as ``reference_latents`` (an edit pair's,
     data.control_images), as it is for a batch without them; in an edit run such a batch
     (``what``) is an error."""
-    reference = batch_reference(parts.family, parts.vae, batch, parts.latent_shift,
-                                parts.latent_scale)
-    if reference is not None:
-        return Cond(cond, reference_latents=reference)
+    refs = {}
+    while (ref := batch_reference(parts.family, parts.vae, batch, parts.latent_shift,
+                                  parts.latent_scale, index=len(refs))) is not None:
+        refs[control_key("reference_latents", len(refs))] = ref
+    if refs:
+        return Cond(cond, **refs)
     if parts.control_images:
         raise ValueError(f"data.control_images: {what} without control images (columns "
                          f"{sorted(batch)}): its input images were lost on the way")

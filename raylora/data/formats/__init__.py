@@ -17,8 +17,9 @@ and one line in ``FORMATS`` (and its name in ``data.format``'s choices).
 from __future__ import annotations
 
 from raylora.data.formats.base import (
-    CONTROL_INFIX, IMAGE_EXTS, MANIFEST, MASK_SUFFIX, NOT_UTF8, ShardFormat, control_uris,
-    decode_text, image_bytes, is_control_file, is_mask_file, mask_uri, read_manifest,
+    CONTROL_INFIX, IMAGE_EXTS, MANIFEST, MASK_SUFFIX, NOT_UTF8, ShardFormat, control_index,
+    control_infix, control_names, control_uris, decode_text, image_bytes, is_control_file,
+    is_mask_file, mask_uri, read_manifest,
 )
 from raylora.data.formats.captionfolder import CaptionFolder
 from raylora.data.formats.imagefolder import METADATA, ImageFolder, imagefolder_rows
@@ -32,7 +33,8 @@ FORMATS: dict[str, ShardFormat] = {
     f.name: f for f in (Parquet(), WebDataset(), ImageFolder(), CaptionFolder())}
 
 __all__ = [
-    "CONTROL_INFIX", "FORMATS", "IMAGE_EXTS", "MANIFEST", "MASK_SUFFIX", "control_uris",
+    "CONTROL_INFIX", "FORMATS", "IMAGE_EXTS", "MANIFEST", "MASK_SUFFIX", "control_index",
+    "control_infix", "control_names", "control_uris",
     "is_control_file", "is_mask_file", "mask_uri", "METADATA", "NOT_UTF8", "ShardFormat", "decode_text",
     "detect_format", "get_format", "image_bytes", "imagefolder_rows", "read_manifest", "writable_formats",
 ]

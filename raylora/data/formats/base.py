@@ -4,10 +4,10 @@ A format is one ``ShardFormat`` object in the registry (``raylora.data.formats``
 of raylora asks it, by name, to pick its files out of a listing, count their rows, read
 them (plainly, in file order, or as a Ray dataset) and, where it can, write a shard. Rows
 are ``{"key", "image", "text"}`` (and ``mask``, encoded bytes or None, with
-``data.masked_loss``; ``control``, likewise, with ``data.control_images``) whatever the
-format: ``key`` says where the sample is
-(file, and row or sample name), so the validating decode (``raylora.data.decode``) reports
-a bad sample at the same kind of place for every format.
+``data.masked_loss``; ``control``, likewise, with ``data.control_images``, and ``control_2``
+... ``control_N`` with data.control_inputs N > 1) whatever the format: ``key`` says where
+the sample is (file, and row or sample name), so the validating decode
+(``raylora.data.decode``) reports a bad sample at the same kind of place for every format.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import functools
 import itertools
 import json
 import posixpath
+import re
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -34,8 +35,12 @@ MASK_SUFFIX = ".mask.png"
 
 # A sample's control image beside its image (data.control_images, the input of an edit
 # pair): KEY.control.<one of IMAGE_EXTS>, in a tar or a folder. Any image format: it is an
-# input the VAE encodes, as lossy as the user's photos.
+# input the VAE encodes, as lossy as the user's photos. Input k ≥ 2 of a sample with
+# several (data.control_inputs): KEY.control_k.<ext> (raylora.config.control_key).
 CONTROL_INFIX = ".control"
+# The stem's end of any input's sidecar, for telling sidecars apart without the config:
+# ``.control`` and ``.control_<digits>`` (``_0``/``_1`` too: never a training image).
+_CONTROL_STEM = re.compile(re.escape(CONTROL_INFIX) + r"(?:_(\d+))?$")
 
 # Marks a caption whose bytes were not UTF-8. Rows travel through Arrow, whose string
 # columns cannot hold the raw bytes (and a column of mixed str/bytes has no Arrow type),
@@ -109,45 +114,86 @@ def is_mask_file(name: str) -> bool:
 
 
 def is_control_file(name: str) -> bool:
-    """A sidecar control image (``cat.control.png``): never a training image itself."""
+    """A sidecar control image of any input (``cat.control.png``, ``cat.control_2.jpg``):
+    never a training image itself."""
     stem, ext = posixpath.splitext(name.lower())
-    return ext in IMAGE_EXTS and stem.endswith(CONTROL_INFIX)
+    return ext in IMAGE_EXTS and _CONTROL_STEM.search(stem) is not None
 
 
-def control_uris(image: str) -> list[str]:
-    """Where an image file's sidecar control image may be, in the order looked for: its
-    own extension first (``cat.jpg`` → ``cat.control.jpg``), then the others."""
+def control_index(name: str) -> int | None:
+    """The input (0-based) whose sidecar ``name`` is: ``cat.control.png`` 0,
+    ``cat.control_2.png`` 1 (a tar member's ``.control_2.png`` likewise); None for any
+    other name, and for ``.control_0``/``.control_1``, which no input is named."""
+    stem, ext = posixpath.splitext(name.lower())
+    m = _CONTROL_STEM.search(stem) if ext in IMAGE_EXTS else None
+    if m is None or m.group(1) is None:
+        return None if m is None else 0
+    k = int(m.group(1))
+    return k - 1 if k >= 2 else None
+
+
+def control_infix(i: int) -> str:
+    """Input ``i``'s sidecar infix: ``.control``, ``.control_2``, ..."""
+    from raylora.config import control_key  # the registry imports no config at load
+
+    return control_key(CONTROL_INFIX, i)
+
+
+def control_names(data: DataSection) -> list[str]:
+    """The row keys of a sample's control images (data.control_images; else none):
+    ``control``, ``control_2``, ... one per data.control_inputs."""
+    from raylora.config import control_key
+
+    return [control_key("control", i) for i in range(data.control_inputs)] \
+        if data.control_images else []
+
+
+def control_uris(image: str, i: int = 0) -> list[str]:
+    """Where an image file's sidecar control image (input ``i``) may be, in the order
+    looked for: its own extension first (``cat.jpg`` → ``cat.control.jpg``, input 2's
+    ``cat.control_2.jpg``), then the others."""
     stem, ext = posixpath.splitext(image)
-    return [stem + CONTROL_INFIX + e for e in _own_first(ext)]
+    infix = control_infix(i)
+    return [stem + infix + e for e in _own_first(ext)]
+
+
+def item_controls(item: dict) -> list[tuple[int, str]]:
+    """(input index, URI) of each control image a shard item (``raylora.data.shards``)
+    carries: its ``control_uri`` (index 0), ``control_uri_2`` (1), ..."""
+    from raylora.config import MAX_CONTROL_INPUTS, control_key
+
+    keys = [(i, control_key("control_uri", i)) for i in range(MAX_CONTROL_INPUTS)]
+    return [(i, item[k]) for i, k in keys if item.get(k)]
 
 
 def _own_first(ext: str) -> list[str]:
     return [ext] + [e for e in IMAGE_EXTS if e != ext.lower()]
 
 
-def control_candidates(data: DataSection, image: str) -> list[str]:
-    """Where an image file's control image may be, in the order looked for: its sidecars
-    (``control_uris``), or with data.control_uri the same relative path and stem in that
-    folder, its own extension first (``{data.uri}/a/cat.jpg`` → ``{control_uri}/a/cat.jpg``,
-    ``.../a/cat.png``, ...)."""
-    if not data.control_uri:
-        return control_uris(image)
+def control_candidates(data: DataSection, image: str, i: int = 0) -> list[str]:
+    """Where an image file's control image (input ``i``) may be, in the order looked for:
+    its sidecars (``control_uris``), or with data.control_uri the same relative path and
+    stem in input ``i``'s folder, its own extension first (``{data.uri}/a/cat.jpg`` →
+    ``{control_uri}/a/cat.jpg``, ``.../a/cat.png``, ...)."""
+    folders = data.control_folders()
+    if not folders:
+        return control_uris(image, i)
     from raylora.data.formats.captionfolder import data_roots
     from raylora.storage import normalize
 
     root = next((r for r in data_roots(data.uri) if image.startswith(r + "/")), None)
     rel = image[len(root) + 1:] if root is not None else posixpath.basename(image)
     stem, ext = posixpath.splitext(rel)
-    base = normalize(data.control_uri).rstrip("/")
+    base = normalize(folders[i]).rstrip("/")
     return [f"{base}/{stem}{e}" for e in _own_first(ext)]
 
 
-def sidecar_control(storage: Storage, image: str, data: DataSection) -> bytes | None:
-    """The encoded control image of an image file (``control_candidates``), None when it
-    has none (the validating decode drops the row as missing_control). One read when it
-    has the image's extension; a missing one costs a read per extension (rows are read
-    without their folder's listing)."""
-    for uri in control_candidates(data, image):
+def sidecar_control(storage: Storage, image: str, data: DataSection, i: int = 0) -> bytes | None:
+    """The encoded control image (input ``i``) of an image file (``control_candidates``),
+    None when it has none (the validating decode drops the row as missing_control). One
+    read when it has the image's extension; a missing one costs a read per extension (rows
+    are read without their folder's listing)."""
+    for uri in control_candidates(data, image, i):
         try:
             return storage.read_bytes(uri)
         except FileNotFoundError:
@@ -177,22 +223,26 @@ def mask_companions(data: DataSection, files: list[str], listing: list[str]) -> 
     return [m for m in map(mask_uri, files) if m in present]
 
 
-def with_mask(data: DataSection, row: dict, mask, control=None) -> dict:
+def with_mask(data: DataSection, row: dict, mask, controls=None) -> dict:
     """``row`` with its ``mask`` (encoded bytes or None) when data.masked_loss is on, and
-    its ``control`` image likewise when data.control_images is; as it was otherwise (no
-    extra column, nothing else read). Either may be a function, called only then."""
+    its control images likewise (``control_names``: ``control``, ``control_2``, ...) when
+    data.control_images is; as it was otherwise (no extra column, nothing else read).
+    ``mask`` may be a function, called only then; ``controls`` a list (one per input) or
+    a function of the input's index, called only then (None: every input missing)."""
     if data.masked_loss:
         row = {**row, "mask": mask() if callable(mask) else mask}
     if data.control_images:
-        row = {**row, "control": control() if callable(control) else control}
+        read = controls if callable(controls) else \
+            (lambda i: None if controls is None else controls[i])
+        row = {**row, **{name: read(i) for i, name in enumerate(control_names(data))}}
     return row
 
 
 def with_sidecars(data: DataSection, row: dict, storage: Storage, image: str) -> dict:
-    """``with_mask`` for an image file: its sidecar mask and control image, read only when
-    their keys are on. The one place folder formats look for them."""
+    """``with_mask`` for an image file: its sidecar mask and control images, read only
+    when their keys are on. The one place folder formats look for them."""
     return with_mask(data, row, lambda: sidecar_mask(storage, image),
-                     lambda: sidecar_control(storage, image, data))
+                     lambda i: sidecar_control(storage, image, data, i))
 
 
 @functools.lru_cache(maxsize=4)

@@ -13,7 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raylora.data.formats.base import (
-    ShardFormat, concurrently, image_bytes, img2dataset_metadata, spread, with_mask,
+    ShardFormat, concurrently, control_names, image_bytes, img2dataset_metadata, item_controls,
+    spread, with_mask,
 )
 from raylora.storage import Storage
 
@@ -77,11 +78,11 @@ def _binary(kind: pa.DataType) -> bool:
 
 def extra_columns(data: DataSection) -> list[tuple[str, str]]:
     """(column, row key) of the images a row carries besides its own that the config
-    reads: the mask column (data.masked_loss, ``mask``), the control column
-    (data.control_images, ``control``)."""
-    return [(column, key) for on, column, key in (
-        (data.masked_loss, data.mask_column, "mask"),
-        (data.control_images, data.control_column, "control")) if on]
+    reads: the mask column (data.masked_loss, ``mask``), each input's control column
+    (data.control_images: ``control`` from data.control_columns()[0], ``control_2`` from
+    the second, ...)."""
+    masks = [(data.mask_column, "mask")] if data.masked_loss else []
+    return masks + list(zip(data.control_columns(), control_names(data)))
 
 
 def read_columns(data: DataSection, names: list[str]) -> list[str]:
@@ -105,15 +106,19 @@ def _file_rows(data: DataSection, f: str, pf: pq.ParquetFile, batch_size: int) -
 
 
 def _table_rows(data: DataSection, f: str, table, places) -> Iterator[dict]:
-    """Rows ``{key, image, text}`` (+ ``mask``) of a batch or table read from ``f``, whose
-    rows are at ``places`` in the file."""
+    """Rows ``{key, image, text}`` (+ ``mask``, ``control``, ...) of a batch or table read
+    from ``f``, whose rows are at ``places`` in the file. A column the shard lacks gives
+    every row None (unmasked; a missing_control for its input)."""
     d = table.to_pydict()
-    masks = d.get(data.mask_column, [None] * table.num_rows)
-    controls = d.get(data.control_column, [None] * table.num_rows)
-    for row, img, txt, mask, control in zip(places, d[data.image_column], d[data.caption_column],
-                                            masks, controls):
+    nothing = [None] * table.num_rows
+    masks = d.get(data.mask_column, nothing)
+    names = control_names(data)
+    controls = [d.get(c, nothing) for c in data.control_columns()[:len(names)]]
+    for j, (row, img, txt, mask) in enumerate(zip(places, d[data.image_column],
+                                                  d[data.caption_column], masks)):
         out = {"key": f"{f}#{row}", "image": image_bytes(img), "text": txt}
-        yield with_mask(data, out, image_bytes(mask) or None, image_bytes(control) or None)
+        yield with_mask(data, out, image_bytes(mask) or None,
+                        [image_bytes(c[j]) or None for c in controls])
 
 
 class Parquet(ShardFormat):
@@ -124,7 +129,9 @@ class Parquet(ShardFormat):
     manifest_schema = {"key": "string", "image": "binary (encoded image)", "text": "string",
                        "mask": "binary (loss mask; null where none), where the source has any",
                        "control_image": "binary (control image; null where none), where the "
-                                        "source has any"}
+                                        "source has any",
+                       "control_image_k": "binary (input k's control image, k ≥ 2; null where "
+                                          "none), where the source has any"}
 
     def detects(self, files):
         # Not img2dataset's metadata beside its tars or folders: those are the data (a
@@ -195,12 +202,23 @@ class Parquet(ShardFormat):
             },
             schema=SCHEMA,
         )
-        # Sidecars as the columns data.mask_column and data.control_column name by default.
-        for column, field in (("mask", "mask_uri"), ("control_image", "control_uri")):
-            if any(it.get(field) for it in items):
+        # Sidecars as the columns data.mask_column and data.control_column name by default
+        # (input k ≥ 2: control_image_k, data.control_columns()' default).
+        for column, uris in (("mask", [it.get("mask_uri") for it in items]),
+                             *_control_columns(items)):
+            if any(uris):
                 table = table.append_column(column, pa.array(
-                    [storage.read_bytes(it[field]) if it.get(field) else None for it in items],
-                    pa.binary()))
+                    [storage.read_bytes(u) if u else None for u in uris], pa.binary()))
         buf = io.BytesIO()
         pq.write_table(table, buf)
         return f"shard-{index:05d}.parquet", buf.getvalue()
+
+
+def _control_columns(items: list[dict]) -> list[tuple[str, list[str | None]]]:
+    """(column, each item's URI or None) per input any of the shard items has a control
+    image for: ``control_image``, ``control_image_2``, ..."""
+    from raylora.config import control_key
+
+    per = [dict(item_controls(it)) for it in items]
+    inputs = sorted({i for p in per for i in p})
+    return [(control_key("control_image", i), [p.get(i) for p in per]) for i in inputs]

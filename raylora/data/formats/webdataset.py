@@ -1,5 +1,6 @@
 """WebDataset: tar files as img2dataset writes them, ``KEY.jpg|jpeg|png|webp`` +
-``KEY.txt`` (+ ``KEY.json``, + ``KEY.mask.png`` for data.masked_loss). Only image bytes, UTF-8 text and JSON are read: nothing in
+``KEY.txt`` (+ ``KEY.json``, + ``KEY.mask.png`` for data.masked_loss, + ``KEY.control.<ext>``,
+``KEY.control_2.<ext>``, ... for data.control_images). Only image bytes, UTF-8 text and JSON are read: nothing in
 a shard is ever unpickled or executed. A row's key is ``{file}#{KEY}``."""
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ import logging
 import posixpath
 import tarfile
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 
 from raylora.data.formats.base import (
-    CONTROL_INFIX, IMAGE_EXTS, MASK_SUFFIX, ShardFormat, concurrently, decode_text, read_manifest,
+    IMAGE_EXTS, MASK_SUFFIX, ShardFormat, concurrently, control_index, control_infix, control_names,
+    decode_text, item_controls, read_manifest,
 )
 from raylora.storage import Storage
 
@@ -31,10 +33,11 @@ def split_key(name: str) -> tuple[str, str]:
 
 
 def iter_tar_samples(fileobj, source: str, masks: bool = False,
-                     controls: bool = False) -> Iterator[dict]:
+                     controls: Sequence[str] = ()) -> Iterator[dict]:
     """Rows from one WebDataset tar, in file order. Samples without an image are skipped.
-    ``masks``: rows get a ``mask`` (the ``KEY.mask.png`` bytes, or None); ``controls``: a
-    ``control`` (the ``KEY.control.<image ext>`` bytes, or None)."""
+    ``masks``: rows get a ``mask`` (the ``KEY.mask.png`` bytes, or None); ``controls``: the
+    row keys of the control images (``control_names``), each the bytes of its input's
+    member (``KEY.control.<image ext>``, ``KEY.control_2.<image ext>``, ...) or None."""
     current: dict | None = None
     with tarfile.open(fileobj=fileobj, mode="r|*") as tar:
         for member in tar:
@@ -45,12 +48,13 @@ def iter_tar_samples(fileobj, source: str, masks: bool = False,
                 if current is not None and current.get("image") is not None:
                     yield _finish(current, source, masks, controls)
                 current = {"key": key, "image": None, "text": None, "json": None, "mask": None,
-                           "control": None}
+                           "controls": {}}
             data = tar.extractfile(member).read()
-            if ext == MASK_SUFFIX:  # split_key keeps both dots: never taken for the image
+            # split_key keeps every dot: a sidecar is never taken for the image
+            if ext == MASK_SUFFIX:
                 current["mask"] = data
-            elif ext.startswith(CONTROL_INFIX + ".") and ext[len(CONTROL_INFIX):] in IMAGE_EXTS:
-                current["control"] = data
+            elif (i := control_index(ext)) is not None:
+                current["controls"][i] = data
             elif ext in IMAGE_EXTS and current["image"] is None:
                 current["image"] = data
             elif ext == ".txt":
@@ -65,15 +69,15 @@ def iter_tar_samples(fileobj, source: str, masks: bool = False,
             yield _finish(current, source, masks, controls)
 
 
-def _finish(sample: dict, source: str, masks: bool = False, controls: bool = False) -> dict:
+def _finish(sample: dict, source: str, masks: bool = False, controls: Sequence[str] = ()) -> dict:
     text = sample["text"]
     if text is None and isinstance(sample["json"], dict):
         text = sample["json"].get("caption") or sample["json"].get("text")
     row = {"key": f"{source}#{sample['key']}", "image": sample["image"], "text": text or ""}
     if masks:
         row["mask"] = sample["mask"]
-    if controls:
-        row["control"] = sample["control"]
+    for i, name in enumerate(controls):
+        row[name] = sample["controls"].get(i)
     return row
 
 
@@ -147,7 +151,9 @@ class WebDataset(ShardFormat):
     manifest_schema = {"KEY.<image ext>": "encoded image", "KEY.txt": "caption",
                        "KEY.json": "{key, caption}",
                        "KEY.mask.png": "loss mask, where the source image has one",
-                       "KEY.control.<image ext>": "control image, where the source image has one"}
+                       "KEY.control.<image ext>": "control image, where the source image has one",
+                       "KEY.control_k.<image ext>": "input k's control image (k ≥ 2), where the "
+                                                    "source image has one"}
 
     def count_rows(self, data, files, storage):
         """Samples per tar: from the shard builder's manifest when present, else from
@@ -185,7 +191,7 @@ class WebDataset(ShardFormat):
     def iter_rows(self, data, files, storage):
         for f in files:
             with _tar_stream(storage, f) as fh:
-                yield from iter_tar_samples(fh, f, data.masked_loss, data.control_images)
+                yield from iter_tar_samples(fh, f, data.masked_loss, control_names(data))
 
     def read_dataset(self, data, files, file_rows, storage, seed, shuffle, **map_args):
         # map_args are for the parquet read stage; a tar is one read task whatever they say.
@@ -207,9 +213,9 @@ class WebDataset(ShardFormat):
                 # img2dataset-style keys: the sample's index, zero-padded, shard-prefixed.
                 key = f"{index:05d}{i:04d}"
                 ext = posixpath.splitext(it["uri"])[1].lower()
-                sidecars = [(MASK_SUFFIX, it.get("mask_uri")),
-                            (CONTROL_INFIX + posixpath.splitext(it.get("control_uri") or "")[1].lower(),
-                             it.get("control_uri"))]
+                sidecars = [(MASK_SUFFIX, it.get("mask_uri"))] + [
+                    (control_infix(c) + posixpath.splitext(uri)[1].lower(), uri)
+                    for c, uri in item_controls(it)]
                 for suffix, payload in (
                     (ext, storage.read_bytes(it["uri"])),
                     (".txt", it["text"].encode("utf-8")),

@@ -24,6 +24,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from raylora.config import control_key
+
 
 @dataclass(frozen=True)
 class TextInput:
@@ -74,6 +76,16 @@ class Cond(dict):
     @staticmethod
     def cat(conds: list["Cond"]) -> "Cond":
         return Cond({k: torch.cat([c[k] for c in conds]) for k in conds[0]})
+
+
+def references(cond: Cond) -> list[torch.Tensor]:
+    """An edit sample's input latents in order (``reference_latents``,
+    ``reference_latents_2``, ...; data.control_inputs of them), [] for text to image. Cond
+    holds tensors only (``select``, ``to``, ``cat``), so each input is a key of its own."""
+    out = []
+    while (ref := cond.get(control_key("reference_latents", len(out)))) is not None:
+        out.append(ref)
+    return out
 
 
 def pack_2x2(latents: torch.Tensor) -> torch.Tensor:
@@ -184,6 +196,10 @@ class Family:
     # latents arriving in the conditioning as ``reference_latents`` [B, C, h, w], and its
     # pipeline takes the input as ``image``. False: data.control_images is refused.
     reference_image: ClassVar[bool] = False
+    # Input images a sample may bring (data.control_inputs): the pipeline's ``image`` as a
+    # list, their latents ``reference_latents``, ``reference_latents_2``, ... (``references``).
+    # 1 where the pipeline takes one input (Kontext).
+    max_references: ClassVar[int] = 1
     # Its pipeline samples only from an input image (Qwen-Image-Edit): data.control_images
     # is required, and validation.control_images with validation.prompts.
     reference_required: ClassVar[bool] = False
@@ -318,12 +334,20 @@ class Family:
 
     @classmethod
     def reference_kwargs(cls, image, height: int | None, width: int | None) -> dict:
-        """The stock pipeline's call arguments that give it ``image`` (a PIL image, or
-        None) as its reference for an output of ``height`` × ``width`` (None: the size the
-        pipeline picks); a family without a reference input takes none."""
+        """The stock pipeline's call arguments that give it ``image`` (a PIL image, a list
+        of them for several inputs, or None) as its reference for an output of ``height`` ×
+        ``width`` (None: the size the pipeline picks); a family without a reference input
+        takes none."""
         if image is None:
             return {}
         raise ValueError(f"{cls.name}: {cls.pipeline} takes no input image")
+
+    @classmethod
+    def texts(cls, references: int = 0) -> tuple[TextInput, ...]:
+        """``text`` for captions of samples with ``references`` input images (the data
+        stage tokenizes them so): a family whose template names its inputs
+        (Qwen-Image-Edit's "Picture 1: ...") overrides this."""
+        return cls.text
 
     @classmethod
     def image_code(cls) -> str:

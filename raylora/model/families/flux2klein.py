@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from raylora.checkpoint.kohya import Rule, fused
-from raylora.model.families.base import Cond, Family, TextInput, embedded_guidance, grid_ids
+from raylora.config import MAX_CONTROL_INPUTS
+from raylora.model.families.base import Cond, Family, TextInput, embedded_guidance, grid_ids, references
 
 # What Flux2KleinPipeline's tokenizer.apply_chat_template(add_generation_prompt=True,
 # enable_thinking=False) makes of a one-message conversation with Qwen3's template.
@@ -104,6 +105,8 @@ class Flux2Klein(Family):
     description = "Flux.2 [klein] (MMDiT, Qwen3 text encoder)"
     # Flux2KleinPipeline(image=...) edits: the reference image's tokens follow the noisy ones
     reference_image = True
+    # Flux2Pipeline / Flux2KleinPipeline take a list of references (each its own time axis)
+    max_references = MAX_CONTROL_INPUTS
 
     @classmethod
     def default_lora_targets(cls, denoiser) -> tuple[str, ...]:
@@ -171,13 +174,12 @@ class Flux2Klein(Family):
         txt_ids = torch.zeros(cond["prompt_embeds"].shape[1], 4, device=dev)
         txt_ids[:, 3] = torch.arange(txt_ids.shape[0], device=dev)
         tokens = noisy.reshape(b, c, h * w).permute(0, 2, 1)
-        ref = cond.get("reference_latents")
-        if ref is not None:
-            # An input image (data.control_images): its tokens after the noisy ones, ids
-            # (10, i, j, 0), the pipelines' first reference image (t = 10 + 10·index).
+        for k, ref in enumerate(references(cond)):
+            # Input image k (data.control_images): its tokens after the noisy ones and the
+            # inputs before it, ids (10 + 10·k, i, j, 0), the pipelines' reference image k.
             rh, rw = ref.shape[-2:]
             ref_ids = grid_ids(rh, rw, 4, dev)
-            ref_ids[:, 0] = REFERENCE_T
+            ref_ids[:, 0] = REFERENCE_T * (k + 1)
             tokens = torch.cat([tokens, ref.to(noisy.dtype).reshape(b, c, rh * rw).permute(0, 2, 1)], 1)
             img_ids = torch.cat([img_ids, ref_ids])
         # Klein has no guidance embedding (the pipeline passes None); Flux.2 [dev], guidance-
@@ -190,11 +192,14 @@ class Flux2Klein(Family):
     @classmethod
     def reference_kwargs(cls, image, height: int | None, width: int | None) -> dict:
         # The pipeline keeps an input of at most 1 MP at its own size (cut to a multiple of
-        # its grid): resized to the output's, it pairs with it as training does.
+        # its grid): resized to the output's, it pairs with it as training does. Several
+        # inputs (data.control_inputs): a list, each resized alike.
         if image is None:
             return {}
-        image = image.convert("RGB")
-        return {"image": image.resize((width, height)) if height and width else image}
+        images = [x.convert("RGB") for x in (image if isinstance(image, list) else [image])]
+        if height and width:
+            images = [x.resize((width, height)) for x in images]
+        return {"image": images if isinstance(image, list) else images[0]}
 
 
 FAMILY = Flux2Klein

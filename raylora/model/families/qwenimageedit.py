@@ -3,7 +3,7 @@ Qwen2.5-VL encoder, trained on (input, edited) pairs (``data.control_images``). 
 image reaches the model twice, as the pipeline samples:
 
 * through the text encoder: the caption follows "Picture 1: " and the image's vision tokens
-  in the edit chat template (whose first 64 tokens are dropped), the image resized to
+  ("Picture 2: ", ... for data.control_inputs > 1) in the edit chat template (whose first 64 tokens are dropped), the image resized to
   384² px of area at its aspect ratio and read by Qwen2.5-VL's vision tower;
 * through the VAE: its 2×2-packed latents follow the noisy tokens in the transformer's
   sequence, each image with its own rope grid (``img_shapes``); the prediction is the
@@ -15,11 +15,14 @@ A text-to-image batch (no control images: the family tests' shared batches) is e
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import torch
 
-from raylora.model.families.base import Cond, TextInput, llm_conditioning, pack_2x2, unpack_2x2
+from raylora.config import MAX_CONTROL_INPUTS, control_key
+from raylora.model.families.base import (Cond, TextInput, llm_conditioning, pack_2x2, references,
+                                         unpack_2x2)
 from raylora.model.families.qwenimage import QwenImage
 
 # QwenImageEditPlusPipeline.prompt_template_encode (its start index: DROP) with the prompt
@@ -29,9 +32,18 @@ SYSTEM = ("<|im_start|>system\nDescribe the key features of the input image (col
           "should alter or modify the image. Generate a new image that meets the user's "
           "requirements while maintaining consistency with the original input where "
           "appropriate.<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n")
-PICTURE = "Picture 1: <|vision_start|><|image_pad|><|vision_end|>"
-TEMPLATE = SYSTEM.format(PICTURE + "{}")
+PICTURE = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
 DROP = 64
+
+
+def template(inputs: int) -> str:
+    """The caption template of a sample with ``inputs`` input images: "Picture 1: ...",
+    "Picture 2: ...", ... before the caption, each with one image slot that ``encode_text``
+    widens to that image's vision tokens."""
+    return SYSTEM.format("".join(PICTURE.format(k + 1) for k in range(inputs)) + "{}")
+
+
+TEMPLATE = template(1)
 
 
 def pipeline_module():
@@ -104,6 +116,8 @@ class QwenImageEdit(QwenImage):
     reference_image = True
     # QwenImageEditPlusPipeline samples only from an input image (it reads its size first)
     reference_required = True
+    # Its image list: "Picture k" in the prompt, input k's latents after input k-1's
+    max_references = MAX_CONTROL_INPUTS
     description = "Qwen-Image-Edit-2509/2511 (Qwen-Image on edit pairs, Qwen2.5-VL reads the input)"
 
     @classmethod
@@ -119,6 +133,12 @@ class QwenImageEdit(QwenImage):
         return {} if image is None else {"image": image}
 
     @classmethod
+    def texts(cls, references: int = 0) -> tuple[TextInput, ...]:
+        # One picture in the template when a batch may have none: a text-only batch has it
+        # taken out again (encode_text), as encode_prompt(image=None) encodes none.
+        return cls.text if references <= 1 else (dataclasses.replace(cls.text[0], template=template(references)),)
+
+    @classmethod
     def images(cls, pipe, **call) -> list:
         # The pipeline VAE-encodes its input at 1024² px of area whatever the output's size;
         # raylora trains it at the target's size, and samples (previews, raylora sample) so.
@@ -130,30 +150,39 @@ class QwenImageEdit(QwenImage):
         (te,) = encoders
         vc = te.config.vision_config
         ids, mask = batch["input_ids"], batch["attention_mask"]
-        control = batch.get("control_values")
+        controls = []  # each sample's input images in order (data.control_inputs)
+        while (c := batch.get(control_key("control_values", len(controls)))) is not None:
+            controls.append(c)
         pad = torch.tensor([te.config.image_token_id])
-        # Where the picture's tokens are (the template puts them at the same place in every
-        # caption); None for ids without them (a memory estimate's: meta or all zeros).
-        at, end = (None if ids.is_meta or not (ids[0] == k).any() else int((ids[0] == k).nonzero()[0])
-                   for k in (te.config.image_token_id, te.config.vision_end_token_id))
-        if control is None:  # text to image: the template without the picture
-            ids, mask = splice(ids, mask, DROP, 0 if end is None else end + 1 - DROP, None)
+        # Where the pictures' slots are (the template puts them at the same places in every
+        # caption, before it) and where the last picture ends; none for ids without them (a
+        # memory estimate's: meta or all zeros).
+        slots = [] if ids.is_meta else (ids[0] == te.config.image_token_id).nonzero()[:, 0].tolist()
+        ends = [] if ids.is_meta else (ids[0] == te.config.vision_end_token_id).nonzero()[:, 0].tolist()
+        if not controls:  # text to image: the template without the pictures
+            ids, mask = splice(ids, mask, DROP, ends[-1] + 1 - DROP if ends else 0, None)
             return llm_conditioning(te, {"input_ids": ids, "attention_mask": mask}, layer=-1, drop=DROP)
-        n = vision_tokens(control.shape, vc)
-        if at is None or control.is_meta:
-            # A memory estimate: the caption as long as with the image's tokens.
-            ids, mask = splice(ids, mask, DROP, 1, pad.repeat(n))
+        n = vision_tokens(controls[0].shape, vc)
+        if not slots or controls[0].is_meta:
+            # A memory estimate: the caption as long as with the images' tokens.
+            ids, mask = splice(ids, mask, DROP, 1, pad.repeat(n * len(controls)))
             return llm_conditioning(te, {"input_ids": ids, "attention_mask": mask}, layer=-1, drop=DROP)
+        if len(slots) != len(controls):
+            raise ValueError(f"qwenimageedit: captions tokenized with {len(slots)} picture(s) for "
+                             f"{len(controls)} input image(s) a sample (data.control_inputs)")
         processor = vision_processor(vc.patch_size, vc.temporal_patch_size, vc.spatial_merge_size)
-        vision = processor(images=condition_images(control), return_tensors="pt")
+        # Row by row, each row's pictures in order: the order the encoder fills the slots in.
+        images = [x for row in zip(*(condition_images(c) for c in controls)) for x in row]
+        vision = processor(images=images, return_tensors="pt")
         grid = vision["image_grid_thw"]
-        # A batch's inputs share their size (their targets' bucket), so every caption's
-        # picture slot widens alike.
+        # A batch's inputs share their size (their targets' bucket), so every picture slot
+        # widens alike.
         counts = (grid.prod(-1) // vc.spatial_merge_size ** 2).tolist()
         if counts != [n] * len(counts):
             raise RuntimeError(f"qwenimageedit: vision tokens {counts} for inputs of "
-                               f"{tuple(control.shape[-2:])} px, {n} expected")
-        ids, mask = splice(ids, mask, at, 1, pad.repeat(n))
+                               f"{tuple(controls[0].shape[-2:])} px, {n} expected")
+        for at in reversed(slots):  # from the last, so the earlier slots stay where they are
+            ids, mask = splice(ids, mask, at, 1, pad.repeat(n))
         dtype = next(te.parameters()).dtype
         return llm_conditioning(te, {"input_ids": ids, "attention_mask": mask}, layer=-1, drop=DROP,
                                 pixel_values=vision["pixel_values"].to(ids.device, dtype),
@@ -163,8 +192,7 @@ class QwenImageEdit(QwenImage):
     def denoise(cls, model, noisy, t, cond: Cond, **extra) -> torch.Tensor:
         b, _, h, w = noisy.shape
         tokens, shapes = pack_2x2(noisy), [(1, h // 2, w // 2)]
-        ref = cond.get("reference_latents")
-        if ref is not None:  # the input's tokens after the noisy ones, on a grid of its own
+        for ref in references(cond):  # each input's tokens after the noisy ones, a grid each
             tokens = torch.cat([tokens, pack_2x2(ref.to(noisy.dtype))], dim=1)
             shapes.append((1, ref.shape[-2] // 2, ref.shape[-1] // 2))
         out = model(hidden_states=tokens, encoder_hidden_states=cond["prompt_embeds"],

@@ -39,13 +39,15 @@ def sample(
             control = read_control_images([image], Storage())[0]
         except ValueError as exc:  # "validation.control_images: URI: why" → "--image: URI: why"
             raise ValueError("--image: " + str(exc).split(": ", 1)[1]) from None
+    inputs = [] if control is None else control if isinstance(control, list) else [control]
+    # the side the pipeline gets them at: --size resizes them (reference_kwargs)
+    side = size or min((min(x.size) for x in inputs), default=None)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # bf16 on GPUs: fp16 overflows in Flux/SD3/Qwen-Image transformers.
     pipe, family = load_pipeline(model, adapter, expert,
                                  torch.bfloat16 if device == "cuda" else torch.float32,
                                  quantize_text_encoders, device, revision,
-                                 with_image=0 if control is None else
-                                 len(control) if isinstance(control, list) else 1)
+                                 with_image=len(inputs), input_side=side)
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     # No size: the pipeline's own default (the model's sample size; ZImagePipeline's 1024,
@@ -68,7 +70,8 @@ def sample(
 
 def load_pipeline(model: str, adapter: str | list[str], expert: str | None = None,
                   dtype: torch.dtype = torch.float32, quantize_text_encoders: str = "none",
-                  device="cpu", revision: str | None = None, with_image: int = 0):
+                  device="cpu", revision: str | None = None, with_image: int = 0,
+                  input_side: int | None = None):
     """(the family's stock pipeline of ``model`` with the adapter loaded, the family).
 
     A pipeline of experts (Wan 2.2 A14B) samples with every expert; an adapter goes into
@@ -85,7 +88,8 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
     ``revision``: a hub model's; default the commit the adapter was trained on when its
     ``raylora.json`` names ``model`` as its base (``trained_commit``), else main.
     ``with_image``: the call gives that many input images (``--image``), refused for a
-    family whose pipeline takes none or fewer."""
+    family whose pipeline takes none or fewer, or (``input_side``: the smallest side it
+    gets them at) smaller than it takes."""
     from diffusers import DiffusionPipeline
 
     from raylora import quiet
@@ -111,6 +115,10 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
     if int(with_image) > family.max_references:
         raise ValueError(f"--image: {int(with_image)} input images, but {family.pipeline} takes "
                          f"{family.max_references}")
+    if with_image and input_side is not None and input_side < family.min_reference_side:
+        raise ValueError(f"--image: {family.pipeline} takes no input image under "
+                         f"{family.min_reference_side} px a side; this one gets {input_side} px "
+                         "(--size, else the image's own)")
     if len(adapters) > 1 and expert is not None:
         raise ValueError("--expert: names the expert of one --adapter; with several, each "
                          "folder's raylora.json does")

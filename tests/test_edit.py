@@ -1,12 +1,13 @@
-"""Image-edit LoRAs: ``data.control_images`` (a control image per sample, the edit's input)
-on the families whose denoiser takes one: Flux.1 Kontext (``fluxkontext``), Flux.2 [klein]
-and [dev], Qwen-Image-Edit (``qwenimageedit``, whose text encoder reads the input too). The
-denoiser call with an input image against each stock pipeline's; where control images come
+"""Image-edit LoRAs: ``data.control_images`` (a control image per sample, the edit's input;
+several with ``data.control_inputs``) on the families whose denoiser takes one: Flux.1
+Kontext (``fluxkontext``), Flux.2 [klein] and [dev], Qwen-Image-Edit (``qwenimageedit``,
+whose text encoder reads the input too; also as 2511 is laid out). The denoiser call with
+one input image and with two against each stock pipeline's; where control images come
 from in each format and in built shards; that they get their target's crop, flip and
 bucket; bad and missing ones counted; the keys refused where they cannot apply; the step's
-reference tokens, the same from the latent cache; and a Kontext and a Qwen-Image-Edit run
-on a local Ray from a WebDataset of pairs to an adapter the stock pipeline edits with
-(previews and held-out loss on pairs, ``raylora sample --image``).
+reference tokens, the same from the latent cache; and a Kontext run and a two-input
+Qwen-Image-Edit run on a local Ray from a WebDataset of pairs to an adapter the stock
+pipeline edits with (previews and held-out loss on pairs, ``raylora sample --image``).
 
 Every pair here is an image and its negative (control = 255 − image), so whether a control
 image was cut where its target was is a check of equality. A sample of two inputs
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import tarfile
 
 import numpy as np
@@ -137,14 +139,36 @@ def test_the_families_that_take_an_input_image():
         {"flux2": 4, "flux2klein": 4, "fluxkontext": 1, "qwenimageedit": 4}
 
 
-# (family, input images a sample): every edit family with one, and with two where its
-# pipeline takes a list
-INPUT_CASES = [(f, 1) for f in EDIT_FAMILIES] + \
-    [(f, 2) for f in EDIT_FAMILIES if families.get(f).max_references > 1]
+# (family, input images a sample, variant): every edit family with one, and with two
+# where its pipeline takes a list; Qwen-Image-Edit also as 2511 is laid out
+INPUT_CASES = [(f, 1, None) for f in EDIT_FAMILIES] + \
+    [(f, 2, None) for f in EDIT_FAMILIES if families.get(f).max_references > 1] + \
+    [("qwenimageedit", n, "2511") for n in (1, 2)]
 
 
-@pytest.mark.parametrize("family,inputs", INPUT_CASES, ids=[f"{f}-{n}" for f, n in INPUT_CASES])
-def test_denoise_with_input_images_is_the_stock_pipeline_call(tiny, family, inputs):
+def edit_model(tiny, family: str, variant: str | None = None) -> str:
+    """The tiny model of ``family``, or of its ``variant``: "2511", Qwen-Image-Edit-2511's
+    transformer layout (``zero_cond_t``: the inputs' tokens modulated at timestep 0, the
+    noisy ones at the step's), a config switch over the same weights."""
+    import shutil
+
+    model = tiny(family)
+    if variant is None:
+        return model
+    copy = f"{model}-{variant}"
+    if not os.path.isdir(copy):
+        shutil.copytree(model, copy)
+        path = os.path.join(copy, "transformer", "config.json")
+        with open(path) as f:
+            config = json.load(f)
+        with open(path, "w") as f:
+            json.dump({**config, "zero_cond_t": True}, f)
+    return copy
+
+
+@pytest.mark.parametrize("family,inputs,variant", INPUT_CASES,
+                         ids=[f"{f}{'-' + v if v else ''}-{n}" for f, n, v in INPUT_CASES])
+def test_denoise_with_input_images_is_the_stock_pipeline_call(tiny, family, inputs, variant):
     """For the latents, step and prompt of each of two sampling steps of the family's
     stock pipeline editing one input image, or two (``image=[a, b]``, data.control_inputs:
     2), the family's ``denoise`` (given the reference latents raylora's data path makes of
@@ -152,13 +176,17 @@ def test_denoise_with_input_images_is_the_stock_pipeline_call(tiny, family, inpu
     order), position ids and timestep, and returns the pipeline's prediction, read from
     the noisy tokens only. Where each latent value lands is read by feeding ``denoise``
     numbered latents (as test_families does); the image is taller than wide, so rows and
-    columns swapped anywhere fail it, and the two inputs differ, so swapping them does."""
+    columns swapped anywhere fail it, and the two inputs differ, so swapping them does.
+    Qwen-Image-Edit-2511's layout (``zero_cond_t``) reads which tokens are inputs from
+    ``img_shapes``: the same call, its output included."""
     from raylora.train.encode import batch_reference
     from stock import PIPELINES, stock_pipeline
     from test_families import _raylora_batch
 
     H, W = 96, 64  # Flux.2's image processor takes no input under 64 px a side
-    model, fam = tiny(family), families.get(family)
+    model, fam = edit_model(tiny, family, variant), families.get(family)
+    if variant == "2511":
+        assert json.load(open(os.path.join(model, "transformer", "config.json")))["zero_cond_t"]
     comps, batch = _raylora_batch(model, family, ["make it red"], size=(H, W), references=inputs)
     pipe = stock_pipeline(family, model)
     pipe.set_progress_bar_config(disable=True)
@@ -494,6 +522,13 @@ def test_a_control_folder_that_cannot_serve_is_refused_naming_its_key(tmp_path):
     with pytest.raises(DataProblems) as exc:
         plan_data(mixed, Storage())
     assert [p.split(": 2 of 3")[0] for p in exc.value.problems] == ["data.control_images (data.sources[1])"]
+    # set once for every source: named as data's key, with the source it failed for
+    shared = validate({"model": {"pretrained": "m"}, "output": {"uri": "o"},
+                       "data": {"control_images": True, "control_uri": str(tmp_path / "empty"),
+                                "sources": [{"uri": uri}]}}).data
+    with pytest.raises(DataProblems) as exc:
+        plan_data(shared, Storage())
+    assert exc.value.problems == [f"data.control_uri (data.sources[0]): {tmp_path / 'empty'}: no files"]
 
 
 def test_folders_and_sidecars_of_several_inputs_that_cannot_serve_are_refused(tmp_path):
@@ -715,6 +750,16 @@ def test_control_keys_are_refused_where_they_cannot_apply(tiny):
     assert family_problems(two, families.get(FAMILY), 16, "flow_matching") == [
         "data.control_inputs: 2 input images a sample, but FluxKontextPipeline takes 1; several "
         "inputs train flux2, flux2klein, qwenimageedit"]
+    # Flux.2's image processor takes no input under 64 px a side: previews at 32 px would
+    # fail at the first one, so they are refused here
+    small = validate({**base, "data": {**base["data"], "resolution": 32},
+                      "validation": {"prompts": ["a"], "control_images": ["x.png"]}})
+    assert family_problems(small, families.get("flux2klein"), 16, "flow_matching") == [
+        "validation.control_images: Flux2KleinPipeline takes no input image under 64 px a side, "
+        "and previews render at data.resolution 32 px; raise it or drop validation.control_images"]
+    assert family_problems(small, families.get(FAMILY), 16, "flow_matching") == []
+    assert family_problems(small.model_copy(update={"data": small.data.model_copy(update={"resolution": 64})}),
+                           families.get("flux2klein"), 16, "flow_matching") == []
     cases = {
         "validation.control_images: previews take an input image only when the run trains on "
         "them (data.control_images: true)":
@@ -1056,6 +1101,9 @@ def test_an_edit_run_on_pairs_edits_in_the_stock_pipeline(ray_local, tiny, tmp_p
                image=str(tmp_path / "nope.png"))
     with pytest.raises(ValueError, match=r"^--image: sd \(StableDiffusionPipeline\) takes no input image$"):
         sample(tiny("sd"), str(out / "adapter"), "x", str(tmp_path / "t.png"), image=str(source))
+    with pytest.raises(ValueError, match=r"^--image: Flux2KleinPipeline takes no input image under 64 px "
+                                         r"a side; this one gets 32 px \(--size, else the image's own\)$"):
+        sample(tiny("flux2klein"), str(out / "adapter"), "x", str(tmp_path / "t.png"), image=str(source))
     with pytest.raises(ValueError, match=r"^--image: 2 input images, but FluxKontextPipeline takes 1$"):
         sample(tiny(FAMILY), str(out / "adapter"), "x", str(tmp_path / "t.png"),
                image=[str(source), str(source)])

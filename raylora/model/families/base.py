@@ -200,6 +200,10 @@ class Family:
     # list, their latents ``reference_latents``, ``reference_latents_2``, ... (``references``).
     # 1 where the pipeline takes one input (Kontext).
     max_references: ClassVar[int] = 1
+    # The smallest side the pipeline takes an input image at (Flux.2's image processor:
+    # 64 px): previews of validation.control_images at a smaller data.resolution are
+    # refused before Ray, not at the first preview.
+    min_reference_side: ClassVar[int] = 0
     # Its pipeline samples only from an input image (Qwen-Image-Edit): data.control_images
     # is required, and validation.control_images with validation.prompts.
     reference_required: ClassVar[bool] = False

@@ -107,6 +107,8 @@ class Flux2Klein(Family):
     reference_image = True
     # Flux2Pipeline / Flux2KleinPipeline take a list of references (each its own time axis)
     max_references = MAX_CONTROL_INPUTS
+    # Flux2ImageProcessor.check_image_input's min_side_length: the pipeline refuses less
+    min_reference_side = 64
 
     @classmethod
     def default_lora_targets(cls, denoiser) -> tuple[str, ...]:

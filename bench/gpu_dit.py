@@ -10,7 +10,7 @@ rank 16 on the family's default targets, cached latents and text embeddings (wha
     python bench/gpu_dit.py --models zimage       # Z-Image-Turbo's architecture (not in the default)
     python bench/gpu_dit.py --models klein4b      # Flux.2 [klein] 4B's (not in the default)
     python bench/gpu_dit.py --models wan14b       # Wan 2.1 T2V-14B's, one frame (not default)
-    python bench/gpu_dit.py --models chroma,qwenimage,qwenedit
+    python bench/gpu_dit.py --models chroma,qwenimage,qwenedit,qwenedit2
                                                   # Chroma1-HD's; Qwen-Image's 20B, text to
                                                   # image and editing an input (not default)
     python bench/gpu_dit.py --models flux2dev --batch-sizes 1 --gradient-checkpointing
@@ -121,8 +121,13 @@ MODELS = {
     "qwenimage": ("qwenimage", "QwenImageTransformer2DModel", QWEN_IMAGE, 16, 256, None, QWEN_SCHEDULER),
     "qwenedit": ("qwenimageedit", "QwenImageTransformer2DModel", QWEN_IMAGE, 16, 256 + 196 + 8, None,
                  QWEN_SCHEDULER),
+    # two inputs a sample (data.control_inputs: 2): "Picture 1", "Picture 2" in the caption,
+    # three times the image tokens
+    "qwenedit2": ("qwenimageedit", "QwenImageTransformer2DModel", QWEN_IMAGE, 16, 256 + 2 * (196 + 8),
+                  None, QWEN_SCHEDULER),
 }
-REFERENCE = {"qwenedit"}  # edit models: an input image's latents beside each target's
+# edit models: input images a sample, their latents beside each target's
+REFERENCE = {"qwenedit": 1, "qwenedit2": 2}
 PIXELS_PER_LATENT = {"klein4b": 16, "flux2dev": 16}  # the others: 8
 SMOKE = {"flux": dict(num_layers=1, num_single_layers=1, attention_head_dim=16,
                       num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16,
@@ -143,7 +148,7 @@ SMOKE = {"flux": dict(num_layers=1, num_single_layers=1, attention_head_dim=16,
          "chroma": dict(num_layers=1, num_single_layers=1, attention_head_dim=16,
                         num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
                         approximator_hidden_dim=32, approximator_layers=1)}
-SMOKE["qwenimage"] = SMOKE["qwenedit"] = dict(num_layers=1, attention_head_dim=16, num_attention_heads=2,
+SMOKE["qwenimage"] = SMOKE["qwenedit"] = SMOKE["qwenedit2"] = dict(num_layers=1, attention_head_dim=16, num_attention_heads=2,
                                               joint_attention_dim=32, axes_dims_rope=(4, 6, 6))
 
 
@@ -165,6 +170,7 @@ def build(model: str, device, dtype, smoke: bool):
 
 def cached_batch(model: str, b: int, res: int, net, device) -> dict:
     """What the latent cache holds for ``b`` images: posterior params and embeddings."""
+    from raylora.config import control_key
     from raylora.model import families
 
     family, _, cfg, ch, tokens, pooled, _ = MODELS[model]
@@ -181,8 +187,8 @@ def cached_batch(model: str, b: int, res: int, net, device) -> dict:
         batch["pooled_prompt_embeds"] = torch.randn(b, net.config.pooled_projection_dim, generator=g).to(device)
     if "prompt_embeds_mask" in keys:  # every caption fills its tokens
         batch["prompt_embeds_mask"] = torch.ones(b, tokens, dtype=torch.long, device=device)
-    if model in REFERENCE:  # the input image's posterior, at the target's size
-        batch["control_params"] = torch.randn(b, 2 * ch, h, h, generator=g).to(device)
+    for k in range(REFERENCE.get(model, 0)):  # each input image's posterior, at the target's size
+        batch[control_key("control_params", k)] = torch.randn(b, 2 * ch, h, h, generator=g).to(device)
     return batch
 
 

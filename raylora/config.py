@@ -1263,6 +1263,15 @@ def control_key(base: str, i: int) -> str:
     return base if i == 0 else f"{base}_{i + 1}"
 
 
+def control_values(values, base: str) -> list:
+    """``values[base]``, ``values[base_2]``, ... (``control_key``'s names) in input order,
+    up to the first one absent: a batch's or conditioning's inputs, [] when it has none."""
+    out = []
+    while (v := values.get(control_key(base, len(out)))) is not None:
+        out.append(v)
+    return out
+
+
 def _caption_key(d: DataSection, i: int, key: str) -> str:
     """The key that set a source's caption setting: its own, else data's."""
     own = d.sources is not None and getattr(d.sources[i], key) is not None

@@ -63,7 +63,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from raylora.config import control_key
+from raylora.config import control_key, control_values
 from raylora.model.quantize import quantizable, quantized_linear_bytes
 from raylora.train.norms import GroupNormInWeightDtype, groupnorms_in_weight_dtype, in_weight_dtype
 
@@ -651,15 +651,13 @@ def cached_batch(comps, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
     with torch.no_grad(), _MetaStep(None, None, False, _longest(batch)):
         out = {"latent_params": vae_posterior(comps.family, comps.vae, batch["pixel_values"])}
-        i = 0
-        while (raw := batch.get(control_key("control_values", i))) is not None:
+        for i, raw in enumerate(control_values(batch, "control_values")):
             out[control_key("control_params", i)] = vae_posterior(comps.family, comps.vae, raw)
-            i += 1
         out.update(comps.family.encode_text(comps.text_encoders, batch))
     return {k: v.detach() for k, v in out.items()}
 
 
-def _inputs(n) -> str:
+def _inputs_words(n) -> str:
     """The estimate's header words for ``n`` input images a sample (0/None: none)."""
     n = int(n or 0)
     return "" if not n else ", an input image per sample" if n == 1 else f", {n} input images per sample"
@@ -887,7 +885,7 @@ class Estimate:
                 f"{s.get('world_size')}, quantize {s.get('quantize')}, gradient checkpointing "
                 f"{'on' if s.get('gradient_checkpointing') else 'off'}, "
                 f"{'cached latents' if s.get('cached_latents') else 'VAE + text encoders on the worker'}"
-                f"{_inputs(s.get('control_images'))}")
+                f"{_inputs_words(s.get('control_images'))}")
         rows = self.lines() + [("total per GPU", self.total)]
         after = []
         if self.preview:

@@ -23,7 +23,7 @@ import ray.train
 from ray.train import CheckpointUploadMode
 
 from raylora.checkpoint.state import LoopState, load_state
-from raylora.config import RayLoraConfig, control_key
+from raylora.config import RayLoraConfig
 from raylora.entry import WorkerSpec
 from raylora.launch import Plan
 from raylora.model.lora import digest
@@ -69,6 +69,7 @@ def _heldout_batch(spec: WorkerSpec) -> dict[str, torch.Tensor]:
     of arrays), or raw ``{image, text}`` rows preprocessed here (centre crop, no flip)."""
     import numpy as np
 
+    from raylora.data.formats import control_names
     from raylora.data.preprocess import Preprocess, StageSpec
 
     heldout = spec.plan.worker_heldout()
@@ -78,9 +79,8 @@ def _heldout_batch(spec: WorkerSpec) -> dict[str, torch.Tensor]:
         return {k: from_column(v) for k, v in heldout.items()}
     # Buckets or not: one square size (the largest resolution), so they batch together.
     pre = Preprocess(StageSpec(**_stage_kwargs("heldout", spec)))
-    controls = [control_key("control", i) for i in range(spec.config.data.references())]
     batch = pre({k: np.array([r.get(k) for r in heldout], dtype=object)
-                 for k in ("image", "text", *controls)})
+                 for k in ("image", "text", *control_names(spec.config.data))})
     return {k: torch.from_numpy(v) for k, v in batch.items()}
 
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from raylora import storage
-from raylora.config import MAX_CONTROL_INPUTS, RayLoraConfig, control_key
+from raylora.config import MAX_CONTROL_INPUTS, RayLoraConfig, control_key, control_values
 from raylora.data.captions import with_prefix
 from raylora.data.formats import MASK_SUFFIX, get_format
 from raylora.data.formats.base import CONTROL_INFIX, control_infix
@@ -110,9 +110,8 @@ class EncodeStage:
             cond = batch_condition(self.family, self.text_encoders, tensors)
         out = {"latent_params": params, **cond}
         # data.control_images: each input's posterior (control_values_2 → control_params_2)
-        for values, name in zip(_inputs("control_values"), _inputs("control_params")):
-            if values in tensors:
-                out[name] = vae_posterior(self.family, self.vae, tensors[values])
+        for i, raw in enumerate(control_values(tensors, "control_values")):
+            out[control_key("control_params", i)] = vae_posterior(self.family, self.vae, raw)
         if "loss_mask" in tensors:  # data.masked_loss: stored pooled to the latent grid
             from raylora.train.loss import latent_mask
 

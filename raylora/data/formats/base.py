@@ -144,8 +144,7 @@ def control_names(data: DataSection) -> list[str]:
     ``control``, ``control_2``, ... one per data.control_inputs."""
     from raylora.config import control_key
 
-    return [control_key("control", i) for i in range(data.control_inputs)] \
-        if data.control_images else []
+    return [control_key("control", i) for i in range(data.references())]
 
 
 def control_uris(image: str, i: int = 0) -> list[str]:

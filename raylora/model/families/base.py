@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from raylora.config import control_key
+from raylora.config import control_values
 
 
 @dataclass(frozen=True)
@@ -82,10 +82,7 @@ def references(cond: Cond) -> list[torch.Tensor]:
     """An edit sample's input latents in order (``reference_latents``,
     ``reference_latents_2``, ...; data.control_inputs of them), [] for text to image. Cond
     holds tensors only (``select``, ``to``, ``cat``), so each input is a key of its own."""
-    out = []
-    while (ref := cond.get(control_key("reference_latents", len(out)))) is not None:
-        out.append(ref)
-    return out
+    return control_values(cond, "reference_latents")
 
 
 def pack_2x2(latents: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from raylora.config import MAX_CONTROL_INPUTS, control_key
+from raylora.config import MAX_CONTROL_INPUTS, control_values
 from raylora.model.families.base import (Cond, TextInput, llm_conditioning, pack_2x2, references,
                                          unpack_2x2)
 from raylora.model.families.qwenimage import QwenImage
@@ -150,9 +150,7 @@ class QwenImageEdit(QwenImage):
         (te,) = encoders
         vc = te.config.vision_config
         ids, mask = batch["input_ids"], batch["attention_mask"]
-        controls = []  # each sample's input images in order (data.control_inputs)
-        while (c := batch.get(control_key("control_values", len(controls)))) is not None:
-            controls.append(c)
+        controls = control_values(batch, "control_values")  # in input order (data.control_inputs)
         pad = torch.tensor([te.config.image_token_id])
         # Where the pictures' slots are (the template puts them at the same places in every
         # caption, before it) and where the last picture ends; none for ids without them (a

@@ -147,6 +147,8 @@ PIPELINES = {
     "sd3": ("StableDiffusion3Pipeline", {"max_sequence_length": 32}),
     "qwenimage": ("QwenImagePipeline", {"max_sequence_length": 32}),
     "zimage": ("ZImagePipeline", {"max_sequence_length": 32}),
+    # its system prompt alone is 25 of the tiny tokenizer's tokens
+    "lumina2": ("Lumina2Pipeline", {"max_sequence_length": 64}),
     "flux2klein": ("Flux2KleinPipeline", {"max_sequence_length": 32}),
     # its system message alone is 31 of the tiny tokenizer's tokens
     "flux2": ("Flux2Pipeline", {"max_sequence_length": 64}),

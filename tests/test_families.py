@@ -5,6 +5,7 @@ changes its output. One process, no Ray (the 2-worker Ray runs are test_families
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -524,6 +525,13 @@ def _pipeline_conditioning(family: str, pipe, captions: list[str]) -> dict:
     if family == "wan":  # UMT5's last hidden state, zero past each caption
         e, _ = pipe.encode_prompt(captions, do_classifier_free_guidance=False, **kw)
         return {"prompt_embeds": e}
+    if family == "lumina2":
+        # Gemma's states at every padded position; the transformer keeps each row's first
+        # mask-sum tokens alone (what raylora keeps: up to the longest caption, zero past each)
+        e, mask, _, _ = pipe.encode_prompt(captions, do_classifier_free_guidance=False, **kw)
+        n = int(mask.sum(1).max())
+        e, mask = e[:, :n], mask[:, :n]
+        return {"prompt_embeds": e * mask.unsqueeze(-1).to(e.dtype), "prompt_embeds_mask": mask}
     raise AssertionError(f"no stock conditioning call for {family}: add one here")
 
 
@@ -702,6 +710,10 @@ def test_caption_dropout_trains_on_the_unconditional_prompt_the_family_samples_w
     dropped = (out[key] == empty).all(axis=1)
     assert 0 < dropped.sum() < n and ((out[key] == caption).all(axis=1) | dropped).all()
     assert (empty != bare).any() == (family in QWEN)  # " " is its own prompt there
+    # Lumina2Pipeline templates the prompt, not its negative prompt: a dropped caption is ""
+    # tokenized bare (<bos> alone), not the system prompt with nothing after it
+    templated = CaptionTokenizer(dataclasses.replace(spec, bare_empty=False)).encode([""])[0][0]
+    assert (empty != templated).any() == (not fam.text[-1].template_empty) == (family == "lumina2")
 
 
 class _Probed(Exception):

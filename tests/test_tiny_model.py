@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from raylora.model import tiny
-from raylora.model.families import flux2, flux2klein, zimage
+from raylora.model.families import flux2, flux2klein, lumina2, zimage
 from raylora.model.tiny import BOS, EOS, bytes_to_unicode, learn_bpe
 
 
@@ -45,14 +45,16 @@ def test_tiny_tokenizer_is_clip_shaped(tiny_model):
 
 
 # ---------------------------------------------------------------------------------------
-# Flow-matching families: flux, fluxkontext, chroma, sd3, qwenimage, zimage, flux2klein, flux2, wan.
+# Flow-matching families: flux, fluxkontext, chroma, sd3, qwenimage, zimage, lumina2, flux2klein,
+# flux2, wan.
 # Each is built once for the module.
 
-NEW_FAMILIES = ("flux", "fluxkontext", "chroma", "sd3", "qwenimage", "zimage", "flux2klein", "flux2", "wan")
+NEW_FAMILIES = ("flux", "fluxkontext", "chroma", "sd3", "qwenimage", "zimage", "lumina2", "flux2klein",
+                "flux2", "wan")
 PIPELINE_CLASS = {"flux": "FluxPipeline", "fluxkontext": "FluxKontextPipeline", "chroma": "ChromaPipeline",
                   "sd3": "StableDiffusion3Pipeline",
                   "qwenimage": "QwenImagePipeline", "zimage": "ZImagePipeline",
-                  "flux2klein": "Flux2KleinPipeline", "flux2": "Flux2Pipeline", "wan": "WanPipeline"}
+                  "lumina2": "Lumina2Pipeline", "flux2klein": "Flux2KleinPipeline", "flux2": "Flux2Pipeline", "wan": "WanPipeline"}
 TOKENIZERS = {
     "flux": {"tokenizer": "CLIPTokenizer", "tokenizer_2": "T5Tokenizer"},
     "fluxkontext": {"tokenizer": "CLIPTokenizer", "tokenizer_2": "T5Tokenizer"},
@@ -61,6 +63,7 @@ TOKENIZERS = {
             "tokenizer_3": "T5Tokenizer"},
     "qwenimage": {"tokenizer": "Qwen2Tokenizer"},
     "zimage": {"tokenizer": "Qwen2Tokenizer"},
+    "lumina2": {"tokenizer": "GemmaTokenizer"},
     "flux2klein": {"tokenizer": "Qwen2Tokenizer"},
     # the Mistral tokenizer alone (the real checkpoint wraps it in a PixtralProcessor,
     # which needs torchvision: tiny.build_tiny_flux2)
@@ -68,9 +71,10 @@ TOKENIZERS = {
     "wan": {"tokenizer": "T5Tokenizer"},
 }
 # 64 px through a factor-2 VAE with 16 channels (Qwen-Image's and Wan's VAEs are video VAEs:
-# frames axis; the tiny Flux.2 VAE has 8, patchified to 32 by the pipeline)
+# frames axis; the tiny Flux.2 VAE has 8, patchified to 32 by the pipeline; Lumina-Image
+# 2.0's is factor 8, as Lumina2Pipeline assumes)
 LATENT_SHAPE = {"flux": (1, 16, 32, 32), "fluxkontext": (1, 16, 32, 32), "chroma": (1, 16, 32, 32), "sd3": (1, 16, 32, 32), "qwenimage": (1, 16, 1, 32, 32),
-                "zimage": (1, 16, 32, 32), "flux2klein": (1, 8, 32, 32), "flux2": (1, 8, 32, 32),
+                "zimage": (1, 16, 32, 32), "lumina2": (1, 16, 8, 8), "flux2klein": (1, 8, 32, 32), "flux2": (1, 8, 32, 32),
                 "wan": (1, 16, 1, 32, 32)}
 VIDEO = ("qwenimage", "wan")  # a frames axis in the VAE's input and latents
 CAPTIONS = ["a red circle", "a small blue square on the green grass"]  # different lengths
@@ -101,7 +105,7 @@ def test_model_index_names_the_pipeline_and_its_components(family_model, family_
     denoiser = {"flux": "FluxTransformer2DModel", "fluxkontext": "FluxTransformer2DModel",
                 "chroma": "ChromaTransformer2DModel", "sd3": "SD3Transformer2DModel",
                 "qwenimage": "QwenImageTransformer2DModel", "zimage": "ZImageTransformer2DModel",
-                "flux2klein": "Flux2Transformer2DModel", "flux2": "Flux2Transformer2DModel",
+                "lumina2": "Lumina2Transformer2DModel", "flux2klein": "Flux2Transformer2DModel", "flux2": "Flux2Transformer2DModel",
                 "wan": "WanTransformer3DModel"}[fam]
     assert index["transformer"] == ["diffusers", denoiser]
     # Wan's checkpoints ship UniPC over flow sigmas
@@ -112,7 +116,7 @@ def test_model_index_names_the_pipeline_and_its_components(family_model, family_
 def test_two_step_inference_at_64px(family_pipe):
     fam, pipe = family_pipe
     # Flux.2 [dev]'s system message alone is 31 of the tiny tokenizer's tokens
-    kw = {"max_sequence_length": 64 if fam == "flux2" else 32}
+    kw = {"max_sequence_length": 64 if fam in ("flux2", "lumina2") else 32}
     if fam == "qwenimage":
         kw["true_cfg_scale"] = 1.0  # no negative prompt: plain conditional sampling
     if fam == "wan":
@@ -289,6 +293,15 @@ def test_encode_prompt_shapes(family_pipe):
             # one (L_i, 32) per caption: its own tokens in Qwen3's chat template, no padding
             n = [len(pipe.tokenizer(zimage.TEMPLATE.format(c)).input_ids) for c in CAPTIONS]
             assert [tuple(e.shape) for e in embeds] == [(k, 32) for k in n] and n[0] < n[1]
+        elif fam == "lumina2":
+            embeds, mask, neg, neg_mask = pipe.encode_prompt(CAPTIONS, max_sequence_length=64)
+            # Gemma's second-to-last hidden state at 64 positions; each caption behind the
+            # system prompt, padded on the right (the side the transformer reads); the
+            # negative prompt "" bare: <bos> alone
+            n = [len(pipe.tokenizer(lumina2.TEMPLATE.format(c)).input_ids) for c in CAPTIONS]
+            assert embeds.shape == neg.shape == (2, 64, 32) and n[0] < n[1] <= 64
+            assert mask.sum(1).tolist() == n and mask[0, :n[0]].all()
+            assert neg_mask.sum(1).tolist() == [1, 1] and neg_mask[:, 0].all()
         elif fam == "wan":
             embeds, _ = pipe.encode_prompt(CAPTIONS, do_classifier_free_guidance=False,
                                            max_sequence_length=32)
@@ -365,6 +378,14 @@ def test_component_configs_are_consistent(family_model):
         assert sum(tr["axes_dims"]) == tr["dim"] // tr["n_heads"]
         assert (vae["scaling_factor"], vae["shift_factor"]) == (0.3611, 0.1159)  # Flux.1's VAE
         assert sch["shift"] == 3.0 and sch["use_dynamic_shifting"] is False
+    elif fam == "lumina2":
+        te = cfg("text_encoder")
+        assert te["model_type"] == "gemma2" and tr["cap_feat_dim"] == te["hidden_size"] == 32
+        assert tr["in_channels"] == vae["latent_channels"] == 16 and tr["patch_size"] == 2
+        assert sum(tr["axes_dim_rope"]) == tr["hidden_size"] // tr["num_attention_heads"]
+        assert (vae["scaling_factor"], vae["shift_factor"]) == (0.3611, 0.1159)  # Flux.1's VAE
+        assert len(vae["block_out_channels"]) == 4  # factor 8
+        assert sch["use_dynamic_shifting"] is False
     elif fam == "wan":
         te = cfg("text_encoder")
         assert te["model_type"] == "umt5" and tr["text_dim"] == te["d_model"] == 64
@@ -390,8 +411,10 @@ def test_component_configs_are_consistent(family_model):
 
 def test_latents_of_a_64px_image(family_pipe):
     fam, pipe = family_pipe
-    # WanPipeline names it for the spatial axes (a temporal one too)
-    assert getattr(pipe, "vae_scale_factor_spatial" if fam == "wan" else "vae_scale_factor") == 2
+    # WanPipeline names it for the spatial axes (a temporal one too); Lumina2Pipeline's is a
+    # fixed 8, which its tiny VAE has
+    assert getattr(pipe, "vae_scale_factor_spatial" if fam == "wan" else "vae_scale_factor") == \
+        (8 if fam == "lumina2" else 2)
     pixels = torch.rand(1, 3, 64, 64) * 2 - 1
     if fam in VIDEO:
         pixels = pixels.unsqueeze(2)  # [B, C, frames=1, H, W]
@@ -468,6 +491,12 @@ def test_transformer_trains_at_64px_and_is_cpu_sized(family_pipe):
         x = torch.randn(b, 16, 1, 32, 32, generator=g)
         out = torch.stack(tr(list(x), torch.rand(b), [torch.randn(7, 32), torch.randn(12, 32)],
                              return_dict=False)[0])
+    elif fam == "lumina2":  # [B, C, h, w]; the mask marks each caption's first tokens
+        x = torch.randn(b, 16, 32, 32, generator=g)
+        mask = torch.ones(b, 12, dtype=torch.long)
+        mask[0, 7:] = 0
+        out = tr(hidden_states=x, timestep=torch.rand(b), encoder_hidden_states=torch.randn(b, 12, 32),
+                 encoder_attention_mask=mask, return_dict=False)[0]
     elif fam == "wan":  # [B, C, frames, h, w], the timestep as σ·1000
         x = torch.randn(b, 16, 1, 32, 32, generator=g)
         out = tr(hidden_states=x, timestep=torch.rand(b) * 1000,
@@ -494,11 +523,12 @@ def test_raylora_loader_reads_the_tiny_model_back(family_model):
     fam, path = family_model
     info = check_model(path, Storage())
     # Flux.2's pipeline patchifies the VAE's latents 2×2: 4 pixels per latent side
-    assert info["family"].name == fam and info["vae_factor"] == (4 if fam.startswith("flux2") else 2)
+    assert info["family"].name == fam and info["vae_factor"] == \
+        (4 if fam.startswith("flux2") else 8 if fam == "lumina2" else 2)
     c = load_components(ModelSection(pretrained=path), torch.float32)
     assert [type(t).__name__ for t in c.tokenizers] == list(TOKENIZERS[fam].values())
     assert type(c.denoiser).__name__ == json.load(open(f"{path}/model_index.json"))["transformer"][1]
-    if fam in ("flux", "fluxkontext", "chroma", "zimage"):
+    if fam in ("flux", "fluxkontext", "chroma", "zimage", "lumina2"):
         assert (c.latent_shift, c.latent_scale) == (0.1159, 0.3611)
     elif fam == "sd3":
         assert (c.latent_shift, c.latent_scale) == (0.0609, 1.5305)

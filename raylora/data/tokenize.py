@@ -43,6 +43,7 @@ class TokenizerSpec:
     padding_side: str = "right"
     truncation_side: str = "right"
     remove: tuple[str, ...] = ()  # deleted from each caption first, as the pipeline does
+    bare_empty: bool = False  # an empty caption skips the template (TextInput.template_empty)
 
     @property
     def mask(self) -> bool:
@@ -58,7 +59,8 @@ class TokenizerSpec:
                          ", no special tokens" if not self.special_tokens else "",
                          f", pad {self.padding_side}" if self.padding_side != "right" else "",
                          f", truncate {self.truncation_side}" if self.truncation_side != "right" else "",
-                         f", remove {list(self.remove)}" if self.remove else ""])
+                         f", remove {list(self.remove)}" if self.remove else "",
+                         ", bare empty" if self.bare_empty else ""])
         return (f"TokenizerSpec({digest}, {self.max_length}, {self.pad_id}, {self.pad_token!r}, "
                 f"{self.template!r}, {self.mask}{extra})")
 
@@ -74,7 +76,8 @@ def spec_from_tokenizer(tok, text=None, max_sequence_length: int | None = None) 
                          text.ids_key if text else "input_ids", text.mask_key if text else None,
                          bool(text and text.clean), text.special_tokens if text else True,
                          _padding_side(tok, text), str(tok.truncation_side),
-                         tuple(text.remove) if text else ())
+                         tuple(text.remove) if text else (),
+                         bool(text and not text.template_empty))
 
 
 def _padding_side(tok, text) -> str:
@@ -137,6 +140,7 @@ class CaptionTokenizer:
         self.clean = spec.clean
         self.special_tokens = spec.special_tokens
         self.remove = spec.remove
+        self.bare_empty = spec.bare_empty
         self.backend = Tokenizer.from_str(spec.backend_json)
         self.backend.enable_truncation(spec.max_length, direction=spec.truncation_side)
         self.backend.enable_padding(length=spec.max_length, pad_id=spec.pad_id, pad_token=spec.pad_token,
@@ -148,8 +152,8 @@ class CaptionTokenizer:
             captions = [clean_prompt(c) for c in captions]
         for s in self.remove:
             captions = [c.replace(s, "") for c in captions]
-        out = self.backend.encode_batch([self.template.format(c) for c in captions],
-                                        add_special_tokens=self.special_tokens)
+        texts = [c if self.bare_empty and c == "" else self.template.format(c) for c in captions]
+        out = self.backend.encode_batch(texts, add_special_tokens=self.special_tokens)
         shape = (len(out), self.model_max_length)
         return (np.array([e.ids for e in out], dtype=np.int64).reshape(shape),
                 np.array([e.attention_mask for e in out], dtype=np.int64).reshape(shape))

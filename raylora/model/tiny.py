@@ -1,5 +1,5 @@
 """Tiny random diffusers pipelines (SD-1.x, SDXL, Flux.1 and Flux.1 Kontext, SD3, Qwen-Image and 2.1,
-Z-Image, Flux.2 [klein] and [dev], Wan), built offline.
+Z-Image, Lumina-Image 2.0, Flux.2 [klein] and [dev], Wan), built offline.
 
 Tests and the demo need a model but have no hub access. This builds the real diffusers /
 transformers classes with tiny sizes and writes them with ``save_pretrained``, so training
@@ -20,6 +20,8 @@ The tokenizers are genuine, built here from a small English corpus, all with a f
   many hidden states: ``prompt_template_encode_start_idx``).
 * Mistral (Flux.2 [dev]): the same byte-level BPE with Mistral's control tokens and chat
   template (``build_mistral_tokenizer``).
+* Gemma (Lumina-Image 2.0): SentencePiece-style BPE over characters with byte fallback
+  (``build_gemma_tokenizer``).
 """
 
 from __future__ import annotations
@@ -64,17 +66,19 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, (chr(c) for c in chars)))
 
 
-def learn_bpe(words: Counter, num_merges: int, end_of_word: str = "</w>") -> list[tuple[str, str]]:
+def learn_bpe(words: Counter, num_merges: int, end_of_word: str = "</w>",
+              byte_level: bool = True) -> list[tuple[str, str]]:
     """Plain BPE over byte-mapped words whose last symbol carries ``end_of_word`` (CLIP's
     ``</w>``; ``""`` for GPT-2-style BPE, whose words carry their leading space instead).
-    Stops early once every word is a single symbol.
+    ``byte_level`` False: over the words' characters (SentencePiece-style BPE with byte
+    fallback, Gemma's). Stops early once every word is a single symbol.
 
     Ties break on the pair itself so the vocabulary is identical on every machine.
     """
     byte_map = bytes_to_unicode()
     corpus: dict[tuple[str, ...], int] = {}
     for word, n in words.items():
-        symbols = [byte_map[b] for b in word.encode("utf-8")]
+        symbols = [byte_map[b] for b in word.encode("utf-8")] if byte_level else list(word)
         symbols[-1] += end_of_word
         corpus[tuple(symbols)] = corpus.get(tuple(symbols), 0) + n
     merges: list[tuple[str, str]] = []
@@ -147,16 +151,17 @@ def _text_config(tokenizer):
     )
 
 
-def _tiny_vae(latent_channels: int = 4, **extra):
-    """VAE with channels (32, 64): downsample factor 2, ``latent_channels`` latent channels."""
+def _tiny_vae(latent_channels: int = 4, blocks: tuple[int, ...] = (32, 64), **extra):
+    """VAE with channels ``blocks`` (32, 64): downsample factor 2 (2 ** (len − 1)),
+    ``latent_channels`` latent channels."""
     from diffusers import AutoencoderKL
 
     return AutoencoderKL(
         in_channels=3,
         out_channels=3,
-        block_out_channels=(32, 64),
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=blocks,
+        down_block_types=("DownEncoderBlock2D",) * len(blocks),
+        up_block_types=("UpDecoderBlock2D",) * len(blocks),
         latent_channels=latent_channels,
         layers_per_block=1,
         norm_num_groups=32,
@@ -475,10 +480,11 @@ FLUX1_TINY_BLOCKS = dict(patch_size=1, in_channels=64, num_layers=1, num_single_
                          attention_head_dim=16, num_attention_heads=2, axes_dims_rope=(4, 6, 6))
 
 
-def _flux1_vae():
+def _flux1_vae(blocks: tuple[int, ...] = (32, 64)):
     """Flux.1's VAE at tiny sizes (factor 2, 16 channels, its scaling 0.3611 / shift 0.1159,
-    no quant convs), which Chroma and Z-Image ship too."""
-    return _tiny_vae(latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159,
+    no quant convs), which Chroma, Z-Image and Lumina-Image 2.0 ship too. ``blocks``: its
+    channels (``_tiny_vae``)."""
+    return _tiny_vae(latent_channels=16, blocks=blocks, scaling_factor=0.3611, shift_factor=0.1159,
                      use_quant_conv=False, use_post_quant_conv=False, force_upcast=True)
 
 
@@ -928,6 +934,77 @@ def build_tiny_zimage(dest: str | Path, seed: int = 0) -> Path:
     return dest
 
 
+GEMMA_SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>")  # ids 0-4 as Gemma's
+GEMMA_MAX_LENGTH = 8192  # Gemma 2's context (Lumina2Pipeline passes 256)
+LUMINA2_SCHEDULER = dict(num_train_timesteps=1000, shift=6.0, use_dynamic_shifting=False)
+
+
+def build_gemma_tokenizer(dest: str | Path | None = None, corpus: str = ""):
+    """A Gemma tokenizer (``GemmaTokenizer``: in transformers 5 the fast class, a
+    ``tokenizers`` BPE with byte fallback whose normalizer writes spaces as ``▁``) learned
+    from the corpus and ``corpus``; saved to ``dest`` when given. Layout as Gemma's:
+    ``<pad>`` 0, ``<eos>`` 1, ``<bos>`` 2, ``<unk>`` 3, ``<mask>`` 4, the 256 byte tokens
+    ``<0x00>`` … ``<0xFF>``, then characters and merges; ``<bos>`` starts every sequence.
+    Every corpus word, with and without its ``▁``, is one token. Padding on the right, the
+    side Lumina2's transformer reads captions from (Gemma's own default is the left)."""
+    from transformers import GemmaTokenizer
+
+    words = Counter()
+    for w in (_CORPUS + " " + corpus).split():
+        words[w] += 1
+        words[_SPIECE_SPACE + w] += 1
+    merges = learn_bpe(words, num_merges=10_000, end_of_word="", byte_level=False)
+    chars = sorted({c for w in words for c in w})
+    tokens = [*GEMMA_SPECIAL_TOKENS, *(f"<0x{b:02X}>" for b in range(256)), *chars,
+              *("".join(m) for m in merges)]
+    vocab = {tok: i for i, tok in enumerate(dict.fromkeys(tokens))}
+    # add_bos_token: the class's default is off in transformers 5; Gemma's checkpoints set it
+    tok = GemmaTokenizer(vocab=vocab, merges=merges, model_max_length=GEMMA_MAX_LENGTH,
+                         padding_side="right", add_bos_token=True)
+    if dest is not None:
+        tok.save_pretrained(dest)
+    return tok
+
+
+def build_tiny_lumina2(dest: str | Path, seed: int = 0) -> Path:
+    """Save a tiny random Lumina2Pipeline to ``dest``; returns the path.
+
+    * ``text_encoder``: Gemma2Model, hidden 32, 2 layers (2 query heads, 1 key/value head);
+      the pipeline takes the second-to-last hidden state of the caption behind its system
+      prompt. ``tokenizer``: ``build_gemma_tokenizer`` with that system prompt's words.
+    * ``transformer``: Lumina2Transformer2DModel, hidden 32 = 2 heads × 16 (1 key/value
+      head), 2 joint layers plus one noise- and one context-refiner block, rope axes
+      (4, 6, 6), patch 2, 16 latent channels, cap_feat_dim 32.
+    * ``vae``: the Flux.1 VAE at tiny widths (Lumina-Image 2.0 ships Flux.1's) with its real
+      factor, 8 (channels 32, 32, 32, 32), because Lumina2Pipeline sizes latents by a fixed
+      8 whatever the VAE: 64 px → latents (B, 16, 8, 8).
+    """
+    import transformers
+    from diffusers import FlowMatchEulerDiscreteScheduler, Lumina2Pipeline, Lumina2Transformer2DModel
+
+    from raylora.model.families.lumina2 import SYSTEM
+
+    dest = Path(dest)
+    torch.manual_seed(seed)
+    tokenizer = build_gemma_tokenizer(corpus=SYSTEM + " <Prompt Start>")
+    text_encoder = transformers.Gemma2Model(transformers.Gemma2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=1024,
+        pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    )).eval()
+    transformer = Lumina2Transformer2DModel(
+        sample_size=16, patch_size=2, in_channels=16, hidden_size=32, num_layers=2,
+        num_refiner_layers=1, num_attention_heads=2, num_kv_heads=1, multiple_of=16,
+        axes_dim_rope=(4, 6, 6), cap_feat_dim=32,
+    )
+    pipe = Lumina2Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**LUMINA2_SCHEDULER), vae=_flux1_vae((32,) * 4),
+        text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer,
+    )
+    pipe.save_pretrained(dest)
+    return dest
+
+
 def _save_flux2(pipeline_class, dest: Path, tokenizer, text_encoder, text_width: int,
                 guidance_embeds: bool) -> Path:
     """A Flux.2 pipeline (``pipeline_class``: [klein]'s or [dev]'s) around ``tokenizer`` and
@@ -1156,6 +1233,7 @@ BUILDERS = {
     "qwenimage21": build_tiny_qwenimage21,
     "qwenimageedit": build_tiny_qwenimageedit,
     "zimage": build_tiny_zimage,
+    "lumina2": build_tiny_lumina2,
     "flux2klein": build_tiny_flux2klein,
     "flux2": build_tiny_flux2,
     "wan": build_tiny_wan,

@@ -54,6 +54,10 @@ class TextInput:
     # Strings the pipeline deletes from every caption before templating it (Flux2Pipeline's
     # format_input: "[IMG]", which Pixtral's processor would count as an image slot).
     remove: tuple[str, ...] = ()
+    # False: an empty caption is tokenized as it is, not through ``template``: the pipeline
+    # templates the prompt but encodes its empty negative prompt bare (Lumina2Pipeline's
+    # system prompt), and a dropped caption (data.caption_dropout) trains that branch.
+    template_empty: bool = True
 
     def length(self, tokenizer_max: int, max_sequence_length: int | None = None) -> int:
         """Tokens per caption: the content length (``model.max_sequence_length`` for a

@@ -1,0 +1,70 @@
+"""Lumina-Image 2.0 (and checkpoints of its layout, Neta Lumina): a single-stream DiT with
+flow matching over 2×2-patched Flux.1-VAE latents (16 channels, shift/scale), conditioned
+on the second-to-last hidden state of Gemma 2 (2B) over the caption behind the pipeline's
+system prompt. Its transformer takes the caption tokens its mask marks (the first ones of
+each row: right padding), a timestep that is 1 at the image and 0 at pure noise, and
+predicts x₀ − ε, the negative of the flow target. As diffusers' Lumina2 LoRA script
+(train_dreambooth_lora_lumina2.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from raylora.model.families.base import Cond, Family, TextInput, llm_conditioning
+
+# Lumina2Pipeline.system_prompt; encode_prompt writes each prompt as
+# system_prompt + " <Prompt Start> " + prompt (its negative prompt bare: template_empty).
+SYSTEM = ("You are an assistant designed to generate superior images with the superior "
+          "degree of image-text alignment based on textual prompts or user prompts.")
+TEMPLATE = SYSTEM + " <Prompt Start> {}"
+
+
+class Lumina2(Family):
+    name = "lumina2"
+    class_names = ("Lumina2Pipeline",)
+    pipeline = "Lumina2Pipeline"
+    # The pipeline pads to max_sequence_length (256) with the template inside it and
+    # truncates the rest. Right padding whatever the tokenizer's own side (Gemma's is
+    # left): the transformer reads each caption as the first mask-sum tokens of its row.
+    # Cutting the padding after the longest caption (llm_conditioning) changes no kept
+    # hidden state under Gemma's causal attention, nor the transformer's output (it drops
+    # masked tokens before the joint blocks).
+    text = (TextInput("text_encoder", "tokenizer", "input_ids", max_length=256, template=TEMPLATE,
+                      mask_key="attention_mask", long_context=True, template_empty=False),)
+    # train_dreambooth_lora_lumina2.py's default --lora_layers
+    lora_targets = ("to_k", "to_q", "to_v", "to_out.0")
+    # The joint blocks and the noise/context refiners are all Lumina2TransformerBlock.
+    repeated_blocks = ("Lumina2TransformerBlock",)
+    patch = 2
+    # Lumina2Pipeline's default, run with its cfg_normalization (on) and cfg_trunc_ratio
+    # (1.0: guidance at every step), which raylora's previews leave at the pipeline's.
+    default_guidance_scale = 4.0
+    # No kohya/ComfyUI file: diffusers' Lumina2 readers (its LoRA converter, the
+    # single-file checkpoint converter) split the fused q/k/v at the released model's
+    # widths (2304/768/768) alone, so no name map could be checked against them here.
+    kohya_export = False
+    description = "Lumina-Image 2.0 (single-stream DiT, Gemma 2 text encoder)"
+
+    @classmethod
+    def cond_keys(cls):
+        return ("prompt_embeds", "prompt_embeds_mask")
+
+    @classmethod
+    def encode_text(cls, encoders, batch) -> Cond:
+        # hidden_states[-2] over the templated caption, the template's tokens kept.
+        return llm_conditioning(encoders[0], batch, layer=-2)
+
+    @classmethod
+    def model_timestep(cls, t):
+        return 1.0 - t  # the pipeline's 1 − t/1000 with t = 1000·σ
+
+    @classmethod
+    def denoise(cls, model, noisy, t, cond: Cond, **extra) -> torch.Tensor:
+        # [B, C, h, w] in and out: the transformer patches the latents itself.
+        out = model(hidden_states=noisy, timestep=cls.model_timestep(t).to(noisy.dtype),
+                    encoder_hidden_states=cond["prompt_embeds"],
+                    encoder_attention_mask=cond["prompt_embeds_mask"], return_dict=False)[0]
+        return -out
+
+
+FAMILY = Lumina2

@@ -95,9 +95,10 @@ class ModelSection(_Section):
     family: str = Field(
         "auto",
         description="auto: from model_index.json's _class_name. Or a family name: sd (SD "
-        "1.x/2.x), sdxl, flux (Flux.1 dev/schnell), sd3 (SD3/3.5), qwenimage, zimage, "
-        "flux2klein (Flux.2 [klein]), flux2 (Flux.2 [dev]), wan (Wan 2.1/2.2); it must match "
-        "the model.",
+        "1.x/2.x), sdxl, flux (Flux.1 dev/schnell), fluxkontext (Flux.1 Kontext), chroma, "
+        "sd3 (SD3/3.5), qwenimage, qwenimageedit (Qwen-Image-Edit-2509/2511), qwenimage21, "
+        "zimage, lumina2 (Lumina-Image 2.0), flux2klein (Flux.2 [klein]), flux2 (Flux.2 "
+        "[dev]), wan (Wan 2.1/2.2); it must match the model.",
     )
     expert: Literal["high_noise", "low_noise"] | None = Field(
         None,

@@ -188,6 +188,36 @@ def test_t5_and_qwen_vocabularies_are_reproducible():
     assert "▁circ" in scores and "▁c" in scores and "z" in scores  # ASCII fallback
 
 
+@pytest.mark.parametrize("family_model", ["lumina2"], indirect=True)
+def test_gemma_tokenizer_has_gemmas_layout_bos_and_byte_fallback(family_model):
+    """The tiny Lumina-Image 2.0 tokenizer: Gemma's special ids, <bos> first, the 256 byte
+    tokens after the specials (unseen characters fall back to them, never <unk>), whole
+    words with SentencePiece's ``▁``, right padding, reproducible; the encoder's config
+    names the same ids."""
+    from transformers import AutoTokenizer
+
+    from raylora.model.families import lumina2
+
+    path = family_model[1]
+    tok = AutoTokenizer.from_pretrained(path, subfolder="tokenizer")
+    assert [tok.convert_tokens_to_ids(t) for t in tiny.GEMMA_SPECIAL_TOKENS] == [0, 1, 2, 3, 4]
+    assert (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
+    assert tok.convert_tokens_to_ids("<0x00>") == 5 and tok.convert_tokens_to_ids("<0xFF>") == 260
+    ids = tok("a red circle", padding="max_length", max_length=6).input_ids
+    assert tok.convert_ids_to_tokens(ids[:4]) == ["<bos>", "a", "▁red", "▁circle"] and ids[4:] == [0, 0]
+    zebra = tok("zebra 42 é").input_ids
+    assert 3 not in zebra and tok.decode(zebra, skip_special_tokens=True) == "zebra 42 é"
+    assert "<0xC3>" in tok.convert_ids_to_tokens(zebra)  # é (not in the corpus) as UTF-8 bytes
+    # the system prompt is one token per word (<bos> first, and the space before an empty
+    # caption a "▁" of its own): the tiny's template length is the corpus', not luck's
+    system = tok.convert_ids_to_tokens(tok(lumina2.TEMPLATE.format("")).input_ids)
+    assert len(system) == 1 + len(lumina2.TEMPLATE.format("").split()) + 1 and system[-1] == "▁"
+    assert tiny.build_gemma_tokenizer().backend_tokenizer.to_str() == \
+        tiny.build_gemma_tokenizer().backend_tokenizer.to_str()
+    cfg = json.load(open(f"{path}/text_encoder/config.json"))
+    assert (cfg["vocab_size"], cfg["pad_token_id"], cfg["bos_token_id"]) == (len(tok), 0, 2)
+
+
 @pytest.mark.parametrize("family_model", ["qwenimage"], indirect=True)
 def test_qwen_template_prefix_is_34_tokens_as_the_pipeline_drops(family_model, family_pipe):
     from transformers import AutoTokenizer

@@ -18,11 +18,13 @@ latent cache stores as columns (``prompt_embeds``, ``pooled_prompt_embeds``, ...
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+import torch.utils.checkpoint
 
 from raylora.config import control_values
 
@@ -158,6 +160,30 @@ def llm_conditioning(encoder, batch: dict[str, torch.Tensor], layer: int, drop: 
     # The pipelines pad with zeros past each caption: the same here.
     emb = hidden[:, drop:] * mask.unsqueeze(-1).to(hidden.dtype)
     return Cond(prompt_embeds=emb, prompt_embeds_mask=mask.long())
+
+
+def checkpointed(forward):
+    """``forward`` recomputed in backward when grad is on (non-reentrant, so LoRA weights
+    inside get gradients though the block's inputs need none), every argument passed."""
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+def checkpoint_each(blocks, enable: bool = True) -> None:
+    """Each of ``blocks`` recomputes its own forward in backward (``enable``), or stops: for
+    a model whose own gradient-checkpointing switch skips blocks or drops an input. Set on
+    the instances, so module names (LoRA keys), FSDP's and compile's wrapping of the blocks
+    stay as they are."""
+    for block in blocks:
+        if enable:
+            block.forward = checkpointed(type(block).forward.__get__(block))
+        else:
+            block.__dict__.pop("forward", None)
 
 
 def import_class(library: str, name: str):

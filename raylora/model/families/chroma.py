@@ -6,13 +6,10 @@ As ``ChromaPipeline``, which loads the adapter (``FluxLoraLoaderMixin``)."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
-import torch.utils.checkpoint
 
 from raylora.checkpoint.kohya import Rule
-from raylora.model.families.base import Cond, TextInput, grid_ids, pack_2x2, unpack_2x2
+from raylora.model.families.base import Cond, TextInput, checkpoint_each, grid_ids, pack_2x2, unpack_2x2
 from raylora.model.families.flux import KOHYA_RULES as FLUX_RULES, Flux
 
 # Its released checkpoints keep BFL's Flux module names (double_blocks_*, single_blocks_*,
@@ -32,18 +29,6 @@ def text_mask(tokens: torch.Tensor, dtype) -> torch.Tensor:
     visible, as Chroma was trained), in ``dtype`` as the pipeline builds it."""
     positions = torch.arange(tokens.shape[1], device=tokens.device)
     return (positions.unsqueeze(0) <= tokens.sum(1, keepdim=True)).to(dtype)
-
-
-def checkpointed(forward):
-    """``forward`` recomputed in backward when grad is on (non-reentrant, so LoRA weights
-    inside get gradients though the block's inputs need none), every argument passed."""
-    @functools.wraps(forward)
-    def run(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return forward(*args, **kwargs)
-        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    return run
 
 
 class Chroma(Flux):
@@ -103,13 +88,8 @@ class Chroma(Flux):
         # diffusers 0.42's ChromaTransformer2DModel drops attention_mask from its single
         # blocks on its gradient-checkpointing path (they would attend to every padding
         # token, another loss than without it): each block checkpoints its own forward
-        # instead, with the model on its plain path. Set on the instance, so module names
-        # (LoRA keys), FSDP's and compile's wrapping of the blocks stay as they are.
-        for block in (*denoiser.transformer_blocks, *denoiser.single_transformer_blocks):
-            if enable:
-                block.forward = checkpointed(type(block).forward.__get__(block))
-            else:
-                block.__dict__.pop("forward", None)
+        # instead, with the model on its plain path.
+        checkpoint_each((*denoiser.transformer_blocks, *denoiser.single_transformer_blocks), enable)
 
     @classmethod
     def kohya_names(cls):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from raylora.model.families.base import Cond, Family, TextInput, llm_conditioning
+from raylora.model.families.base import Cond, Family, TextInput, checkpoint_each, llm_conditioning
 
 # Lumina2Pipeline.system_prompt; encode_prompt writes each prompt as
 # system_prompt + " <Prompt Start> " + prompt (its negative prompt bare: template_empty).
@@ -65,6 +65,13 @@ class Lumina2(Family):
                     encoder_hidden_states=cond["prompt_embeds"],
                     encoder_attention_mask=cond["prompt_embeds_mask"], return_dict=False)[0]
         return -out
+
+    @classmethod
+    def checkpoint_blocks(cls, denoiser, enable: bool = True) -> None:
+        # diffusers' switch recomputes the joint layers alone, not the noise and context
+        # refiners (Lumina2TransformerBlock too, the noise refiner's activations as large
+        # as a joint layer's image part): each block checkpoints its own forward instead.
+        checkpoint_each((*denoiser.noise_refiner, *denoiser.context_refiner, *denoiser.layers), enable)
 
 
 FAMILY = Lumina2

@@ -85,6 +85,10 @@ QWEN_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 1.0
                   "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 0.9,
                   "base_image_seq_len": 256, "max_image_seq_len": 8192, "shift_terminal": 0.02,
                   "time_shift_type": "exponential"}
+# Alpha-VLLM/Lumina-Image-2.0's transformer: Lumina2Transformer2DModel's defaults (26 joint
+# layers + 2 noise and 2 context refiners of 2304 = 24 heads × 96, 8 key/value heads) over
+# Gemma 2 2B's 2304-wide hidden states
+LUMINA2 = dict(cap_feat_dim=2304)
 # (family, transformer class, config, latent channels, text tokens, pooled width, the
 #  pipelines' scheduler config for the shift). Z-Image takes each caption unpadded: 256
 #  tokens stand for a long caption in its chat template.
@@ -113,6 +117,10 @@ MODELS = {
     "wan14b": ("wan", "WanTransformer3DModel", WAN_14B, 16, 512, None,
                {"_class_name": "UniPCMultistepScheduler", "prediction_type": "flow_prediction",
                 "use_flow_sigmas": True, "flow_shift": 3.0}),
+    # Lumina-Image 2.0: the pipeline's 256 Gemma tokens, its system prompt's included (the
+    # shift is the tiny model's static 6.0; a step's cost does not depend on it)
+    "lumina2": ("lumina2", "Lumina2Transformer2DModel", LUMINA2, 16, 256, None,
+                {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 6.0}),
     # Chroma: T5's 512 positions, all kept (the mask shows the caption and one pad)
     "chroma": ("chroma", "ChromaTransformer2DModel", CHROMA_HD, 16, 512, None, MODELS_FLUX_SCHEDULER),
     # Qwen-Image: a long caption's 256 tokens after the template; the edit model also the
@@ -137,6 +145,8 @@ SMOKE = {"flux": dict(num_layers=1, num_single_layers=1, attention_head_dim=16,
                        pooled_projection_dim=16, dual_attention_layers=(0,), pos_embed_max_size=64),
          "zimage": dict(dim=32, n_layers=1, n_refiner_layers=1, n_heads=2, n_kv_heads=2,
                         cap_feat_dim=32, axes_dims=[4, 6, 6]),
+         "lumina2": dict(hidden_size=32, num_layers=1, num_refiner_layers=1, num_attention_heads=2,
+                         num_kv_heads=1, multiple_of=16, axes_dim_rope=(4, 6, 6), cap_feat_dim=32),
          "klein4b": dict(num_layers=1, num_single_layers=1, attention_head_dim=16,
                          num_attention_heads=2, joint_attention_dim=48,
                          timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4)),

@@ -1062,7 +1062,7 @@ def test_an_edit_run_on_pairs_edits_in_the_stock_pipeline(ray_local, tiny, tmp_p
     assert m["eval_loss_base"] != m["eval_loss_last"]
     pipeline = PIPELINES[family][0]
     meta = json.loads((out / "adapter" / "raylora.json").read_text())["data"]
-    assert (meta["family"], meta["pipeline"]) == (family, pipeline)
+    assert (meta["family"], meta["pipeline"], meta["control_inputs"]) == (family, pipeline, inputs)
     # the preview grid: the input(s), then what the adapter made of them
     grid = np.asarray(Image.open(out / "validation" / "step_000004.png").convert("RGB"))
     assert grid.shape == (32, 32 * (1 + inputs), 3)

@@ -66,6 +66,7 @@ def test_two_workers_train_from_parquet_and_stock_pipeline_loads(family, expert,
     pipeline = PIPELINES[family][0]
     meta = json.loads((adapter / "raylora.json").read_text())["data"]
     assert (meta["family"], meta["pipeline"], meta["objective"]) == (family, pipeline, "flow_matching")
+    assert "control_inputs" not in meta  # text to image: no input images
     card = (adapter / "README.md").read_text()
     assert f"from diffusers import {pipeline}" in card
     if expert:

@@ -282,6 +282,9 @@ def run_data(cfg: RayLoraConfig, plan: dict, store: Storage) -> dict:
         "pipeline": family.pipeline,
         "adapter_variant": cfg.lora.variant,
         "objective": plan.get("objective"),
+        # An edit run (data.control_images): input images a sample brings (data.control_inputs),
+        # what its pipeline takes as a list of that length.
+        **({"control_inputs": cfg.data.control_inputs} if cfg.data.control_images else {}),
         # A hub model: the commit every worker loaded (model.revision resolved by the plan);
         # a folder in object storage: the version of its files they downloaded.
         **({"model_commit": plan["model_commit"]} if plan.get("model_commit") else {}),

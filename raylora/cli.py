@@ -133,7 +133,7 @@ def _sample(args) -> int:
         args.model, args.adapter, args.prompt, args.out,
         seed=args.seed, steps=args.steps, guidance_scale=args.guidance_scale, size=args.size,
         expert=args.expert, quantize_text_encoders=args.quantize_text_encoders,
-        revision=args.revision, image=args.image,
+        revision=args.revision, image=args.image, system_prompt=args.system_prompt,
     )
     print(f"raylora: sample image {out}")
     return 0
@@ -339,14 +339,18 @@ def _adapter_commands(sub) -> None:
     s.add_argument("--steps", type=int, default=25)
     s.add_argument("--guidance-scale", type=float, default=None,
                    help="default: the family's (SD 7.5, Flux.1-dev 3.5, Flux.1 Kontext 2.5, SD3 "
-                        "7.0, Qwen-Image 4.0, Z-Image 5.0, Flux.2 [klein] and [dev] 4.0, Wan 5.0; Z-Image-Turbo samples "
-                        "at 0)")
+                        "7.0, Qwen-Image 4.0, Z-Image 5.0, Lumina-Image 2.0 4.0, Flux.2 [klein] and [dev] 4.0, "
+                        "Wan 5.0; Z-Image-Turbo samples at 0)")
     s.add_argument("--size", type=int, default=None, help="pixels; default: the model's size")
     s.add_argument("--image", action="append", default=None,
                    help="an image-edit model's input image (Flux.1 Kontext, Flux.2, "
                         "Qwen-Image-Edit), a path or storage URI; resized to --size when given, "
                         "else as the pipeline sizes it. Again for each further input (Flux.2, "
                         "Qwen-Image-Edit: Picture 2, ...)")
+    s.add_argument("--system-prompt", default=None,
+                   help="Lumina-Image 2.0: the system prompt before the prompt; default: "
+                        "model.system_prompt in the adapter folder's raylora.json, else the "
+                        "pipeline's own")
     s.add_argument("--expert", choices=["high_noise", "low_noise"], default=None,
                    help="a pipeline of experts (Wan 2.2 A14B): the one the (single) adapter "
                         "trained; default: model.expert in the adapter folder's raylora.json")

@@ -113,7 +113,16 @@ class ModelSection(_Section):
         description="Tokens per caption for the long-context text encoder (T5 of Flux/SD3, "
         "Qwen-Image's, Z-Image's and Flux.2's LLMs, Wan's UMT5). Default: the pipeline's "
         "(Flux.1-dev 512, schnell use 256; SD3 256; Qwen-Image 512; Z-Image and Flux.2 "
-        "[klein]/[dev] 512, the chat template (and [dev]'s system message) included; Wan 512).",
+        "[klein]/[dev] 512, the chat template (and [dev]'s system message) included; Wan 512; "
+        "Lumina-Image 2.0 256, its system prompt included).",
+    )
+    system_prompt: str | None = Field(
+        None,
+        description="The system prompt the pipeline writes before every caption "
+        "(Lumina2Pipeline's system_prompt: '<system prompt> <Prompt Start> <caption>'), as "
+        "diffusers' Lumina2 script's --system_prompt: training captions, previews, class "
+        "images, the model card's example and `raylora sample` use it. Default: the "
+        "pipeline's own. Refused for a family without one.",
     )
 
     @model_validator(mode="before")

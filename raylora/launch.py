@@ -270,6 +270,9 @@ def family_problems(cfg: RayLoraConfig, family, multiple: int, native: str | Non
     if flow and t.noise_offset:
         out.append(f"train.noise_offset: applies to DDPM models; {family.name} trains with "
                    "flow matching")
+    if cfg.model.system_prompt is not None and family.system_prompt is None:
+        out.append(f"model.system_prompt: {family.name} ({family.pipeline}) takes no system "
+                   "prompt; leave it unset")
     if cfg.model.expert and not family.experts:
         out.append(f"model.expert: {cfg.model.expert}: {family.name} pipelines have one denoiser; "
                    "leave it unset")
@@ -997,7 +1000,8 @@ def build_trainer(
     # tokenizer is read once, here, for all of them (cached latents need none).
     if cfg.data.cache != "latents":
         spec.tokenizer_specs = load_specs(p.model_path, p.family, store, cfg.model.max_sequence_length,
-                                          revision=loads.model.revision, references=cfg.data.references())
+                                          revision=loads.model.revision, references=cfg.data.references(),
+                                          system_prompt=cfg.model.system_prompt)
     ckpt_fs, ckpt_path = store.fs(storage_uri)
     return TorchTrainer(
         train_fn or train_loop_per_worker,

@@ -20,13 +20,16 @@ def sample(
     quantize_text_encoders: str = "none",
     revision: str | None = None,
     image: str | list[str] | None = None,
+    system_prompt: str | None = None,
 ) -> str:
     """``guidance_scale``: default the family's (SD 7.5, Flux.1-dev 3.5, ...), passed as the
     family's pipeline takes it (Qwen-Image: true CFG with an empty negative prompt).
     ``adapter``, ``expert``, ``quantize_text_encoders``, ``revision``: see ``load_pipeline``.
     ``image``: an edit model's input image (a path or storage URI; Flux.1 Kontext, Flux.2,
     Qwen-Image-Edit), or a list of them in order (Flux.2, Qwen-Image-Edit), resized to
-    ``size`` when given, else sized as the pipeline does."""
+    ``size`` when given, else sized as the pipeline does. ``system_prompt``: a family's
+    that takes one (Lumina-Image 2.0); default the one its run trained with
+    (``trained_system_prompt``), else the pipeline's own."""
     from raylora.storage import Storage
 
     control = None
@@ -47,7 +50,10 @@ def sample(
     pipe, family = load_pipeline(model, adapter, expert,
                                  torch.bfloat16 if device == "cuda" else torch.float32,
                                  quantize_text_encoders, device, revision,
-                                 with_image=len(inputs), input_side=side)
+                                 with_image=len(inputs), input_side=side,
+                                 system_prompt=system_prompt is not None)
+    if system_prompt is None:
+        system_prompt = trained_system_prompt([adapter] if isinstance(adapter, str) else adapter)
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     # No size: the pipeline's own default (the model's sample size; ZImagePipeline's 1024,
@@ -59,6 +65,7 @@ def sample(
         prompt=prompt,
         num_inference_steps=steps,
         **family.guidance_kwargs(guidance_scale),
+        **family.prompt_kwargs(system_prompt),
         **dims,
         **family.reference_kwargs(control, size, size),
         generator=torch.Generator(device="cpu").manual_seed(seed),
@@ -71,7 +78,7 @@ def sample(
 def load_pipeline(model: str, adapter: str | list[str], expert: str | None = None,
                   dtype: torch.dtype = torch.float32, quantize_text_encoders: str = "none",
                   device="cpu", revision: str | None = None, with_image: int = 0,
-                  input_side: int | None = None):
+                  input_side: int | None = None, system_prompt: bool = False):
     """(the family's stock pipeline of ``model`` with the adapter loaded, the family).
 
     A pipeline of experts (Wan 2.2 A14B) samples with every expert; an adapter goes into
@@ -89,7 +96,8 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
     ``raylora.json`` names ``model`` as its base (``trained_commit``), else main.
     ``with_image``: the call gives that many input images (``--image``), refused for a
     family whose pipeline takes none or fewer, or (``input_side``: the smallest side it
-    gets them at) smaller than it takes."""
+    gets them at) smaller than it takes. ``system_prompt``: the call gives one
+    (``--system-prompt``), refused for a family whose pipeline takes none."""
     from diffusers import DiffusionPipeline
 
     from raylora import quiet
@@ -110,6 +118,8 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
     # The family, and the pipeline class that loads the adapter, from model_index.json.
     index = DiffusionPipeline.load_config(path, revision=revision)
     family = families.detect(index, "--model")
+    if system_prompt and family.system_prompt is None:
+        raise ValueError(f"--system-prompt: {family.name} ({family.pipeline}) takes no system prompt")
     if with_image and not family.reference_image:
         raise ValueError(f"--image: {family.name} ({family.pipeline}) takes no input image")
     if int(with_image) > family.max_references:
@@ -168,6 +178,18 @@ def _hub_id_form(p: str) -> bool:
     from raylora.model.load import is_hub_id
 
     return is_hub_id(p) and p.count("/") == 1 and not p.startswith((".", "~")) and all(p.split("/"))
+
+
+def trained_system_prompt(adapters: list[str]) -> str | None:
+    """``model.system_prompt`` of the run that wrote one of the adapter folders (its
+    ``raylora.json``), if one set it: its captions were trained behind it."""
+    from raylora.checkpoint.export import read_run_meta
+
+    for a in adapters:
+        found = read_run_meta(a).get("config", {}).get("model", {}).get("system_prompt")
+        if found is not None:
+            return found
+    return None
 
 
 def trained_expert(adapter: str) -> str | None:

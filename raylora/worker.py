@@ -61,7 +61,8 @@ def _stage_kwargs(purpose: str, spec: WorkerSpec) -> dict:
     cfg = spec.config
     return stage_kwargs(purpose, cfg.data, model_path=spec.plan.model_path, family=spec.plan.family,
                         storage=cfg.storage, max_sequence_length=cfg.model.max_sequence_length,
-                        tokenizer_specs=spec.tokenizer_specs, revision=cfg.model.revision)
+                        tokenizer_specs=spec.tokenizer_specs, revision=cfg.model.revision,
+                        system_prompt=cfg.model.system_prompt)
 
 
 def _heldout_batch(spec: WorkerSpec) -> dict[str, torch.Tensor]:
@@ -126,7 +127,9 @@ def _previewer(spec: WorkerSpec, run, tracker, rank: int):
     store = cfg.storage.client()
     model_path = materialize(spec.plan.model_path, store, cfg.model.revision)
     model = acc.unwrap_model(run.model)
-    guidance = run.family.guidance_kwargs(v.guidance_scale)  # None: the family's default
+    # None: the family's default; the run's system prompt (model.system_prompt), if set
+    guidance = {**run.family.guidance_kwargs(v.guidance_scale),
+                **run.family.prompt_kwargs(cfg.model.system_prompt)}
     controls = pv.read_control_images(v.control_images, store)  # read once, rendered each time
 
     def render() -> list:

@@ -671,6 +671,76 @@ def test_qwenimage21_reads_captions_without_torchvision_and_encodes_images_as_rg
     torch.testing.assert_close((mean - shift) * scale, want, rtol=1e-5, atol=1e-5)
 
 
+def test_model_system_prompt_is_lumina2s_system_prompt_in_training_cards_caches_and_sampling(
+        tiny, demo_data, tmp_path):
+    """model.system_prompt (Lumina-Image 2.0; diffusers' script's --system_prompt): captions
+    tokenized behind it give the conditioning the stock pipeline's
+    ``encode_prompt(system_prompt=...)`` gives, and a dropped caption stays bare; the model
+    card's call, the class images' key and the latent cache's fingerprint carry it (the
+    cache's, model.max_sequence_length too); ``raylora sample`` reads it from the adapter's
+    raylora.json. A family without a system prompt refuses it, naming the key."""
+    from stock import stock_pipeline
+
+    from raylora.checkpoint.export import _usage
+    from raylora.config import ModelSection, validate
+    from raylora.data.cache import fingerprint
+    from raylora.data.classgen import generation_key
+    from raylora.data.plan import plan_data
+    from raylora.data.tokenize import CaptionTokenizer, load_specs
+    from raylora.launch import family_problems
+    from raylora.model.load import load_components
+    from raylora.sample import sample, trained_system_prompt
+    from raylora.storage import Storage
+
+    system, store = "Draw {it} well.", Storage()  # braces: a template's own, kept as text
+    model, fam = tiny("lumina2"), families.get("lumina2")
+    captions = ["a red circle", "a small blue square on the green grass"]
+    (spec,) = load_specs(model, "lumina2", store, 64, system_prompt=system)
+    (default,) = load_specs(model, "lumina2", store, 64)
+    ids, mask = (torch.from_numpy(a) for a in CaptionTokenizer(spec).encode(captions + [""]))
+    comps = load_components(ModelSection(pretrained=model), torch.float32)
+    pipe = stock_pipeline("lumina2", model)
+    with torch.no_grad():
+        ours = fam.encode_text(comps.text_encoders, {"input_ids": ids[:2], "attention_mask": mask[:2]})
+        e, m, _, _ = pipe.encode_prompt(captions, do_classifier_free_guidance=False,
+                                        max_sequence_length=64, system_prompt=system)
+    n = int(m.sum(1).max())
+    assert n < 64 and ours["prompt_embeds_mask"].tolist() == m[:, :n].tolist()
+    torch.testing.assert_close(ours["prompt_embeds"], e[:, :n] * m[:, :n, None], rtol=1e-5, atol=1e-6)
+    assert pipe.tokenizer.decode(ids[0][:n], skip_special_tokens=True).startswith("Draw {it} well. <Prompt Start>")
+    bare = CaptionTokenizer(default).encode([""])[0][0]
+    assert ids[2].tolist() == bare.tolist() and mask[2].sum() == 1  # "" bare, whatever the prompt
+    assert (CaptionTokenizer(default).encode(captions)[0] != ids[:2].numpy()).any()
+
+    def cfg(**model_keys):
+        return validate({"model": {"pretrained": model, **model_keys}, "data": {"uri": demo_data},
+                         "output": {"uri": str(tmp_path / "o")}})
+
+    plan = plan_data(cfg().data, store)
+    card = _usage(cfg(system_prompt=system), fam)
+    assert f"system_prompt={system!r}" in card and "system_prompt" not in _usage(cfg(), fam)
+    prints = {fingerprint(cfg(**k), "lumina2", model, plan, store)
+              for k in ({}, {"system_prompt": system}, {"max_sequence_length": 64})}
+    assert len(prints) == 3
+    class_cfg = {"data": {"uri": demo_data, "class_prompt": "a shape"}}
+    keys = {generation_key(validate({**class_cfg, "model": {"pretrained": model, **k},
+                                     "output": {"uri": "o"}}), "lumina2", model, 2, store)
+            for k in ({}, {"system_prompt": system})}
+    assert len(keys) == 2
+
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "raylora.json").write_text(json.dumps({"config": {"model": {"system_prompt": system}}}))
+    assert trained_system_prompt([str(tmp_path), str(tmp_path / "adapter")]) == system
+    assert fam.prompt_kwargs(None) == {} and fam.prompt_kwargs(system) == {"system_prompt": system}
+    assert families.get("zimage").prompt_kwargs(system) == {}
+    assert not [p for p in family_problems(cfg(system_prompt=system), fam, 16, "flow_matching")
+                if p.startswith("model.system_prompt")]
+    assert "model.system_prompt: sd (StableDiffusionPipeline) takes no system prompt; leave it unset" in \
+        family_problems(cfg(system_prompt=system), families.get("sd"), 8, "epsilon")
+    with pytest.raises(ValueError, match=r"^--system-prompt: sd \(StableDiffusionPipeline\) takes no"):
+        sample(tiny("sd"), str(tmp_path / "adapter"), "p", str(tmp_path / "x.png"), system_prompt=system)
+
+
 # ---------------------------------------------------------------- the denoiser call
 
 # The guidance scale at which each stock pipeline makes one conditional denoiser pass a
@@ -712,7 +782,7 @@ def test_caption_dropout_trains_on_the_unconditional_prompt_the_family_samples_w
     assert (empty != bare).any() == (family in QWEN)  # " " is its own prompt there
     # Lumina2Pipeline templates the prompt, not its negative prompt: a dropped caption is ""
     # tokenized bare (<bos> alone), not the system prompt with nothing after it
-    templated = CaptionTokenizer(dataclasses.replace(spec, bare_empty=False)).encode([""])[0][0]
+    templated = CaptionTokenizer(dataclasses.replace(spec, bare_empty=False)).encode([negative])[0][0]
     assert (empty != templated).any() == (not fam.text[-1].template_empty) == (family == "lumina2")
 
 

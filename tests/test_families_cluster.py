@@ -56,6 +56,11 @@ def test_two_workers_train_from_parquet_and_stock_pipeline_loads(family, expert,
         tree["model"]["quantize_text_encoders"] = "nf4"
     if family == "qwenimage21":  # its RGBA latents and unpadded captions, through the cache
         tree["data"]["cache"] = "latents"
+    # A pipeline with a system prompt (Lumina-Image 2.0): the run's own, in training captions,
+    # previews and the card (test_families checks the conditioning against the pipeline's).
+    system_prompt = "Draw it." if families.get(family).system_prompt is not None else None
+    if system_prompt:
+        tree["model"]["system_prompt"] = system_prompt
     summary = run(validate(tree))
     m = summary["metrics"]
     assert m["steps"] == 3 and m["images_seen"] == 3 * 1 * 2
@@ -69,6 +74,7 @@ def test_two_workers_train_from_parquet_and_stock_pipeline_loads(family, expert,
     assert "control_inputs" not in meta  # text to image: no input images
     card = (adapter / "README.md").read_text()
     assert f"from diffusers import {pipeline}" in card
+    assert (f"system_prompt={system_prompt!r}" in card) == (system_prompt is not None)
     if expert:
         # The card's own code, up to its load, puts the adapter into the trained expert.
         code = card.split("```python\n")[1].split("image = pipe(")[0]

@@ -140,6 +140,7 @@ def _usage(cfg: RayLoraConfig, family) -> str:
     # run's previews used: validation.guidance_scale, else the family's default (a
     # guidance-distilled model such as Z-Image-Turbo is validated at 0).
     args = call_args(family.guidance_kwargs(cfg.validation.guidance_scale))
+    args += call_args(family.prompt_kwargs(cfg.model.system_prompt))  # as the run trained
     # prompt by name: Flux2KleinPipeline's first parameter is a reference image.
     args += call_args(family.image_call())
     call = f'image = pipe(prompt="your prompt"{args}){family.image_code()}'

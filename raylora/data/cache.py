@@ -198,6 +198,7 @@ def fingerprint(cfg: RayLoraConfig, family: str, model_path: str, data: DataPlan
                 store: Storage) -> str:
     """sha256 over everything that changes what the encoders produce."""
     from raylora.checkpoint.export import data_fingerprint
+    from raylora.model import families
     from raylora.model.load import is_hub_id
 
     d = cfg.data
@@ -219,6 +220,11 @@ def fingerprint(cfg: RayLoraConfig, family: str, model_path: str, data: DataPlan
            if d.sources is not None or d.caption_prefix else {}),
         **({"masks": {"column": d.mask_column, "suffix": MASK_SUFFIX}} if d.masked_loss else {}),
         **({"controls": _controls_key(d)} if d.control_images else {}),
+        # The caption embeddings' length and template (model.max_sequence_length,
+        # model.system_prompt): only when set, so entries built with the defaults keep
+        # their fingerprints.
+        **({"max_sequence_length": m} if (m := cfg.model.max_sequence_length) else {}),
+        **({"system_prompt": sp} if (sp := cfg.model.system_prompt) is not None else {}),
         # Each image's bucket (its latent's shape) follows these.
         **({"buckets": {"step": d.bucket_step,
                         "resolutions": [s.resolutions() for s in d.source_sections()]}}
@@ -228,10 +234,13 @@ def fingerprint(cfg: RayLoraConfig, family: str, model_path: str, data: DataPlan
     # plan read (RayLoraConfig.at_commit), so a push to the repo is a new cache.
     if not is_hub_id(model_path):
         # The encoders' weights and configs: a retrained or swapped VAE is a new cache.
+        # Every encoder and tokenizer folder of the family (SD3's third, Qwen-Image 2.1's
+        # processor), not the denoiser's or the scheduler's.
+        fam = families.get(family)
+        encoders = set(fam.components()) - {fam.denoiser, "scheduler"}
         model_files = [
             f for f in store.list_files(model_path)
-            if f[len(model_path.rstrip("/")) + 1 :].split("/", 1)[0]
-            in ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
+            if f[len(model_path.rstrip("/")) + 1 :].split("/", 1)[0] in encoders
         ]
         h.update(data_fingerprint(sorted(model_files), store).encode())
     h.update(data_fingerprint(data.content_files(), store).encode())
@@ -269,7 +278,7 @@ def _stage_kwargs(cfg: RayLoraConfig, model_path: str, family: str, store: Stora
 
     pre = stage_kwargs("cache", cfg.data, model_path=model_path, family=family, storage=store,
                        max_sequence_length=cfg.model.max_sequence_length,
-                       revision=cfg.model.revision)
+                       revision=cfg.model.revision, system_prompt=cfg.model.system_prompt)
     enc = dict(
         model_path=model_path, family=family, dtype=_dtype_name(cfg),
         revision=cfg.model.revision, variant=cfg.model.variant,
@@ -485,7 +494,7 @@ def _encode_rows_task(cfg_dict: dict, family: str, model_path: str, rows: list[d
     if purpose == "class":  # prompts as given; masks when the instance rows have them
         pre = stage_kwargs("class", cfg.data, model_path=model_path, family=family,
                            storage=store, max_sequence_length=cfg.model.max_sequence_length,
-                           revision=cfg.model.revision)
+                           revision=cfg.model.revision, system_prompt=cfg.model.system_prompt)
     else:  # held-out rows are evaluated together: one square size, buckets or not; unmasked
         pre["buckets"], pre["masks"] = None, False
     encoded = encode_chunk(Preprocess(StageSpec(**pre)), EncodeStage(**enc), rows)

@@ -117,6 +117,8 @@ def generation_key(cfg: RayLoraConfig, family: str, model_path: str, count: int,
         "count": count, "seed": g.seed, "resolution": cfg.data.max_resolution(),
         "steps": g.num_inference_steps,
         "guidance": _guidance_key(family, guidance_scale(cfg, family)),
+        # model.system_prompt (Lumina-Image 2.0): only when set, as quantize below
+        **({"system_prompt": cfg.model.system_prompt} if cfg.model.system_prompt is not None else {}),
         # quantized encoders condition the images a little differently; only when on, so
         # the folders of unquantized runs keep their keys
         **({"quantize_text_encoders": q} if q != "none" else {}),
@@ -258,6 +260,7 @@ class GenerateStage:
         self.family, self.guidance = fam, guidance  # the call's guidance: per batch size
         if max_sequence_length and "max_sequence_length" in _call_args(self.pipe):
             self.call["max_sequence_length"] = max_sequence_length
+        self.call.update(fam.prompt_kwargs(section.system_prompt))  # model.system_prompt
         self.prompt, self.out_uri = prompt, out_uri
 
     def __call__(self, batch: dict) -> dict:

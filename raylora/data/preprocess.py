@@ -166,6 +166,7 @@ class StageSpec:
     tokenizer_specs: tuple | None = None
     max_sequence_length: int | None = None
     revision: str | None = None  # of a hub model's tokenizers: model.revision (pinned)
+    system_prompt: str | None = None  # model.system_prompt: the captions' template's
     caption_policies: tuple | None = None
     buckets: object = None
     masks: bool = False
@@ -178,7 +179,8 @@ STAGE_PURPOSES = ("train", "cache", "heldout", "class")
 
 def stage_kwargs(purpose: str, data, *, model_path: str, family: str, storage,
                  max_sequence_length: int | None = None, tokenizer_specs: tuple | None = None,
-                 seed: int = 0, bad_records: str | None = None, revision: str | None = None) -> dict:
+                 seed: int = 0, bad_records: str | None = None, revision: str | None = None,
+                 system_prompt: str | None = None) -> dict:
     """``StageSpec`` fields for one of the run's four preprocess stages, from the run's
     ``data`` section (plain values: Ray Data passes them to its tasks as kwargs). What
     they share (decode limits, tokenizers, size, storage) is set once here, so the
@@ -206,7 +208,8 @@ def stage_kwargs(purpose: str, data, *, model_path: str, family: str, storage,
         tokenizer_path=model_path, resolution=data.max_resolution(), family=family,
         endpoint_url=storage.endpoint_url, region=storage.region,
         max_sequence_length=max_sequence_length, tokenizer_specs=tokenizer_specs,
-        revision=revision, center_crop=True, random_flip=False, seed=seed, **data.decode_kwargs(),
+        revision=revision, system_prompt=system_prompt, center_crop=True, random_flip=False,
+        seed=seed, **data.decode_kwargs(),
     )
     if purpose in ("train", "class"):
         kw.update(center_crop=data.center_crop, random_flip=data.random_flip)
@@ -242,7 +245,8 @@ class Preprocess:
             tokenizer_specs = load_specs(spec.tokenizer_path, spec.family,
                                          Storage(spec.endpoint_url, spec.region), spec.max_sequence_length,
                                          spec.revision,
-                                         references=spec.control_inputs if spec.controls else 0)
+                                         references=spec.control_inputs if spec.controls else 0,
+                                         system_prompt=spec.system_prompt)
         # Column names come with the specs: no import of the model families (and torch).
         self.keys = [(s.ids_key, s.mask_key) for s in tokenizer_specs]
         self.encoders = [CaptionTokenizer(s) for s in tokenizer_specs]

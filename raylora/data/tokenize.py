@@ -86,10 +86,12 @@ def _padding_side(tok, text) -> str:
 
 
 def load_specs(model_path: str, family: str, store, max_sequence_length: int | None = None,
-               revision: str | None = None, references: int = 0) -> tuple[TokenizerSpec, ...]:
+               revision: str | None = None, references: int = 0,
+               system_prompt: str | None = None) -> tuple[TokenizerSpec, ...]:
     """The model's tokenizers, in the family's order, as specs (a hub model's at
     ``revision``: ``model.revision``, the run's pinned commit), for captions of samples
-    with ``references`` input images (data.control_inputs; ``Family.texts``). A model in
+    with ``references`` input images (data.control_inputs) behind ``system_prompt``
+    (model.system_prompt; ``Family.texts``). A model in
     object storage has only its small tokenizer folders copied, to a temporary folder, not
     the whole model."""
     from transformers import AutoTokenizer
@@ -98,7 +100,7 @@ def load_specs(model_path: str, family: str, store, max_sequence_length: int | N
     from raylora.model import families
     from raylora.model.load import is_hub_id
 
-    texts = families.get(family).texts(references)
+    texts = families.get(family).texts(references, system_prompt)
 
     def specs(root: str) -> tuple[TokenizerSpec, ...]:
         return tuple(spec_from_tokenizer(AutoTokenizer.from_pretrained(root, subfolder=t.tokenizer,

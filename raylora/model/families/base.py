@@ -231,6 +231,10 @@ class Family:
     # 64 px): previews of validation.control_images at a smaller data.resolution are
     # refused before Ray, not at the first preview.
     min_reference_side: ClassVar[int] = 0
+    # The system prompt its pipeline writes before every caption, by default (Lumina2Pipeline's
+    # system_prompt); model.system_prompt replaces it (``texts``, ``prompt_kwargs``). None:
+    # the pipeline takes none, and model.system_prompt is refused.
+    system_prompt: ClassVar[str | None] = None
     # Its pipeline samples only from an input image (Qwen-Image-Edit): data.control_images
     # is required, and validation.control_images with validation.prompts.
     reference_required: ClassVar[bool] = False
@@ -374,11 +378,19 @@ class Family:
         raise ValueError(f"{cls.name}: {cls.pipeline} takes no input image")
 
     @classmethod
-    def texts(cls, references: int = 0) -> tuple[TextInput, ...]:
+    def texts(cls, references: int = 0, system_prompt: str | None = None) -> tuple[TextInput, ...]:
         """``text`` for captions of samples with ``references`` input images (the data
-        stage tokenizes them so): a family whose template names its inputs
-        (Qwen-Image-Edit's "Picture 1: ...") overrides this."""
+        stage tokenizes them so) behind ``system_prompt`` (model.system_prompt; None: the
+        pipeline's own): a family whose template names its inputs (Qwen-Image-Edit's
+        "Picture 1: ...") or holds a system prompt (Lumina-Image 2.0) overrides this."""
         return cls.text
+
+    @classmethod
+    def prompt_kwargs(cls, system_prompt: str | None = None) -> dict:
+        """The stock pipeline's call arguments for model.system_prompt ``system_prompt``:
+        none when it is unset (the pipeline's own), ``system_prompt`` for a family that
+        takes one."""
+        return {} if system_prompt is None or cls.system_prompt is None else {"system_prompt": system_prompt}
 
     @classmethod
     def image_code(cls) -> str:

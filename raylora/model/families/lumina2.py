@@ -3,23 +3,34 @@ flow matching over 2×2-patched Flux.1-VAE latents (16 channels, shift/scale), c
 on the second-to-last hidden state of Gemma 2 (2B) over the caption behind the pipeline's
 system prompt. Its transformer takes the caption tokens its mask marks (the first ones of
 each row: right padding), a timestep that is 1 at the image and 0 at pure noise, and
-predicts x₀ − ε, the negative of the flow target. As diffusers' Lumina2 LoRA script
+predicts x₀ − ε, the negative of the flow target: Z-Image's conditioning, timestep and
+target, with a batched transformer call. As diffusers' Lumina2 LoRA script
 (train_dreambooth_lora_lumina2.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from raylora.model.families.base import Cond, Family, TextInput, checkpoint_each, llm_conditioning
+from raylora.model.families.base import Cond, TextInput, checkpoint_each
+from raylora.model.families.zimage import ZImage
 
 # Lumina2Pipeline.system_prompt; encode_prompt writes each prompt as
 # system_prompt + " <Prompt Start> " + prompt (its negative prompt bare: template_empty).
 SYSTEM = ("You are an assistant designed to generate superior images with the superior "
           "degree of image-text alignment based on textual prompts or user prompts.")
-TEMPLATE = SYSTEM + " <Prompt Start> {}"
 
 
-class Lumina2(Family):
+def template(system: str) -> str:
+    """The caption template behind the system prompt ``system`` (model.system_prompt)."""
+    return system.replace("{", "{{").replace("}", "}}") + " <Prompt Start> {}"
+
+
+TEMPLATE = template(SYSTEM)
+
+
+class Lumina2(ZImage):
     name = "lumina2"
     class_names = ("Lumina2Pipeline",)
     pipeline = "Lumina2Pipeline"
@@ -31,32 +42,24 @@ class Lumina2(Family):
     # masked tokens before the joint blocks).
     text = (TextInput("text_encoder", "tokenizer", "input_ids", max_length=256, template=TEMPLATE,
                       mask_key="attention_mask", long_context=True, template_empty=False),)
-    # train_dreambooth_lora_lumina2.py's default --lora_layers
+    # train_dreambooth_lora_lumina2.py's default --lora_layers (Z-Image's too)
     lora_targets = ("to_k", "to_q", "to_v", "to_out.0")
     # The joint blocks and the noise/context refiners are all Lumina2TransformerBlock.
     repeated_blocks = ("Lumina2TransformerBlock",)
-    patch = 2
     # Lumina2Pipeline's default, run with its cfg_normalization (on) and cfg_trunc_ratio
     # (1.0: guidance at every step), which raylora's previews leave at the pipeline's.
     default_guidance_scale = 4.0
+    system_prompt = SYSTEM
     # No kohya/ComfyUI file: diffusers' Lumina2 readers (its LoRA converter, the
     # single-file checkpoint converter) split the fused q/k/v at the released model's
     # widths (2304/768/768) alone, so no name map could be checked against them here.
     kohya_export = False
+    kohya_rules = ()
+    kohya_network = "networks.lora"
     description = "Lumina-Image 2.0 (single-stream DiT, Gemma 2 text encoder)"
 
-    @classmethod
-    def cond_keys(cls):
-        return ("prompt_embeds", "prompt_embeds_mask")
-
-    @classmethod
-    def encode_text(cls, encoders, batch) -> Cond:
-        # hidden_states[-2] over the templated caption, the template's tokens kept.
-        return llm_conditioning(encoders[0], batch, layer=-2)
-
-    @classmethod
-    def model_timestep(cls, t):
-        return 1.0 - t  # the pipeline's 1 − t/1000 with t = 1000·σ
+    # cond_keys, encode_text (hidden_states[-2], the template's tokens kept) and
+    # model_timestep (1 − σ): Z-Image's.
 
     @classmethod
     def denoise(cls, model, noisy, t, cond: Cond, **extra) -> torch.Tensor:
@@ -65,6 +68,12 @@ class Lumina2(Family):
                     encoder_hidden_states=cond["prompt_embeds"],
                     encoder_attention_mask=cond["prompt_embeds_mask"], return_dict=False)[0]
         return -out
+
+    @classmethod
+    def texts(cls, references: int = 0, system_prompt: str | None = None):
+        if system_prompt is None:
+            return cls.text
+        return (dataclasses.replace(cls.text[0], template=template(system_prompt)),)
 
     @classmethod
     def checkpoint_blocks(cls, denoiser, enable: bool = True) -> None:

@@ -133,7 +133,7 @@ class QwenImageEdit(QwenImage):
         return {} if image is None else {"image": image}
 
     @classmethod
-    def texts(cls, references: int = 0) -> tuple[TextInput, ...]:
+    def texts(cls, references: int = 0, system_prompt: str | None = None) -> tuple[TextInput, ...]:
         # One picture in the template when a batch may have none: a text-only batch has it
         # taken out again (encode_text), as encode_prompt(image=None) encodes none.
         return cls.text if references <= 1 else (dataclasses.replace(cls.text[0], template=template(references)),)

@@ -459,6 +459,84 @@ def test_newer_families_kohya_file_patches_comfyui_reference_checkpoint_as_the_a
         assert kohya[f"{fused[family]}.lora_down.weight"].shape[0] == 12 and float(kohya[f"{fused[family]}.alpha"]) == 24.0
 
 
+def _lumina2_reference_names(fam) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """kohya module name → [(diffusers weight, shape), ...] in the order diffusers'
+    ``convert_lumina2_to_diffusers`` gives them, for LoRA on every linear of the released
+    Lumina-Image 2.0 transformer (its real widths, on the meta device: the converter
+    splits the fused q/k/v at 2304 : 768 : 768 rows alone). Each kohya name's dots are put
+    back every way; the one whose conversion lands on the model's weights, shapes and all,
+    is the reference checkpoint's key (ComfyUI's and sd-scripts' name, "." → "_")."""
+    import diffusers
+    from diffusers.loaders.single_file_utils import convert_lumina2_to_diffusers
+
+    with torch.device("meta"):
+        net = diffusers.Lumina2Transformer2DModel(cap_feat_dim=2304)
+    linears = {n: m for n, m in net.named_modules() if isinstance(m, torch.nn.Linear)}
+    weights = {k.removesuffix(".weight"): tuple(v.shape) for k, v in net.state_dict().items()}
+    sd = {}
+    for n, m in linears.items():
+        sd[f"transformer.{n}.lora_A.weight"] = torch.empty(4, m.in_features, device="meta")
+        sd[f"transformer.{n}.lora_B.weight"] = torch.empty(m.out_features, 4, device="meta")
+    kohya = fam.kohya_state_dict(sd, {"transformer": 8.0})
+    names = {}
+    for m in sorted({k.split(".")[0] for k in kohya}):
+        shape = (kohya[f"{m}.lora_up.weight"].shape[0], kohya[f"{m}.lora_down.weight"].shape[1])
+        parts = m.removeprefix("lora_unet_").split("_")
+        found = set()
+        for mask in range(2 ** (len(parts) - 1)):
+            key = parts[0] + "".join(("." if mask >> i & 1 else "_") + p for i, p in enumerate(parts[1:]))
+            try:
+                got = convert_lumina2_to_diffusers({key + ".weight": torch.empty(shape, device="meta")})
+            except RuntimeError:  # a q/k/v split of a module that is not the fused one
+                continue
+            got = [(k.removesuffix(".weight"), tuple(v.shape)) for k, v in got.items()]
+            if got and all(weights.get(k) == sh for k, sh in got):
+                found.add(tuple(got))
+        assert len(found) == 1, (m, found)
+        names[m] = list(found.pop())
+    assert sorted(k for v in names.values() for k, _ in v) == sorted(linears)  # each once
+    return names
+
+
+def test_lumina2_kohya_file_names_the_released_checkpoints_modules_as_the_adapter_does(tiny, tmp_path):
+    """Lumina-Image 2.0's kohya file (sd-scripts' networks.lora_lumina names: "lora_unet_" +
+    the released NextDiT module, q/k/v fused into attention.qkv): every module name is a
+    module of the released checkpoint that diffusers' own converter maps onto the
+    transformer, shapes and all; and on the tiny model (its 3 : 1 query to key/value heads,
+    as the released 24 : 8), the file's ΔW split as that converter splits it equals the
+    adapter's effective weights on every linear."""
+    from raylora.model.families import get
+
+    fam = get("lumina2")
+    names = _lumina2_reference_names(fam)
+    assert names["lora_unet_layers_0_attention_qkv"] == [
+        ("layers.0.attn.to_q", (2304, 2304)), ("layers.0.attn.to_k", (768, 2304)),
+        ("layers.0.attn.to_v", (768, 2304))]
+    assert [k for k, _ in names["lora_unet_final_layer_adaLN_modulation_1"]] == ["norm_out.linear_1"]
+    assert [k for k, _ in names["lora_unet_t_embedder_mlp_0"]] == \
+        ["time_caption_embed.timestep_embedder.linear_1"]
+
+    model = _tiny_denoiser(tiny("lumina2"), fam)
+    targets = tuple(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear))
+    _, kohya = _adapter_and_kohya(model, fam, targets, tmp_path)
+    with safe_open(str(tmp_path / "k.safetensors"), framework="pt") as f:
+        assert f.metadata()["ss_network_module"] == "networks.lora_lumina"
+    back = {}
+    for m in {k.split(".")[0] for k in kohya}:
+        down = kohya[f"{m}.lora_down.weight"].double()
+        up = kohya[f"{m}.lora_up.weight"].double()
+        delta = up @ (down @ _probe(down.shape[1])) * float(kohya[f"{m}.alpha"]) / down.shape[0]
+        parts = names[m]  # the released model's rows per part, scaled to the tiny's
+        rows = [sh[0] for _, sh in parts]
+        split = [r * delta.shape[0] // sum(rows) for r in rows]
+        back.update({k: d for (k, _), d in zip(parts, delta.split(split))})
+    want = _lora_deltas(model, "default")
+    assert len(want) == len(targets) and set(back) == set(want)
+    _assert_close(back, want, "lumina2")
+    qkv = "lora_unet_layers_0_attention_qkv"  # rank 3·4, alpha 3·8
+    assert kohya[f"{qkv}.lora_down.weight"].shape[0] == 12 and float(kohya[f"{qkv}.alpha"]) == 24.0
+
+
 def _default_targets(fam, model):
     # Wan: diffusers reads a lora_unet_ Wan file (musubi-tuner's layout) only when it holds
     # every block's self- and cross-attention and FFN

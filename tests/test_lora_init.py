@@ -22,7 +22,8 @@ from raylora.model.tiny import FAMILIES
 # Families whose kohya export the stock pipeline does not read back as the same LoRA, and
 # the words that say so. flux (fluxkontext, chroma: the same converter): diffusers' sd-scripts converter has Flux.1's widths built in
 # (3072, 12288), not the tiny model's; wan: its converter expects other key names; sd3: it
-# converts no kohya names; zimage: it reads the fused qkv layers as rank 3r.
+# converts no kohya names; zimage: it reads the fused qkv layers as rank 3r; lumina2: its
+# converter reads diffusion_model.* names (musubi-style), not sd-scripts' lora_unet_ ones.
 KOHYA_REFUSED = {
     "flux": "FluxPipeline's lora_state_dict cannot read it (AssertionError",
     "fluxkontext": "FluxKontextPipeline's lora_state_dict cannot read it (AssertionError",
@@ -31,6 +32,7 @@ KOHYA_REFUSED = {
     "sd3": "are not LoRA layers of a StableDiffusion3Pipeline component (transformer, "
            "text_encoder, text_encoder_2), e.g. lora_te1_",
     "zimage": "this run's (4, 32) (lora.rank, lora.factor)",
+    "lumina2": "are not LoRA layers of a Lumina2Pipeline component (transformer), e.g. lora_unet_",
 }
 
 

@@ -972,9 +972,10 @@ def build_tiny_lumina2(dest: str | Path, seed: int = 0) -> Path:
     * ``text_encoder``: Gemma2Model, hidden 32, 2 layers (2 query heads, 1 key/value head);
       the pipeline takes the second-to-last hidden state of the caption behind its system
       prompt. ``tokenizer``: ``build_gemma_tokenizer`` with that system prompt's words.
-    * ``transformer``: Lumina2Transformer2DModel, hidden 32 = 2 heads × 16 (1 key/value
-      head), 2 joint layers plus one noise- and one context-refiner block, rope axes
-      (4, 6, 6), patch 2, 16 latent channels, cap_feat_dim 32.
+    * ``transformer``: Lumina2Transformer2DModel, hidden 48 = 3 heads × 16 and 1 key/value
+      head (Lumina-Image 2.0's 3 : 1, 24 : 8 there, which its fused q/k/v export assumes),
+      2 joint layers plus one noise- and one context-refiner block, rope axes (4, 6, 6),
+      patch 2, 16 latent channels, cap_feat_dim 32.
     * ``vae``: the Flux.1 VAE at tiny widths (Lumina-Image 2.0 ships Flux.1's) with its real
       factor, 8 (channels 32, 32, 32, 32), because Lumina2Pipeline sizes latents by a fixed
       8 whatever the VAE: 64 px → latents (B, 16, 8, 8).
@@ -993,8 +994,8 @@ def build_tiny_lumina2(dest: str | Path, seed: int = 0) -> Path:
         pad_token_id=0, eos_token_id=1, bos_token_id=2,
     )).eval()
     transformer = Lumina2Transformer2DModel(
-        sample_size=16, patch_size=2, in_channels=16, hidden_size=32, num_layers=2,
-        num_refiner_layers=1, num_attention_heads=2, num_kv_heads=1, multiple_of=16,
+        sample_size=16, patch_size=2, in_channels=16, hidden_size=48, num_layers=2,
+        num_refiner_layers=1, num_attention_heads=3, num_kv_heads=1, multiple_of=16,
         axes_dim_rope=(4, 6, 6), cap_feat_dim=32,
     )
     pipe = Lumina2Pipeline(

@@ -13,6 +13,7 @@ import dataclasses
 
 import torch
 
+from raylora.checkpoint.kohya import Rule, fused
 from raylora.model.families.base import Cond, TextInput, checkpoint_each
 from raylora.model.families.zimage import ZImage
 
@@ -28,6 +29,25 @@ def template(system: str) -> str:
 
 
 TEMPLATE = template(SYSTEM)
+
+_L = r"((?:layers|noise_refiner|context_refiner)\.\d+)\."
+# diffusers Lumina2Transformer2DModel → the released checkpoint's (Alpha-VLLM's NextDiT)
+# module names, which sd-scripts' networks/lora_lumina.py trains ("lora_unet_" + the path)
+# and ComfyUI matches; diffusers' convert_lumina2_to_diffusers reads them back. The fused
+# attention.qkv holds 24 query heads and 8 key/value heads (2304 : 768 : 768 rows): a
+# checkpoint of another ratio is refused at export ("different ranks or widths").
+KOHYA_RULES = (
+    *fused(_L + r"attn\.", ("to_q", "to_k", "to_v"), "{0}_attention_qkv", sizes=(3, 1, 1)),
+    Rule(_L + r"attn\.to_out\.0", "{0}_attention_out"),
+    Rule(_L + r"feed_forward\.linear_([123])", "{0}_feed_forward_w{1}"),
+    Rule(_L + r"norm1\.linear", "{0}_adaLN_modulation_1"),
+    Rule(r"x_embedder", "x_embedder"),
+    Rule(r"time_caption_embed\.caption_embedder\.1", "cap_embedder_1"),
+    Rule(r"time_caption_embed\.timestep_embedder\.linear_1", "t_embedder_mlp_0"),
+    Rule(r"time_caption_embed\.timestep_embedder\.linear_2", "t_embedder_mlp_2"),
+    Rule(r"norm_out\.linear_1", "final_layer_adaLN_modulation_1"),
+    Rule(r"norm_out\.linear_2", "final_layer_linear"),
+)
 
 
 class Lumina2(ZImage):
@@ -50,12 +70,9 @@ class Lumina2(ZImage):
     # (1.0: guidance at every step), which raylora's previews leave at the pipeline's.
     default_guidance_scale = 4.0
     system_prompt = SYSTEM
-    # No kohya/ComfyUI file: diffusers' Lumina2 readers (its LoRA converter, the
-    # single-file checkpoint converter) split the fused q/k/v at the released model's
-    # widths (2304/768/768) alone, so no name map could be checked against them here.
-    kohya_export = False
-    kohya_rules = ()
-    kohya_network = "networks.lora"
+    kohya_export = True
+    kohya_rules = KOHYA_RULES
+    kohya_network = "networks.lora_lumina"  # sd-scripts'
     description = "Lumina-Image 2.0 (single-stream DiT, Gemma 2 text encoder)"
 
     # cond_keys, encode_text (hidden_states[-2], the template's tokens kept) and

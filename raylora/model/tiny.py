@@ -936,6 +936,8 @@ def build_tiny_zimage(dest: str | Path, seed: int = 0) -> Path:
 
 GEMMA_SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>")  # ids 0-4 as Gemma's
 GEMMA_MAX_LENGTH = 8192  # Gemma 2's context (Lumina2Pipeline passes 256)
+# A static shift, as Lumina2Pipeline's (its mu is ignored without dynamic shifting); 6.0 is
+# not checked against Lumina-Image 2.0's scheduler_config.json (no hub here).
 LUMINA2_SCHEDULER = dict(num_train_timesteps=1000, shift=6.0, use_dynamic_shifting=False)
 
 

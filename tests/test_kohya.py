@@ -399,23 +399,27 @@ def _tiny_denoiser(path: str, fam):
         return fam.load_component(path, json.load(f), fam.denoiser)
 
 
-def _dotted(flat: str, convert, weights: set[str]) -> str:
+def _dotted(flat: str, convert, weights: set[str] | dict[str, tuple], probe=None) -> str:
     """The reference checkpoint's key for a kohya module name, as ComfyUI matches it
     (``lora_unet_`` + the key with "." → "_"): every way of putting the dots back whose
     conversion by diffusers' single-file converter lands on weights of the diffusers model.
     Several may fit (the converter accepts aliases) only if they become the same diffusers
-    keys; returns one of them."""
+    keys; returns one of them. ``probe``: the tensor converted (a 6 × 1 zero one by
+    default); ``weights`` as a dict of shapes: the converted tensors must have them too (a
+    converter that splits at fixed widths, Lumina-Image 2.0's, probed at its real ones)."""
     parts = flat.split("_")
+    probe = torch.zeros(6, 1) if probe is None else probe
     found = {}
     for mask in range(2 ** (len(parts) - 1)):
         key = parts[0] + "".join(("." if mask >> i & 1 else "_") + p for i, p in enumerate(parts[1:]))
         try:
-            got = {k.removesuffix(".weight") for k in convert({key + ".weight": torch.zeros(6, 1)})}
-        except (KeyError, ValueError, IndexError, NameError):  # a converter's own error on a wrong split
+            got = {k.removesuffix(".weight"): tuple(v.shape) for k, v in convert({key + ".weight": probe}).items()}
+        except (KeyError, ValueError, IndexError, NameError, RuntimeError):  # a converter's own error on a wrong split
             continue
-        if got and got <= weights:
-            found[key] = got
-    assert found and len({frozenset(v) for v in found.values()}) == 1, (flat, found)
+        fits = all(weights.get(k) == sh for k, sh in got.items()) if isinstance(weights, dict) else set(got) <= weights
+        if got and fits:
+            found[key] = frozenset(got.items())
+    assert found and len(set(found.values())) == 1, (flat, found)
     return next(iter(found))
 
 
@@ -480,20 +484,12 @@ def _lumina2_reference_names(fam) -> dict[str, list[tuple[str, tuple[int, ...]]]
     kohya = fam.kohya_state_dict(sd, {"transformer": 8.0})
     names = {}
     for m in sorted({k.split(".")[0] for k in kohya}):
-        shape = (kohya[f"{m}.lora_up.weight"].shape[0], kohya[f"{m}.lora_down.weight"].shape[1])
-        parts = m.removeprefix("lora_unet_").split("_")
-        found = set()
-        for mask in range(2 ** (len(parts) - 1)):
-            key = parts[0] + "".join(("." if mask >> i & 1 else "_") + p for i, p in enumerate(parts[1:]))
-            try:
-                got = convert_lumina2_to_diffusers({key + ".weight": torch.empty(shape, device="meta")})
-            except RuntimeError:  # a q/k/v split of a module that is not the fused one
-                continue
-            got = [(k.removesuffix(".weight"), tuple(v.shape)) for k, v in got.items()]
-            if got and all(weights.get(k) == sh for k, sh in got):
-                found.add(tuple(got))
-        assert len(found) == 1, (m, found)
-        names[m] = list(found.pop())
+        probe = torch.empty(kohya[f"{m}.lora_up.weight"].shape[0], kohya[f"{m}.lora_down.weight"].shape[1],
+                            device="meta")
+        key = _dotted(m.removeprefix("lora_unet_"), convert_lumina2_to_diffusers, weights, probe)
+        # the converter's order: q, k, v of the fused attention.qkv
+        names[m] = [(k.removesuffix(".weight"), tuple(v.shape))
+                    for k, v in convert_lumina2_to_diffusers({key + ".weight": probe}).items()]
     assert sorted(k for v in names.values() for k, _ in v) == sorted(linears)  # each once
     return names
 

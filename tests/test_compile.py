@@ -2,7 +2,9 @@
 eager one computes, loss and LoRA gradients, through raylora's own step; keeps its parameter
 and state-dict names (DDP, adapter export and resume depend on them); has no graph break
 (the peft LoRA layers included) and compiles nothing after the first step of a shape.
-Real inductor compile on CPU (needs a C++ compiler) for the regional mode every run uses."""
+Real inductor compile on CPU (needs a C++ compiler) for the regional mode every run uses, on
+the UNet and the Flux.1 blocks; the other families' blocks through dynamo and AOTAutograd
+with the eager backend (``INDUCTOR``)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,16 @@ from raylora.model.lora import add_lora, lora_state_dict
 from raylora.train.compile import UNET_RESNET_BLOCKS, compile_denoiser, repeated_blocks
 
 from raylora.model.tiny import FAMILIES  # every family raylora has a tiny model of
+
+
+# Families whose blocks the regional test compiles with inductor: SD's UNet blocks (resnets,
+# cross-attention transformers) and Flux.1's double- and single-stream DiT blocks. The rest
+# go through dynamo's capture (graph breaks, guards, recompiles: what raylora controls) and
+# AOTAutograd's forward/backward split with backend="aot_eager": inductor's C++ code
+# generation costs 40-70 s per family on 2 cores with a cold cache (measured: flux 66 s,
+# lumina2 67 s, wan 40 s; 5-11 s warm), and its cache misses in every fresh clone (its keys
+# hold the venv's include paths), ~15 min of a CI run for all families.
+INDUCTOR = ("sd", "flux")
 
 
 def _loss_and_grads(model, parts, params, batch, seed: int):
@@ -50,7 +62,8 @@ def test_regional_compile_matches_eager_without_breaks_or_recompiles(tiny, demo_
     counters.clear()
     # The blocks training compiles (setup.build_run passes the family's); fullgraph: a
     # graph break anywhere in a block, a peft LoRA layer included, is an error.
-    names = compile_denoiser(compiled, "regional", fam.repeated_blocks, fullgraph=True)
+    backend = "inductor" if family_name in INDUCTOR else "aot_eager"
+    names = compile_denoiser(compiled, "regional", fam.repeated_blocks, fullgraph=True, backend=backend)
     assert names and all(compiled.get_submodule(n)._compiled_call_impl is not None for n in names)
     assert {type(compiled.get_submodule(n)).__name__ for n in names} == set(fam.repeated_blocks)
 
@@ -66,7 +79,7 @@ def test_regional_compile_matches_eager_without_breaks_or_recompiles(tiny, demo_
         assert sum(float(g.abs().sum()) for g in grads) > 0
         if step == 0:
             graphs = (counters["stats"]["unique_graphs"], counters["frames"]["total"])
-            assert graphs[0] >= 1  # it really ran through dynamo/inductor
+            assert graphs[0] >= 1  # it really ran through dynamo (and inductor: INDUCTOR)
         else:  # later steps of the same shape compile nothing
             assert (counters["stats"]["unique_graphs"], counters["frames"]["total"]) == graphs
         # Both take the same optimizer step, so later steps run on changed weights.

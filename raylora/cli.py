@@ -339,7 +339,7 @@ def _adapter_commands(sub) -> None:
     s.add_argument("--steps", type=int, default=25)
     s.add_argument("--guidance-scale", type=float, default=None,
                    help="default: the family's (SD 7.5, Flux.1-dev 3.5, Flux.1 Kontext 2.5, SD3 "
-                        "7.0, Qwen-Image 4.0, Z-Image 5.0, Lumina-Image 2.0 4.0, Flux.2 [klein] and [dev] 4.0, "
+                        "7.0, Qwen-Image 4.0, Z-Image 5.0, Lumina-Image 2.0 4.0, Sana 4.5, Flux.2 [klein] and [dev] 4.0, "
                         "Wan 5.0; Z-Image-Turbo samples at 0)")
     s.add_argument("--size", type=int, default=None, help="pixels; default: the model's size")
     s.add_argument("--image", action="append", default=None,
@@ -348,7 +348,8 @@ def _adapter_commands(sub) -> None:
                         "else as the pipeline sizes it. Again for each further input (Flux.2, "
                         "Qwen-Image-Edit: Picture 2, ...)")
     s.add_argument("--system-prompt", default=None,
-                   help="Lumina-Image 2.0: the system prompt before the prompt; default: "
+                   help="Lumina-Image 2.0: the system prompt before the prompt (Sana: its "
+                        "complex human instruction, '' for none); default: "
                         "model.system_prompt in the adapter folder's raylora.json, else the "
                         "pipeline's own")
     s.add_argument("--expert", choices=["high_noise", "low_noise"], default=None,

@@ -97,7 +97,7 @@ class ModelSection(_Section):
         description="auto: from model_index.json's _class_name. Or a family name: sd (SD "
         "1.x/2.x), sdxl, flux (Flux.1 dev/schnell), fluxkontext (Flux.1 Kontext), chroma, "
         "sd3 (SD3/3.5), qwenimage, qwenimageedit (Qwen-Image-Edit-2509/2511), qwenimage21, "
-        "zimage, lumina2 (Lumina-Image 2.0), flux2klein (Flux.2 [klein]), flux2 (Flux.2 "
+        "zimage, lumina2 (Lumina-Image 2.0), sana (Sana 1.0/1.5), flux2klein (Flux.2 [klein]), flux2 (Flux.2 "
         "[dev]), wan (Wan 2.1/2.2); it must match the model.",
     )
     expert: Literal["high_noise", "low_noise"] | None = Field(
@@ -114,13 +114,15 @@ class ModelSection(_Section):
         "Qwen-Image's, Z-Image's and Flux.2's LLMs, Wan's UMT5). Default: the pipeline's "
         "(Flux.1-dev 512, schnell use 256; SD3 256; Qwen-Image 512; Z-Image and Flux.2 "
         "[klein]/[dev] 512, the chat template (and [dev]'s system message) included; Wan 512; "
-        "Lumina-Image 2.0 256, its system prompt included).",
+        "Lumina-Image 2.0 256, its system prompt included; Sana 300 after its instruction).",
     )
     system_prompt: str | None = Field(
         None,
         description="The system prompt the pipeline writes before every caption "
         "(Lumina2Pipeline's system_prompt: '<system prompt> <Prompt Start> <caption>'), as "
-        "diffusers' Lumina2 script's --system_prompt: training captions, previews, class "
+        "diffusers' Lumina2 script's --system_prompt; SanaPipeline's complex human "
+        "instruction (its complex_human_instruction lines joined by newlines; '' for none, "
+        "as diffusers' Sana script trains by default): training captions, previews, class "
         "images, the model card's example and `raylora sample` use it. Default: the "
         "pipeline's own. Refused for a family without one.",
     )

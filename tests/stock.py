@@ -149,6 +149,8 @@ PIPELINES = {
     "zimage": ("ZImagePipeline", {"max_sequence_length": 32}),
     # its system prompt alone is 25 of the tiny tokenizer's tokens
     "lumina2": ("Lumina2Pipeline", {"max_sequence_length": 64}),
+    # it bins sizes to its fixed ones (512² for the tiny) unless told not to (Sana.size_kwargs)
+    "sana": ("SanaPipeline", {"max_sequence_length": 32, "use_resolution_binning": False}),
     "flux2klein": ("Flux2KleinPipeline", {"max_sequence_length": 32}),
     # its system message alone is 31 of the tiny tokenizer's tokens
     "flux2": ("Flux2Pipeline", {"max_sequence_length": 64}),

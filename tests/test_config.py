@@ -26,7 +26,7 @@ def test_validation_guidance_scale_unset_is_each_familys_default():
     cfg = validate(MIN)
     assert cfg.validation.guidance_scale is None and cfg.data.class_generation.guidance_scale is None
     want = {"sd": 7.5, "sdxl": 7.5, "flux": 3.5, "fluxkontext": 2.5, "chroma": 5.0, "sd3": 7.0, "qwenimage": 4.0, "qwenimageedit": 4.0,
-            "zimage": 5.0, "lumina2": 4.0,
+            "zimage": 5.0, "lumina2": 4.0, "sana": 4.5,
             "flux2klein": 4.0, "flux2": 4.0, "wan": 5.0, "qwenimage21": 1.0}
     assert set(want) == set(families.names())
     got = {f: families.get(f).resolve_guidance(cfg.validation.guidance_scale) for f in want}

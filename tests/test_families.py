@@ -532,6 +532,17 @@ def _pipeline_conditioning(family: str, pipe, captions: list[str]) -> dict:
         n = int(mask.sum(1).max())
         e, mask = e[:, :n], mask[:, :n]
         return {"prompt_embeds": e * mask.unsqueeze(-1).to(e.dtype), "prompt_embeds_mask": mask}
+    if family == "sana":
+        # its __call__'s default instruction (encode_prompt's own default is none): <bos>,
+        # the instruction's last token and the caption, right-padded; raylora's up to the
+        # longest caption, zero past each
+        from raylora.model.families.sana import INSTRUCTION
+
+        e, mask, _, _ = pipe.encode_prompt(captions, do_classifier_free_guidance=False,
+                                           complex_human_instruction=INSTRUCTION.split("\n"), **kw)
+        n = int(mask.sum(1).max())
+        e, mask = e[:, :n], mask[:, :n]
+        return {"prompt_embeds": e * mask.unsqueeze(-1).to(e.dtype), "prompt_embeds_mask": mask}
     raise AssertionError(f"no stock conditioning call for {family}: add one here")
 
 
@@ -741,6 +752,64 @@ def test_model_system_prompt_is_lumina2s_system_prompt_in_training_cards_caches_
         sample(tiny("sd"), str(tmp_path / "adapter"), "p", str(tmp_path / "x.png"), system_prompt=system)
 
 
+def test_sanas_instruction_is_tokenized_read_and_dropped_as_its_pipeline_does(tiny, demo_data, tmp_path):
+    """SanaPipeline writes its complex human instruction before each lower-cased caption,
+    pads to the instruction's tokens + max_sequence_length − 2 and keeps <bos> and the last
+    max_sequence_length − 1 positions. raylora's tokens are the pipeline's, the dropped
+    instruction tokens marked in the mask (the bare "" unmarked); its conditioning equals
+    ``encode_prompt`` with the pipeline's default instruction, with model.system_prompt's
+    (braces kept as text), and with none (""), which the card's call names as the
+    pipeline's ``complex_human_instruction``."""
+    from stock import stock_pipeline
+
+    from raylora.checkpoint.export import _usage
+    from raylora.config import ModelSection, validate
+    from raylora.data import tokenize
+    from raylora.data.tokenize import CaptionTokenizer, load_specs
+    from raylora.model.families import base
+    from raylora.model.families.sana import INSTRUCTION
+    from raylora.model.load import load_components
+    from raylora.storage import Storage
+
+    model, fam, store = tiny("sana"), families.get("sana"), Storage()
+    assert tokenize.DROPPED == base.DROPPED == 2
+    captions = ["A Red circle ", "a small blue square on the green grass"]
+    pipe = stock_pipeline("sana", model)
+    comps = load_components(ModelSection(pretrained=model), torch.float32)
+    (default,) = load_specs(model, "sana", store, 32)
+    k = len(pipe.tokenizer.encode(INSTRUCTION))
+    assert default.dropped == k - 2 > 100 and default.max_length == k + 32 - 2
+    ids, mask = CaptionTokenizer(default).encode(captions + [""])
+    want = pipe.tokenizer([INSTRUCTION + c.lower().strip() for c in captions], padding="max_length",
+                          max_length=default.max_length, truncation=True)
+    assert ids[:2].tolist() == want.input_ids
+    assert (mask[:2] == 2).sum(1).tolist() == [k - 2] * 2 and (mask[:2, 1:k - 1] == 2).all()
+    assert ((mask[:2] > 0).astype(int)).tolist() == want.attention_mask
+    assert mask[2].tolist() == [1] + [0] * (default.max_length - 1)  # "" bare: <bos> alone
+
+    system = "Draw {it}: "
+    for prompt, lines in ((None, INSTRUCTION.split("\n")), ("", []), (system, [system])):
+        (spec,) = load_specs(model, "sana", store, 32, system_prompt=prompt)
+        ids, mask = (torch.from_numpy(a) for a in CaptionTokenizer(spec).encode(captions))
+        with torch.no_grad():
+            ours = fam.encode_text(comps.text_encoders, {"input_ids": ids, "attention_mask": mask})
+            e, m, _, _ = pipe.encode_prompt(captions, do_classifier_free_guidance=False,
+                                            max_sequence_length=32, complex_human_instruction=lines)
+        n = int(m.sum(1).max())
+        assert n < 32 and ours["prompt_embeds_mask"].tolist() == m[:, :n].tolist(), prompt
+        torch.testing.assert_close(ours["prompt_embeds"], e[:, :n] * m[:, :n, None], rtol=1e-5, atol=1e-6)
+        assert fam.prompt_kwargs(prompt) == ({} if prompt is None else {"complex_human_instruction": lines})
+    assert spec.dropped == len(pipe.tokenizer.encode(system)) - 2 and spec.template == "Draw {{it}}: {}"
+
+    def card(**model_keys):
+        return _usage(validate({"model": {"pretrained": model, **model_keys}, "data": {"uri": demo_data},
+                                "output": {"uri": str(tmp_path / "o")}}), fam)
+
+    assert f"complex_human_instruction={[system]!r}" in card(system_prompt=system)
+    assert "complex_human_instruction=[]" in card(system_prompt="")
+    assert "complex_human_instruction" not in card()
+
+
 # ---------------------------------------------------------------- the denoiser call
 
 # The guidance scale at which each stock pipeline makes one conditional denoiser pass a
@@ -780,10 +849,11 @@ def test_caption_dropout_trains_on_the_unconditional_prompt_the_family_samples_w
     dropped = (out[key] == empty).all(axis=1)
     assert 0 < dropped.sum() < n and ((out[key] == caption).all(axis=1) | dropped).all()
     assert (empty != bare).any() == (family in QWEN)  # " " is its own prompt there
-    # Lumina2Pipeline templates the prompt, not its negative prompt: a dropped caption is ""
-    # tokenized bare (<bos> alone), not the system prompt with nothing after it
+    # Lumina2Pipeline and SanaPipeline template the prompt, not their negative prompt: a
+    # dropped caption is "" tokenized bare (<bos> alone), not the system prompt or
+    # instruction with nothing after it
     templated = CaptionTokenizer(dataclasses.replace(spec, bare_empty=False)).encode([negative])[0][0]
-    assert (empty != templated).any() == (not fam.text[-1].template_empty) == (family == "lumina2")
+    assert (empty != templated).any() == (not fam.text[-1].template_empty) == (family in ("lumina2", "sana"))
 
 
 class _Probed(Exception):
@@ -867,9 +937,11 @@ def test_training_calls_the_denoiser_as_the_stock_pipeline_does(tiny, family):
             x = torch.empty(n)
             x[where] = _flat(call["x"]).float()
             # the objective's step: flow σ of the pipeline's schedule, else its integer step;
-            # UniPC over flow sigmas (Wan) passes σ·1000 floored to an integer step: its σ
+            # a multistep solver over flow sigmas (Wan's UniPC, Sana's DPM-Solver++) passes
+            # σ·1000 floored to an integer step (Sana's as a float, times its timestep_scale
+            # 1.0): its σ
             t = pipe.scheduler.sigmas[i].reshape(1) if flow else call["t"].reshape(1)
-            if flow and not call["t"].is_floating_point():
+            if flow and pipe.scheduler.config.get("use_flow_sigmas"):
                 t = call["t"].reshape(1).float() / 1000
             del seen[:]
             pred = fam.denoise(net, x.view(shape), t, cond, guidance=scale)

@@ -56,8 +56,9 @@ def test_two_workers_train_from_parquet_and_stock_pipeline_loads(family, expert,
         tree["model"]["quantize_text_encoders"] = "nf4"
     if family == "qwenimage21":  # its RGBA latents and unpadded captions, through the cache
         tree["data"]["cache"] = "latents"
-    # A pipeline with a system prompt (Lumina-Image 2.0): the run's own, in training captions,
-    # previews and the card (test_families checks the conditioning against the pipeline's).
+    # A pipeline with a system prompt (Lumina-Image 2.0; Sana's instruction): the run's own,
+    # in training captions, previews and the card (test_families checks the conditioning
+    # against the pipeline's).
     system_prompt = "Draw it." if families.get(family).system_prompt is not None else None
     if system_prompt:
         tree["model"]["system_prompt"] = system_prompt
@@ -74,7 +75,11 @@ def test_two_workers_train_from_parquet_and_stock_pipeline_loads(family, expert,
     assert "control_inputs" not in meta  # text to image: no input images
     card = (adapter / "README.md").read_text()
     assert f"from diffusers import {pipeline}" in card
-    assert (f"system_prompt={system_prompt!r}" in card) == (system_prompt is not None)
+    # the pipeline's own argument for it (Lumina2's system_prompt, Sana's
+    # complex_human_instruction), as the run trained
+    call = families.get(family).prompt_kwargs(system_prompt)
+    assert bool(call) == (system_prompt is not None)
+    assert all(f"{k}={v!r}" in card for k, v in call.items())
     if expert:
         # The card's own code, up to its load, puts the adapter into the trained expert.
         code = card.split("```python\n")[1].split("image = pipe(")[0]

@@ -193,9 +193,9 @@ def test_every_family_generates_class_images_with_its_stock_pipeline(tiny, famil
     got = stage({"index": np.array([3, 4]), "seed": np.array([8, 9])})
     assert got["index"].tolist() == [3, 4] and _present(out, _store()) == {3, 4}
     # Guided at 2.0: per step the 2 prompts and their unconditional twins, in one batched
-    # call (SD, SDXL, SD3) or, Qwen-Image (2.1 too), Chroma, Lumina-Image 2.0, Flux.2 [klein] and
-    # Wan, a second call with the negative prompts. Flux.1-dev (and Kontext) and Flux.2 [dev]
-    # are guidance-distilled: the scale is an input of their one call.
+    # call (SD, SDXL, SD3, Sana) or, Qwen-Image (2.1 too), Chroma, Lumina-Image 2.0, Flux.2
+    # [klein] and Wan, a second call with the negative prompts. Flux.1-dev (and Kontext) and
+    # Flux.2 [dev] are guidance-distilled: the scale is an input of their one call.
     per_step = {"flux": [2], "fluxkontext": [2], "chroma": [2, 2], "qwenimage": [2, 2], "qwenimage21": [2, 2], "flux2klein": [2, 2],
                 "flux2": [2], "wan": [2, 2], "lumina2": [2, 2]}.get(family, [4])
     assert rows == per_step * 2

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from raylora.model import tiny
-from raylora.model.families import flux2, flux2klein, lumina2, zimage
+from raylora.model.families import flux2, flux2klein, lumina2, sana, zimage
 from raylora.model.tiny import BOS, EOS, bytes_to_unicode, learn_bpe
 
 
@@ -45,16 +45,16 @@ def test_tiny_tokenizer_is_clip_shaped(tiny_model):
 
 
 # ---------------------------------------------------------------------------------------
-# Flow-matching families: flux, fluxkontext, chroma, sd3, qwenimage, zimage, lumina2, flux2klein,
-# flux2, wan.
+# Flow-matching families: flux, fluxkontext, chroma, sd3, qwenimage, zimage, lumina2, sana,
+# flux2klein, flux2, wan.
 # Each is built once for the module.
 
-NEW_FAMILIES = ("flux", "fluxkontext", "chroma", "sd3", "qwenimage", "zimage", "lumina2", "flux2klein",
-                "flux2", "wan")
+NEW_FAMILIES = ("flux", "fluxkontext", "chroma", "sd3", "qwenimage", "zimage", "lumina2", "sana",
+                "flux2klein", "flux2", "wan")
 PIPELINE_CLASS = {"flux": "FluxPipeline", "fluxkontext": "FluxKontextPipeline", "chroma": "ChromaPipeline",
                   "sd3": "StableDiffusion3Pipeline",
                   "qwenimage": "QwenImagePipeline", "zimage": "ZImagePipeline",
-                  "lumina2": "Lumina2Pipeline", "flux2klein": "Flux2KleinPipeline", "flux2": "Flux2Pipeline", "wan": "WanPipeline"}
+                  "lumina2": "Lumina2Pipeline", "sana": "SanaPipeline", "flux2klein": "Flux2KleinPipeline", "flux2": "Flux2Pipeline", "wan": "WanPipeline"}
 TOKENIZERS = {
     "flux": {"tokenizer": "CLIPTokenizer", "tokenizer_2": "T5Tokenizer"},
     "fluxkontext": {"tokenizer": "CLIPTokenizer", "tokenizer_2": "T5Tokenizer"},
@@ -64,6 +64,7 @@ TOKENIZERS = {
     "qwenimage": {"tokenizer": "Qwen2Tokenizer"},
     "zimage": {"tokenizer": "Qwen2Tokenizer"},
     "lumina2": {"tokenizer": "GemmaTokenizer"},
+    "sana": {"tokenizer": "GemmaTokenizer"},
     "flux2klein": {"tokenizer": "Qwen2Tokenizer"},
     # the Mistral tokenizer alone (the real checkpoint wraps it in a PixtralProcessor,
     # which needs torchvision: tiny.build_tiny_flux2)
@@ -72,9 +73,9 @@ TOKENIZERS = {
 }
 # 64 px through a factor-2 VAE with 16 channels (Qwen-Image's and Wan's VAEs are video VAEs:
 # frames axis; the tiny Flux.2 VAE has 8, patchified to 32 by the pipeline; Lumina-Image
-# 2.0's is factor 8, as Lumina2Pipeline assumes)
+# 2.0's is factor 8, as Lumina2Pipeline assumes; Sana's DC-AE: factor 4 with 8 channels)
 LATENT_SHAPE = {"flux": (1, 16, 32, 32), "fluxkontext": (1, 16, 32, 32), "chroma": (1, 16, 32, 32), "sd3": (1, 16, 32, 32), "qwenimage": (1, 16, 1, 32, 32),
-                "zimage": (1, 16, 32, 32), "lumina2": (1, 16, 8, 8), "flux2klein": (1, 8, 32, 32), "flux2": (1, 8, 32, 32),
+                "zimage": (1, 16, 32, 32), "lumina2": (1, 16, 8, 8), "sana": (1, 8, 16, 16), "flux2klein": (1, 8, 32, 32), "flux2": (1, 8, 32, 32),
                 "wan": (1, 16, 1, 32, 32)}
 VIDEO = ("qwenimage", "wan")  # a frames axis in the VAE's input and latents
 CAPTIONS = ["a red circle", "a small blue square on the green grass"]  # different lengths
@@ -105,11 +106,12 @@ def test_model_index_names_the_pipeline_and_its_components(family_model, family_
     denoiser = {"flux": "FluxTransformer2DModel", "fluxkontext": "FluxTransformer2DModel",
                 "chroma": "ChromaTransformer2DModel", "sd3": "SD3Transformer2DModel",
                 "qwenimage": "QwenImageTransformer2DModel", "zimage": "ZImageTransformer2DModel",
-                "lumina2": "Lumina2Transformer2DModel", "flux2klein": "Flux2Transformer2DModel", "flux2": "Flux2Transformer2DModel",
+                "lumina2": "Lumina2Transformer2DModel", "sana": "SanaTransformer2DModel", "flux2klein": "Flux2Transformer2DModel", "flux2": "Flux2Transformer2DModel",
                 "wan": "WanTransformer3DModel"}[fam]
     assert index["transformer"] == ["diffusers", denoiser]
-    # Wan's checkpoints ship UniPC over flow sigmas
-    scheduler = "UniPCMultistepScheduler" if fam == "wan" else "FlowMatchEulerDiscreteScheduler"
+    # Wan's checkpoints ship UniPC over flow sigmas, Sana's DPM-Solver++
+    scheduler = {"wan": "UniPCMultistepScheduler", "sana": "DPMSolverMultistepScheduler"}.get(
+        fam, "FlowMatchEulerDiscreteScheduler")
     assert index["scheduler"] == ["diffusers", scheduler]
 
 
@@ -117,6 +119,8 @@ def test_two_step_inference_at_64px(family_pipe):
     fam, pipe = family_pipe
     # Flux.2 [dev]'s system message alone is 31 of the tiny tokenizer's tokens
     kw = {"max_sequence_length": 64 if fam in ("flux2", "lumina2") else 32}
+    if fam == "sana":
+        kw["use_resolution_binning"] = False  # else it samples at 512² (the tiny's bin) and resizes
     if fam == "qwenimage":
         kw["true_cfg_scale"] = 1.0  # no negative prompt: plain conditional sampling
     if fam == "wan":
@@ -332,6 +336,17 @@ def test_encode_prompt_shapes(family_pipe):
             assert embeds.shape == neg.shape == (2, 64, 32) and n[0] < n[1] <= 64
             assert mask.sum(1).tolist() == n and mask[0, :n[0]].all()
             assert neg_mask.sum(1).tolist() == [1, 1] and neg_mask[:, 0].all()
+        elif fam == "sana":
+            instruction = sana.INSTRUCTION.split("\n")  # __call__'s default; encode_prompt's is none
+            embeds, mask, neg, neg_mask = pipe.encode_prompt(CAPTIONS, max_sequence_length=32,
+                                                             complex_human_instruction=instruction)
+            # Gemma's last hidden state: <bos>, the instruction's last token, then the
+            # lower-cased caption, right-padded to 32; the negative prompt "" bare
+            k = len(pipe.tokenizer.encode(sana.INSTRUCTION))
+            n = [len(pipe.tokenizer(sana.INSTRUCTION + c).input_ids) - k + 2 for c in CAPTIONS]
+            assert embeds.shape == neg.shape == (2, 32, 32) and k > 100 and n[0] < n[1] <= 32
+            assert mask.sum(1).tolist() == n and mask[0, :n[0]].all()
+            assert neg_mask.sum(1).tolist() == [1, 1] and neg_mask[:, 0].all()
         elif fam == "wan":
             embeds, _ = pipe.encode_prompt(CAPTIONS, do_classifier_free_guidance=False,
                                            max_sequence_length=32)
@@ -416,6 +431,14 @@ def test_component_configs_are_consistent(family_model):
         assert (vae["scaling_factor"], vae["shift_factor"]) == (0.3611, 0.1159)  # Flux.1's VAE
         assert len(vae["block_out_channels"]) == 4  # factor 8
         assert sch["use_dynamic_shifting"] is False
+    elif fam == "sana":
+        te = cfg("text_encoder")
+        assert te["model_type"] == "gemma2" and tr["caption_channels"] == te["hidden_size"] == 32
+        assert tr["in_channels"] == tr["out_channels"] == vae["latent_channels"] == 8
+        assert tr["patch_size"] == 1 and tr["timestep_scale"] == 1.0 and tr["guidance_embeds"] is False
+        assert vae["scaling_factor"] == 0.41407 and len(vae["encoder_block_out_channels"]) == 3
+        assert (sch["prediction_type"], sch["use_flow_sigmas"], sch["flow_shift"]) == \
+            ("flow_prediction", True, 3.0)
     elif fam == "wan":
         te = cfg("text_encoder")
         assert te["model_type"] == "umt5" and tr["text_dim"] == te["d_model"] == 64
@@ -435,7 +458,7 @@ def test_component_configs_are_consistent(family_model):
         assert (sch["base_shift"], sch["max_shift"], sch["shift_terminal"]) == (0.5, 0.9, 0.02)
         assert (sch["base_image_seq_len"], sch["max_image_seq_len"]) == (256, 8192)
         assert sch["time_shift_type"] == "exponential"
-    if fam not in ("qwenimage", "flux2klein", "flux2", "wan"):  # AutoencoderKLFlux2 keeps its quant convs
+    if fam not in ("qwenimage", "flux2klein", "flux2", "wan", "sana"):  # AutoencoderKLFlux2 keeps its quant convs
         assert vae["use_quant_conv"] is False and vae["use_post_quant_conv"] is False
 
 
@@ -444,12 +467,13 @@ def test_latents_of_a_64px_image(family_pipe):
     # WanPipeline names it for the spatial axes (a temporal one too); Lumina2Pipeline's is a
     # fixed 8, which its tiny VAE has
     assert getattr(pipe, "vae_scale_factor_spatial" if fam == "wan" else "vae_scale_factor") == \
-        (8 if fam == "lumina2" else 2)
+        {"lumina2": 8, "sana": 4}.get(fam, 2)
     pixels = torch.rand(1, 3, 64, 64) * 2 - 1
     if fam in VIDEO:
         pixels = pixels.unsqueeze(2)  # [B, C, frames=1, H, W]
     with torch.no_grad():
-        z = pipe.vae.encode(pixels).latent_dist.mode()
+        out = pipe.vae.encode(pixels)
+        z = out.latent if fam == "sana" else out.latent_dist.mode()  # DC-AE is deterministic
     assert tuple(z.shape) == LATENT_SHAPE[fam]
 
 
@@ -529,6 +553,12 @@ def test_transformer_trains_at_64px_and_is_cpu_sized(family_pipe):
         mask[0, 7:] = 0
         out = tr(hidden_states=x, timestep=torch.rand(b), encoder_hidden_states=torch.randn(b, 12, 32),
                  encoder_attention_mask=mask, return_dict=False)[0]
+    elif fam == "sana":  # [B, C, h, w]; a caption mask; the timestep as σ·1000
+        x = torch.randn(b, 8, 32, 32, generator=g)
+        mask = torch.ones(b, 12, dtype=torch.long)
+        mask[0, 7:] = 0
+        out = tr(hidden_states=x, timestep=torch.rand(b) * 1000, encoder_hidden_states=torch.randn(b, 12, 32),
+                 encoder_attention_mask=mask, return_dict=False)[0]
     elif fam == "wan":  # [B, C, frames, h, w], the timestep as σ·1000
         x = torch.randn(b, 16, 1, 32, 32, generator=g)
         out = tr(hidden_states=x, timestep=torch.rand(b) * 1000,
@@ -556,7 +586,7 @@ def test_raylora_loader_reads_the_tiny_model_back(family_model):
     info = check_model(path, Storage())
     # Flux.2's pipeline patchifies the VAE's latents 2×2: 4 pixels per latent side
     assert info["family"].name == fam and info["vae_factor"] == \
-        (4 if fam.startswith("flux2") else 8 if fam == "lumina2" else 2)
+        (4 if fam.startswith("flux2") else {"lumina2": 8, "sana": 4}.get(fam, 2))
     c = load_components(ModelSection(pretrained=path), torch.float32)
     assert [type(t).__name__ for t in c.tokenizers] == list(TOKENIZERS[fam].values())
     assert type(c.denoiser).__name__ == json.load(open(f"{path}/model_index.json"))["transformer"][1]
@@ -564,6 +594,8 @@ def test_raylora_loader_reads_the_tiny_model_back(family_model):
         assert (c.latent_shift, c.latent_scale) == (0.1159, 0.3611)
     elif fam == "sd3":
         assert (c.latent_shift, c.latent_scale) == (0.0609, 1.5305)
+    elif fam == "sana":  # DC-AE: a scaling factor, no shift
+        assert (c.latent_shift, c.latent_scale) == (0.0, 0.41407)
     elif fam == "flux2klein":  # its batch-norm statistics are applied in encode_pixels
         assert (c.latent_shift, c.latent_scale) == (0.0, 1.0)
         # The Qwen3 runs up to the deepest layer read (27): 28 of the tiny model's 30 layers

@@ -19,6 +19,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# TextInput.instruction's mark (raylora.model.families.base.DROPPED; not imported from
+# there, which would import torch into every preprocess process).
+DROPPED = 2
+
 
 @dataclass(frozen=True)
 class TokenizerSpec:
@@ -44,6 +48,10 @@ class TokenizerSpec:
     truncation_side: str = "right"
     remove: tuple[str, ...] = ()  # deleted from each caption first, as the pipeline does
     bare_empty: bool = False  # an empty caption skips the template (TextInput.template_empty)
+    lower: bool = False  # each caption lower-cased and stripped first (TextInput.lower)
+    # Instruction tokens after the first that the conditioning drops (TextInput.instruction):
+    # marked DROPPED in the mask of every templated caption.
+    dropped: int = 0
 
     @property
     def mask(self) -> bool:
@@ -60,7 +68,9 @@ class TokenizerSpec:
                          f", pad {self.padding_side}" if self.padding_side != "right" else "",
                          f", truncate {self.truncation_side}" if self.truncation_side != "right" else "",
                          f", remove {list(self.remove)}" if self.remove else "",
-                         ", bare empty" if self.bare_empty else ""])
+                         ", bare empty" if self.bare_empty else "",
+                         ", lower" if self.lower else "",
+                         f", drop {self.dropped}" if self.dropped else ""])
         return (f"TokenizerSpec({digest}, {self.max_length}, {self.pad_id}, {self.pad_token!r}, "
                 f"{self.template!r}, {self.mask}{extra})")
 
@@ -71,13 +81,24 @@ def spec_from_tokenizer(tok, text=None, max_sequence_length: int | None = None) 
     if not getattr(tok, "is_fast", False):
         raise ValueError(f"{type(tok).__name__} has no fast (tokenizers) backend")
     length = text.length(int(tok.model_max_length), max_sequence_length) if text else int(tok.model_max_length)
-    return TokenizerSpec(tok.backend_tokenizer.to_str(), length, int(tok.pad_token_id),
+    dropped = _instruction_drop(tok, text)
+    return TokenizerSpec(tok.backend_tokenizer.to_str(), length + dropped, int(tok.pad_token_id),
                          str(tok.pad_token), text.template if text else "{}",
                          text.ids_key if text else "input_ids", text.mask_key if text else None,
                          bool(text and text.clean), text.special_tokens if text else True,
                          _padding_side(tok, text), str(tok.truncation_side),
                          tuple(text.remove) if text else (),
-                         bool(text and not text.template_empty))
+                         bool(text and not text.template_empty), bool(text and text.lower), dropped)
+
+
+def _instruction_drop(tok, text) -> int:
+    """Tokens of ``text``'s instruction (its template before the caption) that the
+    conditioning drops, SanaPipeline's count: the instruction's tokens with the
+    tokenizer's special ones, less the first and the last, which it keeps."""
+    if not (text and text.instruction):
+        return 0
+    instruction = text.template.format("")
+    return max(len(tok.encode(instruction)) - 2, 0) if instruction else 0
 
 
 def _padding_side(tok, text) -> str:
@@ -143,6 +164,8 @@ class CaptionTokenizer:
         self.special_tokens = spec.special_tokens
         self.remove = spec.remove
         self.bare_empty = spec.bare_empty
+        self.lower = spec.lower
+        self.dropped = spec.dropped
         self.backend = Tokenizer.from_str(spec.backend_json)
         self.backend.enable_truncation(spec.max_length, direction=spec.truncation_side)
         self.backend.enable_padding(length=spec.max_length, pad_id=spec.pad_id, pad_token=spec.pad_token,
@@ -154,11 +177,19 @@ class CaptionTokenizer:
             captions = [clean_prompt(c) for c in captions]
         for s in self.remove:
             captions = [c.replace(s, "") for c in captions]
-        texts = [c if self.bare_empty and c == "" else self.template.format(c) for c in captions]
+        if self.lower:
+            captions = [c.lower().strip() for c in captions]
+        bare = [self.bare_empty and c == "" for c in captions]
+        texts = [c if b else self.template.format(c) for c, b in zip(captions, bare)]
         out = self.backend.encode_batch(texts, add_special_tokens=self.special_tokens)
         shape = (len(out), self.model_max_length)
-        return (np.array([e.ids for e in out], dtype=np.int64).reshape(shape),
-                np.array([e.attention_mask for e in out], dtype=np.int64).reshape(shape))
+        ids = np.array([e.ids for e in out], dtype=np.int64).reshape(shape)
+        mask = np.array([e.attention_mask for e in out], dtype=np.int64).reshape(shape)
+        if self.dropped:
+            # 1 + dropped ≤ max_length: the instruction's own tokens precede the caption's.
+            templated = ~np.array(bare, dtype=bool)
+            mask[templated, 1:1 + self.dropped] = DROPPED
+        return ids, mask
 
     def __call__(self, captions: list[str]) -> np.ndarray:
         return self.encode(captions)[0]

@@ -968,6 +968,18 @@ def build_gemma_tokenizer(dest: str | Path | None = None, corpus: str = ""):
     return tok
 
 
+def _gemma2_text_encoder(tokenizer):
+    """A Gemma2Model for ``tokenizer`` (``build_gemma_tokenizer``'s ids): hidden 32, 2 layers,
+    2 query heads to 1 key/value head (Lumina-Image 2.0's and Sana's encoder, Gemma 2 2B)."""
+    import transformers
+
+    return transformers.Gemma2Model(transformers.Gemma2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=1024,
+        pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    )).eval()
+
+
 def build_tiny_lumina2(dest: str | Path, seed: int = 0) -> Path:
     """Save a tiny random Lumina2Pipeline to ``dest``; returns the path.
 
@@ -982,7 +994,6 @@ def build_tiny_lumina2(dest: str | Path, seed: int = 0) -> Path:
       factor, 8 (channels 32, 32, 32, 32), because Lumina2Pipeline sizes latents by a fixed
       8 whatever the VAE: 64 px → latents (B, 16, 8, 8).
     """
-    import transformers
     from diffusers import FlowMatchEulerDiscreteScheduler, Lumina2Pipeline, Lumina2Transformer2DModel
 
     from raylora.model.families.lumina2 import SYSTEM
@@ -990,11 +1001,7 @@ def build_tiny_lumina2(dest: str | Path, seed: int = 0) -> Path:
     dest = Path(dest)
     torch.manual_seed(seed)
     tokenizer = build_gemma_tokenizer(corpus=SYSTEM + " <Prompt Start>")
-    text_encoder = transformers.Gemma2Model(transformers.Gemma2Config(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=1024,
-        pad_token_id=0, eos_token_id=1, bos_token_id=2,
-    )).eval()
+    text_encoder = _gemma2_text_encoder(tokenizer)
     transformer = Lumina2Transformer2DModel(
         sample_size=16, patch_size=2, in_channels=16, hidden_size=48, num_layers=2,
         num_refiner_layers=1, num_attention_heads=3, num_kv_heads=1, multiple_of=16,
@@ -1004,6 +1011,54 @@ def build_tiny_lumina2(dest: str | Path, seed: int = 0) -> Path:
         scheduler=FlowMatchEulerDiscreteScheduler(**LUMINA2_SCHEDULER), vae=_flux1_vae((32,) * 4),
         text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer,
     )
+    pipe.save_pretrained(dest)
+    return dest
+
+
+# Sana's scheduler as the pipeline samples: DPM-Solver++ on flow sigmas (flow_prediction),
+# shifted by flow_shift 3.0. Written from memory of Sana_1600M_1024px_diffusers'
+# scheduler_config.json, not checked against it (no hub here).
+SANA_SCHEDULER = dict(num_train_timesteps=1000, prediction_type="flow_prediction", use_flow_sigmas=True,
+                      flow_shift=3.0, algorithm_type="dpmsolver++", solver_order=2)
+
+
+def build_tiny_sana(dest: str | Path, seed: int = 0) -> Path:
+    """Save a tiny random SanaPipeline to ``dest``; returns the path.
+
+    * ``text_encoder``: Gemma2Model, hidden 32, 2 layers (2 query heads, 1 key/value head);
+      the pipeline takes its last hidden state. ``tokenizer``: ``build_gemma_tokenizer``
+      with the words of the pipeline's complex human instruction.
+    * ``transformer``: SanaTransformer2DModel, hidden 32 = 2 heads × 16 of linear
+      self-attention, 2 cross-attention heads of 16, 2 layers, patch 1, 8 latent channels,
+      caption_channels 32, sample_size 16.
+    * ``vae``: AutoencoderDC (Sana's deep-compression autoencoder, 32× down there) at
+      tiny widths: 3 ResBlock stages (16, 32, 32), 4× down, 8 latent channels, Sana's
+      scaling factor 0.41407: 64 px → latents (B, 8, 16, 16).
+    """
+    from diffusers import AutoencoderDC, DPMSolverMultistepScheduler, SanaPipeline, SanaTransformer2DModel
+
+    from raylora.model.families.sana import INSTRUCTION
+
+    dest = Path(dest)
+    torch.manual_seed(seed)
+    tokenizer = build_gemma_tokenizer(corpus=INSTRUCTION)
+    text_encoder = _gemma2_text_encoder(tokenizer)
+    transformer = SanaTransformer2DModel(
+        in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=16, num_layers=2,
+        num_cross_attention_heads=2, cross_attention_head_dim=16, cross_attention_dim=32,
+        caption_channels=32, mlp_ratio=2.5, sample_size=16, patch_size=1,
+    )
+    blocks = (16, 32, 32)
+    vae = AutoencoderDC(
+        in_channels=3, latent_channels=8, attention_head_dim=8,
+        encoder_block_types="ResBlock", decoder_block_types="ResBlock",
+        encoder_block_out_channels=blocks, decoder_block_out_channels=blocks,
+        encoder_layers_per_block=(1, 1, 1), decoder_layers_per_block=(1, 1, 1),
+        encoder_qkv_multiscales=((), (), ()), decoder_qkv_multiscales=((), (), ()),
+        scaling_factor=0.41407,
+    )
+    pipe = SanaPipeline(scheduler=DPMSolverMultistepScheduler(**SANA_SCHEDULER), vae=vae,
+                        text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
     pipe.save_pretrained(dest)
     return dest
 
@@ -1237,6 +1292,7 @@ BUILDERS = {
     "qwenimageedit": build_tiny_qwenimageedit,
     "zimage": build_tiny_zimage,
     "lumina2": build_tiny_lumina2,
+    "sana": build_tiny_sana,
     "flux2klein": build_tiny_flux2klein,
     "flux2": build_tiny_flux2,
     "wan": build_tiny_wan,

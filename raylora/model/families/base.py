@@ -18,6 +18,7 @@ latent cache stores as columns (``prompt_embeds``, ``pooled_prompt_embeds``, ...
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 from dataclasses import dataclass
@@ -60,6 +61,15 @@ class TextInput:
     # templates the prompt but encodes its empty negative prompt bare (Lumina2Pipeline's
     # system prompt), and a dropped caption (data.caption_dropout) trains that branch.
     template_empty: bool = True
+    # The pipeline lower-cases and strips each caption before templating it (SanaPipeline's
+    # _text_preprocessing without clean_caption).
+    lower: bool = False
+    # The template's text before the caption is an instruction the text encoder reads and
+    # the conditioning drops but for its first and last token (SanaPipeline's complex human
+    # instruction and select_index): the tokenizer counts it (raylora.data.tokenize), every
+    # caption gets that many tokens more, and the data stage marks the dropped ones 2 in the
+    # attention mask (``instruction_conditioning``).
+    instruction: bool = False
 
     def length(self, tokenizer_max: int, max_sequence_length: int | None = None) -> int:
         """Tokens per caption: the content length (``model.max_sequence_length`` for a
@@ -160,6 +170,37 @@ def llm_conditioning(encoder, batch: dict[str, torch.Tensor], layer: int, drop: 
     # The pipelines pad with zeros past each caption: the same here.
     emb = hidden[:, drop:] * mask.unsqueeze(-1).to(hidden.dtype)
     return Cond(prompt_embeds=emb, prompt_embeds_mask=mask.long())
+
+
+# The attention-mask value of an instruction token the conditioning drops (TextInput.instruction).
+DROPPED = 2
+
+
+def instruction_conditioning(encoder, batch: dict[str, torch.Tensor]) -> Cond:
+    """An encoder's last hidden state over right-padded captions behind an instruction
+    (``input_ids``; ``attention_mask`` 1 for a token, 0 for padding, ``DROPPED`` for an
+    instruction token the conditioning drops), the dropped positions removed and the rest
+    kept in order: ``prompt_embeds`` [B, L, D], zero past each caption, and
+    ``prompt_embeds_mask`` [B, L] (Sana). The pipeline pads to the instruction's length +
+    max_sequence_length and keeps the first token and the last max_sequence_length − 1
+    positions; here the padding after the longest caption is cut first, which changes no
+    kept hidden state under Gemma's causal attention, and the transformer sees no masked
+    position. On meta ids (a memory estimate) nothing is dropped: a few tokens more."""
+    ids, marks = batch["input_ids"], batch["attention_mask"]
+    attend = (marks > 0).long()
+    if not ids.is_meta:
+        n = int(attend.sum(1).max())
+        ids, marks, attend = ids[:, :n], marks[:, :n], attend[:, :n]
+    hidden = encoder(input_ids=ids, attention_mask=attend)[0]
+    if not ids.is_meta:
+        # A stable sort moves the dropped positions behind the rest, order kept.
+        order = torch.sort((marks == DROPPED).int(), dim=1, stable=True).indices
+        hidden = hidden.gather(1, order.unsqueeze(-1).expand_as(hidden))
+        marks = marks.gather(1, order)
+        n = int((marks == 1).sum(1).max())
+        hidden, marks = hidden[:, :n], marks[:, :n]
+    mask = (marks == 1).long()
+    return Cond(prompt_embeds=hidden * mask.unsqueeze(-1).to(hidden.dtype), prompt_embeds_mask=mask)
 
 
 def checkpointed(forward):
@@ -381,9 +422,19 @@ class Family:
     def texts(cls, references: int = 0, system_prompt: str | None = None) -> tuple[TextInput, ...]:
         """``text`` for captions of samples with ``references`` input images (the data
         stage tokenizes them so) behind ``system_prompt`` (model.system_prompt; None: the
-        pipeline's own): a family whose template names its inputs (Qwen-Image-Edit's
-        "Picture 1: ...") or holds a system prompt (Lumina-Image 2.0) overrides this."""
-        return cls.text
+        pipeline's own), the last text input's template then ``system_template``'s: a
+        family whose template names its inputs (Qwen-Image-Edit's "Picture 1: ...")
+        overrides this."""
+        if system_prompt is None or cls.system_prompt is None:
+            return cls.text
+        *rest, last = cls.text
+        return (*rest, dataclasses.replace(last, template=cls.system_template(system_prompt)))
+
+    @classmethod
+    def system_template(cls, system_prompt: str) -> str:
+        """The caption template behind ``system_prompt``, for a family with a system
+        prompt (``texts``)."""
+        raise NotImplementedError(f"{cls.name} takes no system prompt")
 
     @classmethod
     def prompt_kwargs(cls, system_prompt: str | None = None) -> dict:

@@ -9,8 +9,6 @@ target, with a batched transformer call. As diffusers' Lumina2 LoRA script
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from raylora.checkpoint.kohya import Rule, fused
@@ -87,10 +85,8 @@ class Lumina2(ZImage):
         return -out
 
     @classmethod
-    def texts(cls, references: int = 0, system_prompt: str | None = None):
-        if system_prompt is None:
-            return cls.text
-        return (dataclasses.replace(cls.text[0], template=template(system_prompt)),)
+    def system_template(cls, system_prompt: str) -> str:
+        return template(system_prompt)
 
     @classmethod
     def checkpoint_blocks(cls, denoiser, enable: bool = True) -> None:

@@ -89,6 +89,11 @@ QWEN_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 1.0
 # layers + 2 noise and 2 context refiners of 2304 = 24 heads × 96, 8 key/value heads) over
 # Gemma 2 2B's 2304-wide hidden states
 LUMINA2 = dict(cap_feat_dim=2304)
+# Efficient-Large-Model/Sana_1600M_1024px_diffusers' transformer: SanaTransformer2DModel's
+# defaults (20 blocks of 70 heads × 32 linear self-attention, 20 cross-attention heads of 112,
+# Gemma 2 2B's 2304-wide caption, 32 DC-AE channels at patch 1), written from memory of its
+# config.json, not checked against it here
+SANA_1600M = dict()
 # (family, transformer class, config, latent channels, text tokens, pooled width, the
 #  pipelines' scheduler config for the shift). Z-Image takes each caption unpadded: 256
 #  tokens stand for a long caption in its chat template.
@@ -121,6 +126,11 @@ MODELS = {
     # shift is the tiny model's static 6.0; a step's cost does not depend on it)
     "lumina2": ("lumina2", "Lumina2Transformer2DModel", LUMINA2, 16, 256, None,
                 {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 6.0}),
+    # Sana: 300 caption tokens after the instruction (which the conditioning drops), its
+    # DPM-Solver's flow_shift; DC-AE latents, 32 px each
+    "sana": ("sana", "SanaTransformer2DModel", SANA_1600M, 32, 300, None,
+             {"_class_name": "DPMSolverMultistepScheduler", "prediction_type": "flow_prediction",
+              "use_flow_sigmas": True, "flow_shift": 3.0}),
     # Chroma: T5's 512 positions, all kept (the mask shows the caption and one pad)
     "chroma": ("chroma", "ChromaTransformer2DModel", CHROMA_HD, 16, 512, None, MODELS_FLUX_SCHEDULER),
     # Qwen-Image: a long caption's 256 tokens after the template; the edit model also the
@@ -136,7 +146,7 @@ MODELS = {
 }
 # edit models: input images a sample, their latents beside each target's
 REFERENCE = {"qwenedit": 1, "qwenedit2": 2}
-PIXELS_PER_LATENT = {"klein4b": 16, "flux2dev": 16}  # the others: 8
+PIXELS_PER_LATENT = {"klein4b": 16, "flux2dev": 16, "sana": 32}  # the others: 8
 SMOKE = {"flux": dict(num_layers=1, num_single_layers=1, attention_head_dim=16,
                       num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16,
                       axes_dims_rope=(4, 6, 6)),
@@ -145,6 +155,9 @@ SMOKE = {"flux": dict(num_layers=1, num_single_layers=1, attention_head_dim=16,
                        pooled_projection_dim=16, dual_attention_layers=(0,), pos_embed_max_size=64),
          "zimage": dict(dim=32, n_layers=1, n_refiner_layers=1, n_heads=2, n_kv_heads=2,
                         cap_feat_dim=32, axes_dims=[4, 6, 6]),
+         "sana": dict(num_attention_heads=2, attention_head_dim=16, num_layers=1,
+                      num_cross_attention_heads=2, cross_attention_head_dim=16,
+                      cross_attention_dim=32, caption_channels=32),
          "lumina2": dict(hidden_size=32, num_layers=1, num_refiner_layers=1, num_attention_heads=2,
                          num_kv_heads=1, multiple_of=16, axes_dim_rope=(4, 6, 6), cap_feat_dim=32),
          "klein4b": dict(num_layers=1, num_single_layers=1, attention_head_dim=16,
@@ -187,8 +200,8 @@ def cached_batch(model: str, b: int, res: int, net, device) -> dict:
     keys = families.get(family).cond_keys()
     g = torch.Generator().manual_seed(b)
     h = res // PIXELS_PER_LATENT.get(model, 8)
-    width = (getattr(net.config, "joint_attention_dim", None)
-             or getattr(net.config, "text_dim", None) or net.config.cap_feat_dim)
+    width = next(getattr(net.config, k) for k in ("joint_attention_dim", "text_dim", "caption_channels",
+                                                  "cap_feat_dim") if getattr(net.config, k, None))
     batch = {
         "latent_params": torch.randn(b, 2 * ch, h, h, generator=g).to(device),
         "prompt_embeds": torch.randn(b, tokens, width, generator=g).to(device),

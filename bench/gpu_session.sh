@@ -58,7 +58,7 @@ case "$step" in
   wan) "$PY" bench/gpu_dit.py --models wan14b --batch-sizes 1,2 ;;
   # Chroma1-HD, Qwen-Image (20B) and Qwen-Image-Edit (the same transformer over twice the
   # image tokens: the input's follow the noisy ones) @1024, cached, batch 1.
-  dits2) "$PY" bench/gpu_dit.py --models chroma,qwenimage,qwenedit,qwenedit2,lumina2 --batch-sizes 1 ;;
+  dits2) "$PY" bench/gpu_dit.py --models chroma,qwenimage,qwenedit,qwenedit2,lumina2,sana --batch-sizes 1 ;;
   # Flux.2 [dev]'s 32B transformer (64 GB in bf16) @1024, batch 1, gradient checkpointing:
   # whether one GPU holds a LoRA step at all, and its MFU (an H200 has room; an H100 may not).
   flux2) "$PY" bench/gpu_dit.py --models flux2dev --batch-sizes 1 --gradient-checkpointing ;;

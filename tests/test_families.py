@@ -314,6 +314,19 @@ def test_every_family_learns_and_its_stock_pipeline_loads_the_adapter(tiny, fami
     # The family's stock pipeline, with nothing of raylora's, loads it and its image changes.
     assert stock_image_change(family, model, adapter) > 1e-3
 
+    # raylora sample (a pipeline that samples only from an input image gets one)
+    from PIL import Image
+
+    from raylora.sample import sample
+
+    image = None
+    if run.family.reference_required:
+        image = str(tmp_path / "input.png")
+        Image.new("RGB", (64, 64), (200, 10, 10)).save(image)
+    png = sample(model, str(adapter), "a red circle", str(tmp_path / "sample.png"), steps=2, size=64,
+                 image=[image] if image else None)
+    assert Image.open(png).size == (64, 64)
+
 
 @pytest.mark.parametrize("expert", ["high_noise", "low_noise"])
 def test_a_wan22_expert_trains_its_own_transformer_on_its_sigmas_and_loads_into_it(tiny, expert,

@@ -1,11 +1,13 @@
-"""Every DiT family on a real local Ray: 2 DDP workers train from parquet shards, the
-adapter loads in the family's stock diffusers pipeline (every module live) and changes its
-image; validation grids and ``raylora sample`` work too.
+"""DiT families on a real local Ray: 2 DDP workers train from parquet shards, the adapter
+loads in the family's stock diffusers pipeline (every module live) and changes its image;
+validation grids and ``raylora sample`` work too.
 
-Cases: raylora's own tiny model of every DiT family, and Wan 2.2 A14B's layout training its
-low-noise expert (``model.expert``: previews, card, ``raylora sample`` and the stock load
-all put the adapter into ``transformer_2``). Flux.2 [dev] and Qwen-Image 2.1 train from the
-latent cache. SD 1.x runs the same path in
+Cases: raylora's own tiny model of the DiT families whose run takes a path of its own on
+Ray (``CASES``), and Wan 2.2 A14B's layout training its low-noise expert (``model.expert``:
+previews, card, ``raylora sample`` and the stock load all put the adapter into
+``transformer_2``). Flux.2 [dev] and Qwen-Image 2.1 train from the latent cache. Every
+family trains, loads into its stock pipeline and samples with ``raylora sample``
+in-process (test_families.py). SD 1.x runs the same path in
 test_train_ray.py, SDXL in test_sdxl_cache.py; the Flux and SD3 folders built straight with
 diffusers classes (tests/userbuilt.py, as a user's converted checkpoint arrives) train
 through the same step in-process in test_tiny_model.py."""
@@ -19,16 +21,20 @@ from PIL import Image
 
 from raylora.config import validate
 from raylora.model import families
-from raylora.model.tiny import FAMILIES
 from stock import PIPELINES, stock_image_change
 
 pytestmark = pytest.mark.integration
 
-# Every DiT family's tiny model (SD 1.x and SDXL run elsewhere: see the docstring), trained
-# text to image; one whose pipeline samples only from an input image (Qwen-Image-Edit) runs
-# on edit pairs in test_edit.py (test_an_edit_run_on_pairs_edits_in_the_stock_pipeline).
-DIT_FAMILIES = [f for f in FAMILIES if f not in ("sd", "sdxl") and not families.get(f).reference_required]
-CASES = [*((f, None) for f in DIT_FAMILIES), ("wan", "low_noise")]
+# A DiT family whose Ray run differs from the others' (SD 1.x and SDXL run elsewhere: see
+# the docstring), trained text to image: Flux.1 (two text encoders, a guidance embedding),
+# Flux.2 [dev] (the latent cache; previews load its text encoder quantized), Qwen-Image 2.1
+# (the cache's RGBA latents and unpadded captions), Sana (model.system_prompt in training
+# captions, previews and the card, and instruction tokens marked in the mask through Ray
+# Data) and Wan 2.2 A14B's low-noise expert. The other families' runs on Ray are this path
+# with another model: ~50 s each of the Ray lane, which is CI's longest, for no step of
+# their own (each still trains, loads and samples in-process: test_families.py). Edit pairs
+# on Ray: test_edit.py (test_an_edit_run_on_pairs_edits_in_the_stock_pipeline).
+CASES = [("flux", None), ("flux2", None), ("qwenimage21", None), ("sana", None), ("wan", "low_noise")]
 
 
 @pytest.mark.parametrize("family,expert", CASES, ids=[f"{f}-{e}" if e else f for f, e in CASES])

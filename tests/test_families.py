@@ -538,21 +538,16 @@ def _pipeline_conditioning(family: str, pipe, captions: list[str]) -> dict:
     if family == "wan":  # UMT5's last hidden state, zero past each caption
         e, _ = pipe.encode_prompt(captions, do_classifier_free_guidance=False, **kw)
         return {"prompt_embeds": e}
-    if family == "lumina2":
+    if family in ("lumina2", "sana"):
         # Gemma's states at every padded position; the transformer keeps each row's first
-        # mask-sum tokens alone (what raylora keeps: up to the longest caption, zero past each)
-        e, mask, _, _ = pipe.encode_prompt(captions, do_classifier_free_guidance=False, **kw)
-        n = int(mask.sum(1).max())
-        e, mask = e[:, :n], mask[:, :n]
-        return {"prompt_embeds": e * mask.unsqueeze(-1).to(e.dtype), "prompt_embeds_mask": mask}
-    if family == "sana":
-        # its __call__'s default instruction (encode_prompt's own default is none): <bos>,
-        # the instruction's last token and the caption, right-padded; raylora's up to the
-        # longest caption, zero past each
-        from raylora.model.families.sana import INSTRUCTION
+        # mask-sum tokens alone (what raylora keeps: up to the longest caption, zero past
+        # each). Sana: its __call__'s default instruction (encode_prompt's own default is
+        # none), of which <bos> and its last token stay before the caption.
+        if family == "sana":
+            from raylora.model.families.sana import INSTRUCTION
 
-        e, mask, _, _ = pipe.encode_prompt(captions, do_classifier_free_guidance=False,
-                                           complex_human_instruction=INSTRUCTION.split("\n"), **kw)
+            kw["complex_human_instruction"] = INSTRUCTION.split("\n")
+        e, mask, _, _ = pipe.encode_prompt(captions, do_classifier_free_guidance=False, **kw)
         n = int(mask.sum(1).max())
         e, mask = e[:, :n], mask[:, :n]
         return {"prompt_embeds": e * mask.unsqueeze(-1).to(e.dtype), "prompt_embeds_mask": mask}

@@ -13,9 +13,10 @@ import math
 import os
 import shutil
 import tempfile
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 
+import pyarrow.fs
 import torch
 
 import ray
@@ -476,12 +477,32 @@ def upload_checkpoint(checkpoint: ray.train.Checkpoint, dir_name: str) -> ray.tr
     return persisted
 
 
+@contextmanager
+def rank_copy(checkpoint: ray.train.Checkpoint, rank: int):
+    """A local folder holding ``checkpoint`` for rank ``rank`` to read: the checkpoint's own
+    folder when it is on local disk, otherwise a download of its own, removed afterwards.
+
+    Not ``checkpoint.as_directory()`` for a remote one: its folder is shared by the ranks on
+    a node, and a rank that arrives after another's download has finished downloads it again
+    into that folder, rewriting files the first rank is reading (a CI run's rank failed with
+    "PytorchStreamReader failed reading file"; Ray 2.60's ``to_directory`` only waits for a
+    download still in progress)."""
+    if isinstance(checkpoint.filesystem, pyarrow.fs.LocalFileSystem):
+        yield checkpoint.path
+        return
+    d = tempfile.mkdtemp(prefix=f"raylora-restore-rank{rank}-")
+    try:
+        yield checkpoint.to_directory(d)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def _restored(rank: int):
     """This rank's state in Ray's latest checkpoint (a RestoredState), None if none."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return None
-    with checkpoint.as_directory() as d:
+    with rank_copy(checkpoint, rank) as d:
         state = load_state(d, rank, where=checkpoint.path)
         if state.sharded_dir is not None:
             # Read after the model is built and sharded, when a downloaded copy of the

@@ -246,3 +246,40 @@ def test_a_checkpoint_records_its_files_and_a_lost_one_is_named(tmp_path):
     ckpt.mkdir()
     with pytest.raises(IncompleteCheckpoint, match="every file"):
         check_latest(Storage(), str(run))
+
+
+def test_each_rank_reads_a_remote_checkpoint_from_its_own_download(tmp_path):
+    """Two ranks on one node restore the same remote checkpoint, the second after the
+    first's download: the second never rewrites the files the first is reading (Ray's shared
+    ``as_directory`` folder does, and a CI rank read a torn ``trainer_state``)."""
+    import pyarrow.fs
+    from ray.train import Checkpoint
+
+    from raylora.worker import rank_copy
+
+    src = tmp_path / "bucket" / "checkpoint_000001"
+    src.mkdir(parents=True)
+    lora = {"w": torch.randn(3, 4)}
+    opt = torch.optim.AdamW(torch.nn.Linear(4, 3).parameters(), lr=1e-3)
+    save_rank_state(str(src), rank=0)
+    save_rank_state(str(src), rank=1)
+    save_main_state(str(src), lora_sd=lora, optimizer_sd=opt.state_dict(), scheduler_sd={},
+                    scaler_sd=None, loop=LoopState(global_step=7))
+    # Not a LocalFileSystem, so Ray treats it as remote storage (as it does s3 and gs).
+    remote = pyarrow.fs.SubTreeFileSystem(str(tmp_path / "bucket"), pyarrow.fs.LocalFileSystem())
+    checkpoint = Checkpoint("checkpoint_000001", filesystem=remote)
+
+    with rank_copy(checkpoint, 0) as first:
+        files = sorted(os.listdir(first))
+        before = {f: os.stat(os.path.join(first, f)).st_mtime_ns for f in files}
+        with rank_copy(checkpoint, 1) as second:
+            assert second != first
+            assert load_state(second, rank=1).loop.global_step == 7
+        after = {f: os.stat(os.path.join(first, f)).st_mtime_ns for f in files}
+        assert after == before
+        assert torch.equal(load_state(first, rank=0).lora_sd["w"], lora["w"])
+    assert not os.path.exists(first) and not os.path.exists(second)
+    # A checkpoint on local disk is read where it is, not copied.
+    with rank_copy(Checkpoint(str(src)), 0) as d:
+        assert d == str(src)
+    assert src.exists()

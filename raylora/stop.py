@@ -94,6 +94,21 @@ class Requests:
         return self.released
 
 
+def interrupt_main() -> None:
+    """Interrupt the driver's main thread, from another thread. Through SIGINT's handler:
+    KeyboardInterrupt (a run's fit waits in a helper thread: launch.fit_interruptibly), or
+    during a search Tune's own, which ends its loop and saves the search's state
+    (raylora.tune_stop). A process started with SIGINT ignored (a shell's background job
+    without job control, nohup) has no handler there, and ``_thread.interrupt_main`` then
+    does nothing: the run went on and stopped later, or never. Then through SIGTERM's,
+    which is ``launch._raise_interrupt`` whenever a driver was asked to stop: asked again,
+    it raises KeyboardInterrupt."""
+    import _thread
+
+    handled = callable(signal.getsignal(signal.SIGINT))
+    _thread.interrupt_main(signal.SIGINT if handled else signal.SIGTERM)
+
+
 @dataclass
 class DriverStop:
     """What ``driver_requests`` yields: the actor's name (``WorkerSpec.stop_requests``)
@@ -112,8 +127,6 @@ def driver_requests(desk: str, timeout_s: float, sigterm_hooks: list):
     the driver's first SIGTERM (``sigterm_hooks``: what ``launch``'s SIGTERM handler
     calls). A second SIGTERM, or ``timeout_s`` without ``fit()`` returning, interrupts the
     driver as before (KeyboardInterrupt: Ray shut down, no new checkpoint)."""
-    import _thread
-
     from raylora.desk import handle
 
     actor = handle(desk)
@@ -124,10 +137,7 @@ def driver_requests(desk: str, timeout_s: float, sigterm_hooks: list):
         stop.expired = True
         log.warning("SIGTERM: not stopped within failure.stop_timeout_s (%gs): interrupting "
                     "the driver", timeout_s)
-        # SIGINT in the main thread: KeyboardInterrupt (a run's fit waits in a helper
-        # thread: launch.fit_interruptibly), or during a search Tune's own handler, which
-        # ends its loop and saves the search's state (raylora.tune_stop).
-        _thread.interrupt_main()
+        interrupt_main()
 
     def on_sigterm() -> bool:
         if stop.signalled:

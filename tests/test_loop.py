@@ -408,3 +408,43 @@ def test_every_rank_takes_a_notice_at_the_same_check(tmp_path):
     spawn(_two_rank_notices, 2, 2, free_port(), str(tmp_path))
     got = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
     assert got[0] == got[1] == [False, False, False, True, False, False]
+
+
+@pytest.mark.parametrize("sigint", ["handled", "ignored"])
+def test_the_stop_timeout_interrupts_the_main_thread_whether_sigint_is_handled_or_not(sigint):
+    """raylora.stop.interrupt_main, from the stop timeout's thread: KeyboardInterrupt in the
+    main thread through SIGINT's handler, or, in a process started with SIGINT ignored (a
+    background job; _thread.interrupt_main alone did nothing there), through the CLI's
+    SIGTERM handler, asked a second time."""
+    import signal
+    import threading
+    import time
+
+    from raylora import launch
+    from raylora.stop import interrupt_main
+
+    old_int, old_term = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    asked: list[bool] = []
+
+    def asked_twice() -> bool:
+        asked.append(True)
+        return False  # what stop.driver_requests' hook says once it was signalled
+
+    signal.signal(signal.SIGINT,
+                  signal.default_int_handler if sigint == "handled" else signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, launch._raise_interrupt)
+    launch.SIGTERM_HOOKS.append(asked_twice)
+    timer = threading.Timer(0.05, interrupt_main)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            timer.start()
+            while time.monotonic() - t0 < 10:
+                time.sleep(0.01)
+        assert time.monotonic() - t0 < 5
+    finally:
+        timer.cancel()
+        launch.SIGTERM_HOOKS.remove(asked_twice)
+        signal.signal(signal.SIGINT, old_int)
+        signal.signal(signal.SIGTERM, old_term)
+    assert asked == ([] if sigint == "handled" else [True])

@@ -498,19 +498,31 @@ def rank_copy(checkpoint: ray.train.Checkpoint, rank: int):
 
 
 def _restored(rank: int):
-    """This rank's state in Ray's latest checkpoint (a RestoredState), None if none."""
+    """This rank's state in Ray's latest checkpoint (a RestoredState), None if none; and a
+    scratch folder to remove once the model is built, None if none (``restore_rank``)."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
-        return None
+        return None, None
+    return restore_rank(checkpoint, rank)
+
+
+def restore_rank(checkpoint: ray.train.Checkpoint, rank: int):
+    """Rank ``rank``'s state in ``checkpoint`` and the scratch folder holding part of it.
+
+    FSDP shards (LoRA + optimizer state, small) are read after the model is built and
+    sharded. A local checkpoint's are read where they are. A remote one's download is gone
+    by then, so they are kept in a scratch folder of this rank's, which the caller removes
+    once they are read (before, every FSDP resume left one in the temp dir, for local
+    checkpoints as a needless copy)."""
     with rank_copy(checkpoint, rank) as d:
         state = load_state(d, rank, where=checkpoint.path)
-        if state.sharded_dir is not None:
-            # Read after the model is built and sharded, when a downloaded copy of the
-            # checkpoint is gone: keep the shards (LoRA + optimizer state, small).
-            keep = os.path.join(tempfile.mkdtemp(prefix="raylora-restore-"), "fsdp")
-            shutil.copytree(state.sharded_dir, keep)
-            state.sharded_dir = keep
-        return state
+        if state.sharded_dir is None or d == checkpoint.path:
+            return state, None
+        scratch = tempfile.mkdtemp(prefix=f"raylora-restore-shards-rank{rank}-")
+        keep = os.path.join(scratch, "fsdp")
+        shutil.copytree(state.sharded_dir, keep)
+        state.sharded_dir = keep
+        return state, scratch
 
 
 def _build(spec: WorkerSpec, accelerator, restored, rank: int, max_steps: int):
@@ -588,14 +600,19 @@ def train_loop_per_worker(loop_config: dict) -> None:
     # Elastic: this worker group's size (Ray Train chose it) sets the accumulation.
     spec = replace(spec, config=spec.config.at_world(world))
     cfg, plan = spec.config, spec.plan
-    accelerator, restored = _accelerator(cfg), _restored(rank)
+    accelerator = _accelerator(cfg)
+    restored, scratch = _restored(rank)
     # The data stream starts before the model is loaded: its first batches (processes
     # started, shards read, images decoded) are on their way while the weights are.
     epoch_batches = _epoch_batches(spec, rank, world, accelerator.device)
     epoch_batches.start(restored.loop.epoch if restored is not None else 0)
     reporter = None
     try:
-        run = _build(spec, accelerator, restored, rank, plan.max_steps)
+        try:
+            run = _build(spec, accelerator, restored, rank, plan.max_steps)
+        finally:
+            if scratch is not None:  # its shards are read into the model and optimizer
+                shutil.rmtree(scratch, ignore_errors=True)
         watch = _stop_watch(spec, rank, world, accelerator.device)
         reporter = _Reporter(spec, run, rank, watch)
         hooks = LoopHooks(

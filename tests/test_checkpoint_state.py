@@ -283,3 +283,37 @@ def test_each_rank_reads_a_remote_checkpoint_from_its_own_download(tmp_path):
     with rank_copy(Checkpoint(str(src)), 0) as d:
         assert d == str(src)
     assert src.exists()
+
+
+def test_fsdp_shards_of_a_remote_checkpoint_outlive_its_download_until_the_model_is_built(tmp_path):
+    """FSDP shards are read after the model is built, when a remote checkpoint's download is
+    gone: ``restore_rank`` keeps them in a scratch folder the worker removes once built. A
+    local checkpoint's are read in place, with nothing copied (before: a copy each resume,
+    never removed)."""
+    import pyarrow.fs
+    from ray.train import Checkpoint
+
+    from raylora.worker import restore_rank
+
+    src = tmp_path / "bucket" / "checkpoint_000004"
+    _two_rank_checkpoint(src)
+    (src / "fsdp" / ".metadata").write_bytes(b"dcp metadata")
+    remote = pyarrow.fs.SubTreeFileSystem(str(tmp_path / "bucket"), pyarrow.fs.LocalFileSystem())
+
+    state, scratch = restore_rank(Checkpoint("checkpoint_000004", filesystem=remote), rank=1)
+    assert state.loop.global_step == 4
+    assert state.sharded_dir == os.path.join(scratch, "fsdp")
+    assert sorted(os.listdir(state.sharded_dir)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    with open(os.path.join(state.sharded_dir, "__1_0.distcp"), "rb") as f:
+        assert f.read() == b"rank 1 shard"
+    # The rank's download itself is gone: only the scratch folder is left to remove.
+    assert [p for p in os.listdir(os.path.dirname(scratch))
+            if p.startswith("raylora-restore-rank1-")] == []
+    shutil.rmtree(scratch)
+
+    state, scratch = restore_rank(Checkpoint(str(src)), rank=0)
+    assert scratch is None and state.sharded_dir == str(src / "fsdp")
+    # Without a DCP checkpoint (no .metadata) there is nothing to keep, remote or not.
+    (src / "fsdp" / ".metadata").unlink()
+    state, scratch = restore_rank(Checkpoint("checkpoint_000004", filesystem=remote), rank=0)
+    assert scratch is None and state.sharded_dir is None

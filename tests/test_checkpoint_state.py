@@ -1,6 +1,7 @@
 import json
 import os
 import shutil
+import tempfile
 
 import pytest
 import torch
@@ -285,7 +286,8 @@ def test_each_rank_reads_a_remote_checkpoint_from_its_own_download(tmp_path):
     assert src.exists()
 
 
-def test_fsdp_shards_of_a_remote_checkpoint_outlive_its_download_until_the_model_is_built(tmp_path):
+def test_fsdp_shards_of_a_remote_checkpoint_outlive_its_download_until_the_model_is_built(
+        tmp_path, monkeypatch):
     """FSDP shards are read after the model is built, when a remote checkpoint's download is
     gone: ``restore_rank`` keeps them in a scratch folder the worker removes once built. A
     local checkpoint's are read in place, with nothing copied (before: a copy each resume,
@@ -295,6 +297,10 @@ def test_fsdp_shards_of_a_remote_checkpoint_outlive_its_download_until_the_model
 
     from raylora.worker import restore_rank
 
+    # Its own temp dir: the Ray lane's workers download checkpoints into the shared one.
+    scratch_root = tmp_path / "tmp"
+    scratch_root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch_root))
     src = tmp_path / "bucket" / "checkpoint_000004"
     _two_rank_checkpoint(src)
     (src / "fsdp" / ".metadata").write_bytes(b"dcp metadata")
@@ -307,8 +313,7 @@ def test_fsdp_shards_of_a_remote_checkpoint_outlive_its_download_until_the_model
     with open(os.path.join(state.sharded_dir, "__1_0.distcp"), "rb") as f:
         assert f.read() == b"rank 1 shard"
     # The rank's download itself is gone: only the scratch folder is left to remove.
-    assert [p for p in os.listdir(os.path.dirname(scratch))
-            if p.startswith("raylora-restore-rank1-")] == []
+    assert os.listdir(scratch_root) == [os.path.basename(scratch)]
     shutil.rmtree(scratch)
 
     state, scratch = restore_rank(Checkpoint(str(src)), rank=0)
@@ -317,3 +322,4 @@ def test_fsdp_shards_of_a_remote_checkpoint_outlive_its_download_until_the_model
     (src / "fsdp" / ".metadata").unlink()
     state, scratch = restore_rank(Checkpoint("checkpoint_000004", filesystem=remote), rank=0)
     assert scratch is None and state.sharded_dir is None
+    assert os.listdir(scratch_root) == []  # its download removed as well

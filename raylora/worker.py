@@ -511,8 +511,8 @@ def restore_rank(checkpoint: ray.train.Checkpoint, rank: int):
 
     FSDP shards (LoRA + optimizer state, small) are read after the model is built and
     sharded. A local checkpoint's are read where they are. A remote one's download is gone
-    by then, so they are kept in a scratch folder of this rank's, which the caller removes
-    once they are read (before, every FSDP resume left one in the temp dir, for local
+    by then, so they are moved into a scratch folder of this rank's, which the caller
+    removes once they are read (before, every FSDP resume left one in the temp dir, for local
     checkpoints as a needless copy)."""
     with rank_copy(checkpoint, rank) as d:
         state = load_state(d, rank, where=checkpoint.path)
@@ -520,7 +520,9 @@ def restore_rank(checkpoint: ray.train.Checkpoint, rank: int):
             return state, None
         scratch = tempfile.mkdtemp(prefix=f"raylora-restore-shards-rank{rank}-")
         keep = os.path.join(scratch, "fsdp")
-        shutil.copytree(state.sharded_dir, keep)
+        # Moved out of the download, which is removed next: a rename in one temp dir, not a
+        # second copy of every shard.
+        shutil.move(state.sharded_dir, keep)
         state.sharded_dir = keep
         return state, scratch
 

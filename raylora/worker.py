@@ -604,17 +604,16 @@ def train_loop_per_worker(loop_config: dict) -> None:
     cfg, plan = spec.config, spec.plan
     accelerator = _accelerator(cfg)
     restored, scratch = _restored(rank)
-    # The data stream starts before the model is loaded: its first batches (processes
-    # started, shards read, images decoded) are on their way while the weights are.
-    epoch_batches = _epoch_batches(spec, rank, world, accelerator.device)
-    epoch_batches.start(restored.loop.epoch if restored is not None else 0)
-    reporter = None
+    epoch_batches = reporter = None
     try:
+        # The data stream starts before the model is loaded: its first batches (processes
+        # started, shards read, images decoded) are on their way while the weights are.
+        epoch_batches = _epoch_batches(spec, rank, world, accelerator.device)
+        epoch_batches.start(restored.loop.epoch if restored is not None else 0)
         try:
             run = _build(spec, accelerator, restored, rank, plan.max_steps)
         finally:
-            if scratch is not None:  # its shards are read into the model and optimizer
-                shutil.rmtree(scratch, ignore_errors=True)
+            _remove_scratch(scratch)  # its shards are read into the model and optimizer
         watch = _stop_watch(spec, rank, world, accelerator.device)
         reporter = _Reporter(spec, run, rank, watch)
         hooks = LoopHooks(
@@ -637,10 +636,17 @@ def train_loop_per_worker(loop_config: dict) -> None:
         state = run_loop(run, settings, hooks)
         _after_stop(reporter, state)
     finally:
-        epoch_batches.close()  # ends the data stream's execution (it runs ahead)
+        _remove_scratch(scratch)  # also when the data stream failed before the model was built
+        if epoch_batches is not None:
+            epoch_batches.close()  # ends the data stream's execution (it runs ahead)
         # Also when the loop stops on NaN/inf: what was logged so far is kept.
         if reporter is not None:
             reporter.close()
+
+
+def _remove_scratch(scratch: str | None) -> None:
+    if scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def lr_find_per_worker(loop_config: dict) -> None:

@@ -515,7 +515,8 @@ class DataSection(_Section):
         description="latents: encode every image with the VAE and every caption with the text "
         "encoder(s) once, in a Ray Data stage, into parquet shards under data.cache_uri; "
         "training workers then load neither. Needs a deterministic view of each image "
-        "(data.center_crop=true, data.random_flip=false) and data.caption_dropout=0.",
+        "(data.center_crop=true, data.random_flip=false, no data.shuffle_tags); "
+        "data.caption_dropout swaps in the empty prompt's embedding, encoded once.",
     )
     cache_uri: str | None = Field(
         None,
@@ -1198,14 +1199,20 @@ def _cross_checks(cfg: RayLoraConfig) -> list[str]:
             problems.append("data.center_crop: data.cache=latents needs center_crop=true "
                             "(a random crop would be frozen into the cache)")
         random = []  # the sources' own keys, or data's once for all that take it
+        # Caption dropout swaps the empty prompt's embedding into a cached batch's dropped
+        # rows at one rate: cached rows do not carry their source.
+        rates: dict[str, float] = {}
         for i, sec in enumerate(d.source_sections()):
-            if sec.caption_dropout:
-                random.append(f"{_caption_key(d, i, 'caption_dropout')}: cannot be used with "
-                              "data.cache=latents (captions are encoded once); set it to 0")
+            rates.setdefault(_caption_key(d, i, "caption_dropout"), sec.caption_dropout)
             if sec.shuffle_tags:
                 random.append(f"{_caption_key(d, i, 'shuffle_tags')}: cannot be used with "
                               "data.cache=latents (captions are encoded once, in one tag "
                               "order); set it false")
+        if len(set(rates.values())) > 1:
+            first = next(k for k, r in rates.items() if r)
+            random.append(f"{first}: data.cache=latents drops captions at one rate for every "
+                          "source (here " + ", ".join(f"{k}={r}" for k, r in rates.items())
+                          + "); give every source the same caption_dropout")
         problems += list(dict.fromkeys(random))
         if cfg.lora.train_text_encoder:
             problems.append("lora.train_text_encoder: cannot be used with data.cache=latents "

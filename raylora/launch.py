@@ -78,6 +78,10 @@ class Plan:
     # column folded: raylora.data.prior.fold_repeats; by the cache's stages,
     # raylora.data.cache.encode_rows): workers hold no encoders then.
     class_encoded: dict | None = field(default=None, repr=False)
+    # data.caption_dropout with data.cache=latents: the family's empty prompt encoded
+    # ({caption column: 1 row}, raylora.data.cache.encode_captions), which workers swap in
+    # for the dropped rows' captions.
+    empty_encoded: dict | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -85,6 +89,7 @@ class Plan:
         d.pop("heldout_encoded")
         d.pop("class_rows")
         d.pop("class_encoded")
+        d.pop("empty_encoded")
         d.pop("data")
         d["sources"] = self.data_plan().summary()
         d["content_files"] = self.data_plan().content_files()
@@ -285,6 +290,10 @@ def family_problems(cfg: RayLoraConfig, family, multiple: int, native: str | Non
     if t.sdpa_backend == "cudnn" and not family.cudnn_sdpa:
         out.append(f"train.sdpa_backend: cudnn is off for {family.name} (its cuDNN attention "
                    "crashed on an H100); use auto, flash or efficient")
+    if family.caption_reads_images and cached_caption_dropout(cfg):
+        out.append(f"data.caption_dropout: cannot be used with data.cache=latents for "
+                   f"{family.name}: its caption embedding reads the input image, and the "
+                   "cache encodes the empty prompt once; set it to 0 or data.cache=none")
     if "kohya" in cfg.export.formats and not family.kohya_export:
         out.append(f"export.formats: kohya export is not available for {family.name} yet; "
                    "export diffusers only")
@@ -328,14 +337,16 @@ def _carry(p: Plan, base: Plan, **changes) -> Plan:
     """``p`` (fresh step arithmetic) with what ``base`` learned beyond it: family, cache."""
     keep = {k: getattr(base, k)
             for k in ("family", "objective", "model_commit", "pins", "cache_uri", "cache_reused",
-                      "heldout_encoded", "bad_records", "class_rows", "class_images", "class_encoded")}
+                      "heldout_encoded", "bad_records", "class_rows", "class_images", "class_encoded",
+                      "empty_encoded")}
     return replace(p, **{**keep, **changes})
 
 
 def apply_cache(cfg: RayLoraConfig, p: Plan) -> Plan:
     """``data.cache=latents``: build or reuse the cache (needs Ray), then plan training over
     its files. Row counts are exact from here on, held-out split included."""
-    from raylora.data.cache import encode_rows, ensure_cache
+    from raylora.data.cache import encode_captions, encode_rows, ensure_cache
+    from raylora.model import families
 
     if cfg.data.cache != "latents":
         return p
@@ -344,8 +355,27 @@ def apply_cache(cfg: RayLoraConfig, p: Plan) -> Plan:
                          bad_records=p.bad_records)
     data = entry.plan(cfg.data)
     encoded = encode_rows(loads, p.family, p.model_path, p.heldout, store) if p.heldout else None
+    empty = (encode_captions(loads, p.family, p.model_path, [families.get(p.family).empty_caption])
+             if _drops_cached_captions(cfg) else None)
     return _carry(_arithmetic(cfg, p.model_path, data, p.heldout, []), p,
-                  cache_uri=entry.uri, cache_reused=entry.reused, heldout_encoded=encoded)
+                  cache_uri=entry.uri, cache_reused=entry.reused, heldout_encoded=encoded,
+                  empty_encoded=empty)
+
+
+def cached_caption_dropout(cfg: RayLoraConfig) -> float:
+    """data.caption_dropout of a run trained from the latent cache (one rate for every
+    source: the config refuses others), else 0."""
+    if cfg.data.cache != "latents":
+        return 0.0
+    return max((s.caption_dropout for s in cfg.data.source_sections()), default=0.0)
+
+
+def _drops_cached_captions(cfg: RayLoraConfig) -> bool:
+    """Whether a cached run (or one of its Tune trials) drops captions."""
+    if cfg.data.cache != "latents":
+        return False
+    searched = cfg.tune.search_space.get("data.caption_dropout") if cfg.tune is not None else None
+    return bool(cached_caption_dropout(cfg)) or (searched is not None and any(searched.values))
 
 
 def apply_class_images(cfg: RayLoraConfig, p: Plan) -> Plan:

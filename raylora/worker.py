@@ -200,8 +200,10 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
     worker builds one of its own files. Pass ``e``'s read order and preprocessing draws
     depend on the seed and ``e`` alone (raylora.data.source.build_dataset), so under
     ``files`` the stream a resumed run opens at its epoch repeats the straight run's."""
+    from raylora.data.captions import drop_cached_captions
     from raylora.data.prior import paired
     from raylora.data.source import DataPlan, EpochStream, build_dataset, global_share, pass_batches
+    from raylora.launch import cached_caption_dropout
 
     cfg, plan = spec.config, spec.plan
     t, data = cfg.train, cfg.data
@@ -260,12 +262,27 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
         # Elastic: one shuffle for all workers (the global order), not one per rank.
         seed = lambda e: data_seed + 7919 * e + (0 if elastic else rank)  # noqa: E731
         if plan.bucket_steps is not None:
-            return _bucketed(blocks, plan, t.batch_size, data_seed, seed)
+            return _dropped(_bucketed(blocks, plan, t.batch_size, data_seed, seed))
         batches = pass_batches(blocks, t.batch_size, data.shuffle_buffer_size, seed=seed,
                                pass_rows=pass_rows)
         if elastic:
             batches = global_share(batches, rank, world)
+        batches = _dropped(batches)  # before the class rows are added: those keep theirs
         return batches if classes is None else paired(batches, classes)
+
+    def _dropped(batches):
+        """data.caption_dropout over cached rows (uncached rows were dropped as they were
+        preprocessed)."""
+        if plan.empty_encoded is None:
+            if cfg.data.cache == "latents" and cached_caption_dropout(cfg):
+                # A trial's own rate (a search over a source's caption_dropout, say): the
+                # driver encoded no empty prompt for it. Not silently trained without.
+                raise ValueError("data.caption_dropout: this trial drops cached captions but "
+                                 "the run's plan holds no empty prompt; set caption_dropout in "
+                                 "data (or search data.caption_dropout), not per source")
+            return batches
+        return drop_cached_captions(batches, plan.empty_encoded, cached_caption_dropout(cfg),
+                                    data_seed, rank)
 
     return EpochStream(open_stream, per_epoch, per_pass=by_files, convert=_to_device(device),
                        prefetch=PREFETCH_BATCHES)

@@ -260,8 +260,12 @@ def test_data_sources_errors_name_their_keys():
         "data.keep_tokens: has no effect without data.shuffle_tags")
     cached = {"cache": "latents", "center_crop": True, "shuffle_tags": True, "caption_prefix": "sks",
               "sources": [{"uri": "a"}, {"uri": "b", "caption_dropout": 0.1, "shuffle_tags": False}]}
-    assert [p.split(":")[0] for p in problems(cached)] == [
-        "data.shuffle_tags", "data.sources[1].caption_dropout"]
+    got = problems(cached)
+    assert [p.split(":")[0] for p in got] == ["data.shuffle_tags", "data.sources[1].caption_dropout"]
+    assert "(here data.caption_dropout=0.0, data.sources[1].caption_dropout=0.1)" in got[1]
+    # One rate for every source: the cache's rows get the empty prompt's embedding.
+    same = validate({**MIN, "data": {**cached, "shuffle_tags": False, "caption_dropout": 0.1}})
+    assert [s.caption_dropout for s in same.data.source_sections()] == [0.1, 0.1]
     # Valid: each source's keys over data's.
     cfg = validate({**MIN, "data": {"caption_dropout": 0.1, "shuffle_tags": True, "sources": [
         {"uri": "a", "weight": 3, "caption_prefix": "sks", "keep_tokens": 1},

@@ -824,6 +824,8 @@ def test_sanas_instruction_is_tokenized_read_and_dropped_as_its_pipeline_does(ti
 # step (no classifier-free guidance): 1.0, except Z-Image's, which guides above 0.
 UNGUIDED = {"zimage": 0.0}
 QWEN = ("qwenimage", "qwenimage21", "qwenimageedit")  # true CFG with a negative prompt of " "
+# Captions encoded by a language model and cut after the batch's longest (llm_conditioning)
+TRIMMED = ("qwenimage", "qwenimage21", "qwenimageedit", "zimage", "lumina2", "sana")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -847,8 +849,9 @@ def test_caption_dropout_trains_on_the_unconditional_prompt_the_family_samples_w
 
     n, image = 40, png(Image.new("RGB", (32, 32), (200, 10, 10)))
     data = DataSection(uri="/d", resolution=32, center_crop=True, caption_dropout=0.5)
-    stage = Preprocess(StageSpec(**stage_kwargs("train", data, model_path=model, family=family,
-                                                storage=Storage(), max_sequence_length=32)))
+    pre = stage_kwargs("train", data, model_path=model, family=family, storage=Storage(),
+                       max_sequence_length=32)
+    stage = Preprocess(StageSpec(**pre))
     out = stage({"image": np.array([image] * n, dtype=object),
                  "text": np.array(["a red square"] * n, dtype=object)})
     key = fam.text[-1].ids_key
@@ -862,6 +865,126 @@ def test_caption_dropout_trains_on_the_unconditional_prompt_the_family_samples_w
     # instruction with nothing after it
     templated = CaptionTokenizer(dataclasses.replace(spec, bare_empty=False)).encode([negative])[0][0]
     assert (empty != templated).any() == (not fam.text[-1].template_empty) == (family in ("lumina2", "sana"))
+
+    # data.cache=latents: a dropped row's caption columns are what the cache's encoders give
+    # the empty prompt once (caption_columns, which the driver runs for every cached run
+    # with caption dropout), as the uncached stage's dropped row encodes; a kept row's are
+    # not. Qwen-Image-Edit's caption embedding reads the input image: refused there.
+    from raylora.data.cache import EncodeStage, caption_columns
+    from raylora.data.captions import PADDED_CAPTIONS, concat_rows
+
+    assert fam.caption_reads_images == (family == "qwenimageedit")
+    if fam.caption_reads_images:
+        return
+    rows = [int(np.flatnonzero(dropped)[0]), int(np.flatnonzero(~dropped)[0])]
+    enc = dict(model_path=model, family=family, dtype="float32", resolution=32)
+    stage_out = EncodeStage(**enc)({k: v[rows] for k, v in out.items()})
+    once = caption_columns(pre, enc, [negative])
+    assert set(once) == set(fam.caption_keys()) == set(fam.cond_keys()) - {"time_ids"}
+    for k, v in once.items():
+        assert len(v) == 1 and v.dtype == stage_out[k].dtype
+        # A language-model caption is cut after the longest of its batch: the empty prompt
+        # alone is shorter, and zero-padded where it meets the others (PADDED_CAPTIONS).
+        assert (v.shape[1] < stage_out[k].shape[1]) == (k in PADDED_CAPTIONS and family in TRIMMED)
+        both = concat_rows(k, [v, stage_out[k]])
+        np.testing.assert_allclose(both[0], both[1], atol=1e-5, rtol=1e-4)
+    both = concat_rows("prompt_embeds", [once["prompt_embeds"], stage_out["prompt_embeds"]])
+    assert not np.allclose(both[0], both[2], atol=1e-3)
+
+
+# Not Qwen-Image 2.1: its transformer's prediction moves with the caption's padded length
+# despite the mask (0.008 max abs on the tiny model), in uncached batches of captions of
+# different lengths as in the stock pipeline's batched prompts; cached rows are padded the
+# same way there.
+@pytest.mark.parametrize("family", [f for f in TRIMMED if not families.get(f).reference_required
+                                    and f != "qwenimage21"])
+def test_cached_captions_of_different_lengths_are_padded_to_the_same_prediction(tiny, family):
+    """A language-model caption is cut after the longest of the batch it is encoded in, so
+    cached rows encoded in different batches differ in length. Where they meet (a cache
+    part, a training batch, class rows beside instance rows, the empty prompt of caption
+    dropout) they are zero-padded to the longest (``PADDED_CAPTIONS``; before, joining them
+    failed: a cached Qwen-Image run over captions of different lengths could not write its
+    cache). Padded, a caption gives the denoiser's prediction it gives alone."""
+    from raylora.data.captions import concat_rows, stack_rows
+    import numpy as np
+
+    from raylora.model.families.base import Cond
+
+    fam = families.get(family)
+    captions = ["a dog", "a small red dog sitting on a green lawn under a tall old tree"]
+    comps, _ = _raylora_batch(tiny(family), family, captions[:1])
+    conds = []
+    for c in captions:  # each caption encoded in a batch of its own, as two cache chunks
+        with torch.no_grad():
+            cond = fam.encode_text(comps.text_encoders, _raylora_batch(tiny(family), family, [c])[1])
+        conds.append({k: cond[k].numpy() for k in fam.cond_keys()})
+    short, long = (c["prompt_embeds"].shape[1] for c in conds)
+    assert short < long
+    joined = {k: concat_rows(k, [c[k] for c in conds]) for k in conds[0]}  # a cache part
+    rows = {k: stack_rows(k, [c[k][0] for c in conds]) for k in conds[0]}  # a training batch
+    for k in joined:
+        np.testing.assert_array_equal(joined[k], rows[k])
+        assert joined[k].shape[1] == long and not joined[k][0, short:].any()
+    params = fam.encode_pixels(comps.vae, torch.zeros(1, 3, 64, 64))
+    torch.manual_seed(0)
+    noisy = torch.randn(2, params.shape[1] // 2, *params.shape[2:])
+    t = torch.full((2,), 0.5)
+    net = comps.denoiser
+    with torch.no_grad():
+        padded = fam.denoise(net, noisy, t, Cond({k: torch.from_numpy(v) for k, v in rows.items()}),
+                             guidance=1.0)
+        alone = fam.denoise(net, noisy[:1], t[:1], Cond({k: torch.from_numpy(v) for k, v in conds[0].items()}),
+                            guidance=1.0)
+    torch.testing.assert_close(padded[:1], alone, rtol=1e-4, atol=1e-5)
+
+
+def test_a_cache_part_holds_language_model_captions_of_different_lengths(tiny, tmp_path):
+    """The cache's stage over captions whose encode batches differ in length (Qwen-Image,
+    encoded 2 rows at a time: the short captions first): the part is written (joining the
+    batches failed before), each row zero-padded past its own caption, its mask as long as
+    the caption is when encoded alone."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import ray.data
+
+    from raylora.config import validate
+    from raylora.data.cache import EncodeFiles, _stage_kwargs, _work_items, from_column
+    from raylora.data.demo import make_samples
+    from raylora.data.plan import plan_data
+    from raylora.storage import Storage
+
+    family, model = "qwenimage", tiny("qwenimage")
+    captions = ["a dog", "a cat", "a small red dog on a green lawn under a tall old tree",
+                "a black cat asleep on a sunny windowsill beside a pot of basil"]
+    src = tmp_path / "src"
+    src.mkdir()
+    images = [png for png, _ in make_samples(len(captions), size=32)]
+    pq.write_table(pa.table({"image": images, "text": captions}), src / "part-00000.parquet")
+    cfg = validate({"model": {"pretrained": model, "max_sequence_length": 32},
+                    "data": {"uri": str(src), "resolution": 32, "center_crop": True, "cache": "latents"},
+                    "output": {"uri": str(tmp_path / "out")}})
+    store = Storage()
+    plan = plan_data(cfg.data, store)
+    pre, enc = _stage_kwargs(cfg, model, family, store)
+    items = _work_items(cfg, plan, store, 256)
+    stage = EncodeFiles(cfg.data.model_dump(), [s.format for s in plan.sources],
+                        [s.files for s in plan.sources], str(tmp_path / "parts"), pre, enc,
+                        rows_per_part=256, encode_batch=2)
+    out = stage({k: np.array([it[k] for it in items]) for k in items[0]})
+    assert list(out["rows"]) == [4]
+    ray.data.DataContext.get_current()  # registers the parts' tensor type
+    table = pq.read_table(tmp_path / "parts" / out["name"][0])
+    emb, mask = (from_column(np.concatenate([c.to_numpy() for c in table[k].chunks])).numpy()
+                 for k in ("prompt_embeds", "prompt_embeds_mask"))
+    alone = [stage.enc(stage.pre({"image": np.array([i], dtype=object),
+                                  "text": np.array([c], dtype=object)})) for i, c in zip(images, captions)]
+    lengths = [a["prompt_embeds_mask"].shape[1] for a in alone]
+    assert lengths[0] < lengths[2] and emb.shape[1] == mask.shape[1] == max(lengths)
+    for row, a, n in zip(range(4), alone, lengths):
+        assert mask[row].sum() == a["prompt_embeds_mask"].sum() and not mask[row, n:].any()
+        np.testing.assert_allclose(emb[row, :n], a["prompt_embeds"][0], atol=1e-5, rtol=1e-4)
+        assert not emb[row, n:].any()
 
 
 class _Probed(Exception):

@@ -128,7 +128,8 @@ def test_tiny_sdxl_trains_renders_grids_tracks_and_loads_in_stock_pipeline(
 def test_latent_cache_build_reuse_and_training(ray_local, tiny_model, tmp_path):
     """The cache holds what the encoders compute for every source row, in source order;
     cached training repeats uncached training step for step (same seed, no augmentation),
-    never loads the encoders, and a second run's preamble reuses the cache."""
+    never loads the encoders; a second run, with caption dropout, reuses the cache and
+    repeats uncached training with the same dropout."""
     import pyarrow.parquet as pq
     import ray.data
 
@@ -141,12 +142,13 @@ def test_latent_cache_build_reuse_and_training(ray_local, tiny_model, tmp_path):
     write_parquet_shards(data, n=16, num_shards=1, size=64, seed=5)
     write_parquet_shards(held, n=4, num_shards=1, size=64, seed=6)
 
-    def tree(name: str, cache: str) -> dict:
+    def tree(name: str, cache: str, caption_dropout: float = 0.0) -> dict:
         return {
             "model": {"pretrained": tiny_model},
             "data": {"uri": str(data), "resolution": 64, "center_crop": True, "cache": cache,
                      "cache_uri": str(tmp_path / "cache"), "sharding": "files",
-                     "shuffle_buffer_size": 0, "validation_uri": str(held)},
+                     "shuffle_buffer_size": 0, "validation_uri": str(held),
+                     "caption_dropout": caption_dropout},
             "train": {"batch_size": 2, "max_steps": 6, "learning_rate": 1e-3, "seed": 7},
             "validation": {"num_timesteps": 2},
             "checkpoint": {"every_n_steps": 6},
@@ -177,14 +179,20 @@ def test_latent_cache_build_reuse_and_training(ray_local, tiny_model, tmp_path):
     written = [*files, os.path.join(meta["cache_uri"], MANIFEST)]
     stamps = {f: os.stat(f).st_mtime_ns for f in written}
 
-    # A second run of the same data and settings: its preamble (where the cache is found
-    # or built) reuses the cache, rewriting nothing; its workers then read what the cached
-    # run above read, so it trains without encoders the same way.
-    from raylora.launch import TRAIN, prepared
-
-    with prepared(validate(tree("again", "latents")), TRAIN) as again:
-        assert again.plan.cache_reused is True and again.plan.cache_uri == meta["cache_uri"]
+    # A second cached run of the same data, now with caption dropout: its preamble reuses
+    # the cache (dropout is no part of an entry), rewriting nothing, and encodes the empty
+    # prompt once; its workers swap that in for the dropped rows' captions. At p=0.999
+    # every row of both runs is dropped (their draws differ), so it repeats uncached
+    # training with the same dropout step for step: the empty prompt's cached embedding
+    # is the one the uncached step computes.
+    dropped = run(validate(tree("again", "latents", caption_dropout=0.999)))
+    run(validate(tree("plain_dropped", "none", caption_dropout=0.999)))
+    again = json.loads((tmp_path / "again" / "adapter" / "raylora.json").read_text())["data"]
+    assert again["cache_reused"] is True and again["cache_uri"] == meta["cache_uri"]
     assert {f: os.stat(f).st_mtime_ns for f in written} == stamps
+    assert dropped["metrics"]["encoders_on_worker"] is False
+    np.testing.assert_allclose(losses("again"), losses("plain_dropped"), rtol=1e-4)
+    assert np.abs(np.array(losses("again")) - losses("cached")).max() > 1e-3 * max(losses("cached"))
 
     # Row for row, in source order, the cache is what the encoders give for the source rows.
 

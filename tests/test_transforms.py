@@ -128,6 +128,62 @@ def test_caption_dropout_replaces_captions_with_the_empty_prompt(tiny_model):
     assert (ids[~dropped] == kept[0]).all()
 
 
+def test_cached_caption_dropout_swaps_in_the_empty_prompt_row_by_row_and_repeats_on_resume():
+    """data.cache=latents with caption dropout: a dropped row's caption columns (all of
+    them, SDXL's pooled embedding too) become the empty prompt's, nothing else of the row
+    changes; about p of the rows are dropped; batch i of a pass drops the same rows
+    whatever came before it (a run resumed at an epoch), another rank other rows."""
+    import numpy as np
+
+    from raylora.data.captions import drop_cached_captions
+
+    rng = np.random.default_rng(0)
+
+    def stream(epochs, batches=50, n=4):
+        for e in epochs:
+            for _ in range(batches):
+                yield e, {"prompt_embeds": rng.normal(size=(n, 3, 4)).astype(np.float32),
+                          "pooled_prompt_embeds": rng.normal(size=(n, 4)).astype(np.float32),
+                          "latent_params": rng.normal(size=(n, 2, 2)).astype(np.float32)}
+
+    empty = {"prompt_embeds": np.full((1, 3, 4), 9.0, np.float32),
+             "pooled_prompt_embeds": np.full((1, 4), 7.0, np.float32)}
+
+    def dropped_rows(epochs, p=0.3, rank=0):
+        raw = list(stream(epochs))
+        out = list(drop_cached_captions(iter(raw), empty, p, seed=7, rank=rank))
+        masks = []
+        for (e, before), (e2, after) in zip(raw, out):
+            assert e == e2 and set(after) == set(before)
+            np.testing.assert_array_equal(after["latent_params"], before["latent_params"])
+            drop = (after["prompt_embeds"] == 9.0).all(axis=(1, 2))
+            assert ((after["pooled_prompt_embeds"] == 7.0).all(axis=1) == drop).all()
+            np.testing.assert_array_equal(after["prompt_embeds"][~drop], before["prompt_embeds"][~drop])
+            assert not (before["prompt_embeds"] == 9.0).any()  # the input batch is not written to
+            masks.append(drop)
+        return np.array(masks)
+
+    straight = dropped_rows([0, 1])
+    assert 0.22 < straight.mean() < 0.38  # 400 rows at p=0.3
+    np.testing.assert_array_equal(dropped_rows([1]), straight[50:])  # resumed at pass 1
+    assert (dropped_rows([0, 1], rank=1) != straight).any()
+    assert not dropped_rows([0], p=0.0).any()
+    # A language-model caption (cut after its batch's longest) longer than the batch's:
+    # the batch's captions are zero-padded to it (PADDED_CAPTIONS)
+    longer = {"prompt_embeds": np.full((1, 5, 4), 9.0, np.float32)}
+    out = [b for _, b in drop_cached_captions(stream([0]), longer, 0.5, seed=7, rank=0)]
+    padded = [b for b in out if b["prompt_embeds"].shape[1] == 5]
+    assert {b["prompt_embeds"].shape for b in out} == {(4, 3, 4), (4, 5, 4)}  # those with a drop
+    drop = np.concatenate([(b["prompt_embeds"] == 9.0).all(axis=(1, 2)) for b in padded])
+    assert drop.reshape(-1, 4).any(axis=1).all()
+    tails = np.concatenate([b["prompt_embeds"][:, 3:] for b in padded])
+    assert 0 < drop.sum() < len(drop) and not tails[~drop].any()
+    wrong = {"prompt_embeds": np.zeros((1, 3, 5), np.float32)}
+    with pytest.raises(ValueError, match="cached prompt_embeds is float32 \\(3, 4\\) a row, "
+                                         "the empty prompt's float32 \\(3, 5\\)"):
+        list(drop_cached_captions(stream([0]), wrong, 0.9, seed=7, rank=0))
+
+
 def test_uint8_pixels_reach_the_vae_as_the_float_stage_made_them(tiny_model):
     """The stage ships uint8; the VAE sees exactly what float32 scaling in the stage gave."""
     import torch

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from raylora.data.captions import stack_rows
+
 # Longest side / shortest side a bucket may have (kohya's default range 256-1024 at 512
 # reaches 4:1).
 MAX_ASPECT = 4.0
@@ -223,5 +225,5 @@ def _draw(pool: list, n: int, rng: np.random.Generator) -> dict[str, np.ndarray]
     for j in picks:  # swap-remove, largest index first
         pool[j] = pool[-1]
         pool.pop()
-    return {k: np.stack([np.asarray(blk[k][r]) for blk, r in rows])
+    return {k: stack_rows(k, [blk[k][r] for blk, r in rows])
             for k in rows[0][0] if k not in ("epoch",)}

@@ -22,8 +22,16 @@ An entry lives at ``{cache_uri}/{fingerprint}/`` and is complete once its
 ``manifest.json`` exists (written last). The fingerprint covers the model's encoder files,
 the precision, the resolution and crop policy, the held-out split and the data files'
 names, sizes and mtimes: a rerun or a Tune trial with the same inputs reuses the entry,
-and any change makes a new one. Random crop/flip and caption dropout are refused by the
-config (a cache holds one view of each image).
+and any change makes a new one. Random crop/flip and tag shuffling are refused by the
+config (a cache holds one view of each image and caption). Caption dropout is not: the
+driver encodes the family's empty prompt once (``encode_captions``) and training swaps
+it in for the dropped rows' caption columns (``raylora.data.captions``), so the entry is
+the same with or without it.
+
+A language-model caption (Qwen-Image, Z-Image, Lumina 2, Sana) is cut after the longest of
+the batch it is encoded in, so rows encoded apart differ in length; a part, a training
+batch and class rows beside instance rows zero-pad them to the longest
+(``raylora.data.captions.PADDED_CAPTIONS``), as the pipelines pad past each caption.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ import numpy as np
 
 from raylora import storage
 from raylora.config import MAX_CONTROL_INPUTS, RayLoraConfig, control_key, control_values
-from raylora.data.captions import with_prefix
+from raylora.data.captions import concat_rows, stack_rows, with_prefix
 from raylora.data.formats import MASK_SUFFIX, get_format
 from raylora.data.formats.base import CONTROL_INFIX, control_infix
 from raylora.data.plan import DataPlan, SourceFiles, apply_shares
@@ -81,7 +89,7 @@ class EncodeStage:
     """
 
     def __init__(self, model_path: str, family: str, dtype: str, revision=None, variant=None,
-                 endpoint_url=None, region=None, resolution: int | None = None):
+                 endpoint_url=None, region=None, resolution: int | None = None, vae: bool = True):
         import torch
 
         from raylora.model import families
@@ -94,8 +102,9 @@ class EncodeStage:
         self.family = families.get(family)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         _, self.text_encoders = load_text_encoders(path, self.family, weight_dtype, index, revision, variant)
-        self.vae = load_vae(path, self.family, weight_dtype, index, revision, variant)
-        for m in (*self.text_encoders, self.vae):
+        # vae=False: captions alone are encoded (encode_captions)
+        self.vae = load_vae(path, self.family, weight_dtype, index, revision, variant) if vae else None
+        for m in (*self.text_encoders, *([self.vae] if vae else [])):
             m.to(self.device)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -352,7 +361,8 @@ class EncodeFiles:
         import pyarrow.parquet as pq
         from ray.data.block import BlockAccessor
 
-        joined = {k: np.concatenate([e[k] for e in encoded]) for k in encoded[0]}
+        # Caption columns of chunks encoded apart may differ in length (PADDED_CAPTIONS)
+        joined = {k: concat_rows(k, [e[k] for e in encoded]) for k in encoded[0]}
         head = {k: v[: self.rows_per_part] for k, v in joined.items()}
         rest = {k: v[self.rows_per_part :] for k, v in joined.items()}
         name = f"part-{item:06d}-{part:04d}.parquet"
@@ -404,8 +414,8 @@ def _encode_by_bucket(enc: EncodeStage, batch: dict[str, np.ndarray]) -> dict[st
             col = np.empty(len(rows), dtype=object)
             for i, j in enumerate(where):
                 col[i] = rows[j]
-        else:
-            col = np.stack([rows[j] for j in where])
+        else:  # a caption column's buckets were encoded apart (PADDED_CAPTIONS)
+            col = stack_rows(k, [rows[j] for j in where])
         out[k] = col
     out["bucket"] = ids.astype(np.int32)
     return out
@@ -482,6 +492,46 @@ def ensure_cache(cfg: RayLoraConfig, family: str, model_path: str, data: DataPla
     return CacheEntry(uri, [storage.join(parts, n) for n in names], manifest["file_rows"],
                       reused=False, sources=manifest["file_sources"],
                       repeats=manifest["file_repeats"], buckets=manifest.get("file_buckets"))
+
+
+def caption_columns(pre: dict, enc: dict, captions: list[str]) -> dict[str, np.ndarray]:
+    """The caption-only conditioning (``Family.caption_keys``) of ``captions`` as cache
+    columns, one row each: tokenized by the preprocess stage's tokenizers and encoded by
+    the cache's encoders in the cache's dtype, as the uncached step encodes a caption.
+    ``pre``/``enc``: the stages' kwargs (``_stage_kwargs``)."""
+    import torch
+
+    from raylora.data.preprocess import Preprocess, StageSpec
+    from raylora.train.encode import batch_condition
+
+    stage, encoder = Preprocess(StageSpec(**pre)), EncodeStage(**{**enc, "vae": False})
+    batch = {k: torch.from_numpy(np.asarray(v)).to(encoder.device)
+             for k, v in stage.text_columns(list(captions)).items()}
+    # A family whose conditioning also holds the image's size and crop (SDXL's time_ids)
+    # computes it from these; it is not a caption column, so not kept.
+    sizes = torch.zeros(len(captions), 2, dtype=torch.int64, device=encoder.device)
+    batch.update(original_size=sizes, crop_top_left=sizes, target_size=sizes)
+    with torch.no_grad():
+        cond = batch_condition(encoder.family, encoder.text_encoders, batch)
+    return {k: to_column(cond[k]) for k in encoder.family.caption_keys()}
+
+
+def _encode_captions_task(cfg_dict: dict, family: str, model_path: str, captions: list[str]) -> dict:
+    cfg = RayLoraConfig.model_validate(cfg_dict)
+    pre, enc = _stage_kwargs(cfg, model_path, family, cfg.storage.client())
+    return caption_columns(pre, enc, captions)
+
+
+def encode_captions(cfg: RayLoraConfig, family: str, model_path: str,
+                    captions: list[str]) -> dict[str, np.ndarray]:
+    """``caption_columns`` in one Ray task (on a GPU when training uses them): with
+    data.caption_dropout, the family's empty prompt, which a cached batch's dropped rows
+    get (``raylora.data.captions.drop_cached_captions``)."""
+    import ray
+
+    res = {"num_gpus": 1} if cfg.scaling.use_gpu else {"num_cpus": 1}
+    task = ray.remote(**res)(_encode_captions_task)
+    return ray.get(task.remote(cfg.to_dict(), family, model_path, list(captions)))
 
 
 def _encode_rows_task(cfg_dict: dict, family: str, model_path: str, rows: list[dict],

@@ -64,3 +64,71 @@ def apply_policies(captions: list[str], policies: list[CaptionPolicy],
         captions = [empty if d else c for c, d in zip(captions, drop)]
     return [shuffle_tags(c, pol.keep_tokens, rng) if pol.shuffle_tags and c.strip() else c
             for c, pol in zip(captions, policies)]
+
+
+# Caption columns that a language-model text encoder cuts after the longest caption of the
+# batch it encodes (Qwen-Image, Z-Image, Lumina 2, Sana: ``llm_conditioning``). Cached rows
+# encoded in different batches differ in length there; where they meet (a cache part, a
+# training batch, class rows beside instance rows) they are zero-padded to the longest: the
+# pipelines pad with zeros past each caption, and the mask says where it ends. In columns
+# of one length (every other family) nothing is padded.
+PADDED_CAPTIONS = ("prompt_embeds", "prompt_embeds_mask")
+
+
+def _padded(arrays: list[np.ndarray], axis: int) -> list[np.ndarray]:
+    n = max(a.shape[axis] for a in arrays)
+    return [a if a.shape[axis] == n else
+            np.pad(a, [(0, n - a.shape[axis]) if i == axis else (0, 0) for i in range(a.ndim)])
+            for a in arrays]
+
+
+def stack_rows(key: str, rows: list) -> np.ndarray:
+    """Rows of column ``key`` as one batch array (``np.stack``), a caption column's rows
+    zero-padded to the longest (``PADDED_CAPTIONS``)."""
+    rows = [np.asarray(r) for r in rows]
+    if key in PADDED_CAPTIONS and rows and rows[0].ndim and len({r.shape[0] for r in rows}) > 1:
+        rows = _padded(rows, 0)
+    return np.stack(rows)
+
+
+def concat_rows(key: str, parts: list[np.ndarray]) -> np.ndarray:
+    """Batch arrays of column ``key`` one after the other (``np.concatenate``), a caption
+    column's zero-padded to the longest (``PADDED_CAPTIONS``)."""
+    parts = [np.asarray(p) for p in parts]
+    if key in PADDED_CAPTIONS and all(p.ndim > 1 for p in parts) and len({p.shape[1] for p in parts}) > 1:
+        parts = _padded(parts, 1)
+    return np.concatenate(parts)
+
+
+CACHED_DROPOUT_SALT = 0xD50F_CA9E
+
+
+def drop_cached_captions(stream, empty: dict[str, np.ndarray], p: float, seed: int, rank: int):
+    """Caption dropout over cached rows (data.cache=latents): ``(pass, batch)`` → the same
+    with each row's caption columns (``Family.caption_keys``), with probability ``p``,
+    those of ``empty``: the family's empty prompt, encoded once by the driver
+    (``raylora.data.cache.encode_captions``) as the uncached step encodes a dropped row's.
+    One draw per row; batch ``i`` of a pass (counted from the pass's first batch in this
+    stream) draws from the seed, the rank, the pass and ``i`` alone, as prior
+    preservation picks its class rows (``raylora.data.prior``): a ``data.sharding=files``
+    run resumed at an epoch drops the straight run's rows."""
+    seen: dict[int, int] = {}
+    for epoch, batch in stream:
+        i = seen.get(epoch, 0)
+        seen[epoch] = i + 1
+        n = len(next(iter(batch.values())))
+        drop = np.random.default_rng([CACHED_DROPOUT_SALT, seed, rank, epoch, i]).random(n) < p
+        if drop.any():
+            batch = dict(batch)
+            for key, row in empty.items():
+                column = np.array(batch[key], copy=True)
+                if key in PADDED_CAPTIONS and column.ndim > 1 and row.ndim > 1:
+                    column, row = _padded([column, row], 1)  # as long as the longer
+                if column.shape[1:] != row.shape[1:] or column.dtype != row.dtype:
+                    raise ValueError(
+                        f"caption dropout: the cached {key} is {column.dtype} {column.shape[1:]} "
+                        f"a row, the empty prompt's {row.dtype} {row.shape[1:]}; rebuild the "
+                        "cache (delete its entry under data.cache_uri)")
+                column[drop] = row[0]
+                batch[key] = column
+        yield epoch, batch

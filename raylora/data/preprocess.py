@@ -275,7 +275,8 @@ class Preprocess:
         self.control_names = [control_key("control", i) for i in range(inputs)]
         self.control_outputs = [control_key("control_values", i) for i in range(inputs)]
 
-    def _text_columns(self, captions: list[str]) -> dict[str, np.ndarray]:
+    def text_columns(self, captions: list[str]) -> dict[str, np.ndarray]:
+        """Captions → the token columns (ids, masks) of every text encoder."""
         out = {}
         for (ids_key, mask_key), enc in zip(self.keys, self.encoders):
             ids, mask = enc.encode(captions)
@@ -340,7 +341,7 @@ class Preprocess:
         captions = apply_policies(captions, [self.policies[s] for s in kept], self.rng,
                                   self.empty_caption)
         result = {"pixel_values": self._pixels([o[0] for o in out]),
-                  **self._text_columns(captions)}
+                  **self.text_columns(captions)}
         result["original_size"] = np.array([o[1] for o in out], dtype=np.int64).reshape(-1, 2)
         result["crop_top_left"] = np.array([o[2] for o in out], dtype=np.int64).reshape(-1, 2)
         result["target_size"] = np.array([o[0].shape[-2:] for o in out], dtype=np.int64).reshape(-1, 2)

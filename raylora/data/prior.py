@@ -112,7 +112,9 @@ def concat_pair(instance: dict[str, np.ndarray], prior: dict[str, np.ndarray]) -
     missing = set(instance) - set(prior)
     if missing:
         raise KeyError(f"prior preservation: class batches lack {sorted(missing)}")
-    return {k: np.concatenate([v, prior[k].astype(v.dtype, copy=False)]) for k, v in instance.items()}
+    from raylora.data.captions import concat_rows
+
+    return {k: concat_rows(k, [v, prior[k].astype(v.dtype, copy=False)]) for k, v in instance.items()}
 
 
 def paired(stream: Iterator[tuple[int, dict]], classes: ClassBatches) -> Iterator[tuple[int, dict]]:

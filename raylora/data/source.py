@@ -351,6 +351,8 @@ def pass_batches(blocks: Iterable[dict[str, np.ndarray]], batch_size: int, buffe
     buffer that would hold all of them draws its first batch on the last of them, without
     waiting for the next pass. The batches depend on the rows' order alone, not on how
     they were cut into blocks."""
+    from raylora.data.captions import stack_rows
+
     if pass_rows is not None:
         buffer_rows = min(buffer_rows, max(0, pass_rows - batch_size))
     current, rng, buf = None, None, []  # buf: (block, row) of the rows held
@@ -365,7 +367,7 @@ def pass_batches(blocks: Iterable[dict[str, np.ndarray]], batch_size: int, buffe
         else:
             rows = buf[:n]
             del buf[:n]
-        return {k: np.stack([b[k][r] for b, r in rows]) for k in rows[0][0] if k != "epoch"}
+        return {k: stack_rows(k, [b[k][r] for b, r in rows]) for k in rows[0][0] if k != "epoch"}
 
     def rest():
         if buffer_rows and buf:

@@ -256,6 +256,10 @@ class Family:
     # The prompt of classifier-free guidance's unconditional branch as raylora samples the
     # family (previews, the model card): what data.caption_dropout trains on.
     empty_caption: ClassVar[str] = ""
+    # Its caption embedding reads the sample's input image too (a vision-language text
+    # encoder): a dropped caption's embedding differs per image, so a latent cache, which
+    # encodes the empty prompt once, cannot drop captions.
+    caption_reads_images: ClassVar[bool] = False
     # A video pipeline trained and sampled as single frames (Wan): its call takes
     # num_frames=1 and returns ``.frames`` (a list of frames per prompt) instead of ``.images``.
     video: ClassVar[bool] = False
@@ -522,6 +526,12 @@ class Family:
     def cond_keys(cls) -> tuple[str, ...]:
         """The conditioning tensors (= latent-cache columns) of this family."""
         return ("prompt_embeds",)
+
+    @classmethod
+    def caption_keys(cls) -> tuple[str, ...]:
+        """The conditioning tensors that depend on the caption alone (not on the image's
+        size or crop): what a dropped caption's embedding replaces in a cached batch."""
+        return cls.cond_keys()
 
     @classmethod
     def encode_text(cls, encoders: list[torch.nn.Module], batch: dict[str, torch.Tensor]) -> Cond:

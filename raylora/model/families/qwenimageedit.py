@@ -114,6 +114,7 @@ class QwenImageEdit(QwenImage):
     text = (TextInput("text_encoder", "tokenizer", "input_ids", max_length=1024,
                       template=TEMPLATE, mask_key="attention_mask", long_context=True, drop=DROP),)
     reference_image = True
+    caption_reads_images = True  # Qwen2.5-VL reads the input image with the caption
     # QwenImageEditPlusPipeline samples only from an input image (it reads its size first)
     reference_required = True
     # Its image list: "Picture k" in the prompt, input k's latents after input k-1's

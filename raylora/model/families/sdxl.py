@@ -23,6 +23,10 @@ class SDXL(SD):
         return ("prompt_embeds", "pooled_prompt_embeds", "time_ids")
 
     @classmethod
+    def caption_keys(cls):  # time_ids are the image's size and crop
+        return ("prompt_embeds", "pooled_prompt_embeds")
+
+    @classmethod
     def encode_text(cls, encoders, batch) -> Cond:
         hidden, pooled = [], None
         for enc, t in zip(encoders, cls.text):

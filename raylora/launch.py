@@ -79,8 +79,8 @@ class Plan:
     # raylora.data.cache.encode_rows): workers hold no encoders then.
     class_encoded: dict | None = field(default=None, repr=False)
     # data.caption_dropout with data.cache=latents: the family's empty prompt encoded
-    # ({caption column: 1 row}, raylora.data.cache.encode_captions), which workers swap in
-    # for the dropped rows' captions.
+    # ({caption column: 1 row}, raylora.data.cache.encode_heldout_and_captions), which
+    # workers swap in for the dropped rows' captions.
     empty_encoded: dict | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
@@ -345,7 +345,7 @@ def _carry(p: Plan, base: Plan, **changes) -> Plan:
 def apply_cache(cfg: RayLoraConfig, p: Plan) -> Plan:
     """``data.cache=latents``: build or reuse the cache (needs Ray), then plan training over
     its files. Row counts are exact from here on, held-out split included."""
-    from raylora.data.cache import encode_captions, encode_rows, ensure_cache
+    from raylora.data.cache import encode_heldout_and_captions, encode_rows, ensure_cache
     from raylora.model import families
 
     if cfg.data.cache != "latents":
@@ -354,9 +354,12 @@ def apply_cache(cfg: RayLoraConfig, p: Plan) -> Plan:
     entry = ensure_cache(loads, p.family, p.model_path, p.data_plan(), store,
                          bad_records=p.bad_records)
     data = entry.plan(cfg.data)
-    encoded = encode_rows(loads, p.family, p.model_path, p.heldout, store) if p.heldout else None
-    empty = (encode_captions(loads, p.family, p.model_path, [families.get(p.family).empty_caption])
-             if _drops_cached_captions(cfg) else None)
+    encoded = empty = None
+    if _drops_cached_captions(cfg):  # the held-out rows and the empty prompt: one task
+        encoded, empty = encode_heldout_and_captions(
+            loads, p.family, p.model_path, p.heldout, [families.get(p.family).empty_caption])
+    elif p.heldout:
+        encoded = encode_rows(loads, p.family, p.model_path, p.heldout, store)
     return _carry(_arithmetic(cfg, p.model_path, data, p.heldout, []), p,
                   cache_uri=entry.uri, cache_reused=entry.reused, heldout_encoded=encoded,
                   empty_encoded=empty)

@@ -274,7 +274,7 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
         """data.caption_dropout over cached rows (uncached rows were dropped as they were
         preprocessed)."""
         if plan.empty_encoded is None:
-            if cfg.data.cache == "latents" and cached_caption_dropout(cfg):
+            if cached_caption_dropout(cfg):
                 # A trial's own rate (a search over a source's caption_dropout, say): the
                 # driver encoded no empty prompt for it. Not silently trained without.
                 raise ValueError("data.caption_dropout: this trial drops cached captions but "

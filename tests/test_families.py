@@ -877,9 +877,9 @@ def test_caption_dropout_trains_on_the_unconditional_prompt_the_family_samples_w
     if fam.caption_reads_images:
         return
     rows = [int(np.flatnonzero(dropped)[0]), int(np.flatnonzero(~dropped)[0])]
-    enc = dict(model_path=model, family=family, dtype="float32", resolution=32)
-    stage_out = EncodeStage(**enc)({k: v[rows] for k, v in out.items()})
-    once = caption_columns(pre, enc, [negative])
+    encoder = EncodeStage(model_path=model, family=family, dtype="float32", resolution=32)
+    stage_out = encoder({k: v[rows] for k, v in out.items()})
+    once = caption_columns(stage, encoder, [negative])
     assert set(once) == set(fam.caption_keys()) == set(fam.cond_keys()) - {"time_ids"}
     for k, v in once.items():
         assert len(v) == 1 and v.dtype == stage_out[k].dtype

@@ -24,7 +24,7 @@ the precision, the resolution and crop policy, the held-out split and the data f
 names, sizes and mtimes: a rerun or a Tune trial with the same inputs reuses the entry,
 and any change makes a new one. Random crop/flip and tag shuffling are refused by the
 config (a cache holds one view of each image and caption). Caption dropout is not: the
-driver encodes the family's empty prompt once (``encode_captions``) and training swaps
+driver encodes the family's empty prompt once (``encode_heldout_and_captions``) and training swaps
 it in for the dropped rows' caption columns (``raylora.data.captions``), so the entry is
 the same with or without it.
 
@@ -102,7 +102,7 @@ class EncodeStage:
         self.family = families.get(family)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         _, self.text_encoders = load_text_encoders(path, self.family, weight_dtype, index, revision, variant)
-        # vae=False: captions alone are encoded (encode_captions)
+        # vae=False: captions alone are encoded (caption_columns)
         self.vae = load_vae(path, self.family, weight_dtype, index, revision, variant) if vae else None
         for m in (*self.text_encoders, *([self.vae] if vae else [])):
             m.to(self.device)
@@ -494,17 +494,15 @@ def ensure_cache(cfg: RayLoraConfig, family: str, model_path: str, data: DataPla
                       repeats=manifest["file_repeats"], buckets=manifest.get("file_buckets"))
 
 
-def caption_columns(pre: dict, enc: dict, captions: list[str]) -> dict[str, np.ndarray]:
+def caption_columns(stage, encoder: EncodeStage, captions: list[str]) -> dict[str, np.ndarray]:
     """The caption-only conditioning (``Family.caption_keys``) of ``captions`` as cache
-    columns, one row each: tokenized by the preprocess stage's tokenizers and encoded by
-    the cache's encoders in the cache's dtype, as the uncached step encodes a caption.
-    ``pre``/``enc``: the stages' kwargs (``_stage_kwargs``)."""
+    columns, one row each: tokenized by ``stage``'s tokenizers (a ``Preprocess``) and
+    encoded by ``encoder``'s text encoders in the cache's dtype, as the uncached step
+    encodes a caption."""
     import torch
 
-    from raylora.data.preprocess import Preprocess, StageSpec
     from raylora.train.encode import batch_condition
 
-    stage, encoder = Preprocess(StageSpec(**pre)), EncodeStage(**{**enc, "vae": False})
     batch = {k: torch.from_numpy(np.asarray(v)).to(encoder.device)
              for k, v in stage.text_columns(list(captions)).items()}
     # A family whose conditioning also holds the image's size and crop (SDXL's time_ids)
@@ -516,26 +514,8 @@ def caption_columns(pre: dict, enc: dict, captions: list[str]) -> dict[str, np.n
     return {k: to_column(cond[k]) for k in encoder.family.caption_keys()}
 
 
-def _encode_captions_task(cfg_dict: dict, family: str, model_path: str, captions: list[str]) -> dict:
-    cfg = RayLoraConfig.model_validate(cfg_dict)
-    pre, enc = _stage_kwargs(cfg, model_path, family, cfg.storage.client())
-    return caption_columns(pre, enc, captions)
-
-
-def encode_captions(cfg: RayLoraConfig, family: str, model_path: str,
-                    captions: list[str]) -> dict[str, np.ndarray]:
-    """``caption_columns`` in one Ray task (on a GPU when training uses them): with
-    data.caption_dropout, the family's empty prompt, which a cached batch's dropped rows
-    get (``raylora.data.captions.drop_cached_captions``)."""
-    import ray
-
-    res = {"num_gpus": 1} if cfg.scaling.use_gpu else {"num_cpus": 1}
-    task = ray.remote(**res)(_encode_captions_task)
-    return ray.get(task.remote(cfg.to_dict(), family, model_path, list(captions)))
-
-
 def _encode_rows_task(cfg_dict: dict, family: str, model_path: str, rows: list[dict],
-                      purpose: str) -> dict:
+                      purpose: str, captions: list[str]) -> tuple[dict | None, dict | None]:
     from raylora.data.preprocess import Preprocess, StageSpec, stage_kwargs
 
     cfg = RayLoraConfig.model_validate(cfg_dict)
@@ -547,13 +527,26 @@ def _encode_rows_task(cfg_dict: dict, family: str, model_path: str, rows: list[d
                            revision=cfg.model.revision, system_prompt=cfg.model.system_prompt)
     else:  # held-out rows are evaluated together: one square size, buckets or not; unmasked
         pre["buckets"], pre["masks"] = None, False
-    encoded = encode_chunk(Preprocess(StageSpec(**pre)), EncodeStage(**enc), rows)
-    if purpose != "class":
-        return encoded
-    from raylora.data.prior import fold_repeats
+    # One load of the encoders for the rows and the captions (no VAE for captions alone)
+    stage, encoder = Preprocess(StageSpec(**pre)), EncodeStage(**enc, vae=bool(rows))
+    encoded = encode_chunk(stage, encoder, rows) if rows else None
+    captioned = caption_columns(stage, encoder, captions) if captions else None
+    if purpose == "class" and encoded is not None:
+        from raylora.data.prior import fold_repeats
 
-    # one copy of a prompt's embedding, not one per image, to the driver and workers
-    return fold_repeats(encoded)
+        # one copy of a prompt's embedding, not one per image, to the driver and workers
+        encoded = fold_repeats(encoded)
+    return encoded, captioned
+
+
+def _encode(cfg: RayLoraConfig, family: str, model_path: str, rows: list[dict], purpose: str,
+            captions: list[str]) -> tuple[dict | None, dict | None]:
+    """``_encode_rows_task`` in one Ray task, on a GPU when training uses them."""
+    import ray
+
+    res = {"num_gpus": 1} if cfg.scaling.use_gpu else {"num_cpus": 1}
+    task = ray.remote(**res)(_encode_rows_task)
+    return ray.get(task.remote(cfg.to_dict(), family, model_path, rows, purpose, list(captions)))
 
 
 def encode_rows(cfg: RayLoraConfig, family: str, model_path: str, rows: list[dict],
@@ -562,8 +555,13 @@ def encode_rows(cfg: RayLoraConfig, family: str, model_path: str, rows: list[dic
     repeated rows folded: ``raylora.data.prior.fold_repeats``), ``{image, text}`` → cached
     columns, in order, by the same code as the cache, in one Ray task (on a GPU when
     training uses them): a few hundred rows at most."""
-    import ray
+    return _encode(cfg, family, model_path, rows, purpose, [])[0]
 
-    res = {"num_gpus": 1} if cfg.scaling.use_gpu else {"num_cpus": 1}
-    task = ray.remote(**res)(_encode_rows_task)
-    return ray.get(task.remote(cfg.to_dict(), family, model_path, rows, purpose))
+
+def encode_heldout_and_captions(cfg: RayLoraConfig, family: str, model_path: str,
+                                rows: list[dict], captions: list[str]) -> tuple[dict | None, dict]:
+    """``encode_rows``' held-out columns (None without rows) and ``caption_columns`` of
+    ``captions`` (data.caption_dropout: the family's empty prompt, which a cached batch's
+    dropped rows get, ``raylora.data.captions.drop_cached_captions``) from one task: the
+    text encoders are loaded once for both."""
+    return _encode(cfg, family, model_path, rows, "heldout", captions)

@@ -225,7 +225,7 @@ def raylora_step(model: str, net, mode: str, rank: int, checkpointing: bool = Fa
     from raylora.config import LoraSection
     from raylora.model import families
     from raylora.model.lora import add_lora
-    from raylora.train.compile import compile_denoiser
+    from raylora.train.compile import compile_denoiser, compile_options
     from raylora.train.objective import FlowMatching, flow_shift_from_scheduler
     from raylora.train.step import FrozenParts, train_micro_step
 
@@ -237,7 +237,9 @@ def raylora_step(model: str, net, mode: str, rank: int, checkpointing: bool = Fa
     params = add_lora(net, LoraSection(rank=rank, alpha=rank), fam.default_lora_targets(net))
     if checkpointing:  # train.gradient_checkpointing, as setup enables it: before the compile
         fam.checkpoint_blocks(net)
-    compile_denoiser(net, mode, fam.repeated_blocks)
+    # As training compiles it (automatic dynamic shapes for a language-model caption: each
+    # case here has one caption length, so the first compile is static as in training)
+    compile_denoiser(net, mode, fam.repeated_blocks, **compile_options(fam))
     opt = torch.optim.AdamW(params, lr=1e-4, fused=cuda)
     net_p, opt = accel.prepare(net, opt)
     shift, dynamic = flow_shift_from_scheduler(MODELS[model][6])
@@ -257,13 +259,17 @@ def run_case(args, model, b, mode, device, dtype) -> dict:
     n_base = sum(p.numel() for p in net.parameters())
     batch = cached_batch(model, b, args.resolution, net, device)
     step, n_lora = raylora_step(model, net, mode, args.rank, args.gradient_checkpointing)
+    batches = caption_lengths(batch, args.vary_captions)
     flops = None
-    if mode == "none":
+    if mode == "none":  # per step: the mean over the caption lengths the steps cycle through
         from torch.utils.flop_counter import FlopCounterMode
 
-        with FlopCounterMode(display=False) as counter:
-            step(batch)
-        flops = counter.get_total_flops()
+        counted = []
+        for bt in batches:
+            with FlopCounterMode(display=False) as counter:
+                step(bt)
+            counted.append(counter.get_total_flops())
+        flops = sum(counted) / len(counted)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     sync(device)
@@ -271,20 +277,26 @@ def run_case(args, model, b, mode, device, dtype) -> dict:
     step(batch)  # the compile happens here
     sync(device)
     first = time.perf_counter() - t0
-    for _ in range(args.warmup):
-        step(batch)
+    for bt in batches[1:]:  # the second length compiles once more (dynamic shapes), the rest not
+        step(bt)
+    sync(device)
+    later = time.perf_counter() - t0 - first
+    for i in range(args.warmup):
+        step(batches[i % len(batches)])
     sync(device)
     t0 = time.perf_counter()
-    for _ in range(args.steps):
-        loss = step(batch)
+    for i in range(args.steps):  # every length as often as the others
+        loss = step(batches[i % len(batches)])
     sync(device)
     sec = (time.perf_counter() - t0) / args.steps
     if not torch.isfinite(loss):
         raise RuntimeError(f"non-finite loss {loss.item()}")
-    row = {"model": model + (" +ckpt" if args.gradient_checkpointing else ""),
+    lengths = len(batches)
+    row = {"model": model + (" +ckpt" if args.gradient_checkpointing else "")
+           + (f" {lengths} caption lengths" if lengths > 1 else ""),
            "res": args.resolution, "batch": b, "compile": mode,
            "img/s": b / sec, "step ms": sec * 1000, "flops": flops,
-           "compile s": max(first - sec, 0.0) if mode != "none" else None,
+           "compile s": max(first + later - lengths * sec, 0.0) if mode != "none" else None,
            "base params B": n_base / 1e9, "LoRA params M": n_lora / 1e6}
     if device.type == "cuda":
         row["peak mem GiB"] = torch.cuda.max_memory_allocated() / 2**30
@@ -308,6 +320,20 @@ def case_in_child(args, argv: list[str], model: str, b: int, mode: str) -> dict:
         if not line.startswith("@@"):
             print(f"  [{model} b{b} {mode}] {line}", flush=True)
     return rows[-1] if rows else {**base, "img/s": f"error: exit {proc.returncode}"}
+
+
+def caption_lengths(batch: dict, n: int) -> list[dict]:
+    """``batch`` and ``n - 1`` more, each with its captions 40 tokens shorter than the one
+    before (more than Z-Image's own padding to a multiple of 32; Family.cuts_captions: a language-model caption is as long as its batch's
+    longest, so training meets a new length nearly every batch); ``[batch]`` for a family
+    of one caption length or n <= 1."""
+    if n <= 1 or "prompt_embeds_mask" not in batch:
+        return [batch]
+    tokens = batch["prompt_embeds"].shape[1]
+    if tokens <= 40 * (n - 1):
+        raise SystemExit(f"--vary-captions {n}: the captions have {tokens} tokens, too few")
+    return [{k: v[:, : tokens - 40 * i] if k in ("prompt_embeds", "prompt_embeds_mask") else v
+             for k, v in batch.items()} for i in range(n)]
 
 
 def one_case(args, model: str, b: int, mode: str, device, dtype) -> dict:
@@ -341,6 +367,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="SDPA backends allowed: the family's, as training runs them (cuDNN off "
                          "for the DiTs: it crashed the Flux step), PyTorch's default, no cuDNN, "
                          "flash only")
+    ap.add_argument("--vary-captions", type=int, default=1, metavar="N",
+                    help="language-model caption families (qwenimage, zimage, lumina2, sana): "
+                         "the steps cycle through N caption lengths, 40 tokens apart, as "
+                         "training's batches differ (compile: the dynamic-shape kernels after "
+                         "the second length); compile s then covers both compiles")
     ap.add_argument("--case-timeout", type=float, default=600.0,
                     help="seconds one case's process may run (build, compile, steps)")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # model:batch:mode, in a child process
@@ -403,6 +434,11 @@ def main(argv: list[str] | None = None) -> None:
                   "forward included, so its MFU counts recomputation as work (a frozen base's "
                   "backward computes input gradients only: without the recompute the step does "
                   "about 2 forwards' FLOPs, with it about 3)."] if args.gradient_checkpointing else []),
+               *([f"N caption lengths (--vary-captions {args.vary_captions}): the steps cycle "
+                  "through captions 0, 40, 80, ... tokens shorter than the full length, as "
+                  "training meets a new length nearly every batch; compile s covers the "
+                  "static compile and the dynamic-shape one at the second length."]
+                 if args.vary_captions > 1 else []),
                "Command: `python " + " ".join(sys.argv) + "`",
                "Each case in its own process (a CUDA fault is that row's error).",
            ])

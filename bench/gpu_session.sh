@@ -10,13 +10,13 @@
 #       pydantic_core==2.50.4 annotated_types==0.8.0 typing_extensions==4.16.0 \
 #       typing_inspection==0.4.5
 #   # there, through the device tool (carry: .whl):
-#   bash bench/gpu_session.sh dits        # then: sd15, sdxl, sdxl-full, wan, flux2, dits2, sd15-res (loop: done)
+#   bash bench/gpu_session.sh dits        # then: sd15, sdxl, sdxl-full, wan, flux2, dits2, captions, sd15-res (loop: done)
 #
 # Each step appends its table to bench/RESULTS.md and copies that file to $OUT (the device
 # tool brings $OUT back), so the section can be committed here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-step=${1:?usage: bench/gpu_session.sh loop|sd15|sd15-res|sdxl|sdxl-full|dits|dits2|wan|flux2|smoke}
+step=${1:?usage: bench/gpu_session.sh loop|sd15|sd15-res|sdxl|sdxl-full|dits|dits2|captions|wan|flux2|smoke}
 WHEELS=${WHEELS:-.whl}
 PY=${PYTHON:-python3}
 SITE=${SITE:-/tmp/raylora-site}
@@ -59,6 +59,10 @@ case "$step" in
   # Chroma1-HD, Qwen-Image (20B) and Qwen-Image-Edit (the same transformer over twice the
   # image tokens: the input's follow the noisy ones) @1024, cached, batch 1.
   dits2) "$PY" bench/gpu_dit.py --models chroma,qwenimage,qwenedit,qwenedit2,lumina2,sana --batch-sizes 1 ;;
+  # Z-Image-Turbo and Qwen-Image with captions of 4 lengths, regional: the dynamic-shape
+  # kernels training runs once its batches' caption lengths differ, against one length.
+  captions) "$PY" bench/gpu_dit.py --models zimage,qwenimage --batch-sizes 1 --modes regional \
+          --vary-captions 4 ;;
   # Flux.2 [dev]'s 32B transformer (64 GB in bf16) @1024, batch 1, gradient checkpointing:
   # whether one GPU holds a LoRA step at all, and its MFU (an H200 has room; an H100 may not).
   flux2) "$PY" bench/gpu_dit.py --models flux2dev --batch-sizes 1 --gradient-checkpointing ;;

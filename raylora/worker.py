@@ -200,8 +200,9 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
     worker builds one of its own files. Pass ``e``'s read order and preprocessing draws
     depend on the seed and ``e`` alone (raylora.data.source.build_dataset), so under
     ``files`` the stream a resumed run opens at its epoch repeats the straight run's."""
-    from raylora.data.captions import drop_cached_captions
+    from raylora.data.captions import cut_captions, drop_cached_captions
     from raylora.data.prior import paired
+    from raylora.model import families
     from raylora.data.source import DataPlan, EpochStream, build_dataset, global_share, pass_batches
     from raylora.launch import cached_caption_dropout
 
@@ -262,13 +263,19 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
         # Elastic: one shuffle for all workers (the global order), not one per rank.
         seed = lambda e: data_seed + 7919 * e + (0 if elastic else rank)  # noqa: E731
         if plan.bucket_steps is not None:
-            return _dropped(_bucketed(blocks, plan, t.batch_size, data_seed, seed))
+            return _cut(_dropped(_bucketed(blocks, plan, t.batch_size, data_seed, seed)))
         batches = pass_batches(blocks, t.batch_size, data.shuffle_buffer_size, seed=seed,
                                pass_rows=pass_rows)
         if elastic:
             batches = global_share(batches, rank, world)
         batches = _dropped(batches)  # before the class rows are added: those keep theirs
-        return batches if classes is None else paired(batches, classes)
+        return _cut(batches if classes is None else paired(batches, classes))
+
+    def _cut(batches):
+        """Cached language-model captions as long as the batch's longest (cut_captions)."""
+        if not families.get(plan.family).cuts_captions:
+            return batches
+        return ((epoch, cut_captions(batch)) for epoch, batch in batches)
 
     def _dropped(batches):
         """data.caption_dropout over cached rows (uncached rows were dropped as they were

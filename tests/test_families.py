@@ -874,6 +874,7 @@ def test_caption_dropout_trains_on_the_unconditional_prompt_the_family_samples_w
     from raylora.data.captions import PADDED_CAPTIONS, concat_rows
 
     assert fam.caption_reads_images == (family == "qwenimageedit")
+    assert fam.cuts_captions == (family in TRIMMED)  # as the lengths below show
     if fam.caption_reads_images:
         return
     rows = [int(np.flatnonzero(dropped)[0]), int(np.flatnonzero(~dropped)[0])]
@@ -885,27 +886,25 @@ def test_caption_dropout_trains_on_the_unconditional_prompt_the_family_samples_w
         assert len(v) == 1 and v.dtype == stage_out[k].dtype
         # A language-model caption is cut after the longest of its batch: the empty prompt
         # alone is shorter, and zero-padded where it meets the others (PADDED_CAPTIONS).
-        assert (v.shape[1] < stage_out[k].shape[1]) == (k in PADDED_CAPTIONS and family in TRIMMED)
+        assert (v.shape[1] < stage_out[k].shape[1]) == (k in PADDED_CAPTIONS and fam.cuts_captions)
         both = concat_rows(k, [v, stage_out[k]])
         np.testing.assert_allclose(both[0], both[1], atol=1e-5, rtol=1e-4)
     both = concat_rows("prompt_embeds", [once["prompt_embeds"], stage_out["prompt_embeds"]])
     assert not np.allclose(both[0], both[2], atol=1e-3)
 
 
-# Not Qwen-Image 2.1: its transformer's prediction moves with the caption's padded length
-# despite the mask (0.008 max abs on the tiny model), in uncached batches of captions of
-# different lengths as in the stock pipeline's batched prompts; cached rows are padded the
-# same way there.
-@pytest.mark.parametrize("family", [f for f in TRIMMED if not families.get(f).reference_required
-                                    and f != "qwenimage21"])
+@pytest.mark.parametrize("family", [f for f in TRIMMED if not families.get(f).reference_required])
 def test_cached_captions_of_different_lengths_are_padded_to_the_same_prediction(tiny, family):
     """A language-model caption is cut after the longest of the batch it is encoded in, so
     cached rows encoded in different batches differ in length. Where they meet (a cache
     part, a training batch, class rows beside instance rows, the empty prompt of caption
     dropout) they are zero-padded to the longest (``PADDED_CAPTIONS``; before, joining them
     failed: a cached Qwen-Image run over captions of different lengths could not write its
-    cache). Padded, a caption gives the denoiser's prediction it gives alone."""
-    from raylora.data.captions import concat_rows, stack_rows
+    cache). Padded, a caption gives the denoiser's prediction it gives alone, but for
+    Qwen-Image 2.1, whose transformer puts the image after every text position, padding
+    included (diffusers' QwenImage21Rope: a batch shares one layout): there a cached batch
+    is cut back to its own longest caption (``cut_captions``), as it is encoded uncached."""
+    from raylora.data.captions import concat_rows, cut_captions, stack_rows
     import numpy as np
 
     from raylora.model.families.base import Cond
@@ -925,6 +924,12 @@ def test_cached_captions_of_different_lengths_are_padded_to_the_same_prediction(
     for k in joined:
         np.testing.assert_array_equal(joined[k], rows[k])
         assert joined[k].shape[1] == long and not joined[k][0, short:].any()
+    # The short row alone in a batch, read from the part it shares with the long one: cut,
+    # it is the row encoded alone; the pair has nothing to cut.
+    alone_row = cut_captions({k: v[:1] for k, v in joined.items()})
+    for k in conds[0]:
+        np.testing.assert_array_equal(alone_row[k], conds[0][k])
+    assert cut_captions(rows) is rows
     params = fam.encode_pixels(comps.vae, torch.zeros(1, 3, 64, 64))
     torch.manual_seed(0)
     noisy = torch.randn(2, params.shape[1] // 2, *params.shape[2:])
@@ -935,7 +940,47 @@ def test_cached_captions_of_different_lengths_are_padded_to_the_same_prediction(
                              guidance=1.0)
         alone = fam.denoise(net, noisy[:1], t[:1], Cond({k: torch.from_numpy(v) for k, v in conds[0].items()}),
                             guidance=1.0)
-    torch.testing.assert_close(padded[:1], alone, rtol=1e-4, atol=1e-5)
+    if family == "qwenimage21":
+        assert (padded[:1] - alone).abs().max() > 1e-3  # the image moved by the padding
+    else:
+        torch.testing.assert_close(padded[:1], alone, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", [f for f in TRIMMED if not families.get(f).reference_required])
+def test_heldout_rows_of_different_caption_lengths_are_scored_as_each_alone(tiny, family):
+    """The held-out rows are encoded in chunks of train.batch_size; a language model's
+    chunks differ in length and join zero-padded (before, ``Cond.cat`` failed on them: a
+    Qwen-Image, Z-Image, Lumina 2 or Sana run with held-out rows of captions of different
+    lengths failed to start). Each evaluation chunk is cut back to its own longest
+    caption: a row's held-out loss is the one it has evaluated alone."""
+    from dataclasses import replace
+
+    from raylora.config import validate
+    from raylora.train.evaluate import heldout_loss, prepare_heldout
+    from raylora.train.setup import frozen_parts
+
+    model = tiny(family)
+    captions = ["a dog", "a small red dog sitting on a green lawn under a tall old tree", "a cat"]
+    comps, batch = _raylora_batch(model, family, captions)
+    cfg = validate({"model": {"pretrained": model, "max_sequence_length": _text_length(family)},
+                    "data": {"uri": "/d", "resolution": 64}, "output": {"uri": "/o"}})
+    parts = frozen_parts(cfg, comps, "cpu", torch.float32)
+    torch.manual_seed(0)
+    batch["pixel_values"] = torch.rand(len(captions), 3, 64, 64) * 2 - 1
+    k = 2
+    held = prepare_heldout(parts, batch, num_timesteps=k, seed=0, batch_size=1)
+    together = prepare_heldout(parts, batch, num_timesteps=k, seed=0, batch_size=3)
+    for key, v in together.text.items():  # chunks of 1 joined = the 3 encoded together
+        torch.testing.assert_close(held.text[key], v, rtol=1e-4, atol=1e-5, msg=key)
+    assert held.text["prompt_embeds_mask"].sum(1).tolist()[1] == held.text["prompt_embeds"].shape[1]
+    net = comps.denoiser.eval()
+    first = prepare_heldout(parts, {key: v[:1] for key, v in batch.items()}, num_timesteps=k,
+                            seed=0, batch_size=1)  # the same noise: the seed's first draws
+    only_first = replace(held, noisy=held.noisy[:k], timesteps=held.timesteps[:k],
+                         target=held.target[:k], text_index=held.text_index[:k])
+    with torch.no_grad():
+        want = heldout_loss(net, first, torch.float32, batch_size=k)
+        assert heldout_loss(net, only_first, torch.float32, batch_size=k) == pytest.approx(want, rel=1e-6)
 
 
 def test_a_cache_part_holds_language_model_captions_of_different_lengths(tiny, tmp_path):

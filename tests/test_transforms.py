@@ -184,6 +184,51 @@ def test_cached_caption_dropout_swaps_in_the_empty_prompt_row_by_row_and_repeats
         list(drop_cached_captions(stream([0]), wrong, 0.9, seed=7, rank=0))
 
 
+def test_cached_captions_are_cut_after_the_longest_caption_of_their_batch():
+    """Cached language-model captions carry the padding of the rows they were encoded or
+    stacked with; a training batch (numpy) or evaluation chunk (tensors) is cut back to its
+    own longest caption, the mask's last marked position, and nothing else changes."""
+    import numpy as np
+    import torch
+
+    from raylora.data.captions import cut_captions, stack_rows
+    from raylora.model.families.base import Cond
+
+    rng = np.random.default_rng(1)
+
+    def row(length, width):  # a caption of ``length`` tokens, zero-padded to ``width``
+        emb = np.zeros((width, 4), np.float32)
+        emb[:length] = rng.normal(size=(length, 4))
+        return emb, (np.arange(width) < length).astype(np.int64)
+
+    rows = [row(3, 9), row(5, 9), row(2, 6)]  # two from a part padded to 9, one to 6
+    batch = {"prompt_embeds": stack_rows("prompt_embeds", [e for e, _ in rows]),
+             "prompt_embeds_mask": stack_rows("prompt_embeds_mask", [m for _, m in rows]),
+             "latent_params": rng.normal(size=(3, 2, 2)).astype(np.float32)}
+    assert batch["prompt_embeds"].shape == (3, 9, 4)
+    cut = cut_captions(batch)
+    assert cut["prompt_embeds"].shape == (3, 5, 4) and cut["prompt_embeds_mask"].shape == (3, 5)
+    assert cut["prompt_embeds"].flags.c_contiguous
+    np.testing.assert_array_equal(cut["prompt_embeds"], batch["prompt_embeds"][:, :5])
+    np.testing.assert_array_equal(cut["prompt_embeds_mask"].sum(1), [3, 5, 2])
+    assert cut["latent_params"] is batch["latent_params"]
+    assert cut_captions(cut) is cut  # the longest fills it: nothing to cut
+    short = cut_captions({k: v[[0, 2]] for k, v in batch.items()})
+    assert short["prompt_embeds"].shape == (2, 3, 4)
+    # One length always (no mask, or SDXL's columns): nothing is cut
+    fixed = {"prompt_embeds": np.zeros((2, 77, 4), np.float32)}
+    assert cut_captions(fixed) is fixed
+    # An evaluation chunk's tensors, selected out of the held-out rows' padded conditioning
+    text = Cond({k: torch.from_numpy(v) for k, v in batch.items() if k != "latent_params"})
+    chunk = text.select(torch.tensor([2, 0])).cut_captions()
+    assert isinstance(chunk, Cond) and chunk["prompt_embeds"].shape == (2, 3, 4)
+    torch.testing.assert_close(chunk["prompt_embeds"], text["prompt_embeds"][[2, 0], :3])
+    # Conditioning of chunks encoded apart joins zero-padded (the held-out rows' Cond.cat)
+    joined = Cond.cat([chunk, text.select(torch.tensor([1]))])
+    assert joined["prompt_embeds"].shape == (3, 9, 4) and not joined["prompt_embeds"][:2, 3:].any()
+    np.testing.assert_array_equal(joined["prompt_embeds_mask"].sum(1).numpy(), [2, 3, 5])
+
+
 def test_uint8_pixels_reach_the_vae_as_the_float_stage_made_them(tiny_model):
     """The stage ships uint8; the VAE sees exactly what float32 scaling in the stage gave."""
     import torch

@@ -32,6 +32,8 @@ A language-model caption (Qwen-Image, Z-Image, Lumina 2, Sana) is cut after the 
 the batch it is encoded in, so rows encoded apart differ in length; a part, a training
 batch and class rows beside instance rows zero-pad them to the longest
 (``raylora.data.captions.PADDED_CAPTIONS``), as the pipelines pad past each caption.
+Training then cuts each batch back to its own longest caption (``cut_captions``): the
+batch an uncached run encodes for the same rows.
 """
 
 from __future__ import annotations

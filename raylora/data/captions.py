@@ -100,6 +100,27 @@ def concat_rows(key: str, parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts)
 
 
+def cut_captions(batch: dict) -> dict:
+    """``batch`` with its ``PADDED_CAPTIONS`` columns cut after its longest caption (the
+    last position any row's ``prompt_embeds_mask`` marks), what the family's encoder gives
+    these captions encoded together (``Family.cuts_captions``). Cached rows carry the
+    padding of the rows they were encoded or stacked with (their encode chunk, cache part,
+    the other rows' blocks); cut, a cached batch is the uncached batch: no masked positions
+    computed for nothing, and the same prediction where the padded length moves it
+    (Qwen-Image 2.1: its transformer places the image after every text position, padding
+    included). numpy columns or tensors (read on the host); unchanged without a mask."""
+    mask = batch.get("prompt_embeds_mask")
+    if mask is None or mask.ndim != 2:
+        return batch
+    host = mask.cpu().numpy() if hasattr(mask, "cpu") else np.asarray(mask)
+    valid = np.flatnonzero(host.any(0))
+    n = int(valid[-1]) + 1 if valid.size else 1
+    if n == mask.shape[1]:
+        return batch
+    return {k: (np.ascontiguousarray(v[:, :n]) if isinstance(v, np.ndarray) else v[:, :n])
+            if k in PADDED_CAPTIONS else v for k, v in batch.items()}
+
+
 CACHED_DROPOUT_SALT = 0xD50F_CA9E
 
 

@@ -2,7 +2,13 @@
 
 In place (``Module.compile``): the module, its parameters and state-dict keys stay what
 they were (no ``_orig_mod.`` prefix), so DDP, LoRA export and resume are unchanged. Static
-shapes: every training batch of a run has one shape (drop_last, one resolution).
+shapes: every training batch of a run has one shape (drop_last, one resolution), but for
+the caption length of a family whose text encoder's output is as long as each batch's
+longest caption (``Family.cuts_captions``: Qwen-Image, Z-Image, Lumina 2, Sana). There
+each new length compiled every block again (a cold compile per caption length, until
+dynamo's recompile limit ran the rest eagerly), so those compile with dynamo's automatic
+dynamic shapes (``compile_options``): static first, then once more with the sizes that
+changed symbolic, and no compile for any later length.
 
 ``CompileCache`` keeps torch.compile's results in storage between runs (``train.
 compile_cache_uri``), so a run on a fresh machine loads them instead of compiling cold.
@@ -49,6 +55,17 @@ def repeated_blocks(model: torch.nn.Module) -> tuple[str, ...]:
     """The class names ``regional`` compiles in ``model`` by default."""
     name = type(model).__name__
     return tuple(getattr(model, "_repeated_blocks", None) or FALLBACK_BLOCKS.get(name, ()))
+
+
+def compile_options(family, cuda_graphs: bool = False) -> dict:
+    """``torch.compile``'s options for ``family``'s denoiser in training: CUDA graphs
+    (train.cuda_graphs: reduce-overhead mode); automatic dynamic shapes where the caption
+    length varies from batch to batch (``Family.cuts_captions``, see the module docstring),
+    else none (``compile_denoiser``'s default)."""
+    kw = {"mode": "reduce-overhead"} if cuda_graphs else {}
+    if family.cuts_captions:
+        kw["dynamic"] = None
+    return kw
 
 
 def compile_denoiser(model: torch.nn.Module, how: str, blocks=None, **compile_kwargs) -> list[str]:

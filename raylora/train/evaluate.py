@@ -133,6 +133,8 @@ def heldout_loss(
             counted = j.numel() > 0
             j = j if counted else idx.new_zeros(1)  # a stand-in call on item 0
             cond = heldout.text.select(heldout.text_index[j])
+            if heldout.family.cuts_captions:  # as these rows' captions encode together
+                cond = cond.cut_captions()
             pred = heldout.family.denoise(model, heldout.noisy[j].to(weight_dtype),
                                           heldout.timesteps[j], cond, guidance=heldout.guidance)
             if not counted:

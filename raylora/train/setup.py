@@ -30,7 +30,7 @@ from raylora.model.lora import save_adapter
 from raylora.train import attention
 from raylora.train.norms import groupnorms_in_weight_dtype, in_weight_dtype
 from raylora.train.ema import LoraEMA
-from raylora.train.compile import CompileCache, cache_key, compile_denoiser
+from raylora.train.compile import CompileCache, cache_key, compile_denoiser, compile_options
 from raylora.train.compile import log as compile_log
 from raylora.train.objective import (
     DDPM,
@@ -256,7 +256,7 @@ def build_run(
     if in_weight_dtype(t.mixed_precision, t.groupnorm_fp32):
         groupnorms_in_weight_dtype(comps.denoiser)
     compile_denoiser(comps.denoiser, cfg.compile_mode, comps.family.repeated_blocks,
-                     **({"mode": "reduce-overhead"} if t.cuda_graphs else {}))
+                     **compile_options(comps.family, t.cuda_graphs))
     compile_cache = open_compile_cache(cfg, comps, accelerator.device, rank)
     parts = frozen_parts(cfg, comps, accelerator.device, weight_dtype, te_params)
     if restored is not None:

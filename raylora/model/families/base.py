@@ -91,7 +91,28 @@ class Cond(dict):
 
     @staticmethod
     def cat(conds: list["Cond"]) -> "Cond":
-        return Cond({k: torch.cat([c[k] for c in conds]) for k in conds[0]})
+        """One after the other; caption columns of batches encoded apart (a family that
+        ``cuts_captions``) zero-padded to the longest, as the cached rows are where they
+        meet (``raylora.data.captions.concat_rows``)."""
+        from raylora.data.captions import PADDED_CAPTIONS
+
+        def joined(k: str) -> torch.Tensor:
+            parts = [c[k] for c in conds]
+            if k in PADDED_CAPTIONS and all(p.ndim > 1 for p in parts):
+                n = max(p.shape[1] for p in parts)
+                parts = [p if p.shape[1] == n else torch.nn.functional.pad(
+                    p, (0, 0) * (p.ndim - 2) + (0, n - p.shape[1])) for p in parts]
+            return torch.cat(parts)
+
+        return Cond({k: joined(k) for k in conds[0]})
+
+    def cut_captions(self) -> "Cond":
+        """``raylora.data.captions.cut_captions`` of these rows: rows selected out of a
+        longer padded batch (the held-out rows' evaluation chunks) as they would be encoded
+        together. Reads the mask on the host."""
+        from raylora.data.captions import cut_captions
+
+        return Cond(cut_captions(self))
 
 
 def references(cond: Cond) -> list[torch.Tensor]:
@@ -260,6 +281,13 @@ class Family:
     # encoder): a dropped caption's embedding differs per image, so a latent cache, which
     # encodes the empty prompt once, cannot drop captions.
     caption_reads_images: ClassVar[bool] = False
+    # encode_text cuts its caption columns (``PADDED_CAPTIONS``) after the longest caption
+    # of the batch it encodes (llm_conditioning, instruction_conditioning), so they differ
+    # in length from batch to batch. Cached rows, zero-padded to the longest of whatever
+    # they were encoded or stacked with, are cut back to their own batch's longest
+    # (raylora.data.captions.cut_captions), as the uncached batch would be. False: one
+    # length always (a pipeline that keeps every padding position), nothing is cut.
+    cuts_captions: ClassVar[bool] = False
     # A video pipeline trained and sampled as single frames (Wan): its call takes
     # num_frames=1 and returns ``.frames`` (a list of frames per prompt) instead of ``.images``.
     video: ClassVar[bool] = False

@@ -40,6 +40,7 @@ class QwenImage(Family):
     name = "qwenimage"
     class_names = ("QwenImagePipeline",)
     pipeline = "QwenImagePipeline"
+    cuts_captions = True  # llm_conditioning: each batch's captions as long as its longest
     # 512: the pipeline's max_sequence_length (it tokenizes up to 1024 + 34, then keeps 512)
     text = (TextInput("text_encoder", "tokenizer", "input_ids", max_length=512,
                       template=TEMPLATE, mask_key="attention_mask", long_context=True, drop=DROP),)

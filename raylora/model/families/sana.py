@@ -50,6 +50,7 @@ class Sana(Family):
     name = "sana"
     class_names = ("SanaPipeline",)
     pipeline = "SanaPipeline"
+    cuts_captions = True  # instruction_conditioning: each batch's captions as long as its longest
     # 300 caption tokens (the pipeline's max_sequence_length; model.max_sequence_length
     # sets it) after the instruction's, padded on the right as encode_prompt pads.
     text = (TextInput("text_encoder", "tokenizer", "input_ids", max_length=300,

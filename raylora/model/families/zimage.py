@@ -34,6 +34,7 @@ class ZImage(Family):
     name = "zimage"
     class_names = ("ZImagePipeline",)
     pipeline = "ZImagePipeline"
+    cuts_captions = True  # llm_conditioning: each batch's captions as long as its longest
     # 512 as the pipeline's max_sequence_length, the template's tokens included (the
     # pipeline truncates the templated text, and keeps every token that is not padding)
     text = (TextInput("text_encoder", "tokenizer", "input_ids", max_length=512, template=TEMPLATE,

@@ -76,10 +76,11 @@ class Plan:
     class_images: dict | None = None
     # ...with data.cache=latents, those rows encoded instead ({column: array}, a repeated
     # column folded: raylora.data.prior.fold_repeats; by the cache's stages,
-    # raylora.data.cache.encode_rows): workers hold no encoders then.
+    # raylora.data.cache.encode_for_workers; class_rows then empty): workers hold no
+    # encoders then.
     class_encoded: dict | None = field(default=None, repr=False)
     # data.caption_dropout with data.cache=latents: the family's empty prompt encoded
-    # ({caption column: 1 row}, raylora.data.cache.encode_heldout_and_captions), which
+    # ({caption column: 1 row}, raylora.data.cache.encode_for_workers), which
     # workers swap in for the dropped rows' captions.
     empty_encoded: dict | None = field(default=None, repr=False)
 
@@ -345,8 +346,7 @@ def _carry(p: Plan, base: Plan, **changes) -> Plan:
 def apply_cache(cfg: RayLoraConfig, p: Plan) -> Plan:
     """``data.cache=latents``: build or reuse the cache (needs Ray), then plan training over
     its files. Row counts are exact from here on, held-out split included."""
-    from raylora.data.cache import encode_heldout_and_captions, encode_rows, ensure_cache
-    from raylora.model import families
+    from raylora.data.cache import ensure_cache
 
     if cfg.data.cache != "latents":
         return p
@@ -354,15 +354,25 @@ def apply_cache(cfg: RayLoraConfig, p: Plan) -> Plan:
     entry = ensure_cache(loads, p.family, p.model_path, p.data_plan(), store,
                          bad_records=p.bad_records)
     data = entry.plan(cfg.data)
-    encoded = empty = None
-    if _drops_cached_captions(cfg):  # the held-out rows and the empty prompt: one task
-        encoded, empty = encode_heldout_and_captions(
-            loads, p.family, p.model_path, p.heldout, [families.get(p.family).empty_caption])
-    elif p.heldout:
-        encoded = encode_rows(loads, p.family, p.model_path, p.heldout, store)
     return _carry(_arithmetic(cfg, p.model_path, data, p.heldout, []), p,
-                  cache_uri=entry.uri, cache_reused=entry.reused, heldout_encoded=encoded,
-                  empty_encoded=empty)
+                  cache_uri=entry.uri, cache_reused=entry.reused)
+
+
+def encode_for_workers(cfg: RayLoraConfig, p: Plan) -> Plan:
+    """``data.cache=latents``: what the workers would otherwise load encoders for, encoded
+    on the cluster in one Ray task, so the text encoders and the VAE load once for all of
+    it (a Qwen-Image run loads a 7B text encoder): the held-out rows, prior preservation's
+    class rows and caption dropout's empty prompt."""
+    from raylora.data.cache import encode_for_workers as encode
+    from raylora.model import families
+
+    captions = [families.get(p.family).empty_caption] if _drops_cached_captions(cfg) else []
+    if cfg.data.cache != "latents" or not (p.heldout or p.class_rows or captions):
+        return p
+    heldout, classes, empty = encode(cfg.at_commit(p.model_commit), p.family, p.model_path,
+                                     p.heldout, p.class_rows or [], captions)
+    return replace(p, heldout_encoded=heldout, class_encoded=classes, empty_encoded=empty,
+                   class_rows=[] if classes is not None else p.class_rows)
 
 
 def cached_caption_dropout(cfg: RayLoraConfig) -> float:
@@ -384,8 +394,7 @@ def _drops_cached_captions(cfg: RayLoraConfig) -> bool:
 def apply_class_images(cfg: RayLoraConfig, p: Plan) -> Plan:
     """Prior preservation: the class images read, and the missing ones generated (Ray
     Data, on the cluster) or reused; they travel to the workers in the plan, encoded
-    (one Ray task, as the held-out rows) where the run trains from the latent cache."""
-    from raylora.data.cache import encode_rows
+    (``encode_for_workers``) where the run trains from the latent cache."""
     from raylora.data.classgen import ensure_class_images
 
     if not cfg.data.prior_preservation:
@@ -395,9 +404,7 @@ def apply_class_images(cfg: RayLoraConfig, p: Plan) -> Plan:
         found = ensure_class_images(loads, p.family, p.model_path, store)
     except (FileNotFoundError, ValueError, OSError) as exc:
         raise ConfigError([str(exc) if str(exc).startswith("data.") else f"data.class_sources: {exc}"])
-    if cfg.data.cache == "latents":
-        return replace(p, class_images=found.summary(), class_encoded=encode_rows(
-            loads, p.family, p.model_path, found.rows, store, purpose="class"))
+    # With the latent cache, encode_for_workers encodes them next.
     return replace(p, class_rows=found.rows, class_images=found.summary())
 
 
@@ -847,6 +854,7 @@ def prepared(cfg: RayLoraConfig, setup: Setup) -> Iterator[Prepared]:
         run.plan = replace(run.plan, bad_records=desk.start())  # the workers get its name
         run.plan = apply_cache(run.cfg, run.plan)
         run.plan = apply_class_images(run.cfg, run.plan)
+        run.plan = encode_for_workers(run.cfg, run.plan)
         yield run
     finally:
         desk.stop(run.plan.bad_records)

@@ -371,23 +371,44 @@ def test_generates_missing_class_images_then_reuses_them(ray_local, tiny_model, 
 @pytest.mark.integration
 def test_from_the_latent_cache_prior_preservation_trains_as_uncached_training_does(
         ray_local, tiny_model, demo_data, class_dir, tmp_path):
-    """data.cache=latents with class images: the driver encodes the class rows once (as
-    it encodes held-out rows) and every worker pairs its batches with rows picked from
-    them, the same rows uncached training preprocesses per batch: step for step the same
-    instance and prior losses, without an encoder on a worker."""
+    """data.cache=latents with class images: the driver encodes the class rows once, in the
+    Ray task that encodes the held-out rows (the encoders loaded once for both), and every
+    worker pairs its batches with rows picked from them, the same rows uncached training
+    preprocesses per batch: step for step the same instance and prior losses, and the same
+    held-out loss, without an encoder on a worker."""
+    import time
+
+    from ray.util.state import list_tasks
+
+    from raylora.data.demo import write_parquet_shards
     from raylora.launch import run
+
+    write_parquet_shards(tmp_path / "heldout", n=3, num_shards=1, size=32, seed=9)
 
     def tree(name, cache):
         t = _tree(tiny_model, demo_data, class_dir, tmp_path / name)
         t["data"].update(cache=cache, cache_uri=str(tmp_path / "cache"), sharding="files",
-                         shuffle_buffer_size=0, num_class_images=2)  # the 2 given images
+                         shuffle_buffer_size=0, num_class_images=2,  # the 2 given images
+                         validation_uri=str(tmp_path / "heldout"))
         t["train"]["max_steps"] = 4
         return validate(t)
 
-    plain, cached = run(tree("plain", "none")), run(tree("cached", "latents"))
+    def encode_tasks() -> int:
+        return sum("_encode_rows_task" in t.name for t in list_tasks(limit=10_000, raise_on_missing_output=False))
+
+    plain = run(tree("plain", "none"))
+    before = encode_tasks()
+    cached = run(tree("cached", "latents"))
+    deadline = time.monotonic() + 15  # task events reach the state API within a few s
+    while encode_tasks() == before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(2)
+    assert encode_tasks() == before + 1
     assert plain["metrics"]["encoders_on_worker"] is True
     assert cached["metrics"]["encoders_on_worker"] is False
     assert cached["class_images"]["class_images"] == 2
+    for key in ("eval_loss_base", "eval_loss_last"):
+        assert cached["metrics"][key] == pytest.approx(plain["metrics"][key], rel=1e-4), key
 
     def rows(name):
         return [json.loads(x) for x in open(tmp_path / name / "metrics.jsonl")]

@@ -24,7 +24,7 @@ the precision, the resolution and crop policy, the held-out split and the data f
 names, sizes and mtimes: a rerun or a Tune trial with the same inputs reuses the entry,
 and any change makes a new one. Random crop/flip and tag shuffling are refused by the
 config (a cache holds one view of each image and caption). Caption dropout is not: the
-driver encodes the family's empty prompt once (``encode_heldout_and_captions``) and training swaps
+driver encodes the family's empty prompt once (``encode_for_workers``) and training swaps
 it in for the dropped rows' caption columns (``raylora.data.captions``), so the entry is
 the same with or without it.
 
@@ -516,39 +516,43 @@ def caption_columns(stage, encoder: EncodeStage, captions: list[str]) -> dict[st
     return {k: to_column(cond[k]) for k in encoder.family.caption_keys()}
 
 
-def _encode_rows_task(cfg_dict: dict, family: str, model_path: str, rows: list[dict],
-                      purpose: str, captions: list[str]) -> tuple[dict | None, dict | None]:
+def _encode_rows_task(cfg_dict: dict, family: str, model_path: str, sets: dict[str, list[dict]],
+                      captions: list[str]) -> tuple[dict[str, dict], dict | None]:
     from raylora.data.preprocess import Preprocess, StageSpec, stage_kwargs
 
     cfg = RayLoraConfig.model_validate(cfg_dict)
     store = cfg.storage.client()
-    pre, enc = _stage_kwargs(cfg, model_path, family, store)
-    if purpose == "class":  # prompts as given; masks when the instance rows have them
-        pre = stage_kwargs("class", cfg.data, model_path=model_path, family=family,
-                           storage=store, max_sequence_length=cfg.model.max_sequence_length,
-                           revision=cfg.model.revision, system_prompt=cfg.model.system_prompt)
-    else:  # held-out rows are evaluated together: one square size, buckets or not; unmasked
-        pre["buckets"], pre["masks"] = None, False
-    # One load of the encoders for the rows and the captions (no VAE for captions alone)
-    stage, encoder = Preprocess(StageSpec(**pre)), EncodeStage(**enc, vae=bool(rows))
-    encoded = encode_chunk(stage, encoder, rows) if rows else None
-    captioned = caption_columns(stage, encoder, captions) if captions else None
-    if purpose == "class" and encoded is not None:
-        from raylora.data.prior import fold_repeats
+    base, enc = _stage_kwargs(cfg, model_path, family, store)
+    # One load of the encoders for every set and the captions (no VAE for captions alone)
+    encoder = EncodeStage(**enc, vae=any(sets.values()))
+    heldout = dict(base, buckets=None, masks=False)
+    encoded, stage = {}, Preprocess(StageSpec(**heldout))
+    for purpose, rows in sets.items():
+        if not rows:
+            continue
+        if purpose == "class":  # prompts as given; masks when the instance rows have them
+            pre = stage_kwargs("class", cfg.data, model_path=model_path, family=family,
+                               storage=store, max_sequence_length=cfg.model.max_sequence_length,
+                               revision=cfg.model.revision, system_prompt=cfg.model.system_prompt)
+            from raylora.data.prior import fold_repeats
 
-        # one copy of a prompt's embedding, not one per image, to the driver and workers
-        encoded = fold_repeats(encoded)
+            # one copy of a prompt's embedding, not one per image, to the driver and workers
+            encoded[purpose] = fold_repeats(encode_chunk(Preprocess(StageSpec(**pre)), encoder, rows))
+        else:  # held-out rows are evaluated together: one square size, buckets or not; unmasked
+            encoded[purpose] = encode_chunk(stage, encoder, rows)
+    # The captions are tokenized as the held-out rows' are: the cache's tokenizers
+    captioned = caption_columns(stage, encoder, captions) if captions else None
     return encoded, captioned
 
 
-def _encode(cfg: RayLoraConfig, family: str, model_path: str, rows: list[dict], purpose: str,
-            captions: list[str]) -> tuple[dict | None, dict | None]:
+def _encode(cfg: RayLoraConfig, family: str, model_path: str, sets: dict[str, list[dict]],
+            captions: list[str]) -> tuple[dict[str, dict], dict | None]:
     """``_encode_rows_task`` in one Ray task, on a GPU when training uses them."""
     import ray
 
     res = {"num_gpus": 1} if cfg.scaling.use_gpu else {"num_cpus": 1}
     task = ray.remote(**res)(_encode_rows_task)
-    return ray.get(task.remote(cfg.to_dict(), family, model_path, rows, purpose, list(captions)))
+    return ray.get(task.remote(cfg.to_dict(), family, model_path, sets, list(captions)))
 
 
 def encode_rows(cfg: RayLoraConfig, family: str, model_path: str, rows: list[dict],
@@ -557,13 +561,17 @@ def encode_rows(cfg: RayLoraConfig, family: str, model_path: str, rows: list[dic
     repeated rows folded: ``raylora.data.prior.fold_repeats``), ``{image, text}`` → cached
     columns, in order, by the same code as the cache, in one Ray task (on a GPU when
     training uses them): a few hundred rows at most."""
-    return _encode(cfg, family, model_path, rows, purpose, [])[0]
+    return _encode(cfg, family, model_path, {purpose: rows}, [])[0][purpose]
 
 
-def encode_heldout_and_captions(cfg: RayLoraConfig, family: str, model_path: str,
-                                rows: list[dict], captions: list[str]) -> tuple[dict | None, dict]:
-    """``encode_rows``' held-out columns (None without rows) and ``caption_columns`` of
-    ``captions`` (data.caption_dropout: the family's empty prompt, which a cached batch's
-    dropped rows get, ``raylora.data.captions.drop_cached_captions``) from one task: the
-    text encoders are loaded once for both."""
-    return _encode(cfg, family, model_path, rows, "heldout", captions)
+def encode_for_workers(cfg: RayLoraConfig, family: str, model_path: str, heldout: list[dict],
+                       class_rows: list[dict], captions: list[str]
+                       ) -> tuple[dict | None, dict | None, dict | None]:
+    """What the workers of a cached run would otherwise need encoders for, from one task
+    (the text encoders and the VAE loaded once for all of it): ``encode_rows``' held-out
+    columns, its class columns (prior preservation) and ``caption_columns`` of ``captions``
+    (data.caption_dropout: the family's empty prompt, which a cached batch's dropped rows
+    get, ``raylora.data.captions.drop_cached_captions``); None for each one not asked for."""
+    encoded, captioned = _encode(cfg, family, model_path,
+                                 {"heldout": heldout, "class": class_rows}, captions)
+    return encoded.get("heldout"), encoded.get("class"), captioned

@@ -128,7 +128,7 @@ def drop_cached_captions(stream, empty: dict[str, np.ndarray], p: float, seed: i
     """Caption dropout over cached rows (data.cache=latents): ``(pass, batch)`` → the same
     with each row's caption columns (``Family.caption_keys``), with probability ``p``,
     those of ``empty``: the family's empty prompt, encoded once by the driver
-    (``raylora.data.cache.encode_heldout_and_captions``) as the uncached step encodes a
+    (``raylora.data.cache.encode_for_workers``) as the uncached step encodes a
     dropped row's. One draw per row; batch ``i`` of a pass (counted from the pass's first batch in this
     stream) draws from the seed, the rank, the pass and ``i`` alone, as prior
     preservation picks its class rows (``raylora.data.prior``): a ``data.sharding=files``

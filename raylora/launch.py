@@ -288,6 +288,11 @@ def family_problems(cfg: RayLoraConfig, family, multiple: int, native: str | Non
     if cfg.model.attention != "sdpa" and t.sdpa_backend not in ("auto", "default"):
         out.append(f"train.sdpa_backend: {t.sdpa_backend} picks an SDPA kernel; "
                    f"model.attention={cfg.model.attention} does not call SDPA")
+    if t.cuda_graphs and family.cuts_captions:
+        out.append(f"train.cuda_graphs: {family.name}'s caption embedding is as long as each "
+                   "batch's longest caption, so the step's shapes change from batch to batch and "
+                   "each new length would record a CUDA graph of its own; leave it off (the "
+                   "compiled blocks take every length without recompiling)")
     if t.sdpa_backend == "cudnn" and not family.cudnn_sdpa:
         out.append(f"train.sdpa_backend: cudnn is off for {family.name} (its cuDNN attention "
                    "crashed on an H100); use auto, flash or efficient")

@@ -174,6 +174,14 @@ def test_family_config_checks_name_the_key(tiny, demo_data, tmp_path):
         "train": flux_cudnn.train.model_copy(update={"sdpa_backend": "flash"})})
     with pytest.raises(ConfigError, match="train.sdpa_backend: flash picks an SDPA kernel; model.attention=eager"):
         plan(sd_eager)
+    # CUDA graphs need fixed shapes: a language-model caption's length changes every batch
+    graphs = validate({"model": {"pretrained": tiny("flux")}, "data": {"uri": demo_data},
+                       "train": {"cuda_graphs": True, "compile": "regional"},
+                       "scaling": {"use_gpu": True}, "output": {"uri": str(tmp_path)}})
+    refused = [p for f in FAMILIES for p in family_problems(graphs, families.get(f), 1, None)
+               if p.startswith("train.cuda_graphs")]
+    assert len(refused) == len(TRIMMED) and all(
+        any(p.startswith(f"train.cuda_graphs: {f}'s caption embedding") for p in refused) for f in TRIMMED)
     with pytest.raises(ValueError, match="model.family"):
         validate({"model": {"pretrained": "x", "family": "cogview4"}, "data": {"uri": "d"},
                   "output": {"uri": "o"}})

@@ -371,8 +371,10 @@ def encode_for_workers(cfg: RayLoraConfig, p: Plan) -> Plan:
     from raylora.data.cache import encode_for_workers as encode
     from raylora.model import families
 
+    if cfg.data.cache != "latents":
+        return p
     captions = [families.get(p.family).empty_caption] if _drops_cached_captions(cfg) else []
-    if cfg.data.cache != "latents" or not (p.heldout or p.class_rows or captions):
+    if not (p.heldout or p.class_rows or captions):
         return p
     heldout, classes, empty = encode(cfg.at_commit(p.model_commit), p.family, p.model_path,
                                      p.heldout, p.class_rows or [], captions)

@@ -46,16 +46,21 @@ def _loss_and_grads(model, parts, params, batch, seed: int):
     return loss.detach(), [p.grad.detach().clone() for p in params]
 
 
+@torch.no_grad()
+def _nonzero_adapter(model) -> None:
+    """lora_B off zero (peft starts it there), so lora_A gets gradients too."""
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            p.normal_(0, 0.02)
+
+
 @pytest.mark.parametrize("family_name", FAMILIES)
 def test_regional_compile_matches_eager_without_breaks_or_recompiles(tiny, demo_data, tmp_path,
                                                                       family_name):
     comps, eager_params, parts, batch = lora_step_setup(tiny(family_name), demo_data,
                                                         str(tmp_path / "o"))
     fam, eager = comps.family, comps.denoiser
-    with torch.no_grad():  # a non-zero adapter, so lora_A gets gradients too
-        for n, p in eager.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.02)
+    _nonzero_adapter(eager)
 
     compiled = copy.deepcopy(eager)
     compiled_params = [p for p in compiled.parameters() if p.requires_grad]
@@ -117,10 +122,7 @@ def test_captions_of_new_lengths_compile_nothing_after_the_second(tiny, family_n
     fam, eager = comps.family, comps.denoiser
     torch.manual_seed(0)
     params = add_lora(eager, LoraSection(rank=4), fam.default_lora_targets(eager))
-    with torch.no_grad():  # a non-zero adapter, so lora_A gets gradients too
-        for n, p in eager.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.02)
+    _nonzero_adapter(eager)
     conds = []
     for caption in CAPTIONS:  # the caption beside a short one: as long as the caption
         with torch.no_grad():

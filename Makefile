@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 LANES ?= 2
 STAMP := $(VENV)/.raylora-installed
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench install clean gpu-wheels
 
 install: $(STAMP)
 
@@ -63,6 +63,20 @@ bench: $(STAMP)
 	if $(PY) -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then \
 		$(PY) bench/gpu_throughput.py; \
 	else echo "bench: no CUDA device, skipping bench/gpu_throughput.py (try --smoke)"; fi
+
+# For a lent GPU machine (python 3.12, a CUDA torch, no diffusers/peft/pydantic, no index):
+# the wheels bench/gpu_session.sh installs there, at the versions CI last passed with, into
+# .whl/ (git-ignored; the device tool's `carry: [".whl"]` takes it along).
+GPU_WHEELS := diffusers peft pydantic pydantic_core annotated-types typing_extensions typing-inspection
+gpu-wheels: $(STAMP)
+	rm -rf .whl
+	pins=$$(for p in $(GPU_WHEELS); do grep -E "^$$p==" .ci/constraints.txt \
+		|| echo "MISSING:$$p"; done); \
+	case "$$pins" in *MISSING:*) echo "gpu-wheels: not pinned in .ci/constraints.txt:" \
+		$$(echo "$$pins" | grep MISSING) >&2; exit 1;; esac; \
+	$(PY) -m pip download -q --only-binary=:all: --python-version 3.12 \
+		--platform manylinux2014_x86_64 --no-deps -d .whl $$pins
+	ls .whl
 
 clean:
 	rm -rf runs .pytest_cache

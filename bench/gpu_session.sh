@@ -4,11 +4,9 @@
 # and no package index. Run from the repo root there, with the wheels in .whl/
 # (git-ignored) carried along:
 #
-#   # here, once (python 3.12 manylinux wheels, no dependencies resolved against this box):
-#   pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
-#       --no-deps -d .whl diffusers==0.42.1 peft==0.21.2 pydantic==2.14.3 \
-#       pydantic_core==2.50.4 annotated_types==0.8.0 typing_extensions==4.16.0 \
-#       typing_inspection==0.4.5
+#   # here, once: python 3.12 manylinux wheels of diffusers, peft and pydantic (with its
+#   # three small dependencies) at the versions in .ci/constraints.txt, into .whl/
+#   make gpu-wheels
 #   # there, through the device tool (carry: .whl):
 #   bash bench/gpu_session.sh dits        # then: sd15, sdxl, sdxl-full, wan, flux2, dits2, captions, sd15-res (loop: done)
 #

@@ -114,7 +114,8 @@ class ModelSection(_Section):
         "Qwen-Image's, Z-Image's and Flux.2's LLMs, Wan's UMT5). Default: the pipeline's "
         "(Flux.1-dev 512, schnell use 256; SD3 256; Qwen-Image 512; Z-Image and Flux.2 "
         "[klein]/[dev] 512, the chat template (and [dev]'s system message) included; Wan 512; "
-        "Lumina-Image 2.0 256, its system prompt included; Sana 300 after its instruction).",
+        "Lumina-Image 2.0 256, its system prompt included; Sana 300 after its instruction; "
+        "Chroma 512; Qwen-Image-Edit 1024, the template and the image slot included).",
     )
     system_prompt: str | None = Field(
         None,

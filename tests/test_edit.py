@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import tarfile
 
 import numpy as np
@@ -272,13 +273,16 @@ def test_denoise_with_input_images_is_the_stock_pipeline_call(tiny, family, inpu
         hk.remove()
 
 
-@pytest.mark.parametrize("inputs", [1, 2])
-def test_qwenimageedit_reads_each_captions_input_images_as_its_pipeline_does(tiny, inputs):
+@pytest.mark.parametrize("inputs, processor", [(1, "stock"), (2, "stock"), (1, "own")])
+def test_qwenimageedit_reads_each_captions_input_images_as_its_pipeline_does(tiny, tmp_path, inputs,
+                                                                            processor):
     """A batch of two captions of different lengths, each with its own input image (or
     two: "Picture 1", "Picture 2"; right-padded ids, each picture slot widened to its
     image's vision tokens): each row's conditioning is what QwenImageEditPlusPipeline's
     ``encode_prompt`` gives that caption with its condition images (each input at 384² px
-    of area, as the pipeline resizes it) alone; past each caption, zeros under a zero mask."""
+    of area, as the pipeline resizes it) alone; past each caption, zeros under a zero mask.
+    ``own``: the folder's image processor has a mean, std and pixel bound of its own (a
+    fine-tune's folder may); the pipeline reads the images with it, and so does training."""
     from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (
         CONDITION_IMAGE_SIZE,
         calculate_dimensions,
@@ -289,6 +293,16 @@ def test_qwenimageedit_reads_each_captions_input_images_as_its_pipeline_does(tin
 
     family, (H, W) = "qwenimageedit", (48, 80)
     model = tiny(family)
+    if processor == "own":
+        model = str(shutil.copytree(model, tmp_path / "own-processor"))
+        config = os.path.join(model, "processor", "preprocessor_config.json")
+        values = json.load(open(config))
+        assert values["image_mean"] != [0.3, 0.5, 0.7]
+        # At most 80 patches of 28 px: the 480 × 288 px condition image is made smaller.
+        values.update(image_mean=[0.3, 0.5, 0.7], image_std=[0.2, 0.25, 0.3],
+                      size={"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 80})
+        with open(config, "w") as f:
+            json.dump(values, f)
     captions = ["make it red", "turn the small blue square into a green circle"]
     comps, batch = _raylora_batch(model, family, captions, size=(H, W), references=inputs)
     pipe = stock_pipeline(family, model)
@@ -308,8 +322,13 @@ def test_qwenimageedit_reads_each_captions_input_images_as_its_pipeline_does(tin
             torch.testing.assert_close(ours["prompt_embeds"][i, :n], want[0], rtol=1e-5, atol=1e-6)
             assert ours["prompt_embeds_mask"][i, :n].all() and not ours["prompt_embeds_mask"][i, n:].any()
             assert not ours["prompt_embeds"][i, n:].any()
-    # 170 vision tokens (480 × 288 px → 20 × 34 patches of 14 px, merged 2×2) per input
-    assert lengths[0] < lengths[1] == ours["prompt_embeds"].shape[1] and lengths[0] > 170 * inputs
+    assert lengths[0] < lengths[1] == ours["prompt_embeds"].shape[1]
+    # Vision tokens per input: 170 (480 × 288 px → 20 × 34 patches of 14 px, merged 2×2);
+    # under the folder's bound 66 (308 × 168 px: 22 × 12 patches).
+    resized = pipe.image_processor.resize(Image.fromarray(images[0][0]), h, w)
+    grid = pipe.processor.image_processor(images=[resized], return_tensors="pt")["image_grid_thw"]
+    assert int(grid.prod()) // 4 == {"stock": 170, "own": 66}[processor]
+    assert lengths[0] > int(grid.prod()) // 4 * inputs
 
 
 # ---------------------------------------------------------------- where control images come from

@@ -65,7 +65,7 @@ def condition_size(h: int, w: int) -> tuple[int, int]:
 @functools.cache
 def vision_processor(patch: int, temporal: int, merge: int):
     """Qwen2.5-VL's image processor for an encoder's patching (PIL backend: no torchvision),
-    built once per patching."""
+    built once per patching: for a text encoder loaded without its folder's processor."""
     from transformers import Qwen2VLImageProcessorPil
 
     return Qwen2VLImageProcessorPil(patch_size=patch, temporal_patch_size=temporal, merge_size=merge)
@@ -130,6 +130,16 @@ class QwenImageEdit(QwenImage):
         return cls.pipeline_class().from_pretrained(path, **kw)
 
     @classmethod
+    def load_component(cls, path: str, index: dict, component: str, dtype=None, **kw):
+        module = super().load_component(path, index, component, dtype, **kw)
+        if component == "text_encoder" and "processor" in index:
+            # The pipeline reads its input images with the folder's image processor (its
+            # mean, std, pixel bounds), and so does training: one built from the vision
+            # tower's patching alone has the defaults, which a fine-tune's folder may not.
+            module.raylora_image_processor = folder_image_processor(path, kw.get("revision"))
+        return module
+
+    @classmethod
     def reference_kwargs(cls, image, height: int | None, width: int | None) -> dict:
         return {} if image is None else {"image": image}
 
@@ -161,25 +171,28 @@ class QwenImageEdit(QwenImage):
         if not controls:  # text to image: the template without the pictures
             ids, mask = splice(ids, mask, DROP, ends[-1] + 1 - DROP if ends else 0, None)
             return llm_conditioning(te, {"input_ids": ids, "attention_mask": mask}, layer=-1, drop=DROP)
-        n = vision_tokens(controls[0].shape, vc)
         if not slots or controls[0].is_meta:
             # A memory estimate: the caption as long as with the images' tokens.
+            n = vision_tokens(controls[0].shape, vc)
             ids, mask = splice(ids, mask, DROP, 1, pad.repeat(n * len(controls)))
             return llm_conditioning(te, {"input_ids": ids, "attention_mask": mask}, layer=-1, drop=DROP)
         if len(slots) != len(controls):
             raise ValueError(f"qwenimageedit: captions tokenized with {len(slots)} picture(s) for "
                              f"{len(controls)} input image(s) a sample (data.control_inputs)")
-        processor = vision_processor(vc.patch_size, vc.temporal_patch_size, vc.spatial_merge_size)
+        processor = getattr(te, "raylora_image_processor", None)
+        if processor is None:
+            processor = vision_processor(vc.patch_size, vc.temporal_patch_size, vc.spatial_merge_size)
         # Row by row, each row's pictures in order: the order the encoder fills the slots in.
         images = [x for row in zip(*(condition_images(c) for c in controls)) for x in row]
         vision = processor(images=images, return_tensors="pt")
         grid = vision["image_grid_thw"]
         # A batch's inputs share their size (their targets' bucket), so every picture slot
-        # widens alike.
+        # widens alike. The count is the processor's: its pixel bounds may resize.
         counts = (grid.prod(-1) // vc.spatial_merge_size ** 2).tolist()
+        n = counts[0]
         if counts != [n] * len(counts):
             raise RuntimeError(f"qwenimageedit: vision tokens {counts} for inputs of "
-                               f"{tuple(controls[0].shape[-2:])} px, {n} expected")
+                               f"{tuple(controls[0].shape[-2:])} px: one count expected")
         for at in reversed(slots):  # from the last, so the earlier slots stay where they are
             ids, mask = splice(ids, mask, at, 1, pad.repeat(n))
         dtype = next(te.parameters()).dtype
@@ -221,7 +234,7 @@ def edit_processor(path: str, revision: str | None = None):
     ``Qwen2VLProcessor`` for images and captions, built without its video processor (which
     needs torchvision in transformers 5). Its call is the processor's for a batch of
     texts and images: each ``<|image_pad|>`` widened to its image's tokens, in order."""
-    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, Qwen2VLProcessor
+    from transformers import AutoTokenizer, Qwen2VLProcessor
     from transformers.feature_extraction_utils import BatchFeature
 
     class EditProcessor(Qwen2VLProcessor):
@@ -246,8 +259,15 @@ def edit_processor(path: str, revision: str | None = None):
             return BatchFeature(out, tensor_type=return_tensors)
 
     tok = AutoTokenizer.from_pretrained(path, subfolder="processor", revision=revision)
-    images = Qwen2VLImageProcessorPil.from_pretrained(path, subfolder="processor", revision=revision)
-    return EditProcessor(tok, images)
+    return EditProcessor(tok, folder_image_processor(path, revision))
+
+
+def folder_image_processor(path: str, revision: str | None = None):
+    """The image processor of the folder's ``processor`` (Qwen2-VL's, its PIL backend: the
+    default one needs torchvision in transformers 5)."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil.from_pretrained(path, subfolder="processor", revision=revision)
 
 
 FAMILY = QwenImageEdit

@@ -121,6 +121,18 @@ def cut_captions(batch: dict) -> dict:
             if k in PADDED_CAPTIONS else v for k, v in batch.items()}
 
 
+def numbered(stream):
+    """``(pass, batch)`` → ``(pass, i, batch)``: batch ``i`` of its pass, counted from the
+    pass's first batch in this stream. The per-batch draws keyed on it (cached caption
+    dropout, prior preservation's class rows) depend on the seed, rank, pass and ``i``
+    alone, so a ``data.sharding=files`` run resumed at an epoch repeats the straight run's."""
+    seen: dict[int, int] = {}
+    for epoch, batch in stream:
+        i = seen.get(epoch, 0)
+        seen[epoch] = i + 1
+        yield epoch, i, batch
+
+
 CACHED_DROPOUT_SALT = 0xD50F_CA9E
 
 
@@ -129,14 +141,9 @@ def drop_cached_captions(stream, empty: dict[str, np.ndarray], p: float, seed: i
     with each row's caption columns (``Family.caption_keys``), with probability ``p``,
     those of ``empty``: the family's empty prompt, encoded once by the driver
     (``raylora.data.cache.encode_for_workers``) as the uncached step encodes a
-    dropped row's. One draw per row; batch ``i`` of a pass (counted from the pass's first batch in this
-    stream) draws from the seed, the rank, the pass and ``i`` alone, as prior
-    preservation picks its class rows (``raylora.data.prior``): a ``data.sharding=files``
-    run resumed at an epoch drops the straight run's rows."""
-    seen: dict[int, int] = {}
-    for epoch, batch in stream:
-        i = seen.get(epoch, 0)
-        seen[epoch] = i + 1
+    dropped row's. One draw per row, from the seed, the rank, the pass and the batch's
+    index in it alone (``numbered``): a resumed run drops the straight run's rows."""
+    for epoch, i, batch in numbered(stream):
         n = len(next(iter(batch.values())))
         drop = np.random.default_rng([CACHED_DROPOUT_SALT, seed, rank, epoch, i]).random(n) < p
         if drop.any():

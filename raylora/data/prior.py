@@ -120,9 +120,8 @@ def concat_pair(instance: dict[str, np.ndarray], prior: dict[str, np.ndarray]) -
 def paired(stream: Iterator[tuple[int, dict]], classes: ClassBatches) -> Iterator[tuple[int, dict]]:
     """``(pass, batch)`` → ``(pass, batch ‖ its class samples)``; batch i of each pass
     (counted from the pass's first batch in this stream) gets ``classes.batch(pass, i)``."""
-    seen: dict[int, int] = {}
-    for epoch, batch in stream:
-        i = seen.get(epoch, 0)
-        seen[epoch] = i + 1
+    from raylora.data.captions import numbered
+
+    for epoch, i, batch in numbered(stream):
         n = len(next(iter(batch.values())))
         yield epoch, concat_pair(batch, classes.batch(epoch, i, n))

@@ -423,7 +423,8 @@ def test_a_refused_checkpoint_record_fails_the_run_and_a_rerun_resumes_from_the_
     error. The store refuses the upload of the record that names the second checkpoint
     (step 4): the run fails naming the key, the record still names only the first
     checkpoint, and the same config run again drops the unrecorded folder and resumes from
-    the first checkpoint to the end."""
+    the first checkpoint to the end. Two FSDP workers: each checkpoint is DCP shards from
+    both ranks in the bucket, and the rerun's ranks read them back from it."""
     import logging
 
     from faultproxy import FaultProxy
@@ -445,7 +446,7 @@ def test_a_refused_checkpoint_record_fails_the_run_and_a_rerun_resumes_from_the_
         "model": {"pretrained": tiny_model},
         "data": {"uri": f"s3://{BUCKET}/data/parquet", "resolution": 64, "center_crop": True},
         "train": {"batch_size": 2, "max_steps": 4, "learning_rate": 1e-3},
-        "scaling": {"num_workers": 1},
+        "scaling": {"num_workers": 2, "strategy": "fsdp"},
         "checkpoint": {"every_n_steps": 2, "num_to_keep": 3},
         "output": {"uri": f"s3://{BUCKET}/runs/record"},
     }
@@ -465,6 +466,13 @@ def test_a_refused_checkpoint_record_fails_the_run_and_a_rerun_resumes_from_the_
     record = json.loads(s3.get_object(Bucket=BUCKET, Key=f"{run_key}/checkpoint_manager_snapshot.json")["Body"].read())
     assert [r["metrics"]["step"] for r in record["checkpoint_results"]] == [2, 4]
     assert checkpoints() == {r["checkpoint_dir_name"] for r in record["checkpoint_results"]} and first in checkpoints()
+    for name in checkpoints():
+        listed = s3.list_objects_v2(Bucket=BUCKET, Prefix=f"{run_key}/{name}/fsdp/").get("Contents", [])
+        # ("": the folder's marker object, which pyarrow writes)
+        assert {o["Key"].rsplit("/", 1)[1] for o in listed} - {""} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    # The resumed steps trained on from step 2's shards: steps 3 and 4 are logged once each.
+    rows = [json.loads(x) for x in s3.get_object(Bucket=BUCKET, Key="runs/record/metrics.jsonl")["Body"].iter_lines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["loss"] > 0 for r in rows)
 
 
 def test_a_filesystem_ray_copies_to_another_process_keeps_its_retries(s3):

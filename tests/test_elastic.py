@@ -160,23 +160,20 @@ def test_lr_schedule_resumes_in_optimizer_steps_on_another_size():
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
         return build_lr_scheduler(cfg, opt, 10, n)
 
+    def step(s, times=1):
+        s.optimizer.step()  # (no gradients: moves nothing; the schedule is stepped after it, as in training)
+        for _ in range(times):
+            s.step()
+        return s.get_last_lr()[0]
+
     one, two = sched(1), sched(2)
-    want = []
-    for _ in range(10):
-        one.step()
-        want.append(one.get_last_lr()[0])
-    got = []
-    for _ in range(4):
-        for _ in range(2):  # what AcceleratedScheduler does on 2 processes
-            two.step()
-        got.append(two.get_last_lr()[0])
+    want = [step(one) for _ in range(10)]
+    got = [step(two, 2) for _ in range(4)]  # twice: what AcceleratedScheduler does on 2 processes
     state = LoopState(global_step=4, world_size=2)
     resumed = sched(1)
     resumed.load_state_dict(two.state_dict())
     _resize(state, resumed, 1)
-    for _ in range(6):
-        resumed.step()
-        got.append(resumed.get_last_lr()[0])
+    got += [step(resumed) for _ in range(6)]
     assert got == pytest.approx(want)
 
 

@@ -95,12 +95,21 @@ def _snapshot(sd: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.
     return {prefix + k: v.detach().to("cpu", torch.float32, copy=True).contiguous() for k, v in sd.items()}
 
 
+def _peft_lora(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    # save_embedding_layers=False: raylora never resizes a vocabulary. peft's "auto" looks
+    # for the base's config.json at its name_or_path (a pipeline's folder has none, only its
+    # text encoder's subfolder) and then on the hub, and warned at every checkpoint that it
+    # found none; with an ``embed_tokens`` among the targets (Qwen2.5-VL's) it would add that
+    # whole frozen matrix to every checkpoint.
+    return get_peft_model_state_dict(module, save_embedding_layers=False)
+
+
 def lora_state_dict(model: torch.nn.Module, text_encoders: dict | None = None) -> dict[str, torch.Tensor]:
     """peft-layout LoRA weights (fp32, detached, on CPU): for checkpoints and digests.
     ``text_encoders``: the trained ones by component name; their keys get that prefix."""
-    sd = _snapshot(get_peft_model_state_dict(model))
+    sd = _snapshot(_peft_lora(model))
     for name, te in (text_encoders or {}).items():
-        sd.update(_snapshot(get_peft_model_state_dict(te), name + "."))
+        sd.update(_snapshot(_peft_lora(te), name + "."))
     return sd
 
 
@@ -164,7 +173,7 @@ def save_peft_folder(model: torch.nn.Module, directory: str, family) -> None:
 
     os.makedirs(directory, exist_ok=True)
     config = model.peft_config["default"]
-    sd = _snapshot(get_peft_model_state_dict(model))
+    sd = _snapshot(_peft_lora(model))
     save_file({"base_model.model." + k: v for k, v in sd.items()},
               os.path.join(directory, PEFT_WEIGHTS), metadata={"format": "pt"})
     with open(os.path.join(directory, PEFT_CONFIG), "w") as f:
@@ -185,7 +194,7 @@ def save_diffusers_adapter(model: torch.nn.Module, directory: str, family,
     layers, meta = {}, {}
     for name, module in [(family.denoiser, model), *(text_encoders or {}).items()]:
         given = denoiser_sd if module is model else None
-        sd = _snapshot(given if given is not None else get_peft_model_state_dict(module))
+        sd = _snapshot(given if given is not None else _peft_lora(module))
         layers[name] = convert_state_dict_to_diffusers(sd) if family.legacy_lora_keys else sd
         meta[name] = module.peft_config["default"].to_dict()
     family.save_adapter(directory, layers, meta)

@@ -1659,8 +1659,13 @@ def _format_pydantic(err: ValidationError) -> list[str]:
             out.append(str(e["ctx"]["error"]))  # a section's check naming its own key
         else:
             got = e.get("input")
-            shown = "" if isinstance(got, dict) else f" (got {got!r})"
-            out.append(f"{key}: {e['msg']}{shown}")
+            # A check's own ValueError: its message, without pydantic's "Value error, ".
+            msg = str(e["ctx"]["error"]) if e["type"] == "value_error" else e["msg"]
+            # the check's message names the value already ("unknown family 'x'"; a number
+            # only as "not 0", where a bound like "> 0" could read as the value)
+            named = repr(got) in msg if isinstance(got, (str, list)) else f"not {got!r}" in msg
+            shown = "" if isinstance(got, dict) or named else f" (got {got!r})"
+            out.append(f"{key}: {msg}{shown}")
     return out
 
 

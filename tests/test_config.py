@@ -96,6 +96,22 @@ def test_every_problem_reported_at_once_naming_keys():
     assert "data.resolution:" in msg
 
 
+def test_a_checks_own_message_reads_without_pydantics_prefix_or_a_second_value():
+    """A check's ValueError is the problem as written, without "Value error, "; the value
+    is added as "(got ...)" only where the message does not name it already."""
+    def problem(*overrides: str) -> str:
+        with pytest.raises(ConfigError) as ei:
+            validate(apply_overrides(MIN, list(overrides)))
+        assert len(ei.value.problems) == 1, ei.value.problems
+        return ei.value.problems[0]
+
+    assert problem("scaling.num_workers=0") == "scaling.num_workers: must be at least 1, not 0"
+    assert problem("model.family=foo").startswith("model.family: unknown family 'foo' (auto or one of: ")
+    assert not problem("model.family=foo").endswith("(got 'foo')")
+    assert problem("lora.target_modules=[]") == "lora.target_modules: needs at least one module name (got [])"
+    assert problem("lora.rank=0") == "lora.rank: Input should be greater than 0 (got 0)"
+
+
 def test_missing_required_sections_named():
     with pytest.raises(ConfigError) as ei:
         validate({"data": {"uri": "x"}})

@@ -173,6 +173,7 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
     from raylora.data.plan import plan_data, sample_problems
     from raylora.model import lora_init
     from raylora.model import families, hub
+    from raylora.model.lora import target_problems
     from raylora.model.load import check_model, is_hub_id, resolve_family
     from raylora.train.objective import scheduler_objective_kind
 
@@ -180,6 +181,7 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
     store = cfg.storage.client()
     model_path = cfg.model.pretrained
     family, factor, scheduler, commit = resolve_family(cfg.model, None), 8, None, None
+    readable = False  # the model's configs were read: its layers can be checked here
     try:
         info = check_model(model_path, store, cfg.model.revision, cfg.model.variant)
         family, factor = resolve_family(cfg.model, info["index"]), info["vae_factor"]
@@ -192,6 +194,7 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
                      model_path, commit)
         if family.experts:  # whether this folder has them; a family without: family_problems
             family.sigma_range(info["index"], cfg.model.expert, f"model.pretrained: {model_path}")
+        readable = True
     except hub.Unreachable as exc:
         # A hub id nothing is known of here: the workers may still reach the hub. The
         # family is the one thing the run cannot guess (SD's settings for a Flux repo).
@@ -217,6 +220,8 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
         except ValueError as exc:
             problems.append(str(exc))
     problems += write_problems(cfg, store)
+    if readable:
+        problems += target_problems(cfg.at_commit(commit))
     init_problems, init_loads = lora_init.checked(cfg, store)
     problems += init_problems
     objective = cfg.train.prediction_type or native

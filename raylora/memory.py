@@ -1120,18 +1120,28 @@ def from_config(cfg, **changes) -> Estimate:
     to override. A model in object storage has its JSON configs copied to a temporary
     folder first, a hub model's are downloaded at ``model.revision`` (a run's: the commit
     its plan pinned, ``RayLoraConfig.at_commit``); nothing else is read."""
+    with configs_folder(cfg, changes.pop("model_path", None)) as path:
+        return estimate(path, **{**config_args(cfg), **changes})
+
+
+@contextlib.contextmanager
+def configs_folder(cfg, path: str | None = None):
+    """A local folder with the configs of ``path`` (default: ``model.pretrained``), all a
+    meta-device model needs: the folder itself, a hub model's configs downloaded at
+    ``model.revision``, or the JSON files of one in object storage copied to a temporary
+    folder (gone afterwards)."""
     from raylora.model.load import is_hub_id, resolve_model_path
 
-    path = changes.pop("model_path", None) or resolve_model_path(cfg.model)
-    args = {**config_args(cfg), **changes}
+    path = path or resolve_model_path(cfg.model)
     if "://" in path and not path.startswith("file://"):
-        with tempfile.TemporaryDirectory(prefix="raylora-configs-") as tmp:  # gone after
-            return estimate(_configs_only(path, cfg.storage.client(), tmp), **args)
+        with tempfile.TemporaryDirectory(prefix="raylora-configs-") as tmp:
+            yield _configs_only(path, cfg.storage.client(), tmp)
+        return
     if is_hub_id(path):
         from raylora.model import hub
 
         path = hub.configs(path, cfg.model.revision)
-    return estimate(path, **args)
+    yield path
 
 
 _CONFIG_FILES = ("config.json", "scheduler_config.json", "tokenizer_config.json")

@@ -97,6 +97,34 @@ def test_a_weight_variant_the_model_lacks_is_named_before_any_worker(tiny_model,
     assert comps.denoiser.conv_in.weight.shape[0] > 0 and comps.vae is not None
 
 
+@pytest.mark.parametrize("family", ["sd", "flux"])
+def test_lora_targets_that_match_no_layer_are_named_before_any_worker(family, tiny, demo_data, tmp_path):
+    """A typo in lora.target_modules or lora.text_encoder_target_modules failed in every
+    worker's peft once the cluster was up, and one among names that match (to_kk beside
+    to_q) trained a smaller adapter without a word, as peft refuses only a list that
+    matches nothing. The driver attaches the adapter to the model built on the meta device
+    from its configs: each is one problem naming the targets that match nothing and the
+    names the layers have; targets that all match plan as before; nothing is written."""
+    from raylora.launch import plan
+
+    def cfg(**lora):
+        return validate({"model": {"pretrained": tiny(family)},
+                         "data": {"uri": demo_data, "resolution": 64}, "lora": lora,
+                         "output": {"uri": str(tmp_path / "out")}})
+
+    with pytest.raises(ConfigError) as exc:
+        plan(cfg(target_modules=["to_q", "to_kk"], train_text_encoder=True,
+                 text_encoder_target_modules=["q_proj", "q_prj"]), heldout=False)
+    denoiser, text = exc.value.problems
+    head = "lora.target_modules: ['to_kk'] match no layer of the denoiser (its linear and conv layers: "
+    assert denoiser.startswith(head)
+    assert {"to_q", "to_k", "to_v", "to_out.0"} <= set(denoiser[len(head):].rstrip(")").split(", "))
+    assert text == ("lora.text_encoder_target_modules: ['q_prj'] match no layer of text_encoder "
+                    "(text_encoder's linear and conv layers: fc1, fc2, k_proj, out_proj, q_proj, v_proj)")
+    assert plan(cfg(target_modules=["to_q", "to_v"], train_text_encoder=True), heldout=False).family == family
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("scheme", ["s3", "gs"])
 def test_unreachable_storage_is_one_line_naming_the_uri_and_never_hangs(tiny_model, tmp_path, monkeypatch,
                                                                        scheme):

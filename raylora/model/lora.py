@@ -13,6 +13,7 @@ layout) and text-encoder keys are prefixed with their pipeline component name.
 from __future__ import annotations
 
 import hashlib
+import logging
 
 import torch
 from peft import LoraConfig
@@ -21,6 +22,7 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from raylora.config import LoraSection
 
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+log = logging.getLogger("raylora")
 
 
 def peft_config(lora: LoraSection, targets):
@@ -61,14 +63,77 @@ def add_lora(model: torch.nn.Module, lora: LoraSection, default_targets=()) -> l
     family's ``default_targets``); returns the trainable parameters."""
     targets = lora.target_modules or list(default_targets)
     model.requires_grad_(False)
+    if unmatched := _unmatched(model, lora.target_modules or ()):
+        raise ValueError(f"lora.target_modules: {unmatched} match no layer of the denoiser"
+                         + _names_hint(model))
     try:
         model.add_adapter(peft_config(lora, targets))
     except ValueError as exc:
-        raise ValueError(f"lora.target_modules: {targets}: {exc}") from None
+        raise ValueError(f"lora.target_modules: {targets}: {exc}{_names_hint(model)}") from None
     params = _fp32_trainable(model)
     if not params:
-        raise ValueError(f"lora.target_modules: {targets} matched no module in the denoiser")
+        raise ValueError(f"lora.target_modules: {targets} matched no module in the denoiser"
+                         + _names_hint(model))
     return params
+
+
+def _unmatched(model: torch.nn.Module, targets) -> list[str]:
+    """The ``targets`` that match no module of ``model`` as peft matches a list (the whole
+    name, or its last dotted parts). peft refuses a list only when none matches: one
+    mistyped name among several (to_kk) would train a smaller adapter without a word."""
+    names = [n for n, _ in model.named_modules()]
+    return [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+
+
+def _names_hint(model: torch.nn.Module, whose: str = "its", most: int = 24) -> str:
+    """``model``'s names that a target can match, for an error message: its linear and
+    conv layers' last name parts ("to_out.0" for a layer in a list)."""
+    names = set()
+    for name, m in model.named_modules():
+        if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)):
+            parts = name.split(".")
+            names.add(".".join(parts[-2:]) if parts[-1].isdigit() and len(parts) > 1 else parts[-1])
+    shown = sorted(names)
+    more = f", ... ({len(shown)} in all)" if len(shown) > most else ""
+    return f" ({whose} linear and conv layers: {', '.join(shown[:most])}{more})" if shown else ""
+
+
+def target_problems(cfg) -> list[str]:
+    """Why ``lora.target_modules`` (and ``lora.text_encoder_target_modules``, when text
+    encoders train) would fail on the workers, found on the components built on the meta
+    device from their configs alone (``raylora.memory``: no weights read), one line each;
+    none when the family's defaults are used. Before Ray starts, a typo costs a second,
+    not a cluster's start. A model whose meta build fails is left to the workers' check."""
+    lora = cfg.lora
+    if not lora.target_modules and not lora.train_text_encoder:
+        return []
+    from raylora import memory
+    from raylora.model.load import resolve_family
+
+    try:
+        with memory.configs_folder(cfg) as path:
+            index = memory.read_index(path)
+            family = resolve_family(cfg.model, index)  # model.family's, else detected
+
+            def meta(name: str) -> torch.nn.Module:
+                return family.adapt_component(name, memory.meta_component(
+                    path, index, name, torch.float32))
+
+            denoiser = meta(family.trained_component(cfg.model.expert))
+            encoders = ({t.encoder: meta(t.encoder) for t in family.text
+                         if t.encoder in family.text_encoder_lora()}
+                        if lora.train_text_encoder else {})
+    except Exception as exc:  # an estimator gap must not stop a run the workers can start
+        log.debug("lora targets not checked before Ray: %s", exc)
+        return []
+    problems = []
+    for attach in (lambda: add_lora(denoiser, lora, family.default_lora_targets(denoiser)),
+                   lambda: add_text_encoder_lora(encoders, lora)):
+        try:
+            attach()
+        except ValueError as exc:
+            problems.append(str(exc))
+    return problems
 
 
 def add_text_encoder_lora(text_encoders: dict[str, torch.nn.Module], lora: LoraSection) -> list[torch.nn.Parameter]:
@@ -77,14 +142,18 @@ def add_text_encoder_lora(text_encoders: dict[str, torch.nn.Module], lora: LoraS
     params = []
     for name, te in text_encoders.items():
         te.requires_grad_(False)
+        if unmatched := _unmatched(te, lora.text_encoder_target_modules):
+            raise ValueError(f"lora.text_encoder_target_modules: {unmatched} match no layer of "
+                             f"{name}" + _names_hint(te, f"{name}'s"))
         try:
             te.add_adapter(peft_config(lora, lora.text_encoder_target_modules))
         except ValueError as exc:
-            raise ValueError(f"lora.text_encoder_target_modules: {exc}") from None
+            raise ValueError(f"lora.text_encoder_target_modules: {exc}"
+                             + _names_hint(te, f"{name}'s")) from None
         mine = _fp32_trainable(te)
         if not mine:
             raise ValueError(f"lora.text_encoder_target_modules: {lora.text_encoder_target_modules} "
-                             f"matched no module in {name}")
+                             f"matched no module in {name}" + _names_hint(te, f"{name}'s"))
         params += mine
     return params
 

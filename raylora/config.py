@@ -1161,6 +1161,7 @@ def _cross_checks(cfg: RayLoraConfig) -> list[str]:
     problems += _quantize_checks(cfg)
     problems += _fsdp_checks(cfg)
     problems += _variant_checks(cfg)
+    problems += _frozen_text_encoder_checks(cfg.lora)
     if cfg.train.lr_warmup_steps and cfg.train.max_steps:
         if cfg.train.lr_warmup_steps > cfg.train.max_steps:
             problems.append(
@@ -1517,6 +1518,19 @@ def _cuda_graph_checks(cfg: RayLoraConfig) -> list[str]:
                         + (", and an elastic run accumulates when it has fewer workers"
                            if cfg.scaling.elastic else "") + ")")
     return problems
+
+
+def _frozen_text_encoder_checks(lo: LoraSection) -> list[str]:
+    """Text-encoder LoRA keys changed while the text encoders stay frozen: read by nothing,
+    so a mistake (a dumped config holds their defaults, which pass)."""
+    if lo.train_text_encoder:
+        return []
+    default = LoraSection.model_fields["text_encoder_target_modules"].default_factory()
+    return [f"lora.{key}: set, but lora.train_text_encoder is false (the text encoders stay "
+            "frozen); set lora.train_text_encoder=true or leave it unset"
+            for key, changed in (("text_encoder_lr", lo.text_encoder_lr is not None),
+                                 ("text_encoder_target_modules", lo.text_encoder_target_modules != default))
+            if changed]
 
 
 def _variant_checks(cfg: RayLoraConfig) -> list[str]:

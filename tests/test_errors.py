@@ -29,6 +29,10 @@ def tree(**sections) -> dict:
     ({"data": {"cache": "latents"}, "lora": {"train_text_encoder": True}},
      "lora.train_text_encoder: cannot be used with data.cache=latents"),
     ({"scaling": {"num_workers": 0}}, "scaling.num_workers:"),
+    ({"lora": {"text_encoder_lr": 1e-5}},
+     "lora.text_encoder_lr: set, but lora.train_text_encoder is false (the text encoders stay frozen)"),
+    ({"lora": {"text_encoder_target_modules": ["q_proj"]}},
+     "lora.text_encoder_target_modules: set, but lora.train_text_encoder is false"),
 ])
 def test_each_config_error_names_its_key(sections, expected):
     with pytest.raises(ConfigError) as exc:

@@ -173,6 +173,61 @@ def test_sdxl_time_ids_carry_the_bucket_crop_and_original_size(tiny):
     assert ids.tolist() == [[80.0, 120.0, 2.0, 0.0, 48.0, 80.0], [70.0, 70.0, 0.0, 0.0, 64.0, 64.0]]
 
 
+def test_photos_train_upright_as_their_exif_orientation_shows_them(tiny):
+    """A phone JPEG stored landscape with EXIF Orientation 6 is portrait in every viewer
+    and in diffusers' ``load_image``: it trains upright (pixels, bucket, SDXL's original
+    size), its header size is the upright one for the bucket scan, and a mask drawn on the
+    upright photo is its size. Every orientation 1-8, each stored as a camera would."""
+    import io
+
+    from raylora.data.buckets import image_size
+    from raylora.data.decode import open_masked_row, open_image
+    from raylora.data.preprocess import Preprocess, StageSpec
+
+    # Upright: 32 wide, 64 high, four quadrants of different colours.
+    colours = {"tl": (255, 0, 0), "tr": (0, 255, 0), "bl": (0, 0, 255), "br": (255, 255, 0)}
+    upright = Image.new("RGB", (32, 64))
+    for (x, y), key in zip([(0, 0), (16, 0), (0, 32), (16, 32)], colours):
+        upright.paste(colours[key], (x, y, x + 16, y + 32))
+    T = Image.Transpose
+    # What the camera stored for each orientation: the inverse of the turn a viewer applies.
+    stored_by = {1: None, 2: T.FLIP_LEFT_RIGHT, 3: T.ROTATE_180, 4: T.FLIP_TOP_BOTTOM,
+                 5: T.TRANSPOSE, 6: T.ROTATE_90, 7: T.TRANSVERSE, 8: T.ROTATE_270}
+    buf = io.BytesIO()
+    Image.new("L", (32, 64), 255).save(buf, format="PNG")
+    mask = buf.getvalue()  # drawn on the upright photo: 32x64, no EXIF
+
+    bs = BucketSet.of([[64]], 16)
+    stage = Preprocess(StageSpec(tiny("sdxl"), 64, center_crop=True, random_flip=False,
+                                 family="sdxl", buckets=bs))
+    for orientation, turn in stored_by.items():
+        stored = upright if turn is None else upright.transpose(turn)
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        buf = io.BytesIO()
+        stored.save(buf, format="JPEG", quality=98, exif=exif.tobytes())
+        jpeg = buf.getvalue()
+        assert Image.open(io.BytesIO(jpeg)).size == ((32, 64) if orientation < 5 else (64, 32))
+
+        assert image_size(jpeg) == (32, 64), orientation
+        img = open_image(jpeg, 10**8)
+        assert img.size == (32, 64), orientation
+        a = np.asarray(img, dtype=np.int32)
+        for (y, x), key in zip([(8, 8), (8, 24), (48, 8), (48, 24)], colours):
+            assert np.abs(a[y, x] - colours[key]).max() < 12, (orientation, key, a[y, x])
+        _, _, m, _ = open_masked_row(jpeg, "a", mask, masks=True, max_pixels=10**8, min_size=0,
+                                     small_images="skip", keep_empty_captions=False)
+        assert m.size == (32, 64), orientation
+
+        out = stage({"image": np.array([jpeg], dtype=object), "text": np.array(["a"], dtype=object)})
+        w, h = bs.sizes[out["bucket"][0]]
+        px = out["pixel_values"][0].astype(np.int32)
+        assert h > w and px.shape == (3, h, w), orientation  # a portrait bucket
+        assert out["original_size"][0].tolist() == [64, 32], orientation  # (height, width)
+        assert np.abs(px[:, 2, 2] - colours["tl"]).max() < 12, orientation
+        assert np.abs(px[:, -3, -3] - colours["br"]).max() < 12, orientation
+
+
 # --- 5. Flux: a bucketed step on a non-square latent --------------------------------------
 
 def test_flux_step_on_a_non_square_bucket(tiny, demo_data, tmp_path):

@@ -241,6 +241,44 @@ def test_an_imagefolder_with_metadata_csv_reads_as_the_jsonl_one(tmp_path):
         plan_data(DataSection(uri=str(src)), store)
 
 
+def test_imagefolder_lines_whose_image_is_gone_are_left_out_or_refused_before_ray(
+        tmp_path, base_config, caplog):
+    """An image deleted and its metadata line kept: the line is left out (as Hugging Face's
+    imagefolder leaves it), counted out of the plan and named in a warning; more such
+    lines than data.max_bad_fraction refuse the run in planning, naming data.uri, the
+    metadata file and the images. Before: counted in, then FileNotFoundError in a worker."""
+    from raylora.config import ConfigError, validate
+    from raylora.data.demo import write_imagefolder
+    from raylora.launch import plan, resolve_paths
+
+    src = write_imagefolder(tmp_path / "gone", n=8, size=16, seed=3)
+    (src / "img_00003.png").unlink()
+    store = Storage()
+    data = DataSection(uri=str(src), max_bad_fraction=0.2)
+    with caplog.at_level("WARNING", logger="raylora.data"):
+        p = plan_data(data, store)
+    assert p.format == "imagefolder" and p.rows == 7
+    assert f"1 of 8 lines of {src}/metadata.jsonl name an image that is not in the folder " \
+           "(e.g. 'img_00003.png'): those lines are left out" in caplog.text
+    fmt = formats.get_format("imagefolder")
+    keys = [r["key"].rsplit("/", 1)[1] for r in fmt.iter_rows(data, p.files, store)]
+    assert keys == [f"img_{i:05d}.png" for i in (0, 1, 2, 4, 5, 6, 7)]
+    in_order = [r["key"] for r in fmt.iter_rows(data, p.files, store)]
+    assert [r["key"] for i, a, b in fmt.units(data, p.files, store, 4)
+            for r in fmt.iter_unit(data, p.files, store, i, a, b)] == in_order
+    assert [r["key"] for r in fmt.sample_rows(data, p.files, store, 7)] == in_order
+
+    for i in (1, 5):
+        (src / f"img_{i:05d}.png").unlink()
+    base_config["data"]["uri"] = str(src)
+    with pytest.raises(ConfigError) as exc:
+        plan(resolve_paths(validate(base_config)))
+    (problem,) = exc.value.problems
+    assert problem.startswith(f"data.uri: 3 of 8 lines of {src}/metadata.jsonl name an image "
+                              "that is not in the folder (e.g. 'img_00001.png', 'img_00003.png', "
+                              "'img_00005.png'); 37.5% of the rows, over data.max_bad_fraction=0.05")
+
+
 def test_missing_captions_are_refused_up_front_or_counted(tmp_path, tiny_model, base_config):
     """Images without a caption file (outside an N_name folder) are missing_caption rows,
     as in every format; more of them than data.max_bad_fraction stops preflight, naming
@@ -434,6 +472,14 @@ def test_a_parquet_image_column_of_paths_is_refused_before_reading(tmp_path, sha
     pq.write_table(pa.table({"image": pa.array([{"bytes": b"x", "path": "0.png"}], hf),
                              "text": ["a"]}), struct / "part-0.parquet")
     assert plan_data(DataSection(uri=str(struct)), Storage()).rows == 1
+    # Every shard is checked, not the first alone: a later one with its captions in another
+    # column was a bare KeyError: 'text' in the reader, once the run had started.
+    pq.write_table(pa.table({"image": pa.array([{"bytes": b"y", "path": "1.png"}], hf),
+                             "caption": ["b"]}), struct / "part-1.parquet")
+    with pytest.raises(ValueError) as exc:
+        plan_data(DataSection(uri=str(struct)), Storage())
+    assert str(exc.value).startswith(f"{struct / 'part-1.parquet'}: column(s) not found: "
+                                     "data.caption_column='text'; the shard has ['image', 'caption']")
 
 
 def _unreadable(root, n: int = 20) -> dict[str, str]:

@@ -211,6 +211,38 @@ def test_latent_cache_build_reuse_and_training(ray_local, tiny_model, tmp_path):
     np.testing.assert_allclose(column("prompt_embeds"), enc["prompt_embeds"], atol=1e-6)
 
 
+def test_the_cache_fingerprint_follows_what_the_decode_keeps_and_caption_dropout(tiny_model, tmp_path):
+    """A cache entry holds the rows the decode kept, with the pixels it composited: a rerun
+    that changes data.min_size, small_images, max_image_pixels or background_color, or turns
+    caption dropout on (which keeps uncaptioned rows as the empty prompt) or off, is a new
+    entry (they all shared one before). Dropout at another rate above 0 keeps the same
+    rows, so the same entry; settings at their defaults leave the fingerprint as it was."""
+    from raylora.data.cache import fingerprint
+    from raylora.data.plan import plan_data
+    from raylora.storage import Storage
+
+    (tmp_path / "d").mkdir()
+    Image.new("RGB", (64, 64)).save(tmp_path / "d" / "x.png")
+    (tmp_path / "d" / "x.txt").write_text("a")
+    store = Storage()
+
+    def fp(**data):
+        cfg = validate({"model": {"pretrained": tiny_model}, "output": {"uri": str(tmp_path / "o")},
+                        "data": {"uri": str(tmp_path / "d"), "resolution": 64, "center_crop": True,
+                                 "cache": "latents", **data}})
+        return fingerprint(cfg, "sd", tiny_model, plan_data(cfg.data, store), store)
+
+    base = fp()
+    assert fp(min_size=0, small_images="skip", background_color=[255, 255, 255],
+              caption_dropout=0.0) == base
+    changed = {"min_size": fp(min_size=48), "small_images": fp(min_size=48, small_images="upscale"),
+               "max_image_pixels": fp(max_image_pixels=10**6),
+               "background_color": fp(background_color=[0, 0, 0]),
+               "caption_dropout": fp(caption_dropout=0.1)}
+    assert len({base, *changed.values()}) == 1 + len(changed), changed
+    assert fp(caption_dropout=0.3) == changed["caption_dropout"]
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_the_cache_stores_each_tensor_in_the_dtype_the_encoders_computed_it_in(tiny_model, dtype):
     """A bf16 run's cache holds the encoders' bf16 output bit for bit (as uint16: numpy

@@ -105,15 +105,19 @@ def cover_crop_box(width: int, height: int, bucket: tuple[int, int], center: boo
 
 
 def image_size(value) -> tuple[int, int] | None:
-    """``(width, height)`` from an encoded image's header (no pixels decoded); None when
-    it cannot be read (the validating decode drops such a row anyway)."""
+    """``(width, height)`` from an encoded image's header (no pixels decoded), upright
+    (EXIF orientation applied); None when it cannot be read (the validating decode drops
+    such a row anyway)."""
     from PIL import Image
 
+    from raylora.data.decode import QUARTER_TURNS, orientation
     from raylora.data.formats.base import image_bytes
 
     try:
         with Image.open(io.BytesIO(image_bytes(value))) as img:
-            return img.size
+            # Upright, as the decode turns it (raylora.data.decode.upright).
+            w, h = img.size
+            return (h, w) if orientation(img) in QUARTER_TURNS else (w, h)
     except Exception:  # noqa: BLE001 - any unreadable header is a row training drops
         return None
 

@@ -25,8 +25,11 @@ names, sizes and mtimes: a rerun or a Tune trial with the same inputs reuses the
 and any change makes a new one. Random crop/flip and tag shuffling are refused by the
 config (a cache holds one view of each image and caption). Caption dropout is not: the
 driver encodes the family's empty prompt once (``encode_for_workers``) and training swaps
-it in for the dropped rows' caption columns (``raylora.data.captions``), so the entry is
-the same with or without it.
+it in for the dropped rows' caption columns (``raylora.data.captions``). The entry's rows
+are the same at any rate above 0, but not at 0: with dropout on, a row with no caption is
+kept (as the empty prompt, as uncached training keeps it), so the fingerprint says which.
+The decode settings that drop rows or change pixels (data.min_size, small_images,
+max_image_pixels, background_color) are in it too.
 
 A language-model caption (Qwen-Image, Z-Image, Lumina 2, Sana) is cut after the longest of
 the batch it is encoded in, so rows encoded apart differ in length; a part, a training
@@ -55,7 +58,9 @@ from raylora.storage import Storage
 
 log = logging.getLogger("raylora.cache")
 
-CACHE_VERSION = 1
+# 2: images are decoded upright (EXIF orientation, raylora.data.decode.upright); a version-1
+# entry may hold a phone photo's latent sideways, so it is built again.
+CACHE_VERSION = 2
 MANIFEST = "manifest.json"
 # A caption folder's images are cached in at least this many parts, or one per worker
 # past that (while it has that many images). data.sharding=files deals the cache's parts
@@ -205,6 +210,15 @@ def hub_revision(cfg: RayLoraConfig, model_path: str) -> str | None:
     return cfg.model.revision if is_hub_id(model_path) else None
 
 
+def _decode_key(d) -> dict:
+    """The data section's decode settings (``decode_kwargs``) that differ from the defaults."""
+    from raylora.config import DataSection
+
+    default = DataSection.model_construct().decode_kwargs()
+    return {k: list(v) if isinstance(v, tuple) else v
+            for k, v in d.decode_kwargs().items() if v != default[k]}
+
+
 def fingerprint(cfg: RayLoraConfig, family: str, model_path: str, data: DataPlan,
                 store: Storage) -> str:
     """sha256 over everything that changes what the encoders produce."""
@@ -236,6 +250,13 @@ def fingerprint(cfg: RayLoraConfig, family: str, model_path: str, data: DataPlan
         # their fingerprints.
         **({"max_sequence_length": m} if (m := cfg.model.max_sequence_length) else {}),
         **({"system_prompt": sp} if (sp := cfg.model.system_prompt) is not None else {}),
+        # Which rows the decode keeps and how it composites transparency
+        # (data.min_size, small_images, max_image_pixels, background_color), and whether
+        # caption dropout keeps the rows with no caption (as the empty prompt): only where
+        # not the defaults, so entries built with them keep their fingerprints.
+        **({"decode": dec} if (dec := _decode_key(d)) else {}),
+        **({"keep_empty_captions": keep}
+           if any(keep := [s.caption_dropout > 0 for s in d.source_sections()]) else {}),
         # Each image's bucket (its latent's shape) follows these.
         **({"buckets": {"step": d.bucket_step,
                         "resolutions": [s.resolutions() for s in d.source_sections()]}}

@@ -28,7 +28,7 @@ import warnings
 from typing import Any
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from raylora.data.formats import NOT_UTF8, control_infix
 
@@ -50,7 +50,8 @@ class BadRecord(ValueError):
 
 
 def open_image(value: Any, max_pixels: int) -> Image.Image:
-    """Encoded bytes (or a Hugging Face ``{bytes, path}`` struct) → a fully decoded image.
+    """Encoded bytes (or a Hugging Face ``{bytes, path}`` struct) → a fully decoded image,
+    upright as a viewer shows it (``upright``).
 
     The pixel bound is checked from the header, before any pixel is decoded; PIL's own
     bomb check is set to the same bound (raised or lowered by the config, never disabled).
@@ -83,7 +84,31 @@ def open_image(value: Any, max_pixels: int) -> Image.Image:
         raise BadRecord("too_many_pixels", str(exc)) from None
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
         raise BadRecord("corrupt_image", str(exc)) from None
-    return img
+    return upright(img)
+
+
+# EXIF orientations 5-8 turn the stored image a quarter: its shown width is the stored height.
+QUARTER_TURNS = (5, 6, 7, 8)
+
+
+def orientation(img: Image.Image) -> int:
+    """The EXIF Orientation tag (1: stored as shown; 2-8: mirrored and/or turned), 1 when
+    there is none or it does not read."""
+    try:
+        value = img.getexif().get(0x0112, 1)
+    except Exception:  # noqa: BLE001 - a broken EXIF block: the pixels are all there is
+        return 1
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
+def upright(img: Image.Image) -> Image.Image:
+    """``img`` as every viewer, diffusers' ``load_image`` and its DreamBooth scripts show
+    it: a phone photo stored landscape with Orientation 6 is portrait. Without this it
+    trained sideways, in a landscape bucket, with SDXL's original size swapped and a mask
+    drawn on the upright photo refused as the wrong size."""
+    if orientation(img) == 1:
+        return img
+    return ImageOps.exif_transpose(img)
 
 
 def to_rgb(img: Image.Image, background: tuple[int, int, int] = (255, 255, 255)) -> Image.Image:

@@ -8,6 +8,7 @@ import csv
 import io
 import itertools
 import json
+import logging
 import posixpath
 
 import numpy as np
@@ -15,6 +16,8 @@ import numpy as np
 from raylora.data.formats.base import (
     IMAGE_EXTS, ShardFormat, process_storage, spread, with_sidecars,
 )
+
+log = logging.getLogger("raylora.data")
 
 METADATA = "metadata.jsonl"
 # The metadata files Hugging Face's imagefolder reads besides JSON lines (its parquet
@@ -45,12 +48,16 @@ def _records(meta: str, text: str):
         yield rec
 
 
-def imagefolder_rows(storage, files: list[str], caption_key: str) -> list[dict]:
+def imagefolder_rows(storage, files: list[str], caption_key: str,
+                     missing: list[tuple[str, str]] | None = None) -> list[dict]:
     """(image URI, caption) rows of an imagefolder, from its metadata.jsonl (or .csv)
     file(s).
 
     ``file_name`` is relative to the folder holding the metadata file. Images without a
-    metadata line are not training data (no caption) and are left out.
+    metadata line are not training data (no caption) and are left out; so are lines whose
+    image is not among ``files`` (an image deleted, its line kept), as Hugging Face's
+    imagefolder leaves them out: ``(metadata file, file_name)`` of each is appended to
+    ``missing`` (``ImageFolder.count_rows`` judges them before Ray starts).
     """
     metas = [f for f in files if is_metadata(f)]
     if not metas:
@@ -59,15 +66,18 @@ def imagefolder_rows(storage, files: list[str], caption_key: str) -> list[dict]:
             "(lines of {\"file_name\": ..., \"text\": ...}) or metadata.csv; for a .txt "
             "caption beside each image use data.format: captionfolder"
         )
+    listed = set(files)
     rows = []
     for meta in metas:
         base = posixpath.dirname(meta)
         for rec in _records(meta, storage.read_bytes(meta).decode("utf-8-sig")):
             name = rec["file_name"]
-            rows.append(
-                {"key": posixpath.join(base, name), "uri": posixpath.join(base, name),
-                 "text": str(rec.get(caption_key) or "")}
-            )
+            uri = posixpath.join(base, posixpath.normpath(name))
+            if uri not in listed:
+                if missing is not None:
+                    missing.append((meta, name))
+                continue
+            rows.append({"key": uri, "uri": uri, "text": str(rec.get(caption_key) or "")})
     return rows
 
 
@@ -102,7 +112,23 @@ class ImageFolder(ShardFormat):
         return any(is_metadata(f) for f in files)
 
     def count_rows(self, data, files, storage):
-        return len(imagefolder_rows(storage, files, data.caption_column)), None
+        """Metadata lines whose image is not in the folder: refused when they are more than
+        data.max_bad_fraction of the lines, else left out with a warning naming them (the
+        workers would have failed on the first such read, Ray and the model already up)."""
+        missing: list[tuple[str, str]] = []
+        n = len(imagefolder_rows(storage, files, data.caption_column, missing))
+        if missing:
+            share = len(missing) / (n + len(missing))
+            what = (f"{len(missing)} of {n + len(missing)} lines of {missing[0][0]}"
+                    f"{' and the other metadata files' if len({m for m, _ in missing}) > 1 else ''}"
+                    f" name an image that is not in the folder (e.g. "
+                    f"{', '.join(repr(f) for _, f in missing[:3])})")
+            if share > data.max_bad_fraction:
+                raise ValueError(f"{what}; {share:.1%} of the rows, over data.max_bad_fraction="
+                                 f"{data.max_bad_fraction:g}. Restore the images or remove "
+                                 "their lines")
+            log.warning("%s: those lines are left out", what)
+        return n, None
 
     def iter_rows(self, data, files, storage):
         for row in imagefolder_rows(storage, files, data.caption_column):

@@ -144,8 +144,10 @@ class Parquet(ShardFormat):
         def rows(i: int) -> int:
             with storage.open_input(files[i]) as fh:
                 pf = pq.ParquetFile(fh)
-                if i == 0:  # the first error in file order is the one raised
-                    check_columns(data, files[i], pf.schema_arrow)
+                # Every shard's footer (open anyway): shards written at other times may name
+                # their columns otherwise, and a reader failed on the first row of such a
+                # shard with a bare KeyError. The first error in file order is the one raised.
+                check_columns(data, files[i], pf.schema_arrow)
                 return pf.metadata.num_rows
 
         file_rows = concurrently(rows, range(len(files)))

@@ -69,6 +69,42 @@ def test_accumulation_checkpoints_and_exact_resume(base_config, batches, tmp_pat
                for k in ema_sd if "up" in k)
 
 
+def test_a_resume_takes_the_configs_learning_rate_and_another_worker_counts_schedule(
+        base_config, batches, tmp_path):
+    """README: a resume may change the learning rate (and the NaN advice says to lower it):
+    the resumed steps run at the new rate on the restored schedule, with the new weight
+    decay, the Adam moments kept. A checkpoint of 2 workers resumed on 1 (not elastic:
+    FSDP's DCP reshards, a rerun may change scaling.num_workers) goes on at the schedule's
+    position in optimizer steps; unconverted, a linear schedule sat at its end (lr 0)."""
+    base_config["train"].update(lr_scheduler="linear", max_steps=6, learning_rate=1e-3)
+    cfg = validate(base_config)
+    straight, _ = _train(cfg, batches, 6, str(tmp_path / "a"))
+    lrs = [r["lr"] for r in straight.state.history]  # each step's, after its schedule step
+    assert lrs == pytest.approx([1e-3 * k / 6 for k in (5, 4, 3, 2, 1, 0)])
+    ckpt = str(tmp_path / "a" / "step_2")
+
+    lower = validate({**base_config, "train": {**base_config["train"], "learning_rate": 4e-4,
+                                               "adam_weight_decay": 0.05}})
+    resumed, _ = _train(lower, batches, 6, str(tmp_path / "b"), restored=load_state(ckpt, rank=0))
+    assert [r["lr"] for r in resumed.state.history] == pytest.approx(lrs[:2] + [4e-4 * k / 6 for k in (3, 2, 1, 0)])
+    groups = resumed.optimizer.param_groups
+    assert [(g["initial_lr"], g["weight_decay"]) for g in groups] == [(4e-4, 0.05)]
+    assert resumed.lr_scheduler.scheduler.base_lrs == [4e-4]
+    assert resumed.optimizer.optimizer.state  # the moments came back
+
+    # What 2 workers write at step 2: the schedule stepped twice per optimizer step
+    # (Accelerate steps it once per process), the same 4 micro-batches as 2 per worker.
+    two = load_state(ckpt, rank=0)
+    two.scheduler_sd["last_epoch"] *= 2
+    two.scheduler_sd["_step_count"] = two.scheduler_sd["last_epoch"] + 1
+    two.loop.world_size, two.loop.batches_in_epoch = 2, two.loop.batches_in_epoch // 2
+    one, _ = _train(cfg, batches, 6, str(tmp_path / "c"), restored=two)
+    assert [r["lr"] for r in one.state.history] == pytest.approx(lrs)
+    # The same global micro-batches skipped: steps 3-6 train what the straight run's did.
+    assert [r["loss"] for r in one.state.history] == pytest.approx(
+        [r["loss"] for r in straight.state.history], rel=1e-5)
+
+
 def test_only_lora_weights_change(base_config, batches, tmp_path):
     cfg = validate(base_config)
     accel = _fresh_accelerator(1)

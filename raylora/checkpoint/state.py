@@ -69,13 +69,15 @@ class LoopState:
     world_size: int | None = None
     history: list[dict] = field(default_factory=list)
 
-    def resize(self, world: int) -> None:
-        """An elastic run resumed on ``world`` workers: ``batches_in_epoch`` (per worker)
-        in their micro-batches. Each optimizer step is the same global micro-batches at
-        every size, so the global count ``batches_in_epoch × world`` is what carries over."""
+    def resize(self, world: int, exact: bool = True) -> None:
+        """A run resumed on ``world`` workers: ``batches_in_epoch`` (per worker) in their
+        micro-batches. In an elastic run each optimizer step is the same global
+        micro-batches at every size, so the global count ``batches_in_epoch × world`` is
+        what carries over (``exact``). Another run's workers split the data anew: the same
+        count, rounded down, skips about what was trained."""
         old = self.world_size or world
         consumed = self.batches_in_epoch * old
-        if consumed % world:
+        if consumed % world and exact:
             raise ValueError(
                 f"scaling.num_workers: the checkpoint's data position ({self.batches_in_epoch} "
                 f"micro-batches on each of {old} workers) is not a whole number of "

@@ -180,6 +180,7 @@ def _restore(cfg: RayLoraConfig, accelerator, restored, optimizer, lr_scheduler,
         raise ValueError(
             f"scaling.strategy: the checkpoint to resume from was written with "
             f"scaling.strategy={written}; resume with it, or start a new output.uri")
+    configured = _configured_hyperparameters(optimizer.optimizer)
     if restored.sharded_dir:  # every rank reads its slice of the saved shards
         load_sharded(restored.sharded_dir, model, optimizer.optimizer)
     else:
@@ -188,8 +189,10 @@ def _restore(cfg: RayLoraConfig, accelerator, restored, optimizer, lr_scheduler,
     if accelerator.scaler is not None and restored.scaler_sd:
         accelerator.scaler.load_state_dict(restored.scaler_sd)
     state = restored.loop
-    if cfg.scaling.elastic:
-        _resize(state, lr_scheduler.scheduler, accelerator.num_processes)
+    # Any run resumed on another number of workers, elastic or not: the schedule counts
+    # optimizer steps × processes. Only an elastic run's data position is exact.
+    _resize(state, lr_scheduler.scheduler, accelerator.num_processes, exact=cfg.scaling.elastic)
+    _reconfigure(optimizer.optimizer, lr_scheduler.scheduler, configured)
     state.world_size = accelerator.num_processes
     state.resumed_from_step = state.global_step
     if restored.rng is not None:
@@ -199,16 +202,47 @@ def _restore(cfg: RayLoraConfig, accelerator, restored, optimizer, lr_scheduler,
     return state
 
 
-def _resize(state: LoopState, scheduler, world: int) -> None:
-    """An elastic run resumed on another number of workers: the data position, and the
-    LR schedule, which counts optimizer steps × workers (Accelerate steps it once per
-    process: raylora.train.optim.build_lr_scheduler). The schedule's position in optimizer
-    steps, and so the learning rate, stay what they were."""
+def _resize(state: LoopState, scheduler, world: int, exact: bool = True) -> None:
+    """A run resumed on another number of workers: the data position (``exact``: an
+    elastic run's, see ``LoopState.resize``), and the LR schedule, which counts optimizer
+    steps × workers (Accelerate steps it once per process:
+    raylora.train.optim.build_lr_scheduler). The schedule's position in optimizer steps,
+    and so the learning rate, stay what they were: unconverted, 2 workers' checkpoint
+    resumed on 1 ran a linear schedule to its end at once (the rest trained at lr 0)."""
     old = state.world_size or world
     if old == world:
         return
-    state.resize(world)
+    state.resize(world, exact=exact)
     scheduler.last_epoch = scheduler.last_epoch // old * world
+
+
+# Parameter-group keys that are the run's settings (train.adam_*, train.prodigy,
+# train.adafactor), not optimizer state: a resume takes them from the config. Prodigy's
+# d, d_max, d_numerator and k are its state and stay as saved.
+CONFIG_GROUP_KEYS = ("initial_lr", "betas", "eps", "weight_decay", "beta1", "beta3",
+                     "decay_rate", "clip_threshold", "d_coef", "growth_rate")
+
+
+def _configured_hyperparameters(optimizer) -> list[dict]:
+    """Each parameter group's settings as this run's config built them."""
+    return [{k: g[k] for k in CONFIG_GROUP_KEYS if k in g} for g in optimizer.param_groups]
+
+
+def _reconfigure(optimizer, scheduler, configured: list[dict]) -> None:
+    """After loading a checkpoint's optimizer and schedule: the config's learning rates
+    and hyperparameters, at the schedule's restored position. README promises a resume
+    may change the learning rate; the loaded param groups and the schedule's base_lrs
+    kept the checkpoint's, so a rerun with a lower train.learning_rate (what the NaN
+    advice says to do) trained on at the old one while the model card named the new."""
+    for group, conf in zip(optimizer.param_groups, configured):
+        group.update(conf)
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR) or \
+            any(g.get("initial_lr") is None for g in optimizer.param_groups):
+        return  # Adafactor's relative step: it sets its own step size
+    scheduler.base_lrs = [g["initial_lr"] for g in optimizer.param_groups]
+    for group, base, fn in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * fn(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
 
 
 def _ema(cfg: RayLoraConfig, params, restored, state: LoopState) -> LoraEMA | None:

@@ -675,7 +675,8 @@ class TrainSection(_Section):
         False, description="Multiply lr by accumulation steps × batch size × workers."
     )
     lr_scheduler: Literal[LR_SCHEDULERS] = "constant"  # type: ignore[valid-type]
-    lr_warmup_steps: int = Field(0, ge=0, description="Warmup, in optimizer steps.")
+    lr_warmup_steps: int = Field(
+        0, ge=0, description="Warmup, in optimizer steps (not with constant: it has none).")
     lr_num_cycles: int = Field(1, ge=1, description="Cycles for cosine_with_restarts.")
     lr_power: float = Field(1.0, gt=0, description="Power for the polynomial schedule.")
     adam_beta1: float = Field(0.9, ge=0, lt=1)
@@ -1168,6 +1169,7 @@ def _cross_checks(cfg: RayLoraConfig) -> list[str]:
                 f"train.lr_warmup_steps: {cfg.train.lr_warmup_steps} is more than "
                 f"train.max_steps ({cfg.train.max_steps})"
             )
+    problems += _schedule_checks(cfg.train)
     d = cfg.data
     problems += _data_checks(d)
     problems += _bucket_checks(d, cfg.scaling.max_workers, cfg.train.compile)
@@ -1403,6 +1405,25 @@ def _data_checks(d: DataSection) -> list[str]:
                                 "data.shuffle_tags (it keeps the first tags in place when "
                                 "shuffling)")
                 break
+    return problems
+
+
+def _schedule_checks(t) -> list[str]:
+    """Schedule settings the chosen train.lr_scheduler does not read: diffusers'
+    ``get_scheduler`` drops them without a word (a ``constant`` schedule with 100 warmup
+    steps trained at the full rate from step 0, while the model card said "100 steps").
+    kohya's sd-scripts refuse the warmup the same way."""
+    problems = []
+    adafactor_own = t.optimizer == "adafactor" and t.adafactor.relative_step  # checked there
+    if t.lr_warmup_steps and t.lr_scheduler == "constant" and not adafactor_own:
+        problems.append(f"train.lr_warmup_steps: {t.lr_warmup_steps}, but train.lr_scheduler "
+                        "constant has no warmup; use constant_with_warmup, or set 0")
+    if t.lr_num_cycles != 1 and t.lr_scheduler != "cosine_with_restarts":
+        problems.append(f"train.lr_num_cycles: {t.lr_num_cycles}, but only train.lr_scheduler "
+                        f"cosine_with_restarts has cycles (not {t.lr_scheduler}); set 1")
+    if t.lr_power != 1.0 and t.lr_scheduler != "polynomial":
+        problems.append(f"train.lr_power: {t.lr_power:g}, but only train.lr_scheduler polynomial "
+                        f"has a power (not {t.lr_scheduler}); set 1")
     return problems
 
 

@@ -112,6 +112,31 @@ def test_a_checks_own_message_reads_without_pydantics_prefix_or_a_second_value()
     assert problem("lora.rank=0") == "lora.rank: Input should be greater than 0 (got 0)"
 
 
+@pytest.mark.parametrize("overrides,expected", [
+    (["train.lr_warmup_steps=100"],
+     "train.lr_warmup_steps: 100, but train.lr_scheduler constant has no warmup; use "
+     "constant_with_warmup, or set 0"),
+    (["train.lr_scheduler=cosine", "train.lr_num_cycles=3"],
+     "train.lr_num_cycles: 3, but only train.lr_scheduler cosine_with_restarts has cycles "
+     "(not cosine); set 1"),
+    (["train.lr_scheduler=linear", "train.lr_power=2"],
+     "train.lr_power: 2, but only train.lr_scheduler polynomial has a power (not linear); set 1"),
+    (["train.lr_scheduler=constant_with_warmup", "train.lr_warmup_steps=100"], None),
+    (["train.lr_scheduler=cosine_with_restarts", "train.lr_num_cycles=3"], None),
+    (["train.lr_scheduler=polynomial", "train.lr_power=2", "train.lr_warmup_steps=5"], None),
+])
+def test_schedule_settings_the_schedule_does_not_read_are_refused(overrides, expected):
+    """diffusers' get_scheduler drops what a schedule does not take: warmup on constant
+    trained at the full rate from step 0 while the model card said "100 steps"."""
+    tree = apply_overrides(MIN, overrides)
+    if expected is None:
+        validate(tree)
+        return
+    with pytest.raises(ConfigError) as ei:
+        validate(tree)
+    assert ei.value.problems == [expected]
+
+
 def test_missing_required_sections_named():
     with pytest.raises(ConfigError) as ei:
         validate({"data": {"uri": "x"}})

@@ -96,10 +96,17 @@ def _plan(args) -> int:
     info = check_model(cfg.model.pretrained, cfg.storage.client(), cfg.model.revision,
                        cfg.model.variant)
     cfg = cfg.at_commit(info["commit"])
+    if cfg.lora.init_from:  # what `raylora train` refuses before Ray starts (README)
+        from raylora.config import ConfigError
+        from raylora.model import lora_init
+
+        problems, _ = lora_init.checked(cfg, cfg.storage.client())
+        if problems:
+            raise ConfigError(problems, args.config)
     # with RAY_ADDRESS, this machine's GPU is not the workers', and Ray is not joined here
     gpu = (preflight.GpuSize(None, "RAY_ADDRESS is set: the workers' GPUs are the cluster's")
            if preflight.on_cluster(cfg) else preflight.gpu_size(cfg))
-    text, fits, _ = preflight.report(memory.from_config(cfg), gpu)
+    text, fits, _ = preflight.report(memory.from_config(cfg), gpu, cfg)
     print(text)
     if cfg.tune is not None:  # a search: each bounding value too, as `raylora tune` checks them
         from raylora.memory import size
@@ -109,7 +116,7 @@ def _plan(args) -> int:
         print(f"search: {len(variants)} trial setting(s) with another estimate")
         for label, c in variants:
             est = memory.from_config(c)
-            vtext, vfits, _ = preflight.report(est, gpu)
+            vtext, vfits, _ = preflight.report(est, gpu, c)
             said = {True: "fits", False: "does NOT fit", None: "not checked"}[vfits]
             print(f"  {label}: {size(est.peak)} per GPU, {said}")
             if vfits is False:

@@ -54,6 +54,7 @@ import tempfile
 import weakref
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
+from collections.abc import Callable
 from typing import Any, Sequence
 
 import torch
@@ -901,41 +902,53 @@ class Estimate:
         out += [f"{name:{width}}  {n / div:7.2f}" for name, n in after]
         return "\n".join(out)
 
-    def advice(self, gpu_gb: float) -> list[str]:
+    def advice(self, gpu_gb: float, accepts: Callable[[list[str]], bool] | None = None
+               ) -> list[str]:
         """Config changes that would make this fit ``gpu_gb`` GiB, each re-estimated, with
         the new total: ``key=value (...): N GiB`` (MiB under 1 GiB, see ``size``). Empty
-        when it fits already, or when no single change (nor a pair of them) does."""
+        when it fits already, or when no single change (nor a pair of them) does.
+        ``accepts``: whether the run's config takes these ``key=value`` overrides
+        (``preflight.config_accepts``); a change it refuses is not named (FSDP beside
+        ``train.compile: regional``, the cache beside a random crop, ...)."""
         if self.fits(gpu_gb):
             return []
         a = self.settings["args"]
-        options: list[tuple[str, dict]] = []
+        options: list[tuple[str, dict, list[str]]] = []
         world = a["world_size"]
         worlds = ([world] if a["strategy"] == "ddp" and world > 1 else []) + [w for w in (2, 4, 8) if w > world]
         for w in worlds:
-            options.append(("scaling.strategy=fsdp" + (f" scaling.num_workers={w}" if w != world else ""),
-                            {"strategy": "fsdp", "world_size": w}))
+            more = [f"scaling.num_workers={w}"] if w != world else []
+            options.append((" ".join(["scaling.strategy=fsdp", *more]),
+                            {"strategy": "fsdp", "world_size": w}, ["scaling.strategy=fsdp", *more]))
         if a["quantize"] != "nf4":
-            options.append(("model.quantize=nf4", {"quantize": "nf4"}))
+            options.append(("model.quantize=nf4", {"quantize": "nf4"}, ["model.quantize=nf4"]))
         if not a["gradient_checkpointing"]:
-            options.append(("train.gradient_checkpointing=true", {"gradient_checkpointing": True}))
+            options.append(("train.gradient_checkpointing=true", {"gradient_checkpointing": True},
+                            ["train.gradient_checkpointing=true"]))
         b = a["batch_size"] // 2
         while b >= 1:
+            times = a["batch_size"] // b
             options.append((f"train.batch_size={b} (train.gradient_accumulation_steps x"
-                            f"{a['batch_size'] // b} keeps the effective batch)", {"batch_size": b}))
+                            f"{times} keeps the effective batch)", {"batch_size": b},
+                            # (a whole multiple of the accumulation: never a refused one)
+                            [f"train.batch_size={b}"]))
             b //= 2
         if self.preview:
-            options.append(("validation.prompts=[] (no previews while training)", {"previews": False}))
+            options.append(("validation.prompts=[] (no previews while training)", {"previews": False},
+                            ["validation.prompts=[]"]))
         if a["quantize_text_encoders"] != "nf4" and (self.preview or not a["cached_latents"]):
-            options.append(("model.quantize_text_encoders=nf4", {"quantize_text_encoders": "nf4"}))
+            options.append(("model.quantize_text_encoders=nf4", {"quantize_text_encoders": "nf4"},
+                            ["model.quantize_text_encoders=nf4"]))
         if not a["cached_latents"] and not a["train_text_encoder"]:
-            options.append(("data.cache=latents", {"cached_latents": True}))
-        found = _fitting(a, options, gpu_gb, single=True)
+            options.append(("data.cache=latents", {"cached_latents": True}, ["data.cache=latents"]))
+        found = _fitting(a, options, gpu_gb, single=True, accepts=accepts)
         if not found:
-            found = _fitting(a, options, gpu_gb, single=False)
+            found = _fitting(a, options, gpu_gb, single=False, accepts=accepts)
         return found
 
 
-def _fitting(args: dict, options: list[tuple[str, dict]], gpu_gb: float, single: bool) -> list[str]:
+def _fitting(args: dict, options: list[tuple[str, dict, list[str]]], gpu_gb: float, single: bool,
+             accepts: Callable[[list[str]], bool] | None = None) -> list[str]:
     """The options (or pairs of them) that fit, one per kind of change: options come
     smallest FSDP world and largest batch first, so the first of a kind that fits is the
     one to name."""
@@ -943,22 +956,36 @@ def _fitting(args: dict, options: list[tuple[str, dict]], gpu_gb: float, single:
         [o1, o2] for i, o1 in enumerate(options) for o2 in options[i + 1:] if o1[1].keys().isdisjoint(o2[1])]
     out, kinds = [], set()
     for combo in combos:
-        change = {k: v for _, c in combo for k, v in c.items()}
+        change = {k: v for _, c, _ in combo for k, v in c.items()}
         kind = frozenset(change)
         new = {**args, **change}
         if kind in kinds or not _allowed(new):
             continue
         e = estimate(**new)
-        if e.fits(gpu_gb):
-            out.append(f"{' '.join(label for label, _ in combo)}: {size(e.peak)}")
-            kinds.add(kind)
+        if not e.fits(gpu_gb):
+            continue
+        labels = [label for label, _, _ in combo]
+        if accepts is not None:
+            keys = [o for _, _, ks in combo for o in ks]
+            extra = next((x for x in ([], *SPEED_ONLY) if accepts(keys + x)), None)
+            if extra is None:
+                continue
+            labels += extra
+        out.append(f"{' '.join(labels)}: {size(e.peak)}")
+        kinds.add(kind)
     return out
+
+
+# Changes that cost speed, not what is trained: the advice adds one where the config takes
+# a change only with it (FSDP runs eager: the shipped Flux.1 job compiles its blocks).
+SPEED_ONLY = (["train.compile=none"], ["train.compile=none", "train.compile_cache_uri=null"])
 
 
 def _allowed(args: dict) -> bool:
     """Whether the config would accept these settings: raylora.config refuses FSDP with a
     quantized base or text-encoder LoRA, and quantized text encoders that nothing loads
-    (cached latents, no previews), so advice never names those combinations."""
+    (cached latents, no previews), so advice never names those combinations. (Without
+    the run's config at hand; ``accepts`` checks the rest with it.)"""
     idle = args["cached_latents"] and not args["previews"] and args["quantize_text_encoders"] != "none"
     return not idle and (args["strategy"] != "fsdp"
                          or (args["quantize"] == "none" and not args["train_text_encoder"]))

@@ -107,9 +107,27 @@ def _cluster_gpu() -> GpuSize:
     return GpuSize(KNOWN_GPU_MIB[small] / 1024, f"detected: {small} (Ray accelerator_type)")
 
 
-def report(est, gpu: GpuSize) -> tuple[str, bool | None, list[str]]:
+def config_accepts(cfg: RayLoraConfig):
+    """``overrides → bool``: whether ``cfg`` with these ``key=value`` overrides validates
+    (the memory advice names no change the config would then refuse)."""
+    from raylora.config import apply_overrides, validate
+
+    tree = cfg.to_dict()
+
+    def accepts(overrides: list[str]) -> bool:
+        try:
+            validate(apply_overrides(tree, overrides))
+        except ConfigError:
+            return False
+        return True
+
+    return accepts
+
+
+def report(est, gpu: GpuSize, cfg: RayLoraConfig | None = None) -> tuple[str, bool | None, list[str]]:
     """(text, fits, advice): the estimate table, the GPU and whether it fits (None: no GPU
-    size known), and the changes that would fit, each re-estimated."""
+    size known), and the changes that would fit, each re-estimated (with ``cfg``, the run's
+    config: only changes it accepts)."""
     from raylora.memory import size
 
     lines = [est.table()]
@@ -121,7 +139,7 @@ def report(est, gpu: GpuSize) -> tuple[str, bool | None, list[str]]:
     if fits:
         lines.append(head + f"fits, {size(gpu.gib * GIB - est.peak)} to spare")
         return "\n".join(lines), True, []
-    advice = est.advice(gpu.gib)
+    advice = est.advice(gpu.gib, None if cfg is None else config_accepts(cfg))
     lines.append(head + f"does NOT fit ({size(est.peak)} needed)")
     if advice:
         lines.append("These would fit (each re-estimated; key=value, as overrides or in the YAML):")
@@ -171,7 +189,7 @@ def check_memory(cfg: RayLoraConfig, cluster: bool = False,
             log.warning("memory preflight: not checked, the estimate failed (%s: %s)",
                         type(exc).__name__, exc)
             return
-        text, fits, advice = report(est, gpu)
+        text, fits, advice = report(est, gpu, c)
         if not fits:
             where = f" for {label}" if label else ""
             raise DoesNotFit(f"memory preflight{where}: one worker needs ~{size(est.peak)} "

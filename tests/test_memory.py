@@ -349,6 +349,28 @@ def test_advice_names_the_keys_that_make_it_fit(tiny, tmp_path):
     fsdp = [line for line in advice if line.startswith("scaling.strategy=fsdp")]
     assert fsdp == [fsdp[0]] and "scaling.num_workers=2" in fsdp[0]  # the smallest world that fits
 
+    # Checked against the run's config: a change it refuses is not named, or is named with
+    # the speed-only change it needs (FSDP runs eager: the Flux.1 job compiles its blocks).
+    from raylora.preflight import config_accepts
+
+    def cfg(**data):
+        return validate({"model": {"pretrained": path}, "output": {"uri": str(tmp_path / "o")},
+                         "data": {"uri": str(tmp_path), "resolution": 64, **data},
+                         "lora": {"rank": 4}, "train": {"batch_size": 2, "compile": "regional",
+                                                        "compile_cache_uri": str(tmp_path / "cc")}})
+    compiled = est.advice(budget, config_accepts(cfg(cache="latents", center_crop=True)))
+    assert [a.split(": ")[0] for a in compiled if a.startswith("scaling.strategy=fsdp")] == [
+        "scaling.strategy=fsdp scaling.num_workers=2 train.compile=none train.compile_cache_uri=null"]
+    assert len(compiled) == len(advice)
+    raw = memory.estimate(path, batch_size=2, resolution=64, lora_rank=4, cached_latents=False,
+                          mixed_precision="no", device="cpu")
+    short = (raw.total - 1) / memory.GIB
+    assert any(a.startswith("data.cache=latents: ") for a in raw.advice(short))
+    # a random crop cannot be cached: not named; a center crop can
+    assert not any(a.startswith("data.cache=latents") for a in raw.advice(short, config_accepts(cfg())))
+    assert any(a.startswith("data.cache=latents: ")
+               for a in raw.advice(short, config_accepts(cfg(center_crop=True))))
+
 
 def test_from_config_reads_todays_keys_and_defaults_the_new_ones(tiny, tmp_path):
     path = tiny("sd")

@@ -98,6 +98,9 @@ def test_plan_prints_the_report_and_exits_by_fit(job, tmp_path, capsys):
     assert main(["plan", path, f"model.pretrained={single}"]) == 2
     assert (f"model.pretrained: {single}: a file, not a diffusers folder (model_index.json "
             "and a folder per component)") in capsys.readouterr().err
+    # lora.init_from's problems, as `raylora train` names them before Ray (README): exit 2
+    assert main(["plan", path, f"lora.init_from={tmp_path / 'no-adapter'}"]) == 2
+    assert f"lora.init_from: {tmp_path / 'no-adapter'}: not found" in capsys.readouterr().err
     assert not ray.is_initialized()
 
 

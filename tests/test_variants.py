@@ -90,6 +90,50 @@ def test_dora_loads_in_the_stock_pipeline_and_changes_the_image(trained, tiny_mo
     assert stock_image_change("sd", tiny_model, folder) > 1e-3
 
 
+@pytest.mark.parametrize("family", ["sd", "sdxl"])
+def test_dora_text_encoders_load_in_the_stock_pipeline_and_start_a_run_as_trained(
+        tiny, demo_data, tmp_path, family):
+    """DoRA with lora.train_text_encoder: the stock pipeline's text encoders, with the file
+    loaded, compute what the trained ones do, and so does a run started from the file.
+    Before: diffusers hands text-encoder LoRA to transformers' load_adapter, which read no
+    magnitude spelled as peft writes it and kept the base weight norms (SD: 0.84 off)."""
+    from diffusers import DiffusionPipeline
+
+    from inproc import _fresh_accelerator, demo_batch, overfit
+    from raylora.model.lora import save_adapter
+    from raylora.train.setup import build_run
+
+    model = tiny(family)
+    tree = {"model": {"pretrained": model}, "output": {"uri": str(tmp_path / "out")},
+            "data": {"uri": demo_data, "resolution": 64, "center_crop": True},
+            "lora": {"rank": 4, "variant": "dora", "train_text_encoder": True},
+            "train": {"learning_rate": 5e-2, "max_steps": 4, "batch_size": 2, "seed": 0}}
+    run = build_run(validate(tree), _fresh_accelerator(1), 4, rank=0)
+    overfit(run, demo_batch(family, model, demo_data), 4)
+    folder = str(tmp_path / "adapter")
+    save_adapter(run.accelerator.unwrap_model(run.model), folder, run.family,
+                 run.trained_text_encoders)
+    ids = torch.randint(0, 100, (1, 77), generator=torch.Generator().manual_seed(0))
+
+    def out(te):
+        te.eval()
+        with torch.no_grad():
+            return te(ids)[0]
+
+    trained = {name: out(te) for name, te in run.trained_text_encoders.items()}
+    assert len(trained) == {"sd": 1, "sdxl": 2}[family]
+    base = DiffusionPipeline.from_pretrained(model)
+    pipe = DiffusionPipeline.from_pretrained(model)
+    pipe.load_lora_weights(folder)
+    tree["lora"]["init_from"] = folder
+    started = build_run(validate(tree), _fresh_accelerator(1), 4, rank=0)
+    for name, want in trained.items():
+        assert (want - out(getattr(base, name))).abs().max() > 1e-2, name  # it trained
+        torch.testing.assert_close(out(getattr(pipe, name)), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out(started.trained_text_encoders[name]), want,
+                                   rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("variant", ["lokr", "loha"])
 def test_lycoris_file_is_read_by_lycoris_into_the_trained_weights(trained, tiny_model, variant):
     """LyCORIS' own kohya loader (lycoris-lora, what sd-scripts uses) builds its modules

@@ -264,9 +264,19 @@ def save_diffusers_adapter(model: torch.nn.Module, directory: str, family,
     for name, module in [(family.denoiser, model), *(text_encoders or {}).items()]:
         given = denoiser_sd if module is model else None
         sd = _snapshot(given if given is not None else _peft_lora(module))
-        layers[name] = convert_state_dict_to_diffusers(sd) if family.legacy_lora_keys else sd
+        sd = convert_state_dict_to_diffusers(sd) if family.legacy_lora_keys else sd
+        layers[name] = sd if module is model else text_encoder_magnitudes(sd)
         meta[name] = module.peft_config["default"].to_dict()
     family.save_adapter(directory, layers, meta)
+
+
+def text_encoder_magnitudes(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A text encoder's LoRA with each DoRA magnitude under ``...lora_magnitude_vector.weight``.
+    peft writes ``...lora_magnitude_vector``, which its own loader renames; diffusers hands
+    text-encoder LoRA to transformers' ``load_adapter``, which reads only the ``.weight``
+    spelling and otherwise keeps the magnitudes at the base weight's norms: the stock
+    pipeline's text encoder (and ``raylora sample``'s) was not the trained one."""
+    return {k + ".weight" if k.endswith("lora_magnitude_vector") else k: v for k, v in sd.items()}
 
 
 def digest(sd: dict[str, torch.Tensor]) -> str:

@@ -28,7 +28,7 @@ from raylora import storage
 from raylora.config import RayLoraConfig
 from raylora.model import hub, load
 from raylora.model.load import stored_version
-from raylora.model.lora import PEFT_CONFIG, PEFT_WEIGHTS, WEIGHT_NAME
+from raylora.model.lora import PEFT_CONFIG, PEFT_WEIGHTS, WEIGHT_NAME, text_encoder_magnitudes
 from raylora.storage import Storage
 
 log = logging.getLogger("raylora.lora_init")
@@ -274,8 +274,11 @@ def _load_diffusers(local: str, family, denoiser, text_encoders: dict,
                                    adapter_name=SCRATCH)
         for name, te in text_encoders.items():
             if any(k.startswith(name + ".") for k in sd):
+                # DoRA magnitudes spelled as the loader reads them (text_encoder_magnitudes):
+                # adapters written before it was so named start from their trained values too
+                part = {k: v for k, v in sd.items() if k.startswith(name + ".")}
                 cls.load_lora_into_text_encoder(
-                    dict(sd), alphas, te, prefix=name, adapter_name=SCRATCH,
+                    text_encoder_magnitudes(part), alphas, te, prefix=name, adapter_name=SCRATCH,
                     metadata=_component_meta(metadata, name))
     except (ValueError, RuntimeError, KeyError) as exc:
         raise ValueError(f"{KEY}: {uri} does not fit this denoiser's LoRA layers "

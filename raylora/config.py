@@ -12,6 +12,7 @@ Defaults follow diffusers' ``train_text_to_image_lora.py`` (AdamW 0.9/0.999, wei
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -1680,12 +1681,31 @@ def _tune_checks(cfg: RayLoraConfig) -> list[str]:
     return problems
 
 
+# The member tags pydantic puts in the location of a union's errors (``str``, ``list[str]``,
+# ``tuple[int, int]``, ``literal['auto']``, ``function-after[...]``): no config key has
+# brackets, quotes or these names, so they are dropped from the key a problem names.
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list|dict|tuple|set|.*[\[\]'(),].*)$")
+
+
 def _format_pydantic(err: ValidationError) -> list[str]:
-    out = []
+    out: list[str] = []
+    unions: dict[str, int] = {}  # key → its line in out, for the union's other members
     for e in err.errors():
         # data.sources[1].weight: list items by index, as the messages of checks name them.
-        key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e["loc"])
+        loc = [p for p in e["loc"] if isinstance(p, int) or not _UNION_TAG.match(p)]
+        member = len(loc) < len(e["loc"])
+        key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
         key = key.lstrip(".") or "<root>"
+        if member and key in unions:
+            # One line per key: "a valid string, or a valid list" (each member's message
+            # was its own problem, under a key that does not exist: data.uri.list[str])
+            i = unions[key]
+            head, got = out[i].rsplit(" (got ", 1) if " (got " in out[i] else (out[i], None)
+            more = e["msg"].removeprefix("Input should be ")
+            out[i] = f"{head}; or {more}" + (f" (got {got}" if got is not None else "")
+            continue
+        if member:
+            unions[key] = len(out)
         if e["type"] == "extra_forbidden":
             out.append(f"{key}: unknown key")
         elif e["type"] == "missing":

@@ -137,6 +137,21 @@ def test_schedule_settings_the_schedule_does_not_read_are_refused(overrides, exp
     assert ei.value.problems == [expected]
 
 
+@pytest.mark.parametrize("override,expected", [
+    ("data.uri=2024", "data.uri: Input should be a valid string; or a valid list (got 2024)"),
+    ("scaling.num_workers=abc", "scaling.num_workers: Input should be a valid integer, unable to "
+     "parse string as an integer; or a valid tuple (got 'abc')"),
+    ("train.flow.shift=fast", "train.flow.shift: Input should be a valid number, unable to parse "
+     "string as a number; or 'auto' (got 'fast')"),
+])
+def test_a_key_that_takes_several_types_is_one_problem_under_its_own_name(override, expected):
+    """A union's members each failed as a problem of their own, under keys that do not
+    exist (data.uri.str, data.uri.list[str]): one line, the key as written."""
+    with pytest.raises(ConfigError) as ei:
+        validate(apply_overrides(MIN, [override]))
+    assert ei.value.problems == [expected]
+
+
 def test_missing_required_sections_named():
     with pytest.raises(ConfigError) as ei:
         validate({"data": {"uri": "x"}})

@@ -41,6 +41,26 @@ def test_detected_from_model_index_class_name(tiny, family):
     assert families.detect(index).name == family
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_model_card_names_every_layer_the_default_targets(tiny, family, tmp_path):
+    """The card's "target modules" row, without the denoiser at hand, covers what the
+    family's default attaches to (Flux.2 [klein]'s single blocks' attn.to_out, named by
+    index, were missing from it)."""
+    import fnmatch
+
+    from raylora.checkpoint.export import model_card
+    from raylora.config import validate
+    from raylora.memory import meta_components
+
+    fam = families.get(family)
+    denoiser = getattr(meta_components(tiny(family), torch.float32), "denoiser")
+    named = fam.named_lora_targets()
+    assert all(any(fnmatch.fnmatch(t, n) for n in named) for t in fam.default_lora_targets(denoiser))
+    cfg = validate({"model": {"pretrained": tiny(family)}, "data": {"uri": str(tmp_path)},
+                    "output": {"uri": str(tmp_path / "out")}})
+    assert f"| target modules | {', '.join(named)} |" in model_card(cfg, {}, {"family": family})
+
+
 def test_flux_folder_is_never_sdxl(tiny):
     # A Flux folder has text_encoder_2 / tokenizer_2 like SDXL; only _class_name decides.
     index = json.load(open(os.path.join(tiny("flux"), "model_index.json")))

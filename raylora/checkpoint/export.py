@@ -181,7 +181,7 @@ def model_card(cfg: RayLoraConfig, metrics: dict, data: dict) -> str:
 
     t, lo = cfg.train, cfg.lora
     family = families.get(data.get("family", "sd"))
-    targets = lo.target_modules or list(family.lora_targets)
+    targets = lo.target_modules or list(family.named_lora_targets())
     loss_first = metrics.get("train_loss_first")
     loss_last = metrics.get("train_loss_last")
     fmt = lambda x: "n/a" if x is None else f"{x:.5f}"  # noqa: E731

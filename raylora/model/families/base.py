@@ -366,6 +366,12 @@ class Family:
         return cls.lora_targets
 
     @classmethod
+    def named_lora_targets(cls) -> tuple[str, ...]:
+        """The default targets as the model card names them, without a denoiser at hand:
+        ``default_lora_targets`` with block indices as ``*``."""
+        return cls.lora_targets
+
+    @classmethod
     def trained_component(cls, expert: str | None = None) -> str:
         """The pipeline component (folder, pipeline attribute) a run with ``model.expert``
         ``expert`` trains."""

@@ -120,6 +120,10 @@ class Flux2Klein(Family):
                                         for i in range(singles))
 
     @classmethod
+    def named_lora_targets(cls) -> tuple[str, ...]:
+        return cls.lora_targets + ("single_transformer_blocks.*.attn.to_out",)
+
+    @classmethod
     def adapt_component(cls, component: str, module):
         if component == "text_encoder":
             keep_layers(module, max(cls.layers) + 1)

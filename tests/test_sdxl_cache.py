@@ -128,8 +128,9 @@ def test_tiny_sdxl_trains_renders_grids_tracks_and_loads_in_stock_pipeline(
 def test_latent_cache_build_reuse_and_training(ray_local, tiny_model, tmp_path):
     """The cache holds what the encoders compute for every source row, in source order;
     cached training repeats uncached training step for step (same seed, no augmentation),
-    never loads the encoders; a second run, with caption dropout, reuses the cache and
-    repeats uncached training with the same dropout."""
+    never loads the encoders; a second run, with caption dropout, builds an entry of its
+    own (dropout keeps uncaptioned rows, so it is part of an entry), leaves the first as it
+    was, and repeats uncached training with the same dropout."""
     import pyarrow.parquet as pq
     import ray.data
 
@@ -179,16 +180,18 @@ def test_latent_cache_build_reuse_and_training(ray_local, tiny_model, tmp_path):
     written = [*files, os.path.join(meta["cache_uri"], MANIFEST)]
     stamps = {f: os.stat(f).st_mtime_ns for f in written}
 
-    # A second cached run of the same data, now with caption dropout: its preamble reuses
-    # the cache (dropout is no part of an entry), rewriting nothing, and encodes the empty
-    # prompt once; its workers swap that in for the dropped rows' captions. At p=0.999
-    # every row of both runs is dropped (their draws differ), so it repeats uncached
-    # training with the same dropout step for step: the empty prompt's cached embedding
-    # is the one the uncached step computes.
+    # A second cached run of the same data, now with caption dropout: an entry of its own
+    # (with dropout on, a row without a caption is kept as the empty prompt, so the rows
+    # can differ; any rate above 0 shares it: test_the_cache_fingerprint_follows_...), the
+    # first rewritten in nothing. The driver encodes the empty prompt once; the workers swap
+    # it in for the dropped rows' captions. At p=0.999 every row of both runs is dropped
+    # (their draws differ), so it repeats uncached training with the same dropout step for
+    # step: the empty prompt's cached embedding is the one the uncached step computes.
     dropped = run(validate(tree("again", "latents", caption_dropout=0.999)))
     run(validate(tree("plain_dropped", "none", caption_dropout=0.999)))
     again = json.loads((tmp_path / "again" / "adapter" / "raylora.json").read_text())["data"]
-    assert again["cache_reused"] is True and again["cache_uri"] == meta["cache_uri"]
+    assert again["cache_reused"] is False and again["cache_uri"] != meta["cache_uri"]
+    assert again["cache_uri"].startswith(str(tmp_path / "cache"))
     assert {f: os.stat(f).st_mtime_ns for f in written} == stamps
     assert dropped["metrics"]["encoders_on_worker"] is False
     np.testing.assert_allclose(losses("again"), losses("plain_dropped"), rtol=1e-4)

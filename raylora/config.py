@@ -1688,24 +1688,23 @@ _UNION_TAG = re.compile(r"^(str|int|float|bool|none|list|dict|tuple|set|.*[\[\]'
 
 
 def _format_pydantic(err: ValidationError) -> list[str]:
-    out: list[str] = []
-    unions: dict[str, int] = {}  # key → its line in out, for the union's other members
+    # One problem per key: a union's members (data.uri as str, then as list[str]) each
+    # failed under a key that does not exist (data.uri.list[str]); the first member's
+    # error is the problem, the others' messages its alternatives.
+    problems: list[tuple[str, dict, list[str]]] = []  # (key, error, alternatives)
+    unions: dict[str, list[str]] = {}
     for e in err.errors():
         # data.sources[1].weight: list items by index, as the messages of checks name them.
         loc = [p for p in e["loc"] if isinstance(p, int) or not _UNION_TAG.match(p)]
-        member = len(loc) < len(e["loc"])
         key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
         key = key.lstrip(".") or "<root>"
+        member = len(loc) < len(e["loc"])
         if member and key in unions:
-            # One line per key: "a valid string, or a valid list" (each member's message
-            # was its own problem, under a key that does not exist: data.uri.list[str])
-            i = unions[key]
-            head, got = out[i].rsplit(" (got ", 1) if " (got " in out[i] else (out[i], None)
-            more = e["msg"].removeprefix("Input should be ")
-            out[i] = f"{head}; or {more}" + (f" (got {got}" if got is not None else "")
+            unions[key].append(e["msg"].removeprefix("Input should be "))
             continue
-        if member:
-            unions[key] = len(out)
+        problems.append((key, e, unions.setdefault(key, []) if member else []))
+    out = []
+    for key, e, alternatives in problems:
         if e["type"] == "extra_forbidden":
             out.append(f"{key}: unknown key")
         elif e["type"] == "missing":
@@ -1716,6 +1715,7 @@ def _format_pydantic(err: ValidationError) -> list[str]:
             got = e.get("input")
             # A check's own ValueError: its message, without pydantic's "Value error, ".
             msg = str(e["ctx"]["error"]) if e["type"] == "value_error" else e["msg"]
+            msg += "".join(f"; or {a}" for a in alternatives)
             # the check's message names the value already ("unknown family 'x'"; a number
             # only as "not 0", where a bound like "> 0" could read as the value)
             named = repr(got) in msg if isinstance(got, (str, list)) else f"not {got!r}" in msg

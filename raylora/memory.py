@@ -52,9 +52,9 @@ import math
 import os
 import tempfile
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
-from collections.abc import Callable
 from typing import Any, Sequence
 
 import torch
@@ -913,41 +913,37 @@ class Estimate:
         if self.fits(gpu_gb):
             return []
         a = self.settings["args"]
-        options: list[tuple[str, dict, list[str]]] = []
+        # (the overrides, the estimate arguments they change, a note for the reader)
+        options: list[tuple[list[str], dict, str]] = []
         world = a["world_size"]
         worlds = ([world] if a["strategy"] == "ddp" and world > 1 else []) + [w for w in (2, 4, 8) if w > world]
         for w in worlds:
-            more = [f"scaling.num_workers={w}"] if w != world else []
-            options.append((" ".join(["scaling.strategy=fsdp", *more]),
-                            {"strategy": "fsdp", "world_size": w}, ["scaling.strategy=fsdp", *more]))
+            options.append((["scaling.strategy=fsdp"] + ([f"scaling.num_workers={w}"] if w != world else []),
+                            {"strategy": "fsdp", "world_size": w}, ""))
         if a["quantize"] != "nf4":
-            options.append(("model.quantize=nf4", {"quantize": "nf4"}, ["model.quantize=nf4"]))
+            options.append((["model.quantize=nf4"], {"quantize": "nf4"}, ""))
         if not a["gradient_checkpointing"]:
-            options.append(("train.gradient_checkpointing=true", {"gradient_checkpointing": True},
-                            ["train.gradient_checkpointing=true"]))
+            options.append((["train.gradient_checkpointing=true"], {"gradient_checkpointing": True}, ""))
         b = a["batch_size"] // 2
         while b >= 1:
-            times = a["batch_size"] // b
-            options.append((f"train.batch_size={b} (train.gradient_accumulation_steps x"
-                            f"{times} keeps the effective batch)", {"batch_size": b},
-                            # (a whole multiple of the accumulation: never a refused one)
-                            [f"train.batch_size={b}"]))
+            # (accumulation times a whole number: never one the config refuses, so unchecked)
+            options.append(([f"train.batch_size={b}"], {"batch_size": b},
+                            f"train.gradient_accumulation_steps x{a['batch_size'] // b} keeps "
+                            "the effective batch"))
             b //= 2
         if self.preview:
-            options.append(("validation.prompts=[] (no previews while training)", {"previews": False},
-                            ["validation.prompts=[]"]))
+            options.append((["validation.prompts=[]"], {"previews": False}, "no previews while training"))
         if a["quantize_text_encoders"] != "nf4" and (self.preview or not a["cached_latents"]):
-            options.append(("model.quantize_text_encoders=nf4", {"quantize_text_encoders": "nf4"},
-                            ["model.quantize_text_encoders=nf4"]))
+            options.append((["model.quantize_text_encoders=nf4"], {"quantize_text_encoders": "nf4"}, ""))
         if not a["cached_latents"] and not a["train_text_encoder"]:
-            options.append(("data.cache=latents", {"cached_latents": True}, ["data.cache=latents"]))
+            options.append((["data.cache=latents"], {"cached_latents": True}, ""))
         found = _fitting(a, options, gpu_gb, single=True, accepts=accepts)
         if not found:
             found = _fitting(a, options, gpu_gb, single=False, accepts=accepts)
         return found
 
 
-def _fitting(args: dict, options: list[tuple[str, dict, list[str]]], gpu_gb: float, single: bool,
+def _fitting(args: dict, options: list[tuple[list[str], dict, str]], gpu_gb: float, single: bool,
              accepts: Callable[[list[str]], bool] | None = None) -> list[str]:
     """The options (or pairs of them) that fit, one per kind of change: options come
     smallest FSDP world and largest batch first, so the first of a kind that fits is the
@@ -964,9 +960,9 @@ def _fitting(args: dict, options: list[tuple[str, dict, list[str]]], gpu_gb: flo
         e = estimate(**new)
         if not e.fits(gpu_gb):
             continue
-        labels = [label for label, _, _ in combo]
+        labels = [" ".join(keys) + (f" ({note})" if note else "") for keys, _, note in combo]
         if accepts is not None:
-            keys = [o for _, _, ks in combo for o in ks]
+            keys = [k for ks, _, _ in combo for k in ks]
             extra = next((x for x in ([], *SPEED_ONLY) if accepts(keys + x)), None)
             if extra is None:
                 continue

@@ -272,13 +272,13 @@ def _load_diffusers(local: str, family, denoiser, text_encoders: dict,
         denoiser.load_lora_adapter(dict(sd), prefix=family.denoiser, network_alphas=alphas,
                                    metadata=_component_meta(metadata, family.denoiser),
                                    adapter_name=SCRATCH)
+        # DoRA magnitudes spelled as the text-encoder loader reads them
+        # (text_encoder_magnitudes): adapters written before that start as trained too
+        te_sd = text_encoder_magnitudes(sd)
         for name, te in text_encoders.items():
             if any(k.startswith(name + ".") for k in sd):
-                # DoRA magnitudes spelled as the loader reads them (text_encoder_magnitudes):
-                # adapters written before it was so named start from their trained values too
-                part = {k: v for k, v in sd.items() if k.startswith(name + ".")}
                 cls.load_lora_into_text_encoder(
-                    text_encoder_magnitudes(part), alphas, te, prefix=name, adapter_name=SCRATCH,
+                    dict(te_sd), alphas, te, prefix=name, adapter_name=SCRATCH,
                     metadata=_component_meta(metadata, name))
     except (ValueError, RuntimeError, KeyError) as exc:
         raise ValueError(f"{KEY}: {uri} does not fit this denoiser's LoRA layers "

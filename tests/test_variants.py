@@ -213,6 +213,24 @@ def test_a_run_started_from_a_variant_adapter_computes_what_the_trained_one_did(
     assert line.startswith(f"lora.init_from: {folder}") and "lora.variant" in line
 
 
+@pytest.mark.parametrize("variant", ["dora", "lokr", "loha"])
+def test_raylora_export_kohya_refuses_a_variant_adapter_naming_it(trained, variant, tmp_path, capsys):
+    """``raylora export --format kohya`` on a DoRA folder or a LoKr/LoHa folder: exit 2 with
+    the variant and the file a user loads instead, and no kohya file written."""
+    from raylora.cli import main
+
+    _, _, _, folder = trained[variant]
+    dest = tmp_path / "k.safetensors"
+    assert main(["export", "--format", "kohya", folder, "--family", "sd", "--out", str(dest)]) == 2
+    err = capsys.readouterr().err
+    if variant == "dora":
+        assert "pytorch_lora_weights.safetensors: a DoRA adapter (unet." in err
+        assert "lora_magnitude_vector" in err and "load the diffusers folder instead" in err
+    else:
+        assert f"{folder}: a LoKr/LoHa adapter; its lycoris.safetensors already is" in err
+    assert not dest.exists()
+
+
 def test_lycoris_names_match_real_files():
     """raylora's names for the SD 1.5 modules in the vendored real keys are those keys."""
     from peft import LoHaConfig, LoKrConfig

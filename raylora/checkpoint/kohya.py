@@ -187,6 +187,14 @@ def read_adapter(diffusers_file: str) -> tuple[dict[str, torch.Tensor], dict[str
     with safe_open(diffusers_file, framework="pt") as f:
         sd = {k: f.get_tensor(k) for k in f.keys()}
         raw = json.loads((f.metadata() or {}).get("lora_adapter_metadata", "{}"))
+    dora = sorted(k for k in sd if "lora_magnitude_vector" in k)
+    if dora:
+        # kohya files carry DoRA as ``dora_scale``, but readers disagree on it: LyCORIS (and
+        # diffusers) divide an output-axis dora_scale by the adapted weight's row norms as
+        # peft trained it, ComfyUI by the base weight's. No one file is right for both.
+        raise ValueError(f"{diffusers_file}: a DoRA adapter ({dora[0]}, ...): kohya export is "
+                         "for lora.variant=lora (ComfyUI applies a kohya file's DoRA magnitudes "
+                         "otherwise than peft trained them); load the diffusers folder instead")
     ranks, alphas = {}, {}
     for comp in sorted({k.split(".", 1)[0] for k in sd}):
         # diffusers prefixes each peft config key with its component ("unet.r").
@@ -250,11 +258,14 @@ def export_folder(adapter_dir: str, dest: str | None = None, family: str | None 
     layout fits the keys. Returns (file written, family, how the family was found)."""
     from raylora.checkpoint.export import read_run_meta
     from raylora.model import families
-    from raylora.model.lora import WEIGHT_NAME
+    from raylora.model.lora import LYCORIS_FILE, WEIGHT_NAME
 
     weights = os.path.join(adapter_dir, WEIGHT_NAME)
     if not os.path.isdir(adapter_dir):
         raise FileNotFoundError(f"{adapter_dir}: no such adapter folder")
+    if os.path.isfile(os.path.join(adapter_dir, LYCORIS_FILE)) and not os.path.isfile(weights):
+        raise ValueError(f"{adapter_dir}: a LoKr/LoHa adapter; its {LYCORIS_FILE} already is "
+                         "the file ComfyUI, Forge and A1111 load (kohya export is for lora.variant=lora)")
     if not os.path.isfile(weights):
         raise FileNotFoundError(f"{weights}: not found; {adapter_dir} is not a diffusers adapter folder")
     info = read_run_meta(adapter_dir)

@@ -216,3 +216,8 @@ def load_adapter(pipe, family, adapter: str, expert: str | None = None) -> None:
                 PeftModel.from_pretrained(getattr(pipe, component), adapter).merge_and_unload())
     else:
         pipe.load_lora_weights(adapter, **family.lora_load_kwargs(expert))
+    # The loader's new layers are in train mode: an adapter written before raylora wrote
+    # lora_dropout 0 into its metadata would otherwise sample with the run's dropout on.
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
+            module.eval()

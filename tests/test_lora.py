@@ -51,7 +51,7 @@ def test_bad_target_named(unet):
 def test_state_round_trip_and_diffusers_file(unet, tmp_path):
     from safetensors import safe_open
 
-    add_lora(unet, LoraSection(rank=4, alpha=8), SD.lora_targets)
+    add_lora(unet, LoraSection(rank=4, alpha=8, dropout=0.3), SD.lora_targets)
     with torch.no_grad():
         for n, p in unet.named_parameters():
             if p.requires_grad:
@@ -74,3 +74,51 @@ def test_state_round_trip_and_diffusers_file(unet, tmp_path):
 
     lora_meta = json.loads(meta["lora_adapter_metadata"])
     assert lora_meta["unet.lora_alpha"] == 8.0 and lora_meta["unet.r"] == 4
+    # dropout is the run's, not the adapter's: a loader building layers from the metadata
+    # would otherwise drop part of the LoRA at inference (its new layers in train mode)
+    assert lora_meta["unet.lora_dropout"] == 0.0
+
+
+def test_raylora_sample_draws_the_same_image_for_a_seed_from_an_adapter_that_asks_for_dropout(
+        tiny_model, tmp_path):
+    """An adapter written before the metadata said ``lora_dropout: 0`` (here: rewritten to
+    0.3): the stock loader builds its layers with dropout, in train mode, and the same seed
+    draws two pictures; ``raylora sample`` puts the pipeline in eval and draws one."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from stock import stock_pipeline
+
+    from raylora.sample import sample
+
+    unet = UNet2DConditionModel.from_pretrained(tiny_model, subfolder="unet")
+    add_lora(unet, LoraSection(rank=4), SD.lora_targets)
+    with torch.no_grad():
+        for p in unet.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.2)
+    save_diffusers_adapter(unet, str(tmp_path / "a"), SD)
+    path = str(tmp_path / "a" / WEIGHT_NAME)
+    with safe_open(path, "pt") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    lora_meta = json.loads(meta["lora_adapter_metadata"]) | {"unet.lora_dropout": 0.3}
+    save_file(tensors, path, metadata=meta | {"lora_adapter_metadata": json.dumps(lora_meta)})
+
+    pipe = stock_pipeline("sd", tiny_model)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(tmp_path / "a"))
+
+    def stock():
+        out = pipe("a red circle", num_inference_steps=2, height=64, width=64, output_type="np",
+                   generator=torch.Generator().manual_seed(0))
+        return out.images[0]
+
+    assert np.abs(stock() - stock()).max() > 1e-3  # the file does ask for dropout
+
+    shots = [np.asarray(Image.open(sample(tiny_model, str(tmp_path / "a"), "a red circle",
+                                          str(tmp_path / f"s{i}.png"), steps=2, size=64)))
+             for i in range(2)]
+    assert np.array_equal(*shots)

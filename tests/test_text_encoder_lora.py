@@ -146,12 +146,29 @@ def test_text_encoder_lora_of_every_family_loads_in_its_stock_pipeline(family, t
     model = tiny(family)
     cfg = validate({"model": {"pretrained": model, "max_sequence_length": 32},
                     "data": {"uri": demo_data, "resolution": 64},
-                    "lora": {"rank": 4, "train_text_encoder": True},
+                    "lora": {"rank": 4, "train_text_encoder": True, "dropout": 0.3},
                     "train": {"learning_rate": 1e-2, "seed": 0}, "output": {"uri": str(tmp_path / "o")}})
     accel = _fresh_accelerator(1)
     run = build_run(cfg, accel, 5, rank=0)
     assert sorted(run.trained_text_encoders) == TE_FAMILIES[family]
     overfit(run, demo_batch(family, model, demo_data), 5)
+
+    # A preview mid-run (its text encoders in train mode, LoRA dropout 0.3): the same weights
+    # and seed draw the same picture, and training goes on with dropout on.
+    import numpy as np
+
+    from raylora.train import preview as pv
+
+    vae, encoders, tokenizers = pv.encoders_for(run.parts, model, cfg.model, "cpu")
+    assert encoders == run.parts.text_encoders
+    for te in encoders:
+        te.train()  # as the step leaves them (setup.build_run)
+    pv_pipe = pv.build_pipeline(model, run.family, accel.unwrap_model(run.model), vae,
+                                encoders, tokenizers)
+    shots = [np.asarray(pv.render(pv_pipe, run.family, ["a red circle"], 0, 2,
+                                  run.family.guidance_kwargs(), 64)[0]) for _ in range(2)]
+    assert np.array_equal(*shots)
+    assert all(te.training for te in encoders) and accel.unwrap_model(run.model).training
     adapter = tmp_path / "adapter"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -163,7 +180,10 @@ def test_text_encoder_lora_of_every_family_loads_in_its_stock_pipeline(family, t
     ids = torch.randint(0, 100, (1, 77))
     base = {n: getattr(pipe, n)(ids)[0].detach() for n in TE_FAMILIES[family]}
     pipe.load_lora_weights(str(adapter))
+    # The file asks for no dropout (the stock loader's new layers are in train mode): the
+    # stock pipeline's encoders compute what the trained ones do with dropout off.
     for name, trained in run.trained_text_encoders.items():
+        trained.eval()  # the trained encoder as it infers: its LoRA dropout off
         with torch.no_grad():
             want, got = trained(ids)[0], getattr(pipe, name)(ids)[0]
         assert (want - base[name]).abs().max() > 1e-4, name  # the encoder's LoRA trained

@@ -266,7 +266,10 @@ def save_diffusers_adapter(model: torch.nn.Module, directory: str, family,
         sd = _snapshot(given if given is not None else _peft_lora(module))
         sd = convert_state_dict_to_diffusers(sd) if family.legacy_lora_keys else sd
         layers[name] = sd if module is model else text_encoder_magnitudes(sd)
-        meta[name] = module.peft_config["default"].to_dict()
+        # lora_dropout 0: diffusers' loader builds the layers from this metadata, and their
+        # new Dropout modules are in train mode inside an eval pipeline: with the run's
+        # dropout every image of the stock pipeline would drop a random part of the LoRA.
+        meta[name] = module.peft_config["default"].to_dict() | {"lora_dropout": 0.0}
     family.save_adapter(directory, layers, meta)
 
 

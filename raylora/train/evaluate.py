@@ -19,6 +19,7 @@ import torch
 
 from raylora.model.families.base import Cond, Family
 from raylora.train.encode import batch_condition, batch_posterior, sample_latents
+from raylora.train.modes import evaluating
 from raylora.train.step import FrozenParts, with_reference
 
 
@@ -90,10 +91,7 @@ def encode_heldout_text(parts: FrozenParts, heldout: HeldOut, batch_size: int = 
     dropout off); a no-op unless the text encoders train."""
     if heldout.text_batch is None:
         return
-    modes = [te.training for te in parts.text_encoders]
-    for te in parts.text_encoders:
-        te.eval()
-    try:
+    with evaluating(parts.text_encoders):
         n = next(iter(heldout.text_batch.values())).shape[0]
         text = Cond.cat([
             batch_condition(parts.family, parts.text_encoders,
@@ -102,9 +100,6 @@ def encode_heldout_text(parts: FrozenParts, heldout: HeldOut, batch_size: int = 
         ])
         # what is not the text's (an edit pair's reference_latents) stays as encoded
         heldout.text = Cond({**heldout.text, **text})
-    finally:
-        for te, mode in zip(parts.text_encoders, modes):
-            te.train(mode)
 
 
 @torch.no_grad()
@@ -122,12 +117,10 @@ def heldout_loss(
     (sum, count) pairs are summed with ``all_reduce_sum`` when running distributed.
     ``lockstep`` (FSDP, where every forward is a collective): every rank makes the same
     number of denoiser calls; a rank out of items evaluates item 0 again, uncounted."""
-    was_training = model.training
-    model.eval()  # LoRA dropout off
     idx = torch.arange(rank, len(heldout), world, device=heldout.timesteps.device)
     total = torch.zeros(2, dtype=torch.float64, device=heldout.timesteps.device)
     calls = -(-len(heldout) // world) if lockstep else idx.numel()
-    try:
+    with evaluating([model]):  # LoRA dropout off
         for i in range(0, calls, batch_size):
             j = idx[i : i + batch_size]
             counted = j.numel() > 0
@@ -142,8 +135,6 @@ def heldout_loss(
             err = (pred.float() - heldout.target[j]).pow(2).flatten(1).mean(1)
             total[0] += err.double().sum()
             total[1] += j.numel()
-    finally:
-        model.train(was_training)
     if all_reduce_sum is not None:
         total = all_reduce_sum(total)
     return float(total[0] / total[1])

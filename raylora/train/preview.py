@@ -16,6 +16,8 @@ from contextlib import nullcontext
 import torch
 from PIL import Image
 
+from raylora.train.modes import evaluating
+
 
 def make_grid(images: list[Image.Image], cols: int | None = None) -> Image.Image:
     """Images (same size) in rows of ``cols`` (default: a near-square grid)."""
@@ -104,10 +106,9 @@ def render(pipe, family, prompts: list[str], seed: int, steps: int, guidance: di
     ``family``'s ``guidance_kwargs`` (one prompt per call), as its pipeline takes them.
     ``control_images``: an edit model's input image (or list of them) for each prompt
     (none: text to image)."""
-    model = denoiser_of(pipe)
-    was_training = model.training
-    model.eval()
-    try:
+    # every module of the pipeline, the text encoders a run trains included: their LoRA
+    # dropout on would make the same weights draw another picture at each preview
+    with evaluating([denoiser_of(pipe), *pipe.components.values()]):
         images = []
         for i, prompt in enumerate(prompts):
             with autocast() if autocast is not None else nullcontext():
@@ -120,8 +121,6 @@ def render(pipe, family, prompts: list[str], seed: int, steps: int, guidance: di
                     generator=torch.Generator().manual_seed(seed + i),
                 )[0])
         return images
-    finally:
-        model.train(was_training)
 
 
 def free_memory() -> None:

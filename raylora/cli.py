@@ -77,6 +77,11 @@ def _lr_find(args) -> int:
           + (f", stopped: {s['stopped']}" if s["stopped"] else ""))
     print(f"raylora: min smoothed loss {s['min_smoothed_loss']:.5f} at lr {s['lr_at_min_loss']:.3g}")
     print(f"raylora: suggested lr {s['suggested_lr']:.3g}{note}")
+    if s["scale_lr_divisor"] != 1:
+        print(f"raylora: train.scale_lr is on and lr-find swept the unscaled lr: set "
+              f"train.learning_rate {s['learning_rate']:.3g} (the suggestion / batch_size × "
+              f"gradient_accumulation_steps = {s['scale_lr_divisor']}); a run then trains at "
+              f"workers × {s['suggested_lr']:.3g}")
     print(f"raylora: lr-find table {s['csv']}")
     print(f"raylora: lr-find plot  {s['png']}")
     return 0
@@ -141,6 +146,7 @@ def _sample(args) -> int:
         seed=args.seed, steps=args.steps, guidance_scale=args.guidance_scale, size=args.size,
         expert=args.expert, quantize_text_encoders=args.quantize_text_encoders,
         revision=args.revision, image=args.image, system_prompt=args.system_prompt,
+        variant=args.variant,
     )
     print(f"raylora: sample image {out}")
     return 0
@@ -336,6 +342,10 @@ def _adapter_commands(sub) -> None:
     s.add_argument("--revision", default=None,
                    help="a hub model's branch, tag or commit; default: the commit the adapter "
                         "was trained on when its raylora.json names --model as its base, else main")
+    s.add_argument("--variant", default=None,
+                   help="the model's weights variant (fp16, bf16: *.fp16.safetensors), as "
+                        "model.variant; default: the run's when the adapter's raylora.json names "
+                        "--model as its base")
     s.add_argument("--adapter", required=True, action="append",
                    help="adapter folder: pytorch_lora_weights.safetensors (lora, dora) or a peft "
                         "folder (lokr, loha). A pipeline of experts (Wan 2.2 A14B) takes one per "

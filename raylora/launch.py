@@ -174,7 +174,7 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
     from raylora.model import lora_init
     from raylora.model import families, hub
     from raylora.model.lora import target_problems
-    from raylora.model.load import check_model, is_hub_id, resolve_family
+    from raylora.model.load import check_model, fsdp_weights_problem, is_hub_id, resolve_family
     from raylora.train.objective import scheduler_objective_kind
 
     problems: list[str] = []
@@ -195,6 +195,9 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
         if family.experts:  # whether this folder has them; a family without: family_problems
             family.sigma_range(info["index"], cfg.model.expert, f"model.pretrained: {model_path}")
         readable = True
+        if cfg.scaling.strategy == "fsdp" and info["files"] is not None:
+            problems += filter(None, [fsdp_weights_problem(
+                model_path, info["files"], family.trained_component(cfg.model.expert), cfg.model.variant)])
     except hub.Unreachable as exc:
         # A hub id nothing is known of here: the workers may still reach the hub. The
         # family is the one thing the run cannot guess (SD's settings for a Flux repo).
@@ -1114,6 +1117,7 @@ def run_lr_find(
 
     settings = LrFindSettings(start_lr=start_lr, end_lr=end_lr, num_steps=num_steps,
                               smoothing=smoothing, diverge_factor=diverge_factor)
+    divisor = lr_find.scale_lr_divisor(cfg.train)  # the user's config, before the sweep's
     cfg = _lr_find_config(cfg, settings)
     # lr-find never evaluates: the held-out rows are neither read nor sent to the worker
     # (a validation_split still keeps them out of its training data). No memory preflight.
@@ -1131,7 +1135,9 @@ def run_lr_find(
             rows = json.load(f)
     suggestion = lr_find.suggest_lr(rows)
     csv_uri, png_uri = _write_lr_find(cfg, rows, suggestion)
-    return {**suggestion, "settings": asdict(settings), "csv": csv_uri, "png": png_uri, "rows": rows,
+    return {**suggestion, "learning_rate": suggestion["suggested_lr"] / divisor,
+            "scale_lr_divisor": divisor,
+            "settings": asdict(settings), "csv": csv_uri, "png": png_uri, "rows": rows,
             "bad_records": bad.get("bad_records_counts", {}), "rows_decoded": bad.get("rows_decoded")}
 
 
@@ -1143,6 +1149,12 @@ def _lr_find_config(cfg: RayLoraConfig, s) -> RayLoraConfig:
         problems.append(f"lr-find: need 0 < start_lr < end_lr (got {s.start_lr:g}, {s.end_lr:g})")
     if s.num_steps < 2:
         problems.append(f"lr-find: num_steps must be at least 2 (got {s.num_steps})")
+    if cfg.train.optimizer == "adafactor" and cfg.train.adafactor.relative_step:
+        # the sweep sets each step's lr, which this Adafactor never reads: a flat curve
+        # and a suggestion of nothing
+        problems.append("train.adafactor.relative_step: lr-find sweeps the learning rate, which "
+                        "Adafactor with relative_step=true does not use (it sets its own step "
+                        "size); set train.adafactor.relative_step=false to find one")
     if problems:
         raise ConfigError(problems)
     tree = cfg.to_dict()

@@ -21,10 +21,12 @@ def sample(
     revision: str | None = None,
     image: str | list[str] | None = None,
     system_prompt: str | None = None,
+    variant: str | None = None,
 ) -> str:
     """``guidance_scale``: default the family's (SD 7.5, Flux.1-dev 3.5, ...), passed as the
     family's pipeline takes it (Qwen-Image: true CFG with an empty negative prompt).
-    ``adapter``, ``expert``, ``quantize_text_encoders``, ``revision``: see ``load_pipeline``.
+    ``adapter``, ``expert``, ``quantize_text_encoders``, ``revision``, ``variant``: see
+    ``load_pipeline``.
     ``image``: an edit model's input image (a path or storage URI; Flux.1 Kontext, Flux.2,
     Qwen-Image-Edit), or a list of them in order (Flux.2, Qwen-Image-Edit), resized to
     ``size`` when given, else sized as the pipeline does. ``system_prompt``: a family's
@@ -51,7 +53,7 @@ def sample(
                                  torch.bfloat16 if device == "cuda" else torch.float32,
                                  quantize_text_encoders, device, revision,
                                  with_image=len(inputs), input_side=side,
-                                 system_prompt=system_prompt is not None)
+                                 system_prompt=system_prompt is not None, variant=variant)
     if system_prompt is None:
         system_prompt = trained_system_prompt([adapter] if isinstance(adapter, str) else adapter)
     pipe.to(device)
@@ -78,7 +80,8 @@ def sample(
 def load_pipeline(model: str, adapter: str | list[str], expert: str | None = None,
                   dtype: torch.dtype = torch.float32, quantize_text_encoders: str = "none",
                   device="cpu", revision: str | None = None, with_image: int = 0,
-                  input_side: int | None = None, system_prompt: bool = False):
+                  input_side: int | None = None, system_prompt: bool = False,
+                  variant: str | None = None):
     """(the family's stock pipeline of ``model`` with the adapter loaded, the family).
 
     A pipeline of experts (Wan 2.2 A14B) samples with every expert; an adapter goes into
@@ -94,6 +97,9 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
 
     ``revision``: a hub model's; default the commit the adapter was trained on when its
     ``raylora.json`` names ``model`` as its base (``trained_commit``), else main.
+    ``variant``: the weights' (``fp16``, as ``model.variant``); default the run's when its
+    ``raylora.json`` names ``model`` as its base. The scheduler samples the
+    parameterisation the run trained (its ``train.prediction_type``, when it set one).
     ``with_image``: the call gives that many input images (``--image``), refused for a
     family whose pipeline takes none or fewer, or (``input_side``: the smallest side it
     gets them at) smaller than it takes. ``system_prompt``: the call gives one
@@ -104,6 +110,7 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
     from raylora.config import ModelSection, hub_model
     from raylora.model import families
     from raylora.model.load import load_pipeline_as_trained
+    from raylora.train.preview import with_prediction_type
 
     model, revision = hub_model(model, revision, keys=("--model", "--revision"))
     adapters = [adapter] if isinstance(adapter, str) else list(adapter)
@@ -146,12 +153,13 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
         raise ValueError(f"--adapter: {', '.join(adapters)} train the same denoiser "
                          f"({', '.join(str(e) for e in experts)}); give one adapter per expert")
     quiet.diffusers_bars_off()  # "Loading pipeline components..."
-    section = ModelSection(pretrained=path, revision=revision,
+    variant = variant or trained_config(adapters, "model", "variant", base=model)
+    section = ModelSection(pretrained=path, revision=revision, variant=variant,
                            quantize_text_encoders=quantize_text_encoders)
     pipe = load_pipeline_as_trained(path, family, dtype, index, section, device)
     for a, e in zip(adapters, experts):
         load_adapter(pipe, family, a, e)
-    return pipe, family
+    return with_prediction_type(pipe, trained_config(adapters, "train", "prediction_type")), family
 
 
 def trained_commit(model: str, adapters: list[str]) -> str | None:
@@ -180,24 +188,32 @@ def _hub_id_form(p: str) -> bool:
     return is_hub_id(p) and p.count("/") == 1 and not p.startswith((".", "~")) and all(p.split("/"))
 
 
-def trained_system_prompt(adapters: list[str]) -> str | None:
-    """``model.system_prompt`` of the run that wrote one of the adapter folders (its
-    ``raylora.json``), if one set it: its captions were trained behind it."""
+def trained_config(adapters: list[str], section: str, key: str, base: str | None = None):
+    """``<section>.<key>`` of the config of the run that wrote one of the adapter folders
+    (its ``raylora.json``), the first that set it; with ``base``, only of a run whose
+    ``model.pretrained`` was ``base`` (a setting of that model, such as its variant)."""
     from raylora.checkpoint.export import read_run_meta
 
     for a in adapters:
-        found = read_run_meta(a).get("config", {}).get("model", {}).get("system_prompt")
+        config = read_run_meta(a).get("config", {})
+        if base is not None and config.get("model", {}).get("pretrained") != base:
+            continue
+        found = config.get(section, {}).get(key)
         if found is not None:
             return found
     return None
 
 
+def trained_system_prompt(adapters: list[str]) -> str | None:
+    """``model.system_prompt`` of the run that wrote one of the adapter folders, if one set
+    it: its captions were trained behind it."""
+    return trained_config(adapters, "model", "system_prompt")
+
+
 def trained_expert(adapter: str) -> str | None:
     """``model.expert`` of the run that wrote the adapter folder (its ``raylora.json``), if
     it says."""
-    from raylora.checkpoint.export import read_run_meta
-
-    return read_run_meta(adapter).get("config", {}).get("model", {}).get("expert")
+    return trained_config([adapter], "model", "expert")
 
 
 def load_adapter(pipe, family, adapter: str, expert: str | None = None) -> None:

@@ -139,7 +139,7 @@ def _previewer(spec: WorkerSpec, run, tracker, rank: int):
         pipe = pv.build_pipeline(
             model_path, run.family, model, vae, encoders, tokenizers,
             dtype=run.parts.weight_dtype, device=acc.device, expert=cfg.model.expert,
-            revision=cfg.model.revision,
+            revision=cfg.model.revision, prediction_type=cfg.train.prediction_type,
         )
         return pv.render(pipe, run.family, v.prompts, v.seed, v.num_inference_steps, guidance,
                          cfg.data.max_resolution(), autocast=acc.autocast, control_images=controls)

@@ -132,6 +132,25 @@ def test_an_interrupt_says_what_running_the_command_again_does(cmd, runner, said
     assert capsys.readouterr().err == f"raylora: interrupted{said}\n"
 
 
+@pytest.mark.parametrize("divisor", [1, 6])
+def test_lr_find_prints_the_suggestion_and_with_scale_lr_the_learning_rate_to_set(
+        divisor, tmp_path, monkeypatch, capsys):
+    """The printing only (the sweep itself runs on Ray in test_tune)."""
+    from raylora.cli import main
+
+    found = {"steps_run": 12, "stopped": None, "min_smoothed_loss": 0.5, "lr_at_min_loss": 3e-3,
+             "suggested_lr": 3e-4, "clamped": False, "learning_rate": 3e-4 / divisor,
+             "scale_lr_divisor": divisor, "csv": "/o/lr_find.csv", "png": "/o/lr_find.png"}
+    monkeypatch.setattr("raylora.launch.run_lr_find", lambda *a, **k: found)
+    assert main(["lr-find", str(_job(tmp_path, search=False))]) == 0
+    out = capsys.readouterr().out
+    assert "raylora: suggested lr 0.0003\n" in out
+    said = ("raylora: train.scale_lr is on and lr-find swept the unscaled lr: set train.learning_rate "
+            "5e-05 (the suggestion / batch_size × gradient_accumulation_steps = 6); a run then "
+            "trains at workers × 0.0003")
+    assert (said in out) == (divisor == 6)
+
+
 def test_an_os_error_is_one_line_and_its_stack_trace_is_for_verbose(tmp_path):
     (tmp_path / "f").write_text("")
     target = tmp_path / "f" / "data"

@@ -1,5 +1,6 @@
 """#7: clear errors before resources are spent. Each message names the key, file or URI."""
 
+import os
 import shutil
 import time
 
@@ -99,6 +100,28 @@ def test_a_weight_variant_the_model_lacks_is_named_before_any_worker(tiny_model,
     assert plan(cfg(str(half)), heldout=False).family == "sd"
     comps = load_components(cfg(str(half)).model, torch.float32)
     assert comps.denoiser.conv_in.weight.shape[0] > 0 and comps.vae is not None
+
+    # Class images (prior preservation) and raylora sample load the stock pipeline of the
+    # same folder: with its variant too (they looked for diffusion_pytorch_model.bin).
+    import json
+
+    from raylora.config import LoraSection
+    from raylora.model.families.sd import SD
+    from raylora.model.load import load_pipeline_as_trained, read_index
+    from raylora.model.lora import add_lora, save_diffusers_adapter
+    from raylora.sample import sample
+
+    model = cfg(str(half)).model
+    pipe = load_pipeline_as_trained(str(half), SD, torch.float32, read_index(model, str(half)), model)
+    torch.testing.assert_close(pipe.unet.conv_in.weight, comps.denoiser.conv_in.weight)
+    add_lora(comps.denoiser, LoraSection(rank=2), SD.lora_targets)
+    adapter = tmp_path / "adapter"
+    save_diffusers_adapter(comps.denoiser, str(adapter), SD)
+    (adapter / "raylora.json").write_text(json.dumps(
+        {"config": {"model": {"pretrained": str(half), "variant": "fp16"}}}))
+    # the variant from the adapter's raylora.json (its run's base is this folder)
+    png = sample(str(half), str(adapter), "a red circle", str(tmp_path / "s.png"), steps=1, size=64)
+    assert os.path.getsize(png) > 0
 
 
 @pytest.mark.parametrize("family", ["sd", "flux"])

@@ -302,3 +302,51 @@ def test_fsdp_defaults_are_accepted_and_compile_auto_is_eager_under_fsdp():
     gpu = _config(scaling={"num_workers": 2, "strategy": "fsdp", "use_gpu": True})
     assert gpu.compile_mode == "none"
     assert _config(scaling={"strategy": "ddp", "use_gpu": True}).compile_mode == "regional"
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_fsdp_reads_a_variants_weights_by_diffusers_names_and_a_folder_without_is_refused_in_planning(
+        shard, tiny_model, demo_data, tmp_path):
+    """A UNet saved with ``variant="fp16"`` (sharded: its index is
+    ``diffusion_pytorch_model.safetensors.index.fp16.json``, as diffusers names it) is read
+    row by row as FSDP reads it; a UNet with only ``.bin`` weights is refused by the plan,
+    naming scaling.strategy, instead of failing in every worker."""
+    import shutil
+
+    from diffusers import UNet2DConditionModel
+
+    from raylora.config import ConfigError, validate
+    from raylora.launch import plan
+    from raylora.train.fsdp import _WeightFiles
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model, folder)
+    unet = UNet2DConditionModel.from_pretrained(tiny_model, subfolder="unet")
+    shutil.rmtree(folder / "unet")
+    unet.save_pretrained(folder / "unet", variant="fp16", max_shard_size="200KB" if shard else "10GB")
+    names = sorted(os.listdir(folder / "unet"))
+    assert ("diffusion_pytorch_model.safetensors.index.fp16.json" in names) == shard
+    files = _WeightFiles(str(folder / "unet"), "fp16")
+    sd = unet.state_dict()
+    assert set(files.file_of) == set(sd) and len(set(files.file_of.values())) > int(shard)
+    for key, value in sd.items():
+        assert torch.equal(files.rows(key, 0, 2), value[:2] if value.dim() else value), key
+
+    def cfg(model, variant=None):
+        return validate({"model": {"pretrained": str(model), "variant": variant},
+                         "data": {"uri": demo_data, "resolution": 64},
+                         "scaling": {"num_workers": 2, "strategy": "fsdp"},
+                         "output": {"uri": str(tmp_path / "o")}})
+
+    if shard:  # the .bin case once is enough
+        return
+    binary = tmp_path / "bin"
+    shutil.copytree(tiny_model, binary)
+    shutil.rmtree(binary / "unet")
+    unet.save_pretrained(binary / "unet", safe_serialization=False)
+    with pytest.raises(ConfigError) as exc:
+        plan(cfg(binary), heldout=False)
+    assert exc.value.problems == [
+        f"scaling.strategy: fsdp reads each rank's shard straight from safetensors weights; "
+        f"model.pretrained: {binary} has neither unet/diffusion_pytorch_model.safetensors nor "
+        "unet/diffusion_pytorch_model.safetensors.index.json"]

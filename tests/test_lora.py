@@ -122,3 +122,37 @@ def test_raylora_sample_draws_the_same_image_for_a_seed_from_an_adapter_that_ask
                                           str(tmp_path / f"s{i}.png"), steps=2, size=64)))
              for i in range(2)]
     assert np.array_equal(*shots)
+
+
+def test_an_overridden_prediction_type_is_what_previews_sample_and_the_card_sample_with(tiny_model, tmp_path):
+    """train.prediction_type v_prediction on an ε model (as diffusers' scripts' --prediction_type):
+    the preview pipeline, raylora sample (from the adapter's raylora.json) and the model
+    card's snippet sample v; without the override, the folder's own ε."""
+    import json
+
+    from raylora.checkpoint.export import _usage
+    from raylora.config import validate
+    from raylora.sample import load_pipeline
+    from raylora.train import preview as pv
+
+    unet = UNet2DConditionModel.from_pretrained(tiny_model, subfolder="unet")
+    assert pv.build_pipeline(tiny_model, SD, unet).scheduler.config.prediction_type == "epsilon"
+    pipe = pv.build_pipeline(tiny_model, SD, unet, prediction_type="v_prediction")
+    assert pipe.scheduler.config.prediction_type == "v_prediction"
+
+    add_lora(unet, LoraSection(rank=2), SD.lora_targets)
+    save_diffusers_adapter(unet, str(tmp_path / "a"), SD)
+    pipe, _ = load_pipeline(tiny_model, str(tmp_path / "a"))
+    assert pipe.scheduler.config.prediction_type == "epsilon"
+    (tmp_path / "a" / "raylora.json").write_text(json.dumps({"config": {"train": {"prediction_type": "v_prediction"}}}))
+    pipe, _ = load_pipeline(tiny_model, str(tmp_path / "a"))
+    assert pipe.scheduler.config.prediction_type == "v_prediction"
+
+    def card(**train):
+        return _usage(validate({"model": {"pretrained": "org/sd", "variant": "fp16"}, "data": {"uri": "d"},
+                                "output": {"uri": "o"}, "train": train}), SD)
+
+    assert 'pipe = StableDiffusionPipeline.from_pretrained("org/sd", variant="fp16")\n' \
+           'pipe.scheduler = pipe.scheduler.from_config(pipe.scheduler.config, ' \
+           'prediction_type="v_prediction")  # as trained\n' in card(prediction_type="v_prediction")
+    assert "prediction_type" not in card()

@@ -225,6 +225,28 @@ def test_lr_schedule_and_suggestion_on_a_known_curve():
     assert s["suggested_lr"] == pytest.approx(1e-3) and s["clamped"]
 
 
+def test_lr_find_refuses_an_optimizer_that_reads_no_lr_and_says_what_scale_lr_divides_by(base_config):
+    from raylora.entry import LrFindSettings
+    from raylora.launch import _lr_find_config
+
+    sweep = LrFindSettings(start_lr=1e-6, end_lr=1.0, num_steps=10, smoothing=0.9, diverge_factor=10)
+    tree = {**base_config, "train": {**base_config["train"], "optimizer": "adafactor",
+                                     "adafactor": {"relative_step": True}}}
+    with pytest.raises(ConfigError, match=r"train\.adafactor\.relative_step: lr-find sweeps the "
+                                          r"learning rate, which Adafactor with relative_step=true "
+                                          r"does not use"):
+        _lr_find_config(validate(tree), sweep)
+    tree["train"]["adafactor"] = {"relative_step": False}
+    swept = _lr_find_config(validate(tree), sweep)
+    assert swept.train.learning_rate == 1e-6 and not swept.train.scale_lr
+
+    t = validate(base_config).train
+    assert lr_find.scale_lr_divisor(t) == 1
+    t = validate({**base_config, "train": {**base_config["train"], "scale_lr": True,
+                                           "gradient_accumulation_steps": 4}}).train
+    assert lr_find.scale_lr_divisor(t) == 2 * 4
+
+
 # ---------------------------------------------------------------- Tune plumbing
 
 
@@ -613,8 +635,12 @@ def test_lr_find_writes_table_plot_and_a_suggestion_in_range(ray_local, base_con
     from raylora.launch import run_lr_find
 
     base_config["output"]["uri"] = str(tmp_path / "lrf")
+    # scale_lr on, accumulation 3: the sweep itself runs unscaled; the lr for the config is
+    # the suggestion / (batch 2 × accumulation 3)
+    base_config["train"].update(scale_lr=True, gradient_accumulation_steps=3)
     s = run_lr_find(validate(base_config), start_lr=1e-5, end_lr=1e3, num_steps=12)
     assert 1e-5 <= s["suggested_lr"] <= 1e3
+    assert s["scale_lr_divisor"] == 6 and s["learning_rate"] == pytest.approx(s["suggested_lr"] / 6)
     assert s["suggested_lr"] == pytest.approx(max(s["lr_at_min_loss"] / 10, 1e-5))
     with open(tmp_path / "lrf" / "lr_find.csv") as f:
         rows = list(csv.DictReader(f))

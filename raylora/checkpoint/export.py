@@ -134,7 +134,12 @@ def read_run_meta(folder: str) -> dict:
 def _usage(cfg: RayLoraConfig, family) -> str:
     """How to load this folder: stock ``load_lora_weights`` for lora/dora; peft (and the
     LyCORIS file in ComfyUI / Forge) for lokr/loha, which diffusers' loaders do not read."""
-    pipe = f'pipe = {family.pipeline}.from_pretrained("{cfg.model.pretrained}")'
+    variant = f', variant="{cfg.model.variant}"' if cfg.model.variant else ""
+    pipe = f'pipe = {family.pipeline}.from_pretrained("{cfg.model.pretrained}"{variant})'
+    if cfg.train.prediction_type in ("epsilon", "v_prediction"):
+        # the parameterisation the run trained, which may not be the base scheduler's
+        pipe += ("\npipe.scheduler = pipe.scheduler.from_config(pipe.scheduler.config, "
+                 f'prediction_type="{cfg.train.prediction_type}")  # as trained')
     # The family's guidance arguments (Qwen-Image guides only with true_cfg_scale and a
     # negative prompt, so a bare pipe("...") would sample it unguided) at the scale the
     # run's previews used: validation.guidance_scale, else the family's default (a

@@ -145,7 +145,8 @@ def check_model(path: str, store: Storage, revision: str | None = None,
     vae = read("vae/config.json")
     scheduler = read("scheduler/scheduler_config.json")
     return {"index": index, "family": family, "vae_factor": family.vae_factor(vae),
-            "scheduler_config": scheduler, "commit": repo.commit if repo else version}
+            "scheduler_config": scheduler, "commit": repo.commit if repo else version,
+            "files": files}
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -166,6 +167,21 @@ def variant_problem(path: str, files: set[str], components: list[str], variant: 
                          f"weights in {', '.join(lacking)} (files named like "
                          f"diffusion_pytorch_model.{variant}.safetensors); leave model.variant "
                          "unset to load the weights it has")
+
+
+def fsdp_weights_problem(path: str, files: set[str], component: str, variant: str | None) -> str | None:
+    """The problem, naming ``scaling.strategy``, when ``component`` has no safetensors
+    weights of ``variant`` (one file or a sharded index, as diffusers names them): FSDP
+    reads each rank's rows straight from them (``train.fsdp._WeightFiles``), and every
+    worker would fail on a ``.bin`` after the cluster started."""
+    from diffusers.utils import _add_variant
+
+    names = [_add_variant(n, variant) for n in ("diffusion_pytorch_model.safetensors",
+                                                 "diffusion_pytorch_model.safetensors.index.json")]
+    if any(f"{component}/{n}" in files for n in names):
+        return None
+    return (f"scaling.strategy: fsdp reads each rank's shard straight from safetensors weights; "
+            f"model.pretrained: {path} has neither {component}/{names[0]} nor {component}/{names[1]}")
 
 
 def cache_root() -> str:
@@ -374,6 +390,7 @@ def load_pipeline_as_trained(path: str, family: type[Family], weight_dtype: torc
     goes to ``from_pretrained``."""
     tokenizers, encoders, vae = load_encoders(path, family, weight_dtype, index, model, device)
     return family.load_pipeline(path, dtype=weight_dtype, revision=model.revision,
+                                **({"variant": model.variant} if model.variant else {}),
                                 **encoder_kwargs(family, vae, encoders, tokenizers), **kw)
 
 

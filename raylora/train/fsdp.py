@@ -180,9 +180,13 @@ class _WeightFiles:
     ``*.safetensors.index.json``), read a slice at a time."""
 
     def __init__(self, folder: str, variant: str | None = None):
-        stem = "diffusion_pytorch_model" + (f".{variant}" if variant else "")
-        single, index = (os.path.join(folder, f"{stem}.safetensors"),
-                         os.path.join(folder, f"{stem}.safetensors.index.json"))
+        from diffusers.utils import _add_variant
+
+        # diffusers' names: the variant before the last suffix, so a sharded fp16 UNet's
+        # index is diffusion_pytorch_model.safetensors.index.fp16.json
+        single, index = (os.path.join(folder, _add_variant(n, variant)) for n in
+                         ("diffusion_pytorch_model.safetensors",
+                          "diffusion_pytorch_model.safetensors.index.json"))
         if os.path.exists(index):
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
@@ -194,7 +198,7 @@ class _WeightFiles:
                 self.file_of = dict.fromkeys(f.keys(), single)
         else:
             raise FileNotFoundError(
-                f"{folder}: no {stem}.safetensors (or its .index.json): scaling.strategy=fsdp "
+                f"{folder}: no {os.path.basename(single)} (nor {os.path.basename(index)}): scaling.strategy=fsdp "
                 "reads each rank's shard straight from safetensors weights")
         self._open: dict = {}
 

@@ -73,6 +73,15 @@ def suggest_lr(rows: list[dict], skip_start: float = 0.1) -> dict:
     }
 
 
+def scale_lr_divisor(train) -> int:
+    """What the suggestion is divided by to become ``train.learning_rate``: lr-find sweeps
+    the optimizer's own lr on one worker, unscaled; with ``train.scale_lr`` a run multiplies
+    its learning_rate by batch × accumulation × workers, so the one-worker equivalent is the
+    suggestion / (batch × accumulation) (and N workers train at N × the suggestion, the
+    linear rule scale_lr stands for). 1 without scale_lr."""
+    return train.batch_size * train.gradient_accumulation_steps if train.scale_lr else 1
+
+
 def plot(rows: list[dict], suggestion: dict, path: str) -> None:
     import matplotlib
 

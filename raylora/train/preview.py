@@ -62,11 +62,12 @@ def encoders_for(parts, model_path: str, model, device) -> tuple:
 
 def build_pipeline(model_path: str, family, model, vae=None, text_encoders=(), tokenizers=(),
                    dtype: torch.dtype = torch.float32, device="cpu", expert: str | None = None,
-                   revision: str | None = None):
+                   revision: str | None = None, prediction_type: str | None = None):
     """The family's stock pipeline sharing the trained ``model`` (and whatever encoders are
     already loaded); the rest is loaded from ``model_path``. ``expert``: ``model.expert``
     (a pipeline of experts samples with the trained one alone, ``Family.pipeline_with``).
-    ``revision``: a hub model's, ``model.revision`` (the run's pinned commit)."""
+    ``revision``: a hub model's, ``model.revision`` (the run's pinned commit).
+    ``prediction_type``: ``train.prediction_type`` (``with_prediction_type``)."""
     from raylora.model.load import encoder_kwargs
 
     kw = family.pipeline_with(model, expert) | encoder_kwargs(family, vae, text_encoders, tokenizers)
@@ -75,7 +76,19 @@ def build_pipeline(model_path: str, family, model, vae=None, text_encoders=(), t
         extra = {"safety_checker": None, "requires_safety_checker": False}
     pipe = family.load_pipeline(model_path, dtype=dtype, revision=revision, **kw, **extra)
     pipe.set_progress_bar_config(disable=True)
-    return pipe.to(device)
+    return with_prediction_type(pipe, prediction_type).to(device)
+
+
+def with_prediction_type(pipe, prediction_type: str | None):
+    """``pipe`` sampling the parameterisation its adapter trained (``train.prediction_type``:
+    an ε model trained to predict v, or back): its scheduler rebuilt from its config with
+    that ``prediction_type``, as diffusers' training scripts register it on theirs. None,
+    flow matching or the scheduler's own: unchanged."""
+    if prediction_type in ("epsilon", "v_prediction") and \
+            pipe.scheduler.config.get("prediction_type") != prediction_type:
+        pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config,
+                                                          prediction_type=prediction_type)
+    return pipe
 
 
 def denoiser_of(pipe) -> torch.nn.Module:

@@ -49,10 +49,15 @@ class ConfigError(ValueError):
     """
 
     def __init__(self, problems: list[str], source: str | None = None):
-        self.problems = list(problems)
+        self.problems, self.source = list(problems), source
         where = f" in {source}" if source else ""
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"{len(self.problems)} config problem(s){where}:\n{lines}")
+
+    def __reduce__(self):
+        # Raised in a Tune trial, it crosses to the driver pickled: rebuilt from its
+        # message alone it became one "problem" per character.
+        return type(self), (self.problems, self.source)
 
 
 class _Section(BaseModel):
@@ -1670,13 +1675,20 @@ def _tune_checks(cfg: RayLoraConfig) -> list[str]:
             problems.append(f"{where}: not a config value (unknown key or a whole section)")
             continue
         values = dim.values
+        inside = None
         if dim.kind in ("uniform", "loguniform"):
-            # A float range over an integer key fails only once a trial samples 2.7.
-            values.append((values[0] + values[1]) / 2)
+            # A float range over an integer key fails only once a trial samples 2.7: a value
+            # inside it that is not whole (the midpoint of [4, 16] is)
+            inside = values[0] + (values[1] - values[0]) * 0.3819660112501051
+            values.append(inside)
         for value in values:
             try:
                 validate(trial_tree(base, {key: value}))
             except ConfigError as exc:
+                if value == inside and any("fractional part" in p for p in exc.problems):
+                    problems.append(f"{where}: {dim.kind} samples fractional values and {key} "
+                                    "takes whole numbers; use randint or choice")
+                    continue
                 problems.extend(f"{where}={value!r}: {p}" for p in exc.problems)
     return problems
 

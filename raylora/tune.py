@@ -17,12 +17,14 @@ Storage under ``output.uri``::
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import logging
 import math
 import os
+from collections.abc import Callable
 
 from raylora import progress, storage
 from raylora.config import RayLoraConfig, TuneSection, trial_tree, validate
@@ -134,9 +136,36 @@ def preflight(cfg: RayLoraConfig) -> Plan:
                     replan(trial, base)
             except ConfigError as exc:
                 problems.extend(f"tune.search_space.{key}={value!r}: {p}" for p in exc.problems)
+    tn = cfg.tune
+    if not problems and tn.scheduler == "asha" and tn.max_t is not None:
+        longest = longest_budget(cfg, base)
+        if tn.max_t < longest:
+            # ASHA stops a trial that reaches max_t: every trial would end there, its
+            # schedule unfinished and its final checkpoint unwritten, and none complete.
+            problems.append(f"tune.max_t: {tn.max_t} is below the step budget of the longest "
+                            f"trial ({longest}): ASHA would stop trials at step {tn.max_t}, "
+                            "before their schedules end and without their final checkpoints; "
+                            "leave tune.max_t unset (the longest budget) or lower train.max_steps")
     if problems:
         raise ConfigError(problems)
     return base
+
+
+def step_budget(base_tree: dict, params: dict, base_plan: Plan) -> int:
+    """The optimizer steps of the trial that samples ``params`` (its ``train.max_steps``, or
+    its epochs at its batch size): the base plan's unless it searches the step arithmetic."""
+    if not any(k in ARITHMETIC_KEYS for k in params):
+        return base_plan.max_steps
+    return replan(validate(trial_tree(base_tree, params)), base_plan).max_steps
+
+
+def longest_budget(cfg: RayLoraConfig, base_plan: Plan) -> int:
+    """The most steps any trial runs (the bounding values of the step arithmetic's dims):
+    ASHA's default ``max_t``, so that no trial is cut before its own end."""
+    tree = cfg.to_dict()
+    return max([base_plan.max_steps, *(step_budget(tree, {key: value}, base_plan)
+                                       for key, dim in cfg.tune.search_space.items()
+                                       if key in ARITHMETIC_KEYS for value in dim.values)])
 
 
 def trial_variants(cfg: RayLoraConfig) -> list[tuple[str, RayLoraConfig]]:
@@ -163,12 +192,18 @@ def _trial(params: dict, *, base_tree: dict, base_plan: Plan, trials_uri: str,
     trial_id = tune.get_context().get_trial_id()
     if tune_stop.asked(stop_requests):  # Tune started it after the search was asked to stop
         tune_stop.park(stop_requests, trial_id, None)
-    trial_cfg = validate(trial_tree(base_tree, params))
-    p = replan(trial_cfg, base_plan)
     name = f"trial_{trial_id}"
+    run_uri = storage.join(trials_uri, name)
+    tree = trial_tree(base_tree, params)
+    # What the run writes under output.uri besides its checkpoints (previews in
+    # validation/, the tracker's files and run name) is this trial's own: the trials
+    # overwrote each other's preview images and shared one TensorBoard run.
+    tree["output"]["uri"] = run_uri
+    trial_cfg = validate(tree)
+    p = replan(trial_cfg, base_plan)
     # A trial of a resumed search resumes its own run as ``raylora train`` does: folders an
     # interruption left unrecorded go, and the checkpoint it resumes from must be whole.
-    run_uri, store = storage.join(trials_uri, name), trial_cfg.storage.client()
+    store = trial_cfg.storage.client()
     drop_unrecorded(store, run_uri)
     check_latest(store, run_uri)
     trainer = build_trainer(trial_cfg, p, trials_uri, name, callbacks=[TuneReportCallback()],
@@ -217,8 +252,9 @@ def run_tune(cfg: RayLoraConfig) -> dict:
         with (progress.watch(desk, base_plan.max_steps, t.log_every_n_steps, t.log_every_n_seconds,
                              sink=sink, labelled=True),
               tune_stop.search_requests(desk, cfg.failure.stop_timeout_s, SIGTERM_HOOKS) as stops):
-            grid = _tuner(cfg, base_plan, out, concurrency, resume=r.resume, board=desk,
-                          stop_requests=stops.stop.name).fit()
+            with _credentials_kept_from_trial_env_vars():
+                grid = _tuner(cfg, base_plan, out, concurrency, resume=r.resume, board=desk,
+                              stop_requests=stops.stop.name).fit()
         if stops.stopped:
             return {"stopped": DRIVER_SIGTERM, "expired": stops.stop.expired,
                     "timeout_s": cfg.failure.stop_timeout_s, "parked": stops.parked,
@@ -228,13 +264,32 @@ def run_tune(cfg: RayLoraConfig) -> dict:
                         "finished normally, no stop was needed")
         # Raises when too much of what was read was bad; the counts are the whole search's.
         bad = check_bad_records(cfg, base_plan)
-        rows = results_table(grid, tn, base_plan.max_steps)
+        tree = cfg.to_dict()
+        rows = results_table(grid, tn, lambda params: step_budget(tree, params, base_plan))
         summary = write_results(rows, cfg, cfg.storage.client(), out)
         best = pick_best(rows)
         if best is not None:
             summary["best"] = best
             summary["best_adapter"] = export_best(best, grid, cfg, base_plan, out, bad)
         return summary
+
+
+@contextlib.contextmanager
+def _credentials_kept_from_trial_env_vars():
+    """Tune copies the driver's AWS keys into every trial actor's runtime_env ``env_vars``
+    (``ray.tune.execution.class_cache.ENV_VARS_TO_PROPAGATE``), which the runtime-env agent
+    writes to its log on every node: the keys raylora keeps out of env_vars
+    (``launch.job_runtime_env``) were there in plain text, once per trial. For the search
+    the credentials leave that list; the trials get them as every worker of the job does,
+    from its ``worker_process_setup_hook``."""
+    from ray.tune.execution import class_cache
+
+    kept = class_cache.ENV_VARS_TO_PROPAGATE & set(storage.SECRET_ENV_VARS)
+    class_cache.ENV_VARS_TO_PROPAGATE -= kept  # (a set: every reader sees the change)
+    try:
+        yield
+    finally:
+        class_cache.ENV_VARS_TO_PROPAGATE |= kept
 
 
 def search_setup() -> Setup:
@@ -346,7 +401,7 @@ def _tuner(cfg: RayLoraConfig, base_plan: Plan, out: str, concurrency: int, resu
             metric=tn.metric,
             mode="min",
             num_samples=tn.num_samples,
-            scheduler=_scheduler(tn, base_plan.max_steps),
+            scheduler=_scheduler(tn, longest_budget(cfg, base_plan)),
             search_alg=search_algorithm(tn, seed, concurrency),
             # The built-in generator limits itself (given above); Tune wraps the
             # others in a ConcurrencyLimiter.
@@ -366,12 +421,15 @@ def _finite(x) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def results_table(grid, tn: TuneSection, max_steps: int) -> list[dict]:
-    """One row per trial, in trial order."""
+def results_table(grid, tn: TuneSection, budget: Callable[[dict], int]) -> list[dict]:
+    """One row per trial, in trial order. ``budget(params)``: the steps of the trial that
+    sampled ``params`` (``step_budget``): a trial that searched ``train.max_steps`` is
+    complete at its own."""
     metric = tn.metric
     rows = []
     for result in grid:
         m = result.metrics or {}
+        max_steps = budget({k: result.config[k] for k in tn.search_space if k in result.config})
         df = result.metrics_dataframe
         history = df.to_dict("records") if df is not None else []
         values = [_finite(r.get(metric)) for r in history]
@@ -453,6 +511,20 @@ def write_results(rows: list[dict], cfg: RayLoraConfig, store, out: str) -> dict
     return {"rows": rows, "results_csv": csv_uri, "results_json": json_uri, "table": format_table(rows)}
 
 
+def checkpoint_metrics(result, checkpoint_path: str) -> dict:
+    """The metrics of ``result``'s report that carried ``checkpoint_path``, not of its last
+    report: a trial stopped early reported steps after its latest checkpoint, so the card
+    and raylora.json of that checkpoint's adapter named another step and no losses. The
+    trial's last metrics when no report names it."""
+    df = result.metrics_dataframe
+    history = df.to_dict("records") if df is not None else []
+    at = next((r for r in reversed(history) if r.get("checkpoint_path") == checkpoint_path), None)
+    if at is None:
+        return result.metrics
+    # a column another report had and this one lacks is NaN in the frame
+    return {k: v for k, v in at.items() if not (isinstance(v, float) and math.isnan(v))}
+
+
 def export_best(best: dict, grid, cfg: RayLoraConfig, base_plan: Plan, out: str,
                 bad: dict | None = None) -> str:
     """The best trial's last checkpoint → ``{output.uri}/best/`` (adapter, card, metrics).
@@ -463,6 +535,7 @@ def export_best(best: dict, grid, cfg: RayLoraConfig, base_plan: Plan, out: str,
 
     result = next(r for r in grid if (r.metrics or {}).get("trial_id") == best["trial_id"])
     params = {k: result.config[k] for k in cfg.tune.search_space}
+    metrics = checkpoint_metrics(result, best["checkpoint_path"])
     tree = trial_tree(cfg.to_dict(), params)
     tree["output"]["uri"] = storage.join(out, BEST_DIR)
     trial_cfg = validate(tree)
@@ -470,6 +543,6 @@ def export_best(best: dict, grid, cfg: RayLoraConfig, base_plan: Plan, out: str,
     ckpt = ray.train.Checkpoint(best["checkpoint_path"], filesystem=fs)
     extra = {"tune": {"trial_id": best["trial_id"], "params": params, "metric": cfg.tune.metric}}
     with ckpt.as_directory() as d:
-        summary = export_run(d, trial_cfg, result.metrics,
+        summary = export_run(d, trial_cfg, metrics,
                              {**replan(trial_cfg, base_plan).to_dict(), **(bad or {})}, extra)
     return summary["adapter"]

@@ -28,11 +28,21 @@ def head():
         yield c
 
 
+def _shards_in_s3(endpoint: str, bucket: str, demo_data: str) -> str:
+    """The demo shards uploaded to a new bucket of the S3 server: their URI."""
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    s3.create_bucket(Bucket=bucket)
+    for f in sorted(os.listdir(demo_data)):
+        if f.endswith(".parquet"):
+            s3.upload_file(os.path.join(demo_data, f), bucket, f"data/{f}")
+    return f"s3://{bucket}/data"
+
+
 def test_submit_status_stop_then_resubmit_resumes_and_finishes(
     head, tiny_model, demo_data, moto_endpoint, tmp_path, capsys, monkeypatch
 ):
-    import boto3
-
     from raylora import jobs, jobsecrets
 
     monkeypatch.setenv("RAY_ADDRESS", head["dashboard"])
@@ -49,13 +59,9 @@ def test_submit_status_stop_then_resubmit_resumes_and_finishes(
     hf_token = "hf_RayLoraSubmit" + uuid.uuid4().hex
     for k, v in {**aws, "HF_TOKEN": hf_token}.items():
         monkeypatch.setenv(k, v)
-    s3 = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
-    s3.create_bucket(Bucket="raylora-submit")
-    for f in sorted(os.listdir(demo_data)):
-        if f.endswith(".parquet"):
-            s3.upload_file(os.path.join(demo_data, f), "raylora-submit", f"data/{f}")
+    data = _shards_in_s3(moto_endpoint, "raylora-submit", demo_data)
     out = tmp_path / "out"
-    overrides = [f"model.pretrained={tiny_model}", "data.uri=s3://raylora-submit/data", f"output.uri={out}",
+    overrides = [f"model.pretrained={tiny_model}", f"data.uri={data}", f"output.uri={out}",
                  f"train.max_steps={MAX_STEPS}", "train.batch_size=2", "train.lr_warmup_steps=0",
                  "train.log_every_n_steps=1", "checkpoint.every_n_steps=100"]
     config = os.path.join(REPO, "jobs", "configs", "tiny-local.yaml")
@@ -125,19 +131,26 @@ def test_submit_status_stop_then_resubmit_resumes_and_finishes(
     assert all(any(p in line for line in lines) for p in pkgs)  # the drivers' envs name them
 
 
-def test_a_search_config_is_submitted_as_a_search(head, tiny_model, demo_data, tmp_path, capsys,
-                                                  monkeypatch):
+def test_a_search_config_is_submitted_as_a_search(head, tiny_model, demo_data, moto_endpoint,
+                                                  tmp_path, capsys, monkeypatch):
     """A config with a tune: section runs as `raylora tune` on the cluster (before, submit
     ran `raylora train` on it: one run of the base config). Submitting it again with
-    another config is refused here, before a job is sent, as `raylora tune` refuses it."""
+    another config is refused here, before a job is sent, as `raylora tune` refuses it.
+    The trials read their data from S3 with the submitter's keys, which no file of the
+    cluster holds (Tune copied them into every trial actor's logged env_vars)."""
     from raylora import jobs
 
     monkeypatch.setenv("RAY_ADDRESS", head["dashboard"])
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", head["token"])
+    secret = "rAyLoRa/Tune+" + uuid.uuid4().hex
+    for k, v in {"AWS_ENDPOINT_URL": moto_endpoint, "AWS_ACCESS_KEY_ID": "AKIARAYLORATUNE00024",
+                 "AWS_SECRET_ACCESS_KEY": secret, "AWS_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    data = _shards_in_s3(moto_endpoint, "raylora-submit-tune", demo_data)
     out = tmp_path / "out"
     space = json.dumps({"train.learning_rate": {"grid": [1e-3, 5e-4]}})
-    overrides = [f"model.pretrained={tiny_model}", f"data.uri={demo_data}", f"output.uri={out}",
+    overrides = [f"model.pretrained={tiny_model}", f"data.uri={data}", f"output.uri={out}",
                  "train.max_steps=4", "train.batch_size=2", "train.lr_warmup_steps=0",
                  "scaling.num_workers=1", "checkpoint.every_n_steps=4", f"tune.search_space={space}",
                  "tune.num_samples=1", "tune.metric=train_loss", "tune.scheduler=fifo"]
@@ -166,6 +179,7 @@ def test_a_search_config_is_submitted_as_a_search(head, tiny_model, demo_data, t
     assert sorted(r["train.learning_rate"] for r in doc["trials"]) == [5e-4, 1e-3]
     assert all(r["status"] == "completed" and r["steps"] == 4 for r in doc["trials"]), doc
     assert (out / "best" / "adapter" / "pytorch_lora_weights.safetensors").exists()
+    assert files_holding(head["state"], secret) == []
 
     assert main(["submit", config, *overrides, "lora.rank=8", "--working-dir", REPO,
                  "--job-id", "rl-tune-changed"]) == 2

@@ -351,3 +351,35 @@ def test_pods_give_a_clean_stop_its_time(name, doc):
     for group, tmpl in pod_templates(doc):
         grace = tmpl["spec"].get("terminationGracePeriodSeconds", 30)
         assert grace >= stop + 15, f"{name}/{group}: {grace} s for a {stop} s stop"
+
+
+def _required_refs(node, found: set[tuple[str, str]]) -> set[tuple[str, str]]:
+    """(kind, name) of every Secret and ConfigMap a manifest needs to exist (those not
+    marked optional), anywhere under ``node``."""
+    if isinstance(node, dict):
+        for kind, key in (("secret", "secretKeyRef"), ("configmap", "configMap"),
+                          ("secret", "secretRef"), ("configmap", "configMapKeyRef")):
+            ref = node.get(key)
+            if isinstance(ref, dict) and not ref.get("optional"):
+                found.add((kind, ref["name"]))
+        for value in node.values():
+            _required_refs(value, found)
+    elif isinstance(node, list):
+        for value in node:
+            _required_refs(value, found)
+    return found
+
+
+@pytest.mark.parametrize("name", ["rayjob-finetune.yaml", "rayjob-tune.yaml"])
+def test_the_readmes_kubernetes_steps_create_what_the_jobs_need(name):
+    """Followed as written, README's steps create every Secret and ConfigMap the RayJob
+    mounts or reads without `optional` (the job-config ConfigMap was missing: the head pod
+    could not start)."""
+    readme = (REPO / "README.md").read_text()
+    steps = readme.split("### 3. Kubernetes (KubeRay)", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    needed = set().union(*(_required_refs(d, set()) for d in MANIFESTS[name]))
+    assert ("configmap", "raylora-job-configs") in needed and ("secret", SECRET_NAME) in needed
+    for kind, ref in sorted(needed):
+        made = (f"kubectl create configmap {ref} " if kind == "configmap"
+                else f"kubectl create secret generic {ref} ")
+        assert made in steps, f"{name} needs {kind} {ref}; README's steps do not create it"

@@ -321,7 +321,20 @@ def test_tune_config_errors_name_the_key():
     assert "tune.metric: eval_loss needs held-out data" in msg
     assert "tune.search_space.lora.rnk: not a config value" in msg
     assert "tune.search_space.lora.rank=0: lora.rank:" in msg
-    assert "tune.search_space.train.batch_size=4.5: train.batch_size:" in msg
+    assert ("tune.search_space.train.batch_size: uniform samples fractional values and "
+            "train.batch_size takes whole numbers; use randint or choice") in msg
+    # whole bounds and a whole midpoint ([4, 16]: 10) too; loguniform alike
+    for kind, bounds in (("uniform", [4, 16]), ("loguniform", [4, 64])):
+        with pytest.raises(ConfigError, match=rf"tune.search_space.lora.rank: {kind} samples "
+                                              r"fractional values and lora.rank takes whole numbers"):
+            validate({**base, "tune": {"search_space": {"lora.rank": {kind: bounds}}}})
+    assert validate({**base, "tune": {"metric": "train_loss", "search_space": {
+        "lora.rank": {"randint": [4, 16]}}}}).tune.search_space["lora.rank"].kind == "randint"
+    # raised in a trial, a ConfigError reaches the driver pickled: its problems intact
+    import pickle
+
+    err = pickle.loads(pickle.dumps(ConfigError(["a.b: bad", "c: worse"], "x.yaml")))
+    assert err.problems == ["a.b: bad", "c: worse"] and str(err).startswith("2 config problem(s) in x.yaml:")
     assert "tune.search_space.scaling.num_workers: scaling.* cannot be searched" in msg
     # a trial of another base would get the planned one's family, tokenizers and commit
     assert ("tune.search_space.model.pretrained: every trial trains the model the search "
@@ -342,6 +355,53 @@ def test_tune_preflight_checks_every_batch_size_against_the_data(base_config):
     tree["tune"] = {"search_space": {"train.batch_size": {"choice": [2, 64]}}}
     with pytest.raises(ConfigError, match=r"tune.search_space.train.batch_size=64: data.uri: .*less than one optimizer step"):
         preflight(validate(tree))
+
+
+def test_a_searched_step_budget_is_each_trials_own_and_asha_stops_none_before_it(base_config, tmp_path):
+    """train.max_steps searched over [2, 8] with base 4: ASHA's max_t is the longest budget
+    (8: before, the base's 4 cut the 8-step trial and called it completed), each trial is
+    complete at its own budget (before, the 2-step trial was "stopped early" and never the
+    best), and a tune.max_t below the longest budget is refused before Ray. The exported
+    checkpoint's metrics are those of the report that carried it."""
+    import pandas as pd
+    from ray.tune import Result
+
+    from raylora.tune import checkpoint_metrics, longest_budget, preflight, results_table, step_budget
+
+    tree = {**base_config, "tune": {"metric": "train_loss", "scheduler": "asha",
+                                    "search_space": {"train.max_steps": {"grid": [2, 8]}}}}
+    cfg = validate(tree)
+    base = preflight(cfg)
+    assert base.max_steps == 4 and longest_budget(cfg, base) == 8
+    budget = lambda params: step_budget(cfg.to_dict(), params, base)  # noqa: E731
+    assert [budget({"train.max_steps": n}) for n in (2, 8)] == [2, 8] and budget({}) == 4
+
+    def result(trial, max_steps, steps, ckpt_at):
+        reports = [{"step": s, "train_loss": 1.0 / s, "trial_id": trial,
+                    **({"checkpoint_path": f"/c/{trial}/{s}", "train_loss_last": 1.0 / s}
+                       if s in ckpt_at else {})} for s in range(1, steps + 1)]
+        config = {"train.max_steps": max_steps}
+        return Result(metrics={**reports[-1], "config": config}, checkpoint=None, error=None,
+                      path=f"/t/{trial}", metrics_dataframe=pd.DataFrame(reports))
+
+    grid = [result("a", 2, 2, {2}), result("b", 8, 8, {4, 8}), result("c", 8, 5, {4})]
+    rows = results_table(grid, cfg.tune, budget)
+    assert [(r["trial_id"], r["steps"], r["status"]) for r in rows] == [
+        ("a", 2, "completed"), ("b", 8, "completed"), ("c", 5, "stopped_early")]
+    # c stopped at step 5 after its checkpoint at 4: exported with step 4's report
+    assert rows[2]["checkpoint_path"] == "/c/c/4"
+    at = checkpoint_metrics(grid[2], "/c/c/4")
+    assert at["step"] == 4 and at["train_loss_last"] == 0.25
+    assert checkpoint_metrics(grid[0], "/elsewhere") == grid[0].metrics
+
+    for max_t, refused in ((6, True), (8, False)):
+        tree["tune"]["max_t"] = max_t
+        if refused:
+            with pytest.raises(ConfigError, match=r"tune.max_t: 6 is below the step budget of the "
+                                                  r"longest trial \(8\): ASHA would stop trials at step 6"):
+                preflight(validate(tree))
+        else:
+            assert preflight(validate(tree)).max_steps == 4
 
 
 def test_tune_preflight_checks_every_adapter_a_search_starts_from(base_config, tiny_model,
@@ -404,7 +464,8 @@ def test_search_stops_the_diverging_trial_and_exports_the_best(ray_local, tiny_m
                  "validation_uri": str(heldout), "validation_max_samples": 6},
         # No self-abort on NaN steps within the budget: this test is about ASHA stopping it.
         "train": {"batch_size": 2, "max_steps": 8, "seed": 3, "max_nonfinite_steps": 50},
-        "validation": {"every_n_steps": 2, "num_timesteps": 2},
+        "validation": {"every_n_steps": 2, "num_timesteps": 2, "prompts": ["a red circle"],
+                       "num_inference_steps": 1},
         "scaling": {"num_workers": WORKERS},
         "checkpoint": {"every_n_steps": 4},
         "output": {"uri": str(out)},
@@ -460,8 +521,13 @@ def test_search_stops_the_diverging_trial_and_exports_the_best(ray_local, tiny_m
     assert meta["data"]["rows_decoded"] >= 2 * sum(r["steps"] for r in doc["trials"])
     assert {"README.md", "manifest.json", "pytorch_lora_weights.safetensors"} <= set(
         os.listdir(out / "best" / "adapter"))
-    # Each trial is its own resumable Ray Train run under tune/trials/.
+    # Each trial is its own resumable Ray Train run under tune/trials/, its previews beside
+    # its checkpoints (they were all written to {output.uri}/validation, over each other).
     assert sorted(os.listdir(out / "tune" / "trials")) == sorted(f"trial_{r['trial_id']}" for r in rows)
+    assert not (out / "validation").exists()
+    for r in doc["trials"]:
+        shown = sorted(os.listdir(out / "tune" / "trials" / f"trial_{r['trial_id']}" / "validation"))
+        assert shown[0] == "step_000000.png" and len(shown) >= 2, (r["trial_id"], shown)
 
     assert stock_image_change("sd", tiny_model, out / "best" / "adapter") > 1e-6
 

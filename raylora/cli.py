@@ -101,13 +101,22 @@ def _plan(args) -> int:
     info = check_model(cfg.model.pretrained, cfg.storage.client(), cfg.model.revision,
                        cfg.model.variant)
     cfg = cfg.at_commit(info["commit"])
-    if cfg.lora.init_from:  # what `raylora train` refuses before Ray starts (README)
-        from raylora.config import ConfigError
+    # what `raylora train` refuses before Ray starts (README) of what plan reads: the
+    # settings this model's family does not take, and lora.init_from
+    from raylora.config import ConfigError
+    from raylora.launch import family_problems
+    from raylora.model.load import resolve_family
+    from raylora.train.objective import scheduler_objective_kind
+
+    family = resolve_family(cfg.model, info["index"])
+    problems = family_problems(cfg, family, info["vae_factor"] * family.patch,
+                               scheduler_objective_kind(info["scheduler_config"]))
+    if cfg.lora.init_from:
         from raylora.model import lora_init
 
-        problems, _ = lora_init.checked(cfg, cfg.storage.client())
-        if problems:
-            raise ConfigError(problems, args.config)
+        problems += lora_init.checked(cfg, cfg.storage.client())[0]
+    if problems:
+        raise ConfigError(problems, args.config)
     # with RAY_ADDRESS, this machine's GPU is not the workers', and Ray is not joined here
     gpu = (preflight.GpuSize(None, "RAY_ADDRESS is set: the workers' GPUs are the cluster's")
            if preflight.on_cluster(cfg) else preflight.gpu_size(cfg))
@@ -386,8 +395,9 @@ def _adapter_commands(sub) -> None:
     e.add_argument("--out", default=None,
                    help="file to write; default: adapter_kohya.safetensors beside the folder")
     e.add_argument("--family", default=None,
-                   help="sd, sdxl, flux, sd3; default: the one raylora.json names, else guessed "
-                        "from the keys")
+                   help="the adapter's model family (sd, sdxl, flux, sd3, qwenimage, zimage, wan, "
+                        "...: every family with kohya export); default: the one raylora.json "
+                        "names, else guessed from the keys")
     e.set_defaults(fn=_export)
 
     m = sub.add_parser("tiny-model", help="write a tiny random diffusers pipeline (offline)")

@@ -40,6 +40,7 @@ EXCLUDES = [".git", ".venv", "venv", "runs", ".ray-local", "**/__pycache__", ".p
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 META = "raylora_config"
 COMMAND = "raylora_command"  # train | tune (absent: train, jobs of raylora before it)
+STORAGE = "raylora_storage"  # the config's storage section (endpoint, region), when set
 
 
 def _auth_headers() -> dict:
@@ -90,6 +91,62 @@ def entrypoint(cmd: str, config: str, overrides: list[str], working_dir: str) ->
     return " ".join(shlex.quote(a) for a in ["python", "-m", "raylora", cmd, rel, *overrides])
 
 
+# Config values that may be local paths; the job's driver resolves a relative one inside
+# the working dir it was shipped, not where `raylora submit` checked it.
+PATH_KEYS = ("model.pretrained", "data.uri", "data.class_sources", "data.class_generation.uri",
+             "data.cache_uri", "output.uri", "train.compile_cache_uri", "lora.init_from")
+WRITTEN = ("data.cache_uri", "output.uri", "train.compile_cache_uri")
+
+
+def _value(cfg, key: str):
+    node = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _shipped(path: str, working_dir: str) -> bool:
+    """Whether the local ``path`` travels with the working dir (inside it, and no part of
+    it is left out by ``EXCLUDES``)."""
+    import fnmatch
+
+    rel = os.path.relpath(path, working_dir)
+    parts = rel.split(os.sep)
+    return not rel.startswith("..") and not any(
+        fnmatch.fnmatch(p, pattern.removeprefix("**/")) for p in parts for pattern in EXCLUDES)
+
+
+def path_overrides(given, resolved, working_dir: str) -> list[str]:
+    """Overrides that make the job read what ``submit`` checked here: each relative local
+    path of ``given`` (the config as written) that the working dir does not ship (the demo's
+    ``runs/``), and each place it writes, becomes its absolute path (``resolved``:
+    ``launch.resolve_paths``); one it reads and ships stays relative, to the working dir
+    (the job runs there)."""
+    from raylora.config import ConfigError
+
+    out, problems = [], []
+    for key in PATH_KEYS:
+        was, now = _value(given, key), _value(resolved, key)
+        if was == now or was is None or now is None:
+            continue  # absolute, a storage URI, a hub id, or unset
+        if isinstance(was, list):
+            if any(isinstance(w, str) and not os.path.isabs(w) and storage.is_local(w) for w in was):
+                problems.append(f"{key}: a list of relative local paths; give absolute paths or "
+                                "storage URIs to submit it (the job resolves them elsewhere)")
+            continue
+        path = storage.local_path(now)
+        # what the job writes goes where it was checked, never into its unpacked copy
+        if key not in WRITTEN and _shipped(path, working_dir):
+            rel = os.path.relpath(path, working_dir)
+            if rel != was:
+                out.append(f"{key}={rel}")
+        else:
+            out.append(f"{key}={path}")
+    if problems:
+        raise ConfigError(problems)
+    return out
+
+
 def runtime_env(cfg, working_dir: str, scratch: str) -> dict:
     """Working dir + the env the job's driver needs: storage settings, credentials
     (``storage.forwarded_env``; the driver hands them on to its workers itself) as a
@@ -121,8 +178,13 @@ def submit(config: str, overrides: list[str], address: str | None = None,
     cfg = load_config(config, overrides)
     cmd, setup = command(cfg)
     r = launch.checked(cfg, setup)
+    overrides = [*overrides, *path_overrides(cfg, launch.resolve_paths(cfg), os.path.abspath(working_dir))]
     meta = {META: os.path.basename(config), COMMAND: cmd, "raylora_output": r.cfg.output.uri,
             "raylora_max_steps": str(r.plan.max_steps)}
+    # how `status` reaches the output (a config's storage.endpoint_url, not only AWS_*)
+    reach = {k: v for k, v in cfg.storage.model_dump().items() if v}
+    if reach:
+        meta[STORAGE] = json.dumps(reach)
     # The SDK uploads the credentials package within submit_job; nothing of it stays here.
     with tempfile.TemporaryDirectory(prefix="raylora-submit-") as scratch:
         return client(address).submit_job(
@@ -135,11 +197,14 @@ def last_progress(info) -> dict | None:
     """The run's ``{output}/progress.json`` (the driver's last progress line: step, loss,
     ETA; ``raylora.progress``), read through raylora.storage, local or object storage.
     None before the first step."""
-    out = (info.metadata or {}).get("raylora_output")
+    meta = info.metadata or {}
+    out = meta.get("raylora_output")
     if not out:
         return None
+    reach = json.loads(meta.get(STORAGE) or "{}")
     try:
-        return json.loads(storage.Storage().read_bytes(storage.join(out, PROGRESS_FILE)))
+        return json.loads(storage.Storage(reach.get("endpoint_url"), reach.get("region"))
+                          .read_bytes(storage.join(out, PROGRESS_FILE)))
     except (FileNotFoundError, OSError, ValueError):
         return None
 

@@ -186,6 +186,12 @@ def check_scheme(uri: str) -> None:
     if scheme not in ("", "s3", "s3a", "gs", "gcs", "hf"):
         raise ValueError(f"{uri}: unsupported URI scheme {scheme!r} (use s3://, gs://, "
                          "hf://datasets/ or a path)")
+    if scheme in ("s3", "s3a", "gs", "gcs") and any(c in uri for c in "#?"):
+        # URL syntax ends the path at a fragment or query: s3://runs/exp#2/adapter named
+        # s3://runs/exp, and publishing the adapter replaced that whole folder.
+        raise ValueError(f"{uri}: '#' and '?' cannot be part of an object-store URI here (URL "
+                         f"syntax ends its key at them: it would name {scheme}://{fs_path(uri)}); "
+                         "rename the folder")
 
 
 def filesystem(

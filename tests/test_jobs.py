@@ -216,3 +216,57 @@ def test_job_secrets_reach_the_driver_once_and_no_worker(tmp_path, monkeypatch):
     # that fails later on storage without credentials.
     with pytest.raises(SystemExit, match=jobsecrets.PACKAGE):
         jobsecrets.load()
+
+
+def test_submit_sends_the_paths_it_checked(tmp_path, monkeypatch):
+    """`raylora submit jobs/configs/tiny-local.yaml` checked runs/demo/... here, and the job
+    resolved the same relative paths in its unpacked working dir, which has no runs/ (it
+    failed there; a relative output went into Ray's temporary copy). Paths the working
+    dir does not ship, and every place the job writes, go as absolute overrides; a folder
+    it ships stays relative to it."""
+    from raylora.config import validate
+    from raylora.jobs import path_overrides
+    from raylora.launch import resolve_paths
+
+    wd = tmp_path / "repo"
+    (wd / "runs" / "demo" / "model").mkdir(parents=True)
+    (wd / "data" / "shards").mkdir(parents=True)
+    monkeypatch.chdir(wd)
+    cfg = validate({"model": {"pretrained": "runs/demo/model"}, "data": {"uri": "data/shards"},
+                    "output": {"uri": "out"}, "lora": {"init_from": "hf://org/adapter"}})
+    assert path_overrides(cfg, resolve_paths(cfg), str(wd)) == [
+        f"model.pretrained={wd}/runs/demo/model", f"output.uri={wd}/out"]
+    # submitted from elsewhere (--working-dir repo): the shipped folder relative to it
+    monkeypatch.chdir(tmp_path)
+    cfg = validate({"model": {"pretrained": "org/model"}, "data": {"uri": "repo/data/shards"},
+                    "output": {"uri": "s3://b/out"}})
+    assert path_overrides(cfg, resolve_paths(cfg), str(wd)) == ["data.uri=data/shards"]
+    cfg = validate({"model": {"pretrained": "org/model"}, "data": {"uri": ["repo/data/shards", "/abs"]},
+                    "output": {"uri": "s3://b/out"}})
+    with pytest.raises(ValueError, match=r"data.uri: a list of relative local paths"):
+        path_overrides(cfg, resolve_paths(cfg), str(wd))
+
+
+def test_status_reads_progress_through_the_configs_storage_endpoint(moto_endpoint, monkeypatch):
+    """The run's progress.json in an S3-compatible store named only by the config's
+    storage.endpoint_url: `status` read it with the AWS_* settings alone, failed, and
+    showed no line. The endpoint travels in the job's metadata."""
+    import boto3
+    from ray.job_submission import JobInfo, JobStatus
+
+    from raylora.jobs import STORAGE, last_progress
+    from raylora.storage import Storage
+
+    for k in ("AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIARAYLORASTATUS025")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "status-secret")
+    boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1").create_bucket(Bucket="rl-status")
+    line = {"line": "raylora: step 9/40 (22%) loss 1.13"}
+    Storage(moto_endpoint).write_bytes("s3://rl-status/run/progress.json", json.dumps(line).encode())
+
+    def info(meta):
+        return JobInfo(status=JobStatus.RUNNING, entrypoint="python -m raylora train c.yaml",
+                       metadata={"raylora_output": "s3://rl-status/run", **meta})
+
+    assert last_progress(info({STORAGE: json.dumps({"endpoint_url": moto_endpoint})})) == line

@@ -637,3 +637,39 @@ def test_export_command(dit_adapter, tmp_path, capsys):
     os.remove(folder / "pytorch_lora_weights.safetensors")
     rc, out = run(folder)
     assert rc == 2 and f"{folder}/pytorch_lora_weights.safetensors: not found" in out
+
+
+def test_an_export_without_kohya_removes_an_earlier_exports_kohya_file(adapter, tiny_model, demo_data, tmp_path):
+    """Exporting again to the same output.uri without export.formats kohya left the first
+    export's adapter_kohya.safetensors, of other weights, beside the new adapter/; with
+    kohya it is this export's."""
+    import shutil
+
+    from raylora.checkpoint.export import export_run
+
+    out = tmp_path / "out"
+    shards = sorted(str(p) for p in __import__("pathlib").Path(demo_data).glob("*.parquet"))
+    plan = {"shard_files": shards, "data_format": "parquet", "total_rows": 8, "family": "sd"}
+
+    def export(formats: list[str], scale: float, steps: int) -> None:
+        ckpt = tmp_path / f"ckpt{steps}"
+        shutil.copytree(adapter, ckpt / "adapter")
+        weights = ckpt / "adapter" / "pytorch_lora_weights.safetensors"
+        with safe_open(str(weights), "pt") as f:
+            meta, sd = f.metadata(), {k: f.get_tensor(k) * scale for k in f.keys()}
+        save_file(sd, str(weights), metadata=meta)
+        (ckpt / "history.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n"
+                                                    for s in range(1, steps + 1)))
+        cfg = validate({"model": {"pretrained": tiny_model}, "data": {"uri": demo_data},
+                        "output": {"uri": str(out)}, "export": {"formats": formats}})
+        export_run(str(ckpt), cfg, {"global_step": steps}, plan)
+
+    export(["diffusers", "kohya"], 1.0, 6)
+    first = load_file(str(out / "adapter_kohya.safetensors"))
+    export(["diffusers", "kohya"], 3.0, 12)  # with kohya: this export's weights
+    second = load_file(str(out / "adapter_kohya.safetensors"))
+    key = next(k for k in first if "lora_up" in k)
+    torch.testing.assert_close(second[key], 3.0 * first[key])
+    export(["diffusers"], 2.0, 18)
+    assert sorted(os.listdir(out)) == ["adapter", "loss.png", "metrics.jsonl"]
+    assert json.loads((out / "adapter" / "raylora.json").read_text())["metrics"]["steps"] == 18

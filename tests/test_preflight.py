@@ -101,6 +101,11 @@ def test_plan_prints_the_report_and_exits_by_fit(job, tmp_path, capsys):
     # lora.init_from's problems, as `raylora train` names them before Ray (README): exit 2
     assert main(["plan", path, f"lora.init_from={tmp_path / 'no-adapter'}"]) == 2
     assert f"lora.init_from: {tmp_path / 'no-adapter'}: not found" in capsys.readouterr().err
+    # settings this model's family does not take, as `raylora train` refuses them (plan
+    # printed a table for them and exited 0)
+    assert main(["plan", path, "data.resolution=65", "model.expert=low_noise"]) == 2
+    err = capsys.readouterr().err
+    assert "data.resolution: 65 is not a multiple of" in err and "model.expert" in err
     assert not ray.is_initialized()
 
 

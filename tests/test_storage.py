@@ -1,4 +1,5 @@
 import os
+import re
 
 import pytest
 
@@ -127,3 +128,19 @@ def test_complete_upload_uploads_missing_and_short_files_again(tmp_path, caplog,
     assert (dest / "rank1.bin").read_bytes() == b"another writer's"
     assert f"{len(again)} file(s) missing or short" in caplog.text
     assert complete_upload(str(src), pafs.LocalFileSystem(), str(dest), sizes=sizes) == []
+
+
+@pytest.mark.parametrize("uri", ["s3://runs/exp#2/adapter", "gs://runs/a?b/adapter", "s3a://r/team-a/#7"])
+def test_an_object_store_uri_with_a_fragment_or_query_is_refused_before_any_access(uri, tmp_path):
+    """URL syntax ends the key at '#' or '?': s3://runs/exp#2/adapter named s3://runs/exp,
+    and publishing the adapter there replaced the whole folder (another run's adapter and
+    checkpoints). Refused naming the URI and what it would have named, before any request."""
+    cut = uri.split("://")[1].split("#")[0].split("?")[0].rstrip("/")
+    message = f"{uri}: '#' and '?' cannot be part of an object-store URI here"
+    assert Storage().write_problem(uri).startswith(message) and f"://{cut})" in Storage().write_problem(uri)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        filesystem(uri)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Storage().publish_dir(str(tmp_path), uri)
+    # a local path keeps them: they are ordinary file-name characters there
+    assert normalize("runs/exp#2").endswith("/runs/exp#2")

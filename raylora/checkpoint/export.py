@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -25,6 +26,8 @@ from raylora.storage import Storage
 from raylora.checkpoint.state import ADAPTER_DIR, HISTORY_FILE
 from raylora.config import RayLoraConfig
 from raylora.model.lora import LYCORIS_FILE, PEFT_CONFIG, PEFT_WEIGHTS, WEIGHT_NAME
+
+log = logging.getLogger("raylora.export")
 
 RUN_META = "raylora.json"  # an adapter folder's config, metrics, data and versions
 
@@ -366,13 +369,20 @@ def export_run(
         _write_adapter_folder(adapter, ckpt_dir, cfg, metrics, data, extra)
         adapter_out = store.publish_dir(adapter, storage.join(out, ADAPTER_DIR))
 
+        from raylora.checkpoint.kohya import KOHYA_FILE, export_kohya
+
         kohya_out = None
         if "kohya" in cfg.export.formats:
-            from raylora.checkpoint.kohya import KOHYA_FILE, export_kohya
-
             kfile = os.path.join(tmp, KOHYA_FILE)
             export_kohya(os.path.join(adapter, WEIGHT_NAME), kfile, cfg.model.pretrained, family)
             kohya_out = _publish_file(store, kfile, storage.join(out, KOHYA_FILE))
+        elif store.exists(old := storage.join(out, KOHYA_FILE)):
+            # an earlier export's, of other weights: beside this adapter a ComfyUI user
+            # would load it as this run's
+            fs, path = store.fs(old)
+            fs.delete_file(path)
+            log.info("removed %s: an earlier export's kohya file (this run's export.formats "
+                     "has no kohya)", old)
 
         png = os.path.join(tmp, "loss.png")
         plot_loss(history, png)

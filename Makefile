@@ -44,7 +44,7 @@ demo: $(STAMP)
 		--prompt "a red circle on a blue background" --out $(DEMO)/sample.png
 	@echo
 	@echo "demo outputs:"
-	@echo "  adapter      $(DEMO)/output/adapter/  (pytorch_lora_weights.safetensors, README.md, raylora.json)"
+	@echo "  adapter      $(DEMO)/output/adapter/  (pytorch_lora_weights.safetensors, README.md, raylora.json, manifest.json)"
 	@echo "  sample image $(DEMO)/sample.png"
 	@echo "  loss curve   $(DEMO)/output/loss.png"
 	@echo "  step metrics $(DEMO)/output/metrics.jsonl"

@@ -145,6 +145,52 @@ class HubDatasets(pafs.FileSystemHandler):
         self._read_only(dest)
 
 
+# The split names Hugging Face's ``datasets`` finds in a repo's file names and folders
+# (its data_files keywords), and the separators around them there.
+SPLITS = {"train": ("train", "training"), "validation": ("validation", "valid", "val", "dev"),
+          "test": ("test", "testing", "eval", "evaluation")}
+_SEP = r"[-._ 0-9]"
+
+
+def split_of(path: str) -> str | None:
+    """The split a file in a repo belongs to by its path, as ``datasets`` resolves it
+    (``data/train-00000-of-00001.parquet``, ``test/0001.png``, ``valid.csv``); None: none."""
+    *folders, name = path.lower().split("/")
+    for split, words in SPLITS.items():
+        for w in words:
+            if w in folders or re.match(rf"^(.*{_SEP})?{w}({_SEP}.*)?$", name.rsplit(".", 1)[0]):
+                return split
+    return None
+
+
+def train_split(root: str, files: list[str]) -> list[str]:
+    """Of the files under a repo's root ``root`` (``hf://datasets/o/n[@rev]``), those a run
+    trains on: its ``train`` split when the files name splits, as ``datasets`` loads a repo
+    (a push_to_hub repo's test and validation rows were trained on too); all of them when
+    none does. Raises ValueError when splits are named but no train split."""
+    import logging
+
+    splits = [split_of(split(f[len("hf://"):])[2]) for f in files]
+    named = sorted({s for s in splits if s})
+    if not named:
+        return files
+    if "train" not in named:
+        raise ValueError(f"{root}: its files name the splits {', '.join(named)} and no train "
+                         "split; give the folder or files to train on (a /path after the repo)")
+    kept = [f for f, s in zip(files, splits) if s == "train"]
+    logging.getLogger("raylora.data").info(
+        "%s: training on its train split (%d of %d files; %s left out), as datasets loads it",
+        root, len(kept), len(files), ", ".join(s for s in named if s != "train"))
+    return kept
+
+
+def unpinned(uri: str) -> str:
+    """``uri`` (``hf://datasets/o/n@rev/path``) without its revision: what a glob the user
+    wrote matches against the commit-pinned URIs a listing returns."""
+    repo, _, inner = split(uri[len("hf://"):])
+    return f"hf://{PREFIX}{repo}" + (f"/{inner}" if inner else "")
+
+
 def planned_commit(uri: str) -> str | None:
     """The commit a planned file URI reads (``hf://datasets/o/n@<commit>/...``); None for
     any other URI."""

@@ -171,12 +171,24 @@ def _gcs() -> pafs.GcsFileSystem:
     return pafs.GcsFileSystem(**kwargs)
 
 
+# Files a listing leaves out: hidden ones, and the markers Spark / Hadoop jobs leave
+# beside their output. Not every name with "_": cameras name photos _MG_1234.JPG and
+# _DSC1234.JPG (Hugging Face's imagefolder, and kohya, read those too).
+SENTINELS = ("_SUCCESS", "_metadata", "_common_metadata", "_temporary")
+
+
+def skipped(name: str) -> bool:
+    return name.startswith((".", "__", "_committed_", "_started_")) or name in SENTINELS
+
+
 def fs_path(uri: str) -> str:
     """The path of ``uri`` inside its filesystem: ``bucket/key`` for remote URIs."""
     if is_local(uri):
         return local_path(uri)
-    parsed = urlparse(uri)
-    return (parsed.netloc + parsed.path).rstrip("/")
+    # Not urlparse: it ends the path at '#' or '?', which S3 and GCS keys may hold (a
+    # camera's "photo #2.png"): s3://runs/exp#2/adapter became runs/exp, and publishing an
+    # adapter there replaced that whole folder.
+    return uri.split("://", 1)[1].rstrip("/")
 
 
 def check_scheme(uri: str) -> None:
@@ -186,12 +198,6 @@ def check_scheme(uri: str) -> None:
     if scheme not in ("", "s3", "s3a", "gs", "gcs", "hf"):
         raise ValueError(f"{uri}: unsupported URI scheme {scheme!r} (use s3://, gs://, "
                          "hf://datasets/ or a path)")
-    if scheme in ("s3", "s3a", "gs", "gcs") and any(c in uri for c in "#?"):
-        # URL syntax ends the path at a fragment or query: s3://runs/exp#2/adapter named
-        # s3://runs/exp, and publishing the adapter replaced that whole folder.
-        raise ValueError(f"{uri}: '#' and '?' cannot be part of an object-store URI here (URL "
-                         f"syntax ends its key at them: it would name {scheme}://{fs_path(uri)}); "
-                         "rename the folder")
 
 
 def filesystem(
@@ -256,7 +262,7 @@ class Storage:
         return sorted(to_uri(uri, i.path) for i in infos if i.type == pafs.FileType.File)
 
     def expand(self, uris: str | list[str], suffixes: tuple[str, ...] | None = None) -> list[str]:
-        """Files behind a file, directory, glob or list of those (hidden ``.``/``_`` files
+        """Files behind a file, directory, glob or list of those (hidden files and job markers,
         skipped), filtered by suffix. Brace notation as WebDataset writes shard lists
         (``shard-{00000..00099}.tar``, ``{train,extra}/``) stands for each URI it spells.
         Raises FileNotFoundError naming the URI that matched nothing."""
@@ -268,19 +274,26 @@ class Storage:
                 found = self._spelled(uri, spelled)
             elif _is_glob(uri):
                 root = uri[: min(uri.index(c) for c in "*?[" if c in uri)].rsplit("/", 1)[0]
-                pattern = _glob_regex(uri)
-                found = [f for f in self.list_files(root) if pattern.fullmatch(f)]
+                if uri.startswith("hf://"):  # listed pinned to a commit: matched without
+                    from raylora.hubfs import unpinned
+
+                    pattern = _glob_regex(unpinned(uri))
+                    found = [f for f in self.list_files(root) if pattern.fullmatch(unpinned(f))]
+                else:
+                    pattern = _glob_regex(uri)
+                    found = [f for f in self.list_files(root) if pattern.fullmatch(f)]
             else:
                 info = self.info(uri)
                 if info.type == pafs.FileType.NotFound:
                     raise FileNotFoundError(f"{uri}: no such file or directory")
                 found = [uri] if info.type == pafs.FileType.File else self.list_files(uri)
-            found = [
-                f
-                for f in found
-                if not os.path.basename(f).startswith((".", "_"))
-                and (suffixes is None or f.lower().endswith(suffixes))
-            ]
+                if uri.startswith("hf://") and info.type == pafs.FileType.Directory:
+                    from raylora import hubfs
+
+                    if not hubfs.split(uri[len("hf://"):])[2]:  # the repo itself
+                        found = hubfs.train_split(uri, found)
+            found = [f for f in found if not skipped(os.path.basename(f))
+                     and (suffixes is None or f.lower().endswith(suffixes))]
             if not found:
                 what = "/".join(suffixes) if suffixes else "data"
                 raise FileNotFoundError(f"{uri}: matched no {what} files")

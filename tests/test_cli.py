@@ -240,3 +240,40 @@ def test_shards_build_names_a_bad_source_or_destination_before_ray(tmp_path, cap
     assert "raylora: error: dest: /proc/raylora-shards: " in capsys.readouterr().err
     assert main(["shards", "build", str(src), str(tmp_path / "out"), "--shard-size", "0"]) == 2
     assert "--shard-size: must be positive, got 0" in capsys.readouterr().err
+    # a destination holding shards already (a build before, of another size or format): a
+    # reader of the folder would read those beside the new ones; nothing of them is touched
+    old = tmp_path / "built"
+    old.mkdir()
+    (old / "shard-00004.tar").write_bytes(b"old shard")
+    assert main(["shards", "build", str(src), str(old)]) == 2
+    assert (f"raylora: error: dest: {old} already holds 1 file(s) (e.g. shard-00004.tar); give an "
+            "empty or new folder, or remove them first") in capsys.readouterr().err
+    assert (old / "shard-00004.tar").read_bytes() == b"old shard"
+    # a caption that is not UTF-8: named (a bare UnicodeDecodeError named no file)
+    write_imagefolder(tmp_path / "latin", n=1, size=16, seed=0, captions="txt")
+    (tmp_path / "latin" / "img_00000.txt").write_bytes("caf\xe9".encode("latin-1"))
+    assert main(["shards", "build", str(tmp_path / "latin"), str(tmp_path / "o2")]) == 2
+    assert (f"raylora: error: {tmp_path / 'latin' / 'img_00000'}.txt: not UTF-8 text (unexpected "
+            "end of data at byte 3); save it as UTF-8") in capsys.readouterr().err
+
+
+def test_shards_build_reads_a_kohya_folder_as_training_does(tmp_path, caplog):
+    """Images without a caption file in a kohya N_name folder train on its class tokens;
+    shards build left them out. Its repeats are not carried, and it says so."""
+    from PIL import Image
+
+    from raylora.data.shards import collect_items
+    from raylora.storage import Storage
+
+    for folder, names in (("10_sks dog", ["a", "b"]), ("1_dog", ["c"]), ("misc", ["d", "e"])):
+        (tmp_path / folder).mkdir()
+        for n in names:
+            Image.new("RGB", (8, 8)).save(tmp_path / folder / f"{n}.png")
+    (tmp_path / "10_sks dog" / "b.txt").write_text("sks dog on grass\n")
+    (tmp_path / "misc" / "e.txt").write_text("a cat")
+    with caplog.at_level("WARNING", logger="raylora.data"):
+        items = collect_items(Storage(), str(tmp_path))
+    assert [(it["key"], it["text"]) for it in items] == [
+        ("10_sks dog/a", "sks dog"), ("10_sks dog/b", "sks dog on grass"), ("1_dog/c", "dog"),
+        ("misc/e", "a cat")]
+    assert "kohya repeats (10_sks dog) are not carried into shards" in caplog.text

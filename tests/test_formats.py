@@ -279,6 +279,47 @@ def test_imagefolder_lines_whose_image_is_gone_are_left_out_or_refused_before_ra
                               "'img_00005.png'); 37.5% of the rows, over data.max_bad_fraction=0.05")
 
 
+def test_imagefolder_metadata_as_hugging_face_reads_it(tmp_path, base_config):
+    """A caption column no metadata line has trained every row on the empty caption (no
+    word with caption dropout on): refused naming the keys the lines have. metadata.jsonl
+    beside metadata.csv read every image twice: refused, as HF does. A caption holding
+    U+2028 (json.dumps(ensure_ascii=False) leaves it) split its line; a Windows-made
+    file_name "sub\\a.png" was not found: both read as HF reads them."""
+    import json
+
+    from raylora.config import ConfigError, validate
+    from raylora.data.demo import write_imagefolder
+    from raylora.launch import plan, resolve_paths
+
+    src = write_imagefolder(tmp_path / "if", n=4, size=16, seed=3)
+    lines = [json.loads(x) for x in (src / "metadata.jsonl").read_text().splitlines()]
+    (src / "sub").mkdir()
+    (src / "img_00003.png").rename(src / "sub" / "img_00003.png")
+    lines[3]["file_name"] = "sub\\img_00003.png"
+    lines[1]["text"] = "a red circle\u2028on blue"
+    write = lambda rows, key="text": (src / "metadata.jsonl").write_text(  # noqa: E731
+        "".join(json.dumps({"file_name": r["file_name"], key: r["text"]}, ensure_ascii=False) + "\n"
+                for r in rows))
+    write(lines)
+    store, fmt = Storage(), formats.get_format("imagefolder")
+    p = plan_data(DataSection(uri=str(src)), store)
+    assert p.rows == 4
+    texts = {r["key"].rsplit("/", 1)[1]: r["text"] for r in fmt.iter_rows(DataSection(uri=str(src)), p.files, store)}
+    assert texts["img_00001.png"] == "a red circle\u2028on blue" and texts["img_00003.png"] == lines[3]["text"]
+
+    write(lines, key="caption")
+    base_config["data"] = {**base_config["data"], "uri": str(src), "caption_dropout": 0.1}
+    with pytest.raises(ConfigError) as exc:
+        plan(resolve_paths(validate(base_config)))
+    assert exc.value.problems == [f"data.caption_column: 'text' is in no line of {src}/metadata.jsonl "
+                                  "(its keys: caption, file_name)"]
+    assert plan_data(DataSection(uri=str(src), caption_column="caption"), store).rows == 4
+
+    (src / "metadata.csv").write_text("file_name,caption\nimg_00000.png,x\n")
+    with pytest.raises(ValueError, match=rf"{src}: both metadata.jsonl and metadata.csv; keep one"):
+        plan_data(DataSection(uri=str(src), caption_column="caption"), store)
+
+
 def test_missing_captions_are_refused_up_front_or_counted(tmp_path, tiny_model, base_config):
     """Images without a caption file (outside an N_name folder) are missing_caption rows,
     as in every format; more of them than data.max_bad_fraction stops preflight, naming
@@ -308,6 +349,15 @@ def test_missing_captions_are_refused_up_front_or_counted(tmp_path, tiny_model, 
     assert sent == [(1, {"missing_caption": 3})]
     # With caption dropout they train on the empty prompt, as other formats' blank captions.
     assert plan_data(DataSection(uri=root, caption_dropout=0.1), Storage()).rows == 4
+    # ...but not a folder where no image has one: every row would train unconditioned, with
+    # caption dropout on without a word (captions in .caption files, the extension not set)
+    none = write_kohya(tmp_path / "none", {"a": None, "b": None})
+    (tmp_path / "none" / "a.caption").write_text("a cat")
+    with pytest.raises(ValueError, match=r"2 of 2 images have no caption: .*: none has a caption "
+                                         r"\(data.caption_extension is .txt; other files here end in .caption\)"):
+        plan_data(DataSection(uri=none, caption_dropout=0.1), Storage())
+    assert plan_data(DataSection(uri=none, caption_extension=".caption", max_bad_fraction=0.5),
+                     Storage()).rows == 2
 
 
 def test_caption_files_not_utf8_and_other_extensions(tmp_path, tiny_model):

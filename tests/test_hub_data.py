@@ -80,6 +80,44 @@ def test_a_hub_dataset_is_planned_and_read_at_the_commit_its_plan_read(online, h
     assert [p for _, p, _ in hub.seen if "/resolve/" in p] == []
 
 
+def test_a_repo_of_splits_trains_its_train_split_as_datasets_loads_it(online, hub, tmp_path):
+    """A repo as push_to_hub writes one with three splits: every split's rows were
+    trained on, the test and validation rows too. The repo itself trains its train split
+    (as ``datasets.load_dataset`` takes it); a folder or glob given is read whole; splits
+    without a train split are refused naming them."""
+    import shutil
+
+    from raylora.hubfs import split_of
+
+    root = write_repo(tmp_path / "s", [["a cat", "a dog"], ["an owl"]])
+    for split, text in (("test", "held out"), ("validation", "tuning")):
+        shutil.copy(os.path.join(root, "data", "train-00000-of-00002.parquet"),
+                    os.path.join(root, "data", f"{split}-00000-of-00001.parquet"))
+        pq.write_table(pq.read_table(os.path.join(root, "data", f"{split}-00000-of-00001.parquet"))
+                       .set_column(1, "text", pa.array([text] * 2)),
+                       os.path.join(root, "data", f"{split}-00000-of-00001.parquet"))
+    hub.add("org/splits", root, kind="dataset")
+    store = Storage()
+    plan = plan_data(DataSection(uri="hf://datasets/org/splits"), store)
+    assert plan.rows == 3 and texts(plan, store) == ["a cat", "a dog", "an owl"]
+    whole = plan_data(DataSection(uri="hf://datasets/org/splits/data"), store)
+    assert whole.rows == 7 and sorted(set(texts(whole, store))) == ["a cat", "a dog", "an owl", "held out", "tuning"]
+    held = plan_data(DataSection(uri="hf://datasets/org/splits/data/test-*.parquet"), store)
+    assert texts(held, store) == ["held out", "held out"]
+
+    os.remove(os.path.join(root, "data", "train-00000-of-00002.parquet"))
+    os.remove(os.path.join(root, "data", "train-00001-of-00002.parquet"))
+    hub.add("org/nosplit", root, kind="dataset")
+    with pytest.raises(ValueError, match=r"hf://datasets/org/nosplit: its files name the splits test, "
+                                         r"validation and no train split"):
+        plan_data(DataSection(uri="hf://datasets/org/nosplit"), store)
+    # names as datasets reads them: a split word between separators, or a folder
+    assert [split_of(p) for p in ("data/train-00000-of-00001.parquet", "train/cat.png", "valid.csv",
+                                  "dev_01.tar", "images/interval_3.png", "README.md",
+                                  "data/evaluation.parquet")] == [
+        "train", "train", "validation", "validation", None, None, "test"]
+
+
 def test_a_gated_unknown_or_misspelt_hub_dataset_is_named(online, hub, tmp_path, monkeypatch,
                                                           tiny_model):
     from raylora.launch import plan as launch_plan

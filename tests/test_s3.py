@@ -381,6 +381,29 @@ def test_publish_replaces_the_adapter_and_removes_a_killed_publishs_staging_copy
     assert s3.get_object(Bucket=BUCKET, Key="pub/adapter/w.safetensors")["Body"].read() == b"new weights"
 
 
+def test_keys_with_hash_or_question_mark_are_published_and_read_as_named(s3, tmp_path):
+    """URL syntax ended a key at '#' or '?': publishing to .../exp#2/adapter replaced all of
+    .../exp (another run's adapter, a dataset), and a listed "photo #2.png" was read as
+    "photo ". Both are the keys they name now; a camera's _MG_ photo is listed too."""
+    from raylora.storage import Storage
+
+    for key in ("hash/exp/adapter/w.safetensors", "hash/exp/data/part-0.parquet"):
+        s3.put_object(Bucket=BUCKET, Key=key, Body=b"other run")
+    src = tmp_path / "adapter"
+    src.mkdir()
+    (src / "w.safetensors").write_bytes(b"new weights")
+    store = Storage()
+    assert store.publish_dir(str(src), f"s3://{BUCKET}/hash/exp#2/adapter") == f"s3://{BUCKET}/hash/exp#2/adapter"
+    assert sorted(k for k in keys(s3, "hash/") if not k.endswith("/")) == [
+        "hash/exp#2/adapter/w.safetensors",
+        "hash/exp/adapter/w.safetensors", "hash/exp/data/part-0.parquet"]
+    for name in ("photo #2.png", "what?.png", "_MG_0001.png", "_SUCCESS"):
+        s3.put_object(Bucket=BUCKET, Key=f"hash/pics/{name}", Body=name.encode())
+    listed = store.expand(f"s3://{BUCKET}/hash/pics/")
+    assert [u.rsplit("/", 1)[1] for u in listed] == ["_MG_0001.png", "photo #2.png", "what?.png"]
+    assert [store.read_bytes(u) for u in listed] == [b"_MG_0001.png", b"photo #2.png", b"what?.png"]
+
+
 def test_upload_dir_uploads_again_a_file_that_pyarrow_dropped(s3, tmp_path, caplog):
     """One file's part upload fails with an error the SDK does not retry (403). pyarrow's
     copy_files, which Ray Train uploads checkpoints with, returns normally without that

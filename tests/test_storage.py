@@ -1,5 +1,4 @@
 import os
-import re
 
 import pytest
 
@@ -130,17 +129,24 @@ def test_complete_upload_uploads_missing_and_short_files_again(tmp_path, caplog,
     assert complete_upload(str(src), pafs.LocalFileSystem(), str(dest), sizes=sizes) == []
 
 
-@pytest.mark.parametrize("uri", ["s3://runs/exp#2/adapter", "gs://runs/a?b/adapter", "s3a://r/team-a/#7"])
-def test_an_object_store_uri_with_a_fragment_or_query_is_refused_before_any_access(uri, tmp_path):
-    """URL syntax ends the key at '#' or '?': s3://runs/exp#2/adapter named s3://runs/exp,
-    and publishing the adapter there replaced the whole folder (another run's adapter and
-    checkpoints). Refused naming the URI and what it would have named, before any request."""
-    cut = uri.split("://")[1].split("#")[0].split("?")[0].rstrip("/")
-    message = f"{uri}: '#' and '?' cannot be part of an object-store URI here"
-    assert Storage().write_problem(uri).startswith(message) and f"://{cut})" in Storage().write_problem(uri)
-    with pytest.raises(ValueError, match=re.escape(message)):
-        filesystem(uri)
-    with pytest.raises(ValueError, match=re.escape(message)):
-        Storage().publish_dir(str(tmp_path), uri)
-    # a local path keeps them: they are ordinary file-name characters there
-    assert normalize("runs/exp#2").endswith("/runs/exp#2")
+@pytest.mark.parametrize("uri, path", [
+    ("s3://runs/exp#2/adapter", "runs/exp#2/adapter"), ("gs://runs/a?b/adapter/", "runs/a?b/adapter"),
+    ("s3a://r/team-a/#7", "r/team-a/#7"), ("s3://b", "b"), ("hf://datasets/o/n", "datasets/o/n")])
+def test_an_object_store_key_keeps_what_url_syntax_would_cut(uri, path):
+    """'#' and '?' may be part of an S3 or GCS key ("photo #2.png"): URL syntax ended the
+    path at them, so s3://runs/exp#2/adapter was runs/exp (publishing an adapter there
+    replaced that whole folder; a listed "photo #2.png" was read as "photo ")."""
+    from raylora.storage import fs_path
+
+    assert fs_path(uri) == path
+
+
+def test_listings_leave_out_hidden_files_and_job_markers_not_camera_photos():
+    """A leading "_" is a camera's (_MG_1234.JPG, _DSC1234.JPG): those were left out of
+    every listing, with Spark's _SUCCESS."""
+    from raylora.storage import skipped
+
+    assert [n for n in ["_MG_1234.JPG", "_DSC0001.jpg", "a.png", "_SUCCESS", "_metadata",
+                        "_common_metadata", ".DS_Store", ".hidden.png", "__pycache__",
+                        "_committed_123", "_started_123"] if not skipped(n)] == [
+        "_MG_1234.JPG", "_DSC0001.jpg", "a.png"]

@@ -13,12 +13,15 @@ is written last, when every shard exists.
 from __future__ import annotations
 
 import json
+import logging
 import posixpath
 
 from raylora.config import MAX_CONTROL_INPUTS, control_key
 from raylora.data import formats
 from raylora.data.formats.imagefolder import is_metadata
 from raylora.storage import Storage, join, normalize
+
+log = logging.getLogger("raylora.data")
 
 
 def collect_items(store: Storage, src: str) -> list[dict]:
@@ -30,14 +33,7 @@ def collect_items(store: Storage, src: str) -> list[dict]:
     if any(is_metadata(f) for f in files):
         items = formats.imagefolder_rows(store, files, "text")
     else:
-        texts = {f[: -len(".txt")] for f in files if f.endswith(".txt")}
-        items = []
-        for f in files:
-            stem, ext = posixpath.splitext(f)
-            if ext.lower() in formats.IMAGE_EXTS and stem in texts and not (
-                    formats.is_mask_file(f) or formats.is_control_file(f)):
-                text = store.read_bytes(stem + ".txt").decode("utf-8").strip()
-                items.append({"key": stem, "uri": f, "text": text})
+        items = _caption_folder_items(store, src, files)
     if not items:
         raise FileNotFoundError(
             f"{src}: no captioned images (need {formats.METADATA}, metadata.csv or a .txt "
@@ -53,6 +49,40 @@ def collect_items(store: Storage, src: str) -> list[dict]:
             if control:
                 it[control_key("control_uri", i)] = control[0]
     return sorted(items, key=lambda it: it["key"])
+
+
+def _caption_folder_items(store: Storage, src: str, files: list[str]) -> list[dict]:
+    """A caption folder's captioned images as training reads them: the ``.txt`` beside an
+    image, else the class tokens of a kohya ``N_name`` folder it is in (those images were
+    left out). A shard holds each image once: the folder's repeats are not carried."""
+    from raylora.data.formats.captionfolder import first_folder, kohya_folder
+
+    texts = {f[: -len(".txt")] for f in files if f.endswith(".txt")}
+    items, repeated = [], set()
+    for f in files:
+        stem, ext = posixpath.splitext(f)
+        if ext.lower() not in formats.IMAGE_EXTS or formats.is_mask_file(f) or formats.is_control_file(f):
+            continue
+        folder = kohya_folder(first_folder([src], f))
+        if stem in texts:
+            raw = store.read_bytes(stem + ".txt")
+            try:
+                text = raw.decode("utf-8-sig").strip()
+            except UnicodeDecodeError as exc:  # training drops it as caption_not_utf8
+                raise ValueError(f"{stem}.txt: not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                                 "save it as UTF-8") from None
+        elif folder is not None:
+            text = folder[1]
+        else:
+            continue
+        if folder is not None and folder[0] > 1:
+            repeated.add(first_folder([src], f))
+        items.append({"key": stem, "uri": f, "text": text})
+    if repeated:
+        log.warning("%s: kohya repeats (%s) are not carried into shards: each image is written "
+                    "once; weigh the shards with data.sources[i].weight instead",
+                    src, ", ".join(sorted(repeated)))
+    return items
 
 
 def write_shard(store: Storage, dest: str, fmt: str, index: int, items: list[dict]) -> dict:
@@ -83,6 +113,13 @@ def checked_items(src: str, dest: str, fmt: str, shard_size: int, store: Storage
     items = collect_items(store, src)
     if problem := store.write_problem(normalize(dest)):
         raise ValueError(f"dest: {problem}")
+    there = [f for f in store.list_files(normalize(dest)) if not posixpath.basename(f).startswith(".")]
+    if there:
+        # a reader of the folder would read them beside the new shards (old shards past
+        # the new count, the other format's): trained twice, or instead
+        raise ValueError(f"dest: {normalize(dest)} already holds {len(there)} file(s) (e.g. "
+                         f"{', '.join(posixpath.basename(f) for f in there[:3])}); give an empty "
+                         "or new folder, or remove them first")
     return items
 
 

@@ -103,12 +103,23 @@ class CaptionFolder(ShardFormat):
         weights = [k[0] if k else 1 for k in folders]
         missing = [(f, w) for f, w, k in zip(files, weights, folders)
                    if k is None and caption_uri(f, data.caption_extension) not in present]
-        if not missing or data.caption_dropout:
+        if not missing:
             return
-        share = sum(w for _, w in missing) / sum(weights)
         what = (f"{len(missing)} of {len(files)} images have no caption: no "
                 f"{data.caption_extension} file beside them and not in a kohya N_name folder "
                 f"(e.g. {', '.join(f for f, _ in missing[:3])})")
+        if len(missing) == len(files):
+            # caption dropout would train every one on the empty prompt, without a word: a
+            # caption extension the folder does not use, most likely
+            others = sorted({posixpath.splitext(f)[1] for f in listing
+                             if not f.lower().endswith(IMAGE_EXTS)} - {""})
+            raise ValueError(f"{what}: none has a caption (data.caption_extension is "
+                             f"{data.caption_extension}; other files here end in "
+                             f"{', '.join(others) or 'nothing else'})")
+        if data.caption_dropout:
+            log.warning("%s: with data.caption_dropout they train on the empty prompt", what)
+            return
+        share = sum(w for _, w in missing) / sum(weights)
         if share > data.max_bad_fraction:
             raise ValueError(
                 f"{what}; {share:.1%} of the reads, over data.max_bad_fraction="

@@ -37,7 +37,9 @@ def _records(meta: str, text: str):
             raise ValueError(f"{meta}: no file_name column (its header: {reader.fieldnames})")
         yield from reader
         return
-    for i, line in enumerate(text.splitlines()):
+    # JSON lines end at "\n" only: splitlines() also split a caption at U+2028, which
+    # json.dumps(ensure_ascii=False) leaves unescaped (pyarrow's reader, HF's, keeps it)
+    for i, line in enumerate(text.split("\n")):
         if not line.strip():
             continue
         try:
@@ -66,18 +68,32 @@ def imagefolder_rows(storage, files: list[str], caption_key: str,
             "(lines of {\"file_name\": ..., \"text\": ...}) or metadata.csv; for a .txt "
             "caption beside each image use data.format: captionfolder"
         )
+    folders = [posixpath.dirname(m) for m in metas]
+    both = sorted({d for d in folders if folders.count(d) > 1})
+    if both:  # as Hugging Face's imagefolder refuses them: every image would be read twice
+        raise ValueError(f"{both[0]}: both metadata.jsonl and metadata.csv; keep one")
     listed = set(files)
     rows = []
     for meta in metas:
         base = posixpath.dirname(meta)
+        keys: set[str] = set()
         for rec in _records(meta, storage.read_bytes(meta).decode("utf-8-sig")):
-            name = rec["file_name"]
+            keys.update(rec)
+            # a Windows-made file's "train\\a.png", as Hugging Face reads it
+            name = str(rec["file_name"]).replace("\\", "/")
             uri = posixpath.join(base, posixpath.normpath(name))
             if uri not in listed:
                 if missing is not None:
                     missing.append((meta, name))
                 continue
             rows.append({"key": uri, "uri": uri, "text": str(rec.get(caption_key) or "")})
+        if keys and caption_key not in keys:
+            # every row would train on the empty caption (with caption dropout on, no
+            # warning either): a column name the metadata does not use
+            from raylora.config import ConfigError
+
+            raise ConfigError([f"data.caption_column: {caption_key!r} is in no line of {meta} "
+                               f"(its keys: {', '.join(sorted(keys))})"])
     return rows
 
 

@@ -771,7 +771,7 @@ def test_model_system_prompt_is_lumina2s_system_prompt_in_training_cards_caches_
     assert len(prints) == 3
     class_cfg = {"data": {"uri": demo_data, "class_prompt": "a shape"}}
     keys = {generation_key(validate({**class_cfg, "model": {"pretrained": model, **k},
-                                     "output": {"uri": "o"}}), "lumina2", model, 2, store)
+                                     "output": {"uri": "o"}}), "lumina2", model, store)
             for k in ({}, {"system_prompt": system})}
     assert len(keys) == 2
 

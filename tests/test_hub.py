@@ -298,7 +298,7 @@ def test_a_run_loads_the_commit_its_plan_read_while_the_repo_moves(
     def keys(p) -> tuple[str, str]:
         loads = cfg.at_commit(p.model_commit)
         return (cache.fingerprint(loads, "sd", "org/pushed", data, store),
-                classgen.generation_key(loads, "sd", "org/pushed", 4, store))
+                classgen.generation_key(loads, "sd", "org/pushed", store))
 
     def unet_weight(model) -> torch.Tensor:
         return load_components(model, torch.float32, encoders=False).denoiser.conv_in.weight

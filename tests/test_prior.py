@@ -231,11 +231,11 @@ def test_class_images_are_generated_with_the_text_encoders_quantized_as_configur
     assert np.abs(images["nf4"] - images["none"]).max() > 0
 
 
-def test_generation_keys_stay_those_of_existing_folders_unless_the_call_changed():
-    """A generated folder is reused by its key: for the families whose pipeline call did
-    not change, the keys are the ones computed before families had their own guidance
-    call (so their folders are still found); Qwen-Image's images had no guidance then, and
-    its key moved so they are not reused."""
+def test_a_generation_key_is_what_changes_the_images_not_their_count():
+    """A generated folder is found by its key: the key names the pipeline call, the model
+    and the prompt's padded length, not how many images a run wants (image i is seed + i
+    whatever the count), so a run that wants more tops the folder up. Pinned: a change to
+    the key makes every user's folder be drawn again."""
     from raylora.data.classgen import generation_key
 
     cfg = validate({"model": {"pretrained": "org/base"},
@@ -243,16 +243,20 @@ def test_generation_keys_stay_those_of_existing_folders_unless_the_call_changed(
                              "class_sources": [{"uri": "/x", "prompt": "a dog"}],
                              "num_class_images": 3},
                     "output": {"uri": "/o"}})
-    keys = {f: generation_key(cfg, f, "org/base", 3, _store()) for f in FAMILIES}
-    before = {"sd": "220dafe728cc49e8", "sdxl": "d532f6c39feec8ae", "flux": "43fd6a693d7d6bdc",
-              "sd3": "9189526e29c9e84b", "qwenimage": "bc6cb32164fb49a7"}
-    kept = [f for f in before if f != "qwenimage"]  # families added since have no old key
-    assert {f: keys[f] for f in kept} == {f: before[f] for f in kept}
-    assert keys["qwenimage"] != before["qwenimage"] and len(keys["qwenimage"]) == 16
-    # quantized text encoders draw other images: another folder
+    keys = {f: generation_key(cfg, f, "org/base", _store()) for f in FAMILIES}
+    assert len(set(keys.values())) == len(FAMILIES) and all(len(k) == 16 for k in keys.values())
+    assert {f: keys[f] for f in ("sd", "sdxl")} == PINNED_KEYS
     tree = cfg.model_dump()
-    tree["model"]["quantize_text_encoders"] = "nf4"
-    assert generation_key(validate(tree), "sd", "org/base", 3, _store()) != keys["sd"]
+    tree["data"]["num_class_images"] = 30  # more images: the same folder
+    assert generation_key(validate(tree), "sd", "org/base", _store()) == keys["sd"]
+    for section, key, value in (("model", "quantize_text_encoders", "nf4"),  # other images
+                                ("model", "max_sequence_length", 128), ("data", "class_prompt", "a cat")):
+        other = cfg.model_dump()
+        other[section][key] = value
+        assert generation_key(validate(other), "sd", "org/base", _store()) != keys["sd"], key
+
+
+PINNED_KEYS = {"sd": "70ae0000c4f25c39", "sdxl": "6a77b70f66f28f9d"}
 
 
 def test_class_rows_need_a_prompt_and_an_interrupted_folder_is_completed(tiny_model, demo_data,
@@ -281,7 +285,7 @@ def test_class_rows_need_a_prompt_and_an_interrupted_folder_is_completed(tiny_mo
             {"uri": str(given), "prompt": "a dog"}]), "sd", tiny_model, _store())
     c = cfg(class_prompt="a dog", class_generation={"num_inference_steps": 2})
     # An interrupted build: its one image written, no manifest yet.
-    folder = given / "raylora-generated" / generation_key(c, "sd", tiny_model, 1, _store())
+    folder = given / "raylora-generated" / generation_key(c, "sd", tiny_model, _store())
     GenerateStage(tiny_model, "sd", "a dog", str(folder), 32, 2, 7.5)(
         {"index": np.array([0]), "seed": np.array([0])})
     found = ensure_class_images(c, "sd", tiny_model, _store())
@@ -291,6 +295,28 @@ def test_class_rows_need_a_prompt_and_an_interrupted_folder_is_completed(tiny_mo
     # Now complete: the next call counts the same (the generated image is not a user's).
     again = ensure_class_images(c, "sd", tiny_model, _store())
     assert again.summary() == found.summary()
+    # One more wanted: the same folder, topped up (image 1 is seed + 1 whatever the count;
+    # here already drawn, as an interrupted top-up leaves it), image 0 kept as it was.
+    stamp = (folder / "00000.png").stat().st_mtime_ns
+    GenerateStage(tiny_model, "sd", "a dog", str(folder), 32, 2, 7.5)(
+        {"index": np.array([1]), "seed": np.array([1])})
+    more = ensure_class_images(cfg(class_prompt="a dog", num_class_images=4,
+                                   class_generation={"num_inference_steps": 2}), "sd", tiny_model, _store())
+    assert (more.user_rows, more.generated, more.uri, len(more.rows)) == (2, 0, str(folder), 4)
+    assert json.load(open(folder / "manifest.json"))["count"] == 2
+    assert (folder / "00000.png").stat().st_mtime_ns == stamp
+
+    # Class images without captions, beside parquet instance data (data.format: parquet,
+    # as `raylora demo-data` writes): the folder is read as what it is, each image taking
+    # the prompt (they were refused as uncaptioned, or skipped as "no parquet files").
+    from raylora.data.classgen import read_user_rows
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for i, row in enumerate(_rows(3)):
+        (plain / f"p{i}.png").write_bytes(row["image"])
+    d = cfg(format="parquet", class_sources=str(plain), class_prompt="a dog").data
+    assert [r["text"] for r in read_user_rows(d, _store(), str(plain / "raylora-generated"), 3)] == ["a dog"] * 3
 
 
 def _store():

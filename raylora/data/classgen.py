@@ -66,8 +66,10 @@ def class_sections(d: DataSection) -> list[tuple[DataSection, str | None]]:
         prompt = e.pop("prompt", d.class_prompt)
         # Class folders are images without captions (they take the prompt): the caption
         # check of the instance data does not apply. Nothing else reads these keys here.
+        # Their format is their own (a folder of PNGs beside parquet instance shards: the
+        # instance data's data.format found no files in it, and every image was drawn).
         base = dict(sources=None, caption_prefix="", caption_dropout=0.5, shuffle_tags=False,
-                    keep_tokens=0, validation_split=0.0, class_sources=None)
+                    keep_tokens=0, validation_split=0.0, class_sources=None, format="auto")
         out.append((d.model_copy(update={**base, **e}), prompt))
     return out
 
@@ -102,9 +104,11 @@ def read_user_rows(d: DataSection, store: Storage, skip_root: str, want: int) ->
     return rows
 
 
-def generation_key(cfg: RayLoraConfig, family: str, model_path: str, count: int,
-                   store: Storage) -> str:
-    """The generated folder's name: a hash of everything that changes its images."""
+def generation_key(cfg: RayLoraConfig, family: str, model_path: str, store: Storage) -> str:
+    """The generated folder's name: a hash of everything that changes its images. Not
+    their count: image i is drawn from seed + i whatever the count, so a run that wants
+    more tops the folder up (as diffusers' DreamBooth scripts do) instead of drawing all
+    of them again in a folder of its own."""
     from raylora.checkpoint.export import data_fingerprint
     from raylora.data.cache import hub_revision
     from raylora.model.load import is_hub_id
@@ -114,11 +118,14 @@ def generation_key(cfg: RayLoraConfig, family: str, model_path: str, count: int,
     h.update(json.dumps({
         "version": GEN_VERSION, "model": model_path, "revision": hub_revision(cfg, model_path),
         "variant": cfg.model.variant, "family": family, "prompt": cfg.data.class_prompt,
-        "count": count, "seed": g.seed, "resolution": cfg.data.max_resolution(),
+        "seed": g.seed, "resolution": cfg.data.max_resolution(),
         "steps": g.num_inference_steps,
         "guidance": _guidance_key(family, guidance_scale(cfg, family)),
         # model.system_prompt (Lumina-Image 2.0): only when set, as quantize below
         **({"system_prompt": cfg.model.system_prompt} if cfg.model.system_prompt is not None else {}),
+        # the prompt's padded length (T5 in Flux and SD3: the call passes it; Flux no mask)
+        **({"max_sequence_length": cfg.model.max_sequence_length}
+           if cfg.model.max_sequence_length is not None else {}),
         # quantized encoders condition the images a little differently; only when on, so
         # the folders of unquantized runs keep their keys
         **({"quantize_text_encoders": q} if q != "none" else {}),
@@ -183,9 +190,12 @@ def ensure_class_images(cfg: RayLoraConfig, family: str, model_path: str,
         raise ValueError(f"data.num_class_images: {d.num_class_images} wanted, "
                          f"data.class_sources has {len(user)}; set data.class_prompt to "
                          f"generate the other {missing} (or lower data.num_class_images)")
-    uri = storage.join(root, generation_key(cfg, family, model_path, missing, store))
+    uri = storage.join(root, generation_key(cfg, family, model_path, store))
+    manifest_uri = storage.join(uri, MANIFEST)
+    # the images 0..count-1 its manifest says are complete (more asked: topped up)
+    made = json.loads(store.read_bytes(manifest_uri))["count"] if store.exists(manifest_uri) else 0
     generated = 0
-    if not store.exists(storage.join(uri, MANIFEST)):
+    if made < missing:
         todo = sorted(set(range(missing)) - (_present(uri, store) if store.exists(uri) else set()))
         if todo:  # else an interrupted build got every image out before its manifest
             generate(cfg, family, model_path, uri, todo)
@@ -193,8 +203,8 @@ def ensure_class_images(cfg: RayLoraConfig, family: str, model_path: str,
         manifest = {"version": GEN_VERSION, "prompt": d.class_prompt, "count": missing,
                     "files": [image_name(i) for i in range(missing)], "model": model_path,
                     "seed": d.class_generation.seed}
-        # Written last: its presence marks the folder complete.
-        store.write_bytes(storage.join(uri, MANIFEST), json.dumps(manifest, indent=1).encode())
+        # Written last: its presence marks the folder complete up to its count.
+        store.write_bytes(manifest_uri, json.dumps(manifest, indent=1).encode())
     else:
         log.info("class images: reusing %d generated image(s) in %s", missing, uri)
     return ClassImages(user + folder_rows(uri, missing, store), len(user), uri, generated)

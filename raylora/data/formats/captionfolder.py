@@ -108,14 +108,16 @@ class CaptionFolder(ShardFormat):
         what = (f"{len(missing)} of {len(files)} images have no caption: no "
                 f"{data.caption_extension} file beside them and not in a kohya N_name folder "
                 f"(e.g. {', '.join(f for f, _ in missing[:3])})")
-        if len(missing) == len(files):
-            # caption dropout would train every one on the empty prompt, without a word: a
-            # caption extension the folder does not use, most likely
-            others = sorted({posixpath.splitext(f)[1] for f in listing
-                             if not f.lower().endswith(IMAGE_EXTS)} - {""})
+        others = sorted({posixpath.splitext(f)[1] for f in listing
+                         if not f.lower().endswith(IMAGE_EXTS)} - {""})
+        if len(missing) == len(files) and others:
+            # no image has a caption file, but other files are there: a caption extension
+            # the folder does not use, most likely, and caption dropout would have trained
+            # every image on the empty prompt without a word. (A folder of images alone,
+            # such as DreamBooth class images taking their prompt, is not this.)
             raise ValueError(f"{what}: none has a caption (data.caption_extension is "
                              f"{data.caption_extension}; other files here end in "
-                             f"{', '.join(others) or 'nothing else'})")
+                             f"{', '.join(others)})")
         if data.caption_dropout:
             log.warning("%s: with data.caption_dropout they train on the empty prompt", what)
             return

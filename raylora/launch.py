@@ -462,16 +462,22 @@ def _arithmetic(cfg: RayLoraConfig, model_path: str, data, heldout: list[dict], 
             f"data.bucketing: no bucket has a full batch (train.batch_size={t.batch_size}) "
             f"on every one of the {world} workers (images per bucket: {hist or 'none'}); "
             "lower train.batch_size, or use fewer resolutions or a coarser data.bucket_step")
-    elif updates == 0:
+    elif rows_per_worker // t.batch_size == 0:
+        # (fewer micro-batches than one accumulation group still train: a group runs on
+        # into the next epoch)
         problems.append(
             f"data.{'uri' if cfg.data.sources is None else 'sources'}: {total} rows split "
-            f"over {world} workers is less than one optimizer "
-            f"step (train.batch_size={t.batch_size} × "
-            f"train.gradient_accumulation_steps={t.gradient_accumulation_steps} per worker)"
+            f"over {world} workers is less than one batch "
+            f"(train.batch_size={t.batch_size} per worker)"
         )
     if problems:
         raise ConfigError(problems)
-    max_steps = t.max_steps or t.num_epochs * updates
+    # num_epochs: every micro-batch of that many epochs. Accumulation groups run on across
+    # an epoch's end, so the steps are the epochs' micro-batches / accumulation, rounded
+    # up; num_epochs × full updates per epoch left each epoch's remainder out of the
+    # budget (7 micro-batches, accumulation 4: 4 epochs asked, 2.3 trained).
+    micro = (batches_per_epoch if batches_per_epoch is not None else rows_per_worker // t.batch_size)
+    max_steps = t.max_steps or -(-t.num_epochs * micro // t.gradient_accumulation_steps)
     from raylora.data.buckets import bucket_set
 
     buckets = bucket_set(cfg.data)

@@ -146,6 +146,29 @@ def test_resize_refuses_a_position_that_does_not_divide():
         state.resize(2)
 
 
+def test_a_resume_with_another_batch_size_carries_the_rows_consumed():
+    """Checkpointed after 2 micro-batches of 2 (rows 0-3 of the epoch), resumed with
+    train.batch_size 4: the run goes on at micro-batch 1 (rows 4-7), not at micro-batch 2
+    (rows 8-11: rows 4-7 were never trained); back to 2, at micro-batch 4. A position that
+    is no whole number of the new micro-batches is rounded down (a few rows again), or
+    refused where it must be exact (elastic)."""
+    state = LoopState(batches_in_epoch=2, world_size=1, batch_size=2)
+    state.resize(1, 4)
+    assert (state.batches_in_epoch, state.batch_size) == (1, 4)
+    state.resize(1, 2)
+    assert state.batches_in_epoch == 2
+    state = LoopState(batches_in_epoch=3, world_size=1, batch_size=2)
+    state.resize(1, 4, exact=False)
+    assert state.batches_in_epoch == 1  # rows 0-5 trained, 4-7 → rows 4-5 twice
+    with pytest.raises(ValueError, match=r"3 micro-batches of 2 on each of 1 workers\) is not a "
+                                         r"whole number of micro-batches of 4 on 1 workers"):
+        LoopState(batches_in_epoch=3, world_size=1, batch_size=2).resize(1, 4)
+    # a checkpoint from before the batch size was recorded: taken to be the run's
+    old = LoopState(batches_in_epoch=3, world_size=2)
+    old.resize(1, 4)
+    assert (old.batches_in_epoch, old.batch_size) == (6, 4)
+
+
 def test_lr_schedule_resumes_in_optimizer_steps_on_another_size():
     """Accelerate steps the schedule once per process per optimizer step: after a resize
     its position is rescaled so the learning rates go on as on one worker throughout."""
@@ -172,7 +195,7 @@ def test_lr_schedule_resumes_in_optimizer_steps_on_another_size():
     state = LoopState(global_step=4, world_size=2)
     resumed = sched(1)
     resumed.load_state_dict(two.state_dict())
-    _resize(state, resumed, 1)
+    _resize(state, resumed, 1, cfg.train.batch_size)
     got += [step(resumed) for _ in range(6)]
     assert got == pytest.approx(want)
 

@@ -17,6 +17,22 @@ def test_stream_plan_counts_rows_and_steps(base_config):
     assert p.batches_per_epoch is None
 
 
+@pytest.mark.parametrize("sharding", ["stream", "files"])
+def test_num_epochs_trains_every_micro_batch_when_accumulation_does_not_divide_them(base_config, sharding):
+    """32 rows, batch 2: 16 micro-batches an epoch; accumulation 3. num_epochs 4 is 64
+    micro-batches: 22 optimizer steps (the last group runs 2 past), not 4 × 5 = 20 steps
+    (60 micro-batches, 3.75 epochs; 7 images at batch 1 and accumulation 4 trained 57 of
+    100 epochs), as diffusers' scripts count ceil(batches / accumulation) per epoch. And
+    fewer micro-batches than one group still trains (it was refused)."""
+    base_config["data"]["sharding"] = sharding
+    base_config["train"].update(max_steps=None, num_epochs=4, gradient_accumulation_steps=3)
+    p = plan(resolve_paths(validate(base_config)))
+    assert (p.rows_per_worker, p.max_steps) == (32, 22)
+    assert p.max_steps * 3 >= 4 * 16 > (p.max_steps - 1) * 3
+    base_config["train"].update(num_epochs=1, gradient_accumulation_steps=20)
+    assert plan(resolve_paths(validate(base_config))).max_steps == 1
+
+
 def test_files_sharding_plan_and_its_limits(base_config):
     base_config["scaling"]["num_workers"] = 2
     base_config["data"]["sharding"] = "files"
@@ -34,7 +50,7 @@ def test_preflight_names_resolution_and_small_data(base_config):
         plan(resolve_paths(validate(base_config)))
     msg = str(ei.value)
     assert "data.resolution: 63 is not a multiple of 2 (the sd latent grid" in msg
-    assert "data.uri: 32 rows split over 1 workers is less than one optimizer step" in msg
+    assert "data.uri: 32 rows split over 1 workers is less than one batch (train.batch_size=64 per worker)" in msg
 
 
 def test_the_trainer_pickles_without_the_model_libraries(base_config, tmp_path):

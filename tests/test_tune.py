@@ -353,7 +353,7 @@ def test_tune_preflight_checks_every_batch_size_against_the_data(base_config):
 
     tree = {**base_config, "data": {**base_config["data"], "validation_split": 0.2}}
     tree["tune"] = {"search_space": {"train.batch_size": {"choice": [2, 64]}}}
-    with pytest.raises(ConfigError, match=r"tune.search_space.train.batch_size=64: data.uri: .*less than one optimizer step"):
+    with pytest.raises(ConfigError, match=r"tune.search_space.train.batch_size=64: data.uri: .*less than one batch"):
         preflight(validate(tree))
 
 

@@ -65,24 +65,32 @@ class LoopState:
     eval_loss_best: float | None = None
     eval_loss_best_step: int | None = None
     nonfinite_steps: int = 0  # optimizer steps skipped for a NaN/inf loss or gradient
-    # The workers that wrote this state (None: a checkpoint from before it was recorded).
+    # The workers that wrote this state, and their train.batch_size (None: a checkpoint
+    # from before it was recorded: taken to be the resuming run's).
     world_size: int | None = None
+    batch_size: int | None = None
     history: list[dict] = field(default_factory=list)
 
-    def resize(self, world: int, exact: bool = True) -> None:
-        """A run resumed on ``world`` workers: ``batches_in_epoch`` (per worker) in their
-        micro-batches. In an elastic run each optimizer step is the same global
-        micro-batches at every size, so the global count ``batches_in_epoch × world`` is
-        what carries over (``exact``). Another run's workers split the data anew: the same
-        count, rounded down, skips about what was trained."""
-        old = self.world_size or world
-        consumed = self.batches_in_epoch * old
-        if consumed % world and exact:
+    def resize(self, world: int, batch_size: int | None = None, exact: bool = True) -> None:
+        """A run resumed on ``world`` workers of ``batch_size`` (default: as written):
+        ``batches_in_epoch`` (per worker) in their micro-batches, carried over as the rows
+        of the epoch consumed, ``batches_in_epoch × world × batch``. In an elastic run each
+        optimizer step is the same global rows at every size, so that count is exact
+        (``exact``). Another run's workers split the data anew: the rows, rounded down to
+        whole micro-batches, skip about what was trained. (Counted in micro-batches, a
+        batch size doubled on resume skipped half an epoch's position untrained.)"""
+        old_w = self.world_size or world
+        new_b = batch_size or self.batch_size or 1
+        old_b = self.batch_size or new_b
+        consumed = self.batches_in_epoch * old_w * old_b
+        if consumed % (world * new_b) and exact:
+            key = "train.batch_size" if old_b != new_b else "scaling.num_workers"
             raise ValueError(
-                f"scaling.num_workers: the checkpoint's data position ({self.batches_in_epoch} "
-                f"micro-batches on each of {old} workers) is not a whole number of "
-                f"micro-batches on {world} workers")
-        self.batches_in_epoch, self.world_size = consumed // world, world
+                f"{key}: the checkpoint's data position ({self.batches_in_epoch} "
+                f"micro-batches of {old_b} on each of {old_w} workers) is not a whole number of "
+                f"micro-batches of {new_b} on {world} workers")
+        self.batches_in_epoch = consumed // (world * new_b)
+        self.world_size, self.batch_size = world, new_b
 
     def record_eval(self, loss: float) -> None:
         self.eval_loss_last = loss

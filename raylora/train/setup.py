@@ -174,7 +174,7 @@ def _restore(cfg: RayLoraConfig, accelerator, restored, optimizer, lr_scheduler,
         # A different stream per rank, so workers do not draw identical noise for their
         # different images (the adapter's initial weights were drawn the same everywhere).
         torch.manual_seed(seed + 1000 * rank)
-        return LoopState(world_size=accelerator.num_processes)
+        return LoopState(world_size=accelerator.num_processes, batch_size=cfg.train.batch_size)
     written = "fsdp" if restored.sharded_dir else "ddp"
     if written != cfg.scaling.strategy:
         raise ValueError(
@@ -191,9 +191,10 @@ def _restore(cfg: RayLoraConfig, accelerator, restored, optimizer, lr_scheduler,
     state = restored.loop
     # Any run resumed on another number of workers, elastic or not: the schedule counts
     # optimizer steps × processes. Only an elastic run's data position is exact.
-    _resize(state, lr_scheduler.scheduler, accelerator.num_processes, exact=cfg.scaling.elastic)
+    _resize(state, lr_scheduler.scheduler, accelerator.num_processes, cfg.train.batch_size,
+            exact=cfg.scaling.elastic)
     _reconfigure(optimizer.optimizer, lr_scheduler.scheduler, configured)
-    state.world_size = accelerator.num_processes
+    state.world_size, state.batch_size = accelerator.num_processes, cfg.train.batch_size
     state.resumed_from_step = state.global_step
     if restored.rng is not None:
         restore_rng(restored.rng)
@@ -202,17 +203,18 @@ def _restore(cfg: RayLoraConfig, accelerator, restored, optimizer, lr_scheduler,
     return state
 
 
-def _resize(state: LoopState, scheduler, world: int, exact: bool = True) -> None:
-    """A run resumed on another number of workers: the data position (``exact``: an
-    elastic run's, see ``LoopState.resize``), and the LR schedule, which counts optimizer
-    steps × workers (Accelerate steps it once per process:
-    raylora.train.optim.build_lr_scheduler). The schedule's position in optimizer steps,
-    and so the learning rate, stay what they were: unconverted, 2 workers' checkpoint
-    resumed on 1 ran a linear schedule to its end at once (the rest trained at lr 0)."""
+def _resize(state: LoopState, scheduler, world: int, batch_size: int, exact: bool = True) -> None:
+    """A run resumed on another number of workers or another train.batch_size: the data
+    position (``exact``: an elastic run's, see ``LoopState.resize``), and, for the workers,
+    the LR schedule, which counts optimizer steps × workers (Accelerate steps it once per
+    process: raylora.train.optim.build_lr_scheduler). The schedule's position in optimizer
+    steps, and so the learning rate, stay what they were: unconverted, 2 workers'
+    checkpoint resumed on 1 ran a linear schedule to its end at once (the rest trained at
+    lr 0)."""
     old = state.world_size or world
-    if old == world:
+    if old == world and (state.batch_size or batch_size) == batch_size:
         return
-    state.resize(world, exact=exact)
+    state.resize(world, batch_size, exact=exact)
     scheduler.last_epoch = scheduler.last_epoch // old * world
 
 

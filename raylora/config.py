@@ -21,6 +21,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
@@ -278,6 +279,20 @@ SOURCE_KEYS = ("format", "image_column", "caption_column", "mask_column", "contr
 
 
 class DataSection(_Section):
+    # Set on the copies that read DreamBooth class sources (raylora.data.classgen): their
+    # images take a prompt where they have no caption, so the checks that refuse a folder
+    # without captions, or a caption column no row has, do not apply to them.
+    _captions_optional: bool = PrivateAttr(False)
+
+    @property
+    def captions_optional(self) -> bool:
+        return self._captions_optional
+
+    def as_class_source(self) -> DataSection:
+        out = self.model_copy()
+        out._captions_optional = True
+        return out
+
     uri: str | list[str] | None = Field(
         None, description="Shard file, directory, glob, or a list of those; any storage URI or "
         "hf://datasets/owner/name[@revision][/path]; WebDataset's brace lists too "

@@ -156,9 +156,10 @@ def split_of(path: str) -> str | None:
     """The split a file in a repo belongs to by its path, as ``datasets`` resolves it
     (``data/train-00000-of-00001.parquet``, ``test/0001.png``, ``valid.csv``); None: none."""
     *folders, name = path.lower().split("/")
-    for split, words in SPLITS.items():
-        for w in words:
-            if w in folders or re.match(rf"^(.*{_SEP})?{w}({_SEP}.*)?$", name.rsplit(".", 1)[0]):
+    # folders first, then the file's own name, as datasets tries its patterns
+    for parts in (folders, [name.rsplit(".", 1)[0]]):
+        for split, words in SPLITS.items():
+            if any(re.match(rf"^(.*{_SEP})?{w}({_SEP}.*)?$", p) for p in parts for w in words):
                 return split
     return None
 
@@ -177,7 +178,9 @@ def train_split(root: str, files: list[str]) -> list[str]:
     if "train" not in named:
         raise ValueError(f"{root}: its files name the splits {', '.join(named)} and no train "
                          "split; give the folder or files to train on (a /path after the repo)")
-    kept = [f for f, s in zip(files, splits) if s == "train"]
+    # and an image folder's metadata file outside the splits, which datasets gives each
+    kept = [f for f, s in zip(files, splits)
+            if s == "train" or (s is None and f.rsplit("/", 1)[-1] in ("metadata.jsonl", "metadata.csv"))]
     logging.getLogger("raylora.data").info(
         "%s: training on its train split (%d of %d files; %s left out), as datasets loads it",
         root, len(kept), len(files), ", ".join(s for s in named if s != "train"))

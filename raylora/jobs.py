@@ -91,11 +91,12 @@ def entrypoint(cmd: str, config: str, overrides: list[str], working_dir: str) ->
     return " ".join(shlex.quote(a) for a in ["python", "-m", "raylora", cmd, rel, *overrides])
 
 
-# Config values that may be local paths; the job's driver resolves a relative one inside
-# the working dir it was shipped, not where `raylora submit` checked it.
-PATH_KEYS = ("model.pretrained", "data.uri", "data.class_sources", "data.class_generation.uri",
-             "data.cache_uri", "output.uri", "train.compile_cache_uri", "lora.init_from")
-WRITTEN = ("data.cache_uri", "output.uri", "train.compile_cache_uri")
+# Config keys that hold local paths (or sections that do): the job's driver resolves a
+# relative one inside its unpacked copy of the working dir, which has no runs/ and no
+# weights (EXCLUDES), and writes a relative output there, not where `submit` checked it.
+PATH_KEYS = ("model.pretrained", "data.uri", "data.control_uri", "data.validation_uri",
+             "data.cache_uri", "data.sources", "data.class_sources", "data.class_generation.uri",
+             "output.uri", "train.compile_cache_uri", "lora.init_from")
 
 
 def _value(cfg, key: str):
@@ -105,45 +106,23 @@ def _value(cfg, key: str):
     return node
 
 
-def _shipped(path: str, working_dir: str) -> bool:
-    """Whether the local ``path`` travels with the working dir (inside it, and no part of
-    it is left out by ``EXCLUDES``)."""
-    import fnmatch
-
-    rel = os.path.relpath(path, working_dir)
-    parts = rel.split(os.sep)
-    return not rel.startswith("..") and not any(
-        fnmatch.fnmatch(p, pattern.removeprefix("**/")) for p in parts for pattern in EXCLUDES)
+def _plain(value):
+    """A config value as the override's YAML reads it back (sections as their keys)."""
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value.model_dump(mode="json", exclude_none=True) if hasattr(value, "model_dump") else value
 
 
-def path_overrides(given, resolved, working_dir: str) -> list[str]:
-    """Overrides that make the job read what ``submit`` checked here: each relative local
-    path of ``given`` (the config as written) that the working dir does not ship (the demo's
-    ``runs/``), and each place it writes, becomes its absolute path (``resolved``:
-    ``launch.resolve_paths``); one it reads and ships stays relative, to the working dir
-    (the job runs there)."""
-    from raylora.config import ConfigError
-
-    out, problems = [], []
+def path_overrides(given, resolved) -> list[str]:
+    """Overrides that make the job read and write what ``submit`` checked here: each key of
+    ``PATH_KEYS`` whose value holds a relative local path, as ``resolved``
+    (``launch.resolve_paths``: absolute) has it. Storage URIs and hub ids are unchanged, so
+    they send nothing."""
+    out = []
     for key in PATH_KEYS:
-        was, now = _value(given, key), _value(resolved, key)
-        if was == now or was is None or now is None:
-            continue  # absolute, a storage URI, a hub id, or unset
-        if isinstance(was, list):
-            if any(isinstance(w, str) and not os.path.isabs(w) and storage.is_local(w) for w in was):
-                problems.append(f"{key}: a list of relative local paths; give absolute paths or "
-                                "storage URIs to submit it (the job resolves them elsewhere)")
-            continue
-        path = storage.local_path(now)
-        # what the job writes goes where it was checked, never into its unpacked copy
-        if key not in WRITTEN and _shipped(path, working_dir):
-            rel = os.path.relpath(path, working_dir)
-            if rel != was:
-                out.append(f"{key}={rel}")
-        else:
-            out.append(f"{key}={path}")
-    if problems:
-        raise ConfigError(problems)
+        was, now = _plain(_value(given, key)), _plain(_value(resolved, key))
+        if was != now:
+            out.append(f"{key}={json.dumps(now)}")  # JSON: YAML reads it back as it was
     return out
 
 
@@ -178,7 +157,7 @@ def submit(config: str, overrides: list[str], address: str | None = None,
     cfg = load_config(config, overrides)
     cmd, setup = command(cfg)
     r = launch.checked(cfg, setup)
-    overrides = [*overrides, *path_overrides(cfg, launch.resolve_paths(cfg), os.path.abspath(working_dir))]
+    overrides = [*overrides, *path_overrides(cfg, launch.resolve_paths(cfg))]
     meta = {META: os.path.basename(config), COMMAND: cmd, "raylora_output": r.cfg.output.uri,
             "raylora_max_steps": str(r.plan.max_steps)}
     # how `status` reaches the output (a config's storage.endpoint_url, not only AWS_*)

@@ -134,14 +134,19 @@ def resolve_paths(cfg: RayLoraConfig) -> RayLoraConfig:
     cfg = cfg.model_copy(deep=True)
     cfg.model.pretrained = resolve_model_path(cfg.model)
     d = cfg.data
+
+    def norm(uris):
+        return None if uris is None else (storage.normalize(uris) if isinstance(uris, str)
+                                           else [storage.normalize(u) for u in uris])
+
     classes = d.class_sources if isinstance(d.class_sources, list) else []
     for section in [d, *(d.sources or []), *classes]:
-        uris = section.uri
-        if uris is not None:
-            section.uri = (storage.normalize(uris) if isinstance(uris, str)
-                           else [storage.normalize(u) for u in uris])
+        section.uri = norm(section.uri)
+        if getattr(section, "control_uri", None) is not None:  # read by the workers
+            section.control_uri = norm(section.control_uri)
     if isinstance(d.class_sources, str):
         d.class_sources = storage.normalize(d.class_sources)
+    d.validation_uri, d.cache_uri = norm(d.validation_uri), norm(d.cache_uri)
     if d.class_generation.uri is not None:
         d.class_generation.uri = storage.normalize(d.class_generation.uri)
     cfg.output.uri = storage.normalize(cfg.output.uri)

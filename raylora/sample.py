@@ -153,7 +153,8 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
         raise ValueError(f"--adapter: {', '.join(adapters)} train the same denoiser "
                          f"({', '.join(str(e) for e in experts)}); give one adapter per expert")
     quiet.diffusers_bars_off()  # "Loading pipeline components..."
-    variant = variant or trained_config(adapters, "model", "variant", base=model)
+    # raylora.json names a folder by its absolute path (the run resolved it), a hub id as is
+    variant = variant or trained_config(adapters, "model", "variant", base=(model, path))
     section = ModelSection(pretrained=path, revision=revision, variant=variant,
                            quantize_text_encoders=quantize_text_encoders)
     pipe = load_pipeline_as_trained(path, family, dtype, index, section, device)
@@ -188,15 +189,15 @@ def _hub_id_form(p: str) -> bool:
     return is_hub_id(p) and p.count("/") == 1 and not p.startswith((".", "~")) and all(p.split("/"))
 
 
-def trained_config(adapters: list[str], section: str, key: str, base: str | None = None):
+def trained_config(adapters: list[str], section: str, key: str, base: tuple[str, ...] | None = None):
     """``<section>.<key>`` of the config of the run that wrote one of the adapter folders
     (its ``raylora.json``), the first that set it; with ``base``, only of a run whose
-    ``model.pretrained`` was ``base`` (a setting of that model, such as its variant)."""
+    ``model.pretrained`` was one of ``base`` (a setting of that model, such as its variant)."""
     from raylora.checkpoint.export import read_run_meta
 
     for a in adapters:
         config = read_run_meta(a).get("config", {})
-        if base is not None and config.get("model", {}).get("pretrained") != base:
+        if base is not None and config.get("model", {}).get("pretrained") not in base:
             continue
         found = config.get(section, {}).get(key)
         if found is not None:

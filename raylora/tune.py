@@ -160,12 +160,15 @@ def step_budget(base_tree: dict, params: dict, base_plan: Plan) -> int:
 
 
 def longest_budget(cfg: RayLoraConfig, base_plan: Plan) -> int:
-    """The most steps any trial runs (the bounding values of the step arithmetic's dims):
-    ASHA's default ``max_t``, so that no trial is cut before its own end."""
+    """The most steps any trial runs: ASHA's default ``max_t``, so that no trial is cut
+    before its own end. Over every combination of the step arithmetic's bounding values
+    (the longest trial is the most epochs at the smallest batch, not either alone)."""
+    import itertools
+
     tree = cfg.to_dict()
-    return max([base_plan.max_steps, *(step_budget(tree, {key: value}, base_plan)
-                                       for key, dim in cfg.tune.search_space.items()
-                                       if key in ARITHMETIC_KEYS for value in dim.values)])
+    dims = {k: d.values for k, d in cfg.tune.search_space.items() if k in ARITHMETIC_KEYS}
+    return max([base_plan.max_steps, *(step_budget(tree, dict(zip(dims, combo)), base_plan)
+                                       for combo in itertools.product(*dims.values()))])
 
 
 def trial_variants(cfg: RayLoraConfig) -> list[tuple[str, RayLoraConfig]]:
@@ -284,7 +287,9 @@ def _credentials_kept_from_trial_env_vars():
     from its ``worker_process_setup_hook``."""
     from ray.tune.execution import class_cache
 
-    kept = class_cache.ENV_VARS_TO_PROPAGATE & set(storage.SECRET_ENV_VARS)
+    # (AWS_SECURITY_TOKEN too: Tune's list has the session token's legacy name)
+    kept = {v for v in class_cache.ENV_VARS_TO_PROPAGATE
+            if v.startswith("AWS_") or v in storage.SECRET_ENV_VARS}
     class_cache.ENV_VARS_TO_PROPAGATE -= kept  # (a set: every reader sees the change)
     try:
         yield

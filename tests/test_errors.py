@@ -71,7 +71,7 @@ def test_model_and_data_problems_found_before_any_worker(tiny_model, demo_data, 
 
 
 def test_a_weight_variant_the_model_lacks_is_named_before_any_worker(tiny_model, demo_data,
-                                                                     tmp_path):
+                                                                     tmp_path, monkeypatch):
     """model.variant: fp16 of a folder without fp16 files failed in every worker's load
     ("no file named diffusion_pytorch_model.fp16.safetensors") once the cluster was up.
     A folder that has them plans, and its workers load them."""
@@ -121,6 +121,10 @@ def test_a_weight_variant_the_model_lacks_is_named_before_any_worker(tiny_model,
         {"config": {"model": {"pretrained": str(half), "variant": "fp16"}}}))
     # the variant from the adapter's raylora.json (its run's base is this folder)
     png = sample(str(half), str(adapter), "a red circle", str(tmp_path / "s.png"), steps=1, size=64)
+    assert os.path.getsize(png) > 0
+    # --model as typed relative (raylora.json names the folder by its absolute path)
+    monkeypatch.chdir(tmp_path)
+    png = sample("fp16", str(adapter), "a red circle", str(tmp_path / "s2.png"), steps=1, size=64)
     assert os.path.getsize(png) > 0
 
 

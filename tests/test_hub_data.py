@@ -111,6 +111,13 @@ def test_a_repo_of_splits_trains_its_train_split_as_datasets_loads_it(online, hu
     with pytest.raises(ValueError, match=r"hf://datasets/org/nosplit: its files name the splits test, "
                                          r"validation and no train split"):
         plan_data(DataSection(uri="hf://datasets/org/nosplit"), store)
+    # an image folder's metadata outside the split folders stays (datasets gives it to each)
+    from raylora.hubfs import train_split
+
+    root = "hf://datasets/o/n@" + "c" * 40
+    assert train_split("hf://datasets/o/n", [f"{root}/metadata.jsonl", f"{root}/train/a.png",
+                                             f"{root}/test/b.png"]) == [f"{root}/metadata.jsonl",
+                                                                        f"{root}/train/a.png"]
     # names as datasets reads them: a split word between separators, or a folder
     assert [split_of(p) for p in ("data/train-00000-of-00001.parquet", "train/cat.png", "valid.csv",
                                   "dev_01.tar", "images/interval_3.png", "README.md",

@@ -220,31 +220,38 @@ def test_job_secrets_reach_the_driver_once_and_no_worker(tmp_path, monkeypatch):
 
 def test_submit_sends_the_paths_it_checked(tmp_path, monkeypatch):
     """`raylora submit jobs/configs/tiny-local.yaml` checked runs/demo/... here, and the job
-    resolved the same relative paths in its unpacked working dir, which has no runs/ (it
-    failed there; a relative output went into Ray's temporary copy). Paths the working
-    dir does not ship, and every place the job writes, go as absolute overrides; a folder
-    it ships stays relative to it."""
-    from raylora.config import validate
+    resolved the same relative paths in its unpacked working dir, which has no runs/ and no
+    weights (it failed there; a relative output or cache went into Ray's temporary copy).
+    Every key holding a relative local path goes as an override with the absolute path,
+    sections (data.sources, a list of class sources) whole; storage URIs and hub ids as
+    they were. Parsed back as the job parses its overrides, they are the checked config."""
+    import json
+
+    from raylora.config import apply_overrides, validate
     from raylora.jobs import path_overrides
     from raylora.launch import resolve_paths
 
-    wd = tmp_path / "repo"
-    (wd / "runs" / "demo" / "model").mkdir(parents=True)
-    (wd / "data" / "shards").mkdir(parents=True)
-    monkeypatch.chdir(wd)
-    cfg = validate({"model": {"pretrained": "runs/demo/model"}, "data": {"uri": "data/shards"},
-                    "output": {"uri": "out"}, "lora": {"init_from": "hf://org/adapter"}})
-    assert path_overrides(cfg, resolve_paths(cfg), str(wd)) == [
-        f"model.pretrained={wd}/runs/demo/model", f"output.uri={wd}/out"]
-    # submitted from elsewhere (--working-dir repo): the shipped folder relative to it
     monkeypatch.chdir(tmp_path)
-    cfg = validate({"model": {"pretrained": "org/model"}, "data": {"uri": "repo/data/shards"},
-                    "output": {"uri": "s3://b/out"}})
-    assert path_overrides(cfg, resolve_paths(cfg), str(wd)) == ["data.uri=data/shards"]
-    cfg = validate({"model": {"pretrained": "org/model"}, "data": {"uri": ["repo/data/shards", "/abs"]},
-                    "output": {"uri": "s3://b/out"}})
-    with pytest.raises(ValueError, match=r"data.uri: a list of relative local paths"):
-        path_overrides(cfg, resolve_paths(cfg), str(wd))
+    (tmp_path / "runs" / "demo" / "model").mkdir(parents=True)
+    tree = {"model": {"pretrained": "runs/demo/model"},
+            "data": {"sources": [{"uri": "runs/demo/data", "weight": 2.0}, {"uri": "s3://b/more", "weight": 1.0}],
+                     "cache": "latents", "cache_uri": "runs/cache", "center_crop": True,
+                     "validation_uri": "runs/held", "class_prompt": "a dog",
+                     "class_sources": [{"uri": "runs/class", "prompt": "a dog"}]},
+            "output": {"uri": "out"}, "lora": {"init_from": "hf://org/adapter"}}
+    cfg = validate(tree)
+    sent = path_overrides(cfg, resolve_paths(cfg))
+    assert [o.split("=", 1)[0] for o in sent] == [
+        "model.pretrained", "data.validation_uri", "data.cache_uri", "data.sources",
+        "data.class_sources", "output.uri"]
+    assert f'model.pretrained="{tmp_path}/runs/demo/model"' in sent
+    job = validate(apply_overrides(tree, sent))  # what the job's driver reads
+    assert job.model.pretrained == f"{tmp_path}/runs/demo/model" and job.output.uri == f"{tmp_path}/out"
+    assert [(s.uri, s.weight) for s in job.data.sources] == [(f"{tmp_path}/runs/demo/data", 2.0), ("s3://b/more", 1.0)]
+    assert job.data.class_sources[0].uri == f"{tmp_path}/runs/class" and job.data.cache_uri == f"{tmp_path}/runs/cache"
+    assert job.lora.init_from == "hf://org/adapter"
+    assert path_overrides(job, resolve_paths(job)) == []  # nothing relative left
+    assert json.loads(sent[-1].split("=", 1)[1]) == f"{tmp_path}/out"
 
 
 def test_status_reads_progress_through_the_configs_storage_endpoint(moto_endpoint, monkeypatch):

@@ -317,6 +317,14 @@ def test_class_rows_need_a_prompt_and_an_interrupted_folder_is_completed(tiny_mo
         (plain / f"p{i}.png").write_bytes(row["image"])
     d = cfg(format="parquet", class_sources=str(plain), class_prompt="a dog").data
     assert [r["text"] for r in read_user_rows(d, _store(), str(plain / "raylora-generated"), 3)] == ["a dog"] * 3
+    # ...with a README beside them (an hf:// class repo always has one), or as an image
+    # folder whose metadata has no caption key: still images taking their prompt (the
+    # checks that refuse such instance data do not apply to class images)
+    (plain / "README.md").write_text("class images")
+    assert [r["text"] for r in read_user_rows(d, _store(), str(plain / "raylora-generated"), 3)] == ["a dog"] * 3
+    (plain / "metadata.jsonl").write_text("".join(json.dumps({"file_name": f"p{i}.png", "label": 1}) + "\n"
+                                                  for i in range(3)))
+    assert [r["text"] for r in read_user_rows(d, _store(), str(plain / "raylora-generated"), 3)] == ["a dog"] * 3
 
 
 def _store():

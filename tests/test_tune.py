@@ -375,6 +375,16 @@ def test_a_searched_step_budget_is_each_trials_own_and_asha_stops_none_before_it
     assert base.max_steps == 4 and longest_budget(cfg, base) == 8
     budget = lambda params: step_budget(cfg.to_dict(), params, base)  # noqa: E731
     assert [budget({"train.max_steps": n}) for n in (2, 8)] == [2, 8] and budget({}) == 4
+    # epochs and batch size searched together: the longest trial is their combination
+    # (most epochs at the smallest batch), not either alone
+    both = validate({**base_config, "train": {**base_config["train"], "max_steps": None},
+                     "tune": {"metric": "train_loss", "search_space": {
+                         "train.num_epochs": {"choice": [1, 4]}, "train.batch_size": {"choice": [1, 4]}}}})
+    b = preflight(both)
+    alone = max(step_budget(both.to_dict(), {k: v}, b) for k, v in
+                (("train.num_epochs", 4), ("train.batch_size", 1)))
+    longest = step_budget(both.to_dict(), {"train.num_epochs": 4, "train.batch_size": 1}, b)
+    assert longest_budget(both, b) == longest > alone
 
     def result(trial, max_steps, steps, ckpt_at):
         reports = [{"step": s, "train_loss": 1.0 / s, "trial_id": trial,
@@ -722,3 +732,29 @@ def test_lr_find_writes_table_plot_and_a_suggestion_in_range(ray_local, base_con
     from PIL import Image
 
     assert Image.open(tmp_path / "lrf" / "lr_find.png").size == (600, 350)
+
+
+def test_a_search_keeps_every_aws_credential_out_of_its_trials_env_vars(monkeypatch):
+    """Ray Tune copies the driver's AWS keys into each trial actor's runtime_env env_vars
+    (logged by the runtime-env agent on every node); within a search none of them is, the
+    session token's legacy name AWS_SECURITY_TOKEN included, and Tune's list is as it was
+    afterwards. (test_jobs checks a real submitted search's logs.)"""
+    from ray.tune.execution.class_cache import ENV_VARS_TO_PROPAGATE, _ActorClassCache
+    from ray.tune.registry import get_trainable_cls, register_trainable
+
+    from raylora.tune import _credentials_kept_from_trial_env_vars
+
+    for k, v in {"AWS_ACCESS_KEY_ID": "AKIA0TUNE", "AWS_SECRET_ACCESS_KEY": "s3cret",
+                 "AWS_SESSION_TOKEN": "sess", "AWS_SECURITY_TOKEN": "sess"}.items():
+        monkeypatch.setenv(k, v)
+    before = set(ENV_VARS_TO_PROPAGATE)
+
+    def trial(config):
+        pass
+
+    register_trainable("raylora_env_probe", trial)
+    with _credentials_kept_from_trial_env_vars():
+        remote = _ActorClassCache().get(get_trainable_cls("raylora_env_probe"))
+    env = remote._default_options["runtime_env"]["env_vars"]
+    assert not [k for k in env if k.startswith("AWS_")], env
+    assert set(ENV_VARS_TO_PROPAGATE) == before and "AWS_SECURITY_TOKEN" in before

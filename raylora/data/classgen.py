@@ -70,7 +70,7 @@ def class_sections(d: DataSection) -> list[tuple[DataSection, str | None]]:
         # instance data's data.format found no files in it, and every image was drawn).
         base = dict(sources=None, caption_prefix="", caption_dropout=0.5, shuffle_tags=False,
                     keep_tokens=0, validation_split=0.0, class_sources=None, format="auto")
-        out.append((d.model_copy(update={**base, **e}), prompt))
+        out.append((d.model_copy(update={**base, **e}).as_class_source(), prompt))
     return out
 
 

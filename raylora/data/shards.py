@@ -31,7 +31,8 @@ def collect_items(store: Storage, src: str) -> list[dict]:
     if not files:
         raise FileNotFoundError(f"{src}: no files found")
     if any(is_metadata(f) for f in files):
-        items = formats.imagefolder_rows(store, files, "text")
+        items = formats.imagefolder_rows(store, files, "text",
+                                         key_name="raylora shards build reads the caption key")
     else:
         items = _caption_folder_items(store, src, files)
     if not items:

@@ -103,7 +103,7 @@ class CaptionFolder(ShardFormat):
         weights = [k[0] if k else 1 for k in folders]
         missing = [(f, w) for f, w, k in zip(files, weights, folders)
                    if k is None and caption_uri(f, data.caption_extension) not in present]
-        if not missing:
+        if not missing or data.captions_optional:  # class images take their prompt
             return
         what = (f"{len(missing)} of {len(files)} images have no caption: no "
                 f"{data.caption_extension} file beside them and not in a kohya N_name folder "

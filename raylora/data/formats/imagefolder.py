@@ -51,7 +51,8 @@ def _records(meta: str, text: str):
 
 
 def imagefolder_rows(storage, files: list[str], caption_key: str,
-                     missing: list[tuple[str, str]] | None = None) -> list[dict]:
+                     missing: list[tuple[str, str]] | None = None,
+                     key_name: str | None = "data.caption_column") -> list[dict]:
     """(image URI, caption) rows of an imagefolder, from its metadata.jsonl (or .csv)
     file(s).
 
@@ -60,6 +61,8 @@ def imagefolder_rows(storage, files: list[str], caption_key: str,
     image is not among ``files`` (an image deleted, its line kept), as Hugging Face's
     imagefolder leaves them out: ``(metadata file, file_name)`` of each is appended to
     ``missing`` (``ImageFolder.count_rows`` judges them before Ray starts).
+    ``key_name``: how a ``caption_key`` that no line of a metadata file has is named in
+    the error; None: captions are optional (class images take their prompt).
     """
     metas = [f for f in files if is_metadata(f)]
     if not metas:
@@ -87,14 +90,19 @@ def imagefolder_rows(storage, files: list[str], caption_key: str,
                     missing.append((meta, name))
                 continue
             rows.append({"key": uri, "uri": uri, "text": str(rec.get(caption_key) or "")})
-        if keys and caption_key not in keys:
+        if keys and caption_key not in keys and key_name is not None:
             # every row would train on the empty caption (with caption dropout on, no
             # warning either): a column name the metadata does not use
             from raylora.config import ConfigError
 
-            raise ConfigError([f"data.caption_column: {caption_key!r} is in no line of {meta} "
+            raise ConfigError([f"{key_name}: {caption_key!r} is in no line of {meta} "
                                f"(its keys: {', '.join(sorted(keys))})"])
     return rows
+
+
+def _key_name(data) -> str | None:
+    """The caption column's key in errors; None for class images (their prompt stands in)."""
+    return None if data.captions_optional else "data.caption_column"
 
 
 def _row(data, storage, row: dict) -> dict:
@@ -132,7 +140,7 @@ class ImageFolder(ShardFormat):
         data.max_bad_fraction of the lines, else left out with a warning naming them (the
         workers would have failed on the first such read, Ray and the model already up)."""
         missing: list[tuple[str, str]] = []
-        n = len(imagefolder_rows(storage, files, data.caption_column, missing))
+        n = len(imagefolder_rows(storage, files, data.caption_column, missing, _key_name(data)))
         if missing:
             share = len(missing) / (n + len(missing))
             what = (f"{len(missing)} of {n + len(missing)} lines of {missing[0][0]}"
@@ -147,22 +155,22 @@ class ImageFolder(ShardFormat):
         return n, None
 
     def iter_rows(self, data, files, storage):
-        for row in imagefolder_rows(storage, files, data.caption_column):
+        for row in imagefolder_rows(storage, files, data.caption_column, key_name=_key_name(data)):
             yield _row(data, storage, row)
 
     def sample_rows(self, data, files, storage, k):
         # Images spread over the one metadata list (read once), not the first k of it.
-        rows = imagefolder_rows(storage, files, data.caption_column)
+        rows = imagefolder_rows(storage, files, data.caption_column, key_name=_key_name(data))
         for i in spread(len(rows), k):
             yield _row(data, storage, rows[i])
 
     def units(self, data, files, storage, rows_per_unit):
         # One metadata list for the folder, not rows per file: slices of that list.
-        n = len(imagefolder_rows(storage, files, data.caption_column))
+        n = len(imagefolder_rows(storage, files, data.caption_column, key_name=_key_name(data)))
         return [(0, s, s + rows_per_unit) for s in range(0, n, rows_per_unit)]
 
     def iter_unit(self, data, files, storage, index, start, stop, keep=None):
-        rows = imagefolder_rows(storage, files, data.caption_column)
+        rows = imagefolder_rows(storage, files, data.caption_column, key_name=_key_name(data))
         for j, row in enumerate(itertools.islice(rows, start, None if stop < 0 else stop)):
             if keep is None or keep(j):  # an image left out is not read
                 yield _row(data, storage, row)
@@ -170,7 +178,7 @@ class ImageFolder(ShardFormat):
     def read_dataset(self, data, files, file_rows, storage, seed, shuffle, **map_args):
         import ray
 
-        rows = imagefolder_rows(storage, files, data.caption_column)
+        rows = imagefolder_rows(storage, files, data.caption_column, key_name=_key_name(data))
         if shuffle:
             rng = np.random.default_rng(seed)
             rows = [rows[i] for i in rng.permutation(len(rows))]

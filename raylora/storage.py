@@ -171,14 +171,16 @@ def _gcs() -> pafs.GcsFileSystem:
     return pafs.GcsFileSystem(**kwargs)
 
 
-# Files a listing leaves out: hidden ones, and the markers Spark / Hadoop jobs leave
-# beside their output. Not every name with "_": cameras name photos _MG_1234.JPG and
-# _DSC1234.JPG (Hugging Face's imagefolder, and kohya, read those too).
-SENTINELS = ("_SUCCESS", "_metadata", "_common_metadata", "_temporary")
-
-
 def skipped(name: str) -> bool:
-    return name.startswith((".", "__", "_committed_", "_started_")) or name in SENTINELS
+    """Files a listing leaves out: hidden ones, and the markers and metadata files that
+    jobs leave beside their output with a leading "_" and no extension or ``.json`` /
+    ``.crc`` (Spark's ``_SUCCESS`` and ``_metadata``, img2dataset's ``_stats.json``,
+    ``raylora demo-data``'s ``_manifest.json``). Not every name with "_": cameras name
+    photos _MG_1234.JPG and _DSC1234.JPG, captioned by _MG_1234.txt (Hugging Face's
+    imagefolder, and kohya, read those)."""
+    if name.startswith((".", "__")):
+        return True
+    return name.startswith("_") and os.path.splitext(name)[1].lower() in ("", ".json", ".crc")
 
 
 def fs_path(uri: str) -> str:

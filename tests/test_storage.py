@@ -146,7 +146,8 @@ def test_listings_leave_out_hidden_files_and_job_markers_not_camera_photos():
     every listing, with Spark's _SUCCESS."""
     from raylora.storage import skipped
 
-    assert [n for n in ["_MG_1234.JPG", "_DSC0001.jpg", "a.png", "_SUCCESS", "_metadata",
-                        "_common_metadata", ".DS_Store", ".hidden.png", "__pycache__",
-                        "_committed_123", "_started_123"] if not skipped(n)] == [
-        "_MG_1234.JPG", "_DSC0001.jpg", "a.png"]
+    assert [n for n in ["_MG_1234.JPG", "_MG_1234.txt", "_DSC0001.jpg", "a.png", "_SUCCESS",
+                        "_metadata", "_common_metadata", ".DS_Store", ".hidden.png", "__pycache__",
+                        "_committed_123", "_started_123", "_manifest.json", "_stats.json",
+                        "_part-0.crc"] if not skipped(n)] == [
+        "_MG_1234.JPG", "_MG_1234.txt", "_DSC0001.jpg", "a.png"]

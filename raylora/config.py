@@ -1619,6 +1619,15 @@ UNTUNABLE = ("tune", "output", "storage", "scaling", "failure")
 MODEL_IDENTITY = ("model.pretrained", "model.revision", "model.variant", "model.family")
 
 
+def differences(a, b, prefix: str = "") -> list[tuple[str, object, object]]:
+    """(dotted key, a's value, b's value) wherever two config trees differ (a list, such as
+    data.sources, is one value)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b), key=str)
+                for d in differences(a.get(k), b.get(k), f"{prefix}{k}.")]
+    return [] if a == b else [(prefix.rstrip("."), a, b)]
+
+
 def set_dotted(tree: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
     tree = copy.deepcopy(tree)
     node = tree

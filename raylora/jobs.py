@@ -91,39 +91,16 @@ def entrypoint(cmd: str, config: str, overrides: list[str], working_dir: str) ->
     return " ".join(shlex.quote(a) for a in ["python", "-m", "raylora", cmd, rel, *overrides])
 
 
-# Config keys that hold local paths (or sections that do): the job's driver resolves a
-# relative one inside its unpacked copy of the working dir, which has no runs/ and no
-# weights (EXCLUDES), and writes a relative output there, not where `submit` checked it.
-PATH_KEYS = ("model.pretrained", "data.uri", "data.control_uri", "data.validation_uri",
-             "data.cache_uri", "data.sources", "data.class_sources", "data.class_generation.uri",
-             "output.uri", "train.compile_cache_uri", "lora.init_from")
-
-
-def _value(cfg, key: str):
-    node = cfg
-    for part in key.split("."):
-        node = getattr(node, part)
-    return node
-
-
-def _plain(value):
-    """A config value as the override's YAML reads it back (sections as their keys)."""
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return value.model_dump(mode="json", exclude_none=True) if hasattr(value, "model_dump") else value
-
-
 def path_overrides(given, resolved) -> list[str]:
-    """Overrides that make the job read and write what ``submit`` checked here: each key of
-    ``PATH_KEYS`` whose value holds a relative local path, as ``resolved``
-    (``launch.resolve_paths``: absolute) has it. Storage URIs and hub ids are unchanged, so
-    they send nothing."""
-    out = []
-    for key in PATH_KEYS:
-        was, now = _plain(_value(given, key)), _plain(_value(resolved, key))
-        if was != now:
-            out.append(f"{key}={json.dumps(now)}")  # JSON: YAML reads it back as it was
-    return out
+    """Overrides that make the job read and write what ``submit`` checked here: every value
+    ``launch.resolve_paths`` (``resolved``) changed in ``given``, a relative local path made
+    absolute (a list such as data.sources whole). The job's driver resolves a relative one
+    inside its unpacked copy of the working dir, which has no runs/ and no weights
+    (EXCLUDES), and writes a relative output there, not where ``submit`` checked it."""
+    from raylora.config import differences
+
+    # JSON: the override's YAML reads it back as it was
+    return [f"{key}={json.dumps(now)}" for key, _, now in differences(given.to_dict(), resolved.to_dict())]
 
 
 def runtime_env(cfg, working_dir: str, scratch: str) -> dict:

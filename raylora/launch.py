@@ -457,7 +457,9 @@ def _arithmetic(cfg: RayLoraConfig, model_path: str, data, heldout: list[dict], 
     if steps is not None:
         batches_per_epoch = sum(steps.values())
         rows_per_worker = batches_per_epoch * t.batch_size
-    updates = rows_per_worker // t.batch_size // t.gradient_accumulation_steps
+    # micro-batches per worker per epoch (under files or buckets: batches_per_epoch)
+    micro = rows_per_worker // t.batch_size
+    updates = micro // t.gradient_accumulation_steps
     if steps == {}:
         from raylora.data.buckets import bucket_set
 
@@ -467,7 +469,7 @@ def _arithmetic(cfg: RayLoraConfig, model_path: str, data, heldout: list[dict], 
             f"data.bucketing: no bucket has a full batch (train.batch_size={t.batch_size}) "
             f"on every one of the {world} workers (images per bucket: {hist or 'none'}); "
             "lower train.batch_size, or use fewer resolutions or a coarser data.bucket_step")
-    elif rows_per_worker // t.batch_size == 0:
+    elif micro == 0:
         # (fewer micro-batches than one accumulation group still train: a group runs on
         # into the next epoch)
         problems.append(
@@ -481,7 +483,6 @@ def _arithmetic(cfg: RayLoraConfig, model_path: str, data, heldout: list[dict], 
     # an epoch's end, so the steps are the epochs' micro-batches / accumulation, rounded
     # up; num_epochs × full updates per epoch left each epoch's remainder out of the
     # budget (7 micro-batches, accumulation 4: 4 epochs asked, 2.3 trained).
-    micro = (batches_per_epoch if batches_per_epoch is not None else rows_per_worker // t.batch_size)
     max_steps = t.max_steps or -(-t.num_epochs * micro // t.gradient_accumulation_steps)
     from raylora.data.buckets import bucket_set
 

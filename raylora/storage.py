@@ -276,14 +276,13 @@ class Storage:
                 found = self._spelled(uri, spelled)
             elif _is_glob(uri):
                 root = uri[: min(uri.index(c) for c in "*?[" if c in uri)].rsplit("/", 1)[0]
-                if uri.startswith("hf://"):  # listed pinned to a commit: matched without
-                    from raylora.hubfs import unpinned
-
-                    pattern = _glob_regex(unpinned(uri))
-                    found = [f for f in self.list_files(root) if pattern.fullmatch(unpinned(f))]
+                # a hub repo is listed pinned to a commit: matched without it
+                if uri.startswith("hf://"):
+                    from raylora.hubfs import unpinned as key
                 else:
-                    pattern = _glob_regex(uri)
-                    found = [f for f in self.list_files(root) if pattern.fullmatch(f)]
+                    key = str
+                pattern = _glob_regex(key(uri))
+                found = [f for f in self.list_files(root) if pattern.fullmatch(key(f))]
             else:
                 info = self.info(uri)
                 if info.type == pafs.FileType.NotFound:

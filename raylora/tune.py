@@ -27,7 +27,7 @@ import os
 from collections.abc import Callable
 
 from raylora import progress, storage
-from raylora.config import RayLoraConfig, TuneSection, trial_tree, validate
+from raylora.config import RayLoraConfig, TuneSection, differences, trial_tree, validate
 from raylora.launch import Plan, Setup, build_trainer, check_bad_records, pin, plan, prepared, replan
 
 log = logging.getLogger("raylora.tune")
@@ -325,7 +325,7 @@ def search_to_resume(cfg: RayLoraConfig, _plan=None) -> bool:
     if store.exists(record):  # absent: a search started before raylora recorded its config
         started = _as_read_now(json.loads(store.read_bytes(record))["config"])
         changed = [f"{key}: {old!r} then, {new!r} now"
-                   for key, old, new in _differences(started, cfg.to_dict())
+                   for key, old, new in differences(started, cfg.to_dict())
                    if key.split(".")[0] not in RESUME_MAY_CHANGE]
         if changed:
             raise ConfigError([f"output.uri: {where} holds a search started with another config; "
@@ -349,14 +349,6 @@ def _as_read_now(tree: dict) -> dict:
         return RayLoraConfig.model_validate(tree).to_dict()
     except ValidationError:
         return tree
-
-
-def _differences(a, b, prefix: str = "") -> list[tuple[str, object, object]]:
-    """(dotted key, a's value, b's value) wherever two config trees differ."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        return [d for k in sorted(set(a) | set(b), key=str)
-                for d in _differences(a.get(k), b.get(k), f"{prefix}{k}.")]
-    return [] if a == b else [(prefix.rstrip("."), a, b)]
 
 
 def _scheduler(tn: TuneSection, max_steps: int):

@@ -242,8 +242,8 @@ def test_submit_sends_the_paths_it_checked(tmp_path, monkeypatch):
     cfg = validate(tree)
     sent = path_overrides(cfg, resolve_paths(cfg))
     assert [o.split("=", 1)[0] for o in sent] == [
-        "model.pretrained", "data.validation_uri", "data.cache_uri", "data.sources",
-        "data.class_sources", "output.uri"]
+        "data.cache_uri", "data.class_sources", "data.sources", "data.validation_uri",
+        "model.pretrained", "output.uri"]
     assert f'model.pretrained="{tmp_path}/runs/demo/model"' in sent
     job = validate(apply_overrides(tree, sent))  # what the job's driver reads
     assert job.model.pretrained == f"{tmp_path}/runs/demo/model" and job.output.uri == f"{tmp_path}/out"

@@ -290,7 +290,8 @@ def test_a_recorded_search_config_is_compared_as_this_version_reads_it():
     """Resuming a search compares its recorded config with today's: a key an older raylora
     did not have is its default then, so it differs only where it is set now; a key added
     to the search space is a change either way."""
-    from raylora.tune import _as_read_now, _differences
+    from raylora.config import differences as _differences
+    from raylora.tune import _as_read_now
 
     tree = {"model": {"pretrained": "m"}, "output": {"uri": "o"},
             "data": {"uri": "d", "validation_split": 0.1},

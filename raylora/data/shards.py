@@ -64,7 +64,8 @@ def _caption_folder_items(store: Storage, src: str, files: list[str]) -> list[di
         stem, ext = posixpath.splitext(f)
         if ext.lower() not in formats.IMAGE_EXTS or formats.is_mask_file(f) or formats.is_control_file(f):
             continue
-        folder = kohya_folder(first_folder([src], f))
+        first = first_folder([src], f)
+        folder = kohya_folder(first)
         if stem in texts:
             raw = store.read_bytes(stem + ".txt")
             try:
@@ -77,7 +78,7 @@ def _caption_folder_items(store: Storage, src: str, files: list[str]) -> list[di
         else:
             continue
         if folder is not None and folder[0] > 1:
-            repeated.add(first_folder([src], f))
+            repeated.add(first)
         items.append({"key": stem, "uri": f, "text": text})
     if repeated:
         log.warning("%s: kohya repeats (%s) are not carried into shards: each image is written "

@@ -100,9 +100,11 @@ def imagefolder_rows(storage, files: list[str], caption_key: str,
     return rows
 
 
-def _key_name(data) -> str | None:
-    """The caption column's key in errors; None for class images (their prompt stands in)."""
-    return None if data.captions_optional else "data.caption_column"
+def _data_rows(data, storage, files: list[str], missing: list | None = None) -> list[dict]:
+    """``imagefolder_rows`` with ``data``'s caption column; a column no line has is an
+    error naming data.caption_column, except for class images (their prompt stands in)."""
+    return imagefolder_rows(storage, files, data.caption_column, missing,
+                            None if data.captions_optional else "data.caption_column")
 
 
 def _row(data, storage, row: dict) -> dict:
@@ -140,7 +142,7 @@ class ImageFolder(ShardFormat):
         data.max_bad_fraction of the lines, else left out with a warning naming them (the
         workers would have failed on the first such read, Ray and the model already up)."""
         missing: list[tuple[str, str]] = []
-        n = len(imagefolder_rows(storage, files, data.caption_column, missing, _key_name(data)))
+        n = len(_data_rows(data, storage, files, missing))
         if missing:
             share = len(missing) / (n + len(missing))
             what = (f"{len(missing)} of {n + len(missing)} lines of {missing[0][0]}"
@@ -155,22 +157,22 @@ class ImageFolder(ShardFormat):
         return n, None
 
     def iter_rows(self, data, files, storage):
-        for row in imagefolder_rows(storage, files, data.caption_column, key_name=_key_name(data)):
+        for row in _data_rows(data, storage, files):
             yield _row(data, storage, row)
 
     def sample_rows(self, data, files, storage, k):
         # Images spread over the one metadata list (read once), not the first k of it.
-        rows = imagefolder_rows(storage, files, data.caption_column, key_name=_key_name(data))
+        rows = _data_rows(data, storage, files)
         for i in spread(len(rows), k):
             yield _row(data, storage, rows[i])
 
     def units(self, data, files, storage, rows_per_unit):
         # One metadata list for the folder, not rows per file: slices of that list.
-        n = len(imagefolder_rows(storage, files, data.caption_column, key_name=_key_name(data)))
+        n = len(_data_rows(data, storage, files))
         return [(0, s, s + rows_per_unit) for s in range(0, n, rows_per_unit)]
 
     def iter_unit(self, data, files, storage, index, start, stop, keep=None):
-        rows = imagefolder_rows(storage, files, data.caption_column, key_name=_key_name(data))
+        rows = _data_rows(data, storage, files)
         for j, row in enumerate(itertools.islice(rows, start, None if stop < 0 else stop)):
             if keep is None or keep(j):  # an image left out is not read
                 yield _row(data, storage, row)
@@ -178,7 +180,7 @@ class ImageFolder(ShardFormat):
     def read_dataset(self, data, files, file_rows, storage, seed, shuffle, **map_args):
         import ray
 
-        rows = imagefolder_rows(storage, files, data.caption_column, key_name=_key_name(data))
+        rows = _data_rows(data, storage, files)
         if shuffle:
             rng = np.random.default_rng(seed)
             rows = [rows[i] for i in rng.permutation(len(rows))]

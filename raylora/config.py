@@ -1073,7 +1073,10 @@ class TuneSection(_Section):
         description="Dotted config key → dimension, e.g. train.learning_rate: "
         "{loguniform: [1e-5, 1e-3]}, lora.rank: {choice: [4, 8, 16]}."
     )
-    num_samples: int = Field(8, gt=0, description="Trials (× the grid size for grid dims).")
+    num_samples: int | None = Field(
+        None, gt=0, description="Trials (× the grid size for grid dims). Default 8, or 1 "
+        "when every dimension is a grid (nothing sampled: each repeat is the same trial).",
+    )
     search_alg: Literal["random", "grid", "optuna", "hyperopt"] = Field(
         "random",
         description="random/grid: built in. optuna/hyperopt: need the package installed.",
@@ -1091,6 +1094,19 @@ class TuneSection(_Section):
         None, gt=0, description="Default: cluster resources ÷ resources per trial."
     )
     seed: int | None = Field(None, description="Search seed; default train.seed.")
+
+    @property
+    def sampled(self) -> bool:
+        """Some dimension draws its values: a range, or a choice outside grid search."""
+        return any(d.kind != "grid" and not (self.search_alg == "grid" and d.kind == "choice")
+                   for d in self.search_space.values())
+
+    @property
+    def samples(self) -> int:
+        """``num_samples`` in effect: Ray Tune runs the whole grid this many times."""
+        if self.num_samples is not None:
+            return self.num_samples
+        return 8 if self.sampled else 1
 
     @field_validator("search_space")
     @classmethod
@@ -1663,6 +1679,12 @@ def _tune_checks(cfg: RayLoraConfig) -> list[str]:
         )
     if tn.search_alg in ("optuna", "hyperopt") and importlib.util.find_spec(tn.search_alg) is None:
         problems.append(f"tune.search_alg: {tn.search_alg} is not installed (pip install {tn.search_alg})")
+    if not tn.sampled and tn.samples > 1 and "train.seed" not in tn.search_space:
+        # Ray Tune repeats the grid num_samples times; nothing sampled and one train.seed
+        # make every repeat the same trial, paid for again.
+        problems.append(f"tune.num_samples: {tn.samples} runs each grid point {tn.samples} "
+                        "times with the same train.seed (identical trials); set 1, or search "
+                        "train.seed too ({grid: [0, 1, 2]})")
     base = cfg.to_dict()
     for key, dim in tn.search_space.items():
         where = f"tune.search_space.{key}"

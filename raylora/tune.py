@@ -108,7 +108,7 @@ def expected_trials(tn: TuneSection) -> int:
     for dim in tn.search_space.values():
         if dim.kind == "grid" or (tn.search_alg == "grid" and dim.kind == "choice"):
             grid *= len(dim.values)
-    return tn.num_samples * grid
+    return tn.samples * grid
 
 
 def preflight(cfg: RayLoraConfig) -> Plan:
@@ -325,7 +325,7 @@ def search_to_resume(cfg: RayLoraConfig, _plan=None) -> bool:
     if store.exists(record):  # absent: a search started before raylora recorded its config
         started = _as_read_now(json.loads(store.read_bytes(record))["config"])
         changed = [f"{key}: {old!r} then, {new!r} now"
-                   for key, old, new in differences(started, cfg.to_dict())
+                   for key, old, new in differences(started, _as_read_now(cfg.to_dict()))
                    if key.split(".")[0] not in RESUME_MAY_CHANGE]
         if changed:
             raise ConfigError([f"output.uri: {where} holds a search started with another config; "
@@ -339,16 +339,21 @@ def search_to_resume(cfg: RayLoraConfig, _plan=None) -> bool:
 def _as_read_now(tree: dict) -> dict:
     """A recorded config as this raylora reads it: the keys added since an older raylora
     recorded it get their defaults, so only values set differently count as changes (a
-    key the user adds, to tune.search_space say, still does). A record this version
+    key the user adds, to tune.search_space say, still does), and ``tune.num_samples``
+    is the number in effect (an older raylora wrote its default 8). A record this version
     cannot read is compared as it is."""
     from pydantic import ValidationError
 
     from raylora.config import RayLoraConfig
 
     try:
-        return RayLoraConfig.model_validate(tree).to_dict()
+        read = RayLoraConfig.model_validate(tree)
     except ValidationError:
         return tree
+    now = read.to_dict()
+    if read.tune is not None:
+        now["tune"]["num_samples"] = read.tune.samples
+    return now
 
 
 def _scheduler(tn: TuneSection, max_steps: int):
@@ -397,7 +402,7 @@ def _tuner(cfg: RayLoraConfig, base_plan: Plan, out: str, concurrency: int, resu
         tune_config=tune.TuneConfig(
             metric=tn.metric,
             mode="min",
-            num_samples=tn.num_samples,
+            num_samples=tn.samples,
             scheduler=_scheduler(tn, longest_budget(cfg, base_plan)),
             search_alg=search_algorithm(tn, seed, concurrency),
             # The built-in generator limits itself (given above); Tune wraps the

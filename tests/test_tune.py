@@ -283,7 +283,31 @@ def test_search_space_and_concurrency():
 
     tree["tune"]["search_alg"] = "grid"
     tree["tune"]["search_space"].pop("train.learning_rate")
+    tree["tune"]["num_samples"] = 1
     assert param_space(validate(tree).tune)["lora.rank"] == {"grid_search": [4, 8, 16]}
+
+
+def test_a_grid_with_nothing_sampled_runs_each_point_once():
+    """Ray Tune repeats a grid num_samples times; with nothing sampled every repeat is the
+    same config and seed, so the default is one run of the grid and more is refused unless
+    the seed is searched too."""
+    from raylora.tune import expected_trials
+
+    tree = {"model": {"pretrained": "m"}, "output": {"uri": "o"},
+            "data": {"uri": "d", "validation_split": 0.1},
+            "tune": {"search_space": {"lora.rank": {"grid": [4, 8, 16]},
+                                      "lora.alpha": {"choice": [4, 8]}}}}
+    # A choice under random search is sampled: the default 8 draws of it stand.
+    assert expected_trials(validate(tree).tune) == 8 * 3
+    tree["tune"]["search_alg"] = "grid"  # choice is a grid now: 3 × 2 points, each once
+    assert expected_trials(validate(tree).tune) == 6
+    tree["tune"]["num_samples"] = 4
+    with pytest.raises(ConfigError) as err:
+        validate(tree)
+    assert any(p.startswith("tune.num_samples: 4 runs each grid point 4 times")
+               for p in err.value.problems)
+    tree["tune"]["search_space"]["train.seed"] = {"grid": [0, 1]}
+    assert expected_trials(validate(tree).tune) == 4 * 12
 
 
 def test_a_recorded_search_config_is_compared_as_this_version_reads_it():
@@ -300,11 +324,15 @@ def test_a_recorded_search_config_is_compared_as_this_version_reads_it():
     old = json.loads(json.dumps(now))
     del old["train"]["groupnorm_fp32"]  # as a raylora before that key recorded it
     assert _differences(old, now) == [("train.groupnorm_fp32", None, False)]
-    assert _differences(_as_read_now(old), now) == []
+    assert _differences(_as_read_now(old), _as_read_now(now)) == []
+    old["tune"]["num_samples"] = 8  # an older raylora wrote the default it used
+    assert _differences(_as_read_now(old), _as_read_now(now)) == []
     tree["train"] = {"groupnorm_fp32": True}
     tree["tune"]["search_space"]["lora.rank"] = {"choice": [4, 8]}
-    assert [k for k, _, _ in _differences(_as_read_now(old), validate(tree).to_dict())] == [
-        "train.groupnorm_fp32", "tune.search_space.lora.rank"]
+    tree["tune"]["num_samples"] = 4
+    assert [k for k, _, _ in _differences(_as_read_now(old),
+                                          _as_read_now(validate(tree).to_dict()))] == [
+        "train.groupnorm_fp32", "tune.num_samples", "tune.search_space.lora.rank"]
     assert _as_read_now({"train": {"no_such_key": 1}}) == {"train": {"no_such_key": 1}}
 
 

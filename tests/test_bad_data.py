@@ -65,6 +65,9 @@ def test_each_bad_kind_gets_its_reason():
     assert reason(good, "   ") == "missing_caption"
     assert reason(good, b"\xff\xfe caption") == "caption_not_utf8"
     assert reason(good, decode_text(b"caf\xe9")) == "caption_not_utf8"  # a tar's .txt
+    # A byte-order mark (a caption saved by Notepad) is not part of the caption.
+    assert decode_text("\ufeffohwx, a man".encode("utf-8")) == "ohwx, a man"
+    assert decode_text("a \ufeff in the middle".encode("utf-8")) == "a \ufeff in the middle"
 
 
 def test_limits_are_configurable_and_never_off():

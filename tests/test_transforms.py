@@ -346,6 +346,33 @@ def test_preprocess_with_driver_specs_equals_loading_the_tokenizer(tiny_model):
     assert got.stdout.decode().strip() == f"{sorted(a['input_ids'].shape)} []"
 
 
+def test_the_cache_stage_encodes_captions_as_read_and_blank_ones_as_the_empty_prompt(tiny_model):
+    """The latent cache encodes each caption once; dropout is drawn per step at training
+    (drop_cached_captions). Drawn in the cache stage too, the dropped rows would never see
+    their caption. A blank caption kept for dropout becomes the family's empty prompt (a
+    stand-in string here: CLIP tokenizes Qwen-Image's " " as "")."""
+    from raylora.config import DataSection
+    from raylora.data.preprocess import stage_kwargs
+    from raylora.storage import Storage
+
+    data = DataSection(uri="/data", resolution=32, center_crop=True, caption_dropout=0.5,
+                       cache="latents")
+    texts = [f"a red square number {i}" for i in range(40)] + ["", "  ", None]
+    batch = {"image": np.array([_png(Image.new("RGB", (40, 40)))] * len(texts), dtype=object),
+             "text": np.array(texts, dtype=object)}
+    kw = stage_kwargs("cache", data, model_path=tiny_model, family="sd", storage=Storage())
+    stage = Preprocess(StageSpec(**{**kw, "empty_caption": "nothing here"}))
+    ids = stage(batch)["input_ids"]
+    assert ids.shape[0] == 43  # blank captions kept: dropout trains on the empty prompt
+    assert (ids[:40] == stage.text_columns(texts[:40])["input_ids"]).all()
+    assert (ids[40:] == stage.text_columns(["nothing here"])["input_ids"][0]).all()
+    # The train stage of the same section draws dropout: about half the rows.
+    train = Preprocess(StageSpec(**stage_kwargs("train", data, model_path=tiny_model, family="sd",
+                                                storage=Storage())))
+    empty = train.text_columns([""])["input_ids"][0]
+    assert 10 <= (train(batch)["input_ids"][:40] == empty).all(axis=1).sum() <= 30
+
+
 def test_the_four_preprocess_stages_differ_only_where_their_images_are_used_differently(tiny_model):
     """raylora.data.preprocess.stage_kwargs: one data section, four stages. Every stage
     decodes and tokenizes alike; crop, flip, dropout, buckets and masks follow the use."""

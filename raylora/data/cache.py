@@ -255,7 +255,10 @@ def fingerprint(cfg: RayLoraConfig, family: str, model_path: str, data: DataPlan
         # caption dropout keeps the rows with no caption (as the empty prompt): only where
         # not the defaults, so entries built with them keep their fingerprints.
         **({"decode": dec} if (dec := _decode_key(d)) else {}),
-        **({"keep_empty_captions": keep}
+        # "dropped_at_training": entries built before the cache stage stopped drawing
+        # dropout itself (and encoded a kept blank caption as "", not the family's empty
+        # prompt) are built again; only runs with dropout were affected.
+        **({"keep_empty_captions": keep, "dropped_at_training": True}
            if any(keep := [s.caption_dropout > 0 for s in d.source_sections()]) else {}),
         # Each image's bucket (its latent's shape) follows these.
         **({"buckets": {"step": d.bucket_step,

@@ -168,6 +168,10 @@ class StageSpec:
     revision: str | None = None  # of a hub model's tokenizers: model.revision (pinned)
     system_prompt: str | None = None  # model.system_prompt: the captions' template's
     caption_policies: tuple | None = None
+    # False (the latent cache): captions are encoded as read. Dropout is drawn per step
+    # at training (raylora.data.cache.drop_cached_captions); drawn here too it would be
+    # baked into the cache: those rows never see their caption, the rest drop at p again.
+    caption_draws: bool = True
     buckets: object = None
     masks: bool = False
     controls: bool = False
@@ -189,8 +193,9 @@ def stage_kwargs(purpose: str, data, *, model_path: str, family: str, storage,
     - ``train``: the configured crop and flip, caption dropout and per-source caption
       policies, buckets, loss masks, bad rows counted under ``bad_records``;
     - ``cache`` (latents encoded once, reused every epoch): centre crop, no flip, buckets
-      and masks as training (random crops, flips and caption dropout are refused with a
-      cache: raylora.data.cache);
+      and masks as training (random crops, flips and tag shuffling are refused with a
+      cache: raylora.data.cache); captions encoded as read, blank ones kept for dropout
+      as the family's empty prompt (dropout is drawn per step at training);
     - ``heldout`` (the evaluation batch): centre crop, no flip, one square size, no masks;
     - ``class`` (prior preservation): the configured crop and flip; class prompts as
       given (no dropout or prefixes); masks when the instance rows have them, so the two
@@ -214,12 +219,14 @@ def stage_kwargs(purpose: str, data, *, model_path: str, family: str, storage,
     if purpose in ("train", "class"):
         kw.update(center_crop=data.center_crop, random_flip=data.random_flip)
     if purpose in ("train", "cache"):
-        kw.update(caption_policies=caption_policies(data), buckets=bucket_set(data))
-    if purpose == "train":
         from raylora.model import families
 
-        kw.update(caption_dropout=data.caption_dropout, bad_records=bad_records,
-                  empty_caption=families.get(family).empty_caption)
+        # The policies' dropout also keeps rows with a blank caption, as the empty prompt.
+        kw.update(caption_policies=caption_policies(data), buckets=bucket_set(data),
+                  empty_caption=families.get(family).empty_caption,
+                  caption_draws=purpose == "train")
+    if purpose == "train":
+        kw.update(caption_dropout=data.caption_dropout, bad_records=bad_records)
     if purpose != "heldout":
         kw.update(masks=data.masked_loss)
     if purpose != "class":
@@ -259,6 +266,7 @@ class Preprocess:
         self.rng = np.random.default_rng(spec.seed)
         self.policies = tuple(spec.caption_policies or (CaptionPolicy(spec.caption_dropout),))
         self.empty_caption = spec.empty_caption
+        self.caption_draws = spec.caption_draws
         self.decode = dict(
             max_pixels=spec.max_image_pixels, min_size=spec.min_size, small_images=spec.small_images,
             background=tuple(spec.background_color),
@@ -333,13 +341,16 @@ class Preprocess:
                 ids.append(bucket)
             out.append(transform_sample(img, mask, size, self.center_crop, self.random_flip,
                                         self.rng, control))
-            captions.append(caption)
+            # A blank caption kept for dropout is the family's empty prompt (Qwen-Image's
+            # is " "), the unconditional input it samples with, not a third one.
+            captions.append(caption or self.empty_caption)
             kept.append(src)
         # Rows kept per source: the run's per-source counts (raylora.json data.sources).
         by_source = {} if sources is None else {"by_source": dict(Counter(kept))}
         self.reporter.send(len(out), bad, examples, **by_source)
-        captions = apply_policies(captions, [self.policies[s] for s in kept], self.rng,
-                                  self.empty_caption)
+        if self.caption_draws:
+            captions = apply_policies(captions, [self.policies[s] for s in kept], self.rng,
+                                      self.empty_caption)
         result = {"pixel_values": self._pixels([o[0] for o in out]),
                   **self.text_columns(captions)}
         result["original_size"] = np.array([o[1] for o in out], dtype=np.int64).reshape(-1, 2)

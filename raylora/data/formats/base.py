@@ -49,8 +49,11 @@ NOT_UTF8 = "\x00raylora:not-utf8\x00"
 
 
 def decode_text(data: bytes) -> str:
+    """A caption file's text. ``utf-8-sig``: Notepad and other Windows tools start a file
+    with a byte-order mark, which would otherwise lead the caption (``\ufeffohwx`` is
+    another token than the trigger word ``ohwx``), as the metadata files are read."""
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError:
         return NOT_UTF8 + data.decode("latin-1")
 

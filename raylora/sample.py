@@ -31,7 +31,8 @@ def sample(
     Qwen-Image-Edit), or a list of them in order (Flux.2, Qwen-Image-Edit), resized to
     ``size`` when given, else sized as the pipeline does. ``system_prompt``: a family's
     that takes one (Lumina-Image 2.0); default the one its run trained with
-    (``trained_system_prompt``), else the pipeline's own."""
+    (``trained_system_prompt``), else the pipeline's own. Captions are encoded at the
+    ``model.max_sequence_length`` the run set, if it set one."""
     from raylora.storage import Storage
 
     control = None
@@ -54,8 +55,11 @@ def sample(
                                  quantize_text_encoders, device, revision,
                                  with_image=len(inputs), input_side=side,
                                  system_prompt=system_prompt is not None, variant=variant)
+    adapters = [adapter] if isinstance(adapter, str) else adapter
     if system_prompt is None:
-        system_prompt = trained_system_prompt([adapter] if isinstance(adapter, str) else adapter)
+        system_prompt = trained_system_prompt(adapters)
+    # The caption length the run trained at (model.max_sequence_length), if it set one.
+    length = trained_config(adapters, "model", "max_sequence_length")
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     # No size: the pipeline's own default (the model's sample size; ZImagePipeline's 1024,
@@ -68,6 +72,7 @@ def sample(
         num_inference_steps=steps,
         **family.guidance_kwargs(guidance_scale),
         **family.prompt_kwargs(system_prompt),
+        **family.length_kwargs(length),
         **dims,
         **family.reference_kwargs(control, size, size),
         generator=torch.Generator(device="cpu").manual_seed(seed),

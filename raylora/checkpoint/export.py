@@ -149,6 +149,7 @@ def _usage(cfg: RayLoraConfig, family) -> str:
     # guidance-distilled model such as Z-Image-Turbo is validated at 0).
     args = call_args(family.guidance_kwargs(cfg.validation.guidance_scale))
     args += call_args(family.prompt_kwargs(cfg.model.system_prompt))  # as the run trained
+    args += call_args(family.length_kwargs(cfg.model.max_sequence_length))  # likewise
     # prompt by name: Flux2KleinPipeline's first parameter is a reference image.
     args += call_args(family.image_call())
     call = f'image = pipe(prompt="your prompt"{args}){family.image_code()}'

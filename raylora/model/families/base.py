@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import inspect
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -277,6 +278,9 @@ class Family:
     # The prompt of classifier-free guidance's unconditional branch as raylora samples the
     # family (previews, the model card): what data.caption_dropout trains on.
     empty_caption: ClassVar[str] = ""
+    # The most model.max_sequence_length the stock pipeline's call accepts (it raises
+    # above it: 512 for T5 pipelines, 1024 for Qwen-Image's); None: it sets no bound.
+    max_sequence_limit: ClassVar[int | None] = None
     # Its caption embedding reads the sample's input image too (a vision-language text
     # encoder): a dropped caption's embedding differs per image, so a latent cache, which
     # encodes the empty prompt once, cannot drop captions.
@@ -480,6 +484,18 @@ class Family:
         none when it is unset (the pipeline's own), ``system_prompt`` for a family that
         takes one."""
         return {} if system_prompt is None or cls.system_prompt is None else {"system_prompt": system_prompt}
+
+    @classmethod
+    def length_kwargs(cls, max_sequence_length: int | None = None) -> dict:
+        """The stock pipeline's call arguments for model.max_sequence_length: a run that
+        set it trained on captions of that length (Flux.1-schnell's 256, say), so its
+        samples encode them so too; none when unset (the pipeline's default is the
+        family's) or when the pipeline's call takes no length."""
+        if max_sequence_length is None or not any(t.long_context for t in cls.text):
+            return {}
+        call = inspect.signature(import_class("diffusers", cls.pipeline).__call__)
+        return ({"max_sequence_length": max_sequence_length}
+                if "max_sequence_length" in call.parameters else {})
 
     @classmethod
     def image_code(cls) -> str:

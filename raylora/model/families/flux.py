@@ -66,6 +66,7 @@ class Flux(Family):
     repeated_blocks = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
     patch = 2
     default_guidance_scale = 3.5
+    max_sequence_limit = 512  # FluxPipeline (and Kontext's, Chroma's) raise above it
     description = "Flux.1 dev/schnell (MMDiT, CLIP-L + T5-XXL)"
     kohya_export = True
     kohya_rules = KOHYA_RULES

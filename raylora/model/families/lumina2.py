@@ -67,6 +67,7 @@ class Lumina2(ZImage):
     # Lumina2Pipeline's default, run with its cfg_normalization (on) and cfg_trunc_ratio
     # (1.0: guidance at every step), which raylora's previews leave at the pipeline's.
     default_guidance_scale = 4.0
+    max_sequence_limit = 512  # Lumina2Pipeline raises above it
     system_prompt = SYSTEM
     kohya_export = True
     kohya_rules = KOHYA_RULES

@@ -53,6 +53,7 @@ class QwenImage(Family):
     default_guidance_scale = 4.0  # as true_cfg_scale (see guidance_kwargs)
     # The empty negative prompt the pipeline's docstring names (None turns guidance off).
     empty_caption = " "
+    max_sequence_limit = 1024  # QwenImagePipeline (and the Edit one) raise above it
     description = "Qwen-Image (MMDiT, Qwen2.5-VL text encoder)"
     # a video VAE (per-channel statistics), a still image as one frame
     latent_stats = staticmethod(per_channel_stats)

@@ -67,6 +67,7 @@ class QwenImage21(QwenImage):
     name = "qwenimage21"
     class_names = ("QwenImage21Pipeline",)
     pipeline = "QwenImage21Pipeline"
+    max_sequence_limit = None  # its pipeline takes no max_sequence_length (it keeps every token)
     # The pipeline keeps every caption token (it does not truncate); raylora pads to a
     # length: 512 the template's tokens included, model.max_sequence_length sets it.
     text = (TextInput("text_encoder", "processor", "input_ids", max_length=512, template=TEMPLATE,
@@ -123,8 +124,32 @@ class QwenImage21(QwenImage):
 
     @classmethod
     def denoise(cls, model, noisy, t, cond: Cond, **extra) -> torch.Tensor:
+        """Rows of one caption length per transformer call. Its rope (diffusers'
+        QwenImage21Rope) puts the image after every text position of the batch, padding
+        included, so a shorter caption padded to a longer one's length moved its image:
+        a prediction the pipeline, which never pads a lone prompt, does not make. One
+        length (every batch of one row): one call, no host sync."""
+        mask = cond["prompt_embeds_mask"]
+        if noisy.shape[0] == 1 or mask.is_meta:
+            return cls._denoise_rows(model, noisy, t, cond["prompt_embeds"], mask)
+        lengths = mask.sum(1).tolist()  # the captions' own lengths (zero-padded after)
+        if len(set(lengths)) == 1:
+            return cls._denoise_rows(model, noisy, t, cond["prompt_embeds"], mask)
+        t = t.expand(noisy.shape[0]) if t.ndim else t.repeat(noisy.shape[0])
+        order, parts = [], []
+        for n in sorted(set(lengths)):
+            rows = [i for i, k in enumerate(lengths) if k == n]
+            at = torch.tensor(rows, device=noisy.device)
+            n = int(n)
+            parts.append(cls._denoise_rows(model, noisy[at], t[at], cond["prompt_embeds"][at, :n],
+                                           mask[at, :n]))
+            order += rows
+        out = torch.cat(parts)
+        return out[torch.argsort(torch.tensor(order, device=out.device))]
+
+    @classmethod
+    def _denoise_rows(cls, model, noisy, t, emb, mask) -> torch.Tensor:
         b, c, h, w = noisy.shape
-        emb, mask = cond["prompt_embeds"], cond["prompt_embeds_mask"]
         # The joint sequence: the caption, then one image slot per 2×2 group of latent
         # pixels (the transformer expands each to its four tokens); the output covers it
         # all and the image is its tail. The transformer lays the sequence out from this

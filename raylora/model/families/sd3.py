@@ -57,6 +57,7 @@ class SD3(Family):
     repeated_blocks = ("JointTransformerBlock",)
     patch = 2
     default_guidance_scale = 7.0
+    max_sequence_limit = 512  # StableDiffusion3Pipeline raises above it
     description = "SD3 / SD3.5 (MMDiT, CLIP-L + CLIP-G + T5-XXL)"
     kohya_export = True
     kohya_rules = KOHYA_RULES

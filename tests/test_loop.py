@@ -195,6 +195,29 @@ def test_nonfinite_steps_are_skipped_counted_and_abort_when_repeated(base_config
     assert "fp16 overflow" in nonfinite_advice(fp16)
 
 
+def test_an_fp16_overflow_skip_is_the_scalers_calibration_not_a_nonfinite_step(base_config, batches):
+    """fp16: GradScaler skips a step whose scaled gradients overflow and halves its scale
+    (and tries a larger scale every 2000 clean steps). The loss was finite: the row keeps
+    it and the run goes on; a scale that starts far too high overflowed 5 steps in a row,
+    which was reported as NaN and stopped the run. Accelerate builds the scaler on CUDA
+    only, so the same GradScaler is attached to the CPU Accelerator here."""
+    cfg = validate(base_config)
+    accel = _fresh_accelerator(1, "fp16")
+    accel.scaler, accel.native_amp = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40), True
+    run = build_run(cfg, accel, 8, rank=0)
+    scales, snapshots = [], []
+    run_loop(run, LoopSettings(max_steps=8, images_per_step=2, checkpoint_every=100,
+                               max_nonfinite_steps=3, readback_every=1),
+             LoopHooks(lambda e: batches[:8], on_step=lambda row: (
+                 scales.append(accel.scaler.get_scale()),
+                 snapshots.append([p.detach().clone() for p in run.params]))))
+    st = run.state
+    losses = [r["loss"] for r in st.history]
+    assert st.global_step == 8 and st.nonfinite_steps == 0 and all(np.isfinite(losses))
+    assert scales == [2.0 ** (39 - i) for i in range(8)]  # 8 overflows in a row, each skipped
+    assert all(torch.equal(a, b) for a, b in zip(snapshots[0], snapshots[-1]))
+
+
 def _readbacks(monkeypatch) -> list[int]:
     """How many steps each read-back of the loss brought home (a spy on the loop's one
     device → host transfer of losses)."""

@@ -120,7 +120,8 @@ def train_micro_step(
     terms: dict | None = None,
 ) -> torch.Tensor:
     """Forward + backward for one micro-batch (``terms``: see ``compute_loss``); the optimizer steps on the last of each
-    accumulation group. Returns the detached loss, NaN when the optimizer step was skipped.
+    accumulation group. Returns the detached loss, NaN when the optimizer step was skipped
+    (but for an fp16 GradScaler's overflow skip: its scale is lowered, the loss stands).
 
     Non-finite gradients skip the optimizer step. Backward always runs (DDP expects it),
     and the check happens after the gradients were all-reduced, so a NaN on any rank, in
@@ -163,6 +164,11 @@ def train_micro_step(
     loss = loss.detach()
     if flagged is not None:  # NaN when skipped, decided on the device
         return torch.where(finite, loss, torch.full_like(loss, float("nan")))
+    if skip and accelerator.scaler is not None and accelerator.scaler.get_scale() >= 1.0:
+        # fp16: the GradScaler skipped an overflow and lowered its scale, its calibration
+        # (it tries a larger scale every 2000 clean steps): the loss stands, and the step
+        # is not the model's NaN/inf. Gradients still non-finite below scale 1 are.
+        return loss
     return torch.full_like(loss, float("nan")) if skip else loss
 
 

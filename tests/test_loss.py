@@ -80,6 +80,10 @@ def test_snr_and_min_snr_weights_match_the_closed_form_and_diffusers():
     w = min_snr_weights(e, gamma, "epsilon")
     # Low-noise timesteps (SNR > γ) are down-weighted; high-noise ones keep weight 1.
     assert w[0] < 0.01 and w[-1] == 1.0
+    # Zero terminal SNR (rescale_betas_zero_snr): SNR 0 at t = T−1, weight 1 (the limit), not 0/0.
+    zero = torch.tensor([0.0, 1e-6, 10.0])
+    assert min_snr_weights(zero, gamma, "epsilon").tolist() == [1.0, 1.0, 0.5]
+    assert min_snr_weights(zero, gamma, "v_prediction")[0] == 0.0
 
 
 def test_weighted_loss_is_the_mean_of_weighted_per_sample_mse():

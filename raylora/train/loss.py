@@ -51,7 +51,9 @@ def min_snr_weights(snr_t: torch.Tensor, gamma: float, prediction_type: str) -> 
     """
     clipped = torch.clamp(snr_t, max=gamma)
     if prediction_type == "epsilon":
-        return clipped / snr_t
+        # SNR 0 (t = T−1 of a zero-terminal-SNR schedule): 0/0, whose limit is 1; a NaN
+        # there skipped every optimizer step whose batch drew that timestep.
+        return torch.where(snr_t > 0, clipped / snr_t, torch.ones_like(snr_t))
     if prediction_type == "v_prediction":
         return clipped / (snr_t + 1)
     raise ValueError(f"train.prediction_type: unknown prediction type {prediction_type!r}")

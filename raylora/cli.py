@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 
@@ -173,6 +174,10 @@ def _export(args) -> int:
 def _tiny_model(args) -> int:
     from raylora.model.tiny import build_tiny
 
+    if os.path.isdir(args.dest) and os.listdir(args.dest):
+        # Random weights over a model (or another family's components beside its own)
+        raise ValueError(f"{args.dest}: not empty; tiny-model writes a new folder (remove it "
+                         "or choose another)")
     dest = build_tiny(args.dest, family=args.family, seed=args.seed, schnell=args.schnell,
                       experts=args.experts)
     print(f"raylora: tiny model   {dest}")

@@ -64,7 +64,9 @@ class ConfigError(ValueError):
 class _Section(BaseModel):
     # Unknown keys are almost always typos (`learning_rat`); silently ignoring them trains
     # with the default and wastes a cluster run.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf/nan (YAML's .inf, .nan) are no setting: they only showed as non-finite losses
+    # once the model had loaded.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 def hub_model(uri: str, revision: str | None, keys=("model.pretrained", "model.revision")
@@ -641,7 +643,7 @@ class FlowSection(_Section):
     @field_validator("shift")
     @classmethod
     def _positive_shift(cls, v):
-        if v != "auto" and v <= 0:
+        if v != "auto" and not v > 0:
             raise ValueError("must be > 0 (1.0 = no shift) or auto")
         return v
 
@@ -958,8 +960,20 @@ class TrackingSection(_Section):
     """Experiment tracking besides the always-written metrics.jsonl."""
 
     backend: Literal["none", "wandb", "tensorboard"] = "none"
-    project: str = Field("raylora", description="wandb project.")
+    project: str = Field("raylora", description="wandb project; `team/project` logs to "
+                         "that team (entity).")
     run_name: str | None = Field(None, description="Default: the last part of output.uri.")
+
+    @field_validator("project")
+    @classmethod
+    def _wandb_name(cls, v: str) -> str:
+        # wandb refuses these characters in a project, only once a worker opens the run
+        name = v.split("/", 1)[-1] if v.count("/") == 1 else v
+        bad = sorted(set(name) & set("/\\#?%:"))
+        if not name.strip() or bad or len(name) > 128:
+            raise ValueError(f"{v!r}: a wandb project name (at most 128 characters, none of "
+                             "/ \\ # ? % :), or team/project")
+        return v
     wandb_mode: Literal["online", "offline"] = Field(
         "online",
         description="offline: write the run locally (no network); `wandb sync` uploads it later.",
@@ -1000,6 +1014,15 @@ class StorageSection(_Section):
         None, description="S3-compatible endpoint (MinIO, Ceph, ...); default AWS_ENDPOINT_URL."
     )
     region: str | None = Field(None, description="Default: AWS_REGION, else us-east-1.")
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _a_url(cls, v: str | None) -> str | None:
+        # "minio:9000" parses as the scheme "minio": S3 then failed with "Invalid S3
+        # connection scheme", naming neither this key nor the value.
+        if v is not None and not re.match(r"https?://[^/]", v):
+            raise ValueError(f"{v!r} is not an http:// or https:// URL (e.g. http://{v})")
+        return v
 
     def client(self):
         from raylora.storage import Storage
@@ -1182,9 +1205,28 @@ class RayLoraConfig(_Section):
         return self.model_dump(mode="json")
 
 
+URI_KEYS = re.compile(r"(^|_)uri$|^pretrained$|^init_from$")
+
+
+def _blank_uris(tree: Any, where: str = "") -> list[str]:
+    """Every path or URI given as an empty string: ``output.uri=$OUT`` with OUT unset read
+    as the working directory, where the run then wrote (and resumed from) whatever it
+    found."""
+    out = []
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
+    for k, v in items:
+        key = f"{where}[{k}]" if isinstance(k, int) else f"{where}.{k}" if where else k
+        named = URI_KEYS.search(str(k)) or (isinstance(k, int) and URI_KEYS.search(where.split(".")[-1]))
+        if named and isinstance(v, str) and not v.strip():
+            out.append(f"{key}: empty; give a path or URI (an unset environment variable?)")
+        elif isinstance(v, (dict, list)) and not (isinstance(k, str) and k == "search_space"):
+            out += _blank_uris(v, key)
+    return out
+
+
 def _cross_checks(cfg: RayLoraConfig) -> list[str]:
     """Combinations that are each valid alone but cannot run together."""
-    problems = []
+    problems = _blank_uris(cfg.to_dict())
     if cfg.train.mixed_precision == "fp16" and not cfg.scaling.use_gpu:
         problems.append(
             "train.mixed_precision: fp16 needs a GPU (scaling.use_gpu is false); use bf16 or no"
@@ -1802,8 +1844,16 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         raise ConfigError([f"{key}: cannot parse override value {raw!r}: {exc}"]) from None
     path = key.split(".")
     if path[:2] == SEARCH_SPACE and len(path) > 2:
-        path = [*SEARCH_SPACE, ".".join(path[2:])]
-    return path, value
+        return [*SEARCH_SPACE, ".".join(path[2:])], value
+    # A list item as the errors name it: data.sources[1].weight → data, sources, 1, weight
+    return [p for part in path for p in _indexed(part)], value
+
+
+def _indexed(part: str) -> list:
+    m = re.fullmatch(r"(.+?)((?:\[\d+\])+)", part)
+    if not m:
+        return [part]
+    return [m.group(1), *(int(i) for i in re.findall(r"\d+", m.group(2)))]
 
 
 def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -1815,21 +1865,40 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
         except ConfigError as exc:
             problems.extend(exc.problems)
             continue
-        node = tree
-        for i, part in enumerate(path[:-1]):
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                problems.append(f"{'.'.join(path[: i + 1])}: is a value, not a section")
-                break
-            node = child
-        else:
-            if value is None and path[:-1] == SEARCH_SPACE:
-                node.pop(path[-1], None)  # `tune.search_space.lora.rank=null`: not searched
-            else:
-                node[path[-1]] = value
+        problem = _set(tree, path, value)
+        if problem:
+            problems.append(problem)
     if problems:
         raise ConfigError(problems)
     return tree
+
+
+def _set(tree: dict, path: list, value: Any) -> str | None:
+    """``tree`` at ``path`` (keys, and list indices as ints) set to ``value``, sections made
+    on the way; the problem, if the path runs through a value or past a list's end."""
+    node = tree
+    for i, part in enumerate(path):
+        if isinstance(part, int):
+            if not isinstance(node, list) or not 0 <= part < len(node):
+                size = f"a list of {len(node)}" if isinstance(node, list) else "not a list"
+                return f"{_dotted(path[: i + 1])}: no such item ({_dotted(path[:i])} is {size})"
+        elif not isinstance(node, dict):
+            return f"{_dotted(path[:i])}: is a value, not a section"
+        if i == len(path) - 1:
+            break
+        if isinstance(part, str) and part not in node:
+            node[part] = {}
+        node = node[part]
+    if value is None and path[:-1] == SEARCH_SPACE:
+        node.pop(path[-1], None)  # `tune.search_space.lora.rank=null`: not searched
+    else:
+        node[path[-1]] = value
+    return None
+
+
+def _dotted(path: list) -> str:
+    """["data", "sources", 1, "weight"] → "data.sources[1].weight"."""
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
 
 
 def _without(tree: dict, locs: list[tuple]) -> dict:
@@ -1858,15 +1927,22 @@ def validate(tree: Any, source: str | None = None) -> RayLoraConfig:
     """Validate a raw config tree; raise one ConfigError listing every problem."""
     if not isinstance(tree, dict):
         raise ConfigError(["<root>: the config must be a mapping of sections"], source)
+    # A section whose keys are all commented out is YAML's null: its defaults (but
+    # `tune: null`, which means no search).
+    tree = {k: {} if v is None and k != "tune" and k in RayLoraConfig.model_fields else v
+            for k, v in tree.items()}
     try:
         cfg = RayLoraConfig.model_validate(tree)
     except ValidationError as exc:
         problems = _format_pydantic(exc)
         # The combinations still get checked, on the tree without its invalid values (they
-        # fall back to defaults), so one run of `raylora validate` shows every problem.
+        # fall back to defaults), so one run of `raylora validate` shows every problem;
+        # not for a key already named (a removed value reads as missing there).
+        named = {p.split(":", 1)[0] for p in problems}
         try:
             rest = RayLoraConfig.model_validate(_without(tree, [e["loc"] for e in exc.errors()]))
-            problems += [p for p in _cross_checks(rest) if p not in problems]
+            problems += [p for p in _cross_checks(rest)
+                         if p not in problems and p.split(":", 1)[0] not in named]
         except ValidationError:
             pass  # a required value is what is missing: nothing more to learn
         raise ConfigError(problems, source) from None
@@ -1876,6 +1952,24 @@ def validate(tree: Any, source: str | None = None) -> RayLoraConfig:
     return cfg
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping: YAML keeps the last, so a
+    second ``train:`` section silently dropped the first one's settings."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark,
+                    f"{key!r} is given twice (lines {seen[key] + 1} and "
+                    f"{key_node.start_mark.line + 1}); YAML would keep only the last",
+                    key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RayLoraConfig:
     path = Path(path)
     try:
@@ -1883,7 +1977,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RayLora
     except OSError as exc:
         raise ConfigError([f"{path}: cannot read config file ({exc.strerror})"]) from None
     try:
-        tree = yaml.safe_load(text) or {}
+        tree = yaml.load(text, Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as exc:
         raise ConfigError([f"{path}: not valid YAML: {exc}"]) from None
     tree = apply_overrides(tree, overrides or [])

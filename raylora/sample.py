@@ -35,6 +35,7 @@ def sample(
     ``model.max_sequence_length`` the run set, if it set one."""
     from raylora.storage import Storage
 
+    _check_out(out, steps, size)
     control = None
     if isinstance(image, list):  # --image given several times: the inputs in order
         image = image[0] if len(image) == 1 else image or None
@@ -80,6 +81,27 @@ def sample(
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     image.save(out)
     return out
+
+
+def _check_out(out: str, steps: int, size: int | None) -> None:
+    """What the call's arguments must be, checked before the pipeline loads (minutes for
+    a big model) rather than after the image was drawn."""
+    from PIL import Image
+
+    if steps < 1:
+        raise ValueError(f"--steps: {steps}; at least 1")
+    if size is not None and size < 8:
+        raise ValueError(f"--size: {size}; pixels per side (e.g. 512)")
+    ext = os.path.splitext(out)[1].lower()
+    if ext not in Image.registered_extensions():
+        raise ValueError(f"--out: {out}: name an image file (.png, .jpg, .webp)")
+    parent = os.path.dirname(os.path.abspath(out))
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out: cannot write in {parent} ({exc.strerror})") from None
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"--out: cannot write in {parent}")
 
 
 def load_pipeline(model: str, adapter: str | list[str], expert: str | None = None,

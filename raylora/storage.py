@@ -140,6 +140,9 @@ def _s3(endpoint_url: str | None, region: str | None) -> pafs.S3FileSystem:
         "request_timeout": 60,
     }
     if endpoint:
+        if not re.match(r"https?://[^/]", endpoint):
+            raise ValueError(f"AWS_ENDPOINT_URL: {endpoint!r} is not an http:// or https:// URL "
+                             f"(e.g. http://{endpoint})")
         parsed = urlparse(endpoint)
         kwargs["endpoint_override"] = parsed.netloc or parsed.path
         kwargs["scheme"] = parsed.scheme or "https"

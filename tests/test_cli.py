@@ -169,6 +169,10 @@ def test_tiny_model_and_demo_data_commands(tmp_path):
     index = json.load(open(tmp_path / "m" / "model_index.json"))
     assert index["_class_name"] == "StableDiffusionPipeline"
     assert index["unet"] == ["diffusers", "UNet2DConditionModel"]
+    weights = (tmp_path / "m" / "unet" / "diffusion_pytorch_model.safetensors").read_bytes()
+    p = _run(["tiny-model", str(tmp_path / "m"), "--family", "sdxl"])  # not over a model
+    assert p.returncode == 2 and f"{tmp_path / 'm'}: not empty; tiny-model writes a new folder" in p.stderr
+    assert (tmp_path / "m" / "unet" / "diffusion_pytorch_model.safetensors").read_bytes() == weights
     p = _run(["demo-data", str(tmp_path / "d"), "--num", "10", "--shards", "3"])
     assert p.returncode == 0, p.stderr
     import pyarrow.parquet as pq
@@ -191,6 +195,16 @@ def test_sample_names_a_model_or_adapter_path_that_is_not_there(tmp_path, capsys
     assert main(["sample", "--model", str(tmp_path), "--adapter", str(missing), *rest]) == 2
     assert f"raylora: error: --adapter: {missing}: no such file or folder here" in capsys.readouterr().err
     assert not (tmp_path / "s.png").exists()
+    # The call's own arguments, before anything loads (a folder that is no model here)
+    model = ["sample", "--model", str(tmp_path), "--adapter", str(missing), "--prompt", "p"]
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    for args, want in (
+            (["--out", str(tmp_path / "s")], f"--out: {tmp_path / 's'}: name an image file"),
+            (["--out", str(blocked / "s.png")], f"--out: cannot write in {blocked}"),
+            (["--out", str(tmp_path / "s.png"), "--steps", "0"], "--steps: 0; at least 1")):
+        assert main([*model, *args]) == 2
+        assert f"raylora: error: {want}" in capsys.readouterr().err
 
 
 def test_a_ray_address_where_no_cluster_answers_is_named_at_once(tmp_path, tiny_model, demo_data):

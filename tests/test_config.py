@@ -230,6 +230,59 @@ def test_unreadable_or_bad_yaml_named(tmp_path):
         load_config(bad)
 
 
+def test_a_key_given_twice_in_a_yaml_file_is_refused_naming_both_lines(tmp_path):
+    """YAML keeps the last of two equal keys: a second `train:` dropped the first one's
+    learning rate and batch size, and the run trained with the defaults."""
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("model: {pretrained: m}\ntrain:\n  learning_rate: 5.0e-5\ndata: {uri: d}\n"
+                     "train:\n  max_steps: 10\noutput: {uri: o, uri: p}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(twice)
+    assert "'train' is given twice (lines 2 and 5)" in str(err.value)
+
+
+def test_settings_no_run_can_use_are_refused_before_anything_runs(tmp_path):
+    """An empty path or URI (an unset environment variable: it read as the working
+    directory, where the run wrote and resumed), inf/nan numbers (non-finite losses once
+    the model loaded), an endpoint without its scheme ("Invalid S3 connection scheme"),
+    a wandb project name wandb refuses once a worker opens the run."""
+    tree = apply_overrides(MIN, [
+        "output.uri=", "data.validation_uri=[v, ' ']", "lora.init_from=''",
+        "train.learning_rate=.inf", "lora.alpha=.nan", "train.flow.shift=.nan",
+        "storage.endpoint_url=minio.internal:9000", "tracking.project=a:b"])
+    with pytest.raises(ConfigError) as err:
+        validate(tree)
+    assert sorted(err.value.problems) == sorted([
+        "output.uri: empty; give a path or URI (an unset environment variable?)",
+        "data.validation_uri[1]: empty; give a path or URI (an unset environment variable?)",
+        "lora.init_from: empty; give a path or URI (an unset environment variable?)",
+        "train.learning_rate: Input should be a finite number (got inf)",
+        "lora.alpha: Input should be a finite number (got nan)",
+        "train.flow.shift: Input should be a finite number; or 'auto' (got nan)",
+        "storage.endpoint_url: 'minio.internal:9000' is not an http:// or https:// URL "
+        "(e.g. http://minio.internal:9000)",
+        "tracking.project: 'a:b': a wandb project name (at most 128 characters, none of "
+        "/ \\ # ? % :), or team/project"])
+    ok = validate(apply_overrides(MIN, ["storage.endpoint_url=http://minio:9000",
+                                        "tracking.project=team/proj"]))
+    assert ok.tracking.project == "team/proj"
+
+
+def test_an_empty_section_is_its_defaults_and_list_items_are_overridden_by_index(tmp_path):
+    """`lora:` with every key commented out is YAML's null: the section's defaults (but
+    `tune: null`: no search). An override names a list item as the errors do."""
+    cfg = validate({**MIN, "lora": None, "train": None, "tune": None})
+    assert cfg.lora.rank == 4 and cfg.train.batch_size == 4 and cfg.tune is None
+    tree = {**MIN, "data": {"sources": [{"uri": "a", "weight": 1}, {"uri": "b", "weight": "2x"}]}}
+    with pytest.raises(ConfigError) as err:  # one problem: not also "weight: missing"
+        validate(tree)
+    assert [p.split(":")[0] for p in err.value.problems] == ["data.sources[1].weight"]
+    fixed = validate(apply_overrides(tree, ["data.sources[1].weight=2"]))
+    assert [s.weight for s in fixed.data.sources] == [1, 2]
+    with pytest.raises(ConfigError, match=r"data.sources\[2\]: no such item \(data.sources is a list of 2\)"):
+        apply_overrides(tree, ["data.sources[2].weight=2"])
+
+
 def test_to_dict_round_trips():
     cfg = validate(apply_overrides(MIN, ["lora.rank=16", "train.lr_scheduler=cosine"]))
     again = RayLoraConfig.model_validate(cfg.to_dict())

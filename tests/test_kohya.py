@@ -634,6 +634,11 @@ def test_export_command(dit_adapter, tmp_path, capsys):
         assert "no module of wan's reference checkpoint (the kohya/ComfyUI layout) corresponds" in out
     rc, out = run(folder, "--family", "nope")
     assert rc == 2 and "--family: unknown family 'nope'" in out
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    for inside in (folder / "pytorch_lora_weights.safetensors", folder / "k.safetensors"):
+        rc, out = run(folder, "--out", inside)  # the folder's own weights: refused
+        assert rc == 2 and f"--out: {inside} is inside the adapter folder {folder}" in out
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
     os.remove(folder / "pytorch_lora_weights.safetensors")
     rc, out = run(folder)
     assert rc == 2 and f"{folder}/pytorch_lora_weights.safetensors: not found" in out

@@ -283,5 +283,11 @@ def export_folder(adapter_dir: str, dest: str | None = None, family: str | None 
     if not fam.kohya_export:
         raise ValueError(f"{adapter_dir}: kohya export is not available for {fam.name}")
     dest = dest or os.path.join(os.path.dirname(os.path.abspath(adapter_dir)), KOHYA_FILE)
+    folder = os.path.realpath(adapter_dir)
+    if os.path.realpath(dest) == folder or os.path.realpath(dest).startswith(folder + os.sep):
+        # The adapter folder is published whole (manifest.json lists its files): a file
+        # written into it, its weights above all, breaks what it holds.
+        raise ValueError(f"--out: {dest} is inside the adapter folder {adapter_dir}; write the "
+                         "kohya file beside it")
     export_kohya(weights, dest, base_model, fam)
     return dest, fam, how

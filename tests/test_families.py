@@ -888,6 +888,27 @@ QWEN = ("qwenimage", "qwenimage21", "qwenimageedit")  # true CFG with a negative
 TRIMMED = ("qwenimage", "qwenimage21", "qwenimageedit", "zimage", "lumina2", "sana")
 
 
+def test_sdxl_samples_guidance_from_the_empty_prompt_its_dropped_captions_trained_on(tiny):
+    """StableDiffusionXLPipeline without a negative prompt guides from all-zero embeddings
+    (force_zeros_for_empty_prompt); dropped captions train on the empty prompt's. Sampled
+    with the family's guidance arguments, its unconditional branch is what they trained."""
+    from stock import stock_pipeline
+
+    fam, model = families.get("sdxl"), tiny("sdxl")
+    kwargs = fam.guidance_kwargs(5.0)
+    assert kwargs == {"guidance_scale": 5.0, "negative_prompt": [""]}
+    comps, batch = _raylora_batch(model, "sdxl", [""])
+    pipe = stock_pipeline("sdxl", model)
+    with torch.no_grad():
+        ours = fam.encode_text(comps.text_encoders, batch)
+        _, neg, _, neg_pooled = pipe.encode_prompt("a red square", do_classifier_free_guidance=True,
+                                                   negative_prompt=kwargs["negative_prompt"])
+        _, zeros, _, _ = pipe.encode_prompt("a red square", do_classifier_free_guidance=True)
+    torch.testing.assert_close(neg, ours["prompt_embeds"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(neg_pooled, ours["pooled_prompt_embeds"], rtol=1e-5, atol=1e-6)
+    assert not zeros.any() and ours["prompt_embeds"].abs().max() > 0.1  # what it sampled before
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_caption_dropout_trains_on_the_unconditional_prompt_the_family_samples_with(tiny, family):
     """A dropped caption is the prompt raylora's previews and model card give guidance's

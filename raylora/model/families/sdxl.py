@@ -19,6 +19,14 @@ class SDXL(SD):
     description = "SDXL (UNet, CLIP-L + CLIP-G)"
 
     @classmethod
+    def guidance_kwargs(cls, scale: float | None = None, batch: int = 1) -> dict:
+        # Without a negative prompt StableDiffusionXLPipeline guides from all-zero
+        # embeddings (force_zeros_for_empty_prompt); a dropped caption trains on the empty
+        # prompt's CLIP embeddings, as kohya-ss and ComfyUI's empty negative encode it:
+        # raylora samples with that, and the card's call names it.
+        return {**super().guidance_kwargs(scale, batch), "negative_prompt": [cls.empty_caption] * batch}
+
+    @classmethod
     def cond_keys(cls):
         return ("prompt_embeds", "pooled_prompt_embeds", "time_ids")
 

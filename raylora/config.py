@@ -1224,6 +1224,21 @@ def _blank_uris(tree: Any, where: str = "") -> list[str]:
     return out
 
 
+def warmup_problems(t: TrainSection, steps: int, named: str) -> list[str]:
+    """``train.lr_warmup_steps`` against the run's optimizer ``steps`` (``named``: where
+    they come from): a longer warmup never reaches train.learning_rate, and polynomial's
+    decay divides by their difference (diffusers' schedule failed at the last step, before
+    the final checkpoint). The driver checks the steps a run of num_epochs plans too."""
+    w = t.lr_warmup_steps
+    if w > steps:
+        return [f"train.lr_warmup_steps: {w} is more than the run's {steps} optimizer steps "
+                f"({named}): the rate would never reach train.learning_rate"]
+    if w and w == steps and t.lr_scheduler == "polynomial":
+        return [f"train.lr_warmup_steps: {w}, all of the run's optimizer steps ({named}): "
+                "polynomial decays over the steps after warmup and there would be none"]
+    return []
+
+
 def _cross_checks(cfg: RayLoraConfig) -> list[str]:
     """Combinations that are each valid alone but cannot run together."""
     problems = _blank_uris(cfg.to_dict())
@@ -1242,12 +1257,8 @@ def _cross_checks(cfg: RayLoraConfig) -> list[str]:
     problems += _fsdp_checks(cfg)
     problems += _variant_checks(cfg)
     problems += _frozen_text_encoder_checks(cfg.lora)
-    if cfg.train.lr_warmup_steps and cfg.train.max_steps:
-        if cfg.train.lr_warmup_steps > cfg.train.max_steps:
-            problems.append(
-                f"train.lr_warmup_steps: {cfg.train.lr_warmup_steps} is more than "
-                f"train.max_steps ({cfg.train.max_steps})"
-            )
+    if cfg.train.max_steps:
+        problems += warmup_problems(cfg.train, cfg.train.max_steps, "train.max_steps")
     problems += _schedule_checks(cfg.train)
     d = cfg.data
     problems += _data_checks(d)

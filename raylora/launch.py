@@ -292,6 +292,10 @@ def family_problems(cfg: RayLoraConfig, family, multiple: int, native: str | Non
     if cfg.model.system_prompt is not None and family.system_prompt is None:
         out.append(f"model.system_prompt: {family.name} ({family.pipeline}) takes no system "
                    "prompt; leave it unset")
+    msl, limit = cfg.model.max_sequence_length, family.max_sequence_limit
+    if msl and limit and msl > limit:
+        out.append(f"model.max_sequence_length: {msl} is more than {family.pipeline} accepts "
+                   f"({limit}): the adapter could not be sampled as it trained")
     if cfg.model.expert and not family.experts:
         out.append(f"model.expert: {cfg.model.expert}: {family.name} pipelines have one denoiser; "
                    "leave it unset")
@@ -365,13 +369,18 @@ def apply_cache(cfg: RayLoraConfig, p: Plan) -> Plan:
     """``data.cache=latents``: build or reuse the cache (needs Ray), then plan training over
     its files. Row counts are exact from here on, held-out split included."""
     from raylora.data.cache import ensure_cache
+    from raylora.data.plan import cached_row_buckets
 
     if cfg.data.cache != "latents":
         return p
     store, loads = cfg.storage.client(), cfg.at_commit(p.model_commit)
     entry = ensure_cache(loads, p.family, p.model_path, p.data_plan(), store,
                          bad_records=p.bad_records)
-    data = entry.plan(cfg.data)
+    # The cache holds the training rows alone (its build drops the held-out split): its
+    # counts are not scaled by the split again (they were: 74 cached rows planned as 56).
+    data = replace(entry.plan(cfg.data), heldout_dropped=True)
+    if cfg.data.bucketing:
+        data = cached_row_buckets(data, store)
     return _carry(_arithmetic(cfg, p.model_path, data, p.heldout, []), p,
                   cache_uri=entry.uri, cache_reused=entry.reused)
 
@@ -431,9 +440,10 @@ def apply_class_images(cfg: RayLoraConfig, p: Plan) -> Plan:
 def _arithmetic(cfg: RayLoraConfig, model_path: str, data, heldout: list[dict], problems: list[str]) -> Plan:
     t, world = cfg.train, cfg.scaling.max_workers
     total = data.rows
-    if cfg.data.validation_split:
+    if cfg.data.validation_split and not data.heldout_dropped:
         # Expected training rows; the exact count depends on the hash of every row, which
-        # is only known by reading all of them (stream sharding does not need it exact).
+        # is only known by reading all of them (README: num_epochs). Buckets count them
+        # exactly (_bucket_steps), as does the latent cache (heldout_dropped).
         total = round(total * (1 - cfg.data.validation_split))
     rows_per_worker = total // world
     batches_per_epoch = None
@@ -484,6 +494,7 @@ def _arithmetic(cfg: RayLoraConfig, model_path: str, data, heldout: list[dict], 
     # up; num_epochs × full updates per epoch left each epoch's remainder out of the
     # budget (7 micro-batches, accumulation 4: 4 epochs asked, 2.3 trained).
     max_steps = t.max_steps or -(-t.num_epochs * micro // t.gradient_accumulation_steps)
+    _check_warmup(cfg, max_steps)
     from raylora.data.buckets import bucket_set
 
     buckets = bucket_set(cfg.data)
@@ -515,6 +526,7 @@ def _elastic_arithmetic(cfg: RayLoraConfig, model_path: str, data, heldout: list
             f"{s.max_workers} workers, scaling.num_workers: [{s.min_workers}, {s.max_workers}])")
     if problems:
         raise ConfigError(problems)
+    _check_warmup(cfg, t.max_steps or t.num_epochs * updates)
     return Plan(
         model_path, data.format, data.files, total, total // s.max_workers, updates,
         t.max_steps or t.num_epochs * updates, data.file_rows,
@@ -522,18 +534,30 @@ def _elastic_arithmetic(cfg: RayLoraConfig, model_path: str, data, heldout: list
     )
 
 
+def _check_warmup(cfg: RayLoraConfig, steps: int) -> None:
+    """The warmup against the steps planned from train.num_epochs (config.warmup_problems;
+    validate checks a train.max_steps)."""
+    from raylora.config import warmup_problems
+
+    if not cfg.train.max_steps:
+        problems = warmup_problems(cfg.train, steps, f"train.num_epochs={cfg.train.num_epochs}")
+        if problems:
+            raise ConfigError(problems)
+
+
 def _bucket_steps(cfg: RayLoraConfig, data) -> dict[int, int]:
     """data.bucketing: each bucket's micro-batches per worker per epoch: under
     data.sharding=files the smallest worker's full batches of it, else (one worker) the
-    full batches of the rows expected after a held-out split."""
+    full batches of its rows. Exact with a held-out split too: the bucket counts leave
+    the held-out rows out, row by row (``raylora.data.plan.scan_buckets``; a latent
+    cache holds none), where every bucket scaled by the split was off by the hash's luck."""
     from raylora.data.buckets import epoch_steps
 
     world = cfg.scaling.max_workers
     if cfg.data.sharding == "files":
         per = [data.for_rank(r, world).bucket_rows() for r in range(world)]
     else:
-        keep = (1 - cfg.data.validation_split) / world
-        per = [{b: n * keep for b, n in data.bucket_rows().items()}]
+        per = [{b: n / world for b, n in data.bucket_rows().items()}]
     return epoch_steps(per, cfg.train.batch_size)
 
 

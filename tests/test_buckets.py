@@ -399,3 +399,216 @@ def test_memory_estimate_uses_the_largest_bucket(tiny, demo_data, tmp_path):
     assert "sdxl 128x128 px" in est.table()
     # a non-square bucket's batch has its height and width
     assert memory.from_config(bucketed, resolution=(128, 32)).activations < est.activations
+
+
+# --- 4. epoch counts: partial copies, held-out split, latent cache (no Ray) --------------
+
+def write_shapes(path, sizes: list[tuple[int, int]], prefix: str, seed: int) -> None:
+    """A parquet file of noise PNGs of ``sizes`` (w, h), captioned ``{prefix} {i}``."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng, images = np.random.default_rng(seed), []
+    for w, h in sizes:
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
+        images.append(buf.getvalue())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"image": images, "text": [f"{prefix} {i}" for i in range(len(sizes))]}),
+                   path)
+
+
+def epoch_buckets(data, plan, epoch: int, cached: bool = False) -> list[tuple[str, int]]:
+    """``(key, bucket)`` of each training row epoch ``epoch`` reads, through the read stage's
+    own functions (read_units, pass_items, _part_tables/_unit_tables, KeepSplit), no Ray."""
+    from raylora.data import source as src
+    from raylora.data.buckets import bucket_set, image_size
+    from raylora.data.plan import pass_items, read_units
+    from raylora.data.split import KeepSplit
+    from raylora.storage import Storage
+
+    store, sections, buckets, out = Storage(), data.source_sections(), bucket_set(data), []
+    for item in pass_items(read_units(data, plan, store, 8, cached), 5, epoch, True):
+        s = plan.sources[item["k"]]
+        section = sections[s.index]
+        tables = src._part_tables(item, section, cached, store) if item["kind"] == "parquet" \
+            else src._unit_tables(item, section, s.format, s.files, store)
+        for t in tables:
+            if cached:  # a cache's rows: their bucket, a key of the file and the row
+                out += [(f"{item['uri']}#{r}", int(b)) for r, b in
+                        zip(t["row"].to_pylist(), t["bucket"].to_pylist())]
+                continue
+            rows = src._as_source(t, section, int(item["source"])).to_pydict()
+            if data.validation_split:
+                kept = KeepSplit(data.validation_split)({k: np.array(v, dtype=object)
+                                                         for k, v in rows.items()})
+                rows = {k: v.tolist() for k, v in kept.items()}
+            out += [(k, buckets.assign(*image_size(i), s.index))
+                    for k, i in zip(rows["key"], rows["image"])]
+    return out
+
+
+def train_epoch(reads: list[tuple[str, int]], steps: dict[int, int], batch: int, epoch: int):
+    """Times each row trains in the epoch (bucket_batches on the schedule of ``steps``)."""
+    from collections import Counter
+
+    block = {"epoch": np.full(len(reads), epoch, np.int32),
+             "bucket": np.array([b for _, b in reads], np.int32),
+             "key": np.array([k for k, _ in reads], dtype=object)}
+    trained = Counter()
+    for _, b in bucket_batches([block], batch, lambda e: schedule(steps, 3, e), lambda e: e):
+        trained.update(b["key"].tolist())
+    return trained
+
+
+@pytest.fixture(scope="module")
+def weighted_shapes(tmp_path_factory):
+    """Source a: 30 images in two files, landscape, portrait and square in a seeded order;
+    source b: 10 squares. Weights 1:2 make epochs of 40: a's rows count 4/9 times each,
+    b's 8/3 times: both draw partial copies."""
+    root = tmp_path_factory.mktemp("weighted")
+    kinds = [(96, 48), (48, 96), (64, 64)]
+    order = np.random.default_rng(4).integers(0, 3, 30)
+    write_shapes(root / "a" / "0.parquet", [kinds[k] for k in order[:14]], "a", 1)
+    write_shapes(root / "a" / "1.parquet", [kinds[k] for k in order[14:]], "a", 2)
+    write_shapes(root / "b" / "0.parquet", [(64, 64)] * 10, "b", 3)
+    return str(root)
+
+
+def weighted_section(root: str, **more):
+    from raylora.config import DataSection
+
+    return DataSection(sources=[{"uri": f"{root}/a", "weight": 1}, {"uri": f"{root}/b", "weight": 2}],
+                       resolution=64, bucketing=True, bucket_step=16, **more)
+
+
+def test_a_fractional_weight_brings_each_bucket_its_planned_rows_every_epoch(weighted_shapes):
+    """A partial copy drawn over a source's rows whatever their bucket brought a bucket 5
+    rows one epoch and 7 the next while the schedule, planned from 6.0, stayed fixed:
+    rows trained twice, others read and skipped. Drawn per bucket, every epoch reads each
+    bucket exactly its planned rows (a different subset each epoch), for one worker and
+    for each of two under data.sharding=files."""
+    from collections import Counter
+
+    from raylora.data.plan import plan_data
+    from raylora.storage import Storage
+
+    data = weighted_section(weighted_shapes)
+    plan = plan_data(data, Storage())
+    assert [round(s.mult, 4) for s in plan.sources] == [0.4444, 2.6667]
+    planned = plan.bucket_rows()
+    steps, subsets = epoch_steps([planned], 2), set()
+    for epoch in range(6):
+        reads = epoch_buckets(data, plan, epoch)
+        assert dict(Counter(b for _, b in reads)) == planned
+        assert len(reads) == plan.rows
+        subsets.add(tuple(sorted(k for k, _ in reads if "/a/" in k)))
+        trained, read = train_epoch(reads, steps, 2, epoch), Counter(k for k, _ in reads)
+        assert all(trained[k] <= read[k] for k in trained)  # none trained more than read
+        assert sum(read.values()) - sum(trained.values()) == sum(n % 2 for n in planned.values())
+    assert len(subsets) > 3  # the partial copy is drawn anew each epoch
+    for rank in range(2):
+        mine = plan.for_rank(rank, 2)
+        for epoch in range(3):
+            assert dict(Counter(b for _, b in epoch_buckets(data, mine, epoch))) == mine.bucket_rows()
+
+
+def test_integer_multipliers_and_runs_without_buckets_read_as_before(weighted_shapes):
+    """Whole copies need no bucket per row: the plan keeps none, and the read items are
+    the affine draws over the whole group they were."""
+    from raylora.config import DataSection
+    from raylora.data.plan import pass_items, plan_data, read_units
+    from raylora.storage import Storage
+
+    root = weighted_shapes
+    whole = plan_data(DataSection(sources=[{"uri": f"{root}/a", "repeats": 2}, {"uri": f"{root}/b"}],
+                                  resolution=64, bucketing=True, bucket_step=16), Storage())
+    assert [s.row_buckets for s in whole.sources] == [None, None]
+    assert whole.rows == 2 * 30 + 10 and sum(whole.bucket_rows().values()) == 70
+    plain = weighted_section(root).model_copy(update={"bucketing": False})
+    items = pass_items(read_units(plain, plan_data(plain, Storage()), Storage(), 8), 5, 0, True)
+    partial = [it for it in items if it["keep"] >= 0]
+    assert partial and all(it["a"] >= 1 and it["mask"] == b"" for it in partial)
+
+
+def test_a_latent_cache_draws_its_partial_copies_per_bucket_too(weighted_shapes, tmp_path, monkeypatch):
+    """Over a bucketed latent cache (its files' ``bucket`` column, the manifest's counts per
+    file) a fractional weight reads each bucket its planned rows every epoch as well."""
+    from collections import Counter
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raylora import launch
+    from raylora.data import cache
+
+    ids = [np.random.default_rng(7).integers(0, 3, 30), np.zeros(10, int)]
+    files = []
+    for k, b in enumerate(ids):  # a cache part per source: its rows' buckets
+        files.append(str(tmp_path / f"part-{k}.parquet"))
+        pq.write_table(pa.table({"bucket": pa.array(b, pa.int32()), "row": np.arange(len(b))}), files[-1])
+    entry = cache.CacheEntry(str(tmp_path), files, [30, 10], False, sources=[0, 1], repeats=[1, 1],
+                             buckets=[{str(v): int(n) for v, n in zip(*np.unique(b, return_counts=True))}
+                                      for b in ids])
+    monkeypatch.setattr(cache, "ensure_cache", lambda *a, **k: entry)
+    cfg = validate({"model": {"pretrained": str(tmp_path / "model")}, "output": {"uri": str(tmp_path)},
+                    "data": {"sources": [{"uri": f"{weighted_shapes}/a", "weight": 1},
+                                         {"uri": f"{weighted_shapes}/b", "weight": 2}],
+                             "resolution": 64, "bucketing": True, "bucket_step": 16,
+                             "center_crop": True, "cache": "latents"},
+                    "train": {"batch_size": 2}})
+    p = launch.apply_cache(cfg, launch._arithmetic(cfg, "m", entry.plan(cfg.data), [], []))
+    planned = p.data.bucket_rows()
+    assert sum(p.bucket_steps.values()) == sum(n // 2 for n in planned.values())
+    for epoch in range(4):
+        assert dict(Counter(b for _, b in epoch_buckets(cfg.data, p.data, epoch, cached=True))) == planned
+
+
+def test_held_out_rows_are_counted_per_bucket(tmp_path):
+    """data.validation_split with buckets (one worker): the hash holds out 10 of one
+    bucket's 40 rows and 11 of another's, not 20 % of each; the schedule planned 8 batches
+    of 4 in every bucket from 32 expected rows, and trained 6 rows twice. Counted row by
+    row, each bucket trains its full batches of its training rows, each row at most once."""
+    from collections import Counter
+
+    from raylora.launch import _arithmetic
+    from raylora.data.plan import plan_data
+    from raylora.storage import Storage
+
+    shapes = [(96, 48), (48, 96), (64, 64)]
+    write_shapes(tmp_path / "d" / "0.parquet", [shapes[i % 3] for i in range(120)], "img", 0)
+    cfg = validate({"model": {"pretrained": str(tmp_path / "model")}, "output": {"uri": str(tmp_path)},
+                    "data": {"uri": str(tmp_path / "d"), "resolution": 64, "bucketing": True,
+                             "bucket_step": 16, "validation_split": 0.2},
+                    "train": {"batch_size": 4, "num_epochs": 2}})
+    plan = plan_data(cfg.data, Storage())
+    p = _arithmetic(cfg, "m", plan, [], [])
+    reads = epoch_buckets(cfg.data, plan, 0)
+    per_bucket = Counter(b for _, b in reads)
+    assert sorted(per_bucket.values()) != [24] * 3  # the hash's luck: not 20 % of each
+    assert p.bucket_steps == {b: n // 4 for b, n in per_bucket.items()}
+    assert p.max_steps == 2 * sum(n // 4 for n in per_bucket.values())
+    trained = train_epoch(reads, p.bucket_steps, 4, 0)
+    assert max(trained.values()) == 1
+    assert len(reads) - sum(trained.values()) == sum(n % 4 for n in per_bucket.values())
+
+
+def test_a_caption_folder_with_a_fractional_weight_reads_its_planned_buckets(weighted_shapes, tmp_path):
+    """The same for a caption folder's read units (runs of images, kohya repeats 5): its
+    images count 75/2/65 × 5 times each, and each epoch reads every bucket its plan."""
+    from collections import Counter
+
+    from raylora.config import DataSection
+    from raylora.data.plan import plan_data
+    from raylora.storage import Storage
+
+    folder = write_mixed_folder(tmp_path / "data")
+    data = DataSection(sources=[{"uri": folder, "weight": 1}, {"uri": f"{weighted_shapes}/b", "weight": 1}],
+                       resolution=64, bucketing=True, bucket_step=16)
+    plan = plan_data(data, Storage())
+    assert [round(m, 4) for m in plan.sources[0].groups()] == [2.8846]
+    for epoch in range(4):
+        reads = epoch_buckets(data, plan, epoch)
+        assert dict(Counter(b for _, b in reads)) == plan.bucket_rows() and len(reads) == plan.rows

@@ -33,6 +33,26 @@ def test_num_epochs_trains_every_micro_batch_when_accumulation_does_not_divide_t
     assert plan(resolve_paths(validate(base_config))).max_steps == 1
 
 
+def test_a_warmup_longer_than_the_planned_steps_is_refused(base_config):
+    """32 rows, batch 2, 1 epoch: 16 optimizer steps planned from num_epochs. A warmup of
+    more never reaches the learning rate; polynomial with a warmup of all 16 divided by
+    zero at the last step (diffusers' schedule), before the final checkpoint."""
+    base_config["train"].update(max_steps=None, num_epochs=1, lr_warmup_steps=17,
+                                lr_scheduler="constant_with_warmup")
+    with pytest.raises(ConfigError, match=r"train.lr_warmup_steps: 17 is more than the run's 16 "
+                                          r"optimizer steps \(train.num_epochs=1\)"):
+        plan(resolve_paths(validate(base_config)))
+    base_config["train"].update(lr_warmup_steps=16, lr_scheduler="polynomial")
+    with pytest.raises(ConfigError, match=r"train.lr_warmup_steps: 16, all of the run's optimizer "
+                                          r"steps \(train.num_epochs=1\): polynomial"):
+        plan(resolve_paths(validate(base_config)))
+    base_config["train"].update(lr_scheduler="linear")
+    assert plan(resolve_paths(validate(base_config))).max_steps == 16
+    base_config["train"].update(max_steps=16, lr_scheduler="polynomial")
+    with pytest.raises(ConfigError, match=r"steps \(train.max_steps\): polynomial"):
+        validate(base_config)
+
+
 def test_files_sharding_plan_and_its_limits(base_config):
     base_config["scaling"]["num_workers"] = 2
     base_config["data"]["sharding"] = "files"
@@ -86,3 +106,34 @@ def test_the_trainer_pickles_without_the_model_libraries(base_config, tmp_path):
     assert got["fn"] == "raylora.entry.train_loop_per_worker"
     assert got["config"] == json.loads(json.dumps(cfg.to_dict()))
     assert (got["max_steps"], got["rows"]) == (p.max_steps, p.total_rows) == (4, 32)
+
+
+@pytest.mark.parametrize("bucketing", [False, True])
+def test_a_latent_cache_holds_the_training_rows_and_is_not_split_again(tmp_path, monkeypatch, bucketing):
+    """data.cache=latents + data.validation_split: the cache build drops the held-out rows,
+    so its 74 rows are the training rows. Planned over the cache they were scaled by
+    (1 - split) again: 56 rows, 28 steps for num_epochs 2 at batch 4 (an e2e run), where
+    74 rows make 18 batches an epoch and 36 steps; a Tune trial's replan agrees."""
+    from raylora import launch
+    from raylora.data import cache
+    from raylora.data.plan import DataPlan
+
+    entry = cache.CacheEntry(str(tmp_path), [str(tmp_path / "part-0.parquet")], [74], False,
+                             sources=[0], repeats=[1],
+                             buckets=[{"0": 30, "1": 44}] if bucketing else None)
+    monkeypatch.setattr(cache, "ensure_cache", lambda *a, **k: entry)
+    cfg = validate({"model": {"pretrained": str(tmp_path / "model")}, "output": {"uri": str(tmp_path)},
+                    "data": {"uri": str(tmp_path), "resolution": 64, "center_crop": True,
+                             "cache": "latents", "validation_split": 0.25, "bucketing": bucketing},
+                    "train": {"batch_size": 4, "num_epochs": 2}})
+    before = launch._arithmetic(cfg, "m", DataPlan("parquet", ["x"], 100, [100]) if not bucketing
+                                else entry.plan(cfg.data), [], [])
+    p = launch.apply_cache(cfg, before)
+    assert p.rows_per_worker == (74 if not bucketing else 72)  # buckets: 7 + 11 batches of 4
+    assert p.rows_per_worker // 4 == 18 and p.max_steps == 36
+    if bucketing:
+        assert p.bucket_steps == {0: 7, 1: 11}
+    else:
+        assert p.total_rows == 74
+    again = launch.replan(cfg, p)
+    assert (again.rows_per_worker, again.max_steps) == (p.rows_per_worker, 36)

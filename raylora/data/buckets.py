@@ -13,7 +13,7 @@ cover the bucket and cropped to it; the crop's offset goes to SDXL's conditionin
 
 Batches: every micro-batch holds rows of one bucket, and every worker trains the same
 bucket at the same step. The driver counts each bucket's rows per worker from image
-headers (``scan_counts``); an epoch trains each bucket floor(rows / batch) times (the
+headers (``scan_rows``; held-out rows, data.validation_split, are not counted); an epoch trains each bucket floor(rows / batch) times (the
 smallest worker's count, as ``data.sharding=files`` does for the whole epoch: the
 remainder of each bucket is dropped, as kohya does), in an order drawn from the seed and
 the epoch alone (``schedule``), so every worker computes the same one. A worker
@@ -130,26 +130,38 @@ def bucket_set(data) -> BucketSet | None:
     return BucketSet.of([sec.resolutions() for sec in data.source_sections()], data.bucket_step)
 
 
-def scan_counts(rows: Iterable[dict], buckets: BucketSet, source: int, min_size: int = 0,
-                skip_small: bool = True, keep_empty: bool = False,
-                max_pixels: int | None = None) -> dict[int, int]:
-    """Rows per bucket of ``{image, text}`` rows, as the preprocess stage will bucket
-    them; rows it will drop (no caption, unreadable, too small or too large image) left
-    out."""
-    counts: dict[int, int] = {}
+def scan_rows(rows: Iterable[dict], buckets: BucketSet, source: int, min_size: int = 0,
+              skip_small: bool = True, keep_empty: bool = False,
+              max_pixels: int | None = None, split: float = 0.0,
+              prefix: str = "") -> np.ndarray:
+    """Each ``{image, text}`` row's bucket id as training will bucket it, int16 in row
+    order; -1 for a row no bucket trains: one the preprocess stage drops (no caption,
+    unreadable, too small or too large image), or held out by ``split``
+    (data.validation_split; ``prefix``: the source's caption prefix, which the held-out
+    hash reads as training does, ``raylora.data.split``)."""
+    from raylora.data.captions import with_prefix
+    from raylora.data.split import row_fraction
+
+    out = []
     for row in rows:
         size = image_size(row["image"])
         text = row.get("text")
-        if size is None or not size[0] or not size[1]:
-            continue
-        if not keep_empty and (text is None or not str(text).strip()):
-            continue
-        if (skip_small and min_size and min(size) < min_size) or \
-                (max_pixels and size[0] * size[1] > max_pixels):
-            continue
-        b = buckets.assign(size[0], size[1], source)
-        counts[b] = counts.get(b, 0) + 1
-    return counts
+        if size is None or not size[0] or not size[1] or \
+                (not keep_empty and (text is None or not str(text).strip())) or \
+                (skip_small and min_size and min(size) < min_size) or \
+                (max_pixels and size[0] * size[1] > max_pixels) or \
+                (split and row_fraction(row["image"], with_prefix(prefix, text) if prefix else text)
+                 < split):
+            out.append(-1)
+        else:
+            out.append(buckets.assign(size[0], size[1], source))
+    return np.array(out, dtype=np.int16)
+
+
+def bucket_counts(ids: np.ndarray) -> dict[int, int]:
+    """Rows per bucket id of ``scan_rows``' ids (the -1 rows left out)."""
+    vals, n = np.unique(ids[ids >= 0], return_counts=True)
+    return dict(zip(vals.tolist(), n.tolist()))
 
 
 def epoch_steps(per_worker: list[dict[int, float]], batch_size: int) -> dict[int, int]:

@@ -11,6 +11,11 @@ row are far apart even where an epoch is read in file order, ``data.sharding=fil
 and, for a fractional m, a partial copy: of the n rows that share a multiplicity, the
 round(frac(m) × n) rows whose positions a seeded affine permutation maps below that count
 (``keep_rows``), a different set every epoch, decided row by row without a list of them.
+With data.bucketing the partial copy is drawn bucket by bucket instead
+(``row_buckets``, ``_bucket_tables``): round(frac(m) × n_b) of each bucket's n_b rows,
+so that every epoch brings each bucket the rows the bucket schedule planned for it (a
+draw over the whole group brought some buckets more and others fewer, trained twice or
+skipped).
 Stream sharding shuffles each epoch's items as well. Counts are exact: ``DataPlan.rows``
 is what an epoch reads (before bad rows and a held-out split are dropped), and
 ``for_rank`` gives each worker's exact share under ``data.sharding=files`` (each worker's
@@ -65,8 +70,13 @@ class SourceFiles:
     companions: list[str] = field(default_factory=list)  # e.g. caption files, for fingerprints
     mult: float = 1.0  # the source's multiplier: its repeats, or what its weight asks for
     # data.bucketing: usable rows per bucket id, per file (a format without rows per file,
-    # imagefolder: one entry, the whole source's); None without buckets.
+    # imagefolder: one entry, the whole source's); None without buckets. Held-out rows
+    # (data.validation_split) are not counted: training never sees them.
     bucket_counts: list[dict[int, int]] | None = None
+    # data.bucketing where a multiplicity is fractional: each row's bucket id, the
+    # source's rows in file order (-1: a row no bucket trains, held out or one the decode
+    # drops), so that a partial copy is drawn per bucket (``_bucket_tables``); else None.
+    row_buckets: np.ndarray | None = None
 
     def file_repeats(self) -> list[int]:
         return self.repeats or [1] * len(self.files)
@@ -86,8 +96,36 @@ class SourceFiles:
         return out
 
     def epoch_rows(self) -> int:
-        """Rows an epoch reads from this source."""
-        return sum(w * n + k for m, n in self.groups().items() for w, k in [copies(m, n)])
+        """Rows an epoch reads from this source (a partial copy drawn per bucket rounds
+        per bucket)."""
+        return sum(w * n + k for m, strata in self.strata().items() for n in strata.values()
+                   for w, k in [copies(m, n)])
+
+    def file_buckets(self) -> list[np.ndarray]:
+        """``row_buckets`` per file (a source without rows per file: one list)."""
+        if self.file_rows is None:
+            return [self.row_buckets]
+        return np.split(self.row_buckets, np.cumsum(self.file_rows)[:-1])
+
+    def group_buckets(self) -> dict[float, np.ndarray]:
+        """``row_buckets`` by multiplicity: each group's rows' bucket ids in the order of
+        their places in the group (its files in file order)."""
+        mults = self.file_mults() if self.file_rows is not None else [self.mult]
+        parts: dict[float, list[np.ndarray]] = {}
+        for m, ids in zip(mults, self.file_buckets()):
+            parts.setdefault(m, []).append(ids)
+        return {m: np.concatenate(p) for m, p in parts.items()}
+
+    def strata(self) -> dict[float, dict[int, int]]:
+        """Rows per multiplicity and, within it, per set a partial copy is drawn from: per
+        bucket id (-1: rows no bucket trains) where ``row_buckets`` says, else one set."""
+        if self.row_buckets is None:
+            return {m: {0: n} for m, n in self.groups().items()}
+        out = {}
+        for m, ids in self.group_buckets().items():
+            vals, n = np.unique(ids, return_counts=True)
+            out[m] = dict(zip(vals.tolist(), n.tolist()))
+        return out
 
     def natural_rows(self) -> int:
         """Rows an epoch would read with the source's multiplier at 1 (folder repeats only)."""
@@ -98,17 +136,32 @@ class SourceFiles:
             return None if xs is None else [xs[i] for i in indices]
 
         rows = pick(self.file_rows)
+        ids = self.row_buckets  # a source without rows per file (imagefolder): one list
+        if ids is not None and rows is not None:
+            ids = np.concatenate([self.file_buckets()[i] for i in indices] or [ids[:0]])
         return replace(self, files=pick(self.files), rows=sum(rows or []), file_rows=rows,
-                       repeats=pick(self.repeats), bucket_counts=pick(self.bucket_counts))
+                       repeats=pick(self.repeats), bucket_counts=pick(self.bucket_counts),
+                       row_buckets=ids)
 
-    def bucket_rows(self) -> dict[int, float]:
-        """Rows per bucket an epoch brings (each file's counts × its multiplicity)."""
-        out: dict[int, float] = {}
+    def bucket_rows(self) -> dict[int, int]:
+        """Rows per bucket an epoch brings: of each multiplicity's n_b rows of a bucket,
+        whole copies and the partial copy drawn from that bucket (``copies(m, n_b)``)."""
+        groups: dict[float, dict[int, int]] = {}
         mults = self.file_mults() if self.file_rows is not None else [self.mult]
         for m, counts in zip(mults, self.bucket_counts or []):
+            group = groups.setdefault(m, {})
             for b, n in counts.items():
-                out[b] = out.get(b, 0.0) + m * n
+                group[b] = group.get(b, 0) + n
+        out: dict[int, int] = {}
+        for m, group in groups.items():
+            for b, n in group.items():
+                whole, take = copies(m, n)
+                out[b] = out.get(b, 0) + whole * n + take
         return out
+
+    def fractional(self) -> bool:
+        """Whether some of its rows count a fractional number of times (a partial copy)."""
+        return any(m != int(m) for m in self.groups())
 
 
 @dataclass
@@ -120,6 +173,9 @@ class DataPlan:
     rows: int
     file_rows: list[int] | None = None  # rows per file, where known (not imagefolder)
     sources: list[SourceFiles] = field(default_factory=list)
+    # The rows are training rows already, a held-out split dropped (a latent cache's: it
+    # encodes the training rows alone), so the step arithmetic must not scale them again.
+    heldout_dropped: bool = False
 
     def __post_init__(self):
         if not self.sources:  # given files alone (a latent cache's): one source, read once
@@ -127,14 +183,14 @@ class DataPlan:
                                         self.file_rows)]
 
     @classmethod
-    def of(cls, sources: list[SourceFiles]) -> DataPlan:
+    def of(cls, sources: list[SourceFiles], heldout_dropped: bool = False) -> DataPlan:
         formats = {s.format for s in sources}
         known = all(s.file_rows is not None for s in sources)
         return cls(formats.pop() if len(formats) == 1 else "mix",
                    [f for s in sources for f in s.files],
                    sum(s.epoch_rows() for s in sources),
                    [n for s in sources for n in s.file_rows] if known else None,
-                   list(sources))
+                   list(sources), heldout_dropped)
 
     def content_files(self) -> list[str]:
         """Every file the rows are read from (a fingerprint over them changes with the data)."""
@@ -147,14 +203,14 @@ class DataPlan:
         for s in self.sources:
             subsets.append(s.subset([i for i in range(len(s.files)) if (start + i) % world == rank]))
             start += len(s.files)
-        return DataPlan.of([s for s in subsets if s.files] or subsets[:1])
+        return DataPlan.of([s for s in subsets if s.files] or subsets[:1], self.heldout_dropped)
 
-    def bucket_rows(self) -> dict[int, float]:
+    def bucket_rows(self) -> dict[int, int]:
         """Rows per bucket an epoch brings, over every source (data.bucketing)."""
-        out: dict[int, float] = {}
+        out: dict[int, int] = {}
         for s in self.sources:
             for b, n in s.bucket_rows().items():
-                out[b] = out.get(b, 0.0) + n
+                out[b] = out.get(b, 0) + n
         return out
 
     def bucket_histogram(self) -> dict[int, int]:
@@ -203,8 +259,10 @@ def plan_source(section: DataSection, storage: Storage, index: int = 0,
     rows, file_rows = fmt.count_rows(section, files, storage)
     out = SourceFiles(index, fmt.name, files, rows, file_rows, fmt.repeats(section, files),
                       section.uri, fmt.companions(section, files, listing) + controls)
-    return replace(out, bucket_counts=scan_buckets(section, out, storage, buckets, index)) \
-        if buckets is not None else out
+    if buckets is None:
+        return out
+    counts, ids = scan_buckets(section, out, storage, buckets, index)
+    return replace(out, bucket_counts=counts, row_buckets=ids)
 
 
 # The formats whose images are files, found beside (or, data.control_uri, apart from) their
@@ -306,20 +364,31 @@ def _judge_lacking(section: DataSection, key, n: int, lacking: set[str]) -> list
 
 
 def scan_buckets(section: DataSection, s: SourceFiles, storage: Storage, buckets,
-                 index: int) -> list[dict[int, int]]:
-    """Rows per bucket of each of a source's files, from the images' headers (every image
-    is read once, on the driver: what kohya's and SimpleTuner's bucket caches do too)."""
-    from raylora.data.buckets import scan_counts
+                 index: int) -> tuple[list[dict[int, int]], np.ndarray]:
+    """(training rows per bucket of each of a source's files, each row's bucket id in file
+    order: ``SourceFiles.row_buckets``), from the images' headers (every image is read
+    once, on the driver: what kohya's and SimpleTuner's bucket caches do too). A held-out
+    row (data.validation_split) is counted in no bucket: the split is a hash of the row,
+    so it holds out more of one bucket than of another, and a schedule that scaled every
+    bucket by the split trained rows twice or skipped them."""
+    from raylora.data.buckets import bucket_counts, scan_rows
 
     fmt = get_format(s.format)
     # headers are all a scan reads: no sidecar masks or control images
     section = section.model_copy(update={"masked_loss": False, "control_images": False})
     keep = dict(min_size=section.min_size, skip_small=section.small_images == "skip",
-                keep_empty=section.caption_dropout > 0, max_pixels=section.max_image_pixels)
+                keep_empty=section.caption_dropout > 0, max_pixels=section.max_image_pixels,
+                split=section.validation_split, prefix=section.caption_prefix or "")
     if s.file_rows is None:  # one row list for the whole source
-        return [scan_counts(fmt.iter_rows(section, s.files, storage), buckets, index, **keep)]
-    return [scan_counts(fmt.iter_unit(section, s.files, storage, i, 0, n), buckets, index, **keep)
-            for i, n in enumerate(s.file_rows)]
+        ids = scan_rows(fmt.iter_rows(section, s.files, storage), buckets, index, **keep)
+        return [bucket_counts(ids)], ids
+    per_file = []
+    for i, n in enumerate(s.file_rows):
+        ids = scan_rows(fmt.iter_unit(section, s.files, storage, i, 0, n), buckets, index, **keep)
+        # as many ids as the rows counted (a shard short of its manifest's count: -1s)
+        per_file.append(np.pad(ids[:n], (0, n - len(ids[:n])), constant_values=-1))
+    ids = np.concatenate(per_file) if per_file else np.zeros(0, np.int16)
+    return [bucket_counts(f) for f in per_file], ids
 
 
 def plan_data(data: DataSection, storage: Storage) -> DataPlan:
@@ -346,7 +415,9 @@ def plan_data(data: DataSection, storage: Storage) -> DataPlan:
                      for s in sources if not s.natural_rows()]
     if problems:
         raise DataProblems(problems)
-    return DataPlan.of(apply_shares(data, sources))
+    # Each row's bucket is kept only where a partial copy is drawn per bucket.
+    return DataPlan.of([s if s.fractional() else replace(s, row_buckets=None)
+                        for s in apply_shares(data, sources)])
 
 
 def _source_key(data: DataSection, i: int, key: str) -> str:
@@ -445,6 +516,21 @@ def apply_shares(data: DataSection, sources: list[SourceFiles]) -> list[SourceFi
             for s, n in zip(sources, natural)]
 
 
+def cached_row_buckets(plan: DataPlan, storage: Storage) -> DataPlan:
+    """A latent cache's plan (data.bucketing) with ``row_buckets`` read from its files'
+    ``bucket`` column where a source's partial copy is drawn per bucket (the manifest
+    keeps each file's counts alone)."""
+    import pyarrow.parquet as pq
+
+    def ids(f: str) -> np.ndarray:
+        with storage.open_input(f) as fh:
+            return pq.ParquetFile(fh).read(columns=["bucket"])["bucket"].to_numpy().astype(np.int16)
+
+    sources = [replace(s, row_buckets=np.concatenate([ids(f) for f in s.files]))
+               if s.fractional() and s.bucket_counts is not None else s for s in plan.sources]
+    return DataPlan.of(sources, plan.heldout_dropped)
+
+
 def unmasked(section: DataSection) -> DataSection:
     """``section`` reading rows without their loss masks (no sidecar reads)."""
     return section.model_copy(update={"masked_loss": False}) if section.masked_loss else section
@@ -484,56 +570,106 @@ def read_units(data: DataSection, plan: DataPlan, storage: Storage, unit_rows: i
         else:
             units = get_format(s.format).units(sections[s.index], s.files, storage, unit_rows)
             out += [{**base, "kind": "unit", "index": i, "start": a, "stop": b,
-                     **copies_of(i, a)} for i, a, b in units]
+                     **copies_of(i, a, b)} for i, a, b in units]
     return out
 
 
 def _copies(s: SourceFiles):
-    """``(file index, first row in it) → {whole, take, n, group, offset}``: the whole
-    copies an epoch reads of a unit starting there, the rows ``take`` of the partial copy
-    of its ``n``-row multiplicity ``group``, and the unit's first row's place in the group
-    (a parquet part adds its first row in the file, known once its footer is read)."""
+    """``(file index, first row in it, row it stops at or -1) → {whole, take, n, group,
+    offset}``: the whole copies an epoch reads of a unit there, the rows ``take`` of the
+    partial copy of its ``n``-row multiplicity ``group``, and the unit's first row's place
+    in the group (a parquet part adds its first row in the file, known once its footer is
+    read). A partial copy drawn per bucket (``_bucket_tables``) adds ``_strata``: the
+    unit's rows' bucket ids, their places among their bucket's rows of the group, and per
+    bucket its rows and its partial copy's (``pass_items`` makes them the epoch's ``mask``)."""
     mults, groups = s.file_mults(), s.groups()
     ids = {m: g for g, m in enumerate(groups)}
     offsets, seen = [], dict.fromkeys(groups, 0)
     for i, m in enumerate(mults):
         offsets.append(seen[m])
         seen[m] += s.file_rows[i] if s.file_rows is not None else 0
+    tables = _bucket_tables(s)
 
-    def of(i: int, start: int) -> dict:
+    def of(i: int, start: int, stop: int = -1) -> dict:
         m = mults[i]
         whole, take = copies(m, groups[m])
-        return {"whole": whole, "take": take, "n": groups[m], "group": ids[m],
-                "offset": offsets[i] + start}
+        out = {"whole": whole, "take": take, "n": groups[m], "group": ids[m],
+               "offset": offsets[i] + start}
+        if m in tables:
+            buckets, ranks, sizes = tables[m]
+            end = stop if stop >= 0 else s.file_rows[i] if s.file_rows is not None else len(buckets)
+            lo, hi = offsets[i] + start, offsets[i] + end
+            out["take"] = sum(t for _, t in sizes.values())
+            out["_strata"] = (buckets[lo:hi], ranks[lo:hi], sizes)
+        return out
 
     return of
+
+
+def _bucket_tables(s: SourceFiles) -> dict[float, tuple[np.ndarray, np.ndarray, dict]]:
+    """Per fractional multiplicity of a source whose rows' buckets are known: (its rows'
+    bucket ids in group order, each row's place among its bucket's rows of the group,
+    {bucket id: (rows, rows of the partial copy)}). The partial copy is drawn bucket by
+    bucket, round(frac(m) × n_b) of each bucket's n_b rows (``copies``), so an epoch
+    brings each bucket exactly the rows ``SourceFiles.bucket_rows`` planned for it."""
+    if s.row_buckets is None:
+        return {}
+    out = {}
+    for m, buckets in s.group_buckets().items():
+        if m == int(m):
+            continue
+        ranks, sizes = np.zeros(len(buckets), np.int64), {}
+        for b in np.unique(buckets).tolist():
+            at = np.flatnonzero(buckets == b)
+            ranks[at] = np.arange(len(at))
+            sizes[b] = (len(at), copies(m, len(at))[1])
+        out[m] = (buckets, ranks, sizes)
+    return out
 
 
 def pass_items(units: list[dict], seed: int, epoch: int, shuffle: bool) -> list[dict]:
     """What epoch ``epoch`` reads: each unit ``whole`` times, copy after copy, then its
     partial copy (``keep`` rows of its group, by the epoch's ``a``, ``b``; ``keep`` -1:
-    every row); ``shuffle``: in an order drawn from the seed and the epoch alone, else in
-    that order."""
+    every row; ``a`` 0: drawn per bucket, the rows whose bits in ``mask`` are set);
+    ``shuffle``: in an order drawn from the seed and the epoch alone, else in that
+    order."""
     rounds = max((u["whole"] + (u["take"] > 0) for u in units), default=1)
     items, draws = [], {}
+
+    def draw(key: tuple, n: int) -> tuple[int, int]:
+        if key not in draws:
+            draws[key] = _affine(seed, epoch, *key[:2], n, *key[2:])
+        return draws[key]
+
     for c in range(rounds):
         for u in units:
+            plain = {k: v for k, v in u.items() if k != "_strata"}
             if c < u["whole"]:
-                items.append({**u, "keep": -1, "a": 0, "b": 0})
+                items.append({**plain, "keep": -1, "a": 0, "b": 0, "mask": b""})
+            elif c == u["whole"] and u["take"] and "_strata" in u:
+                buckets, ranks, sizes = u["_strata"]
+                keep = np.zeros(len(buckets), dtype=bool)
+                for b in np.unique(buckets).tolist():
+                    (n, take), at = sizes[b], buckets == b
+                    # bucket ids from -1: the draw's key must be non-negative
+                    a_, b_ = draw((u["source"], u["group"], b + 1), n)
+                    keep[at] = (a_ * ranks[at] + b_) % n < take
+                items.append({**plain, "keep": u["take"], "a": 0, "b": 0,
+                              "mask": np.packbits(keep).tobytes()})
             elif c == u["whole"] and u["take"]:
-                key = (u["source"], u["group"])
-                if key not in draws:
-                    draws[key] = _affine(seed, epoch, *key, u["n"])
-                items.append({**u, "keep": u["take"], "a": draws[key][0], "b": draws[key][1]})
+                a_, b_ = draw((u["source"], u["group"]), u["n"])
+                items.append({**plain, "keep": u["take"], "a": a_, "b": b_, "mask": b""})
     order = np.random.default_rng([seed, epoch]).permutation(len(items)) if shuffle \
         else range(len(items))
     return [{"epoch": epoch, **items[i]} for i in order]
 
 
-def _affine(seed: int, epoch: int, source: int, group: int, n: int) -> tuple[int, int]:
+def _affine(seed: int, epoch: int, source: int, group: int, n: int,
+            *bucket: int) -> tuple[int, int]:
     """``(a, b)`` of the permutation ``p → (a·p + b) mod n`` of a group's row positions
-    (``a`` coprime to ``n``), drawn from the seed, the epoch and the group."""
-    rng = np.random.default_rng([seed, epoch, source, group])
+    (``a`` coprime to ``n``), drawn from the seed, the epoch and the group (and ``bucket``:
+    one bucket's rows of the group)."""
+    rng = np.random.default_rng([seed, epoch, source, group, *bucket])
     b = int(rng.integers(n))
     a = 1
     while n > 2:
@@ -548,6 +684,10 @@ def keep_rows(positions: np.ndarray, item: dict) -> np.ndarray:
     if int(item["keep"]) < 0:
         return np.ones(len(positions), dtype=bool)
     a, b, n = int(item["a"]), int(item["b"]), int(item["n"])
+    if a == 0:  # drawn per bucket: the unit's bits (a mask cut short ends in rows left out)
+        bits = np.append(np.unpackbits(np.frombuffer(bytes(item["mask"]), np.uint8)), 0)
+        at = positions.astype(np.int64) - int(item["offset"])
+        return bits[np.minimum(at, len(bits) - 1)].astype(bool)
     return (a * positions.astype(np.int64) + b) % n < int(item["keep"])
 
 

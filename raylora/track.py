@@ -5,6 +5,11 @@ images into a tracker a person looks at while the job runs. Everything a backend
 lands under ``{output.uri}/tracking/``. Trackers write to local files, so for an object-store
 output they write into a temp dir and ``sync()`` / ``close()`` copy it to the bucket.
 
+A run started again on the same output (a rerun, Ray Train's restart after a failure or a
+preemption, an elastic resize) continues the same wandb run and TensorBoard logdir. A tracker
+that cannot start (the wandb server unreachable) is logged as a warning, not raised: the
+training must not die because a dashboard is down.
+
 No Ray imports here: the worker owns the tracker, the driver never sees one.
 """
 
@@ -13,6 +18,7 @@ from __future__ import annotations
 import logging
 import numbers
 import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -93,14 +99,27 @@ class TensorBoardTracker(Tracker):
     ``log`` returns.
     """
 
-    def __init__(self, local_dir: str, remote_uri: str | None, store: Storage | None):
+    def __init__(self, local_dir: str, remote_uri: str | None, store: Storage | None,
+                 start_step: int = 0):
         super().__init__(local_dir, remote_uri, store)
         from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
 
         logdir = os.path.join(local_dir, "tensorboard")
         os.makedirs(logdir, exist_ok=True)
-        # Names the file events.out.tfevents.<time>.<host>, like SummaryWriter does.
-        self._writer = EventsWriter(os.path.join(logdir, "events"))
+        # Names the file events.out.tfevents.<time>.<host>, like SummaryWriter does. A
+        # resumed run adds a suffix: the name has whole seconds and the file is opened "wb",
+        # so a restart within the same second would truncate the earlier file.
+        suffix = f".from{start_step}" if start_step else ""
+        self._writer = EventsWriter(os.path.join(logdir, "events"), suffix)
+        if start_step:
+            # Resumed from a checkpoint at start_step: the steps after it that the earlier
+            # attempt logged are trained again. A SessionLog START at the first of them
+            # makes TensorBoard drop the earlier file's points from there on (what
+            # SummaryWriter(purge_step=) writes), so the curve does not fold back.
+            self._writer.write_event(Event(step=start_step + 1, wall_time=time.time(),
+                                           session_log=SessionLog(status=SessionLog.START)))
+            self._writer.flush()
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         from tensorboardX import summary
@@ -139,48 +158,85 @@ class TensorBoardTracker(Tracker):
 class WandbTracker(Tracker):
     """A wandb run; its local files go to ``tracking/wandb/`` (wandb names the subdir)."""
 
-    def __init__(self, tracking: TrackingSection, run_name: str, config: dict,
+    def __init__(self, tracking: TrackingSection, run_name: str, run_id: str, config: dict,
                  local_dir: str, remote_uri: str | None, store: Storage | None):
         super().__init__(local_dir, remote_uri, store)
         import wandb
 
         self._wandb = wandb
+        self._failed = False
         # wandb takes the git root from `dir`; a missing dir prints a warning even when
         # silent.
         os.makedirs(local_dir, exist_ok=True)
-        self._run = wandb.init(
-            project=tracking.project,
+        # tracking.project "team/project": that team's (wandb's entity) project
+        entity, _, project = tracking.project.rpartition("/")
+        init = dict(
+            project=project,
+            **({"entity": entity} if entity else {}),
             name=run_name,
             dir=local_dir,
-            # Explicit, so the config wins over a WANDB_MODE left in the environment.
-            mode=tracking.wandb_mode,
+            # The output's own id (wandb_run_id): a restarted or resumed run continues
+            # its wandb run instead of splitting the curve over a new one per attempt.
+            id=run_id,
+            resume="allow",
             config=config,
             # A trial reusing this worker process must not log into the previous run.
             reinit="finish_previous",
             # Its banner would land in the middle of the training log.
             settings=wandb.Settings(silent=True),
         )
+        try:
+            # Explicit, so the config wins over a WANDB_MODE left in the environment.
+            self._run = wandb.init(mode=tracking.wandb_mode, **init)
+        except Exception as exc:
+            if tracking.wandb_mode != "online":
+                raise
+            # Server unreachable (CommError after wandb's init timeout), key refused, ...:
+            # keep the run's metrics and images offline under the same id, so a later
+            # `wandb sync` adds them to the same wandb run.
+            wandb.teardown()  # the failed init still holds the run id in wandb's service
+            self._run = wandb.init(mode="offline", **init)
+            logger.warning("tracking: wandb could not start online (%s); logging offline to "
+                           "%s instead: `wandb sync` that folder once the server is reachable",
+                           _why(exc), os.path.dirname(self._run.dir))
         if not self._run.offline:
             logger.info("wandb run %s", self._run.url)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         values = scalars(metrics)
         if values:
-            self._run.log(values, step=step)
+            self._guarded(lambda: self._run.log(values, step=step))
 
     def log_images(self, step: int, key: str, images: list[Image], captions: list[str]) -> None:
         _check_captions(images, captions)
-        self._run.log({key: [self._wandb.Image(im, caption=c) for im, c in zip(images, captions)]},
-                      step=step)
+        self._guarded(lambda: self._run.log(
+            {key: [self._wandb.Image(im, caption=c) for im, c in zip(images, captions)]},
+            step=step))
+
+    def _guarded(self, call) -> None:
+        """``call()``; the first failure (wandb's service gone, its disk full) is a warning
+        and ends the logging to wandb: the training goes on, metrics.jsonl has every step."""
+        if self._failed:
+            return
+        try:
+            call()
+        except Exception as exc:
+            self._failed = True
+            logger.warning("tracking: wandb log failed (%s); nothing more goes to wandb in this "
+                           "run (metrics.jsonl keeps every step)", _why(exc))
 
     def _finish(self) -> None:
-        self._run.finish()
         # finish() returns once wandb-core has handled the exit record, but the run's .wandb
         # log is flushed only when wandb-core closes the run's stream, which finish() does
         # not wait for (measured: 4 of 30 runs had only the 7-byte header on disk when it
         # returned). teardown() waits for the service process to exit, so the log is whole
         # before close() uploads it. A later run in this process starts a new service.
-        self._wandb.teardown()
+        # Either failing is a warning: close() still uploads what was written.
+        for what, call in (("finish", self._run.finish), ("teardown", self._wandb.teardown)):
+            try:
+                call()
+            except Exception as exc:
+                logger.warning("tracking: wandb %s failed (%s)", what, _why(exc))
 
     def _uploads(self) -> list[tuple[str, str]]:
         # Only this run's own dir: wandb/ also holds `latest-run` and log symlinks, which
@@ -219,25 +275,49 @@ def tracking_problem(tracking: TrackingSection) -> str | None:
 
 
 def open_tracker(tracking: TrackingSection, output_uri: str, config: dict,
-                 store: Storage | None = None) -> Tracker:
+                 store: Storage | None = None, start_step: int = 0) -> Tracker:
     """The tracker ``tracking.backend`` asks for, writing under ``{output_uri}/tracking``.
 
     ``config`` is the job's config tree (recorded by wandb; must hold no secrets, and the
     config never does: credentials come from the environment). ``store`` reaches a remote
-    output; default ``Storage()``.
+    output; default ``Storage()``. ``start_step``: the step a resumed run restarts from
+    (0: a fresh run). A backend that fails to start is a warning and the ``none`` tracker.
     """
     if tracking.backend == "none":
         return Tracker()
     target = storage.join(output_uri, "tracking")
+    store = store or Storage()
     if storage.is_local(output_uri):
         local_dir, remote_uri = storage.local_path(target), None
     else:
         local_dir, remote_uri = tempfile.mkdtemp(prefix="raylora-track-"), target
-        store = store or Storage()
-    if tracking.backend == "tensorboard":
-        return TensorBoardTracker(local_dir, remote_uri, store)
-    run_name = tracking.run_name or storage.normalize(output_uri).rstrip("/").rsplit("/", 1)[-1]
-    return WandbTracker(tracking, run_name, config, local_dir, remote_uri, store)
+    try:
+        if tracking.backend == "tensorboard":
+            return TensorBoardTracker(local_dir, remote_uri, store, start_step)
+        run_name = tracking.run_name or storage.normalize(output_uri).rstrip("/").rsplit("/", 1)[-1]
+        return WandbTracker(tracking, run_name, wandb_run_id(target, store), config,
+                            local_dir, remote_uri, store)
+    except Exception as exc:
+        logger.warning("tracking: %s could not start (%s); training goes on without it "
+                       "(metrics.jsonl keeps every step)", tracking.backend, _why(exc))
+        if remote_uri is not None:
+            shutil.rmtree(local_dir, ignore_errors=True)
+        return Tracker()
+
+
+def wandb_run_id(tracking_uri: str, store: Storage) -> str:
+    """The wandb run id of one output, kept in ``{tracking_uri}/wandb-run-id``: made on
+    first use, read back by every later start on that output.
+
+    Random rather than a hash of the URI: wandb refuses an id whose run was deleted, and
+    two people writing to the same path in one project would share a run."""
+    uri = storage.join(tracking_uri, "wandb-run-id")
+    if store.exists(uri):
+        return store.read_bytes(uri).decode().strip()
+    run_id = secrets.token_hex(4)  # 8 characters, like wandb's own ids
+    # Written now, not at the next sync: a restart before the first checkpoint must find it.
+    store.write_bytes(uri, run_id.encode())
+    return run_id
 
 
 def scalars(metrics: dict[str, Any]) -> dict[str, float]:
@@ -255,6 +335,15 @@ def scalars(metrics: dict[str, Any]) -> dict[str, float]:
         if isinstance(value, numbers.Real):
             out[name] = float(value)
     return out
+
+
+def _why(exc: Exception) -> str:
+    """One line about a tracker's failure, for a log: the type and the message's first line,
+    any WANDB_API_KEY value in it masked."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0][:300] if lines else ''}"
+    key = os.environ.get("WANDB_API_KEY")
+    return text.replace(key, "***") if key else text
 
 
 def _check_captions(images: list, captions: list[str]) -> None:

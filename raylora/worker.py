@@ -130,7 +130,8 @@ def _previewer(spec: WorkerSpec, run, tracker, rank: int):
     model = acc.unwrap_model(run.model)
     # None: the family's default; the run's system prompt (model.system_prompt), if set
     guidance = {**run.family.guidance_kwargs(v.guidance_scale),
-                **run.family.prompt_kwargs(cfg.model.system_prompt)}
+                **run.family.prompt_kwargs(cfg.model.system_prompt),
+                **run.family.length_kwargs(cfg.model.max_sequence_length)}
     controls = pv.read_control_images(v.control_images, store)  # read once, rendered each time
 
     def render() -> list:
@@ -193,6 +194,16 @@ def _passes_needed(spec: WorkerSpec, epoch: int, per_epoch: int, world: int) -> 
     return passes + passes // 4 + 2
 
 
+def rank_seed(seed: int, rank: int) -> int:
+    """``data.sharding=files``: the seed of rank ``rank``'s reads and preprocessing draws
+    (crops, flips, caption dropout). With one seed for all, every worker's i-th row drew
+    alike, so a global batch at batch size 1 had every caption dropped or none. A
+    function of the seed and the rank: a resumed run draws as the straight one did."""
+    import numpy as np
+
+    return int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
+
+
 def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
     """``epoch -> iterable of batches`` over this worker's data (``EpochStream``): every
     epoch from one Ray Data execution over the passes the run needs. ``data.sharding=
@@ -221,8 +232,11 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
     mine = everything if elastic else everything.for_rank(rank, world)
     pass_rows = mine.rows if by_files else plan.rows_per_worker
 
+    # files: the worker's own preprocessing draws (an elastic run reads one order everywhere)
+    draws_seed = rank_seed(data_seed, rank) if by_files and not elastic else data_seed
+
     def dataset(epoch: int, data_plan: DataPlan, tasks: int):
-        ds = build_dataset(data, data_plan, store, model_path=plan.model_path, seed=data_seed,
+        ds = build_dataset(data, data_plan, store, model_path=plan.model_path, seed=draws_seed,
                            num_preprocess_tasks=tasks, family=plan.family,
                            bad_records=plan.bad_records, tokenizer_specs=spec.tokenizer_specs,
                            revision=spec.config.model.revision, epoch=epoch,
@@ -353,8 +367,10 @@ class _Reporter:
         cfg = spec.config
         self.spec, self.run, self.rank, self.stop_watch = spec, run, rank, stop_watch
         self.max_steps = spec.plan.max_steps
-        # Rank 0 talks to the tracker; the other ranks' Tracker() does nothing.
-        self.tracker = open_tracker(cfg.tracking, cfg.output.uri, cfg.to_dict(), cfg.storage.client()) \
+        # Rank 0 talks to the tracker; the other ranks' Tracker() does nothing. The restored
+        # step lets a resumed run's tracker drop what the earlier attempt logged after it.
+        self.tracker = open_tracker(cfg.tracking, cfg.output.uri, cfg.to_dict(),
+                                    cfg.storage.client(), start_step=run.state.global_step) \
             if rank == 0 else Tracker()
         self.board = None
         if rank == 0 and spec.progress_board:
@@ -440,6 +456,11 @@ class _Reporter:
         self.tracker.log(st.global_step, {"eval_loss": st.eval_loss_last})
         if self.rank == 0:
             log.info("step %d held-out loss %.5f", st.global_step, st.eval_loss_last)
+
+    def on_base_eval(self, st: LoopState) -> None:
+        # The tracker's eval_loss curve starts at step 0 (the base model or init_from).
+        # No Ray report: every report already carries it until the first periodic one.
+        self._log_eval(st)
 
     def on_eval(self, st: LoopState) -> None:
         self._log_eval(st)
@@ -647,6 +668,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
             on_checkpoint=reporter.on_checkpoint,
             on_step=reporter.on_step,
             on_eval=reporter.on_eval,
+            on_base_eval=reporter.on_base_eval,
             evaluate=_heldout_evaluator(spec, run, rank, world) if plan.heldout_rows else None,
             preview=_previewer(spec, run, reporter.tracker, rank)
             if cfg.validation.prompts and (rank == 0 or run.sharded) else None,

@@ -197,3 +197,16 @@ def test_one_pipeline_serves_every_epoch_each_row_once_with_new_draws(
         assert builds == [0, 1]
         for k in again:
             np.testing.assert_array_equal(again[k], epochs[1][k])
+        # Two workers, one file each: each draws its own crops. With one seed the i-th
+        # row of both was cropped (and its caption dropped) alike.
+        two = cfg.model_copy(update={"scaling": cfg.scaling.model_copy(update={"num_workers": 2})})
+        spec2, draws = worker.WorkerSpec(two, plan(two)), []
+        for rank in (0, 1):
+            ranked = worker._epoch_batches(spec2, rank, 2, torch.device("cpu"))
+            got = read(ranked, 0)
+            ranked.close()
+            # each row's crop by its place in its file (rows 0-11 in one, 12-23 in the other)
+            ids = (got["pixel_values"][:, 0, 0, 0].astype(int) + 2) // 10
+            draws.append({int(i) % (ROWS // 2): tuple(c) for i, c in zip(ids, got["crop_top_left"])})
+        assert sorted(draws[0]) == sorted(draws[1]) == list(range(ROWS // 2))
+        assert sum(draws[0][i] != draws[1][i] for i in range(ROWS // 2)) >= ROWS // 6

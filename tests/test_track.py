@@ -267,9 +267,13 @@ def test_wandb_offline_to_s3_uploads_the_run_dir_once(bucket, moto_endpoint, mon
     assert not os.path.exists(tracker.local_dir)
 
     names = [f[len(uri) + 1:] for f in store.list_files(uri)]
+    # Besides the run's dir only the run id a restarted run reads back (written at once).
+    names.remove("tracking/wandb-run-id")
     run_dirs = {n.split("/")[2] for n in names}
     assert len(run_dirs) == 1 and run_dirs.pop().startswith("offline-run-")
     assert all(n.startswith("tracking/wandb/offline-run-") for n in names), names
+    run_id = store.read_bytes(f"{uri}/tracking/wandb-run-id").decode()
+    assert names[0].split("/")[2].endswith(f"-{run_id}")
     (log_name,) = [n for n in names if n.endswith(".wandb")]
     assert len([n for n in names if "/files/media/images/samples_2_" in n]) == 2
     records = read_wandb_log_bytes(store.read_bytes(f"{uri}/{log_name}"))
@@ -320,3 +324,225 @@ def test_wandb_online_without_a_key_is_a_config_problem_before_ray(tmp_path, mon
         with launch.prepared(validate(tree), launch.TRAIN):
             pass
     assert not (tmp_path / "out").exists()
+
+
+def wandb_runs(out) -> list[tuple[str, str, list[tuple[int, float]]]]:
+    """(dir name, run id, [(step, loss)]) of each offline run dir under ``out``, oldest first."""
+    runs = []
+    for run_dir in sorted(glob.glob(str(out / "tracking" / "wandb" / "offline-run-*"))):
+        (log_file,) = glob.glob(os.path.join(run_dir, "run-*.wandb"))
+        records = read_wandb_log(log_file)
+        run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+        rows = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+                for r in records if r.WhichOneof("record_type") == "history"]
+        runs.append((os.path.basename(run_dir), run.run_id,
+                     [(row["_step"], row["loss"]) for row in rows if "loss" in row]))
+    return runs
+
+
+def test_wandb_restarted_run_logs_into_the_same_run(tmp_path, monkeypatch):
+    """A second start on the same output (a rerun, Ray Train's restart) opens the wandb run
+    of the first (same id: `wandb sync` puts both dirs into one run, in order); another
+    output gets a run of its own."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    tracking = TrackingSection(backend="wandb", wandb_mode="offline")
+    out = tmp_path / "my-run"
+    for start, last in ((0, 10), (8, 15)):  # killed after step 10, resumed from step 8
+        tracker = open_tracker(tracking, str(out), {}, start_step=start)
+        for step in range(start + 1, last + 1):
+            tracker.log(step, {"loss": 1.0 / step})
+        tracker.close()
+    run_id = (out / "tracking" / "wandb-run-id").read_text()
+    assert len(run_id) == 8
+    (first, first_id, first_loss), (second, second_id, second_loss) = wandb_runs(out)
+    # wandb names the dirs offline-run-<time>-<id>, "-1" added when the time is the same.
+    assert first_id == second_id == run_id and f"-{run_id}" in first and f"-{run_id}" in second
+    assert first_loss == [(s, pytest.approx(1.0 / s)) for s in range(1, 11)]
+    assert second_loss == [(s, pytest.approx(1.0 / s)) for s in range(9, 16)]
+
+    other = open_tracker(tracking, str(tmp_path / "other"), {})
+    other.close()
+    assert (tmp_path / "other" / "tracking" / "wandb-run-id").read_text() not in ("", run_id)
+    # tracking.project "team/project": the team is wandb's entity (a "/" in a project
+    # name is refused by wandb, once the run opens)
+    team = open_tracker(TrackingSection(backend="wandb", wandb_mode="offline",
+                                        project="my-team/sd15"), str(tmp_path / "team"), {})
+    assert (team._run.entity, team._run.project) == ("my-team", "sd15")
+    team.close()
+
+
+def test_tensorboard_resumed_run_replaces_the_steps_it_trains_again(tmp_path):
+    """A run resumed from its step-8 checkpoint after logging up to step 10 writes a second
+    event file in the same logdir (one TensorBoard run) that starts with a SessionLog START
+    at step 9: TensorBoard then drops the first file's steps 9 and 10 (as it does for
+    SummaryWriter(purge_step=9)), so the curve has each step once, the resumed values."""
+    from tensorboardX.proto.event_pb2 import SessionLog
+
+    out = tmp_path / "out"
+    tracking = TrackingSection(backend="tensorboard")
+    for start, last, value in ((0, 10, 1.0), (8, 12, 2.0)):
+        tracker = open_tracker(tracking, str(out), {}, start_step=start)
+        for step in range(start + 1, last + 1):
+            tracker.log(step, {"loss": value})
+        tracker.close()
+    paths = sorted(glob.glob(str(out / "tracking" / "tensorboard" / "events.out.tfevents.*")))
+    assert len(paths) == 2 and paths[1].endswith(".from8")
+    starts = [e.step for e in read_tfevents(paths[1])
+              if e.HasField("session_log") and e.session_log.status == SessionLog.START]
+    assert starts == [9]
+    # TensorBoard's rule (EventAccumulator, file_version 2): files in name order, and a
+    # SessionLog START at step s drops the points seen so far at steps >= s.
+    points: dict[int, float] = {}
+    for path in paths:
+        for e in read_tfevents(path):
+            if e.HasField("session_log") and e.session_log.status == SessionLog.START:
+                points = {s: v for s, v in points.items() if s < e.step}
+            for v in e.summary.value:
+                if v.tag == "loss":
+                    points[e.step] = v.simple_value
+    assert points == {**{s: 1.0 for s in range(1, 9)}, **{s: 2.0 for s in range(9, 13)}}
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_wandb_server_unreachable_logs_offline_with_a_warning(tmp_path, monkeypatch, caplog):
+    """Online wandb whose server does not answer: a warning naming wandb (never the key),
+    and the run's metrics go to an offline run with the output's id, for `wandb sync`."""
+    import wandb
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_API_KEY", FAKE_WANDB_KEY)
+    port = _closed_port()
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "3")  # wandb's default wait is 90 s
+    # wandb keeps the settings of an earlier test's session (its host included) in-process.
+    wandb.teardown()
+    out = tmp_path / "run"
+    with caplog.at_level("WARNING", logger="raylora.track"):
+        tracker = open_tracker(TrackingSection(backend="wandb", project="proj"), str(out), {})
+    for step in (1, 2):
+        tracker.log(step, {"loss": 1.0 / step})
+    tracker.close()
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "raylora.track"]
+    assert warning.startswith("tracking: wandb could not start online (CommError: ")
+    assert "logging offline to " in warning and FAKE_WANDB_KEY not in warning
+    ((_, run_id, losses),) = wandb_runs(out)
+    assert run_id == (out / "tracking" / "wandb-run-id").read_text()
+    assert losses == [(1, 1.0), (2, 0.5)]
+    # The online attempt went to the closed port (not a host kept from an earlier test).
+    (online_log,) = glob.glob(str(out / "tracking" / "wandb" / "run-*" / "logs" / "debug-internal.*"))
+    with open(online_log) as f:
+        assert f"127.0.0.1:{port}" in f.read()
+
+
+def test_tracker_failures_are_warnings_not_errors(tmp_path, monkeypatch, caplog):
+    """A backend that cannot start at all becomes the none tracker; a log call failing
+    mid-run stops the logging to wandb, keeps what was logged, and close() still works."""
+    import wandb
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    tracking = TrackingSection(backend="wandb", wandb_mode="offline")
+    with caplog.at_level("WARNING", logger="raylora.track"):
+        with monkeypatch.context() as m:
+            m.setattr(wandb, "init", lambda **kw: (_ for _ in ()).throw(OSError("disk full")))
+            tracker = open_tracker(tracking, str(tmp_path / "a"), {})
+        assert type(tracker) is Tracker
+        assert [r.getMessage() for r in caplog.records if r.name == "raylora.track"] == [
+            "tracking: wandb could not start (OSError: disk full); training goes on without "
+            "it (metrics.jsonl keeps every step)"]
+        caplog.clear()
+
+        out = tmp_path / "b"
+        tracker = open_tracker(tracking, str(out), {})
+        tracker.log(1, {"loss": 1.0})
+        real_log = tracker._run.log
+        tracker._run.log = lambda *a, **k: (_ for _ in ()).throw(BrokenPipeError("service gone"))
+        tracker.log(2, {"loss": 0.5})
+        tracker._run.log = real_log  # the service is back: nothing more is sent anyway
+        tracker.log(3, {"loss": 0.25})
+        tracker.close()
+    assert [r.getMessage() for r in caplog.records if r.name == "raylora.track"] == [
+        "tracking: wandb log failed (BrokenPipeError: service gone); nothing more goes to "
+        "wandb in this run (metrics.jsonl keeps every step)"]
+    ((_, _, losses),) = wandb_runs(out)
+    assert losses == [(1, 1.0)]
+
+
+def test_step0_heldout_loss_reaches_the_tracker(base_config, tmp_path):
+    """The loop hands the step-0 evaluation (eval_loss_base) to on_base_eval, and the
+    worker's reporter logs it as eval_loss at step 0, before the later evaluations."""
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+
+    from raylora.config import validate
+    from raylora.data.preprocess import Preprocess, StageSpec
+    from raylora.train.loop import LoopHooks, LoopSettings, run_loop
+    from raylora.train.setup import build_run
+    from raylora.worker import _Reporter
+
+    cfg = validate({**base_config, "tracking": {"backend": "tensorboard"}})
+    run = build_run(cfg, Accelerator(cpu=True), 4, rank=0)
+    stage = Preprocess(StageSpec(cfg.model.pretrained, 64, center_crop=True, random_flip=False))
+    rng = np.random.default_rng(0)
+    pngs = []
+    for _ in range(2):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(buf, "PNG")
+        pngs.append(buf.getvalue())
+    rows = stage({"image": np.array(pngs, dtype=object), "text": np.array(["a"] * 2, dtype=object)})
+    batch = {"pixel_values": torch.from_numpy(rows["pixel_values"]),
+             "input_ids": torch.from_numpy(rows["input_ids"])}
+    spec = SimpleNamespace(config=cfg, plan=SimpleNamespace(max_steps=4), progress_board=None)
+    reporter = _Reporter(spec, run, rank=0)
+    losses = iter([1.5, 1.25, 1.125])
+
+    def log_eval(state):  # on_eval and on_checkpoint without their Ray reports
+        reporter.tracker.log(state.global_step, {"eval_loss": state.eval_loss_last})
+
+    run_loop(run, LoopSettings(max_steps=4, images_per_step=2, checkpoint_every=4, eval_every=2),
+             LoopHooks(lambda e: [batch] * 4, evaluate=lambda: next(losses),
+                       on_base_eval=reporter.on_base_eval, on_eval=log_eval,
+                       on_checkpoint=lambda s, final: log_eval(s)))
+    reporter.close()
+    assert run.state.eval_loss_base == 1.5
+    (path,) = glob.glob(str(tmp_path / "out" / "tracking" / "tensorboard" / "events.out.*"))
+    got = [(e.step, v.simple_value) for e in read_tfevents(path) for v in e.summary.value
+           if v.tag == "eval_loss"]
+    assert got == [(0, 1.5), (2, 1.25), (4, 1.125)]
+
+
+@pytest.mark.integration
+def test_training_tracks_the_step0_heldout_loss_and_resumes_its_tensorboard_run(
+        ray_local, base_config, tmp_path):
+    """Through the Ray Train worker: the held-out loss before the first step is eval_loss at
+    step 0; a rerun that trains on from the step-2 checkpoint writes a second event file
+    in the same logdir, marked to replace what the first run logged after step 2."""
+    from tensorboardX.proto.event_pb2 import SessionLog
+
+    from raylora.config import validate
+    from raylora.launch import run
+
+    out = tmp_path / "out"
+    tree = {**base_config, "data": {**base_config["data"], "validation_split": 0.25},
+            "tracking": {"backend": "tensorboard"}, "output": {"uri": str(out)}}
+    for max_steps in (2, 4):
+        run(validate({**tree, "train": {**tree["train"], "max_steps": max_steps}}))
+    metrics = json.loads((out / "adapter" / "raylora.json").read_text())["metrics"]
+    paths = sorted(glob.glob(str(out / "tracking" / "tensorboard" / "events.out.tfevents.*")))
+    assert len(paths) == 2 and paths[1].endswith(".from2")
+    first, second = (read_tfevents(p) for p in paths)
+    evals = [[(e.step, v.simple_value) for e in events for v in e.summary.value
+              if v.tag == "eval_loss"] for events in (first, second)]
+    assert [s for s, _ in evals[0]] == [0, 2] and [s for s, _ in evals[1]] == [4]
+    assert evals[0][0][1] == pytest.approx(metrics["eval_loss_base"], rel=1e-6)
+    assert evals[1][0][1] == pytest.approx(metrics["eval_loss_last"], rel=1e-6)
+    assert [e.step for e in second if e.HasField("session_log")
+            and e.session_log.status == SessionLog.START] == [3]
+    assert [e.step for e in second for v in e.summary.value if v.tag == "loss"] == [3, 4]

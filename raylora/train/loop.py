@@ -82,11 +82,13 @@ class LoopHooks:
     report is a barrier), and always once with ``final=True`` at the end. ``evaluate()``
     (the held-out loss) runs at the evaluation steps; its value is in ``state`` and in the
     step's history row before ``on_checkpoint``, and ``on_eval(state)`` reports the
-    evaluations that fall between checkpoints. ``preview(step)`` renders validation
-    images at the same steps. ``sample_ids(batch)`` names the samples of a batch, kept in
-    each step's row (``train.record_samples``). ``first_batch(batch)`` gets the first
-    micro-batch this process trains on, before anything runs the model (the step-0
-    evaluation included): ``train.sdpa_backend`` times attention kernels on its shapes.
+    evaluations that fall between checkpoints; ``on_base_eval(state)`` gets a fresh run's
+    step-0 evaluation (``state.eval_loss_base``), which neither of those sees.
+    ``preview(step)`` renders validation images at the same steps. ``sample_ids(batch)``
+    names the samples of a batch, kept in each step's row (``train.record_samples``).
+    ``first_batch(batch)`` gets the first micro-batch this process trains on, before
+    anything runs the model (the step-0 evaluation included): ``train.sdpa_backend`` times
+    attention kernels on its shapes.
     """
 
     epoch_batches: Callable[[int], Iterable[dict]]
@@ -94,6 +96,7 @@ class LoopHooks:
     on_step: Callable[[dict], None] = _no_op
     evaluate: Callable[[], float] | None = None
     on_eval: Callable[[LoopState], None] = _no_op
+    on_base_eval: Callable[[LoopState], None] = _no_op
     preview: Callable[[int], None] | None = None
     sample_ids: Callable[[dict], list[str]] | None = None
     # After every optimizer step on every rank (a collective: raylora.stop.StopWatch):
@@ -148,6 +151,7 @@ def _begin(state: LoopState, hooks: LoopHooks, batch: dict) -> None:
         # (e.g. a checkpoint before it) carries a held-out loss for Tune to compare.
         state.eval_loss_base = hooks.evaluate()
         state.record_eval(state.eval_loss_base)
+        hooks.on_base_eval(state)
     if hooks.preview is not None and state.global_step == 0:
         hooks.preview(0)
 

@@ -154,6 +154,8 @@ def resolve_paths(cfg: RayLoraConfig) -> RayLoraConfig:
         cfg.train.compile_cache_uri = storage.normalize(cfg.train.compile_cache_uri)
     if cfg.lora.init_from:
         cfg.lora.init_from = storage.normalize(cfg.lora.init_from)
+    # read by rank 0 for its previews, in the run's directory
+    cfg.validation.control_images = [norm(c) for c in cfg.validation.control_images]
     return cfg
 
 

@@ -173,7 +173,7 @@ def test_sdxl_time_ids_carry_the_bucket_crop_and_original_size(tiny):
     assert ids.tolist() == [[80.0, 120.0, 2.0, 0.0, 48.0, 80.0], [70.0, 70.0, 0.0, 0.0, 64.0, 64.0]]
 
 
-def test_photos_train_upright_as_their_exif_orientation_shows_them(tiny):
+def test_photos_train_upright_as_their_exif_orientation_shows_them(tiny, tmp_path):
     """A phone JPEG stored landscape with EXIF Orientation 6 is portrait in every viewer
     and in diffusers' ``load_image``: it trains upright (pixels, bucket, SDXL's original
     size), its header size is the upright one for the bucket scan, and a mask drawn on the
@@ -183,6 +183,8 @@ def test_photos_train_upright_as_their_exif_orientation_shows_them(tiny):
     from raylora.data.buckets import image_size
     from raylora.data.decode import open_masked_row, open_image
     from raylora.data.preprocess import Preprocess, StageSpec
+    from raylora.storage import Storage
+    from raylora.train.preview import read_control_images
 
     # Upright: 32 wide, 64 high, four quadrants of different colours.
     colours = {"tl": (255, 0, 0), "tr": (0, 255, 0), "bl": (0, 0, 255), "br": (255, 255, 0)}
@@ -218,6 +220,11 @@ def test_photos_train_upright_as_their_exif_orientation_shows_them(tiny):
         _, _, m, _ = open_masked_row(jpeg, "a", mask, masks=True, max_pixels=10**8, min_size=0,
                                      small_images="skip", keep_empty_captions=False)
         assert m.size == (32, 64), orientation
+
+        # an edit run's preview input (validation.control_images, raylora sample --image)
+        (tmp_path / f"{orientation}.jpg").write_bytes(jpeg)
+        (preview_input,) = read_control_images([str(tmp_path / f"{orientation}.jpg")], Storage())
+        assert preview_input.size == (32, 64), orientation
 
         out = stage({"image": np.array([jpeg], dtype=object), "text": np.array(["a"], dtype=object)})
         w, h = bs.sizes[out["bucket"][0]]

@@ -140,6 +140,19 @@ def test_the_families_that_take_an_input_image():
         {"flux2": 4, "flux2klein": 4, "fluxkontext": 1, "qwenimageedit": 4}
 
 
+@pytest.mark.parametrize("family", EDIT_FAMILIES)
+def test_a_preview_input_of_another_aspect_is_resized_to_the_output_as_training_pairs_it(family):
+    """Previews and `raylora sample --image --size` give the pipeline each input at the
+    output's size, as training pairs an input with its target (Qwen-Image-Edit kept a 2:1
+    input at 2:1 beside a square output); without a size, the pipeline's own choice."""
+    wide = Image.new("RGB", (128, 64))
+    fam = families.get(family)
+    assert fam.reference_kwargs(wide, 32, 48)["image"].size == (48, 32)
+    if fam.max_references > 1:
+        assert [x.size for x in fam.reference_kwargs([wide, wide], 32, 48)["image"]] == [(48, 32)] * 2
+    assert fam.reference_kwargs(wide, None, None)["image"].size == (128, 64)
+
+
 # (family, input images a sample, variant): every edit family with one, and with two
 # where its pipeline takes a list; Qwen-Image-Edit also as 2511 is laid out
 INPUT_CASES = [(f, 1, None) for f in EDIT_FAMILIES] + \

@@ -515,6 +515,20 @@ def test_a_parquet_image_column_of_paths_is_refused_before_reading(tmp_path, sha
     pq.write_table(pa.table({"img": [1, 2], "text": ["a", "b"]}), ids / "part-0.parquet")
     with pytest.raises(ValueError, match=r"data.image_column='img' holds int64, not encoded"):
         plan_data(DataSection(uri=str(ids), image_column="img"), Storage())
+    # an edit dataset's input images as paths (a TypeError from the plan's sample read before)
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16)).save(buf, format="PNG")
+    png = buf.getvalue()
+    edits = tmp_path / "edits"
+    edits.mkdir()
+    pq.write_table(pa.table({"image": [png, png], "text": ["a", "b"], "control_image": ["in/0.png", "in/1.png"]}),
+                   edits / "part-0.parquet")
+    with pytest.raises(ValueError, match=r"data.control_column='control_image' holds strings \(file paths"):
+        plan_data(DataSection(uri=str(edits), control_images=True), Storage())
     assert plan_data(DataSection(uri=uris["parquet"]), Storage()).rows == N  # plain binary
     struct = tmp_path / "struct"
     struct.mkdir()

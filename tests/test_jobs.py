@@ -252,6 +252,15 @@ def test_submit_sends_the_paths_it_checked(tmp_path, monkeypatch):
     assert job.lora.init_from == "hf://org/adapter"
     assert path_overrides(job, resolve_paths(job)) == []  # nothing relative left
     assert json.loads(sent[-1].split("=", 1)[1]) == f"{tmp_path}/out"
+    # An edit run's preview inputs, read by rank 0 in the run's directory (Ray Train
+    # chdirs its workers there): a relative one passed the checks and failed the run.
+    edit = validate({"model": {"pretrained": "runs/demo/model"}, "output": {"uri": "out"},
+                     "data": {"uri": "d", "control_images": True, "control_inputs": 2},
+                     "validation": {"prompts": ["p", "q"], "control_images": [
+                         ["in/a.png", "in/b.png"], ["s3://b/x.png", "in/c.png"]]}})
+    assert resolve_paths(edit).validation.control_images == [
+        [f"{tmp_path}/in/a.png", f"{tmp_path}/in/b.png"], ["s3://b/x.png", f"{tmp_path}/in/c.png"]]
+    assert "validation.control_images" in [o.split("=", 1)[0] for o in path_overrides(edit, resolve_paths(edit))]
 
 
 def test_status_reads_progress_through_the_configs_storage_endpoint(moto_endpoint, monkeypatch):

@@ -245,6 +245,24 @@ def test_the_cache_fingerprint_follows_what_the_decode_keeps_and_caption_dropout
     assert len({base, *changed.values()}) == 1 + len(changed), changed
     assert fp(caption_dropout=0.3) == changed["caption_dropout"]
 
+    # A source's own control or mask column: another column's images are another entry
+    # (one input: the key held data.control_column alone, and a source's was read from
+    # the entry of the first)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    png = (tmp_path / "d" / "x.png").read_bytes()
+    (tmp_path / "p").mkdir()
+    pq.write_table(pa.table({"image": [png], "text": ["a"], **{c: [png] for c in ("before", "after", "m1", "m2")}}),
+                   tmp_path / "p" / "part-0.parquet")
+
+    def sources(**src):
+        return fp(uri=None, sources=[{"uri": str(tmp_path / "p"), **src}],
+                  **({"control_images": True} if "control_column" in src else {"masked_loss": True}))
+
+    assert sources(control_column="before") != sources(control_column="after")
+    assert sources(mask_column="m1") != sources(mask_column="m2")
+
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_the_cache_stores_each_tensor_in_the_dtype_the_encoders_computed_it_in(tiny_model, dtype):

@@ -243,7 +243,10 @@ def fingerprint(cfg: RayLoraConfig, family: str, model_path: str, data: DataPlan
                                                      "caption_extension", "caption_prefix")}
                         for s in d.source_sections()]}
            if d.sources is not None or d.caption_prefix else {}),
-        **({"masks": {"column": d.mask_column, "suffix": MASK_SUFFIX}} if d.masked_loss else {}),
+        **({"masks": {"column": d.mask_column, "suffix": MASK_SUFFIX,
+                      # each source's own column (a source's mask_column), with sources
+                      **({"columns": [s.mask_column for s in d.source_sections()]}
+                         if d.sources is not None else {})}} if d.masked_loss else {}),
         **({"controls": _controls_key(d)} if d.control_images else {}),
         # The caption embeddings' length and template (model.max_sequence_length,
         # model.system_prompt): only when set, so entries built with the defaults keep
@@ -289,7 +292,9 @@ def _controls_key(d) -> dict:
     never read for 2, nor one whose folders were swapped."""
     key = {"column": d.control_column, "infix": CONTROL_INFIX}
     if d.control_inputs == 1:
-        return key
+        # with sources, each one's column (a source's control_column: another column's
+        # images were read from the entry of the first)
+        return key if d.sources is None else {**key, "columns": [s.control_columns() for s in d.source_sections()]}
     return {**key, "inputs": d.control_inputs,
             "infixes": [control_infix(i) for i in range(d.control_inputs)],
             "columns": [s.control_columns() for s in d.source_sections()],

@@ -100,9 +100,11 @@ def read_control_images(uris: list, store) -> list:
     its list of them (data.control_inputs > 1) as a list."""
     import io
 
+    from raylora.data.decode import upright
+
     def read(uri: str) -> Image.Image:
-        try:
-            return Image.open(io.BytesIO(store.read_bytes(uri))).convert("RGB")
+        try:  # upright, as training reads a control image (a phone photo's EXIF rotation)
+            return upright(Image.open(io.BytesIO(store.read_bytes(uri)))).convert("RGB")
         except FileNotFoundError:
             raise ValueError(f"validation.control_images: {uri}: no such file") from None
         except (OSError, ValueError) as exc:  # PIL's UnidentifiedImageError is an OSError

@@ -37,12 +37,18 @@ def check_columns(data: DataSection, file: str, schema: pa.Schema) -> None:
     if missing:
         raise ValueError(f"{file}: column(s) not found: {', '.join(missing)}; the shard has "
                          f"{names}{_column_hint(data, schema)}")
-    kind = schema.field(data.image_column).type
-    if not (_binary(kind) or (pa.types.is_struct(kind) and kind.get_field_index("bytes") >= 0
-                              and _binary(kind.field("bytes").type))):
+    # The image column, and the mask and control columns the shard has (an edit dataset
+    # often keeps its input images as paths: they failed inside the plan's sample read).
+    keys = {data.mask_column: "mask_column"} | {c: "control_column" for c in data.control_columns()}
+    for col, key in [(data.image_column, "image_column")] + [
+            (c, keys[c]) for c, _ in extra_columns(data) if c in names]:
+        kind = schema.field(col).type
+        if _binary(kind) or (pa.types.is_struct(kind) and kind.get_field_index("bytes") >= 0
+                             and _binary(kind.field("bytes").type)):
+            continue
         what = "strings (file paths or URLs?)" if pa.types.is_string(kind) or pa.types.is_large_string(kind) else str(kind)
         raise ValueError(
-            f"{file}: data.image_column={data.image_column!r} holds {what}, not encoded images: "
+            f"{file}: data.{key}={col!r} holds {what}, not encoded images: "
             "a shard carries each image's bytes (binary, or the Hugging Face datasets Image "
             "struct {bytes, path}). Images kept as files beside a caption each read as a "
             "folder (data.format captionfolder or imagefolder), or `raylora shards build` "

@@ -141,7 +141,16 @@ class QwenImageEdit(QwenImage):
 
     @classmethod
     def reference_kwargs(cls, image, height: int | None, width: int | None) -> dict:
-        return {} if image is None else {"image": image}
+        # Each input resized to the output's size, as training pairs it with its target:
+        # kept at its own aspect (input_area only matches the area), a 2:1 input beside a
+        # square output reached the VAE and the text encoder at an aspect training never
+        # gave them. No size: the pipeline's own choice.
+        if image is None:
+            return {}
+        images = [x.convert("RGB") for x in (image if isinstance(image, list) else [image])]
+        if height and width:
+            images = [x.resize((width, height)) for x in images]
+        return {"image": images if isinstance(image, list) else images[0]}
 
     @classmethod
     def texts(cls, references: int = 0, system_prompt: str | None = None) -> tuple[TextInput, ...]:

@@ -247,7 +247,10 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
     splits = []
     # Prior preservation: class samples appended to every batch (raylora.data.prior), in
     # the prefetch thread like the rest of the stream.
-    classes = (_class_batches(spec, rank, data_seed)
+    # Elastic: per-batch draws (cached caption dropout, class rows) keyed on the batch's
+    # place in the whole pass, with no rank, so a step draws alike at any size.
+    deal = (world, rank) if elastic else None
+    classes = (_class_batches(spec, 0 if elastic else rank, data_seed)
                if plan.class_rows or plan.class_encoded is not None else None)
 
     def shard(epoch: int):
@@ -283,7 +286,7 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
         if elastic:
             batches = global_share(batches, rank, world)
         batches = _dropped(batches)  # before the class rows are added: those keep theirs
-        return _cut(batches if classes is None else paired(batches, classes))
+        return _cut(batches if classes is None else paired(batches, classes, deal))
 
     def _cut(batches):
         """Cached language-model captions as long as the batch's longest (cut_captions)."""
@@ -303,7 +306,7 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
                                  "data (or search data.caption_dropout), not per source")
             return batches
         return drop_cached_captions(batches, plan.empty_encoded, cached_caption_dropout(cfg),
-                                    data_seed, rank)
+                                    data_seed, 0 if elastic else rank, deal)
 
     return EpochStream(open_stream, per_epoch, per_pass=by_files, convert=_to_device(device),
                        prefetch=PREFETCH_BATCHES)

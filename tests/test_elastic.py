@@ -140,6 +140,41 @@ def test_a_pass_that_ends_mid_round_gives_every_worker_the_same_count():
     assert [[(e, b["i"]) for e, b in s] for s in shares][1] == [(0, 1), (0, 4), (1, 1)]
 
 
+def test_per_batch_draws_of_an_elastic_run_are_the_same_at_any_size():
+    """Cached caption dropout and prior preservation's class rows are drawn per micro-batch;
+    an elastic run keys them on the batch's place in the whole pass (no rank), so a step
+    trains the same samples with the same captions and class rows at any size (keyed on
+    each worker's own count and rank, 8 of 16 captions changed after a 2 → 1 resize)."""
+    from raylora.data.captions import drop_cached_captions
+    from raylora.data.prior import EncodedClassBatches, paired
+
+    n = 16
+
+    def stream():  # the global order every elastic worker reads alike; batch g holds sample g
+        for g in range(n):
+            yield 0, {"id": np.array([g]), "prompt_embeds": np.full((1, 2), float(g + 1)),
+                      "latent_params": np.zeros((1, 1), np.float32)}
+
+    empty = {"prompt_embeds": np.zeros((1, 2))}
+    classes = {"id": -np.arange(1, 11).reshape(10, 1)[:, 0], "prompt_embeds": np.ones((10, 2)),
+               "latent_params": np.arange(10, dtype=np.float32).reshape(10, 1) + 100}
+
+    def drawn(world: int) -> dict[int, tuple[bool, float]]:
+        out = {}
+        for rank in range(world):
+            deal = (world, rank)
+            batches = drop_cached_captions(global_share(stream(), rank, world), empty, 0.5,
+                                           seed=3, rank=0, deal=deal)
+            for _, b in paired(batches, EncodedClassBatches(classes, 3, 0), deal):
+                out[int(b["id"][0])] = (bool((b["prompt_embeds"][0] == 0).all()),
+                                        int(b["id"][-1]))
+        return out
+
+    one = drawn(1)
+    assert drawn(2) == drawn(4) == one and len(one) == n
+    assert 0 < sum(d for d, _ in one.values()) < n and len({c for _, c in one.values()}) == 10
+
+
 def test_resize_refuses_a_position_that_does_not_divide():
     state = LoopState(batches_in_epoch=3, world_size=1)
     with pytest.raises(ValueError, match="scaling.num_workers"):

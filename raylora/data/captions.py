@@ -121,29 +121,35 @@ def cut_captions(batch: dict) -> dict:
             if k in PADDED_CAPTIONS else v for k, v in batch.items()}
 
 
-def numbered(stream):
+def numbered(stream, deal: tuple[int, int] | None = None):
     """``(pass, batch)`` → ``(pass, i, batch)``: batch ``i`` of its pass, counted from the
     pass's first batch in this stream. The per-batch draws keyed on it (cached caption
     dropout, prior preservation's class rows) depend on the seed, rank, pass and ``i``
-    alone, so a ``data.sharding=files`` run resumed at an epoch repeats the straight run's."""
+    alone, so a ``data.sharding=files`` run resumed at an epoch repeats the straight run's.
+    ``deal=(world, rank)``: the stream is rank's share of one dealt round-robin
+    (``global_share``, an elastic run): ``i`` is then the batch's place in the whole pass,
+    so its draws are the same at any number of workers."""
+    world, rank = deal or (1, 0)
     seen: dict[int, int] = {}
     for epoch, batch in stream:
         i = seen.get(epoch, 0)
         seen[epoch] = i + 1
-        yield epoch, i, batch
+        yield epoch, i * world + rank, batch
 
 
 CACHED_DROPOUT_SALT = 0xD50F_CA9E
 
 
-def drop_cached_captions(stream, empty: dict[str, np.ndarray], p: float, seed: int, rank: int):
+def drop_cached_captions(stream, empty: dict[str, np.ndarray], p: float, seed: int, rank: int,
+                         deal: tuple[int, int] | None = None):
     """Caption dropout over cached rows (data.cache=latents): ``(pass, batch)`` → the same
     with each row's caption columns (``Family.caption_keys``), with probability ``p``,
     those of ``empty``: the family's empty prompt, encoded once by the driver
     (``raylora.data.cache.encode_for_workers``) as the uncached step encodes a
     dropped row's. One draw per row, from the seed, the rank, the pass and the batch's
-    index in it alone (``numbered``): a resumed run drops the straight run's rows."""
-    for epoch, i, batch in numbered(stream):
+    index in it alone (``numbered``): a resumed run drops the straight run's rows. An
+    elastic run's (``deal``, rank 0): from the batch's place in the whole pass."""
+    for epoch, i, batch in numbered(stream, deal):
         n = len(next(iter(batch.values())))
         drop = np.random.default_rng([CACHED_DROPOUT_SALT, seed, rank, epoch, i]).random(n) < p
         if drop.any():

@@ -117,11 +117,13 @@ def concat_pair(instance: dict[str, np.ndarray], prior: dict[str, np.ndarray]) -
     return {k: concat_rows(k, [v, prior[k].astype(v.dtype, copy=False)]) for k, v in instance.items()}
 
 
-def paired(stream: Iterator[tuple[int, dict]], classes: ClassBatches) -> Iterator[tuple[int, dict]]:
+def paired(stream: Iterator[tuple[int, dict]], classes: ClassBatches,
+           deal: tuple[int, int] | None = None) -> Iterator[tuple[int, dict]]:
     """``(pass, batch)`` → ``(pass, batch ‖ its class samples)``; batch i of each pass
-    (counted from the pass's first batch in this stream) gets ``classes.batch(pass, i)``."""
+    (counted from the pass's first batch in this stream; ``deal``: see
+    ``raylora.data.captions.numbered``) gets ``classes.batch(pass, i)``."""
     from raylora.data.captions import numbered
 
-    for epoch, i, batch in numbered(stream):
+    for epoch, i, batch in numbered(stream, deal):
         n = len(next(iter(batch.values())))
         yield epoch, concat_pair(batch, classes.batch(epoch, i, n))

@@ -57,7 +57,7 @@ def swapped(seed: int, w: int = 40, h: int = 32) -> bytes:
 def write_pairs(root, fmt: str, n: int = 3, w: int = 40, h: int = 32, inputs: int = 1,
                 columns: tuple[str, str] = ("control_image", "control_image_2")) -> str:
     """``n`` pairs in ``fmt``; returns the data URI. Sidecars: KEY.control.png (the folder
-    formats also one KEY.control.jpg, found by its own extension's absence). ``inputs``
+    formats also one KEY.control.JPG, found by its own extension's absence). ``inputs``
     2: each sample's second input too (``swapped``), KEY.control_2.png (the folder
     formats' k1 a KEY.control_2.jpg), the parquet column ``columns[1]``."""
     root.mkdir(parents=True, exist_ok=True)
@@ -81,8 +81,10 @@ def write_pairs(root, fmt: str, n: int = 3, w: int = 40, h: int = 32, inputs: in
     lines = []
     for i, (img, ctl) in enumerate(pairs):
         (root / f"k{i}.png").write_bytes(img)
-        if i == 0:  # a JPEG sidecar of a PNG image: looked for after its own extension
-            Image.open(io.BytesIO(ctl)).save(root / f"k{i}.control.jpg", quality=100, subsampling=0)
+        if i == 0:  # a JPEG sidecar of a PNG image: looked for after its own extension,
+            # upper-case as a camera or Windows names it (it was never found)
+            Image.open(io.BytesIO(ctl)).save(root / f"k{i}.control.JPG", format="JPEG", quality=100,
+                                             subsampling=0)
         else:
             (root / f"k{i}.control.png").write_bytes(ctl)
         if seconds and i == 1:  # input 2's JPEG sidecar
@@ -436,7 +438,7 @@ def test_control_images_in_a_folder_of_their_own(tmp_path, fmt, inputs):
     assert src.rows == 3
     controls = folders[0] / "sub"
     assert sorted(c for c in src.companions if "/control/" in c) == \
-        [str(controls / "k0.jpg"), str(controls / "k1.png"), str(controls / "k2.png")]
+        [str(controls / "k0.JPG"), str(controls / "k1.png"), str(controls / "k2.png")]
     if inputs == 2:
         seconds = folders[1] / "sub"
         assert sorted(c for c in src.companions if "/second/" in c) == \
@@ -607,7 +609,7 @@ def test_folders_and_sidecars_of_several_inputs_that_cannot_serve_are_refused(tm
     plan = plan_data(section(uri, control_inputs=2, max_bad_fraction=0.7), Storage())
     assert plan.rows == 3 and sorted(c.rsplit("/", 1)[1] for c in plan.sources[0].companions
                                      if ".control" in c) == \
-        ["k0.control.jpg", "k0.control_2.png", "k1.control.png", "k2.control_2.png"]
+        ["k0.control.JPG", "k0.control_2.png", "k1.control.png", "k2.control_2.png"]
 
 
 @pytest.mark.parametrize("inputs", [1, 2])

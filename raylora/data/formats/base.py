@@ -169,7 +169,9 @@ def item_controls(item: dict) -> list[tuple[int, str]]:
 
 
 def _own_first(ext: str) -> list[str]:
-    return [ext] + [e for e in IMAGE_EXTS if e != ext.lower()]
+    # Upper-case too: a camera's (or Windows') k.control.JPG is an image the listing
+    # leaves out of training as a control, and must be found as one.
+    return [ext] + [e for e in IMAGE_EXTS + tuple(x.upper() for x in IMAGE_EXTS) if e != ext]
 
 
 def control_candidates(data: DataSection, image: str, i: int = 0) -> list[str]:

@@ -154,9 +154,12 @@ def test_a_rerun_with_other_lora_settings_is_refused_naming_each(tmp_path, caplo
     assert was == {"model.family": "flux", "model.expert": None, "lora.variant": "lora", "lora.rank": 16,
                    "lora.alpha": 16, "lora.target_modules": ["to_q", "to_v"],
                    "lora.train_text_encoder": False, "lora.init_from": None, "model.pretrained": "m",
-                   "model.revision": None}
+                   "model.revision": None, "train.optimizer": "adamw", "train.ema_decay": None,
+                   "train.max_steps": None}
+    # train.max_steps: compared with the checkpoint's step, not the record (see below)
     assert trained_settings(cfg({"target_modules": ["to_q", "to_v"], "dropout": 0.1, "alpha": 16.0},
-                                {"learning_rate": 1e-3, "max_steps": 9}), "flux") == was
+                                {"learning_rate": 1e-3, "max_steps": 9}), "flux") == {
+        **was, "train.max_steps": 9}
     assert trained_settings(cfg({"init_from": "s3://b/a"}), "flux")["lora.init_from"] == "s3://b/a"
     lokr = trained_settings(cfg({"variant": "lokr", "factor": 4}), "sd")
     assert (lokr["lora.factor"], lokr["lora.decompose_both"]) == (4, False)
@@ -323,3 +326,150 @@ def test_fsdp_shards_of_a_remote_checkpoint_outlive_its_download_until_the_model
     state, scratch = restore_rank(Checkpoint("checkpoint_000004", filesystem=remote), rank=0)
     assert scratch is None and state.sharded_dir is None
     assert os.listdir(scratch_root) == []  # its download removed as well
+
+
+def _recorded_run(tmp_path, trained: dict, ema: bool = False, step: int | None = 4):
+    """A run folder whose latest checkpoint (Ray's record, at ``step``) recorded ``trained``."""
+    run = tmp_path / "train"
+    ckpt = run / "checkpoint_a"
+    ckpt.mkdir(parents=True)
+    save_rank_state(str(ckpt), rank=0)
+    save_main_state(str(ckpt), lora_sd={"w": torch.ones(2)}, optimizer_sd={}, scheduler_sd={},
+                    scaler_sd=None, loop=LoopState(global_step=step or 0, world_size=1),
+                    ema_sd={"w": torch.ones(2)} if ema else None, trained=trained)
+    latest = {"checkpoint_dir_name": "checkpoint_a"} | ({"metrics": {"step": step}} if step else {})
+    (run / "checkpoint_manager_snapshot.json").write_text(json.dumps({"latest_checkpoint_result": latest}))
+    return run, ckpt
+
+
+def _settings(train=None, lora=None):
+    from raylora.checkpoint.state import trained_settings
+    from raylora.config import validate
+
+    return trained_settings(validate({"model": {"pretrained": "m"}, "data": {"uri": "d"},
+                                      "output": {"uri": "o"}, "lora": lora or {},
+                                      "train": train or {}}), "sd")
+
+
+def test_a_rerun_with_another_optimizer_is_refused_before_ray(tmp_path):
+    """train.optimizer (and Prodigy's slice_p and d0, which shape its state) are in the
+    checkpoint's record: another one is refused on the driver, naming the key; before, it
+    failed on every worker at the first step (a KeyError inside the library) or resumed
+    Prodigy's moments as AdamW's. Other optimizer settings may change."""
+    from raylora.checkpoint.recorded import check_latest
+    from raylora.storage import Storage
+
+    prodigy = {"optimizer": "prodigy", "learning_rate": 1.0}
+    run, ckpt = _recorded_run(tmp_path, _settings(prodigy))
+    assert json.loads((ckpt / FILES_FILE).read_text())["trained"]["train.prodigy.slice_p"] == 1
+    assert check_latest(Storage(), str(run), trained=_settings(
+        {**prodigy, "prodigy": {"use_bias_correction": True, "d_coef": 2.0}})) == str(ckpt)
+    with pytest.raises(ValueError) as exc:
+        check_latest(Storage(), str(run), trained=_settings({"optimizer": "adamw"}))
+    assert str(exc.value) == (
+        "train.optimizer: this run has train.optimizer=adamw, but the checkpoint this output.uri "
+        f"resumes from ({ckpt}) trained train.optimizer=prodigy; set it back to resume that run, "
+        "or give this one its own output.uri")
+    with pytest.raises(ValueError, match=r"^train.prodigy.slice_p: this run has train.prodigy.slice_p=4, "):
+        check_latest(Storage(), str(run), trained=_settings({**prodigy, "prodigy": {"slice_p": 4}}))
+
+
+def test_ema_switched_on_or_off_is_refused_before_ray(tmp_path):
+    """EMA on or off is read from the checkpoint's files (ema.safetensors), so checkpoints
+    from before the record are checked too. Before: EMA switched on failed on every worker
+    and Ray Train retried it failure.max_failures times; switched off, the resumed run
+    published its raw weights where it had published the EMA. Another decay resumes."""
+    from raylora.checkpoint.recorded import check_latest
+    from raylora.storage import Storage
+
+    run, ckpt = _recorded_run(tmp_path / "off", _settings())
+    with pytest.raises(ValueError) as exc:
+        check_latest(Storage(), str(run), trained=_settings({"ema_decay": 0.99}))
+    assert str(exc.value) == (
+        "train.ema_decay: this run has train.ema_decay=0.99, but the checkpoint this output.uri "
+        f"resumes from ({ckpt}) was written with EMA off (no ema.safetensors); unset it to resume "
+        "that run, or give this one its own output.uri")
+    run, ckpt = _recorded_run(tmp_path / "on", _settings({"ema_decay": 0.99}), ema=True)
+    assert check_latest(Storage(), str(run), trained=_settings({"ema_decay": 0.999})) == str(ckpt)
+    (ckpt / FILES_FILE).unlink()  # written before raylora recorded anything: the files say
+    with pytest.raises(ValueError) as exc:
+        check_latest(Storage(), str(run), trained=_settings())
+    assert str(exc.value) == (
+        "train.ema_decay: this run has train.ema_decay=null, but the checkpoint this output.uri "
+        f"resumes from ({ckpt}) was written with EMA on (ema.safetensors; its adapter is the EMA); "
+        "set it to resume that run, or give this one its own output.uri")
+
+
+def test_max_steps_below_the_checkpoints_step_is_refused_before_ray(tmp_path):
+    """Before: the run ended at once and exported the step-4 adapter with raylora.json
+    saying max_steps 2. The step is Ray's record of the checkpoint; the same count (a
+    finished run's re-export) and more resume."""
+    from raylora.checkpoint.recorded import check_latest
+    from raylora.storage import Storage
+
+    run, ckpt = _recorded_run(tmp_path, _settings({"max_steps": 4}), step=4)
+    for steps in (4, 10):
+        assert check_latest(Storage(), str(run), trained=_settings({"max_steps": steps})) == str(ckpt)
+    with pytest.raises(ValueError) as exc:
+        check_latest(Storage(), str(run), trained=_settings({"max_steps": 2, "ema_decay": 0.9}))
+    assert str(exc.value).split("\n") == [
+        "train.ema_decay: this run has train.ema_decay=0.9, but the checkpoint this output.uri "
+        f"resumes from ({ckpt}) was written with EMA off (no ema.safetensors); unset it to resume "
+        "that run, or give this one its own output.uri",
+        "train.max_steps: this run has train.max_steps=2, but the checkpoint this output.uri "
+        f"resumes from ({ckpt}) is at step 4; raise it to continue that run (each checkpoint's "
+        "adapter/ folder holds that step's adapter), or give this one its own output.uri"]
+
+
+def test_target_modules_in_another_order_are_the_same_lora(tmp_path):
+    from raylora.checkpoint.recorded import check_latest
+    from raylora.storage import Storage
+
+    lora = {"target_modules": ["to_q", "to_v"], "train_text_encoder": True,
+            "text_encoder_target_modules": ["q_proj", "v_proj"]}
+    run, ckpt = _recorded_run(tmp_path, _settings(lora=lora))
+    swapped = {**lora, "target_modules": ["to_v", "to_q"],
+               "text_encoder_target_modules": ["v_proj", "q_proj"]}
+    assert check_latest(Storage(), str(run), trained=_settings(lora=swapped)) == str(ckpt)
+    with pytest.raises(ValueError, match=r"^lora.target_modules: this run has lora.target_modules=\["):
+        check_latest(Storage(), str(run),
+                     trained=_settings(lora={**lora, "target_modules": ["to_q", "to_k"]}))
+
+
+def test_refusals_while_restoring_are_not_retried_by_ray_train():
+    """A refusal a worker raises while restoring repeats on every restart from the same
+    checkpoint: it carries restart_repeats, and raylora.entry.EndOnRepeated ends the run
+    at it (before: Ray Train retried it failure.max_failures times, without end at -1)."""
+    import ray.train
+    from types import SimpleNamespace
+
+    from raylora.checkpoint.state import ResumeRefused
+    from raylora.config import validate
+    from raylora.entry import EndOnRepeated
+    from raylora.train.setup import _ema, _restore
+
+    def cfg(**sections):
+        return validate({"model": {"pretrained": "m"}, "data": {"uri": "d"}, "output": {"uri": "o"},
+                         **sections})
+
+    def refusal(call) -> ResumeRefused:
+        with pytest.raises(ResumeRefused) as exc:
+            call()
+        with pytest.raises(ray.train.ControllerError):
+            EndOnRepeated().after_exception(None, {0: exc.value})
+        return exc.value
+
+    ckpt = SimpleNamespace(ema_sd=None, sharded_dir=None, loop=LoopState(global_step=6, world_size=2))
+    assert str(refusal(lambda: _ema(cfg(train={"ema_decay": 0.99}), [], ckpt, ckpt.loop))).startswith(
+        "train.ema_decay: the checkpoint to resume from has no EMA state")
+    assert str(refusal(lambda: _restore(cfg(scaling={"strategy": "fsdp"}), None, ckpt, None, None, 0,
+                                        None, 10))).startswith("scaling.strategy: ")
+    four = cfg(train={"max_steps": 4})
+    assert str(refusal(lambda: _restore(four, None, ckpt, None, None, 0, None, 4))) == (
+        "train.max_steps: this run trains 4 steps, but the checkpoint to resume from is at step 6; "
+        "raise it to continue that run, or give this one its own output.uri")
+    assert str(refusal(lambda: _restore(cfg(), None, ckpt, None, None, 0, None, 4))).startswith(
+        "train.num_epochs: this run trains 4 steps")
+    # an elastic run's data position that another size cannot continue exactly
+    assert str(refusal(lambda: LoopState(batches_in_epoch=3, world_size=2, batch_size=1).resize(4))
+               ).startswith("scaling.num_workers: the checkpoint's data position")

@@ -274,3 +274,203 @@ def test_optimizer_configs_that_are_fine():
     with pytest.raises(ValueError, match="train.optimizer: paged_adamw8bit needs CUDA"):
         build_optimizer(validate({**MIN, "train": {"optimizer": "paged_adamw8bit"},
                                   "scaling": {"use_gpu": True}}), _params(), world_size=1, device="cpu")
+
+
+# ---------------------------------------------------------------- resuming with other settings
+
+class _Prepared:
+    """What accelerator.prepare returns, as setup._restore uses it."""
+
+    def __init__(self, optimizer=None, scheduler=None):
+        self.optimizer, self.scheduler = optimizer, scheduler
+
+    def load_state_dict(self, sd):
+        self.optimizer.load_state_dict(sd)
+
+
+def _resume(train: dict, saved: dict, max_steps: int = 6, device="cpu"):
+    """setup._restore of ``saved`` (``_checkpoint``) into the optimizer and schedule that
+    ``train`` builds: (params, optimizer, schedule)."""
+    from types import SimpleNamespace
+
+    from raylora.checkpoint.state import RestoredState
+    from raylora.train.setup import _restore
+
+    cfg = validate({**MIN, "train": train})
+    params = _params()
+    with torch.no_grad():
+        for p, q in zip(params, saved["params"]):
+            p.copy_(q)
+    opt = build_optimizer(cfg, params, world_size=1, device=device)
+    sched = build_lr_scheduler(cfg, opt, max_steps=max_steps, num_processes=1)
+    loop = saved["loop"]
+    loop.batch_size = cfg.train.batch_size
+    restored = RestoredState(lora_sd={}, optimizer_sd=saved["optimizer"], scheduler_sd=saved["schedule"],
+                             scaler_sd=None, loop=loop, rng=None)
+    _restore(cfg, SimpleNamespace(num_processes=1, scaler=None), restored, _Prepared(opt),
+             _Prepared(scheduler=sched), 0, None, max_steps)
+    return params, opt, sched
+
+
+def _checkpoint(train: dict, n: int = 3, device="cpu") -> dict:
+    """``n`` steps of the optimizer ``train`` builds, saved as a checkpoint holds them."""
+    import copy
+
+    from raylora.checkpoint.state import LoopState
+
+    cfg = validate({**MIN, "train": train})
+    params = _params()
+    opt = build_optimizer(cfg, params, world_size=1, device=device)
+    sched = build_lr_scheduler(cfg, opt, max_steps=6, num_processes=1)
+    for i in range(n):
+        g = torch.Generator().manual_seed(100 + i)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+        sched.step()
+    return {"params": [p.detach().clone() for p in params], "optimizer": copy.deepcopy(opt.state_dict()),
+            "schedule": sched.state_dict(), "loop": LoopState(global_step=n, world_size=1)}
+
+
+PRODIGY = {"optimizer": "prodigy", "learning_rate": 1.0}
+
+
+@pytest.mark.parametrize("was, now, expected", [
+    (PRODIGY, {**PRODIGY, "prodigy": {"use_bias_correction": True, "safeguard_warmup": True,
+                                      "decouple": False, "d_coef": 2.0, "beta3": 0.9}},
+     {"use_bias_correction": True, "safeguard_warmup": True, "decouple": False, "d_coef": 2.0,
+      "beta3": 0.9}),
+    ({"optimizer": "adafactor", "learning_rate": 1e-3},
+     {"optimizer": "adafactor", "learning_rate": 1e-3,
+      "adafactor": {"scale_parameter": True, "clip_threshold": 0.5, "decay_rate": -0.5}},
+     {"scale_parameter": True, "clip_threshold": 0.5, "decay_rate": -0.5, "lr": 1e-3}),
+    ({"optimizer": "adafactor", "learning_rate": 1e-3},
+     {"optimizer": "adafactor", "adafactor": {"relative_step": True, "warmup_init": True}},
+     {"relative_step": True, "warmup_init": True}),
+    ({"learning_rate": 1e-3},
+     {"learning_rate": 5e-4, "adam_beta1": 0.8, "adam_epsilon": 1e-6, "adam_weight_decay": 0.5},
+     {"lr": 5e-4, "betas": (0.8, 0.999), "eps": 1e-6, "weight_decay": 0.5}),
+])
+def test_a_resume_takes_the_optimizer_settings_from_the_config(was, now, expected):
+    """train.prodigy, train.adafactor and train.adam_* changed on resume are what the
+    optimizer steps with; its own state (Prodigy's d and step count, the moments) is the
+    checkpoint's. (Before, only the learning rates and Adam's hyperparameters were taken:
+    Prodigy's and Adafactor's switches stayed as saved.)"""
+    saved = _checkpoint(was)
+    _, opt, _ = _resume(now, saved)
+    g = opt.param_groups[0]
+    assert {k: g[k] for k in expected} == expected
+    old = saved["optimizer"]["param_groups"][0]
+    for k in ("d", "d_max", "d_numerator", "k"):
+        assert g.get(k) == old.get(k)
+    if "d" in old:  # Prodigy's estimate: not what a fresh build starts from
+        assert old["k"] == 3 and old["d_numerator"] != 0
+    state = saved["optimizer"]["state"][0]
+    assert all(torch.equal(opt.state[opt.param_groups[0]["params"][0]][k], v)
+               for k, v in state.items() if torch.is_tensor(v))
+
+
+def test_adafactor_relative_step_switched_off_on_resume_steps_at_the_config_lr():
+    """A run started with train.adafactor.relative_step (step size min(1e-2, 1/√t)),
+    resumed without it at train.learning_rate 1e-4: the resumed steps move the weights
+    exactly as steps 4-6 of a run that never used it (Adafactor's second moments do not
+    depend on the step size), not at the 1e-2 the checkpoint's groups said (87× what
+    metrics.jsonl logged)."""
+    now = {"optimizer": "adafactor", "learning_rate": 1e-4}
+    params, opt, sched = _resume(now, _checkpoint({"optimizer": "adafactor",
+                                                   "adafactor": {"relative_step": True}}))
+    assert sched.get_last_lr() == [1e-4]
+    start = [p.detach().clone() for p in params]
+    moved = [b - a for a, b in zip(start, _steps_from(opt, params, 3))]
+    ref = _checkpoint(now, n=3)
+    ref_params, ref_opt, _ = _resume(now, ref)
+    ref_moved = [b - a for a, b in zip(ref["params"], _steps_from(ref_opt, ref_params, 3))]
+    assert 1e-5 < max(float(m.abs().max()) for m in moved) < 1e-3  # relative: ~3e-2
+    for a, b in zip(moved, ref_moved):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)  # fp32 rounding of weights ~1
+
+
+def _steps_from(opt, params, start, n=3):
+    """Steps ``start``.. of ``_checkpoint``'s gradient sequence."""
+    for i in range(start, start + n):
+        g = torch.Generator().manual_seed(100 + i)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    return [p.detach().clone() for p in params]
+
+
+def test_adafactor_relative_step_switched_on_on_resume_sets_its_own_step_size():
+    """The other way: the relative step size (1e-2 at these steps) and metrics.jsonl's lr
+    say so; before, the checkpoint's groups kept an external lr that the relative-step
+    schedule set to 0, and training stopped."""
+    params, opt, sched = _resume({"optimizer": "adafactor", "adafactor": {"relative_step": True}},
+                                 _checkpoint({"optimizer": "adafactor", "learning_rate": 1e-3}))
+    g = opt.param_groups[0]
+    assert g["relative_step"] is True and "initial_lr" not in g
+    start = [p.detach().clone() for p in params]
+    for i in range(3, 5):
+        end = _steps_from(opt, params, i, 1)
+        sched.step()
+        assert sched.get_last_lr() == pytest.approx([1e-2])
+    assert max(float((a - b).abs().max()) for a, b in zip(end, start)) > 5e-3
+
+
+@pytest.mark.parametrize("was_device, now_device, fused, foreach", [
+    ("cuda", "cpu", False, True), ("cpu", "cuda", True, False)])
+def test_adamw_implementation_follows_the_device_a_run_resumes_on(was_device, now_device, fused,
+                                                                  foreach):
+    """fused/foreach are where the run trains now, not where the checkpoint was written
+    ("cuda": the fused flag, run here on CPU tensors). Before, a checkpoint from a GPU run
+    asked a CPU resume for the fused kernel."""
+    params, opt, _ = _resume({}, _checkpoint({}, device=was_device), device=now_device)
+    assert [(bool(g["fused"]), bool(g["foreach"])) for g in opt.param_groups] == [(fused, foreach)]
+    straight = _checkpoint({}, n=4, device=now_device)["params"]
+    for a, b in zip(_steps_from(opt, params, 3, 1), straight):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_what_an_optimizer_changes_in_its_groups_is_kept_as_its_state():
+    """Every parameter-group value an optimizer changes or adds while stepping is in
+    setup.GROUP_STATE_KEYS (a resume keeps it); everything else a resume takes from the
+    config. A library version that keeps more state in its groups fails here."""
+    from raylora.train.setup import GROUP_STATE_KEYS
+
+    for train in [{}, {"optimizer": "adamw8bit"}, PRODIGY, {"optimizer": "adafactor"},
+                  {"optimizer": "adafactor", "adafactor": {"relative_step": True}}]:
+        cfg = validate({**MIN, "train": train})
+        params = _params()
+        opt = build_optimizer(cfg, params, world_size=1, device="cpu")
+        sched = build_lr_scheduler(cfg, opt, max_steps=6, num_processes=1)
+        before = [dict(g) for g in opt.param_groups]
+        for i in range(3):
+            _steps_from(opt, params, i, 1)
+            sched.step()
+        changed = {k for g, b in zip(opt.param_groups, before) for k in g
+                   if k not in b or (k != "params" and g[k] != b[k])}
+        assert changed <= set(GROUP_STATE_KEYS), (train, changed - set(GROUP_STATE_KEYS))
+
+
+@pytest.mark.parametrize("was, now, key, message", [
+    ({}, PRODIGY, "train.optimizer",
+     "train.optimizer: this run has train.optimizer=prodigy, but the checkpoint to resume from "
+     "holds adamw optimizer state; set it back to resume that run, or give this one its own output.uri"),
+    (PRODIGY, {}, "train.optimizer", "this run has train.optimizer=adamw, but the checkpoint to "
+     "resume from holds prodigy optimizer state"),
+    ({}, {"optimizer": "adamw8bit"}, "train.optimizer", "holds adamw optimizer state"),
+    ({"optimizer": "adamw8bit"}, {}, "train.optimizer", "holds adamw8bit optimizer state"),
+    ({}, {"optimizer": "adafactor"}, "train.optimizer", "holds adamw optimizer state"),
+    (PRODIGY, {**PRODIGY, "prodigy": {"slice_p": 2}}, "train.prodigy.slice_p",
+     "train.prodigy.slice_p: this run has train.prodigy.slice_p=2, but the checkpoint to resume "
+     "from was written with 1"),
+    (PRODIGY, {**PRODIGY, "prodigy": {"d0": 1e-4}}, "train.prodigy.d0", "written with 1e-06"),
+])
+def test_a_resume_of_state_another_optimizer_made_is_refused_naming_the_key(was, now, key, message):
+    """Checkpoints that do not record train.optimizer (the driver refuses a change by the
+    record) and Tune trials: the worker refuses, naming the key, and Ray Train does not
+    retry it (restart_repeats). Before: a KeyError inside the library at the first step,
+    or (prodigy→adamw) Prodigy's moments stepped as AdamW's."""
+    with pytest.raises(ValueError) as exc:
+        _resume(now, _checkpoint(was))
+    assert str(exc.value).startswith(f"{key}: ") and message in str(exc.value)
+    assert exc.value.restart_repeats is True

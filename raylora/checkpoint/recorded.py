@@ -12,7 +12,7 @@ import json
 import logging
 
 from raylora import storage
-from raylora.checkpoint.state import FILES_FILE, IncompleteCheckpoint, missing_files
+from raylora.checkpoint.state import EMA_FILE, FILES_FILE, IncompleteCheckpoint, missing_files
 
 log = logging.getLogger("raylora")
 
@@ -80,9 +80,11 @@ def check_latest(store, run_uri: str, trained: dict | None = None) -> str | None
     family fails on every worker once the model is up; another alpha, or the other Wan
     2.2 expert, would continue (or, finished, re-export) the LoRA silently changed. Another
     ``model.pretrained`` (``NOTED``) is logged as a warning instead. A key one side lacks
-    (a checkpoint from before raylora recorded it) is not compared."""
+    (a checkpoint from before raylora recorded it) is not compared; ``CHECKED`` keys are
+    compared with the checkpoint's files and step instead, whatever raylora wrote it."""
     try:
-        name = (_snapshot(store, run_uri) or {})["latest_checkpoint_result"]["checkpoint_dir_name"]
+        latest = (_snapshot(store, run_uri) or {})["latest_checkpoint_result"]
+        name = latest["checkpoint_dir_name"]
     except (KeyError, TypeError):
         return None
     uri = storage.join(run_uri, name)
@@ -93,6 +95,7 @@ def check_latest(store, run_uri: str, trained: dict | None = None) -> str | None
         raise OSError(f"{uri}: cannot list the checkpoint to resume from: {exc}") from None
     if not present:
         raise IncompleteCheckpoint(uri, ["every file (the folder is empty or gone)"])
+    problems = []
     if FILES_FILE in present:  # absent: written before raylora recorded its files
         recorded = json.loads(store.read_bytes(storage.join(uri, FILES_FILE)))
         missing = missing_files(recorded, present)
@@ -101,8 +104,8 @@ def check_latest(store, run_uri: str, trained: dict | None = None) -> str | None
         # "trained" absent: written before raylora recorded it; a bare "expert": before
         # it recorded more than model.expert
         was = {k if "." in k else f"model.{k}": v for k, v in (recorded.get("trained") or {}).items()}
-        now = trained or {}
-        changed = [k for k in now if k in was and now[k] != was[k]]
+        now = {k: v for k, v in (trained or {}).items() if k not in CHECKED}
+        changed = [k for k in now if k in was and not _same(k, now[k], was[k])]
         for k in (k for k in changed if k in NOTED):
             log.warning("%s: this run has %s, but the checkpoint this output.uri resumes from "
                         "(%s) was trained with %s; resuming (%s)", k, _shown(now[k]), uri,
@@ -112,12 +115,50 @@ def check_latest(store, run_uri: str, trained: dict | None = None) -> str | None
             def settings(values):
                 return ", ".join(f"{k}={_shown(values[k])}" for k in differ)
 
-            raise ValueError(
+            problems.append(
                 f"{', '.join(differ)}: this run has {settings(now)}, but the checkpoint this "
                 f"output.uri resumes from ({uri}) trained {settings(was)}; set "
                 f"{'it' if len(differ) == 1 else 'them'} back to resume that run, or give this "
                 "one its own output.uri")
+    problems += _unresumable(trained or {}, present, latest.get("metrics"), uri)
+    if problems:
+        raise ValueError("\n".join(problems))
     return uri
+
+
+# Settings of a rerun (state.trained_settings) checked against the checkpoint itself, not
+# its record: what its files hold, where Ray's record says it stopped.
+CHECKED = ("train.ema_decay", "train.max_steps")
+
+
+def _unresumable(now: dict, present: dict, metrics, uri: str) -> list[str]:
+    """EMA switched on or off (the workers refused the one, ignored the other: the resumed
+    run published the raw weights where it had published the EMA), and a train.max_steps
+    below the checkpoint's step (the run ended at once and exported the checkpoint's
+    adapter under a model card naming the lower count)."""
+    problems = []
+    end = ", or give this one its own output.uri"
+    if "train.ema_decay" in now and bool(now["train.ema_decay"]) != (EMA_FILE in present):
+        problems.append(
+            f"train.ema_decay: this run has train.ema_decay={_shown(now['train.ema_decay'])}, "
+            f"but the checkpoint this output.uri resumes from ({uri}) was written with EMA "
+            + (f"off (no {EMA_FILE}); unset it to resume that run" if now["train.ema_decay"] else
+               f"on ({EMA_FILE}; its adapter is the EMA); set it to resume that run") + end)
+    step = metrics.get("step") if isinstance(metrics, dict) else None
+    if now.get("train.max_steps") is not None and isinstance(step, int) and now["train.max_steps"] < step:
+        problems.append(
+            f"train.max_steps: this run has train.max_steps={now['train.max_steps']}, but the "
+            f"checkpoint this output.uri resumes from ({uri}) is at step {step}; raise it to "
+            f"continue that run (each checkpoint's adapter/ folder holds that step's adapter){end}")
+    return problems
+
+
+def _same(key: str, a, b) -> bool:
+    # Target module lists name a set of modules (peft matches each name on its own): the
+    # same names in another order are the same LoRA.
+    if key.endswith("target_modules") and isinstance(a, list) and isinstance(b, list):
+        return set(a) == set(b)
+    return a == b
 
 
 def _shown(value) -> str:

@@ -47,6 +47,15 @@ SHARDED_DIR = "fsdp"
 FILES_FILE = "checkpoint_files.json"
 
 
+class ResumeRefused(ValueError):
+    """This config cannot resume this checkpoint (a worker's check while restoring): a
+    restart of the workers reads the same checkpoint with the same config, so
+    ``raylora.entry.EndOnRepeated`` ends the run instead of retrying it
+    ``failure.max_failures`` times."""
+
+    restart_repeats = True
+
+
 @dataclass
 class LoopState:
     """Where the run is: enough to continue exactly. All plain numbers."""
@@ -85,7 +94,7 @@ class LoopState:
         consumed = self.batches_in_epoch * old_w * old_b
         if consumed % (world * new_b) and exact:
             key = "train.batch_size" if old_b != new_b else "scaling.num_workers"
-            raise ValueError(
+            raise ResumeRefused(
                 f"{key}: the checkpoint's data position ({self.batches_in_epoch} "
                 f"micro-batches of {old_b} on each of {old_w} workers) is not a whole number of "
                 f"micro-batches of {new_b} on {world} workers")
@@ -133,7 +142,13 @@ def trained_settings(cfg, family: str) -> dict:
     carry on with it silently changed (another alpha; one Wan 2.2 expert's LoRA as the
     other's, the two sharing an architecture). ``recorded.check_latest`` refuses it first.
     ``model.pretrained`` and ``model.revision`` (a hub model's: the commit the run loaded,
-    ``RayLoraConfig.at_commit``) are recorded too, but only warned about (``recorded.NOTED``)."""
+    ``RayLoraConfig.at_commit``) are recorded too, but only warned about (``recorded.NOTED``).
+    So is the optimizer state: another ``train.optimizer`` finds state of another shape
+    (a KeyError inside the library at the first step, or Prodigy's moments taken for
+    AdamW's), Prodigy's ``slice_p`` slices its state and ``d0`` scales its running sums.
+    ``train.ema_decay`` and ``train.max_steps`` are checked against the checkpoint itself
+    (``recorded.CHECKED``: EMA on or off, as its files say; not below its step)."""
+    t = cfg.train
     lo = cfg.lora
     out = {"model.family": family, "model.expert": cfg.model.expert, "lora.variant": lo.variant,
            "lora.rank": lo.rank, "lora.alpha": lo.alpha if lo.alpha is not None else lo.rank,
@@ -141,7 +156,10 @@ def trained_settings(cfg, family: str) -> dict:
            # what the LoRA started as: a resumed run ignores lora.init_from, so a rerun that
            # names another one would otherwise carry on from the first without a word
            "lora.init_from": lo.init_from, "model.pretrained": cfg.model.pretrained,
-           "model.revision": cfg.model.revision}
+           "model.revision": cfg.model.revision, "train.optimizer": t.optimizer,
+           "train.ema_decay": t.ema_decay, "train.max_steps": t.max_steps}
+    if t.optimizer == "prodigy":
+        out |= {"train.prodigy.slice_p": t.prodigy.slice_p, "train.prodigy.d0": t.prodigy.d0}
     if lo.train_text_encoder:
         out["lora.text_encoder_target_modules"] = lo.text_encoder_target_modules
     if lo.variant == "lokr":

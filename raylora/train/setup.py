@@ -17,6 +17,7 @@ from raylora.checkpoint.state import (
     SHARDED_DIR,
     LoopState,
     RestoredState,
+    ResumeRefused,
     restore_rng,
     save_main_state,
     save_rank_state,
@@ -166,9 +167,10 @@ def enable_gradient_checkpointing(family, denoiser, trained_text_encoders=()) ->
 
 
 def _restore(cfg: RayLoraConfig, accelerator, restored, optimizer, lr_scheduler, rank: int,
-             model) -> LoopState:
+             model, max_steps: int) -> LoopState:
     """Optimizer, schedule, scaler, loop position and RNG from a checkpoint; or a fresh
-    state with this rank's own noise/timestep stream."""
+    state with this rank's own noise/timestep stream. ``ResumeRefused`` (not retried by
+    Ray Train: raylora.entry.EndOnRepeated) for a checkpoint this config cannot continue."""
     seed = cfg.train.seed
     if restored is None:
         # A different stream per rank, so workers do not draw identical noise for their
@@ -177,14 +179,27 @@ def _restore(cfg: RayLoraConfig, accelerator, restored, optimizer, lr_scheduler,
         return LoopState(world_size=accelerator.num_processes, batch_size=cfg.train.batch_size)
     written = "fsdp" if restored.sharded_dir else "ddp"
     if written != cfg.scaling.strategy:
-        raise ValueError(
+        raise ResumeRefused(
             f"scaling.strategy: the checkpoint to resume from was written with "
             f"scaling.strategy={written}; resume with it, or start a new output.uri")
+    if restored.loop.global_step > max_steps:  # the driver checks train.max_steps only
+        key = "train.max_steps" if cfg.train.max_steps else "train.num_epochs"
+        raise ResumeRefused(
+            f"{key}: this run trains {max_steps} steps, but the checkpoint to resume from is at "
+            f"step {restored.loop.global_step}; raise it to continue that run, or give this one "
+            "its own output.uri")
     configured = _configured_hyperparameters(optimizer.optimizer)
     if restored.sharded_dir:  # every rank reads its slice of the saved shards
         load_sharded(restored.sharded_dir, model, optimizer.optimizer)
+        _refuse_other_optimizer(optimizer.optimizer.param_groups, configured, cfg.train.optimizer)
+        _take_settings(optimizer.optimizer.param_groups, configured)
     else:
-        optimizer.load_state_dict(restored.optimizer_sd)
+        groups = [dict(g) for g in restored.optimizer_sd["param_groups"]]
+        _refuse_other_optimizer(groups, configured, cfg.train.optimizer)
+        # Before loading: torch puts AdamW's step counts where the loaded groups' fused
+        # flag says (a CPU checkpoint resumed fused on CUDA, and the reverse).
+        _take_settings(groups, configured)
+        optimizer.load_state_dict({**restored.optimizer_sd, "param_groups": groups})
     lr_scheduler.scheduler.load_state_dict(restored.scheduler_sd)
     if accelerator.scaler is not None and restored.scaler_sd:
         accelerator.scaler.load_state_dict(restored.scaler_sd)
@@ -193,7 +208,7 @@ def _restore(cfg: RayLoraConfig, accelerator, restored, optimizer, lr_scheduler,
     # optimizer steps × processes. Only an elastic run's data position is exact.
     _resize(state, lr_scheduler.scheduler, accelerator.num_processes, cfg.train.batch_size,
             exact=cfg.scaling.elastic)
-    _reconfigure(optimizer.optimizer, lr_scheduler.scheduler, configured)
+    _reconfigure(optimizer.optimizer, lr_scheduler.scheduler)
     state.world_size, state.batch_size = accelerator.num_processes, cfg.train.batch_size
     state.resumed_from_step = state.global_step
     if restored.rng is not None:
@@ -218,26 +233,65 @@ def _resize(state: LoopState, scheduler, world: int, batch_size: int, exact: boo
     scheduler.last_epoch = scheduler.last_epoch // old * world
 
 
-# Parameter-group keys that are the run's settings (train.adam_*, train.prodigy,
-# train.adafactor), not optimizer state: a resume takes them from the config. Prodigy's
-# d, d_max, d_numerator and k are its state and stay as saved.
-CONFIG_GROUP_KEYS = ("initial_lr", "betas", "eps", "weight_decay", "beta1", "beta3",
-                     "decay_rate", "clip_threshold", "d_coef", "growth_rate")
+# What optimizers keep in their parameter groups besides settings: the schedule's current
+# lr, and Prodigy's step-size estimate (d, its running sums, its step count k). Every
+# other group key is a setting (train.adam_*, train.prodigy, train.adafactor; AdamW's
+# fused/foreach, which follow the device): a resume takes it from this run's build.
+# (tests/test_optim.py fails on a key an optimizer adds.)
+GROUP_STATE_KEYS = ("params", "lr", "d", "d_max", "d_numerator", "d_denom", "d_hat", "k")
+# Settings the saved state depends on, which a resume cannot change: Prodigy keeps its
+# state for every slice_p-th element, and scales its running sums by d0 (and grows d only
+# while it still equals d0).
+SHAPING_KEYS = {"slice_p": "train.prodigy.slice_p", "d0": "train.prodigy.d0"}
 
 
 def _configured_hyperparameters(optimizer) -> list[dict]:
     """Each parameter group's settings as this run's config built them."""
-    return [{k: g[k] for k in CONFIG_GROUP_KEYS if k in g} for g in optimizer.param_groups]
+    return [{k: v for k, v in g.items() if k not in GROUP_STATE_KEYS} for g in optimizer.param_groups]
 
 
-def _reconfigure(optimizer, scheduler, configured: list[dict]) -> None:
+def _optimizer_kind(group: dict) -> str:
+    """Which train.optimizer made a parameter group (by its keys; paged or not alike)."""
+    return ("prodigy" if "d_coef" in group else "adafactor" if "relative_step" in group
+            else "adamw" if "amsgrad" in group else "adamw8bit")
+
+
+def _refuse_other_optimizer(saved: list[dict], configured: list[dict], name: str) -> None:
+    """A checkpoint's optimizer state another train.optimizer (or Prodigy slice_p, d0) made:
+    the driver refuses it by the checkpoint's record; checkpoints written before
+    train.optimizer was recorded, and Tune's trials, get here. Loaded, it failed at the first
+    step with a KeyError inside the library, or Prodigy's moments served as AdamW's."""
+    was, now = _optimizer_kind(saved[0]), _optimizer_kind(configured[0])
+    if was != now:
+        raise ResumeRefused(
+            f"train.optimizer: this run has train.optimizer={name}, but the checkpoint to resume "
+            f"from holds {was} optimizer state; set it back to resume that run, or give this "
+            "one its own output.uri")
+    for k, key in SHAPING_KEYS.items():
+        if k in saved[0] and saved[0][k] != configured[0].get(k):
+            raise ResumeRefused(
+                f"{key}: this run has {key}={configured[0].get(k)}, but the checkpoint to resume "
+                f"from was written with {saved[0][k]}; set it back to resume that run, or give "
+                "this one its own output.uri")
+
+
+def _take_settings(groups: list[dict], configured: list[dict]) -> None:
+    """A checkpoint's parameter groups (in place) with this run's settings and their own
+    state. Before, only the learning rates and Adam's betas, eps and decay were taken: a
+    resume kept the checkpoint's Prodigy and Adafactor switches while the config and model
+    card named others (relative_step true resumed as false trained at 87× the logged lr)."""
+    for group, conf in zip(groups, configured):
+        state = {k: group[k] for k in GROUP_STATE_KEYS if k in group}
+        group.clear()
+        group.update(conf, **state)
+
+
+def _reconfigure(optimizer, scheduler) -> None:
     """After loading a checkpoint's optimizer and schedule: the config's learning rates
-    and hyperparameters, at the schedule's restored position. README promises a resume
-    may change the learning rate; the loaded param groups and the schedule's base_lrs
-    kept the checkpoint's, so a rerun with a lower train.learning_rate (what the NaN
-    advice says to do) trained on at the old one while the model card named the new."""
-    for group, conf in zip(optimizer.param_groups, configured):
-        group.update(conf)
+    at the schedule's restored position. README promises a resume may change the learning
+    rate; the loaded schedule's base_lrs kept the checkpoint's, so a rerun with a lower
+    train.learning_rate (what the NaN advice says to do) trained on at the old one while
+    the model card named the new."""
     if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR) or \
             any(g.get("initial_lr") is None for g in optimizer.param_groups):
         return  # Adafactor's relative step: it sets its own step size
@@ -254,7 +308,7 @@ def _ema(cfg: RayLoraConfig, params, restored, state: LoopState) -> LoraEMA | No
     if restored is not None and restored.ema_sd is not None:
         ema.load_state_dict(restored.ema_sd)
     elif restored is not None and state.global_step:
-        raise ValueError(
+        raise ResumeRefused(
             "train.ema_decay: the checkpoint to resume from has no EMA state (EMA was "
             "off when it was written); resume without EMA or start a new output.uri"
         )
@@ -310,7 +364,7 @@ def build_run(
         optimizer, lr_scheduler = accelerator.prepare(optimizer, lr_scheduler)
     else:
         model, optimizer, lr_scheduler = accelerator.prepare(comps.denoiser, optimizer, lr_scheduler)
-    state = _restore(cfg, accelerator, restored, optimizer, lr_scheduler, rank, model)
+    state = _restore(cfg, accelerator, restored, optimizer, lr_scheduler, rank, model, max_steps)
     ema = _ema(cfg, params + te_params, restored, state)
     model.train()
     for te in trained_te.values():

@@ -155,6 +155,33 @@ def test_a_preview_input_of_another_aspect_is_resized_to_the_output_as_training_
     assert fam.reference_kwargs(wide, None, None)["image"].size == (128, 64)
 
 
+def test_flux2_trains_an_input_above_one_megapixel_as_its_pipeline_shrinks_it():
+    """Flux2Pipeline and Flux2KleinPipeline shrink an input image above 1 MP to 1 MP (its
+    aspect kept, cut to the latent grid): a 2048x1024 control trains as the 1440x720 input
+    they encode, not at the target's 2 MP; 1 MP and under, and other families, as given."""
+    from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+
+    from raylora.data.preprocess import to_unit_range
+
+    class Vae:  # the latent grid's factor, as the family reads it from a VAE config
+        config = {"block_out_channels": [1, 1, 1, 1]}
+
+    y, x = np.mgrid[0:1024, 0:2048]
+    img = np.stack([x * 255 // 2048, y * 255 // 1024, (x + y) * 255 // 3072], -1).astype(np.uint8)
+    pixels = torch.from_numpy(img).permute(2, 0, 1)[None]
+    proc = Flux2ImageProcessor(vae_scale_factor=16)
+    shrunk = proc._resize_to_target_area(Image.fromarray(img), 1024 * 1024)
+    theirs = proc.preprocess(shrunk, height=shrunk.size[1] // 16 * 16, width=shrunk.size[0] // 16 * 16,
+                             resize_mode="crop")
+    for family in ("flux2", "flux2klein"):
+        ours = families.get(family).reference_pixels(pixels, Vae())
+        assert ours.shape == theirs.shape == (1, 3, 720, 1440) and ours.dtype == torch.uint8
+        assert (to_unit_range(ours) - theirs).abs().mean() < 1e-3  # bicubic vs their Lanczos
+    small = pixels[..., :512, :1024]
+    assert families.get("flux2").reference_pixels(small, Vae()) is small
+    assert families.get("fluxkontext").reference_pixels(pixels, Vae()) is pixels
+
+
 # (family, input images a sample, variant): every edit family with one, and with two
 # where its pipeline takes a list; Qwen-Image-Edit also as 2511 is laid out
 INPUT_CASES = [(f, 1, None) for f in EDIT_FAMILIES] + \

@@ -127,7 +127,8 @@ class EncodeStage:
         out = {"latent_params": params, **cond}
         # data.control_images: each input's posterior (control_values_2 → control_params_2)
         for i, raw in enumerate(control_values(tensors, "control_values")):
-            out[control_key("control_params", i)] = vae_posterior(self.family, self.vae, raw)
+            out[control_key("control_params", i)] = vae_posterior(
+                self.family, self.vae, self.family.reference_pixels(raw, self.vae))
         if "loss_mask" in tensors:  # data.masked_loss: stored pooled to the latent grid
             from raylora.train.loss import latent_mask
 
@@ -248,6 +249,10 @@ def fingerprint(cfg: RayLoraConfig, family: str, model_path: str, data: DataPlan
                       **({"columns": [s.mask_column for s in d.source_sections()]}
                          if d.sources is not None else {})}} if d.masked_loss else {}),
         **({"controls": _controls_key(d)} if d.control_images else {}),
+        # inputs shrunk as the pipeline shrinks them (Family.reference_max_area): where
+        # images may pass it, so entries of smaller runs keep their fingerprints
+        **({"reference_max_area": a} if d.control_images
+           and (a := families.get(family).reference_max_area) and d.max_resolution() ** 2 >= a else {}),
         # The caption embeddings' length and template (model.max_sequence_length,
         # model.system_prompt): only when set, so entries built with the defaults keep
         # their fingerprints.

@@ -83,7 +83,7 @@ def batch_reference(family: type[Family], vae, batch: dict, shift=0.0, scale=1.0
     if cached in batch:
         params = batch[cached]
     elif raw in batch:
-        params = vae_posterior(family, vae, batch[raw])
+        params = vae_posterior(family, vae, family.reference_pixels(batch[raw], vae))
     else:
         return None
     return sample_latents(params, shift, scale, sample=False)

@@ -278,6 +278,10 @@ class Family:
     # The prompt of classifier-free guidance's unconditional branch as raylora samples the
     # family (previews, the model card): what data.caption_dropout trains on.
     empty_caption: ClassVar[str] = ""
+    # The stock pipeline shrinks an input image (data.control_images) of more pixels than
+    # this to about this many, its aspect kept, cut to its latent grid (Flux.2: 1024²):
+    # training encodes the input as the pipeline will (``reference_pixels``). None: kept.
+    reference_max_area: ClassVar[int | None] = None
     # The most model.max_sequence_length the stock pipeline's call accepts (it raises
     # above it: 512 for T5 pipelines, 1024 for Qwen-Image's); None: it sets no bound.
     max_sequence_limit: ClassVar[int | None] = None
@@ -484,6 +488,29 @@ class Family:
         none when it is unset (the pipeline's own), ``system_prompt`` for a family that
         takes one."""
         return {} if system_prompt is None or cls.system_prompt is None else {"system_prompt": system_prompt}
+
+    @classmethod
+    def reference_pixels(cls, pixels: torch.Tensor, vae) -> torch.Tensor:
+        """Control pixels ``[B,3,H,W]`` (uint8, or float) as the stock pipeline hands its
+        input image to the VAE: above ``reference_max_area``, scaled to that area (as
+        ``Flux2ImageProcessor._resize_to_target_area``) and centre-cropped to a multiple
+        of the latent grid. Trained at 1536² the reference of a Flux.2 edit was a grid the
+        pipeline never gives it (it samples that input at 1 MP)."""
+        area, (h, w) = cls.reference_max_area, pixels.shape[-2:]
+        if area is None or h * w <= area or pixels.is_meta:
+            return pixels
+        import math
+
+        scale = math.sqrt(area / (h * w))
+        nh, nw = int(h * scale), int(w * scale)
+        grid = cls.vae_factor(dict(vae.config))
+        ch, cw = nh // grid * grid, nw // grid * grid
+        out = torch.nn.functional.interpolate(pixels.float(), size=(nh, nw), mode="bicubic",
+                                              antialias=True)
+        if pixels.dtype == torch.uint8:
+            out = out.round().clamp(0, 255).to(torch.uint8)
+        top, left = (nh - ch) // 2, (nw - cw) // 2
+        return out[..., top:top + ch, left:left + cw]
 
     @classmethod
     def length_kwargs(cls, max_sequence_length: int | None = None) -> dict:

@@ -109,6 +109,8 @@ class Flux2Klein(Family):
     max_references = MAX_CONTROL_INPUTS
     # Flux2ImageProcessor.check_image_input's min_side_length: the pipeline refuses less
     min_reference_side = 64
+    # Flux2Pipeline and Flux2KleinPipeline shrink an input above 1 MP to 1 MP
+    reference_max_area = 1024 * 1024
 
     @classmethod
     def default_lora_targets(cls, denoiser) -> tuple[str, ...]:

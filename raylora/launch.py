@@ -159,6 +159,32 @@ def resolve_paths(cfg: RayLoraConfig) -> RayLoraConfig:
     return cfg
 
 
+def _inside_data(cfg: RayLoraConfig, places: dict[str, str | None]) -> list[str]:
+    """The places a run writes that lie inside the data it reads: the next run (a resume,
+    the same command) read the previews, loss.png and cached parts written there as
+    training rows, without a word."""
+    from raylora.data.formats.captionfolder import data_roots
+
+    d = cfg.data
+    reads = [(f"data.sources[{i}].uri" if d.sources is not None else "data.uri", s.uri)
+             for i, s in enumerate(d.source_sections())]
+    if d.validation_uri is not None:
+        reads.append(("data.validation_uri", d.validation_uri))
+    problems = []
+    for key, uri in places.items():
+        if not uri:
+            continue
+        root = storage.normalize(uri).rstrip("/")
+        for data_key, data_uri in reads:
+            inside = [r for r in data_roots(data_uri) if root == r or root.startswith(r + "/")]
+            if inside:
+                problems.append(f"{key}: {uri} is inside {data_key} ({inside[0]}): what the run "
+                                "writes there would be read as training data by the next run; "
+                                "put it beside the data")
+                break
+    return problems
+
+
 def write_problems(cfg: RayLoraConfig, store: storage.Storage) -> list[str]:
     """``key: why`` for each place the run writes to that cannot be written
     (``Storage.write_problem``): the output, and the latent and compile caches when set
@@ -166,7 +192,7 @@ def write_problems(cfg: RayLoraConfig, store: storage.Storage) -> list[str]:
     places = {"output.uri": cfg.output.uri, "train.compile_cache_uri": cfg.train.compile_cache_uri}
     if cfg.data.cache == "latents":
         places["data.cache_uri"] = cfg.data.cache_uri
-    problems = []
+    problems = _inside_data(cfg, places)
     for key, uri in places.items():
         if uri and (problem := store.write_problem(uri)):
             problems.append(f"{key}: {problem}")

@@ -53,6 +53,24 @@ def test_a_warmup_longer_than_the_planned_steps_is_refused(base_config):
         validate(base_config)
 
 
+def test_a_place_the_run_writes_inside_its_data_is_refused(base_config, tmp_path):
+    """A caption folder with output.uri inside it: the next run (a resume, the same
+    command) read loss.png and the previews as training images (40 rows became 43). The
+    latent cache and held-out data alike; beside the data is fine."""
+    from raylora.launch import write_problems
+    from raylora.storage import Storage
+
+    data = base_config["data"]["uri"]
+    for override, key in (({"output": {"uri": f"{data}/lora-out"}}, "output.uri"),
+                          ({"data": {**base_config["data"], "cache": "latents", "center_crop": True,
+                                     "cache_uri": f"{data}/sub/cache"}}, "data.cache_uri")):
+        cfg = resolve_paths(validate({**base_config, **override}))
+        assert [p.split(" is inside ")[0] for p in write_problems(cfg, Storage())] == \
+            [f"{key}: {cfg.output.uri if key == 'output.uri' else cfg.data.cache_uri}"]
+    beside = resolve_paths(validate({**base_config, "output": {"uri": str(tmp_path / "out")}}))
+    assert write_problems(beside, Storage()) == []
+
+
 def test_files_sharding_plan_and_its_limits(base_config):
     base_config["scaling"]["num_workers"] = 2
     base_config["data"]["sharding"] = "files"

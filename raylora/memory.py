@@ -24,9 +24,11 @@ Meta tensors run no kernels, so two things a GPU does differently are imitated:
   fp32 logsumexp), not the [L, L] attention matrix of the math path the meta device takes.
 
 Static bytes come from shapes: weights per component in the dtype they load in (quantized
-linears at their storage size), LoRA parameters (fp32), their gradients and the optimizer
-state; then FSDP sharding or DDP's gradient buckets, a CUDA constant and a fragmentation
-margin (see the constants below for the figures and where they come from).
+linears at their storage size), LoRA parameters (fp32; the run's ``lora`` section: variant,
+dropout, targets), their gradients and the optimizer state; then FSDP sharding (gathered
+blocks as ``reshard_after_forward`` holds them, gradients unsharded while accumulating) or
+DDP's gradient buckets, a CUDA constant and a fragmentation margin (see the constants
+below for the figures and where they come from).
 
 Checked (tests/test_memory.py): the meta model has the loaded model's parameters and
 buffers in every family; the meta step saves for backward exactly what the same step saves
@@ -54,6 +56,7 @@ import tempfile
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from types import SimpleNamespace
 from typing import Any, Sequence
 
@@ -88,12 +91,16 @@ MIXED_PRECISION = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfl
 QUANTIZE = ("none", "nf4", "int8", "fp8")
 STRATEGIES = ("ddp", "fsdp")
 OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "prodigy", "adafactor")
+VARIANTS = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr", "loha": "LoHa"}  # lora.variant, as written
 
 # bitsandbytes' 8-bit optimizer state: blocks of 256 with an fp32 absmax, and fp32 state
 # below 4096 elements (its min_8bit_size default: small LoRA matrices get no saving).
 # Quantized weights' storage is raylora.model.quantize's (quantized_linear_bytes).
 BNB_OPTIM_BLOCK = 256
 BNB_MIN_8BIT_SIZE = 4096
+# The adapter tensors peft starts at zero (the no-op factor of each variant: LoRA's and
+# DoRA's B, LoKr's w1 or w1_a, LoHa's w2_b), by the name part of their parameter.
+ZERO_INIT = {"lora_B", "lokr_w1", "lokr_w1_a", "hada_w2_b"}
 
 
 # ---- the model, on the meta device -----------------------------------------------------
@@ -279,6 +286,14 @@ def largest_dequantized_bytes(model: nn.Module, quantize: str, dtype: torch.dtyp
 def block_bytes(model: nn.Module, block_names: Sequence[str], quantize: str = "none",
                 dtype: torch.dtype = torch.bfloat16) -> tuple[int, int]:
     """(largest repeated block, everything outside the blocks) in bytes as FSDP all-gathers
+    them (see ``_unit_bytes``)."""
+    blocks, root = _unit_bytes(model, block_names, quantize, dtype)
+    return max(blocks, default=0), root
+
+
+def _unit_bytes(model: nn.Module, block_names: Sequence[str], quantize: str,
+                dtype: torch.dtype) -> tuple[list[int], int]:
+    """(each repeated block, everything outside the blocks) in bytes as FSDP all-gathers
     them: frozen weights as stored (quantized linears at their storage size), LoRA
     parameters in the compute ``dtype`` (FSDP2's mixed-precision param dtype)."""
     item = torch.empty((), dtype=dtype).element_size()
@@ -299,8 +314,7 @@ def block_bytes(model: nn.Module, block_names: Sequence[str], quantize: str = "n
                 n += t.numel() * t.element_size()
         return n
 
-    largest = max((gathered(b) for b in blocks), default=0)
-    return largest, gathered(model, lambda t: id(t) not in inside)
+    return [gathered(b) for b in blocks], gathered(model, lambda t: id(t) not in inside)
 
 
 # ---- optimizer state ----------------------------------------------------------------------
@@ -672,15 +686,18 @@ def _longest(batch) -> int:
 
 
 def attach_lora(comps, rank: int, targets: Sequence[str] | None = None,
-                train_text_encoder: bool = False) -> tuple[list, list]:
+                train_text_encoder: bool = False, **lora) -> tuple[list, list]:
     """raylora's adapter on ``comps``: denoiser LoRA (fp32, on ``targets`` or the family's
     defaults) and, with ``train_text_encoder``, the text encoders the stock pipeline loads
-    LoRA into. Returns (denoiser params, text-encoder params)."""
+    LoRA into. ``lora``: the run's other ``LoraSection`` fields (variant, dropout, factor,
+    decompose_both, text_encoder_target_modules): the adapter the worker builds, whose
+    parameters and activations depend on them. Returns (denoiser params, text-encoder
+    params)."""
     from raylora.config import LoraSection
     from raylora.model.lora import add_lora, add_text_encoder_lora
 
     fam = comps.family
-    section = LoraSection(rank=rank, target_modules=list(targets) if targets else None)
+    section = LoraSection(rank=rank, target_modules=list(targets) if targets else None, **lora)
     params = add_lora(comps.denoiser, section, fam.default_lora_targets(comps.denoiser))
     te_params = []
     if train_text_encoder:
@@ -856,14 +873,17 @@ class Estimate:
             rows.append((f"weights: {name} ({label})", n))
         rows += [
             (f"LoRA parameters ({self.lora_count / 1e6:.1f} M, fp32)", self.lora_params),
-            ("LoRA gradients (fp32)", self.lora_grads),
+            ("LoRA gradients (fp32" + (", unsharded while accumulating" if self.lora_grads > self.lora_params
+                                        else "") + ")", self.lora_grads),
             (f"optimizer state ({s.get('optimizer', 'adamw')})", self.optimizer),
             ("activations (kept for backward)" + (", checkpointed" if s.get("gradient_checkpointing") else ""),
              self.activations),
             ("backward working memory", self.backward),
         ]
         if self.gathered:
-            rows.append(("FSDP all-gathered units", self.gathered))
+            rows.append(("FSDP all-gathered units" + ("" if s.get("reshard_after_forward", True)
+                                                      else ", every block (no reshard after forward)"),
+                         self.gathered))
         if self.buckets:
             rows.append(("DDP gradient buckets", self.buckets))
         if self.dequantize:
@@ -882,7 +902,7 @@ class Estimate:
         r = s.get("resolution")
         r = f"{r[0]}x{r[1]}" if isinstance(r, (list, tuple)) else r  # a bucket: width x height
         head = (f"{s.get('family', '?')} {r} px, batch {s.get('batch_size')}, "
-                f"LoRA r{s.get('lora_rank')}, {mp}, {s.get('strategy')} x"
+                f"{VARIANTS.get(s.get('lora_variant'), 'LoRA')} r{s.get('lora_rank')}, {mp}, {s.get('strategy')} x"
                 f"{s.get('world_size')}, quantize {s.get('quantize')}, gradient checkpointing "
                 f"{'on' if s.get('gradient_checkpointing') else 'off'}, "
                 f"{'cached latents' if s.get('cached_latents') else 'VAE + text encoders on the worker'}"
@@ -920,16 +940,15 @@ class Estimate:
         for w in worlds:
             options.append((["scaling.strategy=fsdp"] + ([f"scaling.num_workers={w}"] if w != world else []),
                             {"strategy": "fsdp", "world_size": w}, ""))
+        if a["strategy"] == "fsdp" and not a["reshard_after_forward"]:
+            options.append((["scaling.fsdp.reshard_after_forward=true"], {"reshard_after_forward": True}, ""))
         if a["quantize"] != "nf4":
             options.append((["model.quantize=nf4"], {"quantize": "nf4"}, ""))
         if not a["gradient_checkpointing"]:
             options.append((["train.gradient_checkpointing=true"], {"gradient_checkpointing": True}, ""))
         b = a["batch_size"] // 2
-        while b >= 1:
-            # (accumulation times a whole number: never one the config refuses, so unchecked)
-            options.append(([f"train.batch_size={b}"], {"batch_size": b},
-                            f"train.gradient_accumulation_steps x{a['batch_size'] // b} keeps "
-                            "the effective batch"))
+        while b >= 1:  # (the global batch it changes: _batch_note)
+            options.append(([f"train.batch_size={b}"], {"batch_size": b}, ""))
             b //= 2
         if self.preview:
             options.append((["validation.prompts=[]"], {"previews": False}, "no previews while training"))
@@ -957,19 +976,47 @@ def _fitting(args: dict, options: list[tuple[list[str], dict, str]], gpu_gb: flo
         new = {**args, **change}
         if kind in kinds or not _allowed(new):
             continue
-        e = estimate(**new)
+        factor, keep = _global_batch(args, new)
+        # sized with the more accumulation of the two, so that it holds whether the note's
+        # accumulation is taken or not (under FSDP accumulating keeps gradients unsharded)
+        e = estimate(**{**new, "gradient_accumulation_steps": max(keep or 0, args["gradient_accumulation_steps"])})
         if not e.fits(gpu_gb):
             continue
         labels = [" ".join(keys) + (f" ({note})" if note else "") for keys, _, note in combo]
+        refused = False
         if accepts is not None:
             keys = [k for ks, _, _ in combo for k in ks]
             extra = next((x for x in ([], *SPEED_ONLY) if accepts(keys + x)), None)
             if extra is None:
                 continue
             labels += extra
+            # the accumulation that keeps the global batch, checked with the change: one
+            # the config refuses (train.cuda_graphs takes none) is not offered as the way
+            refused = keep is not None and not accepts(keys + extra + [f"train.gradient_accumulation_steps={keep}"])
+        if factor != 1:
+            labels.append(f"({_batch_note(factor, keep, refused)})")
         out.append(f"{' '.join(labels)}: {size(e.peak)}")
         kinds.add(kind)
     return out
+
+
+def _global_batch(args: dict, new: dict) -> tuple[Fraction, int | None]:
+    """How the change from estimate arguments ``args`` to ``new`` multiplies the global
+    batch (train.batch_size × accumulation × workers) at the same accumulation, and the
+    accumulation that keeps it (None: no whole number does, or it is unchanged)."""
+    factor = Fraction(new["batch_size"] * new["world_size"], args["batch_size"] * args["world_size"])
+    keep = args["gradient_accumulation_steps"] / factor
+    return factor, int(keep) if factor != 1 and keep.denominator == 1 else None
+
+
+def _batch_note(factor: Fraction, keep: int | None, refused: bool) -> str:
+    """The advice's note on a change of the global batch (``_global_batch``): the
+    accumulation that keeps it, else by how much it changes (train.scale_lr scales the
+    learning rate with it)."""
+    if keep is not None and not refused:
+        return f"train.gradient_accumulation_steps={keep} keeps the global batch"
+    return (f"the global batch x{factor}, the learning rate too with train.scale_lr"
+            + (f"; the config refuses train.gradient_accumulation_steps={keep}" if refused else ""))
 
 
 # Changes that cost speed, not what is trained: the advice adds one where the config takes
@@ -979,21 +1026,26 @@ SPEED_ONLY = (["train.compile=none"], ["train.compile=none", "train.compile_cach
 
 def _allowed(args: dict) -> bool:
     """Whether the config would accept these settings: raylora.config refuses FSDP with a
-    quantized base or text-encoder LoRA, and quantized text encoders that nothing loads
+    quantized base, text-encoder LoRA, another optimizer than AdamW or another
+    variant than LoRA, and quantized text encoders that nothing loads
     (cached latents, no previews), so advice never names those combinations. (Without
     the run's config at hand; ``accepts`` checks the rest with it.)"""
     idle = args["cached_latents"] and not args["previews"] and args["quantize_text_encoders"] != "none"
     return not idle and (args["strategy"] != "fsdp"
-                         or (args["quantize"] == "none" and not args["train_text_encoder"]))
+                         or (args["quantize"] == "none" and not args["train_text_encoder"]
+                             and args["optimizer"] == "adamw" and args["lora_variant"] == "lora"))
 
 
 @functools.lru_cache(maxsize=4)
 def _components(model_path: str, mixed_precision: str, lora_rank: int,
-                lora_targets: tuple[str, ...] | None, train_text_encoder: bool):
+                lora_targets: tuple[str, ...] | None, train_text_encoder: bool,
+                lora_options: tuple[tuple[str, Any], ...] = ()):
     """Meta components with the LoRA attached: (components, denoiser params, text-encoder
-    params). Cached: ``advice`` re-estimates the same model with other settings."""
+    params). ``lora_options``: ``attach_lora``'s further fields as (key, value) pairs.
+    Cached: ``advice`` re-estimates the same model with other settings."""
     comps = meta_components(model_path, MIXED_PRECISION[mixed_precision])
-    params, te_params = attach_lora(comps, lora_rank, lora_targets, train_text_encoder)
+    params, te_params = attach_lora(comps, lora_rank, lora_targets, train_text_encoder,
+                                    **dict(lora_options))
     return comps, params, te_params
 
 
@@ -1002,10 +1054,11 @@ def _profile(model_path: str, batch_size: int, resolution: int | tuple[int, int]
              lora_targets: tuple[str, ...] | None, mixed_precision: str, gradient_checkpointing: bool,
              cached_latents: bool, train_text_encoder: bool, max_sequence_length: int | None,
              autocast_device: str, groupnorm_fp32: bool = False,
-             control_images: int = 0) -> StepProfile:
+             control_images: int = 0, lora_options: tuple[tuple[str, Any], ...] = ()) -> StepProfile:
     """The step's profile; cached, since strategy, quantization and optimizer do not
     change it."""
-    comps, _, _ = _components(model_path, mixed_precision, lora_rank, lora_targets, train_text_encoder)
+    comps, _, _ = _components(model_path, mixed_precision, lora_rank, lora_targets, train_text_encoder,
+                              lora_options)
     batch = raw_batch(comps, batch_size, resolution, max_sequence_length,
                       control_images=control_images)
     if cached_latents:
@@ -1025,7 +1078,10 @@ def estimate(model_path: str, *, batch_size: int = 1, resolution: int | tuple[in
              train_text_encoder: bool = False, max_sequence_length: int | None = None,
              prodigy_slice_p: int = 1, adafactor_beta1: float | None = None,
              device: str = "cuda", samples_per_row: int = 1, groupnorm_fp32: bool = False,
-             previews: bool = False, control_images: int = 0) -> Estimate:
+             previews: bool = False, control_images: int = 0, lora_variant: str = "lora",
+             lora_dropout: float = 0.0, lora_factor: int = -1, lora_decompose_both: bool = False,
+             text_encoder_targets: Sequence[str] | None = None, lora_init_from: bool = False,
+             reshard_after_forward: bool = True, gradient_accumulation_steps: int = 1) -> Estimate:
     """Per-GPU bytes of one raylora training worker for the pipeline folder ``model_path``
     (configs only are read: a folder of ``model_index.json`` and ``config.json`` files is
     enough). ``batch_size``: per worker and micro-step. ``strategy``/``world_size``: ddp or
@@ -1038,7 +1094,11 @@ def estimate(model_path: str, *, batch_size: int = 1, resolution: int | tuple[in
     ``train.groupnorm_fp32``. ``previews``: the run renders ``validation.prompts``.
     ``control_images``: each sample brings that many input images (an edit pair's, True:
     one), whose tokens the denoiser sees beside the noisy ones (data.control_images,
-    data.control_inputs)."""
+    data.control_inputs). ``lora_*``, ``text_encoder_targets``: the ``lora`` section's
+    (``lora_init_from``: whether the adapter starts from one, so that none of its tensors
+    starts at zero). ``reshard_after_forward``: ``scaling.fsdp``'s.
+    ``gradient_accumulation_steps``: as ``train``'s (more than one micro-step per optimizer
+    step keeps FSDP's gradients unsharded between them)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy: {strategy!r} is not one of {', '.join(STRATEGIES)}")
     for key, kind in (("quantize", quantize), ("quantize_text_encoders", quantize_text_encoders)):
@@ -1054,13 +1114,24 @@ def estimate(model_path: str, *, batch_size: int = 1, resolution: int | tuple[in
                 cached_latents=cached_latents, train_text_encoder=train_text_encoder,
                 max_sequence_length=max_sequence_length, prodigy_slice_p=prodigy_slice_p,
                 adafactor_beta1=adafactor_beta1, device=device, samples_per_row=samples_per_row,
-                groupnorm_fp32=groupnorm_fp32, previews=previews, control_images=control_images)
+                groupnorm_fp32=groupnorm_fp32, previews=previews, control_images=control_images,
+                lora_variant=lora_variant, lora_dropout=lora_dropout, lora_factor=lora_factor,
+                lora_decompose_both=lora_decompose_both, text_encoder_targets=text_encoder_targets,
+                lora_init_from=lora_init_from, reshard_after_forward=reshard_after_forward,
+                gradient_accumulation_steps=gradient_accumulation_steps)
     targets = tuple(lora_targets) if lora_targets else None
+    # the adapter as the worker builds it: the variant sets its parameters (LoHa two pairs,
+    # LoKr Kronecker factors, DoRA a magnitude) and activations (DoRA's second base matmul),
+    # dropout keeps a dropped copy of each adapted layer's input for backward
+    options = (("variant", lora_variant), ("dropout", lora_dropout), ("factor", lora_factor),
+               ("decompose_both", lora_decompose_both))
+    if text_encoder_targets:
+        options += (("text_encoder_target_modules", tuple(text_encoder_targets)),)
     comps, params, te_params = _components(model_path, mixed_precision, lora_rank, targets,
-                                           train_text_encoder)
+                                           train_text_encoder, options)
     prof = _profile(model_path, batch_size * samples_per_row, resolution, lora_rank, targets, mixed_precision,
                     gradient_checkpointing, cached_latents, train_text_encoder,
-                    max_sequence_length, device, groupnorm_fp32, control_images)
+                    max_sequence_length, device, groupnorm_fp32, control_images, options)
     fam = comps.family
     dtype = MIXED_PRECISION[mixed_precision]
     fsdp = strategy == "fsdp"
@@ -1076,19 +1147,29 @@ def estimate(model_path: str, *, batch_size: int = 1, resolution: int | tuple[in
     lora_shapes = [((math.ceil(p.shape[0] / w),) + tuple(p.shape[1:])) for p in params]
     lora_shapes += [tuple(p.shape) for p in te_params]
     lora = sum(math.prod(s) * 4 for s in lora_shapes)
-    zero = [n.endswith("lora_B.default.weight") for m in (den, *comps.text_encoders)
-            for n, p in m.named_parameters() if p.requires_grad]
+    # Prodigy keeps a scalar for a tensor that starts at zero (each variant's no-op factor),
+    # a copy of one that does not: every one of an adapter loaded by lora.init_from
+    zero = [not lora_init_from and bool(ZERO_INIT & set(n.split(".")))
+            for m in (den, *comps.text_encoders) for n, p in m.named_parameters() if p.requires_grad]
     opt = optimizer_state_bytes(optimizer, lora_shapes, zero_init=zero,
                                 prodigy_slice_p=prodigy_slice_p, adafactor_beta1=adafactor_beta1)
     full_grads = prof.grads
     grads = lora  # fp32 like the parameters; sharded like them
+    if fsdp and w > 1 and gradient_accumulation_steps > 1:
+        # The micro-steps before a group's last run without gradient sync (train.step):
+        # FSDP2 then keeps each LoRA gradient unsharded (fp32, its reduce dtype) until the
+        # last one's reduce-scatter.
+        grads = full_grads
     # The measured step holds every unsharded gradient at its peak; under FSDP each block's
     # is reduce-scattered as backward leaves it, so only the sharded ones remain.
     backward = max(0, prof.peak - prof.activations - full_grads)
     gathered = buckets = 0
     if fsdp and w > 1:
-        largest, root = block_bytes(den, fam.repeated_blocks, quantize, dtype)
-        gathered = 2 * largest + root  # current + prefetched block; the root unit stays gathered
+        blocks, root = _unit_bytes(den, fam.repeated_blocks, quantize, dtype)
+        # The root unit stays gathered. Resharding after forward: the block computing and
+        # the one prefetched; without (scaling.fsdp.reshard_after_forward: false), every
+        # block stays gathered from its forward to its backward.
+        gathered = root + (2 * max(blocks, default=0) if reshard_after_forward else sum(blocks))
     elif world_size > 1:
         # DDP's buckets copy the denoiser's gradients (Accelerate leaves
         # gradient_as_bucket_view off); trained text encoders are all-reduced outside DDP
@@ -1135,7 +1216,12 @@ def config_args(cfg) -> dict:
         train_text_encoder=lo.train_text_encoder, max_sequence_length=m.max_sequence_length,
         device="cuda" if s.use_gpu else "cpu", samples_per_row=2 if d.prior_preservation else 1,
         groupnorm_fp32=t.groupnorm_fp32, previews=bool(cfg.validation.prompts),
-        control_images=d.references(), **optimizer_args(t))
+        control_images=d.references(), lora_variant=lo.variant, lora_dropout=lo.dropout,
+        lora_factor=lo.factor, lora_decompose_both=lo.decompose_both,
+        text_encoder_targets=tuple(lo.text_encoder_target_modules) if lo.train_text_encoder else None,
+        lora_init_from=lo.init_from is not None,
+        reshard_after_forward=s.fsdp.reshard_after_forward,
+        gradient_accumulation_steps=t.gradient_accumulation_steps, **optimizer_args(t))
 
 
 def from_config(cfg, **changes) -> Estimate:

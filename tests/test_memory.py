@@ -322,10 +322,9 @@ def test_optimizer_state_bytes_match_the_optimizers(name, kw):
     assert memory.optimizer_state_bytes(name, SHAPES, zero_init=ZERO, **kw) == sum(held.values())
 
 
-def test_advice_names_the_keys_that_make_it_fit(tiny, tmp_path):
-    """A budget one byte short: sharding, NF4, checkpointing and a smaller batch each fit,
-    re-estimated. The tiny Flux transformer gets 12 blocks, as a real one has dozens: with
-    one block of each kind, FSDP's gathered blocks would outweigh its sharded ones."""
+def _flux_12_blocks(tiny, tmp_path) -> str:
+    """The tiny Flux's configs with 12 transformer blocks, as a real one has dozens: with one
+    block of each kind, FSDP's gathered blocks would outweigh its sharded ones."""
     configs = {}
     for root, _, files in os.walk(tiny("flux")):
         for f in files:
@@ -334,7 +333,14 @@ def test_advice_names_the_keys_that_make_it_fit(tiny, tmp_path):
                 with open(os.path.join(root, f)) as fh:
                     configs[rel] = json.load(fh)
     configs["transformer/config.json"].update(num_layers=4, num_single_layers=8)
-    path = memory.write_config_folder(str(tmp_path / "flux-12-blocks"), configs)
+    return memory.write_config_folder(str(tmp_path / "flux-12-blocks"), configs)
+
+
+def test_advice_names_the_keys_that_make_it_fit(tiny, tmp_path):
+    """A budget one byte short: sharding, NF4, checkpointing and a smaller batch each fit,
+    re-estimated (the tiny Flux with 12 blocks: ``_flux_12_blocks``). A change of the
+    global batch says so: the accumulation that keeps it, else by how much it changes."""
+    path = _flux_12_blocks(tiny, tmp_path)
     est = memory.estimate(path, batch_size=2, resolution=64, lora_rank=4, cached_latents=True,
                           mixed_precision="no", device="cpu")
     budget = (est.total - 1) / memory.GIB  # one byte short
@@ -346,8 +352,13 @@ def test_advice_names_the_keys_that_make_it_fit(tiny, tmp_path):
         value, unit = line.rsplit(": ", 1)[1].split()
         assert float(value) * {"MiB": 2**20, "GiB": memory.GIB}[unit] <= (budget + 0.005) * memory.GIB
     assert est.advice(est.total / memory.GIB) == []
-    fsdp = [line for line in advice if line.startswith("scaling.strategy=fsdp")]
-    assert fsdp == [fsdp[0]] and "scaling.num_workers=2" in fsdp[0]  # the smallest world that fits
+    fsdp = [line.split(": ")[0] for line in advice if line.startswith("scaling.strategy=fsdp")]
+    # the smallest world that fits; 1 → 2 workers doubles the global batch, which no
+    # accumulation (1 here) can keep
+    assert fsdp == ["scaling.strategy=fsdp scaling.num_workers=2 "
+                    "(the global batch x2, the learning rate too with train.scale_lr)"]
+    assert [a.split(": ")[0] for a in advice if a.startswith("train.batch_size=")] == [
+        "train.batch_size=1 (train.gradient_accumulation_steps=2 keeps the global batch)"]
 
     # Checked against the run's config: a change it refuses is not named, or is named with
     # the speed-only change it needs (FSDP runs eager: the Flux.1 job compiles its blocks).
@@ -360,7 +371,8 @@ def test_advice_names_the_keys_that_make_it_fit(tiny, tmp_path):
                                                         "compile_cache_uri": str(tmp_path / "cc")}})
     compiled = est.advice(budget, config_accepts(cfg(cache="latents", center_crop=True)))
     assert [a.split(": ")[0] for a in compiled if a.startswith("scaling.strategy=fsdp")] == [
-        "scaling.strategy=fsdp scaling.num_workers=2 train.compile=none train.compile_cache_uri=null"]
+        "scaling.strategy=fsdp scaling.num_workers=2 train.compile=none train.compile_cache_uri=null "
+        "(the global batch x2, the learning rate too with train.scale_lr)"]
     assert len(compiled) == len(advice)
     raw = memory.estimate(path, batch_size=2, resolution=64, lora_rank=4, cached_latents=False,
                           mixed_precision="no", device="cpu")
@@ -483,3 +495,185 @@ def test_previews_with_cached_latents_count_what_the_preview_pipeline_loads(tiny
     assert any(a.startswith("model.quantize_text_encoders=nf4: ") for a in shown.advice(between))
     # ... but never for a cached run without previews (the config refuses it: it would load nothing)
     assert not memory._allowed({**plain.settings["args"], "quantize_text_encoders": "nf4"})
+
+
+def _config(path, tmp_path, *overrides):
+    """A validated config of ``path`` (32 px, batch 2, LoRA r4) with ``key=value`` overrides."""
+    from raylora.config import apply_overrides
+
+    tree = {"model": {"pretrained": path}, "output": {"uri": str(tmp_path / "o")},
+            "data": {"uri": str(tmp_path), "resolution": 32}, "lora": {"rank": 4},
+            "train": {"batch_size": 2}}
+    return validate(apply_overrides(tree, list(overrides)))
+
+
+@pytest.mark.parametrize("overrides, differs", [
+    (["lora.variant=dora"], lambda n, act: n > 1 and act > 1.2),  # + magnitude; a 2nd base matmul
+    (["lora.variant=lokr"], lambda n, act: n < 0.5),  # Kronecker factors
+    (["lora.variant=loha"], lambda n, act: n == 2),  # two low-rank pairs
+    (["lora.dropout=0.1"], lambda n, act: n == 1 and act > 1.1),  # each layer's dropped input
+    (["lora.train_text_encoder=true", "lora.text_encoder_target_modules=[q_proj,k_proj,v_proj,out_proj,fc1,fc2]"],
+     lambda n, act: n > 1.05)])
+def test_the_estimate_builds_the_adapter_the_worker_builds(tiny, tmp_path, overrides, differs):
+    """lora.variant, lora.dropout and lora.text_encoder_target_modules reach the estimate:
+    its adapter has the parameters the worker's (add_lora / add_text_encoder_lora of
+    cfg.lora) has, and its meta step keeps what the worker's real CPU step keeps for
+    backward, within 1% or 256 KiB. ``differs``: how that compares with the plain LoRA run
+    (n: parameters, act: activations, as ratios). Before, the estimate built a plain LoRA
+    whatever these said (repro, tiny SD 64 px: DoRA 15360 parameters and 23.46 MiB of
+    activations estimated, 17408 and 30.54 MiB held; dropout 0.1: 23.46 vs 28.24 MiB)."""
+    from raylora.model.lora import add_lora, add_text_encoder_lora
+
+    path = tiny("sd")
+    cfg = _config(path, tmp_path, *overrides)
+    base = _config(path, tmp_path, *[o for o in overrides if o.startswith("lora.train_text_encoder")])
+    est, plain = memory.from_config(cfg), memory.from_config(base)
+    comps = _real(path)
+    fam = comps.family
+    params = add_lora(comps.denoiser, cfg.lora, fam.default_lora_targets(comps.denoiser))
+    if cfg.lora.train_text_encoder:
+        trained = {t.encoder: e for t, e in zip(fam.text, comps.text_encoders) if t.encoder in fam.text_encoder_lora()}
+        params += add_text_encoder_lora(trained, cfg.lora)
+    real = memory.profile_step(comps, memory.raw_batch(comps, 2, 32, device="cpu"))
+    assert est.lora_count == sum(p.numel() for p in params)
+    assert est.lora_params == est.lora_grads == 4 * est.lora_count == real.grads
+    assert abs(est.activations - real.activations) <= max(0.01 * real.activations, 256 * KIB)
+    assert differs(est.lora_count / plain.lora_count, est.activations / plain.activations)
+
+
+def test_every_setting_the_estimate_reads_is_in_config_args(tiny, tmp_path):
+    """A Tune search over any of these is sized once per value (preflight.distinct_settings
+    merges configs with equal ``config_args``); before, a search over lora.variant,
+    lora.dropout or scaling.fsdp.reshard_after_forward was checked at its first value only."""
+    from raylora.preflight import distinct_settings
+
+    fsdp = ["scaling.strategy=fsdp", "scaling.num_workers=2"]
+    changes = [[], ["lora.variant=dora"], ["lora.variant=lokr"], ["lora.variant=lokr", "lora.factor=2"],
+               ["lora.variant=lokr", "lora.decompose_both=true"], ["lora.dropout=0.1"],
+               ["lora.init_from=/elsewhere/adapter"], ["train.gradient_accumulation_steps=2"],
+               ["lora.train_text_encoder=true"],
+               ["lora.train_text_encoder=true", "lora.text_encoder_target_modules=[q_proj,fc1]"],
+               fsdp, fsdp + ["scaling.fsdp.reshard_after_forward=false"]]
+    configs = [(" ".join(c), _config(tiny("sd"), tmp_path, *c)) for c in changes]
+    assert [label for label, _ in distinct_settings(configs)] == [label for label, _ in configs]
+    args = memory.config_args(configs[-1][1])
+    assert (args["reshard_after_forward"], args["text_encoder_targets"]) == (False, None)
+    assert memory.config_args(configs[-3][1])["text_encoder_targets"] == ("q_proj", "fc1")
+
+
+@pytest.mark.parametrize("variant", ["lora", "lokr", "loha"])
+def test_prodigy_keeps_a_copy_of_each_tensor_that_does_not_start_at_zero(tiny, tmp_path, variant):
+    """Prodigy keeps p0 as a scalar for a tensor that is all zero at its first step and as a
+    copy otherwise: each variant starts its no-op factor at zero (LoRA's B, LoKr's w1,
+    LoHa's w2_b), and lora.init_from starts every tensor from the adapter's values. The
+    estimate = what prodigyopt holds after that first step. (Before: only lora_B counted
+    as zero, whatever the variant, and with init_from too: 426112 B estimated there, 491520
+    held, tiny SD at rank 8.)"""
+    from prodigyopt import Prodigy
+
+    from raylora.model.lora import add_lora
+
+    path = tiny("sd")
+    for init in ([], ["lora.init_from=/elsewhere/adapter"]):
+        cfg = _config(path, tmp_path, "train.optimizer=prodigy", "train.learning_rate=1.0",
+                      f"lora.variant={variant}", *init)
+        comps = _real(path)
+        params = add_lora(comps.denoiser, cfg.lora, comps.family.default_lora_targets(comps.denoiser))
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in params:
+                if init:  # as raylora.model.lora_init leaves it: the adapter's values
+                    p.normal_(0, 0.01)
+                p.grad = torch.randn_like(p)
+        opt = Prodigy(params, lr=1.0)
+        opt.step()
+        held = sum(v.untyped_storage().nbytes() for st in opt.state.values() for v in st.values()
+                   if isinstance(v, torch.Tensor))
+        assert memory.from_config(cfg).optimizer == held, init
+
+
+def test_fsdp_without_reshard_after_forward_keeps_every_block_gathered(tiny, tmp_path):
+    """scaling.fsdp.reshard_after_forward: false keeps each block's gathered weights from its
+    forward to its backward: when backward starts, the whole denoiser is gathered (frozen
+    weights as stored, LoRA in the compute dtype) beside the shards, where resharding
+    holds the root and two blocks. Measured (2 gloo ranks, the tiny Flux with 24 blocks,
+    fp32, r4): after forward rank 0 held 2281.5 KiB of unsharded frozen weights with false,
+    the whole transformer's, and none with true; estimated 2281.5 + 192 KiB of LoRA with
+    false, 445.5 KiB either way before. At Flux.1-dev, fsdp x8: 22.25 GiB, not 1.39."""
+    path = _flux_12_blocks(tiny, tmp_path)
+    kw = dict(batch_size=1, resolution=32, lora_rank=4, cached_latents=True, mixed_precision="no",
+              device="cpu", strategy="fsdp", world_size=2)
+    on, off = memory.estimate(path, **kw), memory.estimate(path, **kw, reshard_after_forward=False)
+    comps = memory.meta_components(path, torch.float32)
+    lora, _ = memory.attach_lora(comps, 4)
+    whole = memory.weight_bytes(comps.denoiser) + 4 * sum(p.numel() for p in lora)
+    largest, root = memory.block_bytes(comps.denoiser, comps.family.repeated_blocks, "none", torch.float32)
+    assert on.gathered == 2 * largest + root
+    assert off.gathered == whole > 2 * on.gathered
+    assert off.allocated - on.allocated == off.gathered - on.gathered
+    assert "every block (no reshard after forward)" in off.table()
+    assert "every block" not in on.table()
+    advice = off.advice((off.total - 1) / memory.GIB)
+    assert f"scaling.fsdp.reshard_after_forward=true: {memory.size(on.peak)}" in advice
+
+
+def test_fsdp_accumulation_keeps_the_lora_gradients_unsharded(tiny):
+    """train.gradient_accumulation_steps > 1 under FSDP: the micro-steps before a group's
+    last run without gradient sync, and FSDP2 keeps each LoRA gradient unsharded (fp32)
+    between them. Measured (2 gloo ranks, tiny Flux with 24 blocks, r16): 384 KiB of
+    gradients on rank 0 after a synced backward, 768 KiB after an accumulating one, where
+    384 KiB was estimated before."""
+    path = tiny("flux")
+    kw = dict(batch_size=1, resolution=32, lora_rank=4, cached_latents=True, mixed_precision="no",
+              device="cpu", world_size=2)
+    one = memory.estimate(path, **kw, strategy="fsdp")
+    four = memory.estimate(path, **kw, strategy="fsdp", gradient_accumulation_steps=4)
+    ddp = memory.estimate(path, **kw, gradient_accumulation_steps=4)
+    assert one.lora_grads == one.lora_params == four.lora_params < ddp.lora_params
+    assert four.lora_grads == 4 * four.lora_count == ddp.lora_grads > 1.9 * one.lora_grads
+    assert four.allocated - one.allocated == four.lora_grads - one.lora_grads
+    assert "LoRA gradients (fp32, unsharded while accumulating)" in four.table()
+    assert "unsharded" not in one.table() and "unsharded" not in ddp.table()
+
+
+def test_batch_advice_names_an_accumulation_the_config_takes(tiny, tmp_path):
+    """A smaller train.batch_size keeps the global batch with more accumulation, which the
+    advice names only where the config takes it: train.cuda_graphs takes none, so there it
+    says the global batch halves and why. (Before: "train.gradient_accumulation_steps x2
+    keeps the effective batch", which that config then refused.)"""
+    from raylora.preflight import config_accepts
+
+    path = tiny("sd")
+    run = ["scaling.use_gpu=true", "train.compile=regional", "train.batch_size=4", "data.resolution=64"]
+    graphs = _config(path, tmp_path, *run, "train.cuda_graphs=true")
+    est = memory.from_config(graphs)
+    budget = (est.peak + memory.from_config(graphs, batch_size=2).peak) / 2 / memory.GIB
+
+    def batch_advice(cfg):
+        return [a.split(": ")[0] for a in est.advice(budget, config_accepts(cfg)) if a.startswith("train.batch_size")]
+
+    assert batch_advice(graphs) == [
+        "train.batch_size=2 (the global batch x1/2, the learning rate too with train.scale_lr; "
+        "the config refuses train.gradient_accumulation_steps=2)"]
+    assert batch_advice(_config(path, tmp_path, *run)) == [
+        "train.batch_size=2 (train.gradient_accumulation_steps=2 keeps the global batch)"]
+    _config(path, tmp_path, *run, "train.batch_size=2", "train.gradient_accumulation_steps=2")  # taken
+
+
+def test_fsdp_advice_says_how_to_keep_the_global_batch(tiny, tmp_path):
+    """FSDP over more workers multiplies the global batch (and with train.scale_lr the
+    learning rate): the advice names the accumulation that keeps it where the workers
+    divide it, and is sized at the larger accumulation of the two (the config's), which
+    under FSDP keeps gradients unsharded. The same workers (ddp x3 → fsdp x3): no note."""
+    path = _flux_12_blocks(tiny, tmp_path)
+    kw = dict(batch_size=2, resolution=64, lora_rank=4, cached_latents=True, mixed_precision="no",
+              device="cpu", gradient_accumulation_steps=2)
+    est = memory.estimate(path, **kw)
+    fsdp = [a for a in est.advice((est.total - 1) / memory.GIB) if a.startswith("scaling.strategy")]
+    sized = memory.estimate(path, **{**kw, "strategy": "fsdp", "world_size": 2})
+    assert sized.lora_grads > sized.lora_params  # accumulating: unsharded
+    assert fsdp == ["scaling.strategy=fsdp scaling.num_workers=2 (train.gradient_accumulation_steps=1 "
+                    f"keeps the global batch): {memory.size(sized.peak)}"]
+    three = memory.estimate(path, **{**kw, "world_size": 3})
+    assert [a.split(": ")[0] for a in three.advice((three.total - 1) / memory.GIB)
+            if a.startswith("scaling.strategy")] == ["scaling.strategy=fsdp"]

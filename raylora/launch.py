@@ -192,11 +192,12 @@ def write_problems(cfg: RayLoraConfig, store: storage.Storage) -> list[str]:
     places = {"output.uri": cfg.output.uri, "train.compile_cache_uri": cfg.train.compile_cache_uri}
     if cfg.data.cache == "latents":
         places["data.cache_uri"] = cfg.data.cache_uri
-    problems = _inside_data(cfg, places)
+    problems = []
     for key, uri in places.items():
         if uri and (problem := store.write_problem(uri)):
             problems.append(f"{key}: {problem}")
-    return problems
+    unwritable = {p.split(":", 1)[0] for p in problems}
+    return problems + _inside_data(cfg, {k: v for k, v in places.items() if k not in unwritable})
 
 
 def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:

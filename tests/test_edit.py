@@ -1134,7 +1134,9 @@ def test_an_edit_run_on_pairs_edits_in_the_stock_pipeline(ray_local, tiny, tmp_p
     guidance = {FAMILY: "guidance_scale=2.5", "qwenimageedit": "true_cfg_scale=4.0, negative_prompt=[' ']"}
     image = 'load_image("your input image.png")' if inputs == 1 else \
         '[load_image("input 1.png"), load_image("input 2.png")]'
-    assert f'image = pipe(image={image}, prompt="your edit", {guidance[family]}).images[0]' in card
+    # and the caption length it trained at (model.max_sequence_length)
+    assert f'image = pipe(image={image}, prompt="your edit", {guidance[family]}, ' \
+           'max_sequence_length=32).images[0]' in card
 
     pipe = stock_pipeline(family, model)
     pipe.set_progress_bar_config(disable=True)

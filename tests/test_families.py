@@ -460,6 +460,8 @@ def test_guidance_kwargs_are_arguments_of_the_stock_pipeline_call(family):
             # true CFG needs scale > 1 and a negative prompt; at 1 there is none to encode.
             neg = {"negative_prompt": [" "] * batch} if want > 1 else {}
             assert kw == {"true_cfg_scale": want, **neg}
+        elif family == "sdxl":  # the empty prompt, not its pipeline's all-zero default
+            assert kw == {"guidance_scale": want, "negative_prompt": [""] * batch}
         else:
             assert kw == {"guidance_scale": want}
     # The adapter's model card shows the same call (a bare pipe("...") leaves Qwen unguided).

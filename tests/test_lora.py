@@ -79,6 +79,37 @@ def test_state_round_trip_and_diffusers_file(unet, tmp_path):
     assert lora_meta["unet.lora_dropout"] == 0.0
 
 
+@pytest.mark.parametrize("variant", ["lora", "dora"])
+def test_an_sd_adapter_on_attention_and_other_layers_loads_whole_in_the_stock_pipeline(
+        tiny_model, tmp_path, variant):
+    """diffusers renames only attention layers to its legacy keys (proj_in keeps peft's
+    lora_A), and its loader takes the file's style from the first key: proj_in sorts first,
+    so the attention layers were left out (DoRA: left on the meta device) without an error.
+    The file has one style; the stock pipeline's UNet is the trained one."""
+    from diffusers import StableDiffusionPipeline
+    from safetensors import safe_open
+
+    unet = UNet2DConditionModel.from_pretrained(tiny_model, subfolder="unet")
+    add_lora(unet, LoraSection(rank=4, alpha=4, variant=variant), ("to_q", "to_k", "to_v", "to_out.0", "proj_in"))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in unet.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.05)
+    save_diffusers_adapter(unet, str(tmp_path), SD)
+    with safe_open(str(tmp_path / WEIGHT_NAME), "pt") as f:
+        assert not [k for k in f.keys() if ".lora_A." in k or ".lora_B." in k]
+    pipe = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)
+    pipe.load_lora_weights(str(tmp_path))
+    x, e = torch.randn(1, 4, 8, 8), torch.randn(1, 77, unet.config.cross_attention_dim)
+    unet.eval()
+    with torch.no_grad():
+        want, got = unet(x, 500, e).sample, pipe.unet(x, 500, e).sample
+        base = UNet2DConditionModel.from_pretrained(tiny_model, subfolder="unet")(x, 500, e).sample
+    assert (want - base).abs().max() > 1e-2  # the adapter does something
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_raylora_sample_draws_the_same_image_for_a_seed_from_an_adapter_that_asks_for_dropout(
         tiny_model, tmp_path):
     """An adapter written before the metadata said ``lora_dropout: 0`` (here: rewritten to

@@ -264,7 +264,15 @@ def save_diffusers_adapter(model: torch.nn.Module, directory: str, family,
     for name, module in [(family.denoiser, model), *(text_encoders or {}).items()]:
         given = denoiser_sd if module is model else None
         sd = _snapshot(given if given is not None else _peft_lora(module))
-        sd = convert_state_dict_to_diffusers(sd) if family.legacy_lora_keys else sd
+        if family.legacy_lora_keys:
+            sd = convert_state_dict_to_diffusers(sd)
+            if module is model:
+                # diffusers' table renames attention layers only (proj_in, conv, ff keep
+                # peft's lora_A/lora_B), and its loader takes the file's style from its
+                # first key: a mixed file lost the attention layers (or, DoRA, failed),
+                # silently. One style throughout.
+                sd = {k.replace(".lora_A.", ".lora.down.").replace(".lora_B.", ".lora.up."): v
+                      for k, v in sd.items()}
         layers[name] = sd if module is model else text_encoder_magnitudes(sd)
         # lora_dropout 0: diffusers' loader builds the layers from this metadata, and their
         # new Dropout modules are in train mode inside an eval pipeline: with the run's

@@ -52,11 +52,13 @@ def _git_rev() -> str:
 
 
 # Peak dense (no sparsity) bf16 tensor FLOP/s from the vendors' datasheets, matched
-# against torch.cuda.get_device_name in order (first match wins).
+# against torch.cuda.get_device_name: the longest name it contains wins ("L40" is not
+# "L4", "H200 NVL" not "H200").
 PEAK_BF16_TFLOPS = [
-    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.4), ("H200", 989.4),
-    ("H800", 989.4), ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.1),
-    ("L4", 121.0), ("A10G", 70.0), ("A10", 125.0),
+    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.4), ("H200 NVL", 835.0),
+    ("H200", 989.4), ("H800 PCIe", 756.0), ("H800", 989.4), ("B200", 2250.0),
+    ("A100", 312.0), ("A800", 312.0), ("L40S", 362.1), ("L40", 181.05), ("L4", 121.0),
+    ("A10G", 70.0), ("A10", 125.0),
 ]
 
 
@@ -64,7 +66,34 @@ def peak_flops(device_name: str, override: float | None) -> float | None:
     """Peak dense bf16 FLOP/s of the named GPU (``override`` in TFLOP/s wins); None if unknown."""
     if override:
         return override * 1e12
-    return next((t * 1e12 for k, t in PEAK_BF16_TFLOPS if k in device_name), None)
+    known = [(k, t) for k, t in PEAK_BF16_TFLOPS if k in device_name]
+    return max(known, key=lambda kt: len(kt[0]))[1] * 1e12 if known else None
+
+
+def model_flops_counter():
+    """torch's FlopCounterMode counting model FLOPs: what the step computes, each
+    attention's backward 2x its forward (dQ, dK, dV through the two matmuls). torch's own
+    formula for the fused GPU kernels (flash, efficient, cuDNN) adds the recomputed QK^T
+    (2.5x: hardware FLOPs, 3-5 % more per step, so MFU read high), and it has none for
+    the CPU flash kernel (attention counted as 0 in CPU smoke runs)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+    aten = torch.ops.aten
+
+    def forward(q, k, v, *args, **kwargs) -> int:
+        return sdpa_flop_count(q, k, v)
+
+    def backward(grad_out, q, k, v, *args, **kwargs) -> int:
+        return 2 * sdpa_flop_count(q, k, v)
+
+    mapping = {op: backward for op in (aten._scaled_dot_product_efficient_attention_backward,
+                                       aten._scaled_dot_product_flash_attention_backward,
+                                       aten._scaled_dot_product_cudnn_attention_backward)}
+    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        mapping[aten._scaled_dot_product_flash_attention_for_cpu] = forward
+        mapping[aten._scaled_dot_product_flash_attention_for_cpu_backward] = backward
+    return FlopCounterMode(display=False, custom_mapping=mapping)
 
 
 def sync(device) -> None:

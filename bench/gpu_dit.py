@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from common import machine, peak_flops, record, sync, table  # noqa: E402
+from common import machine, model_flops_counter, peak_flops, record, sync, table  # noqa: E402
 
 # black-forest-labs/FLUX.1-dev transformer/config.json
 FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38,
@@ -262,11 +262,9 @@ def run_case(args, model, b, mode, device, dtype) -> dict:
     batches = caption_lengths(batch, args.vary_captions)
     flops = None
     if mode == "none":  # per step: the mean over the caption lengths the steps cycle through
-        from torch.utils.flop_counter import FlopCounterMode
-
         counted = []
         for bt in batches:
-            with FlopCounterMode(display=False) as counter:
+            with model_flops_counter() as counter:  # attention backward 2x forward
                 step(bt)
             counted.append(counter.get_total_flops())
         flops = sum(counted) / len(counted)

@@ -75,7 +75,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-from common import machine, peak_flops, record, sync, table  # noqa: E402
+from common import machine, model_flops_counter, peak_flops, record, sync, table  # noqa: E402
 
 
 # diffusers / transformers config values of the public checkpoints
@@ -280,9 +280,8 @@ def baseline_step(model, unet, vae, encoders, scheduler, scale, res):
 
 
 def count_flops(step, batch) -> int:
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with FlopCounterMode(display=False) as counter:
+    """Model FLOPs of one step (common.model_flops_counter: attention backward 2x forward)."""
+    with model_flops_counter() as counter:
         step(batch)
     return counter.get_total_flops()
 

@@ -1165,8 +1165,10 @@ class RayLoraConfig(_Section):
         c = self.train.compile
         if c == "auto":  # FSDP's hooks inside compiled blocks: not verified yet, so eager
             # Buckets: a graph per bucket shape (static shapes) would pass torch's recompile limit.
+            # DoRA, LoHa, LoKr: peft's layers break the graph at every adapter (a torchao
+            # check, a random module-dropout branch): a dozen graphs a block, not one.
             return "regional" if self.scaling.use_gpu and self.scaling.strategy == "ddp" \
-                and not self.data.bucketing else "none"
+                and not self.data.bucketing and self.lora.variant == "lora" else "none"
         return c
 
     def global_batch(self) -> int:

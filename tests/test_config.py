@@ -338,6 +338,10 @@ def test_yaml_boolean_spellings_are_read_as_the_values_they_name():
     assert (auto.train.compile, auto.compile_mode) == ("auto", "none")
     gpu = validate(apply_overrides(MIN, ["scaling.use_gpu=true"]))
     assert gpu.compile_mode == "regional"
+    # peft's DoRA/LoHa/LoKr layers break a compiled block's graph at every adapter: eager
+    for variant in ("dora", "loha", "lokr"):
+        other = validate(apply_overrides(MIN, ["scaling.use_gpu=true", f"lora.variant={variant}"]))
+        assert other.compile_mode == "none", variant
     with pytest.raises(ConfigError, match="train.compile"):
         validate(apply_overrides(MIN, ["train.compile=fast"]))
 

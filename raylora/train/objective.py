@@ -171,6 +171,16 @@ def flow_loss_weights(kind: str, sigma: torch.Tensor) -> torch.Tensor | None:
     raise ValueError(f"train.flow.loss_weighting: unknown weighting {kind!r} (one of {WEIGHTINGS})")
 
 
+
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without a host sync: a copy from pageable memory to a
+    GPU waits for the stream (every step's σ stalled the host until the previous step's
+    backward and optimizer were done); from pinned memory it is queued behind them."""
+    if torch.device(device).type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
+
+
 class FlowMatching:
     """Rectified flow: x_σ = (1−σ)·x₀ + σ·ε, target ε − x₀ (the velocity toward noise).
 
@@ -233,16 +243,16 @@ class FlowMatching:
                                    self.logit_mean, self.logit_std, self.mode_scale)
             sigma = self.shifted(u, latents.shape).float()
             # bisection's last ulp: the range's own ends are kept exactly
-            return sigma.clamp(*self.sigma_range).to(latents.device)
+            return to_device(sigma.clamp(*self.sigma_range), latents.device)
         u = sample_density(self.density, n, None, self.logit_mean, self.logit_std, self.mode_scale)
-        return self.shifted(u, latents.shape).to(latents.device)
+        return to_device(self.shifted(u, latents.shape), latents.device)
 
     def eval_timesteps(self, k: int, latents: torch.Tensor) -> torch.Tensor:
         """K fixed σ: the centres of K equal slices of (0, 1) (of the part of it that
         ``sigma_range`` keeps), shifted as in training."""
         lo, hi = self._slice("uniform", latents.shape) if self.truncated else (0.0, 1.0)
         u = lo + (hi - lo) * (torch.arange(k, dtype=torch.float32) + 0.5) / k
-        return self.shifted(u, latents.shape).to(latents.device)
+        return to_device(self.shifted(u, latents.shape), latents.device)
 
     def offset(self, noise: torch.Tensor) -> torch.Tensor:
         return noise

@@ -137,6 +137,18 @@ def unpack_2x2(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return x.reshape(b, d // 4, h, w)
 
 
+def inputs_at(image, height: int | None, width: int | None) -> dict:
+    """An edit pipeline's ``image`` argument: the input (a list of several: data.control_
+    inputs) in RGB, each resized to the output's size when one is given, as training pairs
+    an input with its target; without a size, as given (the pipeline's own choice)."""
+    if image is None:
+        return {}
+    images = [x.convert("RGB") for x in (image if isinstance(image, list) else [image])]
+    if height and width:
+        images = [x.resize((width, height)) for x in images]
+    return {"image": images if isinstance(image, list) else images[0]}
+
+
 def grid_ids(rows: int, cols: int, axes: int, device=None) -> torch.Tensor:
     """Position ids ``[rows·cols, axes]`` (fp32) of a token grid in row-major order: axis 1
     the row, axis 2 the column, every other axis 0 (Flux.1's 3-axis and Flux.2's 4-axis

@@ -11,7 +11,8 @@ import torch
 
 from raylora.checkpoint.kohya import Rule, fused
 from raylora.config import MAX_CONTROL_INPUTS
-from raylora.model.families.base import Cond, Family, TextInput, embedded_guidance, grid_ids, references
+from raylora.model.families.base import (Cond, Family, TextInput, embedded_guidance, grid_ids,
+                                         inputs_at, references)
 
 # What Flux2KleinPipeline's tokenizer.apply_chat_template(add_generation_prompt=True,
 # enable_thinking=False) makes of a one-message conversation with Qwen3's template.
@@ -202,12 +203,7 @@ class Flux2Klein(Family):
         # The pipeline keeps an input of at most 1 MP at its own size (cut to a multiple of
         # its grid): resized to the output's, it pairs with it as training does. Several
         # inputs (data.control_inputs): a list, each resized alike.
-        if image is None:
-            return {}
-        images = [x.convert("RGB") for x in (image if isinstance(image, list) else [image])]
-        if height and width:
-            images = [x.resize((width, height)) for x in images]
-        return {"image": images if isinstance(image, list) else images[0]}
+        return inputs_at(image, height, width)
 
 
 FAMILY = Flux2Klein

@@ -21,8 +21,8 @@ import functools
 import torch
 
 from raylora.config import MAX_CONTROL_INPUTS, control_values
-from raylora.model.families.base import (Cond, TextInput, llm_conditioning, pack_2x2, references,
-                                         unpack_2x2)
+from raylora.model.families.base import (Cond, TextInput, inputs_at, llm_conditioning, pack_2x2,
+                                         references, unpack_2x2)
 from raylora.model.families.qwenimage import QwenImage
 
 # QwenImageEditPlusPipeline.prompt_template_encode (its start index: DROP) with the prompt
@@ -145,12 +145,7 @@ class QwenImageEdit(QwenImage):
         # kept at its own aspect (input_area only matches the area), a 2:1 input beside a
         # square output reached the VAE and the text encoder at an aspect training never
         # gave them. No size: the pipeline's own choice.
-        if image is None:
-            return {}
-        images = [x.convert("RGB") for x in (image if isinstance(image, list) else [image])]
-        if height and width:
-            images = [x.resize((width, height)) for x in images]
-        return {"image": images if isinstance(image, list) else images[0]}
+        return inputs_at(image, height, width)
 
     @classmethod
     def texts(cls, references: int = 0, system_prompt: str | None = None) -> tuple[TextInput, ...]:

@@ -163,7 +163,7 @@ def _inside_data(cfg: RayLoraConfig, places: dict[str, str | None]) -> list[str]
     """The places a run writes that lie inside the data it reads: the next run (a resume,
     the same command) read the previews, loss.png and cached parts written there as
     training rows, without a word."""
-    from raylora.data.formats.captionfolder import data_roots
+    from raylora.data.formats.captionfolder import root_holding
 
     d = cfg.data
     reads = [(f"data.sources[{i}].uri" if d.sources is not None else "data.uri", s.uri)
@@ -174,11 +174,10 @@ def _inside_data(cfg: RayLoraConfig, places: dict[str, str | None]) -> list[str]
     for key, uri in places.items():
         if not uri:
             continue
-        root = storage.normalize(uri).rstrip("/")
         for data_key, data_uri in reads:
-            inside = [r for r in data_roots(data_uri) if root == r or root.startswith(r + "/")]
+            inside = root_holding(data_uri, storage.normalize(uri))
             if inside:
-                problems.append(f"{key}: {uri} is inside {data_key} ({inside[0]}): what the run "
+                problems.append(f"{key}: {uri} is inside {data_key} ({inside}): what the run "
                                 "writes there would be read as training data by the next run; "
                                 "put it beside the data")
                 break
@@ -192,12 +191,13 @@ def write_problems(cfg: RayLoraConfig, store: storage.Storage) -> list[str]:
     places = {"output.uri": cfg.output.uri, "train.compile_cache_uri": cfg.train.compile_cache_uri}
     if cfg.data.cache == "latents":
         places["data.cache_uri"] = cfg.data.cache_uri
-    problems = []
+    problems, writable = [], {}
     for key, uri in places.items():
         if uri and (problem := store.write_problem(uri)):
             problems.append(f"{key}: {problem}")
-    unwritable = {p.split(":", 1)[0] for p in problems}
-    return problems + _inside_data(cfg, {k: v for k, v in places.items() if k not in unwritable})
+        else:  # named once: a place that cannot be written is not also "inside the data"
+            writable[key] = uri
+    return problems + _inside_data(cfg, writable)
 
 
 def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
@@ -555,10 +555,11 @@ def _elastic_arithmetic(cfg: RayLoraConfig, model_path: str, data, heldout: list
             f"{s.max_workers} workers, scaling.num_workers: [{s.min_workers}, {s.max_workers}])")
     if problems:
         raise ConfigError(problems)
-    _check_warmup(cfg, t.max_steps or t.num_epochs * updates)
+    max_steps = t.max_steps or t.num_epochs * updates
+    _check_warmup(cfg, max_steps)
     return Plan(
         model_path, data.format, data.files, total, total // s.max_workers, updates,
-        t.max_steps or t.num_epochs * updates, data.file_rows,
+        max_steps, data.file_rows,
         updates * t.gradient_accumulation_steps, len(heldout), data.rows, heldout, data=data,
     )
 

@@ -330,11 +330,9 @@ def _to_device(device):
     waiting for it (a pageable copy blocks until the GPU is done with everything queued
     before it); torch keeps the pinned buffer until the copy ran."""
     from raylora.data.cache import from_column  # cached bf16 columns arrive as uint16
+    from raylora.train.objective import to_device
 
-    if torch.device(device).type != "cuda":
-        return lambda batch: {k: from_column(v).to(device) for k, v in batch.items()}
-    return lambda batch: {k: from_column(v).pin_memory().to(device, non_blocking=True)
-                          for k, v in batch.items()}
+    return lambda batch: {k: to_device(from_column(v), device) for k, v in batch.items()}
 
 
 def _class_batches(spec: WorkerSpec, rank: int, seed: int):

@@ -310,13 +310,13 @@ def _control_listing(section: DataSection, storage: Storage, key,
                      folder: str) -> tuple[list[str], str | None]:
     """(the files of one data.control_uri folder, None), or ([], why it cannot serve:
     inside the data, or empty)."""
-    from raylora.data.formats.captionfolder import data_roots
+    from raylora.data.formats.captionfolder import root_holding
     from raylora.storage import normalize
 
     root = normalize(folder).rstrip("/")
-    inside = [r for r in data_roots(section.uri) if root == r or root.startswith(r + "/")]
+    inside = root_holding(section.uri, root)
     if inside:
-        return [], (f"{key('control_uri')}: {folder} is inside {key('uri')} ({inside[0]}): "
+        return [], (f"{key('control_uri')}: {folder} is inside {key('uri')} ({inside}): "
                     "its images would train as targets")
     where = storage.list_files(root)
     return where, None if where else f"{key('control_uri')}: {folder}: no files"

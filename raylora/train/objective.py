@@ -175,7 +175,9 @@ def flow_loss_weights(kind: str, sigma: torch.Tensor) -> torch.Tensor | None:
 def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on ``device`` without a host sync: a copy from pageable memory to a
     GPU waits for the stream (every step's σ stalled the host until the previous step's
-    backward and optimizer were done); from pinned memory it is queued behind them."""
+    backward and optimizer were done); from pinned memory it is queued behind them, and
+    torch keeps the pinned buffer until the copy ran. Also the batches' copy
+    (raylora.worker._to_device)."""
     if torch.device(device).type != "cuda":
         return x.to(device)
     return x.pin_memory().to(device, non_blocking=True)

@@ -49,6 +49,13 @@ def data_roots(uri: str | list[str]) -> list[str]:
     return sorted(roots, key=len, reverse=True)
 
 
+def root_holding(uri: str | list[str], place: str) -> str | None:
+    """The folder of ``data_roots(uri)`` that is ``place`` or holds it (a normalized
+    path or URI), None if none does: what is written there would be read as data."""
+    place = place.rstrip("/")
+    return next((r for r in data_roots(uri) if place == r or place.startswith(r + "/")), None)
+
+
 def first_folder(roots: list[str], uri: str) -> str | None:
     """The folder right below the data root that ``uri`` is in (None: in the root)."""
     for root in roots:

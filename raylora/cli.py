@@ -165,6 +165,14 @@ def _sample(args) -> int:
 def _export(args) -> int:
     from raylora.checkpoint.kohya import export_folder
 
+    if args.format == "diffusers":
+        from raylora.checkpoint.export import rewrite_diffusers_folder
+
+        dest, mixed = rewrite_diffusers_folder(args.adapter, args.out)
+        print(f"raylora: adapter      {dest} ("
+              + ("its UNet keys written in one style" if mixed else "already in one key style; copied")
+              + ")")
+        return 0
     dest, family, how = export_folder(args.adapter, args.out, args.family)
     print(f"raylora: family       {family.name} ({how})")
     print(f"raylora: kohya file   {dest}")
@@ -395,10 +403,15 @@ def _adapter_commands(sub) -> None:
 
     e = sub.add_parser("export", help="convert a diffusers adapter folder to another format")
     e.add_argument("adapter", help="folder with pytorch_lora_weights.safetensors (+ raylora.json)")
-    e.add_argument("--format", choices=["kohya"], required=True,
-                   help="kohya: one kohya-ss / ComfyUI / A1111 .safetensors file")
+    e.add_argument("--format", choices=["kohya", "diffusers"], required=True,
+                   help="kohya: one kohya-ss / ComfyUI / A1111 .safetensors file. diffusers: "
+                        "a copy of the folder that every diffusers loader reads (an SD/SDXL "
+                        "adapter of a raylora before 2026-12-06 that targeted more than "
+                        "attention mixed two key styles, which load_lora_weights reads only "
+                        "in part)")
     e.add_argument("--out", default=None,
-                   help="file to write; default: adapter_kohya.safetensors beside the folder")
+                   help="kohya: file to write; default: adapter_kohya.safetensors beside the "
+                        "folder. diffusers: a new folder; default: <adapter>-diffusers")
     e.add_argument("--family", default=None,
                    help="the adapter's model family (sd, sdxl, flux, sd3, qwenimage, zimage, wan, "
                         "...: every family with kohya export); default: the one raylora.json "

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import tempfile
 
 import torch
+
+log = logging.getLogger("raylora")
 
 
 def sample(
@@ -244,6 +249,32 @@ def trained_expert(adapter: str) -> str | None:
     return trained_config([adapter], "model", "expert")
 
 
+@contextlib.contextmanager
+def _one_key_style(family, adapter: str):
+    """``adapter``, or where an SD/SDXL adapter of an earlier raylora that mixed key styles
+    (``lora.mixed_key_style``) is written again in one: the stock loader takes the style
+    from the file's first key and drops the other style's layers without a word."""
+    from safetensors import safe_open
+
+    from raylora.model.lora import WEIGHT_NAME, mixed_key_style, one_key_style_file
+
+    file = os.path.join(adapter, WEIGHT_NAME) if os.path.isdir(adapter) else adapter
+    if family.legacy_lora_keys and file.endswith(".safetensors") and os.path.isfile(file):
+        with safe_open(file, framework="pt") as f:
+            mixed = mixed_key_style(list(f.keys()), family.denoiser)
+        if mixed:
+            log.warning("%s: written by an earlier raylora with two key styles for the %s "
+                        "(lora.down/lora.up and lora_A/lora_B), which diffusers' "
+                        "load_lora_weights reads only in part; loaded here in one style. "
+                        "`raylora export --format diffusers %s` writes a copy every "
+                        "loader reads", file, family.denoiser, adapter)
+            with tempfile.TemporaryDirectory() as tmp:
+                one_key_style_file(file, os.path.join(tmp, WEIGHT_NAME), family.denoiser)
+                yield tmp
+            return
+    yield adapter
+
+
 def load_adapter(pipe, family, adapter: str, expert: str | None = None) -> None:
     """A diffusers LoRA/DoRA file through the stock loader; a LoKr/LoHa peft folder
     (``lora.variant`` lokr/loha, which diffusers' loaders do not read) through peft. Into
@@ -259,7 +290,8 @@ def load_adapter(pipe, family, adapter: str, expert: str | None = None) -> None:
         setattr(pipe, component,
                 PeftModel.from_pretrained(getattr(pipe, component), adapter).merge_and_unload())
     else:
-        pipe.load_lora_weights(adapter, **family.lora_load_kwargs(expert))
+        with _one_key_style(family, adapter) as readable:
+            pipe.load_lora_weights(readable, **family.lora_load_kwargs(expert))
     # The loader's new layers are in train mode: an adapter written before raylora wrote
     # lora_dropout 0 into its metadata would otherwise sample with the run's dropout on.
     for module in pipe.components.values():

@@ -232,3 +232,72 @@ def test_layers_the_run_does_not_target_are_named_on_the_worker(tiny_model, demo
     assert moved == {"to_q", "to_v"}
     assert len(deltas) == 2 * sum(n.endswith(("to_q", "to_v")) for n in deltas)
 
+
+
+def test_an_earlier_rayloras_mixed_style_sd_adapter_is_read_whole(tiny_model, demo_data, tmp_path, caplog,
+                                                                   capsys):
+    """SD adapters an earlier raylora wrote for attention + proj_in mixed diffusers' keys
+    (attention) with peft's (proj_in); the stock loader takes one style from the first key
+    and leaves the other layers out. ``lora.init_from``, ``raylora sample`` and
+    ``raylora export --format diffusers`` read (and rewrite) such a file whole."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from raylora.cli import main
+    from raylora.model import families
+    from raylora.model.lora import WEIGHT_NAME, mixed_key_style
+    from raylora.sample import load_adapter
+
+    fam = families.get("sd")
+    targets = ["to_q", "to_k", "to_v", "to_out.0", "proj_in"]
+    run = _build(_cfg(tiny_model, demo_data, tmp_path / "a", target_modules=targets))
+    old = tmp_path / "old"
+    _random_adapter(run, str(old))
+    trained = _deltas(run.accelerator.unwrap_model(run.model), "default")
+    assert any("proj_in" in n for n in trained) and any("to_q" in n for n in trained)
+    # The file as the earlier raylora wrote it: proj_in in peft's names
+    path = str(old / WEIGHT_NAME)
+    with safe_open(path, "pt") as f:
+        sd, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    sd = {k.replace(".lora.down.", ".lora_A.").replace(".lora.up.", ".lora_B.")
+          if ".proj_in." in k else k: v for k, v in sd.items()}
+    save_file(sd, path, metadata=meta)
+    (old / "manifest.json").write_text(json.dumps({"files": {WEIGHT_NAME: os.path.getsize(path)}}))
+    assert mixed_key_style(sd, "unet")
+
+    def assert_trained(deltas):
+        assert set(deltas) == set(trained)
+        for name in trained:
+            torch.testing.assert_close(deltas[name], trained[name], rtol=1e-5, atol=1e-7)
+
+    stock = fam.load_pipeline(tiny_model)
+    stock.load_lora_weights(str(old))
+    assert set(_deltas(stock.unet)) < set(trained)  # what the file does to a stock loader
+
+    pipe = fam.load_pipeline(tiny_model)
+    with caplog.at_level("WARNING", logger="raylora"):
+        load_adapter(pipe, fam, str(old))
+    assert "export --format diffusers" in caplog.text
+    assert_trained(_deltas(pipe.unet))
+
+    init = _build(_cfg(tiny_model, demo_data, tmp_path / "b", target_modules=targets,
+                       init_from=str(old)))
+    assert_trained(_deltas(init.accelerator.unwrap_model(init.model), "default"))
+
+    new = tmp_path / "new"
+    assert main(["export", "--format", "diffusers", str(old), "--out", str(new)]) == 0
+    with safe_open(str(new / WEIGHT_NAME), "pt") as f:
+        assert not mixed_key_style(list(f.keys()), "unet") and f.metadata() == meta
+    listed = json.loads((new / "manifest.json").read_text())["files"]
+    assert listed == {WEIGHT_NAME: os.path.getsize(new / WEIGHT_NAME)}
+    rewritten = fam.load_pipeline(tiny_model)
+    rewritten.load_lora_weights(str(new))
+    assert_trained(_deltas(rewritten.unet))
+    # never over the folder it reads, nor into a folder that holds something
+    for out, words in ((old / "x", "is inside the adapter folder"), (new, "exists and is not an empty folder")):
+        capsys.readouterr()
+        assert main(["export", "--format", "diffusers", str(old), "--out", str(out)]) != 0
+        assert f"--out: {out} {words}" in capsys.readouterr().err
+    assert not (old / "x").exists() and json.loads((new / "manifest.json").read_text())["files"] == listed

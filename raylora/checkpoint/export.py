@@ -30,6 +30,7 @@ from raylora.model.lora import LYCORIS_FILE, PEFT_CONFIG, PEFT_WEIGHTS, WEIGHT_N
 log = logging.getLogger("raylora.export")
 
 RUN_META = "raylora.json"  # an adapter folder's config, metrics, data and versions
+MANIFEST = "manifest.json"  # the adapter folder's files and sizes, written last: complete
 
 SUMMARY_KEYS = (
     "train_loss_first",
@@ -338,9 +339,54 @@ def _write_adapter_folder(adapter: str, ckpt_dir: str, cfg: RayLoraConfig, metri
     }
     with open(os.path.join(adapter, RUN_META), "w") as f:
         json.dump(meta, f, indent=2)
-    listing = {n: os.path.getsize(os.path.join(adapter, n)) for n in sorted(os.listdir(adapter))}
-    with open(os.path.join(adapter, "manifest.json"), "w") as f:
+    _write_manifest(adapter)
+
+
+def _write_manifest(adapter: str) -> None:
+    names = sorted(n for n in os.listdir(adapter) if n != MANIFEST)
+    listing = {n: os.path.getsize(os.path.join(adapter, n)) for n in names}
+    with open(os.path.join(adapter, MANIFEST), "w") as f:
         json.dump({"files": listing}, f, indent=2)
+
+
+def rewrite_diffusers_folder(adapter_dir: str, dest: str | None = None) -> tuple[str, bool]:
+    """``raylora export --format diffusers``: a copy of the adapter folder ``adapter_dir``
+    whose weights every diffusers loader reads: an earlier raylora's SD/SDXL file that mixed
+    key styles (``lora.mixed_key_style``) in one style, other files as they are, the
+    manifest listing the new sizes. ``dest``: default ``<adapter_dir>-diffusers`` beside it.
+    Returns (folder written, whether the weights were rewritten)."""
+    from raylora.model.lora import one_key_style_file
+
+    weights = os.path.join(adapter_dir, WEIGHT_NAME)
+    if not os.path.isfile(weights):
+        raise FileNotFoundError(f"{weights}: not found; {adapter_dir} is not a diffusers "
+                                "adapter folder")
+    folder = os.path.realpath(adapter_dir)
+    dest = dest or folder + "-diffusers"
+    real = os.path.realpath(dest)
+    if real == folder or real.startswith(folder + os.sep):
+        raise ValueError(f"--out: {dest} is inside the adapter folder {adapter_dir}; write "
+                         "the copy beside it")
+    if os.path.exists(dest) and (not os.path.isdir(dest) or os.listdir(dest)):
+        raise ValueError(f"--out: {dest} exists and is not an empty folder")
+    listed = os.path.isfile(os.path.join(adapter_dir, MANIFEST))
+    os.makedirs(os.path.dirname(real), exist_ok=True)
+    # Written beside and renamed into place: a failure leaves no half folder at dest.
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(real)}.tmp-", dir=os.path.dirname(real))
+    try:
+        for n in os.listdir(adapter_dir):
+            if n not in (WEIGHT_NAME, MANIFEST):
+                src = os.path.join(adapter_dir, n)
+                (shutil.copytree if os.path.isdir(src) else shutil.copy2)(src, os.path.join(tmp, n))
+        mixed = one_key_style_file(weights, os.path.join(tmp, WEIGHT_NAME))
+        if listed:
+            _write_manifest(tmp)
+        if os.path.isdir(dest):
+            os.rmdir(dest)
+        os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest, mixed
 
 
 def _publish_file(store: Storage, local: str, uri: str) -> str:

@@ -271,14 +271,51 @@ def save_diffusers_adapter(model: torch.nn.Module, directory: str, family,
                 # peft's lora_A/lora_B), and its loader takes the file's style from its
                 # first key: a mixed file lost the attention layers (or, DoRA, failed),
                 # silently. One style throughout.
-                sd = {k.replace(".lora_A.", ".lora.down.").replace(".lora_B.", ".lora.up."): v
-                      for k, v in sd.items()}
+                sd = _down_up(sd)
         layers[name] = sd if module is model else text_encoder_magnitudes(sd)
         # lora_dropout 0: diffusers' loader builds the layers from this metadata, and their
         # new Dropout modules are in train mode inside an eval pipeline: with the run's
         # dropout every image of the stock pipeline would drop a random part of the LoRA.
         meta[name] = module.peft_config["default"].to_dict() | {"lora_dropout": 0.0}
     family.save_adapter(directory, layers, meta)
+
+
+def _down_up(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k.replace(".lora_A.", ".lora.down.").replace(".lora_B.", ".lora.up."): v
+            for k, v in sd.items()}
+
+
+def mixed_key_style(keys, prefix: str) -> bool:
+    """Whether the ``prefix.`` keys (a legacy-key family's denoiser) mix diffusers'
+    ``lora.down``/``lora.up`` with peft's ``lora_A``/``lora_B``: what raylora wrote for SD/SDXL
+    runs that targeted more than attention before it wrote one style (save_diffusers_adapter).
+    The loaders read such a file wrongly."""
+    own = [k for k in keys if k.startswith(prefix + ".")]
+    return (any(".lora.down." in k or ".lora.up." in k for k in own)
+            and any(".lora_A." in k or ".lora_B." in k for k in own))
+
+
+def one_key_style(sd: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """``sd`` with a mixed-style denoiser (``mixed_key_style``) in ``lora.down``/``lora.up``
+    throughout, as raylora writes it now; any other state dict unchanged."""
+    if not mixed_key_style(sd, prefix):
+        return sd
+    ours = {k: v for k, v in sd.items() if k.startswith(prefix + ".")}
+    return {**{k: v for k, v in sd.items() if k not in ours}, **_down_up(ours)}
+
+
+def one_key_style_file(src: str, dest: str, prefix: str = "unet") -> bool:
+    """Write the safetensors adapter ``src`` to ``dest`` with its denoiser (``prefix``) in
+    one key style (``one_key_style``) and its metadata (the peft configs) unchanged. Returns
+    whether ``src`` mixed styles (False: ``dest`` is a copy of the tensors)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(src, framework="pt") as f:
+        sd = {k: f.get_tensor(k) for k in f.keys()}
+        metadata = f.metadata()
+    save_file(one_key_style(sd, prefix), dest, metadata=metadata)
+    return mixed_key_style(sd, prefix)
 
 
 def text_encoder_magnitudes(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -28,7 +28,13 @@ from raylora import storage
 from raylora.config import RayLoraConfig
 from raylora.model import hub, load
 from raylora.model.load import stored_version
-from raylora.model.lora import PEFT_CONFIG, PEFT_WEIGHTS, WEIGHT_NAME, text_encoder_magnitudes
+from raylora.model.lora import (
+    PEFT_CONFIG,
+    PEFT_WEIGHTS,
+    WEIGHT_NAME,
+    one_key_style,
+    text_encoder_magnitudes,
+)
 from raylora.storage import Storage
 
 log = logging.getLogger("raylora.lora_init")
@@ -257,6 +263,8 @@ def _load_diffusers(local: str, family, denoiser, text_encoders: dict,
     # formats carry no alphas (SD3, Flux.2, ...)
     sd, metadata = out[0], out[-1]
     alphas = out[1] if len(out) == 3 else None
+    if family.legacy_lora_keys:  # an earlier raylora's SD/SDXL file may mix two key styles
+        sd = one_key_style(sd, family.denoiser)
     unread = sorted(k for k in sd if k.split(".")[0] not in family.lora_components())
     if unread:  # keys the pipeline passed through unconverted: its load would skip them
         raise ValueError(f"{KEY}: {uri}: {len(unread)} of its {len(sd)} tensors are not "

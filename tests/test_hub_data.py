@@ -167,3 +167,36 @@ def test_a_gated_unknown_or_misspelt_hub_dataset_is_named(online, hub, tmp_path,
     assert plan.rows == 2
     sent = {t for _, p, t in hub.seen if "/resolve/" in p}
     assert sent == {TOKEN}
+
+
+def test_a_hub_caption_folder_keeps_its_kohya_folders_and_subfolders(online, hub, tmp_path):
+    """A hub listing names files at a commit (hf://datasets/o/n@<sha>/...), the data root
+    the user wrote names none: kohya ``N_name`` folders (repeats, class tokens for an image
+    without a caption) and the path below the root (data.control_uri) were lost on the hub
+    and kept locally."""
+    from raylora.data.formats.base import control_candidates
+
+    src = tmp_path / "repo"
+    (src / "10_ohwx cat").mkdir(parents=True)
+    for name, caption in (("c1", "ohwx cat on a sofa"), ("c2", None)):
+        Image.new("RGB", (8, 8)).save(src / "10_ohwx cat" / f"{name}.png")
+        if caption:
+            (src / "10_ohwx cat" / f"{name}.txt").write_text(caption)
+    Image.new("RGB", (8, 8)).save(src / "other.png")
+    (src / "other.txt").write_text("something else")
+    hub.add("me/kohya", str(src), kind="dataset")
+
+    def read(uri: str):
+        data = DataSection(uri=uri, format="captionfolder")
+        plan = plan_data(data, Storage())
+        rows = formats.get_format(plan.format).iter_rows(data, plan.files, Storage())
+        return plan, sorted(r["text"] for r in rows)
+
+    local, local_texts = read(str(src))
+    on_hub, hub_texts = read("hf://datasets/me/kohya")
+    assert local.sources[0].repeats == on_hub.sources[0].repeats == [10, 10, 1]
+    assert local.sources[0].epoch_rows() == on_hub.sources[0].epoch_rows() == 21
+    assert hub_texts == local_texts == ["ohwx cat", "ohwx cat on a sofa", "something else"]
+    data = DataSection(uri="hf://datasets/me/kohya", format="captionfolder",
+                       control_uri=str(tmp_path / "inputs"))
+    assert control_candidates(data, on_hub.files[0])[0] == str(tmp_path / "inputs" / "10_ohwx cat" / "c1.png")

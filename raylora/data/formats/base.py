@@ -182,11 +182,10 @@ def control_candidates(data: DataSection, image: str, i: int = 0) -> list[str]:
     folders = data.control_folders()
     if not folders:
         return control_uris(image, i)
-    from raylora.data.formats.captionfolder import data_roots
+    from raylora.data.formats.captionfolder import below_root, data_roots
     from raylora.storage import normalize
 
-    root = next((r for r in data_roots(data.uri) if image.startswith(r + "/")), None)
-    rel = image[len(root) + 1:] if root is not None else posixpath.basename(image)
+    rel = below_root(data_roots(data.uri), image) or posixpath.basename(image)
     stem, ext = posixpath.splitext(rel)
     base = normalize(folders[i]).rstrip("/")
     return [f"{base}/{stem}{e}" for e in _own_first(ext)]

@@ -56,13 +56,22 @@ def root_holding(uri: str | list[str], place: str) -> str | None:
     return next((r for r in data_roots(uri) if place == r or place.startswith(r + "/")), None)
 
 
+def below_root(roots: list[str], uri: str) -> str | None:
+    """``uri``'s path below the first of ``roots`` that holds it; None if none does. A hub
+    listing names its files at a commit (``hf://datasets/o/n@<sha>/...``) where the root
+    the user wrote names none (or a branch): they are compared without the revision."""
+    if uri.startswith("hf://"):
+        from raylora.hubfs import unpinned
+
+        uri, roots = unpinned(uri), [unpinned(r) if r.startswith("hf://") else r for r in roots]
+    root = next((r for r in roots if uri.startswith(r + "/")), None)
+    return uri[len(root) + 1:] if root is not None else None
+
+
 def first_folder(roots: list[str], uri: str) -> str | None:
     """The folder right below the data root that ``uri`` is in (None: in the root)."""
-    for root in roots:
-        if uri.startswith(root + "/"):
-            parts = uri[len(root) + 1:].split("/")
-            return parts[0] if len(parts) > 1 else None
-    return None
+    parts = (below_root(roots, uri) or "").split("/")
+    return parts[0] if len(parts) > 1 else None
 
 
 def kohya_folder(name: str | None) -> tuple[int, str] | None:

@@ -1808,7 +1808,11 @@ def _format_pydantic(err: ValidationError) -> list[str]:
     unions: dict[str, list[str]] = {}
     for e in err.errors():
         # data.sources[1].weight: list items by index, as the messages of checks name them.
-        loc = [p for p in e["loc"] if isinstance(p, int) or not _UNION_TAG.match(p)]
+        raw = list(e["loc"])
+        # an unknown key is the user's own, whatever it looks like (`max_steps,` from a
+        # typo'd override, `list`): named, not dropped as a union tag
+        own = [raw.pop()] if e["type"] == "extra_forbidden" and raw else []
+        loc = [p for p in raw if isinstance(p, int) or not _UNION_TAG.match(p)] + own
         key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
         key = key.lstrip(".") or "<root>"
         member = len(loc) < len(e["loc"])

@@ -84,13 +84,16 @@ def test_every_problem_reported_at_once_naming_keys():
             "lora.rank=0",
             "train.mixed_precision=fp8",
             "data.resolution=abc",
+            "train.max_steps,=10",  # the unknown key named as typed, not as "train"
+            "lora.list=3",
         ],
     )
     with pytest.raises(ConfigError) as ei:
         validate(tree)
     msg = str(ei.value)
-    assert len(ei.value.problems) == 4, msg
+    assert len(ei.value.problems) == 6, msg
     assert "train.learning_rat: unknown key" in msg
+    assert "train.max_steps,: unknown key" in msg and "lora.list: unknown key" in msg
     assert "lora.rank:" in msg and "greater than 0" in msg
     assert "train.mixed_precision:" in msg and "fp8" in msg
     assert "data.resolution:" in msg

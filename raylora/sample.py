@@ -60,7 +60,8 @@ def sample(
                                  torch.bfloat16 if device == "cuda" else torch.float32,
                                  quantize_text_encoders, device, revision,
                                  with_image=len(inputs), input_side=side,
-                                 system_prompt=system_prompt is not None, variant=variant)
+                                 system_prompt=system_prompt is not None, variant=variant,
+                                 size=size)
     adapters = [adapter] if isinstance(adapter, str) else adapter
     if system_prompt is None:
         system_prompt = trained_system_prompt(adapters)
@@ -113,7 +114,7 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
                   dtype: torch.dtype = torch.float32, quantize_text_encoders: str = "none",
                   device="cpu", revision: str | None = None, with_image: int = 0,
                   input_side: int | None = None, system_prompt: bool = False,
-                  variant: str | None = None):
+                  variant: str | None = None, size: int | None = None):
     """(the family's stock pipeline of ``model`` with the adapter loaded, the family).
 
     A pipeline of experts (Wan 2.2 A14B) samples with every expert; an adapter goes into
@@ -135,7 +136,8 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
     ``with_image``: the call gives that many input images (``--image``), refused for a
     family whose pipeline takes none or fewer, or (``input_side``: the smallest side it
     gets them at) smaller than it takes. ``system_prompt``: the call gives one
-    (``--system-prompt``), refused for a family whose pipeline takes none."""
+    (``--system-prompt``), refused for a family whose pipeline takes none. ``size``: the
+    image's side (``--size``), refused off the model's latent grid."""
     from diffusers import DiffusionPipeline
 
     from raylora import quiet
@@ -159,6 +161,17 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
     family = families.detect(index, "--model")
     if system_prompt and family.system_prompt is None:
         raise ValueError(f"--system-prompt: {family.name} ({family.pipeline}) takes no system prompt")
+    if size is not None:
+        # Off the grid, SD's pipelines raise and Flux's round the size down with a warning:
+        # both after the pipeline loaded (minutes for a big model).
+        from diffusers import AutoencoderKL  # any VAE's config.json: load_config reads the file
+
+        vae = AutoencoderKL.load_config(path, subfolder="vae", revision=revision)
+        multiple = family.vae_factor(vae) * family.patch
+        if size % multiple:
+            raise ValueError(f"--size: {size} is not a multiple of {multiple} (the {family.name} "
+                             f"latent grid: VAE downsampling × patch size), e.g. "
+                             f"{max(multiple, size // multiple * multiple)}")
     if with_image and not family.reference_image:
         raise ValueError(f"--image: {family.name} ({family.pipeline}) takes no input image")
     if int(with_image) > family.max_references:

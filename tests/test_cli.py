@@ -207,6 +207,28 @@ def test_sample_names_a_model_or_adapter_path_that_is_not_there(tmp_path, capsys
         assert f"raylora: error: {want}" in capsys.readouterr().err
 
 
+def test_sample_refuses_a_size_off_the_latent_grid_before_the_pipeline_loads(tiny_model, tmp_path,
+                                                                            capsys, monkeypatch):
+    import json
+
+    from diffusers import DiffusionPipeline
+
+    from raylora.cli import main
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    vae = json.loads(open(f"{tiny_model}/vae/config.json").read())
+    multiple = 2 ** (len(vae["block_out_channels"]) - 1)  # SD: patch 1
+    loaded = []
+    monkeypatch.setattr(DiffusionPipeline, "from_pretrained", lambda *a, **k: loaded.append(a))
+    args = ["sample", "--model", tiny_model, "--adapter", str(adapter), "--prompt", "p",
+            "--out", str(tmp_path / "s.png"), "--size", str(8 * multiple + 1)]
+    assert main(args) == 2
+    assert (f"raylora: error: --size: {8 * multiple + 1} is not a multiple of {multiple} (the sd "
+            f"latent grid: VAE downsampling × patch size), e.g. {8 * multiple}") in capsys.readouterr().err
+    assert loaded == [] and not (tmp_path / "s.png").exists()
+
+
 def test_a_ray_address_where_no_cluster_answers_is_named_at_once(tmp_path, tiny_model, demo_data):
     """A stale RAY_ADDRESS (the cluster stopped): ray.init retried for minutes before a
     stack trace; now one line naming it, before Ray. Addresses ray.init judges itself

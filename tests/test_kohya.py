@@ -85,6 +85,16 @@ def test_kohya_layout_alpha_and_exact_round_trip(adapter, tmp_path):
     meta = export_kohya(src, dest, "tiny", SD)
     assert (meta["ss_network_dim"], meta["ss_network_alpha"]) == ("4", "8")
     diff_sd = load_file(src)
+    # the base model's version as sd-scripts writes it: A1111/Forge list a LoRA beside a
+    # checkpoint of its version only (no ss_base_model_version: "SD1", an SDXL LoRA hidden)
+    assert (meta["ss_base_model_version"], meta["ss_v2"]) == ("sd_v1", "False")
+    to_k = "unet.down_blocks.1.attentions.0.transformer_blocks.0.attn2.to_k.lora.down.weight"
+    assert SD.kohya_version({to_k: torch.zeros(4, 1024)}) == {"ss_base_model_version": "sd_v2",
+                                                               "ss_v2": "True"}
+    assert SD.kohya_version({to_k: torch.zeros(4, 768)})["ss_base_model_version"] == "sd_v1"
+    from raylora.model.families.sdxl import SDXL
+
+    assert SDXL.kohya_version(diff_sd)["ss_base_model_version"] == "sdxl_base_v1-0"
     with safe_open(dest, framework="pt") as f:
         kohya_sd = {k: f.get_tensor(k) for k in f.keys()}
         assert f.metadata()["ss_network_dim"] == "4"

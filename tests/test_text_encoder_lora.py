@@ -86,6 +86,10 @@ def test_text_encoder_lora_trains_resumes_and_exports(base_config, batches, tiny
 
     diff_sd = load_file(str(adapter / "pytorch_lora_weights.safetensors"))
     assert sum(k.startswith("text_encoder.") for k in diff_sd) == len(te_keys)
+    # under text_model., as transformers 4's CLIP names its modules: diffusers before 0.42
+    # (on transformers 4) reads nothing else; 0.42 reads both spellings
+    assert all(k.startswith("text_encoder.text_model.encoder.layers.")
+               for k in diff_sd if k.startswith("text_encoder."))
     kohya = str(tmp_path / "adapter_kohya.safetensors")
     meta = export_kohya(str(adapter / "pytorch_lora_weights.safetensors"), kohya, "tiny", SD)
     assert json.loads(meta["ss_network_args"]) == {"train_text_encoder": True}

@@ -219,6 +219,7 @@ def export_kohya(diffusers_file: str, dest_file: str, base_model: str, family) -
         "ss_network_alpha": f"{alphas[main]:g}",
         "ss_sd_model_name": base_model,
         "raylora_source": "diffusers adapter converted by raylora",
+        **family.kohya_version(sd),
     }
     if any(c.startswith("text_encoder") for c in ranks):
         kohya_meta["ss_network_args"] = json.dumps({"train_text_encoder": True})

@@ -272,7 +272,7 @@ def save_diffusers_adapter(model: torch.nn.Module, directory: str, family,
                 # first key: a mixed file lost the attention layers (or, DoRA, failed),
                 # silently. One style throughout.
                 sd = _down_up(sd)
-        layers[name] = sd if module is model else text_encoder_magnitudes(sd)
+        layers[name] = sd if module is model else text_encoder_magnitudes(_clip_paths(module, sd))
         # lora_dropout 0: diffusers' loader builds the layers from this metadata, and their
         # new Dropout modules are in train mode inside an eval pipeline: with the run's
         # dropout every image of the stock pipeline would drop a random part of the LoRA.
@@ -316,6 +316,17 @@ def one_key_style_file(src: str, dest: str, prefix: str = "unet") -> bool:
         metadata = f.metadata()
     save_file(one_key_style(sd, prefix), dest, metadata=metadata)
     return mixed_key_style(sd, prefix)
+
+
+def _clip_paths(module: torch.nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A CLIP text encoder's LoRA under ``text_model.``: transformers 5 flattened CLIP's
+    modules (``encoder.layers.0...``), and diffusers < 0.42 on transformers 4 reads the
+    file's keys against ``text_model.encoder...`` (its plain ``load_lora_weights`` then
+    failed on meta tensors; with ``low_cpu_mem_usage=False`` the encoder kept no LoRA).
+    diffusers 0.42 takes either spelling, so one file serves both stacks."""
+    if hasattr(module, "text_model") or not type(module).__name__.startswith("CLIPText"):
+        return sd
+    return {k if k.startswith("text_model.") else "text_model." + k: v for k, v in sd.items()}
 
 
 def text_encoder_magnitudes(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -675,6 +675,13 @@ class Family:
         return to_kohya(sd, alphas, cls.kohya_names())
 
     @classmethod
+    def kohya_version(cls, sd: dict[str, torch.Tensor]) -> dict[str, str]:
+        """The base-model metadata sd-scripts writes into a kohya file for this family
+        (``ss_base_model_version``, ...), from the adapter's tensors; none where A1111/Forge
+        need none to list the file."""
+        return {}
+
+    @classmethod
     def kohya_names(cls) -> dict[str, str]:
         """diffusers component prefix → kohya prefix."""
         return {f"{cls.denoiser}.": cls.kohya_prefix, "text_encoder.": "lora_te_"}

@@ -31,6 +31,16 @@ class SD(Family):
         model.set_attn_processor(AttnProcessor2_0() if kind == "sdpa" else AttnProcessor())
 
     @classmethod
+    def kohya_version(cls, sd: dict[str, torch.Tensor]) -> dict[str, str]:
+        # A1111/Forge list a LoRA with a checkpoint of its version only, and read the
+        # version from these keys (no ss_v2: SD 1). SD 2's cross-attention reads OpenCLIP
+        # ViT-H's 1024-wide states, SD 1's CLIP ViT-L's 768.
+        widths = {v.shape[1] for k, v in sd.items()
+                  if ".attn2.to_k." in k and ("lora.down" in k or "lora_A" in k)}
+        v2 = widths == {1024}
+        return {"ss_base_model_version": "sd_v2" if v2 else "sd_v1", "ss_v2": str(v2)}
+
+    @classmethod
     def encode_text(cls, encoders, batch) -> Cond:
         return Cond(prompt_embeds=encoders[0](batch["input_ids"], return_dict=False)[0])
 

@@ -27,6 +27,10 @@ class SDXL(SD):
         return {**super().guidance_kwargs(scale, batch), "negative_prompt": [cls.empty_caption] * batch}
 
     @classmethod
+    def kohya_version(cls, sd: dict[str, torch.Tensor]) -> dict[str, str]:
+        return {"ss_base_model_version": "sdxl_base_v1-0", "ss_v2": "False"}  # as sd-scripts
+
+    @classmethod
     def cond_keys(cls):
         return ("prompt_embeds", "pooled_prompt_embeds", "time_ids")
 

@@ -61,6 +61,32 @@ def test_the_model_card_names_every_layer_the_default_targets(tiny, family, tmp_
     assert f"| target modules | {', '.join(named)} |" in model_card(cfg, {}, {"family": family})
 
 
+def test_the_model_card_names_the_trigger_words_and_the_text_encoder_lora(tmp_path):
+    """The hub shows front matter's instance_prompt as the trigger words (diffusers' LoRA
+    scripts write it); the call leads with the word every caption led with; text-encoder
+    LoRA is a row of its own. Before, the card named neither."""
+    import yaml
+
+    from raylora.checkpoint.export import model_card
+    from raylora.config import validate
+
+    cfg = validate({"model": {"pretrained": "some/model"}, "output": {"uri": "o"},
+                    "data": {"caption_prefix": "ohwx,", "sources": [
+                        {"uri": "a"}, {"uri": "b", "caption_prefix": "sks"}, {"uri": "c"}]},
+                    "lora": {"train_text_encoder": True, "text_encoder_lr": 5e-5}})
+    card = model_card(cfg, {}, {"family": "sdxl"})
+    front = yaml.safe_load(card.split("---\n")[1])
+    assert front["instance_prompt"] == "ohwx, sks" and front["base_model"] == "some/model"
+    assert 'image = pipe(prompt="ohwx, your prompt"' in card
+    assert "Trigger word(s), first in every caption: `ohwx`, `sks`." in card
+    assert ("| text-encoder LoRA (text_encoder, text_encoder_2) | q_proj, k_proj, v_proj, "
+            "out_proj, learning rate 5e-05 |") in card
+    plain = model_card(validate({"model": {"pretrained": "m"}, "data": {"uri": "d"},
+                                 "output": {"uri": "o"}}), {}, {"family": "sd"})
+    assert "instance_prompt" not in plain and "Trigger" not in plain and "text-encoder LoRA" not in plain
+    assert 'image = pipe(prompt="your prompt"' in plain
+
+
 def test_flux_folder_is_never_sdxl(tiny):
     # A Flux folder has text_encoder_2 / tokenizer_2 like SDXL; only _class_name decides.
     index = json.load(open(os.path.join(tiny("flux"), "model_index.json")))

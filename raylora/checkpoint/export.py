@@ -153,7 +153,9 @@ def _usage(cfg: RayLoraConfig, family) -> str:
     args += call_args(family.length_kwargs(cfg.model.max_sequence_length))  # likewise
     # prompt by name: Flux2KleinPipeline's first parameter is a reference image.
     args += call_args(family.image_call())
-    call = f'image = pipe(prompt="your prompt"{args}){family.image_code()}'
+    # the trigger word leads the prompt as it led every training caption
+    lead = f"{_triggers(cfg)[0]}, " if _triggers(cfg) else ""
+    call = f'image = pipe(prompt="{lead}your prompt"{args}){family.image_code()}'
     # an edit model (its pipeline may sample only so): the input image the prompt edits
     if cfg.data.control_images or family.reference_required:
         n = cfg.data.control_inputs if cfg.data.control_images else 1
@@ -161,7 +163,7 @@ def _usage(cfg: RayLoraConfig, family) -> str:
         image = ('load_image("your input image.png")' if n == 1 else
                  "[" + ", ".join(f'load_image("input {k + 1}.png")' for k in range(n)) + "]")
         call = ('from diffusers.utils import load_image\n'
-                f'image = pipe(image={image}, prompt="your edit"{args}){family.image_code()}')
+                f'image = pipe(image={image}, prompt="{lead}your edit"{args}){family.image_code()}')
     if cfg.lora.variant in ("lora", "dora"):
         # A pipeline of experts: into the one trained (Wan 2.2's low-noise transformer_2).
         into = call_args(family.lora_load_kwargs(cfg.model.expert))
@@ -178,6 +180,33 @@ def _usage(cfg: RayLoraConfig, family) -> str:
             f"```python\nfrom diffusers import {family.pipeline}\nfrom peft import PeftModel\n"
             f"{pipe}\npipe.{denoiser} = PeftModel.from_pretrained(pipe.{denoiser}, "
             f'"path/to/this/folder")\n{call}\n```')
+
+
+def _triggers(cfg: RayLoraConfig) -> list[str]:
+    """The sources' trigger words (data.caption_prefix, each source's own), each once, in
+    the config's order."""
+    out = []
+    for section in cfg.data.source_sections():
+        word = section.caption_prefix.strip().rstrip(",").strip()
+        if word and word not in out:
+            out.append(word)
+    return out
+
+
+def _front_matter_triggers(cfg: RayLoraConfig) -> str:
+    """``instance_prompt``, the key the Hugging Face hub shows as the trigger words (and
+    diffusers' LoRA scripts write): one source's, or every source's, comma-joined."""
+    words = _triggers(cfg)
+    return f"instance_prompt: {json.dumps(', '.join(words))}\n" if words else ""
+
+
+def _text_encoder_row(cfg: RayLoraConfig, family) -> str:
+    lo = cfg.lora
+    if not lo.train_text_encoder:
+        return ""
+    lr = lo.text_encoder_lr if lo.text_encoder_lr is not None else cfg.train.learning_rate
+    return (f"| text-encoder LoRA ({', '.join(family.text_encoder_lora())}) | "
+            f"{', '.join(lo.text_encoder_target_modules)}, learning rate {lr:g} |\n")
 
 
 def _expert(cfg: RayLoraConfig, family) -> str:
@@ -197,7 +226,7 @@ def model_card(cfg: RayLoraConfig, metrics: dict, data: dict) -> str:
     fmt = lambda x: "n/a" if x is None else f"{x:.5f}"  # noqa: E731
     return f"""---
 base_model: {cfg.model.pretrained}
-library_name: diffusers
+{_front_matter_triggers(cfg)}library_name: diffusers
 license: other
 tags:
 - text-to-image
@@ -225,7 +254,7 @@ precision `{t.mixed_precision}`).
 {f"| base model {_commit_label(cfg)} | {data['model_commit']} |{chr(10)}" if data.get("model_commit") else ""}| adapter variant | {lo.variant}{f" (factor {lo.factor}, decompose_both {lo.decompose_both})" if lo.variant == "lokr" else ""} |
 | LoRA rank / alpha / dropout | {lo.rank} / {lo.effective_alpha:g} / {lo.dropout:g} |
 {f"| started from (lora.init_from) | {data.get('init_from') or lo.init_from} |{chr(10)}" if lo.init_from else ""}| target modules | {", ".join(targets)} |
-| learning rate (scale_lr) | {t.learning_rate:g} ({t.scale_lr}) |
+{_text_encoder_row(cfg, family)}| learning rate (scale_lr) | {t.learning_rate:g} ({t.scale_lr}) |
 | LR schedule, warmup | {t.lr_scheduler}, {t.lr_warmup_steps} steps |
 | AdamW betas, weight decay, eps | {t.adam_beta1:g}/{t.adam_beta2:g}, {t.adam_weight_decay:g}, {t.adam_epsilon:g} |
 | batch per worker × accumulation × workers | {t.batch_size} × {t.gradient_accumulation_steps} × {cfg.scaling.max_workers}{f" (elastic {_workers(cfg.scaling)}: the same global batch {cfg.global_batch()} at every size)" if cfg.scaling.elastic else ""} |
@@ -239,7 +268,7 @@ precision `{t.mixed_precision}`).
 
 {data.get("rows")} image-caption rows per epoch (repeats counted) in {data.get("files")} file(s), fingerprint `{data.get("fingerprint")}`;
 {data.get("heldout_rows")} held-out rows evaluated ({data.get("heldout")}).
-{_sources_table(data.get("sources", []))}
+{f"Trigger word(s), first in every caption: {', '.join(f'`{w}`' for w in _triggers(cfg))}.{chr(10)}" if _triggers(cfg) else ""}{_sources_table(data.get("sources", []))}
 ## Results
 
 | metric | value |

@@ -154,6 +154,12 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
         if "://" not in p and not os.path.exists(p) and not _hub_id_form(p):
             raise FileNotFoundError(f"{key}: {p}: no such file or folder here, and not a "
                                     "hub id (owner/name)")
+    if os.path.isfile(model):
+        from raylora.model.load import single_file_message
+
+        raise ValueError(single_file_message("--model", model))
+    for a in adapters:
+        _check_adapter(a)
     path = os.path.abspath(model) if os.path.isdir(model) else model
     revision = revision or trained_commit(model, adapters)
     # The family, and the pipeline class that loads the adapter, from model_index.json.
@@ -206,6 +212,24 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
     for a, e in zip(adapters, experts):
         load_adapter(pipe, family, a, e)
     return with_prediction_type(pipe, trained_config(adapters, "train", "prediction_type")), family
+
+
+def _check_adapter(adapter: str) -> None:
+    """A local ``--adapter`` folder holds what a loader reads (checked before the base
+    model loads, minutes for a big one): the diffusers file, a peft folder, or a
+    ``.safetensors`` the stock loader picks (its only one)."""
+    from raylora.model.lora import PEFT_CONFIG
+
+    if not os.path.isdir(adapter):
+        return
+    names = os.listdir(adapter)
+    if PEFT_CONFIG in names or any(n.endswith(".safetensors") for n in names):
+        return
+    inner = os.path.join(adapter, "adapter")
+    hint = (f"; a run's output folder holds its adapter in {inner}"
+            if os.path.isdir(inner) else "")
+    raise FileNotFoundError(f"--adapter: {adapter}: no LoRA weights in it (no .safetensors "
+                            f"file, no {PEFT_CONFIG}){hint}")
 
 
 def trained_commit(model: str, adapters: list[str]) -> str | None:

@@ -207,6 +207,26 @@ def test_sample_names_a_model_or_adapter_path_that_is_not_there(tmp_path, capsys
         assert f"raylora: error: {want}" in capsys.readouterr().err
 
 
+def test_sample_names_a_single_file_model_and_an_adapter_folder_without_weights(tiny_model, tmp_path,
+                                                                                capsys):
+    from raylora.cli import main
+
+    run = tmp_path / "run"  # a run's output.uri given as the adapter
+    (run / "adapter").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("")
+    single = tmp_path / "sd15.safetensors"
+    single.write_bytes(b"\0" * 64)
+    rest = ["--prompt", "p", "--out", str(tmp_path / "s.png")]
+    assert main(["sample", "--model", str(single), "--adapter", str(run / "adapter"), *rest]) == 2
+    assert (f"raylora: error: --model: {single}: a file, not a diffusers folder "
+            "(model_index.json and a folder per component)") in capsys.readouterr().err
+    assert main(["sample", "--model", tiny_model, "--adapter", str(run), *rest]) == 2
+    assert (f"raylora: error: --adapter: {run}: no LoRA weights in it (no .safetensors file, no "
+            f"adapter_config.json); a run's output folder holds its adapter in {run / 'adapter'}"
+            ) in capsys.readouterr().err
+    assert not (tmp_path / "s.png").exists()
+
+
 def test_sample_refuses_a_size_off_the_latent_grid_before_the_pipeline_loads(tiny_model, tmp_path,
                                                                             capsys, monkeypatch):
     import json
@@ -217,6 +237,7 @@ def test_sample_refuses_a_size_off_the_latent_grid_before_the_pipeline_loads(tin
 
     adapter = tmp_path / "adapter"
     adapter.mkdir()
+    (adapter / "pytorch_lora_weights.safetensors").write_bytes(b"")  # not read: refused before
     vae = json.loads(open(f"{tiny_model}/vae/config.json").read())
     multiple = 2 ** (len(vae["block_out_channels"]) - 1)  # SD: patch 1
     loaded = []

@@ -649,6 +649,11 @@ def test_export_command(dit_adapter, tmp_path, capsys):
         rc, out = run(folder, "--out", inside)  # the folder's own weights: refused
         assert rc == 2 and f"--out: {inside} is inside the adapter folder {folder}" in out
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    # a folder as --out: one line (was a SafetensorError traceback); a new parent is made
+    rc, out = run(folder, "--family", fam.name, "--out", tmp_path)
+    assert rc == 2 and f"--out: {tmp_path} is a folder; name the .safetensors file to write" in out
+    rc, out = run(folder, "--family", fam.name, "--out", tmp_path / "new" / "dir" / "k.safetensors")
+    assert rc == 0 and (tmp_path / "new" / "dir" / "k.safetensors").stat().st_size > 0
     os.remove(folder / "pytorch_lora_weights.safetensors")
     rc, out = run(folder)
     assert rc == 2 and f"{folder}/pytorch_lora_weights.safetensors: not found" in out

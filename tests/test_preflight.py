@@ -78,7 +78,7 @@ def test_a_fitting_run_passes_and_logs_its_table(job, caplog):
     assert "not checked, GPU size unknown (scaling.use_gpu is false" in caplog.text
 
 
-def test_plan_prints_the_report_and_exits_by_fit(job, tmp_path, capsys):
+def test_plan_prints_the_report_and_exits_by_fit(job, tmp_path, capsys, monkeypatch):
     import ray
 
     _, path, est = job
@@ -106,6 +106,14 @@ def test_plan_prints_the_report_and_exits_by_fit(job, tmp_path, capsys):
     assert main(["plan", path, "data.resolution=65", "model.expert=low_noise"]) == 2
     err = capsys.readouterr().err
     assert "data.resolution: 65 is not a multiple of" in err and "model.expert" in err
+    # a single-file checkpoint named relative: the same line (it was taken for a hub id:
+    # "no such folder here", or a request to the hub for models/civitai-...)
+    (tmp_path / "models").mkdir()
+    single.rename(tmp_path / "models" / single.name)
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", path, f"model.pretrained=models/{single.name}"]) == 2
+    assert (f"model.pretrained: {tmp_path / 'models' / single.name}: a file, not a diffusers "
+            "folder") in capsys.readouterr().err
     assert not ray.is_initialized()
 
 

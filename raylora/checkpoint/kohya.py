@@ -290,5 +290,11 @@ def export_folder(adapter_dir: str, dest: str | None = None, family: str | None 
         # written into it, its weights above all, breaks what it holds.
         raise ValueError(f"--out: {dest} is inside the adapter folder {adapter_dir}; write the "
                          "kohya file beside it")
+    if os.path.isdir(dest):
+        raise ValueError(f"--out: {dest} is a folder; name the .safetensors file to write")
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out: cannot write {dest} ({exc.strerror})") from None
     export_kohya(weights, dest, base_model, fam)
     return dest, fam, how

@@ -71,9 +71,18 @@ def resolve_model_path(model: ModelSection) -> str:
     p = os.path.expanduser(model.pretrained)
     if "://" in p and not p.startswith("file://"):
         return p
-    if os.path.isdir(p) or p.startswith((".", "/", "~", "file://")):
+    # a relative path that is here (a folder, or a single-file checkpoint that
+    # check_model names as one) is not a hub id
+    if os.path.exists(p) or p.startswith((".", "/", "~", "file://")):
         return storage.local_path(p)
     return model.pretrained
+
+
+def single_file_message(key: str, path: str) -> str:
+    return (f"{key}: {path}: a file, not a diffusers folder (model_index.json and a folder "
+            "per component). A single-file checkpoint (.safetensors, .ckpt) becomes one with "
+            "diffusers: the family's pipeline class .from_single_file(it), then "
+            ".save_pretrained(folder)")
 
 
 def is_hub_id(path: str) -> bool:
@@ -109,11 +118,7 @@ def check_model(path: str, store: Storage, revision: str | None = None,
         if info.type.name == "NotFound":
             raise FileNotFoundError(f"model.pretrained: {path}: no such directory")
         if info.type.name == "File":  # a single-file checkpoint, as model sites share them
-            raise FileNotFoundError(
-                f"model.pretrained: {path}: a file, not a diffusers folder (model_index.json "
-                "and a folder per component). A single-file checkpoint (.safetensors, .ckpt) "
-                "becomes one with diffusers: the family's pipeline class .from_single_file(it), "
-                "then .save_pretrained(folder)")
+            raise FileNotFoundError(single_file_message("model.pretrained", path))
         found = stored_files(path, store)
         files = set(found)
 

@@ -1071,7 +1071,13 @@ class SearchDim(_Section):
 
     @property
     def values(self) -> list[Any]:
-        """Values that bound the dimension: every option, or both ends of a range."""
+        """Values that bound the dimension: every option, or both ends of a range. A
+        ``randint`` range's upper end is excluded (Ray Tune's ``randint(lo, hi)`` draws
+        ``lo..hi-1``): its bounds are ``lo`` and ``hi - 1``, so the checks, ASHA's max_t
+        and the memory preflight judge values trials take, not one none does."""
+        if self.kind == "randint":
+            lo, hi = self.randint
+            return [lo, hi - 1] if hi - 1 > lo else [lo]
         return list(getattr(self, self.kind))
 
     @model_validator(mode="after")
@@ -1270,6 +1276,7 @@ def _cross_checks(cfg: RayLoraConfig) -> list[str]:
                         "compiled to keep); drop one of them")
     problems += _prior_checks(d)
     problems += _control_checks(cfg)
+    problems += _unread_checks(cfg)
     problems += _elastic_checks(cfg)
     if d.validation_split and d.validation_uri is not None:
         problems.append(
@@ -1426,6 +1433,24 @@ def _bucket_checks(d: DataSection, workers: int, compile_mode: str) -> list[str]
         problems.append(f"train.compile: {compile_mode} compiles for one input shape; "
                         "data.bucketing trains several (one per bucket); set it to none or auto")
     return problems
+
+
+def _unread_checks(cfg: RayLoraConfig) -> list[str]:
+    """Keys set for a feature that is off, which nothing reads: a mask_column without
+    masked_loss trained unmasked without a word."""
+    d, out = cfg.data, []
+    for key, on in (("mask_column", "masked_loss"), ("control_column", "control_images")):
+        default = DataSection.model_fields[key].default
+        if not getattr(d, on):
+            for i, sec in enumerate(d.source_sections()):
+                if getattr(sec, key) != default:
+                    out.append(f"{_caption_key(d, i, key)}: set, but data.{on} is off (nothing "
+                               "reads it); turn it on or drop it")
+                    break
+    if not d.prior_preservation and cfg.train.prior_loss_weight != 1.0:
+        out.append("train.prior_loss_weight: set, but prior preservation is off (no "
+                   "data.class_prompt or data.class_sources); set them or drop it")
+    return out
 
 
 def _control_checks(cfg: RayLoraConfig) -> list[str]:

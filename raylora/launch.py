@@ -318,6 +318,14 @@ def family_problems(cfg: RayLoraConfig, family, multiple: int, native: str | Non
     if flow and t.noise_offset:
         out.append(f"train.noise_offset: applies to DDPM models; {family.name} trains with "
                    "flow matching")
+    kind = t.prediction_type or native
+    if kind is not None and not flow:
+        from raylora.config import FlowSection
+
+        changed = [k for k, v in t.flow if v != FlowSection.model_fields[k].default]
+        if changed:
+            out.append(f"train.flow.{changed[0]}: applies to flow matching; {family.name} "
+                       f"trains with {kind} (DDPM), which reads no train.flow key; drop it")
     if cfg.model.system_prompt is not None and family.system_prompt is None:
         out.append(f"model.system_prompt: {family.name} ({family.pipeline}) takes no system "
                    "prompt; leave it unset")

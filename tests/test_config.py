@@ -76,6 +76,28 @@ def test_a_search_dimension_is_one_override_under_its_dotted_key():
         validate(apply_overrides(tree, ["tune.search_space.lora.rank.choice=[8, 16]"]))
 
 
+def test_keys_of_a_feature_that_is_off_are_refused():
+    """Nothing reads them: a mask_column without masked_loss trained unmasked, silently."""
+    base = {"model": {"pretrained": "m"}, "output": {"uri": "o"}}
+    with pytest.raises(ConfigError) as ei:
+        validate({**base, "data": {"uri": "d", "mask_column": "alpha_mask",
+                                   "control_column": "input_image"},
+                  "train": {"prior_loss_weight": 0.5}})
+    assert ei.value.problems == [
+        "data.mask_column: set, but data.masked_loss is off (nothing reads it); turn it on or drop it",
+        "data.control_column: set, but data.control_images is off (nothing reads it); turn it on or drop it",
+        "train.prior_loss_weight: set, but prior preservation is off (no data.class_prompt or "
+        "data.class_sources); set them or drop it"]
+    with pytest.raises(ConfigError) as ei:
+        validate({**base, "data": {"sources": [{"uri": "a"}, {"uri": "b", "mask_column": "m2"}]}})
+    assert ei.value.problems == ["data.sources[1].mask_column: set, but data.masked_loss is off "
+                                 "(nothing reads it); turn it on or drop it"]
+    # with their features on, and at their defaults, they stand
+    validate({**base, "data": {"uri": "d", "masked_loss": True, "mask_column": "alpha_mask",
+                               "class_prompt": "a dog"}, "train": {"prior_loss_weight": 0.5}})
+    validate({**base, "data": {"uri": "d", "mask_column": "mask"}, "train": {"prior_loss_weight": 1.0}})
+
+
 def test_every_problem_reported_at_once_naming_keys():
     tree = apply_overrides(
         MIN,

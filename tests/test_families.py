@@ -205,6 +205,16 @@ def test_family_config_checks_name_the_key(tiny, demo_data, tmp_path):
     assert not [p for p in family_problems(cfg, QwenImage, 2, None) if p.startswith("export.formats")]
     assert "export.formats: kohya export is not available for unmapped yet; export diffusers only" in \
         family_problems(cfg, Unmapped, 2, None)
+    # train.flow on a DDPM model: nothing reads it (was accepted); unknown objective: not judged
+    from raylora.model.families.sd import SD
+
+    flowed = validate({"model": {"pretrained": "m"}, "output": {"uri": "o"}, "data": {"uri": "d"},
+                       "train": {"flow": {"shift": 3.0, "logit_std": 1.0}}})
+    assert [p for p in family_problems(flowed, SD, 8, "epsilon") if "train.flow" in p] == [
+        "train.flow.shift: applies to flow matching; sd trains with epsilon (DDPM), which "
+        "reads no train.flow key; drop it"]
+    assert not [p for p in family_problems(flowed, SD, 8, None) if "train.flow" in p]
+    assert not [p for p in family_problems(flowed, QwenImage, 2, "flow_matching") if "train.flow" in p]
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={
         "prediction_type": "epsilon", "snr_gamma": None, "noise_offset": 0.0})})
     with pytest.raises(ConfigError, match="train.prediction_type: epsilon does not fit flux"):

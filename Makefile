@@ -58,6 +58,7 @@ bench: $(STAMP)
 	$(PY) bench/ingest.py
 	$(PY) bench/overhead.py
 	$(PY) bench/cache.py
+	$(PY) bench/epochs.py
 	$(PY) bench/download.py
 	$(PY) bench/plan.py
 	if $(PY) -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then \

@@ -81,9 +81,15 @@ def test_the_model_card_names_the_trigger_words_and_the_text_encoder_lora(tmp_pa
     assert "Trigger word(s), first in every caption: `ohwx`, `sks`." in card
     assert ("| text-encoder LoRA (text_encoder, text_encoder_2) | q_proj, k_proj, v_proj, "
             "out_proj, learning rate 5e-05 |") in card
-    plain = model_card(validate({"model": {"pretrained": "m"}, "data": {"uri": "d"},
+    plain = model_card(validate({"model": {"pretrained": "/models/sd15"}, "data": {"uri": "d"},
                                  "output": {"uri": "o"}}), {}, {"family": "sd"})
     assert "instance_prompt" not in plain and "Trigger" not in plain and "text-encoder LoRA" not in plain
+    # base_model only for a hub model: the hub refuses an upload whose card names a path
+    assert "base_model" not in yaml.safe_load(plain.split("---\n")[1])
+    for given, want in (("hf://org/sd@v1", "org/sd"), ("s3://b/sd15", None), ("org/sd", "org/sd")):
+        card = model_card(validate({"model": {"pretrained": given}, "data": {"uri": "d"},
+                                    "output": {"uri": "o"}}), {}, {"family": "sd"})
+        assert yaml.safe_load(card.split("---\n")[1]).get("base_model") == want, given
     assert 'image = pipe(prompt="your prompt"' in plain
 
 

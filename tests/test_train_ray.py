@@ -89,7 +89,9 @@ def test_export_layout_and_metadata(first_run):
         assert meta["metrics"][key] is not None, key
     assert meta["data"]["rows"] == 32 and meta["data"]["files"] == 2
     card = open(os.path.join(adapter, "README.md")).read()
-    assert "base_model:" in card and "| LoRA rank / alpha / dropout | 4 / 4 / 0 |" in card
+    # a local base: no base_model key (the hub refuses a path there); the heading names it
+    assert "base_model:" not in card and "| LoRA rank / alpha / dropout | 4 / 4 / 0 |" in card
+    assert "# LoRA adapter for /" in card
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert all(r["lr"] == pytest.approx(1e-3) and r["loss"] > 0 for r in rows)

@@ -193,6 +193,17 @@ def _triggers(cfg: RayLoraConfig) -> list[str]:
     return out
 
 
+def _front_matter_base(cfg: RayLoraConfig) -> str:
+    """``base_model``: a hub model's id (``owner/name``, ``hf://owner/name@rev`` too). The
+    hub refuses a card whose base_model is no model id (a folder, an s3:// URI) when it is
+    uploaded: the key is left out then; the card's heading and call name the path."""
+    import re
+
+    name = cfg.model.pretrained.removeprefix("hf://").split("@", 1)[0]
+    hub = "://" not in name and not os.path.isabs(name) and not name.startswith((".", "~"))
+    return f"base_model: {name}\n" if hub and re.fullmatch(r"[\w.-]+/[\w.-]+", name) else ""
+
+
 def _front_matter_triggers(cfg: RayLoraConfig) -> str:
     """``instance_prompt``, the key the Hugging Face hub shows as the trigger words (and
     diffusers' LoRA scripts write): one source's, or every source's, comma-joined."""
@@ -225,8 +236,7 @@ def model_card(cfg: RayLoraConfig, metrics: dict, data: dict) -> str:
     loss_last = metrics.get("train_loss_last")
     fmt = lambda x: "n/a" if x is None else f"{x:.5f}"  # noqa: E731
     return f"""---
-base_model: {cfg.model.pretrained}
-{_front_matter_triggers(cfg)}library_name: diffusers
+{_front_matter_base(cfg)}{_front_matter_triggers(cfg)}library_name: diffusers
 license: other
 tags:
 - text-to-image

@@ -145,9 +145,19 @@ def report(est, gpu: GpuSize, cfg: RayLoraConfig | None = None) -> tuple[str, bo
         lines.append("These would fit (each re-estimated; key=value, as overrides or in the YAML):")
         lines += [f"  {a}" for a in advice]
     else:
-        lines.append("No single change, nor a pair, fits. Combine: scaling.strategy=fsdp with more "
-                     "scaling.num_workers, model.quantize=nf4, train.gradient_checkpointing=true, "
-                     "a smaller train.batch_size, data.cache=latents; or a larger GPU.")
+        # each lever this config accepts on its own (fsdp with an 8-bit optimizer or a
+        # quantized base is refused: it was named all the same)
+        accepts = None if cfg is None else config_accepts(cfg)
+        levers = [text for override, text in (
+            ("scaling.strategy=fsdp", "scaling.strategy=fsdp with more scaling.num_workers"),
+            ("model.quantize=nf4", "model.quantize=nf4"),
+            ("train.gradient_checkpointing=true", "train.gradient_checkpointing=true"),
+            (None, "a smaller train.batch_size"),
+            ("data.cache=latents", "data.cache=latents"))
+            if override is None or accepts is None or accepts([override])]
+        lines.append("No single change, nor a pair, fits. Try more of these together (not every "
+                     f"pair combines: fsdp takes no model.quantize): {', '.join(levers)}; or a "
+                     "larger GPU.")
     return "\n".join(lines), False, advice
 
 

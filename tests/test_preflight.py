@@ -117,6 +117,23 @@ def test_plan_prints_the_report_and_exits_by_fit(job, tmp_path, capsys, monkeypa
     assert not ray.is_initialized()
 
 
+def test_the_last_resort_advice_names_only_levers_the_config_takes(job):
+    from raylora.preflight import GpuSize, report
+
+    tree, _, est = job
+    tiny_gpu = GpuSize(est.total / memory.GIB / 1000, "scaling.gpu_memory_gb")
+    text, fits, advice = report(est, tiny_gpu, validate(tree))
+    assert fits is False and advice == []
+    assert ("No single change, nor a pair, fits. Try more of these together (not every pair "
+            "combines: fsdp takes no model.quantize): scaling.strategy=fsdp with more "
+            "scaling.num_workers, model.quantize=nf4, train.gradient_checkpointing=true, a "
+            "smaller train.batch_size, data.cache=latents; or a larger GPU.") in text
+    # an 8-bit optimizer: fsdp is refused with it, so not suggested
+    eight = validate({**tree, "train": {**tree["train"], "optimizer": "adamw8bit"}})
+    text, _, _ = report(memory.from_config(eight), tiny_gpu, eight)
+    assert "No single change" in text and "scaling.strategy=fsdp" not in text
+
+
 def test_tune_checks_each_trial_setting(job, tmp_path, capsys):
     from raylora.tune import trial_variants
 

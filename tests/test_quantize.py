@@ -120,6 +120,17 @@ def test_fp8_layer_trains_lora_and_saves_the_one_byte_weight_for_backward():
     ref(xr).sum().backward()  # the input gradient goes through the dequantized weights
     assert (x.grad - xr.grad).abs().max() < 0.1 * xr.grad.abs().max()
 
+    # a zero row and a row of tiny weights: finite in every compute dtype (fp16 rounded their
+    # scale to 0 and the rows to 0/0 = NaN)
+    tiny = nn.Linear(16, 4)
+    with torch.no_grad():
+        tiny.weight[1].zero_()
+        tiny.weight[2].mul_(1e-5)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        w = Float8Linear(tiny, dtype, "cpu").dequantized().float()
+        assert torch.isfinite(w).all() and float(w[1].abs().max()) == 0.0, dtype
+        assert float((w[2] - tiny.weight[2]).abs().max()) <= 0.07 * float(tiny.weight[2].abs().max())
+
     inject_adapter_in_model(LoraConfig(r=4, target_modules=["0", "2"], init_lora_weights="gaussian"), model)
     params = [p for p in model.parameters() if p.requires_grad]
     assert len(params) == 4 and all(p.dtype == torch.float32 for p in params)

@@ -62,7 +62,10 @@ class Float8Linear(nn.Linear):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         w = linear.weight.detach().to(device, torch.float32)
         fp8_max = torch.finfo(torch.float8_e4m3fn).max
-        scale = (w.abs().amax(dim=1, keepdim=True) / fp8_max).clamp(min=1e-12).to(compute_dtype)
+        # clamped at the compute dtype's smallest normal: below it fp16 (train.
+        # mixed_precision=fp16) rounds a row's scale to 0, and a zero or tiny row to 0/0 = NaN
+        scale = (w.abs().amax(dim=1, keepdim=True) / fp8_max).clamp(
+            min=torch.finfo(compute_dtype).tiny).to(compute_dtype)
         self.weight = _frozen((w / scale.float()).to(torch.float8_e4m3fn).view(torch.uint8))
         self.weight_scale = _frozen(scale)
         self.bias = None

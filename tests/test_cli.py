@@ -180,6 +180,12 @@ def test_tiny_model_and_demo_data_commands(tmp_path):
     shards = sorted((tmp_path / "d").glob("*.parquet"))
     assert len(shards) == 3
     assert sum(pq.read_metadata(s).num_rows for s in shards) == 10
+    # 0 shards wrote a manifest of 96 images and no data; 5 shards of 3 images, 2 empty ones
+    from raylora.cli import main
+
+    for num, shards in (("96", "0"), ("3", "5")):
+        assert main(["demo-data", str(tmp_path / "e"), "--num", num, "--shards", shards]) == 2
+    assert not (tmp_path / "e").exists()
 
 
 def test_sample_names_a_model_or_adapter_path_that_is_not_there(tmp_path, capsys):

@@ -76,6 +76,9 @@ def write_parquet_shards(
     ``hf_struct``: store images as the Hugging Face datasets struct ``{bytes, path}``, as
     ``Dataset.to_parquet`` and the hub's parquet exports do.
     """
+    if not 1 <= num_shards <= n:
+        # 0 shards wrote a manifest of n images and no data; more shards than images, empty ones
+        raise ValueError(f"--shards: {num_shards}; between 1 and the number of images ({n})")
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     samples = make_samples(n, size=size, seed=seed)

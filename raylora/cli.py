@@ -220,10 +220,31 @@ def _shards_build(args) -> int:
     return 0
 
 
+def _sdk_errors(fn):
+    """A job command whose cluster request failed: one line, not the SDK's traceback
+    (RuntimeError "Request failed with status code N: ..."); exit 2 for a job id the
+    cluster does not know, 1 for anything else it answered (``jobs.sdk_problem``)."""
+
+    def run(args) -> int:
+        from raylora import jobs
+
+        try:
+            return fn(args)
+        except RuntimeError as exc:
+            problem = jobs.sdk_problem(exc, getattr(args, "job", None))
+            if problem is None:
+                raise
+            print(f"raylora: error: {problem[0]}", file=sys.stderr)
+            return problem[1]
+
+    return run
+
+
 def _submit(args) -> int:
     from raylora import jobs
 
-    job = jobs.submit(args.config, args.overrides, args.address, args.working_dir, args.job_id)
+    job = jobs.submit(args.config, args.overrides, args.address, args.working_dir, args.job_id,
+                      args.runtime_env)
     print(job)
     return 0
 
@@ -241,9 +262,13 @@ def _logs(args) -> int:
     from raylora import jobs
 
     if args.follow:
-        jobs.follow_logs(args.job, args.address, sys.stdout)
-    else:
-        sys.stdout.write(jobs.client(args.address).get_job_logs(args.job))
+        state = jobs.follow_logs(args.job, args.address, sys.stdout)
+        if state == "SUCCEEDED":
+            return 0
+        # a script's `raylora logs -f JOB && next` must not go on after a failed run
+        print(f"raylora: job {args.job} {state}", file=sys.stderr)
+        return 1
+    sys.stdout.write(jobs.client(args.address).get_job_logs(args.job))
     return 0
 
 
@@ -268,26 +293,33 @@ def _job_commands(sub) -> None:
     """submit | status | logs | stop | list: runs on a Ray cluster (raylora.jobs)."""
     sm = sub.add_parser("submit", help="validate a config here, then run it on a Ray cluster "
                         "as a job (prints the job id)")
-    sm.add_argument("config", help="job YAML, inside the working dir")
+    sm.add_argument("config", help="job YAML, inside the working dir (in a folder it ships)")
     sm.add_argument("overrides", nargs="*", help="dotted overrides")
     sm.add_argument("--working-dir", default=".", help="shipped to the cluster (default: .)")
-    sm.add_argument("--job-id", default=None, help="submission id (default: Ray's)")
-    sm.set_defaults(fn=_submit)
+    sm.add_argument("--job-id", default=None, help="submission id, one not used on the cluster "
+                    "yet (default: Ray's)")
+    sm.add_argument("--runtime-env", default=None, metavar="FILE",
+                    help="runtime_env YAML whose fields (pip, uv, conda, env_vars, py_modules, "
+                         "excludes, ...) are added to the job's, as `ray job submit "
+                         "--runtime-env`: jobs/runtime_env.yaml installs raylora's "
+                         "dependencies on a cluster whose image lacks them")
+    sm.set_defaults(fn=_sdk_errors(_submit))
     st = sub.add_parser("status", help="a job's state and its run's last progress line")
     st.add_argument("job")
-    st.set_defaults(fn=_status)
+    st.set_defaults(fn=_sdk_errors(_status))
     lg = sub.add_parser("logs", help="a job's log")
     lg.add_argument("job")
-    lg.add_argument("--follow", "-f", action="store_true", help="follow until the job ends")
-    lg.set_defaults(fn=_logs)
+    lg.add_argument("--follow", "-f", action="store_true", help="follow until the job ends; "
+                    "exit 0 if it SUCCEEDED, 1 if it ended FAILED or STOPPED")
+    lg.set_defaults(fn=_sdk_errors(_logs))
     sp = sub.add_parser("stop", help="stop a job cleanly: a checkpoint at the next step (a "
                         "search: of each running trial); submitting the same config again "
-                        "resumes from it")
+                        "(a new --job-id, or none) resumes from it")
     sp.add_argument("job")
     sp.add_argument("--timeout", type=float, default=600, help="seconds to wait for the end")
-    sp.set_defaults(fn=_stop)
+    sp.set_defaults(fn=_sdk_errors(_stop))
     ls = sub.add_parser("list", help="raylora's jobs on the cluster")
-    ls.set_defaults(fn=_list)
+    ls.set_defaults(fn=_sdk_errors(_list))
     for cmd in (sm, st, lg, sp, ls):
         cmd.add_argument("--address", default=None,
                          help="the cluster's dashboard (http://host:8265) or GCS address; "

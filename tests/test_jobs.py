@@ -98,9 +98,26 @@ def test_submit_status_stop_then_resubmit_resumes_and_finishes(
     assert main(["logs", "rl-stop"]) == 0
     assert f"stopped at step {stopped_at}/{MAX_STEPS}" in capsys.readouterr().out
 
-    # The same config again resumes from that checkpoint and finishes; logs -f follows it.
-    assert main(["submit", config, *overrides, "--working-dir", REPO, "--job-id", "rl-resume"]) == 0
+    # Its id again: refused before the checks and the upload (Ray refused it after them,
+    # in 3 tracebacks); a job id the cluster does not know, and `logs -f` of a job that
+    # did not succeed, in one line each.
+    assert main(["submit", config, *overrides, "--working-dir", REPO, "--job-id", "rl-stop"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "raylora: error: --job-id rl-stop: the cluster already has a job with this id (STOPPED); ")
+    for cmd in (["status"], ["logs"], ["stop"]):
+        assert main([*cmd, "no-such-job"]) == 2
+        assert capsys.readouterr().err == ("raylora: error: no-such-job: no job with this id on the "
+                                           "cluster (`raylora list` names raylora's jobs)\n"), cmd
+    assert main(["logs", "-f", "rl-stop"]) == 1
+    assert capsys.readouterr().err == "raylora: job rl-stop STOPPED\n"
+
+    # The same config again (a new id) resumes from that checkpoint and finishes; logs -f
+    # follows it. A --runtime-env file's fields reach the job.
+    assert main(["submit", config, *overrides, "--working-dir", REPO, "--job-id", "rl-resume",
+                 "--runtime-env", os.path.join(REPO, "jobs", "runtime_env.local.yaml")]) == 0
     capsys.readouterr()
+    renv = jobs.client(None).get_job_info("rl-resume").runtime_env
+    assert renv["env_vars"]["HF_HUB_DISABLE_TELEMETRY"] == "1" and jobsecrets.ENV in renv["env_vars"]
     assert main(["logs", "-f", "rl-resume"]) == 0
     text = capsys.readouterr().out
     assert f"resumed from step {stopped_at}" in text and f"trained {MAX_STEPS} steps" in text
@@ -286,3 +303,298 @@ def test_status_reads_progress_through_the_configs_storage_endpoint(moto_endpoin
                        metadata={"raylora_output": "s3://rl-status/run", **meta})
 
     assert last_progress(info({STORAGE: json.dumps({"endpoint_url": moto_endpoint})})) == line
+
+
+# ---- what `raylora submit` ships and sends (no head: a stand-in for the SDK's client) ----
+
+def _tree(root, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_shipping_answers_what_rays_packaging_ships(tmp_path):
+    """`Shipping` says of every file what Ray's own packaging of the working dir does with
+    it (the zip it uploads: Ray's default excludes, raylora's EXCLUDES, a --runtime-env
+    file's excludes, .gitignore and .rayignore at any depth), and names the rule."""
+    from ray._private import ray_constants
+    from ray._private.runtime_env import packaging
+
+    from raylora.jobs import EXCLUDES, Shipping
+
+    wd = tmp_path / "wd"
+    _tree(wd, {"configs/job.yaml": "x", "runs/my-job.yaml": "x", "mydata/a.parquet": "x",
+               "mydata/b.parquet": "x", "model/unet/w.safetensors": "x", "model/unet/config.json": "x",
+               ".gitignore": "# ours\nprivate/\n", "private/job.yaml": "x",
+               "sub/.gitignore": "*.tmp\n", "sub/keep.txt": "x", "sub/deep/a.tmp": "x",
+               ".rayignore": "big/\n", "big/x": "x", "scratch/y": "x", "venv/lib/z.py": "x"})
+    extra = ["scratch"]
+    ship = Shipping(str(wd), extra, "env.yaml")
+    zipped = tmp_path / "wd.zip"
+    packaging._zip_files(str(wd), ray_constants.get_runtime_env_default_excludes() + EXCLUDES + extra,
+                         str(zipped), include_gitignore=True)
+    import zipfile
+
+    sent = {n for n in zipfile.ZipFile(zipped).namelist() if not n.endswith("/")}
+    files = {str(p.relative_to(wd)) for p in wd.rglob("*") if p.is_file()}
+    assert {f for f in files if ship.skipped(str(wd / f)) is None} == sent
+    assert sent == {".gitignore", ".rayignore", "configs/job.yaml", "mydata/a.parquet",
+                    "mydata/b.parquet", "model/unet/config.json", "sub/.gitignore", "sub/keep.txt"}
+    assert ship.skipped(str(wd / "runs" / "my-job.yaml")) == (
+        "runs is excluded by 'runs' in raylora submit's excludes (raylora.jobs.EXCLUDES)")
+    assert ship.skipped(str(wd / "private" / "job.yaml")) == (
+        f"private/job.yaml is excluded by 'private/' in {wd}/.gitignore (line 2)")
+    assert ship.skipped(str(wd / "big" / "x")) == f"big/x is excluded by 'big/' in {wd}/.rayignore (line 1)"
+    assert ship.skipped(str(wd / "scratch")) == "scratch is excluded by 'scratch' in the excludes of env.yaml"
+    # A folder ships whole or it does not: the one file below it that stays names why.
+    assert ship.skipped(str(wd / "model")) == (
+        "model/unet/w.safetensors is excluded by '*.safetensors' in raylora submit's excludes "
+        "(raylora.jobs.EXCLUDES)")
+    assert ship.skipped(str(wd / "sub")) == f"sub/deep/a.tmp is excluded by '*.tmp' in {wd}/sub/.gitignore (line 1)"
+    assert ship.skipped(str(wd / "mydata")) is None
+
+
+def test_a_config_the_working_dir_does_not_ship_is_refused_before_anything(tmp_path, monkeypatch, capsys):
+    """A config in runs/ (EXCLUDES) or a .gitignore'd folder: submit printed a job id, the
+    job failed reading it ("runs/my-job.yaml: cannot read config file"). Refused here,
+    naming the config and the rule, before the config's checks and the cluster."""
+    from raylora import jobs
+
+    wd = tmp_path / "wd"
+    config = open(os.path.join(REPO, "jobs", "configs", "tiny-local.yaml")).read()
+    _tree(wd, {"runs/my-job.yaml": config, "private/job.yaml": config, ".gitignore": "private/\n",
+               "configs/job.yaml": config})
+    monkeypatch.chdir(wd)
+    monkeypatch.setattr(jobs, "client", lambda address: pytest.fail("the cluster was asked"))
+
+    with pytest.raises(ValueError) as e:
+        jobs.entrypoint("train", "runs/my-job.yaml", [], ".")
+    assert str(e.value) == (
+        "runs/my-job.yaml: the working dir . is shipped without it (runs is excluded by 'runs' in "
+        "raylora submit's excludes (raylora.jobs.EXCLUDES)), so the job could not read it; keep "
+        "the config in a folder that is shipped (such as jobs/configs/)")
+    assert main(["submit", "private/job.yaml", "--job-id", "rl-private"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"raylora: error: private/job.yaml: the working dir . is shipped without it "
+                   f"(private/job.yaml is excluded by 'private/' in {wd}/.gitignore (line 1)), so the job could not read "
+                   "it; keep the config in a folder that is shipped (such as jobs/configs/)\n")
+    assert jobs.entrypoint("train", "configs/job.yaml", ["a=1"], ".") == (
+        "python -m raylora train configs/job.yaml a=1")
+    with pytest.raises(ValueError, match="must be inside the working dir"):
+        jobs.entrypoint("train", str(tmp_path / "elsewhere.yaml"), [], ".")
+
+
+def test_a_relative_path_the_working_dir_ships_stays_relative(tmp_path, monkeypatch):
+    """README: a relative local path the working dir ships "stays relative to it"; what it
+    does not ship, what lies outside it and every place the job writes go absolute.
+    Before, every relative path went as this machine's absolute path, which a remote head
+    (KubeRay) lacks: the job failed after uploading the data it ignored."""
+    from raylora.config import apply_overrides, validate
+    from raylora.jobs import path_overrides
+    from raylora.launch import resolve_paths
+
+    wd = tmp_path / "wd"
+    _tree(wd, {"mydata/a.parquet": "x", "more/b.parquet": "x", "runs/held/c.parquet": "x",
+               "in/a.png": "x", "in/w.safetensors": "x", "cache/.keep": "x", "private/d.parquet": "x",
+               ".gitignore": "private/\n"})
+    _tree(tmp_path, {"outside/e.parquet": "x"})
+    monkeypatch.chdir(wd)
+    tree = {"model": {"pretrained": str(tmp_path / "model")},
+            "data": {"sources": [{"uri": "mydata"}, {"uri": "private"}, {"uri": "../outside"},
+                                 {"uri": "more/*.parquet"}],
+                     "validation_uri": "runs/held", "cache": "latents", "cache_uri": "cache", "center_crop": True,
+                     "control_images": True, "control_inputs": 1},
+            "validation": {"prompts": ["p", "q"], "control_images": [["in/a.png"], ["in/w.safetensors"]]},
+            "output": {"uri": "out"}}
+    cfg = validate(tree)
+    sent = path_overrides(cfg, resolve_paths(cfg))
+    assert [o.split("=", 1)[0] for o in sent] == [
+        "data.cache_uri", "data.sources", "data.validation_uri", "output.uri", "validation.control_images"]
+    assert f'data.cache_uri="{wd}/cache"' in sent  # written: absolute, though shipped
+    assert f'data.validation_uri="{wd}/runs/held"' in sent and f'output.uri="{wd}/out"' in sent
+    assert f'validation.control_images=[["in/a.png"], ["{wd}/in/w.safetensors"]]' in sent
+    job = validate(apply_overrides(tree, sent))  # what the job's driver reads
+    assert [s.uri for s in job.data.sources] == ["mydata", f"{wd}/private", f"{tmp_path}/outside", "more/*.parquet"]
+
+    # Submitted from a folder below the working dir: a shipped path goes as the path from
+    # the working dir (the job's cwd), not as typed.
+    from raylora.jobs import Shipping
+
+    (wd / "sub").mkdir()
+    monkeypatch.chdir(wd / "sub")
+    cfg = validate({"model": {"pretrained": str(tmp_path / "model")}, "data": {"uri": "../mydata"},
+                    "output": {"uri": str(tmp_path / "o")}})
+    assert path_overrides(cfg, resolve_paths(cfg), Shipping(str(wd))) == ['data.uri="./mydata"']
+
+
+def _runtime_env_file(tmp_path, text: str) -> str:
+    path = tmp_path / "env.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_runtime_env_file_is_merged_into_what_submit_sends(tmp_path, monkeypatch):
+    """`raylora submit --runtime-env FILE` adds a runtime_env file's fields as `ray job
+    submit --runtime-env` does (before, submit sent no pip/uv field and had no way to:
+    a job on the stock rayproject/ray image could only fail). jobs/runtime_env.yaml loads
+    through it; its env_vars go beside submit's own, the credentials stay in their package."""
+    from raylora import jobs, jobsecrets
+    from raylora.config import validate
+
+    for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN", "AWS_REGION", "HF_TOKEN"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-runtime-env")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # no stored hub token
+    cfg = validate({"model": {"pretrained": "m"}, "data": {"uri": "d"}, "output": {"uri": "o"}})
+    extra = jobs.load_runtime_env(os.path.join(REPO, "jobs", "runtime_env.yaml"), REPO)
+    assert "torch>=2.4" in extra["pip"]["packages"] and extra["env_vars"] == {"HF_HUB_DISABLE_TELEMETRY": "1"}
+    extra["py_modules"] = ["gcs://_ray_pkg_theirs.zip"]
+    renv = jobs.runtime_env(cfg, REPO, str(tmp_path), extra, "jobs/runtime_env.yaml")
+    assert renv["pip"] == extra["pip"] and renv["working_dir"] == REPO
+    assert renv["env_vars"]["HF_HUB_DISABLE_TELEMETRY"] == "1"
+    assert renv["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"] == str(int(cfg.failure.stop_timeout_s) + 30)
+    assert renv["env_vars"][jobsecrets.ENV] == "1" and "s3cr3t" not in json.dumps(renv["env_vars"])
+    assert renv["py_modules"][0] == "gcs://_ray_pkg_theirs.zip"
+    assert renv["py_modules"][1].endswith(jobsecrets.PACKAGE) and len(renv["py_modules"]) == 2
+    assert renv["excludes"] == jobs.EXCLUDES
+
+    def refused(text: str) -> str:
+        with pytest.raises(ValueError) as e:
+            jobs.load_runtime_env(_runtime_env_file(tmp_path, text), str(tmp_path))
+        return str(e.value)
+
+    f = str(tmp_path / "env.yaml")
+    msg = refused("env_vars:\n  AWS_SECRET_ACCESS_KEY: abc\n")
+    assert msg.startswith(f"{f}: env_vars.AWS_SECRET_ACCESS_KEY: looks like a credential, and Ray "
+                          "writes a job's env_vars to its log on the head and shows them in `ray job list`")
+    assert "apart from env_vars (raylora.jobsecrets): export it here instead" in msg
+    assert refused("env_vars:\n  DB_PASSWORD: abc\n").startswith(f"{f}: env_vars.DB_PASSWORD: looks like a credential")
+    assert refused("working_dir: /elsewhere\n") == (
+        f"{f}: working_dir: raylora submit ships --working-dir ({tmp_path}); remove working_dir "
+        "from the file, or pass --working-dir /elsewhere")
+    assert refused("pipp: [torch]\n").startswith(f"{f}: pipp: not a runtime_env field Ray knows (")
+    assert refused("pip: [torch]\nconda: {dependencies: [x]}\n").startswith(
+        f"{f}: The 'pip' field, 'uv' field, and 'conda' field of runtime_env cannot be specified")
+    assert refused("- pip\n") == (f"{f}: a runtime_env file is a mapping of runtime_env fields "
+                                  "(pip, env_vars, ...), not a list")
+    assert refused("worker_process_setup_hook: x.y\n").startswith(f"{f}: worker_process_setup_hook: raylora's")
+    # Not a credential: a tokenizer setting. The same working_dir as --working-dir is fine.
+    assert jobs.load_runtime_env(_runtime_env_file(tmp_path, f"working_dir: {tmp_path}\nenv_vars:\n"
+                                                   "  TOKENIZERS_PARALLELISM: 'false'\n"), str(tmp_path)) == {
+        "env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
+    # A variable submit sets itself, to another value: refused, saying where it comes from.
+    clash = jobs.load_runtime_env(_runtime_env_file(tmp_path, "env_vars:\n  RAY_JOB_STOP_WAIT_TIME_S: '5'\n"),
+                                  str(tmp_path))
+    with pytest.raises(ValueError) as e:
+        jobs.runtime_env(cfg, REPO, None, clash, "env.yaml")
+    assert str(e.value) == (f"env.yaml: env_vars.RAY_JOB_STOP_WAIT_TIME_S: raylora submit sets it to "
+                            f"'{int(cfg.failure.stop_timeout_s) + 30}' (failure.stop_timeout_s + 30: "
+                            "change failure.stop_timeout_s); remove it from the file")
+
+
+class _Cluster:
+    """The SDK's client as `raylora submit|status|logs|stop` use it, for a cluster that
+    has the jobs in ``jobs`` (id → final state)."""
+
+    def __init__(self, jobs: dict[str, str] | None = None):
+        self.jobs, self.sent = dict(jobs or {}), None
+
+    def _job(self, job):
+        if job not in self.jobs:
+            raise RuntimeError(f"Request failed with status code 404: Job {job} does not exist.")
+        return self.jobs[job]
+
+    def get_job_info(self, job):
+        from ray.job_submission import JobInfo, JobStatus
+
+        return JobInfo(status=JobStatus(self._job(job)), entrypoint="python -m raylora train c.yaml",
+                       metadata={})
+
+    def get_job_status(self, job):
+        from ray.job_submission import JobStatus
+
+        return JobStatus(self._job(job))
+
+    def get_job_logs(self, job):
+        return f"log of {self._job(job)}\n"
+
+    def stop_job(self, job):
+        return self._job(job) and False
+
+    async def tail_job_logs(self, job):
+        yield f"log of {self._job(job)}\n"
+
+    def submit_job(self, **kw):
+        self.sent = kw
+        return kw.get("submission_id") or "raysubmit_x"
+
+
+def test_job_commands_answer_in_one_line(monkeypatch, capsys):
+    """An unknown job id (status|logs|stop) gave the SDK's traceback ("Request failed with
+    status code 404"); now one line, exit 2. `logs -f` of a job that ended FAILED or STOPPED
+    exited 0, as if it had succeeded: now 1, and says so."""
+    from raylora import jobs
+
+    cluster = _Cluster({"rl-failed": "FAILED", "rl-stopped": "STOPPED", "rl-done": "SUCCEEDED"})
+    monkeypatch.setattr(jobs, "client", lambda address: cluster)
+    for cmd in (["status"], ["logs"], ["logs", "-f"], ["stop"]):
+        assert main([*cmd, "no-such-job"]) == 2, cmd
+        assert capsys.readouterr().err == ("raylora: error: no-such-job: no job with this id on the "
+                                           "cluster (`raylora list` names raylora's jobs)\n")
+    assert main(["logs", "-f", "rl-done"]) == 0
+    assert capsys.readouterr().out == "log of SUCCEEDED\n"
+    for job, state in (("rl-failed", "FAILED"), ("rl-stopped", "STOPPED")):
+        assert main(["logs", "-f", job]) == 1
+        seen = capsys.readouterr()
+        assert seen.out == f"log of {state}\n" and seen.err == f"raylora: job {job} {state}\n"
+    # Any other answer: its last line (a server-side traceback's error), exit 1.
+    problem = jobs.sdk_problem(RuntimeError(
+        "Request failed with status code 500: Traceback (most recent call last):\n  File x\n"
+        "ValueError: Job with submission_id a already exists. Please use a different submission_id.\n.\n."), "a")
+    assert problem == ("the cluster's job API answered 500: ValueError: Job with submission_id a "
+                       "already exists. Please use a different submission_id", 1)
+    assert jobs.sdk_problem(RuntimeError("something else"), "a") is None
+
+
+def test_submit_refuses_a_taken_job_id_first_and_sends_the_runtime_env(
+        tiny_model, demo_data, tmp_path, monkeypatch, capsys):
+    """A --job-id the cluster has (README's resume advice reused one) failed after every
+    check and the upload with 36 lines and 3 tracebacks: refused first, saying to pass
+    another id or omit it and how to resume. A free id: the job is sent with the data the
+    working dir ships as a relative path, and a --runtime-env file's pip and env_vars."""
+    import shutil
+
+    from raylora import jobs, launch
+
+    wd = tmp_path / "wd"
+    shutil.copytree(demo_data, wd / "mydata")
+    (wd / "configs").mkdir()
+    (wd / "configs" / "job.yaml").write_text(
+        open(os.path.join(REPO, "jobs", "configs", "tiny-local.yaml")).read()
+        .replace("runs/demo/model", tiny_model).replace("uri: runs/demo/data", "uri: mydata")
+        .replace("runs/demo/output", str(tmp_path / "out")))
+    env = _runtime_env_file(tmp_path, "pip: [torch>=2.4]\nenv_vars:\n  HF_HUB_DISABLE_TELEMETRY: '1'\n")
+    monkeypatch.chdir(wd)
+    cluster = _Cluster({"rl-stop": "STOPPED"})
+    monkeypatch.setattr(jobs, "client", lambda address: cluster)
+    checked = launch.checked
+    monkeypatch.setattr(launch, "checked", lambda *a: pytest.fail("checked before the id"))
+
+    args = ["submit", "configs/job.yaml", "train.max_steps=6"]
+    assert main([*args, "--job-id", "rl-stop"]) == 2
+    assert capsys.readouterr().err == (
+        "raylora: error: --job-id rl-stop: the cluster already has a job with this id (STOPPED); a "
+        "job id is used once: pass another id or omit --job-id (Ray makes one). To resume that "
+        "job's run, submit the same config under a new id: it resumes from the last checkpoint "
+        "in its output.uri\n")
+    assert cluster.sent is None
+
+    monkeypatch.setattr(launch, "checked", checked)
+    assert main([*args, "--runtime-env", env, "--job-id", "rl-resume"]) == 0
+    assert capsys.readouterr().out == "rl-resume\n"
+    # data.uri: mydata, as written (shipped); model and output: absolute already
+    assert cluster.sent["entrypoint"] == "python -m raylora train configs/job.yaml train.max_steps=6"
+    renv = cluster.sent["runtime_env"]
+    assert renv["pip"] == ["torch>=2.4"] and renv["env_vars"]["HF_HUB_DISABLE_TELEMETRY"] == "1"
+    assert renv["working_dir"] == str(wd)

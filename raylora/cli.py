@@ -294,7 +294,7 @@ def _job_commands(sub) -> None:
     sm = sub.add_parser("submit", help="validate a config here, then run it on a Ray cluster "
                         "as a job (prints the job id)")
     sm.add_argument("config", help="job YAML, inside the working dir (in a folder it ships)")
-    sm.add_argument("overrides", nargs="*", help="dotted overrides")
+    sm.add_argument("overrides", nargs="*", default=[], help="dotted overrides")
     sm.add_argument("--working-dir", default=".", help="shipped to the cluster (default: .)")
     sm.add_argument("--job-id", default=None, help="submission id, one not used on the cluster "
                     "yet (default: Ray's)")
@@ -346,25 +346,25 @@ def _run_commands(sub) -> None:
     """train, tune, plan, lr-find: what reads a job YAML and runs (or sizes) it."""
     t = sub.add_parser("train", help="fine-tune a LoRA adapter with Ray Train")
     t.add_argument("config", help="job YAML")
-    t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.learning_rate=2e-4")
+    t.add_argument("overrides", nargs="*", default=[], help="dotted overrides, e.g. train.learning_rate=2e-4")
     t.set_defaults(fn=_train, on_rerun="; run the same command again to resume from the "
                    "latest checkpoint")
 
     tu = sub.add_parser("tune", help="search hyperparameters with Ray Tune (a `tune:` section)")
     tu.add_argument("config", help="job YAML with a tune: section")
-    tu.add_argument("overrides", nargs="*", help="dotted overrides, e.g. tune.num_samples=16")
+    tu.add_argument("overrides", nargs="*", default=[], help="dotted overrides, e.g. tune.num_samples=16")
     tu.set_defaults(fn=_tune, on_rerun="; run the same command again to resume the search "
                     "(each unfinished trial from its latest checkpoint)")
 
     pl = sub.add_parser("plan", help="estimate per-GPU memory and check it fits (runs nothing); "
                         "exit 3 when it does not fit")
     pl.add_argument("config", help="job YAML")
-    pl.add_argument("overrides", nargs="*", help="dotted overrides, e.g. scaling.gpu_memory_gb=24")
+    pl.add_argument("overrides", nargs="*", default=[], help="dotted overrides, e.g. scaling.gpu_memory_gb=24")
     pl.set_defaults(fn=_plan)
 
     lf = sub.add_parser("lr-find", help="learning-rate range test on one worker")
     lf.add_argument("config")
-    lf.add_argument("overrides", nargs="*")
+    lf.add_argument("overrides", nargs="*", default=[])
     lf.add_argument("--start-lr", type=float, default=1e-7)
     lf.add_argument("--end-lr", type=float, default=1.0)
     lf.add_argument("--steps", type=int, default=100, help="optimizer steps (at most)")
@@ -388,7 +388,7 @@ def _adapter_commands(sub) -> None:
 
     v = sub.add_parser("validate", help="check a config and print it resolved")
     v.add_argument("config")
-    v.add_argument("overrides", nargs="*")
+    v.add_argument("overrides", nargs="*", default=[])
     v.set_defaults(fn=_validate)
 
     s = sub.add_parser("sample", help="generate an image with base model + adapter")
@@ -409,9 +409,10 @@ def _adapter_commands(sub) -> None:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--steps", type=int, default=25)
     s.add_argument("--guidance-scale", type=float, default=None,
-                   help="default: the family's (SD 7.5, Flux.1-dev 3.5, Flux.1 Kontext 2.5, SD3 "
-                        "7.0, Qwen-Image 4.0, Z-Image 5.0, Lumina-Image 2.0 4.0, Sana 4.5, Flux.2 [klein] and [dev] 4.0, "
-                        "Wan 5.0; Z-Image-Turbo samples at 0)")
+                   help="default: the family's (SD/SDXL 7.5, Flux.1-dev 3.5, Flux.1 Kontext 2.5, "
+                        "Chroma 5.0, SD3 7.0, Qwen-Image and Qwen-Image-Edit 4.0, Qwen-Image 2.1 "
+                        "1.0, Z-Image 5.0, Lumina-Image 2.0 4.0, Sana 4.5, Flux.2 [klein] and "
+                        "[dev] 4.0, Wan 5.0; Z-Image-Turbo samples at 0)")
     s.add_argument("--size", type=int, default=None, help="pixels; default: the model's size")
     s.add_argument("--image", action="append", default=None,
                    help="an image-edit model's input image (Flux.1 Kontext, Flux.2, "

@@ -68,7 +68,10 @@ class Stats:
         ips = row["images_per_s"]
         self.images_per_s = ips if self.images_per_s is None else EMA * self.images_per_s + (1 - EMA) * ips
         self.step, self.epoch, self.lr, self.last_t = row["step"], row["epoch"], row["lr"], now
-        if self.first is None:
+        # The anchor is the last row of the first poll: rows come in read-back groups
+        # (train.readback_every_n_steps), all with this poll's time, and steps 1-9 of a
+        # group of 10 timed at 0 s put the first ETA at 0:00 and the next ones at half.
+        if self.first is None or now == self.first[1]:
             self.first = (self.step, now)
 
     def eta_s(self) -> float | None:

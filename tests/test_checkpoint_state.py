@@ -81,6 +81,12 @@ def test_unrecorded_checkpoint_folders_are_dropped_before_a_run(tmp_path):
     snap.write_text(json.dumps({"format": "changed"}))
     assert drop_unrecorded_checkpoints(Storage(), str(run)) == []
     assert (run / "checkpoint_orphan").is_dir()
+    # no snapshot yet: a run stopped during its first checkpoint; its folder went on living
+    first = tmp_path / "first"
+    (first / "checkpoint_2026").mkdir(parents=True)
+    (first / "metrics.jsonl").write_text("")
+    assert drop_unrecorded_checkpoints(Storage(), str(first)) == [str(first / "checkpoint_2026")]
+    assert [p.name for p in first.iterdir()] == ["metrics.jsonl"]
 
 
 def _two_rank_checkpoint(directory) -> dict[str, int]:

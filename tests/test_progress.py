@@ -36,6 +36,20 @@ def test_stats_smooth_loss_and_eta_from_rate_seen():
     assert s.line().startswith("raylora: step 4/10 (40%) epoch 1 loss 1.1000 lr 0.001 8.0 img/s ETA 0:")
 
 
+def test_the_eta_of_rows_read_back_in_groups_counts_from_the_first_groups_last_row():
+    """Rows come ten at a time (train.readback_every_n_steps: 10), all timed at their poll:
+    steps 1-9 anchored at 0 s made the first ETA 0:00 and the next ones half the truth."""
+    s = Stats(total=1000)
+    etas = []
+    for group in range(4):  # 0.5 s per step, a group every 5 s
+        for step in range(10 * group + 1, 10 * group + 11):
+            s.update({"step": step, "epoch": 0, "loss": 1.0, "lr": 1e-3, "images_per_s": 8.0},
+                     now=100.0 + 5.0 * group)
+        etas.append(s.eta_s())
+    assert etas[0] is None  # one group: no rate yet ("?"), not 0:00
+    assert etas[1:] == [pytest.approx(0.5 * (1000 - step)) for step in (20, 30, 40)]
+
+
 def test_summary_names_adapter_checkpoints_and_how_to_load():
     lines = summary_lines({
         "metrics": {"steps": 60, "images_seen": 480, "wall_seconds": 48.0, "train_loss_first": 1.2,

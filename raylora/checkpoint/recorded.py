@@ -53,13 +53,18 @@ def drop_unrecorded(store, run_uri: str) -> list[str]:
     """
     import pyarrow.fs as pafs
 
-    try:
-        recorded = {r["checkpoint_dir_name"] for r in (_snapshot(store, run_uri) or {})["checkpoint_results"]}
-    except (KeyError, TypeError):
-        return []
+    if not store.exists(storage.join(run_uri, SNAPSHOT)):
+        # no record at all: Ray starts afresh, and a folder from a run stopped during its
+        # first checkpoint is one nothing resumes from or counts
+        recorded = set()
+    else:
+        try:
+            recorded = {r["checkpoint_dir_name"] for r in (_snapshot(store, run_uri) or {})["checkpoint_results"]}
+        except (KeyError, TypeError):
+            return []
     fs, path = store.fs(run_uri)
     dropped = []
-    for info in fs.get_file_info(pafs.FileSelector(path)):
+    for info in fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)):
         if (info.type == pafs.FileType.Directory and info.base_name.startswith("checkpoint_")
                 and info.base_name not in recorded):
             storage.delete_tree(fs, info.path)

@@ -1111,7 +1111,8 @@ class TuneSection(_Section):
         description="random/grid: built in. optuna/hyperopt: need the package installed.",
     )
     metric: Literal["eval_loss", "train_loss"] = Field(
-        "eval_loss", description="Minimized. eval_loss needs a held-out split."
+        "eval_loss", description="Minimized. eval_loss needs a held-out split; train_loss is "
+        "the mean training loss over the steps since the trial's previous report."
     )
     scheduler: Literal["asha", "fifo"] = Field("asha", description="asha: early stopping.")
     grace_period: int = Field(

@@ -10,7 +10,8 @@ Storage under ``output.uri``::
     tune/                       Tune's experiment state and per-trial result logs
     tune/search.json            the resolved config the search started with (a rerun of
                                 the same command resumes the search; another config is refused)
-    tune/trials/trial_<id>/     each trial's Ray Train run (checkpoints)
+    tune/trials/trial_<id>/     each trial's Ray Train run (checkpoints; diverged.json when
+                                it ended on NaN/inf, so a rerun does not train it again)
     tune/results.csv|json       one row per trial: sampled values, metrics, steps, status
     best/adapter/               the best trial's adapter, same contract as ``raylora train``
 """
@@ -38,6 +39,8 @@ BEST_DIR = "best"
 TRIAL_DRIVER_CPU = 0.01
 # Under tune/: the resolved config a search started with, checked when it is resumed.
 SEARCH_FILE = "search.json"
+# In a trial's run folder: the error its run diverged with (a rerun does not train it again).
+DIVERGED_FILE = "diverged.json"
 # Config sections a resumed search may change: they do not change what a trial trains.
 RESUME_MAY_CHANGE = ("storage", "failure")
 # Trials that change the step arithmetic get it checked for every bounding value up front.
@@ -57,8 +60,8 @@ def param_space(tn: TuneSection) -> dict:
             space[key] = tune.loguniform(v[0], v[1])
         elif kind == "uniform":
             space[key] = tune.uniform(v[0], v[1])
-        elif kind == "randint":
-            space[key] = tune.randint(v[0], v[1])
+        elif kind == "randint":  # [lo, hi): dim.values are the bounds trials take, lo and hi - 1
+            space[key] = tune.randint(*dim.randint)
         elif kind == "grid" or tn.search_alg == "grid":
             space[key] = tune.grid_search(v)
         else:
@@ -92,6 +95,38 @@ def trial_resources(cfg: RayLoraConfig) -> dict[str, float]:
     if s.use_gpu:
         res["GPU"] = float(s.max_workers)
     return res
+
+
+def trial_cpus_per_worker(cfg: RayLoraConfig, nodes: list[dict], concurrency: int) -> float:
+    """The ``scaling.cpus_per_worker`` a trial's workers ask for: what
+    ``launch.fit_worker_cpus`` gives one run on a trial's share of the cluster (each of
+    ``nodes``' CPUs ÷ the ``concurrency`` trials that run at once), so that its workers can
+    be placed and leave Ray Data its CPUs. ``cfg``: the config as asked. The trials got the
+    request as asked before, which a small cluster cannot place where ``raylora train``
+    lowers it (check_cluster_fits): their workers waited forever. When a share cannot hold
+    a trial's workers at all, the whole cluster's answer: the trials beyond what fits wait
+    for a running one to end, as they did."""
+    from raylora.config import ConfigError
+    from raylora.data.source import data_stage_cpus
+    from raylora.launch import fit_worker_cpus
+
+    s = cfg.scaling
+    if s.autoscaling:  # the cluster grows to the request (as check_cluster_fits keeps it)
+        return s.cpus_per_worker
+    data = data_stage_cpus(cfg.data, s.min_workers)
+    if concurrency > 1:
+        share = [{**n, "CPU": n.get("CPU", 0.0) / concurrency} for n in nodes]
+        try:
+            return fit_worker_cpus(share, s, s.min_workers, data)
+        except ConfigError:
+            pass
+    return fit_worker_cpus(nodes, s, s.min_workers, data)
+
+
+def trial_config(cfg: RayLoraConfig, cpus_per_worker: float) -> RayLoraConfig:
+    """``cfg`` with the ``scaling.cpus_per_worker`` its trials' workers ask for."""
+    return cfg.model_copy(update={"scaling": cfg.scaling.model_copy(
+        update={"cpus_per_worker": cpus_per_worker})})
 
 
 def max_concurrency(cfg: RayLoraConfig, cluster: dict[str, float], num_trials: int) -> int:
@@ -204,17 +239,54 @@ def _trial(params: dict, *, base_tree: dict, base_plan: Plan, trials_uri: str,
     tree["output"]["uri"] = run_uri
     trial_cfg = validate(tree)
     p = replan(trial_cfg, base_plan)
+    store = trial_cfg.storage.client()
+    # Tune restores an errored trial to run again (resume_errored: a lost node), a
+    # diverged one too: it loaded, resumed and diverged again at every rerun of the search.
+    if (error := recorded_divergence(store, run_uri)) is not None:
+        raise DivergedBefore(error)
     # A trial of a resumed search resumes its own run as ``raylora train`` does: folders an
     # interruption left unrecorded go, and the checkpoint it resumes from must be whole.
-    store = trial_cfg.storage.client()
     drop_unrecorded(store, run_uri)
     check_latest(store, run_uri)
     trainer = build_trainer(trial_cfg, p, trials_uri, name, callbacks=[TuneReportCallback()],
                             progress_board=progress_board, progress_label=name,
                             stop_requests=stop_requests)
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    except Exception as exc:
+        if diverged(exc):
+            store.write_bytes(storage.join(run_uri, DIVERGED_FILE),
+                              json.dumps({"error": str(exc)}, indent=1).encode())
+        raise
     if stop_requests and (result.metrics or {}).get("stopped"):
         tune_stop.park(stop_requests, trial_id, int(result.metrics["step"]))
+
+
+class DivergedBefore(RuntimeError):
+    """A trial whose run already ended by divergence (NonFiniteLossError: its record
+    ``DIVERGED_FILE``), restored by a rerun of its search: it ends again, untrained, with
+    that error, so the search's table and best adapter are what they were."""
+
+    def __init__(self, error: str):
+        super().__init__(f"{error}\n(this trial diverged in an earlier run of the search; "
+                         "not trained again)")
+
+
+def diverged(error) -> bool:
+    """The run ended itself on NaN/inf steps in a row (NonFiniteLossError, named in the
+    error Ray Train or Tune wraps it in): training it again repeats it."""
+    from raylora.train.loop import NonFiniteLossError
+
+    return error is not None and NonFiniteLossError.__name__ in str(error)
+
+
+def recorded_divergence(store, run_uri: str) -> str | None:
+    """The error a trial's run at ``run_uri`` diverged with (``DIVERGED_FILE``), None when
+    it did not."""
+    record = storage.join(run_uri, DIVERGED_FILE)
+    if not store.exists(record):
+        return None
+    return json.loads(store.read_bytes(record))["error"]
 
 
 def run_tune(cfg: RayLoraConfig) -> dict:
@@ -230,8 +302,9 @@ def run_tune(cfg: RayLoraConfig) -> dict:
     # trial sends its rows to it, and one stop request reaches them all. One latent cache
     # for every trial, built (or found) before the first one starts.
     with prepared(cfg, search_setup()) as r:
-        # Trials are sized by the config as asked (trial_resources), not by the
-        # cpus_per_worker check_cluster_fits may have lowered for one run.
+        # The search is sized by the config as asked (trial_resources: concurrency, and
+        # the config search.json keeps for a rerun), not by the cpus_per_worker that
+        # check_cluster_fits may have lowered for one run on this cluster.
         cfg, base_plan = r.resolved, r.plan
         tn = cfg.tune
         out = storage.normalize(cfg.output.uri)
@@ -241,6 +314,16 @@ def run_tune(cfg: RayLoraConfig) -> dict:
             "tune: %d trial(s), up to %d at a time (%s per trial), metric %s",
             n_trials, concurrency, trial_resources(cfg), tn.metric,
         )
+        # The trials' workers ask for what they can be placed with, beside each other.
+        nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+        trials = trial_config(cfg, trial_cpus_per_worker(cfg, nodes, concurrency))
+        if trials.scaling.cpus_per_worker != r.cfg.scaling.cpus_per_worker:
+            log.warning("tune: scaling.cpus_per_worker: %g → %g in each trial: %d trials at a "
+                        "time, each with its share of the cluster's %g CPUs and room for Ray "
+                        "Data; give the cluster more CPUs or set tune.max_concurrent_trials "
+                        "lower to keep the request", cfg.scaling.cpus_per_worker,
+                        trials.scaling.cpus_per_worker, concurrency,
+                        sum(n.get("CPU", 0) for n in nodes))
         if not r.resume:
             cfg.storage.client().write_bytes(storage.join(out, TUNE_DIR, SEARCH_FILE),
                                              json.dumps({"config": cfg.to_dict()}, indent=1).encode())
@@ -257,7 +340,7 @@ def run_tune(cfg: RayLoraConfig) -> dict:
               tune_stop.search_requests(desk, cfg.failure.stop_timeout_s, SIGTERM_HOOKS) as stops):
             with _credentials_kept_from_trial_env_vars():
                 grid = _tuner(cfg, base_plan, out, concurrency, resume=r.resume, board=desk,
-                              stop_requests=stops.stop.name).fit()
+                              stop_requests=stops.stop.name, trials=trials).fit()
         if stops.stopped:
             return {"stopped": DRIVER_SIGTERM, "expired": stops.stop.expired,
                     "timeout_s": cfg.failure.stop_timeout_s, "parked": stops.parked,
@@ -273,7 +356,7 @@ def run_tune(cfg: RayLoraConfig) -> dict:
         best = pick_best(rows)
         if best is not None:
             summary["best"] = best
-            summary["best_adapter"] = export_best(best, grid, cfg, base_plan, out, bad)
+            summary["best_adapter"] = export_best(best, grid, trials, base_plan, out, bad)
         return summary
 
 
@@ -367,11 +450,13 @@ def _scheduler(tn: TuneSection, max_steps: int):
 
 
 def _tuner(cfg: RayLoraConfig, base_plan: Plan, out: str, concurrency: int, resume: bool = False,
-           board: str | None = None, stop_requests: str | None = None):
+           board: str | None = None, stop_requests: str | None = None,
+           trials: RayLoraConfig | None = None):
     """The search: ``_trial`` per sampled config, experiment state under ``out/tune``;
     ``resume``: the interrupted search there, continued; ``board``: the search's desk
     (raylora.desk) the trials send their steps to; ``stop_requests``: the same desk, for
-    the driver's stop request (raylora.tune_stop)."""
+    the driver's stop request (raylora.tune_stop); ``trials``: the config the trials start
+    from (``trial_config``; default ``cfg``)."""
     from ray import tune
 
     from raylora.tune_stop import EndWhenParked
@@ -382,7 +467,7 @@ def _tuner(cfg: RayLoraConfig, base_plan: Plan, out: str, concurrency: int, resu
     trials_uri = storage.join(out, TUNE_DIR, TRIALS_DIR)
     # Large inputs (held-out images) travel once through the object store.
     trainable = tune.with_resources(
-        tune.with_parameters(_trial, base_tree=cfg.to_dict(), base_plan=base_plan,
+        tune.with_parameters(_trial, base_tree=(trials or cfg).to_dict(), base_plan=base_plan,
                              trials_uri=trials_uri, progress_board=board,
                              stop_requests=stop_requests),
         # Tune refuses an empty request; a sliver of a CPU places the trial's driver
@@ -392,8 +477,9 @@ def _tuner(cfg: RayLoraConfig, base_plan: Plan, out: str, concurrency: int, resu
     if resume:
         # Finished and early-stopped trials stay as they ended; unfinished and errored ones
         # run again, and each one's TorchTrainer resumes from its own latest checkpoint
-        # (its run name is its trial id, which Tune keeps). Scheduler and search state
-        # are Tune's own, restored with the experiment.
+        # (its run name is its trial id, which Tune keeps); a diverged one ends at once
+        # (``DivergedBefore``). Scheduler and search state are Tune's own, restored with
+        # the experiment.
         return tune.Tuner.restore(f"{path}/{TUNE_DIR}", trainable, resume_unfinished=True,
                                   resume_errored=True, storage_filesystem=fs)
     return tune.Tuner(
@@ -439,7 +525,7 @@ def results_table(grid, tn: TuneSection, budget: Callable[[dict], int]) -> list[
         ckpts = [r.get("checkpoint_path") for r in history if isinstance(r.get("checkpoint_path"), str)]
         steps = int(m.get("step") or 0)
         last = m.get(metric)
-        nonfinite_abort = result.error is not None and "NonFiniteLossError" in str(result.error)
+        nonfinite_abort = diverged(result.error)
         if nonfinite_abort:
             status = "diverged"  # the trial stopped itself: NaN/inf steps in a row
         elif result.error is not None:
@@ -518,19 +604,36 @@ def checkpoint_metrics(result, checkpoint_path: str) -> dict:
     report: a trial stopped early reported steps after its latest checkpoint, so the card
     and raylora.json of that checkpoint's adapter named another step and no losses. The
     trial's last metrics when no report names it."""
+    last = result.metrics or {}
+    if last.get("checkpoint_path") == checkpoint_path:  # as reported, not through the frame
+        return result.metrics
     df = result.metrics_dataframe
     history = df.to_dict("records") if df is not None else []
     at = next((r for r in reversed(history) if r.get("checkpoint_path") == checkpoint_path), None)
     if at is None:
         return result.metrics
     # a column another report had and this one lacks is NaN in the frame
-    return {k: v for k, v in at.items() if not (isinstance(v, float) and math.isnan(v))}
+    return {k: as_reported(v, last.get(k)) for k, v in at.items()
+            if not (isinstance(v, float) and math.isnan(v))}
+
+
+def as_reported(value, like):
+    """A value of Tune's metrics frame, typed as the trial reported it: a column with gaps
+    (a key some reports lack) is float in pandas, so ``step`` and ``images_seen`` came back
+    as 4.0 and the exported raylora.json and card said "4.0 steps". ``like``: the same
+    key's value in the trial's last report (reported as is), None when it has none."""
+    if isinstance(value, float) and isinstance(like, int) and not isinstance(like, bool) \
+            and value.is_integer():
+        return int(value)
+    return value
 
 
 def export_best(best: dict, grid, cfg: RayLoraConfig, base_plan: Plan, out: str,
                 bad: dict | None = None) -> str:
     """The best trial's last checkpoint → ``{output.uri}/best/`` (adapter, card, metrics).
-    ``bad``: the search's bad-record counts (every trial's reads) for ``raylora.json``."""
+    ``cfg``: the config the trials started from (``trial_config``: the cpus_per_worker
+    they trained with, as ``raylora train`` records its own). ``bad``: the search's
+    bad-record counts (every trial's reads) for ``raylora.json``."""
     import ray.train
 
     from raylora.checkpoint.export import export_run

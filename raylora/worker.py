@@ -55,6 +55,31 @@ def _finite_or_inf(x: float | None) -> float | None:
     return x if x is None or math.isfinite(x) else float("inf")
 
 
+def interval_mean(history: list[dict], since: int, key: str = "loss") -> float | None:
+    """The mean ``key`` of the optimizer steps after step ``since``: what a report says of
+    training since the one before it (one step's loss is one batch's, too noisy for Tune to
+    rank trials by). Over ``LoopState.history`` rows, whose losses the loop has already
+    read back: no device sync. A step skipped for NaN/inf is left out, unless it is the
+    last one: then +inf, the run is diverging (as the held-out loss says). None: no step
+    after ``since``."""
+    window = []
+    for row in reversed(history):
+        if row["step"] <= since:
+            break
+        window.append(row[key])
+    if not window:
+        return None
+    if not math.isfinite(window[0]):
+        return float("inf")
+    finite = [v for v in window if math.isfinite(v)]
+    return sum(finite) / len(finite)
+
+
+def checkpoint_before(step: int, every: int) -> int:
+    """The periodic checkpoint's step before ``step`` (0: none)."""
+    return max(step - 1, 0) // every * every
+
+
 def _stage_kwargs(purpose: str, spec: WorkerSpec) -> dict:
     """A preprocess stage of this worker's own (raylora.data.preprocess.stage_kwargs)."""
     from raylora.data.preprocess import stage_kwargs
@@ -380,6 +405,11 @@ class _Reporter:
             self.board = handle(spec.progress_board)
         self.log_every = every_n_steps(cfg.train.log_every_n_steps, self.max_steps)
         self._compiled_saved = False
+        # (previous report's step, this one's): the steps a report's train_loss averages.
+        # A restored run's step was reported; a run restored at its final checkpoint
+        # reports it again, over the steps since the checkpoint before it.
+        step = run.state.global_step
+        self._reported = (checkpoint_before(step, cfg.checkpoint.every_n_steps), step)
 
     def close(self) -> None:
         self.tracker.close()
@@ -421,10 +451,14 @@ class _Reporter:
         # reported as inf even though the skip left the (evaluated) weights finite, so
         # Tune ranks it last instead of scoring the weights from before the blow-up.
         diverging = bool(st.history) and not math.isfinite(st.history[-1]["loss"])
+        if st.global_step != self._reported[1]:  # (a second report of a step: the same window)
+            self._reported = (self._reported[1], st.global_step)
         return {
             "step": st.global_step,
             "epoch": st.epoch,
-            "train_loss": _finite_or_inf(st.train_loss_last),
+            # The mean since the previous report (tune.metric train_loss ranks trials by
+            # it); train_loss_last, the last step's, is in the final report's scalars.
+            "train_loss": interval_mean(st.history, self._reported[0]),
             "eval_loss": float("inf") if diverging and st.eval_loss_last is not None
             else _finite_or_inf(st.eval_loss_last),
             "eval_loss_best": st.eval_loss_best,
@@ -432,12 +466,12 @@ class _Reporter:
             "world_size": self.run.accelerator.num_processes,  # elastic: this report's size
         } | self._prior_terms(st) | self._stopped() | self._noticed(st)
 
-    @staticmethod
-    def _prior_terms(st: LoopState) -> dict:
-        """Prior preservation: the last step's instance and class (prior) loss terms."""
+    def _prior_terms(self, st: LoopState) -> dict:
+        """Prior preservation: the instance and class (prior) loss terms, over the steps
+        train_loss is (their weighted sum is it)."""
         last = st.history[-1] if st.history else {}
-        return {f"train_{k}": _finite_or_inf(last[k]) for k in ("loss_instance", "loss_prior")
-                if k in last}
+        return {f"train_{k}": interval_mean(st.history, self._reported[0], k)
+                for k in ("loss_instance", "loss_prior") if k in last}
 
     def _stopped(self) -> dict:
         """Why the run ends at this checkpoint short of max_steps (raylora.stop), if it does."""

@@ -507,3 +507,69 @@ def test_the_stop_timeout_interrupts_the_main_thread_whether_sigint_is_handled_o
         signal.signal(signal.SIGINT, old_int)
         signal.signal(signal.SIGTERM, old_term)
     assert asked == ([] if sigint == "handled" else [True])
+
+
+def _reporter(cfg, run, max_steps):
+    """The worker's reporter (rank 1: no tracker files) over ``run``, as on a worker."""
+    from types import SimpleNamespace
+
+    from raylora.worker import _Reporter
+
+    spec = SimpleNamespace(config=cfg, plan=SimpleNamespace(max_steps=max_steps), progress_board=None)
+    return _Reporter(spec, run, rank=1)
+
+
+def test_a_report_says_the_mean_train_loss_since_the_one_before(base_config, batches, monkeypatch):
+    """tune.metric train_loss ranked trials (ASHA, the best one) by the loss of the last step
+    before each report: one batch's. A report's train_loss is now the mean over the steps
+    since the report before it, from the losses the loop read back anyway (no more
+    transfers); the rows and train_loss_last stay each step's own."""
+    base_config["train"]["max_steps"] = 7
+    cfg = validate(base_config)
+    sizes = _readbacks(monkeypatch)
+    run = build_run(cfg, _fresh_accelerator(1), 7, rank=0)
+    reporter = _reporter(cfg, run, 7)
+    reports = []
+    settings = LoopSettings(max_steps=7, images_per_step=2, checkpoint_every=5, readback_every=3)
+    run_loop(run, settings, LoopHooks(lambda e: batches, on_checkpoint=lambda st, final: reports.append(
+        reporter.metrics(st))))
+    assert sizes == [3, 2, 1, 1]  # as without the reports: read back at 3, 5, 6, 7
+    losses = [r["loss"] for r in run.state.history]
+    assert [r["step"] for r in reports] == [5, 7]
+    assert reports[0]["train_loss"] == pytest.approx(sum(losses[:5]) / 5, rel=1e-12)
+    assert reports[1]["train_loss"] == pytest.approx(sum(losses[5:]) / 2, rel=1e-12)
+    assert reports[1]["train_loss"] != losses[-1] == run.state.train_loss_last
+
+
+def test_the_reported_train_loss_over_skipped_steps_prior_terms_and_a_resume(base_config):
+    """Steps skipped for NaN/inf are left out of the mean, but a report whose last step was
+    skipped says inf (diverging, ranked last); prior preservation's terms are means over the
+    same steps; a second report of a step (a preemption's) says the same; a run resumed at its
+    final checkpoint reports it over the steps since the checkpoint before it."""
+    from types import SimpleNamespace
+
+    from raylora.checkpoint.state import LoopState
+
+    cfg = validate(base_config)  # checkpoint.every_n_steps 2
+    history = [{"step": s, "loss": float(s), "loss_instance": s / 2, "loss_prior": s / 4}
+               for s in range(1, 5)]
+    state = LoopState(global_step=2, history=history[:2], train_loss_last=2.0)
+    run = SimpleNamespace(state=state, lr_scheduler=SimpleNamespace(get_last_lr=lambda: [1e-4]),
+                          accelerator=SimpleNamespace(num_processes=1))
+    reporter = _reporter(cfg, run, 4)
+    first = reporter.metrics(state)
+    assert (first["train_loss"], first["train_loss_instance"], first["train_loss_prior"]) == (
+        1.5, 0.75, 0.375)
+    state.global_step, state.history = 4, history
+    assert reporter.metrics(state)["train_loss"] == 3.5 == reporter.metrics(state)["train_loss"]
+    resumed = _reporter(cfg, run, 4)  # a new process restored at step 4: steps 3 and 4
+    assert resumed.metrics(state)["train_loss"] == 3.5
+
+    from raylora.worker import checkpoint_before, interval_mean
+
+    nan = float("nan")
+    rows = [{"step": s, "loss": v} for s, v in enumerate([4.0, 3.0, nan, 1.0, 2.0, nan], start=1)]
+    assert interval_mean(rows, 0) == float("inf")
+    assert interval_mean(rows[:5], 0) == (4.0 + 3.0 + 1.0 + 2.0) / 4
+    assert interval_mean(rows[:5], 3) == 1.5 and interval_mean(rows[:5], 5) is None
+    assert [checkpoint_before(s, 4) for s in (0, 1, 4, 8, 10)] == [0, 0, 0, 4, 8]

@@ -463,6 +463,184 @@ def test_tune_preflight_checks_every_adapter_a_search_starts_from(base_config, t
     assert preflight(validate(tree)).max_steps == base_config["train"]["max_steps"]
 
 
+def test_trials_ask_for_the_cpus_per_worker_their_share_of_the_cluster_places():
+    """`raylora tune` gave its trials scaling.cpus_per_worker as asked where `raylora train`
+    lowers it (check_cluster_fits): on a 2-CPU Ray, 2 workers of 1 CPU never started and the
+    search waited forever. A trial's workers now ask for what fit_worker_cpus gives one run
+    on a trial's share of the cluster; the search is still sized by the request."""
+    from raylora.tune import max_concurrency, trial_config, trial_cpus_per_worker, trial_resources
+
+    def cfg(**scaling):
+        return validate({"model": {"pretrained": "m"}, "data": {"uri": "d"}, "output": {"uri": "o"},
+                         "scaling": {"num_workers": 2, **scaling},
+                         "tune": {"metric": "train_loss", "search_space": {
+                             "train.learning_rate": {"grid": [1e-4, 1e-3, 1e-2, 1e-1]}}}})
+
+    two = cfg()
+    # The hang: one trial at a time on 2 CPUs, half a CPU per worker as raylora train runs.
+    assert max_concurrency(two, {"CPU": 2}, 1) == 1
+    assert trial_cpus_per_worker(two, [{"CPU": 2}], 1) == 0.5
+    # Room for the request: kept, alone or two trials side by side (8 CPUs, 4 per trial).
+    assert trial_resources(two) == {"CPU": 4.0}
+    assert trial_cpus_per_worker(two, [{"CPU": 8}], max_concurrency(two, {"CPU": 8}, 4)) == 1.0
+    # tune.max_concurrent_trials 4 on those 8 CPUs: 2 CPUs a trial, 0.5 per worker.
+    assert trial_cpus_per_worker(two, [{"CPU": 8}], 4) == 0.5
+    # A share too small for any request: the one-trial answer (the others wait their turn).
+    files = validate({"model": {"pretrained": "m"}, "output": {"uri": "o"},
+                      "data": {"uri": "d", "sharding": "files"}, "scaling": {"num_workers": 2}})
+    assert trial_cpus_per_worker(files, [{"CPU": 3}], 2) == 0.5
+    # A cluster that grows to the request keeps it, as check_cluster_fits does.
+    assert trial_cpus_per_worker(cfg(autoscaling=True), [{"CPU": 2}], 1) == 1.0
+    trials = trial_config(two, 0.5)
+    assert trials.scaling.cpus_per_worker == 0.5 and two.scaling.cpus_per_worker == 1.0
+    assert trials.to_dict() == {**two.to_dict(), "scaling": {**two.to_dict()["scaling"],
+                                                             "cpus_per_worker": 0.5}}
+
+
+def test_a_checkpoints_metrics_keep_their_integers():
+    """Ray's metrics frame (pd.json_normalize of result.json) holds a key that some reports
+    lack as floats: the best trial's raylora.json and card said "steps": 4.0 and
+    "optimizer steps | 4.0". The metrics come back as the trial reported them."""
+    import pandas as pd
+    from ray.tune import Result
+
+    from raylora.checkpoint.export import summarize_metrics
+    from raylora.tune import checkpoint_metrics
+
+    r1 = {"step": 4, "epoch": 0, "train_loss": 0.5, "lr": 1e-4, "world_size": 1,
+          "checkpoint_path": "/c/4", "trial_id": "t1"}
+    final = {"global_step": 8, "images_seen": 16, "eval_loss_best_step": 8, "nonfinite_steps": 0,
+             "train_loss_last": 0.3, "batch_size": 2}
+    r2 = {**r1, "step": 8, "checkpoint_path": "/c/8", "train_loss": 0.25, **final}
+    r3 = {**r1, "step": 9, "checkpoint_path": None, "train_loss": 0.75, "images_seen": 18}
+
+    def result(*reports):
+        return Result(metrics=reports[-1], checkpoint=None, error=None, path="/t/t1",
+                      metrics_dataframe=pd.json_normalize(list(reports), sep="/"))
+
+    m = summarize_metrics(checkpoint_metrics(result(r1, r2), "/c/8"))
+    assert {k: (m[k], type(m[k])) for k in ("steps", "images_seen", "eval_loss_best_step",
+                                            "nonfinite_steps")} == {
+        "steps": (8, int), "images_seen": (16, int), "eval_loss_best_step": (8, int),
+        "nonfinite_steps": (0, int)}
+    # An earlier checkpoint (a trial reporting after it): from the frame, retyped by the
+    # last report; a float metric that happens to be whole stays a float.
+    at = checkpoint_metrics(result(r1, r2, r3), "/c/8")
+    assert (at["images_seen"], type(at["images_seen"])) == (16, int)
+    assert (at["step"], at["train_loss"], type(at["lr"])) == (8, 0.25, float)
+    from raylora.tune import as_reported
+
+    assert (as_reported(4.0, 9), type(as_reported(4.0, 9))) == (4, int)
+    assert type(as_reported(1.0, 0.75)) is float and as_reported(4.5, 9) == 4.5
+    assert as_reported(1.0, True) == 1.0 and type(as_reported(1.0, True)) is float
+
+
+def test_a_randint_dimension_is_bounded_by_the_values_trials_take(base_config):
+    """`randint: [lo, hi]` draws lo..hi-1 in Ray Tune: the checks, ASHA's max_t and the
+    memory preflight take hi - 1 for its top. `train.max_steps: {randint: [2, 5]}` set max_t
+    5 and refused tune.max_t 4; `validation.num_timesteps: {randint: [1, 101]}` (1..100, all
+    valid) was refused for 101."""
+    import numpy as np
+
+    from raylora.tune import longest_budget, param_space, preflight, trial_variants
+
+    tree = {**base_config, "tune": {"metric": "train_loss", "search_space": {
+        "train.max_steps": {"randint": [2, 5]}}}}
+    cfg = validate(tree)
+    dim = cfg.tune.search_space["train.max_steps"]
+    assert dim.values == [2, 4]
+    domain = param_space(cfg.tune)["train.max_steps"]
+    assert (domain.lower, domain.upper) == (2, 5)  # Tune's own [2, 5)
+    assert set(domain.sample(size=300, random_state=np.random.default_rng(0))) == {2, 3, 4}
+    assert longest_budget(cfg, preflight(cfg)) == 4
+    assert [label for label, _ in trial_variants(cfg)] == [
+        "tune.search_space.train.max_steps=2", "tune.search_space.train.max_steps=4"]
+    tree["tune"]["max_t"] = 4
+    assert preflight(validate(tree)).max_steps == 4
+    tree["tune"]["max_t"] = 3
+    with pytest.raises(ConfigError, match=r"tune.max_t: 3 is below the step budget of the longest "
+                                          r"trial \(4\)"):
+        preflight(validate(tree))
+    base = {"model": {"pretrained": "m"}, "output": {"uri": "o"}, "data": {"uri": "d"}}
+    steps = lambda bounds: {**base, "tune": {"metric": "train_loss", "search_space": {  # noqa: E731
+        "validation.num_timesteps": {"randint": bounds}}}}
+    assert validate(steps([1, 101])).tune.search_space["validation.num_timesteps"].values == [1, 100]
+    with pytest.raises(ConfigError) as err:
+        validate(steps([1, 102]))
+    assert [p.split(":")[0] for p in err.value.problems] == [
+        "tune.search_space.validation.num_timesteps=101"]
+    assert validate(steps([3, 4])).tune.search_space["validation.num_timesteps"].values == [3]
+
+
+def test_a_diverged_trial_is_not_trained_again_when_its_search_runs_again(tmp_path, monkeypatch):
+    """Tune restores errored trials to run again (a lost node); a trial whose run diverged
+    (NonFiniteLossError) loaded, resumed and diverged again at every rerun of a finished
+    search. Its run folder now records the error, and a restored trial ends with it at
+    once, untrained: the table still says diverged. Other errors are tried again."""
+    from types import SimpleNamespace
+
+    import ray.tune
+    import ray.tune.integration.ray_train
+
+    from raylora import tune as rt
+
+    trial_id = ["t_00001"]
+    monkeypatch.setattr(ray.tune.integration.ray_train, "TuneReportCallback", lambda: None)
+    monkeypatch.setattr(ray.tune, "get_context",
+                        lambda: SimpleNamespace(get_trial_id=lambda: trial_id[0]))
+    monkeypatch.setattr(rt, "replan", lambda cfg, plan: plan)
+    built, errors = [], {}
+
+    class Trainer:
+        def __init__(self, name):
+            self.name = name
+
+        def fit(self):
+            raise errors[self.name]
+
+    monkeypatch.setattr(rt, "build_trainer",
+                        lambda cfg, p, uri, name, **kw: built.append(name) or Trainer(name))
+    base = validate({"model": {"pretrained": "m"}, "data": {"uri": "d"},
+                     "output": {"uri": str(tmp_path)}}).to_dict()
+    trials = tmp_path / "tune" / "trials"
+
+    def run():
+        rt._trial({"train.learning_rate": 1e8}, base_tree=base, base_plan=None, trials_uri=str(trials))
+
+    nan = RuntimeError("Training failed due to controller error:\nrank 0: NonFiniteLossError: "
+                       "loss or gradients were NaN/inf for 1 optimizer steps in a row")
+    errors["trial_t_00001"] = nan
+    with pytest.raises(RuntimeError) as first:
+        run()
+    assert first.value is nan and built == ["trial_t_00001"]
+    with pytest.raises(Exception) as again:  # the search run again: Tune restores it
+        run()
+    assert built == ["trial_t_00001"]  # no trainer, no workers
+    record = json.loads((trials / "trial_t_00001" / rt.DIVERGED_FILE).read_text())
+    assert record == {"error": str(nan)}
+    assert isinstance(again.value, rt.DivergedBefore) and rt.diverged(again.value)
+    assert str(again.value) == (str(nan) + "\n(this trial diverged in an earlier run of the "
+                                "search; not trained again)")
+    # The results table says diverged for it, as it did the first time.
+    from ray.tune import Result
+
+    rows = rt.results_table([Result(metrics={"trial_id": "t_00001", "config": {
+                                        "train.learning_rate": 1e8}}, checkpoint=None,
+                                    error=again.value, path="/t", metrics_dataframe=None)],
+                            validate({**base, "tune": {"metric": "train_loss", "search_space": {
+                                "train.learning_rate": {"grid": [1e8]}}}}).tune, lambda p: 4)
+    assert (rows[0]["status"], rows[0]["diverged"]) == ("diverged", True)
+
+    # A lost node is another error: no record, and the trial trains again when restored.
+    trial_id[0] = "t_00002"
+    errors["trial_t_00002"] = RuntimeError("The actor died unexpectedly before finishing this task.")
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="actor died"):
+            run()
+    assert built == ["trial_t_00001", "trial_t_00002", "trial_t_00002"]
+    assert not (trials / "trial_t_00002" / rt.DIVERGED_FILE).exists()
+
+
 # ---------------------------------------------------------------- on Ray
 
 # 2 workers per trial where the machine has the cores for two trials side by side.

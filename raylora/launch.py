@@ -919,7 +919,7 @@ def _variants(cfg: RayLoraConfig, setup: Setup) -> list:
 
 
 @contextmanager
-def prepared(cfg: RayLoraConfig, setup: Setup) -> Iterator[Prepared]:
+def prepared(cfg: RayLoraConfig, setup: Setup, run: Prepared | None = None) -> Iterator[Prepared]:
     """The one preamble of every run: ``checked``, then Ray joined or started (storage
     settings and secrets reach the workers through ``job_runtime_env``, quiet logging),
     the memory preflight on the cluster's own GPUs, the cluster checked to hold the
@@ -927,7 +927,7 @@ def prepared(cfg: RayLoraConfig, setup: Setup) -> Iterator[Prepared]:
     stopped and a Ray this call started is shut down."""
     from raylora.track import tracking_problem
 
-    run = checked(cfg, setup)
+    run = run or checked(cfg, setup)  # (``run``: ``checked`` already ran)
     cfg = run.cfg
     # An embedded Ray's workers run here, with this machine's environment and files: what
     # they read from them is checked before it starts. A joined cluster's workers have
@@ -977,7 +977,10 @@ def run(cfg: RayLoraConfig) -> dict:
     """Train, then export the adapter to ``{output.uri}/adapter``. Returns a summary dict."""
     from raylora.checkpoint.export import export_run
 
-    with prepared(cfg, TRAIN) as r:
+    pre = checked(cfg, TRAIN)
+    if pre.resume and (again := _exported_again(pre)) is not None:
+        return again
+    with prepared(cfg, TRAIN, pre) as r:
         cfg, p = r.cfg, r.plan
         if cfg.data.cache == "latents":  # a fresh build read every row: judge them now
             check_bad_records(cfg, p)
@@ -994,6 +997,34 @@ def run(cfg: RayLoraConfig) -> dict:
         return {**summary, "checkpoints": checkpoints, "rows_decoded": bad.get("rows_decoded"),
                 **({"buckets": p.bucket_summary()} if p.bucket_steps is not None else {}),
                 **({"class_images": p.class_images} if p.class_images else {})}
+
+
+def _exported_again(pre: Prepared) -> dict | None:
+    """A finished run run again (a retried job, a rerun script): its final checkpoint is
+    exported again, with the metrics Ray recorded for it, and nothing starts. Through Ray
+    the restored run reported a second final checkpoint, and checkpoint.num_to_keep then
+    deleted the oldest one kept. None: the latest checkpoint is not a finished run's."""
+    import tempfile
+
+    from raylora.checkpoint.export import export_run
+    from raylora.checkpoint.recorded import finished_metrics
+
+    cfg, p = pre.cfg, pre.plan
+    store = cfg.storage.client()
+    checkpoints = storage.join(cfg.output.uri, TRAIN_RUN_NAME)
+    metrics = finished_metrics(store, checkpoints, p.max_steps)
+    if metrics is None:
+        return None
+    log.info("%s: this output.uri's run finished at step %d; exporting that checkpoint again "
+             "(nothing to train)", pre.resume, p.max_steps)
+    if storage.is_local(pre.resume):
+        summary = export_run(storage.local_path(pre.resume), cfg, metrics, p.to_dict())
+    else:
+        with tempfile.TemporaryDirectory(prefix="raylora-final-") as d:
+            store.download_dir(pre.resume, d)
+            summary = export_run(d, cfg, metrics, p.to_dict())
+    return {**summary, "checkpoints": checkpoints, "rows_decoded": None,
+            **({"buckets": p.bucket_summary()} if p.bucket_steps is not None else {})}
 
 
 def check_bad_records(cfg: RayLoraConfig, p: Plan) -> dict:

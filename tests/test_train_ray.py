@@ -191,6 +191,39 @@ def test_a_resume_from_an_incomplete_checkpoint_stops_before_ray(first_run, tmp_
     assert local_sizes(str(out)) == before
 
 
+def test_a_finished_run_run_again_exports_its_final_checkpoint_without_ray(first_run, tmp_path,
+                                                                           monkeypatch):
+    """A retried job or a rerun script: the run has nothing to train. Through Ray the
+    restored run reported its final checkpoint a second time, and num_to_keep (2) then
+    deleted the other one kept; now nothing starts and the checkpoints stay."""
+    import shutil
+
+    from raylora import launch
+    from raylora.checkpoint.recorded import SNAPSHOT
+    from raylora.storage import local_sizes
+
+    tree, _ = first_run
+    out = tmp_path / "out"
+    shutil.copytree(tree["output"]["uri"], out)
+    latest = json.loads((out / "train" / SNAPSHOT).read_text())["latest_checkpoint_result"]
+    steps = latest["metrics"]["step"]  # 6, or 20 after the resume test
+    adapter = (out / "adapter" / "pytorch_lora_weights.safetensors").read_bytes()
+    (out / "adapter").rename(out / "adapter-before")
+    checkpoints = local_sizes(str(out / "train"))
+
+    def no_ray(*_):
+        raise AssertionError("Ray was started to export a finished run again")
+
+    monkeypatch.setattr(launch, "init_ray", no_ray)
+    summary = launch.run(validate({**tree, "train": {**tree["train"], "max_steps": steps},
+                                   "output": {"uri": str(out)}}))
+    assert summary["metrics"]["steps"] == steps and summary["metrics"]["replicas_in_sync"] is True
+    assert local_sizes(str(out / "train")) == checkpoints
+    assert (out / "adapter" / "pytorch_lora_weights.safetensors").read_bytes() == adapter
+    meta = json.loads((out / "adapter" / "raylora.json").read_text())
+    assert meta["metrics"]["steps"] == steps and isinstance(meta["metrics"]["steps"], int)
+
+
 def test_a_stop_asked_on_the_last_step_lets_the_run_finish(ray_local, tiny_model, demo_data, tmp_path, caplog):
     """The driver's SIGTERM hook (what `raylora stop` and a pod's TERM reach) fires while
     the run's only step trains: the last step never stops, so the run finishes and

@@ -75,6 +75,20 @@ def drop_unrecorded(store, run_uri: str) -> list[str]:
     return dropped
 
 
+def finished_metrics(store, run_uri: str, max_steps: int) -> dict | None:
+    """The metrics Ray recorded with the run's latest checkpoint when that is a finished
+    run's final one (its step ``max_steps``, the final report's replica digests, no stop):
+    run again, the run has nothing to train and exports that checkpoint again. None
+    otherwise (then a restored run at ``max_steps`` reports its final checkpoint itself)."""
+    try:
+        metrics = (_snapshot(store, run_uri) or {})["latest_checkpoint_result"]["metrics"]
+    except (KeyError, TypeError):
+        return None
+    final = (isinstance(metrics, dict) and metrics.get("step") == max_steps
+             and "replica_lora_digests" in metrics and not metrics.get("stopped"))
+    return metrics if final else None
+
+
 def check_latest(store, run_uri: str, trained: dict | None = None) -> str | None:
     """The URI of the checkpoint a run at ``run_uri`` would resume from (None: it starts
     afresh, or Ray's record is unreadable). Raises ``IncompleteCheckpoint`` naming the

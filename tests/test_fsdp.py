@@ -350,3 +350,159 @@ def test_fsdp_reads_a_variants_weights_by_diffusers_names_and_a_folder_without_i
         f"scaling.strategy: fsdp reads each rank's shard straight from safetensors weights; "
         f"model.pretrained: {binary} has neither unet/diffusion_pytorch_model.safetensors nor "
         "unet/diffusion_pytorch_model.safetensors.index.json"]
+
+
+def _bf16_ranks(rank: int, world: int, port: int, out: str, paths: dict, demo_data: str):
+    """Per family: raylora's build_run under train.mixed_precision=bf16 with scaling.strategy
+    ddp, then fsdp, on the same 2 ranks; each takes one training micro-step on its own 2
+    demo rows (the same seeds). Rank 0 saves {family: {strategy: (loss, adapter)}}."""
+    from inproc import _fresh_accelerator, demo_batch
+
+    from raylora.config import validate
+    from raylora.train.setup import build_run
+    from raylora.train.step import train_micro_step
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    _init(rank, world, port)
+    result = {}
+    try:
+        for family, path in paths.items():
+            batch = demo_batch(family, path, demo_data, n=2 * world)
+            rows = {k: v[2 * rank: 2 * rank + 2] for k, v in batch.items()}
+            for strategy in ("ddp", "fsdp"):
+                cfg = validate({"model": {"pretrained": path, "max_sequence_length": 32},
+                                "data": {"uri": demo_data, "resolution": 64}, "lora": {"rank": 4},
+                                "train": {"learning_rate": 1e-2, "seed": 0, "mixed_precision": "bf16"},
+                                "scaling": {"num_workers": world, "strategy": strategy},
+                                "output": {"uri": os.path.join(out, family, strategy)}})
+                run = build_run(cfg, _fresh_accelerator(1, "bf16"), 1, rank=rank)
+                torch.manual_seed(100 + rank)
+                loss = train_micro_step(run.accelerator, run.model, run.parts, run.optimizer,
+                                        run.lr_scheduler, run.params, rows, 1.0)
+                result.setdefault(family, {})[strategy] = (float(loss), run.lora_state())
+        if rank == 0:
+            torch.save(result, os.path.join(out, "bf16.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+BF16_FAMILIES = ("flux", "wan")
+
+
+@pytest.fixture(scope="module")
+def bf16_runs(tiny, demo_data, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("bf16"))
+    spawn(_bf16_ranks, 2, 2, free_port(), out, {f: tiny(f) for f in BF16_FAMILIES}, demo_data)
+    return torch.load(os.path.join(out, "bf16.pt"))
+
+
+@pytest.mark.parametrize("family", BF16_FAMILIES)
+def test_fsdp_under_bf16_computes_what_ddp_computes(bf16_runs, family):
+    """FSDP's bf16 gathers must not change what autocast computes in. Flux: its blocks get
+    the RoPE cos/sin and guidance in fp32, as under DDP (FSDP's default input cast made
+    them bf16: loss 1.5928421 here, DDP's 1.5928419). Wan: its _keep_in_fp32_modules (time
+    embedder, norms, scale_shift_table) stay fp32 (gathered in bf16: loss 1.7432759, DDP's
+    1.7431313, the adapter 3.5 % off after 3 steps). The same loss and, after one
+    optimizer step, the same adapter, to the last bit on these CPUs (so were SD, SDXL,
+    SD3, Qwen-Image, Z-Image, Lumina 2, Sana, Chroma and Flux.2, checked once)."""
+    ddp, fsdp = bf16_runs[family]["ddp"], bf16_runs[family]["fsdp"]
+    assert ddp[0] > 0 and fsdp[0] == ddp[0], (ddp[0], fsdp[0])
+    a, b = ddp[1], fsdp[1]
+    assert set(a) == set(b) and len(a) > 0
+    # the step moved the adapter (lora_B starts at 0): equal adapters are not equal inits
+    assert max(v.abs().max().item() for k, v in a.items() if "lora_B" in k) > 1e-3
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst == 0.0, worst
+
+
+def test_wans_fp32_kept_weights_are_fp32_units_or_left_whole(tiny, tmp_path):
+    """Under bf16 the hollow Wan (fp32 where from_pretrained keeps it) shards into its own
+    units the time embedder and the affine norm2s, gathered in fp32; the bare
+    scale_shift_tables are left out of FSDP, whole fp32 tensors on every rank; the rest
+    are bf16 shards. Read shard by shard, every tensor equals the bf16-loaded model's."""
+    spawn(_wan_units_ranks, 2, 2, free_port(), str(tmp_path), tiny("wan"))
+    r = torch.load(os.path.join(tmp_path, "wan.pt"))
+    blocks = r["blocks"]
+    assert blocks >= 2
+    kept = ["condition_embedder.time_embedder"] + [f"blocks.{i}.norm2" for i in range(blocks)]
+    assert r["units"] == kept + [f"blocks.{i}" for i in range(blocks)] + [""]
+    assert r["whole"] == ["scale_shift_table"] + [f"blocks.{i}.scale_shift_table" for i in range(blocks)]
+    assert r["worst"] == 0.0
+    # dtypes: the fp32-kept ones fp32 in the shards (and whole), everything else bf16
+    for name, dtype in r["dtypes"].items():
+        fp32 = "lora_" in name or "time_embedder" in name or ".norm2." in name or "scale_shift_table" in name
+        assert dtype == (torch.float32 if fp32 else torch.bfloat16), (name, dtype)
+
+
+def _wan_units_ranks(rank: int, world: int, port: int, out: str, path: str):
+    from accelerate.utils import set_seed
+    from torch.distributed.tensor import DTensor
+
+    from raylora.config import LoraSection, ModelSection
+    from raylora.model.load import load_components
+    from raylora.model.lora import add_lora
+    from raylora.train.fsdp import shard_and_load
+
+    _init(rank, world, port)
+    try:
+        set_seed(3)
+        ref = load_components(ModelSection(pretrained=path), torch.bfloat16, encoders=False)
+        add_lora(ref.denoiser, LoraSection(rank=4), ref.family.default_lora_targets(ref.denoiser))
+        set_seed(3)
+        comps = load_components(ModelSection(pretrained=path), torch.bfloat16, encoders=False,
+                                hollow_denoiser=True)
+        model = comps.denoiser
+        add_lora(model, LoraSection(rank=4), comps.family.default_lora_targets(model))
+        units = shard_and_load(model, comps.family.repeated_blocks, os.path.join(path, "transformer"),
+                               "cpu", param_dtype=torch.bfloat16)
+        got = model.state_dict()
+        worst = max((got[k].full_tensor() if isinstance(got[k], DTensor) else got[k]).sub(v).abs().max().item()
+                    for k, v in ref.denoiser.state_dict().items())
+        if rank == 0:
+            torch.save({"units": units, "blocks": len(model.blocks), "worst": worst,
+                        "whole": [n for n, p in model.named_parameters() if not isinstance(p, DTensor)],
+                        "dtypes": {n: p.dtype for n, p in model.named_parameters()}},
+                       os.path.join(out, "wan.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("variant", [None, "fp16"])
+def test_fsdp_downloads_only_the_weights_it_reads_from_the_hub(variant, online, hub, tiny_model, tmp_path):
+    """A hub UNet folder as SD 1.5's is (.bin, non-EMA copies, an fp16 variant, here
+    sharded, beside the safetensors): FSDP's component_folder requests config.json and
+    what _WeightFiles reads for model.variant (the one file, or the index and its
+    shards), not the folder's other weights."""
+    import shutil
+
+    from diffusers import UNet2DConditionModel
+
+    from raylora.train.fsdp import _WeightFiles, component_folder
+
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_model, repo)
+    unet_dir = repo / "unet"
+    plain = unet_dir / "diffusion_pytorch_model.safetensors"
+    for extra in ("diffusion_pytorch_model.bin", "diffusion_pytorch_model.non_ema.safetensors",
+                  "diffusion_pytorch_model.non_ema.bin"):
+        shutil.copy(plain, unet_dir / extra)
+    unet = UNet2DConditionModel.from_pretrained(tiny_model, subfolder="unet")
+    unet.save_pretrained(tmp_path / "fp16", variant="fp16", max_shard_size="500KB")
+    shards = sorted(f for f in os.listdir(tmp_path / "fp16") if f.endswith(".safetensors"))
+    assert len(shards) >= 2
+    for f in shards + ["diffusion_pytorch_model.safetensors.index.fp16.json"]:
+        shutil.copy(tmp_path / "fp16" / f, unet_dir / f)
+    name = f"acme/fsdp-{variant}"
+    hub.add(name, str(repo))
+    hub.seen.clear()
+
+    # without a variant: as raylora.train.setup calls it for a run without model.variant
+    folder = component_folder(name, "unet", **({"variant": variant} if variant else {}))
+
+    want = {"config.json"} | ({"diffusion_pytorch_model.safetensors"} if variant is None else
+                              {"diffusion_pytorch_model.safetensors.index.fp16.json", *shards})
+    assert set(os.listdir(folder)) == want
+    got = {p.split("/unet/", 1)[1] for m, p, _ in hub.seen if m == "GET" and "/resolve/" in p}
+    assert got == want
+    files = _WeightFiles(folder, variant)
+    assert set(files.file_of) == set(unet.state_dict())

@@ -4,7 +4,10 @@ Shard units are the family's repeated blocks (``Family.repeated_blocks``, the sa
 names regional compile uses) plus the root, which takes every parameter outside a block
 (embeddings, resnets, conv_in/out). Each unit all-gathers its parameters just before its
 forward and frees them after (``reshard_after_forward``), so a rank holds ~1/world of the
-weights plus one unit's full copy at a time.
+weights plus one unit's full copy at a time. Under bf16/fp16, what ``from_pretrained``
+keeps in fp32 (``_keep_in_fp32_modules``: Wan's time embedder and norms) is a unit of its
+own gathered in fp32, and a bare fp32-kept parameter (Wan's ``scale_shift_table``s) is
+left out of FSDP, whole on every rank (``_fp32_kept``).
 
 What torch 2.13's FSDP2 allows (``_fsdp_param_group._init_mp_dtypes``): frozen and
 trainable parameters may share a unit (the frozen ones get no gradient reduce-scatter),
@@ -52,7 +55,14 @@ def shard_denoiser(model: torch.nn.Module, block_classes: tuple[str, ...], *, pa
     """``fully_shard`` every submodule whose class name is in ``block_classes``, then the
     root, in place (call after ``add_lora``, before building the optimizer: the parameters
     become DTensors). Needs an initialized default process group. Returns the sharded
-    module names, blocks first, root last as ""."""
+    module names: the fp32-kept units (``_fp32_kept``) first, then the blocks, the root
+    last as "".
+
+    Forward inputs are not cast (``cast_forward_inputs=False``): raylora runs the sharded
+    model under autocast, as DDP does, and autocast casts what each op computes in. FSDP's
+    default would cast every float input of every unit to ``param_dtype``: the RoPE cos/sin
+    and guidance of Flux, Flux.2 and Chroma would reach the blocks in bf16, where DDP and
+    the stock pipeline keep them fp32 (Flux's step-0 loss moved by 6e-5)."""
     if offload and not torch.accelerator.is_available():
         # CPUOffloadPolicy copies shards to the accelerator for compute; torch raises
         # "Cannot access accelerator device" only at the first forward without one.
@@ -65,14 +75,54 @@ def shard_denoiser(model: torch.nn.Module, block_classes: tuple[str, ...], *, pa
     names = [n for n, m in model.named_modules() if n and type(m).__name__ in blocks]
     if not names:
         raise ValueError(f"fsdp: no {list(blocks)} in {type(model).__name__}")
+    kept_units, kept_bare = _fp32_kept(model, param_dtype)
     kwargs = {"reshard_after_forward": reshard_after_forward,
-              "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
+              "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),
+              "ignored_params": kept_bare or None}
     if param_dtype is not None:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                                   cast_forward_inputs=False)
+    # Children before parents: a unit takes the parameters of its subtree that no unit
+    # inside it took. The fp32-kept units gather in their own dtype (param_dtype None).
+    kept = {**kwargs, "mp_policy": MixedPrecisionPolicy(reduce_dtype=reduce_dtype,
+                                                        cast_forward_inputs=False)}
+    for n in kept_units:
+        fully_shard(model.get_submodule(n), **kept)
     for n in names:
         fully_shard(model.get_submodule(n), **kwargs)
     fully_shard(model, **kwargs)
-    return names + [""]
+    return kept_units + names + [""]
+
+
+def _fp32_kept(model: torch.nn.Module, param_dtype) -> tuple[list[str], set[torch.nn.Parameter]]:
+    """What ``from_pretrained`` keeps in fp32 under a lower dtype (the class's
+    ``_keep_in_fp32_modules``: Wan's time embedder, norms and ``scale_shift_table``s),
+    which DDP computes with in fp32 and one ``param_dtype`` for a whole unit would gather
+    in bf16 (Wan's adapter 3.5 % off after 3 steps). Returns the outermost such modules
+    holding a frozen fp32 parameter, each to be its own unit gathered in fp32, and the
+    frozen fp32 parameters matched outside them (``scale_shift_table`` is a bare parameter
+    of the block and the root; FSDP2 has one dtype per unit and no unit for a parameter),
+    which FSDP ignores: whole and fp32 on every rank (6 x dim values per block). Nothing
+    when ``param_dtype`` is None or fp32."""
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    if param_dtype in (None, torch.float32) or not keep:
+        return [], set()
+
+    def held(m: torch.nn.Module) -> bool:
+        return any(not p.requires_grad and p.dtype == torch.float32 for p in m.parameters())
+
+    units: list[str] = []
+    for n, m in model.named_modules():
+        # diffusers matches any part of a parameter's dotted name; the module's own name
+        # here, so time_embedder.linear_1 goes with time_embedder's unit
+        if (n and n.rsplit(".", 1)[-1] in keep and held(m)
+                and not any(n.startswith(u + ".") for u in units)):
+            units.append(n)
+    inside = {id(p) for u in units for p in model.get_submodule(u).parameters()}
+    bare = {p for n, p in model.named_parameters()
+            if id(p) not in inside and not p.requires_grad and p.dtype == torch.float32
+            and keep & set(n.split("."))}
+    return units, bare
 
 
 def _peft_key(name: str) -> str:
@@ -92,14 +142,30 @@ def full_lora_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             for k, v in sd.items() if "lora_" in k}
 
 
-def component_folder(path: str, component: str, revision=None) -> str:
+def component_folder(path: str, component: str, revision=None, variant: str | None = None) -> str:
     """The local folder of one pipeline component: in a local model folder, else the hub
-    snapshot of just that component (what ``from_pretrained`` would download)."""
+    snapshot of what ``_WeightFiles`` reads of it for ``variant``: ``config.json`` and the
+    one safetensors file, or the index and the shards it names. Not the whole folder: a
+    UNet's on the hub also holds .bin, fp16 and non-EMA copies (SD 1.5's: ~17 GB for the
+    3.4 GB read)."""
     if os.path.isdir(path):
         return os.path.join(path, component)
+    from diffusers.utils import _add_variant
     from huggingface_hub import snapshot_download
 
-    root = snapshot_download(path, revision=revision, allow_patterns=[f"{component}/*"])
+    single, index = (f"{component}/{_add_variant(n, variant)}" for n in
+                     ("diffusion_pytorch_model.safetensors",
+                      "diffusion_pytorch_model.safetensors.index.json"))
+    # A pattern matches only the files there are: whether the index is, the listing says.
+    root = snapshot_download(path, revision=revision,
+                             allow_patterns=[f"{component}/config.json", index])
+    if os.path.exists(os.path.join(root, index)):  # sharded: the index names the shards
+        with open(os.path.join(root, index)) as f:
+            weights = [f"{component}/{s}" for s in sorted(set(json.load(f)["weight_map"].values()))]
+    else:
+        weights = [single]
+    # the commit the first call resolved (its snapshot folder's name), not the branch again
+    snapshot_download(path, revision=os.path.basename(root), allow_patterns=weights)
     return os.path.join(root, component)
 
 
@@ -262,11 +328,12 @@ def _load_weights(model: torch.nn.Module, folder: str, variant: str | None) -> N
         raise ValueError(f"{folder}: the weights lack {len(missing)} parameter(s) of "
                          f"{type(model).__name__}, e.g. {missing[:3]}")
     with torch.no_grad():
-        for name, p in frozen:  # every parameter is a dim-0 shard (DTensor) after fully_shard
-            local = p.to_local()
+        for name, p in frozen:  # a dim-0 shard (DTensor), or whole: ignored (_fp32_kept)
+            local = p.to_local() if isinstance(p, DTensor) else p
             if local.numel() == 0:
                 continue
-            data = files.rows(_file_key(name), *_rows_of(p))
+            rows = _rows_of(p) if isinstance(p, DTensor) else (0, p.shape[0] if p.dim() else 0)
+            data = files.rows(_file_key(name), *rows)
             if tuple(data.shape) != tuple(local.shape):
                 raise ValueError(f"{folder}: {name} has shape {tuple(data.shape)} in the weights, "
                                  f"{tuple(local.shape)} expected")

@@ -432,7 +432,7 @@ def shard_denoiser_of(cfg: RayLoraConfig, comps, accelerator, weight_dtype) -> l
     model = comps.denoiser
     shard_and_load(
         model, comps.family.repeated_blocks, component_folder(comps.path, comps.component,
-                                                              cfg.model.revision),
+                                                              cfg.model.revision, cfg.model.variant),
         accelerator.device, variant=cfg.model.variant,
         param_dtype=None if weight_dtype == torch.float32 else weight_dtype,
         reshard_after_forward=f.reshard_after_forward, offload=f.offload)

@@ -158,8 +158,6 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
         from raylora.model.load import single_file_message
 
         raise ValueError(single_file_message("--model", model))
-    for a in adapters:
-        _check_adapter(a)
     path = os.path.abspath(model) if os.path.isdir(model) else model
     revision = revision or trained_commit(model, adapters)
     # The family, and the pipeline class that loads the adapter, from model_index.json.
@@ -203,6 +201,8 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
     if len(set(experts)) < len(experts):
         raise ValueError(f"--adapter: {', '.join(adapters)} train the same denoiser "
                          f"({', '.join(str(e) for e in experts)}); give one adapter per expert")
+    for a in adapters:  # after the call's arguments, before the base model loads
+        _check_adapter(a)
     quiet.diffusers_bars_off()  # "Loading pipeline components..."
     # raylora.json names a folder by its absolute path (the run resolved it), a hub id as is
     variant = variant or trained_config(adapters, "model", "variant", base=(model, path))

@@ -186,6 +186,21 @@ def skipped(name: str) -> bool:
     return name.startswith("_") and os.path.splitext(name)[1].lower() in ("", ".json", ".crc")
 
 
+def hidden_folder(root: str, uri: str) -> bool:
+    """Whether ``uri`` lies in a hidden folder below ``root``: one whose name starts with
+    "." or "__" (.ipynb_checkpoints, .thumbnails, .git, __MACOSX, __pycache__), whose files
+    Hugging Face datasets leaves out too (a notebook's checkpoint copy of an image trained
+    twice). ``root`` and the folders above it are not judged: data may live in ~/.cache."""
+    folders = uri.split("/")[len(root.rstrip("/").split("/")):-1]
+    return any(f.startswith((".", "__")) for f in folders)
+
+
+def skipped_below(root: str, uri: str) -> bool:
+    """What a listing of ``root`` leaves out: ``skipped`` file names, and every file in a
+    ``hidden_folder``."""
+    return skipped(uri.rsplit("/", 1)[-1]) or hidden_folder(root, uri)
+
+
 def fs_path(uri: str) -> str:
     """The path of ``uri`` inside its filesystem: ``bucket/key`` for remote URIs."""
     if is_local(uri):
@@ -266,10 +281,17 @@ class Storage:
             raise OSError(f"{uri}: cannot list: {_short(exc)}") from None
         return sorted(to_uri(uri, i.path) for i in infos if i.type == pafs.FileType.File)
 
+    def data_files(self, uri: str) -> list[str]:
+        """The files under folder ``uri`` that data is read from: ``list_files`` less what
+        ``skipped_below`` leaves out (training's listing, and ``raylora shards build``'s)."""
+        return [f for f in self.list_files(uri) if not skipped_below(uri, f)]
+
     def expand(self, uris: str | list[str], suffixes: tuple[str, ...] | None = None) -> list[str]:
-        """Files behind a file, directory, glob or list of those (hidden files and job markers,
-        skipped), filtered by suffix. Brace notation as WebDataset writes shard lists
-        (``shard-{00000..00099}.tar``, ``{train,extra}/``) stands for each URI it spells.
+        """Files behind a file, directory, glob or list of those (hidden files, files in
+        hidden folders below the directory or the glob's fixed part, and job markers
+        skipped: ``skipped_below``), filtered by suffix. Brace notation as WebDataset
+        writes shard lists (``shard-{00000..00099}.tar``, ``{train,extra}/``) stands for
+        each URI it spells.
         Raises FileNotFoundError naming the URI that matched nothing."""
         out: list[str] = []
         for uri in [uris] if isinstance(uris, str) else uris:
@@ -285,12 +307,15 @@ class Storage:
                 else:
                     key = str
                 pattern = _glob_regex(key(uri))
-                found = [f for f in self.list_files(root) if pattern.fullmatch(key(f))]
+                # a pattern that names a hidden folder itself (root/*/.thumbs/*.png) asks for it
+                hidden_ok = hidden_folder(root, uri)
+                found = [f for f in self.list_files(root) if pattern.fullmatch(key(f))
+                         and (hidden_ok or not hidden_folder(root, f))]
             else:
                 info = self.info(uri)
                 if info.type == pafs.FileType.NotFound:
                     raise FileNotFoundError(f"{uri}: no such file or directory")
-                found = [uri] if info.type == pafs.FileType.File else self.list_files(uri)
+                found = [uri] if info.type == pafs.FileType.File else self.data_files(uri)
                 if uri.startswith("hf://") and info.type == pafs.FileType.Directory:
                     from raylora import hubfs
 
@@ -318,7 +343,7 @@ class Storage:
             raise FileNotFoundError(f"{pattern}: no such file or directory: "
                                     f"{', '.join(missing[:3])}{more}")
         for u in plain:
-            found += [u] if listed[u].type == pafs.FileType.File else self.list_files(u)
+            found += [u] if listed[u].type == pafs.FileType.File else self.data_files(u)
         return found
 
     def beside(self, uris: list[str]) -> dict[str, pafs.FileInfo]:

@@ -237,6 +237,92 @@ def test_photos_train_upright_as_their_exif_orientation_shows_them(tiny, tmp_pat
 
 # --- 5. Flux: a bucketed step on a non-square latent --------------------------------------
 
+def _png_chunks(data: bytes) -> list[bytes]:
+    """A PNG's chunks, each whole (length, type, data, CRC), after its signature."""
+    import struct
+
+    out, pos = [], 8
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos:pos + 4])
+        out.append(data[pos:pos + 12 + length])
+        pos += 12 + length
+    return out
+
+
+def test_the_bucket_scan_reads_a_pngs_orientation_without_decoding_it(monkeypatch):
+    """PIL's PngImageFile.getexif decodes every pixel to look for an eXIf chunk after the
+    image data: the driver's scan of a folder of 2048² PNGs took 82 ms an image (0.01 ms
+    its header). The scan loads no pixels now, and turns a PNG as the decode does: by an
+    eXIf chunk before the image data, or after it (found by walking the chunk headers)."""
+    import io
+
+    from PIL import ImageFile, PngImagePlugin
+
+    from raylora.data.buckets import image_size
+    from raylora.data.decode import open_image
+
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored 64 wide, shown 32 wide
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 32), (200, 10, 10)).save(buf, format="PNG", exif=exif.tobytes())
+    early = buf.getvalue()
+    chunks = _png_chunks(early)
+    kinds = [c[4:8] for c in chunks]
+    assert kinds.index(b"eXIf") < kinds.index(b"IDAT")  # as PIL writes it
+    # the same image with its eXIf chunk after the image data, before IEND
+    moved = [c for c in chunks if c[4:8] != b"eXIf"]
+    late = early[:8] + b"".join(moved[:-1] + [chunks[kinds.index(b"eXIf")], moved[-1]])
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 32)).save(buf, format="PNG")
+    plain = buf.getvalue()
+
+    loads = []
+    for cls in (PngImagePlugin.PngImageFile, ImageFile.ImageFile):
+        monkeypatch.setattr(cls, "load", lambda self, cls=cls: loads.append(cls.__name__))
+    assert [image_size(early), image_size(late), image_size(plain)] == [(32, 64), (32, 64), (64, 32)]
+    assert loads == []  # no pixel decoded
+    monkeypatch.undo()
+    # the decode turns them alike: the scan's bucket is the one training uses
+    assert [open_image(d, 10**8).size for d in (early, late, plain)] == [(32, 64), (32, 64), (64, 32)]
+    from raylora.data.decode import png_late_exif
+
+    assert png_late_exif(early) is None and png_late_exif(plain) is None
+    assert png_late_exif(late) == chunks[kinds.index(b"eXIf")][8:-4]
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG whose header says ``width`` × ``height`` (its pixel data is an 8×8 image's):
+    what the bucket scan reads of it, without the memory of the pixels."""
+    import io
+    import struct
+    import zlib
+
+    buf = io.BytesIO()
+    Image.new("1", (8, 8)).save(buf, format="PNG")
+    b = bytearray(buf.getvalue())
+    b[16:24] = struct.pack(">II", width, height)
+    b[29:33] = struct.pack(">I", zlib.crc32(bytes(b[12:29])))  # IHDR's CRC
+    return bytes(b)
+
+
+def test_the_bucket_scan_takes_a_raised_max_image_pixels(monkeypatch):
+    """PIL refuses a header over twice its bomb bound, which only the training decode set
+    to data.max_image_pixels: with the bound raised to 400M a 15000×12000 panorama (180M
+    pixels, over twice PIL's default 89M) was in no bucket (dropped unsaid) on a driver
+    that had decoded nothing yet. The scan sets the run's bound as the decode does."""
+    from raylora.data.buckets import image_size, scan_rows
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 89_478_485)  # PIL's default
+    big = _png_header(15000, 12000)
+    bs = BucketSet.of([[512]], 64)
+    row = {"image": big, "text": "a panorama"}
+    assert scan_rows([row], bs, 0, max_pixels=400_000_000).tolist() == [bs.assign(15000, 12000)]
+    assert image_size(big, 400_000_000) == (15000, 12000)
+    assert Image.MAX_IMAGE_PIXELS == 400_000_000  # as raylora.data.decode.open_image leaves it
+    # over the run's bound: in no bucket, as the decode drops it (too_many_pixels)
+    assert scan_rows([row], bs, 0, max_pixels=100_000_000).tolist() == [-1]
+
+
 def test_flux_step_on_a_non_square_bucket(tiny, demo_data, tmp_path):
     import io
 

@@ -677,3 +677,86 @@ def test_a_tar_is_read_in_large_pieces(tmp_path, monkeypatch):
     assert size > 3 << 20 and len(reads) <= 2, (size, len(reads))  # was one per 10 KiB
     rows = list(webdataset.WebDataset().iter_rows(data, plan.files, store))
     assert len(rows) == 4 and len(reads) <= 4
+
+
+# What macOS writes beside each file it copies to a volume without resource forks
+# (AppleDouble): a ._cat.txt beside cat.txt is not UTF-8 text, nor ._cat.png an image.
+APPLE_DOUBLE = b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        \x00\x02\x00\x00\x00\x09\xff\xfe\x80"
+
+
+def test_shards_build_lists_the_folder_as_training_does(tmp_path):
+    """`raylora shards build` listed every file: a folder copied from a Mac failed on its
+    ._cat.txt (not UTF-8), and .hidden.png or a notebook's .ipynb_checkpoints copy went
+    into the shards, though training leaves them all out."""
+    from PIL import Image
+
+    from raylora.data.shards import checked_items
+
+    src = tmp_path / "src"
+    for stem in ("cat", "dog", ".hidden", ".ipynb_checkpoints/cat-checkpoint", "__MACOSX/dog",
+                 "sub/.thumbnails/cat", "sub/bird"):
+        (src / stem).parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (8, 8)).save(src / f"{stem}.png")
+        (src / f"{stem}.txt").write_text(f"a {stem}")
+    for name in ("._cat.png", "._cat.txt", "sub/._bird.txt", ".DS_Store"):
+        (src / name).write_bytes(APPLE_DOUBLE)
+    store = Storage()
+    items = checked_items(str(src), str(tmp_path / "out"), "parquet", 10, store)
+    assert [(it["key"], it["text"]) for it in items] == [
+        ("cat", "a cat"), ("dog", "a dog"), ("sub/bird", "a sub/bird")]
+    trained = plan_data(DataSection(uri=str(src)), store).files
+    assert sorted(it["uri"] for it in items) == [f for f in trained if f.endswith(".png")]
+
+
+@pytest.mark.parametrize("name", ["metadata.csv", "metadata.jsonl"])
+def test_a_metadata_file_not_in_utf8_is_named_with_the_fix(tmp_path, name):
+    """Excel saves a CSV in the Windows code page: the run was refused with "data.uri:
+    'utf-8' codec can't decode byte 0xe9 ...", naming neither the file nor the fix."""
+    from raylora.data.demo import write_imagefolder
+
+    src = write_imagefolder(tmp_path / "src", n=2, size=16, seed=0)
+    (src / "metadata.jsonl").unlink()
+    text = ("file_name,text\nimg_00000.png,café\nimg_00001.png,b\n" if name.endswith(".csv") else
+            '{"file_name": "img_00000.png", "text": "café"}\n')
+    (src / name).write_bytes(text.encode("cp1252"))
+    at = text.index("é")
+    with pytest.raises(ValueError) as exc:
+        plan_data(DataSection(uri=str(src)), Storage())
+    assert str(exc.value) == (f"{src}/{name}: not UTF-8 text (invalid continuation byte at "
+                              f"byte {at}); save it as UTF-8")
+
+
+def test_shards_build_keeps_several_captions_in_a_parquet_list_column(tmp_path):
+    """A metadata.jsonl line's list of captions: the parquet shard's text column holds them
+    as a list<string> (training draws one per read); a WebDataset's .txt holds one caption,
+    so that build is refused before Ray. Before: the joined string was written."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raylora.data.demo import write_imagefolder
+    from raylora.data.shards import checked_items
+
+    src = write_imagefolder(tmp_path / "src", n=3, size=16, seed=0)
+    texts = [["a dog", "a puppy"], "one caption", []]
+    (src / "metadata.jsonl").write_text("".join(
+        json.dumps({"file_name": f"img_{i:05d}.png", "text": t}) + "\n" for i, t in enumerate(texts)))
+    store = Storage()
+    items = checked_items(str(src), str(tmp_path / "out"), "parquet", 10, store)
+    assert [it["text"] for it in items] == [["a dog", "a puppy"], "one caption", ""]
+    write_shard(store, str(tmp_path / "out"), "parquet", 0, items)
+    table = pq.read_table(tmp_path / "out" / "shard-00000.parquet")
+    assert table.schema.field("text").type == pa.list_(pa.string())
+    assert table["text"].to_pylist() == [["a dog", "a puppy"], ["one caption"], []]
+    from raylora.data.captions import caption_list
+
+    data = DataSection(uri=str(tmp_path / "out"))
+    rows = list(formats.get_format("parquet").iter_rows(data, plan_data(data, store).files, store))
+    assert [caption_list(r["text"]) or r["text"] for r in rows] == [["a dog", "a puppy"], "one caption", ""]
+    with pytest.raises(ValueError) as exc:
+        checked_items(str(src), str(tmp_path / "wds"), "webdataset", 10, store)
+    assert str(exc.value) == (
+        f"{src}: 1 image(s) have several captions in their metadata line (e.g. img_00000); a "
+        "webdataset shard holds one caption per image: build --format parquet (a list column, "
+        "one caption drawn per read in training)")

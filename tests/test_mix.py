@@ -153,3 +153,171 @@ def test_latent_cache_encodes_each_source_with_its_prefix(two_sources, tiny_mode
     assert cached.rows == 24 and [s["share"] for s in cached.summary()] == [0.75, 0.25]
     assert fingerprint(cfg, "sd", tiny_model, plan, store) != \
         fingerprint(config("ohwx"), "sd", tiny_model, plan, store)
+
+
+def test_several_captions_travel_joined_and_one_is_drawn_per_read():
+    """An image's several captions (a parquet list<string> cell, a metadata.jsonl "text":
+    [...]) trained as the list's text ("['a', 'b']"), and with a caption_prefix crashed
+    (AttributeError on the list). They travel as one string that str() keeps, the prefix
+    on each; the stage draws one per read from its generator (diffusers' random.choice)."""
+    from raylora.data.captions import SEVERAL, caption_list, joined_captions, pick_caption
+    from raylora.data.decode import BadRecord, decode_caption
+
+    two = joined_captions(["a dog", " ", None, "a puppy"])
+    assert two == SEVERAL + '["a dog", "a puppy"]' and str(two) == two
+    # Ray Data hands a list<string> cell over as a numpy array
+    assert caption_list(two) == caption_list(np.array(["a dog", "a puppy"], dtype=object)) == [
+        "a dog", "a puppy"]
+    assert joined_captions(["only one", ""]) == "only one" and joined_captions([]) == ""
+    assert joined_captions("a dog") == "a dog" and joined_captions(None) is None
+    assert caption_list("a dog") is None
+    # the prefix on each, whether it gets the list or its joined string
+    assert with_prefix("sks,", ["a dog", "a puppy"]) == with_prefix("sks", two) == \
+        joined_captions(["sks, a dog", "sks, a puppy"])
+    assert with_prefix("sks", ["a dog"]) == "sks, a dog" and with_prefix("sks", []) == ""
+    # one integer draw per row of several: what a generator of the same seed draws
+    rng, ref = np.random.default_rng(3), np.random.default_rng(3)
+    got = [decode_caption(two, False, rng) for _ in range(200)]
+    assert got == [["a dog", "a puppy"][int(ref.integers(2))] for _ in range(200)]
+    assert 70 < got.count("a dog") < 130
+    # a row of one caption draws nothing: its crop and dropout draw as they did
+    state = rng.bit_generator.state
+    assert decode_caption(["just one"], False, rng) == pick_caption("just one", rng) == "just one"
+    assert rng.bit_generator.state == state
+    # no generator (the driver's sample check): the first; none at all: a missing caption
+    assert decode_caption(np.array(["x", "y"], dtype=object), False) == "x"
+    assert decode_caption([], True) == ""
+    with pytest.raises(BadRecord, match="missing_caption"):
+        decode_caption([" ", None], False)
+
+
+# Each image's captions, as a dataset of several captions per image holds them.
+LISTED = [["a red square, bright", "a crimson tile"],
+          ["a blue square, dark", "an azure tile", "blue"]]
+
+
+def _listed_data(root) -> tuple[str, str]:
+    """LISTED twice: a parquet shard with a list<string> column ``captions``, and an image
+    folder whose metadata.jsonl lines have ``"text": [...]``."""
+    import io
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq_
+    from PIL import Image
+
+    pngs = []
+    for i in range(len(LISTED)):
+        buf = io.BytesIO()
+        Image.new("RGB", (40, 40), (60 * i, 100, 200)).save(buf, "PNG")
+        pngs.append(buf.getvalue())
+    (root / "pq").mkdir()
+    pq_.write_table(pa.table({"image": pngs, "captions": pa.array(LISTED, pa.list_(pa.string()))}),
+                    root / "pq" / "part-0.parquet")
+    (root / "if").mkdir()
+    for i, png in enumerate(pngs):
+        (root / "if" / f"{i}.png").write_bytes(png)
+    (root / "if" / "metadata.jsonl").write_text("".join(
+        json.dumps({"file_name": f"{i}.png", "text": c}) + "\n" for i, c in enumerate(LISTED)))
+    return str(root / "pq"), str(root / "if")
+
+
+def test_a_list_caption_column_trains_one_caption_a_read_with_prefix_and_shuffle(
+        tmp_path, tiny_model):
+    """Through the plain readers (the driver, the cache builder) and the preprocess stage:
+    each read tokenizes one of the row's captions, drawn from the stage's seeded
+    generator, the prefix on it; tags shuffled after the draw. Before: the list's text
+    ("['a red square, bright', 'a crimson tile']"), or an AttributeError with a prefix."""
+    from raylora.data.plan import iter_plan_rows
+    from raylora.data.preprocess import Preprocess, StageSpec, stage_kwargs
+
+    pq, folder = _listed_data(tmp_path)
+    store = Storage()
+    prefixed = [[f"ohwx, {c}" for c in cs] for cs in LISTED]
+    # What Ray Data's read stage hands the stage for a list<string> column without a prefix
+    arrays = np.empty(len(LISTED), dtype=object)
+    arrays[:] = [np.array(cs, dtype=object) for cs in LISTED]
+    for data, want in ((DataSection(uri=pq, caption_column="captions", caption_prefix="ohwx"), prefixed),
+                       (DataSection(uri=folder, caption_prefix="ohwx"), prefixed),
+                       (DataSection(uri=pq, caption_column="captions"), LISTED)):
+        data = data.model_copy(update={"resolution": 32, "center_crop": True, "random_flip": False})
+        rows = list(iter_plan_rows(data, plan_data(data, store), store))
+        texts = np.array([r["text"] for r in rows], dtype=object) if data.caption_prefix else arrays
+        stage = Preprocess(StageSpec(**stage_kwargs("train", data, model_path=tiny_model,
+                                                    family="sd", storage=store, seed=7)))
+        seen = []
+        stage.text_columns = lambda caps, f=stage.text_columns: (seen.append(list(caps)), f(caps))[1]
+        batch = {"image": np.array([r["image"] for r in rows], dtype=object), "text": texts,
+                 "key": np.array([r["key"] for r in rows], dtype=object)}
+        for _ in range(20):
+            assert len(stage(batch)["input_ids"]) == 2
+        # centre crop, no flip, no dropout: the caption draws are the generator's only ones
+        ref = np.random.default_rng(7)
+        assert seen == [[cs[int(ref.integers(len(cs)))] for cs in want] for _ in range(20)]
+        assert {c for s in seen for c in s} == {c for cs in want for c in cs}
+        from raylora.data.captions import caption_list
+
+        assert [caption_list(r["text"]) for r in rows] == want  # every caption read
+    # tag shuffling acts on the drawn caption: the trigger word stays first
+    data = DataSection(uri=pq, caption_column="captions", caption_prefix="ohwx", resolution=32,
+                       center_crop=True, shuffle_tags=True, keep_tokens=1)
+    rows = list(iter_plan_rows(data, plan_data(data, store), store))
+    stage = Preprocess(StageSpec(**stage_kwargs("train", data, model_path=tiny_model, family="sd",
+                                                storage=store, seed=1)))
+    seen = []
+    stage.text_columns = lambda caps, f=stage.text_columns: (seen.extend(caps), f(caps))[1]
+    for _ in range(20):
+        stage({"image": np.array([r["image"] for r in rows], dtype=object),
+               "text": np.array([r["text"] for r in rows], dtype=object)})
+    tags = {c: sorted(c.split(", ")) for cs in prefixed for c in cs}
+    assert all(s.startswith("ohwx, ") and sorted(s.split(", ")) in tags.values() for s in seen)
+    assert "ohwx, bright, a red square" in seen  # shuffled, not just drawn
+
+
+def test_several_captions_with_a_cache_or_a_parquet_split_are_refused_in_planning(tmp_path):
+    """A latent cache encodes one caption per image for good; a parquet list column's
+    held-out hash sees a list on the driver and a numpy array in Ray Data's read stage.
+    Both refused in planning naming data.caption_column. An image folder's joined string
+    is the same everywhere: its split holds out the rows the driver holds out."""
+    from raylora.data.classgen import read_user_rows
+    from raylora.data.split import KeepSplit, read_heldout_rows
+
+    pq, folder = _listed_data(tmp_path)
+    store = Storage()
+    shard = f"{pq}/part-0.parquet"
+    with pytest.raises(ValueError) as exc:
+        plan_data(DataSection(uri=pq, caption_column="captions", cache="latents"), store)
+    assert str(exc.value) == (
+        f"{shard}: data.caption_column='captions' holds several captions per image; data.cache: "
+        "latents encodes one caption per image for good: train uncached (data.cache: none, a "
+        "caption drawn per read), or keep one caption per image")
+    with pytest.raises(ValueError) as exc:
+        plan_data(DataSection(uri=pq, caption_column="captions", validation_split=0.5), store)
+    assert str(exc.value) == (
+        f"{shard}: data.caption_column='captions' holds several captions per image; "
+        "data.validation_split cannot hold such rows out consistently: give the held-out rows "
+        "as their own files (data.validation_uri)")
+    with pytest.raises(ValueError) as exc:
+        plan_data(DataSection(uri=folder, cache="latents"), store)
+    assert str(exc.value) == (
+        f"data.caption_column='text': 2 line(s) of {folder}/metadata.jsonl hold several "
+        "captions (e.g. '0.png'); data.cache: latents encodes one caption per image for good: "
+        "train uncached (data.cache: none, a caption drawn per read), or keep one caption per "
+        "image")
+    assert plan_data(DataSection(uri=pq, caption_column="captions"), store).rows == 2
+    # an image folder's split: the rows the read stage holds out (its str() column) are
+    # the driver's held-out rows
+    data = DataSection(uri=folder, caption_prefix="ohwx", validation_split=0.5)
+    plan = plan_data(data, store)
+    rows = list(read_heldout_rows(data, plan, store, None))
+    batch = {"image": np.array([r["image"] for r in rows], dtype=object),
+             "text": np.array([str(r["text"]) for r in rows], dtype=object)}
+    held = KeepSplit(0.5, heldout=True)(batch)
+    driver = read_heldout_rows(data, plan, store, 0.5)
+    assert len(driver) == 1 and [r["text"] for r in driver] == list(held["text"])
+    # class rows keep every caption (the class stage draws from them per batch)
+    class_rows = read_user_rows(DataSection(uri=pq, class_sources=folder, class_prompt="a square"),
+                                store, str(tmp_path / "generated"), 10)
+    from raylora.data.captions import caption_list
+
+    assert [caption_list(r["text"]) for r in class_rows] == LISTED

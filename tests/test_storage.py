@@ -151,3 +151,31 @@ def test_listings_leave_out_hidden_files_and_job_markers_not_camera_photos():
                         "_committed_123", "_started_123", "_manifest.json", "_stats.json",
                         "_part-0.crc"] if not skipped(n)] == [
         "_MG_1234.JPG", "_MG_1234.txt", "_DSC0001.jpg", "a.png"]
+
+
+def test_files_in_hidden_folders_are_left_out_of_every_listing(tmp_path):
+    """Only a file's own name was judged: a notebook's .ipynb_checkpoints copies, a file
+    manager's .thumbnails and __pycache__ or __MACOSX files trained. Hidden folders below
+    the data's root are left out (as Hugging Face datasets does); the root's own folders
+    are not judged, and a folder named outright (or by a pattern's fixed part) is read."""
+    root = tmp_path / ".cache" / "data"  # data kept under a hidden folder is still data
+    for name in ("a.parquet", "sub/b.parquet", ".ipynb_checkpoints/a-checkpoint.parquet",
+                 ".thumbnails/t.parquet", "__pycache__/c.parquet", "__MACOSX/sub/b.parquet",
+                 "sub/.git/x.parquet", "_MG_0001/d.parquet"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(b"x")
+    st = Storage()
+    rel = lambda found: [os.path.relpath(f, root) for f in found]  # noqa: E731
+    kept = ["_MG_0001/d.parquet", "a.parquet", "sub/b.parquet"]
+    assert rel(st.expand(str(root))) == kept
+    assert rel(st.expand(str(root / "**.parquet"))) == kept
+    assert rel(st.expand(str(root / "*" / "*.parquet"))) == ["_MG_0001/d.parquet", "sub/b.parquet"]
+    assert rel(st.expand(str(root / ".thumbnails"))) == [".thumbnails/t.parquet"]
+    assert rel(st.expand(str(root / "sub" / ".git" / "*.parquet"))) == ["sub/.git/x.parquet"]
+    assert rel(st.expand(str(root / "{sub,.thumbnails}"))) == [".thumbnails/t.parquet", "sub/b.parquet"]
+    from raylora.storage import hidden_folder
+
+    assert rel(st.data_files(str(root))) == kept  # raylora shards build's listing
+    assert hidden_folder("s3://b/data", "s3://b/data/x/.ipynb_checkpoints/a.png")
+    assert not hidden_folder("s3://b/.data", "s3://b/.data/x/a.png")
+    assert not hidden_folder("/", "/a/b.png") and hidden_folder("/", "/.a/b.png")

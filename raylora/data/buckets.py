@@ -104,20 +104,32 @@ def cover_crop_box(width: int, height: int, bucket: tuple[int, int], center: boo
     return (nw, nh), (int(rng.integers(0, nh - bh + 1)), int(rng.integers(0, nw - bw + 1)))
 
 
-def image_size(value) -> tuple[int, int] | None:
+def image_size(value, max_pixels: int | None = None) -> tuple[int, int] | None:
     """``(width, height)`` from an encoded image's header (no pixels decoded), upright
     (EXIF orientation applied); None when it cannot be read (the validating decode drops
-    such a row anyway)."""
+    such a row anyway). ``max_pixels``: data.max_image_pixels, PIL's bomb bound here as in
+    the decode (``raylora.data.decode.open_image`` sets it process-wide): PIL refuses a
+    header over twice its bound, so an image a raised bound lets the run decode was in no
+    bucket while no decode had yet raised it on the driver."""
+    import warnings
+
     from PIL import Image
 
-    from raylora.data.decode import QUARTER_TURNS, orientation
+    from raylora.data.decode import QUARTER_TURNS, header_orientation
     from raylora.data.formats.base import image_bytes
 
+    data = image_bytes(value)
+    if max_pixels:
+        Image.MAX_IMAGE_PIXELS = max_pixels
     try:
-        with Image.open(io.BytesIO(image_bytes(value))) as img:
+        with warnings.catch_warnings():
+            # between the bound and twice it: scan_rows compares with the bound itself
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data))
+        with img:
             # Upright, as the decode turns it (raylora.data.decode.upright).
             w, h = img.size
-            return (h, w) if orientation(img) in QUARTER_TURNS else (w, h)
+            return (h, w) if header_orientation(img, data) in QUARTER_TURNS else (w, h)
     except Exception:  # noqa: BLE001 - any unreadable header is a row training drops
         return None
 
@@ -139,13 +151,14 @@ def scan_rows(rows: Iterable[dict], buckets: BucketSet, source: int, min_size: i
     unreadable, too small or too large image), or held out by ``split``
     (data.validation_split; ``prefix``: the source's caption prefix, which the held-out
     hash reads as training does, ``raylora.data.split``)."""
-    from raylora.data.captions import with_prefix
+    from raylora.data.captions import joined_captions, with_prefix
     from raylora.data.split import row_fraction
 
     out = []
     for row in rows:
-        size = image_size(row["image"])
-        text = row.get("text")
+        size = image_size(row["image"], max_pixels)
+        # several captions as the readers join them: a list of blank ones is no caption
+        text = joined_captions(row.get("text"))
         if size is None or not size[0] or not size[1] or \
                 (not keep_empty and (text is None or not str(text).strip())) or \
                 (skip_small and min_size and min(size) < min_size) or \

@@ -6,11 +6,18 @@ its seeded generator, so ``data.sharding=files`` repeats them exactly on resume)
 Tags are the comma-separated parts of a caption, as kohya-ss writes and shuffles them:
 ``keep_tokens`` first tags stay in place (the trigger word, once prefixed, is the first),
 the rest are shuffled, and the caption is joined again with ", ".
+
+An image may have several captions (a parquet ``list<string>`` cell, a metadata.jsonl
+``"text": [...]``): each read trains on one of them, drawn in the preprocess stage from
+its seeded generator (``pick_caption``), as diffusers' training scripts ``random.choice``
+one; the prefix goes on each, dropout and shuffling act on the one drawn.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -32,10 +39,59 @@ def caption_policies(data) -> tuple[CaptionPolicy, ...]:
                  for s in data.source_sections())
 
 
-def with_prefix(prefix: str, text: str | None) -> str | None:
+# Several captions of one image travel as one string: SEVERAL + their JSON list. Between
+# the file and the preprocess stage captions pass through string columns and str() (an
+# image folder's rows in Ray Data, the prefix put in by the read stage), and the held-out
+# hash and the driver's bucket scan must see the value the stage's split sees.
+SEVERAL = "\x00raylora:captions\x00"
+
+
+def caption_list(value: Any) -> list[str] | None:
+    """The captions of a cell that holds several: a list, tuple or numpy array (pyarrow's
+    ``list<string>`` as Ray Data hands it over), or ``joined_captions``' string; blank and
+    missing ones left out. None for any other value (one caption, or none)."""
+    if isinstance(value, str):
+        return json.loads(value[len(SEVERAL):]) if value.startswith(SEVERAL) else None
+    if not isinstance(value, (list, tuple, np.ndarray)):
+        return None
+    out = [v.decode("utf-8", "replace") if isinstance(v, (bytes, bytearray)) else str(v)
+           for v in (value.tolist() if isinstance(value, np.ndarray) else value) if v is not None]
+    return [c for c in out if c.strip()]
+
+
+def joined_captions(value: Any) -> Any:
+    """A caption cell as the readers pass it on: several captions (``caption_list``) as one
+    string (``SEVERAL`` + JSON), one as itself, none as ""; any other value unchanged."""
+    captions = caption_list(value)
+    if captions is None:
+        return value
+    if len(captions) < 2:
+        return captions[0] if captions else ""
+    return SEVERAL + json.dumps(captions, ensure_ascii=False)
+
+
+def pick_caption(value: Any, rng: np.random.Generator | None) -> Any:
+    """``value`` with one caption where it holds several (``caption_list``): drawn from
+    ``rng``, one integer draw, only where there are two or more (rows of one caption draw
+    nothing: their crops and dropout draw as before); the first without ``rng`` (the
+    driver's sample check). "" for a list of none; any other value unchanged."""
+    captions = caption_list(value)
+    if captions is None:
+        return value
+    if len(captions) < 2 or rng is None:
+        return captions[0] if captions else ""
+    return captions[int(rng.integers(len(captions)))]
+
+
+def with_prefix(prefix: str, text: Any) -> Any:
     """``prefix`` as the caption's first tag: ``"sks"`` + ``"a dog"`` → ``"sks, a dog"``
     (a trailing comma on the prefix is not doubled). A row without a caption keeps none:
-    it is a missing_caption row, not one captioned with the trigger word alone."""
+    it is a missing_caption row, not one captioned with the trigger word alone. Several
+    captions (``caption_list``): each gets it, joined (``joined_captions``): the read
+    stage's string column holds them."""
+    captions = caption_list(text)
+    if captions is not None:
+        return joined_captions([with_prefix(prefix, c) for c in captions])
     prefix = prefix.strip().rstrip(",").strip()
     if not prefix or text is None or not text.strip() or text.startswith(NOT_UTF8):
         return text

@@ -298,11 +298,14 @@ class Preprocess:
         or ``BadRecord``."""
         from raylora.data.decode import open_masked_row, to_rgb
 
-        # Caption dropout trains on the empty prompt anyway: a blank caption is kept.
+        # Caption dropout trains on the empty prompt anyway: a blank caption is kept. One of
+        # a row's several captions is drawn from the stage's generator, per read (before
+        # the row's crop and flip; rows of one caption draw nothing for it).
         img, caption, loss_mask, paired = open_masked_row(
             image, text, mask, masks=self.masks,
             **{k: v for k, v in self.decode.items() if k != "background"},
-            keep_empty_captions=self.policies[src].dropout > 0, controls=controls)
+            keep_empty_captions=self.policies[src].dropout > 0, controls=controls,
+            rng=self.rng)
         background = self.decode["background"]
         return (to_rgb(img, background), caption, loss_mask,
                 None if paired is None else [to_rgb(c, background) for c in paired])

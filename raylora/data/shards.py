@@ -25,9 +25,14 @@ log = logging.getLogger("raylora.data")
 
 
 def collect_items(store: Storage, src: str) -> list[dict]:
-    """``[{"key", "uri", "text"}]`` for every captioned image under ``src``, sorted by key."""
+    """``[{"key", "uri", "text"}]`` for every captioned image under ``src``, sorted by key.
+    The files are those training reads from the folder (``Storage.data_files``: no hidden
+    files or folders, no macOS ``._*`` companions, no job markers). ``text``: a list where
+    a metadata line has several captions (``raylora.data.captions.caption_list``)."""
+    from raylora.data.captions import caption_list
+
     src = normalize(src)
-    files = store.list_files(src)
+    files = store.data_files(src)
     if not files:
         raise FileNotFoundError(f"{src}: no files found")
     if any(is_metadata(f) for f in files):
@@ -43,6 +48,8 @@ def collect_items(store: Storage, src: str) -> list[dict]:
     present = set(files)
     for it in items:  # keys relative to the source folder, stable across machines
         it["key"] = posixpath.splitext(it["key"][len(src) + 1 :])[0]
+        # several captions: a list, which a parquet shard keeps as one (list<string>)
+        it["text"] = caption_list(it["text"]) or it["text"]
         if formats.mask_uri(it["uri"]) in present:
             it["mask_uri"] = formats.mask_uri(it["uri"])
         for i in range(MAX_CONTROL_INPUTS):  # control_uri, control_uri_2, ...
@@ -113,6 +120,12 @@ def checked_items(src: str, dest: str, fmt: str, shard_size: int, store: Storage
     if shard_size <= 0:
         raise ValueError(f"--shard-size: must be positive, got {shard_size}")
     items = collect_items(store, src)
+    several = [it["key"] for it in items if isinstance(it["text"], list)]
+    if several and fmt != "parquet":
+        raise ValueError(f"{src}: {len(several)} image(s) have several captions in their "
+                         f"metadata line (e.g. {several[0]}); a {fmt} shard holds one caption "
+                         "per image: build --format parquet (a list column, one caption drawn "
+                         "per read in training)")
     if problem := store.write_problem(normalize(dest)):
         raise ValueError(f"dest: {problem}")
     there = [f for f in store.list_files(normalize(dest)) if not posixpath.basename(f).startswith(".")]

@@ -50,9 +50,30 @@ def _records(meta: str, text: str):
         yield rec
 
 
+def metadata_text(storage, meta: str) -> str:
+    """A metadata file's text: UTF-8 (a leading byte-order mark dropped), else a ValueError
+    naming the file (Excel saves CSV in the Windows code page: a bare UnicodeDecodeError
+    named neither the file nor the fix)."""
+    try:
+        return storage.read_bytes(meta).decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{meta}: not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                         "save it as UTF-8") from None
+
+
+def _caption(value):
+    """A metadata line's caption: several (a JSON list, as Hugging Face's imagefolder
+    takes them) joined into one string (``raylora.data.captions.joined_captions``: the
+    preprocess stage draws one per read); any other value as its text, "" for none."""
+    from raylora.data.captions import caption_list, joined_captions
+
+    return joined_captions(value) if caption_list(value) is not None else str(value or "")
+
+
 def imagefolder_rows(storage, files: list[str], caption_key: str,
                      missing: list[tuple[str, str]] | None = None,
-                     key_name: str | None = "data.caption_column") -> list[dict]:
+                     key_name: str | None = "data.caption_column",
+                     several: list[tuple[str, str]] | None = None) -> list[dict]:
     """(image URI, caption) rows of an imagefolder, from its metadata.jsonl (or .csv)
     file(s).
 
@@ -63,7 +84,11 @@ def imagefolder_rows(storage, files: list[str], caption_key: str,
     ``missing`` (``ImageFolder.count_rows`` judges them before Ray starts).
     ``key_name``: how a ``caption_key`` that no line of a metadata file has is named in
     the error; None: captions are optional (class images take their prompt).
+    A line's list of captions is one joined string (``_caption``); ``(metadata file,
+    file_name)`` of each line with two or more is appended to ``several``.
     """
+    from raylora.data.captions import caption_list
+
     metas = [f for f in files if is_metadata(f)]
     if not metas:
         raise FileNotFoundError(
@@ -80,7 +105,7 @@ def imagefolder_rows(storage, files: list[str], caption_key: str,
     for meta in metas:
         base = posixpath.dirname(meta)
         keys: set[str] = set()
-        for rec in _records(meta, storage.read_bytes(meta).decode("utf-8-sig")):
+        for rec in _records(meta, metadata_text(storage, meta)):
             keys.update(rec)
             # a Windows-made file's "train\\a.png", as Hugging Face reads it
             name = str(rec["file_name"]).replace("\\", "/")
@@ -89,7 +114,10 @@ def imagefolder_rows(storage, files: list[str], caption_key: str,
                 if missing is not None:
                     missing.append((meta, name))
                 continue
-            rows.append({"key": uri, "uri": uri, "text": str(rec.get(caption_key) or "")})
+            text = _caption(rec.get(caption_key))
+            if several is not None and caption_list(text) is not None:
+                several.append((meta, name))
+            rows.append({"key": uri, "uri": uri, "text": text})
         if keys and caption_key not in keys and key_name is not None:
             # every row would train on the empty caption (with caption dropout on, no
             # warning either): a column name the metadata does not use
@@ -100,11 +128,27 @@ def imagefolder_rows(storage, files: list[str], caption_key: str,
     return rows
 
 
-def _data_rows(data, storage, files: list[str], missing: list | None = None) -> list[dict]:
+def _data_rows(data, storage, files: list[str], missing: list | None = None,
+               several: list | None = None) -> list[dict]:
     """``imagefolder_rows`` with ``data``'s caption column; a column no line has is an
     error naming data.caption_column, except for class images (their prompt stands in)."""
     return imagefolder_rows(storage, files, data.caption_column, missing,
-                            None if data.captions_optional else "data.caption_column")
+                            None if data.captions_optional else "data.caption_column", several)
+
+
+def cached_captions_problem(data, several: list[tuple[str, str]]) -> str | None:
+    """Why the lines with several captions (``(metadata file, file_name)``) cannot train
+    with ``data``: data.cache=latents encodes each row's caption once, for good (one
+    drawn when the cache was built, the others never trained), so it is refused; None
+    when there are none or the run is uncached (a caption is drawn per read)."""
+    if not several or data.cache != "latents":
+        return None
+    meta, name = several[0]
+    return (f"data.caption_column={data.caption_column!r}: {len(several)} line(s) of {meta}"
+            f"{' and the other metadata files' if len({m for m, _ in several}) > 1 else ''} "
+            f"hold several captions (e.g. {name!r}); data.cache: latents encodes one caption "
+            "per image for good: train uncached (data.cache: none, a caption drawn per read), "
+            "or keep one caption per image")
 
 
 def _row(data, storage, row: dict) -> dict:
@@ -140,9 +184,14 @@ class ImageFolder(ShardFormat):
     def count_rows(self, data, files, storage):
         """Metadata lines whose image is not in the folder: refused when they are more than
         data.max_bad_fraction of the lines, else left out with a warning naming them (the
-        workers would have failed on the first such read, Ray and the model already up)."""
+        workers would have failed on the first such read, Ray and the model already up).
+        Lines of several captions with data.cache=latents: refused
+        (``cached_captions_problem``)."""
         missing: list[tuple[str, str]] = []
-        n = len(_data_rows(data, storage, files, missing))
+        several: list[tuple[str, str]] = []
+        n = len(_data_rows(data, storage, files, missing, several))
+        if problem := cached_captions_problem(data, several):
+            raise ValueError(problem)
         if missing:
             share = len(missing) / (n + len(missing))
             what = (f"{len(missing)} of {n + len(missing)} lines of {missing[0][0]}"

@@ -37,6 +37,9 @@ def check_columns(data: DataSection, file: str, schema: pa.Schema) -> None:
     if missing:
         raise ValueError(f"{file}: column(s) not found: {', '.join(missing)}; the shard has "
                          f"{names}{_column_hint(data, schema)}")
+    if _listed(schema.field(data.caption_column).type) and \
+            (problem := several_captions_problem(data)):
+        raise ValueError(f"{file}: {problem}")
     # The image column, and the mask and control columns the shard has (an edit dataset
     # often keeps its input images as paths: they failed inside the plan's sample read).
     keys = {data.mask_column: "mask_column"} | {c: "control_column" for c in data.control_columns()}
@@ -53,6 +56,39 @@ def check_columns(data: DataSection, file: str, schema: pa.Schema) -> None:
             "struct {bytes, path}). Images kept as files beside a caption each read as a "
             "folder (data.format captionfolder or imagefolder), or `raylora shards build` "
             "turns that folder into shards")
+
+
+def several_captions_problem(data: DataSection) -> str | None:
+    """Why a caption column of several captions per image (``list<string>``: a preprocess
+    stage draws one per read, ``raylora.data.captions.pick_caption``) cannot train with
+    ``data``, or None. data.cache=latents encodes one caption per row for good.
+    data.validation_split hashes each row's caption, which Ray Data's read stage hands
+    over as a numpy array (``raylora.data.source``) and the driver's readers (held-out
+    rows, bucket counts) as their joined string: a row held out on the driver could
+    train, and a bucket's count be off."""
+    col = f"data.caption_column={data.caption_column!r} holds several captions per image"
+    if data.cache == "latents":
+        return (f"{col}; data.cache: latents encodes one caption per image for good: train "
+                "uncached (data.cache: none, a caption drawn per read), or keep one caption "
+                "per image")
+    if data.validation_split:
+        return (f"{col}; data.validation_split cannot hold such rows out consistently: give "
+                "the held-out rows as their own files (data.validation_uri)")
+    return None
+
+
+def _listed(kind: pa.DataType) -> bool:
+    """A list column type (several values a row)."""
+    return pa.types.is_list(kind) or pa.types.is_large_list(kind) or \
+        pa.types.is_fixed_size_list(kind) or pa.types.is_list_view(kind) or \
+        pa.types.is_large_list_view(kind)
+
+
+def _stringy(kind: pa.DataType) -> bool:
+    """Captions: strings, or a list of strings (several captions per image)."""
+    if _listed(kind):
+        kind = kind.value_type
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
 
 
 # Caption columns other tools write: img2dataset's parquet output has ``txt`` (and the
@@ -73,8 +109,8 @@ def _column_hint(data: DataSection, schema: pa.Schema) -> str:
         picks += [f"data.image_column={n}" for n in names if _binary(kind(n)) or (
             pa.types.is_struct(kind(n)) and kind(n).get_field_index("bytes") >= 0)][:1]
     if data.caption_column not in names:
-        picks += [f"data.caption_column={n}" for n in CAPTION_NAMES if n in names and (
-            pa.types.is_string(kind(n)) or pa.types.is_large_string(kind(n)))][:1]
+        picks += [f"data.caption_column={n}" for n in CAPTION_NAMES
+                  if n in names and _stringy(kind(n))][:1]
     return f" (try {' '.join(picks)})" if picks else ""
 
 
@@ -115,6 +151,9 @@ def _table_rows(data: DataSection, f: str, table, places) -> Iterator[dict]:
     """Rows ``{key, image, text}`` (+ ``mask``, ``control``, ...) of a batch or table read
     from ``f``, whose rows are at ``places`` in the file. A column the shard lacks gives
     every row None (unmasked; a missing_control for its input)."""
+    # Here, not at the top: raylora.data.captions imports this registry.
+    from raylora.data.captions import joined_captions
+
     d = table.to_pydict()
     nothing = [None] * table.num_rows
     masks = d.get(data.mask_column, nothing)
@@ -122,7 +161,8 @@ def _table_rows(data: DataSection, f: str, table, places) -> Iterator[dict]:
     controls = [d.get(c, nothing) for c in data.control_columns()[:len(names)]]
     for j, (row, img, txt, mask) in enumerate(zip(places, d[data.image_column],
                                                   d[data.caption_column], masks)):
-        out = {"key": f"{f}#{row}", "image": image_bytes(img), "text": txt}
+        # several captions (list<string>) joined, as an image folder's rows hold them
+        out = {"key": f"{f}#{row}", "image": image_bytes(img), "text": joined_captions(txt)}
         yield with_mask(data, out, image_bytes(mask) or None,
                         [image_bytes(c[j]) or None for c in controls])
 
@@ -206,9 +246,10 @@ class Parquet(ShardFormat):
             {
                 "key": [it["key"] for it in items],
                 "image": [storage.read_bytes(it["uri"]) for it in items],
-                "text": [it["text"] for it in items],
+                "text": shard_captions([it["text"] for it in items]),
             },
-            schema=SCHEMA,
+            schema=SCHEMA if not any(isinstance(it["text"], list) for it in items) else
+            SCHEMA.set(2, pa.field("text", pa.list_(pa.string()))),
         )
         # Sidecars as the columns data.mask_column and data.control_column name by default
         # (input k ≥ 2: control_image_k, data.control_columns()' default).
@@ -220,6 +261,15 @@ class Parquet(ShardFormat):
         buf = io.BytesIO()
         pq.write_table(table, buf)
         return f"shard-{index:05d}.parquet", buf.getvalue()
+
+
+def shard_captions(texts: list) -> list:
+    """A shard's ``text`` column: the captions as they are, or, where any item has several
+    (a list: ``raylora shards build`` of a metadata.jsonl with ``"text": [...]``), every
+    one as a list (``list<string>``; ``[]`` for none), which training draws from per read."""
+    if not any(isinstance(t, list) for t in texts):
+        return texts
+    return [t if isinstance(t, list) else [t] if t else [] for t in texts]
 
 
 def _control_columns(items: list[dict]) -> list[tuple[str, list[str | None]]]:

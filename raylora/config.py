@@ -1228,6 +1228,13 @@ def _blank_uris(tree: Any, where: str = "") -> list[str]:
         named = URI_KEYS.search(str(k)) or (isinstance(k, int) and URI_KEYS.search(where.split(".")[-1]))
         if named and isinstance(v, str) and not v.strip():
             out.append(f"{key}: empty; give a path or URI (an unset environment variable?)")
+        elif named and isinstance(v, str) and v.startswith("file:"):
+            from raylora.storage import local_path
+
+            try:
+                local_path(v)
+            except ValueError as exc:
+                out.append(f"{key}: {exc}")
         elif isinstance(v, (dict, list)) and not (isinstance(k, str) and k == "search_space"):
             out += _blank_uris(v, key)
     return out

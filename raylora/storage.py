@@ -61,9 +61,18 @@ def is_local(uri: str) -> bool:
 
 
 def local_path(uri: str) -> str:
-    """Absolute local path of a plain path or ``file://`` URI."""
-    if uri.startswith("file://"):
-        uri = uri[len("file://") :]
+    """Absolute local path of a plain path or ``file:`` URI: ``file:///a/b%20c``
+    (``Path.as_uri()``'s, percent-decoded), ``file:/a/b`` (Hadoop's and Spark's),
+    ``file://localhost/a/b``; a ``file://`` URI naming another host is refused, as is a
+    relative one (``file://a/b``: host ``a``)."""
+    if uri.startswith("file:"):
+        from urllib.parse import unquote
+
+        parsed = urlparse(uri)
+        if parsed.netloc not in ("", "localhost"):
+            raise ValueError(f"{uri}: a file:// URI names a path on this machine "
+                             f"(file:///abs/path), not on host {parsed.netloc!r}")
+        uri = unquote(parsed.path)
     return os.path.abspath(os.path.expanduser(uri))
 
 
@@ -299,7 +308,9 @@ class Storage:
             spelled = braces(uri)
             if len(spelled) > 1:
                 found = self._spelled(uri, spelled)
-            elif _is_glob(uri):
+            elif _is_glob(uri) and not ("[" in uri and self._there(uri)):
+                # (a "[" in a name that is there, "photos [2023]", is that name: the glob
+                # class it would spell matched nothing, and said so)
                 root = uri[: min(uri.index(c) for c in "*?[" if c in uri)].rsplit("/", 1)[0]
                 # a hub repo is listed pinned to a commit: matched without it
                 if uri.startswith("hf://"):
@@ -328,6 +339,12 @@ class Storage:
                 raise FileNotFoundError(f"{uri}: matched no {what} files")
             out.extend(found)
         return sorted(dict.fromkeys(out))
+
+    def _there(self, uri: str) -> bool:
+        try:
+            return self.info(uri).type != pafs.FileType.NotFound
+        except (OSError, ValueError):
+            return False
 
     def _spelled(self, pattern: str, uris: list[str]) -> list[str]:
         """The files behind the URIs a brace pattern spells: globs as globs, the others
@@ -412,12 +429,17 @@ class Storage:
             check_scheme(uri)
         except ValueError as exc:
             return str(exc)
-        fs, path = self.fs(uri)
-        probe = f"{path.rstrip('/')}/{_unique('.raylora-write-check-')}"
+        parsed = urlparse(uri)
+        if not parsed.netloc:
+            return f"{uri}: no bucket (scheme://bucket/prefix)"
+        if "//" in parsed.path:  # pyarrow's "Empty path component" (ArrowInvalid), no key named
+            return f"{uri}: an empty path segment (//); write the prefix with single slashes"
         try:
+            fs, path = self.fs(uri)
+            probe = f"{path.rstrip('/')}/{_unique('.raylora-write-check-')}"
             with fs.open_output_stream(probe):
                 pass
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             return f"{uri}: cannot write there: {_short(exc)}"
         try:
             fs.delete_file(probe)

@@ -197,6 +197,13 @@ def test_a_hub_caption_folder_keeps_its_kohya_folders_and_subfolders(online, hub
     assert local.sources[0].repeats == on_hub.sources[0].repeats == [10, 10, 1]
     assert local.sources[0].epoch_rows() == on_hub.sources[0].epoch_rows() == 21
     assert hub_texts == local_texts == ["ohwx cat", "ohwx cat on a sofa", "something else"]
+    # raylora shards build of the repo: the keys and class tokens a local folder gives
+    from raylora.data.shards import collect_items
+
+    assert [(i["key"], i["text"]) for i in collect_items(Storage(), "hf://datasets/me/kohya")] == [
+        (i["key"], i["text"]) for i in collect_items(Storage(), str(src))] == [
+        ("10_ohwx cat/c1", "ohwx cat on a sofa"), ("10_ohwx cat/c2", "ohwx cat"),
+        ("other", "something else")]
     data = DataSection(uri="hf://datasets/me/kohya", format="captionfolder",
                        control_uri=str(tmp_path / "inputs"))
     assert control_candidates(data, on_hub.files[0])[0] == str(tmp_path / "inputs" / "10_ohwx cat" / "c1.png")

@@ -12,6 +12,45 @@ def test_local_uris_normalize_to_absolute_paths(tmp_path, monkeypatch):
     assert normalize("s3://bucket/prefix/") == "s3://bucket/prefix"
     with pytest.raises(ValueError, match="ftp://h/x: unsupported URI scheme"):
         filesystem("ftp://h/x")
+    # file: URIs as other tools write them (Hadoop/Spark's file:/, Path.as_uri()'s %20),
+    # read as pyarrow and Ray read them: a prefix strip wrote into ./file:/... and out%20B
+    spaced = tmp_path / "out B"
+    assert normalize(spaced.as_uri()) == str(spaced)
+    assert normalize(f"file:{tmp_path}/a") == str(tmp_path / "a")
+    assert normalize(f"file://localhost{tmp_path}/a") == str(tmp_path / "a")
+    with pytest.raises(ValueError, match="not on host 'otherhost'"):
+        normalize("file://otherhost/data")
+
+
+def test_odd_uris_are_named_by_the_config_and_the_write_check(tmp_path):
+    from raylora.config import ConfigError, validate
+
+    with pytest.raises(ConfigError) as exc:
+        validate({"model": {"pretrained": "m"}, "data": {"uri": ["d", "file://nas/pets"]},
+                  "output": {"uri": "file://runs/x"}})
+    assert exc.value.problems == [
+        "data.uri[1]: file://nas/pets: a file:// URI names a path on this machine "
+        "(file:///abs/path), not on host 'nas'",
+        "output.uri: file://runs/x: a file:// URI names a path on this machine "
+        "(file:///abs/path), not on host 'runs'"]
+    st = Storage()
+    # pyarrow raised ArrowInvalid ("Empty path component") naming no key
+    assert st.write_problem("s3://bkt/runs//exp") == (
+        "s3://bkt/runs//exp: an empty path segment (//); write the prefix with single slashes")
+    assert st.write_problem("s3:///x") == "s3:///x: no bucket (scheme://bucket/prefix)"
+
+
+def test_a_folder_whose_name_holds_brackets_is_that_folder(tmp_path):
+    """'[' spells a glob class; a name that is there with one is read as named (it matched
+    nothing as a glob)."""
+    folder = tmp_path / "photos [2023]"
+    folder.mkdir()
+    (folder / "a.png").write_bytes(b"x")
+    assert Storage().expand(str(folder)) == [str(folder / "a.png")]
+    assert Storage().expand(str(folder / "a.png")) == [str(folder / "a.png")]
+    (tmp_path / "p1").mkdir()
+    (tmp_path / "p1" / "b.png").write_bytes(b"x")
+    assert Storage().expand(str(tmp_path / "p[0-9]" / "*.png")) == [str(tmp_path / "p1" / "b.png")]
 
 
 def test_expand_dir_glob_list_and_hidden_files(tmp_path):

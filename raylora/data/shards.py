@@ -30,6 +30,7 @@ def collect_items(store: Storage, src: str) -> list[dict]:
     files or folders, no macOS ``._*`` companions, no job markers). ``text``: a list where
     a metadata line has several captions (``raylora.data.captions.caption_list``)."""
     from raylora.data.captions import caption_list
+    from raylora.data.formats.captionfolder import below_root
 
     src = normalize(src)
     files = store.data_files(src)
@@ -47,7 +48,8 @@ def collect_items(store: Storage, src: str) -> list[dict]:
         )
     present = set(files)
     for it in items:  # keys relative to the source folder, stable across machines
-        it["key"] = posixpath.splitext(it["key"][len(src) + 1 :])[0]
+        # (a hub listing names files at a commit, src names none: below_root compares both)
+        it["key"] = posixpath.splitext(below_root([src], it["key"]) or it["key"][len(src) + 1:])[0]
         # several captions: a list, which a parquet shard keeps as one (list<string>)
         it["text"] = caption_list(it["text"]) or it["text"]
         if formats.mask_uri(it["uri"]) in present:

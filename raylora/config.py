@@ -1779,9 +1779,13 @@ def _tune_checks(cfg: RayLoraConfig) -> list[str]:
         if key.split(".")[0] in UNTUNABLE:
             problems.append(f"{where}: {key.split('.')[0]}.* cannot be searched")
             continue
-        if cfg.data.cache == "latents" and key.split(".")[0] in ("model", "data"):
-            problems.append(f"{where}: with data.cache=latents every trial shares one cache; "
-                            "model.* and data.* cannot be searched")
+        if cfg.data.cache == "latents" and (key.split(".")[0] in ("model", "data")
+                                             or key == "train.mixed_precision"):
+            # (the cache holds latents and embeddings in the base config's precision: an
+            # fp32 trial trained and was scored on bf16-rounded ones)
+            problems.append(f"{where}: with data.cache=latents every trial shares one cache, "
+                            "encoded once; model.*, data.* and train.mixed_precision cannot "
+                            "be searched")
             continue
         if key in MODEL_IDENTITY:
             problems.append(f"{where}: every trial trains the model the search planned once "

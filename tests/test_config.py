@@ -76,6 +76,23 @@ def test_a_search_dimension_is_one_override_under_its_dotted_key():
         validate(apply_overrides(tree, ["tune.search_space.lora.rank.choice=[8, 16]"]))
 
 
+def test_a_cached_search_cannot_search_what_the_cache_was_encoded_with():
+    """Every trial reads one cache, encoded in the base config's precision: an fp32 trial
+    trained and was scored on bf16-rounded latents (1.3 % off)."""
+    tree = {**MIN, "data": {**MIN["data"], "cache": "latents", "center_crop": True},
+            "train": {"mixed_precision": "bf16"},
+            "tune": {"metric": "train_loss", "search_space": {
+                "train.mixed_precision": {"choice": ["bf16", "no"]},
+                "train.learning_rate": {"loguniform": [1e-5, 1e-3]}}}}
+    with pytest.raises(ConfigError) as ei:
+        validate(tree)
+    assert ei.value.problems == [
+        "tune.search_space.train.mixed_precision: with data.cache=latents every trial shares "
+        "one cache, encoded once; model.*, data.* and train.mixed_precision cannot be searched"]
+    del tree["tune"]["search_space"]["train.mixed_precision"]
+    validate(tree)
+
+
 def test_keys_of_a_feature_that_is_off_are_refused():
     """Nothing reads them: a mask_column without masked_loss trained unmasked, silently."""
     base = {"model": {"pretrained": "m"}, "output": {"uri": "o"}}

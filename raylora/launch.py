@@ -186,8 +186,12 @@ def _inside_data(cfg: RayLoraConfig, places: dict[str, str | None]) -> list[str]
 
 def write_problems(cfg: RayLoraConfig, store: storage.Storage) -> list[str]:
     """``key: why`` for each place the run writes to that cannot be written
-    (``Storage.write_problem``): the output, and the latent and compile caches when set
-    apart from it. The workers write them much later, after the run has spent its start."""
+    (``Storage.write_problem``): the output, the latent and compile caches when set apart
+    from it, and where prior preservation generates class images when that is not under
+    the output (``classgen.generated_place``). The workers (and the generation actors)
+    write them much later, after the run has spent its start."""
+    from raylora.data.classgen import generated_place, generation_may_write, holds_generated
+
     places = {"output.uri": cfg.output.uri, "train.compile_cache_uri": cfg.train.compile_cache_uri}
     if cfg.data.cache == "latents":
         places["data.cache_uri"] = cfg.data.cache_uri
@@ -197,6 +201,21 @@ def write_problems(cfg: RayLoraConfig, store: storage.Storage) -> list[str]:
             problems.append(f"{key}: {problem}")
         else:  # named once: a place that cannot be written is not also "inside the data"
             writable[key] = uri
+    # Prior preservation's generated class images, where not under output.uri: else the
+    # generation actors found out, each after loading the pipeline.
+    if generation_may_write(cfg):
+        key, root = generated_place(cfg, store)
+        if key == "data.class_generation.uri":
+            problem = store.write_problem(root)
+            # One that cannot be written may hold the very images the run wants (a shared,
+            # read-only set): ensure_class_images checks the folder it would write to
+            if problem and not holds_generated(root, store):
+                problems.append(f"{key}: the missing class images are generated into "
+                                f"{root}, but {problem}")
+            else:
+                writable[key] = root
+        elif key == "data.class_sources":  # its raylora-generated (generated_place probed it)
+            writable[key] = root
     return problems + _inside_data(cfg, writable)
 
 
@@ -468,6 +487,8 @@ def apply_class_images(cfg: RayLoraConfig, p: Plan) -> Plan:
     store, loads = cfg.storage.client(), cfg.at_commit(p.model_commit)
     try:
         found = ensure_class_images(loads, p.family, p.model_path, store)
+    except ConfigError:  # its lines name their keys (bad class images, one a line)
+        raise
     except (FileNotFoundError, ValueError, OSError) as exc:
         raise ConfigError([str(exc) if str(exc).startswith("data.") else f"data.class_sources: {exc}"])
     # With the latent cache, encode_for_workers encodes them next.

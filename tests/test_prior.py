@@ -329,6 +329,206 @@ def test_class_rows_need_a_prompt_and_an_interrupted_folder_is_completed(tiny_mo
     assert [r["text"] for r in read_user_rows(d, _store(), str(plain / "raylora-generated"), 3)] == ["a dog"] * 3
 
 
+def _class_cfg(tiny_model, demo_data, out, **data):
+    from raylora.launch import resolve_paths
+
+    return resolve_paths(validate({"model": {"pretrained": tiny_model},
+                                   "data": {"uri": demo_data, "resolution": 32,
+                                            "class_prompt": "a dog", "num_class_images": 3, **data},
+                                   "output": {"uri": str(out)}}))
+
+
+def test_class_images_are_generated_beside_the_output_unless_the_source_is_one_writable_folder(
+        tiny_model, demo_data, tmp_path, monkeypatch):
+    """The generated root: {data.class_sources}/raylora-generated only for one folder this
+    process can write (where earlier runs put them, still found there); a single file (a
+    path inside a file: the actors died with NotADirectoryError), a glob, a brace list,
+    hf:// (read only) or a folder it cannot write: {output.uri}/class_images."""
+    from raylora.data.classgen import generated_root
+    from raylora.storage import Storage
+
+    folder = tmp_path / "dogs"
+    folder.mkdir()
+    single = tmp_path / "dogs.parquet"
+    single.write_bytes(b"PAR1")
+    out = str(tmp_path / "o" / "class_images")
+    for given, want in ((str(folder), str(folder / "raylora-generated")),
+                        (str(tmp_path / "not-yet"), str(tmp_path / "not-yet" / "raylora-generated")),
+                        (str(single), out), (f"{folder}/*.png", out), (f"{tmp_path}/{{a,b}}", out),
+                        ("hf://datasets/someone/dog-photos", out)):
+        assert generated_root(_class_cfg(tiny_model, demo_data, tmp_path / "o",
+                                         class_sources=given)) == want, given
+    # A folder on a read-only mount (as root here, permission bits are not one: the
+    # write probe's answer is set)
+    ro = str(folder)
+    monkeypatch.setattr(Storage, "write_problem",
+                        lambda self, uri: f"{uri}: no permission to write in {ro}" if uri == ro else None)
+    cfg = _class_cfg(tiny_model, demo_data, tmp_path / "o", class_sources=ro)
+    assert generated_root(cfg) == out
+    from raylora.data.classgen import generated_place
+
+    assert generated_place(cfg, Storage()) == ("output.uri", out)
+
+
+def test_the_generated_class_root_is_checked_before_ray(tiny_model, demo_data, tmp_path, monkeypatch):
+    """launch.write_problems names data.class_generation.uri when the run may generate
+    there and cannot write, or when it lies inside the instance data (the next run would
+    train on the generated images); a root it cannot write that already holds generated
+    folders passes (a shared read-only set: ensure_class_images checks the folder it would
+    write, still before any actor loads a pipeline)."""
+    from raylora.data.classgen import ensure_class_images
+    from raylora.launch import write_problems
+    from raylora.storage import Storage
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    cfg = _class_cfg(tiny_model, demo_data, tmp_path / "o",
+                     class_generation={"uri": str(blocker / "gen")})
+    assert write_problems(cfg, Storage()) == [
+        f"data.class_generation.uri: the missing class images are generated into {blocker}/gen, "
+        f"but {blocker}/gen: {blocker} is a file, not a folder"]
+    # Without data.class_prompt nothing is generated: nothing to check
+    quiet = _class_cfg(tiny_model, demo_data, tmp_path / "o", class_prompt=None,
+                       class_sources=str(blocker))
+    assert write_problems(quiet, Storage()) == []
+    inside = _class_cfg(tiny_model, demo_data, tmp_path / "o",
+                        class_generation={"uri": f"{demo_data}/class-gen"})
+    assert [p.split(" is inside ")[0] for p in write_problems(inside, Storage())] == \
+        [f"data.class_generation.uri: {demo_data}/class-gen"]
+    # A class folder inside the instance data: its raylora-generated folder too
+    (tmp_path / "shards").mkdir()
+    nested = _class_cfg(tiny_model, f"{tmp_path}/shards", tmp_path / "o",
+                        class_sources=f"{tmp_path}/shards/dogs")
+    assert [p.split(" is inside ")[0] for p in write_problems(nested, Storage())] == \
+        [f"data.class_sources: {tmp_path}/shards/dogs/raylora-generated"]
+
+    shared = tmp_path / "shared"
+    (shared / "0123456789abcdef").mkdir(parents=True)
+    (shared / "0123456789abcdef" / "manifest.json").write_text('{"count": 3}')
+    monkeypatch.setattr(Storage, "write_problem", lambda self, uri: (
+        f"{uri}: no permission to write in {shared}" if uri.startswith(str(shared)) else None))
+    ro = _class_cfg(tiny_model, demo_data, tmp_path / "o", class_generation={"uri": str(shared)})
+    assert write_problems(ro, Storage()) == []
+
+    def never(*a, **k):
+        raise AssertionError("generated")
+
+    monkeypatch.setattr("raylora.data.classgen.generate", never)
+    with pytest.raises(ConfigError) as e:  # not this model's folder: it would write
+        ensure_class_images(ro, "sd", tiny_model, Storage())
+    assert len(e.value.problems) == 1 and e.value.problems[0].startswith(
+        f"data.class_generation.uri: 3 class image(s) to generate into {shared}/") \
+        and e.value.problems[0].endswith(f": no permission to write in {shared}")
+
+
+def test_bad_class_images_are_refused_by_file_before_any_is_generated(tiny_model, demo_data,
+                                                                      tmp_path, monkeypatch):
+    """A truncated class image, or one under data.min_size, was found only when a batch
+    first drew it (any number of steps in), with a message naming no file and calling a
+    too-small image undecodable. The driver judges every class row as the workers' class
+    stage does, and refuses each by file and reason, before generating anything."""
+    from raylora.data.classgen import ensure_class_images
+    from raylora.data.demo import make_samples
+    from raylora.launch import apply_class_images, plan
+    from raylora.storage import Storage
+
+    def never(*a, **k):
+        raise AssertionError("generated")
+
+    monkeypatch.setattr("raylora.data.classgen.generate", never)
+    given = tmp_path / "dogs"
+    given.mkdir()
+    big = [img for img, _ in make_samples(3, size=64)]
+    (given / "a.png").write_bytes(big[0])
+    (given / "b.png").write_bytes(big[1][:200])  # truncated
+    (given / "c.png").write_bytes(_rows(1)[0]["image"])  # 48x48
+    (given / "d.png").write_bytes(big[2])
+    cfg = _class_cfg(tiny_model, demo_data, tmp_path / "o", class_sources=str(given),
+                     min_size=56, num_class_images=6)
+    with pytest.raises(ConfigError) as e:
+        apply_class_images(cfg, plan(cfg))
+    got = e.value.problems
+    assert len(got) == 3, got
+    assert got[0].startswith(f"data.class_sources: {given}/b.png: corrupt_image: ")
+    assert got[0].endswith("; check that the images were copied whole")
+    assert got[1] == (f"data.class_sources: {given}/c.png: too_small: 48x48 < data.min_size=56; "
+                      "lower data.min_size, or set data.small_images: upscale")
+    assert got[2].startswith("data.class_sources: replace or remove the 2 class image(s) above")
+    # Only the rows the run uses are judged: the first 2 are a.png and b.png
+    with pytest.raises(ConfigError) as e:
+        ensure_class_images(cfg.model_copy(update={"data": cfg.data.model_copy(
+            update={"num_class_images": 2})}), "sd", tiny_model, Storage())
+    assert [p.split(": ")[1] for p in e.value.problems[:-1]] == [f"{given}/b.png"]
+    # List form: the entry's key
+    (given / "b.png").unlink()
+    listed = _class_cfg(tiny_model, demo_data, tmp_path / "o", min_size=56, num_class_images=3,
+                        class_sources=[{"uri": str(tmp_path / "none"), "prompt": "a dog"},
+                                       {"uri": str(given)}])
+    with pytest.raises(ConfigError) as e:
+        ensure_class_images(listed, "sd", tiny_model, Storage())
+    assert e.value.problems[0].startswith(f"data.class_sources[1]: {given}/c.png: too_small: ")
+    # Good ones (too small no more): read, with where each is
+    ok = cfg.model_copy(update={"data": cfg.data.model_copy(update={"min_size": 0, "num_class_images": 3})})
+    found = ensure_class_images(ok, "sd", tiny_model, Storage())
+    assert [r["key"] for r in found.rows] == [f"{given}/{n}.png" for n in "acd"]
+    # Generated images would all be too small (drawn at data.resolution): refused before
+    # generating them
+    with pytest.raises(ConfigError) as e:
+        ensure_class_images(cfg.model_copy(update={"data": cfg.data.model_copy(
+            update={"min_size": 40, "num_class_images": 5})}), "sd", tiny_model, Storage())
+    assert e.value.problems == [
+        "data.min_size: 40 is above data.resolution 32, the size the 2 missing class image(s) "
+        "are generated at: the class stage would drop every one (data.small_images: skip); "
+        "lower data.min_size, or set data.small_images: upscale"]
+
+
+def test_a_class_image_a_worker_cannot_decode_is_named_in_its_error(tiny_model):
+    """ClassBatches' own error (a worker whose decoders differ from the driver's): which
+    file, and why."""
+    from raylora.data.preprocess import Preprocess, StageSpec
+    from raylora.data.prior import ClassBatches
+
+    rows = [dict(r, key=f"/c/{i}.png") for i, r in enumerate(_rows(2))]
+    rows[1]["image"] = rows[1]["image"][:200]
+    classes = ClassBatches(rows, Preprocess(StageSpec(tiny_model, 32, center_crop=True, random_flip=False)), seed=0, rank=0)
+    with pytest.raises(ValueError) as e:
+        classes.batch(0, 0, 2)
+    assert "1 class image(s) of this batch could not be decoded on this worker (/c/1.png: " \
+        "corrupt_image: " in str(e.value)
+
+
+def test_images_an_earlier_run_generated_in_a_class_folder_are_never_user_images(
+        tiny_model, demo_data, tmp_path):
+    """{folder}/raylora-generated/<key>/ from a run with class_sources: folder was read as
+    the user's own class images (captioned with the prompt of whatever model drew them)
+    once the generated root moved: the folder given as a list entry, or
+    data.class_generation.uri set. Any raylora-generated folder below a source is left
+    out, at any depth; a source that is such a folder itself is read whole."""
+    from raylora.data.classgen import generated_root, read_user_rows
+
+    dogs = tmp_path / "dogs"
+    old = dogs / "raylora-generated" / "0123456789abcdef"
+    deep = dogs / "sub" / "raylora-generated" / "fedcba9876543210"
+    for d in (old, deep):
+        d.mkdir(parents=True)
+    rows = _rows(4)
+    for i in range(2):
+        (dogs / f"user{i}.png").write_bytes(rows[i]["image"])
+    (old / "00000.png").write_bytes(rows[2]["image"])
+    (old / "00000.txt").write_text("a dog (old model)")
+    (deep / "00000.png").write_bytes(rows[3]["image"])
+    for given, extra in ((str(dogs), {}), ([{"uri": str(dogs)}], {}),
+                         (str(dogs), {"class_generation": {"uri": str(tmp_path / "gen")}})):
+        cfg = _class_cfg(tiny_model, demo_data, tmp_path / "o", class_sources=given,
+                         num_class_images=10, **extra)
+        got = read_user_rows(cfg.data, _store(), generated_root(cfg), 10)
+        assert [r["text"] for r in got] == ["a dog", "a dog"], given
+        assert [r["key"].rsplit("/", 1)[-1] for r in got] == ["user0.png", "user1.png"]
+    itself = _class_cfg(tiny_model, demo_data, tmp_path / "o", class_sources=str(old.parent))
+    assert [r["text"] for r in read_user_rows(itself.data, _store(), generated_root(itself), 10)] \
+        == ["a dog (old model)"]
+
+
 def _store():
     from raylora.storage import Storage
 

@@ -6,13 +6,16 @@ drawn from the base model (the family's stock pipeline, bf16 on GPUs, fp32 on CP
 ``map_batches`` stage over an actor pool (one pipeline per actor, loaded once, one GPU or
 CPU each) so that the cluster's accelerators share the work.
 
-Generated images go to ``{root}/{key}/NNNNN.png`` with the prompt beside each in
-``NNNNN.txt`` (a caption folder any run can read), ``key`` a hash of the model, prompt,
-count, seed, resolution, steps and guidance. The folder's ``manifest.json`` is written
-last: a folder with it is complete and reused as is; one without it (a build that died)
-is completed, keeping the images it holds (image i always comes from seed + i, so a
-completed folder equals one built in one go). The driver then reads every class row
-(bytes + prompt) once and ships them to the workers in the plan (``raylora.data.prior``).
+Generated images go to ``{root}/{key}/NNNNN.png`` (``root``: ``generated_place``) with the
+prompt beside each in ``NNNNN.txt`` (a caption folder any run can read), ``key`` a hash of
+the model, prompt, seed, resolution, steps and guidance (``generation_key``: not the
+count). The folder's ``manifest.json`` is written last: a folder with it is complete
+and reused as is; one without it (a build that died) is completed, keeping the images it
+holds (image i always comes from seed + i, so a completed folder equals one built in one
+go). The driver then reads every class row (bytes + prompt) once, judges each as the
+workers' class stage will (``bad_class_rows``: a class image that stage drops stops the
+run when a batch draws it, so one is refused here, by file, before any is generated) and
+ships them to the workers in the plan (``raylora.data.prior``).
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ import hashlib
 import io
 import json
 import logging
+import os
 from dataclasses import dataclass
 
 from raylora import storage
-from raylora.config import DataSection, RayLoraConfig
+from raylora.config import ConfigError, DataSection, RayLoraConfig
 from raylora.storage import Storage
 
 log = logging.getLogger("raylora.classgen")
@@ -47,13 +51,76 @@ class ClassImages:
                 "class_images_generated": self.generated, "class_images_uri": self.uri}
 
 
-def generated_root(cfg: RayLoraConfig) -> str:
+GENERATED_FOLDER = "raylora-generated"
+
+
+def generated_root(cfg: RayLoraConfig, store: Storage | None = None) -> str:
+    """Where the missing class images are generated (``{root}/{key}/``): see
+    ``generated_place``."""
+    return generated_place(cfg, store)[1]
+
+
+def generated_place(cfg: RayLoraConfig, store: Storage | None = None) -> tuple[str, str]:
+    """``(key, root)``: the generated root and the key that put it there.
+    data.class_generation.uri; else ``{data.class_sources}/raylora-generated`` when
+    data.class_sources is one folder this process can write to (where earlier runs put
+    them, and still find them); else ``{output.uri}/class_images``. Not inside a single
+    file (``dogs.parquet/raylora-generated`` is no path), a glob, a brace list or a
+    read-only place (hf://, a mount without write permission): the generation actors
+    died there on their first write, after Ray had started and every one had loaded the
+    pipeline."""
     d = cfg.data
     if d.class_generation.uri is not None:
-        return storage.normalize(d.class_generation.uri)
-    if isinstance(d.class_sources, str) and not any(c in d.class_sources for c in "*?["):
-        return storage.join(storage.normalize(d.class_sources), "raylora-generated")
-    return storage.join(storage.normalize(cfg.output.uri), "class_images")
+        return "data.class_generation.uri", storage.normalize(d.class_generation.uri)
+    # Without data.class_prompt nothing is generated (the root is only what reading leaves
+    # out): no write probe in the user's class folder
+    if isinstance(d.class_sources, str) and (d.class_prompt is None or _writable_folder(
+            d.class_sources, store or cfg.storage.client())):
+        return ("data.class_sources",
+                storage.join(storage.normalize(d.class_sources), GENERATED_FOLDER))
+    return "output.uri", storage.join(storage.normalize(cfg.output.uri), "class_images")
+
+
+def _writable_folder(uri: str, store: Storage) -> bool:
+    """Whether ``uri`` is one folder (or nothing yet: a class folder to be filled, as
+    diffusers' DreamBooth scripts create their class_data_dir) that can be written to."""
+    from pyarrow import fs as pafs
+
+    if any(c in uri for c in "*?[") or len(storage.braces(uri)) > 1 or uri.startswith("hf://"):
+        return False  # (hf:// is read only: not asked, which would reach the hub)
+    try:
+        if store.info(uri).type == pafs.FileType.File:
+            return False
+    except OSError:  # storage that does not answer: not a place to write (reading it fails
+        return False  # with its own message)
+    return store.write_problem(uri) is None
+
+
+def generation_may_write(cfg: RayLoraConfig) -> bool:
+    """Whether the run may generate class images (there is a prompt to draw them with):
+    then the generated root is one of the places it writes to (launch.write_problems)."""
+    return cfg.data.prior_preservation and cfg.data.class_prompt is not None
+
+
+def holds_generated(root: str, store: Storage) -> bool:
+    """Whether ``root`` holds a generated folder complete up to its count (a manifest): a
+    root that cannot be written may still serve a run whose images are all there."""
+    try:
+        return any(f.endswith("/" + MANIFEST) for f in store.list_files(root))
+    except OSError:
+        return False
+
+
+def in_generated_folder(source_uri: str | list[str], uri: str) -> bool:
+    """Whether file ``uri`` of a class source lies in a ``raylora-generated`` folder
+    below the source's root (any depth): images an earlier run generated there, not the
+    user's, whatever this run's generated root is (data.class_generation.uri set later,
+    the same folder given as a list entry, a folder now read only). A source that is
+    itself such a folder (given on purpose) is read whole: only folders below count."""
+    from raylora.data.formats.captionfolder import below_root, data_roots
+
+    below = below_root(data_roots(source_uri), uri)
+    return below is not None and GENERATED_FOLDER in below.split("/")[:-1]
 
 
 def class_sections(d: DataSection) -> list[tuple[DataSection, str | None]]:
@@ -76,13 +143,18 @@ def class_sections(d: DataSection) -> list[tuple[DataSection, str | None]]:
 
 def read_user_rows(d: DataSection, store: Storage, skip_root: str, want: int) -> list[dict]:
     """Up to ``want`` rows of ``data.class_sources`` (files under ``skip_root``, the
-    generated images, left out), each ``{image, text}`` with its prompt where it has no
-    caption. Raises ValueError naming the key for a row that has neither."""
+    generated images, and in any ``raylora-generated`` folder below a source left out),
+    each ``{image, text, key}`` (``key``: where it is) with its prompt where it has no
+    caption. Raises ValueError naming the key for a row that has neither, and ConfigError
+    listing every row the class stage would drop (``bad_class_rows``)."""
     from raylora.data.plan import iter_plan_rows, plan_data
 
     rows: list[dict] = []
+    labels: list[str] = []  # each row's source key, for bad_class_rows
     for i, (section, prompt) in enumerate(class_sections(d)):
         key = "data.class_sources" if isinstance(d.class_sources, str) else f"data.class_sources[{i}]"
+        if len(rows) >= want:
+            break
         try:
             plan = plan_data(section, store)
         except FileNotFoundError as exc:
@@ -91,17 +163,55 @@ def read_user_rows(d: DataSection, store: Storage, skip_root: str, want: int) ->
             log.warning("%s: %s; all of its images will be generated", key, exc)
             continue
         for s in plan.sources:
-            keep = [j for j, f in enumerate(s.files) if not f.startswith(skip_root + "/")]
+            keep = [j for j, f in enumerate(s.files) if not f.startswith(skip_root + "/")
+                    and not in_generated_folder(s.uri or section.uri, f)]
             plan.sources[s.index] = s.subset(keep)
         for row in iter_plan_rows(section, plan, store):
             if len(rows) >= want:
-                return rows
+                break
             text = row["text"] if row["text"] else prompt
             if text is None:
                 raise ValueError(f"{key}: {row['key']} has no caption, and there is no "
                                  "prompt for it (data.class_prompt or the source's prompt)")
-            rows.append({"image": row["image"], "text": str(text)})
+            rows.append({"image": row["image"], "text": str(text), "key": str(row["key"])})
+            labels.append(key)
+    bad = bad_class_rows(d, rows, labels)
+    if bad:
+        raise ConfigError(bad + [f"{_one_key(labels)}: replace or remove the {len(bad)} class "
+                                 "image(s) above: the workers would drop them, and a batch "
+                                 "short of class images stops the run (prior preservation "
+                                 "pairs every batch with as many)"])
     return rows
+
+
+def _one_key(labels: list[str]) -> str:
+    """The source key the rows share (data.class_sources[1]), else the whole list's."""
+    return labels[0] if len(set(labels)) == 1 else "data.class_sources"
+
+
+def bad_class_rows(d: DataSection, rows: list[dict], labels: list[str]) -> list[str]:
+    """``label: where: reason: detail; hint`` for each class row that the class stage on the
+    workers would drop (raylora.data.prior.class_row_problem, with the run's decode
+    settings). Judged here, where the bytes already are, because a dropped class image
+    does not just go missing: the batch that draws it is short, and the run stops there,
+    any number of steps in. Decoded on threads (PIL releases the GIL): a few hundred
+    images at most."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from raylora.data.plan import SAMPLE_HINTS
+    from raylora.data.prior import class_row_problem
+
+    judge = dict(masks=d.masked_loss, max_pixels=d.max_image_pixels, min_size=d.min_size,
+                 small_images=d.small_images)
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        found = list(pool.map(lambda r: class_row_problem(r, **judge), rows))
+    out = []
+    for row, label, problem in zip(rows, labels, found):
+        if problem is not None:
+            hint = SAMPLE_HINTS.get(problem.reason)
+            out.append(f"{label}: {row.get('key', 'a class image')}: {problem}"
+                       + (f"; {hint[0].lower()}{hint[1:]}" if hint else ""))
+    return out
 
 
 def generation_key(cfg: RayLoraConfig, family: str, model_path: str, store: Storage) -> str:
@@ -164,7 +274,7 @@ def folder_rows(uri: str, count: int, store: Storage) -> list[dict]:
     for i in range(count):
         png = storage.join(uri, image_name(i))
         rows.append({"image": store.read_bytes(png),
-                     "text": store.read_bytes(png[:-4] + ".txt").decode("utf-8")})
+                     "text": store.read_bytes(png[:-4] + ".txt").decode("utf-8"), "key": png})
     return rows
 
 
@@ -181,7 +291,7 @@ def ensure_class_images(cfg: RayLoraConfig, family: str, model_path: str,
     ones (generated now, or reused). Needs Ray when something must be generated. Raises
     ValueError naming the key when images are missing and there is no prompt."""
     d = cfg.data
-    root = generated_root(cfg)
+    root_key, root = generated_place(cfg, store)
     user = read_user_rows(d, store, root, d.num_class_images)
     missing = d.num_class_images - len(user)
     if missing <= 0:
@@ -190,6 +300,13 @@ def ensure_class_images(cfg: RayLoraConfig, family: str, model_path: str,
         raise ValueError(f"data.num_class_images: {d.num_class_images} wanted, "
                          f"data.class_sources has {len(user)}; set data.class_prompt to "
                          f"generate the other {missing} (or lower data.num_class_images)")
+    size = d.max_resolution()
+    if d.small_images == "skip" and d.min_size > size:
+        # Drawn at data.resolution: every one would be dropped as too_small
+        raise ConfigError([f"data.min_size: {d.min_size} is above data.resolution {size}, the "
+                           f"size the {missing} missing class image(s) are generated at: "
+                           "the class stage would drop every one (data.small_images: skip); "
+                           "lower data.min_size, or set data.small_images: upscale"])
     uri = storage.join(root, generation_key(cfg, family, model_path, store))
     manifest_uri = storage.join(uri, MANIFEST)
     # the images 0..count-1 its manifest says are complete (more asked: topped up)
@@ -197,6 +314,11 @@ def ensure_class_images(cfg: RayLoraConfig, family: str, model_path: str,
     generated = 0
     if made < missing:
         todo = sorted(set(range(missing)) - (_present(uri, store) if store.exists(uri) else set()))
+        # Checked before any actor loads a pipeline (launch.write_problems let through a
+        # root it cannot write that held complete folders, maybe not this one)
+        if problem := store.write_problem(uri):
+            raise ConfigError([f"{root_key}: {len(todo)} class image(s) to generate into "
+                               f"{uri}, but {problem}"])
         if todo:  # else an interrupted build got every image out before its manifest
             generate(cfg, family, model_path, uri, todo)
         generated = len(todo)
@@ -207,7 +329,12 @@ def ensure_class_images(cfg: RayLoraConfig, family: str, model_path: str,
         store.write_bytes(manifest_uri, json.dumps(manifest, indent=1).encode())
     else:
         log.info("class images: reusing %d generated image(s) in %s", missing, uri)
-    return ClassImages(user + folder_rows(uri, missing, store), len(user), uri, generated)
+    drawn = folder_rows(uri, missing, store)
+    bad = bad_class_rows(d, drawn, [root_key] * len(drawn))
+    if bad:
+        raise ConfigError(bad + [f"{root_key}: the workers would drop the generated class "
+                                 f"image(s) above; delete {uri} to have them drawn again"])
+    return ClassImages(user + drawn, len(user), uri, generated)
 
 
 def generate(cfg: RayLoraConfig, family: str, model_path: str, uri: str,

@@ -33,6 +33,9 @@ class ClassBatches:
             raise ValueError("prior preservation: no class images")
         self.images = np.array([r["image"] for r in rows], dtype=object)
         self.texts = np.array([r["text"] for r in rows], dtype=object)
+        # where each is (raylora.data.classgen: a file, parquet file#row), for messages
+        self.keys = np.array([str(r.get("key", f"class row {i}")) for i, r in enumerate(rows)],
+                             dtype=object)
         self.count = len(rows)
         self.stage, self.seed, self.rank = stage, seed, rank
 
@@ -51,12 +54,37 @@ class ClassBatches:
         idx = self.indices(epoch, i, n)
         # The draws (crop, flip) of this batch alone: the same whatever came before.
         self.stage.rng = self._rng(epoch, 1 << 20, i)
-        out = self.stage({"image": self.images[idx], "text": self.texts[idx]})
+        out = self.stage({"image": self.images[idx], "text": self.texts[idx], "key": self.keys[idx]})
         if len(out["pixel_values"]) != n:
+            # The driver judged every class row as this stage does (classgen.bad_class_rows):
+            # this is a node whose decoders differ (another PIL, a missing plugin).
+            judge = {k: v for k, v in self.stage.decode.items() if k != "background"}
+            bad = [f"{self.keys[j]}: {problem}" for j in dict.fromkeys(idx)
+                   if (problem := class_row_problem({"image": self.images[j], "text": self.texts[j]},
+                                                    masks=self.stage.masks, **judge))]
             raise ValueError(f"prior preservation: {n - len(out['pixel_values'])} class "
-                             "image(s) could not be decoded (see the bad-record counts); "
-                             "replace them in data.class_sources")
+                             "image(s) of this batch could not be decoded on this worker "
+                             f"({'; '.join(bad) or 'see the bad-record counts'}); replace "
+                             "them in data.class_sources")
         return out
+
+
+def class_row_problem(row: dict, *, masks: bool, max_pixels: int, min_size: int,
+                      small_images: str):
+    """Why the class stage (``raylora.data.preprocess.Preprocess`` built with
+    ``stage_kwargs("class", ...)``) would drop class row ``{image, text}``: the
+    ``raylora.data.decode.BadRecord`` (``.reason``: corrupt_image, too_small, ...), or
+    None. The stage's one judgement, ``open_masked_row``, as it calls it for class rows:
+    no mask column (``masks``: the alpha channel read, as data.masked_loss does), no
+    control images, blank captions not kept (no caption dropout)."""
+    from raylora.data.decode import BadRecord, open_masked_row
+
+    try:
+        open_masked_row(row["image"], row["text"], None, masks=masks, max_pixels=max_pixels,
+                        min_size=min_size, small_images=small_images, keep_empty_captions=False)
+    except BadRecord as exc:
+        return exc
+    return None
 
 
 class EncodedClassBatches(ClassBatches):

@@ -221,7 +221,8 @@ def path_overrides(given, resolved, ship: Shipping | None = None) -> list[str]:
     ship = ship or Shipping(".")
     d = given.data
     writes = set(WRITES)
-    # Class images are generated into {data.class_sources}/raylora-generated (classgen.generated_root).
+    # Class images may be generated into {data.class_sources}/raylora-generated (one writable
+    # folder: classgen.generated_place): sent absolute, as a place the job writes.
     if d.class_prompt is not None and d.class_generation.uri is None and isinstance(d.class_sources, str):
         writes.add("data.class_sources")
 

@@ -187,3 +187,9 @@ def test_an_overridden_prediction_type_is_what_previews_sample_and_the_card_samp
            'pipe.scheduler = pipe.scheduler.from_config(pipe.scheduler.config, ' \
            'prediction_type="v_prediction")  # as trained\n' in card(prediction_type="v_prediction")
     assert "prediction_type" not in card()
+    # the hub commit the run trained, not main (which may have moved since)
+    cfg = validate({"model": {"pretrained": "org/sd"}, "data": {"uri": "d"}, "output": {"uri": "o"}})
+    assert ('pipe = StableDiffusionPipeline.from_pretrained("org/sd", revision="0123abcd")\n'
+            in _usage(cfg, SD, "0123abcd"))
+    local = validate({"model": {"pretrained": "/models/sd"}, "data": {"uri": "d"}, "output": {"uri": "o"}})
+    assert "revision" not in _usage(local, SD, "v-2026-12-06")  # a stored folder's version

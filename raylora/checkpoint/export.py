@@ -135,10 +135,16 @@ def read_run_meta(folder: str) -> dict:
         return json.load(f)
 
 
-def _usage(cfg: RayLoraConfig, family) -> str:
+def _usage(cfg: RayLoraConfig, family, commit: str | None = None) -> str:
     """How to load this folder: stock ``load_lora_weights`` for lora/dora; peft (and the
-    LyCORIS file in ComfyUI / Forge) for lokr/loha, which diffusers' loaders do not read."""
+    LyCORIS file in ComfyUI / Forge) for lokr/loha, which diffusers' loaders do not read.
+    ``commit``: the hub commit of the base the run trained (``model_commit``), which the
+    call loads (``main`` may have moved since)."""
+    from raylora.model.load import is_hub_id
+
     variant = f', variant="{cfg.model.variant}"' if cfg.model.variant else ""
+    if commit and is_hub_id(cfg.model.pretrained):
+        variant = f', revision="{commit}"' + variant
     pipe = f'pipe = {family.pipeline}.from_pretrained("{cfg.model.pretrained}"{variant})'
     if cfg.train.prediction_type in ("epsilon", "v_prediction"):
         # the parameterisation the run trained, which may not be the base scheduler's
@@ -255,7 +261,7 @@ precision `{t.mixed_precision}`).
 
 ## Use
 
-{_usage(cfg, family)}
+{_usage(cfg, family, data.get("model_commit"))}
 
 ## Training
 

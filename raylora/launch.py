@@ -430,8 +430,8 @@ def apply_cache(cfg: RayLoraConfig, p: Plan) -> Plan:
     if cfg.data.cache != "latents":
         return p
     store, loads = cfg.storage.client(), cfg.at_commit(p.model_commit)
-    entry = ensure_cache(loads, p.family, p.model_path, p.data_plan(), store,
-                         bad_records=p.bad_records)
+    entry = ensure_cache(loads, p.family, p.model_path, p.data_plan(), store)
+    _count_cached(p.bad_records, entry)
     # The cache holds the training rows alone (its build drops the held-out split): its
     # counts are not scaled by the split again (they were: 74 cached rows planned as 56).
     data = replace(entry.plan(cfg.data), heldout_dropped=True)
@@ -439,6 +439,21 @@ def apply_cache(cfg: RayLoraConfig, p: Plan) -> Plan:
         data = cached_row_buckets(data, store)
     return _carry(_arithmetic(cfg, p.model_path, data, p.heldout, []), p,
                   cache_uri=entry.uri, cache_reused=entry.reused)
+
+
+def _count_cached(desk_name: str | None, entry) -> None:
+    """The rows the cache's build decoded (``CacheEntry.counts``) into the run's counts,
+    whether this run built the entry or reuses it: judged before training (``run``), by
+    the workers and in raylora.json as a build's are. A reused entry decodes nothing: its
+    bad rows went uncounted, and the data a first run was refused for trained the next."""
+    from raylora.data.badrecords import record
+
+    if entry.counts is not None:
+        record(desk_name, entry.counts)
+    elif entry.reused:  # then check_bad_records records no counts, and judges none
+        log.warning("latent cache: %s was built before cache entries recorded the rows their "
+                    "build decoded: data.max_bad_fraction is not judged on it, and raylora.json "
+                    "gets no counts (delete the entry to build it again)", entry.uri)
 
 
 def encode_for_workers(cfg: RayLoraConfig, p: Plan) -> Plan:
@@ -1003,7 +1018,7 @@ def run(cfg: RayLoraConfig) -> dict:
         return again
     with prepared(cfg, TRAIN, pre) as r:
         cfg, p = r.cfg, r.plan
-        if cfg.data.cache == "latents":  # a fresh build read every row: judge them now
+        if cfg.data.cache == "latents":  # the cache's build decoded every row: judge them now
             check_bad_records(cfg, p)
         result, bad = fit_judging_data(cfg, p, lambda: _fit(cfg, p))
         checkpoints = storage.join(cfg.output.uri, TRAIN_RUN_NAME)
@@ -1055,6 +1070,10 @@ def check_bad_records(cfg: RayLoraConfig, p: Plan) -> dict:
 
     summary = read_counter(p.bad_records) or {}
     if not summary:
+        return {}
+    if cfg.data.cache == "latents" and not summary["rows_seen"]:
+        # Nothing counted: a reused cache entry that recorded no counts (_count_cached),
+        # where workers decode nothing. Unknown, not "0 rows decoded".
         return {}
     if summary["bad_records"]:
         log.warning("bad records: %s of %d rows read", summary["bad_records"], summary["rows_seen"])

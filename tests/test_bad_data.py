@@ -262,6 +262,74 @@ def test_a_run_trains_on_exactly_the_good_rows_and_reports_the_bad(ray_local, ti
     assert not (tmp_path / "lrfind" / "lr_find.csv").exists()
 
 
+def test_a_reused_cache_entry_is_judged_on_what_its_build_decoded(ray_local, tiny_model, tmp_path,
+                                                                  caplog):
+    """A rerun reusing a complete latent-cache entry decodes nothing, so
+    data.max_bad_fraction judged nothing: a first run was refused (6 of 16 rows unusable)
+    and the next, on another output.uri, trained, its raylora.json saying bad_records {}.
+    The entry records its build's counts (test_sdxl_cache: record_build); a run reusing it
+    gets them as the build's run does: the same verdict, before training (launch.run
+    judges right after apply_cache), and the same counts for raylora.json. An entry from
+    before they were recorded: no verdict, and no counts (not "0 rows decoded")."""
+    from raylora import desk, launch, storage
+    from raylora.data.badrecords import BadDataError, verdict
+    from raylora.data.cache import MANIFEST, cache_root, fingerprint
+    from raylora.data.demo import make_samples
+    from raylora.data.plan import plan_data
+
+    (tmp_path / "data").mkdir()
+    pq.write_table(pa.Table.from_pylist(
+        [{"image": img if i % 8 < 5 else b"not an image", "text": text}
+         for i, (img, text) in enumerate(make_samples(16, size=32, seed=3))]),
+        tmp_path / "data" / "part-00000.parquet")
+    shard = f"{tmp_path}/data/part-00000.parquet"
+    counts = {"rows_ok": 10, "bad_records": {"not_an_image": 6}, "bad_fraction": 6 / 16,
+              "rows_seen": 16, "rows_ok_by_source": {"0": 10},
+              "bad_examples": {"not_an_image": [
+                  f"{shard}#{i}: not_an_image: no image format PIL reads starts b'not an i'"
+                  for i in (5, 6, 7)]}}
+
+    def judged(max_bad_fraction: float, recorded: dict | None):
+        """check_bad_records after apply_cache reused the entry (its manifest as a build
+        writes it, with ``recorded`` counts or none)."""
+        cfg = validate({"model": {"pretrained": tiny_model}, "output": {"uri": str(tmp_path / "o")},
+                        "data": {"uri": str(tmp_path / "data"), "resolution": 32,
+                                 "center_crop": True, "cache": "latents",
+                                 "cache_uri": str(tmp_path / "cache"),
+                                 "max_bad_fraction": max_bad_fraction},
+                        "train": {"batch_size": 2}})
+        store = cfg.storage.client()
+        data = plan_data(cfg.data, store)
+        uri = storage.join(cache_root(cfg), fingerprint(cfg, "sd", tiny_model, data, store))
+        os.makedirs(uri, exist_ok=True)
+        with open(os.path.join(uri, MANIFEST), "w") as f:
+            json.dump({"version": 2, "family": "sd", "files": ["parts/part-000000-0000.parquet"],
+                       "file_rows": [10], "file_sources": [0], "file_repeats": [1],
+                       **({"decode_counts": recorded} if recorded else {})}, f)
+        p = launch._arithmetic(cfg, tiny_model, data, [], [])
+        p.family, p.bad_records = "sd", desk.start()
+        try:
+            p = launch.apply_cache(cfg, p)
+            assert p.cache_reused is True and p.total_rows == 10
+            return launch.check_bad_records(cfg, p)
+        finally:
+            desk.stop(p.bad_records)
+
+    with pytest.raises(BadDataError) as exc:
+        judged(0.05, counts)
+    assert str(exc.value) == verdict(counts, 0.05, 1)
+    assert str(exc.value).startswith("data.max_bad_fraction: 6 of 16 rows read so far (37.5%) "
+                                     f"are unusable, over the limit of 5.0%: not_an_image=6 (e.g. {shard}#5: ")
+    # under the limit: what raylora.json gets, as from the run that built the entry
+    assert judged(0.5, counts) == {"bad_records_counts": {"not_an_image": 6},
+                                   "bad_examples": counts["bad_examples"], "rows_decoded": 10,
+                                   "rows_decoded_by_source": {"0": 10}}
+    # an entry that recorded none: unknown, said so, nothing judged or recorded
+    with caplog.at_level("WARNING", logger="raylora"):
+        assert judged(0.05, None) == {}
+    assert "built before cache entries recorded the rows their build decoded" in caplog.text
+
+
 def test_an_error_a_restart_would_repeat_ends_the_run_and_reaches_the_cli_as_itself():
     """raylora.entry.EndOnRepeated, as the controller calls it with the workers' errors
     (the Ray run above shows the controller ending the run on it)."""

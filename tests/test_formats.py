@@ -760,3 +760,78 @@ def test_shards_build_keeps_several_captions_in_a_parquet_list_column(tmp_path):
         f"{src}: 1 image(s) have several captions in their metadata line (e.g. img_00000); a "
         "webdataset shard holds one caption per image: build --format parquet (a list column, "
         "one caption drawn per read in training)")
+
+
+def _json_captioned_tar(folder, captions: list) -> str:
+    """A WebDataset folder: one tar of a 16 px PNG per entry of ``captions``, each in its
+    KEY.json's "caption" (a list: several captions)."""
+    import io
+    import json
+    import tarfile
+
+    from PIL import Image
+
+    folder.mkdir(parents=True)
+    with tarfile.open(folder / "shard-00000.tar", "w") as tar:
+        for i, caption in enumerate(captions):
+            buf = io.BytesIO()
+            Image.new("RGB", (16, 16), (10 * i, 90, 160)).save(buf, "PNG")
+            for name, payload in ((f"{i:05d}.png", buf.getvalue()),
+                                  (f"{i:05d}.json", json.dumps({"caption": caption}).encode())):
+                info = tarfile.TarInfo(name)
+                info.size = len(payload)
+                tar.addfile(info, io.BytesIO(payload))
+    return str(folder)
+
+
+def test_a_webdataset_json_list_of_captions_trains_one_a_read_and_is_refused_with_the_cache(
+        tmp_path, tiny_model):
+    """KEY.json's "caption": [...] went on as a list: Ray Data's read stage (str()) trained
+    the list's Python text, and data.cache: latents kept the caption drawn at its build for
+    good, where a parquet list column and a metadata.jsonl list are refused. It travels
+    joined as theirs do (the same string to the driver's held-out hash as to the read
+    stage's), one caption drawn per read; with the cache it is refused in planning for the
+    rows the plan's sample check reads, and by any later read that meets one (the held-out
+    rows, the bucket scan, the cache's build)."""
+    from raylora.data.captions import caption_list, joined_captions
+    from raylora.data.preprocess import Preprocess, StageSpec, stage_kwargs
+    from raylora.data.source import _unit_tables
+
+    captions = [["a red dog", "a blue cat"], "one caption", ["only this"]]
+    uri = _json_captioned_tar(tmp_path / "wds", captions)
+    store = Storage()
+    data = DataSection(uri=uri, resolution=16, center_crop=True)
+    plan = plan_data(data, store)
+    wds = formats.get_format("webdataset")
+    rows = list(wds.iter_rows(data, plan.files, store))
+    assert [r["text"] for r in rows] == [joined_captions(captions[0]), "one caption", "only this"]
+    # Ray Data's read stage gets the same strings
+    (table,) = _unit_tables({"index": 0, "start": 0, "stop": -1, "keep": -1}, data, "webdataset",
+                            plan.files, store)
+    assert table["text"].to_pylist() == [r["text"] for r in rows]
+    assert caption_list(table["text"][0].as_py()) == captions[0]
+    stage = Preprocess(StageSpec(**stage_kwargs("train", data, model_path=tiny_model, family="sd",
+                                                storage=store, seed=3)))
+    seen = []
+    stage.text_columns = lambda caps, f=stage.text_columns: (seen.append(caps[0]), f(caps))[1]
+    batch = {"image": np.array([rows[0]["image"]], dtype=object),
+             "text": np.array(table["text"].to_pylist()[:1], dtype=object)}
+    for _ in range(12):
+        stage(batch)
+    assert set(seen) == {"a red dog", "a blue cat"}  # one drawn per read
+
+    cached = data.model_copy(update={"cache": "latents"})
+    with pytest.raises(ValueError) as exc:
+        plan_data(cached, store)
+    assert str(exc.value) == (
+        f"{uri}/shard-00000.tar#00000: several captions (a list in its .json); data.cache: "
+        "latents encodes one caption per image for good: train uncached (data.cache: none, a "
+        "caption drawn per read), or keep one caption per image")
+    # 20 rows, the 18th of several captions: past the 16 the plan's sample reads
+    later = _json_captioned_tar(tmp_path / "later", ["a caption"] * 17 + [["a dog", "a cat"]]
+                                + ["a caption"] * 2)
+    cached = cached.model_copy(update={"uri": later})
+    plan = plan_data(cached, store)
+    assert plan.rows == 20
+    with pytest.raises(ValueError, match=r"shard-00000\.tar#00017: several captions"):
+        list(wds.iter_unit(cached, plan.files, store, 0, 0, -1))  # as the cache's build reads

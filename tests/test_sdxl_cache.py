@@ -297,3 +297,120 @@ def test_the_cache_stores_each_tensor_in_the_dtype_the_encoders_computed_it_in(t
         got = from_column(out[name])
         assert got.dtype == want.dtype and torch.equal(got, want), name
         assert out[name].nbytes == want.numel() * want.element_size()  # 2 bytes for bf16
+
+
+def _encode_here(cfg, model: str, plan, store, rows_per_part: int):
+    """``ensure_cache``'s build without Ray Data: ``EncodeFiles`` over every work item in
+    this process, into the entry's folder. (uri, items, its output rows)."""
+    from raylora import storage
+    from raylora.data.cache import EncodeFiles, _stage_kwargs, _work_items, cache_root, fingerprint
+
+    uri = storage.join(cache_root(cfg), fingerprint(cfg, "sd", model, plan, store))
+    items = _work_items(cfg, plan, store, rows_per_part)
+    pre, enc = _stage_kwargs(cfg, model, "sd", store)
+    stage = EncodeFiles(cfg.data.model_dump(), [s.format for s in plan.sources],
+                        [s.files for s in plan.sources], storage.join(uri, "parts"), pre, enc,
+                        rows_per_part, 8)
+    out = stage({k: np.array([it[k] for it in items])
+                 for k in ("item", "k", "source", "index", "start", "stop")})
+    return uri, items, [{k: v[i] for k, v in out.items()} for i in range(len(out["name"]))]
+
+
+def test_a_shard_file_cut_into_parts_goes_to_the_worker_that_reads_it_uncached(tiny_model, tmp_path):
+    """data.sharding=files dealt a latent cache's parts as if each were a shard file: a
+    file cut into parts (of 256 rows in a run: two files of 300 rows made parts of 256, 44,
+    256, 44, i.e. 512 and 88 rows a worker, and num_epochs=1 planned 22 steps for the
+    uncached run's 75). Here two files of 6 rows in parts of 4: 8 and 4 rows a worker, 2
+    steps for 3. Each part now goes to the worker that reads its file uncached: the same
+    rows in the same order, the same steps. An entry built before its manifest recorded
+    that is dealt so too (from its parts' names); a build records it."""
+    from dataclasses import replace
+
+    from raylora.data.cache import MANIFEST, ensure_cache
+    from raylora.data.demo import write_parquet_shards
+    from raylora.data.plan import plan_data
+    from raylora.launch import _arithmetic
+    from raylora.storage import Storage
+
+    write_parquet_shards(tmp_path / "data", n=12, num_shards=2, size=32, seed=1)
+    cfg = validate({"model": {"pretrained": tiny_model}, "output": {"uri": str(tmp_path / "o")},
+                    "data": {"uri": str(tmp_path / "data"), "resolution": 32, "center_crop": True,
+                             "cache": "latents", "cache_uri": str(tmp_path / "cache"),
+                             "sharding": "files"},
+                    "scaling": {"num_workers": 2}, "train": {"batch_size": 2, "num_epochs": 1}})
+    store = Storage()
+    plan = plan_data(cfg.data, store)
+    assert plan.file_rows == [6, 6]
+    uri, items, written = _encode_here(cfg, tiny_model, plan, store, 4)
+    names = [r["name"] for r in written]
+    assert [int(r["rows"]) for r in written] == [4, 2, 4, 2]
+    uncached = _arithmetic(cfg, tiny_model, plan, [], [])
+    assert uncached.max_steps == 3
+
+    def dealt_as_uncached(entry):
+        cached = replace(entry.plan(cfg.data), heldout_dropped=True)  # as apply_cache
+        for rank in range(2):
+            mine = cached.for_rank(rank, 2)
+            assert mine.rows == plan.for_rank(rank, 2).rows == 6
+            # its file's two parts, in order
+            assert [f.rsplit("/", 1)[1] for f in mine.files] == names[2 * rank: 2 * rank + 2]
+        assert _arithmetic(cfg, tiny_model, cached, [], []).max_steps == 3
+
+    # As builds wrote the manifest before: reused, its parts dealt by the items in their names
+    old = {"version": 2, "family": "sd", "files": [f"parts/{n}" for n in names],
+           "file_rows": [4, 2, 4, 2], "file_sources": [0] * 4, "file_repeats": [1] * 4}
+    with open(os.path.join(uri, MANIFEST), "w") as f:
+        json.dump(old, f)
+    entry = ensure_cache(cfg, "sd", tiny_model, plan, store, rows_per_part=4)
+    assert entry.reused
+    dealt_as_uncached(entry)
+
+    # A build records each part's place (its file's), and a rerun reuses it so
+    from raylora.data.cache import record_build
+
+    built = record_build(cfg, "sd", plan, items, written, uri, store)
+    manifest = json.loads(open(os.path.join(uri, MANIFEST)).read())
+    assert manifest["file_deals"] == built.deals == [0, 0, 1, 1]
+    dealt_as_uncached(built)
+    dealt_as_uncached(ensure_cache(cfg, "sd", tiny_model, plan, store, rows_per_part=4))
+
+
+def test_the_cache_records_what_its_build_decoded(tiny_model, tmp_path):
+    """The rows a build dropped were counted only as it ran (in the run's counter), so a
+    rerun reusing the entry had none to judge. Each build unit's counts come back with
+    its parts (a unit none of whose rows was kept, too) and the manifest records the
+    whole build's, examples in source order: what a fresh build's run judges."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raylora.data.cache import MANIFEST, read_entry, record_build
+    from raylora.data.demo import make_samples
+    from raylora.data.plan import plan_data
+    from raylora.storage import Storage
+
+    samples = make_samples(12, size=32, seed=3)
+    (tmp_path / "data").mkdir()
+    for f, rows in enumerate((samples[:8], samples[8:])):
+        images = [img if f == 0 and i % 3 else b"not an image" for i, (img, _) in enumerate(rows)]
+        pq.write_table(pa.table({"image": images, "text": [t for _, t in rows]}),
+                       tmp_path / "data" / f"part-{f}.parquet")
+    cfg = validate({"model": {"pretrained": tiny_model}, "output": {"uri": str(tmp_path / "o")},
+                    "data": {"uri": str(tmp_path / "data"), "resolution": 32, "center_crop": True,
+                             "cache": "latents", "cache_uri": str(tmp_path / "cache")}})
+    store = Storage()
+    plan = plan_data(cfg.data, store)
+    uri, items, written = _encode_here(cfg, tiny_model, plan, store, 256)
+    # file 0: rows 0, 3, 6 bad; file 1: all 4 bad, no part, its counts in a row of its own
+    assert [(r["name"], int(r["rows"])) for r in written] == [("part-000000-0000.parquet", 5), ("", 0)]
+    assert [json.loads(r["counts"])["bad_records"] for r in written] == [{"not_an_image": 3},
+                                                                         {"not_an_image": 4}]
+    entry = record_build(cfg, "sd", plan, items, written, uri, store)
+    f0, f1 = plan.files
+    want = {"rows_ok": 5, "bad_records": {"not_an_image": 7}, "bad_fraction": 7 / 12,
+            "rows_seen": 12, "rows_ok_by_source": {"0": 5},
+            "bad_examples": {"not_an_image": [
+                f"{f0}#{i}: not_an_image: no image format PIL reads starts b'not an i'"
+                for i in (0, 3, 6)]}}
+    assert entry.counts == want and entry.files == [f"{uri}/parts/part-000000-0000.parquet"]
+    assert json.loads(open(os.path.join(uri, MANIFEST)).read())["decode_counts"] == want
+    assert read_entry(uri, store).counts == want

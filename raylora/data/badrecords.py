@@ -42,6 +42,11 @@ class Tally:
             kept = self.examples.setdefault(reason, [])
             kept.extend(where[: EXAMPLES_PER_REASON - len(kept)])
 
+    def add_summary(self, summary: dict) -> None:
+        """Adds another tally's ``summary()`` (a latent cache entry's recorded counts)."""
+        self.add(summary["rows_ok"], summary["bad_records"], summary["bad_examples"],
+                 {int(k): v for k, v in summary.get("rows_ok_by_source", {}).items()})
+
     def summary(self) -> dict:
         total = self.ok + sum(self.bad.values())
         return {
@@ -77,6 +82,18 @@ def verdict(summary: dict, max_fraction: float, min_rows: int) -> str | None:
     )
 
 
+def record(name: str | None, summary: dict) -> None:
+    """Adds ``summary`` (``Tally.summary``: a latent cache's build counts) to the counter
+    ``name``, waited for: the driver judges the totals next. Nothing without a counter."""
+    if not name:
+        return
+    import ray
+
+    from raylora.desk import handle
+
+    ray.get(handle(name).add_summary.remote(summary))
+
+
 def read_counter(name: str | None) -> dict | None:
     """The totals so far, or None when there is no counter (no run, or not started)."""
     if not name:
@@ -109,3 +126,18 @@ class Reporter:
         if self._actor is None:
             self._actor = handle(self.name)
         self._actor.add.remote(ok, dict(bad), examples, by_source)
+
+
+class Counting(Reporter):
+    """A Reporter that keeps the counts (``tally``) instead of sending them: the latent
+    cache's build hands each unit's back with its parts, and the entry records them, so a
+    rerun that reuses the entry (and decodes nothing) is judged on them as the build was."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.tally = Tally()
+
+    def send(self, ok: int, bad: dict[str, int], examples: dict[str, list[str]],
+             by_source: dict[int, int] | None = None) -> None:
+        super().send(ok, bad, examples, by_source)
+        self.tally.add(ok, bad, examples, by_source)

@@ -19,11 +19,14 @@ tensor is stored in the dtype it was computed in (``to_column``): a bf16 run's c
 half an fp32 one's and holds exactly what uncached training would feed the denoiser.
 
 An entry lives at ``{cache_uri}/{fingerprint}/`` and is complete once its
-``manifest.json`` exists (written last). The fingerprint covers the model's encoder files,
-the precision, the resolution and crop policy, the held-out split and the data files'
-names, sizes and mtimes: a rerun or a Tune trial with the same inputs reuses the entry,
-and any change makes a new one. Random crop/flip and tag shuffling are refused by the
-config (a cache holds one view of each image and caption). Caption dropout is not: the
+``manifest.json`` exists (written last). The manifest also records what the build decoded
+(rows kept, bad rows per reason: ``record_build``): a rerun that reuses the entry decodes
+nothing, and is judged on those (data.max_bad_fraction) as the build's run was. The
+fingerprint covers the model's encoder files, the precision, the resolution and crop
+policy, the held-out split and the data files' names, sizes and mtimes: a rerun or a
+Tune trial with the same inputs reuses the entry, and any change makes a new one. Random
+crop/flip and tag shuffling are refused by the config (a cache holds one view of each
+image and caption). Caption dropout is not: the
 driver encodes the family's empty prompt once (``encode_for_workers``) and training swaps
 it in for the dropped rows' caption columns (``raylora.data.captions``). The entry's rows
 are the same at any rate above 0, but not at 0: with dropout on, a row with no caption is
@@ -44,7 +47,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -168,6 +171,12 @@ class CacheEntry:
     repeats: list[int] | None = None
     # data.bucketing: per file, rows per bucket id (JSON keys: the ids as strings).
     buckets: list[dict[str, int]] | None = None
+    # Per file, the place data.sharding=files deals it by (SourceFiles.deals): the place of
+    # the source file it was cut from, so each worker reads the rows it reads uncached.
+    deals: list[int] | None = None
+    # What the build decoded (raylora.data.badrecords.Tally.summary: rows kept, bad rows per
+    # reason, a few examples); None: an entry built before entries recorded them.
+    counts: dict | None = None
 
     @property
     def rows(self) -> int:
@@ -187,7 +196,8 @@ class CacheEntry:
                 [{int(b): n for b, n in self.buckets[i].items()} for i in idx]
             out.append(SourceFiles(src, "parquet", [self.files[i] for i in idx], sum(rows), rows,
                                    reps if any(r != 1 for r in reps) else None, self.uri,
-                                   bucket_counts=counts))
+                                   bucket_counts=counts,
+                                   deals=None if self.deals is None else [self.deals[i] for i in idx]))
         return DataPlan.of(apply_shares(data, out))
 
 
@@ -315,7 +325,8 @@ def read_entry(uri: str, store: Storage) -> CacheEntry | None:
     files = [storage.join(uri, name) for name in m["files"]]
     return CacheEntry(uri, files, list(m["file_rows"]), reused=True,
                       sources=m.get("file_sources"), repeats=m.get("file_repeats"),
-                      buckets=m.get("file_buckets"))
+                      buckets=m.get("file_buckets"), deals=m.get("file_deals"),
+                      counts=m.get("decode_counts"))
 
 
 def _stage_kwargs(cfg: RayLoraConfig, model_path: str, family: str, store: Storage) -> tuple[dict, dict]:
@@ -335,7 +346,10 @@ def _stage_kwargs(cfg: RayLoraConfig, model_path: str, family: str, store: Stora
 class EncodeFiles:
     """Ray Data stage over work items ``(item, source k, file index, start, stop)``: reads
     the item's rows in file order, holds out the split's rows, preprocesses, encodes, and
-    writes ``part-{item:06d}-{k:04d}.parquet`` itself.
+    writes ``part-{item:06d}-{k:04d}.parquet`` itself. Returns a row per part (``item``,
+    ``name``, ``rows``, ``buckets``) and the item's decode counts (``counts``: JSON of
+    ``Tally.summary``, on its first row; an item none of whose rows was kept gets one row,
+    ``name`` "", for them).
 
     Why not ``map_batches(...).write_parquet()``: with ``preserve_order`` on, Ray Data
     still sometimes wrote a file's blocks out of order (seen 1 build in 4 here), and a
@@ -354,6 +368,11 @@ class EncodeFiles:
         self.store = Storage(pre["endpoint_url"], pre["region"])
         self.pre, self.enc = Preprocess(StageSpec(**pre)), EncodeStage(**enc)
         self.rows_per_part, self.encode_batch = rows_per_part, encode_batch
+        from raylora.data.badrecords import Counting
+
+        # Counted here and recorded with the entry (record_build), not sent to the run's
+        # counter: a rerun reusing the entry decodes nothing, and is judged on them too.
+        self.counting = self.pre.reporter = Counting()
 
     def _rows(self, k: int, source: int, index: int, start: int, stop: int):
         """A unit's rows as training reads them: the source's caption prefix applied."""
@@ -366,12 +385,15 @@ class EncodeFiles:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         import itertools
 
+        from raylora.data.badrecords import Tally
         from raylora.data.split import held_out_mask
 
-        names, counts, buckets = [], [], []
+        out = {"item": [], "name": [], "rows": [], "buckets": [], "counts": []}
         for item, k, source, index, start, stop in zip(
                 batch["item"], batch["k"], batch["source"], batch["index"], batch["start"],
                 batch["stop"]):
+            self.counting.tally = Tally()  # this item's
+            names, counts, buckets = [], [], []
             rows = iter(self._rows(int(k), int(source), int(index), int(start), int(stop)))
             encoded, part = [], 0
             while chunk := list(itertools.islice(rows, self.encode_batch)):
@@ -379,15 +401,27 @@ class EncodeFiles:
                     keep = ~held_out_mask([r["image"] for r in chunk], [r["text"] for r in chunk],
                                           self.data.validation_split)
                     chunk = [r for r, k in zip(chunk, keep) if k]
-                if chunk:
-                    encoded.append(encode_chunk(self.pre, self.enc, chunk))
+                # a chunk of bad rows alone (dropped and counted) encodes to nothing: before,
+                # encode_batch bad rows in a row failed the build in the VAE
+                if chunk and (done := encode_chunk(self.pre, self.enc, chunk, skip_empty=True)):
+                    encoded.append(done)
                 while encoded and sum(len(e["latent_params"]) for e in encoded) >= self.rows_per_part:
                     encoded = self._write(int(item), part, encoded, names, counts, buckets)
                     part += 1
             if encoded:
                 self._write(int(item), part, encoded, names, counts, buckets)
-        return {"name": np.array(names, dtype=object), "rows": np.array(counts, dtype=np.int64),
-                "buckets": np.array(buckets, dtype=object)}
+            if not names:  # every row bad or held out: no part, but the counts say why
+                names, counts, buckets = [""], [0], ["{}"]
+            out["item"] += [int(item)] * len(names)
+            out["name"] += names
+            out["rows"] += counts
+            out["buckets"] += buckets
+            out["counts"] += [json.dumps(self.counting.tally.summary())] + [""] * (len(names) - 1)
+        return {"item": np.array(out["item"], dtype=np.int64),
+                "name": np.array(out["name"], dtype=object),
+                "rows": np.array(out["rows"], dtype=np.int64),
+                "buckets": np.array(out["buckets"], dtype=object),
+                "counts": np.array(out["counts"], dtype=object)}
 
     def _write(self, item: int, part: int, encoded: list[dict], names: list, counts: list,
                buckets: list) -> list[dict]:
@@ -414,9 +448,10 @@ class EncodeFiles:
         return [rest] if len(rest["latent_params"]) else []
 
 
-def encode_chunk(pre, enc: EncodeStage, rows: list[dict]) -> dict[str, np.ndarray]:
+def encode_chunk(pre, enc: EncodeStage, rows: list[dict],
+                 skip_empty: bool = False) -> dict[str, np.ndarray] | None:
     """``{image, text}`` rows (with ``key``, where each is, for bad-row reports) → cached
-    columns, in order."""
+    columns, in order; ``skip_empty``: None when the decode kept none of them."""
     batch = {"image": np.array([r["image"] for r in rows], dtype=object),
              "text": np.array([r["text"] for r in rows], dtype=object)}
     # where each is (bad-row reports), per-source counts, the loss mask (data.masked_loss),
@@ -425,6 +460,8 @@ def encode_chunk(pre, enc: EncodeStage, rows: list[dict]) -> dict[str, np.ndarra
         if all(column in r for r in rows):
             batch[column] = np.array([r[column] for r in rows], dtype=object)
     pre_out = pre(batch)
+    if skip_empty and not len(pre_out["pixel_values"]):
+        return None  # (the VAE fails on an empty batch)
     if "bucket" not in pre_out:
         return enc(pre_out)
     return _encode_by_bucket(enc, pre_out)
@@ -462,8 +499,14 @@ def _work_items(cfg: RayLoraConfig, plan: DataPlan, store: Storage, per_item: in
     caption folder's images in runs of at most ``per_item``, and in at least
     ``captionfolder_parts(cfg)`` runs while it has that many images: the number the
     fingerprint holds), numbered in source order, with the source (``k``: its place in the
-    plan) and the times its rows count."""
+    plan), the times its rows count and ``deal``: the place data.sharding=files deals its
+    parts by (``SourceFiles.deals``). A unit of one shard file, or of one image, gets that
+    file's place over every source, as the uncached run deals it: each worker then reads
+    the rows it reads uncached, in the same order, whatever parts the file was cut into. A
+    caption folder's run of several images (over 127 images) gets its run's place: runs are
+    dealt in turn, as many images a worker as uncached, but not the same ones."""
     items, sections, min_parts = [], cfg.data.source_sections(), captionfolder_parts(cfg)
+    before = 0  # files of the sources before
     for k, s in enumerate(plan.sources):
         reps = s.file_repeats()
         size = per_item
@@ -471,31 +514,42 @@ def _work_items(cfg: RayLoraConfig, plan: DataPlan, store: Storage, per_item: in
             # Rounded down: runs of n // min_parts images make at least min_parts runs.
             size = max(1, min(per_item, len(s.files) // min_parts))
         units = get_format(s.format).units(sections[s.index], s.files, store, size)
-        for index, start, stop in units:
+        for n, (index, start, stop) in enumerate(units):
             items.append({"item": len(items), "k": k, "source": s.index, "index": index,
-                          "start": start, "stop": stop, "repeats": reps[index]})
+                          "start": start, "stop": stop, "repeats": reps[index],
+                          "deal": before + n})
+        before += len(s.files)
     return items
 
 
+def _part_deals(names: list[str], items: list[dict]) -> list[int] | None:
+    """Each part's ``deal`` (``_work_items``), by the item in its name
+    (``part-{item}-{k}.parquet``); None where a name is not one."""
+    try:
+        return [items[int(n.rsplit("/", 1)[-1].split("-")[1])]["deal"] for n in names]
+    except (IndexError, ValueError):
+        return None
+
+
 def ensure_cache(cfg: RayLoraConfig, family: str, model_path: str, data: DataPlan,
-                 store: Storage, rows_per_part: int = 256,
-                 bad_records: str | None = None) -> CacheEntry:
+                 store: Storage, rows_per_part: int = 256) -> CacheEntry:
     """The complete cache entry for this config, built first when missing. Needs Ray.
-    ``bad_records``: the run's counter, which the build's rejected rows are counted in
-    (a reused entry decodes nothing, so it adds nothing)."""
+    Its ``counts`` are what the build decoded (recorded with it: a reused entry decodes
+    nothing); the run adds them to its own (``raylora.launch.apply_cache``)."""
     import ray.data
 
     uri = storage.join(cache_root(cfg), fingerprint(cfg, family, model_path, data, store))
     entry = read_entry(uri, store)
     if entry is not None:
         log.info("latent cache: reusing %s (%d rows)", uri, entry.rows)
+        if entry.deals is None:  # built before manifests kept them: from the part names
+            entry = replace(entry, deals=_part_deals(entry.files, _work_items(cfg, data, store, rows_per_part)))
         return entry
     parts = storage.join(uri, "parts")
     if store.exists(parts):  # a build that died before its manifest: start over
         store.delete_dir(parts)
     log.info("latent cache: encoding %d file(s) into %s", len(data.files), uri)
     pre, enc = _stage_kwargs(cfg, model_path, family, store)
-    pre["bad_records"] = bad_records
     items = _work_items(cfg, data, store, rows_per_part)
     gpu = {"num_gpus": 1} if cfg.scaling.use_gpu else {"num_cpus": 1}
     written = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
@@ -510,24 +564,44 @@ def ensure_cache(cfg: RayLoraConfig, family: str, model_path: str, data: DataPla
         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.scaling.max_workers)),
         **gpu,
     ).take_all()
-    done = sorted((r["name"], int(r["rows"])) for r in written)  # zero-padded: source order
-    part_buckets = {r["name"]: json.loads(r["buckets"]) for r in written}
+    return record_build(cfg, family, data, items, written, uri, store)
+
+
+def record_build(cfg: RayLoraConfig, family: str, data: DataPlan, items: list[dict],
+                 written: list[dict], uri: str, store: Storage) -> CacheEntry:
+    """The entry ``EncodeFiles`` wrote under ``uri`` from ``items`` (``written``: its
+    rows): ``manifest.json`` records the parts in source order, each one's source, repeats,
+    buckets and deal place, and the decode counts of the whole build."""
+    from raylora.data.badrecords import Tally
+
+    tally = Tally()
+    for r in sorted(written, key=lambda r: int(r["item"])):  # examples in source order
+        if r["counts"]:
+            tally.add_summary(json.loads(r["counts"]))
+    counts = tally.summary()
+    done = sorted((r["name"], int(r["rows"])) for r in written if r["name"])  # zero-padded: source order
+    part_buckets = {r["name"]: json.loads(r["buckets"]) for r in written if r["name"]}
     if not done:
-        raise ValueError(f"data.cache: encoding {[s.uri for s in data.sources]} produced no rows")
+        bad = f" (bad rows: {counts['bad_records']})" if counts["bad_records"] else ""
+        raise ValueError(f"data.cache: encoding {[s.uri for s in data.sources]} produced no rows{bad}")
     names = [n for n, _ in done]
     of_item = [items[int(n.split("-")[1])] for n in names]  # part-{item}-{k}.parquet
     manifest = {"version": CACHE_VERSION, "family": family,
                 "files": [f"parts/{n}" for n in names], "file_rows": [c for _, c in done],
                 "file_sources": [data.sources[it["k"]].index for it in of_item],
                 "file_repeats": [it["repeats"] for it in of_item],
+                "file_deals": [it["deal"] for it in of_item],
                 **({"file_buckets": [part_buckets[n] for n in names]} if cfg.data.bucketing else {}),
+                "decode_counts": counts,
                 "source": {"uri": [s.uri for s in data.sources], "files": len(data.files)}}
     # Written last: its presence is what marks the entry complete.
     store.write_bytes(storage.join(uri, MANIFEST), json.dumps(manifest, indent=1).encode())
     log.info("latent cache: wrote %d rows in %d file(s)", sum(manifest["file_rows"]), len(names))
+    parts = storage.join(uri, "parts")
     return CacheEntry(uri, [storage.join(parts, n) for n in names], manifest["file_rows"],
                       reused=False, sources=manifest["file_sources"],
-                      repeats=manifest["file_repeats"], buckets=manifest.get("file_buckets"))
+                      repeats=manifest["file_repeats"], buckets=manifest.get("file_buckets"),
+                      deals=manifest["file_deals"], counts=counts)
 
 
 def caption_columns(stage, encoder: EncodeStage, captions: list[str]) -> dict[str, np.ndarray]:

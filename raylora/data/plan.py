@@ -77,6 +77,12 @@ class SourceFiles:
     # source's rows in file order (-1: a row no bucket trains, held out or one the decode
     # drops), so that a partial copy is drawn per bucket (``_bucket_tables``); else None.
     row_buckets: np.ndarray | None = None
+    # Per file, the place data.sharding=files deals it by (worker deals[i] mod world); None:
+    # its own place over every source. A latent cache's part gets the place of the source
+    # file its rows came from: a shard file cut into parts of 256 rows left its last part,
+    # and the next file's, to the next worker (two files of 300 rows: 512 and 88 rows a
+    # worker, the epoch cut to 88), where the uncached run gives each worker a file.
+    deals: list[int] | None = None
 
     def file_repeats(self) -> list[int]:
         return self.repeats or [1] * len(self.files)
@@ -141,7 +147,7 @@ class SourceFiles:
             ids = np.concatenate([self.file_buckets()[i] for i in indices] or [ids[:0]])
         return replace(self, files=pick(self.files), rows=sum(rows or []), file_rows=rows,
                        repeats=pick(self.repeats), bucket_counts=pick(self.bucket_counts),
-                       row_buckets=ids)
+                       row_buckets=ids, deals=pick(self.deals))
 
     def bucket_rows(self) -> dict[int, int]:
         """Rows per bucket an epoch brings: of each multiplicity's n_b rows of a bucket,
@@ -198,10 +204,12 @@ class DataPlan:
 
     def for_rank(self, rank: int, world: int) -> DataPlan:
         """The files of one worker under ``data.sharding=files``: file i (counted over
-        every source) goes to worker i mod world."""
+        every source) goes to worker i mod world; a file with a deal place
+        (``SourceFiles.deals``: a latent cache's part) to worker place mod world."""
         subsets, start = [], 0
         for s in self.sources:
-            subsets.append(s.subset([i for i in range(len(s.files)) if (start + i) % world == rank]))
+            places = s.deals if s.deals is not None else range(start, start + len(s.files))
+            subsets.append(s.subset([i for i, d in enumerate(places) if d % world == rank]))
             start += len(s.files)
         return DataPlan.of([s for s in subsets if s.files] or subsets[:1], self.heldout_dropped)
 

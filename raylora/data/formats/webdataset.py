@@ -70,9 +70,15 @@ def iter_tar_samples(fileobj, source: str, masks: bool = False,
 
 
 def _finish(sample: dict, source: str, masks: bool = False, controls: Sequence[str] = ()) -> dict:
+    from raylora.data.captions import joined_captions
+
     text = sample["text"]
     if text is None and isinstance(sample["json"], dict):
-        text = sample["json"].get("caption") or sample["json"].get("text")
+        # Several captions ("caption": [...]) travel joined, as a parquet list column's and
+        # a metadata.jsonl list's do, and the preprocess stage draws one per read. As a
+        # list, Ray Data's read stage (str()) trained its Python text, and the latent
+        # cache kept the one drawn at its build (now refused: several_captions_problem).
+        text = joined_captions(sample["json"].get("caption") or sample["json"].get("text"))
     row = {"key": f"{source}#{sample['key']}", "image": sample["image"], "text": text or ""}
     if masks:
         row["mask"] = sample["mask"]
@@ -89,6 +95,20 @@ TAR_BUFFER = 8 << 20
 
 def _tar_stream(storage: Storage, uri: str):
     return pa.input_stream(storage.open_input(uri), buffer_size=TAR_BUFFER)
+
+
+def several_captions_problem(data, row: dict) -> str | None:
+    """Why ``row`` (read with ``data``) cannot train: several captions (``KEY.json``'s
+    ``"caption": [...]``) with data.cache=latents, which encodes one caption per image for
+    good (one drawn at the build, the others never trained); as a parquet list column and a
+    metadata.jsonl list are refused. None otherwise."""
+    from raylora.data.captions import caption_list
+
+    if data.cache != "latents" or caption_list(row["text"]) is None:
+        return None
+    return (f"{row['key']}: several captions (a list in its .json); data.cache: latents "
+            "encodes one caption per image for good: train uncached (data.cache: none, a "
+            "caption drawn per read), or keep one caption per image")
 
 
 # img2dataset writes ``00000_stats.json`` beside ``00000.tar`` once the tar is closed; its
@@ -158,7 +178,19 @@ class WebDataset(ShardFormat):
     def count_rows(self, data, files, storage):
         """Samples per tar: from the shard builder's manifest when present, else from
         img2dataset's ``_stats.json`` beside each tar, else by reading the tar (every
-        byte of it: its members' headers are spread through it)."""
+        byte of it: its members' headers are spread through it). With data.cache=latents
+        the rows the plan's sample check reads are read first: one with several captions
+        is refused (``several_captions_problem``) as a problem of the plan, not a stack
+        trace from that check (``iter_rows`` refuses those it reads later: held-out rows,
+        the bucket scan, the cache's build)."""
+        if data.cache == "latents":
+            from raylora.data.plan import SAMPLE_ROWS
+
+            for _ in self.sample_rows(data, files, storage, SAMPLE_ROWS):
+                pass
+        return self._count_rows(data, files, storage)
+
+    def _count_rows(self, data, files, storage):
         roots = {f.rsplit("/", 1)[0] for f in files}
         if len(roots) == 1:
             manifest = read_manifest(storage, roots.pop())
@@ -191,7 +223,10 @@ class WebDataset(ShardFormat):
     def iter_rows(self, data, files, storage):
         for f in files:
             with _tar_stream(storage, f) as fh:
-                yield from iter_tar_samples(fh, f, data.masked_loss, control_names(data))
+                for row in iter_tar_samples(fh, f, data.masked_loss, control_names(data)):
+                    if problem := several_captions_problem(data, row):
+                        raise ValueError(problem)
+                    yield row
 
     def read_dataset(self, data, files, file_rows, storage, seed, shuffle, **map_args):
         # map_args are for the parquet read stage; a tar is one read task whatever they say.

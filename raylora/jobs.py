@@ -398,10 +398,13 @@ def submit(config: str, overrides: list[str], address: str | None = None,
     cfg = load_config(config, overrides)
     cmd, setup = command(cfg)
     runtime_env(cfg, os.path.abspath(working_dir), None, extra, runtime_env_file)  # conflicts
-    c = client(address)
+    # The client reaches the cluster: a job id is checked there before the checks here,
+    # which otherwise come first (a broken checkpoint is exit 2 with no cluster up).
+    c = client(address) if submission_id else None
     if submission_id:
         refuse_taken(c, submission_id)
     r = launch.checked(cfg, setup)
+    c = c or client(address)
     overrides = [*overrides, *path_overrides(cfg, launch.resolve_paths(cfg), ship)]
     meta = {META: os.path.basename(config), COMMAND: cmd, "raylora_output": r.cfg.output.uri,
             "raylora_max_steps": str(r.plan.max_steps)}

@@ -116,6 +116,10 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
                   input_side: int | None = None, system_prompt: bool = False,
                   variant: str | None = None, size: int | None = None):
     """(the family's stock pipeline of ``model`` with the adapter loaded, the family).
+    ``model``: a hub id (or ``hf://`` URI), a local folder, or a folder in object storage
+    (checked as a run's plan checks it, then copied to this node as a training worker's
+    copy is: ``raylora.model.load.materialize``). No safety checker, as previews draw
+    (``load_pipeline_as_trained``).
 
     A pipeline of experts (Wan 2.2 A14B) samples with every expert; an adapter goes into
     the one it trained: ``expert``, else ``model.expert`` in the adapter folder's
@@ -140,10 +144,11 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
     image's side (``--size``), refused off the model's latent grid."""
     from diffusers import DiffusionPipeline
 
-    from raylora import quiet
+    from raylora import quiet, storage
     from raylora.config import ModelSection, hub_model
     from raylora.model import families
-    from raylora.model.load import load_pipeline_as_trained
+    from raylora.model.load import check_model, load_pipeline_as_trained, materialize
+    from raylora.storage import Storage
     from raylora.train.preview import with_prediction_type
 
     model, revision = hub_model(model, revision, keys=("--model", "--revision"))
@@ -160,8 +165,12 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
         raise ValueError(single_file_message("--model", model))
     path = os.path.abspath(model) if os.path.isdir(model) else model
     revision = revision or trained_commit(model, adapters)
+    # A folder in object storage (s3://, gs://): checked where it is, as the plan checks a
+    # run's (DiffusionPipeline took the URI for a hub id: a huggingface.co connection
+    # error), and downloaded once the call's arguments are checked (materialize below).
+    stored = check_model(model, Storage(), key="--model") if not storage.is_local(model) else None
     # The family, and the pipeline class that loads the adapter, from model_index.json.
-    index = DiffusionPipeline.load_config(path, revision=revision)
+    index = stored["index"] if stored else DiffusionPipeline.load_config(path, revision=revision)
     family = families.detect(index, "--model")
     if system_prompt and family.system_prompt is None:
         raise ValueError(f"--system-prompt: {family.name} ({family.pipeline}) takes no system prompt")
@@ -170,8 +179,8 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
         # both after the pipeline loaded (minutes for a big model).
         from diffusers import AutoencoderKL  # any VAE's config.json: load_config reads the file
 
-        vae = AutoencoderKL.load_config(path, subfolder="vae", revision=revision)
-        multiple = family.vae_factor(vae) * family.patch
+        multiple = family.patch * (stored["vae_factor"] if stored else family.vae_factor(
+            AutoencoderKL.load_config(path, subfolder="vae", revision=revision)))
         if size % multiple:
             raise ValueError(f"--size: {size} is not a multiple of {multiple} (the {family.name} "
                              f"latent grid: VAE downsampling × patch size), e.g. "
@@ -206,6 +215,8 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
     quiet.diffusers_bars_off()  # "Loading pipeline components..."
     # raylora.json names a folder by its absolute path (the run resolved it), a hub id as is
     variant = variant or trained_config(adapters, "model", "variant", base=(model, path))
+    if stored:  # this node's copy, as a training worker's, of the files just checked
+        path = materialize(model, Storage(), stored["commit"])
     section = ModelSection(pretrained=path, revision=revision, variant=variant,
                            quantize_text_encoders=quantize_text_encoders)
     pipe = load_pipeline_as_trained(path, family, dtype, index, section, device)

@@ -46,7 +46,8 @@ AWS_ENV_VARS = (
     "STORAGE_EMULATOR_HOST",
     "GOOGLE_CLOUD_PROJECT",
     # A hub id's model (gated: Flux.1 [dev], SD3.5) and its mirror, read by every worker;
-    # the token also when ``hf auth login`` stored it rather than exported it (forwarded_env).
+    # the token also when ``hf auth login`` stored it or HUGGING_FACE_HUB_TOKEN holds it
+    # (forwarded_env).
     "HF_TOKEN",
     "HF_ENDPOINT",
 )
@@ -767,8 +768,10 @@ def _short(exc: Exception) -> str:
 def forwarded_env() -> dict[str, str]:
     """``AWS_ENV_VARS`` set in this process (S3, tracking, GCS-emulator and hub settings,
     despite the name), to forward to Ray workers via runtime_env. ``HF_TOKEN`` is the token
-    this machine's huggingface_hub sends, exported or stored (``raylora.model.hub.token``):
-    the one the driver checked a gated repo with, which workers on other nodes lack."""
+    this machine's huggingface_hub sends, however it was given (``raylora.model.hub.token``:
+    ``HF_TOKEN``, ``HUGGING_FACE_HUB_TOKEN``, ``hf auth login``'s file): the one the driver
+    checked a gated repo with, which workers on other nodes lack. Sent under the one name
+    ``SECRET_ENV_VARS`` keeps out of logged env_vars."""
     from raylora.model.hub import token
 
     env = {k: os.environ[k] for k in AWS_ENV_VARS if os.environ.get(k)}

@@ -235,4 +235,5 @@ def online(hub, monkeypatch, tmp_path):
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
     monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "hf-token"))
     monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)  # its older name, still read
     return constants

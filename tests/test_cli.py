@@ -256,6 +256,115 @@ def test_sample_refuses_a_size_off_the_latent_grid_before_the_pipeline_loads(tin
     assert loaded == [] and not (tmp_path / "s.png").exists()
 
 
+@pytest.fixture(scope="module")
+def sd_adapter(tiny_model, tmp_path_factory) -> str:
+    """A LoRA of the tiny SD model's unet with random (nonzero) up weights: it changes the
+    image the pipeline draws."""
+    import torch
+    from diffusers import StableDiffusionPipeline
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    pipe = StableDiffusionPipeline.from_pretrained(tiny_model)
+    torch.manual_seed(0)
+    pipe.unet.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian",
+                                     target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    out = tmp_path_factory.mktemp("sd-adapter")
+    StableDiffusionPipeline.save_lora_weights(str(out), get_peft_model_state_dict(pipe.unet))
+    return str(out)
+
+
+def _pixels(path):
+    import numpy as np
+    from PIL import Image
+
+    return np.asarray(Image.open(path))
+
+
+def test_sample_draws_without_the_safety_checker_as_previews_do(tiny_model, sd_adapter, tmp_path):
+    """SD 1.x's repos list a safety checker: `raylora sample` loaded it (1.2 GB downloaded
+    for SD 1.5) and drew black where it flagged the image, while previews and class images
+    of the same adapter are drawn without it. Here a checker that flags every image: the
+    sample is the one the folder without a checker gives."""
+    import numpy as np
+    import torch
+    from diffusers import StableDiffusionPipeline
+    from diffusers.pipelines.stable_diffusion.safety_checker import StableDiffusionSafetyChecker
+    from transformers import CLIPConfig, CLIPImageProcessor
+
+    from raylora.sample import load_pipeline, sample
+
+    checker = StableDiffusionSafetyChecker(CLIPConfig(
+        text_config=dict(hidden_size=32, intermediate_size=37, num_attention_heads=4,
+                         num_hidden_layers=1, vocab_size=1000),
+        vision_config=dict(hidden_size=32, intermediate_size=37, num_attention_heads=4,
+                           num_hidden_layers=1, image_size=32, patch_size=4),
+        projection_dim=32))
+    with torch.no_grad():
+        checker.concept_embeds_weights.fill_(-10.0)  # every image is over every threshold
+    extractor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    stock = StableDiffusionPipeline.from_pretrained(tiny_model)
+    folder = tmp_path / "with-checker"
+    StableDiffusionPipeline(**{k: v for k, v in stock.components.items()
+                               if k not in ("safety_checker", "feature_extractor")},
+                            safety_checker=checker, feature_extractor=extractor,
+                            requires_safety_checker=True).save_pretrained(folder)
+    flagged = checker(images=np.ones((1, 64, 64, 3), np.float32),
+                      clip_input=extractor(np.ones((64, 64, 3)), return_tensors="pt").pixel_values)
+    assert flagged[1] == [True] and flagged[0].max() == 0  # what it does to a white image
+
+    assert load_pipeline(str(folder), sd_adapter)[0].safety_checker is None
+    call = dict(adapter=sd_adapter, prompt="a photo", steps=2, size=64)
+    got = _pixels(sample(str(folder), out=str(tmp_path / "checked.png"), **call))
+    want = _pixels(sample(tiny_model, out=str(tmp_path / "plain.png"), **call))
+    assert want.max() > 0 and np.array_equal(got, want)
+
+
+def test_sample_a_model_in_object_storage(tiny_model, sd_adapter, moto_endpoint, tmp_path,
+                                          monkeypatch, capsys):
+    """`raylora sample --model s3://...` went to DiffusionPipeline as a hub id: a
+    huggingface.co connection error. The folder is checked where it is, as a run's plan
+    checks it (nothing downloaded for one that cannot load), then copied to this node as a
+    training worker's copy is (RAYLORA_CACHE), and draws the local folder's image."""
+    import glob
+    import shutil
+
+    import boto3
+    import numpy as np
+
+    from raylora.cli import main
+    from raylora.storage import Storage
+
+    cache = tmp_path / "cache"
+    for k, v in (("AWS_ENDPOINT_URL", moto_endpoint), ("AWS_ACCESS_KEY_ID", "AKIARAYLORAFAKE00031"),
+                 ("AWS_SECRET_ACCESS_KEY", "fake/secret"), ("AWS_REGION", "us-east-1"),
+                 ("RAYLORA_CACHE", str(cache))):
+        monkeypatch.setenv(k, v)
+    boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1").create_bucket(
+        Bucket="raylora-sample")
+    store = Storage()
+    pointed = tmp_path / "lfs"  # a clone without git-lfs, uploaded
+    shutil.copytree(tiny_model, pointed)
+    (pointed / "unet" / "diffusion_pytorch_model.safetensors").write_text(
+        "version https://git-lfs.github.com/spec/v1\noid sha256:" + "0" * 64 + "\nsize 3438167536\n")
+    store.upload_dir(str(pointed), "s3://raylora-sample/lfs")
+    store.upload_dir(tiny_model, "s3://raylora-sample/tiny")
+    call = ["--adapter", sd_adapter, "--prompt", "a photo", "--steps", "2", "--size", "64"]
+    assert main(["sample", "--model", "s3://raylora-sample/lfs", *call,
+                 "--out", str(tmp_path / "lfs.png")]) == 2
+    assert ("raylora: error: --model: s3://raylora-sample/lfs: no weights in "
+            "s3://raylora-sample/lfs/unet (diffusion_pytorch_model.safetensors is a git-lfs "
+            "pointer, not the weights); pushed or copied from a clone without git-lfs "
+            "(`git lfs pull` there fetches them)") in capsys.readouterr().err
+    assert not cache.exists()
+    assert main(["sample", "--model", "s3://raylora-sample/tiny", *call,
+                 "--out", str(tmp_path / "s3.png")]) == 0
+    assert main(["sample", "--model", tiny_model, *call, "--out", str(tmp_path / "local.png")]) == 0
+    got, want = _pixels(tmp_path / "s3.png"), _pixels(tmp_path / "local.png")
+    assert want.max() > 0 and np.array_equal(got, want)
+    assert len(glob.glob(f"{cache}/models/*/.complete")) == 1
+
+
 def test_a_ray_address_where_no_cluster_answers_is_named_at_once(tmp_path, tiny_model, demo_data):
     """A stale RAY_ADDRESS (the cluster stopped): ray.init retried for minutes before a
     stack trace; now one line naming it, before Ray. Addresses ray.init judges itself

@@ -15,17 +15,32 @@ import pytest
 from raylora.config import ConfigError, validate
 
 TOKEN = "hf_RayLoraHubTest0001doNotLeak"
+# What a clone without git-lfs holds in place of a weights file.
+LFS_POINTER = ("version https://git-lfs.github.com/spec/v1\n"
+               "oid sha256:4c2f0b0d2f1c4f3d0a5b8f2b3e9a0c1d2e3f4a5b6c7d8e9f0a1b2c3d4e5f6a7b\n"
+               "size 3438167536\n")
+UNET_WEIGHTS = "unet/diffusion_pytorch_model.safetensors"
 
 
 @pytest.fixture(scope="module")
 def repos(hub, tiny_model, tiny, tmp_path_factory):
     """org/tiny-sd (public), org/tiny-flux (gated behind TOKEN), org/no-unet (an SD
-    pipeline without its unet folder)."""
+    pipeline without its unet folder), org/no-vae-weights (its vae folder without weights),
+    org/lfs-unet (its unet weights a git-lfs pointer)."""
     broken = tmp_path_factory.mktemp("no-unet") / "m"
     shutil.copytree(tiny_model, broken, ignore=shutil.ignore_patterns("unet"))
     hub.add("org/tiny-sd", tiny_model)
     hub.add("org/tiny-flux", tiny("flux"), token=TOKEN)
     hub.add("org/no-unet", str(broken))
+    unweighted = tmp_path_factory.mktemp("no-vae-weights") / "m"
+    shutil.copytree(tiny_model, unweighted, ignore=shutil.ignore_patterns("*.safetensors"))
+    for name in ("unet", "text_encoder"):  # the vae's alone missing
+        shutil.copytree(f"{tiny_model}/{name}", unweighted / name, dirs_exist_ok=True)
+    hub.add("org/no-vae-weights", str(unweighted))
+    pointed = tmp_path_factory.mktemp("lfs-unet") / "m"
+    shutil.copytree(tiny_model, pointed)
+    (pointed / UNET_WEIGHTS).write_text(LFS_POINTER)
+    hub.add("org/lfs-unet", str(pointed))
     return hub
 
 
@@ -75,7 +90,15 @@ def test_a_hub_repos_family_and_grid_are_read_before_ray(online, repos, demo_dat
     ({"pretrained": "org/tiny-sd", "variant": "fp16"},
      "model.variant: fp16: model.pretrained: org/tiny-sd has no fp16 weights in unet, vae, "
      "text_encoder"),
-], ids=["gated", "no-repo", "no-revision", "no-unet", "no-variant"])
+    # each worker's load failed: "no file named diffusion_pytorch_model.bin found"
+    ({"pretrained": "org/no-vae-weights"},
+     "model.pretrained: org/no-vae-weights: no weights in org/no-vae-weights/vae (no "
+     ".safetensors or .bin file); an upload that stopped part way?"),
+    ({"pretrained": "org/lfs-unet"},
+     "model.pretrained: org/lfs-unet: no weights in org/lfs-unet/unet "
+     "(diffusion_pytorch_model.safetensors is a git-lfs pointer, not the weights); pushed or "
+     "copied from a clone without git-lfs (`git lfs pull` there fetches them)"),
+], ids=["gated", "no-repo", "no-revision", "no-unet", "no-variant", "no-weights", "lfs-pointer"])
 def test_a_hub_repo_that_cannot_be_trained_is_named_before_ray(online, repos, demo_data,
                                                                tmp_path, model, expected):
     assert expected in _problems(_cfg(demo_data, tmp_path, **model))
@@ -100,6 +123,87 @@ def test_a_gated_repo_with_a_token_without_access_or_a_stored_one(online, repos,
     assert secret["HF_TOKEN"] == TOKEN and plain["HF_ENDPOINT"] == online.ENDPOINT
     env = launch.job_runtime_env()
     assert "HF_TOKEN" not in env["env_vars"] and env["env_vars"]["HF_ENDPOINT"] == online.ENDPOINT
+
+
+def test_the_token_under_its_older_name_is_the_one_named_and_sent_to_the_workers(
+        online, repos, demo_data, tmp_path, monkeypatch):
+    """``HUGGING_FACE_HUB_TOKEN``, huggingface_hub's older name that it still reads, let
+    the driver's plan read a gated repo; raylora read HF_TOKEN and the stored token alone,
+    so workers on other nodes were sent no token (each download refused after the cluster
+    started) and a wrong one was called "no Hugging Face token is set". The token
+    huggingface_hub sends is the one forwarded, as HF_TOKEN, with the credentials, never in
+    the runtime_env's logged env_vars nor in a message."""
+    from huggingface_hub import hf_hub_download
+
+    from raylora import launch, storage
+    from raylora.launch import plan
+
+    monkeypatch.setenv("HUGGING_FACE_HUB_TOKEN", "hf_wrong")
+    text = _problems(_cfg(demo_data, tmp_path, pretrained="org/tiny-flux"))
+    assert "is a gated repo and the token sent has no access" in text and "hf_wrong" not in text
+    monkeypatch.setenv("HUGGING_FACE_HUB_TOKEN", TOKEN)
+    assert plan(_cfg(demo_data, tmp_path, pretrained="org/tiny-flux"), heldout=False).family == "flux"
+    plain, secret = storage.split_secrets(storage.forwarded_env())
+    assert secret["HF_TOKEN"] == TOKEN and TOKEN not in json.dumps(plain)
+    assert TOKEN not in json.dumps(launch.job_runtime_env()["env_vars"])
+    # a worker on another node: this machine's token settings gone, the forwarded ones set
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN")
+    monkeypatch.setenv("HF_TOKEN", secret["HF_TOKEN"])
+    asked = len(repos.seen)
+    hf_hub_download("org/tiny-flux", "transformer/config.json", cache_dir=str(tmp_path / "node-b"))
+    assert {t for _, path, t in repos.seen[asked:] if "/resolve/" in path} == {TOKEN}
+
+
+def test_a_component_folder_without_weights_is_named_before_ray(tiny_model, demo_data,
+                                                                tmp_path):
+    """A folder whose unet lost its weights (a copy or upload that stopped part way) or
+    holds git-lfs pointers (a clone without git-lfs) passed the plan, and every worker
+    failed on it ("no file named diffusion_pytorch_model.bin found in directory" the
+    model's root). A pointer beside real weights (`git lfs pull --include
+    "*.safetensors"` left the .bin out) is not what the loader reads: it passes."""
+    from raylora.launch import plan
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model, folder)
+    weights = folder / UNET_WEIGHTS
+    real = weights.read_bytes()
+    weights.unlink()
+    assert (f"model.pretrained: {folder}: no weights in {folder}/unet (no .safetensors or "
+            ".bin file); an upload or copy that stopped part way? Copy the model again"
+            ) in _problems(_cfg(demo_data, tmp_path, pretrained=str(folder)))
+    weights.write_text(LFS_POINTER)
+    encoder = folder / "text_encoder" / "model.safetensors"
+    encoder.write_bytes(b"")
+    assert (f"model.pretrained: {folder}: no weights in {folder}/unet "
+            "(diffusion_pytorch_model.safetensors is a git-lfs pointer, not the weights), "
+            f"{folder}/text_encoder (model.safetensors is empty); a clone without git-lfs: "
+            "`git lfs pull` in it fetches them") in _problems(
+                _cfg(demo_data, tmp_path, pretrained=str(folder)))
+    weights.write_bytes(real)
+    shutil.copy(f"{tiny_model}/text_encoder/model.safetensors", encoder)
+    (folder / "unet" / "diffusion_pytorch_model.bin").write_text(LFS_POINTER)
+    assert plan(_cfg(demo_data, tmp_path, pretrained=str(folder)), heldout=False).family == "sd"
+
+
+def test_a_revision_with_a_slash_is_written_2F_in_an_hf_uri(online, hub, tiny_model, pushed,
+                                                            demo_data, tmp_path):
+    """``hf://owner/name@refs%2Fpr%2F1`` (a PR's branch, written as huggingface_hub and a
+    dataset's hf:// write it) was asked of the hub as the revision "refs%2Fpr%2F1": no such
+    revision, as model.pretrained and as lora.init_from. It is refs/pr/1."""
+    from raylora.launch import plan
+    from raylora.model import hub as rhub
+
+    hub.add("org/prs", tiny_model)
+    pr = hub.add("org/prs", pushed, version=1, branch="refs/pr/1")
+    cfg = _cfg(demo_data, tmp_path, pretrained="hf://org/prs@refs%2Fpr%2F1")
+    assert (cfg.model.pretrained, cfg.model.revision) == ("org/prs", "refs/pr/1")
+    assert plan(cfg, heldout=False).model_commit == pr
+    uri = "hf://org/prs@refs%2Fpr%2F1/unet"
+    local = rhub.fetch(uri, "lora.init_from")
+    assert rhub.pinned(uri, local, "lora.init_from") == f"hf://org/prs@{pr}/unet"
+    with open(f"{local}/diffusion_pytorch_model.safetensors", "rb") as got, \
+            open(f"{pushed}/{UNET_WEIGHTS}", "rb") as want:
+        assert got.read() == want.read()  # the PR's weights, not main's
 
 
 def test_offline_a_cached_repo_is_read_and_an_unknown_one_needs_its_family(

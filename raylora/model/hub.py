@@ -1,18 +1,20 @@
 """A hub id (``model.pretrained: org/name``) read on the driver before Ray starts: the
 pipeline's small config files and its file list, through huggingface_hub (its cache,
-``HF_ENDPOINT``, ``HF_HUB_OFFLINE``, and ``HF_TOKEN`` or the token ``hf auth login``
-stored), so a hub model is checked as a folder is (``raylora.model.load.check_model``):
-its family, VAE, scheduler and component folders. A gated repo without access, a wrong
-id or revision is named here, not in a worker's traceback after the cluster started. The
-workers download the weights themselves, each node into its own hub cache, at the commit
-the driver read (``Repo.commit``; ``raylora.launch.Plan.model_commit``), so every worker
-trains on the same weights even if the repo is pushed to while the run starts.
+``HF_ENDPOINT``, ``HF_HUB_OFFLINE``, and the token it sends: ``token``), so a hub model
+is checked as a folder is (``raylora.model.load.check_model``): its family, VAE,
+scheduler and component folders, and that each loaded one holds weights. A gated repo
+without access, a wrong id or revision is named here, not in a worker's traceback after
+the cluster started. The workers download the weights themselves, each node into its own
+hub cache, at the commit the driver read (``Repo.commit``;
+``raylora.launch.Plan.model_commit``), so every worker trains on the same weights even if
+the repo is pushed to while the run starts.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from urllib.parse import unquote
 
 
 class Unreachable(OSError):
@@ -25,26 +27,33 @@ class Repo:
 
     Its file list is asked for first: one request, which fails at once offline
     (``HF_HUB_OFFLINE``) and after huggingface_hub's retries (~20 s) without a network.
-    Then ``files`` is None and every read comes from the cache only, so a missing network
-    costs one wait, not one per file.
+    Then ``files`` and ``sizes`` are None and every read comes from the cache only, so a
+    missing network costs one wait, not one per file.
 
     ``commit``: the commit the first file read came from, and every later one (None
     before the first read): the hub's for ``revision`` or, offline, the one this
     machine's cache has for it."""
 
     def __init__(self, repo: str, revision: str | None):
-        from huggingface_hub import HfApi
-
         self.repo, self.revision, self.offline = repo, revision, ""
         self.commit: str | None = None
-        try:
-            self.files: set[str] | None = set(
-                _call(HfApi().list_repo_files, repo, revision, repo, revision=revision))
+        try:  # (each file's size: what tells a git-lfs pointer, check_model)
+            self.sizes: dict[str, int] | None = _call(_tree, repo, revision, repo, revision)
         except Unreachable as exc:
-            self.files, self.offline = None, str(exc)
+            self.sizes, self.offline = None, str(exc)
+        self.files: set[str] | None = None if self.sizes is None else set(self.sizes)
 
     def read_json(self, filename: str) -> dict:
         """``filename`` (``vae/config.json``), parsed."""
+        with open(self._download(filename)) as f:
+            return json.load(f)
+
+    def read_bytes(self, filename: str) -> bytes:
+        """``filename``'s bytes (a small one: it is downloaded into the hub cache)."""
+        with open(self._download(filename), "rb") as f:
+            return f.read()
+
+    def _download(self, filename: str) -> str:
         from huggingface_hub import hf_hub_download
 
         try:
@@ -56,8 +65,17 @@ class Repo:
         if self.commit is None:  # later reads at this commit: one commit's configs, however
             # the branch moves meanwhile
             self.commit = self.revision = snapshot_commit(path)
-        with open(path) as f:
-            return json.load(f)
+        return path
+
+
+def _tree(repo: str, revision: str | None) -> dict[str, int]:
+    """Each file of model repo ``repo`` at ``revision`` with its size: the listing
+    ``HfApi.list_repo_files`` makes (one request per page), its sizes kept."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.hf_api import RepoFile
+
+    return {f.rfilename: f.size for f in HfApi().list_repo_tree(repo, recursive=True, revision=revision)
+            if isinstance(f, RepoFile)}
 
 
 SCHEME = "hf://"
@@ -119,22 +137,20 @@ def split_uri(uri: str, key: str) -> tuple[str, str | None, str]:
     name, _, revision = name.partition("@")
     if not owner or not name:
         raise ValueError(f"{key}: {uri}: not hf://owner/name[@revision][/path]")
-    return f"{owner}/{name}", revision or None, path
+    # A branch with a slash is written %2F, as huggingface_hub writes it and a dataset's
+    # hf:// takes it (raylora.hubfs.split): a PR's refs/pr/1 is @refs%2Fpr%2F1.
+    return f"{owner}/{name}", unquote(revision) or None, path
 
 
 def token() -> str | None:
-    """The token this machine's huggingface_hub sends: ``HF_TOKEN``, else the one
-    ``hf auth login`` stored. What the driver checked the repo with, so what its workers
-    on other nodes must send too (``raylora.storage.forwarded_env``)."""
-    from huggingface_hub import constants
+    """The token this machine's huggingface_hub sends (``get_token``: ``HF_TOKEN``, else
+    the older ``HUGGING_FACE_HUB_TOKEN`` it still reads, else the one ``hf auth login``
+    stored). What the driver checked the repo with, so what its workers on other nodes must
+    send too (``raylora.storage.forwarded_env``, as ``HF_TOKEN``): reading fewer of them
+    than huggingface_hub does let the driver's plan pass and every other node's load fail."""
+    from huggingface_hub import get_token
 
-    if os.environ.get("HF_TOKEN"):
-        return os.environ["HF_TOKEN"]
-    try:
-        with open(constants.HF_TOKEN_PATH) as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
+    return get_token()
 
 
 def _call(fn, repo_id: str, rev: str | None, *args, key: str = "", kind: str = "model", **kwargs):

@@ -14,7 +14,7 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -90,11 +90,12 @@ def is_hub_id(path: str) -> bool:
 
 
 def check_model(path: str, store: Storage, revision: str | None = None,
-                variant: str | None = None) -> dict:
+                variant: str | None = None, key: str = "model.pretrained") -> dict:
     """Problems with a diffusers folder (local or stored) or hub repo (``is_hub_id``, at
     ``revision``: ``raylora.model.hub``), found before any worker starts: its family,
-    component folders and, with ``variant`` (``model.variant``), that variant's weights in
-    each component that has weights.
+    component folders, weights in each one raylora loads (``weights_problem``) and, with
+    ``variant`` (``model.variant``), that variant's weights in each component that has
+    weights. ``key``: the setting that named ``path``, for errors (``--model``).
 
     Returns ``{"index": model_index.json, "family": Family, "vae_factor": int,
     "scheduler_config": dict, "commit": str | None}`` (``commit``: the hub commit read; for
@@ -108,32 +109,38 @@ def check_model(path: str, store: Storage, revision: str | None = None,
         from raylora.model import hub
 
         if path.count("/") != 1:  # a relative path that is not there ("runs/demo/modle")
-            raise FileNotFoundError(f"model.pretrained: {path}: no such folder here, and not "
+            raise FileNotFoundError(f"{key}: {path}: no such folder here, and not "
                                     "a hub id (owner/name)")
         repo = hub.Repo(path, revision)
         files, read = repo.files, repo.read_json  # files None: offline, the cache has no list
+        sizes, read_bytes = repo.sizes or {}, repo.read_bytes
         what = "repo"
     else:
         info = store.info(path)
         if info.type.name == "NotFound":
-            raise FileNotFoundError(f"model.pretrained: {path}: no such directory")
+            raise FileNotFoundError(f"{key}: {path}: no such directory")
         if info.type.name == "File":  # a single-file checkpoint, as model sites share them
-            raise FileNotFoundError(single_file_message("model.pretrained", path))
+            raise FileNotFoundError(single_file_message(key, path))
         found = stored_files(path, store)
         files = set(found)
 
+        def read_bytes(name: str) -> bytes:
+            return store.read_bytes(storage.join(path, name))
+
         def read(name: str) -> dict:
-            return json.loads(store.read_bytes(storage.join(path, name)))
+            return json.loads(read_bytes(name))
+
+        sizes = {name: i.size for name, i in found.items()}
 
         what, repo = "folder", None
         # In object storage: the version of its files the run trains (materialize).
         version = None if storage.is_local(path) else stored_version(path, found)
     if files is not None and "model_index.json" not in files:
         raise FileNotFoundError(
-            f"model.pretrained: {path}: not a diffusers {what} (no model_index.json)"
+            f"{key}: {path}: not a diffusers {what} (no model_index.json)"
         )
     index = read("model_index.json")
-    family = families.detect(index, f"model.pretrained: {path}")
+    family = families.detect(index, f"{key}: {path}")
     # and every expert the index names (Wan 2.2 A14B's transformer_2)
     experts = [c for c in family.experts.values() if (index.get(c) or [None])[0] is not None]
     components = list(dict.fromkeys([*family.components(), *experts]))
@@ -142,11 +149,16 @@ def check_model(path: str, store: Storage, revision: str | None = None,
         missing = [c for c in components if c not in present]
         if missing:
             raise FileNotFoundError(
-                f"model.pretrained: {path}: missing component folder(s) of a {family.name} "
+                f"{key}: {path}: missing component folder(s) of a {family.name} "
                 f"pipeline: {', '.join(missing)}"
             )
+        # The scheduler and tokenizers are configs; the rest are loaded from weights.
+        configs_only = {"scheduler", *(t.tokenizer for t in family.text)}
+        weighted = [c for c in components if c not in configs_only]
+        hollow = hollow_weights(sizes, weighted, read_bytes)
+        weights_problem(path, files, weighted, hollow, key)
         if variant:
-            variant_problem(path, files, components, variant)
+            variant_problem(path, files - set(hollow), components, variant)
     vae = read("vae/config.json")
     scheduler = read("scheduler/scheduler_config.json")
     return {"index": index, "family": family, "vae_factor": family.vae_factor(vae),
@@ -155,6 +167,59 @@ def check_model(path: str, store: Storage, revision: str | None = None,
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
+# What a clone without git-lfs (or `GIT_LFS_SKIP_SMUDGE=1`) leaves in place of each large
+# file: ~130 bytes of text starting with this line.
+LFS_POINTER = b"version https://git-lfs"
+_POINTER_MAX_BYTES = 1024
+
+
+def hollow_weights(sizes: dict[str, int], components: list[str],
+                   read_bytes: Callable[[str], bytes]) -> dict[str, str]:
+    """Weight files of ``components`` that hold no weights: name → why (empty, a git-lfs
+    pointer). ``sizes``: a folder's or hub repo's files (``stored_files``,
+    ``hub.Repo.sizes``); ``read_bytes``: a file's bytes by name. Only files under 1 KiB
+    are read (a pointer is ~130 bytes; no real weights are that small): a folder in object
+    storage or a hub repo costs one small read per such file, usually none."""
+    hollow = {}
+    for name, size in sizes.items():
+        if name.split("/", 1)[0] not in components or not name.endswith(WEIGHT_SUFFIXES):
+            continue
+        if size == 0:
+            hollow[name] = "empty"
+        elif size < _POINTER_MAX_BYTES and read_bytes(name).startswith(LFS_POINTER):
+            hollow[name] = "a git-lfs pointer, not the weights"
+    return hollow
+
+
+def weights_problem(path: str, files: set[str], components: list[str], hollow: dict[str, str],
+                    key: str = "model.pretrained") -> None:
+    """Raise FileNotFoundError naming each component folder of ``components`` with no
+    weights file (``.safetensors``/``.bin``, one or a shard, other than those in
+    ``hollow``): an upload or download that stopped part way, a clone without git-lfs.
+    The plan passed them and every worker's load failed after the cluster started
+    ("no file named diffusion_pytorch_model.bin found in directory" the model root)."""
+    lacking, pointers = [], False
+    for c in components:
+        names = sorted(f for f in files if f.startswith(f"{c}/") and f.endswith(WEIGHT_SUFFIXES))
+        if any(n not in hollow for n in names):
+            continue
+        folder = f"{path.rstrip('/')}/{c}"
+        if names:
+            pointers = pointers or any("git-lfs" in hollow[n] for n in names)
+            why = "; ".join(f"{n[len(c) + 1:]} is {hollow[n]}" for n in names)
+            lacking.append(f"{folder} ({why})")
+        else:
+            lacking.append(f"{folder} (no .safetensors or .bin file)")
+    if lacking:
+        here = storage.is_local(path) and not is_hub_id(path)
+        if pointers:
+            hint = ("a clone without git-lfs: `git lfs pull` in it fetches them" if here else
+                    "pushed or copied from a clone without git-lfs (`git lfs pull` there "
+                    "fetches them)")
+        else:
+            hint = ("an upload or copy that stopped part way? Copy the model again" if here
+                    else "an upload that stopped part way?")
+        raise FileNotFoundError(f"{key}: {path}: no weights in {', '.join(lacking)}; {hint}")
 
 
 def variant_problem(path: str, files: set[str], components: list[str], variant: str) -> None:
@@ -392,8 +457,15 @@ def load_pipeline_as_trained(path: str, family: type[Family], weight_dtype: torc
     and VAE loaded as a worker holds them (``load_encoders``), not as the stock pipeline
     loads them: Flux.2 [dev]'s would be the whole 24B Mistral 3, vision tower and LM head
     included, at full precision. Class images and ``raylora sample`` render with it; ``kw``
-    goes to ``from_pretrained``."""
+    goes to ``from_pretrained``.
+
+    Without the safety checker SD 1.x/2.x repos list (as previews are drawn,
+    ``raylora.train.preview.build_pipeline``): it would be downloaded (1.2 GB for SD 1.5)
+    and turn the images it flags black, so ``raylora sample`` drew what previews of the
+    same adapter did not."""
     tokenizers, encoders, vae = load_encoders(path, family, weight_dtype, index, model, device)
+    if "safety_checker" in family.pipeline_class()._optional_components:
+        kw = {"safety_checker": None, "requires_safety_checker": False, **kw}
     return family.load_pipeline(path, dtype=weight_dtype, revision=model.revision,
                                 **({"variant": model.variant} if model.variant else {}),
                                 **encoder_kwargs(family, vae, encoders, tokenizers), **kw)

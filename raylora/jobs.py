@@ -431,10 +431,18 @@ def last_progress(info) -> dict | None:
         return None
     reach = json.loads(meta.get(STORAGE) or "{}")
     try:
-        return json.loads(storage.Storage(reach.get("endpoint_url"), reach.get("region"))
-                          .read_bytes(storage.join(out, PROGRESS_FILE)))
+        row = json.loads(storage.Storage(reach.get("endpoint_url"), reach.get("region"))
+                         .read_bytes(storage.join(out, PROGRESS_FILE)))
     except (FileNotFoundError, OSError, ValueError):
         return None
+    # Jobs of one config share the file (a stopped job and the one resuming it): a line
+    # written outside this job's time is the other's (Ray's times in ms; 5 s of slack).
+    t = row.get("time") if isinstance(row, dict) else None
+    start, end = getattr(info, "start_time", None), getattr(info, "end_time", None)
+    if isinstance(t, (int, float)) and ((start and t < start / 1000 - 5)
+                                        or (end and t > end / 1000 + 5)):
+        return None
+    return row
 
 
 def status(job: str, address: str | None = None) -> tuple[str, str | None]:

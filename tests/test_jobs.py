@@ -305,6 +305,31 @@ def test_status_reads_progress_through_the_configs_storage_endpoint(moto_endpoin
     assert last_progress(info({STORAGE: json.dumps({"endpoint_url": moto_endpoint})})) == line
 
 
+def test_status_shows_no_line_another_job_of_the_config_wrote(tmp_path):
+    """`raylora stop rl-stop`, then the config submitted again as rl-resume: both read
+    {output.uri}/progress.json. The stopped job showed the running one's line, and the new
+    one the stopped one's (ETA included) before its own first step."""
+    from ray.job_submission import JobInfo, JobStatus
+
+    from raylora.jobs import last_progress
+
+    def info(status, start, end=None):
+        return JobInfo(status=status, entrypoint="python -m raylora train c.yaml",
+                       metadata={"raylora_output": str(tmp_path)},
+                       start_time=int(start * 1000), end_time=None if end is None else int(end * 1000))
+
+    def written(at):
+        row = {"line": "raylora: step 9/40", "time": at}
+        (tmp_path / "progress.json").write_text(json.dumps(row))
+        return row
+
+    stopped, resumed = info(JobStatus.STOPPED, 1000, 1100), info(JobStatus.RUNNING, 1200)
+    row = written(1090)
+    assert last_progress(stopped) == row and last_progress(resumed) is None
+    row = written(1300)
+    assert last_progress(stopped) is None and last_progress(resumed) == row
+
+
 # ---- what `raylora submit` ships and sends (no head: a stand-in for the SDK's client) ----
 
 def _tree(root, files: dict[str, str]) -> None:

@@ -342,8 +342,9 @@ class Storage:
         return sorted(dict.fromkeys(out))
 
     def _there(self, uri: str) -> bool:
+        """``exists``, False where the URI cannot be asked about (a glob's odd characters)."""
         try:
-            return self.info(uri).type != pafs.FileType.NotFound
+            return self.exists(uri)
         except (OSError, ValueError):
             return False
 

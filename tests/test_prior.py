@@ -402,12 +402,12 @@ def test_the_generated_class_root_is_checked_before_ray(tiny_model, demo_data, t
     assert [p.split(" is inside ")[0] for p in write_problems(nested, Storage())] == \
         [f"data.class_sources: {tmp_path}/shards/dogs/raylora-generated"]
 
-    shared = tmp_path / "shared"
-    (shared / "0123456789abcdef").mkdir(parents=True)
-    (shared / "0123456789abcdef" / "manifest.json").write_text('{"count": 3}')
+    readonly = tmp_path / "readonly"
+    (readonly / "0123456789abcdef").mkdir(parents=True)
+    (readonly / "0123456789abcdef" / "manifest.json").write_text('{"count": 3}')
     monkeypatch.setattr(Storage, "write_problem", lambda self, uri: (
-        f"{uri}: no permission to write in {shared}" if uri.startswith(str(shared)) else None))
-    ro = _class_cfg(tiny_model, demo_data, tmp_path / "o", class_generation={"uri": str(shared)})
+        f"{uri}: no permission to write in {readonly}" if uri.startswith(str(readonly)) else None))
+    ro = _class_cfg(tiny_model, demo_data, tmp_path / "o", class_generation={"uri": str(readonly)})
     assert write_problems(ro, Storage()) == []
 
     def never(*a, **k):
@@ -417,8 +417,8 @@ def test_the_generated_class_root_is_checked_before_ray(tiny_model, demo_data, t
     with pytest.raises(ConfigError) as e:  # not this model's folder: it would write
         ensure_class_images(ro, "sd", tiny_model, Storage())
     assert len(e.value.problems) == 1 and e.value.problems[0].startswith(
-        f"data.class_generation.uri: 3 class image(s) to generate into {shared}/") \
-        and e.value.problems[0].endswith(f": no permission to write in {shared}")
+        f"data.class_generation.uri: 3 class image(s) to generate into {readonly}/") \
+        and e.value.problems[0].endswith(f": no permission to write in {readonly}")
 
 
 def test_bad_class_images_are_refused_by_file_before_any_is_generated(tiny_model, demo_data,

@@ -205,8 +205,10 @@ def _front_matter_base(cfg: RayLoraConfig) -> str:
     uploaded: the key is left out then; the card's heading and call name the path."""
     import re
 
+    from raylora.model.load import is_hub_id
+
     name = cfg.model.pretrained.removeprefix("hf://").split("@", 1)[0]
-    hub = "://" not in name and not os.path.isabs(name) and not name.startswith((".", "~"))
+    hub = is_hub_id(name) and not name.startswith((".", "~"))
     return f"base_model: {name}\n" if hub and re.fullmatch(r"[\w.-]+/[\w.-]+", name) else ""
 
 

@@ -228,7 +228,7 @@ def bucket_line(b: dict) -> str:
 
 def summary_lines(s: dict) -> list[str]:
     """The end-of-run summary from ``launch.run``'s result."""
-    from raylora.checkpoint.export import call_args
+    from raylora.checkpoint.export import call_args, quoted_args
 
     m = s["metrics"]
     wall = m.get("wall_seconds") or 0.0
@@ -250,7 +250,8 @@ def summary_lines(s: dict) -> list[str]:
         f"raylora: bad samples  {m.get('bad_records', 0)}"
         + (f" (of {s['rows_decoded'] + m.get('bad_records', 0)} rows read)"
            if s.get("rows_decoded") is not None else ""),
-        f"raylora: use it       pipe = {s['pipeline']}.from_pretrained(\"{s['base_model']}\"); "
+        f"raylora: use it       pipe = {s['pipeline']}.from_pretrained(\"{s['base_model']}\""
+        f"{quoted_args(s.get('base_kwargs') or {})}); "
         + (f"pipe.load_lora_weights(\"{s['adapter']}\"{call_args(s.get('load_kwargs') or {})})"
            if s.get("variant", "lora") in ("lora", "dora")
            else f"pipe.{s['denoiser']} = PeftModel.from_pretrained(pipe.{s['denoiser']}, \"{s['adapter']}\")"),

@@ -67,6 +67,31 @@ def test_summary_names_adapter_checkpoints_and_how_to_load():
             'pipe.load_lora_weights("/o/adapter")') in text
 
 
+def test_summary_loads_the_base_at_the_commit_and_variant_the_run_trained():
+    """The "use it" line loads the hub commit the run trained (``main`` may have moved)
+    and the weight variant it read, as the model card does."""
+    from raylora.checkpoint.export import from_pretrained_kwargs
+    from raylora.config import RayLoraConfig
+
+    def cfg(pretrained, variant=None):
+        return RayLoraConfig.model_validate({
+            "model": {"pretrained": pretrained, "variant": variant},
+            "data": {"uri": "/d"}, "output": {"uri": "/o"}})
+
+    kw = from_pretrained_kwargs(cfg("org/sd", "fp16"), "0123abcd")
+    assert kw == {"revision": "0123abcd", "variant": "fp16"}
+    assert from_pretrained_kwargs(cfg("/local/sd"), "0123abcd") == {}  # a folder: no revision
+    lines = summary_lines({
+        "metrics": {"steps": 1, "images_seen": 1, "wall_seconds": 1.0, "train_loss_first": 1.0,
+                    "train_loss_last": 1.0},
+        "adapter": "/o/adapter", "checkpoints": "/o/train", "loss_png": "/o/loss.png",
+        "metrics_jsonl": "/o/metrics.jsonl", "pipeline": "StableDiffusionPipeline",
+        "base_model": "org/sd", "base_kwargs": kw,
+    })
+    assert ('pipe = StableDiffusionPipeline.from_pretrained("org/sd", revision="0123abcd", '
+            'variant="fp16"); pipe.load_lora_weights("/o/adapter")') in "\n".join(lines)
+
+
 def test_worker_env_carries_verbose_or_quiet_settings(monkeypatch):
     monkeypatch.delenv(quiet.VERBOSE_ENV, raising=False)
     assert quiet.worker_env()["TRANSFORMERS_VERBOSITY"] == "error"

@@ -126,6 +126,21 @@ def call_args(kwargs: dict) -> str:
     return "".join(f", {k}={v!r}" for k, v in kwargs.items())
 
 
+def quoted_args(kwargs: dict[str, str]) -> str:
+    """String keyword arguments in double quotes, as the card's and the summary's
+    ``from_pretrained`` calls spell them: ``{"variant": "fp16"}`` → ``', variant="fp16"'``."""
+    return "".join(f', {k}="{v}"' for k, v in kwargs.items())
+
+
+def from_pretrained_kwargs(cfg: RayLoraConfig, commit: str | None) -> dict:
+    """The base's ``from_pretrained`` arguments beyond its name, as the run loaded it: the
+    hub commit it trained on (``main`` may have moved since) and the weight variant."""
+    from raylora.model.load import is_hub_id
+
+    kw = {"revision": commit} if commit and is_hub_id(cfg.model.pretrained) else {}
+    return kw | ({"variant": cfg.model.variant} if cfg.model.variant else {})
+
+
 def read_run_meta(folder: str) -> dict:
     """An adapter folder's ``raylora.json`` (``_write_adapter_folder``), {} when it has none."""
     path = os.path.join(folder, RUN_META)
@@ -140,12 +155,8 @@ def _usage(cfg: RayLoraConfig, family, commit: str | None = None) -> str:
     LyCORIS file in ComfyUI / Forge) for lokr/loha, which diffusers' loaders do not read.
     ``commit``: the hub commit of the base the run trained (``model_commit``), which the
     call loads (``main`` may have moved since)."""
-    from raylora.model.load import is_hub_id
-
-    variant = f', variant="{cfg.model.variant}"' if cfg.model.variant else ""
-    if commit and is_hub_id(cfg.model.pretrained):
-        variant = f', revision="{commit}"' + variant
-    pipe = f'pipe = {family.pipeline}.from_pretrained("{cfg.model.pretrained}"{variant})'
+    pipe = (f'pipe = {family.pipeline}.from_pretrained("{cfg.model.pretrained}"'
+            f'{quoted_args(from_pretrained_kwargs(cfg, commit))})')
     if cfg.train.prediction_type in ("epsilon", "v_prediction"):
         # the parameterisation the run trained, which may not be the base scheduler's
         pipe += ("\npipe.scheduler = pipe.scheduler.from_config(pipe.scheduler.config, "
@@ -494,6 +505,7 @@ def export_run(
         "train_loss_min": min((r["loss"] for r in history if math.isfinite(r["loss"])), default=None),
         "pipeline": family.pipeline,
         "base_model": cfg.model.pretrained,
+        "base_kwargs": from_pretrained_kwargs(cfg, data.get("model_commit")),
         "variant": cfg.lora.variant,
         # the pipeline component the adapter goes into, and the stock loader's argument
         # that puts it there (Wan 2.2's low-noise expert: load_into_transformer_2)

@@ -141,7 +141,13 @@ def test_gradient_checkpointing_gives_the_same_step(base_config, batches):
 def test_ema_update_matches_the_formula_with_warmup():
     from raylora.train.ema import LoraEMA, ema_decay_at
 
-    assert [ema_decay_at(n, 0.999) for n in (0, 1, 10)] == pytest.approx([0.1, 2 / 11, 11 / 20])
+    # diffusers' EMAModel (no use_ema_warmup): 0 at its first step, then (1+n)/(10+n)
+    from diffusers.training_utils import EMAModel
+
+    ref = EMAModel([torch.nn.Parameter(torch.zeros(1))], decay=0.999)
+    assert [ema_decay_at(n, 0.999) for n in (0, 1, 10)] == pytest.approx(
+        [ref.get_decay(k + 1) for k in (0, 1, 10)])
+    assert [ema_decay_at(n, 0.999) for n in (0, 1, 10)] == pytest.approx([0.0, 2 / 11, 11 / 20])
     assert ema_decay_at(10_000, 0.999) == 0.999
     p = torch.nn.Parameter(torch.zeros(3))
     ema = LoraEMA([p], 0.5)
@@ -149,7 +155,7 @@ def test_ema_update_matches_the_formula_with_warmup():
     for n, value in enumerate([1.0, 2.0, 4.0]):
         p.data.fill_(value)
         d = ema.update([p])
-        assert d == pytest.approx(min(0.5, (1 + n) / (10 + n)))
+        assert d == pytest.approx(min(0.5, (1 + n) / (10 + n)) if n else 0.0)
         expected = d * expected + (1 - d) * value
         torch.testing.assert_close(ema.shadow[0], expected)
     with ema.swapped_in([p]):

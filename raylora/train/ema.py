@@ -1,7 +1,7 @@
 """Exponential moving average of the LoRA weights. No Ray.
 
-decay_n = min(ema_decay, (1 + n) / (10 + n)) for the n-th update (diffusers' ``EMAModel``
-warmup): early on, when the weights move fast from their zero start, the average follows
+decay_n = min(ema_decay, (1 + n) / (10 + n)) for the n-th update, 0 for the first, which
+copies the weights (diffusers' ``EMAModel.get_decay`` without ``use_ema_warmup``): early on, when the weights move fast from their zero start, the average follows
 them closely instead of dragging the initial no-op adapter along for thousands of steps.
 The shadow weights are fp32 whatever the training precision.
 """
@@ -15,8 +15,9 @@ import torch
 
 
 def ema_decay_at(n: int, max_decay: float) -> float:
-    """Decay used by the n-th update (0-based)."""
-    return min(max_decay, (1 + n) / (10 + n))
+    """Decay used by the n-th update (0-based): the first keeps nothing of the initial
+    weights, as ``EMAModel`` does."""
+    return 0.0 if n == 0 else min(max_decay, (1 + n) / (10 + n))
 
 
 class LoraEMA:

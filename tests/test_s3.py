@@ -127,6 +127,34 @@ def test_storage_lists_globs_and_names_missing_uris(s3, shards):
         st.expand(f"s3://{BUCKET}/data/parquet", suffixes=(".tar",))
 
 
+def test_the_data_fingerprint_lists_each_folder_once_and_keeps_its_value(s3):
+    """A run's data fingerprint (raylora.json, the latent cache's key) came from one HEAD
+    request per file: minutes at every start for 100k objects. It now reads one listing per
+    folder, to the same value (a cache keyed on it is found again)."""
+    import hashlib
+
+    from raylora.checkpoint.export import data_fingerprint
+    from raylora.storage import Storage
+
+    for key in ("fp/a/1.png", "fp/a/1.txt", "fp/a/2.png", "fp/b/3.png"):
+        s3.put_object(Bucket=BUCKET, Key=key, Body=key.encode() * 3)
+    store = Storage()
+    files = store.list_files(f"s3://{BUCKET}/fp")
+    assert len(files) == 4
+    h = hashlib.sha256()  # the per-file formula
+    for f in files:
+        info = store.info(f)
+        h.update(f"{f}:{info.size}:{int(info.mtime.timestamp())}\n".encode())
+
+    class Listed(Storage):  # a per-file request would fail
+        def info(self, uri):
+            raise AssertionError(f"one request for {uri}")
+
+    assert data_fingerprint(files, Listed()) == h.hexdigest()[:16]
+    s3.put_object(Bucket=BUCKET, Key="fp/b/3.png", Body=b"changed")
+    assert data_fingerprint(files, Listed()) != h.hexdigest()[:16]
+
+
 def test_shard_builder_round_trips_through_s3(s3, shards):
     """Folder → WebDataset shards in S3 → dataset with the same count and captions."""
     from raylora.config import DataSection

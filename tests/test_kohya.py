@@ -92,6 +92,16 @@ def test_kohya_layout_alpha_and_exact_round_trip(adapter, tmp_path):
     assert SD.kohya_version({to_k: torch.zeros(4, 1024)}) == {"ss_base_model_version": "sd_v2",
                                                                "ss_v2": "True"}
     assert SD.kohya_version({to_k: torch.zeros(4, 768)})["ss_base_model_version"] == "sd_v1"
+    # targets without to_k (e.g. [to_q, to_v]): the value projection's width tells, else a
+    # text-encoder LoRA's attention (OpenCLIP ViT-H 1024 wide); SD 2 either way
+    to_v = to_k.replace(".to_k.", ".to_v.").replace("lora.down", "lora_A")
+    assert SD.kohya_version({to_v: torch.zeros(4, 1024)})["ss_v2"] == "True"
+    te = "text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_A.weight"
+    fc2 = "text_encoder.text_model.encoder.layers.0.mlp.fc2.lora_A.weight"  # 4096 wide in
+    q = to_k.replace(".attn2.to_k.", ".attn2.to_q.")
+    assert SD.kohya_version({q: torch.zeros(4, 640), te: torch.zeros(4, 1024),
+                             fc2: torch.zeros(4, 4096)})["ss_v2"] == "True"
+    assert SD.kohya_version({q: torch.zeros(4, 640), te: torch.zeros(4, 768)})["ss_v2"] == "False"
     from raylora.model.families.sdxl import SDXL
 
     assert SDXL.kohya_version(diff_sd)["ss_base_model_version"] == "sdxl_base_v1-0"

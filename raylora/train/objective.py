@@ -79,8 +79,9 @@ class DDPM:
         return torch.tensor(ts, dtype=torch.long, device=latents.device)
 
     def offset(self, noise: torch.Tensor) -> torch.Tensor:
-        """Training noise: with the noise offset added (draws after the timesteps, so the
-        RNG stream is the one diffusers' scripts use)."""
+        """Training noise: with the noise offset added. It draws after the timesteps
+        (diffusers' scripts draw it before them): the same distribution, another order of
+        draws, so a seed does not give diffusers' exact noise."""
         return offset_noise(noise, self.noise_offset)
 
     def noised(self, latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from raylora.model.families.base import Cond, Family, TextInput
+
+log = logging.getLogger(__name__)
 
 
 class SD(Family):
@@ -34,10 +38,20 @@ class SD(Family):
     def kohya_version(cls, sd: dict[str, torch.Tensor]) -> dict[str, str]:
         # A1111/Forge list a LoRA with a checkpoint of its version only, and read the
         # version from these keys (no ss_v2: SD 1). SD 2's cross-attention reads OpenCLIP
-        # ViT-H's 1024-wide states, SD 1's CLIP ViT-L's 768.
-        widths = {v.shape[1] for k, v in sd.items()
-                  if ".attn2.to_k." in k and ("lora.down" in k or "lora_A" in k)}
-        v2 = widths == {1024}
+        # ViT-H's 1024-wide states, SD 1's CLIP ViT-L's 768: the input width of a
+        # cross-attention key/value LoRA, else of a text-encoder LoRA (targets without
+        # to_k/to_v, e.g. [to_q, to_out.0], with the text encoder trained).
+        def widths(keep) -> set[int]:
+            return {v.shape[1] for k, v in sd.items()
+                    if keep(k) and ("lora.down" in k or "lora_A" in k)}
+
+        found = (widths(lambda k: ".attn2.to_k." in k or ".attn2.to_v." in k)
+                 or widths(lambda k: k.startswith("text_encoder.") and ".self_attn." in k))
+        if not found:
+            log.warning("kohya export: this SD adapter has no cross-attention key/value or "
+                        "text-encoder LoRA to tell SD 1 from SD 2 by; its file says SD 1 "
+                        "(ss_base_model_version sd_v1)")
+        v2 = found == {1024}
         return {"ss_base_model_version": "sd_v2" if v2 else "sd_v1", "ss_v2": str(v2)}
 
     @classmethod

@@ -7,8 +7,9 @@ the largest multiple of S keeping w·h ≤ R², up to an aspect of ``MAX_ASPECT`
 bucket's transpose). Several resolutions (``data.resolution: [512, 1024]``, or a source's
 own) give the union of their buckets. An image goes to one resolution, the largest whose
 area it covers (``√(w·h) ≥ R``; the smallest when it covers none: it is upscaled), and
-there to the bucket nearest its aspect ratio in log space (|log(w/h) − log(bw/bh)|, as
-kohya and SimpleTuner compare, so 2:1 and 1:2 are equally far from 1:1). It is resized to
+there to the bucket nearest its aspect ratio in log space (|log(w/h) − log(bw/bh)|, so 2:1 and
+1:2 are equally far from 1:1; kohya's sd-scripts compares w/h linearly, which favours the
+wider bucket near a tie). It is resized to
 cover the bucket and cropped to it; the crop's offset goes to SDXL's conditioning.
 
 Batches: every micro-batch holds rows of one bucket, and every worker trains the same

@@ -1304,8 +1304,13 @@ def _lr_find_config(cfg: RayLoraConfig, s) -> RayLoraConfig:
         raise ConfigError(problems)
     tree = cfg.to_dict()
     tree["scaling"]["num_workers"] = 1
+    # the schedule's own keys go with it (a constant schedule refuses cycles or a power),
+    # and the text encoder's lr too: the sweep sets every group's lr
+    # (worker.lr_find_per_worker), and Prodigy refuses a second group's lr once
+    # learning_rate is the sweep's
     tree["train"].update(max_steps=s.num_steps, learning_rate=s.start_lr, lr_scheduler="constant",
-                         lr_warmup_steps=0, scale_lr=False)
+                         lr_warmup_steps=0, scale_lr=False, lr_num_cycles=1, lr_power=1.0)
+    tree["lora"]["text_encoder_lr"] = None
     return validate(tree)
 
 

@@ -240,6 +240,18 @@ def test_lr_find_refuses_an_optimizer_that_reads_no_lr_and_says_what_scale_lr_di
     swept = _lr_find_config(validate(tree), sweep)
     assert swept.train.learning_rate == 1e-6 and not swept.train.scale_lr
 
+    # a schedule's or optimizer's own keys that the training config may set: not refused
+    # because the sweep's schedule is constant
+    for train, lora in (({"lr_scheduler": "cosine_with_restarts", "lr_num_cycles": 3}, {}),
+                        ({"lr_scheduler": "polynomial", "lr_power": 2.0}, {}),
+                        ({"optimizer": "prodigy", "learning_rate": 1.0},
+                         {"train_text_encoder": True, "text_encoder_lr": 1.0})):
+        tree = {**base_config, "train": {**base_config["train"], **train},
+                "lora": {**base_config.get("lora", {}), **lora}}
+        swept = _lr_find_config(validate(tree), sweep)
+        assert (swept.train.lr_scheduler, swept.train.lr_num_cycles, swept.train.lr_power,
+                swept.lora.text_encoder_lr) == ("constant", 1, 1.0, None)
+
     t = validate(base_config).train
     assert lr_find.scale_lr_divisor(t) == 1
     t = validate({**base_config, "train": {**base_config["train"], "scale_lr": True,

@@ -93,6 +93,30 @@ def test_the_model_card_names_the_trigger_words_and_the_text_encoder_lora(tmp_pa
     assert 'image = pipe(prompt="your prompt"' in plain
 
 
+def test_the_model_card_names_the_optimizer_and_the_settings_it_read():
+    """The card showed AdamW's betas and decay for every run: a Prodigy or Adafactor
+    adapter read as an AdamW one, with settings it never used."""
+    from raylora.checkpoint.export import model_card
+    from raylora.config import validate
+
+    def card(**train):
+        cfg = validate({"model": {"pretrained": "/m"}, "data": {"uri": "d"},
+                        "output": {"uri": "o"}, "train": train})
+        return model_card(cfg, {}, {"family": "sd"})
+
+    adamw = card()
+    assert "| optimizer | adamw |" in adamw and "| betas, weight decay, eps | 0.9/0.999, 0.01, 1e-08 |" in adamw
+    relative = card(optimizer="adafactor", adafactor={"relative_step": True})
+    assert ("| optimizer | adafactor (relative_step True, scale_parameter False, warmup_init "
+            "False, clip_threshold 1, decay_rate -0.8, beta1 None, weight_decay 0, "
+            "eps 1e-30/0.001) |") in relative
+    assert "betas" not in relative and "learning rate (scale_lr)" not in relative
+    assert "| learning rate | Adafactor's own relative step size |" in relative
+    prodigy = card(optimizer="prodigy", learning_rate=1.0, prodigy={"d_coef": 0.5})
+    assert "| optimizer | prodigy (d_coef 0.5, d0 1e-06," in prodigy
+    assert "| learning rate (scale_lr) | 1 (False) |" in prodigy and "| betas, weight" in prodigy
+
+
 def test_flux_folder_is_never_sdxl(tiny):
     # A Flux folder has text_encoder_2 / tokenizer_2 like SDXL; only _class_name decides.
     index = json.load(open(os.path.join(tiny("flux"), "model_index.json")))

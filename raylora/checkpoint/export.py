@@ -247,6 +247,32 @@ def _text_encoder_row(cfg: RayLoraConfig, family) -> str:
             f"{', '.join(lo.text_encoder_target_modules)}, learning rate {lr:g} |\n")
 
 
+def _optimizer_rows(t) -> str:
+    """The optimizer and the settings it read: AdamW's for the AdamW kinds and Prodigy
+    (which takes train.adam_*), train.adafactor.* for Adafactor, whose relative_step mode
+    reads no learning rate or schedule."""
+    lr = f"| learning rate (scale_lr) | {t.learning_rate:g} ({t.scale_lr}) |\n"
+    schedule = f"| LR schedule, warmup | {t.lr_scheduler}, {t.lr_warmup_steps} steps |\n"
+    adam = (f"| betas, weight decay, eps | {t.adam_beta1:g}/{t.adam_beta2:g}, "
+            f"{t.adam_weight_decay:g}, {t.adam_epsilon:g} |\n")
+    if t.optimizer == "prodigy":
+        p = t.prodigy
+        return (f"| optimizer | prodigy (d_coef {p.d_coef:g}, d0 {p.d0:g}, growth_rate "
+                f"{p.growth_rate}, beta3 {p.beta3}, decouple {p.decouple}, use_bias_correction "
+                f"{p.use_bias_correction}, safeguard_warmup {p.safeguard_warmup}, slice_p "
+                f"{p.slice_p}) |\n" + lr + schedule + adam)
+    if t.optimizer == "adafactor":
+        a = t.adafactor
+        row = (f"| optimizer | adafactor (relative_step {a.relative_step}, scale_parameter "
+               f"{a.scale_parameter}, warmup_init {a.warmup_init}, clip_threshold "
+               f"{a.clip_threshold:g}, decay_rate {a.decay_rate:g}, beta1 {a.beta1}, weight_decay "
+               f"{a.weight_decay:g}, eps {a.eps[0]:g}/{a.eps[1]:g}) |\n")
+        if a.relative_step:  # its own step size: learning_rate and the schedule unread
+            return row + "| learning rate | Adafactor's own relative step size |\n"
+        return row + lr + schedule
+    return f"| optimizer | {t.optimizer} |\n" + lr + schedule + adam
+
+
 def _expert(cfg: RayLoraConfig, family) -> str:
     """``, expert `low_noise` (transformer_2)``: the one a pipeline of experts trained."""
     e = cfg.model.expert
@@ -291,10 +317,7 @@ precision `{t.mixed_precision}`).
 {f"| base model {_commit_label(cfg)} | {data['model_commit']} |{chr(10)}" if data.get("model_commit") else ""}| adapter variant | {lo.variant}{f" (factor {lo.factor}, decompose_both {lo.decompose_both})" if lo.variant == "lokr" else ""} |
 | LoRA rank / alpha / dropout | {lo.rank} / {lo.effective_alpha:g} / {lo.dropout:g} |
 {f"| started from (lora.init_from) | {data.get('init_from') or lo.init_from} |{chr(10)}" if lo.init_from else ""}| target modules | {", ".join(targets)} |
-{_text_encoder_row(cfg, family)}| learning rate (scale_lr) | {t.learning_rate:g} ({t.scale_lr}) |
-| LR schedule, warmup | {t.lr_scheduler}, {t.lr_warmup_steps} steps |
-| AdamW betas, weight decay, eps | {t.adam_beta1:g}/{t.adam_beta2:g}, {t.adam_weight_decay:g}, {t.adam_epsilon:g} |
-| batch per worker × accumulation × workers | {t.batch_size} × {t.gradient_accumulation_steps} × {cfg.scaling.max_workers}{f" (elastic {_workers(cfg.scaling)}: the same global batch {cfg.global_batch()} at every size)" if cfg.scaling.elastic else ""} |
+{_text_encoder_row(cfg, family)}{_optimizer_rows(t)}| batch per worker × accumulation × workers | {t.batch_size} × {t.gradient_accumulation_steps} × {cfg.scaling.max_workers}{f" (elastic {_workers(cfg.scaling)}: the same global batch {cfg.global_batch()} at every size)" if cfg.scaling.elastic else ""} |
 | max grad norm | {t.max_grad_norm:g} |
 | resolution, center crop, random flip | {cfg.data.resolution}{f" (aspect buckets, step {cfg.data.bucket_step})" if cfg.data.bucketing else ""}, {cfg.data.center_crop}, {cfg.data.random_flip} |
 | seed | {t.seed} |

@@ -1311,6 +1311,9 @@ def _lr_find_config(cfg: RayLoraConfig, s) -> RayLoraConfig:
     tree["train"].update(max_steps=s.num_steps, learning_rate=s.start_lr, lr_scheduler="constant",
                          lr_warmup_steps=0, scale_lr=False, lr_num_cycles=1, lr_power=1.0)
     tree["lora"]["text_encoder_lr"] = None
+    # the sweep opens no tracker (lr_find_per_worker): an online wandb without a key on
+    # this machine is no reason to refuse it
+    tree["tracking"]["backend"] = "none"
     return validate(tree)
 
 

@@ -247,10 +247,13 @@ def test_lr_find_refuses_an_optimizer_that_reads_no_lr_and_says_what_scale_lr_di
                         ({"optimizer": "prodigy", "learning_rate": 1.0},
                          {"train_text_encoder": True, "text_encoder_lr": 1.0})):
         tree = {**base_config, "train": {**base_config["train"], **train},
-                "lora": {**base_config.get("lora", {}), **lora}}
+                "lora": {**base_config.get("lora", {}), **lora},
+                "tracking": {"backend": "wandb", "project": "p", "run_name": "r"}}
         swept = _lr_find_config(validate(tree), sweep)
         assert (swept.train.lr_scheduler, swept.train.lr_num_cycles, swept.train.lr_power,
                 swept.lora.text_encoder_lr) == ("constant", 1, 1.0, None)
+        # it opens no tracker: an online wandb's missing key is not asked for
+        assert swept.tracking.backend == "none"
 
     t = validate(base_config).train
     assert lr_find.scale_lr_divisor(t) == 1

@@ -621,7 +621,10 @@ class FlowSection(_Section):
         description="Density of σ before the shift: logit_normal (SD3 paper's best, the "
         "common default), uniform, mode (mode_scale), cosmap.",
     )
-    logit_mean: float = Field(0.0, description="logit_normal: mean of the normal.")
+    logit_mean: float = Field(
+        0.0, description="logit_normal: mean of the normal, σ = sigmoid(N(mean, std)) (the SD3 "
+        "paper's sign: > 0 draws nearer noise). diffusers' scripts index a descending "
+        "timestep table with it, so their --logit_mean 1 is logit_mean -1 here.")
     logit_std: float = Field(1.0, gt=0, description="logit_normal: std of the normal.")
     mode_scale: float = Field(1.29, description="mode: the scale s of the mode density.")
     shift: float | Literal["auto"] = Field(
@@ -1276,6 +1279,7 @@ def _cross_checks(cfg: RayLoraConfig) -> list[str]:
     if cfg.train.max_steps:
         problems += warmup_problems(cfg.train, cfg.train.max_steps, "train.max_steps")
     problems += _schedule_checks(cfg.train)
+    problems += _flow_checks(cfg.train)
     d = cfg.data
     problems += _data_checks(d)
     problems += _bucket_checks(d, cfg.scaling.max_workers, cfg.train.compile)
@@ -1550,6 +1554,17 @@ def _schedule_checks(t) -> list[str]:
         problems.append(f"train.lr_power: {t.lr_power:g}, but only train.lr_scheduler polynomial "
                         f"has a power (not {t.lr_scheduler}); set 1")
     return problems
+
+
+def _flow_checks(t) -> list[str]:
+    """Density settings the chosen train.flow.timestep_sampling does not read: a forgotten
+    or mistyped sampling trained another density than the one tuned, without a word."""
+    f, defaults = t.flow, FlowSection.model_fields
+    readers = {"logit_mean": "logit_normal", "logit_std": "logit_normal", "mode_scale": "mode"}
+    return [f"train.flow.{key}: {getattr(f, key):g}, but only train.flow.timestep_sampling "
+            f"{kind} reads it (not {f.timestep_sampling}); drop it"
+            for key, kind in readers.items()
+            if getattr(f, key) != defaults[key].default and f.timestep_sampling != kind]
 
 
 def _optimizer_checks(cfg: RayLoraConfig) -> list[str]:

@@ -166,6 +166,18 @@ def test_a_checks_own_message_reads_without_pydantics_prefix_or_a_second_value()
     (["train.lr_scheduler=constant_with_warmup", "train.lr_warmup_steps=100"], None),
     (["train.lr_scheduler=cosine_with_restarts", "train.lr_num_cycles=3"], None),
     (["train.lr_scheduler=polynomial", "train.lr_power=2", "train.lr_warmup_steps=5"], None),
+    # a flow density's settings likewise: the density drawn is not the one tuned
+    (["train.flow.timestep_sampling=uniform", "train.flow.logit_mean=-0.5"],
+     "train.flow.logit_mean: -0.5, but only train.flow.timestep_sampling logit_normal reads it "
+     "(not uniform); drop it"),
+    (["train.flow.logit_std=0.8"] + [f"train.flow.timestep_sampling={k}" for k in ("mode",)],
+     "train.flow.logit_std: 0.8, but only train.flow.timestep_sampling logit_normal reads it "
+     "(not mode); drop it"),
+    (["train.flow.mode_scale=0.5"],
+     "train.flow.mode_scale: 0.5, but only train.flow.timestep_sampling mode reads it "
+     "(not logit_normal); drop it"),
+    (["train.flow.logit_mean=-0.5", "train.flow.logit_std=0.8"], None),
+    (["train.flow.timestep_sampling=mode", "train.flow.mode_scale=0.5"], None),
 ])
 def test_schedule_settings_the_schedule_does_not_read_are_refused(overrides, expected):
     """diffusers' get_scheduler drops what a schedule does not take: warmup on constant

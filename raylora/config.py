@@ -564,7 +564,9 @@ class LoraSection(_Section):
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     factor: int = Field(
         -1, description="lokr: the Kronecker split of each dimension (LyCORIS factor): -1 the "
-        "most balanced split, else the smaller factor, which must divide the dimension."
+        "most balanced split, else the smaller factor where it divides the dimension; where "
+        "it does not, a bound: the most balanced split whose smaller factor is at most it "
+        "(peft's and LyCORIS' rule: 3 on a 64-wide layer splits 2 × 32)."
     )
     decompose_both: bool = Field(
         False, description="lokr: also factor the small Kronecker matrix into a rank-r pair "
@@ -1807,7 +1809,10 @@ def _tune_checks(cfg: RayLoraConfig) -> list[str]:
                             "(its family, tokenizers and hub commit); search one base model "
                             "per raylora tune")
             continue
-        if cfg.lora.init_from and key in ("lora.rank", "lora.variant"):
+        # a LoKr folder's Kronecker split is in its tensors' shapes as its rank is
+        fixed = ("lora.rank", "lora.variant") + (
+            ("lora.factor", "lora.decompose_both") if cfg.lora.variant == "lokr" else ())
+        if cfg.lora.init_from and key in fixed:
             problems.append(f"{where}: every trial starts from lora.init_from "
                             f"({cfg.lora.init_from}), whose {key.split('.')[1]} is fixed; "
                             "search other keys")

@@ -467,3 +467,21 @@ def test_every_config_key_is_in_the_readme_table():
         missing += [f"{section}.{k}" for k in cls.model_fields if not re.search(rf"\b{k}\b", row)]
     assert len(rows) >= 12
     assert missing == [], ", ".join(missing)
+
+
+@pytest.mark.parametrize("key,values", [("lora.factor", [-1, 4]), ("lora.decompose_both", [False, True]),
+                                        ("lora.rank", [4, 8])])
+def test_a_search_of_what_a_lokr_init_from_fixes_is_refused(key, values):
+    """Every trial starts from the folder: a LoKr's factor and decompose_both are in its
+    tensors' shapes as its rank is (the factor-4 trial failed on the worker, after the
+    cluster started)."""
+    tree = apply_overrides(MIN, ["lora.variant=lokr", "lora.init_from=/adapters/lokr"])
+    tree["tune"] = {"search_space": {key: {"choice": values}}, "metric": "train_loss"}
+    with pytest.raises(ConfigError) as ei:
+        validate(tree)
+    assert ei.value.problems == [
+        f"tune.search_space.{key}: every trial starts from lora.init_from (/adapters/lokr), "
+        f"whose {key.split('.')[1]} is fixed; search other keys"]
+    # without init_from the same search is a search like any other
+    del tree["lora"]["init_from"]
+    validate(tree)

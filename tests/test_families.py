@@ -1287,3 +1287,48 @@ def test_training_calls_the_denoiser_as_the_stock_pipeline_does(tiny, family):
                                        rtol=1e-4, atol=1e-5, msg=f"step {i}: the prediction differs")
     for hk in hooks:
         hk.remove()
+
+
+# What each stock pipeline hands its transformer for the σ of a step, from its scheduler's
+# fp32 timestep σ·1000: the families whose transformer embeds the timestep as given (Flux,
+# Flux.2, Qwen-Image and Chroma cast it to the latents' dtype inside the model themselves).
+PIPELINE_TIMESTEP = {
+    "zimage": lambda sigma, net: (1000 - sigma * 1000) / 1000,  # ZImagePipeline
+    "lumina2": lambda sigma, net: 1 - sigma * 1000 / 1000,  # Lumina2Pipeline
+    "sd3": lambda sigma, net: sigma * 1000,
+    "wan": lambda sigma, net: sigma * 1000,
+    "sana": lambda sigma, net: sigma * 1000 * net.config.timestep_scale,  # SanaPipeline
+}
+
+
+@pytest.mark.parametrize("family", list(PIPELINE_TIMESTEP))
+def test_bf16_training_gives_the_denoiser_the_stock_pipelines_fp32_timestep(tiny, family):
+    """Under bf16 the latents are bf16, the timestep is not: the stock pipeline passes it in
+    fp32 and these models embed it so. Cast to bf16, Z-Image's 1 − σ would read σ = 0.001 as
+    t = 1 (the clean image) and σ = 0.01 as 0.0117; SD3's σ·1000 = 997 as 996. The bf16
+    model runs on it and predicts in bf16."""
+    model = tiny(family)
+    fam = families.get(family)
+    comps, batch = _raylora_batch(model, family, ["a red circle"] * 3, size=(32, 32))
+    with open(os.path.join(model, "model_index.json")) as f:
+        index = json.load(f)
+    net = fam.load_component(model, index, fam.denoiser, torch.bfloat16)
+    sigma = torch.tensor([0.001, 0.01, 0.997])  # as the objective draws them: fp32
+    with torch.no_grad():
+        cond = fam.encode_text(comps.text_encoders, batch)
+        cond = type(cond)({k: v.to(torch.bfloat16) if v.is_floating_point() else v
+                           for k, v in cond.items()})
+        params = fam.encode_pixels(comps.vae, torch.zeros(1, 3, 32, 32))
+        noisy = torch.randn(3, params.shape[1] // 2, *params.shape[2:]).to(torch.bfloat16)
+        seen = []
+        hook = net.register_forward_pre_hook(
+            lambda mod, args, kwargs: seen.append(args[1] if len(args) > 1 else kwargs["timestep"]),
+            with_kwargs=True)
+        pred = fam.denoise(net, noisy, sigma, cond)
+        hook.remove()
+    (t,) = seen
+    want = PIPELINE_TIMESTEP[family](sigma, net)
+    assert t.dtype == torch.float32
+    torch.testing.assert_close(t, want, rtol=0, atol=1e-6)
+    assert pred.dtype == torch.bfloat16 and pred.shape == noisy.shape
+    assert torch.isfinite(pred).all()

@@ -80,7 +80,8 @@ class Lumina2(ZImage):
     @classmethod
     def denoise(cls, model, noisy, t, cond: Cond, **extra) -> torch.Tensor:
         # [B, C, h, w] in and out: the transformer patches the latents itself.
-        out = model(hidden_states=noisy, timestep=cls.model_timestep(t).to(noisy.dtype),
+        # The timestep in fp32, as the pipeline passes it: Z-Image's reason.
+        out = model(hidden_states=noisy, timestep=cls.model_timestep(t.float()),
                     encoder_hidden_states=cond["prompt_embeds"],
                     encoder_attention_mask=cond["prompt_embeds_mask"], return_dict=False)[0]
         return -out

@@ -108,7 +108,8 @@ class Sana(Family):
         # The pipeline scales the scheduler's timestep by the config's timestep_scale (1 for
         # Sana; DDP wraps the model, its config is on the module inside).
         scale = getattr(model, "module", model).config.timestep_scale
-        return model(hidden_states=noisy, timestep=(cls.model_timestep(t) * scale).to(noisy.dtype),
+        # ...in fp32, as the pipeline passes it (in bf16 997 would read as 996).
+        return model(hidden_states=noisy, timestep=cls.model_timestep(t.float()) * scale,
                      encoder_hidden_states=cond["prompt_embeds"],
                      encoder_attention_mask=cond["prompt_embeds_mask"], return_dict=False)[0]
 

@@ -86,7 +86,8 @@ class SD3(Family):
 
     @classmethod
     def denoise(cls, model, noisy, t, cond: Cond, **extra) -> torch.Tensor:
-        return model(hidden_states=noisy, timestep=cls.model_timestep(t).to(noisy.dtype),
+        # σ·1000 in fp32, as the pipeline passes it (in bf16 997 would read as 996).
+        return model(hidden_states=noisy, timestep=cls.model_timestep(t.float()),
                      encoder_hidden_states=cond["prompt_embeds"],
                      pooled_projections=cond["pooled_prompt_embeds"], return_dict=False)[0]
 

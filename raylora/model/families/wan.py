@@ -128,7 +128,7 @@ class Wan(Family):
     @classmethod
     def denoise(cls, model, noisy, t, cond: Cond, **extra) -> torch.Tensor:
         out = model(hidden_states=noisy.unsqueeze(2),
-                    timestep=cls.model_timestep(t).to(noisy.dtype),
+                    timestep=cls.model_timestep(t.float()),  # fp32, as the pipeline: bf16 997 is 996
                     encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
         return out.squeeze(2)
 

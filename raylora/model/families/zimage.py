@@ -72,7 +72,9 @@ class ZImage(Family):
         lengths = cond["prompt_embeds_mask"].sum(1).tolist()
         captions = [e[:n] for e, n in zip(emb, lengths)]
         images = list(noisy.unsqueeze(2).unbind(0))  # each [C, frames=1, h, w]
-        out = model(images, cls.model_timestep(t).to(noisy.dtype), captions, return_dict=False)[0]
+        # The timestep in fp32, as the pipeline passes it (the model casts only its sinusoidal
+        # embedding): 1 − σ in bf16 steps by 1/256 near 1, and σ < 0.002 would read as t = 1.
+        out = model(images, cls.model_timestep(t.float()), captions, return_dict=False)[0]
         return -torch.stack(out).squeeze(2)
 
 

@@ -323,6 +323,25 @@ def test_the_bucket_scan_takes_a_raised_max_image_pixels(monkeypatch):
     assert scan_rows([row], bs, 0, max_pixels=100_000_000).tolist() == [-1]
 
 
+def test_the_bucket_scan_counts_no_row_without_its_control_image():
+    """data.control_images: a row the decode drops as missing_control (an input None or
+    empty, as a tar without the member or a null parquet cell reads; or a folder image
+    the control lookup found none for, ``lacking``) is in no bucket; one with every
+    input is bucketed by its own image."""
+    from raylora.data.buckets import scan_rows
+
+    bs = BucketSet.of([[64]], 16)
+    img, wide = _png_header(64, 64), _png_header(128, 32)
+    rows = [{"key": "a", "image": img, "text": "a", "control": img, "control_2": img},
+            {"key": "b", "image": wide, "text": "b", "control": None, "control_2": img},
+            {"key": "c", "image": img, "text": "c", "control": img, "control_2": b""},
+            {"key": "d", "image": wide, "text": "d", "control": img, "control_2": img}]
+    both = ("control", "control_2")
+    assert scan_rows(rows, bs, 0, controls=both).tolist() == [0, -1, -1, bs.assign(128, 32)]
+    assert scan_rows(rows, bs, 0, controls=both, lacking={"d"}).tolist() == [0, -1, -1, -1]
+    # without data.control_images none is looked at
+    assert scan_rows(rows, bs, 0).tolist() == [0, bs.assign(128, 32), 0, bs.assign(128, 32)]
+
 def test_flux_step_on_a_non_square_bucket(tiny, demo_data, tmp_path):
     import io
 

@@ -570,8 +570,8 @@ def test_a_control_folder_that_cannot_serve_is_refused_naming_its_key(tmp_path):
         plan_data(section(uri), Storage())
     assert exc.value.problems == [
         f"data.control_images: 2 of 3 images have no control image (no KEY.control.<ext> beside "
-        f"them; e.g. {tmp_path / 'd' / 'k1.png'}, {tmp_path / 'd' / 'k2.png'}); 66.7% of them, "
-        "over data.max_bad_fraction=0.05"]
+        f"them; e.g. {tmp_path / 'd' / 'k1.png'}, {tmp_path / 'd' / 'k2.png'}); 66.7% of the "
+        "reads, over data.max_bad_fraction=0.05"]
     assert plan_data(section(uri, max_bad_fraction=0.7), Storage()).rows == 3
     mixed = validate({"model": {"pretrained": "m"}, "output": {"uri": "o"},
                       "data": {"control_images": True, "sources": [
@@ -618,8 +618,8 @@ def test_folders_and_sidecars_of_several_inputs_that_cannot_serve_are_refused(tm
     # the good folder has k0's input 1 only; the sidecars beside the images are not read
     assert problems(control_uri=[str(tmp_path / "good"), str(tmp_path / "good")]) == [
         f"data.control_images: 2 of 3 images have no input {k}'s control image (none in "
-        f"{tmp_path / 'good'}; e.g. {d / 'k1.png'}, {d / 'k2.png'}); 66.7% of them, over "
-        "data.max_bad_fraction=0.05" for k in (1, 2)]
+        f"{tmp_path / 'good'}; e.g. {d / 'k1.png'}, {d / 'k2.png'}); 66.7% of the reads, "
+        "over data.max_bad_fraction=0.05" for k in (1, 2)]
 
     assert plan_data(section(uri, control_inputs=2), Storage()).rows == 3
     for f in ("k1.control_2.jpg", "k2.control_2.png"):  # 2 of 3 without input 2
@@ -627,16 +627,148 @@ def test_folders_and_sidecars_of_several_inputs_that_cannot_serve_are_refused(tm
     assert problems() == [
         f"data.control_images: 2 of 3 images have no input 2's control image (no "
         f"KEY.control_2.<ext> beside them; e.g. {d / 'k1.png'}, {d / 'k2.png'}); 66.7% of "
-        "them, over data.max_bad_fraction=0.05"]
+        "the reads, over data.max_bad_fraction=0.05"]
     (d / "k2.control_2.png").write_bytes(swapped(2))
     (d / "k2.control.png").unlink()  # k1 lacks input 2, k2 input 1: a third each
     assert problems(max_bad_fraction=0.4) == [
         f"data.control_images: 2 of 3 images lack at least one of their 2 control images "
-        f"(e.g. {d / 'k1.png'}, {d / 'k2.png'}); 66.7% of them, over data.max_bad_fraction=0.4"]
+        f"(e.g. {d / 'k1.png'}, {d / 'k2.png'}); 66.7% of the reads, over "
+        "data.max_bad_fraction=0.4"]
     plan = plan_data(section(uri, control_inputs=2, max_bad_fraction=0.7), Storage())
     assert plan.rows == 3 and sorted(c.rsplit("/", 1)[1] for c in plan.sources[0].companions
                                      if ".control" in c) == \
         ["k0.control.JPG", "k0.control_2.png", "k1.control.png", "k2.control_2.png"]
+
+
+def test_missing_control_images_are_judged_by_their_reads_kohya_repeats_counted(tmp_path, caplog):
+    """A kohya ``10_name`` folder's image is read 10 times an epoch, and the run's
+    data.max_bad_fraction counts rows read: one image of 30 without its control image is
+    a third of a 10_char folder's reads, 10 of 48 (20.8 %). Judged per image (3.3 %) it
+    passed planning and stopped the run once read; it is refused before Ray, as the
+    caption check refuses the same share of reads. Two inputs: images lacking one input
+    or the other are judged together by their reads too."""
+    import logging
+
+    from raylora.data.plan import DataProblems, plan_data
+
+    d = tmp_path / "d"
+    for folder, n in (("10_char", 2), ("1_reg", 28)):
+        (d / folder).mkdir(parents=True)
+        for i in range(n):
+            img, ctl = pair(i, 32, 32)
+            (d / folder / f"{folder}{i}.png").write_bytes(img)
+            (d / folder / f"{folder}{i}.control.png").write_bytes(ctl)
+            (d / folder / f"{folder}{i}.control_2.png").write_bytes(swapped(i, 32, 32))
+            (d / folder / f"{folder}{i}.txt").write_text(f"edit {i}")
+    (d / "10_char" / "10_char0.control.png").unlink()
+    c0 = d / "10_char" / "10_char0.png"
+
+    def problems(**kw) -> list[str]:
+        with pytest.raises(DataProblems) as exc:
+            plan_data(section(str(d), **kw), Storage())
+        return exc.value.problems
+
+    assert problems() == [
+        f"data.control_images: 1 of 30 images have no control image (no KEY.control.<ext> "
+        f"beside them; e.g. {c0}); 20.8% of the reads, over data.max_bad_fraction=0.05"]
+    with caplog.at_level(logging.WARNING, logger="raylora.data"):
+        assert plan_data(section(str(d), max_bad_fraction=0.25), Storage()).rows == 48
+    assert "1 of 30 images have no control image" in caplog.text
+    # two inputs: 10_char0 lacks input 1, 10_char1 input 2: 10 of 48 reads each, under
+    # 0.3, but 20 of 48 together, over it (per image: 2 of 30, 6.7 %, passed)
+    (d / "10_char" / "10_char1.control_2.png").unlink()
+    assert problems(control_inputs=2, max_bad_fraction=0.3) == [
+        f"data.control_images: 2 of 30 images lack at least one of their 2 control images "
+        f"(e.g. {c0}, {d / '10_char' / '10_char1.png'}); 41.7% of the reads, over "
+        "data.max_bad_fraction=0.3"]
+
+
+def drop_control(uri: str, fmt: str, key: int, infix: str = ".control") -> None:
+    """Take sample ``k{key}``'s control image (``infix``: whose input) out of ``write_pairs``'
+    data: its sidecar file, its tar member, its parquet cell (None)."""
+    import glob
+
+    if fmt == "parquet":
+        table = pq.read_table(uri)
+        column = "control_image" + infix[len(".control"):]
+        cells = table[column].to_pylist()
+        cells[key] = None
+        pq.write_table(table.set_column(table.schema.get_field_index(column), column,
+                                        pa.array(cells, pa.binary())), uri)
+    elif fmt == "webdataset":
+        tar_path = os.path.join(uri, "000.tar")
+        with tarfile.open(tar_path) as tar:
+            members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()
+                       if m.name != f"k{key}{infix}.png"]
+        with tarfile.open(tar_path, "w") as tar:
+            for m, data in members:
+                tar.addfile(m, io.BytesIO(data))
+    else:
+        (found,) = glob.glob(os.path.join(uri, f"k{key}{infix}.*"))
+        os.unlink(found)
+
+
+@pytest.mark.parametrize("inputs", [1, 2])
+@pytest.mark.parametrize("fmt", ["captionfolder", "imagefolder", "webdataset", "parquet"])
+def test_the_bucket_scan_counts_no_row_without_its_control_image(tmp_path, fmt, inputs):
+    """data.bucketing: a row without its control image (any input's) is dropped by the
+    workers as missing_control, so the bucket scan counts it in no bucket: counted, the
+    schedule planned a batch the workers could never fill (alone in its bucket, the run
+    stopped mid-epoch). Every format: a folder's row as the control lookup found it, a
+    shard's by its member or column. The epoch still reads all 4 rows."""
+    from raylora.data.plan import plan_data
+
+    uri = write_pairs(tmp_path / fmt, fmt, n=4, w=32, h=32, inputs=inputs)
+    drop_control(uri, fmt, 1, ".control_2" if inputs == 2 else ".control")
+    data = section(uri, control_inputs=inputs, bucketing=True, resolution=32, bucket_step=16,
+                   max_bad_fraction=0.5)
+    plan = plan_data(data, Storage())
+    assert plan.rows == 4
+    assert plan.bucket_histogram() == plan.bucket_rows() == {0: 3}  # 0: 32x32
+    # with every control image there, every row is counted
+    full = write_pairs(tmp_path / "full", fmt, n=4, w=32, h=32, inputs=inputs)
+    assert plan_data(section(full, control_inputs=inputs, bucketing=True, resolution=32,
+                             bucket_step=16), Storage()).bucket_rows() == {0: 4}
+
+
+def test_a_bucket_of_images_without_control_images_is_not_scheduled(tiny, tmp_path):
+    """The one wide image of a folder of square pairs has no control image (1 of 5, under
+    data.max_bad_fraction): it is in no bucket, so the epoch's schedule (4 square steps)
+    is what the workers' rows fill, read and preprocessed as a worker does (no Ray). It
+    was scheduled in its own 48x16 bucket, and the epoch stopped with "no usable row of
+    bucket ..." once the square steps were done."""
+    from raylora.data.buckets import bucket_batches, bucket_set, epoch_steps, schedule
+    from raylora.data.parquet_parts import READ_UNIT_ROWS
+    from raylora.data.plan import pass_items, plan_data, read_units
+    from raylora.data.preprocess import stage_kwargs
+    from raylora.data.source import _read_items
+
+    uri = write_pairs(tmp_path / "d", "captionfolder", n=4, w=32, h=32)
+    (tmp_path / "d" / "wide.png").write_bytes(pair(9, 64, 32)[0])
+    (tmp_path / "d" / "wide.txt").write_text("edit wide")
+    data = section(uri, bucketing=True, resolution=32, bucket_step=16, center_crop=True,
+                   max_bad_fraction=0.25)
+    store = Storage()
+    plan, buckets = plan_data(data, store), bucket_set(data)
+    steps = epoch_steps([plan.bucket_rows()], 1)
+    assert {buckets.name(b): n for b, n in steps.items()} == {"32x32": 4}
+    sections = data.source_sections()
+    kw = dict(sections=[sections[s.index].model_dump() for s in plan.sources],
+              files=[s.files for s in plan.sources], formats=[s.format for s in plan.sources],
+              cached=False, endpoint_url=None, region=None)
+    s = Preprocess(StageSpec(**stage_kwargs("train", data, model_path=tiny(FAMILY), family=FAMILY,
+                                            storage=store, max_sequence_length=32)))
+    sent = []
+    s.reporter.send = lambda ok, bad, examples, **_: sent.append((ok, dict(bad)))
+    blocks = []
+    for item in pass_items(read_units(data, plan, store, READ_UNIT_ROWS), 0, 0, False):
+        for t in _read_items({k: np.array([v], dtype=object) for k, v in item.items()}, **kw):
+            out = s({k: np.array(t[k].to_pylist(), dtype=object) for k in t.column_names})
+            out["epoch"] = np.zeros(len(out["bucket"]), np.int32)
+            blocks.append(out)
+    assert sum(ok for ok, _ in sent) == 4 and [b for _, b in sent if b] == [{"missing_control": 1}]
+    trained = [b for _, b in bucket_batches(blocks, 1, lambda e: schedule(steps, 0, e), lambda e: e)]
+    assert len(trained) == 4 and all(b["pixel_values"].shape == (1, 3, 32, 32) for b in trained)
 
 
 @pytest.mark.parametrize("inputs", [1, 2])

@@ -14,14 +14,16 @@ cover the bucket and cropped to it; the crop's offset goes to SDXL's conditionin
 
 Batches: every micro-batch holds rows of one bucket, and every worker trains the same
 bucket at the same step. The driver counts each bucket's rows per worker from image
-headers (``scan_rows``; held-out rows, data.validation_split, are not counted); an epoch trains each bucket floor(rows / batch) times (the
-smallest worker's count, as ``data.sharding=files`` does for the whole epoch: the
-remainder of each bucket is dropped, as kohya does), in an order drawn from the seed and
-the epoch alone (``schedule``), so every worker computes the same one. A worker
-(``bucket_batches``) buffers rows by bucket and hands out the scheduled bucket's batch
-next; a bucket that runs short (rows dropped as bad records) is filled with rows of
-that bucket seen earlier in the pass, so the workers never disagree about a step (one
-left with no row at all stops the run with an error rather than hang the others).
+headers (``scan_rows``; held-out rows, data.validation_split, and rows without a control
+image, data.control_images, are not counted); an epoch trains each bucket
+floor(rows / batch) times (the smallest worker's count, as ``data.sharding=files`` does
+for the whole epoch: the remainder of each bucket is dropped, as kohya does), in an
+order drawn from the seed and the epoch alone (``schedule``), so every worker computes
+the same one. A worker (``bucket_batches``) buffers rows by bucket and hands out the
+scheduled bucket's batch next; a bucket that runs short (rows dropped as bad records)
+is filled with rows of that bucket seen earlier in the pass, so the workers never
+disagree about a step (one left with no row at all stops the run with an error rather
+than hang the others).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from __future__ import annotations
 import functools
 import io
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -146,12 +148,14 @@ def bucket_set(data) -> BucketSet | None:
 def scan_rows(rows: Iterable[dict], buckets: BucketSet, source: int, min_size: int = 0,
               skip_small: bool = True, keep_empty: bool = False,
               max_pixels: int | None = None, split: float = 0.0,
-              prefix: str = "") -> np.ndarray:
-    """Each ``{image, text}`` row's bucket id as training will bucket it, int16 in row
-    order; -1 for a row no bucket trains: one the preprocess stage drops (no caption,
-    unreadable, too small or too large image), or held out by ``split``
-    (data.validation_split; ``prefix``: the source's caption prefix, which the held-out
-    hash reads as training does, ``raylora.data.split``)."""
+              prefix: str = "", controls: Sequence[str] = (),
+              lacking: Container[str] = frozenset()) -> np.ndarray:
+    """Each ``{key, image, text}`` row's bucket id as training will bucket it, int16 in
+    row order; -1 for a row no bucket trains: one the preprocess stage drops (no caption,
+    unreadable, too small or too large image, no control image: ``controls``, the row keys
+    its control images are in, one None or empty; or its ``key`` in ``lacking``), or held
+    out by ``split`` (data.validation_split; ``prefix``: the source's caption prefix,
+    which the held-out hash reads as training does, ``raylora.data.split``)."""
     from raylora.data.captions import joined_captions, with_prefix
     from raylora.data.split import row_fraction
 
@@ -162,6 +166,7 @@ def scan_rows(rows: Iterable[dict], buckets: BucketSet, source: int, min_size: i
         text = joined_captions(row.get("text"))
         if size is None or not size[0] or not size[1] or \
                 (not keep_empty and (text is None or not str(text).strip())) or \
+                row.get("key") in lacking or any(_no_image(row.get(c)) for c in controls) or \
                 (skip_small and min_size and min(size) < min_size) or \
                 (max_pixels and size[0] * size[1] > max_pixels) or \
                 (split and row_fraction(row["image"], with_prefix(prefix, text) if prefix else text)
@@ -170,6 +175,11 @@ def scan_rows(rows: Iterable[dict], buckets: BucketSet, source: int, min_size: i
         else:
             out.append(buckets.assign(size[0], size[1], source))
     return np.array(out, dtype=np.int16)
+
+
+def _no_image(value) -> bool:
+    """A control image the validating decode finds missing (``decode_controls``)."""
+    return value is None or (isinstance(value, (bytes, bytearray, memoryview)) and not len(value))
 
 
 def bucket_counts(ids: np.ndarray) -> dict[int, int]:

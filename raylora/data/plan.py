@@ -263,13 +263,14 @@ def plan_source(section: DataSection, storage: Storage, index: int = 0,
     if not files:
         raise FileNotFoundError(f"{section.uri}: matched no {fmt.name} files")
     fmt.check_listing(section, files, listing)
-    controls = control_files(section, fmt.name, files, listing, storage, key)
+    repeats = fmt.repeats(section, files)
+    controls, lacking = control_files(section, fmt.name, files, listing, storage, key, repeats)
     rows, file_rows = fmt.count_rows(section, files, storage)
-    out = SourceFiles(index, fmt.name, files, rows, file_rows, fmt.repeats(section, files),
+    out = SourceFiles(index, fmt.name, files, rows, file_rows, repeats,
                       section.uri, fmt.companions(section, files, listing) + controls)
     if buckets is None:
         return out
-    counts, ids = scan_buckets(section, out, storage, buckets, index)
+    counts, ids = scan_buckets(section, out, storage, buckets, index, lacking)
     return replace(out, bucket_counts=counts, row_buckets=ids)
 
 
@@ -279,39 +280,46 @@ FOLDER_FORMATS = ("captionfolder", "imagefolder")
 
 
 def control_files(section: DataSection, fmt: str, files: list[str], listing: list[str],
-                  storage: Storage, key=lambda k: f"data.{k}") -> list[str]:
-    """data.control_images of a folder format: the control images its rows read (sidecars
+                  storage: Storage, key=lambda k: f"data.{k}",
+                  repeats: list[int] | None = None) -> tuple[list[str], set[str]]:
+    """data.control_images of a folder format: (the control images its rows read (sidecars
     in ``listing``, or data.control_uri's folders, listed here), every input's (input 1's,
-    then input 2's, ...), for the fingerprint. Refused up front: data.control_uri with
-    shards, a folder of it inside the data's folder, or empty; images without a control
-    image (any one input's) above data.max_bad_fraction of them (fewer: logged, they are
-    dropped as missing_control)."""
+    then input 2's, ...), for the fingerprint; the images lacking any input's, which the
+    bucket scan counts in no bucket). Refused up front: data.control_uri with shards, a
+    folder of it inside the data's folder, or empty; images without a control image (any
+    one input's) above data.max_bad_fraction of the reads (``repeats``: times each file is
+    read an epoch, ``ShardFormat.repeats``; fewer: logged, they are dropped as
+    missing_control)."""
     if not section.control_images:
-        return []
+        return [], set()
     if section.control_uri and fmt not in FOLDER_FORMATS:
         raise DataProblems([f"{key('control_uri')}: {section.control_uri}: {fmt} shards hold "
                             "their own control images (KEY.control.<ext> members, "
                             "data.control_column); leave it unset"])
     if fmt not in FOLDER_FORMATS:
-        return []
+        return [], set()
     folders = section.control_folders()
     listed = [_control_listing(section, storage, key, folder) for folder in folders or []]
     if problems := [p for _, p in listed if p]:  # every folder's, at once
         raise DataProblems(problems)
     wheres = [w for w, _ in listed] if folders else [listing] * section.control_inputs
-    images = [f for f in files if f.lower().endswith(IMAGE_EXTS)]
+    # Each image with the times an epoch reads it (a kohya N_name folder's N): the run's
+    # data.max_bad_fraction counts rows read, and judged per image a folder of 10 reads
+    # each passed here and then stopped the run (check_listing weighs captions so too).
+    reads = dict(zip(files, repeats or [1] * len(files)))
+    images = {f: reads[f] for f in files if f.lower().endswith(IMAGE_EXTS)}
     found, lacking = [], set()
     for i, where in enumerate(wheres):
-        got, missing = _find_controls(section, images, where, i)
+        got, missing = _find_controls(section, list(images), where, i)
         found += got
         lacking.update(missing)
         if missing:
-            problems += _judge_missing(section, key, i, folders, len(images), missing)
+            problems += _judge_missing(section, key, i, folders, images, missing)
     if not problems and section.control_inputs > 1:
-        problems += _judge_lacking(section, key, len(images), lacking)
+        problems += _judge_lacking(section, key, images, lacking)
     if problems:
         raise DataProblems(problems)
-    return found
+    return found, lacking
 
 
 def _control_listing(section: DataSection, storage: Storage, key,
@@ -341,52 +349,68 @@ def _find_controls(section: DataSection, images: list[str], where: list[str],
     return found, missing
 
 
-def _judge_missing(section: DataSection, key, i: int, folders: list[str] | None, n: int,
-                   missing: list[str]) -> list[str]:
-    """Input ``i``'s missing control images (of ``n`` images): the problem when they are
-    over data.max_bad_fraction, else logged (they are dropped as missing_control)."""
+def _read_share(images: dict[str, int], some) -> float:
+    """The share of an epoch's reads of ``images`` (image → reads) that ``some`` make."""
+    total = sum(images.values())
+    return sum(images[f] for f in some) / total if total else 0.0
+
+
+def _judge_missing(section: DataSection, key, i: int, folders: list[str] | None,
+                   images: dict[str, int], missing: list[str]) -> list[str]:
+    """Input ``i``'s missing control images (of ``images``, each with its reads an epoch):
+    the problem when their reads are over data.max_bad_fraction, else logged (they are
+    dropped as missing_control)."""
     import logging
 
     place = f"none in {folders[i]}" if folders else f"no KEY{control_infix(i)}.<ext> beside them"
     which = f"input {i + 1}'s " if section.control_inputs > 1 else ""
-    what = (f"{len(missing)} of {n} images have no {which}control image ({place}; "
+    what = (f"{len(missing)} of {len(images)} images have no {which}control image ({place}; "
             f"e.g. {', '.join(missing[:3])})")
-    share = len(missing) / n
+    share = _read_share(images, missing)
     if share > section.max_bad_fraction:
-        return [f"{key('control_images')}: {what}; {share:.1%} of them, over "
+        return [f"{key('control_images')}: {what}; {share:.1%} of the reads, over "
                 f"data.max_bad_fraction={section.max_bad_fraction:g}"]
     logging.getLogger("raylora.data").warning("%s: they are dropped as missing_control", what)
     return []
 
 
-def _judge_lacking(section: DataSection, key, n: int, lacking: set[str]) -> list[str]:
+def _judge_lacking(section: DataSection, key, images: dict[str, int],
+                   lacking: set[str]) -> list[str]:
     """The images lacking any one of several inputs: each input's share may be under
     data.max_bad_fraction while together they drop more (every such row is dropped)."""
-    share = len(lacking) / n if n else 0.0
+    share = _read_share(images, lacking)
     if share <= section.max_bad_fraction:
         return []
-    return [f"{key('control_images')}: {len(lacking)} of {n} images lack at least one of "
-            f"their {section.control_inputs} control images (e.g. "
-            f"{', '.join(sorted(lacking)[:3])}); {share:.1%} of them, over "
+    return [f"{key('control_images')}: {len(lacking)} of {len(images)} images lack at least "
+            f"one of their {section.control_inputs} control images (e.g. "
+            f"{', '.join(sorted(lacking)[:3])}); {share:.1%} of the reads, over "
             f"data.max_bad_fraction={section.max_bad_fraction:g}"]
 
 
 def scan_buckets(section: DataSection, s: SourceFiles, storage: Storage, buckets,
-                 index: int) -> tuple[list[dict[int, int]], np.ndarray]:
+                 index: int, lacking: set[str] = frozenset(),
+                 ) -> tuple[list[dict[int, int]], np.ndarray]:
     """(training rows per bucket of each of a source's files, each row's bucket id in file
     order: ``SourceFiles.row_buckets``), from the images' headers (every image is read
     once, on the driver: what kohya's and SimpleTuner's bucket caches do too). A held-out
     row (data.validation_split) is counted in no bucket: the split is a hash of the row,
     so it holds out more of one bucket than of another, and a schedule that scaled every
-    bucket by the split trained rows twice or skipped them."""
+    bucket by the split trained rows twice or skipped them. Nor is a row without a control
+    image (data.control_images; ``lacking``: a folder's images ``control_files`` found
+    none for): the workers drop it, and a bucket counted with it planned batches they
+    could not fill (a bucket of such rows alone stopped the run mid-epoch)."""
     from raylora.data.buckets import bucket_counts, scan_rows
 
     fmt = get_format(s.format)
-    # headers are all a scan reads: no sidecar masks or control images
-    section = section.model_copy(update={"masked_loss": False, "control_images": False})
+    # Headers are all a scan reads of an image: no sidecar masks, and no folder's control
+    # images (a GET each; ``lacking`` says which are missing). A shard row's come with it:
+    # a tar is read whole anyway; a parquet's control column is read beside its images.
+    shard_controls = section.control_images and s.format not in FOLDER_FORMATS
+    section = section.model_copy(update={"masked_loss": False, "control_images": shard_controls})
     keep = dict(min_size=section.min_size, skip_small=section.small_images == "skip",
                 keep_empty=section.caption_dropout > 0, max_pixels=section.max_image_pixels,
-                split=section.validation_split, prefix=section.caption_prefix or "")
+                split=section.validation_split, prefix=section.caption_prefix or "",
+                controls=control_names(section), lacking=lacking)
     if s.file_rows is None:  # one row list for the whole source
         ids = scan_rows(fmt.iter_rows(section, s.files, storage), buckets, index, **keep)
         return [bucket_counts(ids)], ids

@@ -703,3 +703,56 @@ def test_an_export_without_kohya_removes_an_earlier_exports_kohya_file(adapter, 
     export(["diffusers"], 2.0, 18)
     assert sorted(os.listdir(out)) == ["adapter", "loss.png", "metrics.jsonl"]
     assert json.loads((out / "adapter" / "raylora.json").read_text())["metrics"]["steps"] == 18
+
+
+def _unet_file(folder, layers: dict[str, tuple[int, int]]) -> None:
+    """A diffusers adapter folder without raylora.json: rank-2 LoRA on UNet modules
+    (path → (in, out) width), as diffusers' SD/SDXL LoRA scripts save it."""
+    g = torch.Generator().manual_seed(0)
+    sd = {}
+    for path, (n_in, n_out) in layers.items():
+        sd[f"unet.{path}.lora.down.weight"] = torch.randn(2, n_in, generator=g)
+        sd[f"unet.{path}.lora.up.weight"] = torch.randn(n_out, 2, generator=g)
+    os.makedirs(folder, exist_ok=True)
+    save_file(sd, os.path.join(folder, "pytorch_lora_weights.safetensors"))
+
+
+def test_export_tells_sdxl_from_sd_by_the_adapters_shapes(tmp_path, capsys):
+    """SD and SDXL UNets share module names, so without raylora.json an SDXL adapter's keys
+    fit SD's kohya layout too: it was exported as SD 1 (ss_base_model_version sd_v1, which
+    A1111/Forge hide beside SDXL checkpoints). Its shapes decide (cross-attention key/value
+    input 2048 wide, attention blocks of depth > 1); where they cannot, --family is asked for."""
+    from raylora.cli import main
+
+    x = "down_blocks.2.attentions.0.transformer_blocks.{}.attn{}.{}"
+    cases = {
+        # SDXL, on to_k/to_v (text states 2048 wide) / without them (its blocks' depth)
+        "sdxl_kv": ({x.format(0, 2, "to_k"): (2048, 1280), x.format(0, 2, "to_v"): (2048, 1280)},
+                    "sdxl", "sdxl_base_v1-0"),
+        "sdxl_q": ({x.format(b, 1, "to_q"): (1280, 1280) for b in range(3)}, "sdxl", "sdxl_base_v1-0"),
+        # SD 1 (CLIP-L 768), SD 2 (OpenCLIP-H 1024), SD 1 without to_k/to_v (its fourth up block)
+        "sd1": ({x.format(0, 2, "to_k"): (768, 1280)}, "sd", "sd_v1"),
+        "sd2": ({x.format(0, 2, "to_v"): (1024, 1280)}, "sd", "sd_v2"),
+        "sd1_q": ({"up_blocks.3.attentions.0.transformer_blocks.0.attn1.to_q": (320, 320)}, "sd", "sd_v1"),
+    }
+    for name, (layers, family, version) in cases.items():
+        _unet_file(tmp_path / name, layers)
+        out = tmp_path / f"{name}.safetensors"
+        assert main(["export", "--format", "kohya", str(tmp_path / name), "--out", str(out)]) == 0, name
+        assert f"family       {family} (guessed from the adapter keys)" in capsys.readouterr().out, name
+        with safe_open(str(out), framework="pt") as f:
+            assert f.metadata()["ss_base_model_version"] == version, name
+
+    # a tiny UNet: nothing tells SD from SDXL, whose files' labels differ → --family
+    _unet_file(tmp_path / "tiny", {"down_blocks.1.attentions.0.transformer_blocks.0.attn2.to_k": (64, 64)})
+    assert main(["export", "--format", "kohya", str(tmp_path / "tiny"), "--out",
+                 str(tmp_path / "t.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert ("pytorch_lora_weights.safetensors: its keys fit the kohya layouts of several families "
+            "(sd, sdxl) whose files name different base models (sd: sd_v1, sdxl: sdxl_base_v1-0), "
+            "and its shapes do not tell which it was trained on; pass --family") in err
+    assert not (tmp_path / "t.safetensors").exists()
+    assert main(["export", "--format", "kohya", str(tmp_path / "tiny"), "--family", "sdxl", "--out",
+                 str(tmp_path / "t.safetensors")]) == 0
+    with safe_open(str(tmp_path / "t.safetensors"), framework="pt") as f:
+        assert f.metadata()["ss_base_model_version"] == "sdxl_base_v1-0"

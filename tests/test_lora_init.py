@@ -78,9 +78,10 @@ def _random_adapter(run, folder: str, seed: int = 0) -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_run_starts_as_the_stock_pipeline_with_the_adapter_loaded(tiny, family, demo_data, tmp_path):
     from raylora.checkpoint.kohya import export_kohya
-    from raylora.model import families
+    from raylora.model import families, lora_init
     from raylora.model.lora import WEIGHT_NAME
     from raylora.sample import load_adapter
+    from raylora.storage import Storage
 
     fam = families.get(family)
     model = tiny(family)
@@ -126,6 +127,8 @@ def test_a_run_starts_as_the_stock_pipeline_with_the_adapter_loaded(tiny, family
         assert str(exc.value).startswith(f"lora.init_from: {kohya}")
         assert KOHYA_REFUSED[family] in str(exc.value)
     else:
+        # the check before Ray agrees (a fused q/k/v module is rank 3r there: not "mixed ranks")
+        assert lora_init.checked(kcfg, Storage()) == ([], kohya)
         run_k = _build(kcfg)
         got = _deltas(run_k.accelerator.unwrap_model(run_k.model), "default")
         want = _deltas(denoiser, "default")
@@ -301,3 +304,77 @@ def test_an_earlier_rayloras_mixed_style_sd_adapter_is_read_whole(tiny_model, de
         assert main(["export", "--format", "diffusers", str(old), "--out", str(out)]) != 0
         assert f"--out: {out} {words}" in capsys.readouterr().err
     assert not (old / "x").exists() and json.loads((new / "manifest.json").read_text())["files"] == listed
+
+
+def _lora_file(path, downs: dict[str, tuple[int, int]], ups: dict[str, int] | None = None) -> str:
+    """A LoRA file of ``downs`` (down key → (rank, in)); ups ``[ups[key] or 8, rank]``."""
+    from safetensors.torch import save_file
+
+    sd = {}
+    for key, (rank, n_in) in downs.items():
+        sd[key] = torch.randn(rank, n_in)
+        up = key.replace("lora_down", "lora_up").replace("lora_A", "lora_B")
+        sd[up] = torch.randn((ups or {}).get(key, 8), rank)
+    save_file(sd, str(path))
+    return str(path)
+
+
+def test_a_kohya_file_with_fused_modules_is_checked_at_its_parts_rank(tmp_path):
+    """raylora's kohya file of a Flux.1 / Flux.2 adapter holds q|k|v (Flux.1's single blocks:
+    q|k|v|mlp) as one module of rank 3r (4r), which diffusers' loaders split back into rank-r
+    layers: the check before Ray called it "mixed ranks" and refused it, though the worker
+    starts from it exactly. A file of another rank, or of mixed ranks, is still named there."""
+    from raylora.checkpoint.kohya import export_kohya
+    from raylora.model import families, lora_init
+    from raylora.storage import Storage
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    def problems(uri, rank):
+        return lora_init.checked(_cfg("org/model", "d", tmp_path / "o", rank=rank, init_from=uri),
+                                 Storage())[0]
+
+    # diffusers adapters (rank 4, 8 wide; Flux.1's proj_mlp 32) → raylora's kohya export
+    a, b = lambda n: torch.randn(4, n), lambda n: torch.randn(n, 4)
+    adapters = {
+        "flux": {"transformer_blocks.0.attn.to_q": (8, 8), "transformer_blocks.0.attn.to_k": (8, 8),
+                 "transformer_blocks.0.attn.to_v": (8, 8), "transformer_blocks.0.attn.to_out.0": (8, 8),
+                 "single_transformer_blocks.0.attn.to_q": (8, 8), "single_transformer_blocks.0.attn.to_k": (8, 8),
+                 "single_transformer_blocks.0.attn.to_v": (8, 8), "single_transformer_blocks.0.proj_mlp": (8, 32),
+                 "single_transformer_blocks.0.proj_out": (40, 8)},
+        "flux2klein": {"transformer_blocks.1.attn.to_q": (8, 8), "transformer_blocks.1.attn.to_k": (8, 8),
+                       "transformer_blocks.1.attn.to_v": (8, 8), "transformer_blocks.1.attn.add_q_proj": (8, 8),
+                       "transformer_blocks.1.attn.add_k_proj": (8, 8), "transformer_blocks.1.attn.add_v_proj": (8, 8),
+                       "single_transformer_blocks.0.attn.to_qkv_mlp_proj": (8, 40)},
+    }
+    for family, layers in adapters.items():
+        src, kohya = tmp_path / f"{family}.safetensors", str(tmp_path / f"{family}_kohya.safetensors")
+        save_file({f"transformer.{m}.{k}": f(n) for m, (n_in, n_out) in layers.items()
+                   for k, f, n in (("lora_A.weight", a, n_in), ("lora_B.weight", b, n_out))}, str(src))
+        export_kohya(str(src), kohya, "m", families.get(family))
+        with safe_open(kohya, "pt") as f:
+            written = {f.get_slice(k).get_shape()[0] for k in f.keys() if k.endswith("lora_down.weight")}
+        assert written == ({4, 12, 16} if family == "flux" else {4, 12})  # fused: 3r, 4r
+        assert problems(kohya, 4) == [], family
+        assert problems(kohya, 8) == [f"lora.init_from: {kohya} has rank 4, this run lora.rank=8; set "
+                                      "lora.rank=4 to start from it"], family
+
+    q = "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight"
+    proj = "lora_unet_double_blocks_0_img_attn_proj.lora_down.weight"
+    # sd-scripts trains the fused module whole: rank r there too
+    whole = _lora_file(tmp_path / "whole.safetensors", {q: (6, 8), proj: (6, 8)}, {q: 24})
+    assert problems(whole, 6) == []
+    mixed = _lora_file(tmp_path / "mixed.safetensors", {q: (12, 8), proj: (8, 8)}, {q: 24})
+    assert problems(mixed, 4) == [f"lora.init_from: {mixed} has layers of ranks 8, 12; a run trains one "
+                                  "lora.rank"]
+    only = _lora_file(tmp_path / "only.safetensors", {q: (12, 8)}, {q: 24})
+    assert problems(only, 12) == problems(only, 4) == []
+    assert problems(only, 8) == [
+        f"lora.init_from: {only} has rank 4 or 12 (its layers are all fused kohya modules, which load "
+        "as parts of either rank), this run lora.rank=8; set lora.rank=4 or 12 to start from it"]
+    # diffusers names: each layer's own rank, as before
+    two = _lora_file(tmp_path / "two.safetensors", {
+        "transformer.transformer_blocks.0.attn.to_q.lora_A.weight": (4, 8),
+        "transformer.transformer_blocks.0.attn.to_k.lora_A.weight": (12, 8)})
+    assert problems(two, 4) == [f"lora.init_from: {two} has layers of ranks 4, 12; a run trains one "
+                                "lora.rank"]

@@ -98,6 +98,18 @@ def fused(prefix: str, parts: tuple[str, ...], name: str, sizes: tuple[int, ...]
     return tuple(Rule(prefix + re.escape(p), name, i, sizes) for i, p in enumerate(parts))
 
 
+def fused_names(rules: tuple[Rule, ...]) -> list[tuple[re.Pattern, int]]:
+    """(kohya module name pattern, part count) of each module ``rules`` fuse several diffusers
+    modules into (``fused``): its LoRA is rank k·r in raylora's files."""
+    out = {}
+    for rule in rules:
+        if len(rule.sizes) > 1:
+            # a group may hold a dotted path, written with "_" (to_kohya_reference)
+            pattern = "[^.]+".join(map(re.escape, re.split(r"\{\d+\}", rule.name)))
+            out[KOHYA_PREFIX + pattern] = len(rule.sizes)
+    return [(re.compile(p), k) for p, k in out.items()]
+
+
 def _lora_block(parts: dict[int, tuple[torch.Tensor, torch.Tensor]], sizes: tuple[int, ...],
                 name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The parts' (down, up) → one (down ``[k·r, in]``, up ``[Σ out, k·r]``), zeros for the
@@ -227,9 +239,34 @@ def export_kohya(diffusers_file: str, dest_file: str, base_model: str, family) -
     return kohya_meta
 
 
+# Only SDXL's UNet has attention blocks of depth > 1 (2 and 10 transformer blocks deep);
+# only SD 1/2's has a fourth down/up block; the cross-attention's key/value read the text
+# states: 2048 wide in SDXL (CLIP-L + CLIP-G), 768 / 1024 in SD 1 / SD 2.
+_SDXL_DEPTH = re.compile(r"\.transformer_blocks\.[1-9]")
+_SD_FOURTH = re.compile(r"^unet\.(down|up)_blocks\.3\.")
+
+
+def _sd_or_sdxl(sd: dict[str, torch.Tensor]) -> str | None:
+    """``"sd"`` or ``"sdxl"`` where the adapter's UNet shapes say which; None where they
+    cannot (a tiny or custom UNet, or no layer that differs): their module names are the
+    same, so their kohya keys are too, but A1111/Forge list a file by its base model."""
+    votes = set()
+    for key, value in sd.items():
+        if not key.startswith(PREFIX):
+            continue
+        if _SDXL_DEPTH.search(key):
+            votes.add("sdxl")
+        if _SD_FOURTH.match(key):
+            votes.add("sd")
+        if (".attn2.to_k." in key or ".attn2.to_v." in key) and _split_key(key)[1] == ".lora_down.weight":
+            votes.add({2048: "sdxl", 768: "sd", 1024: "sd"}.get(value.shape[1], "other"))
+    return next(iter(votes)) if len(votes) == 1 and votes != {"other"} else None
+
+
 def _guess_family(sd: dict[str, torch.Tensor], alphas: dict[str, float], where: str):
     """The family whose kohya layout maps every key of the adapter; several that map it to
-    different files are an error asking for ``--family``."""
+    different files, or to the same file labelled for different base models (SD and SDXL
+    adapters their shapes do not tell apart), are an error asking for ``--family``."""
     from raylora.model import families
 
     fits: dict[str, dict[str, torch.Tensor]] = {}
@@ -242,12 +279,20 @@ def _guess_family(sd: dict[str, torch.Tensor], alphas: dict[str, float], where: 
                 continue
     if not fits:
         raise ValueError(f"{where}: no model family's kohya layout fits its keys; pass --family")
+    if {"sd", "sdxl"} <= fits.keys() and (unet := _sd_or_sdxl(sd)):
+        fits.pop("sdxl" if unet == "sd" else "sd")
     first = next(iter(fits.values()))
     same = all(v.keys() == first.keys() and all(torch.equal(v[k], first[k]) for k in first)
                for v in fits.values())
     if not same:
         raise ValueError(f"{where}: its keys fit the kohya layouts of several families "
                          f"({', '.join(fits)}); pass --family")
+    versions = {name: families.get(name).kohya_version(sd) for name in fits} if len(fits) > 1 else {}
+    if len({json.dumps(v, sort_keys=True) for v in versions.values()}) > 1:
+        labels = ", ".join(f"{n}: {v.get('ss_base_model_version')}" for n, v in versions.items())
+        raise ValueError(f"{where}: its keys fit the kohya layouts of several families "
+                         f"({', '.join(fits)}) whose files name different base models ({labels}), "
+                         "and its shapes do not tell which it was trained on; pass --family")
     return families.get(next(iter(fits)))
 
 

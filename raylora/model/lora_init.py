@@ -16,9 +16,11 @@ a run that does not train the text encoders would drop.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import re
 import struct
 import warnings
 
@@ -53,6 +55,12 @@ PEFT_VARIANTS = {"LORA": "lora", "LOKR": "lokr", "LOHA": "loha"}
 # Per variant: the factor that carries the adapter's scale (the delta is linear in it).
 SCALED = {"lora": ("lora_B",), "dora": ("lora_B",), "lokr": ("lokr_w1", "lokr_w1_a"),
           "loha": ("hada_w1_a",)}
+# Families whose kohya files have fused modules (BFL's qkv, Flux.1's linear1: several
+# diffusers layers in one) that diffusers' kohya-Flux.1 / Flux.2 converters split back: of
+# k parts and rank R, into k layers of rank R / k where the up is block-diagonal (raylora's
+# export: rank k·r by design), else of rank R (sd-scripts trains the fused layer whole).
+# (Flux.1 Kontext, Chroma: Flux.1's names; Flux.2: Flux.2 [klein]'s.)
+SPLIT_FUSED = ("flux", "flux2klein")
 
 
 def locate(uri: str, store: Storage) -> tuple[str, str]:
@@ -137,22 +145,45 @@ def _file_problems(shapes: dict[str, list[int]], cfg: RayLoraConfig, uri: str) -
     if lora.variant in ("lokr", "loha"):
         return [f"{KEY}: {uri} is a LoRA file; lora.variant {lora.variant} starts from a "
                 f"{lora.variant} peft folder (adapter_config.json)"]
-    ranks = sorted({s[0] for k, s in shapes.items() if k.endswith(DOWN) and len(s) >= 2})
-    if not ranks:
+    downs = {k: s[0] for k, s in shapes.items() if k.endswith(DOWN) and len(s) >= 2}
+    if not downs:
         return [f"{KEY}: {uri} has no LoRA layers (no {', '.join(DOWN)} tensors)"]
     out = []
-    if len(ranks) > 1:
-        out.append(f"{KEY}: {uri} has layers of ranks {', '.join(map(str, ranks))}; a run "
-                   "trains one lora.rank")
-    elif ranks[0] != lora.rank:
-        out.append(f"{KEY}: {uri} has rank {ranks[0]}, this run lora.rank={lora.rank}; set "
-                   f"lora.rank={ranks[0]} to start from it")
+    # the ranks the run may have, as the worker's loader reads the file (_rank_fits)
+    fits = set.intersection(*(_rank_fits(k, r) for k, r in downs.items()))
+    if not fits:
+        written = ", ".join(map(str, sorted(set(downs.values()))))
+        out.append(f"{KEY}: {uri} has layers of ranks {written}; a run trains one lora.rank")
+    elif lora.rank not in fits:
+        ranks = " or ".join(map(str, sorted(fits)))
+        why = "" if len(fits) == 1 else (" (its layers are all fused kohya modules, which load "
+                                         "as parts of either rank)")
+        out.append(f"{KEY}: {uri} has rank {ranks}{why}, this run lora.rank={lora.rank}; set "
+                   f"lora.rank={ranks} to start from it")
     dora = any(m in k for k in shapes for m in MAGNITUDE)
     if dora != (lora.variant == "dora"):
         want = "dora" if dora else "lora"
         out.append(f"{KEY}: {uri} is a {want.upper()} adapter, this run lora.variant="
                    f"{lora.variant}; set lora.variant={want}")
     return out
+
+
+@functools.cache
+def _fused() -> list[tuple[re.Pattern, int]]:
+    from raylora.checkpoint.kohya import fused_names
+    from raylora.model import families
+
+    return [f for name in SPLIT_FUSED for f in fused_names(families.get(name).kohya_rules)]
+
+
+def _rank_fits(key: str, rank: int) -> set[int]:
+    """The run's lora.rank(s) the layer whose down is ``key``, of rank ``rank``, loads into:
+    its own, and for a fused kohya module of k parts (``SPLIT_FUSED``) rank / k. Only the
+    header is read here, not whether its up is block-diagonal: the worker's shape check
+    (``_take_over``) catches the rank the loader did not split to."""
+    module = key.split(".", 1)[0]  # kohya: lora_unet_<module>.lora_down.weight
+    return {rank} | {rank // k for pattern, k in _fused()
+                     if rank % k == 0 and pattern.fullmatch(module)}
 
 
 def _peft_problems(config: dict, cfg: RayLoraConfig, uri: str) -> list[str]:

@@ -15,6 +15,7 @@ No Ray imports here: the worker owns the tracker, the driver never sees one.
 
 from __future__ import annotations
 
+import functools
 import logging
 import numbers
 import os
@@ -69,18 +70,19 @@ class Tracker:
                 if os.path.isdir(local):
                     self._store.upload_dir(local, uri, growing=True)
 
-    def close(self) -> None:
-        """Finish the backend, upload a remote output's files and delete the temp dir."""
+    def close(self, failed: bool = False) -> None:
+        """Finish the backend, upload a remote output's files and delete the temp dir.
+        ``failed``: the training raised (wandb records the run as failed, not finished)."""
         if self._closed:
             return
         self._closed = True
-        self._finish()
+        self._finish(failed)
         if self.remote_uri is not None:
             self.sync()
             # Only after a successful upload: if it raised, the temp dir keeps the only copy.
             shutil.rmtree(self.local_dir, ignore_errors=True)
 
-    def _finish(self) -> None:
+    def _finish(self, failed: bool) -> None:
         """Flush and close the backend's writer."""
 
     def _uploads(self) -> list[tuple[str, str]]:
@@ -107,19 +109,24 @@ class TensorBoardTracker(Tracker):
 
         logdir = os.path.join(local_dir, "tensorboard")
         os.makedirs(logdir, exist_ok=True)
-        # Names the file events.out.tfevents.<time>.<host>, like SummaryWriter does. A
-        # resumed run adds a suffix: the name has whole seconds and the file is opened "wb",
-        # so a restart within the same second would truncate the earlier file.
-        suffix = f".from{start_step}" if start_step else ""
+        # Names the file events.out.tfevents.<time>.<host>, like SummaryWriter does, plus
+        # the start's time in ns: the name's time has whole seconds and the file is opened
+        # "wb", so a second start within that second truncated the first's file. Fixed
+        # width, so TensorBoard (files in name order) reads the attempts in the order they
+        # started. A resumed run's file also ends in .from<step>.
+        suffix = f".{time.time_ns()}" + (f".from{start_step}" if start_step else "")
         self._writer = EventsWriter(os.path.join(logdir, "events"), suffix)
-        if start_step:
-            # Resumed from a checkpoint at start_step: the steps after it that the earlier
-            # attempt logged are trained again. A SessionLog START at the first of them
-            # makes TensorBoard drop the earlier file's points from there on (what
-            # SummaryWriter(purge_step=) writes), so the curve does not fold back.
-            self._writer.write_event(Event(step=start_step + 1, wall_time=time.time(),
-                                           session_log=SessionLog(status=SessionLog.START)))
-            self._writer.flush()
+        # A SessionLog START at the first step this attempt logs makes TensorBoard drop
+        # the points earlier files have from that step on (what SummaryWriter(purge_step=)
+        # writes), so the curve does not fold back: start_step + 1 after a resume from a
+        # checkpoint there, 0 for a start from scratch (it logs the base model's held-out
+        # loss at step 0 again). Written at every start, a first one too: an object-store
+        # output's earlier files are not in this temp dir to be looked for, and a Ray Train
+        # restart before the first checkpoint starts from scratch on the same logdir.
+        self._writer.write_event(Event(step=start_step + 1 if start_step else 0,
+                                       wall_time=time.time(),
+                                       session_log=SessionLog(status=SessionLog.START)))
+        self._writer.flush()
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         from tensorboardX import summary
@@ -151,7 +158,7 @@ class TensorBoardTracker(Tracker):
         # A job killed between flushes would lose the end of its curve otherwise.
         self._writer.flush()
 
-    def _finish(self) -> None:
+    def _finish(self, failed: bool) -> None:
         self._writer.close()
 
 
@@ -225,14 +232,16 @@ class WandbTracker(Tracker):
             logger.warning("tracking: wandb log failed (%s); nothing more goes to wandb in this "
                            "run (metrics.jsonl keeps every step)", _why(exc))
 
-    def _finish(self) -> None:
+    def _finish(self, failed: bool) -> None:
         # finish() returns once wandb-core has handled the exit record, but the run's .wandb
         # log is flushed only when wandb-core closes the run's stream, which finish() does
         # not wait for (measured: 4 of 30 runs had only the 7-byte header on disk when it
         # returned). teardown() waits for the service process to exit, so the log is whole
         # before close() uploads it. A later run in this process starts a new service.
         # Either failing is a warning: close() still uploads what was written.
-        for what, call in (("finish", self._run.finish), ("teardown", self._wandb.teardown)):
+        # finish() with no exit code records 0: a run that died on NaN looked successful.
+        finish = functools.partial(self._run.finish, exit_code=1 if failed else 0)
+        for what, call in (("finish", finish), ("teardown", self._wandb.teardown)):
             try:
                 call()
             except Exception as exc:

@@ -237,6 +237,10 @@ def _trial(params: dict, *, base_tree: dict, base_plan: Plan, trials_uri: str,
     # validation/, the tracker's files and run name) is this trial's own: the trials
     # overwrote each other's preview images and shared one TensorBoard run.
     tree["output"]["uri"] = run_uri
+    # tracking.run_name set: every trial's wandb run had that one name. Unset, the name is
+    # output.uri's last part, the trial's already.
+    if tree["tracking"].get("run_name"):
+        tree["tracking"]["run_name"] = f"{tree['tracking']['run_name']}/{name}"
     trial_cfg = validate(tree)
     p = replan(trial_cfg, base_plan)
     store = trial_cfg.storage.client()

@@ -411,8 +411,8 @@ class _Reporter:
         step = run.state.global_step
         self._reported = (checkpoint_before(step, cfg.checkpoint.every_n_steps), step)
 
-    def close(self) -> None:
-        self.tracker.close()
+    def close(self, failed: bool = False) -> None:
+        self.tracker.close(failed)
 
     def save_compiled(self) -> None:
         """Rank 0 keeps what it compiled (train.compile_cache_uri) once it has something
@@ -685,6 +685,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     accelerator = _accelerator(cfg)
     restored, scratch = _restored(rank)
     epoch_batches = reporter = None
+    failed = False
     try:
         # The data stream starts before the model is loaded: its first batches (processes
         # started, shards read, images decoded) are on their way while the weights are.
@@ -716,13 +717,16 @@ def train_loop_per_worker(loop_config: dict) -> None:
                                             accelerator.device.type)
         state = run_loop(run, settings, hooks)
         _after_stop(reporter, state)
+    except BaseException:
+        failed = True  # the tracker's run ends failed (wandb recorded a NaN stop as a success)
+        raise
     finally:
         _remove_scratch(scratch)  # also when the data stream failed before the model was built
         if epoch_batches is not None:
             epoch_batches.close()  # ends the data stream's execution (it runs ahead)
         # Also when the loop stops on NaN/inf: what was logged so far is kept.
         if reporter is not None:
-            reporter.close()
+            reporter.close(failed)
 
 
 def _remove_scratch(scratch: str | None) -> None:

@@ -546,3 +546,96 @@ def test_training_tracks_the_step0_heldout_loss_and_resumes_its_tensorboard_run(
     assert [e.step for e in second if e.HasField("session_log")
             and e.session_log.status == SessionLog.START] == [3]
     assert [e.step for e in second for v in e.summary.value if v.tag == "loss"] == [3, 4]
+
+
+def test_a_failed_trainings_wandb_run_ends_failed(tmp_path, monkeypatch):
+    """close(failed=True) (the worker's loop raised: NaN steps, a lost peer) ends the wandb
+    run with exit code 1, as wandb marks a crashed script's run failed; a training that
+    ended normally exits 0. finish() with no code recorded 0 for both."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    tracking = TrackingSection(backend="wandb", wandb_mode="offline")
+    codes = {}
+    for name, failed in (("ok", False), ("nan", True)):
+        tracker = open_tracker(tracking, str(tmp_path / name), {})
+        tracker.log(1, {"loss": 1.0})
+        tracker.close(failed=failed)
+        (log_file,) = glob.glob(str(tmp_path / name / "tracking" / "wandb" / "offline-run-*" / "run-*.wandb"))
+        codes[name] = [r.exit.exit_code for r in read_wandb_log(log_file)
+                       if r.WhichOneof("record_type") == "exit"]
+    assert codes == {"ok": [0], "nan": [1]}
+
+
+def tensorboard_points(paths: list[str], tag: str) -> list[tuple[int, float]]:
+    """(step, value) of ``tag`` as TensorBoard's EventAccumulator (file_version 2) keeps
+    them: files in name order, every point kept (two at one step are both drawn), and a
+    SessionLog START at step s drops the points read so far at steps >= s."""
+    from tensorboardX.proto.event_pb2 import SessionLog
+
+    points = []
+    for path in sorted(paths):
+        for e in read_tfevents(path):
+            if e.HasField("session_log") and e.session_log.status == SessionLog.START:
+                points = [(s, v) for s, v in points if s < e.step]
+            points += [(e.step, v.simple_value) for v in e.summary.value if v.tag == tag]
+    return points
+
+
+def test_tensorboard_restart_from_scratch_replaces_the_first_attempts_points(tmp_path, monkeypatch):
+    """A run that fails before its first checkpoint is restarted by Ray Train from step 0
+    on the same logdir: the second attempt's file starts with a SessionLog START at step 0,
+    so TensorBoard draws its points alone (the two attempts' steps were interleaved), and
+    both files stay even when the two starts fall in one second (the name's time is whole
+    seconds; the second file truncated the first)."""
+    from types import SimpleNamespace
+
+    from tensorboardX import event_file_writer
+    from tensorboardX.proto.event_pb2 import SessionLog
+
+    # The event file's name takes its time from here: both starts in the same second.
+    monkeypatch.setattr(event_file_writer, "time", SimpleNamespace(time=lambda: 1_800_000_000.25))
+    out = tmp_path / "out"
+    for last, value in ((6, 1.0), (8, 2.0)):  # the base eval at step 0, then steps
+        tracker = open_tracker(TrackingSection(backend="tensorboard"), str(out), {}, start_step=0)
+        for step in range(last + 1):
+            tracker.log(step, {"loss": value})
+        tracker.close()
+    paths = sorted(glob.glob(str(out / "tracking" / "tensorboard" / "events.out.tfevents.*")))
+    assert len(paths) == 2
+    assert all(os.path.basename(p).startswith("events.out.tfevents.1800000000.") for p in paths)
+    assert [tensorboard_points([p], "loss") for p in paths] == [
+        [(s, 1.0) for s in range(7)], [(s, 2.0) for s in range(9)]]  # in the order written
+    starts = [[e.step for e in read_tfevents(p)
+               if e.HasField("session_log") and e.session_log.status == SessionLog.START]
+              for p in paths]
+    assert starts == [[0], [0]]
+    assert tensorboard_points(paths, "loss") == [(s, 2.0) for s in range(9)]
+
+
+def test_a_preview_pipeline_loads_without_diffusers_bar_unless_verbose(tiny_model, monkeypatch,
+                                                                       capsys):
+    """build_pipeline (every validation preview) printed diffusers' "Loading pipeline
+    components" bar, quiet or not: the bar is diffusers' process-wide switch, and it was
+    turned off for the pipeline after loading it. --verbose (RAYLORA_VERBOSE) keeps it."""
+    from diffusers import UNet2DConditionModel
+    from diffusers.utils import logging as dlog
+
+    from raylora.model.families.sd import SD
+    from raylora.quiet import VERBOSE_ENV
+    from raylora.train import preview as pv
+
+    unet = UNet2DConditionModel.from_pretrained(tiny_model, subfolder="unet")
+    was = dlog.is_progress_bar_enabled()
+    try:
+        printed = {}
+        for verbose in (False, True):
+            if verbose:
+                monkeypatch.setenv(VERBOSE_ENV, "1")
+            else:
+                monkeypatch.delenv(VERBOSE_ENV, raising=False)
+            dlog.enable_progress_bar()  # as a fresh worker process has it
+            capsys.readouterr()
+            pv.build_pipeline(tiny_model, SD, unet)
+            printed[verbose] = "Loading pipeline components" in capsys.readouterr().err
+    finally:
+        (dlog.enable_progress_bar if was else dlog.disable_progress_bar)()
+    assert printed == {False: False, True: True}

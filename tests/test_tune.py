@@ -980,3 +980,52 @@ def test_a_search_keeps_every_aws_credential_out_of_its_trials_env_vars(monkeypa
     env = remote._default_options["runtime_env"]["env_vars"]
     assert not [k for k in env if k.startswith("AWS_")], env
     assert set(ENV_VARS_TO_PROPAGATE) == before and "AWS_SECURITY_TOKEN" in before
+
+
+def test_each_trials_tracker_run_is_named_after_the_trial(tmp_path, monkeypatch):
+    """With tracking.run_name set, each trial's wandb run is `{run_name}/trial_<id>`: every
+    trial's run had the one name, and the search's runs could not be told apart. Unset,
+    it is the trial's own name, as before (the last part of its output.uri)."""
+    import glob
+    from types import SimpleNamespace
+
+    import ray.tune
+    import ray.tune.integration.ray_train
+
+    from raylora import tune as rt
+    from raylora.track import open_tracker
+    from test_track import read_wandb_log
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    trial_id = [None]
+    monkeypatch.setattr(ray.tune.integration.ray_train, "TuneReportCallback", lambda: None)
+    monkeypatch.setattr(ray.tune, "get_context",
+                        lambda: SimpleNamespace(get_trial_id=lambda: trial_id[0]))
+    monkeypatch.setattr(rt, "replan", lambda cfg, plan: plan)
+    names = {}
+
+    class Trainer:
+        def __init__(self, cfg):
+            self.cfg = cfg
+
+        def fit(self):  # the tracker the trial's rank-0 worker opens (worker._Reporter)
+            out = self.cfg.output.uri
+            open_tracker(self.cfg.tracking, out, {}).close()
+            (log,) = glob.glob(f"{out}/tracking/wandb/offline-run-*/run-*.wandb")
+            run = next(r.run for r in read_wandb_log(log) if r.WhichOneof("record_type") == "run")
+            names[self.cfg.tracking.run_name, trial_id[0]] = run.display_name
+            return SimpleNamespace(metrics={})
+
+    monkeypatch.setattr(rt, "build_trainer", lambda cfg, p, uri, name, **kw: Trainer(cfg))
+    for run_name, trials in (("lr-sweep", ("a_00000", "a_00001")), (None, ("b_00000",))):
+        out = tmp_path / str(run_name)
+        base = validate({"model": {"pretrained": "m"}, "data": {"uri": "d"},
+                         "output": {"uri": str(out)},
+                         "tracking": {"backend": "wandb", "wandb_mode": "offline",
+                                      "run_name": run_name}}).to_dict()
+        for trial_id[0] in trials:
+            rt._trial({"train.learning_rate": 1e-4}, base_tree=base, base_plan=None,
+                      trials_uri=str(out / "tune" / "trials"))
+    assert names == {("lr-sweep/trial_a_00000", "a_00000"): "lr-sweep/trial_a_00000",
+                     ("lr-sweep/trial_a_00001", "a_00001"): "lr-sweep/trial_a_00001",
+                     (None, "b_00000"): "trial_b_00000"}

@@ -16,6 +16,7 @@ from contextlib import nullcontext
 import torch
 from PIL import Image
 
+from raylora import quiet
 from raylora.train.modes import evaluating
 
 
@@ -74,6 +75,8 @@ def build_pipeline(model_path: str, family, model, vae=None, text_encoders=(), t
     extra = {}
     if "safety_checker" in family.pipeline_class()._optional_components:
         extra = {"safety_checker": None, "requires_safety_checker": False}
+    # Before the load: its "Loading pipeline components" bar printed at every preview.
+    quiet.diffusers_bars_off()
     pipe = family.load_pipeline(model_path, dtype=dtype, revision=revision, **kw, **extra)
     pipe.set_progress_bar_config(disable=True)
     return with_prediction_type(pipe, prediction_type).to(device)

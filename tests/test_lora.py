@@ -193,3 +193,26 @@ def test_an_overridden_prediction_type_is_what_previews_sample_and_the_card_samp
             in _usage(cfg, SD, "0123abcd"))
     local = validate({"model": {"pretrained": "/models/sd"}, "data": {"uri": "d"}, "output": {"uri": "o"}})
     assert "revision" not in _usage(local, SD, "v-2026-12-06")  # a stored folder's version
+
+
+def test_an_fp16_preview_decodes_with_the_fp32_vae_in_fp32(tiny_model):
+    """Under fp16 the run keeps a force_upcast VAE (SDXL's) in fp32 because its activations
+    overflow fp16; the preview's autocast ran its convs in fp16 anyway (NaN, black
+    previews on GPUs). The denoiser still runs under the autocast; bf16 is left to it."""
+    import torch
+
+    from raylora.train import preview as pv
+
+    unet = UNet2DConditionModel.from_pretrained(tiny_model, subfolder="unet")
+    pipe = pv.build_pipeline(tiny_model, SD, unet)
+    seen = {}
+    hooks = [pipe.vae.decoder.conv_out.register_forward_hook(
+                 lambda m, i, o: seen.__setitem__("vae", o.dtype)),
+             unet.conv_in.register_forward_hook(lambda m, i, o: seen.__setitem__("unet", o.dtype))]
+    for dtype, vae in ((torch.float16, torch.float32), (torch.bfloat16, torch.bfloat16)):
+        (image,) = pv.render(pipe, SD, ["a red circle"], 0, 2, SD.guidance_kwargs(), 32,
+                             autocast=lambda: torch.autocast("cpu", dtype=dtype))
+        assert seen == {"unet": dtype, "vae": vae} and image.size == (32, 32)
+    for h in hooks:
+        h.remove()
+    assert "decode" not in pipe.vae.__dict__  # the class's method again after the render

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import gc
 import math
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
+from collections.abc import Iterator
 
 import torch
 from PIL import Image
@@ -126,7 +127,7 @@ def render(pipe, family, prompts: list[str], seed: int, steps: int, guidance: di
     (none: text to image)."""
     # every module of the pipeline, the text encoders a run trains included: their LoRA
     # dropout on would make the same weights draw another picture at each preview
-    with evaluating([denoiser_of(pipe), *pipe.components.values()]):
+    with evaluating([denoiser_of(pipe), *pipe.components.values()]), fp32_vae_in_fp32(pipe):
         images = []
         for i, prompt in enumerate(prompts):
             with autocast() if autocast is not None else nullcontext():
@@ -139,6 +140,47 @@ def render(pipe, family, prompts: list[str], seed: int, steps: int, guidance: di
                     generator=torch.Generator().manual_seed(seed + i),
                 )[0])
         return images
+
+
+@contextmanager
+def fp32_vae_in_fp32(pipe) -> Iterator[None]:
+    """A VAE held in fp32 encodes and decodes in fp32 under an fp16 autocast. The run keeps
+    a ``force_upcast`` VAE (SDXL's) in fp32 under fp16, and the pipeline upcasts one to
+    decode, because in fp16 its activations overflow; but autocast runs every conv in
+    fp16 whatever the weights' dtype, so fp16 previews came out NaN (black). bf16 has the
+    range: left to autocast."""
+    vae = getattr(pipe, "vae", None)
+    if vae is None or not hasattr(vae, "decode"):
+        yield
+        return
+    names = [n for n in ("encode", "decode") if hasattr(vae, n)]
+    own = {n: vae.__dict__[n] for n in names if n in vae.__dict__}  # set on the instance
+
+    def fp32(a):
+        return a.float() if torch.is_tensor(a) and a.is_floating_point() else a
+
+    def outside(call):
+        def run(*args, **kwargs):
+            weight = next(vae.parameters())
+            kind = weight.device.type
+            if weight.dtype == torch.float32 and torch.is_autocast_enabled(kind) \
+                    and torch.get_autocast_dtype(kind) == torch.float16:
+                # the latents come in the denoiser's fp16: fp32 convs need fp32 inputs
+                with torch.autocast(kind, enabled=False):
+                    return call(*map(fp32, args), **{k: fp32(v) for k, v in kwargs.items()})
+            return call(*args, **kwargs)
+        return run
+
+    for name in names:
+        setattr(vae, name, outside(getattr(vae, name)))
+    try:
+        yield
+    finally:
+        for name in names:
+            if name in own:
+                setattr(vae, name, own[name])
+            else:
+                delattr(vae, name)  # the class's method again
 
 
 def free_memory() -> None:

@@ -103,12 +103,34 @@ def _heldout_batch(spec: WorkerSpec) -> dict[str, torch.Tensor]:
     if isinstance(heldout, dict):
         from raylora.data.cache import from_column
 
-        return {k: from_column(v) for k, v in heldout.items()}
-    # Buckets or not: one square size (the largest resolution), so they batch together.
-    pre = Preprocess(StageSpec(**_stage_kwargs("heldout", spec)))
-    batch = pre({k: np.array([r.get(k) for r in heldout], dtype=object)
-                 for k in ("image", "text", *control_names(spec.config.data))})
-    return {k: torch.from_numpy(v) for k, v in batch.items()}
+        batch = {k: from_column(v) for k, v in heldout.items()}
+    else:
+        # Buckets or not: one square size (the largest resolution), so they batch together.
+        pre = Preprocess(StageSpec(**_stage_kwargs("heldout", spec)))
+        batch = {k: torch.from_numpy(v) for k, v in pre(
+            {k: np.array([r.get(k) for r in heldout], dtype=object)
+             for k in ("image", "text", *control_names(spec.config.data))}).items()}
+    _check_heldout_kept(spec, next(iter(batch.values())).shape[0])
+    return batch
+
+
+def _check_heldout_kept(spec: WorkerSpec, kept: int) -> None:
+    """The driver read only rows the held-out stage keeps (raylora.data.split), and the
+    model card reports that many as evaluated: a row dropped here (a node whose decoders
+    differ) would make that count wrong, or leave nothing to score. Refused, naming them."""
+    from raylora.data.split import heldout_row_problem
+
+    read = spec.plan.heldout_rows
+    if kept == read:
+        return
+    d = spec.config.data
+    key = "data.validation_uri" if d.validation_uri is not None else "data.validation_split"
+    rows = spec.plan.heldout if isinstance(spec.plan.heldout, list) else []  # cached: columns
+    bad = [f"row {i}: {problem}" for i, r in enumerate(rows)
+           if (problem := heldout_row_problem(r, d))]
+    raise ValueError(f"{key}: {read - kept} of the {read} held-out rows read on the driver "
+                     f"could not be decoded on this worker ({'; '.join(bad) or 'see the logs'}); "
+                     "replace them")
 
 
 def _heldout_evaluator(spec: WorkerSpec, run, rank: int, world: int):

@@ -368,3 +368,106 @@ def test_an_error_a_restart_would_repeat_ends_the_run_and_reaches_the_cli_as_its
         assert _repeated(ended) is cause
     other = ray.train.ControllerError(RuntimeError("the controller failed"))
     assert _repeated(other) is other
+
+
+def heldout_folder(path, captions: list, corrupt: tuple = ()) -> str:
+    """A validation folder: one parquet of 64 px squares, one per caption (``corrupt``:
+    the indices whose image is cut in half)."""
+    os.makedirs(path, exist_ok=True)
+    images = [png(rgb(64, 20 + i)) for i in range(len(captions))]
+    images = [b[: len(b) // 2] if i in corrupt else b for i, b in enumerate(images)]
+    pq.write_table(pa.table({"image": pa.array(images, pa.binary()),
+                             "text": pa.array(captions, pa.string())}), f"{path}/v.parquet")
+    return str(path)
+
+
+def test_heldout_rows_are_the_first_usable_ones_and_all_are_evaluated(base_config, tmp_path):
+    """The driver reads the first data.validation_max_samples rows the held-out stage
+    keeps: a blank caption or a corrupt image does not take a slot, the plan's count (what
+    the model card and raylora.json say were evaluated) is what the worker's batch holds."""
+    from dataclasses import replace
+
+    from raylora import worker
+    from raylora.entry import WorkerSpec
+    from raylora.launch import plan, resolve_paths
+
+    held = heldout_folder(tmp_path / "held", ["a square 0", "", "a square 2", "  ", "a square 4",
+                                              "a square 5"], corrupt=(2,))
+    for most, texts in ((2, ["a square 0", "a square 4"]), (64, ["a square 0", "a square 4",
+                                                                 "a square 5"])):
+        cfg = resolve_paths(validate({**base_config, "data": {
+            **base_config["data"], "validation_uri": held, "validation_max_samples": most,
+            "caption_dropout": 0.1}}))  # dropout keeps blank training captions, not held-out
+        p = plan(cfg)
+        assert p.heldout_rows == len(texts) and [r["text"] for r in p.heldout] == texts
+        batch = worker._heldout_batch(WorkerSpec(cfg, p))
+        assert batch["pixel_values"].shape == (len(texts), 3, 64, 64)
+        assert batch["input_ids"].shape[0] == len(texts)
+    # A row the worker's stage drops after all (a node whose decoders differ): refused, named
+    blank = {"image": p.heldout[0]["image"], "text": " "}
+    with pytest.raises(ValueError) as exc:
+        worker._heldout_batch(WorkerSpec(cfg, replace(p, heldout=[*p.heldout, blank],
+                                                      heldout_rows=4)))
+    assert str(exc.value) == ("data.validation_uri: 1 of the 4 held-out rows read on the driver "
+                              "could not be decoded on this worker (row 3: missing_caption); "
+                              "replace them")
+
+
+def test_no_usable_heldout_row_is_refused_before_ray_naming_the_key(base_config, tmp_path):
+    from raylora.config import ConfigError
+    from raylora.data.plan import plan_data
+    from raylora.data.split import read_heldout_rows
+    from raylora.launch import plan, resolve_paths
+    from raylora.storage import Storage
+
+    held = heldout_folder(tmp_path / "blank", ["", " ", "a square 2"], corrupt=(2,))
+    cfg = resolve_paths(validate({**base_config, "data": {**base_config["data"],
+                                                          "validation_uri": held}}))
+    with pytest.raises(ConfigError) as exc:
+        plan(cfg)
+    assert exc.value.problems == [
+        f"data.validation_uri: {held}: none of the 3 held-out rows is usable (missing_caption=2, "
+        f"corrupt_image=1; e.g. {held}/v.parquet#0: missing_caption; {held}/v.parquet#2: "
+        "corrupt_image: image file is truncated): there is nothing to evaluate. Caption the "
+        "held-out images (data.caption_column, or the caption files): a held-out row is scored "
+        "with its caption, never a blank one. Check that the images were copied whole."]
+    # data.validation_split: the held-out rows of the training files, judged the same way
+    data = validate({**base_config, "data": {"uri": held, "resolution": 64}}).data
+    store = Storage()
+    with pytest.raises(ValueError, match=r": none of the 3 held-out rows is usable \("):
+        read_heldout_rows(data, plan_data(data, store), store, 1.0)
+
+
+def test_cached_and_uncached_heldout_stages_score_the_same_rows(base_config, tmp_path):
+    """The latent cache encodes the held-out rows with the uncached workers' stage: with
+    data.caption_dropout a blank held-out caption is dropped on both paths (it once was
+    the empty prompt when cached), so both score the same rows to the same loss."""
+    import torch
+
+    from raylora import worker
+    from raylora.data.cache import _encode_rows_task, from_column
+    from raylora.data.preprocess import Preprocess, StageSpec
+    from raylora.entry import WorkerSpec
+    from raylora.launch import plan, resolve_paths
+    from raylora.model.load import load_components
+    from raylora.train.evaluate import heldout_loss, prepare_heldout
+    from raylora.train.setup import frozen_parts
+
+    held = heldout_folder(tmp_path / "held", ["a square 0", "", "a square 2", " ", "a square 4"])
+    cfg = resolve_paths(validate({**base_config, "data": {
+        **base_config["data"], "validation_uri": held, "caption_dropout": 0.1}}))
+    p = plan(cfg)
+    # every row as read, blank ones too: the stages themselves decide
+    rows = [{"image": r["image"], "text": r["text"]}
+            for r in pq.read_table(f"{held}/v.parquet").to_pylist()]
+    stage = Preprocess(StageSpec(**worker._stage_kwargs("heldout", WorkerSpec(cfg, p))))
+    uncached = {k: torch.from_numpy(v) for k, v in stage(
+        {k: np.array([r[k] for r in rows], dtype=object) for k in ("image", "text")}).items()}
+    encoded, _ = _encode_rows_task(cfg.to_dict(), p.family, p.model_path, {"heldout": rows}, [])
+    cached = {k: from_column(v) for k, v in encoded["heldout"].items()}
+    assert uncached["pixel_values"].shape[0] == cached["latent_params"].shape[0] == 3
+    comps = load_components(cfg.model, torch.float32)
+    parts = frozen_parts(cfg, comps, "cpu", torch.float32)
+    losses = [heldout_loss(comps.denoiser, prepare_heldout(parts, b, 4, 0), torch.float32)
+              for b in (uncached, cached)]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)

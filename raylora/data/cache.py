@@ -630,10 +630,14 @@ def _encode_rows_task(cfg_dict: dict, family: str, model_path: str, sets: dict[s
 
     cfg = RayLoraConfig.model_validate(cfg_dict)
     store = cfg.storage.client()
-    base, enc = _stage_kwargs(cfg, model_path, family, store)
+    _, enc = _stage_kwargs(cfg, model_path, family, store)
     # One load of the encoders for every set and the captions (no VAE for captions alone)
     encoder = EncodeStage(**enc, vae=any(sets.values()))
-    heldout = dict(base, buckets=None, masks=False)
+    # The uncached workers' held-out stage, not the cache's: that one keeps a blank
+    # caption for dropout, so a cached run scored rows an uncached one drops.
+    heldout = stage_kwargs("heldout", cfg.data, model_path=model_path, family=family,
+                           storage=store, max_sequence_length=cfg.model.max_sequence_length,
+                           revision=cfg.model.revision, system_prompt=cfg.model.system_prompt)
     encoded, stage = {}, Preprocess(StageSpec(**heldout))
     for purpose, rows in sets.items():
         if not rows:

@@ -196,7 +196,10 @@ def stage_kwargs(purpose: str, data, *, model_path: str, family: str, storage,
       and masks as training (random crops, flips and tag shuffling are refused with a
       cache: raylora.data.cache); captions encoded as read, blank ones kept for dropout
       as the family's empty prompt (dropout is drawn per step at training);
-    - ``heldout`` (the evaluation batch): centre crop, no flip, one square size, no masks;
+    - ``heldout`` (the evaluation batch, uncached and encoded for the latent cache alike):
+      centre crop, no flip, one square size, no masks; captions as written, a blank one a
+      ``missing_caption`` row whatever the dropout, so every run and trial scores the same
+      rows (the driver reads only rows this stage keeps: raylora.data.split);
     - ``class`` (prior preservation): the configured crop and flip; class prompts as
       given (no dropout or prefixes); masks when the instance rows have them, so the two
       halves of a batch have the same columns (buckets are refused with prior).

@@ -59,6 +59,12 @@ def test_each_bad_kind_gets_its_reason():
     with pytest.raises(BadRecord, match=r"^empty_image: no bytes, only the path 'x.png'$"):
         open_image({"bytes": None, "path": "x.png"}, 50_000)
     assert reason(good[: len(good) // 2]) == "corrupt_image"  # truncated
+    # damaged where PIL reads the header (an interrupted download): Image.open itself
+    # raised OSError ("could not create decoder object", "Truncated File Read"), which
+    # escaped the stage and stopped the run naming no file
+    webp, jpeg = png(rgb(), "WEBP"), png(rgb(), "JPEG")
+    for cut in (webp[:len(webp) // 2], webp[:40], jpeg[:200]):
+        assert reason(cut) == "corrupt_image"
     assert reason(png(rgb(300))) == "too_many_pixels"  # 90 000 px > 50 000
     assert reason(png(rgb(16))) == "too_small"
     assert reason(good, None) == "missing_caption"

@@ -76,6 +76,11 @@ def open_image(value: Any, max_pixels: int) -> Image.Image:
         raise BadRecord("not_an_image", f"no image format PIL reads starts {bytes(value[:8])!r}") from None
     except (SyntaxError, ValueError) as exc:
         raise BadRecord("not_an_image", str(exc)) from None
+    except (OSError, EOFError) as exc:
+        # a format PIL knows, damaged in its header (a truncated WebP's "could not create
+        # decoder object", a JPEG cut inside its header's "Truncated File Read"): it
+        # escaped the stage and stopped the run, naming no file
+        raise BadRecord("corrupt_image", str(exc)) from None
     w, h = img.size
     if w * h > max_pixels:
         raise BadRecord("too_many_pixels", f"{w}x{h} > data.max_image_pixels={max_pixels}")

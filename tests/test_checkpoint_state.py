@@ -479,3 +479,32 @@ def test_refusals_while_restoring_are_not_retried_by_ray_train():
     # an elastic run's data position that another size cannot continue exactly
     assert str(refusal(lambda: LoopState(batches_in_epoch=3, world_size=2, batch_size=1).resize(4))
                ).startswith("scaling.num_workers: the checkpoint's data position")
+
+
+def test_a_rerun_writing_out_the_default_target_modules_is_the_same_lora(tmp_path):
+    """lora.target_modules: null trained the family's default list; a rerun that writes
+    that list out (in any order) resumes it, where it was refused as another LoRA."""
+    from raylora.checkpoint.recorded import check_latest
+    from raylora.checkpoint.state import trained_settings
+    from raylora.config import validate
+    from raylora.storage import Storage
+
+    def cfg(targets):
+        return validate({"model": {"pretrained": "m"}, "data": {"uri": "d"}, "output": {"uri": "o"},
+                         "lora": {"target_modules": targets}})
+
+    was = trained_settings(cfg(None), "sd")
+    run = tmp_path / "train"
+    ckpt = run / "checkpoint_a"
+    ckpt.mkdir(parents=True)
+    save_rank_state(str(ckpt), rank=0)
+    save_main_state(str(ckpt), lora_sd={"w": torch.ones(2)}, optimizer_sd={}, scheduler_sd={},
+                    scaler_sd=None, loop=LoopState(global_step=2, world_size=1), trained=was)
+    (run / "checkpoint_manager_snapshot.json").write_text(json.dumps({
+        "latest_checkpoint_result": {"checkpoint_dir_name": "checkpoint_a"}}))
+    written = trained_settings(cfg(["to_q", "to_k", "to_v", "to_out.0"]), "sd")
+    assert check_latest(Storage(), str(run), trained=written) == str(ckpt)
+    with pytest.raises(ValueError, match=r'^lora.target_modules: this run has lora.target_modules='
+                                         r'\["to_q"\], but the checkpoint .* trained '
+                                         r'lora.target_modules=null;'):
+        check_latest(Storage(), str(run), trained=trained_settings(cfg(["to_q"]), "sd"))

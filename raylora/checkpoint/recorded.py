@@ -124,7 +124,9 @@ def check_latest(store, run_uri: str, trained: dict | None = None) -> str | None
         # it recorded more than model.expert
         was = {k if "." in k else f"model.{k}": v for k, v in (recorded.get("trained") or {}).items()}
         now = {k: v for k, v in (trained or {}).items() if k not in CHECKED}
-        changed = [k for k in now if k in was and not _same(k, now[k], was[k])]
+        family = now.get("model.family") or was.get("model.family")
+        changed = [k for k in now if k in was
+                   and not _same(k, _resolved(k, now[k], family), _resolved(k, was[k], family))]
         for k in (k for k in changed if k in NOTED):
             log.warning("%s: this run has %s, but the checkpoint this output.uri resumes from "
                         "(%s) was trained with %s; resuming (%s)", k, _shown(now[k]), uri,
@@ -170,6 +172,24 @@ def _unresumable(now: dict, present: dict, metrics, uri: str) -> list[str]:
             f"checkpoint this output.uri resumes from ({uri}) is at step {step}; raise it to "
             f"continue that run (each checkpoint's adapter/ folder holds that step's adapter){end}")
     return problems
+
+
+def _resolved(key: str, value, family: str | None):
+    """``lora.target_modules: null`` as the family's default list, so a rerun that writes
+    the default out is the same LoRA (it was refused as another). Not for a family whose
+    default depends on the denoiser (names by block index): left null, compared as is."""
+    if key != "lora.target_modules" or value is not None or not family:
+        return value
+    from raylora.model import families
+    from raylora.model.families.base import Family
+
+    try:
+        fam = families.get(family)
+    except (KeyError, ValueError):
+        return value
+    if fam.default_lora_targets.__func__ is not Family.default_lora_targets.__func__:
+        return value
+    return list(fam.lora_targets)
 
 
 def _same(key: str, a, b) -> bool:

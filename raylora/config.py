@@ -1285,9 +1285,14 @@ def _cross_checks(cfg: RayLoraConfig) -> list[str]:
     d = cfg.data
     problems += _data_checks(d)
     problems += _bucket_checks(d, cfg.scaling.max_workers, cfg.train.compile)
-    if cfg.train.compile_cache_uri and cfg.train.compile == "none":
-        problems.append("train.compile_cache_uri: set, but train.compile is none (nothing is "
-                        "compiled to keep); drop one of them")
+    if cfg.train.compile_cache_uri and cfg.compile_mode == "none":
+        # auto resolves to none too (it wrote nothing to the cache, and said nothing)
+        why = ("is none" if cfg.train.compile == "none" else
+               f"auto compiles nothing for this run ({_auto_eager_reason(cfg)})")
+        problems.append(f"train.compile_cache_uri: set, but train.compile {why}: nothing is "
+                        "compiled to keep; drop one of them"
+                        + ("" if cfg.train.compile == "none" else
+                           ", or set train.compile: regional"))
     problems += _prior_checks(d)
     problems += _control_checks(cfg)
     problems += _unread_checks(cfg)
@@ -1537,6 +1542,17 @@ def _data_checks(d: DataSection) -> list[str]:
                                 "shuffling)")
                 break
     return problems
+
+
+def _auto_eager_reason(cfg: RayLoraConfig) -> str:
+    """Why ``train.compile: auto`` is eager for ``cfg`` (``RayLoraConfig.compile_mode``)."""
+    if not cfg.scaling.use_gpu:
+        return "scaling.use_gpu is false"
+    if cfg.scaling.strategy != "ddp":
+        return f"scaling.strategy {cfg.scaling.strategy}"
+    if cfg.data.bucketing:
+        return "data.bucketing"
+    return f"lora.variant {cfg.lora.variant}"
 
 
 def _schedule_checks(t) -> list[str]:

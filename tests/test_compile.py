@@ -434,3 +434,14 @@ def test_a_missing_or_unreadable_entry_means_a_cold_compile_a_bad_key_an_error(
     with pytest.raises(ConfigError, match="train.compile_cache_uri: set, but train.compile is none"):
         validate({"model": {"pretrained": "x"}, "data": {"uri": "d"}, "output": {"uri": "o"},
                   "train": {"compile": "none", "compile_cache_uri": "s3://b/cc"}})
+    # auto that resolves to eager (CPU; a DoRA run on GPU) kept nothing, without a word
+    for scaling, lora, why in (({}, {}, "scaling.use_gpu is false"),
+                               ({"use_gpu": True}, {"variant": "dora"}, "lora.variant dora")):
+        with pytest.raises(ConfigError) as exc:
+            validate({"model": {"pretrained": "x"}, "data": {"uri": "d"}, "output": {"uri": "o"},
+                      "scaling": scaling, "lora": lora, "train": {"compile_cache_uri": "s3://b/cc"}})
+        assert exc.value.problems == [
+            f"train.compile_cache_uri: set, but train.compile auto compiles nothing for this run "
+            f"({why}): nothing is compiled to keep; drop one of them, or set train.compile: regional"]
+    validate({"model": {"pretrained": "x"}, "data": {"uri": "d"}, "output": {"uri": "o"},
+              "scaling": {"use_gpu": True}, "train": {"compile_cache_uri": "s3://b/cc"}})

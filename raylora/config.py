@@ -165,7 +165,9 @@ class ModelSection(_Section):
         "(bitsandbytes 4-bit NormalFloat, ~0.52 bytes/weight), int8 (bitsandbytes LLM.int8, ~1 "
         "byte), fp8 (float8_e4m3 weights with per-row scales, ~1 byte; GPU only), none. LoRA "
         "trains on top in full precision; the adapter is a normal one that the unquantized "
-        "pipeline loads. Convolutions, norms and embeddings stay in the training dtype.",
+        "pipeline loads. Every nn.Linear (AdaLN modulation and timestep/patch embedders too, not "
+        "a model's _keep_in_fp32_modules); convolutions, norms and nn.Embedding stay in the "
+        "training dtype.",
     )
     quantize_text_encoders: Literal[QUANTIZE_KINDS] = Field(  # type: ignore[valid-type]
         "none",

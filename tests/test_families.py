@@ -112,6 +112,11 @@ def test_the_model_card_names_the_optimizer_and_the_settings_it_read():
             "eps 1e-30/0.001) |") in relative
     assert "betas" not in relative and "learning rate (scale_lr)" not in relative
     assert "| learning rate | Adafactor's own relative step size |" in relative
+    assert "base quantized" not in adamw
+    cfg = validate({"model": {"pretrained": "/m", "quantize": "nf4"}, "data": {"uri": "d"},
+                    "output": {"uri": "o"}})
+    assert ("| base quantized while training (model.quantize, quantize_text_encoders) | nf4, none |"
+            in model_card(cfg, {}, {"family": "sd"}))
     prodigy = card(optimizer="prodigy", learning_rate=1.0, prodigy={"d_coef": 0.5})
     assert "| optimizer | prodigy (d_coef 0.5, d0 1e-06," in prodigy
     assert "| learning rate (scale_lr) | 1 (False) |" in prodigy and "| betas, weight" in prodigy

@@ -247,6 +247,16 @@ def _text_encoder_row(cfg: RayLoraConfig, family) -> str:
             f"{', '.join(lo.text_encoder_target_modules)}, learning rate {lr:g} |\n")
 
 
+def _quantized_row(cfg: RayLoraConfig) -> str:
+    """A quantized base (QLoRA): the adapter learned on its rounded weights, which the
+    stock pipeline it is loaded into does not have."""
+    m = cfg.model
+    if m.quantize == "none" and m.quantize_text_encoders == "none":
+        return ""
+    return (f"| base quantized while training (model.quantize, quantize_text_encoders) | "
+            f"{m.quantize}, {m.quantize_text_encoders} |\n")
+
+
 def _optimizer_rows(t) -> str:
     """The optimizer and the settings it read: AdamW's for the AdamW kinds and Prodigy
     (which takes train.adam_*), train.adafactor.* for Adafactor, whose relative_step mode
@@ -317,7 +327,7 @@ precision `{t.mixed_precision}`).
 {f"| base model {_commit_label(cfg)} | {data['model_commit']} |{chr(10)}" if data.get("model_commit") else ""}| adapter variant | {lo.variant}{f" (factor {lo.factor}, decompose_both {lo.decompose_both})" if lo.variant == "lokr" else ""} |
 | LoRA rank / alpha / dropout | {lo.rank} / {lo.effective_alpha:g} / {lo.dropout:g} |
 {f"| started from (lora.init_from) | {data.get('init_from') or lo.init_from} |{chr(10)}" if lo.init_from else ""}| target modules | {", ".join(targets)} |
-{_text_encoder_row(cfg, family)}{_optimizer_rows(t)}| batch per worker × accumulation × workers | {t.batch_size} × {t.gradient_accumulation_steps} × {cfg.scaling.max_workers}{f" (elastic {_workers(cfg.scaling)}: the same global batch {cfg.global_batch()} at every size)" if cfg.scaling.elastic else ""} |
+{_text_encoder_row(cfg, family)}{_quantized_row(cfg)}{_optimizer_rows(t)}| batch per worker × accumulation × workers | {t.batch_size} × {t.gradient_accumulation_steps} × {cfg.scaling.max_workers}{f" (elastic {_workers(cfg.scaling)}: the same global batch {cfg.global_batch()} at every size)" if cfg.scaling.elastic else ""} |
 | max grad norm | {t.max_grad_norm:g} |
 | resolution, center crop, random flip | {cfg.data.resolution}{f" (aspect buckets, step {cfg.data.bucket_step})" if cfg.data.bucketing else ""}, {cfg.data.center_crop}, {cfg.data.random_flip} |
 | seed | {t.seed} |

@@ -54,8 +54,8 @@ def build_optimizer(cfg: RayLoraConfig, params, world_size: int,
     adam = dict(lr=lr, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.adam_weight_decay,
                 eps=t.adam_epsilon)
     if t.optimizer in ("adamw8bit", "paged_adamw8bit"):
-        # Optimizer state in 8 bits: ~75% less optimizer memory. bitsandbytes >= 0.45 runs
-        # the 8-bit update on CPU too; the paged variant needs CUDA unified memory.
+        # Optimizer state in 8 bits: ~75% less optimizer memory. bitsandbytes >= 0.50 runs
+        # the 8-bit update on CPU too (0.45-0.49: "same GPU" errors; pyproject's pin); the paged variant needs CUDA unified memory.
         import bitsandbytes as bnb
 
         if t.optimizer == "paged_adamw8bit":

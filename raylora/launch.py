@@ -608,6 +608,62 @@ def _elastic_arithmetic(cfg: RayLoraConfig, model_path: str, data, heldout: list
     )
 
 
+def steps_to_epochs_end(num_epochs: int, epoch_micro: int, accumulation: int, world: int,
+                        batch_size: int, at: dict) -> int:
+    """Optimizer steps a run resumed from a checkpoint at ``at`` (its loop state: ``epoch``,
+    ``batches_in_epoch`` per worker, and the ``world_size`` and ``batch_size`` they were
+    counted in) takes to the end of epoch ``num_epochs - 1`` on ``world`` workers of
+    ``batch_size``, ``epoch_micro`` micro-batches each per epoch, ``accumulation`` per step.
+    Negative: the checkpoint is that many whole steps past it.
+
+    The checkpoint's step counts steps of its own size: planned from step 0 at the new one,
+    a run stopped after 6 of 16 steps on 1 worker and resumed on 2 (8 an epoch) stopped at
+    step 8 with 12 of the epoch's 32 rows untrained, and 2 → 1 ran 4 steps into epoch 1.
+    Its position in the epoch carries over in rows, rounded down to the new micro-batches
+    (``LoopState.resize``), and a position past the new epoch's end skips the rest of it
+    (the loop), as here."""
+    old_w, old_b = at.get("world_size") or world, at.get("batch_size") or batch_size
+    done = min(at["batches_in_epoch"] * old_w * old_b // (world * batch_size), epoch_micro)
+    left = (num_epochs - at["epoch"]) * epoch_micro - done
+    return -(-left // accumulation)  # an accumulation group runs on past an epoch's end
+
+
+def resumed_plan(cfg: RayLoraConfig, p: Plan) -> Plan:
+    """``p`` for a run that resumes this output.uri's latest checkpoint: with
+    train.num_epochs, its ``max_steps`` are the checkpoint's step and the steps to the
+    end of the last epoch from where it stopped (``steps_to_epochs_end``), whatever
+    number of workers or batch size wrote it. ConfigError, before Ray starts, when the
+    checkpoint is past that end. Read from Ray's record of the checkpoint (its metrics
+    hold the loop state), which ``_latest_checkpoint`` then checks whole."""
+    from raylora.checkpoint.recorded import _snapshot
+
+    t, s = cfg.train, cfg.scaling
+    if t.max_steps:  # the run's length, whatever the checkpoint's position
+        return p
+    snap = _snapshot(cfg.storage.client(), storage.join(cfg.output.uri, TRAIN_RUN_NAME))
+    try:
+        at = snap["latest_checkpoint_result"]["metrics"]
+    except (KeyError, TypeError):
+        return p  # no checkpoint (or Ray's record unreadable: left to Ray)
+    if not isinstance(at, dict) or not all(isinstance(at.get(k), int)
+                                           for k in ("global_step", "epoch", "batches_in_epoch")):
+        return p  # a checkpoint whose record lacks its loop state
+    # Elastic: counted at max workers, whose steps are every size's (the global batch).
+    epoch_micro = p.batches_per_epoch or p.rows_per_worker // t.batch_size
+    left = steps_to_epochs_end(t.num_epochs, epoch_micro, t.gradient_accumulation_steps,
+                               s.max_workers, t.batch_size, at)
+    step = at["global_step"]
+    if left < 0:
+        raise ConfigError([
+            f"train.num_epochs: this run trains {t.num_epochs} epoch(s), but the checkpoint "
+            f"this output.uri resumes from (step {step}, epoch {at['epoch']}, on "
+            f"{at.get('world_size') or s.max_workers} worker(s) of train.batch_size "
+            f"{at.get('batch_size') or t.batch_size}) is {-left} step(s) past their end; raise "
+            "it to continue that run, or give this one its own output.uri"])
+    _check_warmup(cfg, step + left)
+    return replace(p, max_steps=step + left)
+
+
 def _check_warmup(cfg: RayLoraConfig, steps: int) -> None:
     """The warmup against the steps planned from train.num_epochs (config.warmup_problems;
     validate checks a train.max_steps)."""
@@ -791,31 +847,91 @@ def fit_worker_cpus(nodes: list[dict], s, want: int, data_cpus: tuple[float, flo
     ])
 
 
-def check_cluster_fits(cfg: RayLoraConfig, num_workers: int | None = None) -> RayLoraConfig:
-    """Fail before anything starts when the training workers can never all be placed on
-    the cluster's nodes, or would leave Ray Data no CPU (Ray would otherwise wait for
-    resources forever). Returns ``cfg``, with ``scaling.cpus_per_worker`` lowered where
-    that is what lets the run go (``fit_worker_cpus``)."""
-    import ray
+def fit_elastic_workers(nodes: list[dict], s, data_cpus: Callable[[int], tuple[float, float]]
+                        ) -> tuple[float, int]:
+    """An elastic run's ``(CPUs per worker, most workers)`` on a cluster of ``nodes``;
+    ``data_cpus(n)``: what Ray Data needs beside ``n`` workers (``source.data_stage_cpus``).
 
+    Ray Train starts an elastic run with as many workers as the nodes hold, up to max, and
+    knows nothing of the data stage: fitted for min only, a 2-CPU cluster took 2 of
+    [1, 3] workers of 1 CPU, Ray Data got none and no step came (a hang, no error). So:
+    the request where what Ray Train places leaves the data stage its CPUs (a node that
+    joins later still grows the run); else the most workers that fit, each asking for
+    what ``fit_worker_cpus`` gives them, capped there when Ray Train would place more
+    (then a node that joins later adds none). ConfigError, as ``fit_worker_cpus`` words
+    it for min, when not even min fits."""
+    lo, hi = s.min_workers, s.max_workers
+    cpus = sum(r.get("CPU", 0) for r in nodes)
+
+    def feeds(cpw: float) -> bool:  # what Ray Train places at cpw leaves the data stage room
+        placed = min(hi, _placeable(nodes, s, cpw))
+        return placed >= lo and cpus - placed * cpw >= data_cpus(placed)[0] - 1e-9
+
+    if feeds(s.cpus_per_worker):
+        return s.cpus_per_worker, hi
+    for n in range(hi, lo - 1, -1):
+        try:
+            cpw = fit_worker_cpus(nodes, s, n, data_cpus(n))
+        except ConfigError:
+            if n > lo:
+                continue
+            raise  # not even min fits: why, naming the keys
+        return cpw, hi if feeds(cpw) else n
+
+
+def fitted_to(cfg: RayLoraConfig, nodes: list[dict], num_workers: int | None = None) -> RayLoraConfig:
+    """``cfg`` fitted to a cluster of ``nodes`` (their Ray resources): ``check_cluster_fits``
+    without Ray. ``num_workers``: that many workers (lr-find's 1), elastic or not."""
     from raylora.data.source import data_stage_cpus
 
     s = cfg.scaling
-    if s.autoscaling:
-        return cfg
-    # An elastic run starts with what the cluster holds: at least its minimum.
-    want = s.min_workers if num_workers is None else num_workers
-    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-    cpw = fit_worker_cpus(nodes, s, want, data_stage_cpus(cfg.data, want))
-    if cpw == s.cpus_per_worker:
-        return cfg
     cpus = sum(r.get("CPU", 0) for r in nodes)
-    log.warning(
-        "scaling.cpus_per_worker: %g → %g: %d worker(s) of %g CPU would leave Ray Data "
-        "none of the cluster's %g CPUs for reading and preprocessing (the run would wait "
-        "forever); give the cluster more CPUs to keep the request",
-        s.cpus_per_worker, cpw, want, s.cpus_per_worker, cpus)
-    return cfg.model_copy(update={"scaling": s.model_copy(update={"cpus_per_worker": cpw})})
+    most = s.max_workers
+    if s.elastic and num_workers is None:
+        cpw, most = fit_elastic_workers(nodes, s, lambda n: data_stage_cpus(cfg.data, n))
+        want = most
+    else:
+        want = s.min_workers if num_workers is None else num_workers
+        cpw = fit_worker_cpus(nodes, s, want, data_stage_cpus(cfg.data, want))
+    if cpw != s.cpus_per_worker:
+        log.warning(
+            "scaling.cpus_per_worker: %g → %g: %d worker(s) of %g CPU would leave Ray Data "
+            "none of the cluster's %g CPUs for reading and preprocessing (the run would wait "
+            "forever); give the cluster more CPUs to keep the request",
+            s.cpus_per_worker, cpw, want, s.cpus_per_worker, cpus)
+    update = {"scaling": s.model_copy(update={"cpus_per_worker": cpw})}
+    if most < s.max_workers:
+        t = cfg.train
+        # The same global batch at the new max (config.at_world: accumulation × max / n
+        # divides for every n in the range, validate checked).
+        accum = t.gradient_accumulation_steps * s.max_workers // most
+        log.warning(
+            "scaling.num_workers: [%d, %d] → [%d, %d]: Ray Train would start %d workers of %g "
+            "CPU on the cluster's %g CPUs, leaving Ray Data's read/preprocess tasks too little "
+            "to run (the run would wait forever); train.gradient_accumulation_steps %d → %d "
+            "keeps the global batch (%d). A node that joins later adds no worker: give the "
+            "cluster more CPUs, or set scaling.autoscaling: true if it grows on demand",
+            s.min_workers, s.max_workers, s.min_workers, most,
+            min(s.max_workers, _placeable(nodes, s, cpw)), cpw, cpus,
+            t.gradient_accumulation_steps, accum, cfg.global_batch())
+        update["scaling"] = update["scaling"].model_copy(update={"num_workers": (s.min_workers, most)})
+        update["train"] = t.model_copy(update={"gradient_accumulation_steps": accum})
+    if cpw == s.cpus_per_worker and most == s.max_workers:
+        return cfg
+    return cfg.model_copy(update=update)
+
+
+def check_cluster_fits(cfg: RayLoraConfig, num_workers: int | None = None) -> RayLoraConfig:
+    """Fail before anything starts when the training workers can never all be placed on
+    the cluster's nodes, or would leave Ray Data no CPU (Ray would otherwise wait for
+    resources forever). Returns ``cfg``, with ``scaling.cpus_per_worker`` lowered, or an
+    elastic run's max workers capped, where that is what lets the run go (``fitted_to``)."""
+    import ray
+
+    if cfg.scaling.autoscaling:
+        return cfg
+    return fitted_to(cfg, [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")],
+                     num_workers)
 
 
 def _process_setup_hook(secrets: dict[str, str]):
@@ -1006,7 +1122,12 @@ def _latest_checkpoint(cfg: RayLoraConfig, p: Plan) -> str | None:
     return latest
 
 
-TRAIN = Setup(need_cpus=_train_cpus, resume=_latest_checkpoint)  # `raylora train`
+def _train_plan(cfg: RayLoraConfig) -> Plan:
+    return resumed_plan(cfg, plan(cfg))
+
+
+# `raylora train`
+TRAIN = Setup(need_cpus=_train_cpus, make_plan=_train_plan, resume=_latest_checkpoint)
 
 
 def run(cfg: RayLoraConfig) -> dict:

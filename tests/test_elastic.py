@@ -465,3 +465,131 @@ def test_an_elastic_run_grows_when_a_node_joins_and_shrinks_when_it_is_lost(
     print(f"elastic: grown after step {grown_at}, node drained after step {drained_at}, "
           f"preemption checkpoint at step {noticed_at} ({step_s:.2f} s a step, deadline "
           f"{deadline_s} s), sizes {seen}, {time.monotonic() - t0:.0f} s")
+
+
+# --- the cluster's CPUs: what Ray Train places must leave Ray Data room (no Ray) ----------
+
+def _fit_on(monkeypatch, cpus: list[float], **sections):
+    """``launch.check_cluster_fits`` on nodes of ``cpus`` CPUs (ray.nodes() stubbed: no Ray)."""
+    import ray
+
+    from raylora.launch import check_cluster_fits
+
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": c}} for c in cpus])
+    return check_cluster_fits(validate(_tree(**sections)))
+
+
+def _ray_train_leaves_data_room(cfg, cpus: list[float]) -> bool:
+    """What Ray Train's elastic policy starts (as many workers as the nodes hold, up to max:
+    ElasticScalingPolicy._count_possible_workers) leaves Ray Data what it cannot stream without."""
+    from raylora.data.source import data_stage_cpus
+
+    s = cfg.scaling
+    placed = min(s.max_workers, sum(int(c / s.cpus_per_worker + 1e-9) for c in cpus))
+    return sum(cpus) - placed * s.cpus_per_worker >= data_stage_cpus(cfg.data, placed)[0] - 1e-9
+
+
+def test_an_elastic_run_starts_no_more_workers_than_its_data_stage_can_feed(monkeypatch, caplog):
+    """[1, 3] on a 2-CPU cluster (data.sharding files: each worker's data stage needs a CPU):
+    fitted for min only, Ray Train placed 2 workers of 1 CPU and Ray Data never ran (a hang,
+    no step in 5 minutes). Now the run is capped at the one worker that leaves its data a
+    CPU, the global batch kept; a cluster whose layout feeds its data keeps the request (and
+    can grow when a node joins); one that fits max by asking less per worker asks less."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="raylora"):
+        small = _fit_on(monkeypatch, [2], scaling={"num_workers": [1, 3]},
+                        train={"gradient_accumulation_steps": 2})
+    assert small.scaling.num_workers == (1, 1) and small.scaling.cpus_per_worker == 1.0
+    assert small.train.gradient_accumulation_steps == 6 and small.global_batch() == 2 * 2 * 3
+    assert small.at_world(1).train.gradient_accumulation_steps == 6  # as [1, 3] at 1 worker
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "scaling.num_workers: [1, 3] → [1, 1]: Ray Train would start 2 workers of 1 CPU" in said
+    assert "train.gradient_accumulation_steps 2 → 6 keeps the global batch (12)" in said
+    # The integration test's head: one worker of 2 CPUs and a CPU for its data; unchanged.
+    head = validate(_tree(scaling={"num_workers": [1, 2], "cpus_per_worker": 2}))
+    assert _fit_on(monkeypatch, [3], scaling={"num_workers": [1, 2], "cpus_per_worker": 2}) == head
+    # 4 workers of 2 CPUs fill 8 CPUs; of 1 CPU each they leave 4 for their data.
+    big = _fit_on(monkeypatch, [8], scaling={"num_workers": [1, 4], "cpus_per_worker": 2},
+                  train={"gradient_accumulation_steps": 3})
+    assert (big.scaling.num_workers, big.scaling.cpus_per_worker) == ((1, 4), 1.0)
+    # (accumulations that split every size's global batch evenly: config._elastic_checks)
+    for cpus, workers, accum in [([2], [1, 3], 2), ([3], [1, 3], 2), ([4, 2], [1, 6], 10),
+                                 ([5], [2, 4], 3), ([3], [1, 2], 1), ([16], [1, 4], 3)]:
+        asked = {"scaling": {"num_workers": workers}, "train": {"gradient_accumulation_steps": accum}}
+        fitted = _fit_on(monkeypatch, cpus, **asked)
+        assert _ray_train_leaves_data_room(fitted, cpus), (cpus, workers, fitted.scaling)
+        assert fitted.global_batch() == validate(_tree(**asked)).global_batch()
+    # Not even min fits: refused as a fixed run of min workers is, naming the keys.
+    with pytest.raises(ConfigError, match=r"scaling.cpus_per_worker: the cluster's 2 CPUs cannot "
+                                          r"hold 2 training worker\(s\)"):
+        _fit_on(monkeypatch, [2], scaling={"num_workers": [2, 3]}, train={"gradient_accumulation_steps": 2})
+    # A cluster that grows on demand is not judged by the nodes it has now.
+    grows = {"scaling": {"num_workers": [1, 3], "autoscaling": True},
+             "train": {"gradient_accumulation_steps": 2}}
+    assert _fit_on(monkeypatch, [2], **grows).scaling.num_workers == (1, 3)
+
+
+# --- train.num_epochs after a resume on another size (no Ray) -----------------------------
+
+def test_the_steps_left_to_the_last_epoch_count_the_checkpoint_in_rows():
+    """A checkpoint's step counts steps of the size that wrote it: planned from step 0 at
+    the new size, 6 of 16 steps on 1 worker resumed on 2 stopped at step 8 (20 of the 32
+    rows trained), and 4 of 8 on 2 resumed on 1 ran to step 16, 4 steps into epoch 1."""
+    from raylora.launch import steps_to_epochs_end as left
+
+    def at(epoch, batches, world, batch=2):
+        return {"epoch": epoch, "batches_in_epoch": batches, "world_size": world, "batch_size": batch}
+
+    # 32 rows, batch 2: 8 micro-batches per worker an epoch on 2 workers, 16 on 1.
+    assert left(1, 8, 1, 2, 2, at(0, 6, 1)) == 5  # 12 rows trained, 20 left: step 11
+    assert left(1, 16, 1, 1, 2, at(0, 4, 2)) == 8  # 16 trained, 16 left: step 12
+    assert left(2, 16, 1, 1, 2, at(0, 4, 2)) == 8 + 16
+    assert left(1, 8, 1, 1, 4, at(0, 4, 1)) == 6  # train.batch_size 2 → 4: 8 rows in
+    # The same size: what the fresh plan counts (7 micro-batches, accumulation 4, 4 epochs:
+    # 7 steps, an accumulation group running on across each epoch's end); after step 2
+    # (8 micro-batches: epoch 1, 1 in) 5 are left.
+    assert left(4, 7, 4, 1, 2, at(1, 1, 1)) == 5 and left(4, 7, 4, 1, 2, at(0, 0, 1)) == 7
+    # Finished: its last group ran 1 micro-batch into epoch 1; nothing left, nothing refused.
+    assert left(1, 7, 4, 1, 2, at(1, 1, 1)) == 0
+    # A position past the new epoch's end skips the rest of it (the loop): 0 left, not -1.
+    assert left(1, 7, 1, 2, 2, at(0, 16, 1)) == 0
+    # A checkpoint at the end of epoch 1 with num_epochs 1: 8 steps past it (refused).
+    assert left(1, 8, 1, 2, 2, at(1, 8, 2)) == -8
+
+
+def _record_checkpoint(out, metrics: dict) -> None:
+    """Ray Train's record of a run's latest checkpoint under ``{out}/train``, as a
+    resumed ``raylora train`` reads it before Ray starts."""
+    from raylora.checkpoint.recorded import SNAPSHOT
+
+    run = out / "train"
+    (run / "checkpoint_x").mkdir(parents=True)
+    (run / "checkpoint_x" / "adapter_model.safetensors").write_bytes(b"0")
+    (run / SNAPSHOT).write_text(json.dumps({"checkpoint_results": [], "latest_checkpoint_result": {
+        "checkpoint_dir_name": "checkpoint_x", "metrics": {"step": metrics["global_step"], **metrics}}}))
+
+
+def test_a_resume_on_another_size_plans_to_the_end_of_the_last_epoch(tiny_model, demo_data, tmp_path):
+    """What ``raylora train`` plans before Ray starts (launch.checked), resuming with
+    train.num_epochs: 1 on 2 workers a checkpoint written on 1 after 6 steps: 5 steps more
+    (step 11), not 8 in all; a checkpoint past the epochs' end is refused there, naming the key."""
+    from raylora.launch import TRAIN, checked
+
+    def tree(out, **train):
+        return validate({"model": {"pretrained": tiny_model},
+                         "data": {"uri": demo_data, "resolution": 64, "center_crop": True},
+                         "train": {"batch_size": 2, "num_epochs": 1, **train},
+                         "scaling": {"num_workers": 2}, "output": {"uri": str(out)}})
+
+    assert checked(tree(tmp_path / "fresh"), TRAIN).plan.max_steps == 8
+    state = {"global_step": 6, "epoch": 0, "batches_in_epoch": 6, "world_size": 1, "batch_size": 2}
+    _record_checkpoint(tmp_path / "a", state)
+    run = checked(tree(tmp_path / "a"), TRAIN)
+    assert run.resume and run.plan.max_steps == 11
+    assert checked(tree(tmp_path / "a", max_steps=9), TRAIN).plan.max_steps == 9  # as asked
+    _record_checkpoint(tmp_path / "b", {**state, "global_step": 40, "epoch": 2, "batches_in_epoch": 8})
+    with pytest.raises(ConfigError, match=r"train.num_epochs: this run trains 1 epoch\(s\), but the "
+                                          r"checkpoint .*\(step 40, epoch 2, on 1 worker\(s\) of "
+                                          r"train.batch_size 2\) is 12 step\(s\) past their end"):
+        checked(tree(tmp_path / "b"), TRAIN)

@@ -307,3 +307,29 @@ def test_sample_command_renders_with_adapter(first_run, tiny_model, tmp_path):
 
     img = Image.open(out)
     assert img.size == (64, 64) and img.mode == "RGB"
+
+
+def test_num_epochs_resumed_on_more_workers_ends_at_the_epochs_end(ray_local, tiny_model, demo_data, tmp_path):
+    """train.num_epochs: 1 over 32 rows, stopped after 6 steps on 1 worker (12 rows), then
+    resumed on 2: 5 steps of 4 rows more, to step 11, where the epoch ends. Planned from
+    step 0 at 2 workers it stopped at step 8, 12 of the epoch's rows untrained."""
+    from raylora.launch import run
+
+    tree = {
+        "model": {"pretrained": tiny_model},
+        "data": {"uri": demo_data, "resolution": 64, "center_crop": True},
+        "train": {"batch_size": 2, "max_steps": 6, "learning_rate": 1e-3},  # a stop at step 6
+        "scaling": {"num_workers": 1},
+        "checkpoint": {"every_n_steps": 6},
+        "output": {"uri": str(tmp_path / "out")},
+    }
+    run(validate(tree))
+    tree["train"] = {"batch_size": 2, "num_epochs": 1, "learning_rate": 1e-3}
+    tree["scaling"] = {"num_workers": 2}
+    m = run(validate(tree))["metrics"]
+    assert (m["resumed_from_step"], m["steps"], m["images_seen"]) == (6, 11, 32)
+    rows = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
+    assert [(r["step"], r["epoch"], r["world_size"]) for r in rows] == (
+        [(s, 0, 1) for s in range(1, 7)] + [(s, 0, 2) for s in range(7, 12)])
+    # Epoch 0's 32 rows, each once: 6 steps of 1 × 2, 5 of 2 × 2.
+    assert sum(r["world_size"] * 2 for r in rows) == 32

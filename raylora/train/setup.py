@@ -182,7 +182,9 @@ def _restore(cfg: RayLoraConfig, accelerator, restored, optimizer, lr_scheduler,
         raise ResumeRefused(
             f"scaling.strategy: the checkpoint to resume from was written with "
             f"scaling.strategy={written}; resume with it, or start a new output.uri")
-    if restored.loop.global_step > max_steps:  # the driver checks train.max_steps only
+    # The driver refuses both before Ray starts (recorded.check_latest, launch.resumed_plan):
+    # this is a checkpoint it did not read.
+    if restored.loop.global_step > max_steps:
         key = "train.max_steps" if cfg.train.max_steps else "train.num_epochs"
         raise ResumeRefused(
             f"{key}: this run trains {max_steps} steps, but the checkpoint to resume from is at "

@@ -1172,6 +1172,14 @@ def _exported_again(pre: Prepared) -> dict | None:
     metrics = finished_metrics(store, checkpoints, p.max_steps)
     if metrics is None:
         return None
+    if changed := _changed_since_export(cfg, store):
+        raise ConfigError([
+            f"{', '.join(changed)}: this output.uri's run finished at step {p.max_steps} "
+            f"trained with {', '.join(f'{k}={json.dumps(v[0])}' for k, v in changed.items())}; "
+            f"this run has {', '.join(f'{k}={json.dumps(v[1])}' for k, v in changed.items())}, "
+            "and exporting again would publish those weights under these settings. Set them "
+            "back to export it again, raise train.max_steps to train on, or give this run its "
+            "own output.uri"])
     log.info("%s: this output.uri's run finished at step %d; exporting that checkpoint again "
              "(nothing to train)", pre.resume, p.max_steps)
     if storage.is_local(pre.resume):
@@ -1182,6 +1190,42 @@ def _exported_again(pre: Prepared) -> dict | None:
             summary = export_run(d, cfg, metrics, p.to_dict())
     return {**summary, "checkpoints": checkpoints, "rows_decoded": None,
             **({"buckets": p.bucket_summary()} if p.bucket_steps is not None else {})}
+
+
+# Keys a finished run may be exported again with another value of: where and how it is
+# published, tracked and run, not what trained the weights (the step count is checked by
+# finished_metrics; a moved model by check_latest's warning).
+_EXPORT_ONLY = ("output.", "export.", "tracking.", "checkpoint.", "failure.", "validation.",
+                "storage.", "scaling.", "tune.", "train.max_steps", "train.num_epochs",
+                "train.log_every_n_steps", "train.log_every_n_seconds",
+                "train.readback_every_n_steps", "train.record_samples", "train.compile",
+                "train.compile_cache_uri", "train.sdpa_backend", "train.cuda_graphs",
+                "model.pretrained", "model.revision")
+
+
+def _changed_since_export(cfg: RayLoraConfig, store) -> dict[str, tuple]:
+    """Training settings of ``cfg`` other than those the finished run's exported adapter
+    recorded (its raylora.json): key → (then, now). A rerun of a finished run with another
+    learning rate or data re-published the old weights under a card and raylora.json
+    naming the new values. {} when nothing was exported yet (nothing to compare)."""
+    from raylora.checkpoint.export import RUN_META
+    from raylora.checkpoint.state import ADAPTER_DIR
+
+    uri = storage.join(cfg.output.uri, ADAPTER_DIR, RUN_META)
+    try:
+        then = json.loads(store.read_bytes(uri)).get("config") or {}
+    except (OSError, ValueError):
+        return {}
+
+    def flat(tree: dict, at: str = "") -> dict:
+        out = {}
+        for k, v in tree.items():
+            out |= flat(v, f"{at}{k}.") if isinstance(v, dict) else {f"{at}{k}": v}
+        return out
+
+    old, new = flat(then), flat(cfg.to_dict())
+    return {k: (old[k], new[k]) for k in new
+            if k in old and old[k] != new[k] and not k.startswith(_EXPORT_ONLY)}
 
 
 def check_bad_records(cfg: RayLoraConfig, p: Plan) -> dict:

@@ -222,6 +222,21 @@ def test_a_finished_run_run_again_exports_its_final_checkpoint_without_ray(first
     assert (out / "adapter" / "pytorch_lora_weights.safetensors").read_bytes() == adapter
     meta = json.loads((out / "adapter" / "raylora.json").read_text())
     assert meta["metrics"]["steps"] == steps and isinstance(meta["metrics"]["steps"], int)
+    # Run again with another learning rate: the weights were not trained with it, so
+    # their card and raylora.json must not say so (they did); nothing is written.
+    from raylora.config import ConfigError
+
+    files = local_sizes(str(out))
+    with pytest.raises(ConfigError) as exc:
+        launch.run(validate({**tree, "train": {**tree["train"], "max_steps": steps,
+                                                "learning_rate": 5e-4},
+                             "output": {"uri": str(out)}}))
+    assert exc.value.problems == [
+        f"train.learning_rate: this output.uri's run finished at step {steps} trained with "
+        "train.learning_rate=0.001; this run has train.learning_rate=0.0005, and exporting "
+        "again would publish those weights under these settings. Set them back to export it "
+        "again, raise train.max_steps to train on, or give this run its own output.uri"]
+    assert local_sizes(str(out)) == files
 
 
 def test_a_stop_asked_on_the_last_step_lets_the_run_finish(ray_local, tiny_model, demo_data, tmp_path, caplog):

@@ -98,9 +98,11 @@ def _plan(args) -> int:
 
     cfg = resolve_paths(load_config(args.config, args.overrides))
     # a missing folder, a gated or unreachable hub repo: one line (the estimate reads it
-    # too, a hub repo at the commit read here)
+    # too, a hub repo at the commit read here). Not its weights: the plan reads configs
+    # only, and a folder of a big model's configs is how it is sized anywhere (README);
+    # `raylora train` checks them.
     info = check_model(cfg.model.pretrained, cfg.storage.client(), cfg.model.revision,
-                       cfg.model.variant)
+                       cfg.model.variant, weights=False)
     cfg = cfg.at_commit(info["commit"])
     # what `raylora train` refuses before Ray starts (README) of what plan reads: the
     # settings this model's family does not take, and lora.init_from
@@ -131,7 +133,8 @@ def _plan(args) -> int:
         print(f"search: {len(variants)} trial setting(s) with another estimate")
         for label, c in variants:
             est = memory.from_config(c)
-            vtext, vfits, _ = preflight.report(est, gpu, c)
+            # (advice sets no key of the search: a trial would override it)
+            vtext, vfits, _ = preflight.report(est, gpu, c, cfg.tune.search_space)
             said = {True: "fits", False: "does NOT fit", None: "not checked"}[vfits]
             print(f"  {label}: {size(est.peak)} per GPU, {said}")
             if vfits is False:

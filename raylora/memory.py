@@ -21,7 +21,10 @@ Meta tensors run no kernels, so two things a GPU does differently are imitated:
   function, with autocast's cache of the cast trainable weights; under bf16 the
   denoiser's GroupNorms outside it, in bf16, as training runs them (``train.groupnorm_fp32``);
 * SDPA: what the flash / memory-efficient kernels keep for backward (q, k, v, output and an
-  fp32 logsumexp), not the [L, L] attention matrix of the math path the meta device takes.
+  fp32 logsumexp), not the [L, L] attention matrix of the math path the meta device takes;
+  except where training runs that math path (``train.sdpa_backend: math``) or the plain
+  matmul-softmax processor (``model.attention: eager``), which keep that matrix too: then
+  the meta device's math path is measured as it is.
 
 Static bytes come from shapes: weights per component in the dtype they load in (quantized
 linears at their storage size), LoRA parameters (fp32; the run's ``lora`` section: variant,
@@ -709,13 +712,16 @@ def attach_lora(comps, rank: int, targets: Sequence[str] | None = None,
 
 def profile_step(comps, batch: dict[str, torch.Tensor], *, mixed_precision: str = "no",
                  gradient_checkpointing: bool = False, autocast_device: str = "cuda",
-                 groupnorm_fp32: bool = False) -> StepProfile:
+                 groupnorm_fp32: bool = False, fused_attention: bool = True) -> StepProfile:
     """Run one training step (``compute_loss`` + backward) of ``comps`` (LoRA attached, on
     the denoiser and maybe text encoders) on ``batch`` and measure its tensors' bytes.
     Meta components and batch: the GPU is imitated (``autocast_device``'s autocast policy,
     fused SDPA). Real ones (CPU): the same step and measurement under real
     ``torch.autocast``, which the tests compare against. ``groupnorm_fp32``: as
-    ``train.groupnorm_fp32`` (false: under bf16 the denoiser's GroupNorms run in bf16)."""
+    ``train.groupnorm_fp32`` (false: under bf16 the denoiser's GroupNorms run in bf16).
+    ``fused_attention`` (meta only): SDPA as the fused kernels keep it; false: SDPA's math
+    path, whose [B, heads, L, L] attention matrix is kept for backward (eager attention and
+    ``train.sdpa_backend: math`` keep the same)."""
     from raylora.train.setup import enable_gradient_checkpointing
 
     trained = [m for m in comps.text_encoders if any(p.requires_grad for p in m.parameters())]
@@ -729,7 +735,7 @@ def profile_step(comps, batch: dict[str, torch.Tensor], *, mixed_precision: str 
         meta = comps.denoiser.device.type == "meta"
         norms = groupnorms_in_weight_dtype(comps.denoiser, _MetaGroupNorm if meta else GroupNormInWeightDtype)
     try:
-        return _measure(comps, batch, mixed_precision, autocast_device)
+        return _measure(comps, batch, mixed_precision, autocast_device, fused_attention)
     finally:
         for m in norms:  # the components are cached: they can be profiled again without it
             m.__class__ = torch.nn.GroupNorm
@@ -739,7 +745,8 @@ def profile_step(comps, batch: dict[str, torch.Tensor], *, mixed_precision: str 
                 (getattr(m, "activation_checkpointing_disable", None) or m.gradient_checkpointing_disable)()
 
 
-def _measure(comps, batch, mixed_precision: str, autocast_device: str) -> StepProfile:
+def _measure(comps, batch, mixed_precision: str, autocast_device: str,
+             fused_attention: bool = True) -> StepProfile:
     from raylora.train.step import FrozenParts, compute_loss
 
     fam = comps.family
@@ -756,7 +763,7 @@ def _measure(comps, batch, mixed_precision: str, autocast_device: str) -> StepPr
     saved, live = _SavedBytes(static), _LiveBytes(static)
     mixed = mixed_precision != "no"
     if meta:
-        rules = _MetaStep(dtype, autocast_device if mixed else None, True, _longest(batch))
+        rules = _MetaStep(dtype, autocast_device if mixed else None, fused_attention, _longest(batch))
     else:
         rules = torch.autocast(comps.denoiser.device.type, dtype=dtype, enabled=mixed)
 
@@ -906,7 +913,8 @@ class Estimate:
                 f"{s.get('world_size')}, quantize {s.get('quantize')}, gradient checkpointing "
                 f"{'on' if s.get('gradient_checkpointing') else 'off'}, "
                 f"{'cached latents' if s.get('cached_latents') else 'VAE + text encoders on the worker'}"
-                f"{_inputs_words(s.get('control_images'))}")
+                f"{_inputs_words(s.get('control_images'))}"
+                f"{'' if s.get('fused_attention', True) else ', unfused attention ([L, L] kept)'}")
         rows = self.lines() + [("total per GPU", self.total)]
         after = []
         if self.preview:
@@ -937,9 +945,12 @@ class Estimate:
         options: list[tuple[list[str], dict, str]] = []
         world = a["world_size"]
         worlds = ([world] if a["strategy"] == "ddp" and world > 1 else []) + [w for w in (2, 4, 8) if w > world]
+        # FSDP shards a base it loads unquantized (raylora.config refuses it with a quantized
+        # one): from a quantized base, the change is both
+        plain = [] if a["quantize"] == "none" else ["model.quantize=none"]
         for w in worlds:
-            options.append((["scaling.strategy=fsdp"] + ([f"scaling.num_workers={w}"] if w != world else []),
-                            {"strategy": "fsdp", "world_size": w}, ""))
+            options.append((["scaling.strategy=fsdp"] + ([f"scaling.num_workers={w}"] if w != world else []) + plain,
+                            {"strategy": "fsdp", "world_size": w, **({"quantize": "none"} if plain else {})}, ""))
         if a["strategy"] == "fsdp" and not a["reshard_after_forward"]:
             options.append((["scaling.fsdp.reshard_after_forward=true"], {"reshard_after_forward": True}, ""))
         if a["quantize"] != "nf4":
@@ -1054,7 +1065,8 @@ def _profile(model_path: str, batch_size: int, resolution: int | tuple[int, int]
              lora_targets: tuple[str, ...] | None, mixed_precision: str, gradient_checkpointing: bool,
              cached_latents: bool, train_text_encoder: bool, max_sequence_length: int | None,
              autocast_device: str, groupnorm_fp32: bool = False,
-             control_images: int = 0, lora_options: tuple[tuple[str, Any], ...] = ()) -> StepProfile:
+             control_images: int = 0, lora_options: tuple[tuple[str, Any], ...] = (),
+             fused_attention: bool = True) -> StepProfile:
     """The step's profile; cached, since strategy, quantization and optimizer do not
     change it."""
     comps, _, _ = _components(model_path, mixed_precision, lora_rank, lora_targets, train_text_encoder,
@@ -1066,7 +1078,7 @@ def _profile(model_path: str, batch_size: int, resolution: int | tuple[int, int]
     run = comps if not cached_latents else replace(comps, vae=None, text_encoders=[])
     return profile_step(run, batch, mixed_precision=mixed_precision,
                         gradient_checkpointing=gradient_checkpointing, autocast_device=autocast_device,
-                        groupnorm_fp32=groupnorm_fp32)
+                        groupnorm_fp32=groupnorm_fp32, fused_attention=fused_attention)
 
 
 def estimate(model_path: str, *, batch_size: int = 1, resolution: int | tuple[int, int] = 1024,
@@ -1081,7 +1093,8 @@ def estimate(model_path: str, *, batch_size: int = 1, resolution: int | tuple[in
              previews: bool = False, control_images: int = 0, lora_variant: str = "lora",
              lora_dropout: float = 0.0, lora_factor: int = -1, lora_decompose_both: bool = False,
              text_encoder_targets: Sequence[str] | None = None, lora_init_from: bool = False,
-             reshard_after_forward: bool = True, gradient_accumulation_steps: int = 1) -> Estimate:
+             reshard_after_forward: bool = True, gradient_accumulation_steps: int = 1,
+             fused_attention: bool = True) -> Estimate:
     """Per-GPU bytes of one raylora training worker for the pipeline folder ``model_path``
     (configs only are read: a folder of ``model_index.json`` and ``config.json`` files is
     enough). ``batch_size``: per worker and micro-step. ``strategy``/``world_size``: ddp or
@@ -1098,7 +1111,10 @@ def estimate(model_path: str, *, batch_size: int = 1, resolution: int | tuple[in
     (``lora_init_from``: whether the adapter starts from one, so that none of its tensors
     starts at zero). ``reshard_after_forward``: ``scaling.fsdp``'s.
     ``gradient_accumulation_steps``: as ``train``'s (more than one micro-step per optimizer
-    step keeps FSDP's gradients unsharded between them)."""
+    step keeps FSDP's gradients unsharded between them). ``fused_attention``: the
+    denoiser's attention runs a fused SDPA kernel (flash, memory-efficient, cuDNN); false:
+    one that keeps the [L, L] attention matrix (model.attention eager, train.sdpa_backend
+    math)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy: {strategy!r} is not one of {', '.join(STRATEGIES)}")
     for key, kind in (("quantize", quantize), ("quantize_text_encoders", quantize_text_encoders)):
@@ -1118,7 +1134,7 @@ def estimate(model_path: str, *, batch_size: int = 1, resolution: int | tuple[in
                 lora_variant=lora_variant, lora_dropout=lora_dropout, lora_factor=lora_factor,
                 lora_decompose_both=lora_decompose_both, text_encoder_targets=text_encoder_targets,
                 lora_init_from=lora_init_from, reshard_after_forward=reshard_after_forward,
-                gradient_accumulation_steps=gradient_accumulation_steps)
+                gradient_accumulation_steps=gradient_accumulation_steps, fused_attention=fused_attention)
     targets = tuple(lora_targets) if lora_targets else None
     # the adapter as the worker builds it: the variant sets its parameters (LoHa two pairs,
     # LoKr Kronecker factors, DoRA a magnitude) and activations (DoRA's second base matmul),
@@ -1131,7 +1147,7 @@ def estimate(model_path: str, *, batch_size: int = 1, resolution: int | tuple[in
                                            train_text_encoder, options)
     prof = _profile(model_path, batch_size * samples_per_row, resolution, lora_rank, targets, mixed_precision,
                     gradient_checkpointing, cached_latents, train_text_encoder,
-                    max_sequence_length, device, groupnorm_fp32, control_images, options)
+                    max_sequence_length, device, groupnorm_fp32, control_images, options, fused_attention)
     fam = comps.family
     dtype = MIXED_PRECISION[mixed_precision]
     fsdp = strategy == "fsdp"
@@ -1188,7 +1204,14 @@ def estimate(model_path: str, *, batch_size: int = 1, resolution: int | tuple[in
                                                     for e in comps.text_encoders)
     if device == "cuda":
         est.overhead = CUDA_OVERHEAD_BYTES + (NCCL_BYTES if world_size > 1 else 0)
-    est.settings = {**args, "family": fam.name, "denoiser": fam.denoiser, "args": args}
+    from raylora.train.objective import scheduler_objective_kind
+
+    # what the family's own checks of a changed config need (preflight.config_accepts:
+    # advice names no change that `raylora train` refuses for this model)
+    vae_config = _read_json(model_path, "vae", "config.json") or dict(comps.vae.config)
+    est.settings = {**args, "family": fam.name, "denoiser": fam.denoiser, "args": args,
+                    "grid": fam.vae_factor(vae_config) * fam.patch,
+                    "objective": scheduler_objective_kind(comps.scheduler_config)}
     return est
 
 
@@ -1221,7 +1244,11 @@ def config_args(cfg) -> dict:
         text_encoder_targets=tuple(lo.text_encoder_target_modules) if lo.train_text_encoder else None,
         lora_init_from=lo.init_from is not None,
         reshard_after_forward=s.fsdp.reshard_after_forward,
-        gradient_accumulation_steps=t.gradient_accumulation_steps, **optimizer_args(t))
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        # eager attention and SDPA's math kernel keep each layer's [L, L] attention matrix
+        # for backward; the other kernels (default and auto pick flash, memory-efficient or
+        # cuDNN where they run) keep q, k, v, the output and a logsumexp
+        fused_attention=m.attention == "sdpa" and t.sdpa_backend != "math", **optimizer_args(t))
 
 
 def from_config(cfg, **changes) -> Estimate:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from raylora.config import ConfigError, RayLoraConfig
@@ -107,27 +108,48 @@ def _cluster_gpu() -> GpuSize:
     return GpuSize(KNOWN_GPU_MIB[small] / 1024, f"detected: {small} (Ray accelerator_type)")
 
 
-def config_accepts(cfg: RayLoraConfig):
+def config_accepts(cfg: RayLoraConfig, settings: dict | None = None, searched: Iterable[str] = ()):
     """``overrides → bool``: whether ``cfg`` with these ``key=value`` overrides validates
-    (the memory advice names no change the config would then refuse)."""
+    and, with ``settings`` (an estimate's: the model's family, latent grid and native
+    objective), passes the family's checks that `raylora train` runs before Ray
+    (``launch.family_problems``): the memory advice names no change that would then be
+    refused. ``searched``: keys a Tune search sets per trial (and ``cfg.tune``'s), for
+    which a fixed value is no advice; an override of one is refused."""
     from raylora.config import apply_overrides, validate
 
     tree = cfg.to_dict()
+    searched = set(searched) | set(cfg.tune.search_space if cfg.tune is not None else ())
+    family = None
+    if settings and settings.get("grid"):
+        from raylora.model import families
+
+        family = families.get(settings["family"])
+
+    def overlaps(key: str) -> bool:  # the key, or a section holding it, or a key under it
+        return any(key == k or key.startswith(k + ".") or k.startswith(key + ".") for k in searched)
 
     def accepts(overrides: list[str]) -> bool:
+        if any(overlaps(o.split("=", 1)[0].strip()) for o in overrides):
+            return False
         try:
-            validate(apply_overrides(tree, overrides))
+            changed = validate(apply_overrides(tree, overrides))
         except ConfigError:
             return False
-        return True
+        if family is None:
+            return True
+        from raylora.launch import family_problems
+
+        return not family_problems(changed, family, settings["grid"], settings["objective"])
 
     return accepts
 
 
-def report(est, gpu: GpuSize, cfg: RayLoraConfig | None = None) -> tuple[str, bool | None, list[str]]:
+def report(est, gpu: GpuSize, cfg: RayLoraConfig | None = None,
+           searched: Iterable[str] = ()) -> tuple[str, bool | None, list[str]]:
     """(text, fits, advice): the estimate table, the GPU and whether it fits (None: no GPU
     size known), and the changes that would fit, each re-estimated (with ``cfg``, the run's
-    config: only changes it accepts)."""
+    config: only changes it accepts, ``config_accepts``; ``searched``: a Tune search's keys,
+    which no advice sets)."""
     from raylora.memory import size
 
     lines = [est.table()]
@@ -139,26 +161,56 @@ def report(est, gpu: GpuSize, cfg: RayLoraConfig | None = None) -> tuple[str, bo
     if fits:
         lines.append(head + f"fits, {size(gpu.gib * GIB - est.peak)} to spare")
         return "\n".join(lines), True, []
-    advice = est.advice(gpu.gib, None if cfg is None else config_accepts(cfg))
+    accepts = None if cfg is None else config_accepts(cfg, est.settings, searched)
+    advice = est.advice(gpu.gib, accepts)
     lines.append(head + f"does NOT fit ({size(est.peak)} needed)")
     if advice:
         lines.append("These would fit (each re-estimated; key=value, as overrides or in the YAML):")
         lines += [f"  {a}" for a in advice]
     else:
-        # each lever this config accepts on its own (fsdp with an 8-bit optimizer or a
-        # quantized base is refused: it was named all the same)
-        accepts = None if cfg is None else config_accepts(cfg)
-        levers = [text for override, text in (
-            ("scaling.strategy=fsdp", "scaling.strategy=fsdp with more scaling.num_workers"),
-            ("model.quantize=nf4", "model.quantize=nf4"),
-            ("train.gradient_checkpointing=true", "train.gradient_checkpointing=true"),
-            (None, "a smaller train.batch_size"),
-            ("data.cache=latents", "data.cache=latents"))
-            if override is None or accepts is None or accepts([override])]
-        lines.append("No single change, nor a pair, fits. Try more of these together (not every "
-                     f"pair combines: fsdp takes no model.quantize): {', '.join(levers)}; or a "
-                     "larger GPU.")
+        levers = _levers(est, accepts)
+        takes = accepts or (lambda overrides: True)
+        # Advice tried each lever alone and in pairs (FSDP up to 8 workers): what is left is
+        # more workers, or three or more levers the config takes together.
+        more = any(o[0].startswith("scaling.") for o, _ in levers) or any(
+            takes(levers[i][0] + levers[j][0] + levers[k][0])
+            for i in range(len(levers)) for j in range(i + 1, len(levers)) for k in range(j + 1, len(levers)))
+        if not more:
+            lines.append("No single change, nor a pair, fits, and the config has no other "
+                         "setting that lowers the estimate: a larger GPU.")
+        else:
+            # the pairs the config refuses together (fsdp takes no quantized base)
+            clash = [f"{' '.join(o1)} with {' '.join(o2)}" for i, (o1, _) in enumerate(levers)
+                     for o2, _ in levers[i + 1:] if not takes(o1 + o2)]
+            lines.append("No single change, nor a pair, fits. Try more of these together"
+                         + (f" (the config takes no {'; no '.join(clash)})" if clash else "")
+                         + f": {', '.join(w for _, w in levers)}; or a larger GPU.")
     return "\n".join(lines), False, advice
+
+
+def _levers(est, accepts) -> list[tuple[list[str], str]]:
+    """The settings that lower ``est`` which its config does not use yet and accepts (fsdp
+    with an 8-bit optimizer is refused): the last resort's list, when no change nor pair
+    of ``Estimate.advice`` fits. The same levers as that advice, where a config that
+    already used one was told to use it. (the overrides, the words) each."""
+    a = est.settings["args"]
+    fsdp = a["strategy"] == "fsdp"
+    base = [] if a["quantize"] == "none" else ["model.quantize=none"]  # FSDP loads it unquantized
+    candidates = [
+        # (applies, the overrides it must accept, the words)
+        (True, [f"scaling.num_workers={2 * a['world_size']}"] if fsdp else ["scaling.strategy=fsdp", *base],
+         "more scaling.num_workers" if fsdp else
+         "scaling.strategy=fsdp with more scaling.num_workers" + (" and model.quantize=none" if base else "")),
+        (a["quantize"] != "nf4" and not fsdp, ["model.quantize=nf4"], "model.quantize=nf4"),
+        (not a["gradient_checkpointing"], ["train.gradient_checkpointing=true"], "train.gradient_checkpointing=true"),
+        (a["batch_size"] > 1, ["train.batch_size=1"], "a smaller train.batch_size"),
+        (bool(est.preview), ["validation.prompts=[]"], "validation.prompts=[] (no previews while training)"),
+        (a["quantize_text_encoders"] != "nf4" and (bool(est.preview) or not a["cached_latents"]),
+         ["model.quantize_text_encoders=nf4"], "model.quantize_text_encoders=nf4"),
+        (not a["cached_latents"] and not a["train_text_encoder"], ["data.cache=latents"], "data.cache=latents"),
+    ]
+    return [(overrides, words) for applies, overrides, words in candidates
+            if applies and (accepts is None or accepts(overrides))]
 
 
 def distinct_settings(configs: list[tuple[str, RayLoraConfig]]) -> list[tuple[str, RayLoraConfig]]:
@@ -192,6 +244,8 @@ def check_memory(cfg: RayLoraConfig, cluster: bool = False,
                  "scaling.gpu_memory_gb to check)", gpu.source)
         return
     distinct = distinct_settings([("", cfg), *variants])
+    # a trial's keys that the search sets are no advice: it would override them
+    searched = list(cfg.tune.search_space) if cfg.tune is not None else []
     for label, c in distinct:
         try:
             est = memory.from_config(c.at_commit(commit))
@@ -199,7 +253,7 @@ def check_memory(cfg: RayLoraConfig, cluster: bool = False,
             log.warning("memory preflight: not checked, the estimate failed (%s: %s)",
                         type(exc).__name__, exc)
             return
-        text, fits, advice = report(est, gpu, c)
+        text, fits, advice = report(est, gpu, c, searched)
         if not fits:
             where = f" for {label}" if label else ""
             raise DoesNotFit(f"memory preflight{where}: one worker needs ~{size(est.peak)} "

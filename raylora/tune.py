@@ -206,13 +206,60 @@ def longest_budget(cfg: RayLoraConfig, base_plan: Plan) -> int:
                                        for combo in itertools.product(*dims.values()))])
 
 
+# Search keys whose larger values never need less memory: the trial that samples the
+# largest of each is the search's largest, and is sized as one (each alone, batch 8 and
+# 128 px fitted where the trial of both did not).
+MEMORY_GROWS = ("train.batch_size", "data.resolution", "lora.rank", "model.max_sequence_length",
+                "train.gradient_accumulation_steps", "lora.dropout")
+# The most combinations of the other searched keys that change the estimate sized together
+# (each is a meta-device step: tens of seconds for a 12B model); beyond, each value alone
+# beside the growing keys' largest.
+MAX_COMBINATIONS = 8
+
+
 def trial_variants(cfg: RayLoraConfig) -> list[tuple[str, RayLoraConfig]]:
-    """Each bounding value of each search dimension (every option, both ends of a range)
-    applied alone to the base config, labelled by it: what the memory preflight checks
-    besides the base (dimensions that do not change the estimate cost nothing there)."""
+    """What the memory preflight checks besides the base: each bounding value of each
+    search dimension (every option, both ends of a range) applied alone to the base config,
+    labelled by it; and, where two or more dimensions change the estimate, the trials that
+    combine them: the largest values of ``MEMORY_GROWS`` keys with every combination of the
+    other such dimensions' values (up to ``MAX_COMBINATIONS``, else each value alone).
+    Dimensions that do not change the estimate (the learning rate) cost nothing there."""
+    import itertools
+
+    from raylora import memory
+    from raylora.config import ConfigError
+
     tree = cfg.to_dict()
-    return [(f"tune.search_space.{key}={value!r}", validate(trial_tree(tree, {key: value})))
-            for key, dim in cfg.tune.search_space.items() for value in dim.values]
+    alone = [(key, value, validate(trial_tree(tree, {key: value})))
+             for key, dim in cfg.tune.search_space.items() for value in dim.values]
+    out = [(f"tune.search_space.{key}={value!r}", c) for key, value, c in alone]
+    base = memory.config_args(cfg)
+    sized = list(dict.fromkeys(key for key, _, c in alone if memory.config_args(c) != base))
+    if len(sized) < 2:
+        return out
+    space = cfg.tune.search_space
+
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    largest = {k: max(space[k].values) for k in sized
+               if k in MEMORY_GROWS and all(number(v) for v in space[k].values)}
+    others = [k for k in sized if k not in largest]
+    if math.prod(len(space[k].values) for k in others) <= MAX_COMBINATIONS:
+        combos = [dict(zip(others, vs)) for vs in itertools.product(*(space[k].values for k in others))]
+    else:
+        combos = [{k: v} for k in others for v in space[k].values]
+    for combo in combos:
+        params = {**largest, **combo}
+        if len(params) < 2:
+            continue  # one value alone: sized above
+        params = {k: params[k] for k in space if k in params}  # the search's order
+        try:
+            c = validate(trial_tree(tree, params))
+        except ConfigError:
+            continue  # a combination the config refuses: that trial fails on it, not on memory
+        out.append(("tune.search_space: " + ", ".join(f"{k}={v!r}" for k, v in params.items()), c))
+    return out
 
 
 def _trial(params: dict, *, base_tree: dict, base_plan: Plan, trials_uri: str,

@@ -44,7 +44,7 @@ def test_missing_model_and_data_and_an_unwritable_output_named_before_ray(tmp_pa
         "data": {"uri": str(tmp_path / "no-data")},
         "output": {"uri": str(out)},
         # Root passes os.access there, yet nothing can be made in /proc: the check writes.
-        "train": {"compile_cache_uri": "/proc/raylora-compile-cache"},
+        "train": {"compile": "regional", "compile_cache_uri": "/proc/raylora-compile-cache"},
     }))
     p = _run(["train", str(cfg)])
     assert p.returncode == 2, p.stderr
@@ -449,3 +449,35 @@ def test_shards_build_reads_a_kohya_folder_as_training_does(tmp_path, caplog):
         ("10_sks dog/a", "sks dog"), ("10_sks dog/b", "sks dog on grass"), ("1_dog/c", "dog"),
         ("misc/e", "a cat")]
     assert "kohya repeats (10_sks dog) are not carried into shards" in caplog.text
+
+
+def test_plan_sizes_a_folder_of_configs_only(tiny_model, tmp_path, capsys):
+    """README's worked example sizes Flux.1-dev from a folder of its configs, "on any
+    machine (no GPU, no download)"; `raylora plan` refused such a folder (exit 2: "no
+    weights in .../transformer ... Copy the model again"). The plan reads configs only: it
+    prints the same table as for the whole folder and exits 0; `raylora train`'s check of
+    the weights stays."""
+    import re
+    import shutil
+
+    from raylora import memory
+    from raylora.cli import main
+    from raylora.config import load_config
+    from raylora.model.load import check_model
+    from raylora.storage import Storage
+
+    configs = tmp_path / "configs-only"
+    shutil.copytree(tiny_model, configs, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    assert not list(configs.rglob("*.safetensors"))
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"model": {"pretrained": str(configs)},
+                                   "output": {"uri": str(tmp_path / "o")}, "lora": {"rank": 4},
+                                   "data": {"uri": str(tmp_path), "resolution": 32},
+                                   "scaling": {"num_workers": 1, "gpu_memory_gb": 1}}))
+    assert main(["plan", str(job)]) == 0
+    out = capsys.readouterr().out
+    whole = memory.from_config(load_config(str(job), [f"model.pretrained={tiny_model}"]))
+    assert re.search(rf"\ntotal per GPU +{whole.total / 2**20:.2f}\n", out), out  # MiB
+    assert f"GPU: 1.00 GiB (scaling.gpu_memory_gb): fits, {memory.size(2**30 - whole.peak)} to spare" in out
+    with pytest.raises(FileNotFoundError, match=r"no weights in .*/unet \(no \.safetensors or \.bin file\)"):
+        check_model(str(configs), Storage())  # what train runs (launch.plan)

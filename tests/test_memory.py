@@ -677,3 +677,50 @@ def test_fsdp_advice_says_how_to_keep_the_global_batch(tiny, tmp_path):
     three = memory.estimate(path, **{**kw, "world_size": 3})
     assert [a.split(": ")[0] for a in three.advice((three.total - 1) / memory.GIB)
             if a.startswith("scaling.strategy")] == ["scaling.strategy=fsdp"]
+
+
+def test_eager_attention_and_the_math_kernel_are_sized_with_their_attention_matrices(tiny, tmp_path):
+    """model.attention=eager and train.sdpa_backend=math keep each layer's [B, heads, L, L]
+    attention matrix for backward; the estimate assumed a fused kernel for every run
+    (repro, tiny SD fp32 batch 4 128 px: real steps kept 735 MiB with either, 186 MiB with
+    SDPA; the estimate said 186 for all three). Now their meta step takes SDPA's math path:
+    its activations and step peak are the real step's (within 1%), its total (weights and
+    margin with it) above the real peak; the other kernels stay sized as fused ones."""
+    from contextlib import nullcontext
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    path = tiny("sd")
+    b, res = 2, 96
+
+    def real(attention, backend=None):
+        comps = _real(path)
+        comps.family.set_attention(comps.denoiser, attention)
+        memory.attach_lora(comps, 4)
+        with sdpa_kernel([backend]) if backend is not None else nullcontext():
+            return memory.profile_step(comps, memory.raw_batch(comps, b, res, device="cpu"))
+
+    def est(*overrides):
+        return memory.from_config(_config(path, tmp_path, f"train.batch_size={b}", f"data.resolution={res}",
+                                          'train.mixed_precision="no"', *overrides))
+
+    fused = est()
+    for overrides, measured in ((["model.attention=eager"], real("eager")),
+                                (["train.sdpa_backend=math"], real("sdpa", SDPBackend.MATH))):
+        e = est(*overrides)
+        assert abs(e.activations - measured.activations) <= max(0.01 * measured.activations, 256 * KIB)
+        assert e.activations > 2 * fused.activations  # the [L, L] matrices
+        step_peak = e.activations + e.backward + e.lora_grads  # the meta step's own peak
+        assert abs(step_peak - measured.peak) <= 0.01 * measured.peak
+        assert e.total >= sum(e.weights.values()) + measured.peak
+        assert e.table().splitlines()[0].endswith(", unfused attention ([L, L] kept)")
+    flash = real("sdpa")
+    assert abs(fused.activations - flash.activations) <= max(0.01 * flash.activations, 256 * KIB)
+    # default, auto, flash, efficient and cudnn: fused kernels (auto times flash, efficient
+    # and cuDNN on GPUs; math is only its fallback for a shape none of them runs)
+    gpu = ["scaling.use_gpu=true", "scaling.num_workers=1"]
+    for backend in ("default", "auto", "flash", "efficient", "cudnn"):
+        cfg = _config(path, tmp_path, *gpu, f"train.sdpa_backend={backend}")
+        assert memory.config_args(cfg)["fused_attention"] is True, backend
+    assert memory.config_args(_config(path, tmp_path, *gpu, "train.sdpa_backend=math"))["fused_attention"] is False
+    assert memory.config_args(_config(path, tmp_path, *gpu, "model.attention=eager"))["fused_attention"] is False

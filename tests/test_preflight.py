@@ -124,10 +124,12 @@ def test_the_last_resort_advice_names_only_levers_the_config_takes(job):
     tiny_gpu = GpuSize(est.total / memory.GIB / 1000, "scaling.gpu_memory_gb")
     text, fits, advice = report(est, tiny_gpu, validate(tree))
     assert fits is False and advice == []
-    assert ("No single change, nor a pair, fits. Try more of these together (not every pair "
-            "combines: fsdp takes no model.quantize): scaling.strategy=fsdp with more "
-            "scaling.num_workers, model.quantize=nf4, train.gradient_checkpointing=true, a "
-            "smaller train.batch_size, data.cache=latents; or a larger GPU.") in text
+    assert ("No single change, nor a pair, fits. Try more of these together (the config "
+            "takes no scaling.strategy=fsdp with model.quantize=nf4; no "
+            "model.quantize_text_encoders=nf4 with data.cache=latents): scaling.strategy=fsdp with "
+            "more scaling.num_workers, model.quantize=nf4, train.gradient_checkpointing=true, a "
+            "smaller train.batch_size, model.quantize_text_encoders=nf4, data.cache=latents; or "
+            "a larger GPU.") in text
     # an 8-bit optimizer: fsdp is refused with it, so not suggested
     eight = validate({**tree, "train": {**tree["train"], "optimizer": "adamw8bit"}})
     text, _, _ = report(memory.from_config(eight), tiny_gpu, eight)
@@ -185,3 +187,118 @@ def test_gpu_size_from_config_and_from_rays_accelerator_type(job):
         ray.shutdown()
     assert (size.gib, size.source) == (KNOWN_GPU_MIB["L4"] / 1024, "detected: L4 (Ray accelerator_type)")
     assert round(size.gib, 2) == 22.49
+
+
+def test_the_last_resort_names_no_lever_the_config_already_uses(job):
+    """The "No single change" list named every lever whatever the config used (repro:
+    cached latents, nf4, gradient checkpointing, batch 1 were all named to a config that
+    had them). Now: only levers it does not use yet and takes, the previews and the text
+    encoders' quantization among them; with none left, a larger GPU alone."""
+    from raylora.preflight import GpuSize, report
+
+    tree, _, _ = job
+    every = {**tree, "model": {**tree["model"], "quantize": "nf4"},
+             "data": {**tree["data"], "cache": "latents", "random_flip": False},
+             "train": {**tree["train"], "batch_size": 1, "gradient_checkpointing": True},
+             "validation": {"prompts": ["a cat"]}}
+    cfg = validate(every)
+    est = memory.from_config(cfg)
+    tiny_gpu = GpuSize(est.total / memory.GIB / 1000, "scaling.gpu_memory_gb")
+    text, fits, advice = report(est, tiny_gpu, cfg)
+    assert fits is False and advice == []
+    assert text.splitlines()[-1] == (
+        "No single change, nor a pair, fits. Try more of these together (the config takes no "
+        "validation.prompts=[] with model.quantize_text_encoders=nf4): scaling.strategy=fsdp "
+        "with more scaling.num_workers and model.quantize=none, validation.prompts=[] (no "
+        "previews while training), model.quantize_text_encoders=nf4; or a larger GPU.")
+    # an 8-bit optimizer (no FSDP) and nf4 text encoders (no previews: they would load for
+    # nothing): nothing left
+    done = validate({**every, "model": {**every["model"], "quantize_text_encoders": "nf4"},
+                     "train": {**every["train"], "optimizer": "adamw8bit"}})
+    text, _, _ = report(memory.from_config(done), tiny_gpu, done)
+    assert text.splitlines()[-1] == ("No single change, nor a pair, fits, and the config has no "
+                                     "other setting that lowers the estimate: a larger GPU.")
+
+
+def test_advice_from_a_quantized_base_names_fsdp_with_the_base_unquantized(tmp_path):
+    """FSDP refuses a quantized base, so a run on nf4 was never told that FSDP would fit
+    (Flux.1 [dev], nf4, cached latents, checkpointing, on 10 GiB: the last resort said
+    "model.quantize=nf4, ..." it had; FSDP x8 unquantized without previews fits in 8.6
+    GiB). The FSDP option from a quantized base drops the quantization. Flux.1 [dev]'s
+    configs at 256 px: 7.78 GiB on nf4, 6.05 GiB on 8 unquantized FSDP shards."""
+    from raylora.preflight import config_accepts
+
+    path = memory.write_config_folder(str(tmp_path / "flux-dev"))
+    cfg = validate({"model": {"pretrained": path, "quantize": "nf4"}, "output": {"uri": str(tmp_path / "o")},
+                    "data": {"uri": str(tmp_path), "resolution": 256, "cache": "latents",
+                             "random_flip": False, "center_crop": True},
+                    "train": {"batch_size": 1, "gradient_checkpointing": True, "mixed_precision": "bf16"},
+                    "scaling": {"num_workers": 1, "use_gpu": True}})
+    est = memory.from_config(cfg)
+    sharded = memory.from_config(cfg, strategy="fsdp", world_size=8, quantize="none")
+    assert sharded.peak < est.peak
+    assert est.advice(sharded.peak / memory.GIB, config_accepts(cfg)) == [
+        "scaling.strategy=fsdp scaling.num_workers=8 model.quantize=none (the global batch x8, the "
+        f"learning rate too with train.scale_lr): {memory.size(sharded.peak)}"]
+
+
+def test_advice_names_no_change_the_family_refuses(tiny, tmp_path):
+    """Qwen-Image-Edit with caption dropout, uncached: advice named data.cache=latents,
+    which `raylora plan`/`train` then refused (the family's check: its caption embedding
+    reads the input image). ``config_accepts`` with the estimate's settings runs the
+    family's checks too."""
+    from raylora.preflight import GpuSize, config_accepts, report
+
+    tree = {"model": {"pretrained": tiny("qwenimageedit")},
+            "data": {"uri": str(tmp_path), "resolution": 64, "control_images": True,
+                     "caption_dropout": 0.1, "random_flip": False, "center_crop": True},
+            "lora": {"target_modules": None}, "train": {"batch_size": 1},
+            "output": {"uri": str(tmp_path / "out")}}
+    cfg = validate(tree)
+    est = memory.from_config(cfg)
+    cached = memory.from_config(cfg, cached_latents=True)
+    text, fits, advice = report(est, GpuSize(cached.peak / memory.GIB, "scaling.gpu_memory_gb"), cfg)
+    assert fits is False and "data.cache=latents" not in text, text
+    assert config_accepts(cfg)(["data.cache=latents"])  # validate alone takes it
+    assert not config_accepts(cfg, est.settings)(["data.cache=latents"])
+    assert config_accepts(cfg, est.settings)(["train.gradient_checkpointing=true"])
+
+
+def test_a_search_is_sized_at_its_largest_values_together(job):
+    """batch {2, 8} x resolution {64, 128}: each value alone fitted, the trial at batch 8
+    and 128 px (4x the activations of either) was never sized, and the advice for a trial
+    named train.batch_size, which the search overrides. Now the largest values of the keys
+    that only grow memory are sized together, with each combination of the other searched
+    keys that change the estimate; no advice sets a searched key."""
+    from raylora.tune import trial_variants
+
+    tree, _, _ = job
+    space = {"train.batch_size": {"choice": [2, 8]}, "data.resolution": {"choice": [64, 128]},
+             "train.learning_rate": {"loguniform": [1e-5, 1e-3]}}
+    cfg = validate({**tree, "tune": {"num_samples": 1, "metric": "train_loss", "search_space": space}})
+    variants = trial_variants(cfg)
+    assert [label for label, _ in variants] == [
+        "tune.search_space.train.batch_size=2", "tune.search_space.train.batch_size=8",
+        "tune.search_space.data.resolution=64", "tune.search_space.data.resolution=128",
+        "tune.search_space.train.learning_rate=1e-05", "tune.search_space.train.learning_rate=0.001",
+        "tune.search_space: train.batch_size=8, data.resolution=128"]
+    both = variants[-1][1]
+    assert (both.train.batch_size, both.data.resolution) == (8, 128)
+    alone = max(memory.from_config(c).peak for _, c in variants[:-1])
+    combined = memory.from_config(both).peak
+    assert combined > 2 * alone
+    gpu = (alone + combined) / 2 / memory.GIB
+    with pytest.raises(DoesNotFit, match=r"memory preflight for tune.search_space: train.batch_size=8, "
+                                         r"data.resolution=128: ") as err:
+        check_memory(cfg.model_copy(update={"scaling": cfg.scaling.model_copy(update={"gpu_memory_gb": gpu})}),
+                     variants=variants)
+    assert err.value.advice and not any(a.startswith(("train.batch_size", "data.resolution"))
+                                        for a in err.value.advice), err.value.advice
+    assert any(a.startswith("train.gradient_checkpointing=true") for a in err.value.advice)
+    # a categorical key that changes the estimate: each of its values beside the largest
+    # of the others
+    space["train.gradient_checkpointing"] = {"choice": [False, True]}
+    cfg = validate({**tree, "tune": {"num_samples": 1, "metric": "train_loss", "search_space": space}})
+    assert [label for label, _ in trial_variants(cfg)][-2:] == [
+        "tune.search_space: train.batch_size=8, data.resolution=128, train.gradient_checkpointing=False",
+        "tune.search_space: train.batch_size=8, data.resolution=128, train.gradient_checkpointing=True"]

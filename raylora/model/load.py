@@ -90,12 +90,15 @@ def is_hub_id(path: str) -> bool:
 
 
 def check_model(path: str, store: Storage, revision: str | None = None,
-                variant: str | None = None, key: str = "model.pretrained") -> dict:
+                variant: str | None = None, key: str = "model.pretrained",
+                weights: bool = True) -> dict:
     """Problems with a diffusers folder (local or stored) or hub repo (``is_hub_id``, at
     ``revision``: ``raylora.model.hub``), found before any worker starts: its family,
     component folders, weights in each one raylora loads (``weights_problem``) and, with
     ``variant`` (``model.variant``), that variant's weights in each component that has
     weights. ``key``: the setting that named ``path``, for errors (``--model``).
+    ``weights=False``: the weights are not looked for (``raylora plan`` reads configs only,
+    and sizes a model from a folder of its configs).
 
     Returns ``{"index": model_index.json, "family": Family, "vae_factor": int,
     "scheduler_config": dict, "commit": str | None}`` (``commit``: the hub commit read; for
@@ -155,8 +158,9 @@ def check_model(path: str, store: Storage, revision: str | None = None,
         # The scheduler and tokenizers are configs; the rest are loaded from weights.
         configs_only = {"scheduler", *(t.tokenizer for t in family.text)}
         weighted = [c for c in components if c not in configs_only]
-        hollow = hollow_weights(sizes, weighted, read_bytes)
-        weights_problem(path, files, weighted, hollow, key)
+        hollow = hollow_weights(sizes, weighted, read_bytes) if weights else {}
+        if weights:
+            weights_problem(path, files, weighted, hollow, key)
         if variant:
             variant_problem(path, files - set(hollow), components, variant)
     vae = read("vae/config.json")

@@ -579,3 +579,31 @@ def test_the_reported_train_loss_over_skipped_steps_prior_terms_and_a_resume(bas
     assert interval_mean(rows[:5], 0) == (4.0 + 3.0 + 1.0 + 2.0) / 4
     assert interval_mean(rows[:5], 3) == 1.5 and interval_mean(rows[:5], 5) is None
     assert [checkpoint_before(s, 4) for s in (0, 1, 4, 8, 10)] == [0, 0, 0, 4, 8]
+
+
+def test_images_per_s_leaves_out_the_evaluation_before_it(base_config, batches, monkeypatch):
+    """The step after a held-out evaluation (or preview, or checkpoint) read its time as
+    training: 0.2 img/s where it trained at 2.2. On a clock that moves 1 s a reading and
+    100 s an evaluation, every step's window is the same length."""
+    import raylora.train.loop as loop
+
+    clock = [0.0]
+
+    def tick():
+        clock[0] += 1.0
+        return clock[0]
+
+    def evaluate():
+        clock[0] += 100.0
+        return 1.0
+
+    cfg = validate(base_config)
+    run = build_run(cfg, _fresh_accelerator(1), 4, rank=0)
+    rows = []
+    clock[0] = loop.time.perf_counter()  # where the loop's own start times (the real clock) are
+    monkeypatch.setattr(loop.time, "perf_counter", tick)
+    run_loop(run, LoopSettings(max_steps=4, images_per_step=2, checkpoint_every=100, eval_every=2),
+             LoopHooks(lambda e: batches, evaluate=evaluate, on_step=rows.append))
+    rates = [r["images_per_s"] for r in rows]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert max(rates) / min(rates) < 2, rates  # step 3: 2 / ~103 s before

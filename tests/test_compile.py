@@ -445,3 +445,51 @@ def test_a_missing_or_unreadable_entry_means_a_cold_compile_a_bad_key_an_error(
             f"({why}): nothing is compiled to keep; drop one of them, or set train.compile: regional"]
     validate({"model": {"pretrained": "x"}, "data": {"uri": "d"}, "output": {"uri": "o"},
               "scaling": {"use_gpu": True}, "train": {"compile_cache_uri": "s3://b/cc"}})
+
+
+def test_runs_sharing_an_entry_keep_each_others_graphs(tmp_path):
+    """Runs that differ only in what the entry's name leaves out (held-out evaluation,
+    previews) share an entry; each run's save adds to it. Run A saves twice, as a worker
+    does (its training graph at the first step, its evaluation graph at a checkpoint), run
+    B compiles the training graph and a preview's, and run C, on a fresh machine like the
+    others, finds both of its graphs. A save wrote only what its own process compiled or
+    used (B dropped A's evaluation graph), and torch's reader of a twice-saved blob keeps
+    only the second save (B never saw A's training graph), so C compiled cold.
+    Inductor with extern matmuls only: real FX-graph cache artifacts, no C++ to build."""
+    from torch._inductor.utils import fresh_cache
+    from torch.compiler._cache import CacheArtifactManager
+
+    from raylora.storage import Storage
+    from raylora.train.compile import CompileCache
+
+    fns = {"train": lambda x, w: x @ w, "eval": lambda x, w: x @ w.t(),
+           "preview": lambda x, w: torch.addmm(w, x, w)}
+    x, w = torch.randn(8, 8), torch.randn(8, 8)
+    entry = str(tmp_path / "cc" / "entry.bin")
+
+    def run(*saves):
+        """One run on a fresh machine: (loaded, [saved at each save], fx hits, fx misses)."""
+        torch._dynamo.reset()
+        CacheArtifactManager.clear()
+        counters.clear()
+        with fresh_cache():  # an empty local inductor cache, as on a new machine
+            cache = CompileCache(Storage(), entry)
+            loaded, saved = cache.load(), []
+            for names in saves:
+                for n in names:
+                    torch.compile(fns[n], dynamic=False)(x, w)
+                saved.append(cache.save())
+        ind = counters["inductor"]
+        return loaded, saved, ind["fxgraph_cache_hit"], ind["fxgraph_cache_miss"]
+
+    try:
+        # Each graph is one inductor and one AOTAutograd artifact.
+        assert run(["train"], ["eval"]) == (0, [2, 4], 0, 2)
+        assert run(["train", "preview"]) == (4, [6], 1, 1)
+        assert run(["train", "eval"]) == (6, [0], 2, 0)  # all found, nothing new to write
+        # The entry is torch's own format, whole to torch's reader too.
+        stored = CacheArtifactManager.deserialize((tmp_path / "cc" / "entry.bin").read_bytes())
+        assert {k: len(v) for k, v in stored.items()} == {"inductor": 3, "aot_autograd": 3}
+    finally:
+        torch._dynamo.reset()
+        CacheArtifactManager.clear()

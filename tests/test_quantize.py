@@ -388,3 +388,65 @@ def test_a_cached_run_previews_with_the_encoders_a_worker_would_hold(tiny, demo_
         np.testing.assert_array_equal(ours, stock)
     else:  # the quantized encoder conditions it, a little differently
         assert 0 < np.abs(ours - stock).max()
+
+
+# ---------------------------------------------------------------- torch.compile
+
+
+def test_int8_regional_compile_compiles_nothing_after_the_first_step(tiny, demo_data, tmp_path):
+    """model.quantize: int8 under train.compile: regional. bitsandbytes' int8 layer moves its
+    codes and row scales from the weight to its state in its first forward, and dynamo
+    guards on ``weight.CB``: every kind of block compiled again at step 1 (graphs 2 -> 4).
+    compile_denoiser puts the layers in that state first: the step's loss and LoRA
+    gradients are eager's, and steps 1 and 2 compile nothing."""
+    import copy
+    from dataclasses import replace
+
+    import bitsandbytes as bnb
+    import torch._dynamo
+    from inproc import cached_demo_batch
+    from test_compile import _loss_and_grads, _nonzero_adapter
+    from torch._dynamo.utils import counters
+
+    from raylora.model.load import load_components
+    from raylora.model.lora import add_lora
+    from raylora.train.compile import compile_denoiser
+    from raylora.train.setup import frozen_parts
+
+    model = tiny("sd")
+    cfg = validate({"model": {"pretrained": model, "max_sequence_length": 32, "quantize": "int8"},
+                    "data": {"uri": demo_data, "resolution": 64}, "lora": {"rank": 4},
+                    "output": {"uri": str(tmp_path / "o")}})
+    comps = load_components(cfg.model, torch.float32)
+    torch.manual_seed(0)
+    eager_params = add_lora(comps.denoiser, cfg.lora, comps.family.default_lora_targets(comps.denoiser))
+    batch = cached_demo_batch(comps.family, comps, model, demo_data)
+    parts = replace(frozen_parts(cfg, comps, "cpu", torch.float32), vae=None, text_encoders=[])
+    eager = comps.denoiser
+    _nonzero_adapter(eager)
+
+    compiled = copy.deepcopy(eager)
+    compiled_params = [p for p in compiled.parameters() if p.requires_grad]
+    int8 = [m for m in compiled.modules() if isinstance(m, bnb.nn.Linear8bitLt)]
+    assert int8 and all(m.weight.CB is not None for m in int8)  # as quantize_module leaves them
+    torch._dynamo.reset()
+    counters.clear()
+    compile_denoiser(compiled, "regional", comps.family.repeated_blocks, fullgraph=True,
+                     backend="aot_eager")
+
+    graphs = None
+    for step in range(3):
+        ref_loss, ref_grads = _loss_and_grads(eager, parts, eager_params, batch, seed=step)
+        loss, grads = _loss_and_grads(compiled, parts, compiled_params, batch, seed=step)
+        assert abs(float(loss) - float(ref_loss)) <= 1e-5 * max(1.0, abs(float(ref_loss)))
+        assert len(grads) == len(ref_grads) > 0
+        for a, b in zip(grads, ref_grads):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-3)
+        now = (counters["stats"]["unique_graphs"], counters["frames"]["total"])
+        if step == 0:
+            graphs = now
+            assert graphs[0] == 2  # the tiny UNet's two kinds of transformer block
+        else:
+            assert now == graphs, f"step {step} compiled again: {now} after {graphs}"
+    assert sum(counters["graph_break"].values()) == 0
+    torch._dynamo.reset()

@@ -162,6 +162,21 @@ def _quantized(linear: nn.Linear, kind: str, compute_dtype: torch.dtype, device)
     return q.to(device)  # bitsandbytes quantizes on this move
 
 
+def settle_int8(model: nn.Module) -> int:
+    """Put ``model``'s int8 layers in the state their first forward leaves them in
+    (bitsandbytes' ``Linear8bitLt`` moves the int8 codes and row scales from the weight
+    to ``layer.state`` then); returns the number of layers moved. Before torch.compile:
+    dynamo guards on ``weight.CB``, so that move at step 0 recompiled every block at
+    step 1. Not at quantization: until that first forward, bitsandbytes (and a memory
+    count of its statistics) finds them on the weight."""
+    n = 0
+    for m in model.modules():
+        if callable(getattr(m, "init_8bit_state", None)) and getattr(m.weight, "CB", None) is not None:
+            m.init_8bit_state()
+            n += 1
+    return n
+
+
 # ---- sizes, for a memory estimate (raylora.memory) ---------------------------------------
 
 def quantized_linear_bytes(weight_shape, kind: str, dtype: torch.dtype = torch.bfloat16) -> int:

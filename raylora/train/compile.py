@@ -39,6 +39,8 @@ from collections import Counter
 
 import torch
 
+from raylora.model.quantize import settle_int8
+
 log = logging.getLogger("raylora.compile")
 
 MODES = ("none", "regional", "full")
@@ -78,6 +80,7 @@ def compile_denoiser(model: torch.nn.Module, how: str, blocks=None, **compile_kw
     if how == "none":
         return []
     compile_kwargs.setdefault("dynamic", False)
+    settle_int8(model)  # else every block recompiles at step 1 (model.quantize: int8)
     if how == "full":
         model.compile(**compile_kwargs)
         return [""]
@@ -136,6 +139,37 @@ def cache_key(graph_inputs: dict, device) -> str:
     return hashlib.sha256(blob).hexdigest()[:20]
 
 
+def _artifacts(blob: bytes) -> dict:
+    """Every artifact in a Mega-Cache blob, by (kind, key). Read here, not with torch's
+    ``load_cache_artifacts``: a blob holds one section per ``save_cache_artifacts`` call
+    (a process that saves twice appends a second "inductor" section) and torch's reader
+    keeps only the last section of each kind, dropping what the first save stored."""
+    from torch.compiler._cache import CacheArtifactManager, _deserialize_single_cache
+    from torch.utils._appending_byte_serializer import AppendingByteSerializer
+
+    CacheArtifactManager._ensure_cache_artifacts_registered()
+    sections = AppendingByteSerializer.to_list(blob, deserialize_fn=_deserialize_single_cache)
+    return {(kind, a.key): a for kind, arts in sections for a in arts}
+
+
+def _by_kind(artifacts: dict) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for (kind, _), a in artifacts.items():
+        out.setdefault(kind, []).append(a)
+    return out
+
+
+def _blob(artifacts: dict) -> bytes:
+    """``artifacts`` in torch's own format, one section per kind (what a process that
+    saved once writes), so ``torch.compiler.load_cache_artifacts`` reads all of it too."""
+    from torch.compiler._cache import _serialize_single_cache
+    from torch.utils._appending_byte_serializer import AppendingByteSerializer
+
+    out = AppendingByteSerializer(serialize_fn=_serialize_single_cache)
+    out.extend(_by_kind(artifacts).items())
+    return out.to_bytes()
+
+
 class CompileCache:
     """torch.compile's portable caches ("Mega-Cache": inductor's FX graphs, AOTAutograd's
     joint graphs, Triton kernels, autotuning results, dynamic-shape decisions) as one object
@@ -143,9 +177,16 @@ class CompileCache:
 
     ``load()`` before the first compiled call puts them into this process's local caches,
     so dynamo still traces but inductor and AOTAutograd find their outputs instead of
-    compiling. ``save()`` writes what this process compiled or found once it holds
-    something the stored object lacks (a run on new shapes, or the first run). Neither
-    raises: a missing, unreadable or stale entry only means a cold compile.
+    compiling. ``save()`` adds what this process compiled or found to what is stored, once
+    it holds something the stored object lacks (a run on new shapes, or the first run).
+    Neither raises: a missing, unreadable or stale entry only means a cold compile.
+
+    The stored object is the union of every run's artifacts: runs that differ only in what
+    the entry's name leaves out (held-out evaluation, previews) share it, and torch records
+    only the graphs a process compiled or used, so writing one process's artifacts alone
+    dropped the graphs another run stored (each run then compiled those cold again).
+    Artifacts are kept by torch's own key (the graph, its inputs, torch's config), so the
+    union grows only with graphs some run really compiled under this entry's name.
 
     The object is compiled code (pickled graphs, generated kernels) that ``load()`` makes
     this process run: keep it where only your own jobs write.
@@ -153,51 +194,65 @@ class CompileCache:
 
     def __init__(self, store, uri: str):
         self.store, self.uri = store, uri
-        self._have: frozenset[str] = frozenset()  # artifact keys stored at uri
+        self._have: frozenset = frozenset()  # (kind, key) of the artifacts stored at uri
         self.loaded = 0
 
-    @staticmethod
-    def _keys(info) -> frozenset[str]:
-        return frozenset(f"{kind}/{key}" for kind, keys in info.artifacts.items() for key in keys)
-
-    def load(self) -> int:
-        """Artifacts loaded (0: none stored yet, or not usable here)."""
+    def _read(self) -> dict | None:
+        """The artifacts stored at ``uri``: {} when there are none or this torch cannot
+        use them, None when storage could not be read."""
         try:
             blob = self.store.read_bytes(self.uri)
         except FileNotFoundError:
-            return 0
+            return {}
         except OSError as exc:
-            log.warning("compile cache: cannot read %s (%s); compiling cold", self.uri, exc)
-            return 0
+            log.warning("compile cache: cannot read %s (%s)", self.uri, exc)
+            return None
         try:
-            info = torch.compiler.load_cache_artifacts(blob)
-        except Exception as exc:  # a torch that cannot read the format: compile cold
-            log.warning("compile cache: %s is not usable by torch %s (%s: %s); compiling cold",
+            return _artifacts(blob)
+        except Exception as exc:  # a torch that cannot read the format
+            log.warning("compile cache: %s is not usable by torch %s (%s: %s)",
                         self.uri, torch.__version__, type(exc).__name__, exc)
+            return {}
+
+    def load(self) -> int:
+        """Artifacts loaded (0: none stored yet, or not usable here: a cold compile)."""
+        stored = self._read() or {}
+        try:
+            from torch.compiler._cache import CacheArtifactManager
+
+            CacheArtifactManager.populate_caches(_by_kind(stored))
+        except Exception as exc:
+            log.warning("compile cache: torch could not load %s (%s: %s); compiling cold",
+                        self.uri, type(exc).__name__, exc)
             return 0
-        self._have = self._keys(info) if info is not None else frozenset()
-        self.loaded = len(self._have)
+        self._have = frozenset(stored)
+        self.loaded = len(stored)
         return self.loaded
 
     def save(self) -> int:
         """Artifacts written (0: nothing the stored object lacks)."""
         try:
             out = torch.compiler.save_cache_artifacts()
+            mine = _artifacts(out[0]) if out is not None else {}
         except Exception as exc:
             log.warning("compile cache: torch could not serialise its caches (%s: %s)",
                         type(exc).__name__, exc)
             return 0
-        if out is None:
+        if mine.keys() <= self._have:
             return 0
-        blob, info = out
-        keys = self._keys(info)
-        if keys <= self._have:
+        # Read again (not kept from load): another run sharing the entry may have added to
+        # it since. Unreadable now: write nothing rather than drop what is there.
+        stored = self._read()
+        if stored is None:
             return 0
+        merged = {**stored, **mine}
+        blob = _blob(merged)
         try:
             self.store.write_bytes(self.uri, blob)
         except OSError as exc:
             log.warning("compile cache: cannot write %s (%s)", self.uri, exc)
             return 0
-        self._have = keys
-        log.info("compile cache: %d artifacts (%.1f MB) -> %s", len(keys), len(blob) / 1e6, self.uri)
-        return len(keys)
+        log.info("compile cache: %d artifacts (%d new, %.1f MB) -> %s", len(merged),
+                 len(merged.keys() - stored.keys()), len(blob) / 1e6, self.uri)
+        self._have = frozenset(merged)
+        return len(merged)

@@ -450,3 +450,25 @@ def test_int8_regional_compile_compiles_nothing_after_the_first_step(tiny, demo_
             assert now == graphs, f"step {step} compiled again: {now} after {graphs}"
     assert sum(counters["graph_break"].values()) == 0
     torch._dynamo.reset()
+
+
+def test_a_linear_tied_to_another_module_is_not_quantized():
+    """A tied LM head (Flux.2 [klein]'s Qwen3, tie_word_embeddings) shares its weight with
+    the embedding: quantizing it broke the tie (a 4-bit copy beside the full embedding,
+    more bytes than none) and the memory estimate counted the shared tensor once."""
+    from torch import nn
+
+    from raylora.model.quantize import quantizable, quantize_module
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(64, 32)
+            self.proj = nn.Linear(32, 32)
+            self.head = nn.Linear(32, 64, bias=False)
+            self.head.weight = self.embed.weight  # tied
+
+    lm = LM()
+    assert [name for name, _ in quantizable(lm)] == ["proj"]
+    assert quantize_module(lm, "nf4", torch.float32, "cpu") == 1
+    assert lm.head.weight is lm.embed.weight and type(lm.head) is nn.Linear

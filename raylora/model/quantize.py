@@ -109,10 +109,17 @@ def _skipped(name: str, keep: list[str]) -> bool:
 def quantizable(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     """(qualified name, layer) of every linear ``quantize_module`` swaps: each plain
     ``nn.Linear`` outside the modules the model keeps in fp32 (``_keep_in_fp32_modules``,
-    e.g. T5's ``wo``). A memory estimate reads the same list, so the two cannot disagree."""
+    e.g. T5's ``wo``), and each whose weight another module shares (a tied LM head, as
+    Flux.2 [klein]'s Qwen3 has: quantized, it became a 4-bit copy beside the embedding it
+    was, more bytes than none, and the estimate counted the shared tensor once, at 4
+    bits). A memory estimate reads the same list, so the two cannot disagree."""
     keep = list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    owners: dict[int, int] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
     return [(name, m) for name, m in model.named_modules()
-            if type(m) is nn.Linear and not _skipped(name, keep)]
+            if type(m) is nn.Linear and not _skipped(name, keep) and owners[id(m.weight)] == 1]
 
 
 def quantize_module(model: nn.Module, kind: str, compute_dtype: torch.dtype, device) -> int:

@@ -708,3 +708,123 @@ def test_user_built_folder_loads_learns_and_its_adapter_loads(tmp_path, builder,
     adapter = tmp_path / "adapter"
     save_diffusers_adapter(accel.unwrap_model(run.model), str(adapter), run.family)
     assert stock_image_change(family, str(path), adapter) > 1e-3
+
+
+def _broken_copy(tiny_model, dst, edits: dict):
+    """A copy of the tiny SD model with each file of ``edits`` (relative name → bytes, or
+    a function of the model_index.json dict) written over."""
+    import shutil
+
+    shutil.copytree(tiny_model, dst)
+    for name, edit in edits.items():
+        if callable(edit):
+            index = json.loads((dst / name).read_text())
+            edit(index)
+            edit = json.dumps(index).encode()
+        (dst / name).write_bytes(edit)
+    return dst
+
+
+@pytest.mark.parametrize("weights", [True, False])  # train's check, and `raylora plan`'s
+@pytest.mark.parametrize("name,edit,problem", [
+    ("model_index.json", b'{"_class_name": "StableDiffusionPipeline"\n"unet": 1}',
+     "model_index.json: not valid JSON (Expecting ',' delimiter: line 2 column 1)"),
+    ("model_index.json", b"", "model_index.json: empty, not JSON"),
+    ("model_index.json", b"[1, 2]", "model_index.json: an array, not a JSON object"),
+    ("vae/config.json", b'{"in_channels": 3, "out',
+     "vae/config.json: not valid JSON (Unterminated string starting at: line 1 column 20)"),
+    ("scheduler/scheduler_config.json", b'{"_class_name": "PNDM',
+     "scheduler/scheduler_config.json: not valid JSON (Unterminated string starting at: line 1 column 17)"),
+    ("unet/config.json", b'{"in_channels": 3, "out',
+     "unet/config.json: not valid JSON (Unterminated string starting at: line 1 column 20)"),
+    ("tokenizer/tokenizer_config.json", b"\xff\xfe{",
+     "tokenizer/tokenizer_config.json: not valid JSON (not UTF-8 text)"),
+    ("model_index.json", lambda i: i.pop("vae"),
+     'model_index.json has no "vae" entry (the [library, class] pair a sd pipeline needs)'),
+    ("model_index.json", lambda i: i.update(vae=[None, None]),
+     'model_index.json: "vae" is [null, null], not the [library, class] pair a sd pipeline needs'),
+    ("model_index.json", lambda i: i.update(unet="UNet2DConditionModel"),
+     'model_index.json: "unet" is "UNet2DConditionModel", not the [library, class] pair a sd '
+     "pipeline needs"),
+    ("model_index.json", lambda i: i.update(text_encoder=["transformers", "CLIPTextModelV9"]),
+     'model_index.json: "text_encoder" is transformers.CLIPTextModelV9, which the transformers '
+     "installed here does not have (saved by a newer version?)"),
+], ids=["index-json", "index-empty", "index-array", "vae-config", "scheduler-config",
+        "unet-config", "tokenizer-config", "no-vae", "vae-null", "unet-string", "unknown-class"])
+def test_check_model_names_a_damaged_config_in_one_line(tiny_model, tmp_path, name, edit, problem,
+                                                        weights):
+    """A damaged model_index.json or component config is one line naming the file, before
+    any worker starts: it was json's bare "Expecting ',' delimiter: line 2 column 1", or a
+    traceback from the plan's meta model or every worker's load (KeyError 'vae',
+    'NoneType' object has no attribute 'startswith', 'list' object has no attribute 'get')."""
+    from raylora.model.load import check_model
+    from raylora.storage import Storage
+
+    path = _broken_copy(tiny_model, tmp_path / "m", {name: edit})
+    with pytest.raises(ValueError) as exc:
+        check_model(str(path), Storage(), weights=weights)
+    assert str(exc.value) == f"model.pretrained: {path}/{problem}"
+
+
+def test_detect_refuses_an_index_that_is_not_an_object():
+    from raylora.model import families
+
+    with pytest.raises(ValueError, match=r"^--model: model_index.json is not a JSON object$"):
+        families.detect([1, 2], "--model")
+
+
+@pytest.mark.parametrize("cut,why", [
+    ("half", "truncated: {size:,} of the {full:,} bytes its header describes"),
+    ("header", "truncated: 100 bytes, less than its {header:,}-byte header"),
+    ("longer", "longer than its header describes: {size:,} bytes, not {full:,}"),
+    ("html", "not a safetensors file: its first 8 bytes are no header length"),
+], ids=["half", "header", "longer", "html"])
+def test_check_model_names_a_truncated_safetensors_file(tiny_model, tmp_path, cut, why):
+    """A .safetensors file that is not as long as its header says (an interrupted copy)
+    passed the plan and failed every worker's load after Ray started (97 lines of
+    traceback, again at each restart); the header alone tells, two small reads."""
+    from raylora.model.load import check_model
+    from raylora.storage import Storage
+
+    weights = f"{tiny_model}/unet/diffusion_pytorch_model.safetensors"
+    data = open(weights, "rb").read()
+    header = 8 + int.from_bytes(data[:8], "little")
+    broken = {"half": data[:len(data) // 2], "header": data[:100], "longer": data + b"\0" * 8,
+              "html": b"<html><body>Service Unavailable</body></html>" * 40}[cut]
+    path = _broken_copy(tiny_model, tmp_path / "m", {"unet/diffusion_pytorch_model.safetensors": broken})
+    with pytest.raises(FileNotFoundError) as exc:
+        check_model(str(path), Storage())
+    assert str(exc.value) == (
+        f"model.pretrained: {path}: damaged weights in {path}/unet (diffusion_pytorch_model."
+        f"safetensors is {why.format(size=len(broken), full=len(data), header=header)}); an "
+        "upload or copy that stopped part way? Copy the model again")
+    # `raylora plan` reads no weights (it sizes a folder of configs alone)
+    assert check_model(str(path), Storage(), weights=False)["family"].name == "sd"
+
+
+def test_check_model_reads_a_stored_safetensors_header_not_the_file(tiny_model, tmp_path,
+                                                                      moto_endpoint, monkeypatch):
+    """In object storage the header is read with ranged reads (``Storage.open_input``), so
+    a truncated upload is named before any node downloads the model."""
+    import boto3
+
+    from raylora.model.load import check_model
+    from raylora.storage import Storage
+
+    for k, v in (("AWS_ENDPOINT_URL", moto_endpoint), ("AWS_ACCESS_KEY_ID", "AKIARAYLORAFAKE00032"),
+                 ("AWS_SECRET_ACCESS_KEY", "fake/secret"), ("AWS_REGION", "us-east-1")):
+        monkeypatch.setenv(k, v)
+    boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1").create_bucket(
+        Bucket="raylora-trunc")
+    data = open(f"{tiny_model}/text_encoder/model.safetensors", "rb").read()
+    path = _broken_copy(tiny_model, tmp_path / "m", {"text_encoder/model.safetensors": data[:-1000]})
+    store = Storage()
+    store.upload_dir(str(path), "s3://raylora-trunc/m")
+    store.upload_dir(tiny_model, "s3://raylora-trunc/whole")
+    with pytest.raises(FileNotFoundError) as exc:
+        check_model("s3://raylora-trunc/m", store)
+    assert str(exc.value) == (
+        "model.pretrained: s3://raylora-trunc/m: damaged weights in s3://raylora-trunc/m/"
+        f"text_encoder (model.safetensors is truncated: {len(data) - 1000:,} of the "
+        f"{len(data):,} bytes its header describes); an upload that stopped part way?")
+    assert check_model("s3://raylora-trunc/whole", store)["family"].name == "sd"

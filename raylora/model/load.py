@@ -104,9 +104,10 @@ def check_model(path: str, store: Storage, revision: str | None = None,
     "scheduler_config": dict, "commit": str | None}`` (``commit``: the hub commit read; for
     a folder in object storage the version of its files listed (``stored_version``), which
     ``RayLoraConfig.at_commit`` pins as a hub commit is; None for a local folder); raises
-    FileNotFoundError (or ValueError for an unsupported pipeline, PermissionError for a
-    gated repo) naming the path, ``hub.Unreachable`` when a hub repo can be read neither
-    from the hub nor from this machine's cache.
+    FileNotFoundError (or ValueError for an unsupported pipeline, a config that does not
+    parse, a ``model_index.json`` without a component's ``[library, class]``;
+    PermissionError for a gated repo) naming the path, ``hub.Unreachable`` when a hub
+    repo can be read neither from the hub nor from this machine's cache.
     """
     if is_hub_id(path):
         from raylora.model import hub
@@ -115,9 +116,10 @@ def check_model(path: str, store: Storage, revision: str | None = None,
             raise FileNotFoundError(f"{key}: {path}: no such folder here, and not "
                                     "a hub id (owner/name)")
         repo = hub.Repo(path, revision)
-        files, read = repo.files, repo.read_json  # files None: offline, the cache has no list
+        files = repo.files  # None: offline, the cache has no list
         sizes, read_bytes = repo.sizes or {}, repo.read_bytes
-        what = "repo"
+        # no ranged read of a hub file here: its .safetensors headers are not checked
+        what, damaged = "repo", None
     else:
         info = store.info(path)
         if info.type.name == "NotFound":
@@ -130,8 +132,12 @@ def check_model(path: str, store: Storage, revision: str | None = None,
         def read_bytes(name: str) -> bytes:
             return store.read_bytes(storage.join(path, name))
 
-        def read(name: str) -> dict:
-            return json.loads(read_bytes(name))
+        def damaged(name: str, size: int) -> str | None:  # two small reads, not the weights
+            def read() -> str | None:
+                with store.open_input(storage.join(path, name)) as f:
+                    return safetensors_problem(size, f)
+
+            return read() if storage.is_local(path) else storage.retried_read(read)
 
         sizes = {name: i.size for name, i in found.items()}
 
@@ -142,11 +148,19 @@ def check_model(path: str, store: Storage, revision: str | None = None,
         raise FileNotFoundError(
             f"{key}: {path}: not a diffusers {what} (no model_index.json)"
         )
+    parsed: dict[str, dict] = {}  # each config read once (a request each in storage or the hub)
+
+    def read(name: str) -> dict:
+        if name not in parsed:
+            parsed[name] = parsed_json(read_bytes(name), f"{key}: {path.rstrip('/')}/{name}")
+        return parsed[name]
+
     index = read("model_index.json")
     family = families.detect(index, f"{key}: {path}")
     # and every expert the index names (Wan 2.2 A14B's transformer_2)
-    experts = [c for c in family.experts.values() if (index.get(c) or [None])[0] is not None]
+    experts = [c for c in family.experts.values() if index.get(c) not in (None, [None, None])]
     components = list(dict.fromkeys([*family.components(), *experts]))
+    tokenizers = {t.tokenizer for t in family.text}
     if files is not None:
         present = {f.split("/", 1)[0] for f in files if "/" in f}
         missing = [c for c in components if c not in present]
@@ -155,10 +169,20 @@ def check_model(path: str, store: Storage, revision: str | None = None,
                 f"{key}: {path}: missing component folder(s) of a {family.name} "
                 f"pipeline: {', '.join(missing)}"
             )
+    index_problem(index, components, tokenizers, family.name,
+                  f"{key}: {path.rstrip('/')}/model_index.json")
+    if files is not None:
+        # Each config the plan and the workers parse (the VAE's and the scheduler's below):
+        # a damaged one named here, not by a worker's traceback after the cluster started.
+        for c in components:
+            name = (f"{c}/tokenizer_config.json" if c in tokenizers else
+                    "scheduler/scheduler_config.json" if c == "scheduler" else f"{c}/config.json")
+            if name in files:
+                read(name)
         # The scheduler and tokenizers are configs; the rest are loaded from weights.
-        configs_only = {"scheduler", *(t.tokenizer for t in family.text)}
+        configs_only = {"scheduler", *tokenizers}
         weighted = [c for c in components if c not in configs_only]
-        hollow = hollow_weights(sizes, weighted, read_bytes) if weights else {}
+        hollow = hollow_weights(sizes, weighted, read_bytes, damaged) if weights else {}
         if weights:
             weights_problem(path, files, weighted, hollow, key)
         if variant:
@@ -170,29 +194,112 @@ def check_model(path: str, store: Storage, revision: str | None = None,
             "files": files}
 
 
+def parsed_json(data: bytes, what: str) -> dict:
+    """A config file's JSON object; ValueError naming ``what`` (the key and the file) when
+    it is not one: ``json``'s own message names only a line and column."""
+    if not data.strip():
+        raise ValueError(f"{what}: empty, not JSON")
+    try:
+        value = json.loads(data)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what}: not valid JSON ({exc.msg}: line {exc.lineno} column "
+                         f"{exc.colno})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{what}: not valid JSON (not UTF-8 text)") from None
+    if not isinstance(value, dict):
+        kind = {list: "an array", str: "a string", bool: "true or false",
+                type(None): "null"}.get(type(value), "a number")
+        raise ValueError(f"{what}: {kind}, not a JSON object")
+    return value
+
+
+def index_problem(index: dict, components: list[str], tokenizers: set[str], family: str,
+                  what: str) -> None:
+    """Raise ValueError naming ``what`` (``model_index.json``) when a component raylora
+    loads has no ``[library, class]`` pair there, or (other than a tokenizer, which
+    ``AutoTokenizer`` loads by its own config) names a class this environment lacks: each
+    failed in the plan's or every worker's load, as a traceback, after the folder passed."""
+    for c in components:
+        entry = index.get(c)
+        if entry is None:
+            raise ValueError(f'{what} has no "{c}" entry (the [library, class] pair a '
+                             f"{family} pipeline needs)")
+        if not (isinstance(entry, list) and len(entry) >= 2
+                and all(isinstance(x, str) and x for x in entry[:2])):
+            raise ValueError(f'{what}: "{c}" is {json.dumps(entry)}, not the [library, class] '
+                             f"pair a {family} pipeline needs")
+        if c in tokenizers:
+            continue
+        library, name = entry[:2]
+        try:
+            import_class(library, name)
+        except ImportError:
+            raise ValueError(f'{what}: "{c}" is a {library} class, and {library} is not '
+                             "installed here") from None
+        except AttributeError:
+            raise ValueError(f'{what}: "{c}" is {library}.{name}, which the {library} '
+                             "installed here does not have (saved by a newer version?)") from None
+
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 # What a clone without git-lfs (or `GIT_LFS_SKIP_SMUDGE=1`) leaves in place of each large
 # file: ~130 bytes of text starting with this line.
 LFS_POINTER = b"version https://git-lfs"
 _POINTER_MAX_BYTES = 1024
+EMPTY, POINTER = "empty", "a git-lfs pointer, not the weights"
+# The safetensors library's own bound on a header; a larger length is not a header.
+_SAFETENSORS_HEADER_MAX = 100_000_000
 
 
 def hollow_weights(sizes: dict[str, int], components: list[str],
-                   read_bytes: Callable[[str], bytes]) -> dict[str, str]:
-    """Weight files of ``components`` that hold no weights: name → why (empty, a git-lfs
-    pointer). ``sizes``: a folder's or hub repo's files (``stored_files``,
-    ``hub.Repo.sizes``); ``read_bytes``: a file's bytes by name. Only files under 1 KiB
-    are read (a pointer is ~130 bytes; no real weights are that small): a folder in object
-    storage or a hub repo costs one small read per such file, usually none."""
+                   read_bytes: Callable[[str], bytes],
+                   damaged: Callable[[str, int], str | None] | None = None) -> dict[str, str]:
+    """Weight files of ``components`` that hold no weights, or not all of theirs: name →
+    why (``EMPTY``, ``POINTER``, or a damaged ``.safetensors``: ``safetensors_problem``).
+    ``sizes``: a folder's or hub repo's files (``stored_files``, ``hub.Repo.sizes``);
+    ``read_bytes``: a file's bytes by name. Only files under 1 KiB are read whole (a
+    pointer is ~130 bytes; no real weights are that small): a folder in object storage or
+    a hub repo costs one small read per such file, usually none. ``damaged``: why a
+    ``.safetensors`` file (name, size) would not load, from its header
+    (``safetensors_problem``), or None: not checked."""
     hollow = {}
     for name, size in sizes.items():
         if name.split("/", 1)[0] not in components or not name.endswith(WEIGHT_SUFFIXES):
             continue
         if size == 0:
-            hollow[name] = "empty"
+            hollow[name] = EMPTY
         elif size < _POINTER_MAX_BYTES and read_bytes(name).startswith(LFS_POINTER):
-            hollow[name] = "a git-lfs pointer, not the weights"
+            hollow[name] = POINTER
+        elif damaged is not None and name.endswith(".safetensors"):
+            if why := damaged(name, size):
+                hollow[name] = why
     return hollow
+
+
+def safetensors_problem(size: int, f) -> str | None:
+    """Why a ``.safetensors`` file of ``size`` bytes (``f``: open, at its start) would not
+    load, from its 8-byte header length and its JSON header alone: the tensors' data must
+    end where the file does (the loader refuses a file that is shorter or longer). An
+    interrupted copy or download leaves a file that lists and opens, and every worker's
+    load failed on it after the cluster started."""
+    if size < 8:
+        return f"truncated: {size} bytes, less than a header"
+    length = int.from_bytes(f.read(8), "little")
+    if length > _SAFETENSORS_HEADER_MAX:
+        return "not a safetensors file: its first 8 bytes are no header length"
+    if 8 + length > size:
+        return f"truncated: {size:,} bytes, less than its {8 + length:,}-byte header"
+    try:
+        header = json.loads(f.read(length))
+        end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"),
+                  default=0)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return "not a safetensors file: its header does not parse"
+    if size < 8 + length + end:
+        return f"truncated: {size:,} of the {8 + length + end:,} bytes its header describes"
+    if size > 8 + length + end:
+        return f"longer than its header describes: {size:,} bytes, not {8 + length + end:,}"
+    return None
 
 
 def weights_problem(path: str, files: set[str], components: list[str], hollow: dict[str, str],
@@ -201,29 +308,40 @@ def weights_problem(path: str, files: set[str], components: list[str], hollow: d
     weights file (``.safetensors``/``.bin``, one or a shard, other than those in
     ``hollow``): an upload or download that stopped part way, a clone without git-lfs.
     The plan passed them and every worker's load failed after the cluster started
-    ("no file named diffusion_pytorch_model.bin found in directory" the model root)."""
-    lacking, pointers = [], False
+    ("no file named diffusion_pytorch_model.bin found in directory" the model root).
+    Also each folder with a damaged weights file (``safetensors_problem``), whatever else
+    it holds."""
+    lacking, damaged, pointers = [], [], False
     for c in components:
         names = sorted(f for f in files if f.startswith(f"{c}/") and f.endswith(WEIGHT_SUFFIXES))
+        folder = f"{path.rstrip('/')}/{c}"
+        # An empty file or a pointer beside real weights is left alone (the loader reads
+        # those); a damaged file is not: it may be one shard of several, or what is loaded.
+        cut = [n for n in names if n in hollow and hollow[n] not in (EMPTY, POINTER)]
+        if cut:
+            damaged.append(f"{folder} ({'; '.join(f'{n[len(c) + 1:]} is {hollow[n]}' for n in cut)})")
+            continue
         if any(n not in hollow for n in names):
             continue
-        folder = f"{path.rstrip('/')}/{c}"
         if names:
-            pointers = pointers or any("git-lfs" in hollow[n] for n in names)
+            pointers = pointers or any(hollow[n] == POINTER for n in names)
             why = "; ".join(f"{n[len(c) + 1:]} is {hollow[n]}" for n in names)
             lacking.append(f"{folder} ({why})")
         else:
             lacking.append(f"{folder} (no .safetensors or .bin file)")
-    if lacking:
+    if lacking or damaged:
         here = storage.is_local(path) and not is_hub_id(path)
+        hints = []
         if pointers:
-            hint = ("a clone without git-lfs: `git lfs pull` in it fetches them" if here else
-                    "pushed or copied from a clone without git-lfs (`git lfs pull` there "
-                    "fetches them)")
-        else:
-            hint = ("an upload or copy that stopped part way? Copy the model again" if here
-                    else "an upload that stopped part way?")
-        raise FileNotFoundError(f"{key}: {path}: no weights in {', '.join(lacking)}; {hint}")
+            hints.append("a clone without git-lfs: `git lfs pull` in it fetches them" if here else
+                         "pushed or copied from a clone without git-lfs (`git lfs pull` there "
+                         "fetches them)")
+        if damaged or (lacking and not pointers):
+            hints.append("an upload or copy that stopped part way? Copy the model again" if here
+                         else "an upload that stopped part way?")
+        what = ([f"no weights in {', '.join(lacking)}"] if lacking else []) + \
+            ([f"damaged weights in {', '.join(damaged)}"] if damaged else [])
+        raise FileNotFoundError(f"{key}: {path}: {'; '.join(what)}; {'; '.join(hints)}")
 
 
 def variant_problem(path: str, files: set[str], components: list[str], variant: str) -> None:

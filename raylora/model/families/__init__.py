@@ -34,6 +34,8 @@ def get(name: str) -> type[Family]:
 def detect(index: dict, where: str = "model.pretrained") -> type[Family]:
     """The family of a pipeline from its ``model_index.json`` ``_class_name`` (never from
     which folders exist: Flux has a ``text_encoder_2`` as SDXL does)."""
+    if not isinstance(index, dict):  # a damaged file: named, not an AttributeError
+        raise ValueError(f"{where}: model_index.json is not a JSON object")
     found = index.get("_class_name")
     for n in _modules():
         fam = get(n)

@@ -13,6 +13,7 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 
@@ -30,7 +31,7 @@ from raylora.launch import Plan
 from raylora.model.lora import digest
 from raylora.progress import every_n_steps
 from raylora.storage import complete_upload
-from raylora.train.loop import DataEndedError, LoopHooks, LoopSettings, run_loop, sample_hashes
+from raylora.train.loop import LoopHooks, LoopSettings, run_loop, sample_hashes
 from raylora.train.fsdp import param_bytes_per_rank
 from raylora.train.setup import attention_planner, build_run, nonfinite_advice, write_checkpoint
 
@@ -225,20 +226,18 @@ PREFETCH_BATCHES = 4
 
 
 def _passes_needed(spec: WorkerSpec, epoch: int, per_epoch: int, world: int) -> int:
-    """Passes over the data from ``epoch`` on that the rest of the run trains on. The
-    stream runs ahead (its next pass is read while an epoch ends), so passes past the end
-    would be read for nothing; but a stream that runs out opens a new one, which a
-    dynamically split stream on several workers must not (the workers would have to start
-    it together), so it gets room for rows that are never delivered (bad records, a
-    held-out split above its expected size) and for workers' uneven shares of a pass."""
+    """Passes over the data from ``epoch`` on that the rest of the run trains on (an epoch
+    is one pass). The stream runs ahead (its next pass is read while an epoch ends), so
+    passes past the end would be read for nothing. One worker under ``stream`` with a
+    held-out split gets one more: a split holding out more than its expected share makes
+    epochs shorter than planned, and the run trains into one more pass (a stream that runs
+    out reopens, at the cost of a pipeline start)."""
     t, data = spec.config.train, spec.config.data
     left = max(1, spec.plan.max_steps * t.gradient_accumulation_steps - epoch * per_epoch)
     passes = -(-left // per_epoch)
-    if data.sharding == "files":
-        return passes  # exact: an epoch is one pass (and each worker reopens on its own)
-    if world == 1:
-        return passes + (1 if data.validation_split else 0)
-    return passes + passes // 4 + 2
+    if data.sharding == "stream" and world == 1 and data.validation_split:
+        return passes + 1
+    return passes
 
 
 def rank_seed(seed: int, rank: int) -> int:
@@ -252,16 +251,18 @@ def rank_seed(seed: int, rank: int) -> int:
 
 
 def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
-    """``epoch -> iterable of batches`` over this worker's data (``EpochStream``): every
-    epoch from one Ray Data execution over the passes the run needs. ``data.sharding=
-    stream``: rank 0 builds the dataset and splits it over the workers; ``files``: each
-    worker builds one of its own files. Pass ``e``'s read order and preprocessing draws
+    """``epoch -> iterable of batches`` over this worker's data (``EpochStream``), an epoch
+    being one pass over the data. ``data.sharding=files``: each worker builds one dataset
+    of its own files over the passes the run needs; ``stream``: one worker builds one
+    dataset of all of them, several take each pass from a dataset of its own that rank 0
+    splits over them (``_PassSplits``). Pass ``e``'s read order and preprocessing draws
     depend on the seed and ``e`` alone (raylora.data.source.build_dataset), so under
     ``files`` the stream a resumed run opens at its epoch repeats the straight run's."""
     from raylora.data.captions import cut_captions, drop_cached_captions
     from raylora.data.prior import paired
     from raylora.model import families
-    from raylora.data.source import DataPlan, EpochStream, build_dataset, global_share, pass_batches
+    from raylora.data.source import (DataPlan, EpochStream, build_dataset, global_share,
+                                     pass_batches, pass_blocks)
     from raylora.launch import cached_caption_dropout
 
     cfg, plan = spec.config, spec.plan
@@ -273,7 +274,7 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
     data_seed = data.shuffle_seed if data.shuffle_seed is not None else t.seed
     store = cfg.storage.client()
     per_epoch = _micro_batches_per_epoch(spec)
-    # This worker's rows in a pass (an estimate when split dynamically): a smaller pass
+    # This worker's rows in a pass (an estimate with a held-out split): a smaller pass
     # need not wait for the next one to be shuffled whole (pass_batches).
     everything = plan.data_plan()
     mine = everything if elastic else everything.for_rank(rank, world)
@@ -282,16 +283,15 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
     # files: the worker's own preprocessing draws (an elastic run reads one order everywhere)
     draws_seed = rank_seed(data_seed, rank) if by_files and not elastic else data_seed
 
-    def dataset(epoch: int, data_plan: DataPlan, tasks: int):
+    def dataset(epoch: int, data_plan: DataPlan, tasks: int, epochs: int | None = None):
         ds = build_dataset(data, data_plan, store, model_path=plan.model_path, seed=draws_seed,
                            num_preprocess_tasks=tasks, family=plan.family,
                            bad_records=plan.bad_records, tokenizer_specs=spec.tokenizer_specs,
                            revision=spec.config.model.revision, epoch=epoch,
-                           epochs=_passes_needed(spec, epoch, per_epoch, world))
+                           epochs=epochs or _passes_needed(spec, epoch, per_epoch, world))
         ds.context.enable_progress_bars = spec.progress_bar
         return ds
 
-    splits = []
     # Prior preservation: class samples appended to every batch (raylora.data.prior), in
     # the prefetch thread like the rest of the stream.
     # Elastic: per-batch draws (cached caption dropout, class rows) keyed on the batch's
@@ -299,36 +299,28 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
     deal = (world, rank) if elastic else None
     classes = (_class_batches(spec, 0 if elastic else rank, data_seed)
                if plan.class_rows or plan.class_encoded is not None else None)
+    last = _passes_needed(spec, 0, per_epoch, world) - 1  # the run's planned last pass
+    board = _pass_board(lambda e: dataset(e, everything, world, epochs=1), rank, world, last) \
+        if not by_files and world > 1 else None
 
-    def shard(epoch: int):
-        if by_files:
-            return dataset(epoch, mine, 1)
-        if splits and world > 1:
-            # Every rank would have to get here at the same step; they need not (their
-            # batch counts per pass differ), so stop rather than hang (see _passes_needed).
-            raise DataEndedError(
-                f"epoch {epoch}: the data stream ended before the run did (fewer rows "
-                f"arrived than planned: bad records, data.validation_split, or shards "
-                f"holding fewer samples than their manifest.json or img2dataset "
-                f"_stats.json says)")
-        if world == 1:  # nothing to split: no coordinator actor to start (1-2 s)
-            splits.append(dataset(epoch, everything, 1))
-            return splits[-1]
-        # Rank 0 splits one dataset; every rank takes its part (the iterators pickle).
-        parts = [dataset(epoch, everything, world).streaming_split(world, equal=True)
-                 if rank == 0 else None]
-        torch.distributed.broadcast_object_list(parts, src=0)
-        splits.append(parts[0][rank])
-        return splits[-1]
+    def blocks(epoch: int):
+        if board is not None:
+            # Past the planned passes (epochs shorter than planned) each is opened when
+            # the loop asks for it, not read ahead for nothing at the run's end.
+            return pass_blocks(epoch, lambda p: _pass_part(board, p, rank)
+                               if p == epoch or p <= last else None, PREFETCH_BATCHES)
+        # files, or one worker: nothing to split (no coordinator actor to start, 1-2 s)
+        ds = dataset(epoch, mine if by_files else everything, 1)
+        return ds.iter_batches(batch_size=None, batch_format="numpy",
+                               prefetch_batches=PREFETCH_BATCHES)
 
     def open_stream(epoch: int):
-        blocks = shard(epoch).iter_batches(batch_size=None, batch_format="numpy",
-                                           prefetch_batches=PREFETCH_BATCHES)
+        rows = blocks(epoch)
         # Elastic: one shuffle for all workers (the global order), not one per rank.
         seed = lambda e: data_seed + 7919 * e + (0 if elastic else rank)  # noqa: E731
-        if plan.bucket_steps is not None:
-            return _cut(_dropped(_bucketed(blocks, plan, t.batch_size, data_seed, seed)))
-        batches = pass_batches(blocks, t.batch_size, data.shuffle_buffer_size, seed=seed,
+        if plan.bucket_steps is not None:  # one worker, or files (config): no pass_blocks
+            return _cut(_dropped(_bucketed(rows, plan, t.batch_size, data_seed, seed)))
+        batches = pass_batches(rows, t.batch_size, data.shuffle_buffer_size, seed=seed,
                                pass_rows=pass_rows)
         if elastic:
             batches = global_share(batches, rank, world)
@@ -355,8 +347,69 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
         return drop_cached_captions(batches, plan.empty_encoded, cached_caption_dropout(cfg),
                                     data_seed, 0 if elastic else rank, deal)
 
-    return EpochStream(open_stream, per_epoch, per_pass=by_files, convert=_to_device(device),
+    return EpochStream(open_stream, per_epoch, per_pass=True, convert=_to_device(device),
                        prefetch=PREFETCH_BATCHES)
+
+
+class _PassSplits:
+    """``data.sharding=stream`` on several workers: each pass over the data is a dataset
+    of its own, split over the workers with ``streaming_split(equal=True)``, so every
+    worker gets the same number of that pass's rows (rows // workers, the rest dropped)
+    and trains the same batches of it. One dataset of all passes, split once, is evened
+    out only at its end: a worker handed more of the first pass's rows took the second
+    pass's early, training rows twice in an epoch and others not at all.
+
+    Runs as an actor (``_pass_board``) that each worker asks for its part of a pass when
+    its stream gets there (``part``), at its own pace: no collective between epochs, and
+    the next pass is split ahead (its coordinator actor started) when one is first asked
+    for. The parts reach the workers as Ray return values, so Ray counts each worker's
+    reference and a pass's coordinator (and the blocks it owns) lives until the last
+    worker is done with it; parts pickled out of band (a broadcast) are not counted, and
+    the coordinator died under the workers still reading once rank 0 had finished."""
+
+    def __init__(self, make: Callable, world: int, last: int):
+        self._make, self._world, self._last = make, world, last
+        self._splits: dict = {}  # pass -> its parts, until every worker has taken its own
+        self._taken: dict = {}  # pass -> the ranks that took theirs
+
+    def part(self, p: int, rank: int):
+        taken = self._taken.setdefault(p, set())
+        if rank in taken:  # a second split of it would wait for the others forever
+            raise RuntimeError(f"data.sharding=stream: worker {rank} asked for pass {p} twice")
+        taken.add(rank)
+        parts = self._split(p)
+        if len(taken) == self._world:
+            del self._splits[p]
+        if p + 1 <= self._last and not self._taken.get(p + 1):
+            self._split(p + 1)
+        return parts[rank]
+
+    def _split(self, p: int):
+        if p not in self._splits:
+            self._splits[p] = self._make(p).streaming_split(self._world, equal=True)
+        return self._splits[p]
+
+
+def _pass_board(make: Callable, rank: int, world: int, last: int):
+    """The run's ``_PassSplits`` actor: rank 0 starts it on its node (where the coordinators
+    were made before) and hands the handle to every rank (the actor lives as long as
+    rank 0 holds it: the run's stream)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    board = [None]
+    if rank == 0:
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        board[0] = ray.remote(num_cpus=0)(_PassSplits).options(scheduling_strategy=here).remote(
+            make, world, last)
+    torch.distributed.broadcast_object_list(board, src=0)
+    return board[0]
+
+
+def _pass_part(board, p: int, rank: int):
+    """This rank's blocks of pass ``p`` (``_PassSplits``)."""
+    part = ray.get(board.part.remote(p, rank))
+    return part.iter_batches(batch_size=None, batch_format="numpy",
+                             prefetch_batches=PREFETCH_BATCHES)
 
 
 def _micro_batches_per_epoch(spec: WorkerSpec) -> int:

@@ -210,3 +210,195 @@ def test_one_pipeline_serves_every_epoch_each_row_once_with_new_draws(
             draws.append({int(i) % (ROWS // 2): tuple(c) for i, c in zip(ids, got["crop_top_left"])})
         assert sorted(draws[0]) == sorted(draws[1]) == list(range(ROWS // 2))
         assert sum(draws[0][i] != draws[1][i] for i in range(ROWS // 2)) >= ROWS // 6
+
+
+def test_pass_blocks_chains_passes_and_starts_the_next_one_before_the_last_batches():
+    """Several stream workers take each pass from a dataset of its own (pass_blocks): the
+    batches are those of one stream of all passes; the next pass's blocks are asked for
+    (its execution started) before the current pass's last batches are drawn; the stream
+    ends where a pass is missing, and closing it stops a next pass already started."""
+    import threading
+
+    from raylora.data.source import pass_blocks
+
+    started, closed = {}, []
+
+    def blocks_of(p):
+        if p >= 3:
+            return None
+
+        def gen():
+            started[p] = threading.Event()
+            started[p].set()
+            try:
+                yield from blocks([p], 10, 4)
+            finally:
+                closed.append(p)
+        return gen()
+
+    seed = lambda e: 100 + e  # noqa: E731
+    chained = pass_batches(pass_blocks(0, blocks_of, ahead=1), 3, 64, seed)
+    got = []
+    for e, b in chained:
+        if e == 0 and not got:  # pass 0's first batch: drawn once its last block is here...
+            assert started[1].wait(5)  # ...and pass 1 was started before it
+        got.append((e, b["id"].tolist()))
+    assert got == batches(pass_batches(blocks(range(3), 10, 4), 3, 64, seed))
+    assert [e for e, _ in got] == [0] * 3 + [1] * 3 + [2] * 3  # 3 batches a pass; 1 row dropped
+
+    # Closed in pass 0 (after pass 1 was started): pass 1's blocks are closed too.
+    closed.clear()
+    it = pass_batches(pass_blocks(0, blocks_of, ahead=1), 3, 64, seed)
+    next(it)
+    it.close()
+    assert started[1].wait(5) and sorted(closed) == [0, 1]
+
+
+def test_pass_splits_hand_each_worker_its_part_of_every_pass_once():
+    """_PassSplits (the stream workers' board): a pass is split once, whichever worker asks
+    first, the next one ahead (up to the run's planned last pass), each worker gets its
+    own part, and a pass is let go once every worker took its part; a pass past the plan
+    is split when asked for; a worker asking twice is an error, not a hang."""
+    from raylora import worker
+
+    made = []
+
+    class Dataset:
+        def __init__(self, p):
+            made.append(p)
+            self.p = p
+
+        def streaming_split(self, n, equal):
+            assert equal and n == 2
+            return [f"pass {self.p} rank {r}" for r in range(n)]
+
+    board = worker._PassSplits(Dataset, world=2, last=2)
+    assert board.part(0, 1) == "pass 0 rank 1" and made == [0, 1]  # pass 1 ahead
+    assert board.part(0, 0) == "pass 0 rank 0" and made == [0, 1]
+    assert board.part(1, 0) == "pass 1 rank 0" and made == [0, 1, 2]
+    assert sorted(board._splits) == [1, 2]  # pass 0: every worker has its part
+    assert board.part(2, 0) == "pass 2 rank 0" and made == [0, 1, 2]  # 2: the last planned
+    assert [board.part(p, 1) for p in (1, 2)] == ["pass 1 rank 1", "pass 2 rank 1"]
+    assert board.part(3, 1) == "pass 3 rank 1" and made == [0, 1, 2, 3]  # past the plan
+    with pytest.raises(RuntimeError, match="worker 1 asked for pass 3 twice"):
+        board.part(3, 1)
+
+
+@pytest.fixture(scope="module")
+def uneven_shards(tmp_path_factory):
+    """32 rows of plain colours (red = 8 × row) in files of 20, 6 and 6 rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    root, first = tmp_path_factory.mktemp("uneven"), 0
+    for f, n in enumerate((20, 6, 6)):
+        images = []
+        for i in range(first, first + n):
+            buf = io.BytesIO()
+            Image.new("RGB", (40, 32), (8 * i, 255 - 8 * i, 5 * i)).save(buf, format="PNG")
+            images.append(buf.getvalue())
+        pq.write_table(pa.table({"image": images, "text": [f"colour {i}" for i in range(first, first + n)]}),
+                       root / f"part-{f}.parquet")
+        first += n
+    return str(root)
+
+
+@pytest.mark.integration
+def test_stream_workers_each_train_their_share_of_every_pass(
+        ray_local, tiny_model, uneven_shards, tmp_path, monkeypatch):
+    """data.sharding=stream, 2 workers, files of 20, 6 and 6 rows: every epoch each worker
+    trains 8 batches of 2 (its 16 rows of the pass) and the two together train each of the
+    32 rows exactly once. One dataset of all passes split once was evened out only at its
+    end: a worker took rows of the next pass into an epoch (8 rows twice, 8 never in the
+    first). The two ranks run in threads here, the broadcast between them faked."""
+    import threading
+
+    import torch
+
+    from raylora import worker
+    from raylora.config import validate
+    from raylora.launch import plan, resolve_paths
+
+    cfg = resolve_paths(validate({
+        "model": {"pretrained": tiny_model},
+        "data": {"uri": uneven_shards, "resolution": 32, "center_crop": True,
+                 "shuffle_buffer_size": 8},
+        "train": {"batch_size": 2, "num_epochs": 3, "seed": 3},
+        "scaling": {"num_workers": 2},
+        "output": {"uri": str(tmp_path / "out")},
+    }))
+    assert cfg.data.sharding == "stream"
+    spec = worker.WorkerSpec(cfg, plan(cfg))
+    assert worker._micro_batches_per_epoch(spec) == 8
+
+    me, board, meet = threading.local(), {}, threading.Barrier(2, timeout=120)
+
+    def broadcast(objs, src):  # rank 0's list to rank 1, as torch.distributed would
+        if me.rank == src:
+            board["objs"] = objs[0]
+        meet.wait()
+        objs[0] = board["objs"]
+        meet.wait()
+
+    monkeypatch.setattr(torch.distributed, "broadcast_object_list", broadcast)
+    trained, errors = {}, []
+
+    def rank_loop(rank):
+        me.rank = rank
+        try:
+            stream = worker._epoch_batches(spec, rank, 2, torch.device("cpu"))
+            stream.start(0)
+            try:
+                trained[rank] = [[int(i) for b in stream(e)
+                                  for i in (b["pixel_values"][:, 0, 0, 0].int() + 3) // 8]
+                                 for e in range(3)]
+            finally:
+                stream.close()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+            meet.abort()
+
+    threads = [threading.Thread(target=rank_loop, args=(r,)) for r in (0, 1)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(300)
+    assert not errors, errors
+    for e in range(3):
+        mine = [trained[r][e] for r in (0, 1)]
+        assert [len(m) for m in mine] == [16, 16]  # 8 batches of 2 on each worker
+        assert sorted(mine[0] + mine[1]) == list(range(32)), e  # every row once
+
+
+@pytest.mark.integration
+def test_one_stream_worker_s_epoch_is_one_pass_when_the_split_keeps_more_rows(
+        ray_local, tiny_model, uneven_shards, tmp_path):
+    """One worker, data.validation_split 0.15 of the 32 rows: 27 training rows expected
+    (13 batches of 2 planned an epoch) but the hash keeps 30 (15 batches a pass). Each
+    epoch is the planned 13 batches of its own pass, no row twice; counted across passes,
+    epoch 1 began with the 2 batches left of pass 0 and trained rows twice."""
+    import torch
+
+    from raylora import worker
+    from raylora.config import validate
+    from raylora.launch import plan, resolve_paths
+
+    cfg = resolve_paths(validate({
+        "model": {"pretrained": tiny_model},
+        "data": {"uri": uneven_shards, "resolution": 32, "center_crop": True,
+                 "shuffle_buffer_size": 8, "validation_split": 0.15},
+        "train": {"batch_size": 2, "num_epochs": 3, "seed": 3},
+        "output": {"uri": str(tmp_path / "out")},
+    }))
+    spec = worker.WorkerSpec(cfg, plan(cfg))
+    assert worker._micro_batches_per_epoch(spec) == 13
+    stream = worker._epoch_batches(spec, 0, 1, torch.device("cpu"))
+    try:
+        epochs = [[int(i) for b in stream(e) for i in (b["pixel_values"][:, 0, 0, 0].int() + 3) // 8]
+                  for e in range(3)]
+    finally:
+        stream.close()
+    for ids in epochs:
+        assert len(ids) == 26 and len(set(ids)) == 26
+    assert len({i for ids in epochs for i in ids}) <= 30  # the training rows alone

@@ -7,10 +7,12 @@ pass (``epoch`` column), so an epoch boundary is a row in the stream, not a pipe
 the next epoch's rows are read and preprocessed while the current one ends. Shard files
 are read in parts (parquet: runs of row groups; other formats: the registry's read units)
 whose order is reshuffled every pass (seeded by the pass), and rows come out in pass order
-(``preserve_order``). Under ``data.sharding=stream`` one such dataset is split over the
-workers with ``streaming_split(equal=True)`` (raylora.worker builds it on rank 0); with
-``data.sharding=files`` every worker builds one of its own shard files
-(``DataPlan.for_rank``), read in order.
+(``preserve_order``). With ``data.sharding=files`` every worker builds one of its own
+shard files (``DataPlan.for_rank``), read in order; under ``data.sharding=stream`` one
+worker reads them all, and several workers take each pass from a dataset of its own, split
+over them with ``streaming_split(equal=True)`` (by an actor rank 0 starts:
+raylora.worker._PassSplits), so that each gets the same share of every pass;
+``pass_blocks`` chains the passes, the next one started while the current one ends.
 
 On a worker, ``pass_batches`` turns the rows into batches, each pass shuffled on its own
 through a local buffer, and ``EpochStream`` hands the training loop one epoch at a time
@@ -36,7 +38,7 @@ from raylora.storage import Storage
 
 
 __all__ = ["DataPlan", "EpochStream", "build_dataset", "global_share", "data_stage_cpus", "epoch_seed",
-           "pass_batches", "plan_data", "read_rows"]
+           "pass_batches", "pass_blocks", "plan_data", "read_rows"]
 
 # CPUs one read/preprocess task asks for. Training workers hold theirs for the whole run,
 # so the cluster must keep some beside them for these tasks (``data_stage_cpus``).
@@ -347,10 +349,11 @@ def pass_batches(blocks: Iterable[dict[str, np.ndarray]], batch_size: int, buffe
     buffer of ``buffer_rows`` rows seeded by ``seed(pass)`` (0: rows in order): once it
     holds ``buffer_rows + batch_size`` rows a batch is drawn from it at random; at the end
     of the pass (the next pass's first row) the rest is shuffled and the rows that do not
-    fill a batch are dropped. ``pass_rows``: the rows a pass is expected to bring; a
-    buffer that would hold all of them draws its first batch on the last of them, without
-    waiting for the next pass. The batches depend on the rows' order alone, not on how
-    they were cut into blocks."""
+    fill a batch are dropped; a None in ``blocks`` (``pass_blocks``) ends the pass there,
+    without waiting for the next pass's first row. ``pass_rows``: the rows a pass is
+    expected to bring; a buffer that would hold all of them draws its first batch on the
+    last of them. The batches depend on the rows' order alone, not on how they were cut
+    into blocks."""
     from raylora.data.captions import stack_rows
 
     if pass_rows is not None:
@@ -376,6 +379,10 @@ def pass_batches(blocks: Iterable[dict[str, np.ndarray]], batch_size: int, buffe
             yield current, draw(batch_size)
 
     for block in blocks:
+        if block is None:  # the pass's last row is here: its last batches now
+            yield from rest()
+            buf = []
+            continue
         for i, e in enumerate(block["epoch"].tolist()):
             if e != current:
                 yield from rest()
@@ -384,6 +391,32 @@ def pass_batches(blocks: Iterable[dict[str, np.ndarray]], batch_size: int, buffe
             if len(buf) >= buffer_rows + batch_size:
                 yield current, draw(batch_size)
     yield from rest()
+
+
+def pass_blocks(first: int, blocks_of: Callable[[int], Iterable | None], ahead: int = 4
+                ) -> Iterator[dict | None]:
+    """The blocks of passes ``first``, ``first + 1``, ... each pass from a dataset of its
+    own (``blocks_of(p)``; None: pass ``p`` is not there, and the stream ends before it),
+    with a None after each pass's last block (``pass_batches`` draws the pass's last
+    batches on it). The next pass is started (``ahead`` of its blocks fetched in a thread)
+    as soon as the current one's last block is here, so that its execution starts up
+    while the current pass's last batches are drawn and trained, not after them."""
+    p, blocks = first, blocks_of(first)
+    try:
+        while blocks is not None:
+            for block in blocks:
+                yield block
+            following = blocks_of(p + 1)
+            blocks = None if following is None else _Prefetched(iter(following), lambda b: b, ahead)
+            yield None
+            p += 1
+    finally:
+        if isinstance(blocks, _Prefetched):
+            # Not waited for long: a started pass may wait at its split's barrier for
+            # workers that stopped before it (the thread ends the iteration when it can).
+            blocks.close(timeout=5.0)
+        elif hasattr(blocks, "close"):
+            blocks.close()
 
 
 def global_share(items: Iterable[tuple[int, dict]], rank: int, world: int
@@ -408,18 +441,17 @@ def global_share(items: Iterable[tuple[int, dict]], rank: int, world: int
 
 class EpochStream:
     """``epoch -> that epoch's batches`` (what ``LoopHooks.epoch_batches`` wants), every
-    epoch from one stream of ``(pass, batch)``: ``open(epoch)`` starts one (a dataset of
-    passes ``epoch``, ``epoch + 1``, ... through ``pass_batches``) and it runs on across
-    epoch boundaries; it is opened again only when the loop asks for an epoch out of turn
-    (a resumed run's first) or the passes ran out.
+    epoch from one stream of ``(pass, batch)``: ``open(epoch)`` starts one (passes
+    ``epoch``, ``epoch + 1``, ... through ``pass_batches``) and it runs on across epoch
+    boundaries; it is opened again only when the loop asks for an epoch out of turn (a
+    resumed run's first) or the passes ran out.
 
-    Every epoch is ``batches_per_epoch`` batches, the same number on every worker so that
-    DDP steps line up. ``per_pass``: an epoch is the batches of one pass (those past
-    ``batches_per_epoch`` dropped), so a stream opened at a resumed epoch repeats it
-    exactly; else the next ``batches_per_epoch`` batches whatever their pass (workers of a
-    dynamically split stream hold different row counts of a pass). ``convert`` (e.g. to
-    tensors on the accelerator) runs in a background thread that keeps ``prefetch``
-    batches ready."""
+    Every epoch is at most ``batches_per_epoch`` batches, the same number on every worker
+    so that DDP steps line up. ``per_pass``: an epoch is the batches of one pass (those
+    past ``batches_per_epoch`` dropped), so each row is trained at most once an epoch and
+    a stream opened at a resumed epoch starts at its pass; else the next
+    ``batches_per_epoch`` batches whatever their pass. ``convert`` (e.g. to tensors on
+    the accelerator) runs in a background thread that keeps ``prefetch`` batches ready."""
 
     def __init__(self, open: Callable[[int], Iterator[tuple[int, dict]]], batches_per_epoch: int,
                  per_pass: bool, convert: Callable[[dict], dict] = lambda b: b, prefetch: int = 4):
@@ -445,7 +477,9 @@ class EpochStream:
 
     def _restart(self, epoch: int) -> None:
         self.close()
-        self._stream = _Prefetched(self._open(epoch), self._convert, self._prefetch)
+        convert = self._convert
+        self._stream = _Prefetched(self._open(epoch), lambda item: (item[0], convert(item[1])),
+                                   self._prefetch)
         self._held, self._owed, self.opened = None, 0, self.opened + 1
 
     def _epoch(self, epoch: int) -> Iterator[dict]:
@@ -496,7 +530,8 @@ class EpochStream:
 
 class _Prefetched:
     """``convert(item)`` for each item of ``source``, computed ``depth`` items ahead in a
-    daemon thread; errors are raised where the item would have been."""
+    daemon thread (which also closes ``source``); errors are raised where the item would
+    have been."""
 
     _END = object()
 
@@ -519,8 +554,8 @@ class _Prefetched:
 
     def _run(self, source: Iterator, convert: Callable) -> None:
         try:
-            for epoch, batch in source:
-                if not self._put((epoch, convert(batch))):
+            for item in source:
+                if not self._put(convert(item)):
                     break
         except BaseException as exc:  # handed to the consumer
             self._put(exc)

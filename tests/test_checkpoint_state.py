@@ -141,6 +141,20 @@ def test_a_rerun_with_the_other_expert_is_refused_before_it_resumes(tmp_path):
     assert check_latest(Storage(), str(run), trained={"model.expert": "high_noise"}) == str(ckpt)
 
 
+def _latest_checkpoint_of(tmp_path, trained: dict):
+    """(run folder, checkpoint): a run whose latest checkpoint (step 2, one rank)
+    recorded ``trained`` (state.trained_settings), as Ray's snapshot names it."""
+    run = tmp_path / "train"
+    ckpt = run / "checkpoint_a"
+    ckpt.mkdir(parents=True)
+    save_rank_state(str(ckpt), rank=0)
+    save_main_state(str(ckpt), lora_sd={"w": torch.ones(2)}, optimizer_sd={}, scheduler_sd={},
+                    scaler_sd=None, loop=LoopState(global_step=2, world_size=1), trained=trained)
+    (run / "checkpoint_manager_snapshot.json").write_text(json.dumps({
+        "latest_checkpoint_result": {"checkpoint_dir_name": "checkpoint_a"}}))
+    return run, ckpt
+
+
 def test_a_rerun_with_other_lora_settings_is_refused_naming_each(tmp_path, caplog):
     """trained_settings: what a checkpoint's LoRA state is for, by config key; check_latest
     names every key a rerun changed. Settings that leave the state loadable as it was
@@ -169,14 +183,7 @@ def test_a_rerun_with_other_lora_settings_is_refused_naming_each(tmp_path, caplo
     assert trained_settings(cfg({"init_from": "s3://b/a"}), "flux")["lora.init_from"] == "s3://b/a"
     lokr = trained_settings(cfg({"variant": "lokr", "factor": 4}), "sd")
     assert (lokr["lora.factor"], lokr["lora.decompose_both"]) == (4, False)
-    run = tmp_path / "train"
-    ckpt = run / "checkpoint_a"
-    ckpt.mkdir(parents=True)
-    save_rank_state(str(ckpt), rank=0)
-    save_main_state(str(ckpt), lora_sd={"w": torch.ones(2)}, optimizer_sd={}, scheduler_sd={},
-                    scaler_sd=None, loop=LoopState(global_step=2, world_size=1), trained=was)
-    (run / "checkpoint_manager_snapshot.json").write_text(json.dumps({
-        "latest_checkpoint_result": {"checkpoint_dir_name": "checkpoint_a"}}))
+    run, ckpt = _latest_checkpoint_of(tmp_path, was)
     assert check_latest(Storage(), str(run), trained=was) == str(ckpt)
     assert "model.pretrained" not in caplog.text
     with caplog.at_level("WARNING", logger="raylora"):
@@ -494,14 +501,7 @@ def test_a_rerun_writing_out_the_default_target_modules_is_the_same_lora(tmp_pat
                          "lora": {"target_modules": targets}})
 
     was = trained_settings(cfg(None), "sd")
-    run = tmp_path / "train"
-    ckpt = run / "checkpoint_a"
-    ckpt.mkdir(parents=True)
-    save_rank_state(str(ckpt), rank=0)
-    save_main_state(str(ckpt), lora_sd={"w": torch.ones(2)}, optimizer_sd={}, scheduler_sd={},
-                    scaler_sd=None, loop=LoopState(global_step=2, world_size=1), trained=was)
-    (run / "checkpoint_manager_snapshot.json").write_text(json.dumps({
-        "latest_checkpoint_result": {"checkpoint_dir_name": "checkpoint_a"}}))
+    run, ckpt = _latest_checkpoint_of(tmp_path, was)
     written = trained_settings(cfg(["to_q", "to_k", "to_v", "to_out.0"]), "sd")
     assert check_latest(Storage(), str(run), trained=written) == str(ckpt)
     with pytest.raises(ValueError, match=r'^lora.target_modules: this run has lora.target_modules='

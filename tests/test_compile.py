@@ -35,6 +35,18 @@ from raylora.model.tiny import FAMILIES  # every family raylora has a tiny model
 INDUCTOR = ("sd", "flux")
 
 
+def same_step_as_eager(eager, compiled, parts, eager_params, compiled_params, batch, step):
+    """One step's loss and LoRA gradients of ``compiled`` equal ``eager``'s (same seed);
+    returns (compiled's grads, eager's)."""
+    ref_loss, ref_grads = _loss_and_grads(eager, parts, eager_params, batch, seed=step)
+    loss, grads = _loss_and_grads(compiled, parts, compiled_params, batch, seed=step)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * max(1.0, abs(float(ref_loss)))
+    assert len(grads) == len(ref_grads) > 0
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-3)
+    return grads, ref_grads
+
+
 def _loss_and_grads(model, parts, params, batch, seed: int):
     from raylora.train.step import compute_loss
 
@@ -76,12 +88,8 @@ def test_regional_compile_matches_eager_without_breaks_or_recompiles(tiny, demo_
     opt = torch.optim.SGD(compiled_params, lr=1e-2)
     graphs = None
     for step in range(3):
-        ref_loss, ref_grads = _loss_and_grads(eager, parts, eager_params, batch, seed=step)
-        loss, grads = _loss_and_grads(compiled, parts, compiled_params, batch, seed=step)
-        assert abs(float(loss) - float(ref_loss)) <= 1e-5 * max(1.0, abs(float(ref_loss)))
-        assert len(grads) == len(ref_grads) > 0
-        for a, b in zip(grads, ref_grads):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-3)
+        grads, ref_grads = same_step_as_eager(eager, compiled, parts, eager_params,
+                                              compiled_params, batch, step)
         assert sum(float(g.abs().sum()) for g in grads) > 0
         if step == 0:
             graphs = (counters["stats"]["unique_graphs"], counters["frames"]["total"])

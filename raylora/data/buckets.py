@@ -157,6 +157,7 @@ def scan_rows(rows: Iterable[dict], buckets: BucketSet, source: int, min_size: i
     out by ``split`` (data.validation_split; ``prefix``: the source's caption prefix,
     which the held-out hash reads as training does, ``raylora.data.split``)."""
     from raylora.data.captions import joined_captions, with_prefix
+    from raylora.data.decode import missing_image
     from raylora.data.split import row_fraction
 
     out = []
@@ -166,7 +167,7 @@ def scan_rows(rows: Iterable[dict], buckets: BucketSet, source: int, min_size: i
         text = joined_captions(row.get("text"))
         if size is None or not size[0] or not size[1] or \
                 (not keep_empty and (text is None or not str(text).strip())) or \
-                row.get("key") in lacking or any(_no_image(row.get(c)) for c in controls) or \
+                row.get("key") in lacking or any(missing_image(row.get(c)) for c in controls) or \
                 (skip_small and min_size and min(size) < min_size) or \
                 (max_pixels and size[0] * size[1] > max_pixels) or \
                 (split and row_fraction(row["image"], with_prefix(prefix, text) if prefix else text)
@@ -175,11 +176,6 @@ def scan_rows(rows: Iterable[dict], buckets: BucketSet, source: int, min_size: i
         else:
             out.append(buckets.assign(size[0], size[1], source))
     return np.array(out, dtype=np.int16)
-
-
-def _no_image(value) -> bool:
-    """A control image the validating decode finds missing (``decode_controls``)."""
-    return value is None or (isinstance(value, (bytes, bytearray, memoryview)) and not len(value))
 
 
 def bucket_counts(ids: np.ndarray) -> dict[int, int]:

@@ -258,6 +258,29 @@ def open_masked_row(image: Any, caption: Any, mask: Any, *, masks: bool, max_pix
             None if controls is None else decode_controls(img, controls, max_pixels))
 
 
+def row_problem(row: dict, *, masks: bool, max_pixels: int, min_size: int, small_images: str,
+                keep_empty_captions: bool, mask: Any = None,
+                controls: list[str] | None = None) -> BadRecord | None:
+    """Why ``open_masked_row`` would drop ``row`` (``{image, text}``): its ``BadRecord``
+    (``.reason``), or None. The driver's check of rows a stage will decode (sampled rows,
+    class rows, held-out rows), each with the options that stage decodes with; ``mask``:
+    the row's loss mask, ``controls``: the row keys of its control images (or None)."""
+    try:
+        open_masked_row(row["image"], row["text"], mask, masks=masks, max_pixels=max_pixels,
+                        min_size=min_size, small_images=small_images,
+                        keep_empty_captions=keep_empty_captions,
+                        controls=None if controls is None else [row.get(n) for n in controls])
+    except BadRecord as exc:
+        return exc
+    return None
+
+
+def missing_image(value: Any) -> bool:
+    """A control image value that holds no image: what ``decode_controls`` refuses as
+    ``missing_control`` before decoding anything (the bucket scan leaves such rows out)."""
+    return value is None or (isinstance(value, (bytes, bytearray, memoryview)) and not len(value))
+
+
 def decode_controls(img: Image.Image, values: list, max_pixels: int) -> list[Image.Image]:
     """A row's control images (the inputs of an edit sample, data.control_inputs of them),
     each ``decode_control``'d. Every input is looked for before any is decoded: a row
@@ -265,7 +288,7 @@ def decode_controls(img: Image.Image, values: list, max_pixels: int) -> list[Ima
     messages name the input (``input 2``)."""
     several = len(values) > 1
     for i, value in enumerate(values):
-        if value is None or (isinstance(value, (bytes, bytearray, memoryview)) and not len(value)):
+        if missing_image(value):
             raise BadRecord("missing_control", _missing_control(i, several))
     return [decode_control(img, v, max_pixels, f"input {i + 1}" if several else None)
             for i, v in enumerate(values)]

@@ -479,7 +479,7 @@ def sample_problems(data: DataSection, plan: DataPlan, storage: Storage) -> list
     fraction on every row it reads (data.max_bad_fraction). So does every source when
     data.max_bad_fraction is 0.5 or more: a mostly-bad sample is then what the config
     expects. Read errors are problems too: the run would fail on them."""
-    from raylora.data.decode import BadRecord, open_masked_row
+    from raylora.data.decode import row_problem
 
     if data.max_bad_fraction >= 0.5:
         return []
@@ -490,17 +490,16 @@ def sample_problems(data: DataSection, plan: DataPlan, storage: Storage) -> list
         try:
             for row in get_format(s.format).sample_rows(section, s.files, storage, SAMPLE_ROWS):
                 seen += 1
-                try:
-                    open_masked_row(row["image"], row["text"], row.get("mask"),
-                                    masks=section.masked_loss, max_pixels=section.max_image_pixels,
-                                    min_size=section.min_size, small_images=section.small_images,
-                                    keep_empty_captions=section.caption_dropout > 0,
-                                    controls=[row.get(n) for n in control_names(section)]
-                                    if section.control_images else None)
-                except BadRecord as exc:
-                    bad[exc.reason] += 1
-                    if exc.reason not in examples:
-                        examples[exc.reason] = f"{row['key']}: {exc}"[:200]
+                problem = row_problem(row, masks=section.masked_loss, mask=row.get("mask"),
+                                      max_pixels=section.max_image_pixels,
+                                      min_size=section.min_size, small_images=section.small_images,
+                                      keep_empty_captions=section.caption_dropout > 0,
+                                      controls=control_names(section) if section.control_images
+                                      else None)
+                if problem is not None:
+                    bad[problem.reason] += 1
+                    if problem.reason not in examples:
+                        examples[problem.reason] = f"{row['key']}: {problem}"[:200]
         except OSError as exc:
             problems.append(f"{key}: {s.uri}: reading rows to check them: {exc}")
             continue

@@ -77,14 +77,10 @@ def class_row_problem(row: dict, *, masks: bool, max_pixels: int, min_size: int,
     None. The stage's one judgement, ``open_masked_row``, as it calls it for class rows:
     no mask column (``masks``: the alpha channel read, as data.masked_loss does), no
     control images, blank captions not kept (no caption dropout)."""
-    from raylora.data.decode import BadRecord, open_masked_row
+    from raylora.data.decode import row_problem
 
-    try:
-        open_masked_row(row["image"], row["text"], None, masks=masks, max_pixels=max_pixels,
-                        min_size=min_size, small_images=small_images, keep_empty_captions=False)
-    except BadRecord as exc:
-        return exc
-    return None
+    return row_problem(row, masks=masks, max_pixels=max_pixels, min_size=min_size,
+                       small_images=small_images, keep_empty_captions=False)
 
 
 class EncodedClassBatches(ClassBatches):

@@ -65,17 +65,12 @@ def heldout_row_problem(row: dict, data: DataSection):
     and a blank caption not kept: a held-out row is scored with its caption as written,
     whatever data.caption_dropout (a training knob, which a Tune search may vary: every
     trial must score the same rows)."""
-    from raylora.data.decode import BadRecord, open_masked_row
+    from raylora.data.decode import row_problem
 
-    try:
-        open_masked_row(row["image"], row["text"], None, masks=False,
-                        max_pixels=data.max_image_pixels, min_size=data.min_size,
-                        small_images=data.small_images, keep_empty_captions=False,
-                        controls=[row.get(n) for n in control_names(data)]
-                        if data.control_images else None)
-    except BadRecord as exc:
-        return exc
-    return None
+    return row_problem(row, masks=False, max_pixels=data.max_image_pixels,
+                       min_size=data.min_size, small_images=data.small_images,
+                       keep_empty_captions=False,
+                       controls=control_names(data) if data.control_images else None)
 
 
 # What to look at when no held-out row is usable, where the training hint does not fit

@@ -635,19 +635,16 @@ def resumed_plan(cfg: RayLoraConfig, p: Plan) -> Plan:
     number of workers or batch size wrote it. ConfigError, before Ray starts, when the
     checkpoint is past that end. Read from Ray's record of the checkpoint (its metrics
     hold the loop state), which ``_latest_checkpoint`` then checks whole."""
-    from raylora.checkpoint.recorded import _snapshot
+    from raylora.checkpoint.recorded import latest_metrics
 
     t, s = cfg.train, cfg.scaling
     if t.max_steps:  # the run's length, whatever the checkpoint's position
         return p
-    snap = _snapshot(cfg.storage.client(), storage.join(cfg.output.uri, TRAIN_RUN_NAME))
-    try:
-        at = snap["latest_checkpoint_result"]["metrics"]
-    except (KeyError, TypeError):
-        return p  # no checkpoint (or Ray's record unreadable: left to Ray)
-    if not isinstance(at, dict) or not all(isinstance(at.get(k), int)
-                                           for k in ("global_step", "epoch", "batches_in_epoch")):
-        return p  # a checkpoint whose record lacks its loop state
+    # None: no checkpoint (or Ray's record unreadable: left to Ray)
+    at = latest_metrics(cfg.storage.client(), storage.join(cfg.output.uri, TRAIN_RUN_NAME))
+    if at is None or not all(isinstance(at.get(k), int)
+                             for k in ("global_step", "epoch", "batches_in_epoch")):
+        return p  # no checkpoint, or one whose record lacks its loop state
     # Elastic: counted at max workers, whose steps are every size's (the global batch).
     epoch_micro = p.batches_per_epoch or p.rows_per_worker // t.batch_size
     left = steps_to_epochs_end(t.num_epochs, epoch_micro, t.gradient_accumulation_steps,

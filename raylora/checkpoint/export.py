@@ -13,7 +13,6 @@ Output layout under ``output.uri``::
 from __future__ import annotations
 
 import hashlib
-import pyarrow.fs as pafs
 import json
 import logging
 import math
@@ -21,6 +20,8 @@ import os
 import shutil
 import tempfile
 from importlib.metadata import PackageNotFoundError, version
+
+import pyarrow.fs as pafs
 
 from raylora import storage
 from raylora.storage import Storage

@@ -75,16 +75,23 @@ def drop_unrecorded(store, run_uri: str) -> list[str]:
     return dropped
 
 
+def latest_metrics(store, run_uri: str) -> dict | None:
+    """The metrics Ray recorded with the run's latest checkpoint (its loop state: step,
+    epoch, batches_in_epoch, ...), None when there is none or the record does not read."""
+    try:
+        metrics = (_snapshot(store, run_uri) or {})["latest_checkpoint_result"]["metrics"]
+    except (KeyError, TypeError):
+        return None
+    return metrics if isinstance(metrics, dict) else None
+
+
 def finished_metrics(store, run_uri: str, max_steps: int) -> dict | None:
     """The metrics Ray recorded with the run's latest checkpoint when that is a finished
     run's final one (its step ``max_steps``, the final report's replica digests, no stop):
     run again, the run has nothing to train and exports that checkpoint again. None
     otherwise (then a restored run at ``max_steps`` reports its final checkpoint itself)."""
-    try:
-        metrics = (_snapshot(store, run_uri) or {})["latest_checkpoint_result"]["metrics"]
-    except (KeyError, TypeError):
-        return None
-    final = (isinstance(metrics, dict) and metrics.get("step") == max_steps
+    metrics = latest_metrics(store, run_uri)
+    final = (metrics is not None and metrics.get("step") == max_steps
              and "replica_lora_digests" in metrics and not metrics.get("stopped"))
     return metrics if final else None
 
@@ -176,20 +183,17 @@ def _unresumable(now: dict, present: dict, metrics, uri: str) -> list[str]:
 
 def _resolved(key: str, value, family: str | None):
     """``lora.target_modules: null`` as the family's default list, so a rerun that writes
-    the default out is the same LoRA (it was refused as another). Not for a family whose
-    default depends on the denoiser (names by block index): left null, compared as is."""
+    the default out is the same LoRA (it was refused as another). A family whose default
+    names modules by block index has it with ``*`` for the index (``named_lora_targets``),
+    which no list a config writes equals: compared as another LoRA, as before."""
     if key != "lora.target_modules" or value is not None or not family:
         return value
     from raylora.model import families
-    from raylora.model.families.base import Family
 
     try:
-        fam = families.get(family)
-    except (KeyError, ValueError):
+        return list(families.get(family).named_lora_targets())
+    except ValueError:  # an unknown family name: compared as is
         return value
-    if fam.default_lora_targets.__func__ is not Family.default_lora_targets.__func__:
-        return value
-    return list(fam.lora_targets)
 
 
 def _same(key: str, a, b) -> bool:

@@ -384,14 +384,11 @@ class GenerateStage:
         fam = families.get(family)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
-        extra = {}
-        if "safety_checker" in fam.pipeline_class()._optional_components:
-            extra = {"safety_checker": None, "requires_safety_checker": False}
         quiet.diffusers_bars_off()
         path = materialize(model_path, self.store, (model or {}).get("revision"))
         section = ModelSection(**{**(model or {}), "pretrained": path})
         self.pipe = load_pipeline_as_trained(path, fam, dtype, read_index(section, path), section,
-                                             self.device, **extra).to(self.device)
+                                             self.device).to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
         self.call = dict(num_inference_steps=steps, height=resolution, width=resolution)
         self.family, self.guidance = fam, guidance  # the call's guidance: per batch size

@@ -579,15 +579,8 @@ def load_pipeline_as_trained(path: str, family: type[Family], weight_dtype: torc
     and VAE loaded as a worker holds them (``load_encoders``), not as the stock pipeline
     loads them: Flux.2 [dev]'s would be the whole 24B Mistral 3, vision tower and LM head
     included, at full precision. Class images and ``raylora sample`` render with it; ``kw``
-    goes to ``from_pretrained``.
-
-    Without the safety checker SD 1.x/2.x repos list (as previews are drawn,
-    ``raylora.train.preview.build_pipeline``): it would be downloaded (1.2 GB for SD 1.5)
-    and turn the images it flags black, so ``raylora sample`` drew what previews of the
-    same adapter did not."""
+    goes to ``from_pretrained``."""
     tokenizers, encoders, vae = load_encoders(path, family, weight_dtype, index, model, device)
-    if "safety_checker" in family.pipeline_class()._optional_components:
-        kw = {"safety_checker": None, "requires_safety_checker": False, **kw}
     return family.load_pipeline(path, dtype=weight_dtype, revision=model.revision,
                                 **({"variant": model.variant} if model.variant else {}),
                                 **encoder_kwargs(family, vae, encoders, tokenizers), **kw)

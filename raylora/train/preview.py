@@ -73,12 +73,9 @@ def build_pipeline(model_path: str, family, model, vae=None, text_encoders=(), t
     from raylora.model.load import encoder_kwargs
 
     kw = family.pipeline_with(model, expert) | encoder_kwargs(family, vae, text_encoders, tokenizers)
-    extra = {}
-    if "safety_checker" in family.pipeline_class()._optional_components:
-        extra = {"safety_checker": None, "requires_safety_checker": False}
     # Before the load: its "Loading pipeline components" bar printed at every preview.
     quiet.diffusers_bars_off()
-    pipe = family.load_pipeline(model_path, dtype=dtype, revision=revision, **kw, **extra)
+    pipe = family.load_pipeline(model_path, dtype=dtype, revision=revision, **kw)
     pipe.set_progress_bar_config(disable=True)
     return with_prediction_type(pipe, prediction_type).to(device)
 

@@ -439,7 +439,13 @@ class Family:
     def load_pipeline(cls, path: str, **kw):
         """The stock pipeline from the folder ``path``: ``from_pretrained(path, **kw)`` with
         ``stock_components`` in place of the folder's own. (Those are set after loading:
-        ``from_pretrained`` refuses a component of another class than the folder names.)"""
+        ``from_pretrained`` refuses a component of another class than the folder names.)
+
+        Without the safety checker SD 1.x/2.x repos list, whoever loads it (previews, class
+        images, ``raylora sample``): it would be downloaded (1.2 GB for SD 1.5) and turn the
+        images it flags black, so one adapter drew other pictures in each."""
+        if "safety_checker" in cls.pipeline_class()._optional_components:
+            kw = {"safety_checker": None, "requires_safety_checker": False, **kw}
         own = {k: v for k, v in cls.stock_components(path, kw.get("revision")).items() if k not in kw}
         pipe = cls.pipeline_class().from_pretrained(path, **{k: None for k in own}, **kw)
         if own:

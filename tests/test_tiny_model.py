@@ -749,14 +749,19 @@ def _broken_copy(tiny_model, dst, edits: dict):
     ("model_index.json", lambda i: i.update(text_encoder=["transformers", "CLIPTextModelV9"]),
      'model_index.json: "text_encoder" is transformers.CLIPTextModelV9, which the transformers '
      "installed here does not have (saved by a newer version?)"),
+    ("model_index.json", lambda i: i.update(unet=["diffusers", "FluxTransformer2DModel"]),
+     'model_index.json names "unet" as FluxTransformer2DModel, but unet/config.json was saved '
+     "by UNet2DConditionModel: the index and that folder are from different models"),
 ], ids=["index-json", "index-empty", "index-array", "vae-config", "scheduler-config",
-        "unet-config", "tokenizer-config", "no-vae", "vae-null", "unet-string", "unknown-class"])
+        "unet-config", "tokenizer-config", "no-vae", "vae-null", "unet-string", "unknown-class",
+        "other-class"])
 def test_check_model_names_a_damaged_config_in_one_line(tiny_model, tmp_path, name, edit, problem,
                                                         weights):
     """A damaged model_index.json or component config is one line naming the file, before
     any worker starts: it was json's bare "Expecting ',' delimiter: line 2 column 1", or a
     traceback from the plan's meta model or every worker's load (KeyError 'vae',
-    'NoneType' object has no attribute 'startswith', 'list' object has no attribute 'get')."""
+    'NoneType' object has no attribute 'startswith', 'list' object has no attribute 'get',
+    "unsupported operand type(s) for *: 'NoneType' and 'int'")."""
     from raylora.model.load import check_model
     from raylora.storage import Storage
 

@@ -172,6 +172,8 @@ def check_model(path: str, store: Storage, revision: str | None = None,
     index_problem(index, components, tokenizers, family.name,
                   f"{key}: {path.rstrip('/')}/model_index.json")
     if files is not None:
+        # The scheduler and tokenizers are configs; the rest are loaded from weights.
+        configs_only = {"scheduler", *tokenizers}
         # Each config the plan and the workers parse (the VAE's and the scheduler's below):
         # a damaged one named here, not by a worker's traceback after the cluster started.
         for c in components:
@@ -179,8 +181,8 @@ def check_model(path: str, store: Storage, revision: str | None = None,
                     "scheduler/scheduler_config.json" if c == "scheduler" else f"{c}/config.json")
             if name in files:
                 read(name)
-        # The scheduler and tokenizers are configs; the rest are loaded from weights.
-        configs_only = {"scheduler", *tokenizers}
+        index_config_problem(index, components, configs_only, parsed,
+                             f"{key}: {path.rstrip('/')}")
         weighted = [c for c in components if c not in configs_only]
         hollow = hollow_weights(sizes, weighted, read_bytes, damaged) if weights else {}
         if weights:
@@ -239,6 +241,24 @@ def index_problem(index: dict, components: list[str], tokenizers: set[str], fami
         except AttributeError:
             raise ValueError(f'{what}: "{c}" is {library}.{name}, which the {library} '
                              "installed here does not have (saved by a newer version?)") from None
+
+
+def index_config_problem(index: dict, components: list[str], configs_only: set[str],
+                         parsed: dict[str, dict], where: str) -> None:
+    """Raise ValueError when ``model_index.json`` names a diffusers model class for a
+    component whose ``config.json`` (in ``parsed``) was saved by another class: the
+    index's class is what is built, from the other class's settings, which failed as a
+    TypeError deep in its ``__init__`` (``'NoneType' and 'int'``) in the plan or on every
+    worker. ``where``: the key and the folder, for the message."""
+    for c in components:
+        config = parsed.get(f"{c}/config.json")
+        if c in configs_only or config is None or index[c][0] != "diffusers":
+            continue  # transformers configs name architectures, not the class loaded
+        saved = config.get("_class_name")
+        if isinstance(saved, str) and saved != index[c][1]:
+            raise ValueError(f'{where}/model_index.json names "{c}" as {index[c][1]}, but '
+                             f"{c}/config.json was saved by {saved}: the index and that "
+                             "folder are from different models")
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")

@@ -35,7 +35,7 @@ def sample(
     ``image``: an edit model's input image (a path or storage URI; Flux.1 Kontext, Flux.2,
     Qwen-Image-Edit), or a list of them in order (Flux.2, Qwen-Image-Edit), resized to
     ``size`` when given, else sized as the pipeline does. ``system_prompt``: a family's
-    that takes one (Lumina-Image 2.0); default the one its run trained with
+    that takes one (Lumina-Image 2.0, Sana); default the one its run trained with
     (``trained_system_prompt``), else the pipeline's own. Captions are encoded at the
     ``model.max_sequence_length`` the run set, if it set one."""
     from raylora.storage import Storage

@@ -244,12 +244,26 @@ def path_overrides(given, resolved, ship: Shipping | None = None) -> list[str]:
 # head and `ray job list` shows them (see this module's docstring).
 _CREDENTIAL_PARTS = {"SECRET", "TOKEN", "PASSWORD", "PASSWD", "CREDENTIAL", "CREDENTIALS", "APIKEY"}
 _CREDENTIAL_NAMES = ("API_KEY", "ACCESS_KEY", "PRIVATE_KEY", "SECRET")
+# Not credentials, though named like them: the path of a key file on the cluster's nodes
+# (a mounted Secret: *_FILE, *_PATH, and Google's own name for it; the file is the
+# secret, not its path), and switches that turn a credential's use off.
+_KEY_FILE_SUFFIXES = ("_FILE", "_PATH")
+_KEY_FILE_NAMES = {"GOOGLE_APPLICATION_CREDENTIALS"}
+_NOT_CREDENTIALS = {"HF_HUB_DISABLE_IMPLICIT_TOKEN"}
 
 
-def looks_like_credential(name: str) -> bool:
+def looks_like_credential(name: str, value=None) -> bool:
+    """Whether env var ``name`` (set to ``value``) may hold a secret. A key file's path
+    variable counts as one unless its ``value`` is a path (absolute or ~): a token pasted
+    into it is still a token."""
     up = name.upper()
-    return (up in storage.SECRET_ENV_VARS or bool(_CREDENTIAL_PARTS & set(up.split("_")))
-            or any(n in up for n in _CREDENTIAL_NAMES))
+    if up in storage.SECRET_ENV_VARS:
+        return True
+    if up in _NOT_CREDENTIALS:
+        return False
+    if up.endswith(_KEY_FILE_SUFFIXES) or up in _KEY_FILE_NAMES:
+        return not (isinstance(value, str) and value.startswith(("/", "~")))
+    return bool(_CREDENTIAL_PARTS & set(up.split("_"))) or any(n in up for n in _CREDENTIAL_NAMES)
 
 
 def load_runtime_env(path: str, working_dir: str) -> dict:
@@ -284,15 +298,16 @@ def load_runtime_env(path: str, working_dir: str) -> dict:
         raise ValueError(f"{path}: worker_process_setup_hook: raylora's job driver sets its own "
                          "for its workers (launch.job_runtime_env); remove it from the file")
     env = doc.get("env_vars") or {}
-    for key in env if isinstance(env, dict) else []:
-        if looks_like_credential(str(key)):
+    for key, value in env.items() if isinstance(env, dict) else []:
+        if looks_like_credential(str(key), value):
             raise ValueError(
                 f"{path}: env_vars.{key}: looks like a credential, and Ray writes a job's env_vars "
                 "to its log on the head and shows them in `ray job list` and the dashboard; "
                 "remove it. raylora submit sends " + ", ".join(storage.SECRET_ENV_VARS) + " from "
                 "this shell's environment apart from env_vars (raylora.jobsecrets): export it "
                 "here instead; for others give the cluster its own (a Kubernetes Secret, an "
-                "instance role)")
+                "instance role). A *_FILE or *_PATH variable naming a key file on the nodes "
+                "(an absolute path) is fine")
     try:
         RuntimeEnv(**doc)
     except (TypeError, ValueError) as exc:
@@ -403,7 +418,9 @@ def submit(config: str, overrides: list[str], address: str | None = None,
     c = client(address) if submission_id else None
     if submission_id:
         refuse_taken(c, submission_id)
-    r = launch.checked(cfg, setup)
+    # remote: the job's GPUs are the cluster's (read by its driver there), never this
+    # machine's, whether the address came from --address or RAY_ADDRESS
+    r = launch.checked(cfg, setup, remote=True)
     c = c or client(address)
     overrides = [*overrides, *path_overrides(cfg, launch.resolve_paths(cfg), ship)]
     meta = {META: os.path.basename(config), COMMAND: cmd, "raylora_output": r.cfg.output.uri,
@@ -421,28 +438,84 @@ def submit(config: str, overrides: list[str], address: str | None = None,
         )
 
 
+class ProgressUnreadable(Exception):
+    """``{output}/progress.json`` is there to read, or may be, but not from this machine
+    (a store only the cluster reaches, expired or missing keys, a 403): the message says
+    which file and why, with no credential in it."""
+
+
+# `status` reads one small file: an answer in seconds, not the minute and a half the
+# training side's retries (storage.S3_ATTEMPTS, each read again by retried_read) take
+# to give up on an endpoint this machine cannot reach.
+STATUS_READ_ATTEMPTS = 2
+STATUS_READ_TIMEOUT_S = 3
+
+
+def _quick_fs(fs):
+    """``fs`` (a ``Storage.fs``'s) with few retries and short timeouts, for one read."""
+    import datetime
+
+    import pyarrow.fs as pafs
+
+    if isinstance(fs, storage.RetryingS3):
+        return pafs.S3FileSystem(
+            **{**fs.kwargs, "connect_timeout": STATUS_READ_TIMEOUT_S, "request_timeout": 10},
+            retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=STATUS_READ_ATTEMPTS))
+    if isinstance(fs, pafs.GcsFileSystem):
+        # its settings are public only as what it pickles (storage._gcs: emulator, project)
+        rebuild, (kwargs,) = fs.__reduce__()
+        return rebuild({**kwargs, "retry_time_limit": datetime.timedelta(seconds=STATUS_READ_TIMEOUT_S)})
+    return fs
+
+
+def _read_progress(uri: str, reach: dict) -> dict | None:
+    """``uri``'s JSON; None when it is not there yet (no step) or is being replaced."""
+    try:
+        fs, path = storage.Storage(reach.get("endpoint_url"), reach.get("region")).fs(uri)
+        with _quick_fs(fs).open_input_stream(path) as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:  # ValueError: a storage setting refused (endpoint URL)
+        why = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        # an SDK's message may quote a key it was given: never print one
+        for name in storage.SECRET_ENV_VARS:
+            if len(secret := os.environ.get(name) or "") >= 4:
+                why = why.replace(secret, f"<{name}>")
+        raise ProgressUnreadable(f"{uri} is not readable from here ({why}); the run's progress "
+                                 "lines are in `raylora logs`") from None
+    try:
+        return json.loads(data)
+    except ValueError:  # not whole yet (a store without atomic replace): the next read has it
+        return None
+
+
+def _in_job_time(row, info) -> bool:
+    """Whether ``row`` (a progress line) was written while the job ran. Jobs of one config
+    share the file (a stopped job and the one resuming it): a line written outside this
+    job's time is the other's (Ray's times in ms; 5 s of slack). A row with no time: kept."""
+    t = row.get("time") if isinstance(row, dict) else None
+    start, end = getattr(info, "start_time", None), getattr(info, "end_time", None)
+    return not (isinstance(t, (int, float)) and ((start and t < start / 1000 - 5)
+                                                 or (end and t > end / 1000 + 5)))
+
+
 def last_progress(info) -> dict | None:
     """The run's ``{output}/progress.json`` (the driver's last progress line: step, loss,
-    ETA; ``raylora.progress``), read through raylora.storage, local or object storage.
-    None before the first step."""
+    ETA; a search's ``{"trials": {label: row}}``; ``raylora.progress``), read through
+    raylora.storage, local or object storage, as far as this job wrote it (a search: the
+    trials' rows it wrote). None before the first step. Raises ``ProgressUnreadable``
+    when the file cannot be read from here."""
     meta = info.metadata or {}
     out = meta.get("raylora_output")
     if not out:
         return None
-    reach = json.loads(meta.get(STORAGE) or "{}")
-    try:
-        row = json.loads(storage.Storage(reach.get("endpoint_url"), reach.get("region"))
-                         .read_bytes(storage.join(out, PROGRESS_FILE)))
-    except (FileNotFoundError, OSError, ValueError):
-        return None
-    # Jobs of one config share the file (a stopped job and the one resuming it): a line
-    # written outside this job's time is the other's (Ray's times in ms; 5 s of slack).
-    t = row.get("time") if isinstance(row, dict) else None
-    start, end = getattr(info, "start_time", None), getattr(info, "end_time", None)
-    if isinstance(t, (int, float)) and ((start and t < start / 1000 - 5)
-                                        or (end and t > end / 1000 + 5)):
-        return None
-    return row
+    row = _read_progress(storage.join(out, PROGRESS_FILE), json.loads(meta.get(STORAGE) or "{}"))
+    if isinstance(row, dict) and isinstance(row.get("trials"), dict):
+        # each trial's row has its own time (written as it came): judged one by one
+        trials = {label: r for label, r in row["trials"].items() if _in_job_time(r, info)}
+        return {**row, "trials": trials} if trials else None
+    return row if _in_job_time(row, info) else None
 
 
 def status(job: str, address: str | None = None) -> tuple[str, str | None]:
@@ -450,14 +523,20 @@ def status(job: str, address: str | None = None) -> tuple[str, str | None]:
     trials run side by side, each its own run): each trial's latest line, one per line,
     after a line saying where all of them and Tune's trial table are."""
     info = client(address).get_job_info(job)
+    try:
+        row = last_progress(info)
+    except ProgressUnreadable as exc:
+        row, unreadable = None, str(exc).replace("`raylora logs`", f"`raylora logs {job}`")
+    else:
+        unreadable = None
     if (info.metadata or {}).get(COMMAND) == "tune":
-        trials = (last_progress(info) or {}).get("trials") or {}
+        trials = (row or {}).get("trials") or {}
         lines = [f"a search (raylora tune): each trial's progress lines and Tune's trial table "
                  f"are in `raylora logs {job}`"]
+        lines += [unreadable] if unreadable else []
         lines += [r["line"].removeprefix("raylora: ") for _, r in sorted(trials.items())]
         return str(info.status.value), "\nraylora: ".join(lines)
-    row = last_progress(info)
-    line = row["line"].removeprefix("raylora: ") if row else None
+    line = row["line"].removeprefix("raylora: ") if row else unreadable
     return str(info.status.value), line
 
 

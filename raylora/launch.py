@@ -1048,16 +1048,17 @@ class Prepared:
     memory_on_cluster: bool = False
 
 
-def checked(cfg: RayLoraConfig, setup: Setup) -> Prepared:
+def checked(cfg: RayLoraConfig, setup: Setup, remote: bool = False) -> Prepared:
     """Everything a run checks before Ray starts, so a typo or a broken checkpoint costs a
     second: local paths made absolute, model/data/arithmetic planned, what a rerun resumes
     (``Setup.resume``) and the memory preflight where the GPUs are known here. ``prepared``
-    runs it first; ``raylora submit`` runs it alone, with the command's own Setup."""
+    runs it first; ``raylora submit`` runs it alone, with the command's own Setup and
+    ``remote`` (its workers are the cluster's: this machine's GPU is not theirs)."""
     cfg = resolve_paths(cfg)
     p = setup.make_plan(cfg)
     resume = setup.resume(cfg, p) if setup.resume is not None else None
     # Decided here, before any Ray starts: on_cluster takes a running Ray as a cue.
-    remote = setup.memory and preflight.on_cluster(cfg)
+    remote = setup.memory and preflight.on_cluster(cfg, remote)
     if setup.memory and not remote:
         preflight.check_memory(cfg, variants=_variants(cfg, setup), commit=p.model_commit)
     return Prepared(cfg, p, cfg, resume, memory_on_cluster=remote)

@@ -56,14 +56,16 @@ class DoesNotFit(ConfigError):
         self.args = (report,)  # str(exc): the whole report, which the CLI prints
 
 
-def on_cluster(cfg: RayLoraConfig) -> bool:
+def on_cluster(cfg: RayLoraConfig, remote: bool = False) -> bool:
     """Whether the GPU size must be read from a Ray cluster (joined, not this machine's):
-    no ``scaling.gpu_memory_gb``, GPU workers, and ``RAY_ADDRESS`` set or Ray running."""
+    no ``scaling.gpu_memory_gb``, GPU workers, and ``remote`` (``raylora submit``: the
+    job runs on ``--address``'s cluster, whatever this shell's RAY_ADDRESS says),
+    ``RAY_ADDRESS`` set or Ray running."""
     import ray
 
     s = cfg.scaling
     return (s.gpu_memory_gb is None and s.use_gpu
-            and bool(os.environ.get("RAY_ADDRESS") or ray.is_initialized()))
+            and (remote or bool(os.environ.get("RAY_ADDRESS") or ray.is_initialized())))
 
 
 def gpu_size(cfg: RayLoraConfig, cluster: bool = False) -> GpuSize:

@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import re
+import types
 import uuid
 
 import pytest
@@ -330,6 +331,89 @@ def test_status_shows_no_line_another_job_of_the_config_wrote(tmp_path):
     assert last_progress(stopped) is None and last_progress(resumed) == row
 
 
+def test_status_of_a_search_shows_no_trial_line_another_job_wrote(tmp_path, monkeypatch, capsys):
+    """A search's progress.json is {"trials": {label: row}}, with no top-level time: the
+    time check never applied, so a stopped search showed the resuming job's trial lines
+    as its own, and the resumed one (before its first step) the stopped one's. Each
+    trial's row is judged by its own time; none left: no line."""
+    from ray.job_submission import JobInfo, JobStatus
+
+    from raylora import jobs, progress
+    from raylora.storage import Storage
+
+    def info(status, start, end=None):
+        return JobInfo(status=status, entrypoint="python -m raylora tune c.yaml",
+                       metadata={"raylora_output": str(tmp_path), jobs.COMMAND: "tune"},
+                       start_time=int(start * 1000), end_time=None if end is None else int(end * 1000))
+
+    def row(label, at, tag):
+        return {"label": label, "line": f"raylora: {label} step 3/40 (7%) {tag}", "time": at}
+
+    stopped, resumed = info(JobStatus.STOPPED, 1000, 1100), info(JobStatus.RUNNING, 1200)
+    sink = progress.write_search_progress(Storage(), str(tmp_path))  # the stopped search's driver
+    sink(row("trial_a", 1050, "OLD-a"))
+    sink(row("trial_b", 1090, "OLD-b"))
+    assert sorted(jobs.last_progress(stopped)["trials"]) == ["trial_a", "trial_b"]
+    assert jobs.last_progress(resumed) is None
+    sink = progress.write_search_progress(Storage(), str(tmp_path))  # the resumed search's
+    sink(row("trial_a", 1300, "NEW-a"))
+    assert jobs.last_progress(stopped) is None
+    assert jobs.last_progress(resumed) == {"trials": {"trial_a": row("trial_a", 1300, "NEW-a")}}
+    # one file holding both jobs' rows: each row judged by its own time
+    (tmp_path / "progress.json").write_text(json.dumps(
+        {"trials": {"trial_a": row("trial_a", 1300, "NEW-a"), "trial_b": row("trial_b", 1090, "OLD-b")}}))
+    assert list(jobs.last_progress(stopped)["trials"]) == ["trial_b"]
+    assert list(jobs.last_progress(resumed)["trials"]) == ["trial_a"]
+
+    monkeypatch.setattr(jobs, "client", lambda address: types.SimpleNamespace(get_job_info=lambda job: stopped))
+    assert main(["status", "rl-tune-stopped"]) == 0
+    assert capsys.readouterr().out == (
+        "raylora: job rl-tune-stopped STOPPED\n"
+        "raylora: a search (raylora tune): each trial's progress lines and Tune's trial table are in "
+        "`raylora logs rl-tune-stopped`\n"
+        "raylora: trial_b step 3/40 (7%) OLD-b\n")
+
+
+def test_status_says_when_the_progress_file_cannot_be_read_from_here(tmp_path, monkeypatch, capsys):
+    """`raylora status` of a job whose output this machine cannot read (a store only the
+    cluster reaches, a 403) said "no step yet", after 81-92 s of retries: now it names
+    the file and why, in a few seconds, with no credential in the line. A file not there
+    yet is still "no step yet"."""
+    import time
+
+    from ray.job_submission import JobInfo, JobStatus
+
+    from raylora import jobs
+
+    def status(out: str, meta: dict | None = None) -> str:
+        info = JobInfo(status=JobStatus.RUNNING, entrypoint="python -m raylora train c.yaml",
+                       metadata={"raylora_output": out, **(meta or {})},
+                       start_time=int(time.time() * 1000) - 3_600_000)
+        monkeypatch.setattr(jobs, "client", lambda address: types.SimpleNamespace(get_job_info=lambda job: info))
+        assert main(["status", "rl-running"]) == 0
+        return capsys.readouterr().out
+
+    (tmp_path / "missing").mkdir()
+    assert status(str(tmp_path / "missing")) == "raylora: job rl-running RUNNING\nraylora: no step yet\n"
+    (tmp_path / "odd" / "progress.json").mkdir(parents=True)  # there, but no file to read
+    assert status(str(tmp_path / "odd")) == (
+        f"raylora: job rl-running RUNNING\nraylora: {tmp_path}/odd/progress.json is not readable from "
+        f"here (Cannot open for reading: path '{tmp_path}/odd/progress.json' is a directory); the run's "
+        "progress lines are in `raylora logs rl-running`\n")
+
+    # An endpoint only the cluster reaches (nothing listens on port 9 here)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIASTATUSUNREAD0001")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "status-unreadable-secret")
+    t = time.monotonic()
+    out = status("s3://runs/pets-lora", {jobs.STORAGE: json.dumps({"endpoint_url": "http://127.0.0.1:9"})})
+    assert time.monotonic() - t < 15
+    assert out.startswith("raylora: job rl-running RUNNING\nraylora: s3://runs/pets-lora/progress.json is "
+                          "not readable from here (")
+    assert "Could not connect" in out and out.endswith("; the run's progress lines are in "
+                                                       "`raylora logs rl-running`\n")
+    assert "AKIASTATUSUNREAD0001" not in out and "status-unreadable-secret" not in out
+
+
 # ---- what `raylora submit` ships and sends (no head: a stand-in for the SDK's client) ----
 
 def _tree(root, files: dict[str, str]) -> None:
@@ -518,6 +602,32 @@ def test_runtime_env_file_is_merged_into_what_submit_sends(tmp_path, monkeypatch
                             "change failure.stop_timeout_s); remove it from the file")
 
 
+def test_runtime_env_takes_key_file_paths_and_switches_not_secrets(tmp_path):
+    """A --runtime-env file's paths to key files mounted on the nodes and the hub's switch
+    that turns its token off were refused as "looks like a credential": the file is the
+    secret, not its path. The secrets themselves, and a token pasted into a path's
+    variable, are still refused."""
+    from raylora import jobs
+
+    def load(name: str, value: str) -> dict:
+        return jobs.load_runtime_env(_runtime_env_file(tmp_path, f"env_vars:\n  {name}: {value!r}\n"),
+                                     str(tmp_path))
+
+    fine = {"GOOGLE_APPLICATION_CREDENTIALS": "/var/secrets/gcp/key.json",
+            "AWS_SHARED_CREDENTIALS_FILE": "/etc/aws/credentials",
+            "AWS_WEB_IDENTITY_TOKEN_FILE": "/var/run/secrets/eks/token",
+            "HF_TOKEN_PATH": "~/hf/token", "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1"}
+    for name, value in fine.items():
+        assert load(name, value) == {"env_vars": {name: value}}, name
+    refused = {"AWS_SECRET_ACCESS_KEY": "abc", "HF_TOKEN": "hf_abc", "DB_PASSWORD": "abc",
+               "GITHUB_TOKEN": "ghp_abc", "OPENAI_API_KEY": "sk-abc", "MY_SECRET": "abc",
+               "GOOGLE_APPLICATION_CREDENTIALS": '{"private_key": "abc"}',
+               "HF_TOKEN_PATH": "hf_pastedtoken", "DB_PASSWORD_FILE": "hunter2"}
+    for name, value in refused.items():
+        with pytest.raises(ValueError, match=f"env_vars.{name}: looks like a credential"):
+            load(name, value)
+
+
 class _Cluster:
     """The SDK's client as `raylora submit|status|logs|stop` use it, for a cluster that
     has the jobs in ``jobs`` (id → final state)."""
@@ -604,7 +714,7 @@ def test_submit_refuses_a_taken_job_id_first_and_sends_the_runtime_env(
     cluster = _Cluster({"rl-stop": "STOPPED"})
     monkeypatch.setattr(jobs, "client", lambda address: cluster)
     checked = launch.checked
-    monkeypatch.setattr(launch, "checked", lambda *a: pytest.fail("checked before the id"))
+    monkeypatch.setattr(launch, "checked", lambda *a, **k: pytest.fail("checked before the id"))
 
     args = ["submit", "configs/job.yaml", "train.max_steps=6"]
     assert main([*args, "--job-id", "rl-stop"]) == 2
@@ -623,3 +733,37 @@ def test_submit_refuses_a_taken_job_id_first_and_sends_the_runtime_env(
     renv = cluster.sent["runtime_env"]
     assert renv["pip"] == ["torch>=2.4"] and renv["env_vars"]["HF_HUB_DISABLE_TELEMETRY"] == "1"
     assert renv["working_dir"] == str(wd)
+
+
+def test_submit_sizes_the_job_by_the_clusters_gpus_not_this_machines(
+        tiny_model, demo_data, tmp_path, monkeypatch, capsys):
+    """`raylora submit --address URL` checked the job's memory against THIS machine's GPU
+    (a laptop's small card) and refused it with exit 3, while the same submit with
+    RAY_ADDRESS=URL left it to the job's driver, which reads the cluster's GPUs. Both
+    now leave it to the cluster; a scaling.gpu_memory_gb that is set is still checked here."""
+    from raylora import jobs, preflight
+    from raylora.config import load_config
+
+    wd = tmp_path / "wd"
+    (wd / "configs").mkdir(parents=True)
+    (wd / "configs" / "gpu.yaml").write_text(
+        open(os.path.join(REPO, "jobs", "configs", "tiny-local.yaml")).read()
+        .replace("runs/demo/model", tiny_model).replace("runs/demo/data", demo_data)
+        .replace("runs/demo/output", str(tmp_path / "out")).replace("use_gpu: false", "use_gpu: true"))
+    monkeypatch.chdir(wd)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    # this machine: a 512 MiB GPU, which the tiny model's ~800 MiB step does not fit
+    laptop = preflight.GpuSize(0.5, "detected: Laptop GPU")
+    monkeypatch.setattr(preflight, "_local_gpu", lambda: laptop)
+    assert preflight.gpu_size(load_config("configs/gpu.yaml", [])) == laptop
+    cluster = _Cluster()
+    monkeypatch.setattr(jobs, "client", lambda address: cluster)
+
+    address = ["--address", "http://gpu-cluster:8265", "--job-id", "rl-gpu"]
+    assert main(["submit", "configs/gpu.yaml", *address]) == 0
+    assert capsys.readouterr().out == "rl-gpu\n"
+    assert cluster.sent["entrypoint"].startswith("python -m raylora train configs/gpu.yaml")
+    cluster.sent = None
+    assert main(["submit", "configs/gpu.yaml", "scaling.gpu_memory_gb=0.5", *address]) == preflight.EXIT_DOES_NOT_FIT
+    err = capsys.readouterr().err
+    assert "GPU: 512.0 MiB (scaling.gpu_memory_gb): does NOT fit" in err and cluster.sent is None

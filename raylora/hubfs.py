@@ -79,11 +79,15 @@ class HubDatasets(pafs.FileSystemHandler):
     def get_file_info(self, paths: list[str]) -> list[pafs.FileInfo]:
         out = []
         for path in paths:
-            _, _, inner, files = self._resolve(path)
+            repo, commit, inner, files = self._resolve(path)
+            # named at the commit, as a listing names its files: a file the user named by
+            # its branch (data.uri: one parquet) is planned at, and read by every worker
+            # at, the commit this read, not whatever is pushed before a worker starts
+            pinned = f"{PREFIX}{repo}@{commit}" + (f"/{inner}" if inner else "")
             if inner in files:
-                out.append(pafs.FileInfo(path, pafs.FileType.File, size=files[inner]))
+                out.append(pafs.FileInfo(pinned, pafs.FileType.File, size=files[inner]))
             elif not inner or any(f.startswith(inner + "/") for f in files):
-                out.append(pafs.FileInfo(path, pafs.FileType.Directory))
+                out.append(pafs.FileInfo(pinned, pafs.FileType.Directory))
             else:
                 out.append(pafs.FileInfo(path, pafs.FileType.NotFound))
         return out

@@ -313,21 +313,21 @@ class Storage:
                 # (a "[" in a name that is there, "photos [2023]", is that name: the glob
                 # class it would spell matched nothing, and said so)
                 root = uri[: min(uri.index(c) for c in "*?[" if c in uri)].rsplit("/", 1)[0]
-                # a hub repo is listed pinned to a commit: matched without it
-                if uri.startswith("hf://"):
-                    from raylora.hubfs import unpinned as key
-                else:
-                    key = str
-                pattern = _glob_regex(key(uri))
+                pattern = _glob_regex(_unpinned(uri))
                 # a pattern that names a hidden folder itself (root/*/.thumbs/*.png) asks for it
                 hidden_ok = hidden_folder(root, uri)
-                found = [f for f in self.list_files(root) if pattern.fullmatch(key(f))
+                found = [f for f in self.list_files(root) if pattern.fullmatch(_unpinned(f))
                          and (hidden_ok or not hidden_folder(root, f))]
             else:
                 info = self.info(uri)
                 if info.type == pafs.FileType.NotFound:
                     raise FileNotFoundError(f"{uri}: no such file or directory")
-                found = [uri] if info.type == pafs.FileType.File else self.data_files(uri)
+                if info.type != pafs.FileType.File:
+                    found = self.data_files(uri)
+                elif uri.startswith("hf://"):  # named at the commit read (hubfs): what workers read
+                    found = [to_uri(uri, info.path)]
+                else:
+                    found = [uri]
                 if uri.startswith("hf://") and info.type == pafs.FileType.Directory:
                     from raylora import hubfs
 
@@ -355,14 +355,16 @@ class Storage:
         FileNotFoundError naming the pattern and the spelled URIs that are not there."""
         found = [f for u in uris if _is_glob(u) for f in self.expand(u)]
         plain = [u for u in uris if not _is_glob(u)]
-        listed = self.beside(plain)
-        missing = [u for u in plain if u not in listed]
+        listed = {_unpinned(u): i for u, i in self.beside(plain).items()}
+        missing = [u for u in plain if _unpinned(u) not in listed]
         if missing:
             more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
             raise FileNotFoundError(f"{pattern}: no such file or directory: "
                                     f"{', '.join(missing[:3])}{more}")
         for u in plain:
-            found += [u] if listed[u].type == pafs.FileType.File else self.data_files(u)
+            info = listed[_unpinned(u)]
+            # the listed name: a hub file's names the commit listed, which workers read
+            found += [to_uri(u, info.path)] if info.type == pafs.FileType.File else self.data_files(u)
         return found
 
     def beside(self, uris: list[str]) -> dict[str, pafs.FileInfo]:
@@ -462,16 +464,18 @@ class Storage:
         pafs.copy_files(local_dir, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
         complete_upload(local_dir, fs, path, what=uri, sizes=not growing)
 
-    def download_dir(self, uri: str, local_dir: str) -> None:
+    def download_dir(self, uri: str, local_dir: str,
+                     keep: Callable[[str], bool] | None = None) -> None:
         """Copy every file under ``uri`` into ``local_dir`` (created), in parts of
-        ``DOWNLOAD_PART`` bytes read concurrently (``DOWNLOAD_THREADS``).
+        ``DOWNLOAD_PART`` bytes read concurrently (``DOWNLOAD_THREADS``). ``keep``: which
+        files, by name relative to ``uri`` (default: all).
 
         Why not ``pyarrow.fs.copy_files``: it reads each file as one stream of 1 MiB
         ranged GETs, one after another, so a 10 GB weights shard costs 10,000 requests in a
         row, each waiting for its first byte. Here it is ~300 GETs of 32 MiB, 16 in flight
         (bench/download.py)."""
         fs, path = self.fs(uri)
-        found = listed_files(fs, path)
+        found = {n: i for n, i in listed_files(fs, path).items() if keep is None or keep(n)}
         if not found:
             raise FileNotFoundError(f"{uri}: no files there")
         os.makedirs(local_dir, exist_ok=True)
@@ -688,6 +692,16 @@ def _replace_file(path: str, data: bytes) -> None:
         raise
 
 
+def _unpinned(uri: str) -> str:
+    """What a URI the user wrote and the URIs a listing returns are compared by: a hub
+    repo is listed pinned to a commit (``hubfs``), so a hub URI without its revision."""
+    if not uri.startswith("hf://"):
+        return uri
+    from raylora.hubfs import unpinned
+
+    return unpinned(uri)
+
+
 def _is_glob(uri: str) -> bool:
     return any(ch in uri for ch in "*?[")
 
@@ -736,10 +750,16 @@ def braces(uri: str) -> list[str]:
 
 def _glob_regex(pattern: str) -> re.Pattern:
     """Shell-style glob as a regex: ``*`` and ``?`` stay within one path segment, ``**``
-    crosses segments (fnmatch's ``*`` would match ``/`` too)."""
+    crosses segments (fnmatch's ``*`` would match ``/`` too); a ``**/`` segment is zero or
+    more folders, as Python's ``glob(recursive=True)`` and fsspec read it (``d/**/*.png``
+    holds ``d/a.png``: ``.*/`` left out the images directly in ``d``)."""
     out, i = [], 0
     while i < len(pattern):
         c = pattern[i]
+        if pattern.startswith("**/", i) and (i == 0 or pattern[i - 1] == "/"):
+            out.append("(?:.*/)?")
+            i += 3
+            continue
         if pattern.startswith("**", i):
             out.append(".*")
             i += 2

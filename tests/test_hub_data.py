@@ -80,6 +80,39 @@ def test_a_hub_dataset_is_planned_and_read_at_the_commit_its_plan_read(online, h
     assert [p for _, p, _ in hub.seen if "/resolve/" in p] == []
 
 
+def test_hub_files_named_by_their_branch_are_read_at_the_commit_planned(online, hub, tmp_path):
+    """A data.uri naming one file of a repo (or a list, or a brace list of them) kept the
+    name as written, at no commit: raylora.json named none, the data's fingerprint did not
+    change with a push, and every worker read whatever main was when it started (3 rows
+    planned, 5 read). Each is named at the commit the plan read, as a folder's files are."""
+    from hubemu import commit
+
+    from raylora.checkpoint.export import data_fingerprint
+
+    name = "data/train-00000-of-00002.parquet"
+    hub.add("org/onefile", write_repo(tmp_path / "v0", [["a cat", "a dog", "a fox"], ["an owl"]]),
+            kind="dataset")
+    first = commit("datasets/org/onefile", 0)
+    one = plan_data(DataSection(uri=f"hf://datasets/org/onefile/{name}"), Storage())
+    assert one.rows == 3 and one.files == [f"hf://datasets/org/onefile@{first}/{name}"]
+    assert [s["commit"] for s in one.summary()] == [first]
+    listed = plan_data(DataSection(uri=[f"hf://datasets/org/onefile/data/train-0000{i}-of-00002.parquet"
+                                        for i in range(2)]), Storage())
+    spelled = plan_data(DataSection(uri="hf://datasets/org/onefile/data/train-{00000..00001}-of-00002.parquet"),
+                        Storage())
+    assert listed.files == spelled.files == [
+        f"hf://datasets/org/onefile@{first}/data/train-0000{i}-of-00002.parquet" for i in range(2)]
+    # pushed after the plan: same file names and sizes, other rows
+    hub.add("org/onefile", write_repo(tmp_path / "v1", [["a cow", "a pig", "a hen"], ["an elk"]]),
+            version=1, kind="dataset")
+    assert texts(one, Storage()) == ["a cat", "a dog", "a fox"]  # a worker: the planned commit
+    assert texts(spelled, Storage()) == ["a cat", "a dog", "a fox", "an owl"]
+    again = plan_data(DataSection(uri=f"hf://datasets/org/onefile/{name}"), Storage())
+    assert again.files == [f"hf://datasets/org/onefile@{commit('datasets/org/onefile', 1)}/{name}"]
+    assert texts(again, Storage()) == ["a cow", "a pig", "a hen"]
+    assert data_fingerprint(again.files, Storage()) != data_fingerprint(one.files, Storage())
+
+
 def test_a_repo_of_splits_trains_its_train_split_as_datasets_loads_it(online, hub, tmp_path):
     """A repo as push_to_hub writes one with three splits: every split's rows were
     trained on, the test and validation rows too. The repo itself trains its train split

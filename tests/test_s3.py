@@ -653,8 +653,8 @@ def test_a_model_uploaded_again_under_its_uri_is_downloaded_again(s3, tiny_model
     assert os.path.exists(f"{first}/.complete")  # the old copy is left to a run still reading it
 
     class UploadedMeanwhile(Storage):  # another upload lands while this node downloads
-        def download_dir(self, uri, local_dir):
-            super().download_dir(uri, local_dir)
+        def download_dir(self, uri, local_dir, keep=None):
+            super().download_dir(uri, local_dir, keep)
             upload_changed(2)
 
     upload_changed(3)
@@ -665,6 +665,32 @@ def test_a_model_uploaded_again_under_its_uri_is_downloaded_again(s3, tiny_model
     torch.testing.assert_close(load_file(f"{third}/{weights}")["conv_in.weight"], stock + 2)
     with pytest.raises(FileNotFoundError, match="model.pretrained: s3://raylora-test/models/none: no files there"):
         materialize(f"s3://{BUCKET}/models/none", store)
+
+
+def test_a_stored_model_is_downloaded_without_its_hidden_folders(s3, tiny_model, tmp_path):
+    """A model folder synced from a git clone holds ``.git/``, whose ``lfs/objects`` is a
+    second copy of every weight: each node downloaded it all (twice the bytes), as it did
+    ``hf download``'s ``.cache/huggingface/``. The files in hidden folders are left out of
+    the download and of the version (what the plan pins and the node's copy is named by),
+    as a data listing leaves them out; a hidden file of the model's own stays."""
+    from raylora.model.load import check_model, materialize, stored_files, stored_version
+    from raylora.storage import Storage, local_sizes
+
+    uri, store, prefix = f"s3://{BUCKET}/models/cloned", Storage(), "models/cloned"
+    upload_dir(s3, tiny_model, prefix)
+    s3.upload_file(f"{tiny_model}/{UNET_WEIGHTS}", BUCKET, f"{prefix}/.git/lfs/objects/ab/cd/abcd")
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/.cache/huggingface/download/unet.metadata", Body=b"x")
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/.gitattributes", Body=b"*.safetensors filter=lfs\n")
+    model = local_sizes(tiny_model) | {".gitattributes": 25}
+    assert sorted(stored_files(uri, store)) == sorted(model)
+    version = stored_version(uri, stored_files(uri, store))
+    assert check_model(uri, store)["commit"] == version
+    local = materialize(uri, store, version)  # the version the plan pinned: no refusal
+    assert os.path.basename(local) == version
+    assert local_sizes(local) == model | {".complete": len(uri)}
+    # another object in .git (a commit) is no new version of the model
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/.git/refs/heads/main", Body=b"0" * 40)
+    assert stored_version(uri, stored_files(uri, store)) == version
 
 
 def test_a_folder_downloads_in_parts_read_side_by_side(s3, tmp_path, monkeypatch):

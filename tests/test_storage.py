@@ -218,3 +218,47 @@ def test_files_in_hidden_folders_are_left_out_of_every_listing(tmp_path):
     assert hidden_folder("s3://b/data", "s3://b/data/x/.ipynb_checkpoints/a.png")
     assert not hidden_folder("s3://b/.data", "s3://b/.data/x/a.png")
     assert not hidden_folder("/", "/a/b.png") and hidden_folder("/", "/.a/b.png")
+
+
+def test_a_globstar_folder_is_zero_or_more_folders(tmp_path):
+    """``DIR/**/*.png`` left out the images directly in DIR (``**/`` was one folder or
+    more); Python's glob(recursive=True) and fsspec match zero or more, as here. A bare
+    ``**`` still crosses folders (``**.parquet`` above)."""
+    import glob
+
+    from raylora.storage import _glob_regex
+
+    for name in ("top1.png", "top2.png", "sub/a.png", "sub/deeper/b.png", "sub/c.txt",
+                 ".thumbs/t.png"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"x")
+    st = Storage()
+    rel = lambda found: [os.path.relpath(f, tmp_path) for f in found]  # noqa: E731
+    pngs = ["sub/a.png", "sub/deeper/b.png", "top1.png", "top2.png"]
+    assert rel(st.expand(str(tmp_path / "**" / "*.png"))) == pngs
+    assert sorted(rel(glob.glob(str(tmp_path / "**" / "*.png"), recursive=True))) == pngs
+    assert rel(st.expand(str(tmp_path / "sub" / "**" / "*.png"))) == ["sub/a.png", "sub/deeper/b.png"]
+    assert rel(st.expand(str(tmp_path / "**"))) == sorted(pngs + ["sub/c.txt"])
+    assert rel(st.expand(str(tmp_path / "**" / "deeper" / "*.png"))) == ["sub/deeper/b.png"]
+    assert [bool(_glob_regex(p).fullmatch(s)) for p, s in (
+        ("d/**/*.png", "d/a.png"), ("d/**/*.png", "d/x/y/a.png"), ("d/**/*.png", "da.png"),
+        ("d/**.png", "d/x/a.png"), ("d/x**/a", "d/xy/a"), ("d/x**/a", "d/a"))] == [
+        True, True, False, True, True, False]
+
+
+@pytest.mark.parametrize("form", ["file://{}", "file:{}", "file://localhost{}", "as_uri"])
+def test_every_file_uri_form_names_a_local_model(tiny_model, form):
+    """README's file: URIs work for model.pretrained as for data.uri and output.uri:
+    ``file:/abs/path`` (Hadoop's and Spark's, no "://") was refused as "no such folder
+    here, and not a hub id"."""
+    from pathlib import Path
+
+    from raylora.config import ModelSection
+    from raylora.model.load import check_model, resolve_model_path
+
+    uri = Path(tiny_model).as_uri() if form == "as_uri" else form.format(tiny_model)
+    path = resolve_model_path(ModelSection(pretrained=uri))
+    assert path == tiny_model
+    assert check_model(path, Storage(), weights=False)["family"].name == "sd"
+    with pytest.raises(ValueError, match="not on host 'nas'"):
+        resolve_model_path(ModelSection(pretrained="file://nas/models/sd"))

@@ -69,11 +69,15 @@ def resolve_family(model: ModelSection, index: dict | None) -> type[Family]:
 def resolve_model_path(model: ModelSection) -> str:
     """Local folder → absolute path; storage URI as is; anything else is a hub id."""
     p = os.path.expanduser(model.pretrained)
-    if "://" in p and not p.startswith("file://"):
+    # every file: URI is a local path (file:/a/b, Hadoop's and Spark's, has no "://"; it
+    # was taken for a hub id), as storage reads it for data.uri and output.uri
+    if p.startswith("file:"):
+        return storage.local_path(p)
+    if "://" in p:
         return p
     # a relative path that is here (a folder, or a single-file checkpoint that
     # check_model names as one) is not a hub id
-    if os.path.exists(p) or p.startswith((".", "/", "~", "file://")):
+    if os.path.exists(p) or p.startswith((".", "/", "~")):
         return storage.local_path(p)
     return model.pretrained
 
@@ -439,7 +443,7 @@ def materialize(path: str, store: Storage, version: str | None = None) -> str:
             if not os.path.exists(done):
                 tmp = f"{dest}.partial-{os.getpid()}"
                 shutil.rmtree(tmp, ignore_errors=True)
-                store.download_dir(path, tmp)
+                store.download_dir(path, tmp, keep=lambda name: model_file(path, name))
                 if stored_version(path, stored_files(path, store)) != listed:
                     shutil.rmtree(tmp, ignore_errors=True)
                     raise RuntimeError(f"model.pretrained: {path}: its files changed while this "
@@ -510,11 +514,22 @@ def _node_copy(version: str) -> str:
 
 
 def stored_files(path: str, store: Storage) -> dict[str, Any]:
-    """Relative name → ``FileInfo`` of a folder in storage, one listing ({} if empty)."""
+    """Relative name → ``FileInfo`` of a folder in storage, one listing ({} if empty),
+    less the files in its hidden folders (``model_file``)."""
     try:
-        return storage.listed_files(*store.fs(path))
+        found = storage.listed_files(*store.fs(path))
     except FileNotFoundError:  # an S3 prefix without objects, despite allow_not_found
         return {}
+    return {name: i for name, i in found.items() if model_file(path, name)}
+
+
+def model_file(path: str, name: str) -> bool:
+    """Whether ``name`` (relative to the stored folder ``path``) is one of its files, not
+    one in a hidden folder below it (``storage.hidden_folder``): a folder uploaded from a
+    git clone holds ``.git/``, whose ``lfs/objects`` is a second copy of every weight, and
+    ``hf download --local-dir`` leaves ``.cache/huggingface/``. What ``materialize``
+    downloads and what its version (``stored_version``) is computed from, alike."""
+    return not storage.hidden_folder(path, f"{path.rstrip('/')}/{name}")
 
 
 def stored_version(path: str, found: dict[str, Any]) -> str:

@@ -211,7 +211,8 @@ def _shards_build(args) -> int:
     from raylora.storage import Storage
 
     store = Storage(args.endpoint_url, args.region)
-    items = checked_items(args.src, args.dest, args.format, args.shard_size, store)
+    bound = {} if args.max_bad_fraction is None else {"max_bad_fraction": args.max_bad_fraction}
+    items = checked_items(args.src, args.dest, args.format, args.shard_size, store, **bound)
     started = init_ray()
     try:
         m = build_shards(args.src, args.dest, args.format, args.shard_size, store, items)
@@ -474,6 +475,10 @@ def _data_commands(sub):
     b.add_argument("dest", help="where the shards and manifest.json go (path, s3://, gs://)")
     b.add_argument("--format", choices=["parquet", "webdataset"], default="parquet")
     b.add_argument("--shard-size", type=int, default=1000, help="samples per shard")
+    b.add_argument("--max-bad-fraction", type=float, default=None,
+                   help="images left out (a metadata line whose image is gone, an image "
+                        "without a caption) over which the build is refused; default "
+                        "data.max_bad_fraction's, 0.05")
     b.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint")
     b.add_argument("--region", default=None)
     b.set_defaults(fn=_shards_build)

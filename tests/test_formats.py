@@ -835,3 +835,256 @@ def test_a_webdataset_json_list_of_captions_trains_one_a_read_and_is_refused_wit
     assert plan.rows == 20
     with pytest.raises(ValueError, match=r"shard-00000\.tar#00017: several captions"):
         list(wds.iter_unit(cached, plan.files, store, 0, 0, -1))  # as the cache's build reads
+
+
+def _tar_of(path, members: list[tuple[str, bytes]]) -> None:
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w") as tar:
+        for name, payload in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            tar.addfile(info, io.BytesIO(payload))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_a_tar_whose_samples_are_apart_is_refused_in_planning(tmp_path, dropout):
+    """`tar cf data.tar *.png *.txt` puts every image first and the captions after: each
+    caption began a sample of its own, so every image trained on the empty caption (with
+    caption dropout on, without a word). Refused where the driver counts the tar, naming
+    it, the member and the fix; the reader refuses it too. Grouped, it reads as before."""
+    import io
+
+    from PIL import Image
+
+    from raylora.data.formats.webdataset import count_tar_samples, iter_tar_samples
+
+    pngs = []
+    for i in range(3):
+        buf = io.BytesIO()
+        Image.new("RGB", (8, 8), (40 * i, 90, 160)).save(buf, "PNG")
+        pngs.append((f"{i:03d}.png", buf.getvalue()))
+    texts = [(f"{i:03d}.txt", f"photo {i}".encode()) for i in range(3)]
+    (tmp_path / "apart").mkdir()
+    tar = tmp_path / "apart" / "data.tar"
+    _tar_of(tar, pngs + texts)
+    said = (f"{tar}: 000.txt is apart from the other files of sample '000': the files of a "
+            "sample (KEY.jpg, KEY.txt, ...) must be adjacent in a WebDataset tar, as webdataset "
+            "reads them. Write it again with them together (`tar --sort=name -cf x.tar -C "
+            "FOLDER .`), or build shards from the folder with `raylora shards build`")
+    with pytest.raises(ValueError) as exc:
+        plan_data(DataSection(uri=str(tmp_path / "apart"), caption_dropout=dropout), Storage())
+    assert str(exc.value) == said
+    with pytest.raises(ValueError) as exc:
+        list(iter_tar_samples(open(tar, "rb"), str(tar)))
+    assert str(exc.value) == said
+
+    (tmp_path / "together").mkdir()
+    _tar_of(tmp_path / "together" / "data.tar", [m for pair in zip(pngs, texts) for m in pair])
+    assert count_tar_samples(open(tmp_path / "together" / "data.tar", "rb")) == 3
+    data = DataSection(uri=str(tmp_path / "together"), caption_dropout=dropout)
+    plan = plan_data(data, Storage())
+    rows = formats.get_format("webdataset").iter_rows(data, plan.files, Storage())
+    assert plan.rows == 3 and [r["text"] for r in rows] == ["photo 0", "photo 1", "photo 2"]
+
+
+def test_shards_build_warns_about_or_refuses_the_images_it_leaves_out(tmp_path, caplog, capsys):
+    """Metadata lines whose image is gone, and caption-folder images without a caption,
+    were dropped without a word (9 of 10 images gone: a shard of one), where training
+    warns or refuses the folder over data.max_bad_fraction. Now the same: a warning with
+    the count and examples, or refused before anything is written."""
+    from PIL import Image
+
+    from raylora.data.demo import write_imagefolder
+    from raylora.data.shards import checked_items
+
+    store, out = Storage(), tmp_path / "out"
+    src = write_imagefolder(tmp_path / "if", n=20, size=8, seed=0)
+    (src / "img_00007.png").unlink()  # 1 of 20: 5%, not over the default
+    with caplog.at_level("WARNING", logger="raylora.data"):
+        items = checked_items(str(src), str(out), "parquet", 10, store)
+    assert len(items) == 19
+    assert (f"{src}: 1 of 20 lines of {src}/metadata.jsonl name an image that is not in the "
+            "folder (e.g. 'img_00007.png'): left out of the shards") in caplog.text
+    for i in range(1, 10):
+        (src / f"img_{i:05d}.png").unlink(missing_ok=True)
+    with pytest.raises(ValueError) as exc:
+        checked_items(str(src), str(out), "parquet", 10, store)
+    assert str(exc.value) == (
+        f"{src}: 9 of 20 lines of {src}/metadata.jsonl name an image that is not in the folder "
+        "(e.g. 'img_00001.png', 'img_00002.png', 'img_00003.png'); 45.0% of them, over "
+        "--max-bad-fraction=0.05 (default data.max_bad_fraction's, where training refuses the "
+        "folder); nothing written. Restore the images or remove their lines")
+    assert not out.exists()
+    assert len(checked_items(str(src), str(out), "parquet", 10, store, max_bad_fraction=0.5)) == 11
+    # the command's bound (refused before Ray starts)
+    from raylora.cli import main
+
+    assert main(["shards", "build", str(src), str(out), "--max-bad-fraction", "0.4"]) == 2
+    assert "45.0% of them, over --max-bad-fraction=0.4 " in capsys.readouterr().err
+    assert not out.exists()
+
+    cf = tmp_path / "cf"
+    cf.mkdir()
+    for i in range(20):
+        Image.new("RGB", (8, 8)).save(cf / f"img{i:02d}.jpg")
+        if i >= 5:
+            (cf / f"img{i:02d}.txt").write_text(f"caption {i}")
+    with pytest.raises(ValueError) as exc:
+        checked_items(str(cf), str(out), "webdataset", 10, store)
+    assert str(exc.value) == (
+        f"{cf}: 5 of 20 images have no caption: no .txt file beside them and not in a kohya "
+        f"N_name folder (e.g. {cf}/img00.jpg, {cf}/img01.jpg, {cf}/img02.jpg); 25.0% of them, "
+        "over --max-bad-fraction=0.05 (default data.max_bad_fraction's, where training refuses "
+        "the folder); nothing written. "
+        "Caption them (a .txt beside each) or remove them")
+    for i in range(1, 5):
+        (cf / f"img{i:02d}.txt").write_text(f"caption {i}")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="raylora.data"):
+        items = checked_items(str(cf), str(out), "webdataset", 10, store)
+    assert [it["key"] for it in items] == [f"img{i:02d}" for i in range(1, 20)]
+    assert (f"{cf}: 1 of 20 images have no caption: no .txt file beside them and not in a "
+            f"kohya N_name folder (e.g. {cf}/img00.jpg): left out of the shards") in caplog.text
+
+
+def test_shards_build_keeps_the_dots_of_a_caption_folder_name_in_its_key(tmp_path):
+    """IMG_0001.v1.jpg and IMG_0001.v2.jpg both got the key IMG_0001 (the extension was cut
+    from a key that was already the stem), cat.png.jpg the key cat."""
+    from PIL import Image
+
+    from raylora.data.shards import checked_items
+
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    for stem in ("IMG_0001.v1", "IMG_0001.v2", "cat.png", "sub/a.b"):
+        Image.new("RGB", (8, 8)).save(src / f"{stem}.jpg")
+        (src / f"{stem}.txt").write_text(f"caption of {stem}")
+    items = checked_items(str(src), str(tmp_path / "out"), "parquet", 10, Storage())
+    assert [(it["key"], it["text"]) for it in items] == [
+        ("IMG_0001.v1", "caption of IMG_0001.v1"), ("IMG_0001.v2", "caption of IMG_0001.v2"),
+        ("cat.png", "caption of cat.png"), ("sub/a.b", "caption of sub/a.b")]
+
+
+def test_a_parquet_build_writes_one_schema_in_every_shard_and_its_manifest(
+        tmp_path, ray_local):
+    """Each shard task chose its own columns: text list<string> where its images had several
+    captions and string elsewhere, a mask or control column only where its images had one,
+    and manifest.json said "text": "string". pyarrow (and datasets) refused to read the
+    folder as one table. Now every shard has the build's columns (null where an image has
+    no sidecar), the manifest names them, and training reads a null as none."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.dataset as pds
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    from raylora.data.captions import caption_list
+    from raylora.data.demo import write_imagefolder
+
+    src = write_imagefolder(tmp_path / "src", n=4, size=8, seed=0)
+    texts = [["a dog", "a puppy"], "a cat", "a bird", "a fish"]
+    (src / "metadata.jsonl").write_text("".join(
+        json.dumps({"file_name": f"img_{i:05d}.png", "text": t}) + "\n" for i, t in enumerate(texts)))
+    Image.new("L", (8, 8), 255).save(src / "img_00003.mask.png")
+    Image.new("RGB", (8, 8), (1, 2, 3)).save(src / "img_00002.control.png")
+    out = tmp_path / "out"
+    manifest = build_shards(str(src), str(out), "parquet", 2)
+    files = sorted(str(f) for f in out.glob("*.parquet"))
+    want = pa.schema([("key", pa.string()), ("image", pa.binary()),
+                      ("text", pa.list_(pa.string())), ("mask", pa.binary()),
+                      ("control_image", pa.binary())])
+    assert len(files) == 2 and [pq.read_schema(f) for f in files] == [want, want]
+    table = pds.dataset(files, format="parquet").to_table()
+    assert table["text"].to_pylist() == [["a dog", "a puppy"], ["a cat"], ["a bird"], ["a fish"]]
+    assert [m is not None for m in table["mask"].to_pylist()] == [False, False, False, True]
+    assert [c is not None for c in table["control_image"].to_pylist()] == [False, False, True, False]
+    assert manifest["schema"] == json.loads((out / "manifest.json").read_text())["schema"] == {
+        "key": "string", "image": "binary (encoded image)",
+        "text": "list<string> (the image's captions; a read trains one)",
+        "mask": "binary (loss mask; null where none)",
+        "control_image": "binary (control image; null where none)"}
+
+    data = DataSection(uri=str(out), masked_loss=True, control_images=True)
+    plan = plan_data(data, Storage())
+    rows = list(formats.get_format("parquet").iter_rows(data, plan.files, Storage()))
+    assert plan.rows == 4 and [caption_list(r["text"]) or r["text"] for r in rows] == [
+        ["a dog", "a puppy"], "a cat", "a bird", "a fish"]
+    assert [r["mask"] is not None for r in rows] == [False, False, False, True]
+    assert [r["control"] is not None for r in rows] == [False, False, True, False]
+
+
+def test_imagefolder_units_parse_the_metadata_once(tmp_path):
+    """Every read unit (256 rows) read and parsed the whole metadata.jsonl again: an epoch
+    of a 50k-image folder read 196 copies of it. Now once per process for the same listing
+    and file; a file written again is read again."""
+    import json
+
+    from raylora.data.formats import imagefolder
+
+    def write(caption: str) -> None:
+        (tmp_path / "metadata.jsonl").write_text("".join(
+            json.dumps({"file_name": f"img_{i:04d}.png", "text": f"{caption} {i}"}) + "\n"
+            for i in range(300)))
+
+    write("a red car")
+    files = [str(tmp_path / "metadata.jsonl")] + [str(tmp_path / f"img_{i:04d}.png") for i in range(300)]
+    store, data, fmt = Storage(), DataSection(uri=str(tmp_path)), formats.get_format("imagefolder")
+    reads = []
+    real = store.read_bytes
+    store.read_bytes = lambda u: reads.append(u) or (real(u) if u.endswith(".jsonl") else b"png")
+
+    def epoch() -> list[str]:
+        units = fmt.units(data, files, store, 32)
+        assert len(units) == 10
+        return [r["text"] for u in units for r in fmt.iter_unit(data, files, store, *u)]
+
+    assert epoch() == [f"a red car {i}" for i in range(300)]
+    assert epoch() == [f"a red car {i}" for i in range(300)]
+    assert sum(u.endswith(".jsonl") for u in reads) == 1  # was 1 + 10 per epoch
+    write("a blue bus")
+    assert epoch() == [f"a blue bus {i}" for i in range(300)]
+    assert sum(u.endswith(".jsonl") for u in reads) == 2
+    assert len(imagefolder._PARSED) <= imagefolder.PARSED_KEPT
+
+
+def test_a_binary_caption_column_takes_the_caption_prefix(tmp_path):
+    """A parquet caption column of bytes with data.caption_prefix: the read stage failed
+    (TypeError: startswith on bytes). Decoded as a caption file is; not UTF-8 stays a
+    caption_not_utf8 row."""
+    import pyarrow as pa
+
+    from raylora.data.captions import with_prefix
+    from raylora.data.decode import BadRecord, decode_caption
+    from raylora.data.source import _as_source
+
+    table = pa.table({"text": pa.array([b"a dog", b"", None, b"caf\xe9"], pa.binary())})
+    out = _as_source(table, DataSection(uri=str(tmp_path), caption_prefix="sks"), 0)
+    texts = out["text"].to_pylist()
+    assert texts[:3] == ["sks, a dog", "", None]
+    with pytest.raises(BadRecord) as exc:
+        decode_caption(texts[3], keep_empty=True)
+    assert exc.value.reason == "caption_not_utf8"
+    assert with_prefix("", b"a dog") == b"a dog"  # no prefix: as it was
+
+
+def test_demo_data_refuses_a_folder_that_holds_demo_shards(tmp_path):
+    """Written again into the same folder with fewer shards, the old parts stayed beside the
+    new: the manifest said 4 images and training read 10."""
+    import json
+
+    from raylora.data.demo import write_parquet_shards
+
+    dest = tmp_path / "demo"
+    write_parquet_shards(dest, n=10, num_shards=3, size=8)
+    before = {p.name: p.read_bytes() for p in dest.iterdir()}
+    with pytest.raises(ValueError) as exc:
+        write_parquet_shards(dest, n=4, num_shards=1, size=8)
+    assert str(exc.value) == (f"{dest}: already holds 3 demo shard(s) (part-00000.parquet, "
+                              "part-00001.parquet, part-00002.parquet); give an empty or new "
+                              "folder, or remove them first")
+    assert {p.name: p.read_bytes() for p in dest.iterdir()} == before
+    assert json.loads((dest / "_manifest.json").read_text())["count"] == 10
+    assert plan_data(DataSection(uri=str(dest)), Storage()).rows == 10

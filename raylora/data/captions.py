@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from raylora.data.formats import NOT_UTF8
+from raylora.data.formats import NOT_UTF8, decode_text
 
 
 @dataclass(frozen=True)
@@ -88,11 +88,14 @@ def with_prefix(prefix: str, text: Any) -> Any:
     (a trailing comma on the prefix is not doubled). A row without a caption keeps none:
     it is a missing_caption row, not one captioned with the trigger word alone. Several
     captions (``caption_list``): each gets it, joined (``joined_captions``): the read
-    stage's string column holds them."""
+    stage's string column holds them. A binary caption column's bytes are decoded as a
+    caption file's are (``decode_text``: not UTF-8 stays marked, a caption_not_utf8 row)."""
     captions = caption_list(text)
     if captions is not None:
         return joined_captions([with_prefix(prefix, c) for c in captions])
     prefix = prefix.strip().rstrip(",").strip()
+    if isinstance(text, (bytes, bytearray, memoryview)) and prefix:
+        text = decode_text(bytes(text))
     if not prefix or text is None or not text.strip() or text.startswith(NOT_UTF8):
         return text
     return f"{prefix}, {text}"

@@ -80,6 +80,13 @@ def write_parquet_shards(
         # 0 shards wrote a manifest of n images and no data; more shards than images, empty ones
         raise ValueError(f"--shards: {num_shards}; between 1 and the number of images ({n})")
     dest = Path(dest)
+    old = sorted(p.name for p in dest.glob("part-*.parquet")) if dest.is_dir() else []
+    if old:
+        # a reader of the folder takes every part: old ones beside fewer new ones trained
+        # too, and the manifest counted the new ones only (as `raylora shards build` refuses)
+        raise ValueError(f"{dest}: already holds {len(old)} demo shard(s) ({', '.join(old[:3])}"
+                         f"{', ...' if len(old) > 3 else ''}); give an empty or new folder, or "
+                         "remove them first")
     dest.mkdir(parents=True, exist_ok=True)
     samples = make_samples(n, size=size, seed=seed)
     paths = []

@@ -16,7 +16,7 @@ import json
 import logging
 import posixpath
 
-from raylora.config import MAX_CONTROL_INPUTS, control_key
+from raylora.config import MAX_CONTROL_INPUTS, DataSection, control_key
 from raylora.data import formats
 from raylora.data.formats.imagefolder import is_metadata
 from raylora.storage import Storage, join, normalize
@@ -24,11 +24,15 @@ from raylora.storage import Storage, join, normalize
 log = logging.getLogger("raylora.data")
 
 
-def collect_items(store: Storage, src: str) -> list[dict]:
+def collect_items(store: Storage, src: str, missing: list[tuple[str, str]] | None = None,
+                  uncaptioned: list[str] | None = None) -> list[dict]:
     """``[{"key", "uri", "text"}]`` for every captioned image under ``src``, sorted by key.
     The files are those training reads from the folder (``Storage.data_files``: no hidden
     files or folders, no macOS ``._*`` companions, no job markers). ``text``: a list where
-    a metadata line has several captions (``raylora.data.captions.caption_list``)."""
+    a metadata line has several captions (``raylora.data.captions.caption_list``).
+    What is left out is appended to ``missing`` (``(metadata file, file_name)`` of a line
+    whose image is not there) and ``uncaptioned`` (a caption folder's images without a
+    caption): ``checked_items`` judges them as training does."""
     from raylora.data.captions import caption_list
     from raylora.data.formats.captionfolder import below_root
 
@@ -37,10 +41,10 @@ def collect_items(store: Storage, src: str) -> list[dict]:
     if not files:
         raise FileNotFoundError(f"{src}: no files found")
     if any(is_metadata(f) for f in files):
-        items = formats.imagefolder_rows(store, files, "text",
+        items = formats.imagefolder_rows(store, files, "text", missing,
                                          key_name="raylora shards build reads the caption key")
     else:
-        items = _caption_folder_items(store, src, files)
+        items = _caption_folder_items(store, src, files, uncaptioned)
     if not items:
         raise FileNotFoundError(
             f"{src}: no captioned images (need {formats.METADATA}, metadata.csv or a .txt "
@@ -61,10 +65,13 @@ def collect_items(store: Storage, src: str) -> list[dict]:
     return sorted(items, key=lambda it: it["key"])
 
 
-def _caption_folder_items(store: Storage, src: str, files: list[str]) -> list[dict]:
+def _caption_folder_items(store: Storage, src: str, files: list[str],
+                          uncaptioned: list[str] | None = None) -> list[dict]:
     """A caption folder's captioned images as training reads them: the ``.txt`` beside an
-    image, else the class tokens of a kohya ``N_name`` folder it is in (those images were
-    left out). A shard holds each image once: the folder's repeats are not carried."""
+    image, else the class tokens of a kohya ``N_name`` folder it is in; the others are
+    appended to ``uncaptioned``. A shard holds each image once: the folder's repeats are
+    not carried. Keys are the image URIs, as an image folder's (``collect_items`` cuts
+    the extension: a stem's own dots stay, ``IMG_1.v1.jpg`` is not ``IMG_1.v2.jpg``)."""
     from raylora.data.formats.captionfolder import first_folder, kohya_folder
 
     texts = {f[: -len(".txt")] for f in files if f.endswith(".txt")}
@@ -85,10 +92,12 @@ def _caption_folder_items(store: Storage, src: str, files: list[str]) -> list[di
         elif folder is not None:
             text = folder[1]
         else:
+            if uncaptioned is not None:
+                uncaptioned.append(f)
             continue
         if folder is not None and folder[0] > 1:
             repeated.add(first)
-        items.append({"key": stem, "uri": f, "text": text})
+        items.append({"key": f, "uri": f, "text": text})
     if repeated:
         log.warning("%s: kohya repeats (%s) are not carried into shards: each image is written "
                     "once; weigh the shards with data.sources[i].weight instead",
@@ -96,32 +105,82 @@ def _caption_folder_items(store: Storage, src: str, files: list[str]) -> list[di
     return items
 
 
-def write_shard(store: Storage, dest: str, fmt: str, index: int, items: list[dict]) -> dict:
-    """Write one shard; returns ``{"name", "count", "bytes"}``."""
-    name, data = formats.get_format(fmt).write_shard(store, index, items)
+def write_shard(store: Storage, dest: str, fmt: str, index: int, items: list[dict],
+                schema=None) -> dict:
+    """Write one shard; returns ``{"name", "count", "bytes"}``. ``schema``: a parquet
+    build's columns (``parquet.shard_schema`` of all its items), the same in every shard."""
+    extra = {} if schema is None else {"schema": schema}
+    name, data = formats.get_format(fmt).write_shard(store, index, items, **extra)
     store.write_bytes(join(dest, name), data)
     return {"name": name, "count": len(items), "bytes": len(data)}
 
 
 class _WriteShard:
-    def __init__(self, endpoint_url, region, dest, fmt):
+    def __init__(self, endpoint_url, region, dest, fmt, schema=None):
         self.store = Storage(endpoint_url, region)
-        self.dest, self.fmt = dest, fmt
+        self.dest, self.fmt, self.schema = dest, fmt, schema
 
     def __call__(self, row: dict) -> dict:
-        return write_shard(self.store, self.dest, self.fmt, int(row["index"]), json.loads(row["items"]))
+        return write_shard(self.store, self.dest, self.fmt, int(row["index"]),
+                           json.loads(row["items"]), self.schema)
 
 
-def checked_items(src: str, dest: str, fmt: str, shard_size: int, store: Storage) -> list[dict]:
+# What training refuses by default (data.max_bad_fraction): a build is held to it too.
+MAX_BAD_FRACTION = DataSection.model_fields["max_bad_fraction"].default
+
+
+def left_out_problem(src: str, kept: int, missing: list[tuple[str, str]], uncaptioned: list[str],
+                     max_bad_fraction: float = MAX_BAD_FRACTION) -> tuple[str, bool] | None:
+    """(what ``collect_items`` left out of ``src``, whether that refuses the build: more
+    than ``max_bad_fraction`` of its images), or None when nothing was. Training warns
+    about such images or refuses the folder: a build dropped them without a word (9 of 10
+    images gone gave a shard of one)."""
+    if missing:
+        total = kept + len(missing)
+        metas = {m for m, _ in missing}
+        what = (f"{src}: {len(missing)} of {total} lines of {missing[0][0]}"
+                f"{' and the other metadata files' if len(metas) > 1 else ''} name an image "
+                f"that is not in the folder (e.g. {', '.join(repr(f) for _, f in missing[:3])})")
+        fix = "Restore the images or remove their lines"
+        share = len(missing) / total
+    elif uncaptioned:
+        total = kept + len(uncaptioned)
+        what = (f"{src}: {len(uncaptioned)} of {total} images have no caption: no .txt file "
+                "beside them and not in a kohya N_name folder (e.g. "
+                f"{', '.join(uncaptioned[:3])})")
+        fix = "Caption them (a .txt beside each) or remove them"
+        share = len(uncaptioned) / total
+    else:
+        return None
+    if share > max_bad_fraction:
+        return (f"{what}; {share:.1%} of them, over --max-bad-fraction={max_bad_fraction:g} "
+                f"(default data.max_bad_fraction's, where training refuses the folder); nothing "
+                f"written. {fix}"), True
+    return f"{what}: left out of the shards", False
+
+
+def checked_items(src: str, dest: str, fmt: str, shard_size: int, store: Storage,
+                  max_bad_fraction: float = MAX_BAD_FRACTION) -> list[dict]:
     """The arguments checked, and ``src``'s captioned images (``collect_items``), without
     Ray: a source with nothing to shard or a destination that cannot be written is named
     before a cluster is joined or started (each costs seconds; the shard tasks failed on
-    the destination only once they ran)."""
+    the destination only once they ran). Images left out (``left_out_problem``): a
+    warning, or refused over ``max_bad_fraction``."""
     if fmt not in formats.writable_formats():
         raise ValueError(f"--format: {fmt!r} is not {' or '.join(formats.writable_formats())}")
     if shard_size <= 0:
         raise ValueError(f"--shard-size: must be positive, got {shard_size}")
-    items = collect_items(store, src)
+    if not 0.0 <= max_bad_fraction <= 1.0:
+        raise ValueError(f"--max-bad-fraction: between 0 and 1, got {max_bad_fraction:g}")
+    missing: list[tuple[str, str]] = []
+    uncaptioned: list[str] = []
+    items = collect_items(store, src, missing, uncaptioned)
+    if found := left_out_problem(normalize(src), len(items), missing, uncaptioned,
+                                 max_bad_fraction):
+        what, refused = found
+        if refused:
+            raise ValueError(what)
+        log.warning("%s", what)
     several = [it["key"] for it in items if isinstance(it["text"], list)]
     if several and fmt != "parquet":
         raise ValueError(f"{src}: {len(several)} image(s) have several captions in their "
@@ -148,17 +207,22 @@ def build_shards(
     ``items``: ``checked_items``' answer, when the caller checked before starting Ray."""
     import ray
 
+    from raylora.data.formats import parquet
+
     store = store or Storage()
     if items is None:
         items = checked_items(src, dest, fmt, shard_size, store)
     dest = normalize(dest)
+    # Decided once from every item, not per shard task: see parquet.shard_schema
+    schema = parquet.shard_schema(items) if fmt == "parquet" else None
     chunks = [items[i : i + shard_size] for i in range(0, len(items), shard_size)]
     rows = [{"index": i, "items": json.dumps(c)} for i, c in enumerate(chunks)]
     ds = ray.data.from_items(rows, override_num_blocks=len(rows))
     stats = ds.map(
         _WriteShard,
         fn_constructor_kwargs=dict(
-            endpoint_url=store.endpoint_url, region=store.region, dest=dest, fmt=fmt
+            endpoint_url=store.endpoint_url, region=store.region, dest=dest, fmt=fmt,
+            schema=schema,
         ),
         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=4),
         num_cpus=0.5,
@@ -168,7 +232,8 @@ def build_shards(
         "format": fmt,
         "count": sum(s["count"] for s in shards),
         "bytes": sum(s["bytes"] for s in shards),
-        "schema": formats.get_format(fmt).manifest_schema,
+        "schema": parquet.described(schema) if schema is not None else
+        formats.get_format(fmt).manifest_schema,
         "source": normalize(src),
         "shards": shards,
     }

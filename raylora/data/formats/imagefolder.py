@@ -128,12 +128,40 @@ def imagefolder_rows(storage, files: list[str], caption_key: str,
     return rows
 
 
+# Parsed metadata kept per process, newest last: a worker reads an epoch's units one
+# after another, and each of them (256 rows) read and parsed the whole file again.
+_PARSED: dict[tuple, tuple[list[dict], list, list]] = {}
+PARSED_KEPT = 4
+
+
 def _data_rows(data, storage, files: list[str], missing: list | None = None,
                several: list | None = None) -> list[dict]:
     """``imagefolder_rows`` with ``data``'s caption column; a column no line has is an
-    error naming data.caption_column, except for class images (their prompt stands in)."""
-    return imagefolder_rows(storage, files, data.caption_column, missing,
-                            None if data.captions_optional else "data.caption_column", several)
+    error naming data.caption_column, except for class images (their prompt stands in).
+    Parsed once per process for the same listing, caption column and metadata files (by
+    size and modification time: a file written again is read again)."""
+    versions = []
+    for meta in (f for f in files if is_metadata(f)):
+        info = storage.info(meta)
+        versions.append((info.size, info.mtime_ns))
+    key = (storage.endpoint_url, storage.region, tuple(files), data.caption_column,
+           data.captions_optional, tuple(versions))
+    if key in _PARSED:
+        _PARSED[key] = _PARSED.pop(key)  # newest last
+    else:
+        bad: list = []
+        many: list = []
+        rows = imagefolder_rows(storage, files, data.caption_column, bad,
+                                None if data.captions_optional else "data.caption_column", many)
+        while len(_PARSED) >= PARSED_KEPT:
+            _PARSED.pop(next(iter(_PARSED)))  # the least recently used
+        _PARSED[key] = (rows, bad, many)
+    rows, bad, many = _PARSED[key]
+    if missing is not None:
+        missing.extend(bad)
+    if several is not None:
+        several.extend(many)
+    return rows
 
 
 def cached_captions_problem(data, several: list[tuple[str, str]]) -> str | None:

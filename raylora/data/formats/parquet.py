@@ -171,13 +171,7 @@ class Parquet(ShardFormat):
     name = "parquet"
     suffixes = (".parquet", ".pq")
     label = ".parquet"
-    writable = True
-    manifest_schema = {"key": "string", "image": "binary (encoded image)", "text": "string",
-                       "mask": "binary (loss mask; null where none), where the source has any",
-                       "control_image": "binary (control image; null where none), where the "
-                                        "source has any",
-                       "control_image_k": "binary (input k's control image, k ≥ 2; null where "
-                                          "none), where the source has any"}
+    writable = True  # manifest.json's schema: ``described`` (the build's columns)
 
     def detects(self, files):
         # Not img2dataset's metadata beside its tars or folders: those are the data (a
@@ -241,42 +235,77 @@ class Parquet(ShardFormat):
             with_path=False, with_key=True, **map_args,
         )
 
-    def write_shard(self, storage, index, items):
-        table = pa.table(
-            {
-                "key": [it["key"] for it in items],
-                "image": [storage.read_bytes(it["uri"]) for it in items],
-                "text": shard_captions([it["text"] for it in items]),
-            },
-            schema=SCHEMA if not any(isinstance(it["text"], list) for it in items) else
-            SCHEMA.set(2, pa.field("text", pa.list_(pa.string()))),
-        )
-        # Sidecars as the columns data.mask_column and data.control_column name by default
-        # (input k ≥ 2: control_image_k, data.control_columns()' default).
-        for column, uris in (("mask", [it.get("mask_uri") for it in items]),
-                             *_control_columns(items)):
-            if any(uris):
-                table = table.append_column(column, pa.array(
-                    [storage.read_bytes(u) if u else None for u in uris], pa.binary()))
+    def write_shard(self, storage, index, items, schema: pa.Schema | None = None):
+        """``schema``: ``shard_schema`` of all the build's items, so that its shards agree
+        (absent sidecars null); without it, this shard's own."""
+        schema = shard_schema(items) if schema is None else schema
+        columns = {"key": [it["key"] for it in items],
+                   "image": [storage.read_bytes(it["uri"]) for it in items],
+                   "text": shard_captions([it["text"] for it in items],
+                                          _listed(schema.field("text").type))}
+        sidecars = [_sidecars(it) for it in items]
+        for column in schema.names[len(SCHEMA):]:  # mask, control_image, control_image_2, ...
+            columns[column] = [storage.read_bytes(s[column]) if s.get(column) else None
+                               for s in sidecars]
         buf = io.BytesIO()
-        pq.write_table(table, buf)
+        pq.write_table(pa.table(columns, schema=schema), buf)
         return f"shard-{index:05d}.parquet", buf.getvalue()
 
 
-def shard_captions(texts: list) -> list:
-    """A shard's ``text`` column: the captions as they are, or, where any item has several
-    (a list: ``raylora shards build`` of a metadata.jsonl with ``"text": [...]``), every
-    one as a list (``list<string>``; ``[]`` for none), which training draws from per read."""
-    if not any(isinstance(t, list) for t in texts):
-        return texts
-    return [t if isinstance(t, list) else [t] if t else [] for t in texts]
+def shard_schema(items: list[dict]) -> pa.Schema:
+    """The columns of the shards of ``items`` (one build's, all of them): ``text`` a
+    ``list<string>`` where any item has several captions, and the sidecar columns any item
+    has a file for, as data.mask_column and data.control_column name them by default
+    (``mask``, ``control_image``, ``control_image_2``, ...; null where an item has none).
+    Decided shard by shard, the shards of one build differed (a string ``text`` beside a
+    list one, a mask column in some only): pyarrow and datasets refuse to read such a
+    folder as one table, or drop the columns its first shard lacks."""
+    schema = SCHEMA
+    if any(isinstance(it["text"], list) for it in items):
+        schema = schema.set(2, pa.field("text", pa.list_(pa.string())))
+    present = {c for it in items for c, uri in _sidecars(it).items() if uri}
+    for column in _sidecar_columns():
+        if column in present:
+            schema = schema.append(pa.field(column, pa.binary()))
+    return schema
 
 
-def _control_columns(items: list[dict]) -> list[tuple[str, list[str | None]]]:
-    """(column, each item's URI or None) per input any of the shard items has a control
-    image for: ``control_image``, ``control_image_2``, ..."""
+def described(schema: pa.Schema) -> dict[str, str]:
+    """``manifest.json``'s ``schema`` for shards written with ``schema``: each column, its
+    type and what it holds."""
+    what = {"key": "string", "image": "binary (encoded image)",
+            "text": "list<string> (the image's captions; a read trains one)"
+            if _listed(schema.field("text").type) else "string",
+            "mask": "binary (loss mask; null where none)"}
+    for k, column in enumerate(_sidecar_columns()[1:], start=1):
+        what[column] = ("binary (control image; null where none)" if k == 1 else
+                        f"binary (input {k}'s control image; null where none)")
+    return {name: what[name] for name in schema.names}
+
+
+def _sidecar_columns() -> list[str]:
+    """The sidecar columns a shard may have, in their order: the loss mask, then each
+    input's control image."""
+    from raylora.config import MAX_CONTROL_INPUTS, control_key
+
+    return ["mask"] + [control_key("control_image", i) for i in range(MAX_CONTROL_INPUTS)]
+
+
+def _sidecars(item: dict) -> dict[str, str | None]:
+    """A shard item's sidecar files by the column that holds them."""
     from raylora.config import control_key
 
-    per = [dict(item_controls(it)) for it in items]
-    inputs = sorted({i for p in per for i in p})
-    return [(control_key("control_image", i), [p.get(i) for p in per]) for i in inputs]
+    return {"mask": item.get("mask_uri"),
+            **{control_key("control_image", i): uri for i, uri in item_controls(item)}}
+
+
+def shard_captions(texts: list, listed: bool | None = None) -> list:
+    """A shard's ``text`` column: the captions as they are, or, where the column is
+    ``listed`` (default: where any item has several, a list: ``raylora shards build`` of a
+    metadata.jsonl with ``"text": [...]``), every one as a list (``list<string>``; ``[]``
+    for none), which training draws from per read."""
+    if listed is None:
+        listed = any(isinstance(t, list) for t in texts)
+    if not listed:
+        return texts
+    return [t if isinstance(t, list) else [t] if t else [] for t in texts]

@@ -39,14 +39,18 @@ def iter_tar_samples(fileobj, source: str, masks: bool = False,
     row keys of the control images (``control_names``), each the bytes of its input's
     member (``KEY.control.<image ext>``, ``KEY.control_2.<image ext>``, ...) or None."""
     current: dict | None = None
+    closed: set[str] = set()
     with tarfile.open(fileobj=fileobj, mode="r|*") as tar:
         for member in tar:
             if not member.isfile():
                 continue
             key, ext = split_key(member.name)
             if current is None or current["key"] != key:
-                if current is not None and current.get("image") is not None:
-                    yield _finish(current, source, masks, controls)
+                if current is not None:
+                    closed.add(current["key"])
+                    if current.get("image") is not None:
+                        yield _finish(current, source, masks, controls)
+                _check_adjacent(closed, key, member.name, source)
                 current = {"key": key, "image": None, "text": None, "json": None, "mask": None,
                            "controls": {}}
             data = tar.extractfile(member).read()
@@ -67,6 +71,19 @@ def iter_tar_samples(fileobj, source: str, masks: bool = False,
             # Anything else (.pyd, .pickle, .cls, ...) is ignored on purpose.
         if current is not None and current.get("image") is not None:
             yield _finish(current, source, masks, controls)
+
+
+def _check_adjacent(closed: set[str], key: str, name: str, source: str) -> None:
+    """Refuse a member whose sample ended before it: a tar read as a stream groups a sample's
+    members only while they follow each other, as webdataset reads them (``tar cf x.tar
+    *.jpg *.txt`` trained every image on the empty caption, with caption dropout on
+    without a word)."""
+    if key in closed:
+        raise ValueError(
+            f"{source}: {name} is apart from the other files of sample {key!r}: the files of "
+            "a sample (KEY.jpg, KEY.txt, ...) must be adjacent in a WebDataset tar, as "
+            "webdataset reads them. Write it again with them together (`tar --sort=name -cf x.tar -C FOLDER .`), or "
+            "build shards from the folder with `raylora shards build`")
 
 
 def _finish(sample: dict, source: str, masks: bool = False, controls: Sequence[str] = ()) -> dict:
@@ -146,12 +163,20 @@ def stats_count(storage: Storage, tar: str, infos: dict[str, pafs.FileInfo]) -> 
     return n, ""
 
 
-def count_tar_samples(fileobj) -> int:
-    keys = set()
+def count_tar_samples(fileobj, source: str = "the tar") -> int:
+    """Samples (keys with an image) in a tar; members of a sample apart from each other are
+    refused here as ``iter_tar_samples`` refuses them, before Ray starts: this read is
+    the one the driver makes of the whole tar."""
+    keys, closed, last = set(), set(), None
     with tarfile.open(fileobj=fileobj, mode="r|*") as tar:
         for member in tar:
             if member.isfile():
                 key, ext = split_key(member.name)
+                if key != last:
+                    if last is not None:
+                        closed.add(last)
+                    _check_adjacent(closed, key, member.name, source)
+                    last = key
                 if ext in IMAGE_EXTS:
                     keys.add(key)
     return len(keys)
@@ -205,7 +230,7 @@ class WebDataset(ShardFormat):
 
         def scan(f: str) -> int:
             with _tar_stream(storage, f) as fh:
-                return count_tar_samples(fh)
+                return count_tar_samples(fh, f)
 
         missing = [f for f, (n, _) in zip(files, found) if n is None]
         scanned = dict(zip(missing, concurrently(scan, missing)))

@@ -10,11 +10,15 @@ STAMP := $(VENV)/.raylora-installed
 
 install: $(STAMP)
 
-# On CPU-only machines torch==2.13.0 is the CPU build. It is installed first *and* kept as
+# On CPU-only machines torch is the CPU build, 2.13.0+cpu: PyPI's torch==2.13.0 for Linux is
+# the multi-GB CUDA build, so the +cpu wheel comes from PyTorch's CPU index
+# (TORCH_CPU_INDEX), unless pip's own configured sources (a wheelhouse, a mirror) have it,
+# which are tried first. It is installed first *and* kept as
 # a constraint: without the constraint pip's resolver may still swap it for the newest
 # multi-GB CUDA build while resolving the rest. With a GPU (nvidia-smi present), pip
 # resolves torch from the project's dependency as usual (see README "GPU install").
 CPU_CONSTRAINTS := $(VENV)/cpu-constraints.txt
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 # The versions CI last passed with (see its header); `make install LOCK=` resolves afresh.
 LOCK ?= .ci/constraints.txt
 
@@ -25,7 +29,8 @@ $(STAMP): pyproject.toml $(LOCK)
 		$(PY) -m pip install -q -e '.[dev]'; \
 	else \
 		echo "torch==2.13.0" > $(CPU_CONSTRAINTS); \
-		$(PY) -m pip install -q torch==2.13.0 && \
+		{ $(PY) -m pip install -q "torch==2.13.0+cpu" 2>/dev/null || \
+		  $(PY) -m pip install -q --index-url $(TORCH_CPU_INDEX) "torch==2.13.0+cpu"; } && \
 		$(PY) -m pip install -q -c $(CPU_CONSTRAINTS) $(if $(LOCK),-c $(LOCK)) -e '.[dev]'; \
 	fi
 	touch $(STAMP)

@@ -9,10 +9,21 @@ STATE=${RAYLORA_LOCAL_STATE:-$ROOT/.ray-local}
 [ -d "$STATE/tmp" ] || { echo "local-down.sh: nothing to stop in $STATE"; exit 0; }
 
 # The process groups local-up.sh recorded (its `setsid`-started daemons), plus anything
-# still naming this temp dir; never our own group.
+# still naming this temp dir; never our own group. A recorded group counts only while a
+# process recorded in it runs with the start time recorded ("pgid pid start" lines): once
+# the cluster is gone (a reboot, an OOM kill, `ray stop`), its ids may be reused by
+# unrelated processes, which must not be signalled.
 own=$(ps -o pgid= -p $$ | tr -d ' ')
+recorded() {
+  local g p start now
+  while read -r g p start; do
+    [ -n "$start" ] || continue  # an old one-id-per-line file: no proof, not signalled
+    now=$(ps -o lstart= -p "$p" 2>/dev/null | sed 's/  */ /g; s/^ //; s/ $//') || continue
+    [ "$now" = "$start" ] && echo "$g"
+  done <"$STATE/pgids"
+}
 groups() {
-  { cat "$STATE/pgids" 2>/dev/null; pgrep -f -- "$STATE/tmp" | xargs -r ps -o pgid= -p; } \
+  { [ -f "$STATE/pgids" ] && recorded; pgrep -f -- "$STATE/tmp" | xargs -r ps -o pgid= -p; } \
     | tr -d ' ' | sort -u | grep -vx -- "$own" | grep -vx 1 || true
 }
 # This cluster's processes that still run: "pgid pid stat args". A zombie (exited, not yet

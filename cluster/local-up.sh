@@ -40,7 +40,7 @@ while [ $# -gt 0 ]; do
     --worker-node) WORKER_NODE=1; shift ;;
     --worker-cpus) WORKER_CPUS=$2; shift 2 ;;
     --worker-gpus) WORKER_GPUS=$2; shift 2 ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
     *) echo "local-up.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -95,7 +95,13 @@ for i in $(seq 1 60); do
   sleep 2
 done
 
-pgrep -f -- "$STATE/tmp" | xargs -r ps -o pgid= -p | tr -d ' ' | sort -u >"$STATE/pgids"
+# "pgid pid start" of each process naming the temp dir: local-down.sh signals a recorded
+# group only while one of these processes still runs with that start time. After a
+# reboot or an OOM kill the ids may belong to someone else's processes by then.
+for pid in $(pgrep -f -- "$STATE/tmp"); do
+  line=$(ps -o pgid=,lstart= -p "$pid" | sed 's/  */ /g; s/^ //; s/ $//') && [ -n "$line" ] \
+    && echo "${line%% *} $pid ${line#* }"
+done >"$STATE/pgids"
 echo "127.0.0.1:$PORT" >"$STATE/address"
 echo "http://127.0.0.1:$DASH_PORT" >"$STATE/dashboard"
 cat >"$STATE/env" <<ENV

@@ -197,3 +197,30 @@ def test_two_node_spread_from_s3_matches_single_node(
     assert all(secret not in log and token not in log for log in logs)
     assert files_holding(c["state"], secret, under="/logs/") == []
     assert files_holding(c["state"], token, under="/logs/") == []
+
+
+def test_local_down_leaves_alone_the_groups_a_dead_cluster_recorded(tmp_path):
+    """A cluster that died without local-down.sh (a reboot, an OOM kill, `ray stop`)
+    leaves its recorded process-group ids in .ray-local/pgids, and local-up.sh then asks
+    for local-down.sh; by then an id may be an unrelated process group's, which it killed.
+    A recorded group is signalled only while a process recorded in it runs with the start
+    time recorded (no cluster is started here)."""
+    state = tmp_path / "state"
+    (state / "tmp").mkdir(parents=True)
+    (state / "address").write_text("127.0.0.1:6390\n")
+    victim = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        pgid = os.getpgid(victim.pid)
+        (state / "pgids").write_text(
+            f"{pgid}\n"  # an old file's line: one id, no proof it is still the cluster's
+            f"{pgid} {victim.pid} Mon Jan 5 03:04:05 2026\n")  # the pid's start then: not now
+        out = subprocess.run([f"{REPO}/cluster/local-down.sh"], env={**os.environ,
+                             "RAYLORA_LOCAL_STATE": str(state)}, capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == f"ray cluster in {state} stopped\n"
+        assert victim.poll() is None  # still running
+        assert not (state / "pgids").exists() and not (state / "address").exists()
+    finally:
+        victim.kill()
+        victim.wait()

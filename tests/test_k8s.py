@@ -383,3 +383,31 @@ def test_the_readmes_kubernetes_steps_create_what_the_jobs_need(name):
         made = (f"kubectl create configmap {ref} " if kind == "configmap"
                 else f"kubectl create secret generic {ref} ")
         assert made in steps, f"{name} needs {kind} {ref}; README's steps do not create it"
+
+
+@pytest.mark.parametrize("path,head", [
+    ("k8s/raycluster.yaml", {"CPU": 0.0}),  # rayStartParams num-cpus "0", GPU replicas 0
+    ("cluster/aws-gpu.yaml", {"CPU": 8.0}),  # m5.2xlarge head, gpu_worker min_workers 0
+])
+def test_an_autoscaling_clusters_commands_ask_for_autoscaling(path, head):
+    """A cluster whose GPU workers start at 0 holds none when a job's driver checks the
+    cluster (check_cluster_fits): the commands its header gives must say
+    scaling.autoscaling=true, which skips that check, or the job was refused in seconds
+    and the autoscaler never added a worker."""
+    from raylora.config import ConfigError, load_config
+    from raylora.launch import check_cluster_fits, fitted_to
+
+    header = " ".join(line[1:].strip() for line in (REPO / path).read_text().splitlines()
+                      if line.startswith("#"))
+    # each command as one line: its continuation backslashes joined
+    lines = re.split(r"(?<!\\) (?=raylora submit |ray job submit )", header.replace("\\ ", ""))
+    commands = [re.search(r"raylora (?:train|submit) (jobs/configs/\S+)((?: [^ #(]+)*)", c)
+                for c in lines if "jobs/configs/" in c]
+    assert len(commands) == {"k8s/raycluster.yaml": 2, "cluster/aws-gpu.yaml": 1}[path]
+    for config, rest in (c.groups() for c in commands):
+        overrides = [w for w in rest.split() if "=" in w and not w.startswith("-")]
+        cfg = load_config(REPO / config, overrides)
+        assert cfg.scaling.autoscaling, f"{path}: `{config}{rest}` lacks scaling.autoscaling=true"
+        assert check_cluster_fits(cfg) is cfg  # no look at the cluster as it is
+        with pytest.raises(ConfigError, match="scaling.autoscaling: true"):
+            fitted_to(load_config(REPO / config), [head])  # as it is: refused

@@ -353,6 +353,21 @@ def test_pods_give_a_clean_stop_its_time(name, doc):
         assert grace >= stop + 15, f"{name}/{group}: {grace} s for a {stop} s stop"
 
 
+@pytest.mark.parametrize("name,job", RAYJOBS, ids=[n for n, _ in RAYJOBS])
+def test_a_rayjob_stopped_through_ray_gives_the_run_its_time(name, job):
+    """A RayJob stopped through Ray (suspend, activeDeadlineSeconds, `ray job stop`) has
+    its driver SIGTERMed, then SIGKILLed after RAY_JOB_STOP_WAIT_TIME_S from the job's
+    env_vars, 3 s by default: the run's clean stop (a checkpoint within
+    failure.stop_timeout_s) needs longer, as `raylora submit` gives it."""
+    import yaml
+
+    from raylora.config import FailureSection
+
+    stop = FailureSection().stop_timeout_s
+    env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])["env_vars"]
+    assert int(env["RAY_JOB_STOP_WAIT_TIME_S"]) >= stop + 15, name
+
+
 def _required_refs(node, found: set[tuple[str, str]]) -> set[tuple[str, str]]:
     """(kind, name) of every Secret and ConfigMap a manifest needs to exist (those not
     marked optional), anywhere under ``node``."""

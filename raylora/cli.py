@@ -60,7 +60,9 @@ def _say_search_stopped(summary: dict) -> None:
            "(failure.stop_timeout_s)" if summary["expired"] else f"stopped ({summary['stopped']})")
     print(f"raylora: search {how}; its state is in {summary['search']}", file=sys.stderr)
     for trial_id, step in sorted(summary["parked"].items()):
-        print(f"raylora:   {describe(trial_id, step, summary['max_steps'])}", file=sys.stderr)
+        # each trial's own budget (a search of train.max_steps or of the data changes it)
+        print(f"raylora:   {describe(trial_id, step, summary['max_steps'].get(trial_id))}",
+              file=sys.stderr)
     if summary["expired"]:
         print("raylora:   any other trial that was running resumes from its latest periodic "
               "checkpoint", file=sys.stderr)

@@ -1087,6 +1087,14 @@ class SearchDim(_Section):
             return [lo, hi - 1] if hi - 1 > lo else [lo]
         return list(getattr(self, self.kind))
 
+    @property
+    def options(self) -> list[Any] | None:
+        """Every value trials can take: each of a choice or grid, a randint's integers; None
+        for a float range."""
+        if self.kind == "randint":
+            return list(range(*self.randint))
+        return None if self.kind in ("uniform", "loguniform") else list(getattr(self, self.kind))
+
     @model_validator(mode="after")
     def _one_kind(self):
         set_kinds = [k for k in SPACE_KINDS if getattr(self, k) is not None]
@@ -1104,6 +1112,10 @@ class SearchDim(_Section):
         return self
 
 
+# tune.num_samples when unset and something is drawn.
+DEFAULT_SAMPLES = 8
+
+
 class TuneSection(_Section):
     search_space: dict[str, SearchDim] = Field(
         description="Dotted config key → dimension, e.g. train.learning_rate: "
@@ -1111,7 +1123,9 @@ class TuneSection(_Section):
     )
     num_samples: int | None = Field(
         None, gt=0, description="Trials (× the grid size for grid dims). Default 8, or 1 "
-        "when every dimension is a grid (nothing sampled: each repeat is the same trial).",
+        "when every dimension is a grid (nothing sampled: each repeat is the same trial); "
+        "when every drawn dimension is a choice or randint (train.seed not searched), at "
+        "most their distinct combinations, and random search then runs each once.",
     )
     search_alg: Literal["random", "grid", "optuna", "hyperopt"] = Field(
         "random",
@@ -1132,18 +1146,63 @@ class TuneSection(_Section):
     )
     seed: int | None = Field(None, description="Search seed; default train.seed.")
 
+    def listed(self, dim: SearchDim) -> bool:
+        """Ray Tune runs every value of ``dim`` as written: a grid, or a choice of grid search."""
+        return dim.kind == "grid" or (self.search_alg == "grid" and dim.kind == "choice")
+
+    @property
+    def draws(self) -> int | None:
+        """Distinct combinations the drawn dimensions (choice, randint) can give, None when
+        one is a float range (no two draws alike)."""
+        n = 1
+        for dim in self.search_space.values():
+            if not self.listed(dim):
+                if dim.options is None:
+                    return None
+                n *= len(dim.options)
+        return n
+
+    @property
+    def repeats_identical(self) -> bool:
+        """Every trial is set by its searched values alone: draws of the same combination,
+        or repeats of a grid point, train the same trial (train.seed is not searched)."""
+        return "train.seed" not in self.search_space
+
+    def expanded(self, dim: SearchDim) -> bool:
+        """Tune runs every value of ``dim`` (a grid), rather than drawing from it: a grid, a
+        choice of grid search, and under random search a choice or randint whose
+        combinations are all the trials asked for (``every_combination``)."""
+        return self.listed(dim) or (dim.kind in ("choice", "randint") and self.every_combination)
+
+    @property
+    def every_combination(self) -> bool:
+        """Random search whose drawn dimensions are all choices or randints, with
+        ``num_samples`` unset (and at most DEFAULT_SAMPLES combinations) or equal to their
+        number: each combination runs once, as a grid. Drawn, Tune repeated some and left
+        others out ({choice: [8, 16]}: 8 draws, each value 4 times with one train.seed)."""
+        n = self.draws
+        if self.search_alg != "random" or n is None or not self.repeats_identical:
+            return False
+        if all(self.listed(d) for d in self.search_space.values()):
+            return False  # nothing drawn
+        return n <= DEFAULT_SAMPLES if self.num_samples is None else self.num_samples == n
+
     @property
     def sampled(self) -> bool:
         """Some dimension draws its values: a range, or a choice outside grid search."""
-        return any(d.kind != "grid" and not (self.search_alg == "grid" and d.kind == "choice")
-                   for d in self.search_space.values())
+        return any(not self.expanded(d) for d in self.search_space.values())
 
     @property
     def samples(self) -> int:
         """``num_samples`` in effect: Ray Tune runs the whole grid this many times."""
+        if not self.sampled:  # nothing drawn: a repeat of the grid is the same trials
+            return 1 if self.num_samples is None or self.every_combination else self.num_samples
         if self.num_samples is not None:
             return self.num_samples
-        return 8 if self.sampled else 1
+        n = self.draws  # optuna, hyperopt: no more draws than distinct trials
+        if n is not None and self.repeats_identical:
+            return min(DEFAULT_SAMPLES, n)
+        return DEFAULT_SAMPLES
 
     @field_validator("search_space")
     @classmethod
@@ -1788,6 +1847,51 @@ def trial_tree(base: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     return tree
 
 
+# Searched keys that change how a trial's training loss is weighted, or the timesteps and
+# noise it is drawn at, and so its size whatever the trial learned (snr_gamma 0.01 logged
+# 0.15 where 100 logged 1.11, and won). The held-out loss is measured without them:
+# unweighted, unmasked, instance images alone, at fixed timesteps and noise.
+TRAIN_LOSS_SCALES = {
+    "train.snr_gamma": "weights each sample's training loss by min(SNR, γ)",
+    "train.noise_offset": "adds its offset to the noise the training loss is measured against",
+    "train.prior_loss_weight": "weighs the class images' loss into the training loss",
+    "train.flow.loss_weighting": "weights each sample's training loss by its σ",
+    "train.flow.timestep_sampling": "sets the density of the σ the training loss is drawn at",
+    "train.flow.logit_mean": "sets the density of the σ the training loss is drawn at",
+    "train.flow.logit_std": "sets the density of the σ the training loss is drawn at",
+    "train.flow.mode_scale": "sets the density of the σ the training loss is drawn at",
+    "data.masked_loss": "leaves each image's masked-out part out of the training loss",
+}
+# Searched keys that change what both losses measure: the held-out loss is evaluated at
+# the trial's shifted σ, against its own target.
+LOSS_MEANINGS = {
+    "train.flow.shift": "moves the σ at which the training loss and the held-out loss "
+                        "(eval_loss, at fixed σ shifted as in training) are measured",
+    "train.prediction_type": "sets the target (ε, v or velocity) the training loss and the "
+                             "held-out loss (eval_loss) are measured against",
+}
+
+
+def _metric_problems(cfg: RayLoraConfig) -> list[str]:
+    """Searched keys whose values change the size of the loss ``tune.metric`` ranks
+    trials by, whatever they learned: the search would pick the trial that measured a
+    smaller loss, not the better adapter."""
+    tn, problems = cfg.tune, []
+    for key in tn.search_space:
+        where = f"tune.search_space.{key}"
+        if key in LOSS_MEANINGS:
+            problems.append(f"{where}: {LOSS_MEANINGS[key]}, so no tune.metric compares trials "
+                            f"that differ in it; set {key} and search other keys (compare its "
+                            "values by the previews of separate runs: validation.prompts)")
+        elif tn.metric == "train_loss" and key in TRAIN_LOSS_SCALES and (
+                key != "train.prior_loss_weight" or cfg.data.prior_preservation):
+            problems.append(f"{where}: {TRAIN_LOSS_SCALES[key]}, so tune.metric train_loss "
+                            "ranks trials by that, not by what they learned; use tune.metric: "
+                            "eval_loss (the held-out loss: unweighted, at fixed timesteps and "
+                            "noise) with data.validation_split or data.validation_uri")
+    return problems
+
+
 def _tune_checks(cfg: RayLoraConfig) -> list[str]:
     """Every search dimension must name a real config value, and every value it can take
     (each option, or both ends of a range) must give a valid config."""
@@ -1808,6 +1912,16 @@ def _tune_checks(cfg: RayLoraConfig) -> list[str]:
         problems.append(f"tune.num_samples: {tn.samples} runs each grid point {tn.samples} "
                         "times with the same train.seed (identical trials); set 1, or search "
                         "train.seed too ({grid: [0, 1, 2]})")
+    draws = tn.draws
+    if tn.sampled and draws is not None and tn.repeats_identical and tn.samples > draws:
+        # Every drawn dimension is finite: past its combinations, draws repeat trials.
+        drawn = ", ".join(k for k, d in tn.search_space.items() if not tn.expanded(d))
+        problems.append(f"tune.num_samples: {tn.samples} draws of {drawn}, which take "
+                        f"{draws} distinct combination(s), repeat trials with the same "
+                        f"train.seed (identical trials); set at most {draws} ({draws} under "
+                        "random search: each combination once), or search train.seed too "
+                        "({grid: [0, 1, 2]})")
+    problems += _metric_problems(cfg)
     base = cfg.to_dict()
     for key, dim in tn.search_space.items():
         where = f"tune.search_space.{key}"
@@ -1821,6 +1935,12 @@ def _tune_checks(cfg: RayLoraConfig) -> list[str]:
             problems.append(f"{where}: with data.cache=latents every trial shares one cache, "
                             "encoded once; model.*, data.* and train.mixed_precision cannot "
                             "be searched")
+            continue
+        if key in ("data.cache", "data.cache_uri"):
+            # (built, or found, once before the first trial, for the base config's data.cache)
+            problems.append(f"{where}: the latent cache is built (or found) once for the "
+                            "search, as the base config sets it; data.cache and "
+                            "data.cache_uri cannot be searched")
             continue
         if key in MODEL_IDENTITY:
             problems.append(f"{where}: every trial trains the model the search planned once "

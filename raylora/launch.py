@@ -83,9 +83,14 @@ class Plan:
     # ({caption column: 1 row}, raylora.data.cache.encode_for_workers), which
     # workers swap in for the dropped rows' captions.
     empty_encoded: dict | None = field(default=None, repr=False)
+    # A Tune search whose trials read other data (data.* searched): each such data section
+    # (its JSON, raylora.tune.data_key) → the plan of a config with it, made before Ray
+    # starts (raylora.tune.preflight); a trial's own plan is ``replan`` over it.
+    data_variants: dict[str, Plan] = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        d = asdict(replace(self, data_variants={}))
+        d.pop("data_variants")
         d.pop("heldout")
         d.pop("heldout_encoded")
         d.pop("class_rows")
@@ -406,10 +411,14 @@ def family_problems(cfg: RayLoraConfig, family, multiple: int, native: str | Non
     return out
 
 
-def replan(cfg: RayLoraConfig, base: Plan) -> Plan:
+def replan(cfg: RayLoraConfig, base: Plan, data: Plan | None = None) -> Plan:
     """``base`` with the step arithmetic redone for ``cfg`` (a Tune trial's batch size,
-    accumulation or step budget): no storage access, same data and held-out rows."""
-    return _carry(_arithmetic(cfg, base.model_path, base.data_plan(), base.heldout, []), base)
+    accumulation or step budget): no storage access. Over ``base``'s data and held-out
+    rows, or ``data``'s: the plan of a config with ``cfg``'s data section (a trial that
+    searches data.*: its files, row counts, buckets and held-out rows); model, family,
+    desk and class images stay ``base``'s."""
+    own = data or base
+    return _carry(_arithmetic(cfg, base.model_path, own.data_plan(), own.heldout, []), base)
 
 
 def _carry(p: Plan, base: Plan, **changes) -> Plan:

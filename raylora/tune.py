@@ -28,7 +28,8 @@ import os
 from collections.abc import Callable
 
 from raylora import progress, storage
-from raylora.config import RayLoraConfig, TuneSection, differences, trial_tree, validate
+from raylora.config import (DEFAULT_SAMPLES, RayLoraConfig, TuneSection, differences, trial_tree,
+                            validate)
 from raylora.launch import Plan, Setup, build_trainer, check_bad_records, pin, plan, prepared, replan
 
 log = logging.getLogger("raylora.tune")
@@ -56,14 +57,14 @@ def param_space(tn: TuneSection) -> dict:
     space = {}
     for key, dim in tn.search_space.items():
         kind, v = dim.kind, dim.values
-        if kind == "loguniform":
+        if tn.expanded(dim):  # every value once, in order (TuneSection.every_combination)
+            space[key] = tune.grid_search(dim.options)
+        elif kind == "loguniform":
             space[key] = tune.loguniform(v[0], v[1])
         elif kind == "uniform":
             space[key] = tune.uniform(v[0], v[1])
         elif kind == "randint":  # [lo, hi): dim.values are the bounds trials take, lo and hi - 1
             space[key] = tune.randint(*dim.randint)
-        elif kind == "grid" or tn.search_alg == "grid":
-            space[key] = tune.grid_search(v)
         else:
             space[key] = tune.choice(v)
     return space
@@ -141,36 +142,129 @@ def max_concurrency(cfg: RayLoraConfig, cluster: dict[str, float], num_trials: i
 def expected_trials(tn: TuneSection) -> int:
     grid = 1
     for dim in tn.search_space.values():
-        if dim.kind == "grid" or (tn.search_alg == "grid" and dim.kind == "choice"):
-            grid *= len(dim.values)
+        if tn.expanded(dim):
+            grid *= len(dim.options)
     return tn.samples * grid
 
 
+# The most data sections of a search planned before Ray starts as every combination of
+# its data.* values (each plan lists, and with data.bucketing scans, the data); beyond,
+# each value alone is planned there, and a trial of another combination plans its own.
+MAX_DATA_PLANS = 16
+
+
+def data_key(data: dict) -> str:
+    """A config's data section (``to_dict()["data"]``) as the key of ``Plan.data_variants``."""
+    return json.dumps(data, sort_keys=True)
+
+
+def data_params(tn: TuneSection) -> list[dict]:
+    """The values of the search's data.* dimensions whose data sections are planned before
+    Ray starts: every combination when each dimension has a few options (a grid, a choice,
+    a randint's integers; at most ``MAX_DATA_PLANS`` together), else each bounding value
+    alone (every option, both ends of a range)."""
+    import itertools
+
+    space = {k: d for k, d in tn.search_space.items() if k.startswith("data.")}
+    options = {k: d.options for k, d in space.items()}
+    if not space:
+        return []
+    if all(v is not None for v in options.values()) and \
+            math.prod(len(v) for v in options.values()) <= MAX_DATA_PLANS:
+        return [dict(zip(options, vs)) for vs in itertools.product(*options.values())]
+    return [{k: v} for k, d in space.items() for v in d.values]
+
+
+def _label(params: dict) -> str:
+    """How a problem names the trial of ``params``, as the memory preflight does."""
+    if len(params) == 1:
+        [(k, v)] = params.items()
+        return f"tune.search_space.{k}={v!r}"
+    return "tune.search_space: " + ", ".join(f"{k}={v!r}" for k, v in params.items())
+
+
+def plan_data_variants(cfg: RayLoraConfig, base: Plan) -> tuple[list[dict], list[str]]:
+    """``base.data_variants``: each data section of ``data_params`` other than the base's,
+    planned as ``raylora train`` plans a config with it (files, rows, the sample check,
+    buckets at its resolution, held-out rows, the step arithmetic). Replanned from the
+    base's data, a trial of another data.uri read the base's shards, and one of another
+    resolution the base's bucket ids (its workers found no row of a bucket, and failed).
+    Returns the values of each section planned, and the problems, named by the values."""
+    from raylora.config import ConfigError
+
+    tree, planned, problems = cfg.to_dict(), [], []
+    for params in data_params(cfg.tune):
+        try:
+            trial = validate(trial_tree(tree, params))
+            key = data_key(trial.to_dict()["data"])
+            if key != data_key(tree["data"]) and key not in base.data_variants:
+                base.data_variants[key] = plan(trial)
+            planned.append(params)
+        except ConfigError as exc:
+            problems.extend(f"{_label(params)}: {p}" for p in exc.problems)
+    return planned, problems
+
+
+def trial_plan(trial: RayLoraConfig, base_tree: dict, base_plan: Plan) -> Plan:
+    """The plan a trial of config ``trial`` trains with: the base plan with the step
+    arithmetic redone (``replan``) when it reads the base's data (``base_tree["data"]``);
+    else over its own data, planned before Ray (``Plan.data_variants``), or here as
+    ``raylora train`` plans it when a range of a data.* key drew its value."""
+    data = trial.to_dict()["data"]
+    if data == base_tree["data"]:
+        return replan(trial, base_plan)
+    own = base_plan.data_variants.get(data_key(data))
+    if own is None:
+        log.info("tune: planning the data this trial's values of data.* keys give")
+        own = plan(trial)
+    return replan(trial, base_plan, data=own)
+
+
+def samples_note(tn: TuneSection) -> str | None:
+    """What the driver says when the default num_samples gave way to the number of
+    distinct trials (TuneSection.samples), else None."""
+    draws, drawn = tn.draws, [k for k, d in tn.search_space.items() if not tn.listed(d)]
+    if tn.num_samples is not None or not drawn or draws is None or draws >= DEFAULT_SAMPLES \
+            or not tn.repeats_identical:
+        return None
+    how = ("each runs once" if tn.every_combination
+           else f"num_samples {tn.samples} instead of {DEFAULT_SAMPLES}")
+    return (f"{', '.join(drawn)} take {draws} distinct combination(s) and train.seed is not "
+            f"searched: {how} (more draws would repeat trials)")
+
+
 def preflight(cfg: RayLoraConfig) -> Plan:
-    """Base plan (model, data, held-out rows) plus the step arithmetic of every bounding
-    value of the dims that change it, so a trial never fails on a batch size that is
-    larger than its data; and every adapter a search of ``lora.init_from`` starts from,
-    checked as the base's is (``raylora.model.lora_init.checked``)."""
+    """Base plan (model, data, held-out rows), the plan of each data section a search of
+    data.* keys gives (``plan_data_variants``), and the step arithmetic of every bounding
+    value of the dims that change it over each of those data, so a trial never fails on a
+    batch size that is larger than its data; and every adapter a search of
+    ``lora.init_from`` starts from, checked as the base's is
+    (``raylora.model.lora_init.checked``)."""
     from raylora.config import ConfigError
     from raylora.model import lora_init
 
     base = plan(cfg)
-    problems = []
+    datas, problems = plan_data_variants(cfg, base)
     tree = cfg.to_dict()
     for key, dim in cfg.tune.search_space.items():
         if key not in ARITHMETIC_KEYS and key != lora_init.KEY:
             continue
         for value in dim.values:
-            try:
-                trial = validate(trial_tree(tree, {key: value}))
-                if key == lora_init.KEY:
+            if key == lora_init.KEY:
+                try:
+                    trial = validate(trial_tree(tree, {key: value}))
                     found, loads = lora_init.checked(trial, trial.storage.client())
                     problems.extend(f"tune.search_space.{key}={value!r}: {p}" for p in found)
                     base.pins |= pin(trial.lora.init_from, loads)
-                else:
-                    replan(trial, base)
-            except ConfigError as exc:
-                problems.extend(f"tune.search_space.{key}={value!r}: {p}" for p in exc.problems)
+                except ConfigError as exc:
+                    problems.extend(f"tune.search_space.{key}={value!r}: {p}" for p in exc.problems)
+                continue
+            for data in [{}, *datas]:  # against the base's data and each searched one
+                params = {**data, key: value}
+                try:
+                    trial_plan(validate(trial_tree(tree, params)), tree, base)
+                except ConfigError as exc:
+                    problems.extend(f"{_label(params)}: {p}" for p in exc.problems)
     tn = cfg.tune
     if not problems and tn.scheduler == "asha" and tn.max_t is not None:
         longest = longest_budget(cfg, base)
@@ -188,22 +282,28 @@ def preflight(cfg: RayLoraConfig) -> Plan:
 
 def step_budget(base_tree: dict, params: dict, base_plan: Plan) -> int:
     """The optimizer steps of the trial that samples ``params`` (its ``train.max_steps``, or
-    its epochs at its batch size): the base plan's unless it searches the step arithmetic."""
-    if not any(k in ARITHMETIC_KEYS for k in params):
+    its epochs at its batch size over its data): the base plan's unless it searches the
+    step arithmetic or the data (``trial_plan``)."""
+    if not any(k in ARITHMETIC_KEYS or k.startswith("data.") for k in params):
         return base_plan.max_steps
-    return replan(validate(trial_tree(base_tree, params)), base_plan).max_steps
+    trial = validate(trial_tree(base_tree, params))
+    if trial.train.max_steps:  # its length, whatever its data
+        return trial.train.max_steps
+    return trial_plan(trial, base_tree, base_plan).max_steps
 
 
 def longest_budget(cfg: RayLoraConfig, base_plan: Plan) -> int:
     """The most steps any trial runs: ASHA's default ``max_t``, so that no trial is cut
     before its own end. Over every combination of the step arithmetic's bounding values
-    (the longest trial is the most epochs at the smallest batch, not either alone)."""
+    (the longest trial is the most epochs at the smallest batch, not either alone), on the
+    base's data and each data section planned for the search (``data_params``)."""
     import itertools
 
     tree = cfg.to_dict()
     dims = {k: d.values for k, d in cfg.tune.search_space.items() if k in ARITHMETIC_KEYS}
-    return max([base_plan.max_steps, *(step_budget(tree, dict(zip(dims, combo)), base_plan)
-                                       for combo in itertools.product(*dims.values()))])
+    return max([base_plan.max_steps, *(
+        step_budget(tree, {**data, **dict(zip(dims, combo))}, base_plan)
+        for data in [{}, *data_params(cfg.tune)] for combo in itertools.product(*dims.values()))])
 
 
 # Search keys whose larger values never need less memory: the trial that samples the
@@ -289,7 +389,7 @@ def _trial(params: dict, *, base_tree: dict, base_plan: Plan, trials_uri: str,
     if tree["tracking"].get("run_name"):
         tree["tracking"]["run_name"] = f"{tree['tracking']['run_name']}/{name}"
     trial_cfg = validate(tree)
-    p = replan(trial_cfg, base_plan)
+    p = trial_plan(trial_cfg, base_tree, base_plan)
     store = trial_cfg.storage.client()
     # Tune restores an errored trial to run again (resume_errored: a lost node), a
     # diverged one too: it loaded, resumed and diverged again at every rerun of the search.
@@ -365,6 +465,8 @@ def run_tune(cfg: RayLoraConfig) -> dict:
             "tune: %d trial(s), up to %d at a time (%s per trial), metric %s",
             n_trials, concurrency, trial_resources(cfg), tn.metric,
         )
+        if (note := samples_note(tn)) is not None:
+            log.info("tune: %s", note)
         # The trials' workers ask for what they can be placed with, beside each other.
         nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
         trials = trial_config(cfg, trial_cpus_per_worker(cfg, nodes, concurrency))
@@ -392,17 +494,19 @@ def run_tune(cfg: RayLoraConfig) -> dict:
             with _credentials_kept_from_trial_env_vars():
                 grid = _tuner(cfg, base_plan, out, concurrency, resume=r.resume, board=desk,
                               stop_requests=stops.stop.name, trials=trials).fit()
+        tree = cfg.to_dict()
+        budget = lambda params: step_budget(tree, params, base_plan)  # noqa: E731
         if stops.stopped:
             return {"stopped": DRIVER_SIGTERM, "expired": stops.stop.expired,
                     "timeout_s": cfg.failure.stop_timeout_s, "parked": stops.parked,
-                    "max_steps": base_plan.max_steps, "search": storage.join(out, TUNE_DIR)}
+                    "max_steps": parked_budgets(grid, stops.parked, tn, budget),
+                    "search": storage.join(out, TUNE_DIR)}
         if stops.stop.signalled:
             log.warning("SIGTERM came after the last trial's last step had started: the search "
                         "finished normally, no stop was needed")
         # Raises when too much of what was read was bad; the counts are the whole search's.
         bad = check_bad_records(cfg, base_plan)
-        tree = cfg.to_dict()
-        rows = results_table(grid, tn, lambda params: step_budget(tree, params, base_plan))
+        rows = results_table(grid, tn, budget)
         summary = write_results(rows, cfg, cfg.storage.client(), out)
         best = pick_best(rows)
         if best is not None:
@@ -486,7 +590,13 @@ def _as_read_now(tree: dict) -> dict:
         return tree
     now = read.to_dict()
     if read.tune is not None:
-        now["tune"]["num_samples"] = read.tune.samples
+        tn = read.tune
+        if tn.num_samples == DEFAULT_SAMPLES and tn.sampled and tn.repeats_identical \
+                and tn.draws is not None and tn.draws < DEFAULT_SAMPLES:
+            # An older raylora's default: it drew 8 trials of fewer combinations, where
+            # this one runs each once (TuneSection.every_combination).
+            tn = tn.model_copy(update={"num_samples": None})
+        now["tune"]["num_samples"] = tn.samples
     return now
 
 
@@ -607,6 +717,25 @@ def results_table(grid, tn: TuneSection, budget: Callable[[dict], int]) -> list[
     return rows
 
 
+def parked_budgets(grid, parked: dict[str, int | None], tn: TuneSection,
+                   budget: Callable[[dict], int]) -> dict[str, int]:
+    """Each trial of a stopped search that stopped at a step (``parked``: trial id → step,
+    None where it never trained) → its own step budget (``budget(params)``: ``step_budget``),
+    for "stopped at step 6/40"; a search of train.max_steps said /200, the base's, for every
+    trial. A trial whose values Tune has not recorded is left out (its line says no total)."""
+    from raylora.config import ConfigError
+
+    out = {}
+    for result in grid:
+        trial_id, config = (result.metrics or {}).get("trial_id"), result.config
+        if parked.get(trial_id) is not None and config is not None:
+            try:
+                out[trial_id] = budget({k: config[k] for k in tn.search_space if k in config})
+            except ConfigError:  # its data no longer plans: the stop is still said
+                pass
+    return out
+
+
 def pick_best(rows: list[dict]) -> dict | None:
     """Lowest final metric among trials that ran their full budget (a stopped trial's
     metric is from fewer steps, not comparable); any trial with a checkpoint otherwise."""
@@ -699,6 +828,6 @@ def export_best(best: dict, grid, cfg: RayLoraConfig, base_plan: Plan, out: str,
     ckpt = ray.train.Checkpoint(best["checkpoint_path"], filesystem=fs)
     extra = {"tune": {"trial_id": best["trial_id"], "params": params, "metric": cfg.tune.metric}}
     with ckpt.as_directory() as d:
-        summary = export_run(d, trial_cfg, metrics,
-                             {**replan(trial_cfg, base_plan).to_dict(), **(bad or {})}, extra)
+        summary = export_run(d, trial_cfg, metrics, {
+            **trial_plan(trial_cfg, cfg.to_dict(), base_plan).to_dict(), **(bad or {})}, extra)
     return summary["adapter"]

@@ -74,9 +74,10 @@ def test_config_checks_name_the_keys(base_config):
     assert ok.data.prior_preservation and ok.train.prior_loss_weight == 0.5
     assert not validate(base_config).data.prior_preservation
     tune = {"search_space": {"data.num_class_images": {"choice": [10, 20]},
-                             "train.prior_loss_weight": {"choice": [0.5, 1.0]}}, "metric": "train_loss"}
+                             "train.prior_loss_weight": {"choice": [0.5, 1.0]}}}
     with pytest.raises(ConfigError) as e:
-        validate(dict(base_config, data={**base_config["data"], "class_prompt": "a dog"}, tune=tune))
+        validate(dict(base_config, data={**base_config["data"], "class_prompt": "a dog",
+                                         "validation_split": 0.1}, tune=tune))
     assert e.value.problems == ["tune.search_space.data.num_class_images: the class images are "
                                 "read (and generated) once for every trial; data.class_* and "
                                 "data.num_class_images cannot be searched (train.prior_loss_weight can)"]

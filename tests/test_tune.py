@@ -312,8 +312,9 @@ def test_a_grid_with_nothing_sampled_runs_each_point_once():
             "data": {"uri": "d", "validation_split": 0.1},
             "tune": {"search_space": {"lora.rank": {"grid": [4, 8, 16]},
                                       "lora.alpha": {"choice": [4, 8]}}}}
-    # A choice under random search is sampled: the default 8 draws of it stand.
-    assert expected_trials(validate(tree).tune) == 8 * 3
+    # A choice under random search of finite values alone: every combination once
+    # (test_a_search_of_finite_choices_runs_each_combination_once), 3 × 2.
+    assert expected_trials(validate(tree).tune) == 6
     tree["tune"]["search_alg"] = "grid"  # choice is a grid now: 3 × 2 points, each once
     assert expected_trials(validate(tree).tune) == 6
     tree["tune"]["num_samples"] = 4
@@ -340,11 +341,14 @@ def test_a_recorded_search_config_is_compared_as_this_version_reads_it():
     del old["train"]["groupnorm_fp32"]  # as a raylora before that key recorded it
     assert _differences(old, now) == [("train.groupnorm_fp32", None, False)]
     assert _differences(_as_read_now(old), _as_read_now(now)) == []
-    old["tune"]["num_samples"] = 8  # an older raylora wrote the default it used
+    # an older raylora wrote the default it used: 8 draws of the 2 values, where this one
+    # runs each value once by default (1 grid run)
+    old["tune"]["num_samples"] = 8
     assert _differences(_as_read_now(old), _as_read_now(now)) == []
+    assert _as_read_now(old)["tune"]["num_samples"] == 1
     tree["train"] = {"groupnorm_fp32": True}
     tree["tune"]["search_space"]["lora.rank"] = {"choice": [4, 8]}
-    tree["tune"]["num_samples"] = 4
+    tree["tune"]["num_samples"] = 3  # 3 draws of the 4 combinations
     assert [k for k, _, _ in _differences(_as_read_now(old),
                                           _as_read_now(validate(tree).to_dict()))] == [
         "train.groupnorm_fp32", "tune.num_samples", "tune.search_space.lora.rank"]
@@ -559,11 +563,14 @@ def test_a_randint_dimension_is_bounded_by_the_values_trials_take(base_config):
 
     from raylora.tune import longest_budget, param_space, preflight, trial_variants
 
-    tree = {**base_config, "tune": {"metric": "train_loss", "search_space": {
+    tree = {**base_config, "tune": {"metric": "train_loss", "num_samples": 2, "search_space": {
         "train.max_steps": {"randint": [2, 5]}}}}
     cfg = validate(tree)
     dim = cfg.tune.search_space["train.max_steps"]
     assert dim.values == [2, 4]
+    # (num_samples unset: each of its 3 values once, test_a_search_of_finite_choices_...)
+    assert param_space(validate({**tree, "tune": {**tree["tune"], "num_samples": None}}).tune) == {
+        "train.max_steps": {"grid_search": [2, 3, 4]}}
     domain = param_space(cfg.tune)["train.max_steps"]
     assert (domain.lower, domain.upper) == (2, 5)  # Tune's own [2, 5)
     assert set(domain.sample(size=300, random_state=np.random.default_rng(0))) == {2, 3, 4}
@@ -654,6 +661,295 @@ def test_a_diverged_trial_is_not_trained_again_when_its_search_runs_again(tmp_pa
             run()
     assert built == ["trial_t_00001", "trial_t_00002", "trial_t_00002"]
     assert not (trials / "trial_t_00002" / rt.DIVERGED_FILE).exists()
+
+
+def _trial_plans(monkeypatch, base_tree: dict, base_plan, trials_uri: str, *params: dict) -> list:
+    """The plan ``_trial`` hands each trial's TorchTrainer (its workers read its data plan),
+    for each of ``params``; no Ray."""
+    from types import SimpleNamespace
+
+    import ray.tune
+    import ray.tune.integration.ray_train
+
+    from raylora import tune as rt
+
+    plans, ids = [], iter(range(len(params)))
+    monkeypatch.setattr(ray.tune.integration.ray_train, "TuneReportCallback", lambda: None)
+    monkeypatch.setattr(ray.tune, "get_context",
+                        lambda: SimpleNamespace(get_trial_id=lambda: f"t_{next(ids):05d}"))
+    monkeypatch.setattr(rt, "build_trainer", lambda cfg, p, uri, name, **kw: plans.append(p) or
+                        SimpleNamespace(fit=lambda: SimpleNamespace(metrics={})))
+    for values in params:
+        rt._trial(values, base_tree=base_tree, base_plan=base_plan, trials_uri=trials_uri)
+    return plans
+
+
+def test_a_search_of_data_uri_trains_each_trial_on_its_own_rows(base_config, demo_data, tmp_path,
+                                                                 monkeypatch):
+    """Each trial of a data.uri search read the base's shards: its plan kept the base's
+    files, rows (32) and steps (16) where its own folder has 6 rows, 3 steps an epoch. Each
+    data section is now planned before Ray, as `raylora train` plans it (a missing folder
+    is refused there, named by its value), and a trial trains on its own; a drawn value of
+    a range plans its own data in the trial. Its step budget, the results table's status,
+    ASHA's max_t and the exported raylora.json follow its data."""
+    import pandas as pd
+    from ray.tune import Result
+
+    from raylora import tune as rt
+    from raylora.data.demo import write_parquet_shards
+    from raylora.launch import plan, resolve_paths
+
+    small = tmp_path / "small"
+    write_parquet_shards(small, n=6, num_shards=1, size=64, seed=5)
+    tree = {**base_config, "train": {**base_config["train"], "max_steps": None, "num_epochs": 1},
+            "tune": {"metric": "train_loss", "search_space": {
+                "data.uri": {"choice": [demo_data, str(small)]}}}}
+    cfg = resolve_paths(validate(tree))
+    base = rt.preflight(cfg)
+    assert (base.data_rows, base.max_steps) == (32, 16)
+    base_tree = cfg.to_dict()
+    monkeypatch.setattr(rt, "plan", lambda c, **kw: pytest.fail("a trial planned data the "
+                                                                  "driver had planned"))
+    own, same = _trial_plans(monkeypatch, base_tree, base, str(tmp_path / "trials"),
+                             {"data.uri": str(small)}, {"data.uri": demo_data})
+    assert (own.shard_files, own.data_rows, own.total_rows, own.max_steps) == (
+        [str(small / "part-00000.parquet")], 6, 6, 3)
+    assert own.data_plan().files == [str(small / "part-00000.parquet")]
+    assert (same.data_rows, same.max_steps, len(same.shard_files)) == (32, 16, 2)
+    assert own.bad_records == base.bad_records and own.family == "sd"
+    assert len(base.data_variants) == 1  # the small folder's, planned before Ray
+
+    budget = lambda params: rt.step_budget(base_tree, params, base)  # noqa: E731
+    assert [budget({"data.uri": u}) for u in (str(small), demo_data)] == [3, 16]
+    assert rt.longest_budget(cfg, base) == 16
+    # The 6-row trial ran its 3 steps: completed (it was "stopped_early" against 16).
+    done = Result(metrics={"step": 3, "train_loss": 0.5, "trial_id": "t_small",
+                           "checkpoint_path": str(tmp_path / "ckpt"),
+                           "config": {"data.uri": str(small)}},
+                  checkpoint=None, error=None, path="/t/t_small",
+                  metrics_dataframe=pd.DataFrame([{"step": 3, "train_loss": 0.5,
+                                                   "checkpoint_path": str(tmp_path / "ckpt")}]))
+    [row] = rt.results_table([done], cfg.tune, budget)
+    assert (row["steps"], row["status"]) == (3, "completed")
+    # Its export records the data it trained on.
+    (tmp_path / "ckpt").mkdir()
+    exported = {}
+    import raylora.checkpoint.export
+
+    monkeypatch.setattr(raylora.checkpoint.export, "export_run",
+                        lambda d, c, m, p, extra: exported.update(p) or {"adapter": "a"})
+    rt.export_best(row, [done], cfg, base, str(tmp_path / "out"))
+    assert (exported["data_rows"], exported["max_steps"], exported["shard_files"]) == (
+        6, 3, [str(small / "part-00000.parquet")])
+
+    # A drawn value of a range: its trial plans its own data, as `raylora train` would.
+    monkeypatch.setattr(rt, "plan", plan)
+    tree["tune"]["search_space"] = {"data.validation_split": {"uniform": [0.1, 0.3]}}
+    cfg = resolve_paths(validate(tree))
+    base = rt.preflight(cfg)
+    assert len(base.data_variants) == 2  # its two ends, checked before Ray
+    [drawn] = _trial_plans(monkeypatch, cfg.to_dict(), base, str(tmp_path / "trials2"),
+                           {"data.validation_split": 0.2})
+    alone = plan(validate(trial_tree_of(cfg, {"data.validation_split": 0.2})))
+    assert (drawn.total_rows, drawn.heldout_rows, drawn.max_steps) == (
+        alone.total_rows, alone.heldout_rows, alone.max_steps) == (26, alone.heldout_rows, 13)
+    assert drawn.heldout_rows > 0
+
+    # A value the driver cannot plan is refused before Ray, named by its value.
+    tree["tune"]["search_space"] = {"data.uri": {"choice": [demo_data, str(tmp_path / "missing")]}}
+    with pytest.raises(ConfigError) as err:
+        rt.preflight(resolve_paths(validate(tree)))
+    assert [p.split(": ")[:2] for p in err.value.problems] == [
+        [f"tune.search_space.data.uri={str(tmp_path / 'missing')!r}", "data.uri"]]
+
+
+def trial_tree_of(cfg, params: dict) -> dict:
+    from raylora.config import trial_tree
+
+    return trial_tree(cfg.to_dict(), params)
+
+
+def test_a_search_of_a_bucketed_resolution_plans_each_trials_buckets(base_config, tmp_path,
+                                                                     monkeypatch):
+    """data.bucketing with data.resolution searched: a trial at 128 px was handed the bucket
+    ids the base's scan gave at 64 px ({0, 4, 5}), and its workers, finding no row of
+    bucket 4 at 128 px, failed. Each resolution's buckets are now scanned at it, as
+    `raylora train` scans them."""
+    from PIL import Image
+
+    from raylora import tune as rt
+    from raylora.launch import plan, resolve_paths
+
+    folder = tmp_path / "aspect"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for i, (w, h) in enumerate([(128, 128)] * 4 + [(192, 96)] * 4 + [(96, 192)] * 4):
+        pixels = rng.integers(0, 255, (h, w, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(folder / f"i{i:02d}.png")
+        (folder / f"i{i:02d}.txt").write_text(f"a picture number {i}")
+    tree = {**base_config, "data": {"uri": str(folder), "resolution": 64, "bucketing": True,
+                                    "bucket_step": 16},
+            "train": {**base_config["train"], "max_steps": None, "num_epochs": 1},
+            "tune": {"metric": "train_loss",
+                     "search_space": {"data.resolution": {"grid": [64, 128]}}}}
+    cfg = resolve_paths(validate(tree))
+    base = rt.preflight(cfg)
+    at64, at128 = _trial_plans(monkeypatch, cfg.to_dict(), base, str(tmp_path / "trials"),
+                               {"data.resolution": 64}, {"data.resolution": 128})
+    assert at64.data_plan().bucket_histogram() == {0: 4, 4: 4, 5: 4}
+    assert at128.data_plan().bucket_histogram() == {0: 4, 5: 4, 11: 4}
+    assert at128.bucket_summary()["rows"] == {"128x128": 4, "80x176": 4, "176x80": 4}
+    assert (at128.bucket_steps, at128.max_steps) == ({0: 2, 5: 2, 11: 2}, 6)
+    alone = plan(validate(trial_tree_of(cfg, {"data.resolution": 128})))
+    assert at128.bucket_summary() == alone.bucket_summary()
+
+
+def test_train_loss_does_not_rank_a_search_of_what_weights_it():
+    """tune.metric train_loss with train.snr_gamma searched ranked trials by their weighting
+    (γ 0.01 logged 0.154, γ 100 1.112) and exported γ 0.01 as the best, though its
+    held-out loss was worse. Keys that weight the training loss, or set the density of its
+    timesteps or its noise, are refused with train_loss and searched with eval_loss; the
+    flow shift and the prediction type change the held-out loss too, and are refused
+    with either metric."""
+    base = {"model": {"pretrained": "m"}, "output": {"uri": "o"}, "data": {"uri": "d"}}
+    searched = {
+        "train.snr_gamma": ({"grid": [0.01, 100.0]}, "training loss by min(SNR, γ)"),
+        "train.noise_offset": ({"choice": [0.0, 0.1]}, "adds its offset to the noise"),
+        "train.flow.loss_weighting": ({"choice": ["none", "sigma_sqrt"]}, "weights each sample's"),
+        "train.flow.timestep_sampling": ({"choice": ["uniform", "mode"]}, "sets the density"),
+        "train.flow.logit_mean": ({"uniform": [-1.0, 1.0]}, "sets the density"),
+        "train.flow.logit_std": ({"uniform": [0.5, 1.5]}, "sets the density"),
+        "train.flow.mode_scale": ({"uniform": [0.5, 1.5]}, "sets the density"),
+        "train.prior_loss_weight": ({"choice": [0.5, 1.0]}, "weighs the class images' loss"),
+        "data.masked_loss": ({"choice": [False, True]}, "leaves each image's masked-out part out"),
+    }
+    prior = {"class_prompt": "a dog"}
+    for key, (dim, why) in searched.items():
+        data = {**base["data"], **(prior if key == "train.prior_loss_weight" else {})}
+        train = {"flow": {"timestep_sampling": "mode"}} if key.endswith("mode_scale") else {}
+        with pytest.raises(ConfigError) as err:
+            validate({**base, "data": data, "train": train,
+                      "tune": {"metric": "train_loss", "search_space": {key: dim}}})
+        assert [p for p in err.value.problems if p.startswith(f"tune.search_space.{key}:")] == [
+            f"tune.search_space.{key}: {rt_scales()[key]}, so tune.metric train_loss ranks trials "
+            "by that, not by what they learned; use tune.metric: eval_loss (the held-out loss: "
+            "unweighted, at fixed timesteps and noise) with data.validation_split or "
+            "data.validation_uri"], key
+        assert why in rt_scales()[key]
+        held = {**data, "validation_split": 0.1}
+        assert key in validate({**base, "data": held, "train": train,
+                                "tune": {"search_space": {key: dim}}}).tune.search_space
+    # Without prior preservation the weight weighs nothing (refused as such, alone).
+    with pytest.raises(ConfigError) as err:
+        validate({**base, "tune": {"metric": "train_loss", "search_space": {
+            "train.prior_loss_weight": {"choice": [0.5, 1.0]}}}})
+    assert all("prior preservation is off" in p for p in err.value.problems)
+    for key, dim in (("train.flow.shift", {"choice": [1.0, 3.0]}),
+                     ("train.prediction_type", {"choice": ["epsilon", "v_prediction"]})):
+        for metric in ("train_loss", "eval_loss"):
+            with pytest.raises(ConfigError, match=rf"tune.search_space.{key}: .* so no tune.metric "
+                                                  "compares trials that differ in it; set "):
+                validate({**base, "data": {"uri": "d", "validation_split": 0.1},
+                          "tune": {"metric": metric, "search_space": {key: dim}}})
+
+
+def rt_scales() -> dict:
+    from raylora.config import TRAIN_LOSS_SCALES
+
+    return TRAIN_LOSS_SCALES
+
+
+def test_a_search_of_finite_choices_runs_each_combination_once():
+    """`{choice: [8, 16]}` with the default num_samples (8) ran 8 trials, each value 4
+    times with one train.seed: identical trials, where a grid with repeats is refused.
+    Random search over choices (and randints) alone now runs each combination once, as a
+    grid; more samples than combinations are refused; fewer are drawn; a searched
+    train.seed, or a float range, keeps the draws."""
+    from collections import Counter
+
+    import numpy as np
+    from ray.tune.search.sample import _BackwardsCompatibleNumpyRng
+    from ray.tune.search.variant_generator import generate_variants
+
+    from raylora import tune as rt
+    from raylora.config import TuneSection
+    from raylora.tune import expected_trials, param_space
+
+    tree = {"model": {"pretrained": "m"}, "output": {"uri": "o"}, "data": {"uri": "d"},
+            "train": {"seed": 42}}
+
+    def tn(space, **kw):
+        tune = {"metric": "train_loss", "search_space": space, **kw}
+        return validate({**tree, "tune": tune}).tune
+
+    def trials(t):  # what Tune's generator proposes, samples × grid
+        rng = _BackwardsCompatibleNumpyRng(np.random.default_rng(42))
+        return [tuple(v[k] for k in t.search_space) for _ in range(t.samples)
+                for _, v in generate_variants(param_space(t), random_state=rng)]
+
+    rank = {"lora.rank": {"choice": [8, 16]}}
+    t = tn(rank)
+    assert (t.samples, expected_trials(t), Counter(trials(t))) == (1, 2, {(8,): 1, (16,): 1})
+    assert rt.samples_note(t) == ("lora.rank take 2 distinct combination(s) and train.seed is not "
+                               "searched: each runs once (more draws would repeat trials)")
+    assert Counter(trials(tn(rank, num_samples=2))) == {(8,): 1, (16,): 1}
+    # with a grid: every (alpha, rank) pair once; a randint's integers too
+    both = tn({**rank, "lora.alpha": {"grid": [4, 8]}, "lora.dropout": {"choice": [0.0]}})
+    assert sorted(trials(both)) == [(8, 4, 0.0), (8, 8, 0.0), (16, 4, 0.0), (16, 8, 0.0)]
+    assert sorted(trials(tn({"lora.rank": {"randint": [4, 7]}}))) == [(4,), (5,), (6,)]
+    with pytest.raises(ConfigError) as err:
+        tn(rank, num_samples=8)
+    assert err.value.problems == [
+        "tune.num_samples: 8 draws of lora.rank, which take 2 distinct combination(s), repeat "
+        "trials with the same train.seed (identical trials); set at most 2 (2 under random "
+        "search: each combination once), or search train.seed too ({grid: [0, 1, 2]})"]
+    one = tn(rank, num_samples=1)
+    assert (one.samples, len(trials(one)), rt.samples_note(one)) == (1, 1, None)
+    # 9 combinations: the default 8 are drawn, as before
+    nine = tn({"lora.rank": {"choice": [4, 8, 16]}, "lora.alpha": {"choice": [4, 8, 16]}})
+    assert (nine.samples, expected_trials(nine)) == (8, 8)
+    # a searched seed, or a float range: draws differ
+    assert tn({**rank, "train.seed": {"choice": [0, 1]}}).samples == 8
+    assert tn({**rank, "train.learning_rate": {"loguniform": [1e-5, 1e-3]}}).samples == 8
+    # optuna and hyperopt draw: the default is capped at the combinations
+    capped = TuneSection.model_validate({"search_space": rank, "search_alg": "optuna"})
+    assert (capped.samples, capped.every_combination) == (2, False)
+    assert rt.samples_note(capped) == ("lora.rank take 2 distinct combination(s) and train.seed is "
+                                    "not searched: num_samples 2 instead of 8 (more draws "
+                                    "would repeat trials)")
+
+
+def test_a_stopped_search_names_each_trials_own_step_budget(base_config, capsys):
+    """After a stop, a search of train.max_steps over [40, 200] said "stopped at step 6/200"
+    for the trial of 40 steps: every trial was shown the base's budget."""
+    from ray.tune import Result
+
+    from raylora import tune as rt
+    from raylora.cli import _say_search_stopped
+
+    tree = {**base_config, "train": {**base_config["train"], "max_steps": 200},
+            "tune": {"metric": "train_loss", "scheduler": "fifo",
+                     "search_space": {"train.max_steps": {"grid": [40, 200]}}}}
+    cfg = validate(tree)
+    base = rt.preflight(cfg)
+
+    def result(trial, steps):
+        return Result(metrics={"trial_id": trial, "step": 6, "config": {"train.max_steps": steps}},
+                      checkpoint=None, error=None, path=f"/t/{trial}")
+
+    parked = {"a_00000": 6, "a_00001": 7, "a_00002": None}
+    _say_search_stopped({"stopped": "SIGTERM to the driver", "expired": False, "timeout_s": 120,
+                         "parked": parked, "max_steps": {"a_00000": 40, "a_00001": 200},
+                         "search": "/o/tune"})
+    err = capsys.readouterr().err
+    assert ("raylora:   trial_a_00000 stopped at step 6/40 with a checkpoint\n"
+            "raylora:   trial_a_00001 stopped at step 7/200 with a checkpoint\n"
+            "raylora:   trial_a_00002 did not start\n") in err
+    # run_tune's budgets: each parked trial's own, from its values (step_budget)
+    grid = [result("a_00000", 40), result("a_00001", 200), result("a_00002", 40)]
+    assert rt.parked_budgets(grid, parked, cfg.tune,
+                             lambda p: rt.step_budget(cfg.to_dict(), p, base)) == {
+        "a_00000": 40, "a_00001": 200}
 
 
 # ---------------------------------------------------------------- on Ray

@@ -15,11 +15,20 @@ rank 16 on the family's default targets, cached latents and text embeddings (wha
                                                   # image and editing an input (not default)
     python bench/gpu_dit.py --models flux2dev --batch-sizes 1 --gradient-checkpointing
                                                   # Flux.2 [dev]'s 32B (not default)
+    python bench/gpu_dit.py --models zimage --modes regional --vary-captions 1,4
+                                                  # one caption length and four, side by side
     python bench/gpu_dit.py --smoke               # toy widths on a CPU, checks the script
 
-FLOPs are counted once per (model, batch) with ``torch.utils.flop_counter`` over one eager
-step and divided by the measured step time and the GPU's peak dense bf16 FLOP/s. Compile
-time is the first compiled step minus a steady step; it is reported on its own.
+Model FLOPs are counted once per (model, batch, caption lengths) with
+``torch.utils.flop_counter`` over one eager step (a compiled-only case takes that step
+before compiling) and divided by the measured step time and the GPU's peak dense bf16
+FLOP/s. Compile time is the first compiled step minus a steady step; it is reported on its
+own.
+
+``--time-limit S`` bounds the whole grid (a device call has a limit of its own): a case is
+started only while time is left, runs at most until then, and the cases not run are
+recorded as such; ``--jsonl`` gets each row as it finishes, so a call killed even so keeps
+them.
 """
 
 from __future__ import annotations
@@ -27,7 +36,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import subprocess
 import sys
+import threading
 import time
 import traceback
 
@@ -37,6 +49,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from common import machine, model_flops_counter, peak_flops, record, sync, table  # noqa: E402
+
+# Seconds of --time-limit kept back for what follows the last case: killing a stopped case's
+# process group and recording the table.
+RECORD_S = 5.0
+clock = time.monotonic  # the grid's clock (a test moves it on)
 
 # black-forest-labs/FLUX.1-dev transformer/config.json
 FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38,
@@ -217,8 +234,9 @@ def cached_batch(model: str, b: int, res: int, net, device) -> dict:
 
 def raylora_step(model: str, net, mode: str, rank: int, checkpointing: bool = False):
     """raylora's step: family default LoRA targets (fp32), flow-matching objective from the
-    pipeline's scheduler config, Accelerate bf16 autocast, fused AdamW, optional regional
-    compile (the family's repeated blocks)."""
+    pipeline's scheduler config, Accelerate bf16 autocast, fused AdamW. Returns (step, LoRA
+    params, compile): ``compile()`` compiles the net in place in ``mode`` (regional: the
+    family's repeated blocks), so that a step can be taken eagerly before it."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 
@@ -237,9 +255,6 @@ def raylora_step(model: str, net, mode: str, rank: int, checkpointing: bool = Fa
     params = add_lora(net, LoraSection(rank=rank, alpha=rank), fam.default_lora_targets(net))
     if checkpointing:  # train.gradient_checkpointing, as setup enables it: before the compile
         fam.checkpoint_blocks(net)
-    # As training compiles it (automatic dynamic shapes for a language-model caption: each
-    # case here has one caption length, so the first compile is static as in training)
-    compile_denoiser(net, mode, fam.repeated_blocks, **compile_options(fam))
     opt = torch.optim.AdamW(params, lr=1e-4, fused=cuda)
     net_p, opt = accel.prepare(net, opt)
     shift, dynamic = flow_shift_from_scheduler(MODELS[model][6])
@@ -251,23 +266,33 @@ def raylora_step(model: str, net, mode: str, rank: int, checkpointing: bool = Fa
     def step(batch):
         return train_micro_step(accel, net_p, parts, opt, None, params, batch, 1.0)
 
-    return step, sum(p.numel() for p in params)
+    def compile():
+        # As training compiles it (automatic dynamic shapes for a language-model caption:
+        # the first length compiles static, as in training). In place, so the prepared
+        # model's blocks run compiled from the next step on.
+        compile_denoiser(net, mode, fam.repeated_blocks, **compile_options(fam))
+
+    return step, sum(p.numel() for p in params), compile
 
 
-def run_case(args, model, b, mode, device, dtype) -> dict:
+def run_case(args, model, b, mode, lengths, device, dtype) -> dict:
+    """One row: ``lengths`` caption lengths (caption_lengths) in ``mode``. Its FLOPs are
+    ``args.flops`` (the grid's, from an earlier case of the same shapes) or counted over
+    eager steps before the compile: a compiled-only grid has its MFU too."""
     net = build(model, device, dtype, args.smoke)
     n_base = sum(p.numel() for p in net.parameters())
     batch = cached_batch(model, b, args.resolution, net, device)
-    step, n_lora = raylora_step(model, net, mode, args.rank, args.gradient_checkpointing)
-    batches = caption_lengths(batch, args.vary_captions)
-    flops = None
-    if mode == "none":  # per step: the mean over the caption lengths the steps cycle through
+    step, n_lora, compile = raylora_step(model, net, mode, args.rank, args.gradient_checkpointing)
+    batches = caption_lengths(batch, lengths)
+    flops = args.flops
+    if not flops:  # per step: the mean over the caption lengths the steps cycle through
         counted = []
         for bt in batches:
             with model_flops_counter() as counter:  # attention backward 2x forward
                 step(bt)
             counted.append(counter.get_total_flops())
         flops = sum(counted) / len(counted)
+    compile()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     sync(device)
@@ -289,35 +314,57 @@ def run_case(args, model, b, mode, device, dtype) -> dict:
     sec = (time.perf_counter() - t0) / args.steps
     if not torch.isfinite(loss):
         raise RuntimeError(f"non-finite loss {loss.item()}")
-    lengths = len(batches)
-    row = {"model": model + (" +ckpt" if args.gradient_checkpointing else "")
-           + (f" {lengths} caption lengths" if lengths > 1 else ""),
+    row = {"model": case_label(model, len(batches), args.gradient_checkpointing),
            "res": args.resolution, "batch": b, "compile": mode,
            "img/s": b / sec, "step ms": sec * 1000, "flops": flops,
-           "compile s": max(first + later - lengths * sec, 0.0) if mode != "none" else None,
+           "compile s": max(first + later - len(batches) * sec, 0.0) if mode != "none" else None,
            "base params B": n_base / 1e9, "LoRA params M": n_lora / 1e6}
     if device.type == "cuda":
         row["peak mem GiB"] = torch.cuda.max_memory_allocated() / 2**30
     return row
 
 
-def case_in_child(args, argv: list[str], model: str, b: int, mode: str) -> dict:
+def case_label(model: str, lengths: int, checkpointing: bool) -> str:
+    return (model + (" +ckpt" if checkpointing else "")
+            + (f" {lengths} caption lengths" if lengths > 1 else ""))
+
+
+def case_in_child(args, argv: list[str], model: str, b: int, lengths: int, mode: str,
+                  flops: float | None, timeout: float, why: str) -> dict:
     """One case in a fresh process: a CUDA fault (an illegal memory access poisons the
     process's CUDA context) or an OOM is that row's result, not every later row's. The
-    child's output passes through, its traceback included."""
-    import subprocess
+    child's output passes through as it comes, its traceback included. Past ``timeout``
+    seconds its process group (inductor's compile workers too) is killed and the row says
+    ``why`` it stopped."""
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--case", f"{model}:{b}:{mode}:{lengths}"]
+    if flops:
+        cmd += ["--flops", repr(float(flops))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    rows = []
 
-    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--case", f"{model}:{b}:{mode}"]
-    base = {"model": model, "batch": b, "compile": mode}
+    def pump():
+        for line in proc.stdout:
+            if line.startswith("@@"):
+                rows.append(json.loads(line[2:]))
+            else:
+                print(f"  [{model} b{b} {mode}] {line}", end="", flush=True)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
     try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.case_timeout)
+        code = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {**base, "img/s": f"stopped: --case-timeout {args.case_timeout:.0f} s"}
-    rows = [json.loads(line[2:]) for line in proc.stdout.splitlines() if line.startswith("@@")]
-    for line in proc.stdout.splitlines():
-        if not line.startswith("@@"):
-            print(f"  [{model} b{b} {mode}] {line}", flush=True)
-    return rows[-1] if rows else {**base, "img/s": f"error: exit {proc.returncode}"}
+        code = None
+    finally:  # on a timeout, and on SIGTERM (stop_on_sigterm) while the case runs
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        reader.join(timeout=5)
+    if rows:
+        return rows[-1]
+    base = {"model": case_label(model, lengths, args.gradient_checkpointing),
+            "res": args.resolution, "batch": b, "compile": mode}
+    return {**base, "img/s": f"stopped: {why}" if code is None else f"error: exit {code}"}
 
 
 def caption_lengths(batch: dict, n: int) -> list[dict]:
@@ -334,20 +381,20 @@ def caption_lengths(batch: dict, n: int) -> list[dict]:
              for k, v in batch.items()} for i in range(n)]
 
 
-def one_case(args, model: str, b: int, mode: str, device, dtype) -> dict:
+def one_case(args, model: str, b: int, mode: str, lengths: int, device, dtype) -> dict:
+    base = {"model": case_label(model, lengths, args.gradient_checkpointing),
+            "res": args.resolution, "batch": b, "compile": mode}
     try:
-        return run_case(args, model, b, mode, device, dtype)
+        return run_case(args, model, b, mode, lengths, device, dtype)
     except torch.cuda.OutOfMemoryError:
-        return {"model": model, "batch": b, "compile": mode, "img/s": "OOM"}
+        return {**base, "img/s": "OOM"}
     except Exception as exc:  # one failing case is a result too
         traceback.print_exc()
         msg = " ".join(str(exc).split()).replace("|", "/")[:80]  # a table cell
-        return {"model": model, "batch": b, "compile": mode,
-                "img/s": f"error: {type(exc).__name__}: {msg}"}
+        return {**base, "img/s": f"error: {type(exc).__name__}: {msg}"}
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``argv``: bench/gpu_throughput.py hands its ``--models flux,sd35m`` rows here."""
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="flux,sd35m")
     ap.add_argument("--batch-sizes", default="1,2")
@@ -356,7 +403,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--peak-tflops", type=float)
+    ap.add_argument("--peak-tflops", type=float, help="the peak bf16 TFLOP/s an MFU divides by "
+                    "(default: the GPU's, from bench/common.py; on a CPU, none unless given)")
     ap.add_argument("--smoke", action="store_true", help="toy widths, 64 px, CPU ok")
     ap.add_argument("--gradient-checkpointing", action="store_true",
                     help="train.gradient_checkpointing (a 32B transformer's activations at 1024 px "
@@ -365,15 +413,63 @@ def main(argv: list[str] | None = None) -> None:
                     help="SDPA backends allowed: the family's, as training runs them (cuDNN off "
                          "for the DiTs: it crashed the Flux step), PyTorch's default, no cuDNN, "
                          "flash only")
-    ap.add_argument("--vary-captions", type=int, default=1, metavar="N",
+    ap.add_argument("--vary-captions", default="1", metavar="N[,N...]",
                     help="language-model caption families (qwenimage, zimage, lumina2, sana): "
                          "the steps cycle through N caption lengths, 40 tokens apart, as "
                          "training's batches differ (compile: the dynamic-shape kernels after "
-                         "the second length); compile s then covers both compiles")
+                         "the second length); compile s then covers both compiles. Several: a "
+                         "row each (1,4: one length beside four, in the same run)")
     ap.add_argument("--case-timeout", type=float, default=600.0,
                     help="seconds one case's process may run (build, compile, steps)")
-    ap.add_argument("--case", help=argparse.SUPPRESS)  # model:batch:mode, in a child process
-    args = ap.parse_args(argv)
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="seconds for the whole grid: no case starts later, one running then is "
+                         "stopped, and the table is recorded with the rest marked not run")
+    ap.add_argument("--jsonl", help="also append each row to this file as it finishes")
+    ap.add_argument("--case", help=argparse.SUPPRESS)  # model:batch:mode:lengths, in a child
+    ap.add_argument("--flops", type=float, help=argparse.SUPPRESS)  # the case's, if known
+    return ap
+
+
+def check_grid(args) -> list[tuple[str, int, int, str]]:
+    """(model, batch, caption lengths, mode) of every case, in order; a bad value is refused
+    here, before any case is started."""
+    problems = []
+    models = args.models.split(",")
+    problems += [f"--models: unknown {m!r} (known: {', '.join(MODELS)})" for m in models
+                 if m not in MODELS]
+    modes = args.modes.split(",")
+    problems += [f"--modes: unknown {m!r} (none, regional, full)" for m in modes
+                 if m not in ("none", "regional", "full")]
+    try:
+        batches = [int(x) for x in args.batch_sizes.split(",")]
+        lengths = [int(x) for x in args.vary_captions.split(",")]
+    except ValueError as exc:
+        raise SystemExit(f"--batch-sizes / --vary-captions: comma-separated integers ({exc})")
+    problems += [f"--vary-captions: {n} (at least 1)" for n in lengths if n < 1]
+    if args.time_limit is not None and args.time_limit <= RECORD_S:
+        problems.append(f"--time-limit {args.time_limit:g}: more than {RECORD_S:g} s (kept to record)")
+    if problems:
+        raise SystemExit("gpu_dit.py: " + "; ".join(problems))
+    from raylora.model import families
+
+    # a family whose captions are padded to one length has one row per batch and mode
+    # (caption_lengths would repeat the same case)
+    varies = {m: "prompt_embeds_mask" in families.get(MODELS[m][0]).cond_keys() for m in models}
+    return [(m, b, n, mode) for m in models for b in batches for n in (lengths if varies[m] else [1])
+            for mode in modes]
+
+
+class Stopped(Exception):
+    """SIGTERM (a device call being stopped): record what finished, then exit."""
+
+
+def stop_on_sigterm(*_):
+    raise Stopped
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``argv``: bench/gpu_throughput.py hands its ``--models flux,sd35m`` rows here."""
+    args = parser().parse_args(argv)
     child_argv = list(sys.argv[1:] if argv is None else argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -383,7 +479,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:
         args.resolution, args.steps, args.warmup, args.batch_sizes = 64, 2, 1, "1"
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
-    peak = peak_flops(name, args.peak_tflops) if device.type == "cuda" else None
+    peak = peak_flops(name, args.peak_tflops) if device.type == "cuda" or args.peak_tflops else None
     torch.backends.cuda.matmul.allow_tf32 = True
     if args.sdpa in ("no-cudnn", "flash"):
         torch.backends.cuda.enable_cudnn_sdp(False)
@@ -391,30 +487,61 @@ def main(argv: list[str] | None = None) -> None:
         torch.backends.cuda.enable_mem_efficient_sdp(False)
         torch.backends.cuda.enable_math_sdp(False)
     if args.case:
-        model, b, mode = args.case.split(":")
+        model, b, mode, lengths = args.case.split(":")
         if args.sdpa == "family":
             from raylora.model import families
             from raylora.train.attention import use_family_backends
 
             use_family_backends(families.get(MODELS[model][0]))
-        print("@@" + json.dumps(one_case(args, model, int(b), mode, device, dtype)), flush=True)
+        row = one_case(args, model, int(b), mode, int(lengths), device, dtype)
+        print("@@" + json.dumps(row), flush=True)
         return
 
+    cases = check_grid(args)
+    deadline = clock() + (args.time_limit if args.time_limit is not None else float("inf"))
+    flops_of = {}  # (model, batch, lengths): the same model FLOPs, eager or compiled
     rows = []
-    for model in args.models.split(","):
-        for b in map(int, args.batch_sizes.split(",")):
-            flops = None
-            for mode in args.modes.split(","):
-                row = case_in_child(args, child_argv, model, b, mode)
-                flops = row.get("flops") or flops
-                if isinstance(row.get("img/s"), float):
-                    row["flops"] = flops  # the same model FLOPs, eager or compiled
-                    row["TFLOP/step"] = flops / 1e12 if flops else None
-                    if flops and peak:
-                        row["MFU %"] = 100 * flops / (row["step ms"] / 1000) / peak
-                rows.append(row)
-                print({k: v for k, v in row.items() if k != "flops"}, flush=True)
+    previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
+    try:
+        for model, b, lengths, mode in cases:
+            left = deadline - clock() - RECORD_S
+            if left <= 0:
+                row = {"model": case_label(model, lengths, args.gradient_checkpointing),
+                       "res": args.resolution, "batch": b, "compile": mode,
+                       "img/s": "not run: --time-limit"}
+            else:
+                # each case capped at the time left: the ones before it keep their rows
+                why = ("--time-limit" if left < args.case_timeout
+                       else f"--case-timeout {args.case_timeout:.0f} s")
+                row = case_in_child(args, child_argv, model, b, lengths, mode,
+                                    flops_of.get((model, b, lengths)),
+                                    timeout=min(left, args.case_timeout), why=why)
+            flops = row.get("flops") or flops_of.get((model, b, lengths))
+            if isinstance(row.get("img/s"), float):
+                flops_of[(model, b, lengths)] = flops
+                row["flops"] = flops
+                row["TFLOP/step"] = flops / 1e12 if flops else None
+                if flops and peak:
+                    row["MFU %"] = 100 * flops / (row["step ms"] / 1000) / peak
+            rows.append(row)
+            shown = {k: v for k, v in row.items() if k != "flops"}
+            print(shown, flush=True)
+            if args.jsonl:  # a call killed past the time limit still keeps these
+                with open(args.jsonl, "a") as f:
+                    f.write(json.dumps(shown) + "\n")
+    except Stopped:  # the case running is stopped (its process group killed), the rest not run
+        for i, (model, b, lengths, mode) in enumerate(cases[len(rows):]):
+            rows.append({"model": case_label(model, lengths, args.gradient_checkpointing),
+                         "res": args.resolution, "batch": b, "compile": mode,
+                         "img/s": "stopped: SIGTERM" if i == 0 else "not run: SIGTERM"})
+        record_rows(args, child_argv, name, peak, rows)
+        raise SystemExit(143)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    record_rows(args, child_argv, name, peak, rows)
 
+
+def record_rows(args, argv: list[str], name: str, peak: float | None, rows: list[dict]) -> None:
     cols = ["model", "res", "batch", "compile", "img/s", "step ms", "TFLOP/step", "MFU %",
             "compile s", "peak mem GiB", "base params B", "LoRA params M"]
     record(f"Flow-matching DiTs ({name})" + (" [smoke: toy widths, not a measurement]" if args.smoke else ""),
@@ -424,7 +551,8 @@ def main(argv: list[str] | None = None) -> None:
                f"{args.rank} on the family's default targets, flow matching (logit-normal σ, the "
                "pipeline's shift), cached latents + text embeddings, fused AdamW; "
                f"{args.warmup} warm-up + {args.steps} timed steps after the first (compile) step.",
-               f"MFU against {peak / 1e12:.0f} TFLOP/s peak dense bf16; FLOPs counted on the eager step."
+               f"MFU against {peak / 1e12:.0f} TFLOP/s peak dense bf16; model FLOPs counted on an "
+               "eager step (a compiled case takes it before compiling)."
                if peak else "MFU: no peak FLOP/s known for this device.",
                "Target (#20): Flux.1-dev r16 at 1024 px >= 35% MFU on H100.",
                f"SDPA backends: {args.sdpa}.",
@@ -435,9 +563,13 @@ def main(argv: list[str] | None = None) -> None:
                *([f"N caption lengths (--vary-captions {args.vary_captions}): the steps cycle "
                   "through captions 0, 40, 80, ... tokens shorter than the full length, as "
                   "training meets a new length nearly every batch; compile s covers the "
-                  "static compile and the dynamic-shape one at the second length."]
-                 if args.vary_captions > 1 else []),
-               "Command: `python " + " ".join(sys.argv) + "`",
+                  "static compile and the dynamic-shape one at the second length. A row without "
+                  "it has one length."]
+                 if args.vary_captions != "1" else []),
+               *([f"--time-limit {args.time_limit:.0f} s for the grid: a case running then was "
+                  "stopped, the later ones not run."] if args.time_limit is not None else []),
+               *([f"Code: {os.environ['RAYLORA_REV']}"] if os.environ.get("RAYLORA_REV") else []),
+               "Command: `python bench/gpu_dit.py " + " ".join(argv) + "`",
                "Each case in its own process (a CUDA fault is that row's error).",
            ])
 

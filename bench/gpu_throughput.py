@@ -595,9 +595,10 @@ def parse_batches(spec: str, models: list[str]) -> dict[str, list[int]]:
 DIT_MODELS = ("flux", "sd35m")
 
 
-def run_dit_rows(args, models: list[str]) -> None:
+def run_dit_rows(args, models: list[str], deadline: float) -> None:
     """The Flux.1-dev / SD3.5-medium rows: bench/gpu_dit.py with this grid's batch sizes,
-    compile modes (from the variants) and step counts; it records its own table."""
+    compile modes (from the variants) and step counts, within ``--time-limit`` (the
+    ``deadline``) and to ``--jsonl`` as the other rows; it records its own table."""
     import gpu_dit
 
     batches = parse_batches(args.batch_sizes if args.batch_sizes != DEFAULT_BATCHES else "1,2", models)
@@ -617,6 +618,10 @@ def run_dit_rows(args, models: list[str]) -> None:
             argv += ["--peak-tflops", str(args.peak_tflops)]
         if args.smoke:
             argv.append("--smoke")
+        if args.time_limit:
+            argv += ["--time-limit", f"{max(0.0, deadline - time.monotonic()):.0f}"]
+        if args.jsonl:
+            argv += ["--jsonl", args.jsonl]
         gpu_dit.main(argv)
 
 
@@ -656,8 +661,9 @@ def main() -> None:
         return case_main(args)
     models = args.models.split(",")
     dit = [m for m in models if m in DIT_MODELS]
+    deadline = time.monotonic() + (args.time_limit or 1e9)  # the DiT rows' time counts too
     if dit:
-        run_dit_rows(args, dit)
+        run_dit_rows(args, dit, deadline)
         models = [m for m in models if m not in dit]
         if not models:
             return
@@ -677,7 +683,6 @@ def main() -> None:
     for v in variants:
         if set(v.split("+")) - TOKENS:
             raise SystemExit(f"--variants: unknown tokens in {v!r}: {sorted(set(v.split('+')) - TOKENS)}")
-    deadline = time.monotonic() + (args.time_limit or 1e9)
     args.artifacts = tempfile.mkdtemp(prefix="compile-artifacts-")  # cold rows store, +warm load
 
     rows = []

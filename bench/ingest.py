@@ -6,9 +6,12 @@ parquet and from an S3-compatible server on loopback (moto).
     .venv/bin/python bench/ingest.py [--images 1536] [--workers 2] [--epochs 5]
 
 Epoch 1 includes start-up (process spawn, imports, tokenizer); the throughput compared is
-the mean over the later epochs, with the first-batch latencies (epoch 1, and the mean of
-the later epochs: what a pipeline restarted per epoch would pay again) shown beside it.
-raylora's side is what a worker runs: one dataset of every epoch's pass, executed once.
+that of the later epochs (their images over the time from the end of epoch 1 to the last
+batch), with the first-batch latencies (epoch 1, and the mean of the later epochs: what a
+pipeline restarted per epoch would pay again) shown beside it. raylora's side is what a
+worker runs: one dataset of every epoch's pass, executed once, so it works on later epochs
+while epoch 1 is read: an input whose later epochs take less time than the start-up is
+too small to measure a steady rate, and the table says so.
 The DataLoader keeps its workers between epochs (persistent_workers), its best case.
 """
 
@@ -29,27 +32,46 @@ from fixtures import photo_shards, tiny_model  # noqa: E402
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
-def epochs(make_iter, n_epochs: int, images: int) -> dict:
-    """Time each epoch of ``make_iter(epoch)``, an epoch's batches; count the images."""
-    times, firsts, counted = [], [], []
+def epochs(make_iter, n_epochs: int, images: int, clock=time.perf_counter) -> dict:
+    """Time each epoch of ``make_iter(epoch)``, an epoch's batches; count the images.
+    ``images_per_s``: the images of epochs 2.. over the time from the end of epoch 1 to the
+    last batch (one epoch alone: epoch 1's). ``steady`` is false when that time is shorter
+    than epoch 1's wait for its first batch (the start-up): a pipeline across epochs can
+    have made those batches while epoch 1 was read, and the figure is a buffer's."""
+    times, ends, firsts, counted = [], [], [], []
     for e in range(n_epochs):
-        t0 = time.perf_counter()
+        t0 = clock()
         n = 0
         for batch in make_iter(e):
             if n == 0:
-                firsts.append(time.perf_counter() - t0)
+                firsts.append(clock() - t0)
             n += batch["pixel_values"].shape[0]
-        times.append(time.perf_counter() - t0)
+        ends.append(clock())
+        times.append(ends[-1] - t0)
         counted.append(n)
-    steady = times[1:] or times
+    window, timed = (ends[-1] - ends[0], sum(counted[1:])) if n_epochs > 1 else (times[0], counted[0])
     return {
         "first_batch_s": firsts[0],
         "later_first_batch_s": statistics.mean(firsts[1:] or firsts),
         "epoch1_s": times[0],
-        "steady_epoch_s": statistics.mean(steady),
-        "images_per_s": counted[-1] / statistics.mean(steady),
+        "steady_window_s": window,
+        "images_per_s": timed / window if window > 0 else float("inf"),
+        "steady": n_epochs > 1 and window >= firsts[0],
+        "epochs": n_epochs,
         "images": counted[-1],
     }
+
+
+def steady_warning(side: str, source: str, r: dict) -> str | None:
+    """A line for the output when ``r`` (epochs()) is no steady rate; None when it is."""
+    if r["steady"]:
+        return None
+    if r["epochs"] == 1:
+        return (f"WARNING: {side}, {source}: one epoch, its start-up included: no steady rate; "
+                "use --epochs 2 or more")
+    return (f"WARNING: {side}, {source}: epochs 2+ took {r['steady_window_s']:.3g} s, less than "
+            f"the {r['first_batch_s']:.3g} s start-up: too small to measure a steady rate (its "
+            "batches may have been made during epoch 1); use more --images or --epochs")
 
 
 def pre_kwargs(model: str, resolution: int) -> dict:
@@ -155,9 +177,11 @@ def main() -> None:
         if server is not None:
             server.stop()
 
-    rows = []
+    rows, warnings = [], []
     for name, _ in sources:
         r, b = ours[name], base[name]
+        warnings += [w for w in (steady_warning("raylora", name, r), steady_warning("DataLoader", name, b))
+                     if w]
         rows.append({
             "source": name,
             "raylora img/s": r["images_per_s"], "DataLoader img/s": b["images_per_s"],
@@ -166,12 +190,19 @@ def main() -> None:
             "raylora 1st batch s, epochs 2+": r["later_first_batch_s"],
             "DataLoader 1st batch s, epochs 2+": b["later_first_batch_s"],
             "raylora epoch 1 s": r["epoch1_s"], "DataLoader epoch 1 s": b["epoch1_s"],
+            "steady rate": "yes" if r["steady"] and b["steady"] else "NO: " + " and ".join(
+                side for side, x in (("raylora", r), ("DataLoader", b)) if not x["steady"]) + " too small",
         })
+    for w in warnings:
+        print(w, flush=True)
     cols = list(rows[0])
     record("Ingest: raylora data pipeline vs torch DataLoader", machine(), table(rows, cols), [
         f"{args.images} JPEG images 768x512 in {args.shards} parquet shards -> {args.resolution}px, "
         f"batch {args.batch_size}, {args.workers} workers each side, {args.epochs} epochs "
-        "(img/s: mean of epochs 2+). Target: ratio >= 1.0.",
+        "(img/s: epochs 2+, their images over the time from the end of epoch 1 to the last batch). "
+        "Target: ratio >= 1.0.",
+        *(["steady rate NO: " + "; ".join(w.removeprefix("WARNING: ") for w in warnings)
+           + ". Such a row's img/s and ratio are no measurement."] if warnings else []),
         "Command: `.venv/bin/python bench/ingest.py " + " ".join(sys.argv[1:]) + "`",
     ])
 

@@ -407,8 +407,9 @@ def _adapter_commands(sub) -> None:
                         "model.variant; default: the run's when the adapter's raylora.json names "
                         "--model as its base")
     s.add_argument("--adapter", required=True, action="append",
-                   help="adapter folder: pytorch_lora_weights.safetensors (lora, dora) or a peft "
-                        "folder (lokr, loha). A pipeline of experts (Wan 2.2 A14B) takes one per "
+                   help="adapter folder or .safetensors file, local, in object storage (s3://, "
+                        "gs://) or hf://owner/name[/path]: pytorch_lora_weights.safetensors "
+                        "(lora, dora) or a peft folder (lokr, loha). A pipeline of experts (Wan 2.2 A14B) takes one per "
                         "expert: --adapter HIGH --adapter LOW (each raylora.json names its expert)")
     s.add_argument("--prompt", required=True)
     s.add_argument("--out", required=True, help="output PNG")

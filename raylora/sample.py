@@ -56,17 +56,18 @@ def sample(
     side = size or min((min(x.size) for x in inputs), default=None)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # bf16 on GPUs: fp16 overflows in Flux/SD3/Qwen-Image transformers.
-    pipe, family = load_pipeline(model, adapter, expert,
-                                 torch.bfloat16 if device == "cuda" else torch.float32,
-                                 quantize_text_encoders, device, revision,
-                                 with_image=len(inputs), input_side=side,
-                                 system_prompt=system_prompt is not None, variant=variant,
-                                 size=size)
-    adapters = [adapter] if isinstance(adapter, str) else adapter
-    if system_prompt is None:
-        system_prompt = trained_system_prompt(adapters)
-    # The caption length the run trained at (model.max_sequence_length), if it set one.
-    length = trained_config(adapters, "model", "max_sequence_length")
+    # an adapter in storage or on the hub: a copy here while the call reads its raylora.json
+    with local_adapters([adapter] if isinstance(adapter, str) else adapter) as adapters:
+        pipe, family = load_pipeline(model, adapters, expert,
+                                     torch.bfloat16 if device == "cuda" else torch.float32,
+                                     quantize_text_encoders, device, revision,
+                                     with_image=len(inputs), input_side=side,
+                                     system_prompt=system_prompt is not None, variant=variant,
+                                     size=size)
+        if system_prompt is None:
+            system_prompt = trained_system_prompt(adapters)
+        # The caption length the run trained at (model.max_sequence_length), if it set one.
+        length = trained_config(adapters, "model", "max_sequence_length")
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     # No size: the pipeline's own default (the model's sample size; ZImagePipeline's 1024,
@@ -87,6 +88,37 @@ def sample(
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     image.save(out)
     return out
+
+
+@contextlib.contextmanager
+def local_adapters(adapters: list[str]):
+    """Each ``--adapter`` as a path on this machine, for the call: a ``file:`` URI's path, an
+    ``hf://`` one downloaded into the hub cache, one in object storage (``s3://``, ``gs://``)
+    into a temporary folder, as ``lora.init_from`` reads them (``raylora.model.lora_init``).
+    Before the base model loads: the stock loader took such a URI for a hub id, and said so
+    ("Repo id must be in the form ...") only once the base model had loaded. A hub id
+    (owner/name) is left to the stock loader."""
+    from raylora import storage
+    from raylora.model import hub, lora_init
+
+    with tempfile.TemporaryDirectory(prefix="raylora-adapter-") as tmp:
+        local = []
+        for i, a in enumerate(adapters):
+            if storage.is_local(a):
+                local.append(storage.local_path(a) if a.startswith("file:") else a)
+            elif a.startswith(hub.SCHEME):
+                local.append(hub.fetch(a, "--adapter"))
+            else:
+                store = storage.Storage()
+                os.makedirs(where := os.path.join(tmp, str(i)))
+                try:  # locate: what is missing, named before anything is copied
+                    lora_init.locate(a, store)
+                    local.append(lora_init.download(a, store, where))
+                except (FileNotFoundError, ValueError) as exc:
+                    raise type(exc)(f"--adapter: {exc}") from None
+                except OSError as exc:  # storage not reached (its message names the URI)
+                    raise OSError(f"--adapter: {exc}") from exc
+        yield local
 
 
 def _check_out(out: str, steps: int, size: int | None) -> None:
@@ -152,7 +184,14 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
     from raylora.train.preview import with_prediction_type
 
     model, revision = hub_model(model, revision, keys=("--model", "--revision"))
-    adapters = [adapter] if isinstance(adapter, str) else list(adapter)
+    if model.startswith("file:"):  # a path (file:/a/b has no "://": not a hub id), as
+        model = storage.local_path(model)  # model.pretrained takes it (resolve_model_path)
+    adapters = [storage.local_path(a) if a.startswith("file:") else a
+                for a in ([adapter] if isinstance(adapter, str) else adapter)]
+    for a in adapters:
+        if not storage.is_local(a):  # sample() downloads them first (local_adapters)
+            raise ValueError(f"--adapter: {a}: load_pipeline takes an adapter on this machine "
+                             "or a hub id; raylora.sample.local_adapters copies one here")
     for key, p in [("--model", model), *(("--adapter", a) for a in adapters)]:
         # A path that is not there reached the loaders as a hub id: their message was the
         # hub's ("Repo id must be in the form ..."), after a try at the network.
@@ -211,7 +250,7 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
         raise ValueError(f"--adapter: {', '.join(adapters)} train the same denoiser "
                          f"({', '.join(str(e) for e in experts)}); give one adapter per expert")
     for a in adapters:  # after the call's arguments, before the base model loads
-        _check_adapter(a)
+        _check_adapter(a, family)
     quiet.diffusers_bars_off()  # "Loading pipeline components..."
     # raylora.json names a folder by its absolute path (the run resolved it), a hub id as is
     variant = variant or trained_config(adapters, "model", "variant", base=(model, path))
@@ -225,22 +264,25 @@ def load_pipeline(model: str, adapter: str | list[str], expert: str | None = Non
     return with_prediction_type(pipe, trained_config(adapters, "train", "prediction_type")), family
 
 
-def _check_adapter(adapter: str) -> None:
-    """A local ``--adapter`` folder holds what a loader reads (checked before the base
-    model loads, minutes for a big one): the diffusers file, a peft folder, or a
-    ``.safetensors`` the stock loader picks (its only one)."""
-    from raylora.model.lora import PEFT_CONFIG
+def _check_adapter(adapter: str, family) -> None:
+    """A local ``--adapter`` holds what a loader reads (checked before the base model
+    loads, minutes for a big one): a peft folder, or the diffusers file (or a
+    ``.safetensors`` the stock loader picks, its only one) in a format the family's stock
+    pipeline converts (``_stock_state_dict``)."""
+    from raylora.model.lora import PEFT_CONFIG, is_peft_folder
 
-    if not os.path.isdir(adapter):
+    if not os.path.exists(adapter):  # a hub id: read as the stock loader reads it (load_adapter)
         return
-    names = os.listdir(adapter)
-    if PEFT_CONFIG in names or any(n.endswith(".safetensors") for n in names):
-        return
-    inner = os.path.join(adapter, "adapter")
-    hint = (f"; a run's output folder holds its adapter in {inner}"
-            if os.path.isdir(inner) else "")
-    raise FileNotFoundError(f"--adapter: {adapter}: no LoRA weights in it (no .safetensors "
-                            f"file, no {PEFT_CONFIG}){hint}")
+    if os.path.isdir(adapter):
+        if is_peft_folder(adapter):
+            return
+        if not any(n.endswith(".safetensors") for n in os.listdir(adapter)):
+            inner = os.path.join(adapter, "adapter")
+            hint = (f"; a run's output folder holds its adapter in {inner}"
+                    if os.path.isdir(inner) else "")
+            raise FileNotFoundError(f"--adapter: {adapter}: no LoRA weights in it (no "
+                                    f".safetensors file, no {PEFT_CONFIG}){hint}")
+    _stock_state_dict(adapter, family)
 
 
 def trained_commit(model: str, adapters: list[str]) -> str | None:
@@ -323,10 +365,28 @@ def _one_key_style(family, adapter: str):
     yield adapter
 
 
+def _stock_state_dict(adapter: str, family) -> None:
+    """``adapter`` read as the stock pipeline reads it, as ``lora.init_from`` reads it
+    (``lora_init.stock_state_dict``): a file whose keys its converters do not turn into
+    LoRA layers loaded with a warning raylora's quiet logging hides, and sampled the
+    base model (raylora's kohya file of SD3 or Lumina-Image 2.0); one they fail on raised
+    the converter's own KeyError (Wan's)."""
+    from raylora.model.lora_init import stock_state_dict
+
+    try:
+        stock_state_dict(adapter, family, "--adapter", adapter)
+    except ValueError as exc:
+        raise ValueError(f"{exc}; the adapter folder raylora writes (diffusers format, "
+                         "output.uri/adapter) loads") from None
+
+
 def load_adapter(pipe, family, adapter: str, expert: str | None = None) -> None:
-    """A diffusers LoRA/DoRA file through the stock loader; a LoKr/LoHa peft folder
+    """A diffusers LoRA/DoRA file through the stock loader (refused, naming ``--adapter``,
+    in a format it does not read into the trained denoiser); a LoKr/LoHa peft folder
     (``lora.variant`` lokr/loha, which diffusers' loaders do not read) through peft. Into
     the denoiser ``expert`` names (``model.expert``), else the family's one."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
     from raylora.model.lora import is_peft_folder
 
     if os.path.isdir(adapter) and is_peft_folder(adapter):
@@ -338,8 +398,25 @@ def load_adapter(pipe, family, adapter: str, expert: str | None = None) -> None:
         setattr(pipe, component,
                 PeftModel.from_pretrained(getattr(pipe, component), adapter).merge_and_unload())
     else:
+        # (load_pipeline checked a local one before the base model loaded; a hub id, or
+        # a call of this alone, is checked here)
+        _stock_state_dict(adapter, family)
+        component = family.trained_component(expert)
+        denoiser = getattr(pipe, component)
+        before = set(getattr(denoiser, "peft_config", None) or ())
         with _one_key_style(family, adapter) as readable:
-            pipe.load_lora_weights(readable, **family.lora_load_kwargs(expert))
+            try:
+                pipe.load_lora_weights(readable, **family.lora_load_kwargs(expert))
+            except (ValueError, RuntimeError, KeyError) as exc:  # another model's shapes
+                raise ValueError(f"--adapter: {adapter}: {family.pipeline}.load_lora_weights: "
+                                 f"{type(exc).__name__}: {exc}") from None
+        new = set(getattr(denoiser, "peft_config", None) or ()) - before
+        if not any(new & set(getattr(m, "scaling", ())) for m in denoiser.modules()
+                   if isinstance(m, BaseTunerLayer)):
+            # the stock loader's answer was a warning, and the image the base model's
+            raise ValueError(f"--adapter: {adapter}: no LoRA layer of it loaded into the "
+                             f"{family.pipeline}'s {component}; the adapter folder raylora "
+                             "writes (diffusers format, output.uri/adapter) loads")
     # The loader's new layers are in train mode: an adapter written before raylora wrote
     # lora_dropout 0 into its metadata would otherwise sample with the run's dropout on.
     for module in pipe.components.values():

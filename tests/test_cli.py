@@ -365,6 +365,156 @@ def test_sample_a_model_in_object_storage(tiny_model, sd_adapter, moto_endpoint,
     assert len(glob.glob(f"{cache}/models/*/.complete")) == 1
 
 
+def _no_base_model(monkeypatch) -> list:
+    """The calls that would load the base model (minutes for a big one), recorded instead."""
+    import raylora.model.load
+
+    loaded = []
+    monkeypatch.setattr(raylora.model.load, "load_pipeline_as_trained",
+                        lambda *a, **k: loaded.append(a))
+    return loaded
+
+
+def test_sample_refuses_an_adapter_file_its_pipeline_does_not_read(tiny, tiny_model, tmp_path,
+                                                                   capsys, monkeypatch, caplog):
+    """raylora's kohya file of an SD3 adapter (SAI's names, for ComfyUI): the stock pipeline
+    converts none of its keys and sampled the base model with a warning raylora's quiet
+    logging hid, and a success line. Refused before the base model loads, as lora.init_from
+    refuses it; the export says so too. An adapter none of which reaches the denoiser is
+    refused after the load."""
+    import torch
+    from diffusers import StableDiffusion3Pipeline
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    from raylora.checkpoint.kohya import export_kohya
+    from raylora.cli import main
+    from raylora.model import families
+    from raylora.sample import load_adapter
+
+    model = tiny("sd3")
+    pipe = StableDiffusion3Pipeline.from_pretrained(model)
+    torch.manual_seed(0)
+    pipe.transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian",
+                                            target_modules=["to_q", "to_k", "to_v"]))
+    folder = tmp_path / "adapter"
+    StableDiffusion3Pipeline.save_lora_weights(
+        str(folder), transformer_lora_layers=get_peft_model_state_dict(pipe.transformer))
+    kohya = tmp_path / "adapter_kohya.safetensors"
+    with caplog.at_level("WARNING", logger="raylora"):
+        export_kohya(str(folder / "pytorch_lora_weights.safetensors"), str(kohya), model,
+                     families.get("sd3"))
+    assert [r.getMessage() for r in caplog.records if r.name == "raylora"] == [f"kohya file: {kohya}: 6 of its 6 tensors are not LoRA layers of a "
+                    "StableDiffusion3Pipeline component (transformer, text_encoder, "
+                    "text_encoder_2), e.g. lora_unet_joint_blocks_0_x_block_attn_qkv.alpha: not "
+                    "a format that pipeline converts. The file is for ComfyUI and kohya-style "
+                    "tools (the reference checkpoint's names); in diffusers, raylora sample and "
+                    "lora.init_from, load the adapter folder"]
+
+    loaded = _no_base_model(monkeypatch)
+    rest = ["--prompt", "p", "--out", str(tmp_path / "s.png"), "--steps", "1"]
+    capsys.readouterr()
+    assert main(["sample", "--model", model, "--adapter", str(kohya), *rest]) == 2
+    assert capsys.readouterr().err.endswith(
+        f"raylora: error: --adapter: {kohya}: 6 of its 6 tensors are not LoRA layers of a "
+        "StableDiffusion3Pipeline component (transformer, text_encoder, text_encoder_2), e.g. "
+        "lora_unet_joint_blocks_0_x_block_attn_qkv.alpha: not a format that pipeline converts; "
+        "the adapter folder raylora writes (diffusers format, output.uri/adapter) loads\n")
+    assert loaded == [] and not (tmp_path / "s.png").exists()
+
+    # text-encoder layers only: the UNet got none (the stock loader: a warning)
+    sd_fam = families.get("sd")
+    sd_pipe = sd_fam.load_pipeline(tiny_model)
+    sd_pipe.text_encoder.add_adapter(LoraConfig(r=4, init_lora_weights="gaussian",
+                                                target_modules=["q_proj", "v_proj"]))
+    te_only = tmp_path / "te_only"
+    sd_fam.pipeline_class().save_lora_weights(
+        str(te_only), text_encoder_lora_layers=get_peft_model_state_dict(sd_pipe.text_encoder))
+    with pytest.raises(ValueError) as exc:
+        load_adapter(sd_fam.load_pipeline(tiny_model), sd_fam, str(te_only))
+    assert str(exc.value) == (f"--adapter: {te_only}: no LoRA layer of it loaded into the "
+                              "StableDiffusionPipeline's unet; the adapter folder raylora writes "
+                              "(diffusers format, output.uri/adapter) loads")
+
+
+def test_sample_an_adapter_in_object_storage_or_named_by_a_file_uri(
+        tiny_model, sd_adapter, moto_endpoint, tmp_path, monkeypatch, capsys):
+    """`--adapter s3://...` (or hf://...) reached diffusers as a hub id: "Repo id must be in
+    the form ...", after the base model had loaded. It is copied here first, as
+    lora.init_from's is, and draws the local folder's image; one that is not there, or a
+    hub one this machine cannot read, is named before the model loads. `--model file:/abs`
+    was "no such file or folder here" and `file:///abs` a URI for load_config: both the
+    folder."""
+    import boto3
+    import numpy as np
+
+    from raylora.cli import main
+    from raylora.storage import Storage
+
+    for k, v in (("AWS_ENDPOINT_URL", moto_endpoint), ("AWS_ACCESS_KEY_ID", "AKIARAYLORAFAKE00032"),
+                 ("AWS_SECRET_ACCESS_KEY", "fake/secret"), ("AWS_REGION", "us-east-1")):
+        monkeypatch.setenv(k, v)
+    boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1").create_bucket(
+        Bucket="raylora-adapters")
+    Storage().upload_dir(sd_adapter, "s3://raylora-adapters/run/adapter")
+    call = ["--prompt", "a photo", "--steps", "2", "--size", "64"]
+    assert main(["sample", "--model", tiny_model, "--adapter", sd_adapter, *call,
+                 "--out", str(tmp_path / "local.png")]) == 0
+    want = _pixels(tmp_path / "local.png")
+    for i, (model, adapter) in enumerate((
+            (tiny_model, "s3://raylora-adapters/run/adapter"),
+            (tiny_model, "s3://raylora-adapters/run/adapter/pytorch_lora_weights.safetensors"),
+            (f"file:{tiny_model}", f"file://{sd_adapter}"),
+            (f"file://{tiny_model}", sd_adapter))):
+        out = tmp_path / f"{i}.png"
+        assert main(["sample", "--model", model, "--adapter", adapter, *call, "--out", str(out)]) == 0, (
+            model, adapter, capsys.readouterr().err)
+        assert np.array_equal(_pixels(out), want), (model, adapter)
+    assert want.max() > 0
+
+    loaded = _no_base_model(monkeypatch)
+    capsys.readouterr()
+    for adapter, code, want in (
+            ("s3://raylora-adapters/nothing", 2,
+             "raylora: error: --adapter: s3://raylora-adapters/nothing: not found\n"),
+            ("s3://raylora-adapters/run", 2,
+             "raylora: error: --adapter: s3://raylora-adapters/run: has no "
+             "pytorch_lora_weights.safetensors (a diffusers LoRA) or adapter_config.json (a peft "
+             "adapter folder); name the folder raylora wrote (output.uri/adapter) or a "
+             ".safetensors file\n"),
+            ("hf://someone/some-lora", 1, "raylora: error: --adapter: hf://someone/some-lora: "
+             "the hub could not be read here")):
+        assert main(["sample", "--model", tiny_model, "--adapter", adapter, *call,
+                     "--out", str(tmp_path / "x.png")]) == code, adapter
+        assert want in capsys.readouterr().err, adapter
+    assert loaded == [] and not (tmp_path / "x.png").exists()
+
+
+def test_sample_an_adapter_on_the_hub(online, hub, tiny_model, sd_adapter, tmp_path, capsys):
+    """`--adapter hf://owner/name/path` is downloaded as lora.init_from's is (only its
+    .safetensors and .json files) and draws the local folder's image."""
+    import shutil
+
+    import numpy as np
+
+    from raylora.cli import main
+
+    repo = tmp_path / "repo"
+    shutil.copytree(sd_adapter, repo / "style")
+    (repo / "sample.png").write_bytes(b"not an adapter file")
+    hub.add("org/sd-lora-sample", str(repo))
+    call = ["--prompt", "a photo", "--steps", "2", "--size", "64", "--model", tiny_model]
+    assert main(["sample", "--adapter", sd_adapter, *call, "--out", str(tmp_path / "local.png")]) == 0
+    assert main(["sample", "--adapter", "hf://org/sd-lora-sample/style", *call,
+                 "--out", str(tmp_path / "hub.png")]) == 0, capsys.readouterr().err
+    want = _pixels(tmp_path / "local.png")
+    assert want.max() > 0 and np.array_equal(_pixels(tmp_path / "hub.png"), want)
+    assert main(["sample", "--adapter", "hf://org/no-such-lora", *call,
+                 "--out", str(tmp_path / "x.png")]) == 2
+    assert ("raylora: error: --adapter: hf://org/no-such-lora: no such model repo on the hub"
+            in capsys.readouterr().err)
+
+
 def test_a_ray_address_where_no_cluster_answers_is_named_at_once(tmp_path, tiny_model, demo_data):
     """A stale RAY_ADDRESS (the cluster stopped): ray.init retried for minutes before a
     stack trace; now one line naming it, before Ray. Addresses ray.init judges itself

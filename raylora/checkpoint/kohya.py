@@ -21,6 +21,7 @@ diffusers' own kohya-Flux, Flux.2 and Z-Image loaders split exactly this structu
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+log = logging.getLogger("raylora")
 
 PREFIX = "unet."
 KOHYA_PREFIX = "lora_unet_"
@@ -236,7 +239,23 @@ def export_kohya(diffusers_file: str, dest_file: str, base_model: str, family) -
     if any(c.startswith("text_encoder") for c in ranks):
         kohya_meta["ss_network_args"] = json.dumps({"train_text_encoder": True})
     save_file(tensors, dest_file, metadata=kohya_meta)
+    _say_if_stock_cannot_read(dest_file, family)
     return kohya_meta
+
+
+def _say_if_stock_cannot_read(kohya_file: str, family) -> None:
+    """A warning where the family's stock diffusers pipeline does not read the file it was
+    written for ComfyUI / sd-scripts (SD3's, Lumina-Image 2.0's; Wan's without every
+    block's FFN): its ``load_lora_weights`` loaded none of it with a warning, or raised
+    from its converter. Read as ``raylora sample`` and ``lora.init_from`` read it."""
+    from raylora.model.lora_init import stock_state_dict
+
+    try:
+        stock_state_dict(kohya_file, family, "kohya file", kohya_file)
+    except ValueError as exc:
+        log.warning("%s. The file is for ComfyUI and kohya-style tools (the reference "
+                    "checkpoint's names); in diffusers, raylora sample and lora.init_from, "
+                    "load the adapter folder", exc)
 
 
 # Only SDXL's UNet has attention blocks of depth > 1 (2 and 10 transformer blocks deep);

@@ -61,6 +61,11 @@ SCALED = {"lora": ("lora_B",), "dora": ("lora_B",), "lokr": ("lokr_w1", "lokr_w1
 # export: rank k·r by design), else of rank R (sd-scripts trains the fused layer whole).
 # (Flux.1 Kontext, Chroma: Flux.1's names; Flux.2: Flux.2 [klein]'s.)
 SPLIT_FUSED = ("flux", "flux2klein")
+# Families whose converter gives each part of a fused module the whole module's rank R
+# instead (diffusers' Z-Image: q, k and v each get the fused down, and their own rows of the
+# up): where the up is block-diagonal each part keeps its own R / k rows of the down and
+# columns of the up (``_own_parts``), so raylora's export starts a run of rank r exactly.
+KEEP_FUSED = ("zimage",)
 
 
 def locate(uri: str, store: Storage) -> tuple[str, str]:
@@ -173,14 +178,15 @@ def _fused() -> list[tuple[re.Pattern, int]]:
     from raylora.checkpoint.kohya import fused_names
     from raylora.model import families
 
-    return [f for name in SPLIT_FUSED for f in fused_names(families.get(name).kohya_rules)]
+    return [f for name in SPLIT_FUSED + KEEP_FUSED
+            for f in fused_names(families.get(name).kohya_rules)]
 
 
 def _rank_fits(key: str, rank: int) -> set[int]:
     """The run's lora.rank(s) the layer whose down is ``key``, of rank ``rank``, loads into:
-    its own, and for a fused kohya module of k parts (``SPLIT_FUSED``) rank / k. Only the
-    header is read here, not whether its up is block-diagonal: the worker's shape check
-    (``_take_over``) catches the rank the loader did not split to."""
+    its own, and for a fused kohya module of k parts (``SPLIT_FUSED``, ``KEEP_FUSED``)
+    rank / k. Only the header is read here, not whether its up is block-diagonal: the
+    worker's shape check (``_take_over``) catches the rank the loader did not split to."""
     module = key.split(".", 1)[0]  # kohya: lora_unet_<module>.lora_down.weight
     return {rank} | {rank // k for pattern, k in _fused()
                      if rank % k == 0 and pattern.fullmatch(module)}
@@ -242,15 +248,23 @@ def start_from(loads: str, store: Storage, family, denoiser: torch.nn.Module,
         return found
 
     with tempfile.TemporaryDirectory(prefix="raylora-init-") as tmp:
-        if "" in listed("since this run's plan listed them"):  # a file
-            local = os.path.join(tmp, uri.rstrip("/").rsplit("/", 1)[-1])
-            with open(local, "wb") as f:
-                f.write(store.read_bytes(uri))
-        else:
-            local = os.path.join(tmp, "adapter")
-            store.download_dir(uri, local)
+        local = download(uri, store, tmp, listed("since this run's plan listed them"))
         listed("while this worker downloaded them")
         return load_init(uri, local, family, denoiser, text_encoders)
+
+
+def download(uri: str, store: Storage, tmp: str, files: dict | None = None) -> str:
+    """The adapter file or folder ``uri`` in object storage copied into the folder ``tmp``;
+    returns the local path (the file by its own name, a folder as ``tmp/adapter``).
+    ``files``: its ``stored_files``, if listed already."""
+    if "" in (files if files is not None else stored_files(uri, store)):  # a file
+        local = os.path.join(tmp, uri.rstrip("/").rsplit("/", 1)[-1])
+        with open(local, "wb") as f:
+            f.write(store.read_bytes(uri))
+    else:
+        local = os.path.join(tmp, "adapter")
+        store.download_dir(uri, local)
+    return local
 
 
 def load_init(uri: str, local: str, family, denoiser: torch.nn.Module,
@@ -285,23 +299,8 @@ def _load_diffusers(local: str, family, denoiser, text_encoders: dict,
     )
 
     cls = family.pipeline_class()
-    try:
-        out = cls.lora_state_dict(local, return_lora_metadata=True)
-    except Exception as exc:  # a format the pipeline's converters cannot read
-        raise ValueError(f"{KEY}: {uri}: {family.pipeline}'s lora_state_dict cannot read it "
-                         f"({type(exc).__name__}: {exc})") from None
-    # (state dict, network alphas, metadata), or (state dict, metadata) where a pipeline's
-    # formats carry no alphas (SD3, Flux.2, ...)
-    sd, metadata = out[0], out[-1]
-    alphas = out[1] if len(out) == 3 else None
-    if family.legacy_lora_keys:  # an earlier raylora's SD/SDXL file may mix two key styles
-        sd = one_key_style(sd, family.denoiser)
-    unread = sorted(k for k in sd if k.split(".")[0] not in family.lora_components())
-    if unread:  # keys the pipeline passed through unconverted: its load would skip them
-        raise ValueError(f"{KEY}: {uri}: {len(unread)} of its {len(sd)} tensors are not "
-                         f"LoRA layers of a {family.pipeline} component "
-                         f"({', '.join(family.lora_components())}), e.g. {unread[0]}: not a "
-                         "format that pipeline converts")
+    sd, alphas, metadata = stock_state_dict(local, family, KEY, uri)
+    sd = _own_parts(sd, family)
     dropped = sorted({k.split(".")[0] for k in sd} - {family.denoiser, *text_encoders})
     if dropped:
         raise ValueError(f"{KEY}: {uri} has LoRA layers for {', '.join(dropped)}, which this "
@@ -330,6 +329,71 @@ def _load_diffusers(local: str, family, denoiser, text_encoders: dict,
         part = convert_state_dict_to_peft(convert_state_dict_to_diffusers(_component(sd, name)))
         out[name] = part if hasattr(te, "text_model") else {
             k.removeprefix("text_model."): v for k, v in part.items()}
+    return out
+
+
+def stock_state_dict(local: str, family, key: str, uri: str) -> tuple[dict, dict | None, dict | None]:
+    """(tensors, network alphas or None, metadata) of the adapter file or folder ``local``
+    as ``family``'s stock pipeline reads it (its ``lora_state_dict``: kohya/ComfyUI names
+    converted), every tensor a layer of a component its ``load_lora_weights`` loads.
+    ``ValueError`` naming ``key`` and ``uri`` (what the user gave) otherwise: the loader's
+    own answer was a warning, hidden by raylora's quiet logging, and the base model alone."""
+    try:
+        out = family.pipeline_class().lora_state_dict(local, return_lora_metadata=True)
+    except Exception as exc:  # a format the pipeline's converters cannot read
+        raise ValueError(f"{key}: {uri}: {family.pipeline}'s lora_state_dict cannot read it "
+                         f"({type(exc).__name__}: {exc})") from None
+    # (state dict, network alphas, metadata), or (state dict, metadata) where a pipeline's
+    # formats carry no alphas (SD3, Flux.2, ...)
+    sd, metadata = out[0], out[-1]
+    alphas = out[1] if len(out) == 3 else None
+    if family.legacy_lora_keys:  # an earlier raylora's SD/SDXL file may mix two key styles
+        sd = one_key_style(sd, family.denoiser)
+    unread = sorted(k for k in sd if k.split(".")[0] not in family.lora_components())
+    if unread:  # keys the pipeline passed through unconverted: its load would skip them
+        raise ValueError(f"{key}: {uri}: {len(unread)} of its {len(sd)} tensors are not "
+                         f"LoRA layers of a {family.pipeline} component "
+                         f"({', '.join(family.lora_components())}), e.g. {unread[0]}: not a "
+                         "format that pipeline converts")
+    return sd, alphas, metadata
+
+
+def _own_parts(sd: dict[str, torch.Tensor], family) -> dict[str, torch.Tensor]:
+    """``sd`` (``stock_state_dict``'s) with the parts of each fused kohya module that the
+    ``KEEP_FUSED`` family's converter gave the whole rank R = k·r (the same down each) cut
+    back to their own r: part ``slot``'s rows of the down and columns of the up, where the
+    up's other columns are all zero (raylora's block-diagonal export). An up trained whole
+    (sd-scripts'), or a diffusers file's layers (each its own down), are left as they are."""
+    if family.name not in KEEP_FUSED:
+        return sd
+    rules = [(re.compile(r.pattern), r) for r in family.kohya_rules if len(r.sizes) > 1]
+    prefix, down_leaf, up_leaf = family.denoiser + ".", ".lora_A.weight", ".lora_B.weight"
+    # fused module → (its part count, slot → the part's down key)
+    modules: dict[str, tuple[int, dict[int, str]]] = {}
+    for key in sd:
+        if key.startswith(prefix) and key.endswith(down_leaf):
+            path = key[len(prefix): -len(down_leaf)]
+            for pattern, rule in rules:
+                if m := pattern.fullmatch(path):
+                    name = rule.name.format(*m.groups())
+                    modules.setdefault(name, (len(rule.sizes), {}))[1][rule.slot] = key
+                    break
+    out = dict(sd)
+    for k, parts in modules.values():
+        downs = [sd[key] for key in parts.values()]
+        if (len(downs) < k or any(not torch.equal(d, downs[0]) for d in downs)
+                or downs[0].shape[0] % k):
+            continue  # not one fused down given to each part
+        r = downs[0].shape[0] // k
+        cut = {}
+        for slot, key in parts.items():
+            up_key = key[: -len(down_leaf)] + up_leaf
+            up, own = sd.get(up_key), slice(slot * r, (slot + 1) * r)
+            if up is None or up[:, : own.start].any() or up[:, own.stop:].any():
+                break
+            cut[key], cut[up_key] = sd[key][own].contiguous(), up[:, own].contiguous()
+        else:
+            out.update(cut)
     return out
 
 

@@ -66,7 +66,7 @@ def main() -> None:
             "model": {"pretrained": model},
             "data": {"uri": data, "resolution": args.resolution, "center_crop": True,
                      "random_flip": False, "cache": "latents" if cache else "none",
-                     "cache_uri": os.path.join(work, "cache")},
+                     **({"cache_uri": os.path.join(work, "cache")} if cache else {})},
             "train": {"batch_size": args.batch_size, "max_steps": steps, "learning_rate": 1e-4,
                       "log_every_n_steps": 1000},
             "scaling": {"num_workers": 1},

@@ -12,7 +12,10 @@ Defaults follow diffusers' ``train_text_to_image_lora.py`` (AdamW 0.9/0.999, wei
 from __future__ import annotations
 
 import copy
+import functools
 import re
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -41,6 +44,12 @@ LR_SCHEDULERS = (
     "cosine_with_restarts",
     "polynomial",
 )
+# Every seed key: 0 <= seed < 2**32. numpy's SeedSequence (the data order, rank and epoch
+# seeds) refuses a negative one, and numpy's legacy RandomState (Optuna's sampler, seeded
+# with tune.seed or train.seed) takes 32 bits; torch.manual_seed takes 64, so the seeds
+# derived from one (seed + 1000 × rank + step in raylora.train.setup, seed + i for previews
+# and class images) stay far inside it. Either failed in the workers, after the model loaded.
+SEED_LIMIT = 2**32
 
 
 class ConfigError(ValueError):
@@ -67,6 +76,36 @@ class _Section(BaseModel):
     # inf/nan (YAML's .inf, .nan) are no setting: they only showed as non-finite losses
     # once the model had loaded.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, v: Any, info) -> Any:
+        # YAML reads yes/no/on/off as booleans and pydantic's lax mode took them as 1 and
+        # 0: `noise_offset: on` trained with an offset of 1.0, `lora.rank=true` at rank 1.
+        kind = _number_kind(cls.model_fields[info.field_name].annotation)
+        if kind and (v is True or v is False):
+            raise ValueError(f"{kind}, not {v!r} (YAML reads true/false, yes/no and on/off "
+                             "as booleans)")
+        if kind and isinstance(v, (list, tuple)) and any(x is True or x is False for x in v):
+            raise ValueError(f"{list(v)!r}: numbers, not booleans (YAML reads true/false, "
+                             "yes/no and on/off as booleans)")
+        return v
+
+
+@functools.cache
+def _number_kind(annotation: Any) -> str | None:
+    """What a field takes whose type is an int or a float (or a list or tuple of them) and
+    no bool, which pydantic would read a boolean as: "an integer" or "a number"; else None."""
+    members = typing.get_args(annotation) if isinstance(annotation, types.UnionType) \
+        or typing.get_origin(annotation) is typing.Union else (annotation,)
+    if any(m is bool or m is Any for m in members):
+        return None
+    for m in members:
+        if typing.get_origin(m) in (list, tuple):
+            m = next((a for a in typing.get_args(m) if a in (int, float)), None)
+        if m in (int, float):
+            return "an integer" if m is int else "a number"
+    return None
 
 
 def hub_model(uri: str, revision: str | None, keys=("model.pretrained", "model.revision")
@@ -124,7 +163,8 @@ class ModelSection(_Section):
         "(Flux.1-dev 512, schnell use 256; SD3 256; Qwen-Image 512; Z-Image and Flux.2 "
         "[klein]/[dev] 512, the chat template (and [dev]'s system message) included; Wan 512; "
         "Lumina-Image 2.0 256, its system prompt included; Sana 300 after its instruction; "
-        "Chroma 512; Qwen-Image-Edit 1024, the template and the image slot included).",
+        "Chroma 512; Qwen-Image-Edit 1024, the template and the image slot included). "
+        "Refused for SD and SDXL, whose CLIP encoders read 77 tokens.",
     )
     system_prompt: str | None = Field(
         None,
@@ -272,7 +312,8 @@ class ClassGenerationSection(_Section):
         None, ge=0.0, description="Classifier-free guidance scale; default the family's "
         "(SD/SDXL 7.5, SD3 7.0, Flux.1 3.5, Flux.1 Kontext 2.5, Qwen-Image 4.0).",
     )
-    seed: int = Field(0, description="Image i is drawn with generator seed seed + i.")
+    seed: int = Field(0, ge=0, lt=SEED_LIMIT,
+                      description="Image i is drawn with generator seed seed + i.")
     batch_size: int = Field(4, gt=0, le=64, description="Images per pipeline call.")
 
 
@@ -383,7 +424,8 @@ class DataSection(_Section):
     center_crop: bool = Field(False, description="Center crop (True) or random crop (False).")
     random_flip: bool = Field(False, description="Random horizontal flip with p=0.5.")
     shuffle_seed: int | None = Field(
-        None, description="Seed of the per-epoch file shuffle; defaults to train.seed."
+        None, ge=0, lt=SEED_LIMIT,
+        description="Seed of the per-epoch file shuffle; defaults to train.seed."
     )
     shuffle_buffer_size: int = Field(
         256, ge=0, description="Rows in each worker's local shuffle buffer (0 = off)."
@@ -721,7 +763,7 @@ class TrainSection(_Section):
     )
     num_epochs: int = Field(1, gt=0)
     mixed_precision: Literal["no", "fp16", "bf16"] = "no"
-    seed: int = 42
+    seed: int = Field(42, ge=0, lt=SEED_LIMIT)
     log_every_n_steps: int | None = Field(
         None, gt=0, description="Progress: a plain line every N steps when the output is "
         "not a terminal (a job log, CI); default a tenth of the run.",
@@ -943,7 +985,8 @@ class ValidationSection(_Section):
         le=100,
         description="Fixed timesteps per held-out image, evenly spaced over the schedule.",
     )
-    seed: int = Field(0, description="Seed of the fixed evaluation noise and sample images.")
+    seed: int = Field(0, ge=0, lt=SEED_LIMIT,
+                      description="Seed of the fixed evaluation noise and sample images.")
     prompts: list[str] = Field(
         default_factory=list,
         description="Prompts rendered (same seed each time) at every evaluation into a PNG "
@@ -1144,7 +1187,8 @@ class TuneSection(_Section):
     max_concurrent_trials: int | None = Field(
         None, gt=0, description="Default: cluster resources ÷ resources per trial."
     )
-    seed: int | None = Field(None, description="Search seed; default train.seed.")
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT,
+                             description="Search seed; default train.seed.")
 
     def listed(self, dim: SearchDim) -> bool:
         """Ray Tune runs every value of ``dim`` as written: a grid, or a choice of grid search."""
@@ -1530,6 +1574,29 @@ def _unread_checks(cfg: RayLoraConfig) -> list[str]:
     if not d.prior_preservation and cfg.train.prior_loss_weight != 1.0:
         out.append("train.prior_loss_weight: set, but prior preservation is off (no "
                    "data.class_prompt or data.class_sources); set them or drop it")
+    # validation.guidance_scale is not among them: the model card's example samples with it.
+    for key, unused, why, fix in (
+            ("data.cache_uri", d.cache != "latents", "data.cache is none (no latent cache)",
+             "set data.cache: latents or drop it"),
+            ("data.small_images", d.min_size == 0, "data.min_size is 0 (no image is too small)",
+             "set data.min_size or drop it"),
+            ("data.num_class_images", not d.prior_preservation, "prior preservation is off (no "
+             "data.class_prompt or data.class_sources)", "set them or drop it"),
+            ("data.validation_max_samples", not cfg.has_heldout, "there is no held-out data",
+             "set data.validation_split or data.validation_uri, or drop it"),
+            ("scaling.resize_check_s", not cfg.scaling.elastic, "scaling.num_workers is a fixed "
+             "count, not an elastic [min, max]", "drop it"),
+            ("validation.num_inference_steps", not cfg.validation.prompts, "there are no "
+             "validation.prompts to render", "add prompts or drop it")):
+        section, name = getattr(cfg, key.split(".")[0]), key.split(".")[1]
+        if unused and getattr(section, name) != type(section).model_fields[name].default:
+            out.append(f"{key}: set, but {why}: nothing reads it; {fix}")
+    t = cfg.tracking  # wandb's keys: a tensorboard run has no project, mode or name either
+    if t.backend != "wandb":
+        out += [f"tracking.{key}: set, but tracking.backend is {t.backend}: only wandb reads it; "
+                "set tracking.backend: wandb or drop it"
+                for key in ("project", "wandb_mode", "run_name")
+                if getattr(t, key) != TrackingSection.model_fields[key].default]
     return out
 
 
@@ -2088,7 +2155,7 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
 def _set(tree: dict, path: list, value: Any) -> str | None:
     """``tree`` at ``path`` (keys, and list indices as ints) set to ``value``, sections made
     on the way; the problem, if the path runs through a value or past a list's end."""
-    node = tree
+    node, section = tree, RayLoraConfig
     for i, part in enumerate(path):
         if isinstance(part, int):
             if not isinstance(node, list) or not 0 <= part < len(node):
@@ -2098,7 +2165,10 @@ def _set(tree: dict, path: list, value: Any) -> str | None:
             return f"{_dotted(path[:i])}: is a value, not a section"
         if i == len(path) - 1:
             break
-        if isinstance(part, str) and part not in node:
+        section = section and _section_of(section, part)
+        # A section given as null (its keys all commented out) is its defaults, as validate
+        # reads it; `tune: null` (no search) is as if tune were absent.
+        if isinstance(part, str) and (part not in node or (node[part] is None and section)):
             node[part] = {}
         node = node[part]
     if value is None and path[:-1] == SEARCH_SPACE:
@@ -2135,14 +2205,34 @@ def _without(tree: dict, locs: list[tuple]) -> dict:
     return out
 
 
+def _section_of(model: type[BaseModel], key: Any) -> type[BaseModel] | None:
+    """The section class of ``model``'s key ``key``; None for a value or an unknown key."""
+    f = model.model_fields.get(key) if isinstance(key, str) else None
+    return next((a for a in (f.annotation, *typing.get_args(f.annotation))
+                 if isinstance(a, type) and issubclass(a, BaseModel)), None) if f else None
+
+
+def _null_sections(tree: dict, model: type[BaseModel]) -> dict:
+    """``tree`` with every section whose keys are all commented out (YAML's null), at any
+    depth, as {}: its defaults. Not one that may be null, where null means something
+    (`tune: null`: no search)."""
+    out = {}
+    for k, v in tree.items():
+        sub = _section_of(model, k)
+        if sub is not None and v is None and type(None) not in typing.get_args(
+                model.model_fields[k].annotation):
+            v = {}
+        elif sub is not None and isinstance(v, dict):
+            v = _null_sections(v, sub)
+        out[k] = v
+    return out
+
+
 def validate(tree: Any, source: str | None = None) -> RayLoraConfig:
     """Validate a raw config tree; raise one ConfigError listing every problem."""
     if not isinstance(tree, dict):
         raise ConfigError(["<root>: the config must be a mapping of sections"], source)
-    # A section whose keys are all commented out is YAML's null: its defaults (but
-    # `tune: null`, which means no search).
-    tree = {k: {} if v is None and k != "tune" and k in RayLoraConfig.model_fields else v
-            for k, v in tree.items()}
+    tree = _null_sections(tree, RayLoraConfig)
     try:
         cfg = RayLoraConfig.model_validate(tree)
     except ValidationError as exc:
@@ -2166,12 +2256,33 @@ def validate(tree: Any, source: str | None = None) -> RayLoraConfig:
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """safe_load that refuses a key given twice in one mapping: YAML keeps the last, so a
-    second ``train:`` section silently dropped the first one's settings."""
+    second ``train:`` section silently dropped the first one's settings. Merge keys
+    (``<<: *anchor``) merge as YAML says: a key given beside them overrides the merged one."""
 
-    def construct_mapping(self, node, deep=False):
+    def flatten_mapping(self, node):
+        # Judged before the merged pairs are spliced into node.value (where a key given
+        # beside `<<` and the merged one look alike); once per node, as a node merged into
+        # another is flattened again there.
+        if not getattr(node, "_raylora_keys_checked", False):
+            node._raylora_keys_checked = True
+            self._refuse_twice(node)
+        super().flatten_mapping(node)
+        # PyYAML 6.0 merges the first pair of each key it meets: a mapping that overrides a
+        # key it merged passed the merged value on when merged itself. Each key's last pair
+        # (the one given beside `<<`) is the one YAML means.
+        last = {(k.tag, k.value): i for i, (k, _) in enumerate(node.value)
+                if isinstance(k, yaml.ScalarNode)}
+        node.value = [(k, v) for i, (k, v) in enumerate(node.value)
+                      if not isinstance(k, yaml.ScalarNode) or last[(k.tag, k.value)] == i]
+
+    def _refuse_twice(self, node):
         seen = {}
         for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<` may be given more than once; its keys merge
+            key = self.construct_object(key_node)
+            if not isinstance(key, typing.Hashable):
+                continue  # the base constructor names an unhashable key
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     "while reading a mapping", node.start_mark,
@@ -2179,7 +2290,6 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                     f"{key_node.start_mark.line + 1}); YAML would keep only the last",
                     key_node.start_mark)
             seen[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep=deep)
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RayLoraConfig:

@@ -354,7 +354,16 @@ def family_problems(cfg: RayLoraConfig, family, multiple: int, native: str | Non
         out.append(f"model.system_prompt: {family.name} ({family.pipeline}) takes no system "
                    "prompt; leave it unset")
     msl, limit = cfg.model.max_sequence_length, family.max_sequence_limit
-    if msl and limit and msl > limit:
+    searched = cfg.tune is not None and "model.max_sequence_length" in cfg.tune.search_space
+    if (msl or searched) and not any(text.long_context for text in family.text):
+        # CLIP's position embeddings stop at 77 tokens: the key only sizes a long-context
+        # encoder's captions (T5, an LLM), so it was dropped without a word.
+        n = len(family.text)
+        key = "tune.search_space.model.max_sequence_length" if searched else "model.max_sequence_length"
+        encoders = "CLIP text encoder reads" if n == 1 else f"{n} CLIP text encoders read"
+        out.append(f"{key}: {family.name} ({family.pipeline}) has no long-context text encoder "
+                   f"to set it for: its {encoders} 77 tokens of each caption; leave it unset")
+    elif msl and limit and msl > limit:
         out.append(f"model.max_sequence_length: {msl} is more than {family.pipeline} accepts "
                    f"({limit}): the adapter could not be sampled as it trained")
     if cfg.model.expert and not family.experts:
@@ -1485,7 +1494,8 @@ def _lr_find_config(cfg: RayLoraConfig, s) -> RayLoraConfig:
     tree["lora"]["text_encoder_lr"] = None
     # the sweep opens no tracker (lr_find_per_worker): an online wandb without a key on
     # this machine is no reason to refuse it
-    tree["tracking"]["backend"] = "none"
+    tree["tracking"] = {"backend": "none"}  # and none of wandb's keys, which none refuses
+    tree["scaling"].pop("resize_check_s", None)  # one worker: no elastic run to resize
     return validate(tree)
 
 

@@ -408,7 +408,7 @@ def _tree(data: str, out, workers: int, cache: str = "none", **train) -> dict:
     return {
         "data": {"uri": data, "format": "captionfolder", "resolution": 64, "bucketing": True,
                  "bucket_step": 16, "center_crop": True, "sharding": "files", "cache": cache,
-                 "cache_uri": str(out.parent / "cache")},
+                 **({"cache_uri": str(out.parent / "cache")} if cache == "latents" else {})},
         "train": {"batch_size": 2, "max_steps": 4, "learning_rate": 1e-3, "seed": 3, **train},
         "scaling": {"num_workers": workers},
         "checkpoint": {"every_n_steps": 4},

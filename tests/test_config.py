@@ -318,7 +318,7 @@ def test_settings_no_run_can_use_are_refused_before_anything_runs(tmp_path):
         "tracking.project: 'a:b': a wandb project name (at most 128 characters, none of "
         "/ \\ # ? % :), or team/project"])
     ok = validate(apply_overrides(MIN, ["storage.endpoint_url=http://minio:9000",
-                                        "tracking.project=team/proj"]))
+                                        "tracking.backend=wandb", "tracking.project=team/proj"]))
     assert ok.tracking.project == "team/proj"
 
 
@@ -485,3 +485,189 @@ def test_a_search_of_what_a_lokr_init_from_fixes_is_refused(key, values):
     # without init_from the same search is a search like any other
     del tree["lora"]["init_from"]
     validate(tree)
+
+
+def test_yaml_merge_keys_merge_and_a_key_beside_them_overrides_the_merged_one(tmp_path):
+    """`<<: *anchor` was refused as "could not determine a constructor for the tag
+    'tag:yaml.org,2002:merge'". A key given beside `<<` overrides the merged one (not a
+    key given twice), also when that mapping is merged in turn; two explicit ones are."""
+    path = tmp_path / "merge.yaml"
+    path.write_text(
+        "model: {pretrained: m}\n"
+        "data:\n"
+        "  sources:\n"
+        "    - &common {uri: a, caption_prefix: sks, caption_dropout: 0.1, repeats: 2}\n"
+        "    - <<: *common\n"
+        "      uri: b\n"
+        "    - &third\n"
+        "      <<: *common\n"
+        "      repeats: 3\n"
+        "    - {<<: *third, uri: d}\n"
+        "scaling:\n"
+        "  <<: {num_workers: 1, use_gpu: false}\n"
+        "  num_workers: 2\n"
+        "output: {uri: o}\n")
+    cfg = load_config(path)
+    assert [(s.uri, s.caption_prefix, s.caption_dropout, s.repeats) for s in cfg.data.sources] == [
+        ("a", "sks", 0.1, 2), ("b", "sks", 0.1, 2), ("a", "sks", 0.1, 3), ("d", "sks", 0.1, 3)]
+    assert (cfg.scaling.num_workers, cfg.scaling.use_gpu) == (2, False)
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("base: &b {uri: d}\nmodel: {pretrained: m}\ndata:\n  <<: *b\n"
+                     "  resolution: 64\n  resolution: 128\noutput: {uri: o}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(twice)
+    assert "'resolution' is given twice (lines 5 and 6)" in str(err.value)
+
+
+@pytest.mark.parametrize("key", ["train.seed", "data.shuffle_seed", "validation.seed",
+                                 "data.class_generation.seed", "tune.seed"])
+def test_a_seed_numpy_or_torch_cannot_take_is_refused_before_the_workers(key):
+    """A negative seed passed and failed in the workers once the model had loaded (numpy's
+    SeedSequence: "expected non-negative integer"), one of 2**64 or more in torch.manual_seed
+    (overflow); tune.seed and train.seed seed Optuna's 32-bit RandomState. The bound leaves
+    room for the seeds derived from one: seed + 1000 × rank + step stays a torch seed."""
+    import numpy as np
+    import torch
+
+    tree = apply_overrides(MIN, ["data.class_prompt=a dog", "tune.metric=train_loss",
+                                 "tune.search_space.lora.rank={choice: [4, 8]}"])
+    for value, why in ((-1, "greater than or equal to 0"), (2**32, "less than 4294967296"),
+                       (2**64, "less than 4294967296")):
+        with pytest.raises(ConfigError) as err:
+            validate(apply_overrides(tree, [f"{key}={value}"]))
+        assert err.value.problems == [f"{key}: Input should be {why} (got {value})"]
+    top = 2**32 - 1
+    cfg = validate(apply_overrides(tree, [f"{key}={top}"]))
+    section, name = key.rsplit(".", 1)
+    node = cfg
+    for part in section.split("."):
+        node = getattr(node, part)
+    assert getattr(node, name) == top
+    # what the run does with the largest: a data order, a 64-rank run's step seed, Optuna's
+    assert np.random.default_rng([top, 7]).permutation(3).shape == (3,)
+    assert torch.Generator().manual_seed(top + 1000 * 63 + 10**7).initial_seed() == top + 63_000 + 10**7
+    assert np.random.RandomState(top).randint(10) in range(10)
+
+
+def test_max_sequence_length_is_refused_for_a_family_with_clip_encoders_only():
+    """SD and SDXL read 77 CLIP tokens of a caption whatever model.max_sequence_length said:
+    `raylora plan` accepted 256 and trained on 77. Refused naming the family, as
+    model.system_prompt is for a family without one; the long-context families take it."""
+    from raylora.launch import family_problems
+    from raylora.model import families
+
+    def problems(family: str, tree: dict) -> list[str]:
+        return [p for p in family_problems(validate(tree), families.get(family), 8, None)
+                if "max_sequence_length" in p]
+
+    long = {**MIN, "model": {"pretrained": "m", "max_sequence_length": 256}}
+    assert problems("sd", long) == [
+        "model.max_sequence_length: sd (StableDiffusionPipeline) has no long-context text "
+        "encoder to set it for: its CLIP text encoder reads 77 tokens of each caption; leave it unset"]
+    assert problems("sdxl", long) == [
+        "model.max_sequence_length: sdxl (StableDiffusionXLPipeline) has no long-context text "
+        "encoder to set it for: its 2 CLIP text encoders read 77 tokens of each caption; leave it unset"]
+    searched = {**MIN, "tune": {"metric": "train_loss", "search_space": {
+        "model.max_sequence_length": {"choice": [128, 256]}}}}
+    assert [p.split(":")[0] for p in problems("sdxl", searched)] == [
+        "tune.search_space.model.max_sequence_length"]
+    assert problems("sd", MIN) == []
+    assert [f for f in families.names() if problems(f, long)] == ["sd", "sdxl"]
+
+
+def test_an_override_into_a_section_given_as_null_sets_that_key(tmp_path):
+    """`lora:` with its keys commented out validates as lora's defaults, but `lora.rank=16`
+    was refused as "lora: is a value, not a section". Nested sections read the same;
+    `tune: null` (no search) takes an override as if tune were absent; a value stays one."""
+    path = tmp_path / "job.yaml"
+    path.write_text("model: {pretrained: m}\ndata: {uri: d}\noutput: {uri: o}\n"
+                    "lora:\n  # rank: 16\ntune:\n")
+    cfg = load_config(path, ["lora.rank=16"])
+    assert (cfg.lora.rank, cfg.lora.effective_alpha, cfg.tune) == (16, 16.0, None)
+    path.write_text(path.read_text() + "train:\n  flow:\n    # shift: 3.0\n")
+    assert load_config(path).train.flow.shift == "auto"
+    assert load_config(path, ["train.flow.shift=3.0"]).train.flow.shift == 3.0
+    cfg = load_config(path, ["tune.metric=train_loss", "tune.search_space.lora.rank={choice: [4, 8]}"])
+    assert list(cfg.tune.search_space) == ["lora.rank"]
+    with pytest.raises(ConfigError) as err:
+        apply_overrides({**MIN, "lora": {"target_modules": None}}, ["lora.target_modules.x=1"])
+    assert err.value.problems == ["lora.target_modules: is a value, not a section"]
+
+
+def test_a_yaml_boolean_is_not_read_as_a_number(tmp_path):
+    """YAML reads on/yes/true as true, and pydantic took it as 1: `noise_offset: on`
+    trained with an offset of 1.0, `lora.rank=true` at rank 1. Keys that take booleans
+    still do."""
+    path = tmp_path / "job.yaml"
+    path.write_text("model: {pretrained: m}\ndata: {uri: d}\noutput: {uri: o}\n"
+                    "train:\n  noise_offset: on\n  snr_gamma: yes\n")
+    yaml_said = "(YAML reads true/false, yes/no and on/off as booleans)"
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["train.max_steps=on", "lora.rank=true", "scaling.num_workers=true",
+                           "train.flow.shift=off", "data.background_color=[true, 0, 0]"])
+    assert sorted(err.value.problems) == sorted([
+        f"train.snr_gamma: a number, not True {yaml_said}",
+        f"train.noise_offset: a number, not True {yaml_said}",
+        f"train.max_steps: an integer, not True {yaml_said}",
+        f"lora.rank: an integer, not True {yaml_said}",
+        f"scaling.num_workers: an integer, not True {yaml_said}",
+        f"train.flow.shift: a number, not False {yaml_said}",
+        f"data.background_color: [True, 0, 0]: numbers, not booleans {yaml_said}"])
+    cfg = validate(apply_overrides(MIN, ["data.random_flip=yes", "train.channels_last=on",
+                                         "train.compile=true", "lora.rank=8", "train.noise_offset=0"]))
+    assert (cfg.data.random_flip, cfg.train.channels_last, cfg.train.compile) == (True, True, "regional")
+    assert (cfg.lora.rank, cfg.train.noise_offset) == (8, 0.0)
+
+
+def test_keys_no_run_of_this_config_reads_are_refused():
+    """More keys of a feature that is off, accepted though nothing read them. Not
+    validation.guidance_scale: the model card's example samples with it."""
+    overrides = ["data.cache_uri=s3://bucket/cache", "data.small_images=upscale",
+                 "data.num_class_images=200", "data.validation_max_samples=500",
+                 "scaling.resize_check_s=5", "validation.num_inference_steps=50",
+                 "tracking.project=proj", "tracking.wandb_mode=offline", "tracking.run_name=r",
+                 "validation.guidance_scale=3"]
+    with pytest.raises(ConfigError) as err:
+        validate(apply_overrides(MIN, overrides))
+    wandb = "set tracking.backend: wandb or drop it"
+    assert err.value.problems == [
+        "data.cache_uri: set, but data.cache is none (no latent cache): nothing reads it; "
+        "set data.cache: latents or drop it",
+        "data.small_images: set, but data.min_size is 0 (no image is too small): nothing reads "
+        "it; set data.min_size or drop it",
+        "data.num_class_images: set, but prior preservation is off (no data.class_prompt or "
+        "data.class_sources): nothing reads it; set them or drop it",
+        "data.validation_max_samples: set, but there is no held-out data: nothing reads it; "
+        "set data.validation_split or data.validation_uri, or drop it",
+        "scaling.resize_check_s: set, but scaling.num_workers is a fixed count, not an elastic "
+        "[min, max]: nothing reads it; drop it",
+        "validation.num_inference_steps: set, but there are no validation.prompts to render: "
+        "nothing reads it; add prompts or drop it",
+        f"tracking.project: set, but tracking.backend is none: only wandb reads it; {wandb}",
+        f"tracking.wandb_mode: set, but tracking.backend is none: only wandb reads it; {wandb}",
+        f"tracking.run_name: set, but tracking.backend is none: only wandb reads it; {wandb}"]
+    with pytest.raises(ConfigError) as err:
+        validate(apply_overrides(MIN, ["tracking.backend=tensorboard", "tracking.project=proj"]))
+    assert [p.split(":")[0] for p in err.value.problems] == ["tracking.project"]
+    # each with its feature on
+    validate(apply_overrides(MIN, overrides + [
+        "data.cache=latents", "data.center_crop=true", "data.min_size=32", "data.class_prompt=a dog",
+        "data.validation_uri=v", "scaling.num_workers=[1, 2]", "data.sharding=files",
+        "validation.prompts=[a dog]", "tracking.backend=wandb"]))
+
+
+def test_lr_find_takes_a_config_whose_wandb_and_elastic_keys_it_drops():
+    """lr-find runs one worker with no tracker: the config it trains by drops the wandb
+    keys and resize_check_s, which a run without wandb or an elastic size now refuses."""
+    from types import SimpleNamespace
+
+    from raylora.launch import _lr_find_config
+
+    cfg = validate({"model": {"pretrained": "m"}, "data": {"uri": "d", "sharding": "files"},
+                    "output": {"uri": "/tmp/x"},
+                    "tracking": {"backend": "wandb", "project": "p", "wandb_mode": "offline",
+                                 "run_name": "r"},
+                    "scaling": {"num_workers": [1, 2], "resize_check_s": 30}})
+    swept = _lr_find_config(cfg, SimpleNamespace(start_lr=1e-6, end_lr=1e-2, num_steps=10))
+    assert (swept.tracking.backend, swept.tracking.run_name, swept.scaling.num_workers) == \
+        ("none", None, 1)

@@ -624,7 +624,8 @@ def test_from_the_latent_cache_prior_preservation_trains_as_uncached_training_do
 
     def tree(name, cache):
         t = _tree(tiny_model, demo_data, class_dir, tmp_path / name)
-        t["data"].update(cache=cache, cache_uri=str(tmp_path / "cache"), sharding="files",
+        t["data"].update(cache=cache, sharding="files",
+                         **({"cache_uri": str(tmp_path / "cache")} if cache == "latents" else {}),
                          shuffle_buffer_size=0, num_class_images=2,  # the 2 given images
                          validation_uri=str(tmp_path / "heldout"))
         t["train"]["max_steps"] = 4

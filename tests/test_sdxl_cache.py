@@ -147,7 +147,8 @@ def test_latent_cache_build_reuse_and_training(ray_local, tiny_model, tmp_path):
         return {
             "model": {"pretrained": tiny_model},
             "data": {"uri": str(data), "resolution": 64, "center_crop": True, "cache": cache,
-                     "cache_uri": str(tmp_path / "cache"), "sharding": "files",
+                     **({"cache_uri": str(tmp_path / "cache")} if cache == "latents" else {}),
+                     "sharding": "files",
                      "shuffle_buffer_size": 0, "validation_uri": str(held),
                      "caption_dropout": caption_dropout},
             "train": {"batch_size": 2, "max_steps": 6, "learning_rate": 1e-3, "seed": 7},

@@ -45,10 +45,10 @@ def sample(
     if isinstance(image, list):  # --image given several times: the inputs in order
         image = image[0] if len(image) == 1 else image or None
     if image is not None:
-        from raylora.train.preview import read_control_images
+        from raylora.train.preview import open_control_images
 
-        try:
-            control = read_control_images([image], Storage())[0]
+        try:  # decoded now, before anything loads; made RGB once the adapters say how
+            control = open_control_images([image], Storage())[0]
         except ValueError as exc:  # "validation.control_images: URI: why" → "--image: URI: why"
             raise ValueError("--image: " + str(exc).split(": ", 1)[1]) from None
     inputs = [] if control is None else control if isinstance(control, list) else [control]
@@ -68,6 +68,13 @@ def sample(
             system_prompt = trained_system_prompt(adapters)
         # The caption length the run trained at (model.max_sequence_length), if it set one.
         length = trained_config(adapters, "model", "max_sequence_length")
+        if control is not None:
+            from raylora.train.preview import rgb_control_images
+
+            # as the run made its control images RGB: transparency over its
+            # data.background_color (else the default), 16-bit scaled
+            control = rgb_control_images(
+                [control], trained_config(adapters, "data", "background_color"))[0]
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     # No size: the pipeline's own default (the model's sample size; ZImagePipeline's 1024,

@@ -180,7 +180,7 @@ def _previewer(spec: WorkerSpec, run, tracker, rank: int):
     guidance = {**run.family.guidance_kwargs(v.guidance_scale),
                 **run.family.prompt_kwargs(cfg.model.system_prompt),
                 **run.family.length_kwargs(cfg.model.max_sequence_length)}
-    controls = pv.read_control_images(v.control_images, store)  # read once, rendered each time
+    controls = pv.read_control_images(v.control_images, store, cfg.data)  # read once, rendered each time
 
     def render() -> list:
         # The pipeline and the encoders loaded for it (cached latents) go when this returns.

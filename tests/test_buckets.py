@@ -284,10 +284,102 @@ def test_the_bucket_scan_reads_a_pngs_orientation_without_decoding_it(monkeypatc
     monkeypatch.undo()
     # the decode turns them alike: the scan's bucket is the one training uses
     assert [open_image(d, 10**8).size for d in (early, late, plain)] == [(32, 64), (32, 64), (64, 32)]
-    from raylora.data.decode import png_late_exif
+    from raylora.data.decode import png_late_info
 
-    assert png_late_exif(early) is None and png_late_exif(plain) is None
-    assert png_late_exif(late) == chunks[kinds.index(b"eXIf")][8:-4]
+    assert png_late_info(early) == {} and png_late_info(plain) == {}
+    assert png_late_info(late) == {"exif": b"Exif\x00\x00" + chunks[kinds.index(b"eXIf")][8:-4]}
+
+
+def _with_chunk(png: bytes, kind: bytes, body: bytes, late: bool) -> bytes:
+    """``png`` with one more chunk: right after IHDR, or (``late``) just before IEND."""
+    import struct
+    import zlib
+
+    chunk = struct.pack(">I", len(body)) + kind + body + \
+        struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
+    at = len(png) - 12 if late else 8 + 25  # IEND is the last 12 bytes; IHDR the first 25
+    return png[:at] + chunk + png[at:]
+
+
+def test_the_bucket_scan_sizes_turned_tiffs_and_late_png_text_as_the_decode_does(
+        tiny_model, monkeypatch):
+    """The scan's size of an image (its bucket) is the size the decode gives it, for the
+    orientations the scan read wrong: a TIFF turned a quarter (Pillow ≥ 11 reports its
+    turned size at open; the scan turned it again: planned 80x48, trained 48x80, and the
+    run stopped with "no usable row of bucket"), and a PNG turned by text after its image
+    data, ImageMagick's "Raw profile type exif" (zTXt, tEXt) or XMP tiff:Orientation
+    (iTXt), which only the decode read. No pixel decoded by the scan."""
+    import io
+    import zlib
+
+    from PIL import ImageFile, PngImagePlugin, TiffImagePlugin
+
+    from raylora.data.buckets import image_size, scan_rows
+    from raylora.data.decode import open_image
+    from raylora.data.preprocess import Preprocess, StageSpec
+
+    stored = Image.new("RGB", (128, 64), (200, 50, 50))  # 128 wide stored
+    cases = {}
+    for o in range(1, 9):
+        exif = Image.Exif()
+        exif[0x0112] = o
+        buf = io.BytesIO()
+        stored.save(buf, format="TIFF", exif=exif.tobytes())
+        cases[f"TIFF exif {o}"] = (buf.getvalue(), (64, 128) if o >= 5 else (128, 64))
+    for o in (3, 6, 8):
+        tags = TiffImagePlugin.ImageFileDirectory_v2()
+        tags[274] = o
+        buf = io.BytesIO()
+        stored.save(buf, format="TIFF", tiffinfo=tags, compression="tiff_deflate")
+        cases[f"TIFF tag {o} deflate"] = (buf.getvalue(), (64, 128) if o >= 5 else (128, 64))
+
+    buf = io.BytesIO()
+    stored.save(buf, format="PNG")
+    png = buf.getvalue()
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    raw = (b"Exif\x00\x00" + exif.tobytes()).hex()
+    profile = f"\nexif\n{len(raw) // 2:8d}\n" + "\n".join(raw[i:i + 72] for i in range(0, len(raw), 72))
+    xmp = ('<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/'
+           '02/22-rdf-syntax-ns#"><rdf:Description xmlns:tiff="http://ns.adobe.com/tiff/1.0/" '
+           'tiff:Orientation="6"/></rdf:RDF></x:xmpmeta>').encode()
+    texts = {
+        "zTXt raw profile": (b"zTXt", b"Raw profile type exif\0\0" + zlib.compress(profile.encode())),
+        "tEXt raw profile": (b"tEXt", b"Raw profile type exif\0" + profile.encode()),
+        "iTXt XMP": (b"iTXt", b"XML:com.adobe.xmp\0\0\0\0\0" + xmp),
+        "iTXt XMP zipped": (b"iTXt", b"XML:com.adobe.xmp\0\1\0\0\0" + zlib.compress(xmp)),
+    }
+    for name, (kind, body) in texts.items():
+        for late in (False, True):
+            cases[f"PNG {name} {'after' if late else 'before'} IDAT"] = (
+                _with_chunk(png, kind, body, late), (64, 128))
+    # an orientation in text after the image data does not override an eXIf before it, in
+    # PIL's reader as in the scan
+    buf = io.BytesIO()
+    exif[0x0112] = 3
+    stored.save(buf, format="PNG", exif=exif.tobytes())
+    cases["PNG eXIf 3, late XMP 6"] = (_with_chunk(buf.getvalue(), *texts["iTXt XMP"], True), (128, 64))
+
+    loads = []
+    for cls in (PngImagePlugin.PngImageFile, TiffImagePlugin.TiffImageFile, ImageFile.ImageFile):
+        monkeypatch.setattr(cls, "load", lambda self, cls=cls: loads.append(cls.__name__))
+    scanned = {name: image_size(data) for name, (data, _) in cases.items()}
+    assert loads == []
+    monkeypatch.undo()
+    decoded = {name: open_image(data, 10**8).size for name, (data, _) in cases.items()}
+    expected = {name: size for name, (_, size) in cases.items()}
+    assert decoded == expected  # the decode (training's) turns them so
+    assert scanned == expected
+
+    # the driver's plan and the workers' stage agree on the bucket: 48x80, portrait
+    bs = BucketSet.of([[64]], 16)
+    rows = [{"key": n, "image": d, "text": "a"} for n, (d, _) in cases.items()]
+    stage = Preprocess(StageSpec(tiny_model, 64, center_crop=True, random_flip=False, buckets=bs))
+    out = stage({"image": np.array([r["image"] for r in rows], dtype=object),
+                 "text": np.array(["a"] * len(rows), dtype=object)})
+    planned = [bs.name(int(b)) for b in scan_rows(rows, bs, 0)]
+    assert planned == [bs.name(int(b)) for b in out["bucket"]]
+    assert planned == ["48x80" if expected[r["key"]] == (64, 128) else "80x48" for r in rows]
 
 
 def _png_header(width: int, height: int) -> bytes:

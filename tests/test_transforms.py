@@ -405,3 +405,159 @@ def test_the_four_preprocess_stages_differ_only_where_their_images_are_used_diff
     assert out["pixel_values"].shape == (1, 3, 32, 32) and out["loss_mask"].shape == (1, 1, 32, 32)
     with pytest.raises(ValueError, match="preprocess stage 'eval'"):
         stage_kwargs("eval", data, model_path=tiny_model, family="sd", storage=store)
+
+
+def _keyed_pngs() -> dict[str, tuple[bytes, np.ndarray]]:
+    """PNGs whose transparency is a tRNS colour key (what oxipng and pngcrush write for
+    all-or-nothing alpha), each with the 4×4 alpha it means: the left half transparent."""
+    alpha = np.zeros((4, 4), np.uint8)
+    alpha[:, 2:] = 255
+    rgb = np.zeros((4, 4, 3), np.uint8)
+    rgb[:, :2] = (255, 0, 255)  # the key: magenta
+    rgb[:, 2:] = (0, 0, 255)
+    grey16 = np.where(alpha == 0, 1000, 60000).astype(np.uint16)
+    palette = Image.fromarray(rgb).quantize(2)
+    key = palette.getpixel((0, 0))
+
+    def png(img, **kw):
+        buf = io.BytesIO()
+        img.save(buf, format="PNG", **kw)
+        return buf.getvalue()
+
+    return {
+        "RGB": (png(Image.fromarray(rgb), transparency=(255, 0, 255)), alpha),
+        "L": (png(Image.fromarray(np.where(alpha == 0, 7, 200).astype(np.uint8)), transparency=7), alpha),
+        "1": (png(Image.fromarray(alpha).convert("1"), transparency=0), alpha),
+        "I;16": (png(Image.fromarray(grey16), transparency=1000), alpha),
+        "P": (png(palette, transparency=key), alpha),
+    }
+
+
+def test_colour_key_transparency_is_composited_and_masks_the_loss():
+    """A PNG's tRNS colour key (RGB, L, 1, I;16; P's palette key as before) is
+    transparency: its pixels train as data.background_color, not as the key colour
+    (magenta), and give data.masked_loss its mask, as the same picture with an alpha
+    channel does. The 16-bit image's opaque pixels are scaled (60000 → 233), not clipped."""
+    from raylora.data.decode import open_masked_row, to_rgb
+
+    background = (0, 128, 0)
+    opaque = {"RGB": (0, 0, 255), "L": (200, 200, 200), "1": (255, 255, 255),
+              "I;16": (233, 233, 233), "P": (0, 0, 255)}
+    for mode, (data, alpha) in _keyed_pngs().items():
+        # the stage's path (Preprocess._decode): the mask read before to_rgb
+        img, _, mask, _ = open_masked_row(data, "a", None, masks=True, max_pixels=MAX_PIXELS,
+                                          min_size=0, small_images="skip", keep_empty_captions=False)
+        assert img.mode == mode and "transparency" in img.info, mode
+        assert mask is not None and np.asarray(mask).tolist() == alpha.tolist(), mode
+        out = np.asarray(to_rgb(img, background))
+        assert out[:, :2].reshape(-1, 3).tolist() == [list(background)] * 8, mode
+        assert out[:, 2:].reshape(-1, 3).tolist() == [list(opaque[mode])] * 8, mode
+
+
+def test_a_colour_keyed_control_image_resized_to_its_target_has_no_key_colour_fringe():
+    """A control image of another size than its target is resized before to_rgb: its key
+    colour becomes alpha first, so resampling leaves no half-magenta pixel at the edge
+    of the transparent area (only the key colour itself matched the key)."""
+    from raylora.data.decode import open_masked_row, to_rgb
+
+    data, _ = _keyed_pngs()["RGB"]
+    target = _png(Image.new("RGB", (8, 8)))
+    _, _, _, (control,) = open_masked_row(target, "a", None, masks=False, max_pixels=MAX_PIXELS,
+                                          min_size=0, small_images="skip",
+                                          keep_empty_captions=False, controls=[data])
+    out = np.asarray(to_rgb(control, (0, 128, 0)))
+    assert control.size == (8, 8)
+    assert out[..., 0].max() == 0  # no red: neither the key (magenta) nor a blend of it
+    assert out[:, 0].tolist() == [[0, 128, 0]] * 8 and out[:, -1].tolist() == [[0, 0, 255]] * 8
+
+
+def _control_inputs(tmp_path):
+    """An RGBA cut-out (a red square, the rest transparent black) and a 16-bit greyscale
+    input, as files: (paths, their bytes)."""
+    cut = np.zeros((8, 8, 4), np.uint8)
+    cut[2:6, 2:6] = (200, 30, 30, 255)
+    grey = np.arange(64, dtype=np.uint16).reshape(8, 8) * 1000
+    paths = [tmp_path / "cut.png", tmp_path / "grey16.png"]
+    Image.fromarray(cut, "RGBA").save(paths[0])
+    Image.fromarray(grey).save(paths[1])
+    return [str(p) for p in paths], [p.read_bytes() for p in paths]
+
+
+def test_preview_control_images_are_read_as_training_reads_control_images(tmp_path):
+    """validation.control_images go through training's decode: a cut-out over
+    data.background_color (white by default), not black; 16-bit scaled, not clipped
+    (63000 → 245, not 255); data.max_image_pixels checked, the file named."""
+    from raylora.config import DataSection
+    from raylora.data.decode import open_masked_row, to_rgb
+    from raylora.storage import Storage
+    from raylora.train.preview import read_control_images
+
+    paths, blobs = _control_inputs(tmp_path)
+    target = _png(Image.new("RGB", (8, 8)))
+    for background in (None, (0, 128, 0)):
+        uris = [paths[0], [paths[1], paths[0]]]
+        got = read_control_images(uris, Storage()) if background is None else \
+            read_control_images(uris, Storage(), DataSection(background_color=background))
+        for img, blob in zip([got[0], *got[1]], [blobs[0], blobs[1], blobs[0]]):
+            _, _, _, (control,) = open_masked_row(target, "a", None, masks=False,
+                                                  max_pixels=MAX_PIXELS, min_size=0,
+                                                  small_images="skip",
+                                                  keep_empty_captions=False, controls=[blob])
+            trained = to_rgb(control, background or (255, 255, 255))  # Preprocess._decode
+            assert img.mode == "RGB"
+            assert np.asarray(img).tolist() == np.asarray(trained).tolist()
+        assert got[0].getpixel((0, 0)) == (background or (255, 255, 255))
+        assert got[0].getpixel((3, 3)) == (200, 30, 30)
+        assert got[1][0].getpixel((7, 7)) == (245, 245, 245)
+    with pytest.raises(ValueError, match=r"^validation\.control_images: .*cut\.png: too_many_pixels: "
+                                         r"8x8 > data\.max_image_pixels=63$"):
+        read_control_images([paths[0]], Storage(), DataSection(max_image_pixels=63))
+
+
+def test_sample_image_is_composited_over_the_runs_background_color(tmp_path, monkeypatch):
+    """``raylora sample --image``: the input goes to the pipeline as the run that wrote
+    the adapter made its control images RGB (its raylora.json data.background_color),
+    over white for an adapter without one; 16-bit scaled."""
+    import json
+
+    from raylora import sample as sample_mod
+
+    paths, _ = _control_inputs(tmp_path)
+    seen = []
+
+    class Family:
+        def guidance_kwargs(self, scale):
+            return {}
+
+        def prompt_kwargs(self, system_prompt):
+            return {}
+
+        def length_kwargs(self, length):
+            return {}
+
+        def reference_kwargs(self, control, h, w):
+            seen.append(control)
+            return {}
+
+        def images(self, pipe, **kw):
+            return [Image.new("RGB", (8, 8))]
+
+    class Pipe:
+        def to(self, device):
+            return self
+
+        def set_progress_bar_config(self, **kw):
+            pass
+
+    monkeypatch.setattr(sample_mod, "load_pipeline", lambda *a, **k: (Pipe(), Family()))
+    trained = tmp_path / "trained"
+    trained.mkdir()
+    (trained / "raylora.json").write_text(json.dumps({"config": {"data": {"background_color": [0, 128, 0]}}}))
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for adapter in (trained, plain):
+        sample_mod.sample("m", str(adapter), "x", str(tmp_path / "o.png"), steps=1, image=paths)
+    assert [[c.mode for c in cs] for cs in seen] == [["RGB", "RGB"]] * 2
+    assert [cs[0].getpixel((0, 0)) for cs in seen] == [(0, 128, 0), (255, 255, 255)]
+    assert [cs[0].getpixel((3, 3)) for cs in seen] == [(200, 30, 30)] * 2
+    assert [cs[1].getpixel((7, 7)) for cs in seen] == [(245, 245, 245)] * 2

@@ -118,7 +118,7 @@ def image_size(value, max_pixels: int | None = None) -> tuple[int, int] | None:
 
     from PIL import Image
 
-    from raylora.data.decode import QUARTER_TURNS, header_orientation
+    from raylora.data.decode import upright_size
     from raylora.data.formats.base import image_bytes
 
     data = image_bytes(value)
@@ -131,8 +131,7 @@ def image_size(value, max_pixels: int | None = None) -> tuple[int, int] | None:
             img = Image.open(io.BytesIO(data))
         with img:
             # Upright, as the decode turns it (raylora.data.decode.upright).
-            w, h = img.size
-            return (h, w) if header_orientation(img, data) in QUARTER_TURNS else (w, h)
+            return upright_size(img, data)
     except Exception:  # noqa: BLE001 - any unreadable header is a row training drops
         return None
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import io
 import struct
 import warnings
+import zlib
 from typing import Any
 
 import numpy as np
@@ -112,45 +113,106 @@ def header_orientation(img: Image.Image, data: bytes) -> int:
     """``orientation`` of an image only opened (``img``, its encoded bytes ``data``), no
     pixel decoded: what the bucket scan reads (82 ms a 2048² PNG through ``orientation``,
     0.01 ms its header). JPEG, WebP and TIFF hold their EXIF where PIL reads the header. A
-    PNG's eXIf chunk may follow the image data, where PIL finds it only by decoding
-    (``PngImageFile.getexif`` loads): that one is found by walking the chunk headers
-    (``png_late_exif``) and wins, as it does once the decode has read it; else what PIL
-    parsed before the image data (PIL's getexif without the PNG reader's load)."""
+    PNG may hold its orientation after the image data (an eXIf chunk, ImageMagick's
+    "Raw profile type exif" text, XMP's tiff:Orientation), where PIL finds it only by
+    decoding (``PngImageFile.getexif`` loads): those chunks are read by walking the chunk
+    headers (``png_late_info``) and join what PIL parsed before the image data, as they do
+    once the decode has read them; PIL's own getexif then reads the merged info."""
     if img.format != "PNG":
         return orientation(img)
     try:
-        late = png_late_exif(data)
-        if late is None:
-            exif = Image.Image.getexif(img)
-        else:
-            exif = Image.Exif()
-            exif.load(b"Exif\x00\x00" + late)
-        value = exif.get(0x0112, 1)
+        # a stand-in with no pixels to load: Image.getexif reads exif, raw profile and XMP
+        # from .info in PIL's order of precedence, which this must not re-derive
+        probe = Image.Image()
+        probe.info = {**img.info, **png_late_info(data)}
+        value = probe.getexif().get(0x0112, 1)
     except Exception:  # noqa: BLE001 - a broken EXIF block: as orientation()
         return 1
     return value if isinstance(value, int) and 1 <= value <= 8 else 1
 
 
+def upright_size(img: Image.Image, data: bytes) -> tuple[int, int]:
+    """``(width, height)`` that ``open_image`` gives an image only opened (``img``, its
+    encoded bytes ``data``), read from its header: the stored size, turned a quarter by
+    orientations 5-8 (``header_orientation``). A TIFF's stored size is its ImageWidth and
+    ImageLength tags, not ``img.size``: Pillow ≥ 11.0 reports a TIFF's turned size at open
+    (and turns its pixels on load), older ones the stored size, so turning ``img.size``
+    again put every turned TIFF in the transposed bucket (Pillow 13 here)."""
+    w, h = (img.tag_v2[256], img.tag_v2[257]) if img.format == "TIFF" else img.size
+    return (h, w) if header_orientation(img, data) in QUARTER_TURNS else (w, h)
+
+
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# The info keys Image.getexif reads an orientation from, and the PNG text keywords that
+# set them: only these text chunks are read (decompressed) by png_late_info.
+EXIF_TEXT_KEYS = (b"exif", b"Raw profile type exif", b"XML:com.adobe.xmp")
 
 
-def png_late_exif(data: bytes) -> bytes | None:
-    """The payload of a PNG's eXIf chunk after its first IDAT (image data) chunk, None when
-    there is none. Chunk headers only (length, type: 8 bytes each), the data skipped: what
-    PIL reads after the image data once it has decoded it (``load_end``), up to IEND, or
-    an animated PNG's next frame (fcTL)."""
+def png_late_info(data: bytes) -> dict[str, Any]:
+    """The ``info`` entries that PIL's PNG reader adds from the chunks after its first
+    IDAT (image data) chunk once it has decoded it (``load_end``, up to IEND, or an
+    animated PNG's next frame, fcTL), of those Image.getexif reads: an eXIf chunk's
+    ``exif``, and the text chunks (tEXt, zTXt, iTXt) of ``EXIF_TEXT_KEYS``, each as PIL's
+    ``chunk_*`` reader stores it. Chunk headers only, other chunks' data skipped."""
     if not data.startswith(PNG_SIGNATURE):
-        return None
+        return {}
+    info: dict[str, Any] = {}
     pos, after_image = len(PNG_SIGNATURE), False
     while pos + 8 <= len(data):
         length, kind = struct.unpack_from(">I4s", data, pos)
         if kind == b"IEND" or (after_image and kind == b"fcTL"):
-            return None
-        if kind == b"eXIf" and after_image:
-            return data[pos + 8:pos + 8 + length]
+            break
+        if after_image and kind in (b"eXIf", b"tEXt", b"zTXt", b"iTXt"):
+            body = data[pos + 8:pos + 8 + length]
+            if kind == b"eXIf":
+                info["exif"] = b"Exif\x00\x00" + body
+            elif body.split(b"\0", 1)[0] in EXIF_TEXT_KEYS:
+                info.update(_png_text(kind, body))
         after_image |= kind == b"IDAT"
         pos += 12 + length  # length, type, data, CRC
-    return None
+    return info
+
+
+def _png_text(kind: bytes, body: bytes) -> dict[str, Any]:
+    """A tEXt, zTXt or iTXt chunk's data → the info entries PIL's reader makes of it
+    (PngImagePlugin ``chunk_tEXt`` / ``chunk_zTXt`` / ``chunk_iTXt``)."""
+    from PIL.PngImagePlugin import MAX_TEXT_CHUNK
+
+    def inflate(z: bytes) -> bytes:  # bounded as PIL's reader bounds it (a zip bomb)
+        d = zlib.decompressobj()
+        out = d.decompress(z, MAX_TEXT_CHUNK)
+        if d.unconsumed_tail:
+            raise ValueError("decompressed text chunk too large")
+        return out
+
+    key, _, value = body.partition(b"\0")
+    name = key.decode("latin-1")
+    if kind == b"tEXt":
+        return {name: value if key == b"exif" else value.decode("latin-1", "replace")}
+    if kind == b"zTXt":
+        try:
+            text = inflate(value[1:]) if value[:1] in (b"", b"\0") else b""
+        except zlib.error:
+            text = b""
+        return {name: text.decode("latin-1", "replace")}
+    if len(value) < 2:
+        return {}
+    compressed, method, rest = value[0], value[1], value[2:]
+    parts = rest.split(b"\0", 2)
+    if len(parts) < 3 or (compressed and method != 0):
+        return {}
+    text = parts[2]
+    if compressed:
+        try:
+            text = inflate(text)
+        except zlib.error:
+            return {}
+    out: dict[str, Any] = {"xmp": text} if key == b"XML:com.adobe.xmp" else {}
+    try:
+        out[name] = text.decode("utf-8")
+    except UnicodeError:
+        pass
+    return out
 
 
 def upright(img: Image.Image) -> Image.Image:
@@ -164,30 +226,54 @@ def upright(img: Image.Image) -> Image.Image:
 
 
 def to_rgb(img: Image.Image, background: tuple[int, int, int] = (255, 255, 255)) -> Image.Image:
-    """Any PIL mode → RGB, correctly: transparency over ``background`` (not black), 16-bit
-    and 32-bit integer greyscale scaled (not clipped) to 8 bits, CMYK via PIL's conversion."""
+    """Any PIL mode → RGB, correctly: transparency (``with_alpha``: an alpha channel, a
+    palette's, a colour key) over ``background`` (not black), 16-bit and 32-bit integer
+    greyscale scaled (not clipped) to 8 bits, CMYK via PIL's conversion."""
+    img = with_alpha(img)
+    if img.mode == "RGBA":
+        out = Image.new("RGB", img.size, tuple(background))
+        out.paste(img.convert("RGB"), mask=img.getchannel("A"))
+        return out
+    img = grey8(img)
+    return img if img.mode == "RGB" else img.convert("RGB")
+
+
+def grey8(img: Image.Image) -> Image.Image:
+    """16-bit and 32-bit integer (I;16, I) and float (F, 0-1) greyscale → 8-bit L, scaled,
+    not clipped as PIL's convert clips them; any other mode unchanged."""
     mode = img.mode
     if mode.startswith("I;16") or mode == "I":
         a = np.asarray(img, dtype=np.float64)
         # "I" holds 16-bit PNGs on some PIL versions; larger ranges are scaled by their max.
         top = 65535.0 if mode.startswith("I;16") or a.max(initial=0) <= 65535 else float(a.max())
-        img = Image.fromarray(np.clip(np.rint(a * 255.0 / top), 0, 255).astype(np.uint8), "L")
-        mode = "L"
-    elif mode == "F":
+        return Image.fromarray(np.clip(np.rint(a * 255.0 / top), 0, 255).astype(np.uint8), "L")
+    if mode == "F":
         a = np.asarray(img, dtype=np.float64)
-        img = Image.fromarray(np.clip(np.rint(a * 255.0), 0, 255).astype(np.uint8), "L")
-        mode = "L"
-    if mode == "P":
-        img = img.convert("RGBA" if "transparency" in img.info else "RGB")
-        mode = img.mode
-    if mode in ("LA", "La", "PA", "RGBa"):
-        img = img.convert("RGBA")
-        mode = "RGBA"
-    if mode == "RGBA":
-        out = Image.new("RGB", img.size, tuple(background))
-        out.paste(img.convert("RGB"), mask=img.getchannel("A"))
+        return Image.fromarray(np.clip(np.rint(a * 255.0), 0, 255).astype(np.uint8), "L")
+    return img
+
+
+def with_alpha(img: Image.Image) -> Image.Image:
+    """``img`` as RGBA when it has any transparency, else unchanged: an alpha channel
+    (``ALPHA_MODES``), a palette's (P with tRNS) or a colour key (PNG tRNS on a 1, L,
+    I;16 or RGB image, what oxipng and pngcrush write for all-or-nothing alpha:
+    ``info["transparency"]``, its pixels transparent). Only P's was read before: an RGB
+    cut-out trained its key colour (magenta, say), not data.background_color, and gave
+    data.masked_loss no mask. 16-bit grey is keyed on its 16-bit values, then scaled
+    (``grey8``): PIL's convert ignores a 16-bit key."""
+    if img.mode == "RGBA":
+        return img
+    if img.mode in ALPHA_MODES:
+        return img.convert("RGBA")
+    key = img.info.get("transparency")
+    if key is None:
+        return img
+    if img.mode.startswith("I;16") or img.mode == "I":
+        alpha = Image.fromarray(np.where(np.asarray(img) == key, 0, 255).astype(np.uint8), "L")
+        out = grey8(img).convert("RGBA")
+        out.putalpha(alpha)
         return out
-    return img if mode == "RGB" else img.convert("RGB")
+    return img.convert("RGBA")
 
 
 def decode_caption(value: Any, keep_empty: bool, rng: np.random.Generator | None = None) -> str:
@@ -316,7 +402,9 @@ def decode_control(img: Image.Image, value: Any, max_pixels: int,
         what = f"control image ({which})" if which else "control image"
         raise BadRecord("bad_control", f"{what}: {exc}") from None
     if control.size != img.size:
-        control = control.resize(img.size, Image.Resampling.BILINEAR)
+        # a colour key made alpha first: resampling blends the key colour into its
+        # neighbours, where no pixel matches the key any more (a fringe of it)
+        control = with_alpha(control).resize(img.size, Image.Resampling.BILINEAR)
     return control
 
 
@@ -326,10 +414,8 @@ def decode_mask(img: Image.Image, value: Any, max_pixels: int) -> Image.Image | 
     else None (the row trains unmasked). ``BadRecord("bad_mask")`` for a mask that does
     not decode, is not greyscale or is not the image's size: never stretched to fit."""
     if value is None or (isinstance(value, (bytes, bytearray, memoryview)) and not len(value)):
-        if img.mode in ALPHA_MODES or (img.mode == "P" and "transparency" in img.info):
-            rgba = img if img.mode in ("RGBA", "LA") else img.convert("RGBA")
-            return rgba.getchannel("A")
-        return None
+        rgba = with_alpha(img)
+        return rgba.getchannel("A") if rgba.mode == "RGBA" else None
     try:
         mask = open_image(value, max_pixels)
     except BadRecord as exc:
@@ -343,4 +429,4 @@ def decode_mask(img: Image.Image, value: Any, max_pixels: int) -> Image.Image | 
     if mask.mode in ("1", "L"):
         return mask.convert("L")
     # 16-bit: scaled to 8 bits, as to_rgb does greyscale images
-    return to_rgb(mask).getchannel("R")
+    return grey8(mask)

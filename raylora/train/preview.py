@@ -96,22 +96,48 @@ def denoiser_of(pipe) -> torch.nn.Module:
     return pipe.unet if getattr(pipe, "unet", None) is not None else pipe.transformer
 
 
-def read_control_images(uris: list, store) -> list:
-    """validation.control_images, decoded (RGB): each preview prompt's input image, or
-    its list of them (data.control_inputs > 1) as a list."""
-    import io
+def read_control_images(uris: list, store, data=None) -> list:
+    """validation.control_images as training reads a control image, RGB: each preview
+    prompt's input image, or its list of them (data.control_inputs > 1) as a list.
+    ``data``: the run's data section (data.max_image_pixels, data.background_color; None:
+    their defaults). ``open_control_images``, then ``rgb_control_images``."""
+    background = None if data is None else tuple(data.background_color)
+    return rgb_control_images(open_control_images(uris, store, data), background)
 
-    from raylora.data.decode import upright
+
+def open_control_images(uris: list, store, data=None) -> list:
+    """validation.control_images decoded by training's decode (``raylora.data.decode.
+    open_image``: upright, data.max_image_pixels checked from the header), each in its own
+    mode: alpha and 16 bits kept for ``rgb_control_images``. PIL's convert("RGB") here
+    put a cut-out over black, not data.background_color, and clipped 16-bit inputs: the
+    previews showed the adapter inputs it never trained on. ``data``: as
+    ``read_control_images``. A ValueError names the URI."""
+    from raylora.config import DataSection
+    from raylora.data.decode import open_image
+
+    max_pixels = (data or DataSection()).max_image_pixels
 
     def read(uri: str) -> Image.Image:
-        try:  # upright, as training reads a control image (a phone photo's EXIF rotation)
-            return upright(Image.open(io.BytesIO(store.read_bytes(uri)))).convert("RGB")
+        try:
+            return open_image(store.read_bytes(uri), max_pixels)
         except FileNotFoundError:
             raise ValueError(f"validation.control_images: {uri}: no such file") from None
-        except (OSError, ValueError) as exc:  # PIL's UnidentifiedImageError is an OSError
+        except (OSError, ValueError) as exc:  # BadRecord is a ValueError ("not_an_image: ...")
             raise ValueError(f"validation.control_images: {uri}: {exc}") from None
 
     return [[read(u) for u in uri] if isinstance(uri, list) else read(uri) for uri in uris]
+
+
+def rgb_control_images(images: list, background: tuple[int, int, int] | None = None) -> list:
+    """``open_control_images``' images (lists kept) RGB as training makes a control image
+    (``raylora.data.decode.to_rgb``): transparency over ``background`` (data.background_
+    color; None: its default), 16-bit scaled to 8 bits."""
+    from raylora.data.decode import to_rgb
+
+    def rgb(img: Image.Image) -> Image.Image:
+        return to_rgb(img) if background is None else to_rgb(img, tuple(background))
+
+    return [[rgb(x) for x in img] if isinstance(img, list) else rgb(img) for img in images]
 
 
 @torch.no_grad()

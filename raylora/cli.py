@@ -115,7 +115,8 @@ def _plan(args) -> int:
 
     family = resolve_family(cfg.model, info["index"])
     problems = family_problems(cfg, family, info["vae_factor"] * family.patch,
-                               scheduler_objective_kind(info["scheduler_config"]))
+                               scheduler_objective_kind(info["scheduler_config"]),
+                               info["scheduler_config"])
     if cfg.lora.init_from:
         from raylora.model import lora_init
 

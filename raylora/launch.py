@@ -272,12 +272,12 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
         problems.append(f"model.revision: {cfg.model.revision}: model.pretrained {model_path} "
                         "is a folder, not a hub repo; only a hub model has revisions")
     native = scheduler_objective_kind(scheduler) if scheduler else None
-    problems += family_problems(cfg, family, factor * family.patch, native)
+    problems += family_problems(cfg, family, factor * family.patch, native, scheduler)
     if cfg.validation.control_images:  # a few preview inputs: read now, not at the first preview
         from raylora.train.preview import read_control_images
 
         try:
-            read_control_images(cfg.validation.control_images, store)
+            read_control_images(cfg.validation.control_images, store, cfg.data)
         except ValueError as exc:
             problems.append(str(exc))
     problems += write_problems(cfg, store)
@@ -316,10 +316,18 @@ def pin(uri: str | None, loads: str | None) -> dict[str, str]:
     return {uri: loads}
 
 
-def family_problems(cfg: RayLoraConfig, family, multiple: int, native: str | None) -> list[str]:
+def family_problems(cfg: RayLoraConfig, family, multiple: int, native: str | None,
+                    scheduler: dict | None = None) -> list[str]:
     """Settings that do not apply to this model family, named by key. ``native``: the
-    objective its scheduler config names (None: not read, a hub id)."""
+    objective its scheduler config names (None: not read, a hub id); ``scheduler``: that
+    config, where the caller has it (its problem then names the scheduler class, and a
+    config without a β table is refused too, not only an EDM one)."""
+    from raylora.train.objective import EDM, schedule_problem
+
     t, out = cfg.train, []
+    # First: a model whose noise schedule raylora cannot train is refused whatever is set.
+    if problem := schedule_problem(scheduler, native):
+        out.append(problem)
     grid = f"(the {family.name} latent grid: VAE downsampling × patch size)"
     d = cfg.data
     given = [("data.resolution", d.resolutions())] + [
@@ -343,7 +351,7 @@ def family_problems(cfg: RayLoraConfig, family, multiple: int, native: str | Non
         out.append(f"train.noise_offset: applies to DDPM models; {family.name} trains with "
                    "flow matching")
     kind = t.prediction_type or native
-    if kind is not None and not flow:
+    if kind not in (None, EDM) and not flow:
         from raylora.config import FlowSection
 
         changed = [k for k, v in t.flow if v != FlowSection.model_fields[k].default]

@@ -106,3 +106,154 @@ def test_noise_offset_adds_a_per_channel_constant():
     shift = torch.randn(2, 4, 1, 1)
     torch.testing.assert_close(out, 0.1 * shift.expand(2, 4, 8, 8))
     assert out[0, 0].unique().numel() == 1  # constant over the spatial dims
+
+
+# Playground v2.5's scheduler/scheduler_config.json and VAE statistics (an SDXL pipeline,
+# EDM-trained, whose VAE latents are normalised per channel)
+PLAYGROUND_SCHEDULER = {
+    "_class_name": "EDMDPMSolverMultistepScheduler", "_diffusers_version": "0.27.0.dev0",
+    "algorithm_type": "dpmsolver++", "dynamic_thresholding_ratio": 0.995, "euler_at_final": False,
+    "final_sigmas_type": "zero", "lower_order_final": True, "num_train_timesteps": 1000,
+    "prediction_type": "epsilon", "rho": 7.0, "sample_max_value": 1.0, "sigma_data": 0.5,
+    "sigma_max": 80.0, "sigma_min": 0.002, "solver_order": 2, "solver_type": "midpoint",
+    "thresholding": False}
+PLAYGROUND_VAE = {"latents_mean": [-1.6574, 1.886, -1.383, 2.5155],
+                  "latents_std": [8.4927, 5.9022, 6.5498, 5.2299], "scaling_factor": 0.5}
+
+
+def _playground_layout(tiny_sdxl: str, dest) -> str:
+    """A copy of the tiny SDXL laid out as Playground v2.5 ships: EDM scheduler, VAE
+    latents_mean / latents_std, scaling 0.5."""
+    import json
+    import shutil
+
+    shutil.copytree(tiny_sdxl, dest)
+
+    def edit(name, change):
+        path = dest / name
+        path.write_text(json.dumps(change(json.loads(path.read_text()))))
+
+    edit("scheduler/scheduler_config.json", lambda _: PLAYGROUND_SCHEDULER)
+    edit("model_index.json", lambda i: {**i, "scheduler": ["diffusers", PLAYGROUND_SCHEDULER["_class_name"]]})
+    edit("vae/config.json", lambda v: {**v, **PLAYGROUND_VAE})
+    return str(dest)
+
+
+def test_an_edm_sdxl_is_refused_before_ray_and_real_ddpm_schedulers_are_not(tiny, demo_data, tmp_path):
+    """Playground v2.5 is a StableDiffusionXLPipeline (so: sdxl) trained with EDM; DDPM
+    training on DDPMScheduler's default β table is not its objective. `raylora plan` and
+    `train` (launch.plan) refuse it; the worker's build_objective too."""
+    import json
+    import re
+
+    import pytest
+
+    from raylora.config import ConfigError, validate
+    from raylora.launch import family_problems, plan, resolve_paths
+    from raylora.model import families
+    from raylora.train.setup import build_objective
+
+    model = _playground_layout(tiny("sdxl"), tmp_path / "pg25")
+    cfg = resolve_paths(validate({"model": {"pretrained": model},
+                                  "data": {"uri": demo_data, "resolution": 64},
+                                  "train": {"max_steps": 2}, "output": {"uri": str(tmp_path / "out")}}))
+    with pytest.raises(ConfigError) as err:
+        plan(cfg)
+    edm = [p for p in err.value.problems if "EDM" in p]
+    assert len(edm) == 1, err.value.problems
+    # the class is named where launch.plan hands family_problems the scheduler config
+    assert re.fullmatch(r"model.pretrained: its scheduler( \(EDMDPMSolverMultistepScheduler\))? is "
+                        r"an EDM one \(σ-parameterised, as Playground v2.5's\): raylora trains DDPM "
+                        r"\(ε / v-prediction\) and flow-matching models and does not do EDM "
+                        r"training yet", edm[0]), edm[0]
+    from raylora.train.objective import schedule_problem, scheduler_objective_kind
+
+    assert scheduler_objective_kind(PLAYGROUND_SCHEDULER) == "edm"  # not its "epsilon"
+    # with the config at hand, the class is named; a prediction_type override changes nothing
+    sdxl = families.get("sdxl")
+    for pred in (None, "epsilon", "v_prediction"):
+        c = cfg.model_copy(update={"train": cfg.train.model_copy(update={"prediction_type": pred})})
+        got = family_problems(c, sdxl, 8, "edm", PLAYGROUND_SCHEDULER)
+        assert got[0].startswith("model.pretrained: its scheduler (EDMDPMSolverMultistepScheduler) is an EDM one")
+        assert len(got) == 1, got
+    with pytest.raises(ValueError, match=r"EDMDPMSolverMultistepScheduler\) is an EDM one"):
+        build_objective(cfg, sdxl, PLAYGROUND_SCHEDULER)
+    # any EDM scheduler; a DDPM-family config with no β key at all (a β table guessed)
+    assert "EDMEulerScheduler" in schedule_problem({"_class_name": "EDMEulerScheduler", "sigma_min": 0.002})
+    assert "has none of beta_start, beta_end, beta_schedule, trained_betas" in schedule_problem(
+        {"_class_name": "EulerDiscreteScheduler", "prediction_type": "epsilon"})
+    # Not refused: the real SD / SDXL samplers' configs (β keys as their repos ship them),
+    # the tiny models' (SD's DDPM, SDXL's Euler, Flux's flow matching), a hub id unread.
+    real = [{"_class_name": "PNDMScheduler", "beta_start": 0.00085, "beta_end": 0.012,  # SD 1.5
+             "beta_schedule": "scaled_linear", "num_train_timesteps": 1000, "skip_prk_steps": True},
+            {"_class_name": "EulerDiscreteScheduler", "beta_start": 0.00085, "beta_end": 0.012,  # SDXL
+             "beta_schedule": "scaled_linear", "interpolation_type": "linear", "timestep_spacing": "leading"},
+            {"_class_name": "DDIMScheduler", "beta_start": 0.00085, "beta_end": 0.012,  # SD 2.1
+             "beta_schedule": "scaled_linear", "prediction_type": "v_prediction"},
+            {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0}]  # SD3
+    for fam in ("sd", "sdxl", "flux"):
+        with open(f"{tiny(fam)}/scheduler/scheduler_config.json") as f:
+            real.append(json.load(f))
+    assert [schedule_problem(c) for c in real] == [None] * len(real)
+    assert schedule_problem(None, None) is None and schedule_problem(None, "epsilon") is None
+    assert not [p for p in family_problems(cfg, sdxl, 8, "epsilon", real[1]) if "scheduler" in p]
+
+
+def test_sdxl_latents_mean_std_normalise_as_the_sdxl_pipeline_decodes(tiny, tmp_path):
+    """A VAE with latents_mean / latents_std (Playground v2.5): training latents are
+    (z − mean)·scaling/std per channel, which StableDiffusionXLPipeline's decode
+    (x·std/scaling + mean) turns back into z; without them, z·scaling as before."""
+    import pytest
+    from diffusers import AutoencoderKL
+
+    from raylora.model import families
+    from raylora.train.encode import sample_latents
+
+    sdxl = families.get("sdxl")
+    vae_config = AutoencoderKL.load_config(_playground_layout(tiny("sdxl"), tmp_path / "pg25"),
+                                           subfolder="vae")  # as model.load reads it
+    shift, scale = sdxl.latent_stats(vae_config)
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(2, 4, 8, 8, generator=g) * 6 + 1
+    # posterior parameters (mean ‖ logvar) whose mean is z: the cache's and the VAE's layout
+    x = sample_latents(torch.cat([z, torch.zeros_like(z)], 1), shift, scale, sample=False)
+    mean = torch.tensor(PLAYGROUND_VAE["latents_mean"]).view(1, 4, 1, 1)
+    std = torch.tensor(PLAYGROUND_VAE["latents_std"]).view(1, 4, 1, 1)
+    # diffusers' train_dreambooth_lora_sdxl.py: (z − mean) · scaling_factor / std
+    torch.testing.assert_close(x, (z - mean) * 0.5 / std, rtol=1e-6, atol=1e-6)
+    # pipeline_stable_diffusion_xl.py's decode: latents * latents_std / scaling_factor + latents_mean
+    torch.testing.assert_close(x * std / 0.5 + mean, z, rtol=1e-5, atol=1e-5)
+    assert x.std().item() == pytest.approx(((z - mean) * 0.5 / std).std().item(), rel=1e-5)
+    # the pipeline uses both or neither: SD's plain scaling otherwise (SDXL's own VAE)
+    assert sdxl.latent_stats({"scaling_factor": 0.13025, "latents_mean": None, "latents_std": None}) == (0.0, 0.13025)
+    assert sdxl.latent_stats({"scaling_factor": 0.5, "latents_mean": PLAYGROUND_VAE["latents_mean"]}) == (0.0, 0.5)
+    # SD's pipeline decodes with scaling_factor alone, whatever the VAE config holds
+    assert families.get("sd").latent_stats({**vae_config}) == (0.0, 0.5)
+
+
+def test_the_ddpm_forward_process_under_bf16_is_the_fp32_schedule_rounded_once():
+    """bf16 latents (mixed_precision bf16): the noisy input is the fp32 forward process
+    rounded to bf16 once, not one computed on ᾱ rounded to bf16 (1.0 at t=0,1: no noise)."""
+    from raylora.train.objective import DDPM
+
+    obj = DDPM(_sched("v_prediction"), "v_prediction")
+    g = torch.Generator().manual_seed(0)
+    n = obj.num_train_timesteps
+    lat = torch.randn(n, 4, 8, 8, generator=g).to(torch.bfloat16)
+    noise = torch.randn(n, 4, 8, 8, generator=g).to(torch.bfloat16)
+    t = torch.arange(n)
+    out = obj.noised(lat, noise, t)
+    assert not (out.noisy[:2] == lat[:2]).flatten(1).all(1).any()  # t=0,1: noised (was: clean)
+    assert out.noisy.dtype == torch.bfloat16 and out.target.dtype == torch.float32
+    ab = obj.scheduler.alphas_cumprod.double().view(-1, 1, 1, 1)
+    x0, eps = lat.double(), noise.double()
+    exact = ab.sqrt() * x0 + (1 - ab).sqrt() * eps
+    # within bf16's rounding of the result (half an ulp: 2⁻⁸ relative at most)
+    assert ((out.noisy.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-30).all()
+    # the noise level each step mixed in (least squares on ε) is the schedule's sqrt(1−ᾱ_t)
+    coef = ((out.noisy.double() - ab.sqrt() * x0) * eps).sum((1, 2, 3)) / (eps ** 2).sum((1, 2, 3))
+    rel = (coef / (1 - ab.flatten()).sqrt() - 1).abs()
+    assert rel.max().item() < 0.01, (rel.argmax().item(), rel.max().item())
+    # the v target in fp32 from the same fp32 schedule (the loss is fp32)
+    v = ab.sqrt() * eps - (1 - ab).sqrt() * x0
+    torch.testing.assert_close(out.target.double(), v, rtol=0, atol=2e-6)

@@ -33,6 +33,8 @@ from raylora.train.loss import (
 )
 
 DENSITIES = ("uniform", "logit_normal", "mode", "cosmap")
+EDM = "edm"  # scheduler_objective_kind of an EDM model, which raylora refuses
+BETA_KEYS = ("beta_start", "beta_end", "beta_schedule", "trained_betas")
 WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")
 
 
@@ -86,8 +88,13 @@ class DDPM:
 
     def noised(self, latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
                weighted: bool = True) -> Noised:
-        noisy = self.scheduler.add_noise(latents, noise, t)
-        target = diffusion_target(self.scheduler, latents, noise, t, self.prediction_type)
+        """The noisy input in the latents' dtype; the target fp32 (the loss is fp32)."""
+        # In fp32 whatever the latents' dtype: diffusers casts ᾱ_t to the samples' dtype,
+        # and in bf16 ᾱ rounds to 1.0 at t=0,1 (the input was the clean latents, no noise)
+        # and puts a dozen more steps' noise level 5-23 % off the schedule.
+        x0, eps = latents.float(), noise.float()
+        noisy = self.scheduler.add_noise(x0, eps, t).to(latents.dtype)
+        target = diffusion_target(self.scheduler, x0, eps, t, self.prediction_type)
         weights = None
         if weighted and self.snr_gamma is not None:
             weights = min_snr_weights(snr(self.scheduler, t), self.snr_gamma, self.prediction_type)
@@ -268,15 +275,49 @@ class FlowMatching:
         return Noised(noisy, sigma, noise - latents, weights)
 
 
+def is_edm(scheduler_config: dict[str, Any]) -> bool:
+    """An EDM (Karras et al. 2022) scheduler: EDMEuler, EDMDPMSolverMultistep (Playground
+    v2.5), or any config with EDM's σ_data. Its model takes σ-parameterised inputs
+    (c_noise = ¼ ln σ, σ in [σ_min, σ_max]), not DDPM's integer steps on a β table."""
+    return "EDM" in str(scheduler_config.get("_class_name", "")) or "sigma_data" in scheduler_config
+
+
 def scheduler_objective_kind(scheduler_config: dict[str, Any]) -> str:
     """What the model was trained with, from its scheduler config: flow matching for the
     FlowMatch* schedulers and for a multistep solver set to ``flow_prediction`` (Wan ships
-    UniPC that way), else the config's ``prediction_type`` (ε by default)."""
+    UniPC that way), ``edm`` for an EDM scheduler (which raylora does not train: see
+    ``schedule_problem``), else the config's ``prediction_type`` (ε by default)."""
     if "FlowMatch" in str(scheduler_config.get("_class_name", "")):
         return "flow_matching"
     if scheduler_config.get("prediction_type") == "flow_prediction":
         return "flow_matching"
+    if is_edm(scheduler_config):  # before prediction_type: Playground v2.5's says epsilon
+        return EDM
     return scheduler_config.get("prediction_type") or "epsilon"
+
+
+def schedule_problem(scheduler_config: dict[str, Any] | None, native: str | None = None) -> str | None:
+    """Why raylora cannot train with this model's noise schedule, or None when it can.
+    ``native``: ``scheduler_objective_kind``'s answer, for a caller without the config.
+
+    DDPM training builds ``DDPMScheduler`` from the config, so an EDM config, or one with
+    no β key (every diffusers DDPM-family scheduler saves them), would get DDPMScheduler's
+    default linear 1e-4..0.02 β table: a schedule the model never saw, trained silently."""
+    config = scheduler_config or {}
+    if is_edm(config) or (scheduler_config is None and native == EDM):
+        name = config.get("_class_name")
+        return (f"model.pretrained: its scheduler{f' ({name})' if name else ''} is an EDM one "
+                "(σ-parameterised, as Playground v2.5's): raylora trains DDPM (ε / "
+                "v-prediction) and flow-matching models and does not do EDM training yet")
+    if scheduler_config is None or scheduler_objective_kind(config) == "flow_matching":
+        return None
+    if not any(k in config for k in BETA_KEYS):
+        name = config.get("_class_name") or "no _class_name"
+        return (f"model.pretrained: its scheduler config ({name}) has none of "
+                f"{', '.join(BETA_KEYS)}: the noise schedule the model was trained with is "
+                "unknown, and DDPMScheduler's default β table would be a guess; add the "
+                "model's β keys to scheduler/scheduler_config.json")
+    return None
 
 
 def flow_shift_from_scheduler(scheduler_config: dict[str, Any]) -> tuple[float, DynamicShift | None]:

@@ -37,6 +37,7 @@ from raylora.train.objective import (
     DDPM,
     FlowMatching,
     flow_shift_from_scheduler,
+    schedule_problem,
     scheduler_objective_kind,
 )
 from raylora.train.fsdp import (
@@ -88,6 +89,9 @@ def build_objective(cfg: RayLoraConfig, family: type[Family], scheduler_config: 
     ``train.prediction_type`` overrides it (launch.plan checks the combination).
     ``sigma_range``: the trained expert's (``Components.sigma_range``; flow matching only)."""
     t, f = cfg.train, cfg.train.flow
+    # launch.family_problems refuses it before Ray; this is for a caller that did not plan
+    if problem := schedule_problem(scheduler_config):
+        raise ValueError(problem)
     kind = t.prediction_type or scheduler_objective_kind(scheduler_config)
     if kind == "flow_matching":
         shift, dynamic = (flow_shift_from_scheduler(scheduler_config) if f.shift == "auto"

@@ -38,6 +38,18 @@ class SDXL(SD):
     def caption_keys(cls):  # time_ids are the image's size and crop
         return ("prompt_embeds", "pooled_prompt_embeds")
 
+    @staticmethod
+    def latent_stats(vae_config):
+        """(shift, scale): with a VAE that has both ``latents_mean`` and ``latents_std``
+        (Playground v2.5's), per channel (z − mean) · scaling_factor / std, the inverse of
+        StableDiffusionXLPipeline's decode (x · std / scaling_factor + mean) and what
+        diffusers' SDXL LoRA script trains on; else SD's z · scaling_factor."""
+        mean, std = vae_config.get("latents_mean"), vae_config.get("latents_std")
+        if mean is None or std is None:  # the pipeline's test: both, or neither is used
+            return SD.latent_stats(vae_config)
+        scale = float(vae_config.get("scaling_factor", 0.18215))  # AutoencoderKL's default
+        return [float(m) for m in mean], [scale / float(s) for s in std]
+
     @classmethod
     def encode_text(cls, encoders, batch) -> Cond:
         hidden, pooled = [], None

@@ -284,15 +284,22 @@ def test_unreadable_or_bad_yaml_named(tmp_path):
         load_config(bad)
 
 
-def test_a_key_given_twice_in_a_yaml_file_is_refused_naming_both_lines(tmp_path):
+@pytest.mark.parametrize("text,said", [
+    ("model: {pretrained: m}\ntrain:\n  learning_rate: 5.0e-5\ndata: {uri: d}\n"
+     "train:\n  max_steps: 10\noutput: {uri: o, uri: p}\n", "'train' is given twice (lines 2 and 5)"),
+    # beside a merge key (<<: *b), a key given twice is still two explicit ones
+    ("base: &b {uri: d}\nmodel: {pretrained: m}\ndata:\n  <<: *b\n"
+     "  resolution: 64\n  resolution: 128\noutput: {uri: o}\n",
+     "'resolution' is given twice (lines 5 and 6)"),
+], ids=["sections", "beside-a-merge"])
+def test_a_key_given_twice_in_a_yaml_file_is_refused_naming_both_lines(tmp_path, text, said):
     """YAML keeps the last of two equal keys: a second `train:` dropped the first one's
     learning rate and batch size, and the run trained with the defaults."""
     twice = tmp_path / "twice.yaml"
-    twice.write_text("model: {pretrained: m}\ntrain:\n  learning_rate: 5.0e-5\ndata: {uri: d}\n"
-                     "train:\n  max_steps: 10\noutput: {uri: o, uri: p}\n")
+    twice.write_text(text)
     with pytest.raises(ConfigError) as err:
         load_config(twice)
-    assert "'train' is given twice (lines 2 and 5)" in str(err.value)
+    assert said in str(err.value)
 
 
 def test_settings_no_run_can_use_are_refused_before_anything_runs(tmp_path):
@@ -490,7 +497,8 @@ def test_a_search_of_what_a_lokr_init_from_fixes_is_refused(key, values):
 def test_yaml_merge_keys_merge_and_a_key_beside_them_overrides_the_merged_one(tmp_path):
     """`<<: *anchor` was refused as "could not determine a constructor for the tag
     'tag:yaml.org,2002:merge'". A key given beside `<<` overrides the merged one (not a
-    key given twice), also when that mapping is merged in turn; two explicit ones are."""
+    key given twice), also when that mapping is merged in turn (two explicit ones are:
+    test_a_key_given_twice_in_a_yaml_file_is_refused_naming_both_lines)."""
     path = tmp_path / "merge.yaml"
     path.write_text(
         "model: {pretrained: m}\n"
@@ -511,12 +519,6 @@ def test_yaml_merge_keys_merge_and_a_key_beside_them_overrides_the_merged_one(tm
     assert [(s.uri, s.caption_prefix, s.caption_dropout, s.repeats) for s in cfg.data.sources] == [
         ("a", "sks", 0.1, 2), ("b", "sks", 0.1, 2), ("a", "sks", 0.1, 3), ("d", "sks", 0.1, 3)]
     assert (cfg.scaling.num_workers, cfg.scaling.use_gpu) == (2, False)
-    twice = tmp_path / "twice.yaml"
-    twice.write_text("base: &b {uri: d}\nmodel: {pretrained: m}\ndata:\n  <<: *b\n"
-                     "  resolution: 64\n  resolution: 128\noutput: {uri: o}\n")
-    with pytest.raises(ConfigError) as err:
-        load_config(twice)
-    assert "'resolution' is given twice (lines 5 and 6)" in str(err.value)
 
 
 @pytest.mark.parametrize("key", ["train.seed", "data.shuffle_seed", "validation.seed",

@@ -405,9 +405,8 @@ def load_adapter(pipe, family, adapter: str, expert: str | None = None) -> None:
         setattr(pipe, component,
                 PeftModel.from_pretrained(getattr(pipe, component), adapter).merge_and_unload())
     else:
-        # (load_pipeline checked a local one before the base model loaded; a hub id, or
-        # a call of this alone, is checked here)
-        _stock_state_dict(adapter, family)
+        if not os.path.exists(adapter):  # a hub id; load_pipeline's _check_adapter read a
+            _stock_state_dict(adapter, family)  # local one before the base model loaded
         component = family.trained_component(expert)
         denoiser = getattr(pipe, component)
         before = set(getattr(denoiser, "peft_config", None) or ())

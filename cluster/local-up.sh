@@ -59,6 +59,11 @@ if [ ! -s "$STATE/auth_token" ]; then
   (umask 077; head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$STATE/auth_token")
 fi
 export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$STATE/auth_token"
+# `ray job stop` SIGKILLs a job's driver this long after its SIGTERM (Ray's default: 3 s,
+# before the run's clean stop has written its checkpoint). The head runs every job's
+# supervisor with the environment it was started in, so this holds for a plain `ray job
+# submit` too; `raylora submit` sets its own per job.
+export RAY_JOB_STOP_WAIT_TIME_S="${RAY_JOB_STOP_WAIT_TIME_S:-150}"
 
 # Loopback only: node IP, GCS and dashboard all on 127.0.0.1. `setsid` gives the daemons
 # their own session and process group, recorded below: some Ray processes rename

@@ -2099,6 +2099,10 @@ def _format_pydantic(err: ValidationError) -> list[str]:
             # only as "not 0", where a bound like "> 0" could read as the value)
             named = repr(got) in msg if isinstance(got, (str, list)) else f"not {got!r}" in msg
             shown = "" if isinstance(got, dict) or named else f" (got {got!r})"
+            if e["type"] == "string_type" and type(got) in (int, float):
+                # YAML 1.1 reads an unquoted revision like 0123456 as the octal number 42798:
+                # the number alone names nothing the user wrote
+                shown += ": YAML read it as a number (digits after a leading 0 as octal); quote it"
             out.append(f"{key}: {msg}{shown}")
     return out
 

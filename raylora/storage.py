@@ -151,7 +151,8 @@ def _s3(endpoint_url: str | None, region: str | None) -> pafs.S3FileSystem:
     }
     if endpoint:
         if not re.match(r"https?://[^/]", endpoint):
-            raise ValueError(f"AWS_ENDPOINT_URL: {endpoint!r} is not an http:// or https:// URL "
+            source = "storage.endpoint_url" if endpoint_url else "AWS_ENDPOINT_URL"
+            raise ValueError(f"{source}: {endpoint!r} is not an http:// or https:// URL "
                              f"(e.g. http://{endpoint})")
         parsed = urlparse(endpoint)
         kwargs["endpoint_override"] = parsed.netloc or parsed.path

@@ -93,3 +93,9 @@ def test_image_pinned_and_ray_started_cleanly(config):
     assert "--autoscaling-config=~/ray_bootstrap_config.yaml" in head[-1]
     assert "--dashboard-host=127.0.0.1" in head[-1]  # dashboard only through `ray dashboard`
     assert "--address=$RAY_HEAD_IP:6379" in worker[-1]
+    # The head runs every job's supervisor: a plain `ray job submit` is SIGKILLed this long
+    # after `ray job stop`'s SIGTERM (Ray's default 3 s) and needs the run's clean stop time.
+    from raylora.config import FailureSection
+
+    wait = re.search(r"\bRAY_JOB_STOP_WAIT_TIME_S=(\d+) ray start --head", head[-1])
+    assert wait and int(wait.group(1)) >= FailureSection().stop_timeout_s + 15, head[-1]

@@ -69,6 +69,14 @@ def test_demo_job_via_ray_job_submit_on_a_two_cpu_head(local_cluster, tiny_model
     assert (out / "adapter" / "pytorch_lora_weights.safetensors").stat().st_size > 1000
     # Ray keeps a job's pip environment under its session's runtime_resources/pip.
     assert glob.glob(os.path.join(c["state"], "tmp", "session_*", "runtime_resources", "pip", "*")) == []
+    # A `ray job stop` of this plain submit SIGKILLs the driver after the stop wait the
+    # head's job supervisors inherit from the raylet: 150 s, not Ray's 3 s, so the run's
+    # clean stop can write its checkpoint (raylora submit sets it per job instead).
+    import psutil
+
+    raylets = [p for p in psutil.process_iter(["name", "cmdline"])
+               if p.info["name"] == "raylet" and any(c["state"] in a for a in p.info["cmdline"] or [])]
+    assert raylets and all(p.environ().get("RAY_JOB_STOP_WAIT_TIME_S") == "150" for p in raylets)
 
 
 @pytest.mark.parametrize("local_cluster", [["--worker-node", "--worker-cpus", "2", "online"]],

@@ -192,7 +192,11 @@ def test_schedule_settings_the_schedule_does_not_read_are_refused(overrides, exp
 
 
 @pytest.mark.parametrize("override,expected", [
-    ("data.uri=2024", "data.uri: Input should be a valid string; or a valid list (got 2024)"),
+    ("data.uri=2024", "data.uri: Input should be a valid string; or a valid list (got 2024): "
+     "YAML read it as a number (digits after a leading 0 as octal); quote it"),
+    # an all-digit commit prefix with a leading 0 is octal to YAML 1.1: 0123456 is 42798
+    ("model.revision=0123456", "model.revision: Input should be a valid string (got 42798): "
+     "YAML read it as a number (digits after a leading 0 as octal); quote it"),
     ("scaling.num_workers=abc", "scaling.num_workers: Input should be a valid integer, unable to "
      "parse string as an integer; or a valid tuple (got 'abc')"),
     ("train.flow.shift=fast", "train.flow.shift: Input should be a valid number, unable to parse "

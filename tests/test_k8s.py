@@ -368,6 +368,23 @@ def test_a_rayjob_stopped_through_ray_gives_the_run_its_time(name, job):
     assert int(env["RAY_JOB_STOP_WAIT_TIME_S"]) >= stop + 15, name
 
 
+RAYCLUSTERS = [(n, d) for n, d in DOCS if d.get("kind") == "RayCluster"]
+
+
+@pytest.mark.parametrize("name,cluster", RAYCLUSTERS, ids=[n for n, _ in RAYCLUSTERS])
+def test_a_plain_ray_job_submit_to_a_raycluster_gets_the_runs_stop_time(name, cluster):
+    """A job submitted to a long-lived RayCluster with plain `ray job submit` carries no
+    RAY_JOB_STOP_WAIT_TIME_S of its own: its supervisor, which Ray runs on the head, reads
+    the head's environment, and Ray's default of 3 s SIGKILLs the driver before the clean
+    stop's checkpoint."""
+    from raylora.config import FailureSection
+
+    stop = FailureSection().stop_timeout_s
+    head = next(c for group, c in containers(cluster) if group == "head")
+    env = {e["name"]: e.get("value") for e in head.get("env", [])}
+    assert int(env["RAY_JOB_STOP_WAIT_TIME_S"]) >= stop + 15, name
+
+
 def _required_refs(node, found: set[tuple[str, str]]) -> set[tuple[str, str]]:
     """(kind, name) of every Secret and ConfigMap a manifest needs to exist (those not
     marked optional), anywhere under ``node``."""

@@ -262,3 +262,15 @@ def test_every_file_uri_form_names_a_local_model(tiny_model, form):
     assert check_model(path, Storage(), weights=False)["family"].name == "sd"
     with pytest.raises(ValueError, match="not on host 'nas'"):
         resolve_model_path(ModelSection(pretrained="file://nas/models/sd"))
+
+
+@pytest.mark.parametrize("given,named", [("env", "AWS_ENDPOINT_URL"),
+                                         ("arg", "storage.endpoint_url")])
+def test_an_endpoint_without_a_scheme_is_named_by_where_it_came_from(monkeypatch, given, named):
+    """The config's storage.endpoint_url wins over AWS_ENDPOINT_URL, so a bad one is named
+    as the config's key, not as an environment variable the user never set."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "minio.internal:9000" if given == "env" else "http://ok:1")
+    with pytest.raises(ValueError) as exc:
+        filesystem("s3://bkt/x", endpoint_url="minio.internal:9000" if given == "arg" else None)
+    assert str(exc.value) == (f"{named}: 'minio.internal:9000' is not an http:// or https:// URL "
+                              "(e.g. http://minio.internal:9000)")

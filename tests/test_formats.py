@@ -1088,3 +1088,29 @@ def test_demo_data_refuses_a_folder_that_holds_demo_shards(tmp_path):
     assert {p.name: p.read_bytes() for p in dest.iterdir()} == before
     assert json.loads((dest / "_manifest.json").read_text())["count"] == 10
     assert plan_data(DataSection(uri=str(dest)), Storage()).rows == 10
+
+
+def test_a_caption_with_a_trailing_newline_trains_as_a_caption_files_does(tmp_path):
+    """echo "a red fox" > 0.txt; tar cf ... wrote the caption with its newline, and it
+    trained as "a red fox\\n" (a caption folder's .txt is read stripped): the LLM text
+    encoders (Qwen-Image, Z-Image, Flux.2) tokenize the newline."""
+    from raylora.data.decode import decode_row
+    from raylora.data.demo import write_imagefolder
+
+    src = write_imagefolder(tmp_path / "src", n=1, size=16, seed=3)
+    png = next(src.glob("*.png")).read_bytes()
+    tar = tmp_path / "tar"
+    tar.mkdir()
+    _tar_of(tar / "000000.tar", [("0.png", png), ("0.txt", b"a red fox\n")])
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "0.png").write_bytes(png)
+    (folder / "0.txt").write_bytes(b"a red fox\n")
+    for uri in (tar, folder):
+        data = DataSection(uri=str(uri))
+        plan = plan_data(data, Storage())
+        [row] = formats.get_format(plan.format).iter_rows(data, plan.files, Storage())
+        _, caption = decode_row(row["image"], row["text"], max_pixels=1 << 20, min_size=1,
+                                small_images="upscale", keep_empty_captions=False,
+                                background=(255, 255, 255))
+        assert caption == "a red fox", plan.format

@@ -299,7 +299,9 @@ def decode_caption(value: Any, keep_empty: bool, rng: np.random.Generator | None
         if keep_empty:
             return ""
         raise BadRecord("missing_caption")
-    return text
+    # A WebDataset .txt or a CSV cell often ends in a newline: a caption folder's .txt is
+    # read stripped, and the LLM text encoders (Qwen, Z-Image, Flux.2) tokenize "\n".
+    return text.strip()
 
 
 def decode_row(image: Any, caption: Any, *, max_pixels: int, min_size: int,

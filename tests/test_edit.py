@@ -1210,6 +1210,29 @@ def test_the_cache_keeps_each_inputs_latents_and_tells_input_counts_apart(tiny, 
     assert len({one, two, swapped_columns}) == 3 and key(config(control_inputs=2)) == two
 
 
+def test_the_cache_key_holds_the_processor_qwen_image_edits_text_encoder_reads(tiny, tmp_path):
+    """Qwen-Image-Edit's text encoder sees the input images through processor/'s image
+    processor, which was not in the latent cache's key: a fine-tune's folder with another
+    processor reused the entry's caption embeddings (max |diff| 1.3 against a fresh build)."""
+    from raylora.data.cache import fingerprint
+    from raylora.data.plan import plan_data
+
+    model = shutil.copytree(tiny("qwenimageedit"), tmp_path / "m")
+    cfg = validate({"model": {"pretrained": str(model), "max_sequence_length": 32},
+                    "data": {"uri": write_pairs(tmp_path / "d", "parquet"), "resolution": 32,
+                             "center_crop": True, "control_images": True, "cache": "latents"},
+                    "output": {"uri": str(tmp_path / "o")}})
+
+    def key() -> str:
+        return fingerprint(cfg, "qwenimageedit", str(model), plan_data(cfg.data, Storage()), Storage())
+
+    before = key()
+    config = model / "processor" / "preprocessor_config.json"
+    settings = json.loads(config.read_text())
+    config.write_text(json.dumps({**settings, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}))
+    assert key() != before
+
+
 # ---------------------------------------------------------------- a run, end to end
 
 

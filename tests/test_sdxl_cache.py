@@ -4,6 +4,7 @@ tracking, and cached-latent training that reproduces uncached training step for 
 import json
 import os
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -158,7 +159,20 @@ def test_latent_cache_build_reuse_and_training(ray_local, tiny_model, tmp_path):
         }
 
     plain = run(validate(tree("plain", "none")))
-    cached = run(validate(tree("cached", "latents")))
+    # The entry as another run's build left it: one still building (a part written just
+    # now) and one that died two days ago, in the folder layout of builds before this.
+    from raylora.data.cache import fingerprint
+    from raylora.data.plan import plan_data
+    from raylora.storage import Storage
+
+    cfg = validate(tree("cached", "latents"))
+    entry_dir = tmp_path / "cache" / fingerprint(cfg, "sd", tiny_model, plan_data(cfg.data, Storage()), Storage())
+    (entry_dir / "parts-live").mkdir(parents=True)
+    (entry_dir / "parts-live" / "part-000000-0000.parquet").write_bytes(b"being written")
+    (entry_dir / "parts").mkdir()
+    (entry_dir / "parts" / "part-000000-0000.parquet").write_bytes(b"died")
+    os.utime(entry_dir / "parts" / "part-000000-0000.parquet", (time.time() - 2 * 86400,) * 2)
+    cached = run(cfg)
 
     def losses(name):
         return [json.loads(x)["loss"] for x in open(tmp_path / name / "metrics.jsonl")]
@@ -179,6 +193,20 @@ def test_latent_cache_build_reuse_and_training(ray_local, tiny_model, tmp_path):
     assert sum(manifest["file_rows"]) == 16 and meta["rows"] == 16
     files = [os.path.join(meta["cache_uri"], f) for f in manifest["files"]]
     written = [*files, os.path.join(meta["cache_uri"], MANIFEST)]
+    # This run's build went to a folder of its own: the live build's part is as it was
+    # (deleting it failed that run on a part its manifest names), the dead one is gone.
+    assert meta["cache_uri"] == str(entry_dir)
+    assert {f.split("/")[0] for f in manifest["files"]} not in ({"parts"}, {"parts-live"})
+    assert len({f.split("/")[0] for f in manifest["files"]}) == 1
+    assert (entry_dir / "parts-live" / "part-000000-0000.parquet").read_bytes() == b"being written"
+    assert not (entry_dir / "parts").exists()
+    # A run that reuses the entry deletes a build folder no manifest names once it is stale
+    # (that build died, or its manifest was overwritten), and nothing the manifest names.
+    from raylora.data.cache import ensure_cache
+
+    os.utime(entry_dir / "parts-live" / "part-000000-0000.parquet", (time.time() - 2 * 86400,) * 2)
+    assert ensure_cache(cfg, "sd", tiny_model, plan_data(cfg.data, Storage()), Storage()).reused
+    assert not (entry_dir / "parts-live").exists() and all(os.path.exists(f) for f in files)
     stamps = {f: os.stat(f).st_mtime_ns for f in written}
 
     # A second cached run of the same data, now with caption dropout: an entry of its own

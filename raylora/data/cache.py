@@ -47,6 +47,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
+import uuid
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -63,8 +65,20 @@ log = logging.getLogger("raylora.cache")
 
 # 2: images are decoded upright (EXIF orientation, raylora.data.decode.upright); a version-1
 # entry may hold a phone photo's latent sideways, so it is built again.
-CACHE_VERSION = 2
+# 3: a PNG's tRNS colour key is transparency (composited over data.background_color), and
+# a turned TIFF or a PNG whose orientation comes after its pixels is sized and turned once:
+# a version-2 entry holds such images' latents as the decode made them before.
+CACHE_VERSION = 3
 MANIFEST = "manifest.json"
+# Each build encodes into a folder of its own (BUILD_PREFIX + its start time and a random
+# tag), which its manifest names: two runs that start one entry together (README: the two
+# Wan 2.2 experts share a cache) each build and train on their own parts, where the second
+# deleted the first's half-built parts as a dead build's. The runs after them read the
+# manifest written last. A folder no manifest names and in which nothing has changed for
+# STALE_BUILD_S is a build that died (or lost that race): the next run of the entry deletes
+# it. A live build writes a part every few minutes; a day also covers one waiting for GPUs.
+BUILD_PREFIX = "parts"
+STALE_BUILD_S = 24 * 3600
 # A caption folder's images are cached in at least this many parts, or one per worker
 # past that (while it has that many images). data.sharding=files deals the cache's parts
 # to the workers as it deals the images of an uncached run; runs of up to 256 images made
@@ -288,9 +302,10 @@ def fingerprint(cfg: RayLoraConfig, family: str, model_path: str, data: DataPlan
     if not is_hub_id(model_path):
         # The encoders' weights and configs: a retrained or swapped VAE is a new cache.
         # Every encoder and tokenizer folder of the family (SD3's third, Qwen-Image 2.1's
-        # processor), not the denoiser's or the scheduler's.
+        # processor) and what else its encoding reads (Family.encoder_extras), not the
+        # denoiser's or the scheduler's.
         fam = families.get(family)
-        encoders = set(fam.components()) - {fam.denoiser, "scheduler"}
+        encoders = (set(fam.components()) | set(fam.encoder_extras)) - {fam.denoiser, "scheduler"}
         model_files = [
             f for f in store.list_files(model_path)
             if f[len(model_path.rstrip("/")) + 1 :].split("/", 1)[0] in encoders
@@ -542,13 +557,14 @@ def ensure_cache(cfg: RayLoraConfig, family: str, model_path: str, data: DataPla
     entry = read_entry(uri, store)
     if entry is not None:
         log.info("latent cache: reusing %s (%d rows)", uri, entry.rows)
+        clear_dead_builds(uri, store, keep={f[len(uri) + 1:].split("/", 1)[0] for f in entry.files})
         if entry.deals is None:  # built before manifests kept them: from the part names
             entry = replace(entry, deals=_part_deals(entry.files, _work_items(cfg, data, store, rows_per_part)))
         return entry
-    parts = storage.join(uri, "parts")
-    if store.exists(parts):  # a build that died before its manifest: start over
-        store.delete_dir(parts)
-    log.info("latent cache: encoding %d file(s) into %s", len(data.files), uri)
+    clear_dead_builds(uri, store, keep=set())
+    build = f"{BUILD_PREFIX}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}"
+    parts = storage.join(uri, build)
+    log.info("latent cache: encoding %d file(s) into %s", len(data.files), parts)
     pre, enc = _stage_kwargs(cfg, model_path, family, store)
     items = _work_items(cfg, data, store, rows_per_part)
     gpu = {"num_gpus": 1} if cfg.scaling.use_gpu else {"num_cpus": 1}
@@ -564,14 +580,38 @@ def ensure_cache(cfg: RayLoraConfig, family: str, model_path: str, data: DataPla
         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.scaling.max_workers)),
         **gpu,
     ).take_all()
-    return record_build(cfg, family, data, items, written, uri, store)
+    return record_build(cfg, family, data, items, written, uri, store, build)
+
+
+def clear_dead_builds(uri: str, store: Storage, keep: set[str], now: float | None = None) -> None:
+    """Delete the build folders of entry ``uri`` (``BUILD_PREFIX``…) other than ``keep``
+    whose newest file is older than ``STALE_BUILD_S``: builds that died before their
+    manifest, or whose manifest another build of the entry overwrote."""
+    import pyarrow.fs as pafs
+
+    fs, path = store.fs(uri)
+    root = path.rstrip("/") + "/"
+    newest: dict[str, float] = {}
+    for info in fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True)):
+        folder, _, rest = info.path[len(root):].partition("/")
+        if info.type == pafs.FileType.File and rest and folder.startswith(BUILD_PREFIX) \
+                and folder not in keep:
+            stamp = info.mtime.timestamp() if info.mtime else 0.0
+            newest[folder] = max(newest.get(folder, 0.0), stamp)
+    now = time.time() if now is None else now
+    for folder, stamp in sorted(newest.items()):
+        if now - stamp > STALE_BUILD_S:
+            log.info("latent cache: deleting %s/%s (no manifest names it; unchanged for %.0f h)",
+                     uri, folder, (now - stamp) / 3600)
+            store.delete_dir(storage.join(uri, folder))
 
 
 def record_build(cfg: RayLoraConfig, family: str, data: DataPlan, items: list[dict],
-                 written: list[dict], uri: str, store: Storage) -> CacheEntry:
+                 written: list[dict], uri: str, store: Storage, build: str = BUILD_PREFIX) -> CacheEntry:
     """The entry ``EncodeFiles`` wrote under ``uri`` from ``items`` (``written``: its
-    rows): ``manifest.json`` records the parts in source order, each one's source, repeats,
-    buckets and deal place, and the decode counts of the whole build."""
+    rows) into its folder ``build``: ``manifest.json`` records the parts in source order,
+    each one's source, repeats, buckets and deal place, and the decode counts of the whole
+    build."""
     from raylora.data.badrecords import Tally
 
     tally = Tally()
@@ -587,7 +627,7 @@ def record_build(cfg: RayLoraConfig, family: str, data: DataPlan, items: list[di
     names = [n for n, _ in done]
     of_item = [items[int(n.split("-")[1])] for n in names]  # part-{item}-{k}.parquet
     manifest = {"version": CACHE_VERSION, "family": family,
-                "files": [f"parts/{n}" for n in names], "file_rows": [c for _, c in done],
+                "files": [f"{build}/{n}" for n in names], "file_rows": [c for _, c in done],
                 "file_sources": [data.sources[it["k"]].index for it in of_item],
                 "file_repeats": [it["repeats"] for it in of_item],
                 "file_deals": [it["deal"] for it in of_item],
@@ -597,7 +637,7 @@ def record_build(cfg: RayLoraConfig, family: str, data: DataPlan, items: list[di
     # Written last: its presence is what marks the entry complete.
     store.write_bytes(storage.join(uri, MANIFEST), json.dumps(manifest, indent=1).encode())
     log.info("latent cache: wrote %d rows in %d file(s)", sum(manifest["file_rows"]), len(names))
-    parts = storage.join(uri, "parts")
+    parts = storage.join(uri, build)
     return CacheEntry(uri, [storage.join(parts, n) for n in names], manifest["file_rows"],
                       reused=False, sources=manifest["file_sources"],
                       repeats=manifest["file_repeats"], buckets=manifest.get("file_buckets"),

@@ -339,6 +339,10 @@ class Family:
     # (bench/gpu_throughput.py's `cl` variant measures it).
     channels_last: ClassVar[bool] = False
     kohya_prefix: ClassVar[str] = "lora_unet_"
+    # Folders the encoding reads besides components()' encoders and tokenizers
+    # (Qwen-Image-Edit's text encoder sees the input images through processor/'s image
+    # processor): the latent cache's key hashes them with the encoders' files.
+    encoder_extras: ClassVar[tuple[str, ...]] = ()
     # kohya/ComfyUI export: module paths as sd-scripts names them (UNet families); a DiT
     # family sets this with ``kohya_rules``, its keys mapped onto its reference checkpoint's
     # layout (the names ComfyUI matches). A new family module without them is refused.

@@ -114,6 +114,7 @@ class QwenImageEdit(QwenImage):
     text = (TextInput("text_encoder", "tokenizer", "input_ids", max_length=1024,
                       template=TEMPLATE, mask_key="attention_mask", long_context=True, drop=DROP),)
     reference_image = True
+    encoder_extras = ("processor",)  # its image processor sizes the text encoder's inputs
     caption_reads_images = True  # Qwen2.5-VL reads the input image with the caption
     # QwenImageEditPlusPipeline samples only from an input image (it reads its size first)
     reference_required = True

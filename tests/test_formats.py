@@ -1114,3 +1114,23 @@ def test_a_caption_with_a_trailing_newline_trains_as_a_caption_files_does(tmp_pa
                                 small_images="upscale", keep_empty_captions=False,
                                 background=(255, 255, 255))
         assert caption == "a red fox", plan.format
+
+
+@pytest.mark.parametrize("pattern,rows", [("", 3), ("/**/*.png", 3), ("/*.png", 2), ("/a.png", 1),
+                                          ("/{a,b}.png", 2)])
+def test_a_glob_or_a_file_over_a_caption_folder_finds_the_captions_beside_its_images(
+        tmp_path, pattern, rows):
+    """data.uri DIR/*.png (or one image, or a brace list) over a kohya-style folder: its
+    listing held only the images, so every one was refused as having no caption file (and
+    with caption dropout on, the captions were left out of the data's fingerprint)."""
+    from PIL import Image
+
+    root = tmp_path / "chars"
+    (root / "sub").mkdir(parents=True)
+    for name in ("a", "b", "sub/c"):
+        Image.new("RGB", (16, 16)).save(root / f"{name}.png")
+        (root / f"{name}.txt").write_text(f"caption of {name}")
+    plan = plan_data(DataSection(uri=f"{root}{pattern}"), Storage())
+    assert (plan.format, plan.rows) == ("captionfolder", rows)
+    [source] = plan.sources
+    assert sorted(source.companions) == sorted(f[:-4] + ".txt" for f in source.files)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
+import pyarrow.fs as pafs
 
 from raylora.data.captions import with_prefix
 from raylora.data.formats import IMAGE_EXTS, control_infix, control_names, detect_format, get_format
@@ -262,6 +263,8 @@ def plan_source(section: DataSection, storage: Storage, index: int = 0,
     files = fmt.select(listing)
     if not files:
         raise FileNotFoundError(f"{section.uri}: matched no {fmt.name} files")
+    if fmt.name in FOLDER_FORMATS:
+        listing = _with_sidecars(section.uri, files, listing, storage)
     fmt.check_listing(section, files, listing)
     repeats = fmt.repeats(section, files)
     controls, lacking = control_files(section, fmt.name, files, listing, storage, key, repeats)
@@ -277,6 +280,25 @@ def plan_source(section: DataSection, storage: Storage, index: int = 0,
 # The formats whose images are files, found beside (or, data.control_uri, apart from) their
 # control images; the shard formats hold theirs inside.
 FOLDER_FORMATS = ("captionfolder", "imagefolder")
+
+
+def _with_sidecars(uri: str | list[str], files: list[str], listing: list[str],
+                   storage: Storage) -> list[str]:
+    """``listing`` and, where ``uri`` names images rather than folders (a glob such as
+    ``DIR/*.png``, a brace list, a file), the files beside those images: their caption
+    files, masks and control images, which such a listing holds only where the pattern
+    matched them too (``mychar/*.png`` refused every image as having no caption). A
+    folder's recursive listing holds them already: no request more."""
+    from raylora.storage import skipped
+
+    uris = [uri] if isinstance(uri, str) else list(uri)
+    # expand took these: a name that is no folder is a pattern (or a file) it matched
+    if all(storage.info(u).type == pafs.FileType.Directory for u in uris):
+        return listing
+    have = set(listing)
+    extra = [u for u, info in storage.beside(files).items()
+             if info.type == pafs.FileType.File and u not in have and not skipped(u.rsplit("/", 1)[-1])]
+    return listing + sorted(extra)
 
 
 def control_files(section: DataSection, fmt: str, files: list[str], listing: list[str],

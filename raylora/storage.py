@@ -313,8 +313,8 @@ class Storage:
             elif _is_glob(uri) and not ("[" in uri and self._there(uri)):
                 # (a "[" in a name that is there, "photos [2023]", is that name: the glob
                 # class it would spell matched nothing, and said so)
-                root = uri[: min(uri.index(c) for c in "*?[" if c in uri)].rsplit("/", 1)[0]
-                pattern = _glob_regex(_unpinned(uri))
+                root, rest = self._glob_root(uri)
+                pattern = re.compile(re.escape(_unpinned(root) + "/") + _glob_regex(rest).pattern)
                 # a pattern that names a hidden folder itself (root/*/.thumbs/*.png) asks for it
                 hidden_ok = hidden_folder(root, uri)
                 found = [f for f in self.list_files(root) if pattern.fullmatch(_unpinned(f))
@@ -341,6 +341,20 @@ class Storage:
                 raise FileNotFoundError(f"{uri}: matched no {what} files")
             out.extend(found)
         return sorted(dict.fromkeys(out))
+
+    def _glob_root(self, uri: str) -> tuple[str, str]:
+        """(the folder a glob lists, the pattern below it). The folder is the path before
+        the first segment with a wildcard; a segment whose only wildcard is a ``[...]`` is
+        a folder name where that folder is there ("photos [2023]/*.png" lists that folder,
+        as README's object-storage section reads "photos [2023]" itself; its brackets as
+        a class matched nothing, or "photos 2/"), asked only for such segments."""
+        segments = uri.split("/")
+        n = 0
+        for k, seg in enumerate(segments[:-1]):
+            if "*" in seg or "?" in seg or ("[" in seg and not self._there("/".join(segments[:k + 1]))):
+                break
+            n = k + 1
+        return "/".join(segments[:n]), "/".join(segments[n:])
 
     def _there(self, uri: str) -> bool:
         """``exists``, False where the URI cannot be asked about (a glob's odd characters)."""

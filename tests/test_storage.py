@@ -51,6 +51,14 @@ def test_a_folder_whose_name_holds_brackets_is_that_folder(tmp_path):
     (tmp_path / "p1").mkdir()
     (tmp_path / "p1" / "b.png").write_bytes(b"x")
     assert Storage().expand(str(tmp_path / "p[0-9]" / "*.png")) == [str(tmp_path / "p1" / "b.png")]
+    # A glob inside such a folder: "[2023]" as a class matched nothing, or "photos 2/" beside it.
+    (tmp_path / "photos 2").mkdir()
+    (tmp_path / "photos 2" / "z.png").write_bytes(b"x")
+    (folder / "sub").mkdir()
+    (folder / "sub" / "c.png").write_bytes(b"x")
+    assert Storage().expand(str(folder / "*.png")) == [str(folder / "a.png")]
+    assert Storage().expand(str(folder / "**" / "*.png")) == [str(folder / "a.png"), str(folder / "sub" / "c.png")]
+    assert Storage().expand(str(tmp_path / "photos [0-9]" / "*.png")) == [str(tmp_path / "photos 2" / "z.png")]
 
 
 def test_expand_dir_glob_list_and_hidden_files(tmp_path):

@@ -303,7 +303,8 @@ class ClassGenerationSection(_Section):
 
     uri: str | None = Field(
         None, description="Root of the generated images ({uri}/{key}/NNNNN.png + .txt, key: a "
-        "hash of model, prompt, count, seed, resolution, steps and guidance). Default: "
+        "hash of model, prompt, seed, resolution, steps and guidance, not the count: image i is "
+        "drawn from seed + i, so a run wanting more tops the folder up). Default: "
         "{data.class_sources}/raylora-generated when data.class_sources is one URI, else "
         "{output.uri}/class_images.",
     )

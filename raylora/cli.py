@@ -451,8 +451,10 @@ def _adapter_commands(sub) -> None:
                         "attention mixed two key styles, which load_lora_weights reads only "
                         "in part)")
     e.add_argument("--out", default=None,
-                   help="kohya: file to write; default: adapter_kohya.safetensors beside the "
-                        "folder. diffusers: a new folder; default: <adapter>-diffusers")
+                   help="kohya: file to write; default: <folder>_kohya.safetensors beside the "
+                        "folder (a run's adapter/: adapter_kohya.safetensors), not replaced when "
+                        "it holds another adapter's export. diffusers: a new folder; default: "
+                        "<adapter>-diffusers")
     e.add_argument("--family", default=None,
                    help="the adapter's model family (sd, sdxl, flux, sd3, qwenimage, zimage, wan, "
                         "...: every family with kohya export); default: the one raylora.json "

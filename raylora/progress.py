@@ -226,6 +226,19 @@ def bucket_line(b: dict) -> str:
             f"({trained} of {len(rows)} fill a batch)")
 
 
+def class_images_line(c: dict) -> str:
+    """Prior preservation: the class images used, how many the user gave, how many the
+    run generated (this run, or an earlier one whose folder it reused) and that folder
+    (``ClassImages.summary``)."""
+    n, given, now = c["class_images"], c["class_images_given"], c["class_images_generated"]
+    if not c.get("class_images_uri"):  # the given ones were enough: nothing generated
+        return f"raylora: class images {n} ({given} given)"
+    made = n - given
+    how = (f"{made} generated now" if now == made else f"{made} generated earlier" if not now
+           else f"{made} generated, {now} of them now")
+    return f"raylora: class images {n} ({given} given, {how}) in {c['class_images_uri']}"
+
+
 def summary_lines(s: dict) -> list[str]:
     """The end-of-run summary from ``launch.run``'s result."""
     from raylora.checkpoint.export import call_args, quoted_args
@@ -247,6 +260,7 @@ def summary_lines(s: dict) -> list[str]:
         f"raylora: loss curve   {s['loss_png']}",
         f"raylora: step metrics {s['metrics_jsonl']}",
         *([bucket_line(s["buckets"])] if s.get("buckets") else []),
+        *([class_images_line(s["class_images"])] if s.get("class_images") else []),
         f"raylora: bad samples  {m.get('bad_records', 0)}"
         + (f" (of {s['rows_decoded'] + m.get('bad_records', 0)} rows read)"
            if s.get("rows_decoded") is not None else ""),

@@ -700,6 +700,11 @@ def test_an_export_without_kohya_removes_an_earlier_exports_kohya_file(adapter, 
     second = load_file(str(out / "adapter_kohya.safetensors"))
     key = next(k for k in first if "lora_up" in k)
     torch.testing.assert_close(second[key], 3.0 * first[key])
+    # raylora export of the run's adapter/: the run's own file, so replaced (not refused)
+    from raylora.checkpoint.kohya import export_folder
+
+    assert export_folder(str(out / "adapter"))[0] == str(out / "adapter_kohya.safetensors")
+    assert torch.equal(load_file(str(out / "adapter_kohya.safetensors"))[key], second[key])
     export(["diffusers"], 2.0, 18)
     assert sorted(os.listdir(out)) == ["adapter", "loss.png", "metrics.jsonl"]
     assert json.loads((out / "adapter" / "raylora.json").read_text())["metrics"]["steps"] == 18
@@ -715,6 +720,70 @@ def _unet_file(folder, layers: dict[str, tuple[int, int]]) -> None:
         sd[f"unet.{path}.lora.up.weight"] = torch.randn(n_out, 2, generator=g)
     os.makedirs(folder, exist_ok=True)
     save_file(sd, os.path.join(folder, "pytorch_lora_weights.safetensors"))
+
+
+def test_export_names_the_kohya_file_after_the_folder_and_keeps_another_adapters(tmp_path, capsys):
+    """``raylora export --format kohya loras/char_a`` then ``loras/char_b`` wrote both to
+    loras/adapter_kohya.safetensors: char_b's replaced char_a's without a word. Each is now
+    ``<folder>_kohya.safetensors`` (a run's adapter/: adapter_kohya.safetensors); an existing
+    default file is replaced only where it is the same adapter's earlier export."""
+    from raylora.cli import main
+
+    loras = tmp_path / "loras"
+    layers = {"down_blocks.0.attentions.0.transformer_blocks.0.attn2.to_k": (768, 320)}
+    _unet_file(loras / "char_a", layers)
+    with safe_open(str(loras / "char_a" / "pytorch_lora_weights.safetensors"), framework="pt") as f:
+        other = {k: 2.0 * f.get_tensor(k) for k in f.keys()}
+    for name in ("char_b", "adapter"):  # other weights than char_a's
+        os.makedirs(loras / name)
+        save_file(other, str(loras / name / "pytorch_lora_weights.safetensors"))
+
+    def export(folder, *args):
+        rc = main(["export", "--format", "kohya", str(folder), "--family", "sd", *map(str, args)])
+        out = capsys.readouterr()
+        return rc, out.out + out.err
+
+    def up(file):  # a lora_up tensor: 2x char_a's in the other adapters' files
+        return next(v for k, v in load_file(str(file)).items() if k.endswith(".lora_up.weight"))
+
+    def same(file, ref) -> bool:  # same tensors and metadata (their order in the header varies)
+        with safe_open(str(file), framework="pt") as f, safe_open(str(ref), framework="pt") as r:
+            return f.metadata() == r.metadata() and f.keys() == r.keys() and all(
+                torch.equal(f.get_tensor(k), r.get_tensor(k)) for k in f.keys())
+
+    a_file, b_file = loras / "char_a_kohya.safetensors", loras / "char_b_kohya.safetensors"
+    assert export(loras / "char_a") == (0, f"raylora: family       sd (--family)\nraylora: kohya file   {a_file}\n")
+    a_bytes = a_file.read_bytes()
+    a_ref = tmp_path / "a_ref.safetensors"
+    a_ref.write_bytes(a_bytes)
+    rc, out = export(loras / "char_b")
+    assert rc == 0 and f"raylora: kohya file   {b_file}\n" in out
+    assert a_file.read_bytes() == a_bytes  # char_a's file kept
+    torch.testing.assert_close(up(b_file), 2.0 * up(a_file))
+    rc, out = export(str(loras / "adapter") + "/")  # a run's folder: the name raylora train writes
+    assert rc == 0 and f"raylora: kohya file   {loras / 'adapter_kohya.safetensors'}\n" in out
+    assert sorted(os.listdir(loras)) == ["adapter", "adapter_kohya.safetensors", "char_a",
+                                         "char_a_kohya.safetensors", "char_b", "char_b_kohya.safetensors"]
+
+    # the same adapter again (a re-export, or after raylora train wrote it): replaced
+    os.utime(a_file, (0, 0))
+    assert export(loras / "char_a")[0] == 0 and a_file.stat().st_mtime > 0
+    assert same(a_file, a_ref)
+    # another adapter's file (here: char_b's) at char_a's default name: refused, kept
+    b_bytes = b_file.read_bytes()
+    a_file.write_bytes(b_bytes)
+    rc, out = export(loras / "char_a")
+    assert rc == 2 and out == (f"raylora: error: {a_file}: exists and is not an export of {loras / 'char_a'} "
+                               "(another adapter's kohya file?); pass --out FILE to write "
+                               "elsewhere, or remove it\n")
+    assert a_file.read_bytes() == b_bytes
+    (loras / "junk_kohya.safetensors").write_text("not safetensors")
+    _unet_file(loras / "junk", layers)
+    assert export(loras / "junk")[0] == 2
+    assert (loras / "junk_kohya.safetensors").read_text() == "not safetensors"
+    # --out names the file to write: written whatever it holds
+    rc, out = export(loras / "char_a", "--out", a_file)
+    assert rc == 0 and same(a_file, a_ref)
 
 
 def test_export_tells_sdxl_from_sd_by_the_adapters_shapes(tmp_path, capsys):

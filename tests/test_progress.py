@@ -67,6 +67,32 @@ def test_summary_names_adapter_checkpoints_and_how_to_load():
             'pipe.load_lora_weights("/o/adapter")') in text
 
 
+def test_summary_reports_the_class_images():
+    """README: the run summary reports class_images (used, given, generated now, folder) as
+    raylora.json does; the printed summary had no line for them."""
+    base = {
+        "metrics": {"steps": 2, "images_seen": 4, "wall_seconds": 2.0, "train_loss_first": 1.0,
+                    "train_loss_last": 1.0},
+        "adapter": "/o/adapter", "checkpoints": "/o/train", "loss_png": "/o/loss.png",
+        "metrics_jsonl": "/o/metrics.jsonl", "pipeline": "StableDiffusionPipeline", "base_model": "/m",
+    }
+
+    def line(given, generated, uri, used=6):
+        c = {"class_images": used, "class_images_given": given, "class_images_generated": generated,
+             "class_images_uri": uri}
+        return [ln for ln in summary_lines({**base, "class_images": c}) if "class images" in ln]
+
+    # (ClassImages.summary of a run that generated 2 of its 6 into the folder)
+    assert line(4, 2, "/dogs/raylora-generated/dc2d") == [
+        "raylora: class images 6 (4 given, 2 generated now) in /dogs/raylora-generated/dc2d"]
+    assert line(4, 0, "/o/class_images/ab") == [  # an earlier run's folder, reused
+        "raylora: class images 6 (4 given, 2 generated earlier) in /o/class_images/ab"]
+    assert line(3, 1, "/o/class_images/ab") == [  # an interrupted build completed
+        "raylora: class images 6 (3 given, 3 generated, 1 of them now) in /o/class_images/ab"]
+    assert line(6, 0, None) == ["raylora: class images 6 (6 given)"]
+    assert [ln for ln in summary_lines(base) if "class" in ln] == []  # no prior preservation
+
+
 def test_summary_loads_the_base_at_the_commit_and_variant_the_run_trained():
     """The "use it" line loads the hub commit the run trained (``main`` may have moved)
     and the weight variant it read, as the model card does."""

@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 log = logging.getLogger("raylora")
@@ -225,6 +225,13 @@ def read_adapter(diffusers_file: str) -> tuple[dict[str, torch.Tensor], dict[str
 def export_kohya(diffusers_file: str, dest_file: str, base_model: str, family) -> dict:
     """Write the kohya file for a diffusers adapter file of ``family``. Returns the kohya
     metadata written."""
+    tensors, kohya_meta = kohya_contents(diffusers_file, base_model, family)
+    _write(dest_file, tensors, kohya_meta, family)
+    return kohya_meta
+
+
+def kohya_contents(diffusers_file: str, base_model: str, family) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of the kohya file for a diffusers adapter file of ``family``."""
     sd, ranks, alphas = read_adapter(diffusers_file)
     tensors = family.kohya_state_dict(sd, alphas)
     main = family.denoiser if family.denoiser in ranks else sorted(ranks)[0]
@@ -238,9 +245,23 @@ def export_kohya(diffusers_file: str, dest_file: str, base_model: str, family) -
     }
     if any(c.startswith("text_encoder") for c in ranks):
         kohya_meta["ss_network_args"] = json.dumps({"train_text_encoder": True})
+    return tensors, kohya_meta
+
+
+def _write(dest_file: str, tensors: dict[str, torch.Tensor], kohya_meta: dict[str, str], family) -> None:
     save_file(tensors, dest_file, metadata=kohya_meta)
     _say_if_stock_cannot_read(dest_file, family)
-    return kohya_meta
+
+
+def _holds(kohya_file: str, tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether ``kohya_file`` holds exactly ``tensors``: it is an earlier export of the same
+    adapter weights (by any raylora version, or the training run's own), whatever its metadata."""
+    try:
+        with safe_open(kohya_file, framework="pt") as f:
+            return set(f.keys()) == tensors.keys() and all(
+                torch.equal(f.get_tensor(k), v) for k, v in tensors.items())
+    except (OSError, SafetensorError):
+        return False
 
 
 def _say_if_stock_cannot_read(kohya_file: str, family) -> None:
@@ -318,8 +339,10 @@ def _guess_family(sd: dict[str, torch.Tensor], alphas: dict[str, float], where: 
 def export_folder(adapter_dir: str, dest: str | None = None, family: str | None = None) -> tuple[str, type, str]:
     """``raylora export --format kohya``: the diffusers adapter folder ``adapter_dir`` (as
     raylora writes it: ``pytorch_lora_weights.safetensors`` + ``raylora.json``) → a kohya
-    file, by default ``adapter_kohya.safetensors`` beside the folder (where ``raylora train``
-    puts it). The family: ``family``, else the one ``raylora.json`` names, else the one whose
+    file, by default ``<folder>_kohya.safetensors`` beside the folder (a run's ``adapter/``:
+    ``adapter_kohya.safetensors``, where ``raylora train`` puts it). That default is replaced
+    only where it holds this adapter's own earlier export; ``dest`` is written whatever it
+    holds. The family: ``family``, else the one ``raylora.json`` names, else the one whose
     layout fits the keys. Returns (file written, family, how the family was found)."""
     from raylora.checkpoint.export import read_run_meta
     from raylora.model import families
@@ -347,7 +370,12 @@ def export_folder(adapter_dir: str, dest: str | None = None, family: str | None 
         fam = families.get(family)
     if not fam.kohya_export:
         raise ValueError(f"{adapter_dir}: kohya export is not available for {fam.name}")
-    dest = dest or os.path.join(os.path.dirname(os.path.abspath(adapter_dir)), KOHYA_FILE)
+    named = dest is not None
+    # Named after the folder, as --format diffusers names its copy: adapters kept side by
+    # side (loras/char_a, loras/char_b) each get their own file, not one they overwrite.
+    # A run's adapter/ gives KOHYA_FILE, the name raylora train writes beside it.
+    where = os.path.abspath(adapter_dir)
+    dest = dest or os.path.join(os.path.dirname(where), f"{os.path.basename(where)}_kohya.safetensors")
     folder = os.path.realpath(adapter_dir)
     if os.path.realpath(dest) == folder or os.path.realpath(dest).startswith(folder + os.sep):
         # The adapter folder is published whole (manifest.json lists its files): a file
@@ -360,5 +388,11 @@ def export_folder(adapter_dir: str, dest: str | None = None, family: str | None 
         os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
     except OSError as exc:
         raise ValueError(f"--out: cannot write {dest} ({exc.strerror})") from None
-    export_kohya(weights, dest, base_model, fam)
+    tensors, kohya_meta = kohya_contents(weights, base_model, fam)
+    if not named and os.path.isfile(dest) and not _holds(dest, tensors):
+        # Another adapter's file (or this one's from other weights): replacing it silently
+        # loses it; --out is how to say which file to write.
+        raise ValueError(f"{dest}: exists and is not an export of {adapter_dir} (another "
+                         "adapter's kohya file?); pass --out FILE to write elsewhere, or remove it")
+    _write(dest, tensors, kohya_meta, fam)
     return dest, fam, how

@@ -117,6 +117,11 @@ def _plan(args) -> int:
     problems = family_problems(cfg, family, info["vae_factor"] * family.patch,
                                scheduler_objective_kind(info["scheduler_config"]),
                                info["scheduler_config"])
+    if family.experts:  # a Wan 2.2 A14B folder needs model.expert, a one-transformer one refuses it
+        try:
+            family.sigma_range(info["index"], cfg.model.expert, f"model.pretrained: {cfg.model.pretrained}")
+        except ValueError as exc:
+            problems.append(str(exc) if str(exc).startswith("model.") else f"model.pretrained: {exc}")
     if cfg.lora.init_from:
         from raylora.model import lora_init
 

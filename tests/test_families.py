@@ -146,7 +146,7 @@ def test_unknown_pipeline_is_named_with_the_supported_ones():
 
 
 def test_model_expert_is_required_by_a_pipeline_of_experts_and_refused_by_any_other(tiny, demo_data,
-                                                                                   tmp_path):
+                                                                                   tmp_path, capsys):
     """Wan 2.2 A14B samples with ``transformer`` for σ ≥ ``boundary_ratio`` and
     ``transformer_2`` below it; a run trains the one ``model.expert`` names. The check every
     run makes before its workers start names the key and the folder: no expert for such a
@@ -155,6 +155,7 @@ def test_model_expert_is_required_by_a_pipeline_of_experts_and_refused_by_any_ot
     cache entry."""
     import shutil
 
+    from raylora.cli import main
     from raylora.config import ConfigError, validate
     from raylora.data.cache import fingerprint
     from raylora.data.plan import plan_data
@@ -173,8 +174,19 @@ def test_model_expert_is_required_by_a_pipeline_of_experts_and_refused_by_any_ot
         try:
             plan(cfg, heldout=False)
         except ConfigError as exc:
-            return str(exc)
-        return ""
+            said = str(exc)
+        else:
+            said = ""
+        # `raylora plan`, the pre-submit check, refuses what train refuses (it said "fits")
+        job = tmp_path / "job.yaml"
+        job.write_text(json.dumps(json.loads(cfg.model_dump_json(exclude_defaults=True))))
+        capsys.readouterr()
+        code = main(["plan", str(job), "scaling.gpu_memory_gb=80"])
+        err = capsys.readouterr().err
+        assert code == (2 if said else 0), (said, err)
+        if "missing component" not in err:  # which plan stops at before the family's checks
+            assert all(ln in err for ln in said.splitlines() if "model.expert" in ln), (said, err)
+        return said
 
     assert problems(two, "low_noise") == problems(two, "high_noise") == ""
     low, high = config(two, "low_noise"), config(two, "high_noise")

@@ -814,13 +814,16 @@ def init_ray(need_cpus: float = 0) -> bool:
 MIN_WORKER_CPUS = 0.05
 
 
+def _fits_on(node: dict, s, cpus_per_worker: float) -> int:
+    """How many workers of ``cpus_per_worker`` CPUs (+ 1 GPU) one node's resources hold."""
+    k = int(node.get("CPU", 0) / cpus_per_worker + 1e-9)
+    return min(k, int(node.get("GPU", 0))) if s.use_gpu else k
+
+
 def _placeable(nodes: list[dict], s, cpus_per_worker: float) -> int:
     """How many workers of ``cpus_per_worker`` CPUs (+ 1 GPU) the nodes hold under
     ``scaling.placement_strategy``."""
-    fits = []
-    for r in nodes:
-        k = int(r.get("CPU", 0) / cpus_per_worker + 1e-9)
-        fits.append(min(k, int(r.get("GPU", 0))) if s.use_gpu else k)
+    fits = [_fits_on(r, s, cpus_per_worker) for r in nodes]
     if s.placement_strategy == "STRICT_PACK":
         return max(fits, default=0)
     if s.placement_strategy == "STRICT_SPREAD":
@@ -828,12 +831,61 @@ def _placeable(nodes: list[dict], s, cpus_per_worker: float) -> int:
     return sum(fits)
 
 
-def fit_worker_cpus(nodes: list[dict], s, want: int, data_cpus: tuple[float, float]) -> float:
+def _placement(nodes: list[dict], s, cpus_per_worker: float, want: int) -> list[int]:
+    """Workers on each of ``nodes`` (in their order) where Ray's placement group puts
+    ``want`` of them (fewer where the nodes hold fewer) under
+    ``scaling.placement_strategy``: PACK on as few nodes as hold them, each filled before
+    the next; SPREAD one a node in turn. Among equals, the node left with the fewest CPUs
+    first: Ray scores the nodes for a bundle best fit."""
+    fits = [_fits_on(r, s, cpus_per_worker) for r in nodes]
+
+    def left(i: int, k: int) -> float:
+        return nodes[i].get("CPU", 0) - k * cpus_per_worker
+
+    on = [0] * len(nodes)
+    if s.placement_strategy in ("PACK", "STRICT_PACK"):
+        for i in sorted(range(len(nodes)), key=lambda i: (-min(fits[i], want), left(i, min(fits[i], want)))):
+            on[i] = min(fits[i], want - sum(on))
+            if s.placement_strategy == "STRICT_PACK":
+                break
+    else:
+        most = 1 if s.placement_strategy == "STRICT_SPREAD" else want
+        for _ in range(want):
+            room = [i for i in range(len(nodes)) if on[i] < min(fits[i], most)]
+            if not room:
+                break
+            i = min(room, key=lambda i: (on[i], left(i, on[i] + 1)))
+            on[i] += 1
+    return on
+
+
+def _feeds(nodes: list[dict], s, cpus_per_worker: float, want: int, tasks: int, task: float) -> bool:
+    """Whether ``want`` workers placed as Ray places them (``_placement``) leave room for
+    ``tasks`` of Ray Data's tasks of ``task`` CPUs. A task runs on one node: CPUs left
+    over on several nodes do not add up (two 1-CPU nodes, a worker of 0.75 on each: 0.5
+    CPU free in all, no 0.5-CPU task could start, and the run waited forever)."""
+    on = _placement(nodes, s, cpus_per_worker, want)
+    return sum(int((r.get("CPU", 0) - k * cpus_per_worker) / task + 1e-9)
+               for r, k in zip(nodes, on)) >= tasks
+
+
+def stage_task_cpus(data) -> float:
+    """The CPUs one of Ray Data's read/preprocess tasks asks for (``data_stage_cpus``
+    counts them in all): it must find them on a single node."""
+    from raylora.data.cache import CACHED_READ_CPUS
+    from raylora.data.source import STAGE_CPUS
+
+    return CACHED_READ_CPUS if data.cache == "latents" else STAGE_CPUS
+
+
+def fit_worker_cpus(nodes: list[dict], s, want: int, data_cpus: tuple[float, float],
+                    task_cpus: float) -> float:
     """The CPUs to request per training worker on a cluster of ``nodes`` (their Ray
     resources): ``scaling.cpus_per_worker`` when the workers fit and leave Ray Data the
-    ``data_cpus[0]`` CPUs it cannot stream without (``source.data_stage_cpus``), else
-    less, so that a small cluster (a 2-CPU laptop head with 2 workers) runs instead of
-    hanging with every CPU held by workers that wait for data. Ray does not confine a
+    ``data_cpus[0]`` CPUs it cannot stream without (``source.data_stage_cpus``), in
+    tasks of ``task_cpus`` (``stage_task_cpus``) on the nodes as Ray places the workers,
+    else less, so that a small cluster (a 2-CPU laptop head with 2 workers) runs instead
+    of hanging with every CPU held by workers that wait for data. Ray does not confine a
     worker to its logical CPUs: they decide placement and OMP_NUM_THREADS (the floor, at
     least 1), so a worker of 0.5 CPU computes like one of 1.
 
@@ -852,28 +904,33 @@ def fit_worker_cpus(nodes: list[dict], s, want: int, data_cpus: tuple[float, flo
             "scaling.cpus_per_worker, or set scaling.autoscaling: true if the cluster grows on demand"
         ])
     least, enough = data_cpus
-    if cpus - want * cpw >= least - 1e-9:
+    fewest = math.ceil(least / task_cpus - 1e-9)  # tasks
+    if _feeds(nodes, s, cpw, want, fewest, task_cpus):
         return cpw
-    # As much data room as there is worth giving, then the least that streams at all.
+    # As much data room as there is worth giving, then the least that streams at all. The
+    # cluster's CPUs bound the request (whole hundredths); per node it may take less.
     for room in (min(enough, cpus / 2), least):
         room = max(room, least)
-        share = int((cpus - room) / want * 100 + 1e-9) / 100  # whole hundredths, rounded down
-        if share >= MIN_WORKER_CPUS and _placeable(nodes, s, share) >= want:
-            return min(share, cpw)
+        tasks = max(int(room / task_cpus + 1e-9), fewest)
+        top = min(int((cpus - room) / want * 100 + 1e-9), int(cpw * 100 + 1e-9))
+        for share in (h / 100 for h in range(top, round(MIN_WORKER_CPUS * 100) - 1, -1)):
+            if _placeable(nodes, s, share) >= want and _feeds(nodes, s, share, want, tasks, task_cpus):
+                return share
     raise ConfigError([
         f"scaling.cpus_per_worker: the cluster's {cpus:g} CPUs cannot hold {want} training "
         f"worker(s) and Ray Data's read/preprocess tasks beside them, which need at least "
-        f"{least:g} CPU for this data.sharding and data.cache: at least "
-        f"{want * MIN_WORKER_CPUS + least:g} CPUs in all. Add CPUs (cluster/local-up.sh "
-        "--cpus N), lower scaling.num_workers, or set "
+        f"{least:g} CPU for this data.sharding and data.cache, in tasks of {task_cpus:g} CPU "
+        f"that each run on one node: at least {want * MIN_WORKER_CPUS + least:g} CPUs in all. "
+        "Add CPUs (cluster/local-up.sh --cpus N), lower scaling.num_workers, or set "
         "scaling.autoscaling: true if the cluster grows on demand"
     ])
 
 
-def fit_elastic_workers(nodes: list[dict], s, data_cpus: Callable[[int], tuple[float, float]]
-                        ) -> tuple[float, int]:
+def fit_elastic_workers(nodes: list[dict], s, data_cpus: Callable[[int], tuple[float, float]],
+                        task_cpus: float) -> tuple[float, int]:
     """An elastic run's ``(CPUs per worker, most workers)`` on a cluster of ``nodes``;
-    ``data_cpus(n)``: what Ray Data needs beside ``n`` workers (``source.data_stage_cpus``).
+    ``data_cpus(n)``: what Ray Data needs beside ``n`` workers (``source.data_stage_cpus``),
+    in tasks of ``task_cpus``.
 
     Ray Train starts an elastic run with as many workers as the nodes hold, up to max, and
     knows nothing of the data stage: fitted for min only, a 2-CPU cluster took 2 of
@@ -884,17 +941,17 @@ def fit_elastic_workers(nodes: list[dict], s, data_cpus: Callable[[int], tuple[f
     (then a node that joins later adds none). ConfigError, as ``fit_worker_cpus`` words
     it for min, when not even min fits."""
     lo, hi = s.min_workers, s.max_workers
-    cpus = sum(r.get("CPU", 0) for r in nodes)
 
     def feeds(cpw: float) -> bool:  # what Ray Train places at cpw leaves the data stage room
         placed = min(hi, _placeable(nodes, s, cpw))
-        return placed >= lo and cpus - placed * cpw >= data_cpus(placed)[0] - 1e-9
+        tasks = math.ceil(data_cpus(placed)[0] / task_cpus - 1e-9)
+        return placed >= lo and _feeds(nodes, s, cpw, placed, tasks, task_cpus)
 
     if feeds(s.cpus_per_worker):
         return s.cpus_per_worker, hi
     for n in range(hi, lo - 1, -1):
         try:
-            cpw = fit_worker_cpus(nodes, s, n, data_cpus(n))
+            cpw = fit_worker_cpus(nodes, s, n, data_cpus(n), task_cpus)
         except ConfigError:
             if n > lo:
                 continue
@@ -910,18 +967,20 @@ def fitted_to(cfg: RayLoraConfig, nodes: list[dict], num_workers: int | None = N
     s = cfg.scaling
     cpus = sum(r.get("CPU", 0) for r in nodes)
     most = s.max_workers
+    task = stage_task_cpus(cfg.data)
     if s.elastic and num_workers is None:
-        cpw, most = fit_elastic_workers(nodes, s, lambda n: data_stage_cpus(cfg.data, n))
+        cpw, most = fit_elastic_workers(nodes, s, lambda n: data_stage_cpus(cfg.data, n), task)
         want = most
     else:
         want = s.min_workers if num_workers is None else num_workers
-        cpw = fit_worker_cpus(nodes, s, want, data_stage_cpus(cfg.data, want))
+        cpw = fit_worker_cpus(nodes, s, want, data_stage_cpus(cfg.data, want), task)
     if cpw != s.cpus_per_worker:
         log.warning(
             "scaling.cpus_per_worker: %g → %g: %d worker(s) of %g CPU would leave Ray Data "
-            "none of the cluster's %g CPUs for reading and preprocessing (the run would wait "
-            "forever); give the cluster more CPUs to keep the request",
-            s.cpus_per_worker, cpw, want, s.cpus_per_worker, cpus)
+            "too little of the cluster's %g CPUs for reading and preprocessing, in tasks of "
+            "%g CPU each on one node (the run would wait forever); give the cluster more CPUs "
+            "to keep the request",
+            s.cpus_per_worker, cpw, want, s.cpus_per_worker, cpus, task)
     update = {"scaling": s.model_copy(update={"cpus_per_worker": cpw})}
     if most < s.max_workers:
         t = cfg.train
@@ -955,6 +1014,108 @@ def check_cluster_fits(cfg: RayLoraConfig, num_workers: int | None = None) -> Ra
         return cfg
     return fitted_to(cfg, [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")],
                      num_workers)
+
+
+# Why each local place a run writes must be one folder that every node sees: what Ray
+# Train and Ray Data write on one node, another node reads.
+_SHARED_WHY = {
+    "output.uri": "every node's workers write their checkpoints there, and Ray Train stops "
+                  "the run at its first checkpoint upload (checkpoint.every_n_steps steps in, "
+                  "their training lost) unless all nodes can read and write it",
+    "data.cache_uri": "Ray Data's tasks write the latent cache's parts on any node, and every "
+                      "worker reads them all",
+}
+
+
+def unshared_places(places: dict[str, str], missing: dict[str, list[str]],
+                    nodes: int) -> tuple[list[str], list[str]]:
+    """``(problems, warnings)``, as ``key: why`` lines, for the local ``places`` (key →
+    path) that nodes do not see: ``missing`` (key → the nodes, of the cluster's ``nodes``,
+    on which a marker written there was not found: ``nodes_not_seeing``). A compile cache
+    one node keeps only leaves the others compiling cold: a warning, not a refusal."""
+    problems, warnings = [], []
+    for key, lost in missing.items():
+        if not lost:
+            continue
+        line = (f"{key}: {places[key]} is a local folder that {len(lost)} of the cluster's "
+                f"{nodes} nodes do not see ({', '.join(lost)})")
+        if key in _SHARED_WHY:
+            problems.append(f"{line}: {_SHARED_WHY[key]}. Use object storage (s3://, gs://) "
+                            "or a folder every node mounts (NFS)")
+        else:
+            warnings.append(f"{line}: workers there do not find what was compiled before and "
+                            "compile cold")
+    return problems, warnings
+
+
+def _sees(path: str) -> bool:
+    return os.path.exists(path)
+
+
+def nodes_not_seeing(path: str, nodes: list[dict]) -> list[str]:
+    """The nodes of ``nodes`` (``ray.nodes()`` entries) on which ``path`` does not exist, as
+    ``address (node id)``: a 0-CPU task pinned to each asks. One that cannot answer within
+    a minute (gone, or still starting) is left out with a warning: the run finds out then."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    sees = ray.remote(num_cpus=0, max_retries=0)(_sees)
+    asked = {sees.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+        n["NodeID"], soft=False)).remote(path): n for n in nodes}
+    done, _ = ray.wait(list(asked), num_returns=len(asked), timeout=60)
+    lost = []
+    for ref, node in asked.items():
+        name = f"{node['NodeManagerAddress']} (node {node['NodeID'][:12]})"
+        if ref not in done:
+            log.warning("%s did not say within a minute whether it sees %s", name, path)
+            continue
+        try:
+            seen = ray.get(ref)
+        except ray.exceptions.RayError as exc:  # gone since ray.nodes(), or its worker failed
+            log.warning("%s could not look for %s: %s", name, path, exc)
+            continue
+        if not seen:
+            lost.append(name)
+    return lost
+
+
+def check_shared_places(cfg: RayLoraConfig) -> None:
+    """On a cluster of several nodes, every local folder the run writes (output.uri; a
+    latent or compile cache set apart from it) must be one that all nodes see: a marker
+    written into it (its nearest existing folder: nothing is created) is looked for on
+    each node. ConfigError naming the key and the nodes that do not see it, before
+    training; the run died at its first checkpoint upload. Object storage is not probed."""
+    import ray
+
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    places = {"output.uri": cfg.output.uri, "train.compile_cache_uri": cfg.train.compile_cache_uri}
+    if cfg.data.cache == "latents":
+        places["data.cache_uri"] = cfg.data.cache_uri
+    places = {k: u for k, u in places.items() if u and storage.is_local(u)}
+    if len(alive) < 2 or not places:
+        return
+    import uuid
+
+    missing = {}
+    for key, uri in places.items():
+        folder = storage.local_path(uri)
+        while not os.path.lexists(folder):
+            folder = os.path.dirname(folder)
+        marker = os.path.join(folder, f".raylora-node-check-{uuid.uuid4().hex[:8]}")
+        try:
+            with open(marker, "x"):
+                pass
+        except OSError:  # not writable: write_problems said so before Ray started
+            continue
+        try:
+            missing[key] = nodes_not_seeing(marker, alive)
+        finally:
+            os.unlink(marker)
+    problems, warnings = unshared_places(places, missing, len(alive))
+    for line in warnings:
+        log.warning("%s", line)
+    if problems:
+        raise ConfigError(problems)
 
 
 def _process_setup_hook(secrets: dict[str, str]):
@@ -1099,8 +1260,9 @@ def prepared(cfg: RayLoraConfig, setup: Setup, run: Prepared | None = None) -> I
     """The one preamble of every run: ``checked``, then Ray joined or started (storage
     settings and secrets reach the workers through ``job_runtime_env``, quiet logging),
     the memory preflight on the cluster's own GPUs, the cluster checked to hold the
-    workers, the run's desk (raylora.desk) and latent cache. On the way out the desk is
-    stopped and a Ray this call started is shut down."""
+    workers and, with several nodes, to see the local folders the run writes
+    (``check_shared_places``), the run's desk (raylora.desk) and latent cache. On the way
+    out the desk is stopped and a Ray this call started is shut down."""
     from raylora.track import tracking_problem
 
     run = run or checked(cfg, setup)  # (``run``: ``checked`` already ran)
@@ -1116,6 +1278,7 @@ def prepared(cfg: RayLoraConfig, setup: Setup, run: Prepared | None = None) -> I
             preflight.check_memory(cfg, cluster=True, variants=_variants(cfg, setup),
                                    commit=run.plan.model_commit)
         run.cfg = check_cluster_fits(cfg, num_workers=setup.num_workers)
+        check_shared_places(cfg)
         run.plan = replace(run.plan, bad_records=desk.start())  # the workers get its name
         run.plan = apply_cache(run.cfg, run.plan)
         run.plan = apply_class_images(run.cfg, run.plan)
@@ -1196,7 +1359,7 @@ def _exported_again(pre: Prepared) -> dict | None:
     metrics = finished_metrics(store, checkpoints, p.max_steps)
     if metrics is None:
         return None
-    if changed := _changed_since_export(cfg, store):
+    if changed := _changed_since_export(cfg, store, p.family):
         raise ConfigError([
             f"{', '.join(changed)}: this output.uri's run finished at step {p.max_steps} "
             f"trained with {', '.join(f'{k}={json.dumps(v[0])}' for k, v in changed.items())}; "
@@ -1227,12 +1390,16 @@ _EXPORT_ONLY = ("output.", "export.", "tracking.", "checkpoint.", "failure.", "v
                 "model.pretrained", "model.revision")
 
 
-def _changed_since_export(cfg: RayLoraConfig, store) -> dict[str, tuple]:
+def _changed_since_export(cfg: RayLoraConfig, store, family: str) -> dict[str, tuple]:
     """Training settings of ``cfg`` other than those the finished run's exported adapter
     recorded (its raylora.json): key → (then, now). A rerun of a finished run with another
     learning rate or data re-published the old weights under a card and raylora.json
-    naming the new values. {} when nothing was exported yet (nothing to compare)."""
+    naming the new values. {} when nothing was exported yet (nothing to compare).
+    Target modules compare as the resume check compares them (``family``: the model's
+    resolved family): the same names in another order, or the family's default list
+    written out for null, are the same LoRA (they were refused as another)."""
     from raylora.checkpoint.export import RUN_META
+    from raylora.checkpoint.recorded import _resolved, _same
     from raylora.checkpoint.state import ADAPTER_DIR
 
     uri = storage.join(cfg.output.uri, ADAPTER_DIR, RUN_META)
@@ -1249,7 +1416,8 @@ def _changed_since_export(cfg: RayLoraConfig, store) -> dict[str, tuple]:
 
     old, new = flat(then), flat(cfg.to_dict())
     return {k: (old[k], new[k]) for k in new
-            if k in old and old[k] != new[k] and not k.startswith(_EXPORT_ONLY)}
+            if k in old and not k.startswith(_EXPORT_ONLY)
+            and not _same(k, _resolved(k, old[k], family), _resolved(k, new[k], family))}
 
 
 def check_bad_records(cfg: RayLoraConfig, p: Plan) -> dict:

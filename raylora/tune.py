@@ -109,19 +109,19 @@ def trial_cpus_per_worker(cfg: RayLoraConfig, nodes: list[dict], concurrency: in
     for a running one to end, as they did."""
     from raylora.config import ConfigError
     from raylora.data.source import data_stage_cpus
-    from raylora.launch import fit_worker_cpus
+    from raylora.launch import fit_worker_cpus, stage_task_cpus
 
     s = cfg.scaling
     if s.autoscaling:  # the cluster grows to the request (as check_cluster_fits keeps it)
         return s.cpus_per_worker
-    data = data_stage_cpus(cfg.data, s.min_workers)
+    data, task = data_stage_cpus(cfg.data, s.min_workers), stage_task_cpus(cfg.data)
     if concurrency > 1:
         share = [{**n, "CPU": n.get("CPU", 0.0) / concurrency} for n in nodes]
         try:
-            return fit_worker_cpus(share, s, s.min_workers, data)
+            return fit_worker_cpus(share, s, s.min_workers, data, task)
         except ConfigError:
             pass
-    return fit_worker_cpus(nodes, s, s.min_workers, data)
+    return fit_worker_cpus(nodes, s, s.min_workers, data, task)
 
 
 def trial_config(cfg: RayLoraConfig, cpus_per_worker: float) -> RayLoraConfig:

@@ -607,3 +607,29 @@ def test_images_per_s_leaves_out_the_evaluation_before_it(base_config, batches, 
     rates = [r["images_per_s"] for r in rows]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert max(rates) / min(rates) < 2, rates  # step 3: 2 / ~103 s before
+
+
+def test_a_finished_runs_target_modules_in_another_order_export_again(tmp_path):
+    """Rerunning a finished run with lora.target_modules [to_k, to_q, ...] where it trained
+    [to_q, to_k, ...], or with the family's default list written out for null, was refused
+    ("Set them back to export it again") though the resume check takes both as the same
+    LoRA (README: the same names in another order are the same LoRA). Another set, or
+    another learning rate, is still named."""
+    import json
+
+    from raylora.launch import _changed_since_export
+
+    def config(**lora):
+        return validate({"model": {"pretrained": "m"}, "data": {"uri": "d"},
+                         "output": {"uri": str(tmp_path / "out")}, "lora": lora})
+
+    trained = config(target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+    (tmp_path / "out" / "adapter").mkdir(parents=True)
+    (tmp_path / "out" / "adapter" / "raylora.json").write_text(json.dumps({"config": trained.to_dict()}))
+    store = trained.storage.client()
+    assert _changed_since_export(config(target_modules=["to_k", "to_q", "to_v", "to_out.0"]), store, "sd") == {}
+    assert _changed_since_export(config(target_modules=None), store, "sd") == {}  # SD's default
+    assert _changed_since_export(config(target_modules=["to_q", "to_k"]), store, "sd") == {
+        "lora.target_modules": (["to_q", "to_k", "to_v", "to_out.0"], ["to_q", "to_k"])}
+    assert _changed_since_export(config(target_modules=["to_k", "to_q", "to_v", "to_out.0"], rank=8),
+                                 store, "sd") == {"lora.rank": (trained.lora.rank, 8)}

@@ -348,3 +348,53 @@ def test_num_epochs_resumed_on_more_workers_ends_at_the_epochs_end(ray_local, ti
         [(s, 0, 1) for s in range(1, 7)] + [(s, 0, 2) for s in range(7, 12)])
     # Epoch 0's 32 rows, each once: 6 steps of 1 × 2, 5 of 2 × 2.
     assert sum(r["world_size"] * 2 for r in rows) == 32
+
+
+def test_a_local_output_that_a_node_does_not_see_is_refused_before_training(ray_local, tmp_path,
+                                                                            monkeypatch):
+    """A local output.uri on a cluster of several nodes: Ray Train stopped the run at its
+    first checkpoint upload ("Check that all nodes in the cluster have read/write access"),
+    after checkpoint.every_n_steps steps. Now a marker left there is looked for on every
+    node by a task pinned to it, and a node that does not see it refuses the run."""
+    import ray
+
+    from raylora import launch
+    from raylora.config import ConfigError
+
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    here = f"{nodes[0]['NodeManagerAddress']} (node {nodes[0]['NodeID'][:12]})"
+    (tmp_path / "marker").write_text("")
+    assert launch.nodes_not_seeing(str(tmp_path / "marker"), nodes) == []
+    lost = launch.nodes_not_seeing(str(tmp_path / "absent"), nodes)
+    assert lost == [here] and len(nodes) == 1
+    out = str(tmp_path / "out")
+    problems, warnings = launch.unshared_places({"output.uri": out}, {"output.uri": lost}, 2)
+    assert warnings == [] and problems == [
+        f"output.uri: {out} is a local folder that 1 of the cluster's 2 nodes do not see "
+        f"({here}): every node's workers write their checkpoints there, and Ray Train stops "
+        "the run at its first checkpoint upload (checkpoint.every_n_steps steps in, their "
+        "training lost) unless all nodes can read and write it. Use object storage (s3://, "
+        "gs://) or a folder every node mounts (NFS)"]
+    # A compile cache one node keeps: its workers compile cold, the run goes on.
+    _, warnings = launch.unshared_places({"train.compile_cache_uri": out},
+                                         {"train.compile_cache_uri": lost}, 2)
+    assert warnings[0].endswith("do not see (" + here + "): workers there do not find what "
+                                "was compiled before and compile cold")
+    # The check itself on two nodes (the second one seen by a stub): the marker goes into
+    # output.uri's nearest folder, is asked about, and is gone after; one node alone is
+    # not asked at all.
+    cfg = validate({"model": {"pretrained": "m"}, "data": {"uri": "d"}, "output": {"uri": out}})
+    asked = []
+
+    def not_seeing(path, alive):
+        asked.append((os.path.dirname(path), os.path.exists(path), len(alive)))
+        return lost
+
+    monkeypatch.setattr(launch, "nodes_not_seeing", not_seeing)
+    launch.check_shared_places(cfg)
+    assert asked == []
+    monkeypatch.setattr(ray, "nodes", lambda: nodes + [{**nodes[0], "NodeID": "f" * 56}])
+    with pytest.raises(ConfigError) as exc:
+        launch.check_shared_places(cfg)
+    assert exc.value.problems == problems
+    assert asked == [(str(tmp_path), True, 2)] and sorted(os.listdir(tmp_path)) == ["marker"]

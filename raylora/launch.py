@@ -1369,14 +1369,39 @@ def _exported_again(pre: Prepared) -> dict | None:
             "own output.uri"])
     log.info("%s: this output.uri's run finished at step %d; exporting that checkpoint again "
              "(nothing to train)", pre.resume, p.max_steps)
+    # What only the training run learned of its data (the rows its decode passed and
+    # dropped, its latent cache entry, its class images) is in the raylora.json this
+    # export replaces, and nothing reads the data again here: carried over, not lost.
+    record = p.to_dict() | _trained_data_record(cfg, store)
     if storage.is_local(pre.resume):
-        summary = export_run(storage.local_path(pre.resume), cfg, metrics, p.to_dict())
+        summary = export_run(storage.local_path(pre.resume), cfg, metrics, record)
     else:
         with tempfile.TemporaryDirectory(prefix="raylora-final-") as d:
             store.download_dir(pre.resume, d)
-            summary = export_run(d, cfg, metrics, p.to_dict())
-    return {**summary, "checkpoints": checkpoints, "rows_decoded": None,
+            summary = export_run(d, cfg, metrics, record)
+    return {**summary, "checkpoints": checkpoints, "rows_decoded": record.get("rows_decoded"),
+            **({"class_images": record["class_images"]} if record.get("class_images") else {}),
             **({"buckets": p.bucket_summary()} if p.bucket_steps is not None else {})}
+
+
+# raylora.json's data keys that only a training run knows → the plan keys export_run
+# writes them from.
+_TRAINED_DATA = {"cache_uri": "cache_uri", "cache_reused": "cache_reused",
+                 "bad_records": "bad_records_counts", "rows_decoded": "rows_decoded",
+                 "bad_examples": "bad_examples", "class_images": "class_images"}
+
+
+def _trained_data_record(cfg: RayLoraConfig, store) -> dict:
+    """The finished run's record of its data (``_TRAINED_DATA``) from the raylora.json it
+    exported, as plan keys; {} when there is none to read."""
+    from raylora.checkpoint.export import RUN_META
+    from raylora.checkpoint.state import ADAPTER_DIR
+
+    try:
+        data = json.loads(store.read_bytes(storage.join(cfg.output.uri, ADAPTER_DIR, RUN_META))).get("data")
+    except (OSError, ValueError):
+        return {}
+    return {key: data[k] for k, key in _TRAINED_DATA.items() if isinstance(data, dict) and data.get(k) is not None}
 
 
 # Keys a finished run may be exported again with another value of: where and how it is

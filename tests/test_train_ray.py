@@ -208,7 +208,8 @@ def test_a_finished_run_run_again_exports_its_final_checkpoint_without_ray(first
     latest = json.loads((out / "train" / SNAPSHOT).read_text())["latest_checkpoint_result"]
     steps = latest["metrics"]["step"]  # 6, or 20 after the resume test
     adapter = (out / "adapter" / "pytorch_lora_weights.safetensors").read_bytes()
-    (out / "adapter").rename(out / "adapter-before")
+    (out / "adapter" / "pytorch_lora_weights.safetensors").unlink()  # written again below
+    before = json.loads((out / "adapter" / "raylora.json").read_text())["data"]
     checkpoints = local_sizes(str(out / "train"))
 
     def no_ray(*_):
@@ -222,6 +223,11 @@ def test_a_finished_run_run_again_exports_its_final_checkpoint_without_ray(first
     assert (out / "adapter" / "pytorch_lora_weights.safetensors").read_bytes() == adapter
     meta = json.loads((out / "adapter" / "raylora.json").read_text())
     assert meta["metrics"]["steps"] == steps and isinstance(meta["metrics"]["steps"], int)
+    # What the training run counted of its data stays: the rerun reads no data (it wrote
+    # rows_decoded None, and a DreamBooth run's class_images went missing).
+    assert before["rows_decoded"] > 0
+    assert meta["data"]["rows_decoded"] == summary["rows_decoded"] == before["rows_decoded"]
+    assert meta["data"]["bad_records"] == before["bad_records"]
     # Run again with another learning rate: the weights were not trained with it, so
     # their card and raylora.json must not say so (they did); nothing is written.
     from raylora.config import ConfigError

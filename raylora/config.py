@@ -1963,6 +1963,7 @@ def _metric_problems(cfg: RayLoraConfig) -> list[str]:
 def _tune_checks(cfg: RayLoraConfig) -> list[str]:
     """Every search dimension must name a real config value, and every value it can take
     (each option, or both ends of a range) must give a valid config."""
+    import importlib
     import importlib.util
 
     tn = cfg.tune
@@ -1972,8 +1973,19 @@ def _tune_checks(cfg: RayLoraConfig) -> list[str]:
             "tune.metric: eval_loss needs held-out data (data.validation_split or "
             "data.validation_uri); or use tune.metric=train_loss"
         )
-    if tn.search_alg in ("optuna", "hyperopt") and importlib.util.find_spec(tn.search_alg) is None:
-        problems.append(f"tune.search_alg: {tn.search_alg} is not installed (pip install {tn.search_alg})")
+    if tn.search_alg in ("optuna", "hyperopt"):
+        # Imported, not only found: hyperopt 0.2.7 is found but imports pkg_resources, which
+        # today's setuptools lacks, and the search then died in Ray saying "HyperOpt must be
+        # installed!" of an installed package.
+        fix = f"pip install -e '.[{tn.search_alg}]'"
+        if importlib.util.find_spec(tn.search_alg) is None:
+            problems.append(f"tune.search_alg: {tn.search_alg} is not installed ({fix})")
+        else:
+            try:
+                importlib.import_module(tn.search_alg)
+            except ImportError as exc:
+                problems.append(f"tune.search_alg: {tn.search_alg} is installed but cannot be "
+                                f"imported ({exc}); {fix}")
     if not tn.sampled and tn.samples > 1 and "train.seed" not in tn.search_space:
         # Ray Tune repeats the grid num_samples times; nothing sampled and one train.seed
         # make every repeat the same trial, paid for again.

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable, TypeVar
 from urllib.parse import urlparse
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 T = TypeVar("T")
@@ -476,7 +477,8 @@ class Storage:
         (``complete_upload``). ``growing``: files may still be appended to while this runs
         (a tracker's logs), so only their presence is checked, not their size."""
         fs, path = self.fs(uri)
-        pafs.copy_files(local_dir, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+        pafs.copy_files(local_dir, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs,
+                        use_threads=not _S3_COPY_DEADLOCKS or not isinstance(fs, pafs.S3FileSystem))
         complete_upload(local_dir, fs, path, what=uri, sizes=not growing)
 
     def download_dir(self, uri: str, local_dir: str,
@@ -794,6 +796,12 @@ def _glob_regex(pattern: str) -> re.Pattern:
             out.append(re.escape(c))
         i += 1
     return re.compile("".join(out))
+
+
+# pyarrow before 19 deadlocked copying a folder of 8 or more files to S3 with threads
+# (apache/arrow GH-15233): pyproject asks for 19, but a cluster image's own pyarrow is what
+# a job there runs with (Ray Train copies to S3 without threads for the same reason).
+_S3_COPY_DEADLOCKS = int(pa.__version__.split(".")[0]) < 19
 
 
 def _short(exc: Exception) -> str:

@@ -677,3 +677,21 @@ def test_lr_find_takes_a_config_whose_wandb_and_elastic_keys_it_drops():
     swept = _lr_find_config(cfg, SimpleNamespace(start_lr=1e-6, end_lr=1e-2, num_steps=10))
     assert (swept.tracking.backend, swept.tracking.run_name, swept.scaling.num_workers) == \
         ("none", None, 1)
+
+
+def test_a_search_algorithm_that_cannot_be_imported_is_refused_before_ray(tmp_path, monkeypatch):
+    """hyperopt 0.2.7 on today's setuptools is found (importlib's find_spec, all the check
+    asked) but its import of pkg_resources fails: the search died inside Ray with
+    "HyperOpt must be installed!" of an installed package."""
+    import sys
+
+    (tmp_path / "hyperopt").mkdir()
+    (tmp_path / "hyperopt" / "__init__.py").write_text("import pkg_resources_gone_from_setuptools\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "hyperopt", raising=False)
+    tree = {**MIN, "tune": {"search_alg": "hyperopt", "num_samples": 2,
+                            "search_space": {"train.learning_rate": {"loguniform": [1e-5, 1e-3]}}}}
+    with pytest.raises(ConfigError) as ei:
+        validate(tree)
+    assert ("tune.search_alg: hyperopt is installed but cannot be imported (No module named "
+            "'pkg_resources_gone_from_setuptools'); pip install -e '.[hyperopt]'") in ei.value.problems

@@ -1496,7 +1496,9 @@ def _elastic_checks(cfg: RayLoraConfig) -> list[str]:
                         "schedule is planned per worker count; use a fixed scaling.num_workers")
     if s.strategy != "ddp":
         problems.append(f"scaling.strategy: {s.strategy} cannot be combined with {key} (elastic): "
-                        "resuming sharded state on another number of workers is not supported; use ddp")
+                        "elastic resizes are not supported with FSDP's sharded state (a stopped "
+                        "FSDP run does resume on another fixed number of workers); use ddp, or a "
+                        "fixed scaling.num_workers")
     if cfg.tune is not None:
         problems.append(f"tune: cannot be combined with {key} (elastic); give Tune trials a "
                         "fixed scaling.num_workers")
@@ -1940,6 +1942,16 @@ LOSS_MEANINGS = {
 }
 
 
+# What sets how the held-out loss is measured, not what the adapter learned: trials that
+# differ in it are scored by different measurements (an untrained adapter's eval_loss
+# moved 0.6 % with them on the tiny model, as far apart as a short search's trials).
+EVAL_LOSS_MEANINGS = {
+    "validation.num_timesteps": "sets the timesteps at which the held-out loss (eval_loss) "
+                                "is measured",
+    "validation.seed": "draws the noise the held-out loss (eval_loss) is measured with",
+}
+
+
 def _metric_problems(cfg: RayLoraConfig) -> list[str]:
     """Searched keys whose values change the size of the loss ``tune.metric`` ranks
     trials by, whatever they learned: the search would pick the trial that measured a
@@ -1951,6 +1963,10 @@ def _metric_problems(cfg: RayLoraConfig) -> list[str]:
             problems.append(f"{where}: {LOSS_MEANINGS[key]}, so no tune.metric compares trials "
                             f"that differ in it; set {key} and search other keys (compare its "
                             "values by the previews of separate runs: validation.prompts)")
+        elif tn.metric == "eval_loss" and key in EVAL_LOSS_MEANINGS:
+            problems.append(f"{where}: {EVAL_LOSS_MEANINGS[key]}, so tune.metric eval_loss "
+                            "would rank trials by how each was measured, not by what it "
+                            f"learned; set {key} once for every trial")
         elif tn.metric == "train_loss" and key in TRAIN_LOSS_SCALES and (
                 key != "train.prior_loss_weight" or cfg.data.prior_preservation):
             problems.append(f"{where}: {TRAIN_LOSS_SCALES[key]}, so tune.metric train_loss "

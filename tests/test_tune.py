@@ -851,6 +851,20 @@ def test_train_loss_does_not_rank_a_search_of_what_weights_it():
                                                   "compares trials that differ in it; set "):
                 validate({**base, "data": {"uri": "d", "validation_split": 0.1},
                           "tune": {"metric": metric, "search_space": {key: dim}}})
+    # How the held-out loss is measured (its timesteps, its noise): eval_loss trials scored
+    # by different measurements; train_loss does not read them.
+    held = {"uri": "d", "validation_split": 0.1}
+    for key, dim, what in (("validation.num_timesteps", {"choice": [1, 8]}, "sets the timesteps"),
+                           ("validation.seed", {"choice": [0, 1]}, "draws the noise")):
+        with pytest.raises(ConfigError) as err:
+            validate({**base, "data": held, "tune": {"metric": "eval_loss", "search_space": {key: dim}}})
+        assert [p for p in err.value.problems if p.startswith(f"tune.search_space.{key}:")] == [
+            f"tune.search_space.{key}: {what} {'at which ' if 'timesteps' in what else ''}the "
+            f"held-out loss (eval_loss) is measured{' with' if 'noise' in what else ''}, so "
+            "tune.metric eval_loss would rank trials by how each was measured, not by what it "
+            f"learned; set {key} once for every trial"], key
+        assert key in validate({**base, "data": held, "tune": {
+            "metric": "train_loss", "search_space": {key: dim}}}).tune.search_space
 
 
 def rt_scales() -> dict:

@@ -1590,10 +1590,24 @@ def _unread_checks(cfg: RayLoraConfig) -> list[str]:
             ("scaling.resize_check_s", not cfg.scaling.elastic, "scaling.num_workers is a fixed "
              "count, not an elastic [min, max]", "drop it"),
             ("validation.num_inference_steps", not cfg.validation.prompts, "there are no "
-             "validation.prompts to render", "add prompts or drop it")):
+             "validation.prompts to render", "add prompts or drop it"),
+            ("validation.num_timesteps", not cfg.has_heldout, "there is no held-out data (its "
+             "loss is what it sets the timesteps of)",
+             "set data.validation_split or data.validation_uri, or drop it"),
+            ("train.groupnorm_fp32", cfg.train.mixed_precision != "bf16", "train.mixed_precision "
+             f"is {cfg.train.mixed_precision} (it chooses the GroupNorms' dtype under bf16 only)",
+             "drop it"),
+            ("data.shuffle_buffer_size", d.bucketing, "data.bucketing deals each bucket's batches "
+             "in its own seeded order, with no shuffle buffer", "drop it")):
         section, name = getattr(cfg, key.split(".")[0]), key.split(".")[1]
         if unused and getattr(section, name) != type(section).model_fields[name].default:
             out.append(f"{key}: set, but {why}: nothing reads it; {fix}")
+    tn = cfg.tune  # ASHA's keys: a fifo search runs every trial to its end
+    if tn is not None and tn.scheduler != "asha":
+        out += [f"tune.{key}: set, but tune.scheduler is {tn.scheduler}: only asha reads it "
+                "(a fifo search stops no trial early); set tune.scheduler: asha or drop it"
+                for key in ("max_t", "grace_period", "reduction_factor")
+                if getattr(tn, key) != TuneSection.model_fields[key].default]
     t = cfg.tracking  # wandb's keys: a tensorboard run has no project, mode or name either
     if t.backend != "wandb":
         out += [f"tracking.{key}: set, but tracking.backend is {t.backend}: only wandb reads it; "

@@ -1,9 +1,9 @@
 """`make test`: the suite as two pytest processes side by side, one lane each.
 
-- ray: the ~105 tests that start a Ray (see ``starts_ray`` in conftest.py), in the
+- ray: the ~150 tests that start a Ray (see ``starts_ray`` in conftest.py), in the
   foreground, its most waiting modules first (``WAITING_FIRST`` there). Only one lane
   starts Rays: by default every Ray's dashboard agent listens on the same port (52365).
-- free: the other ~890 (config, loss maths, in-process training, ...), at the lowest CPU
+- free: the other ~1200 (config, loss maths, in-process training, ...), at the lowest CPU
   priority with half the cores' threads, its output kept in a file and printed after.
 
 Why: the Ray tests alone leave the 2 cores here ~20 % idle (Ray processes starting and

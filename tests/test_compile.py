@@ -411,8 +411,7 @@ def test_compile_cache_entry_names_what_shapes_the_graphs(tiny_model, demo_data,
 
     same = {key(), key(train__learning_rate=3e-4), key(output__uri=str(tmp_path / "other")),
             key(train__max_steps=9), key(train__compile_cache_uri="s3://b/cc"),
-            key(moved, model__pretrained=str(elsewhere)), key(scaling__use_gpu=True),
-            key(train__groupnorm_fp32=True)}  # nothing to change without bf16
+            key(moved, model__pretrained=str(elsewhere)), key(scaling__use_gpu=True)}
     assert len(same) == 1
     other = [key(lora__rank=8), key(train__batch_size=4), key(data__resolution=32),
              key(train__mixed_precision="bf16"), key(train__compile="full"),

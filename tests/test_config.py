@@ -662,6 +662,35 @@ def test_keys_no_run_of_this_config_reads_are_refused():
         "validation.prompts=[a dog]", "tracking.backend=wandb"]))
 
 
+def test_keys_only_another_setting_reads_are_refused_where_it_is_off():
+    """tune.max_t with scheduler fifo (trials ran their whole max_steps), the held-out
+    loss's timesteps without held-out data, bf16's GroupNorm choice under fp32, a shuffle
+    buffer that bucketing does not use: accepted, and nothing read them."""
+    overrides = ["validation.num_timesteps=16", "train.groupnorm_fp32=true", "data.bucketing=true",
+                 "data.shuffle_buffer_size=16"]
+    with pytest.raises(ConfigError) as err:
+        validate(apply_overrides(MIN, overrides))
+    assert err.value.problems == [
+        "validation.num_timesteps: set, but there is no held-out data (its loss is what it "
+        "sets the timesteps of): nothing reads it; set data.validation_split or "
+        "data.validation_uri, or drop it",
+        "train.groupnorm_fp32: set, but train.mixed_precision is no (it chooses the "
+        "GroupNorms' dtype under bf16 only): nothing reads it; drop it",
+        "data.shuffle_buffer_size: set, but data.bucketing deals each bucket's batches in its "
+        "own seeded order, with no shuffle buffer: nothing reads it; drop it"]
+    validate(apply_overrides(MIN, overrides + [  # each with what reads it
+        "data.validation_split=0.1", "train.mixed_precision=bf16", "data.bucketing=false"]))
+    search = ["tune.metric=train_loss", "tune.scheduler=fifo", "tune.max_t=100",
+              "tune.grace_period=50", "tune.reduction_factor=4",
+              "tune.search_space.train.learning_rate={loguniform: [1e-5, 1e-3]}"]
+    with pytest.raises(ConfigError) as err:
+        validate(apply_overrides(MIN, search))
+    fifo = "only asha reads it (a fifo search stops no trial early); set tune.scheduler: asha or drop it"
+    assert err.value.problems == [f"tune.{k}: set, but tune.scheduler is fifo: {fifo}"
+                                  for k in ("max_t", "grace_period", "reduction_factor")]
+    validate(apply_overrides(MIN, search + ["tune.scheduler=asha"]))
+
+
 def test_lr_find_takes_a_config_whose_wandb_and_elastic_keys_it_drops():
     """lr-find runs one worker with no tracker: the config it trains by drops the wandb
     keys and resize_check_s, which a run without wandb or an elastic size now refuses."""

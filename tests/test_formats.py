@@ -1134,3 +1134,24 @@ def test_a_glob_or_a_file_over_a_caption_folder_finds_the_captions_beside_its_im
     assert (plan.format, plan.rows) == ("captionfolder", rows)
     [source] = plan.sources
     assert sorted(source.companions) == sorted(f[:-4] + ".txt" for f in source.files)
+
+
+def test_a_caption_extension_that_no_caption_folder_reads_is_refused(shards, tmp_path):
+    """A kohya user's data.caption_extension: .caption over parquet shards (their captions
+    are a column) did nothing, without a word; a source's own setting likewise."""
+    from raylora.data.plan import DataProblems
+
+    uris, _ = shards
+    with pytest.raises(DataProblems) as exc:
+        plan_data(DataSection(uri=uris["parquet"], caption_extension=".caption"), Storage())
+    assert exc.value.problems == ["data.caption_extension: set, but parquet data has no caption "
+                                  "files: only caption folders read it; drop it"]
+    mixed = DataSection(uri=None, caption_extension=".txt", sources=[
+        {"uri": uris["webdataset"], "caption_extension": ".caption"}, {"uri": uris["captionfolder"]}])
+    with pytest.raises(DataProblems) as exc:
+        plan_data(mixed, Storage())
+    assert exc.value.problems == [f"data.sources[0].caption_extension: set, but {uris['webdataset']} "
+                                  "is webdataset data: only caption folders read it; drop it"]
+    # read by the caption folder among the sources: kept
+    plan_data(DataSection(uri=None, caption_extension=".txt", sources=[
+        {"uri": uris["webdataset"]}, {"uri": uris["captionfolder"]}]), Storage())

@@ -583,7 +583,9 @@ def test_a_randint_dimension_is_bounded_by_the_values_trials_take(base_config):
     with pytest.raises(ConfigError, match=r"tune.max_t: 3 is below the step budget of the longest "
                                           r"trial \(4\)"):
         preflight(validate(tree))
-    base = {"model": {"pretrained": "m"}, "output": {"uri": "o"}, "data": {"uri": "d"}}
+    # (held-out data: the loss whose timesteps validation.num_timesteps sets)
+    base = {"model": {"pretrained": "m"}, "output": {"uri": "o"},
+            "data": {"uri": "d", "validation_split": 0.1}}
     steps = lambda bounds: {**base, "tune": {"metric": "train_loss", "search_space": {  # noqa: E731
         "validation.num_timesteps": {"randint": bounds}}}}
     assert validate(steps([1, 101])).tune.search_space["validation.num_timesteps"].values == [1, 100]

@@ -467,11 +467,31 @@ def plan_data(data: DataSection, storage: Storage) -> DataPlan:
     if data.sources is not None:
         problems += [f"{data.source_key(s.index, 'uri')}: {s.uri}: no rows"
                      for s in sources if not s.natural_rows()]
+    problems += _unread_caption_extension(data, sources)
     if problems:
         raise DataProblems(problems)
     # Each row's bucket is kept only where a partial copy is drawn per bucket.
     return DataPlan.of([s if s.fractional() else replace(s, row_buckets=None)
                         for s in apply_shares(data, sources)])
+
+
+def _unread_caption_extension(data: DataSection, sources: list[SourceFiles]) -> list[str]:
+    """data.caption_extension (or a source's) set where no caption folder reads it: parquet
+    or WebDataset data take their captions from a column or a member, and a kohya user's
+    ``.caption`` setting did nothing, without a word. Found once the formats are known."""
+    from raylora.config import DataSection
+
+    out = [f"{data.source_key(s.index, 'caption_extension')}: set, but {s.uri} is {s.format} "
+           "data: only caption folders read it; drop it"
+           for s in sources if data.sources is not None
+           and data.sources[s.index].caption_extension is not None and s.format != "captionfolder"]
+    # (class images in a caption folder read it too: planned apart, data.class_sources)
+    if (data.caption_extension != DataSection.model_fields["caption_extension"].default
+            and sources and not data.class_sources
+            and not any(s.format == "captionfolder" for s in sources)):
+        out.append(f"data.caption_extension: set, but {', '.join(sorted({s.format for s in sources}))} "
+                   "data has no caption files: only caption folders read it; drop it")
+    return out
 
 
 def _source_key(data: DataSection, i: int, key: str) -> str:

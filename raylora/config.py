@@ -1073,6 +1073,13 @@ class StorageSection(_Section):
         # connection scheme", naming neither this key nor the value.
         if v is not None and not re.match(r"https?://[^/]", v):
             raise ValueError(f"{v!r} is not an http:// or https:// URL (e.g. http://{v})")
+        if v is not None and "@" in v.split("://", 1)[1].split("/", 1)[0]:
+            # pyarrow takes "user:pass@host" for the host name ("Could not resolve"), and
+            # the config, printed and recorded, is no place for a password.
+            from raylora.storage import masked
+
+            raise ValueError(f"{masked(v)}: a user or password in the URL is not read; give "
+                             "the keys as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
         return v
 
     def client(self):
@@ -2142,6 +2149,11 @@ def _format_pydantic(err: ValidationError) -> list[str]:
             # only as "not 0", where a bound like "> 0" could read as the value)
             named = repr(got) in msg if isinstance(got, (str, list)) else f"not {got!r}" in msg
             shown = "" if isinstance(got, dict) or named else f" (got {got!r})"
+            if isinstance(got, str) and "@" in got:
+                from raylora.storage import masked
+
+                if masked(got) != got:  # a URL's password is never repeated (a check names it masked)
+                    shown = ""
             if e["type"] == "string_type" and type(got) in (int, float):
                 # YAML 1.1 reads an unquoted revision like 0123456 as the octal number 42798:
                 # the number alone names nothing the user wrote

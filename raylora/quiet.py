@@ -40,6 +40,11 @@ QUIET_LOGGERS = {
     "ray.data._internal.progress": logging.ERROR,  # "Progress bars disabled. To enable..."
     # "Token authentication is enabled for this Ray cluster" on every local start.
     "ray._private.authentication": logging.ERROR,
+    # huggingface_hub's client logs every request's URL at INFO ("HTTP Request: GET ..."):
+    # 45 lines for a tiny hub model's run, and a mirror's password with each where
+    # HF_ENDPOINT carries one (https://user:pass@mirror).
+    # (huggingface_hub 2.x's client is httpx2; httpx for the other clients)
+    **{name: logging.WARNING for name in ("httpx2", "httpcore2", "httpx", "httpcore")},
 }
 
 

@@ -156,6 +156,10 @@ def _s3(endpoint_url: str | None, region: str | None) -> pafs.S3FileSystem:
             raise ValueError(f"{source}: {endpoint!r} is not an http:// or https:// URL "
                              f"(e.g. http://{endpoint})")
         parsed = urlparse(endpoint)
+        if "@" in parsed.netloc:  # pyarrow took user:pass@host for the host name
+            source = "storage.endpoint_url" if endpoint_url else "AWS_ENDPOINT_URL"
+            raise ValueError(f"{source}: {masked(endpoint)}: a user or password in the URL is "
+                             "not read; give the keys as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
         kwargs["endpoint_override"] = parsed.netloc or parsed.path
         kwargs["scheme"] = parsed.scheme or "https"
     return RetryingS3(**kwargs)
@@ -805,8 +809,9 @@ _S3_COPY_DEADLOCKS = int(pa.__version__.split(".")[0]) < 19
 
 
 def _short(exc: Exception) -> str:
-    """First line of a storage error, which is the cause; the rest is SDK noise."""
-    return str(exc).strip().splitlines()[0][:300]
+    """First line of a storage error, which is the cause; the rest is SDK noise. A URL's
+    password is left out (``masked``)."""
+    return masked(str(exc).strip().splitlines()[0])[:300]
 
 
 def forwarded_env() -> dict[str, str]:
@@ -823,8 +828,20 @@ def forwarded_env() -> dict[str, str]:
     return {**env, "HF_TOKEN": hf} if hf else env
 
 
+# A URL's user:password@ part (an HF_ENDPOINT mirror's basic auth).
+_USERINFO = re.compile(r"(?<=//)[^/@\s]+@")
+
+
+def masked(text: str) -> str:
+    """``text`` with the password of every URL in it left out: ``https://user:pass@host``
+    → ``https://***@host``. Errors and log lines quote URLs (httpx's name the whole
+    request URL)."""
+    return _USERINFO.sub("***@", text)
+
+
 def split_secrets(env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
-    """(settings, credentials) of ``env``: the credentials (``SECRET_ENV_VARS``) must travel
-    where Ray does not log them; the settings may go as plain ``env_vars``."""
-    secret = {k: v for k, v in env.items() if k in SECRET_ENV_VARS}
+    """(settings, credentials) of ``env``: the credentials (``SECRET_ENV_VARS``, and any
+    setting that is a URL with a user or password in it, such as an HF_ENDPOINT mirror's)
+    must travel where Ray does not log them; the settings may go as plain ``env_vars``."""
+    secret = {k: v for k, v in env.items() if k in SECRET_ENV_VARS or masked(v) != v}
     return {k: v for k, v in env.items() if k not in secret}, secret

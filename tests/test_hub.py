@@ -521,3 +521,38 @@ def test_raylora_sample_loads_the_base_at_the_commit_its_adapter_trained_on(
     (adapter / "raylora.json").write_text(json.dumps(
         {**meta, "config": {"model": {"pretrained": "org/other"}}}))
     torch.testing.assert_close(conv_in(), stock + 1)
+
+
+def test_a_mirrors_password_in_hf_endpoint_is_in_no_log_line_message_or_logged_env(
+        online, hub, repos, demo_data, tmp_path, monkeypatch, caplog):
+    """HF_ENDPOINT=https://user:pass@mirror (a mirror behind basic auth): httpx logged every
+    request's URL at INFO (45 lines for a tiny run, on the driver and every worker), the
+    variable went as a plain runtime_env setting (which Ray's agent logs), and raylora's
+    hub errors quoted httpx's message, URL and password included."""
+    import logging
+
+    from huggingface_hub import constants, hf_api
+
+    from raylora import launch, quiet, storage
+
+    secret = hub.endpoint.replace("://", "://mirroruser:MIRRORPASS@")
+    monkeypatch.setattr(constants, "ENDPOINT", secret)
+    monkeypatch.setattr(hf_api.api, "endpoint", secret)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", secret + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setenv("HF_ENDPOINT", secret)
+    plain, creds = storage.split_secrets(storage.forwarded_env())
+    assert creds["HF_ENDPOINT"] == secret and "HF_ENDPOINT" not in plain
+    assert "MIRRORPASS" not in json.dumps(launch.job_runtime_env()["env_vars"])
+    for name in quiet.QUIET_LOGGERS:
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.getLogger(name).level)
+    monkeypatch.delenv(quiet.VERBOSE_ENV, raising=False)
+    quiet.apply()
+    caplog.set_level(logging.INFO)
+    from raylora.launch import plan
+
+    assert plan(_cfg(demo_data, tmp_path, pretrained="org/tiny-sd"), heldout=False).family == "sd"
+    assert hub.seen and "MIRRORPASS" not in caplog.text and "HTTP Request" not in caplog.text
+    text = _problems(_cfg(demo_data, tmp_path, pretrained="org/no-such-repo"))
+    assert "org/no-such-repo" in text and "MIRRORPASS" not in text
+    assert storage.masked(f"failed for url '{secret}/api/x'") == (
+        f"failed for url '{hub.endpoint.replace('://', '://***@')}/api/x'")

@@ -282,3 +282,23 @@ def test_an_endpoint_without_a_scheme_is_named_by_where_it_came_from(monkeypatch
         filesystem("s3://bkt/x", endpoint_url="minio.internal:9000" if given == "arg" else None)
     assert str(exc.value) == (f"{named}: 'minio.internal:9000' is not an http:// or https:// URL "
                               "(e.g. http://minio.internal:9000)")
+
+
+def test_an_endpoint_with_a_password_is_refused_without_repeating_it(monkeypatch):
+    """storage.endpoint_url: http://user:pass@minio:9000 was accepted, printed back by
+    `raylora validate`, and failed at the first request with "Could not resolve hostname"
+    (pyarrow reads user:pass@minio as the host)."""
+    from raylora.config import ConfigError, validate
+
+    with pytest.raises(ConfigError) as exc:
+        validate({"model": {"pretrained": "m"}, "data": {"uri": "s3://b/d"}, "output": {"uri": "o"},
+                  "storage": {"endpoint_url": "http://minio:S3CRET@minio.internal:9000"}})
+    assert exc.value.problems == [
+        "storage.endpoint_url: http://***@minio.internal:9000: a user or password in the URL "
+        "is not read; give the keys as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"]
+    with pytest.raises(ValueError) as exc:  # the same in the environment
+        monkeypatch.setenv("AWS_ENDPOINT_URL", "http://minio:S3CRET@minio.internal:9000")
+        filesystem("s3://b/x")
+    assert str(exc.value) == ("AWS_ENDPOINT_URL: http://***@minio.internal:9000: a user or "
+                              "password in the URL is not read; give the keys as "
+                              "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")

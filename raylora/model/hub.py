@@ -198,5 +198,9 @@ def _call(fn, repo_id: str, rev: str | None, *args, key: str = "", kind: str = "
 
 
 def _first_line(exc: Exception) -> str:
+    """An error's first line, a URL's password left out: httpx's errors quote the request
+    URL, an HF_ENDPOINT mirror's user:pass@ with it."""
+    from raylora.storage import masked
+
     text = str(exc).strip()
-    return (text.splitlines()[0] if text else type(exc).__name__)[:300]
+    return masked(text.splitlines()[0] if text else type(exc).__name__)[:300]

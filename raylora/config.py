@@ -454,8 +454,8 @@ class DataSection(_Section):
         "(kohya's shuffle_caption), all but the first data.keep_tokens.",
     )
     keep_tokens: int = Field(
-        0, ge=0, description="Tags kept in place at the front when shuffling (1 keeps a "
-        "caption_prefix trigger word first).",
+        0, ge=0, description="Tags kept in place at the front when shuffling; a "
+        "caption_prefix's tags (the trigger words) always are (at least as many as it has).",
     )
     max_image_pixels: int = Field(
         178_956_970, gt=0,

@@ -93,6 +93,56 @@ def test_the_model_card_names_the_trigger_words_and_the_text_encoder_lora(tmp_pa
     assert 'image = pipe(prompt="your prompt"' in plain
 
 
+def test_the_model_cards_trigger_word_is_quoted_for_python_and_yaml():
+    """A trigger word with a double quote broke the card's call (a SyntaxError); one with
+    an emoji went into the front matter as JSON's ASCII escapes, which YAML (and the hub's
+    ModelCard) read back as two lone surrogates."""
+    import ast
+    import re
+
+    from huggingface_hub import ModelCard
+
+    from raylora.checkpoint.export import model_card
+    from raylora.config import validate
+
+    for word in ('say "hi"', "🐱cat", "back\\slash", "nb\u00a0sp\u0085x\u2028y"):
+        for edit in (False, True):
+            cfg = validate({"model": {"pretrained": "org/sd"}, "output": {"uri": "o"},
+                            "data": {"uri": "d", "caption_prefix": word, **(
+                                {"control_images": True} if edit else {})}})
+            card = model_card(cfg, {}, {"family": "sd"})
+            assert ModelCard(card).data.instance_prompt == word
+            code = re.search(r"```python\n(.*?)```", card, re.S).group(1)
+            prompts = [ast.literal_eval(k.value) for node in ast.walk(ast.parse(code))
+                       if isinstance(node, ast.Call) for k in node.keywords if k.arg == "prompt"]
+            assert prompts == [f"{word}, {'your edit' if edit else 'your prompt'}"]
+    assert 'instance_prompt: "🐱cat"' in model_card(validate({
+        "model": {"pretrained": "org/sd"}, "output": {"uri": "o"},
+        "data": {"uri": "d", "caption_prefix": "🐱cat"}}), {}, {"family": "sd"})
+
+
+def test_the_model_cards_resolution_is_every_sources():
+    """With bucketing, each source may set its resolution(s): the card showed
+    data.resolution (512) for sources trained at 1024 and at 768 and 1024."""
+    from raylora.checkpoint.export import model_card
+    from raylora.config import validate
+
+    def row(data):
+        cfg = validate({"model": {"pretrained": "org/sdxl"}, "output": {"uri": "o"}, "data": data})
+        card = model_card(cfg, {}, {"family": "sdxl"})
+        return next(line for line in card.splitlines() if line.startswith("| resolution"))
+
+    assert row({"bucketing": True, "sources": [{"uri": "a", "resolution": 1024},
+                                               {"uri": "b", "resolution": [768, 1024]}]}) == (
+        "| resolution, center crop, random flip | [768, 1024] (aspect buckets, step 64), "
+        "False, False |")
+    assert row({"bucketing": True, "resolution": [512, 768], "sources": [
+        {"uri": "a"}, {"uri": "b", "resolution": 1024}]}).startswith(
+        "| resolution, center crop, random flip | [512, 768, 1024] (aspect buckets")
+    assert row({"uri": "a", "resolution": 640}) == (
+        "| resolution, center crop, random flip | 640, False, False |")
+
+
 def test_the_model_card_names_the_optimizer_and_the_settings_it_read():
     """The card showed AdamW's betas and decay for every run: a Prodigy or Adafactor
     adapter read as an AdamW one, with settings it never used."""

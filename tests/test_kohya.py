@@ -627,12 +627,17 @@ def test_export_command(dit_adapter, tmp_path, capsys):
     assert load_file(str(default)).keys() == load_file(want).keys()
     assert all(torch.equal(v, load_file(want)[k]) for k, v in load_file(str(default)).items())
 
-    (folder / "raylora.json").write_text(json.dumps({"config": {"model": {"pretrained": "org/base"}},
-                                                     "data": {"family": fam.name}}))
-    rc, out = run(folder, "--out", tmp_path / "named.safetensors")
-    assert rc == 0 and f"family       {fam.name} (raylora.json)" in out
-    with safe_open(str(tmp_path / "named.safetensors"), framework="pt") as f:
-        assert f.metadata()["ss_sd_model_name"] == "org/base"
+    # ss_sd_model_name: a hub id as it is; a folder or a bucket's by its last part only, as
+    # sd-scripts names a local model (the file is shared: Civitai, A1111 and Forge show it)
+    for base, name in (("org/base", "org/base"), ("hf://org/base@v2", "org/base"),
+                       ("/home/alice/clientX/models/sd15-ft", "sd15-ft"),
+                       ("s3://acme-private/clientX/sd15/", "sd15")):
+        (folder / "raylora.json").write_text(json.dumps({"config": {"model": {"pretrained": base}},
+                                                         "data": {"family": fam.name}}))
+        rc, out = run(folder, "--out", tmp_path / "named.safetensors")
+        assert rc == 0 and f"family       {fam.name} (raylora.json)" in out
+        with safe_open(str(tmp_path / "named.safetensors"), framework="pt") as f:
+            assert f.metadata()["ss_sd_model_name"] == name, base
 
     if fam.name == "sd3":  # transformer only, on attention: Flux's double blocks fit it too
         with safe_open(src, framework="pt") as f:
@@ -696,6 +701,8 @@ def test_an_export_without_kohya_removes_an_earlier_exports_kohya_file(adapter, 
 
     export(["diffusers", "kohya"], 1.0, 6)
     first = load_file(str(out / "adapter_kohya.safetensors"))
+    with safe_open(str(out / "adapter_kohya.safetensors"), "pt") as f:  # the folder's name only
+        assert f.metadata()["ss_sd_model_name"] == os.path.basename(tiny_model) != tiny_model
     export(["diffusers", "kohya"], 3.0, 12)  # with kohya: this export's weights
     second = load_file(str(out / "adapter_kohya.safetensors"))
     key = next(k for k in first if "lora_up" in k)

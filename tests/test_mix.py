@@ -40,6 +40,30 @@ def test_tag_shuffle_keeps_the_first_keep_tokens_tags():
     assert all(t == ["sks", "red hair"] for t in two)
 
 
+def test_tag_shuffle_keeps_a_sources_trigger_words_first_whatever_keep_tokens():
+    """A caption_prefix's tags are the trigger (the card says: first in every caption):
+    shuffled with keep_tokens 0, it led only about 1 caption in 5. Kept: max(keep_tokens,
+    the prefix's tags), per source."""
+    from raylora.data.captions import caption_policies
+
+    data = DataSection(shuffle_tags=True, caption_prefix="ohwx", sources=[
+        {"uri": "a"}, {"uri": "b", "caption_prefix": "sks, blue man,"},
+        {"uri": "c", "caption_prefix": "zz", "keep_tokens": 3}, {"uri": "d", "caption_prefix": ""}])
+    pols = caption_policies(data)
+    assert [p.keep_tokens for p in pols] == [1, 2, 3, 0]
+    rng = np.random.default_rng(0)
+    tail = "a man, red shirt, smiling, outdoors"
+    for _ in range(200):
+        a, b, c, d = apply_policies([with_prefix(s.caption_prefix, tail)
+                                     for s in data.source_sections()], list(pols), rng)
+        assert a.startswith("ohwx, ") and b.startswith("sks, blue man, ")
+        assert c.startswith("zz, a man, red shirt, ")
+        assert sorted(a.split(", ")[1:]) == sorted(tail.split(", "))
+    seen = Counter(apply_policies([with_prefix("ohwx", tail)], list(pols[:1]), rng)[0]
+                   .split(", ")[1] for _ in range(400))
+    assert len(seen) == 4 and min(seen.values()) > 60  # the rest still shuffled
+
+
 def test_dropout_and_shuffle_follow_each_rows_policy():
     captions = [f"tag{i}, b, c, d" for i in range(400)]
     # One policy for every row draws exactly what a single data.caption_dropout drew.

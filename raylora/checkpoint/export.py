@@ -181,7 +181,7 @@ def _usage(cfg: RayLoraConfig, family, commit: str | None = None) -> str:
     args += call_args(family.image_call())
     # the trigger word leads the prompt as it led every training caption
     lead = f"{_triggers(cfg)[0]}, " if _triggers(cfg) else ""
-    call = f'image = pipe(prompt="{lead}your prompt"{args}){family.image_code()}'
+    call = f'image = pipe(prompt={quoted(lead + "your prompt")}{args}){family.image_code()}'
     # an edit model (its pipeline may sample only so): the input image the prompt edits
     if cfg.data.control_images or family.reference_required:
         n = cfg.data.control_inputs if cfg.data.control_images else 1
@@ -189,7 +189,7 @@ def _usage(cfg: RayLoraConfig, family, commit: str | None = None) -> str:
         image = ('load_image("your input image.png")' if n == 1 else
                  "[" + ", ".join(f'load_image("input {k + 1}.png")' for k in range(n)) + "]")
         call = ('from diffusers.utils import load_image\n'
-                f'image = pipe(image={image}, prompt="{lead}your edit"{args}){family.image_code()}')
+                f'image = pipe(image={image}, prompt={quoted(lead + "your edit")}{args}){family.image_code()}')
     if cfg.lora.variant in ("lora", "dora"):
         # A pipeline of experts: into the one trained (Wan 2.2's low-noise transformer_2).
         into = call_args(family.lora_load_kwargs(cfg.model.expert))
@@ -208,6 +208,22 @@ def _usage(cfg: RayLoraConfig, family, commit: str | None = None) -> str:
             f'"path/to/this/folder")\n{call}\n```')
 
 
+def quoted(text: str) -> str:
+    """``text`` in double quotes as both Python and YAML read it back: JSON's escapes (both
+    share them), printable non-ASCII as it is. ``json.dumps``' default writes an emoji as a
+    surrogate pair (``\\ud83d\\udc31``), which YAML reads as two lone surrogates; what
+    YAML does not allow unescaped (C1 controls, U+2028) is escaped."""
+    return "".join(c if c.isprintable() else f"\\u{ord(c):04x}" if ord(c) < 0x10000
+                   else f"\\U{ord(c):08x}" for c in json.dumps(text, ensure_ascii=False))
+
+
+def _resolutions(cfg: RayLoraConfig) -> str:
+    """The resolution(s) the run trained at: every source's (data.sources' own with
+    bucketing), ``1024`` or ``[768, 1024]``; data.resolution alone misses a source's own."""
+    res = sorted({r for sec in cfg.data.source_sections() for r in sec.resolutions()})
+    return str(res[0]) if len(res) == 1 else str(res)
+
+
 def _triggers(cfg: RayLoraConfig) -> list[str]:
     """The sources' trigger words (data.caption_prefix, each source's own), each once, in
     the config's order."""
@@ -219,24 +235,31 @@ def _triggers(cfg: RayLoraConfig) -> list[str]:
     return out
 
 
-def _front_matter_base(cfg: RayLoraConfig) -> str:
-    """``base_model``: a hub model's id (``owner/name``, ``hf://owner/name@rev`` too). The
-    hub refuses a card whose base_model is no model id (a folder, an s3:// URI) when it is
-    uploaded: the key is left out then; the card's heading and call name the path."""
+def hub_model_id(pretrained: str) -> str | None:
+    """The hub id ``owner/name`` of a model.pretrained that names one (``hf://owner/name@rev``
+    too); None for a folder or a storage URI."""
     import re
 
     from raylora.model.load import is_hub_id
 
-    name = cfg.model.pretrained.removeprefix("hf://").split("@", 1)[0]
+    name = pretrained.removeprefix("hf://").split("@", 1)[0]
     hub = is_hub_id(name) and not name.startswith((".", "~"))
-    return f"base_model: {name}\n" if hub and re.fullmatch(r"[\w.-]+/[\w.-]+", name) else ""
+    return name if hub and re.fullmatch(r"[\w.-]+/[\w.-]+", name) else None
+
+
+def _front_matter_base(cfg: RayLoraConfig) -> str:
+    """``base_model``: a hub model's id (``hub_model_id``). The hub refuses a card whose
+    base_model is no model id (a folder, an s3:// URI) when it is uploaded: the key is left
+    out then; the card's heading and call name the path."""
+    name = hub_model_id(cfg.model.pretrained)
+    return f"base_model: {name}\n" if name else ""
 
 
 def _front_matter_triggers(cfg: RayLoraConfig) -> str:
     """``instance_prompt``, the key the Hugging Face hub shows as the trigger words (and
     diffusers' LoRA scripts write): one source's, or every source's, comma-joined."""
     words = _triggers(cfg)
-    return f"instance_prompt: {json.dumps(', '.join(words))}\n" if words else ""
+    return f"instance_prompt: {quoted(', '.join(words))}\n" if words else ""
 
 
 def _text_encoder_row(cfg: RayLoraConfig, family) -> str:
@@ -330,7 +353,7 @@ precision `{t.mixed_precision}`).
 {f"| started from (lora.init_from) | {data.get('init_from') or lo.init_from} |{chr(10)}" if lo.init_from else ""}| target modules | {", ".join(targets)} |
 {_text_encoder_row(cfg, family)}{_quantized_row(cfg)}{_optimizer_rows(t)}| batch per worker × accumulation × workers | {t.batch_size} × {t.gradient_accumulation_steps} × {cfg.scaling.max_workers}{f" (elastic {_workers(cfg.scaling)}: the same global batch {cfg.global_batch()} at every size)" if cfg.scaling.elastic else ""} |
 | max grad norm | {t.max_grad_norm:g} |
-| resolution, center crop, random flip | {cfg.data.resolution}{f" (aspect buckets, step {cfg.data.bucket_step})" if cfg.data.bucketing else ""}, {cfg.data.center_crop}, {cfg.data.random_flip} |
+| resolution, center crop, random flip | {_resolutions(cfg)}{f" (aspect buckets, step {cfg.data.bucket_step})" if cfg.data.bucketing else ""}, {cfg.data.center_crop}, {cfg.data.random_flip} |
 | seed | {t.seed} |
 | optimizer steps | {metrics.get("steps")} |
 | images seen | {metrics.get("images_seen")} |

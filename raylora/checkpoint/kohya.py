@@ -230,6 +230,16 @@ def export_kohya(diffusers_file: str, dest_file: str, base_model: str, family) -
     return kohya_meta
 
 
+def shared_model_name(base_model: str) -> str:
+    """``ss_sd_model_name`` for ``base_model`` (model.pretrained): a hub id as it is, a
+    folder or storage URI by its last part (``/home/alice/models/sd15`` → ``sd15``), as
+    sd-scripts names a local model. The file is made to be shared (Civitai, A1111 and Forge
+    show the field): a home folder or a private bucket's name does not belong in it."""
+    from raylora.checkpoint.export import hub_model_id
+
+    return hub_model_id(base_model) or base_model.rstrip("/").rsplit("/", 1)[-1]
+
+
 def kohya_contents(diffusers_file: str, base_model: str, family) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, metadata) of the kohya file for a diffusers adapter file of ``family``."""
     sd, ranks, alphas = read_adapter(diffusers_file)
@@ -239,7 +249,7 @@ def kohya_contents(diffusers_file: str, base_model: str, family) -> tuple[dict[s
         "ss_network_module": family.kohya_network,
         "ss_network_dim": str(ranks[main]),
         "ss_network_alpha": f"{alphas[main]:g}",
-        "ss_sd_model_name": base_model,
+        "ss_sd_model_name": shared_model_name(base_model),
         "raylora_source": "diffusers adapter converted by raylora",
         **family.kohya_version(sd),
     }

@@ -4,8 +4,9 @@ read, caption dropout and tag shuffling (random: applied in the preprocess stage
 its seeded generator, so ``data.sharding=files`` repeats them exactly on resume).
 
 Tags are the comma-separated parts of a caption, as kohya-ss writes and shuffles them:
-``keep_tokens`` first tags stay in place (the trigger word, once prefixed, is the first),
-the rest are shuffled, and the caption is joined again with ", ".
+``keep_tokens`` first tags stay in place, and always the trigger word(s) prefixed (the
+prefix's tags: ``caption_policies``), the rest are shuffled, and the caption is joined
+again with ", ".
 
 An image may have several captions (a parquet ``list<string>`` cell, a metadata.jsonl
 ``"text": [...]``): each read trains on one of them, drawn in the preprocess stage from
@@ -34,8 +35,12 @@ class CaptionPolicy:
 
 
 def caption_policies(data) -> tuple[CaptionPolicy, ...]:
-    """Each source's policy (by its place in ``data.sources``; one for ``data.uri``)."""
-    return tuple(CaptionPolicy(s.caption_dropout, s.shuffle_tags, s.keep_tokens)
+    """Each source's policy (by its place in ``data.sources``; one for ``data.uri``). A
+    source's ``caption_prefix`` tags are its trigger word(s), first in every caption (the
+    model card says so, its prompt leads with them): shuffling keeps at least them in place,
+    ``keep_tokens`` or more (kohya users set keep_tokens=1 for exactly this)."""
+    return tuple(CaptionPolicy(s.caption_dropout, s.shuffle_tags,
+                               max(s.keep_tokens, len(_tags(s.caption_prefix or ""))))
                  for s in data.source_sections())
 
 
@@ -101,11 +106,15 @@ def with_prefix(prefix: str, text: Any) -> Any:
     return f"{prefix}, {text}"
 
 
+def _tags(text: str) -> list[str]:
+    """The caption's comma-separated tags, blank ones dropped."""
+    return [t for t in (t.strip() for t in text.split(",")) if t]
+
+
 def shuffle_tags(text: str, keep_tokens: int, rng: np.random.Generator) -> str:
     """The caption's comma-separated tags after the first ``keep_tokens`` in a random
     order; blank tags dropped."""
-    tags = [t.strip() for t in text.split(",")]
-    tags = [t for t in tags if t]
+    tags = _tags(text)
     rest = tags[keep_tokens:]
     return ", ".join(tags[:keep_tokens] + [rest[i] for i in rng.permutation(len(rest))])
 

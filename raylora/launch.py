@@ -1241,8 +1241,13 @@ def checked(cfg: RayLoraConfig, setup: Setup, remote: bool = False) -> Prepared:
     (``Setup.resume``) and the memory preflight where the GPUs are known here. ``prepared``
     runs it first; ``raylora submit`` runs it alone, with the command's own Setup and
     ``remote`` (its workers are the cluster's: this machine's GPU is not theirs)."""
+    from raylora.checkpoint.recorded import check_lease
+
     cfg = resolve_paths(cfg)
-    p = setup.make_plan(cfg)
+    p = setup.make_plan(cfg)  # (output.uri checked writable there: a lease can be read)
+    # Another run live on this output.uri: refused here, before this one resumes anything
+    # or re-exports (``prepared`` then takes the lease).
+    check_lease(cfg.storage.client(), cfg.output.uri)
     resume = setup.resume(cfg, p) if setup.resume is not None else None
     # Decided here, before any Ray starts: on_cluster takes a running Ray as a cue.
     remote = setup.memory and preflight.on_cluster(cfg, remote)
@@ -1261,8 +1266,11 @@ def prepared(cfg: RayLoraConfig, setup: Setup, run: Prepared | None = None) -> I
     settings and secrets reach the workers through ``job_runtime_env``, quiet logging),
     the memory preflight on the cluster's own GPUs, the cluster checked to hold the
     workers and, with several nodes, to see the local folders the run writes
-    (``check_shared_places``), the run's desk (raylora.desk) and latent cache. On the way
-    out the desk is stopped and a Ray this call started is shut down."""
+    (``check_shared_places``), the run's desk (raylora.desk) and latent cache. The run
+    holds output.uri's lease throughout (raylora.checkpoint.recorded.held_lease: a second
+    run there is refused). On the way out the desk is stopped, a Ray this call started is
+    shut down and the lease is released."""
+    from raylora.checkpoint.recorded import held_lease
     from raylora.track import tracking_problem
 
     run = run or checked(cfg, setup)  # (``run``: ``checked`` already ran)
@@ -1272,24 +1280,27 @@ def prepared(cfg: RayLoraConfig, setup: Setup, run: Prepared | None = None) -> I
     # their nodes' own (a key in a pod's secret), not known here.
     if not os.environ.get("RAY_ADDRESS") and (problem := tracking_problem(cfg.tracking)):
         raise ConfigError([problem])
-    started = init_ray(setup.need_cpus(cfg))
-    try:
-        if run.memory_on_cluster:  # the workers' GPUs: read once joined, before asking for any
-            preflight.check_memory(cfg, cluster=True, variants=_variants(cfg, setup),
-                                   commit=run.plan.model_commit)
-        run.cfg = check_cluster_fits(cfg, num_workers=setup.num_workers)
-        check_shared_places(cfg)
-        run.plan = replace(run.plan, bad_records=desk.start())  # the workers get its name
-        run.plan = apply_cache(run.cfg, run.plan)
-        run.plan = apply_class_images(run.cfg, run.plan)
-        run.plan = encode_for_workers(run.cfg, run.plan)
-        yield run
-    finally:
-        desk.stop(run.plan.bad_records)
-        if started:
-            import ray
+    # Taken before Ray starts and before anything under output.uri is written or deleted
+    # (_fit's drop_unrecorded would delete a live run's checkpoints in flight).
+    with held_lease(cfg.storage.client(), cfg.output.uri):
+        started = init_ray(setup.need_cpus(cfg))
+        try:
+            if run.memory_on_cluster:  # the workers' GPUs: read once joined, before asking for any
+                preflight.check_memory(cfg, cluster=True, variants=_variants(cfg, setup),
+                                       commit=run.plan.model_commit)
+            run.cfg = check_cluster_fits(cfg, num_workers=setup.num_workers)
+            check_shared_places(cfg)
+            run.plan = replace(run.plan, bad_records=desk.start())  # the workers get its name
+            run.plan = apply_cache(run.cfg, run.plan)
+            run.plan = apply_class_images(run.cfg, run.plan)
+            run.plan = encode_for_workers(run.cfg, run.plan)
+            yield run
+        finally:
+            desk.stop(run.plan.bad_records)
+            if started:
+                import ray
 
-            ray.shutdown()
+                ray.shutdown()
 
 
 def _train_cpus(cfg: RayLoraConfig) -> float:

@@ -508,3 +508,253 @@ def test_a_rerun_writing_out_the_default_target_modules_is_the_same_lora(tmp_pat
                                          r'\["to_q"\], but the checkpoint .* trained '
                                          r'lora.target_modules=null;'):
         check_latest(Storage(), str(run), trained=trained_settings(cfg(["to_q"]), "sd"))
+
+
+def _ray_snapshot(run, steps: list[int], latest: int | None = None) -> dict:
+    """A checkpoint folder per step under ``run`` and Ray Train's record of them as Ray
+    2.60 writes it (keys and layout of a real run's checkpoint_manager_snapshot.json)."""
+    import ray
+
+    results = []
+    for step in steps:
+        name = f"checkpoint_2026-12-06_19-04-{step:02d}.000000"
+        (run / name / "adapter").mkdir(parents=True)
+        (run / name / "adapter" / "pytorch_lora_weights.safetensors").write_bytes(b"w")
+        results.append({"version": 0, "checkpoint_dir_name": name,
+                        "metrics": {"step": step, "epoch": 0, "train_loss": 1.0, "world_size": 1}})
+    snap = {"ray_version": ray.__version__, "checkpoint_results": results,
+            "checkpoint_report_indices": [i + 1 for i in range(len(steps))],
+            "latest_checkpoint_result": results[steps.index(latest or steps[-1])],
+            "pending_training_results": [], "pending_validation_specs": [],
+            "current_report_index": len(steps) + 1, "validated_checkpoint_dir_names": [],
+            "timed_out_validation_checkpoint_dir_names": [],
+            "failed_validation_checkpoint_dir_names": []}
+    (run / "checkpoint_manager_snapshot.json").write_text(json.dumps(snap))
+    return snap
+
+
+def test_kept_checkpoints_deleted_by_hand_are_forgotten_and_ray_resumes_the_latest(tmp_path, caplog):
+    """An older kept checkpoint folder deleted to free space: Ray refused to start on its
+    record ("a checkpoint that does not exist anymore ... corrupted run directory", exit 1,
+    inside Ray). Before a run starts it is forgotten from the record, with a warning naming
+    it, and Ray's own checkpoint manager then loads the record and resumes the latest. A
+    gone latest checkpoint is left for check_latest to refuse."""
+    import logging
+
+    from ray.train import CheckpointConfig
+    from ray.train.v2._internal.exceptions import CheckpointManagerInitializationError
+    from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import CheckpointManager
+    from ray.train.v2._internal.execution.storage import StorageContext
+
+    from raylora.checkpoint.recorded import check_latest, drop_unrecorded
+    from raylora.storage import Storage
+
+    def ray_loads(root):
+        """Ray Train's controller reading the record of ``{root}/train`` (no Ray started)."""
+        return CheckpointManager(checkpoint_config=CheckpointConfig(num_to_keep=3),
+                                 storage_context=StorageContext(str(root), "train", read_only=True))
+
+    run = tmp_path / "out" / "train"
+    snap = _ray_snapshot(run, [2, 4, 6])
+    names = [r["checkpoint_dir_name"] for r in snap["checkpoint_results"]]
+    shutil.rmtree(run / names[1])  # step 4's: neither the oldest nor the latest
+    with pytest.raises(CheckpointManagerInitializationError, match="does not exist anymore"):
+        ray_loads(tmp_path / "out")
+    with caplog.at_level(logging.WARNING, logger="raylora"):
+        assert drop_unrecorded(Storage(), str(run)) == []
+    assert [r.getMessage() for r in caplog.records if "forgot" in r.getMessage()] == [
+        f"forgot 1 kept checkpoint(s) whose folders were deleted (Ray would refuse to start on a "
+        f"record naming them; the run resumes from the latest, {run / names[2]}): {run / names[1]}"]
+    record = json.loads((run / "checkpoint_manager_snapshot.json").read_text())
+    assert [r["metrics"]["step"] for r in record["checkpoint_results"]] == [2, 6]
+    assert record["checkpoint_report_indices"] == [1, 3]  # entry for entry
+    assert record["latest_checkpoint_result"] == snap["latest_checkpoint_result"]
+    assert {k: v for k, v in record.items() if k not in ("checkpoint_results", "checkpoint_report_indices")} == {
+        k: v for k, v in snap.items() if k not in ("checkpoint_results", "checkpoint_report_indices")}
+    manager = ray_loads(tmp_path / "out")
+    assert manager.latest_checkpoint_result.checkpoint.path == str(run / names[2])
+    assert [r.metrics["step"] for r in manager._checkpoint_results] == [2, 6]
+    assert check_latest(Storage(), str(run)) == str(run / names[2])
+    assert sorted(p.name for p in run.iterdir()) == sorted([names[0], names[2], "checkpoint_manager_snapshot.json"])
+
+    # The latest one gone too: the record is left as it is, and the driver refuses the run.
+    shutil.rmtree(run / names[2])
+    before = (run / "checkpoint_manager_snapshot.json").read_bytes()
+    assert drop_unrecorded(Storage(), str(run)) == []
+    assert (run / "checkpoint_manager_snapshot.json").read_bytes() == before
+    with pytest.raises(IncompleteCheckpoint, match="every file"):
+        check_latest(Storage(), str(run))
+    # A record that does not read as Ray's (a pending result naming the gone folder, which
+    # Ray would look up): left to Ray.
+    other = tmp_path / "pending" / "train"
+    snap = _ray_snapshot(other, [2, 4])
+    snap["pending_training_results"] = [snap["checkpoint_results"][0]]
+    (other / "checkpoint_manager_snapshot.json").write_text(json.dumps(snap))
+    shutil.rmtree(other / snap["checkpoint_results"][0]["checkpoint_dir_name"])
+    assert drop_unrecorded(Storage(), str(other)) == []
+    assert json.loads((other / "checkpoint_manager_snapshot.json").read_text()) == snap
+
+
+def _foreign_lease(where, age_s: float, token: str = "theirs") -> dict:
+    """The lease another process's run (host other-host, pid 4242) renewed ``age_s`` ago."""
+    import time
+
+    now = time.time()
+    lease = {"host": "other-host", "pid": 4242, "started": now - 3600, "renewed": now - age_s,
+             "token": token}
+    where.parent.mkdir(parents=True, exist_ok=True)
+    where.write_text(json.dumps(lease))
+    return lease
+
+
+def test_a_live_runs_lease_refuses_a_second_run_a_stale_one_is_taken_over(tmp_path, monkeypatch, caplog):
+    """A second run on an output.uri deleted the first's checkpoints in flight and both
+    died. The lease: taken and renewed by the run that trains there, refused to another
+    process while renewed within LEASE_STALE_S (naming output.uri, the host, the pid and
+    how long ago), taken over with a warning once stale (a killed driver), removed when the
+    run ends, an error too, but never another run's."""
+    import logging
+    import os
+    import socket
+    import time
+    from types import SimpleNamespace
+
+    from raylora.checkpoint import recorded
+    from raylora.config import ConfigError
+    from raylora.storage import Storage
+
+    monkeypatch.setattr(recorded, "LEASE_SETTLE_S", 0)
+    monkeypatch.setattr(recorded, "LEASE_RENEW_S", 0.05)
+    store, out = Storage(), str(tmp_path / "out")
+    lease = tmp_path / "out" / "lease.json"
+
+    assert recorded.check_lease(store, out) is None
+    with recorded.held_lease(store, out) as mine:
+        held = json.loads(lease.read_text())
+        assert (held["host"], held["pid"], held["token"]) == (socket.gethostname(), os.getpid(), mine["token"])
+        assert recorded.check_lease(store, out)["token"] == mine["token"]  # this process's own
+        # Another process with this host name and pid (a container on the host network): another run.
+        (tmp_path / "other").mkdir()
+        (tmp_path / "other" / "lease.json").write_text(json.dumps({**held, "process": "another"}))
+        with pytest.raises(ConfigError, match=f"host {socket.gethostname()}, pid {os.getpid()}, started"):
+            recorded.check_lease(store, str(tmp_path / "other"))
+        deadline = time.time() + 10
+        while json.loads(lease.read_text())["renewed"] == held["renewed"] and time.time() < deadline:
+            time.sleep(0.02)
+        assert json.loads(lease.read_text())["renewed"] > held["renewed"] == held["started"]
+    assert not lease.exists()
+    with pytest.raises(RuntimeError, match="the run failed"), recorded.held_lease(store, out):
+        assert lease.exists()
+        raise RuntimeError("the run failed")
+    assert not lease.exists()
+
+    # Another process's run, renewed 30 s ago: refused, the lease left as it was.
+    theirs = _foreign_lease(lease, 30)
+    for attempt in (lambda: recorded.check_lease(store, out),
+                    lambda: recorded.held_lease(store, out).__enter__()):
+        with pytest.raises(ConfigError) as exc:
+            attempt()
+        (problem,) = exc.value.problems
+        assert problem.startswith(
+            f"output.uri: {out} is in use by another run (host other-host, pid 4242, started 60 min "
+            f"ago; its lease {lease} was renewed 30 s ago): a second run there deletes the first's "
+            "checkpoints in flight and both fail.")
+        assert problem.endswith(f"If that run was killed, this one can start once the lease is "
+                                f"180 s old (in 150 s), or delete {lease}")
+        assert json.loads(lease.read_text()) == theirs
+
+    # Not renewed for LEASE_STALE_S: a killed driver's, taken over with a warning.
+    _foreign_lease(lease, recorded.LEASE_STALE_S + 5)
+    with caplog.at_level(logging.WARNING, logger="raylora"), recorded.held_lease(store, out) as mine:
+        assert json.loads(lease.read_text())["token"] == mine["token"]
+        # ... and should another run take it over in turn (this one's renewals stalled),
+        # this run's end leaves that one's lease alone
+        theirs = _foreign_lease(lease, 0, token="later")
+        deadline = time.time() + 10
+        while "took over" not in caplog.text and time.time() < deadline:
+            time.sleep(0.02)
+    assert f"{lease}: taking over the lease of a run that stopped renewing it 185 s ago (host " \
+           "other-host, pid 4242, started 60 min ago): it was killed or lost" in caplog.text
+    assert f"{lease}: another run took over this run's lease (host other-host, pid 4242" in caplog.text
+    assert json.loads(lease.read_text()) == theirs
+    # An unreadable lease is no run's: taken over.
+    lease.write_text("{half")
+    with recorded.held_lease(store, out) as mine:
+        assert json.loads(lease.read_text())["token"] == mine["token"]
+    assert not lease.exists()
+
+    # Two runs started together both found none and both wrote theirs: the one whose write
+    # came first reads the other's back and is refused; the other's lease stays.
+    monkeypatch.setattr(recorded, "time", SimpleNamespace(
+        time=time.time, sleep=lambda s: _foreign_lease(lease, 0, token="raced")))
+    with pytest.raises(ConfigError, match="is in use by another run"), recorded.held_lease(store, out):
+        pass
+    assert json.loads(lease.read_text())["token"] == "raced"
+
+
+def test_the_lease_on_object_storage(moto_endpoint, monkeypatch):
+    """The lease on S3 (no atomic create: written, then read back): taken, refused to
+    another process's live run, released."""
+    import time
+
+    import boto3
+
+    from raylora.checkpoint import recorded
+    from raylora.config import ConfigError
+    from raylora.storage import Storage
+
+    monkeypatch.setattr(recorded, "LEASE_SETTLE_S", 0)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIARAYLORAFAKE00003")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "rAyLoRa/FakeSecret+0003/doNotLeak")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
+    s3.create_bucket(Bucket="raylora-lease")
+    store, out = Storage(endpoint_url=moto_endpoint), "s3://raylora-lease/runs/a"
+
+    with recorded.held_lease(store, out) as mine:
+        held = json.loads(s3.get_object(Bucket="raylora-lease", Key="runs/a/lease.json")["Body"].read())
+        assert held["token"] == mine["token"]
+    listed = s3.list_objects_v2(Bucket="raylora-lease", Prefix="runs/a/").get("Contents", [])
+    assert [o["Key"] for o in listed] == ["runs/a/"]  # (the folder marker pyarrow leaves)
+    s3.put_object(Bucket="raylora-lease", Key="runs/a/lease.json", Body=json.dumps(
+        {"host": "other-host", "pid": 7, "started": time.time() - 10, "renewed": time.time() - 10}))
+    with pytest.raises(ConfigError, match=r"^1 config problem\(s\):\n  - output.uri: s3://raylora-lease/"
+                                          r"runs/a is in use by another run \(host other-host, pid 7"):
+        recorded.held_lease(store, out).__enter__()
+
+
+def test_raylora_train_holds_the_lease_and_a_second_run_is_refused_before_ray(base_config, monkeypatch):
+    """launch.run takes output.uri's lease before Ray starts and releases it at the end (an
+    error too); with another process's live lease there it is refused before anything else
+    (no Ray, no re-export, no checkpoint touched); a stale one it takes over."""
+    from raylora import launch
+    from raylora.checkpoint import recorded
+    from raylora.config import ConfigError, validate
+
+    monkeypatch.setattr(recorded, "LEASE_SETTLE_S", 0, raising=False)
+    out = base_config["output"]["uri"]
+    lease = os.path.join(out, "lease.json")
+    seen = []
+
+    def init_ray(need_cpus):  # where Ray would start: the lease is held by then
+        seen.append(json.loads(open(lease).read()))
+        raise RuntimeError("no Ray in this test")
+
+    monkeypatch.setattr(launch, "init_ray", init_ray)
+    with pytest.raises(RuntimeError, match="no Ray in this test"):
+        launch.run(validate(base_config))
+    assert seen[0]["pid"] == os.getpid()
+    assert not os.path.exists(out)  # a run that did not start leaves no output folder behind
+
+    import pathlib
+
+    theirs = _foreign_lease(pathlib.Path(lease), 5)
+    with pytest.raises(ConfigError, match=f"output.uri: {out} is in use by another run "
+                                          r"\(host other-host, pid 4242"):
+        launch.run(validate(base_config))
+    assert len(seen) == 1 and json.loads(open(lease).read()) == theirs
+
+    _foreign_lease(pathlib.Path(lease), recorded.LEASE_STALE_S + 1)
+    with pytest.raises(RuntimeError, match="no Ray in this test"):
+        launch.run(validate(base_config))
+    assert seen[1]["pid"] == os.getpid() and not os.path.exists(lease)

@@ -557,7 +557,7 @@ def test_runtime_env_file_is_merged_into_what_submit_sends(tmp_path, monkeypatch
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # no stored hub token
     cfg = validate({"model": {"pretrained": "m"}, "data": {"uri": "d"}, "output": {"uri": "o"}})
     extra = jobs.load_runtime_env(os.path.join(REPO, "jobs", "runtime_env.yaml"), REPO)
-    assert "torch>=2.4" in extra["pip"]["packages"] and extra["env_vars"] == {"HF_HUB_DISABLE_TELEMETRY": "1"}
+    assert "torch>=2.6" in extra["pip"]["packages"] and extra["env_vars"] == {"HF_HUB_DISABLE_TELEMETRY": "1"}
     extra["py_modules"] = ["gcs://_ray_pkg_theirs.zip"]
     renv = jobs.runtime_env(cfg, REPO, str(tmp_path), extra, "jobs/runtime_env.yaml")
     assert renv["pip"] == extra["pip"] and renv["working_dir"] == REPO

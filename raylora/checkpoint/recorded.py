@@ -4,15 +4,27 @@ Ray Train V2 keeps its record in ``{run}/checkpoint_manager_snapshot.json``: the
 it kept and the latest one, which a run with the same storage path and name resumes from.
 The snapshot is Ray's internal format: a snapshot that does not read as expected is left to
 Ray (nothing deleted, nothing refused).
+
+A run that trains on an output.uri holds ``{output.uri}/lease.json`` while it lives
+(``held_lease``): a second run there would delete the first's checkpoints in flight
+(``drop_unrecorded``) and both would die, leaving a record no rerun could start from.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from raylora import storage
 from raylora.checkpoint.state import EMA_FILE, FILES_FILE, IncompleteCheckpoint, missing_files
+from raylora.config import ConfigError
 
 log = logging.getLogger("raylora")
 
@@ -49,22 +61,27 @@ def drop_unrecorded(store, run_uri: str) -> list[str]:
     A process stopped after a checkpoint's upload but before Ray registered it (SIGTERM,
     a lost driver) leaves a complete-looking folder that no run will resume from or count
     against ``checkpoint.num_to_keep``: it would stay in the bucket for good. Called before
-    a run starts, when nothing else writes there.
+    a run starts, when nothing else writes there (the run holds ``held_lease``; a Tune
+    trial's folder is its own). Recorded folders deleted by hand are forgotten first
+    (``forget_deleted``).
     """
     import pyarrow.fs as pafs
 
+    fs, path = store.fs(run_uri)
+    listed = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    folders = {i.base_name for i in listed if i.type == pafs.FileType.Directory}
     if not store.exists(storage.join(run_uri, SNAPSHOT)):
         # no record at all: Ray starts afresh, and a folder from a run stopped during its
         # first checkpoint is one nothing resumes from or counts
         recorded = set()
     else:
         try:
-            recorded = {r["checkpoint_dir_name"] for r in (_snapshot(store, run_uri) or {})["checkpoint_results"]}
+            recorded = {r["checkpoint_dir_name"]
+                        for r in forget_deleted(store, run_uri, folders)["checkpoint_results"]}
         except (KeyError, TypeError):
             return []
-    fs, path = store.fs(run_uri)
     dropped = []
-    for info in fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)):
+    for info in listed:
         if (info.type == pafs.FileType.Directory and info.base_name.startswith("checkpoint_")
                 and info.base_name not in recorded):
             storage.delete_tree(fs, info.path)
@@ -73,6 +90,42 @@ def drop_unrecorded(store, run_uri: str) -> list[str]:
         log.warning("removed %d checkpoint folder(s) that an interrupted run wrote but Ray "
                     "never recorded: %s", len(dropped), ", ".join(dropped))
     return dropped
+
+
+def forget_deleted(store, run_uri: str, folders: set[str]) -> dict | None:
+    """Ray's snapshot of ``run_uri`` without the kept checkpoints whose folders are gone
+    (``folders``: the names listed there), written back when any were. Ray refuses to
+    start on a snapshot naming a folder that is not there ("corrupted run directory"),
+    and kept checkpoints older than the latest are the ones people delete to free space
+    (each ``checkpoint_*/adapter/`` is usable alone): nothing resumes from them, so they
+    are forgotten, with a warning. A gone latest one is left for ``check_latest`` to
+    refuse; a snapshot that does not read as expected is returned as it is, untouched."""
+    snap = _snapshot(store, run_uri)
+    try:
+        results, indices = snap["checkpoint_results"], snap["checkpoint_report_indices"]
+        latest = snap["latest_checkpoint_result"]["checkpoint_dir_name"]
+        names = [r["checkpoint_dir_name"] for r in results]
+        pending = {r["checkpoint_dir_name"] for r in snap.get("pending_training_results") or []}
+    except (KeyError, TypeError):
+        return snap
+    gone = [n for n in names if n not in folders and n != latest]
+    if (not gone or len(indices) != len(names) or pending & set(gone)
+            or not all(isinstance(n, str) for n in names)):
+        return snap
+    # checkpoint_report_indices runs beside checkpoint_results, entry for entry
+    kept = [i for i, n in enumerate(names) if n not in gone]
+    snap = {**snap, "checkpoint_results": [results[i] for i in kept],
+            "checkpoint_report_indices": [indices[i] for i in kept]}
+    for key in ("validated_checkpoint_dir_names", "timed_out_validation_checkpoint_dir_names",
+                "failed_validation_checkpoint_dir_names"):
+        if isinstance(snap.get(key), list):
+            snap[key] = [n for n in snap[key] if n not in gone]
+    store.write_bytes(storage.join(run_uri, SNAPSHOT), json.dumps(snap).encode())
+    log.warning("forgot %d kept checkpoint(s) whose folders were deleted (Ray would refuse to "
+                "start on a record naming them; the run resumes from the latest, %s): %s",
+                len(gone), storage.join(run_uri, latest),
+                ", ".join(storage.join(run_uri, n) for n in gone))
+    return snap
 
 
 def latest_metrics(store, run_uri: str) -> dict | None:
@@ -207,3 +260,159 @@ def _same(key: str, a, b) -> bool:
 def _shown(value) -> str:
     """A setting as the config spells it (lists as YAML flow lists, None as null)."""
     return "null" if value is None else json.dumps(value) if isinstance(value, list) else str(value)
+
+
+# The lease of the run that trains on an output.uri (``held_lease``): renewed every
+# LEASE_RENEW_S while the run lives; one not renewed for LEASE_STALE_S is a killed
+# driver's (kill -9, a lost node), which the next run takes over.
+LEASE = "lease.json"
+LEASE_RENEW_S = 60.0
+LEASE_STALE_S = 3 * LEASE_RENEW_S
+# From writing a lease to reading it back. Object stores have no create-if-absent: two
+# runs started together both find none and both write theirs; the one whose write came
+# first reads the other's back and is refused.
+LEASE_SETTLE_S = 1.0
+# This process, in the leases it writes: host and pid alone are not one process (two
+# containers on the host network share a host name, and their pids can be the same).
+_PROCESS = uuid.uuid4().hex
+
+
+def check_lease(store, output_uri: str, now: float | None = None) -> dict | None:
+    """The lease found at ``output_uri`` when a run may start there: None (there is none),
+    this process's own, or a stale or unreadable one, which the run takes over. Raises
+    ConfigError naming output.uri and the run holding it when another process renewed it
+    within ``LEASE_STALE_S``. Read-only: ``raylora submit`` checks with it too."""
+    uri = storage.join(output_uri, LEASE)
+    held = _read_lease(store, uri)
+    if held is None or _mine(held):
+        return held
+    age = _age(held, time.time() if now is None else now)
+    if age is not None and age < LEASE_STALE_S:  # (a clock ahead of ours: negative, live)
+        raise ConfigError([_in_use(output_uri, uri, held, age)])
+    return held
+
+
+@contextmanager
+def held_lease(store, output_uri: str) -> Iterator[dict]:
+    """Hold ``{output_uri}/lease.json`` for the body: refused (ConfigError) when another
+    live run holds it, a stale one taken over with a warning, renewed every
+    ``LEASE_RENEW_S`` from a daemon thread, and removed on the way out (a finished run, a
+    stop, an error, Ctrl-C). Yields this run's lease record."""
+    uri = storage.join(output_uri, LEASE)
+    found = check_lease(store, output_uri)
+    if found is not None and not _mine(found):
+        age = _age(found, time.time())
+        log.warning("%s: taking over the lease of a run that stopped renewing it%s (%s): it was "
+                    "killed or lost", uri, f" {_span(age)} ago" if age is not None else "",
+                    _holder(found))
+    now = time.time()
+    mine = {"host": socket.gethostname(), "pid": os.getpid(), "started": now, "renewed": now,
+            "process": _PROCESS, "token": uuid.uuid4().hex}
+    made = _folders_to_make(output_uri)
+    store.write_bytes(uri, json.dumps(mine, indent=1).encode())
+    time.sleep(LEASE_SETTLE_S)
+    there = _read_lease(store, uri)
+    if there is None or there.get("token") != mine["token"]:
+        # another run started at this moment, and its lease is the one there
+        raise ConfigError([_in_use(output_uri, uri, there or {}, 0.0)])
+    stop, lock = threading.Event(), threading.Lock()
+    renewer = threading.Thread(target=_renew, args=(store, uri, mine, stop, lock),
+                               name="raylora-lease", daemon=True)
+    renewer.start()
+    try:
+        yield mine
+    finally:
+        stop.set()
+        with lock:  # (a renewal under way finishes first: it would write the lease again)
+            _release(store, uri, mine["token"])
+        # A run refused once Ray is up (or failing to start it) leaves no output folder
+        # behind, as Storage.write_problem's probe does not: the lease's own, if still empty.
+        for folder in made:
+            try:
+                os.rmdir(folder)
+            except OSError:  # the run wrote there
+                break
+
+
+def _renew(store, uri: str, mine: dict, stop: threading.Event, lock: threading.Lock) -> None:
+    while not stop.wait(LEASE_RENEW_S):
+        with lock:
+            if stop.is_set():
+                return
+            try:
+                there = _read_lease(store, uri)
+                if there is not None and there.get("token") != mine["token"]:
+                    log.warning("%s: another run took over this run's lease (%s) after it went "
+                                "%d s without a renewal: two runs may now write to this output.uri; "
+                                "stop one of them", uri, _holder(there), LEASE_STALE_S)
+                    return
+                mine["renewed"] = time.time()
+                store.write_bytes(uri, json.dumps(mine, indent=1).encode())
+            except OSError as exc:  # tried again at the next renewal
+                log.warning("%s: could not renew this run's lease (%s); another run may take "
+                            "it over %d s after its last renewal", uri, exc, LEASE_STALE_S)
+
+
+def _release(store, uri: str, token: str) -> None:
+    try:
+        there = _read_lease(store, uri)
+        if there is not None and there.get("token") == token:  # (not a run's that took it over)
+            fs, path = store.fs(uri)
+            fs.delete_file(path)
+    except OSError as exc:  # not raised over the run's own outcome
+        log.warning("%s: could not remove this run's lease (%s): the next run here is refused "
+                    "until it is %d s old, or delete it", uri, exc, LEASE_STALE_S)
+
+
+def _folders_to_make(output_uri: str) -> list[str]:
+    """The local folders that writing under ``output_uri`` creates, deepest first."""
+    made, path = [], storage.local_path(output_uri) if storage.is_local(output_uri) else None
+    while path and not os.path.lexists(path):
+        made.append(path)
+        path = os.path.dirname(path)
+    return made
+
+
+def _read_lease(store, uri: str) -> dict | None:
+    """The lease record at ``uri``; None when there is none, {} when it does not read."""
+    if not store.exists(uri):
+        return None
+    try:
+        held = json.loads(store.read_bytes(uri))
+    except FileNotFoundError:  # released since
+        return None
+    except ValueError:
+        return {}
+    return held if isinstance(held, dict) else {}
+
+
+def _mine(held: dict) -> bool:
+    return held.get("process") == _PROCESS
+
+
+def _age(held: dict, now: float) -> float | None:
+    renewed = held.get("renewed")
+    return now - renewed if isinstance(renewed, (int, float)) else None
+
+
+def _holder(held: dict) -> str:
+    started = held.get("started")
+    return (f"host {held.get('host', '?')}, pid {held.get('pid', '?')}"
+            + (f", started {_span(time.time() - started)} ago" if isinstance(started, (int, float)) else ""))
+
+
+def _in_use(output_uri: str, uri: str, held: dict, age: float) -> str:
+    return (f"output.uri: {output_uri} is in use by another run ({_holder(held)}; its lease "
+            f"{uri} was renewed {_span(age)} ago): a second run there deletes the first's "
+            "checkpoints in flight and both fail. Wait for that run to end, stop it (Ctrl-C "
+            "or SIGTERM to that process; `raylora stop JOB_ID` for a submitted job), or give "
+            "this run its own output.uri. If that run was killed, this one can start once the "
+            f"lease is {_span(LEASE_STALE_S)} old (in {_span(max(LEASE_STALE_S - age, 0))}), "
+            f"or delete {uri}")
+
+
+def _span(seconds: float) -> str:
+    seconds = max(seconds, 0)
+    if seconds < 600:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"

@@ -179,10 +179,10 @@ def _export(args) -> int:
     if args.format == "diffusers":
         from raylora.checkpoint.export import rewrite_diffusers_folder
 
-        dest, mixed = rewrite_diffusers_folder(args.adapter, args.out)
+        dest, rewritten = rewrite_diffusers_folder(args.adapter, args.out)
         print(f"raylora: adapter      {dest} ("
-              + ("its UNet keys written in one style" if mixed else "already in one key style; copied")
-              + ")")
+              + ("rewritten as raylora writes it now: " + "; ".join(rewritten) if rewritten
+                 else "already as raylora writes it; copied") + ")")
         return 0
     dest, family, how = export_folder(args.adapter, args.out, args.family)
     print(f"raylora: family       {family.name} ({how})")

@@ -647,8 +647,23 @@ def steps_to_epochs_end(num_epochs: int, epoch_micro: int, accumulation: int, wo
     step 8 with 12 of the epoch's 32 rows untrained, and 2 → 1 ran 4 steps into epoch 1.
     Its position in the epoch carries over in rows, rounded down to the new micro-batches
     (``LoopState.resize``), and a position past the new epoch's end skips the rest of it
-    (the loop), as here."""
-    old_w, old_b = at.get("world_size") or world, at.get("batch_size") or batch_size
+    (the loop), as here. A checkpoint from before the batch size was recorded was
+    counted in the one ``images_seen`` tells (``state.inferred_batch_size``, at this
+    accumulation); ConfigError naming train.batch_size when it tells none."""
+    from raylora.checkpoint.state import inferred_batch_size
+
+    old_w, old_b = at.get("world_size") or world, at.get("batch_size")
+    if old_b is None and at.get("global_step"):
+        old_b = inferred_batch_size(at.get("images_seen") or 0, at["global_step"] * old_w * accumulation)
+        if old_b is None:  # taken for this run's, the position would skip or repeat rows
+            raise ConfigError([
+                f"train.batch_size: this output.uri's checkpoint (step {at['global_step']}) was "
+                "written by an earlier raylora that did not record its batch size, and its "
+                f"{at.get('images_seen')} images over {at['global_step']} steps of {old_w} "
+                f"workers × train.gradient_accumulation_steps={accumulation} tell none; set "
+                "train.batch_size and train.gradient_accumulation_steps back to the ones it "
+                "trained with"])
+    old_b = old_b or batch_size
     done = min(at["batches_in_epoch"] * old_w * old_b // (world * batch_size), epoch_micro)
     left = (num_epochs - at["epoch"]) * epoch_micro - done
     return -(-left // accumulation)  # an accumulation group runs on past an epoch's end
@@ -1412,7 +1427,15 @@ def _trained_data_record(cfg: RayLoraConfig, store) -> dict:
         data = json.loads(store.read_bytes(storage.join(cfg.output.uri, ADAPTER_DIR, RUN_META))).get("data")
     except (OSError, ValueError):
         return {}
-    return {key: data[k] for k, key in _TRAINED_DATA.items() if isinstance(data, dict) and data.get(k) is not None}
+    if not isinstance(data, dict):
+        return {}
+    out = {key: data[k] for k, key in _TRAINED_DATA.items() if data.get(k) is not None}
+    # Per source, as export._sources reads them back: by source index (None: not counted)
+    decoded = {str(s.get("source")): s["rows_decoded"] for s in data.get("sources") or []
+               if isinstance(s, dict) and s.get("rows_decoded") is not None}
+    if decoded:
+        out["rows_decoded_by_source"] = decoded
+    return out
 
 
 # Keys a finished run may be exported again with another value of: where and how it is

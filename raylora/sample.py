@@ -347,26 +347,27 @@ def trained_expert(adapter: str) -> str | None:
 
 
 @contextlib.contextmanager
-def _one_key_style(family, adapter: str):
-    """``adapter``, or where an SD/SDXL adapter of an earlier raylora that mixed key styles
-    (``lora.mixed_key_style``) is written again in one: the stock loader takes the style
-    from the file's first key and drops the other style's layers without a word."""
+def _current_spelling(family, adapter: str):
+    """``adapter``, or where an earlier raylora's adapter file spells keys as the stock
+    loader misreads them (``lora.old_spellings``: an SD/SDXL file that mixed key styles, of
+    which the loader takes the style from the first key and drops the other style's layers;
+    text-encoder DoRA magnitudes it leaves at the base norms), a copy as raylora writes it
+    now, without a word from the loader either way."""
     from safetensors import safe_open
 
-    from raylora.model.lora import WEIGHT_NAME, mixed_key_style, one_key_style_file
+    from raylora.model.lora import WEIGHT_NAME, current_spelling_file, old_spellings
 
     file = os.path.join(adapter, WEIGHT_NAME) if os.path.isdir(adapter) else adapter
-    if family.legacy_lora_keys and file.endswith(".safetensors") and os.path.isfile(file):
+    if file.endswith(".safetensors") and os.path.isfile(file):
         with safe_open(file, framework="pt") as f:
-            mixed = mixed_key_style(list(f.keys()), family.denoiser)
-        if mixed:
-            log.warning("%s: written by an earlier raylora with two key styles for the %s "
-                        "(lora.down/lora.up and lora_A/lora_B), which diffusers' "
-                        "load_lora_weights reads only in part; loaded here in one style. "
-                        "`raylora export --format diffusers %s` writes a copy every "
-                        "loader reads", file, family.denoiser, adapter)
+            old = old_spellings(list(f.keys()), family.denoiser, family.legacy_lora_keys)
+        if old:
+            log.warning("%s: written by an earlier raylora with %s; loaded here as raylora "
+                        "writes it now. `raylora export --format diffusers %s` writes a copy "
+                        "every loader reads", file, "; and ".join(old), adapter)
             with tempfile.TemporaryDirectory() as tmp:
-                one_key_style_file(file, os.path.join(tmp, WEIGHT_NAME), family.denoiser)
+                current_spelling_file(file, os.path.join(tmp, WEIGHT_NAME), family.denoiser,
+                                      family.legacy_lora_keys)
                 yield tmp
             return
     yield adapter
@@ -410,7 +411,7 @@ def load_adapter(pipe, family, adapter: str, expert: str | None = None) -> None:
         component = family.trained_component(expert)
         denoiser = getattr(pipe, component)
         before = set(getattr(denoiser, "peft_config", None) or ())
-        with _one_key_style(family, adapter) as readable:
+        with _current_spelling(family, adapter) as readable:
             try:
                 pipe.load_lora_weights(readable, **family.lora_load_kwargs(expert))
             except (ValueError, RuntimeError, KeyError) as exc:  # another model's shapes

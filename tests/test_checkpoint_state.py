@@ -758,3 +758,48 @@ def test_raylora_train_holds_the_lease_and_a_second_run_is_refused_before_ray(ba
     with pytest.raises(RuntimeError, match="no Ray in this test"):
         launch.run(validate(base_config))
     assert seen[1]["pid"] == os.getpid() and not os.path.exists(lease)
+
+
+def test_a_checkpoint_without_its_batch_size_resumes_at_the_rows_it_trained(tmp_path):
+    """Checkpoints written before LoopState recorded train.batch_size (raylora before
+    2026-12-06) took the resuming run's: batch 2 → 4 counted 4 micro-batches of 2 as 4 of
+    4 and skipped rows 8-15 of the epoch untrained, silently (the driver's steps to the
+    epochs' end too). The old size is images_seen over its steps' workers × accumulation;
+    a checkpoint that tells none is refused, naming train.batch_size."""
+    from raylora.checkpoint.state import TRAINER_STATE, ResumeRefused
+    from raylora.config import ConfigError
+    from raylora.launch import steps_to_epochs_end
+
+    def old_checkpoint(name, history):
+        ckpt = tmp_path / name
+        ckpt.mkdir()
+        loop = LoopState(global_step=4, epoch=0, batches_in_epoch=4, images_seen=8, world_size=1,
+                         history=history)
+        save_main_state(str(ckpt), lora_sd={"w": torch.ones(2)}, optimizer_sd={}, scheduler_sd={},
+                        scaler_sd=None, loop=loop)
+        state = torch.load(ckpt / TRAINER_STATE, weights_only=True)
+        del state["loop"]["batch_size"]  # as the earlier raylora wrote it
+        torch.save(state, ckpt / TRAINER_STATE)
+        return load_state(str(ckpt), rank=0).loop
+
+    rows = [{"step": s, "loss": 1.0, "world_size": 1, "accumulation": 1} for s in range(1, 5)]
+    loop = old_checkpoint("a", rows)
+    assert loop.batch_size == 2
+    loop.resize(1, 4)
+    assert (loop.batches_in_epoch, loop.batch_size) == (2, 4)  # 8 rows in: 2 batches of 4
+    # without the per-step sizes in its history: refused, not guessed
+    loop = old_checkpoint("b", [{"step": s, "loss": 1.0} for s in range(1, 5)])
+    assert loop.batch_size is None
+    with pytest.raises(ResumeRefused) as exc:
+        loop.resize(1, 4)
+    assert str(exc.value).startswith("train.batch_size: the checkpoint was written by an earlier "
+                                     "raylora that did not record its batch size")
+    # The driver (train.num_epochs): 16 rows, batch 4 → 4 micro-batches an epoch, 2 epochs;
+    # 8 rows in: 6 steps left (counted in the new size: 4, rows 8-15 never trained)
+    at = {"global_step": 4, "epoch": 0, "batches_in_epoch": 4, "images_seen": 8, "world_size": 1}
+    assert steps_to_epochs_end(2, 4, 1, 1, 4, at) == 6
+    with pytest.raises(ConfigError) as exc:
+        steps_to_epochs_end(2, 4, 1, 1, 4, {**at, "images_seen": 9})
+    assert exc.value.problems[0].startswith(
+        "train.batch_size: this output.uri's checkpoint (step 4) was written by an earlier "
+        "raylora that did not record its batch size, and its 9 images over 4 steps")

@@ -420,3 +420,68 @@ def test_a_zimage_kohya_files_fused_qkv_is_read_at_each_parts_rank(tmp_path):
     fresh = {k: torch.randn(12, 8, generator=g) if "lora_A" in k else torch.zeros(8, 12)
              for k in src}
     assert all(torch.equal(v, fresh[k]) for k, v in lora_init._own_parts(fresh, fam).items())
+
+
+def _export_checkpoint(adapter: str, ckpt, tiny_model, demo_data, out, **lora) -> None:
+    """``export_run`` of a checkpoint whose adapter/ is ``adapter``: what a finished run run
+    again (launch._exported_again) and a Tune search's best trial publish."""
+    import glob
+    import json
+    import shutil
+
+    from raylora.checkpoint.export import export_run
+
+    shutil.copytree(adapter, ckpt / "adapter")
+    (ckpt / "history.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n"
+                                                for s in (1, 2)))
+    cfg = validate({"model": {"pretrained": tiny_model}, "data": {"uri": demo_data},
+                    "lora": {"rank": 4, **lora}, "output": {"uri": str(out)}})
+    plan = {"shard_files": sorted(glob.glob(os.path.join(demo_data, "*.parquet"))),
+            "data_format": "parquet", "total_rows": 8, "family": "sd"}
+    export_run(str(ckpt), cfg, {"global_step": 2}, plan)
+
+
+def test_an_earlier_rayloras_mixed_style_checkpoint_is_exported_again_in_one_style(
+        tiny_model, demo_data, tmp_path, caplog):
+    """A finished SD run of an earlier raylora that targeted more than attention, run again
+    as it was: its final checkpoint's adapter/ (two key styles) was published as it was, and
+    the stock loader read 12 of its 44 LoRA modules, silently. Now in one style, the
+    manifest listing the file as written, loaded whole by load_lora_weights."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from raylora.model import families
+    from raylora.model.lora import WEIGHT_NAME, mixed_key_style
+
+    targets = ["to_q", "to_k", "to_v", "to_out.0", "proj_in"]
+    run = _build(_cfg(tiny_model, demo_data, tmp_path / "a", target_modules=targets))
+    old = tmp_path / "old"
+    _random_adapter(run, str(old))
+    trained = _deltas(run.accelerator.unwrap_model(run.model), "default")
+    path = str(old / WEIGHT_NAME)
+    with safe_open(path, "pt") as f:
+        sd, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    sd = {k.replace(".lora.down.", ".lora_A.").replace(".lora.up.", ".lora_B.")
+          if ".proj_in." in k else k: v for k, v in sd.items()}  # as the earlier raylora wrote it
+    save_file(sd, path, metadata=meta)
+    assert mixed_key_style(sd, "unet")
+
+    out = tmp_path / "out"
+    with caplog.at_level("WARNING", logger="raylora"):
+        _export_checkpoint(str(old), tmp_path / "ckpt", tiny_model, demo_data, out,
+                           target_modules=targets)
+    assert "written by an earlier raylora with two key styles for the unet" in caplog.text
+    published = out / "adapter" / WEIGHT_NAME
+    with safe_open(str(published), "pt") as f:
+        assert not mixed_key_style(list(f.keys()), "unet") and f.metadata() == meta
+        assert len(list(f.keys())) == len(sd)
+    listed = json.loads((out / "adapter" / "manifest.json").read_text())["files"]
+    assert listed[WEIGHT_NAME] == os.path.getsize(published)
+    stock = families.get("sd").load_pipeline(tiny_model)
+    stock.load_lora_weights(str(out / "adapter"))
+    deltas = _deltas(stock.unet)
+    assert set(deltas) == set(trained)
+    for name in trained:
+        torch.testing.assert_close(deltas[name], trained[name], rtol=1e-5, atol=1e-7)

@@ -227,6 +227,9 @@ def test_a_finished_run_run_again_exports_its_final_checkpoint_without_ray(first
     # rows_decoded None, and a DreamBooth run's class_images went missing).
     assert before["rows_decoded"] > 0
     assert meta["data"]["rows_decoded"] == summary["rows_decoded"] == before["rows_decoded"]
+    # and per source (it became null)
+    assert [s["rows_decoded"] for s in before["sources"]] == [before["rows_decoded"]]
+    assert [s["rows_decoded"] for s in meta["data"]["sources"]] == [before["rows_decoded"]]
     assert meta["data"]["bad_records"] == before["bad_records"]
     # Run again with another learning rate: the weights were not trained with it, so
     # their card and raylora.json must not say so (they did); nothing is written.

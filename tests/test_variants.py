@@ -311,3 +311,86 @@ def test_a_lokr_run_publishes_the_peft_folder_and_lycoris_file(ray_local, tiny_m
     assert json.load(open(adapter / "adapter_config.json"))["decompose_factor"] == 4
     png = sample(tiny_model, str(adapter), "a red circle", str(tmp_path / "s.png"), steps=2, size=64)
     assert os.path.getsize(png) > 0
+
+
+def test_an_earlier_rayloras_dora_text_encoder_magnitudes_sample_and_export_as_trained(
+        tiny_model, demo_data, tmp_path, caplog, capsys):
+    """DoRA with lora.train_text_encoder, written by raylora before it spelled the text
+    encoders' magnitudes ``...lora_magnitude_vector.weight``: ``raylora sample``, ``raylora
+    export --format diffusers`` and an export of such a checkpoint (a finished run run
+    again, a Tune search's best) passed peft's spelling on, and the text encoder ran at the
+    base weight norms (lora.init_from already read both). Each now gives the trained one."""
+    import glob
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from inproc import _fresh_accelerator
+    from raylora.checkpoint.export import export_run
+    from raylora.cli import main
+    from raylora.model import families
+    from raylora.model.lora import WEIGHT_NAME, save_adapter
+    from raylora.sample import load_adapter
+    from raylora.train.setup import build_run
+
+    tree = {"model": {"pretrained": tiny_model}, "output": {"uri": str(tmp_path / "run")},
+            "data": {"uri": demo_data, "resolution": 64, "center_crop": True},
+            "lora": {"rank": 4, "variant": "dora", "train_text_encoder": True},
+            "train": {"max_steps": 2, "batch_size": 2, "seed": 0}}
+    run = build_run(validate(tree), _fresh_accelerator(1), 2, rank=0)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in run.params:  # B and the magnitudes away from their start: a trained adapter
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    old = tmp_path / "old"
+    save_adapter(run.accelerator.unwrap_model(run.model), str(old), run.family,
+                 run.trained_text_encoders)
+    path = str(old / WEIGHT_NAME)
+    with safe_open(path, "pt") as f:
+        sd, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    renamed = {k.removesuffix(".weight") if k.startswith("text_encoder.")
+               and k.endswith("lora_magnitude_vector.weight") else k: v for k, v in sd.items()}
+    assert sum(k.endswith("lora_magnitude_vector") for k in renamed) > 0
+    save_file(renamed, path, metadata=meta)  # as the earlier raylora wrote it
+
+    ids = torch.randint(0, 100, (1, 77), generator=torch.Generator().manual_seed(0))
+
+    def out(te):
+        te.eval()
+        with torch.no_grad():
+            return te(ids)[0]
+
+    trained = out(run.trained_text_encoders["text_encoder"])
+    fam = families.get("sd")
+
+    def loaded(folder):
+        pipe = fam.load_pipeline(tiny_model)
+        pipe.load_lora_weights(str(folder))
+        return out(pipe.text_encoder)
+
+    assert (loaded(old) - trained).abs().max() > 1e-3  # the file as the stock loader reads it
+
+    pipe = fam.load_pipeline(tiny_model)
+    with caplog.at_level("WARNING", logger="raylora"):
+        load_adapter(pipe, fam, str(old))  # raylora sample
+    assert "text-encoder DoRA magnitudes as lora_magnitude_vector" in caplog.text
+    torch.testing.assert_close(out(pipe.text_encoder), trained, rtol=1e-5, atol=1e-5)
+
+    new = tmp_path / "new"
+    assert main(["export", "--format", "diffusers", str(old), "--out", str(new)]) == 0
+    torch.testing.assert_close(loaded(new), trained, rtol=1e-5, atol=1e-5)
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(old, ckpt / "adapter")
+    (ckpt / "history.jsonl").write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 1.0}\n')
+    plan = {"shard_files": sorted(glob.glob(os.path.join(demo_data, "*.parquet"))),
+            "data_format": "parquet", "total_rows": 8, "family": "sd"}
+    export_run(str(ckpt), validate({**tree, "output": {"uri": str(tmp_path / "out")}}),
+               {"global_step": 2}, plan)
+    published = tmp_path / "out" / "adapter"
+    with safe_open(str(published / WEIGHT_NAME), "pt") as f:
+        assert sorted(f.keys()) == sorted(sd) and f.metadata() == meta
+    torch.testing.assert_close(loaded(published), trained, rtol=1e-5, atol=1e-5)
+    listed = json.loads((published / "manifest.json").read_text())["files"]
+    assert listed[WEIGHT_NAME] == os.path.getsize(published / WEIGHT_NAME)

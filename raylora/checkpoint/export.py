@@ -446,11 +446,28 @@ def run_data(cfg: RayLoraConfig, plan: dict, store: Storage) -> dict:
 
 
 def _write_adapter_folder(adapter: str, ckpt_dir: str, cfg: RayLoraConfig, metrics: dict,
-                          data: dict, extra: dict | None) -> None:
+                          data: dict, extra: dict | None, family) -> None:
     """Weights, model card and raylora.json into ``adapter``; manifest.json last, so its
     presence means the folder is complete."""
+    from safetensors import safe_open
+
+    from raylora.model.lora import current_spelling_file, old_spellings
+
     # The checkpoint's adapter files: the diffusers file, or the peft folder (+ LyCORIS file).
     shutil.copytree(os.path.join(ckpt_dir, ADAPTER_DIR), adapter)
+    weights = os.path.join(adapter, WEIGHT_NAME)
+    if os.path.isfile(weights):
+        with safe_open(weights, framework="pt") as f:
+            old = old_spellings(list(f.keys()), family.denoiser, family.legacy_lora_keys)
+        if old:
+            # An earlier raylora's checkpoint (a finished run exported again, a Tune
+            # search's best trial) spells keys as the stock loader misreads them, silently:
+            # published as raylora writes them now, as `raylora export --format diffusers` does
+            current_spelling_file(weights, weights + ".new", family.denoiser, family.legacy_lora_keys)
+            os.replace(weights + ".new", weights)
+            log.warning("%s: written by an earlier raylora with %s; exported as raylora "
+                        "writes it now", os.path.join(ckpt_dir, ADAPTER_DIR, WEIGHT_NAME),
+                        "; and ".join(old))
     with open(os.path.join(adapter, "README.md"), "w") as f:
         f.write(model_card(cfg, metrics, data))
     meta = {
@@ -472,13 +489,15 @@ def _write_manifest(adapter: str) -> None:
         json.dump({"files": listing}, f, indent=2)
 
 
-def rewrite_diffusers_folder(adapter_dir: str, dest: str | None = None) -> tuple[str, bool]:
+def rewrite_diffusers_folder(adapter_dir: str, dest: str | None = None) -> tuple[str, list[str]]:
     """``raylora export --format diffusers``: a copy of the adapter folder ``adapter_dir``
-    whose weights every diffusers loader reads: an earlier raylora's SD/SDXL file that mixed
-    key styles (``lora.mixed_key_style``) in one style, other files as they are, the
-    manifest listing the new sizes. ``dest``: default ``<adapter_dir>-diffusers`` beside it.
-    Returns (folder written, whether the weights were rewritten)."""
-    from raylora.model.lora import one_key_style_file
+    whose weights every diffusers loader reads: an earlier raylora's file written as raylora
+    writes it now (``lora.current_spelling``: an SD/SDXL file that mixed key styles in one
+    style, text-encoder DoRA magnitudes in the spelling their loader reads), other files as
+    they are, the manifest listing the new sizes. ``dest``: default
+    ``<adapter_dir>-diffusers`` beside it. Returns (folder written, what was rewritten in
+    words: ``lora.old_spellings``, [] for a copy)."""
+    from raylora.model.lora import current_spelling_file
 
     weights = os.path.join(adapter_dir, WEIGHT_NAME)
     if not os.path.isfile(weights):
@@ -501,7 +520,8 @@ def rewrite_diffusers_folder(adapter_dir: str, dest: str | None = None) -> tuple
             if n not in (WEIGHT_NAME, MANIFEST):
                 src = os.path.join(adapter_dir, n)
                 (shutil.copytree if os.path.isdir(src) else shutil.copy2)(src, os.path.join(tmp, n))
-        mixed = one_key_style_file(weights, os.path.join(tmp, WEIGHT_NAME))
+        # unet: the legacy-key families' denoiser; no other family's file has its keys
+        rewritten = current_spelling_file(weights, os.path.join(tmp, WEIGHT_NAME))
         if listed:
             _write_manifest(tmp)
         if os.path.isdir(dest):
@@ -509,7 +529,7 @@ def rewrite_diffusers_folder(adapter_dir: str, dest: str | None = None) -> tuple
         os.replace(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return dest, mixed
+    return dest, rewritten
 
 
 def _publish_file(store: Storage, local: str, uri: str) -> str:
@@ -536,7 +556,7 @@ def export_run(
     out = storage.normalize(cfg.output.uri)
     with tempfile.TemporaryDirectory(prefix="raylora-export-") as tmp:
         adapter = os.path.join(tmp, ADAPTER_DIR)
-        _write_adapter_folder(adapter, ckpt_dir, cfg, metrics, data, extra)
+        _write_adapter_folder(adapter, ckpt_dir, cfg, metrics, data, extra, family)
         adapter_out = store.publish_dir(adapter, storage.join(out, ADAPTER_DIR))
 
         from raylora.checkpoint.kohya import KOHYA_FILE, export_kohya

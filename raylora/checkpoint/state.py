@@ -75,7 +75,7 @@ class LoopState:
     eval_loss_best_step: int | None = None
     nonfinite_steps: int = 0  # optimizer steps skipped for a NaN/inf loss or gradient
     # The workers that wrote this state, and their train.batch_size (None: a checkpoint
-    # from before it was recorded: taken to be the resuming run's).
+    # from before it was recorded; load_state infers the batch size, ``history_batch_size``).
     world_size: int | None = None
     batch_size: int | None = None
     history: list[dict] = field(default_factory=list)
@@ -89,6 +89,14 @@ class LoopState:
         whole micro-batches, skip about what was trained. (Counted in micro-batches, a
         batch size doubled on resume skipped half an epoch's position untrained.)"""
         old_w = self.world_size or world
+        if self.batch_size is None and self.images_seen:
+            # A checkpoint from before the batch size was recorded whose history does not
+            # tell it: taken for the new one, its position would skip or repeat rows silently
+            raise ResumeRefused(
+                f"train.batch_size: the checkpoint was written by an earlier raylora that did "
+                f"not record its batch size, and its history does not tell it ({self.images_seen} "
+                f"images in {self.global_step} steps); resume it with the train.batch_size and "
+                f"scaling.num_workers it was trained with")
         new_b = batch_size or self.batch_size or 1
         old_b = self.batch_size or new_b
         consumed = self.batches_in_epoch * old_w * old_b
@@ -111,6 +119,25 @@ class LoopState:
         d = asdict(self)
         d.pop("history")
         return d
+
+
+def inferred_batch_size(images_seen: int, micro_batches: int) -> int | None:
+    """train.batch_size of a checkpoint written before ``LoopState`` recorded it (raylora
+    before 2026-12-06): its ``images_seen`` over the ``micro_batches`` its steps took (each
+    step's workers × accumulation, summed), when that is a whole number; else None."""
+    if micro_batches <= 0 or images_seen <= 0 or images_seen % micro_batches:
+        return None
+    return images_seen // micro_batches
+
+
+def history_batch_size(images_seen: int, global_step: int, history: list[dict]) -> int | None:
+    """``inferred_batch_size`` from a checkpoint's history rows, each with the step's
+    ``world_size`` and ``accumulation`` (one per step since 2026-11-23; None without them)."""
+    if len(history) != global_step or not all(
+            isinstance(r.get("world_size"), int) and isinstance(r.get("accumulation"), int)
+            for r in history):
+        return None
+    return inferred_batch_size(images_seen, sum(r["world_size"] * r["accumulation"] for r in history))
 
 
 def rng_file(rank: int) -> str:
@@ -266,6 +293,10 @@ def load_state(directory: str, rank: int, where: str | None = None) -> RestoredS
         with open(hist_path) as f:
             history = [json.loads(line) for line in f if line.strip()]
     loop = LoopState(**trainer["loop"], history=history)
+    if "batch_size" not in trainer["loop"]:
+        # Written before the batch size was recorded: a resume with another one converts
+        # the data position from it (LoopState.resize), not from the new one
+        loop.batch_size = history_batch_size(loop.images_seen, loop.global_step, history)
     rng_path = os.path.join(directory, rng_file(rank))
     rng = torch.load(rng_path, weights_only=True) if os.path.exists(rng_path) else None
     return RestoredState(

@@ -304,18 +304,47 @@ def one_key_style(sd: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.T
     return {**{k: v for k, v in sd.items() if k not in ours}, **_down_up(ours)}
 
 
-def one_key_style_file(src: str, dest: str, prefix: str = "unet") -> bool:
-    """Write the safetensors adapter ``src`` to ``dest`` with its denoiser (``prefix``) in
-    one key style (``one_key_style``) and its metadata (the peft configs) unchanged. Returns
-    whether ``src`` mixed styles (False: ``dest`` is a copy of the tensors)."""
+def old_spellings(keys, prefix: str = "unet", legacy: bool = True) -> list[str]:
+    """What an earlier raylora's adapter file (its ``keys``; ``prefix``: the family's
+    denoiser, ``legacy``: a legacy-key family's) spells as the stock loaders misread it,
+    in words; [] when nothing. ``current_spelling`` writes it as raylora does now."""
+    found = []
+    if legacy and mixed_key_style(keys, prefix):
+        found.append(f"two key styles for the {prefix} (lora.down/lora.up and lora_A/lora_B), "
+                     "which diffusers' load_lora_weights reads only in part")
+    if any(_old_magnitude(k) for k in keys):
+        found.append("text-encoder DoRA magnitudes as lora_magnitude_vector, which diffusers' "
+                     "load_lora_weights leaves at the base weight norms")
+    return found
+
+
+def _old_magnitude(key: str) -> bool:
+    # Text encoders only: the denoiser's magnitudes go through peft's loader, which reads
+    # peft's spelling (text_encoder_magnitudes)
+    return key.split(".", 1)[0].startswith("text_encoder") and key.endswith("lora_magnitude_vector")
+
+
+def current_spelling(sd: dict[str, torch.Tensor], prefix: str = "unet",
+                     legacy: bool = True) -> dict[str, torch.Tensor]:
+    """``sd`` as raylora writes it now (``old_spellings``): a mixed-style denoiser in one
+    style (``one_key_style``, ``legacy`` families), text-encoder DoRA magnitudes as
+    ``text_encoder_magnitudes`` spells them; any other state dict unchanged."""
+    sd = one_key_style(sd, prefix) if legacy else sd
+    return {k + ".weight" if _old_magnitude(k) else k: v for k, v in sd.items()}
+
+
+def current_spelling_file(src: str, dest: str, prefix: str = "unet", legacy: bool = True) -> list[str]:
+    """Write the safetensors adapter ``src`` to ``dest`` as ``current_spelling`` spells it,
+    its metadata (the peft configs) unchanged. Returns ``old_spellings`` of ``src`` ([]:
+    ``dest`` is a copy of the tensors)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     with safe_open(src, framework="pt") as f:
         sd = {k: f.get_tensor(k) for k in f.keys()}
         metadata = f.metadata()
-    save_file(one_key_style(sd, prefix), dest, metadata=metadata)
-    return mixed_key_style(sd, prefix)
+    save_file(current_spelling(sd, prefix, legacy), dest, metadata=metadata)
+    return old_spellings(sd, prefix, legacy)
 
 
 def _clip_paths(module: torch.nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

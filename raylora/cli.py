@@ -538,27 +538,30 @@ def main(argv: list[str] | None = None) -> int:
 
     launch.INTERRUPT_ON_SIGTERM = True
     launch.interrupt_on_sigterm()
+    from raylora.storage import masked
+
     try:
         return args.fn(args)
     except KeyboardInterrupt:
         print(f"raylora: interrupted{getattr(args, 'on_rerun', '')}", file=sys.stderr)
         return 130
+    # (the last line: a URL's password left out, whatever error quoted it: storage.masked)
     except DoesNotFit as exc:
-        print(f"raylora: {exc}", file=sys.stderr)
+        print(f"raylora: {masked(str(exc))}", file=sys.stderr)
         return EXIT_DOES_NOT_FIT
     except ConfigError as exc:
-        print(f"raylora: {exc}", file=sys.stderr)
+        print(f"raylora: {masked(str(exc))}", file=sys.stderr)
         return 2
     except (FileNotFoundError, ValueError) as exc:
         # Bad input named by URI/path: one line, not a stack trace.
-        print(f"raylora: error: {exc}", file=sys.stderr)
+        print(f"raylora: error: {masked(str(exc))}", file=sys.stderr)
         return 2
     except OSError as exc:
         # Storage that failed mid-way (raylora.storage names the URI in the message): one
         # line too; the stack trace is for a bug report, so only with --verbose.
         if getattr(args, "verbose", False):
             raise
-        print(f"raylora: error: {exc} (--verbose shows where)", file=sys.stderr)
+        print(f"raylora: error: {masked(str(exc))} (--verbose shows where)", file=sys.stderr)
         return 1
 
 

@@ -1970,6 +1970,13 @@ EVAL_LOSS_MEANINGS = {
     "validation.num_timesteps": "sets the timesteps at which the held-out loss (eval_loss) "
                                 "is measured",
     "validation.seed": "draws the noise the held-out loss (eval_loss) is measured with",
+    # which rows it is measured on (each trial plans its own data: Plan.data_variants)
+    "data.validation_split": "chooses the held-out rows the held-out loss (eval_loss) is "
+                             "measured on",
+    "data.validation_max_samples": "chooses how many held-out rows the held-out loss "
+                                   "(eval_loss) is measured on",
+    "data.validation_uri": "chooses the held-out rows the held-out loss (eval_loss) is "
+                           "measured on",
 }
 
 

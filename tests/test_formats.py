@@ -1138,14 +1138,20 @@ def test_a_glob_or_a_file_over_a_caption_folder_finds_the_captions_beside_its_im
 
 def test_a_caption_extension_that_no_caption_folder_reads_is_refused(shards, tmp_path):
     """A kohya user's data.caption_extension: .caption over parquet shards (their captions
-    are a column) did nothing, without a word; a source's own setting likewise."""
-    from raylora.data.plan import DataProblems
+    are a column) did nothing, without a word; a source's own setting likewise. Not where
+    held-out or class images may be a caption folder that reads it (planned apart)."""
+    from raylora.data.plan import DataProblems, unread_caption_extension
 
     uris, _ = shards
-    with pytest.raises(DataProblems) as exc:
-        plan_data(DataSection(uri=uris["parquet"], caption_extension=".caption"), Storage())
-    assert exc.value.problems == ["data.caption_extension: set, but parquet data has no caption "
-                                  "files: only caption folders read it; drop it"]
+    data = DataSection(uri=uris["parquet"], caption_extension=".caption")
+    assert unread_caption_extension(data, plan_data(data, Storage())) == (
+        "data.caption_extension: set, but parquet data has no caption files: only caption "
+        "folders read it; drop it")
+    for other in ({"validation_uri": uris["captionfolder"]}, {"class_prompt": "a dog", "class_sources": uris["captionfolder"]}):
+        data = DataSection(uri=uris["parquet"], caption_extension=".caption", **other)
+        assert unread_caption_extension(data, plan_data(data, Storage())) is None, other
+    data = DataSection(uri=uris["captionfolder"], caption_extension=".txt")
+    assert unread_caption_extension(data, plan_data(data, Storage())) is None
     mixed = DataSection(uri=None, caption_extension=".txt", sources=[
         {"uri": uris["webdataset"], "caption_extension": ".caption"}, {"uri": uris["captionfolder"]}])
     with pytest.raises(DataProblems) as exc:

@@ -780,9 +780,10 @@ def test_export_names_the_kohya_file_after_the_folder_and_keeps_another_adapters
     b_bytes = b_file.read_bytes()
     a_file.write_bytes(b_bytes)
     rc, out = export(loras / "char_a")
-    assert rc == 2 and out == (f"raylora: error: {a_file}: exists and is not an export of {loras / 'char_a'} "
-                               "(another adapter's kohya file?); pass --out FILE to write "
-                               "elsewhere, or remove it\n")
+    assert rc == 2 and out == (f"raylora: error: {a_file}: exists and is not this export of "
+                               f"{loras / 'char_a'} (another adapter's kohya file, or one an "
+                               "earlier raylora wrote otherwise?); pass --out FILE to write "
+                               "elsewhere (or over it), or remove it\n")
     assert a_file.read_bytes() == b_bytes
     (loras / "junk_kohya.safetensors").write_text("not safetensors")
     _unet_file(loras / "junk", layers)

@@ -160,7 +160,7 @@ def test_latent_cache_build_reuse_and_training(ray_local, tiny_model, tmp_path):
 
     plain = run(validate(tree("plain", "none")))
     # The entry as another run's build left it: one still building (a part written just
-    # now) and one that died two days ago, in the folder layout of builds before this.
+    # now) and one that died eight days ago, in the folder layout of builds before this.
     from raylora.data.cache import fingerprint
     from raylora.data.plan import plan_data
     from raylora.storage import Storage
@@ -171,7 +171,7 @@ def test_latent_cache_build_reuse_and_training(ray_local, tiny_model, tmp_path):
     (entry_dir / "parts-live" / "part-000000-0000.parquet").write_bytes(b"being written")
     (entry_dir / "parts").mkdir()
     (entry_dir / "parts" / "part-000000-0000.parquet").write_bytes(b"died")
-    os.utime(entry_dir / "parts" / "part-000000-0000.parquet", (time.time() - 2 * 86400,) * 2)
+    os.utime(entry_dir / "parts" / "part-000000-0000.parquet", (time.time() - 8 * 86400,) * 2)
     cached = run(cfg)
 
     def losses(name):
@@ -204,7 +204,7 @@ def test_latent_cache_build_reuse_and_training(ray_local, tiny_model, tmp_path):
     # (that build died, or its manifest was overwritten), and nothing the manifest names.
     from raylora.data.cache import ensure_cache
 
-    os.utime(entry_dir / "parts-live" / "part-000000-0000.parquet", (time.time() - 2 * 86400,) * 2)
+    os.utime(entry_dir / "parts-live" / "part-000000-0000.parquet", (time.time() - 8 * 86400,) * 2)
     assert ensure_cache(cfg, "sd", tiny_model, plan_data(cfg.data, Storage()), Storage()).reused
     assert not (entry_dir / "parts-live").exists() and all(os.path.exists(f) for f in files)
     stamps = {f: os.stat(f).st_mtime_ns for f in written}

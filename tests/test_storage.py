@@ -59,6 +59,12 @@ def test_a_folder_whose_name_holds_brackets_is_that_folder(tmp_path):
     assert Storage().expand(str(folder / "*.png")) == [str(folder / "a.png")]
     assert Storage().expand(str(folder / "**" / "*.png")) == [str(folder / "a.png"), str(folder / "sub" / "c.png")]
     assert Storage().expand(str(tmp_path / "photos [0-9]" / "*.png")) == [str(tmp_path / "photos 2" / "z.png")]
+    # ... and the data's root is that folder too (an output.uri beside it is not "inside
+    # the data"; a kohya N_name folder's repeats do not hang on brackets)
+    from raylora.data.formats.captionfolder import data_roots
+
+    assert data_roots(str(folder / "*.png")) == data_roots(str(folder)) == [str(folder)]
+    assert data_roots(str(tmp_path / "photos [0-9]" / "*.png")) == [str(tmp_path)]
 
 
 def test_expand_dir_glob_list_and_hidden_files(tmp_path):

@@ -407,3 +407,14 @@ def test_a_local_output_that_a_node_does_not_see_is_refused_before_training(ray_
         launch.check_shared_places(cfg)
     assert exc.value.problems == problems
     assert asked == [(str(tmp_path), True, 2)] and sorted(os.listdir(tmp_path)) == ["marker"]
+    # Prior preservation: the class images' generated folder is asked about too (actors on
+    # any node generate into it), here data.class_sources' raylora-generated.
+    classes = tmp_path / "dogs"
+    classes.mkdir()
+    asked.clear()
+    with pytest.raises(ConfigError) as exc:
+        launch.check_shared_places(validate({
+            "model": {"pretrained": "m"}, "output": {"uri": out},
+            "data": {"uri": "d", "class_prompt": "a dog", "class_sources": str(classes)}}))
+    assert [p.split(":")[0] for p in exc.value.problems] == ["output.uri", "data.class_sources"]
+    assert sorted(d for d, _, _ in asked) == sorted([str(tmp_path), str(classes)])

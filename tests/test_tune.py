@@ -867,6 +867,13 @@ def test_train_loss_does_not_rank_a_search_of_what_weights_it():
             f"learned; set {key} once for every trial"], key
         assert key in validate({**base, "data": held, "tune": {
             "metric": "train_loss", "search_space": {key: dim}}}).tune.search_space
+    for key, dim in (("data.validation_split", {"choice": [0.1, 0.2]}),
+                     ("data.validation_max_samples", {"choice": [4, 8]})):
+        with pytest.raises(ConfigError, match=rf"tune.search_space.{key}: chooses .*held-out rows "
+                                              "the held-out loss \\(eval_loss\\) is measured on, so "
+                                              "tune.metric eval_loss would rank trials by how each "
+                                              "was measured"):
+            validate({**base, "data": held, "tune": {"metric": "eval_loss", "search_space": {key: dim}}})
 
 
 def rt_scales() -> dict:

@@ -402,7 +402,8 @@ def export_folder(adapter_dir: str, dest: str | None = None, family: str | None 
     if not named and os.path.isfile(dest) and not _holds(dest, tensors):
         # Another adapter's file (or this one's from other weights): replacing it silently
         # loses it; --out is how to say which file to write.
-        raise ValueError(f"{dest}: exists and is not an export of {adapter_dir} (another "
-                         "adapter's kohya file?); pass --out FILE to write elsewhere, or remove it")
+        raise ValueError(f"{dest}: exists and is not this export of {adapter_dir} (another "
+                         "adapter's kohya file, or one an earlier raylora wrote otherwise?); pass "
+                         "--out FILE to write elsewhere (or over it), or remove it")
     _write(dest, tensors, kohya_meta, fam)
     return dest, fam, how

@@ -342,15 +342,30 @@ def _renew(store, uri: str, mine: dict, stop: threading.Event, lock: threading.L
             try:
                 there = _read_lease(store, uri)
                 if there is not None and there.get("token") != mine["token"]:
-                    log.warning("%s: another run took over this run's lease (%s) after it went "
-                                "%d s without a renewal: two runs may now write to this output.uri; "
-                                "stop one of them", uri, _holder(there), LEASE_STALE_S)
+                    # Two runs now write this output.uri, and the other one's start deletes
+                    # checkpoints it does not know: this one stops at its next step, with a
+                    # checkpoint (raylora's SIGTERM is a clean stop), where it can.
+                    log.error("%s: another run took over this run's lease (%s) after it went "
+                              "%d s without a renewal: two runs now write to this output.uri; "
+                              "stopping this one", uri, _holder(there), LEASE_STALE_S)
+                    _stop_this_run()
                     return
                 mine["renewed"] = time.time()
                 store.write_bytes(uri, json.dumps(mine, indent=1).encode())
             except OSError as exc:  # tried again at the next renewal
                 log.warning("%s: could not renew this run's lease (%s); another run may take "
                             "it over %d s after its last renewal", uri, exc, LEASE_STALE_S)
+
+
+def _stop_this_run() -> None:
+    """A clean stop of this run where the CLI handles SIGTERM as one (raylora.launch);
+    elsewhere (a notebook's launch.run) the error logged is all: a signal would kill it."""
+    import signal
+
+    from raylora import launch
+
+    if launch.INTERRUPT_ON_SIGTERM:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _release(store, uri: str, token: str) -> None:

@@ -30,6 +30,7 @@ shared storage is never a way to run code.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass, field
 
@@ -37,6 +38,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from raylora.storage import local_sizes
+
+log = logging.getLogger("raylora")
 
 TRAINER_STATE = "trainer_state.pt"
 LORA_FILE = "lora.safetensors"
@@ -89,14 +92,14 @@ class LoopState:
         whole micro-batches, skip about what was trained. (Counted in micro-batches, a
         batch size doubled on resume skipped half an epoch's position untrained.)"""
         old_w = self.world_size or world
-        if self.batch_size is None and self.images_seen:
+        if self.batch_size is None and self.images_seen and batch_size:
             # A checkpoint from before the batch size was recorded whose history does not
-            # tell it: taken for the new one, its position would skip or repeat rows silently
-            raise ResumeRefused(
-                f"train.batch_size: the checkpoint was written by an earlier raylora that did "
-                f"not record its batch size, and its history does not tell it ({self.images_seen} "
-                f"images in {self.global_step} steps); resume it with the train.batch_size and "
-                f"scaling.num_workers it was trained with")
+            # tell it (before 2026-11-23): taken for the new one, as it always was (an
+            # elastic run resized with the same batch size is right so), and said.
+            log.warning("train.batch_size: the checkpoint was written by an earlier raylora "
+                        "that did not record its batch size, and its history does not tell it: "
+                        "its position in the epoch is taken as counted in batches of %d; if it "
+                        "trained with another, resume it with that one", batch_size)
         new_b = batch_size or self.batch_size or 1
         old_b = self.batch_size or new_b
         consumed = self.batches_in_epoch * old_w * old_b

@@ -76,9 +76,10 @@ MANIFEST = "manifest.json"
 # deleted the first's half-built parts as a dead build's. The runs after them read the
 # manifest written last. A folder no manifest names and in which nothing has changed for
 # STALE_BUILD_S is a build that died (or lost that race): the next run of the entry deletes
-# it. A live build writes a part every few minutes; a day also covers one waiting for GPUs.
+# it. A live build writes a part every few minutes; a week also covers one waiting for
+# GPUs, and a run still training on a build whose manifest another build overwrote.
 BUILD_PREFIX = "parts"
-STALE_BUILD_S = 24 * 3600
+STALE_BUILD_S = 7 * 24 * 3600
 # A caption folder's images are cached in at least this many parts, or one per worker
 # past that (while it has that many images). data.sharding=files deals the cache's parts
 # to the workers as it deals the images of an uncached run; runs of up to 256 images made
@@ -596,7 +597,8 @@ def clear_dead_builds(uri: str, store: Storage, keep: set[str], now: float | Non
         folder, _, rest = info.path[len(root):].partition("/")
         if info.type == pafs.FileType.File and rest and folder.startswith(BUILD_PREFIX) \
                 and folder not in keep:
-            stamp = info.mtime.timestamp() if info.mtime else 0.0
+            # (a store that gives no time: taken as written now, never stale)
+            stamp = info.mtime.timestamp() if info.mtime else time.time()
             newest[folder] = max(newest.get(folder, 0.0), stamp)
     now = time.time() if now is None else now
     for folder, stamp in sorted(newest.items()):

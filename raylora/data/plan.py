@@ -476,22 +476,29 @@ def plan_data(data: DataSection, storage: Storage) -> DataPlan:
 
 
 def _unread_caption_extension(data: DataSection, sources: list[SourceFiles]) -> list[str]:
-    """data.caption_extension (or a source's) set where no caption folder reads it: parquet
+    """A source's own caption_extension set where its data is no caption folder: parquet
     or WebDataset data take their captions from a column or a member, and a kohya user's
-    ``.caption`` setting did nothing, without a word. Found once the formats are known."""
-    from raylora.config import DataSection
+    ``.caption`` setting did nothing, without a word. (``data.caption_extension`` itself
+    may be for the held-out or class images: ``unread_caption_extension``.)"""
+    return [f"{data.source_key(s.index, 'caption_extension')}: set, but {s.uri} is {s.format} "
+            "data: only caption folders read it; drop it"
+            for s in sources if data.sources is not None
+            and data.sources[s.index].caption_extension is not None and s.format != "captionfolder"]
 
-    out = [f"{data.source_key(s.index, 'caption_extension')}: set, but {s.uri} is {s.format} "
-           "data: only caption folders read it; drop it"
-           for s in sources if data.sources is not None
-           and data.sources[s.index].caption_extension is not None and s.format != "captionfolder"]
-    # (class images in a caption folder read it too: planned apart, data.class_sources)
-    if (data.caption_extension != DataSection.model_fields["caption_extension"].default
-            and sources and not data.class_sources
-            and not any(s.format == "captionfolder" for s in sources)):
-        out.append(f"data.caption_extension: set, but {', '.join(sorted({s.format for s in sources}))} "
-                   "data has no caption files: only caption folders read it; drop it")
-    return out
+
+def unread_caption_extension(data: DataSection, plan: DataPlan) -> str | None:
+    """``data.caption_extension`` set while the training data (``plan``) holds no caption
+    folder and nothing else it could be for is set (``data.validation_uri``,
+    ``data.class_sources``, each planned apart): a problem line, else None."""
+    from raylora.config import DataSection as Section
+
+    if (data.caption_extension == Section.model_fields["caption_extension"].default
+            or data.validation_uri or data.class_sources
+            or any(s.format == "captionfolder" for s in plan.sources)):
+        return None
+    formats = ", ".join(sorted({s.format for s in plan.sources}))
+    return (f"data.caption_extension: set, but {formats} data has no caption files: only "
+            "caption folders read it; drop it")
 
 
 def _source_key(data: DataSection, i: int, key: str) -> str:

@@ -44,8 +44,17 @@ def data_roots(uri: str | list[str]) -> list[str]:
     roots = []
     for u in [uri] if isinstance(uri, str) else uri:
         u = normalize(u)
-        wild = [u.index(c) for c in "*?[" if c in u]
-        roots.append((u[: min(wild)].rsplit("/", 1)[0] if wild else u).rstrip("/"))
+        if "[" in u:
+            # As Storage.expand reads it: a folder named "photos [2023]" is that folder,
+            # and a glob inside one is rooted there (asked of the store, only for "[")
+            from raylora.storage import Storage
+
+            store = Storage()
+            root = u if store._there(u) else store._glob_root(u)[0]
+        else:
+            wild = [u.index(c) for c in "*?" if c in u]
+            root = u[: min(wild)].rsplit("/", 1)[0] if wild else u
+        roots.append(root.rstrip("/"))
     return sorted(roots, key=len, reverse=True)
 
 

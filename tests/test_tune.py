@@ -346,12 +346,13 @@ def test_a_recorded_search_config_is_compared_as_this_version_reads_it():
     old["tune"]["num_samples"] = 8
     assert _differences(_as_read_now(old), _as_read_now(now)) == []
     assert _as_read_now(old)["tune"]["num_samples"] == 1
-    tree["train"] = {"groupnorm_fp32": True}
+    tree["train"] = {"groupnorm_fp32": True, "mixed_precision": "bf16"}  # (read under bf16 only)
     tree["tune"]["search_space"]["lora.rank"] = {"choice": [4, 8]}
     tree["tune"]["num_samples"] = 3  # 3 draws of the 4 combinations
     assert [k for k, _, _ in _differences(_as_read_now(old),
                                           _as_read_now(validate(tree).to_dict()))] == [
-        "train.groupnorm_fp32", "tune.num_samples", "tune.search_space.lora.rank"]
+        "train.groupnorm_fp32", "train.mixed_precision", "tune.num_samples",
+        "tune.search_space.lora.rank"]
     assert _as_read_now({"train": {"no_such_key": 1}}) == {"train": {"no_such_key": 1}}
 
 

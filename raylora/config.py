@@ -1069,17 +1069,10 @@ class StorageSection(_Section):
     @field_validator("endpoint_url")
     @classmethod
     def _a_url(cls, v: str | None) -> str | None:
-        # "minio:9000" parses as the scheme "minio": S3 then failed with "Invalid S3
-        # connection scheme", naming neither this key nor the value.
-        if v is not None and not re.match(r"https?://[^/]", v):
-            raise ValueError(f"{v!r} is not an http:// or https:// URL (e.g. http://{v})")
-        if v is not None and "@" in v.split("://", 1)[1].split("/", 1)[0]:
-            # pyarrow takes "user:pass@host" for the host name ("Could not resolve"), and
-            # the config, printed and recorded, is no place for a password.
-            from raylora.storage import masked
+        from raylora.storage import endpoint_problem
 
-            raise ValueError(f"{masked(v)}: a user or password in the URL is not read; give "
-                             "the keys as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
+        if v is not None and (problem := endpoint_problem(v)):
+            raise ValueError(problem)
         return v
 
     def client(self):

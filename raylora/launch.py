@@ -1390,7 +1390,8 @@ def _exported_again(pre: Prepared) -> dict | None:
     metrics = finished_metrics(store, checkpoints, p.max_steps)
     if metrics is None:
         return None
-    if changed := _changed_since_export(cfg, store, p.family):
+    exported = _exported_meta(cfg, store)  # raylora.json: read once, for both uses below
+    if changed := _changed_since_export(cfg, exported, p.family):
         raise ConfigError([
             f"{', '.join(changed)}: this output.uri's run finished at step {p.max_steps} "
             f"trained with {', '.join(f'{k}={json.dumps(v[0])}' for k, v in changed.items())}; "
@@ -1403,7 +1404,7 @@ def _exported_again(pre: Prepared) -> dict | None:
     # What only the training run learned of its data (the rows its decode passed and
     # dropped, its latent cache entry, its class images) is in the raylora.json this
     # export replaces, and nothing reads the data again here: carried over, not lost.
-    record = p.to_dict() | _trained_data_record(cfg, store)
+    record = p.to_dict() | _trained_data_record(exported)
     if storage.is_local(pre.resume):
         summary = export_run(storage.local_path(pre.resume), cfg, metrics, record)
     else:
@@ -1424,16 +1425,23 @@ _TRAINED_DATA = {"cache_uri": "cache_uri", "cache_reused": "cache_reused",
                  "bad_examples": "bad_examples", "class_images": "class_images"}
 
 
-def _trained_data_record(cfg: RayLoraConfig, store) -> dict:
-    """The finished run's record of its data (``_TRAINED_DATA``) from the raylora.json it
-    exported, as plan keys; {} when there is none to read."""
+def _exported_meta(cfg: RayLoraConfig, store) -> dict:
+    """The raylora.json a finished run exported into {output.uri}/adapter/; {} when there
+    is none, or it does not read."""
     from raylora.checkpoint.export import RUN_META
     from raylora.checkpoint.state import ADAPTER_DIR
 
     try:
-        data = json.loads(store.read_bytes(storage.join(cfg.output.uri, ADAPTER_DIR, RUN_META))).get("data")
+        meta = json.loads(store.read_bytes(storage.join(cfg.output.uri, ADAPTER_DIR, RUN_META)))
     except (OSError, ValueError):
         return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _trained_data_record(exported: dict) -> dict:
+    """The finished run's record of its data (``_TRAINED_DATA``) from the raylora.json it
+    exported (``_exported_meta``), as plan keys; {} when there is none."""
+    data = exported.get("data")
     if not isinstance(data, dict):
         return {}
     out = {key: data[k] for k, key in _TRAINED_DATA.items() if data.get(k) is not None}
@@ -1456,23 +1464,17 @@ _EXPORT_ONLY = ("output.", "export.", "tracking.", "checkpoint.", "failure.", "v
                 "model.pretrained", "model.revision")
 
 
-def _changed_since_export(cfg: RayLoraConfig, store, family: str) -> dict[str, tuple]:
+def _changed_since_export(cfg: RayLoraConfig, exported: dict, family: str) -> dict[str, tuple]:
     """Training settings of ``cfg`` other than those the finished run's exported adapter
-    recorded (its raylora.json): key → (then, now). A rerun of a finished run with another
+    recorded (its raylora.json, ``_exported_meta``): key → (then, now). A rerun of a finished run with another
     learning rate or data re-published the old weights under a card and raylora.json
     naming the new values. {} when nothing was exported yet (nothing to compare).
     Target modules compare as the resume check compares them (``family``: the model's
     resolved family): the same names in another order, or the family's default list
     written out for null, are the same LoRA (they were refused as another)."""
-    from raylora.checkpoint.export import RUN_META
     from raylora.checkpoint.recorded import _resolved, _same
-    from raylora.checkpoint.state import ADAPTER_DIR
 
-    uri = storage.join(cfg.output.uri, ADAPTER_DIR, RUN_META)
-    try:
-        then = json.loads(store.read_bytes(uri)).get("config") or {}
-    except (OSError, ValueError):
-        return {}
+    then = exported.get("config") or {}
 
     def flat(tree: dict, at: str = "") -> dict:
         out = {}

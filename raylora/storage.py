@@ -143,6 +143,21 @@ def retried_read(read: Callable[[], T]) -> T:
             time.sleep(0.05 * 2**attempt)
 
 
+def endpoint_problem(endpoint: str) -> str | None:
+    """What is wrong with an S3 endpoint URL (``storage.endpoint_url``, checked with the
+    config, or ``AWS_ENDPOINT_URL``), its password left out; None when nothing is."""
+    if not re.match(r"https?://[^/]", endpoint):
+        # "minio:9000" parses as the scheme "minio": S3 then failed with "Invalid S3
+        # connection scheme", naming neither the key nor the value
+        return f"{endpoint!r} is not an http:// or https:// URL (e.g. http://{endpoint})"
+    if "@" in urlparse(endpoint).netloc:
+        # pyarrow takes "user:pass@host" for the host name ("Could not resolve"), and the
+        # config, printed and recorded, is no place for a password
+        return (f"{masked(endpoint)}: a user or password in the URL is not read; give the "
+                "keys as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
+    return None
+
+
 def _s3(endpoint_url: str | None, region: str | None) -> pafs.S3FileSystem:
     endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
     kwargs: dict = {
@@ -151,15 +166,9 @@ def _s3(endpoint_url: str | None, region: str | None) -> pafs.S3FileSystem:
         "request_timeout": 60,
     }
     if endpoint:
-        if not re.match(r"https?://[^/]", endpoint):
-            source = "storage.endpoint_url" if endpoint_url else "AWS_ENDPOINT_URL"
-            raise ValueError(f"{source}: {endpoint!r} is not an http:// or https:// URL "
-                             f"(e.g. http://{endpoint})")
+        if problem := endpoint_problem(endpoint):
+            raise ValueError(f"{'storage.endpoint_url' if endpoint_url else 'AWS_ENDPOINT_URL'}: {problem}")
         parsed = urlparse(endpoint)
-        if "@" in parsed.netloc:  # pyarrow took user:pass@host for the host name
-            source = "storage.endpoint_url" if endpoint_url else "AWS_ENDPOINT_URL"
-            raise ValueError(f"{source}: {masked(endpoint)}: a user or password in the URL is "
-                             "not read; give the keys as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
         kwargs["endpoint_override"] = parsed.netloc or parsed.path
         kwargs["scheme"] = parsed.scheme or "https"
     return RetryingS3(**kwargs)

@@ -617,7 +617,7 @@ def test_a_finished_runs_target_modules_in_another_order_export_again(tmp_path):
     another learning rate, is still named."""
     import json
 
-    from raylora.launch import _changed_since_export
+    from raylora.launch import _changed_since_export, _exported_meta
 
     def config(**lora):
         return validate({"model": {"pretrained": "m"}, "data": {"uri": "d"},
@@ -626,10 +626,10 @@ def test_a_finished_runs_target_modules_in_another_order_export_again(tmp_path):
     trained = config(target_modules=["to_q", "to_k", "to_v", "to_out.0"])
     (tmp_path / "out" / "adapter").mkdir(parents=True)
     (tmp_path / "out" / "adapter" / "raylora.json").write_text(json.dumps({"config": trained.to_dict()}))
-    store = trained.storage.client()
-    assert _changed_since_export(config(target_modules=["to_k", "to_q", "to_v", "to_out.0"]), store, "sd") == {}
-    assert _changed_since_export(config(target_modules=None), store, "sd") == {}  # SD's default
-    assert _changed_since_export(config(target_modules=["to_q", "to_k"]), store, "sd") == {
+    exported = _exported_meta(trained, trained.storage.client())
+    assert _changed_since_export(config(target_modules=["to_k", "to_q", "to_v", "to_out.0"]), exported, "sd") == {}
+    assert _changed_since_export(config(target_modules=None), exported, "sd") == {}  # SD's default
+    assert _changed_since_export(config(target_modules=["to_q", "to_k"]), exported, "sd") == {
         "lora.target_modules": (["to_q", "to_k", "to_v", "to_out.0"], ["to_q", "to_k"])}
     assert _changed_since_export(config(target_modules=["to_k", "to_q", "to_v", "to_out.0"], rank=8),
-                                 store, "sd") == {"lora.rank": (trained.lora.rank, 8)}
+                                 exported, "sd") == {"lora.rank": (trained.lora.rank, 8)}

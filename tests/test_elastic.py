@@ -265,13 +265,15 @@ def test_plan_counts_epochs_in_global_batches(tiny_model, demo_data):
 # --- integration: a real multi-node cluster on this machine ---------------------------------
 
 NODE_CPUS = 3  # one worker of 2 CPUs per node, 1 CPU beside it for its data tasks
-# 6 epochs of 8 steps: the run must still be training when the preemption notice's
-# deadline passes. The node is drained after the second checkpoint on 2 workers (step 16
-# or 24 in the runs seen: the resize comes when Ray sees the node) with a deadline of 8 s at
-# the least. At ~1 s a step a 32-step run had ~8 s left then, and a clean-clone run saw it
-# finish (step 32) 0.5 s before the node went: sizes [1, 2], no shrink to test. Now 24 or
-# more steps are left, ~15 s past the deadline.
-STEPS = 48
+# 12 epochs of 8 steps: the run must still be training when the preemption notice's
+# deadline passes. The node is drained after the second checkpoint on 2 workers with a
+# deadline of 8 s at the least. The resize comes when Ray sees the node: step 16 or 24 in
+# most runs, but a clean-clone CI run (both lanes at once) grew only from step 29, drained
+# after 36, and a 48-step run finished 12 steps (~5 s) later, before the deadline: sizes
+# [1, 2], no shrink to test. The test now asks Ray to re-read its nodes until the run grows
+# (the node's resources may not be in GCS's view at the first ask), and 96 steps leave
+# 50 or more after a notice as late as that, ~20 s past the deadline at CI's pace.
+STEPS = 96
 
 
 def _run_tree(tiny_model, demo_data, out) -> dict:
@@ -340,12 +342,15 @@ def _start(tree: dict):
 
 
 def _wait_for_checkpoint(out, thread, world: int, after: int = 0, timeout=400,
-                         key: str | None = None) -> int:
+                         key: str | None = None, poke=None) -> int:
     """Mid-run, as the run itself says: a checkpoint past step ``after`` registered (what
     a resize resumes from) by ``world`` workers; its step. ``key``: only one whose metrics
-    have it (``preemption_notice``). Not a sleep."""
-    end = time.monotonic() + timeout
+    have it (``preemption_notice``). ``poke``: called every 2 s while waiting. Not a sleep."""
+    end, poked = time.monotonic() + timeout, 0.0
     while time.monotonic() < end and thread.is_alive():
+        if poke is not None and time.monotonic() - poked > 2:
+            poke()
+            poked = time.monotonic()
         try:
             snap = json.loads(open(out / "train" / "checkpoint_manager_snapshot.json").read())
         except (OSError, ValueError):
@@ -416,8 +421,7 @@ def test_an_elastic_run_grows_when_a_node_joins_and_shrinks_when_it_is_lost(
     thread, result, errors = _start(tree)
     grown_at = _wait_for_checkpoint(out, thread, world=1)
     node = cluster.add_node(num_cpus=NODE_CPUS)
-    _reread_nodes()
-    seen_at = _wait_for_checkpoint(out, thread, world=2, after=grown_at)
+    seen_at = _wait_for_checkpoint(out, thread, world=2, after=grown_at, poke=_reread_nodes)
     # The workers answer a notice with a checkpoint at their next step, so its deadline must
     # outlast a step or two: 8 s, or three steps as this run takes them (timed over its next
     # checkpoint interval, writes included) where the machine is slow (seen: a CPU shared

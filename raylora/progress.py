@@ -241,12 +241,13 @@ def class_images_line(c: dict) -> str:
 
 def summary_lines(s: dict) -> list[str]:
     """The end-of-run summary from ``launch.run``'s result."""
-    from raylora.checkpoint.export import call_args, quoted_args
+    from raylora.checkpoint.export import BASE_COPY, base_in_code, call_args, quoted, quoted_args
 
     m = s["metrics"]
     wall = m.get("wall_seconds") or 0.0
     ips = m["images_seen"] / wall if wall else 0.0
     lo = s.get("train_loss_min")
+    base, note = base_in_code(s["base_model"])
     lines = [
         f"raylora: trained {m['steps']} steps, {m['images_seen']} images in {wall:.1f}s "
         f"({ips:.1f} img/s); loss {m['train_loss_first']:.5f} → {m['train_loss_last']:.5f}"
@@ -264,12 +265,17 @@ def summary_lines(s: dict) -> list[str]:
         f"raylora: bad samples  {m.get('bad_records', 0)}"
         + (f" (of {s['rows_decoded'] + m.get('bad_records', 0)} rows read)"
            if s.get("rows_decoded") is not None else ""),
-        f"raylora: use it       pipe = {s['pipeline']}.from_pretrained(\"{s['base_model']}\""
+        f"raylora: use it       pipe = {s['pipeline']}.from_pretrained({base}"
         f"{quoted_args(s.get('base_kwargs') or {})}); "
-        + (f"pipe.load_lora_weights(\"{s['adapter']}\"{call_args(s.get('load_kwargs') or {})})"
+        + (f"pipe.load_lora_weights({quoted(s['adapter'])}{call_args(s.get('load_kwargs') or {})})"
            if s.get("variant", "lora") in ("lora", "dora")
-           else f"pipe.{s['denoiser']} = PeftModel.from_pretrained(pipe.{s['denoiser']}, \"{s['adapter']}\")"),
+           else f"pipe.{s['denoiser']} = PeftModel.from_pretrained(pipe.{s['denoiser']}, {quoted(s['adapter'])})"),
     ]
+    if note:  # a base in object storage: the call names a local copy of it
+        lines.append(f"raylora:              ({BASE_COPY}: {note})")
+    if "://" in s["adapter"] and not s["adapter"].startswith("file://"):
+        lines.append("raylora:              (diffusers and peft read a local folder: copy the "
+                     "adapter folder down first)")
     return lines
 
 

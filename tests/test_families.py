@@ -121,6 +121,41 @@ def test_the_model_cards_trigger_word_is_quoted_for_python_and_yaml():
         "data": {"uri": "d", "caption_prefix": "🐱cat"}}), {}, {"family": "sd"})
 
 
+def test_the_model_cards_markdown_and_python_hold_whatever_the_names_hold():
+    """A trigger word with a backtick ended its code span and broke the card's line; a
+    base folder with a ``"`` broke the snippet's Python; a base in object storage was
+    named in ``from_pretrained``, which cannot read it; a source URI with ``|`` split the
+    sources table's row; and the raylora link went to https://github.com/."""
+    import ast
+    import re
+
+    from raylora.checkpoint.export import model_card
+    from raylora.config import validate
+
+    def card(pretrained, **data):
+        cfg = validate({"model": {"pretrained": pretrained}, "output": {"uri": "o"}, "data": data})
+        return model_card(cfg, {}, {"family": "sd", "sources": [
+            {"uri": "s3://b/a|b", "rows": 3, "rows_per_epoch": 3, "share": 0.5},
+            {"uri": "c", "rows": 3, "rows_per_epoch": 3, "share": 0.5}]})
+
+    def base_arg(text):
+        code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+        call = next(n for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Call)
+                    and getattr(n.func, "attr", "") == "from_pretrained")
+        return ast.literal_eval(call.args[0]), code
+
+    text = card('/models/say "hi"', uri="d", caption_prefix="a`b")
+    assert base_arg(text)[0] == '/models/say "hi"'
+    assert "Trigger word(s), first in every caption: ``a`b``." in text
+    assert "| s3://b/a\\|b | 3 | 3 | 50.0% |" in text
+    assert "github.com/)" not in text and "trained with raylora on Ray Train" in text
+    assert "Trigger word(s), first in every caption: `x`." in card("/m", uri="d", caption_prefix="x")
+    assert "Trigger word(s), first in every caption: `` `ohwx ``." in card("/m", uri="d", caption_prefix="`ohwx")
+    name, code = base_arg(card("s3://bucket/models/sd15", uri="d"))
+    assert name == "path/to/a/copy/of/the/base"
+    assert "# a local copy of s3://bucket/models/sd15: diffusers reads a folder or a hub id" in code
+
+
 def test_the_model_cards_resolution_is_every_sources():
     """With bucketing, each source may set its resolution(s): the card showed
     data.resolution (512) for sources trained at 1024 and at 768 and 1024."""

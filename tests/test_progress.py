@@ -220,3 +220,29 @@ def test_job_runtime_env_leaves_the_submitted_jobs_env_vars_alone(monkeypatch):
     assert "TRANSFORMERS_VERBOSITY" not in env["env_vars"]
     assert env["env_vars"]["DIFFUSERS_VERBOSITY"] == "error"
     assert callable(env["worker_process_setup_hook"])
+
+
+def test_the_use_it_line_names_what_diffusers_can_read():
+    """A base in object storage: the call named ``s3://...``, which ``from_pretrained``
+    cannot read; it now names a local copy and says which URI to copy. A folder with a
+    ``"`` in its name broke the line's Python."""
+    import ast
+
+    base = {
+        "metrics": {"steps": 1, "images_seen": 1, "wall_seconds": 1.0, "train_loss_first": 1.0,
+                    "train_loss_last": 1.0},
+        "adapter": '/o/say "hi"/adapter', "checkpoints": "/o/train", "loss_png": "/o/loss.png",
+        "metrics_jsonl": "/o/metrics.jsonl", "pipeline": "StableDiffusionPipeline",
+    }
+    lines = summary_lines({**base, "base_model": "s3://bucket/sd15"})
+    use = next(ln for ln in lines if "use it" in ln)
+    code = use.split("use it", 1)[1].strip()
+    calls = [n for n in ast.walk(ast.parse(code.replace("; ", "\n"))) if isinstance(n, ast.Call)]
+    assert [ast.literal_eval(c.args[0]) for c in calls] == [
+        "path/to/a/copy/of/the/base", '/o/say "hi"/adapter']
+    assert lines[-1] == ("raylora:              (path/to/a/copy/of/the/base: a local copy of "
+                         "s3://bucket/sd15: diffusers reads a folder or a hub id)")
+    local = summary_lines({**base, "base_model": "/m", "adapter": "s3://out/run/adapter"})
+    assert 'from_pretrained("/m"); pipe.load_lora_weights("s3://out/run/adapter")' in "\n".join(local)
+    assert local[-1].endswith("copy the adapter folder down first)")
+    assert not any("copy" in ln for ln in summary_lines({**base, "base_model": "/m"}))

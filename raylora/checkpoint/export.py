@@ -112,7 +112,7 @@ def _sources_table(sources: list[dict]) -> str:
     """The model card's lines for a mix of several sources ("" for one)."""
     if len(sources) < 2:
         return ""
-    rows = "".join(f"| {s['uri']} | {s['rows']} | {s['rows_per_epoch']} | {s['share']:.1%} |\n"
+    rows = "".join(f"| {table_cell(s['uri'])} | {s['rows']} | {s['rows_per_epoch']} | {s['share']:.1%} |\n"
                    for s in sources)
     return f"\n| source | rows | rows per epoch | share |\n|---|---|---|---|\n{rows}"
 
@@ -164,8 +164,9 @@ def _usage(cfg: RayLoraConfig, family, commit: str | None = None) -> str:
     LyCORIS file in ComfyUI / Forge) for lokr/loha, which diffusers' loaders do not read.
     ``commit``: the hub commit of the base the run trained (``model_commit``), which the
     call loads (``main`` may have moved since)."""
-    pipe = (f'pipe = {family.pipeline}.from_pretrained("{cfg.model.pretrained}"'
-            f'{quoted_args(from_pretrained_kwargs(cfg, commit))})')
+    name, note = base_in_code(cfg.model.pretrained)
+    pipe = (f'pipe = {family.pipeline}.from_pretrained({name}'
+            f'{quoted_args(from_pretrained_kwargs(cfg, commit))})' + (f"  # {note}" if note else ""))
     if cfg.train.prediction_type in ("epsilon", "v_prediction"):
         # the parameterisation the run trained, which may not be the base scheduler's
         pipe += ("\npipe.scheduler = pipe.scheduler.from_config(pipe.scheduler.config, "
@@ -206,6 +207,41 @@ def _usage(cfg: RayLoraConfig, family, commit: str | None = None) -> str:
             f"```python\nfrom diffusers import {family.pipeline}\nfrom peft import PeftModel\n"
             f"{pipe}\npipe.{denoiser} = PeftModel.from_pretrained(pipe.{denoiser}, "
             f'"path/to/this/folder")\n{call}\n```')
+
+
+BASE_COPY = "path/to/a/copy/of/the/base"
+
+
+def base_in_code(pretrained: str) -> tuple[str, str]:
+    """The base as the card's and the summary's ``from_pretrained`` call names it: a hub
+    id or a folder, quoted (a path may hold a ``"``); and what to say beside it, for a
+    base in object storage (``s3://``, ``gs://``...), which diffusers cannot read: the call
+    names a local copy, the note the URI the run trained."""
+    from raylora.storage import masked
+
+    if "://" not in pretrained:
+        return quoted(pretrained), ""
+    if pretrained.startswith("file://"):
+        return quoted(pretrained[len("file://"):]), ""
+    return quoted(BASE_COPY), f"a local copy of {masked(pretrained)}: diffusers reads a folder or a hub id"
+
+
+def code_span(text: str) -> str:
+    """``text`` as a Markdown code span whatever backticks it holds (CommonMark: a fence
+    one backtick longer than its longest run, a space inside where it starts or ends with
+    one): a trigger word with a backtick ended the span and broke the card's line."""
+    import re
+
+    longest = max((len(r) for r in re.findall(r"`+", text)), default=0)
+    fence = "`" * (longest + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def table_cell(text: str) -> str:
+    """``text`` in a Markdown table's cell: a ``|`` (a source URI's) escaped, which else
+    split the row."""
+    return str(text).replace("|", "\\|")
 
 
 def quoted(text: str) -> str:
@@ -336,7 +372,7 @@ inference: true
 # LoRA adapter for {cfg.model.pretrained}
 
 A {family.description} LoRA (family `{family.name}`{_expert(cfg, family)}, objective
-`{data.get("objective")}`), trained with [raylora](https://github.com/) on Ray Train
+`{data.get("objective")}`), trained with raylora on Ray Train
 ({_workers(cfg.scaling)} worker(s), {"GPU" if cfg.scaling.use_gpu else "CPU"}, mixed
 precision `{t.mixed_precision}`).
 
@@ -362,7 +398,7 @@ precision `{t.mixed_precision}`).
 
 {data.get("rows")} image-caption rows per epoch (repeats counted) in {data.get("files")} file(s), fingerprint `{data.get("fingerprint")}`;
 {data.get("heldout_rows")} held-out rows evaluated ({data.get("heldout")}).
-{f"Trigger word(s), first in every caption: {', '.join(f'`{w}`' for w in _triggers(cfg))}.{chr(10)}" if _triggers(cfg) else ""}{_sources_table(data.get("sources", []))}
+{f"Trigger word(s), first in every caption: {', '.join(code_span(w) for w in _triggers(cfg))}.{chr(10)}" if _triggers(cfg) else ""}{_sources_table(data.get("sources", []))}
 ## Results
 
 | metric | value |

@@ -1136,6 +1136,32 @@ def test_a_glob_or_a_file_over_a_caption_folder_finds_the_captions_beside_its_im
     assert sorted(source.companions) == sorted(f[:-4] + ".txt" for f in source.files)
 
 
+def test_a_glob_over_an_imagefolders_images_is_refused_naming_its_folder(tmp_path):
+    """DIR/*.png over a Hugging Face imagefolder matched its images only: detected as a
+    caption folder and refused as "4 of 4 images have no caption", their captions being
+    in the metadata.jsonl beside them. An imagefolder is read whole: the error names the
+    folder to give, which plans as one."""
+    import json
+
+    from PIL import Image
+
+    root = tmp_path / "imf"
+    root.mkdir()
+    for i in range(3):
+        Image.new("RGB", (16, 16)).save(root / f"{i}.png")
+    (root / "metadata.jsonl").write_text(
+        "".join(json.dumps({"file_name": f"{i}.png", "text": f"cap {i}"}) + "\n" for i in range(3)))
+    for pattern in ("/*.png", "/{0,1}.png"):
+        with pytest.raises(ValueError) as exc:
+            plan_data(DataSection(uri=f"{root}{pattern}"), Storage())
+        assert str(exc.value) == (
+            f"data.uri: {root}{pattern}: the images it matches are a Hugging Face imagefolder's "
+            f"({root}/metadata.jsonl beside them holds their captions), which is read whole: "
+            f"give its folder, {root}")
+    plan = plan_data(DataSection(uri=str(root)), Storage())
+    assert (plan.format, plan.rows) == ("imagefolder", 3)
+
+
 def test_a_caption_extension_that_no_caption_folder_reads_is_refused(shards, tmp_path):
     """A kohya user's data.caption_extension: .caption over parquet shards (their captions
     are a column) did nothing, without a word; a source's own setting likewise. Not where

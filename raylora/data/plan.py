@@ -265,6 +265,8 @@ def plan_source(section: DataSection, storage: Storage, index: int = 0,
         raise FileNotFoundError(f"{section.uri}: matched no {fmt.name} files")
     if fmt.name in FOLDER_FORMATS:
         listing = _with_sidecars(section.uri, files, listing, storage)
+        if section.format == "auto":
+            _not_a_pattern_over_an_imagefolder(section, fmt.name, listing, key)
     fmt.check_listing(section, files, listing)
     repeats = fmt.repeats(section, files)
     controls, lacking = control_files(section, fmt.name, files, listing, storage, key, repeats)
@@ -299,6 +301,22 @@ def _with_sidecars(uri: str | list[str], files: list[str], listing: list[str],
     extra = [u for u, info in storage.beside(files).items()
              if info.type == pafs.FileType.File and u not in have and not skipped(u.rsplit("/", 1)[-1])]
     return listing + sorted(extra)
+
+
+def _not_a_pattern_over_an_imagefolder(section: DataSection, fmt: str, listing: list[str],
+                                       key) -> None:
+    """A pattern over an imagefolder's images (``DIR/*.png``) matched images only: it was
+    detected as a caption folder and refused as "4 of 4 images have no caption" while
+    their captions were in the ``metadata.jsonl`` beside them. An imagefolder is read whole
+    (its metadata names its images): the folder is the URI to give."""
+    from raylora.data.formats.imagefolder import is_metadata
+
+    metas = [u for u in listing if is_metadata(u)]
+    if fmt == "captionfolder" and metas:
+        folder = metas[0].rsplit("/", 1)[0]
+        raise ValueError(f"{key('uri')}: {section.uri}: the images it matches are a Hugging Face "
+                         f"imagefolder's ({metas[0]} beside them holds their captions), which is "
+                         f"read whole: give its folder, {folder}")
 
 
 def control_files(section: DataSection, fmt: str, files: list[str], listing: list[str],

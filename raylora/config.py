@@ -1928,6 +1928,25 @@ def trial_tree(base: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     tree.pop("tune", None)
     for key, value in params.items():
         tree = set_dotted(tree, key, value)
+    return _without_keys_it_leaves_unread(tree, params)
+
+
+def _without_keys_it_leaves_unread(tree: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """A trial's tree without the base's settings that this trial's values leave unread
+    (``_unread_checks``): searching ``data.bucketing: [true, false]`` with a
+    ``data.shuffle_buffer_size`` that the ``false`` trials read was refused, each ``true``
+    trial judged as a config of its own that set a key nothing reads. A searched key
+    itself is kept, and so refused where no value of its own reads it; the base config is
+    judged whole before any trial (a key that no trial reads is refused there)."""
+    try:
+        cfg = RayLoraConfig.model_validate(tree)
+    except ValidationError:
+        return tree  # validate() names what is wrong
+    for problem in _unread_checks(cfg):
+        key = problem.split(":", 1)[0]
+        section, _, name = key.partition(".")
+        if key not in params and name.isidentifier() and isinstance(tree.get(section), dict):
+            tree[section].pop(name, None)
     return tree
 
 

@@ -4,7 +4,8 @@ import os
 import pytest
 import yaml
 
-from raylora.config import ConfigError, RayLoraConfig, apply_overrides, load_config, validate
+from raylora.config import (ConfigError, DataSection, RayLoraConfig, apply_overrides, load_config,
+                            trial_tree, validate)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIN = {"model": {"pretrained": "m"}, "data": {"uri": "d"}, "output": {"uri": "o"}}
@@ -689,6 +690,23 @@ def test_keys_only_another_setting_reads_are_refused_where_it_is_off():
     assert err.value.problems == [f"tune.{k}: set, but tune.scheduler is fifo: {fifo}"
                                   for k in ("max_t", "grace_period", "reduction_factor")]
     validate(apply_overrides(MIN, search + ["tune.scheduler=asha"]))
+    # A search whose values leave a key unread in some trials only: the buffer that
+    # bucketing's trials do not read, the others do. Those trials' trees drop it.
+    both = validate(apply_overrides(MIN, [
+        "data.shuffle_buffer_size=16", "tune.metric=train_loss",
+        "tune.search_space.data.bucketing={choice: [true, false]}"]))
+    trees = [trial_tree(both.to_dict(), {"data.bucketing": b}) for b in (True, False)]
+    assert [t["data"].get("shuffle_buffer_size") for t in trees] == [None, 16]
+    assert [validate(t).data.shuffle_buffer_size for t in trees] == [
+        DataSection.model_fields["shuffle_buffer_size"].default, 16]
+    # ...but a searched key that one of its own values leaves unread is still refused.
+    with pytest.raises(ConfigError) as err:
+        validate(apply_overrides(MIN, ["tune.metric=train_loss",
+                                       "tune.search_space.train.groupnorm_fp32={choice: [true, false]}"]))
+    assert err.value.problems == [
+        "tune.search_space.train.groupnorm_fp32=True: train.groupnorm_fp32: set, but "
+        "train.mixed_precision is no (it chooses the GroupNorms' dtype under bf16 only): "
+        "nothing reads it; drop it"]
 
 
 def test_lr_find_takes_a_config_whose_wandb_and_elastic_keys_it_drops():

@@ -75,6 +75,27 @@ class RepeatedErrorTraceback(logging.Filter):
         return True
 
 
+# The HTTP clients' loggers, whose request lines name each URL whole.
+URL_LOGGERS = ("httpx2", "httpx")
+
+
+class MaskedURLs(logging.Filter):
+    """A URL's user and password left out of the record (``storage.masked``): with
+    ``--verbose`` the hub client's request lines show again, and each named a mirror's
+    ``https://user:pass@...`` (an ``HF_ENDPOINT`` that carries one) whole."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from raylora.storage import masked
+
+        try:
+            text = record.getMessage()
+        except Exception:  # a record that cannot format itself is logging's to report
+            return True
+        if masked(text) != text:
+            record.msg, record.args = masked(text), None
+        return True
+
+
 def verbose() -> bool:
     return os.environ.get(VERBOSE_ENV, "").lower() not in ("", "0", "false", "no")
 
@@ -86,7 +107,12 @@ def ray_train_log_level() -> str:
 
 def apply() -> None:
     """Quiet this process (driver or Ray worker) unless verbose. Env vars are set only
-    where the user set none, so an explicit ``TRANSFORMERS_VERBOSITY=info`` wins."""
+    where the user set none, so an explicit ``TRANSFORMERS_VERBOSITY=info`` wins. URLs'
+    passwords are masked in the HTTP clients' lines, verbose or not."""
+    for name in URL_LOGGERS:
+        named = logging.getLogger(name)
+        if not any(isinstance(f, MaskedURLs) for f in named.filters):
+            named.addFilter(MaskedURLs())
     if verbose():
         return
     for name, value in QUIET_ENV.items():

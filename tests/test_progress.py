@@ -246,3 +246,39 @@ def test_the_use_it_line_names_what_diffusers_can_read():
     assert 'from_pretrained("/m"); pipe.load_lora_weights("s3://out/run/adapter")' in "\n".join(local)
     assert local[-1].endswith("copy the adapter folder down first)")
     assert not any("copy" in ln for ln in summary_lines({**base, "base_model": "/m"}))
+
+
+@pytest.mark.parametrize("client", ["httpx", "httpx2"])
+def test_verbose_http_request_lines_mask_a_urls_password(monkeypatch, caplog, client):
+    """``--verbose`` shows the HTTP clients' request lines again (the hub client's is
+    httpx2): each named a mirror's ``https://user:pass@host`` whole. A real request to a
+    server on loopback; the line keeps the host and path, not the password."""
+    import importlib
+    import logging
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class Ok(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Ok)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv(quiet.VERBOSE_ENV, "1")
+    quiet.apply()
+    http = importlib.import_module(client)
+    try:
+        with caplog.at_level(logging.INFO, logger=client):
+            http.get(f"http://user:s3cr3t-pw@127.0.0.1:{server.server_port}/api/models")
+    finally:
+        server.shutdown()
+        server.server_close()
+    lines = [r.getMessage() for r in caplog.records if r.name == client]
+    assert len(lines) == 1 and "HTTP Request: GET" in lines[0], lines
+    assert f"http://***@127.0.0.1:{server.server_port}/api/models" in lines[0]
+    assert "s3cr3t-pw" not in caplog.text

@@ -506,3 +506,27 @@ def test_fsdp_downloads_only_the_weights_it_reads_from_the_hub(variant, online, 
     assert got == want
     files = _WeightFiles(folder, variant)
     assert set(files.file_of) == set(unet.state_dict())
+
+
+def test_fsdp_component_download_errors_name_the_model_and_no_mirror_password(
+        online, hub, tiny_model, monkeypatch):
+    """FSDP's workers download their component themselves (``component_folder``): a repo
+    the hub does not have failed there with huggingface_hub's own error, whose chain
+    (httpx's) quoted the mirror's ``https://user:pass@...`` in the traceback Ray logs for a
+    failed worker. It is now the error the driver gives, naming model.pretrained, its
+    password left out, with no chain."""
+    import traceback
+
+    from huggingface_hub import constants, hf_api
+
+    from raylora.train.fsdp import component_folder
+
+    secret = hub.endpoint.replace("://", "://mirroruser:MIRRORPASS@")
+    monkeypatch.setattr(constants, "ENDPOINT", secret)
+    monkeypatch.setattr(hf_api.api, "endpoint", secret)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                        secret + "/{repo_id}/resolve/{revision}/{filename}")
+    with pytest.raises(FileNotFoundError) as exc:
+        component_folder("acme/not-on-the-hub", "unet")
+    assert str(exc.value).startswith("model.pretrained: acme/not-on-the-hub: no such model repo")
+    assert "MIRRORPASS" not in "".join(traceback.format_exception(exc.value))

@@ -153,19 +153,27 @@ def component_folder(path: str, component: str, revision=None, variant: str | No
     from diffusers.utils import _add_variant
     from huggingface_hub import snapshot_download
 
+    from raylora.model.hub import _call
+
+    def download(revision, patterns):
+        # the driver's errors (raylora.model.hub): named by model.pretrained, a mirror's
+        # password left out, no chain (httpx's quotes the URL whole in the worker's
+        # traceback, which Ray logs)
+        return _call(snapshot_download, path, revision, path, revision=revision,
+                     allow_patterns=patterns)
+
     single, index = (f"{component}/{_add_variant(n, variant)}" for n in
                      ("diffusion_pytorch_model.safetensors",
                       "diffusion_pytorch_model.safetensors.index.json"))
     # A pattern matches only the files there are: whether the index is, the listing says.
-    root = snapshot_download(path, revision=revision,
-                             allow_patterns=[f"{component}/config.json", index])
+    root = download(revision, [f"{component}/config.json", index])
     if os.path.exists(os.path.join(root, index)):  # sharded: the index names the shards
         with open(os.path.join(root, index)) as f:
             weights = [f"{component}/{s}" for s in sorted(set(json.load(f)["weight_map"].values()))]
     else:
         weights = [single]
     # the commit the first call resolved (its snapshot folder's name), not the branch again
-    snapshot_download(path, revision=os.path.basename(root), allow_patterns=weights)
+    download(os.path.basename(root), weights)
     return os.path.join(root, component)
 
 

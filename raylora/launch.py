@@ -170,7 +170,7 @@ def _inside_data(cfg: RayLoraConfig, places: dict[str, str | None]) -> list[str]
     training rows, without a word."""
     from raylora.data.formats.captionfolder import root_holding
 
-    d = cfg.data
+    d, store = cfg.data, cfg.storage.client()
     reads = [(f"data.sources[{i}].uri" if d.sources is not None else "data.uri", s.uri)
              for i, s in enumerate(d.source_sections())]
     if d.validation_uri is not None:
@@ -180,7 +180,7 @@ def _inside_data(cfg: RayLoraConfig, places: dict[str, str | None]) -> list[str]
         if not uri:
             continue
         for data_key, data_uri in reads:
-            inside = root_holding(data_uri, storage.normalize(uri))
+            inside = root_holding(data_uri, storage.normalize(uri), store)
             if inside:
                 problems.append(f"{key}: {uri} is inside {data_key} ({inside}): what the run "
                                 "writes there would be read as training data by the next run; "

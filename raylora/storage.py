@@ -269,6 +269,22 @@ def to_uri(uri_like: str, path: str) -> str:
     return f"{urlparse(uri_like).scheme}://{path}"
 
 
+def glob_root(uri: str, there) -> tuple[str, str]:
+    """(the folder a glob lists, the pattern below it). The folder is the path before
+    the first segment with a wildcard; a segment whose only wildcard is a ``[...]`` is
+    a folder name where that folder is there (``there(path)``: "photos [2023]/*.png"
+    lists that folder, as README's object-storage section reads "photos [2023]" itself;
+    its brackets as a class matched nothing, or "photos 2/"), asked only for such
+    segments."""
+    segments = uri.split("/")
+    n = 0
+    for k, seg in enumerate(segments[:-1]):
+        if "*" in seg or "?" in seg or ("[" in seg and not there("/".join(segments[:k + 1]))):
+            break
+        n = k + 1
+    return "/".join(segments[:n]), "/".join(segments[n:])
+
+
 class Storage:
     """Filesystem operations on URIs, with the endpoint/region of one job's config."""
 
@@ -357,18 +373,7 @@ class Storage:
         return sorted(dict.fromkeys(out))
 
     def _glob_root(self, uri: str) -> tuple[str, str]:
-        """(the folder a glob lists, the pattern below it). The folder is the path before
-        the first segment with a wildcard; a segment whose only wildcard is a ``[...]`` is
-        a folder name where that folder is there ("photos [2023]/*.png" lists that folder,
-        as README's object-storage section reads "photos [2023]" itself; its brackets as
-        a class matched nothing, or "photos 2/"), asked only for such segments."""
-        segments = uri.split("/")
-        n = 0
-        for k, seg in enumerate(segments[:-1]):
-            if "*" in seg or "?" in seg or ("[" in seg and not self._there("/".join(segments[:k + 1]))):
-                break
-            n = k + 1
-        return "/".join(segments[:n]), "/".join(segments[n:])
+        return glob_root(uri, self._there)
 
     def _there(self, uri: str) -> bool:
         """``exists``, False where the URI cannot be asked about (a glob's odd characters)."""

@@ -923,6 +923,43 @@ def test_endpoint_from_config_without_env(s3, shards, monkeypatch):
     assert json.loads(st.read_bytes(f"s3://{BUCKET}/data/wds/manifest.json"))["count"] == 24
 
 
+def test_a_bracketed_folder_is_the_datas_root_at_the_configs_endpoint(s3, monkeypatch):
+    """``s3://b/photos [2023]/*.png`` with data.control_uri and the endpoint in
+    storage.endpoint_url alone: whether "photos [2023]" is a folder was asked of a default
+    Storage, that is of AWS (31 s to fail here), and the root was taken as the bucket: the
+    control image of ``a.png`` was looked for at ``ctrl/photos [2023]/a.png``, by every
+    worker for every row. Now the folder is the root, found at the config's endpoint or
+    from the files planned."""
+    import io
+
+    from PIL import Image
+
+    from raylora.config import DataSection, StorageSection
+    from raylora.data.formats.base import control_candidates
+    from raylora.data.formats.captionfolder import data_roots, root_holding
+    from raylora.data.plan import plan_source
+
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    st = StorageSection(endpoint_url=endpoint).client()
+    folder, ctrl = f"s3://{BUCKET}/brackets/photos [2023]", f"s3://{BUCKET}/brackets/ctrl"
+    png = io.BytesIO()
+    Image.new("RGB", (16, 16)).save(png, format="PNG")
+    for name in ("a", "b"):
+        s3.put_object(Bucket=BUCKET, Key=f"brackets/photos [2023]/{name}.png", Body=png.getvalue())
+        s3.put_object(Bucket=BUCKET, Key=f"brackets/photos [2023]/{name}.txt", Body=b"a cat")
+        s3.put_object(Bucket=BUCKET, Key=f"brackets/ctrl/{name}.png", Body=png.getvalue())
+    uri = f"{folder}/*.png"
+    assert data_roots(uri, store=st) == [folder]
+    assert root_holding(uri, f"{folder}/out", st) == folder
+    section = DataSection(uri=uri, control_images=True, control_uri=ctrl)
+    source = plan_source(section, st)
+    assert (source.format, source.rows) == ("captionfolder", 2)
+    assert sorted(source.companions)[:2] == [f"{ctrl}/a.png", f"{ctrl}/b.png"]
+    # a worker reading a row: told by the row's own file, nothing asked
+    assert control_candidates(section, f"{folder}/a.png")[0] == f"{ctrl}/a.png"
+
+
 def test_training_and_checkpointing_survive_a_faulty_object_store(s3, ray_s3, shards, tiny_model, caplog):
     """Every 5th request through the proxy fails with 503 SlowDown, every 7th is slow:
     data reads, checkpoint uploads and the export are retried (with backoff) and succeed.

@@ -65,6 +65,10 @@ def test_a_folder_whose_name_holds_brackets_is_that_folder(tmp_path):
 
     assert data_roots(str(folder / "*.png")) == data_roots(str(folder)) == [str(folder)]
     assert data_roots(str(tmp_path / "photos [0-9]" / "*.png")) == [str(tmp_path)]
+    # told by files known to be the data's, nothing is asked (an s3:// URI here asked AWS)
+    uri = "s3://b/photos [2023]/*.png"
+    assert data_roots(uri, beneath=["s3://b/photos [2023]/sub/a.png"]) == ["s3://b/photos [2023]"]
+    assert data_roots("s3://b/photos [0-9]/*.png", beneath=["s3://b/photos 2/a.png"]) == ["s3://b"]
 
 
 def test_expand_dir_glob_list_and_hidden_files(tmp_path):

@@ -119,7 +119,7 @@ def in_generated_folder(source_uri: str | list[str], uri: str) -> bool:
     itself such a folder (given on purpose) is read whole: only folders below count."""
     from raylora.data.formats.captionfolder import below_root, data_roots
 
-    below = below_root(data_roots(source_uri), uri)
+    below = below_root(data_roots(source_uri, beneath=[uri]), uri)
     return below is not None and GENERATED_FOLDER in below.split("/")[:-1]
 
 

@@ -370,7 +370,7 @@ def _control_listing(section: DataSection, storage: Storage, key,
     from raylora.storage import normalize
 
     root = normalize(folder).rstrip("/")
-    inside = root_holding(section.uri, root)
+    inside = root_holding(section.uri, root, storage)
     if inside:
         return [], (f"{key('control_uri')}: {folder} is inside {key('uri')} ({inside}): "
                     "its images would train as targets")

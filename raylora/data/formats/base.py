@@ -185,7 +185,7 @@ def control_candidates(data: DataSection, image: str, i: int = 0) -> list[str]:
     from raylora.data.formats.captionfolder import below_root, data_roots
     from raylora.storage import normalize
 
-    rel = below_root(data_roots(data.uri), image) or posixpath.basename(image)
+    rel = below_root(data_roots(data.uri, beneath=[image]), image) or posixpath.basename(image)
     stem, ext = posixpath.splitext(rel)
     base = normalize(folders[i]).rstrip("/")
     return [f"{base}/{stem}{e}" for e in _own_first(ext)]

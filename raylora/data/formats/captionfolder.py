@@ -38,19 +38,25 @@ log = logging.getLogger("raylora.data")
 KOHYA_FOLDER = re.compile(r"(\d+)_(.+)")
 
 
-def data_roots(uri: str | list[str]) -> list[str]:
+def data_roots(uri: str | list[str], beneath: list[str] | None = None, store=None) -> list[str]:
     """The folders a data URI names (a glob: the folder before its first wildcard), each
-    without a trailing slash, longest first."""
+    without a trailing slash, longest first.
+
+    A ``[`` is read as ``Storage.expand`` reads it: a folder named "photos [2023]" is that
+    folder, and a glob inside one is rooted there. Whether such a folder is there is told
+    by ``beneath`` (files known to be the data's: a folder holding one is there), else
+    asked of ``store`` (the run's ``Storage``, with its endpoint). A default Storage asked
+    an ``s3://`` URI of AWS, not the config's ``storage.endpoint_url``: 31 s to fail here,
+    the root taken as the bucket, and that for every row a worker read with
+    data.control_uri."""
     roots = []
     for u in [uri] if isinstance(uri, str) else uri:
         u = normalize(u)
         if "[" in u:
-            # As Storage.expand reads it: a folder named "photos [2023]" is that folder,
-            # and a glob inside one is rooted there (asked of the store, only for "[")
-            from raylora.storage import Storage
+            from raylora.storage import Storage, glob_root
 
-            store = Storage()
-            root = u if store._there(u) else store._glob_root(u)[0]
+            there = _holds(beneath) if beneath is not None else (store or Storage())._there
+            root = u if there(u) else glob_root(u, there)[0]
         else:
             wild = [u.index(c) for c in "*?" if c in u]
             root = u[: min(wild)].rsplit("/", 1)[0] if wild else u
@@ -58,11 +64,30 @@ def data_roots(uri: str | list[str]) -> list[str]:
     return sorted(roots, key=len, reverse=True)
 
 
-def root_holding(uri: str | list[str], place: str) -> str | None:
+def _holds(files: list[str]):
+    """``there(path)`` for ``data_roots``: whether ``path`` is one of ``files`` or a folder
+    holding one (a hub listing's commit-pinned names compared without the revision)."""
+    def plain(u: str) -> str:
+        if u.startswith("hf://"):
+            from raylora.hubfs import unpinned
+
+            return unpinned(u)
+        return u
+
+    names = [plain(normalize(f)) for f in files]
+
+    def there(path: str) -> bool:
+        path = plain(path).rstrip("/")
+        return any(f == path or f.startswith(path + "/") for f in names)
+    return there
+
+
+def root_holding(uri: str | list[str], place: str, store=None) -> str | None:
     """The folder of ``data_roots(uri)`` that is ``place`` or holds it (a normalized
-    path or URI), None if none does: what is written there would be read as data."""
+    path or URI), None if none does: what is written there would be read as data.
+    ``store``: the run's Storage (a ``[`` in ``uri`` is asked of it)."""
     place = place.rstrip("/")
-    return next((r for r in data_roots(uri) if place == r or place.startswith(r + "/")), None)
+    return next((r for r in data_roots(uri, store=store) if place == r or place.startswith(r + "/")), None)
 
 
 def below_root(roots: list[str], uri: str) -> str | None:
@@ -103,7 +128,7 @@ class CaptionFolder(ShardFormat):
         return any(f.lower().endswith(IMAGE_EXTS) for f in files)
 
     def _folders(self, data, files: list[str]) -> list[tuple[int, str] | None]:
-        roots = data_roots(data.uri)
+        roots = data_roots(data.uri, beneath=files)
         return [kohya_folder(first_folder(roots, f)) for f in files]
 
     def repeats(self, data, files):

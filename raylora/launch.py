@@ -1425,6 +1425,11 @@ _TRAINED_DATA = {"cache_uri": "cache_uri", "cache_reused": "cache_reused",
                  "bad_examples": "bad_examples", "class_images": "class_images"}
 
 
+# raylora.json's description of the data a run trained (export.run_data), carried over
+# whole by a finished run's re-export.
+_TRAINED_DESCRIPTION = ("format", "files", "rows", "fingerprint", "heldout_rows", "sources", "buckets")
+
+
 def _exported_meta(cfg: RayLoraConfig, store) -> dict:
     """The raylora.json a finished run exported into {output.uri}/adapter/; {} when there
     is none, or it does not read."""
@@ -1445,6 +1450,11 @@ def _trained_data_record(exported: dict) -> dict:
     if not isinstance(data, dict):
         return {}
     out = {key: data[k] for k, key in _TRAINED_DATA.items() if data.get(k) is not None}
+    # The data as it trained: a cached run's files and rows were its cache entry's, which
+    # the rerun's plan (of the raw data) does not read, and data changed since training
+    # would give the old weights a new fingerprint.
+    if described := {k: data[k] for k in _TRAINED_DESCRIPTION if data.get(k) is not None}:
+        out["trained_data"] = described
     # Per source, as export._sources reads them back: by source index (None: not counted)
     decoded = {str(s.get("source")): s["rows_decoded"] for s in data.get("sources") or []
                if isinstance(s, dict) and s.get("rows_decoded") is not None}

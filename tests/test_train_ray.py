@@ -209,7 +209,16 @@ def test_a_finished_run_run_again_exports_its_final_checkpoint_without_ray(first
     steps = latest["metrics"]["step"]  # 6, or 20 after the resume test
     adapter = (out / "adapter" / "pytorch_lora_weights.safetensors").read_bytes()
     (out / "adapter" / "pytorch_lora_weights.safetensors").unlink()  # written again below
-    before = json.loads((out / "adapter" / "raylora.json").read_text())["data"]
+    # The record of the data as it trained, here made to differ from what a plan of the
+    # data now gives, as a cached run's does (its files and rows are its cache entry's)
+    # and a run's whose data changed after it trained: the rerun wrote the raw data's
+    # files, rows and fingerprint beside the cache_uri for the same weights.
+    meta_file = out / "adapter" / "raylora.json"
+    written = json.loads(meta_file.read_text())
+    written["data"].update(files=7, rows=99, fingerprint="trained-fingerprint",
+                           cache_uri="/caches/entry")
+    meta_file.write_text(json.dumps(written))
+    before = written["data"]
     checkpoints = local_sizes(str(out / "train"))
 
     def no_ray(*_):
@@ -231,6 +240,8 @@ def test_a_finished_run_run_again_exports_its_final_checkpoint_without_ray(first
     assert [s["rows_decoded"] for s in before["sources"]] == [before["rows_decoded"]]
     assert [s["rows_decoded"] for s in meta["data"]["sources"]] == [before["rows_decoded"]]
     assert meta["data"]["bad_records"] == before["bad_records"]
+    assert {k: meta["data"][k] for k in ("files", "rows", "fingerprint", "cache_uri", "sources")} == {
+        k: before[k] for k in ("files", "rows", "fingerprint", "cache_uri", "sources")}
     # Run again with another learning rate: the weights were not trained with it, so
     # their card and raylora.json must not say so (they did); nothing is written.
     from raylora.config import ConfigError

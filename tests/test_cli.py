@@ -599,6 +599,11 @@ def test_shards_build_reads_a_kohya_folder_as_training_does(tmp_path, caplog):
         ("10_sks dog/a", "sks dog"), ("10_sks dog/b", "sks dog on grass"), ("1_dog/c", "dog"),
         ("misc/e", "a cat")]
     assert "kohya repeats (10_sks dog) are not carried into shards" in caplog.text
+    # a caption of kohya's default extension there: refused, not replaced by the tokens
+    (tmp_path / "10_sks dog" / "a.caption").write_text("sks dog, smiling")
+    with pytest.raises(ValueError, match=r"10_sks dog/a.caption: a caption file that shards "
+                                         r"build does not read \(it reads .txt\)"):
+        collect_items(Storage(), str(tmp_path))
 
 
 def test_plan_sizes_a_folder_of_configs_only(tiny_model, tmp_path, capsys):

@@ -190,10 +190,45 @@ def test_caption_folder_kohya_repeats_and_class_tokens(tmp_path):
     in_order = epoch_reads(data, plan, False)
     assert in_order[:6] == [r["key"] for r in rows]  # copy after copy: every image first
     assert epoch_reads(data, plan, True, 1) != epoch_reads(data, plan, True, 0)
-    # sharding=files deals the images out: worker 0 gets a, c, d; worker 1 b, f, e.
+    # sharding=files deals the images' copies out, in turn: each worker reads a, b and c
+    # 5 times; f and e go to worker 0, d to worker 1. Dealt whole (a, c, d to worker 0;
+    # b, f, e to worker 1) they gave 21 and 12 reads, and the epoch (the fewest) left 9 of
+    # its 33 reads out.
     shares = [plan.for_rank(r, 2) for r in range(2)]
-    assert [p.rows for p in shares] == [10 + 10 + 1, 10 + 1 + 1]
-    assert [len(epoch_reads(data, p, False)) for p in shares] == [21, 12]
+    assert [p.rows for p in shares] == [17, 16]
+    reads = [epoch_reads(data, p, False) for p in shares]
+    assert [{k.rsplit("/", 1)[1]: r.count(k) for k in set(r)} for r in reads] == [
+        {"a.png": 5, "b.png": 5, "c.png": 5, "f.png": 1, "e.png": 1},
+        {"a.png": 5, "b.png": 5, "c.png": 5, "d.png": 1}]
+    # three workers: 11 each, every copy read once over them
+    thirds = [epoch_reads(data, plan.for_rank(r, 3), False) for r in range(3)]
+    assert [len(r) for r in thirds] == [11, 11, 11]
+    assert sorted(sum(thirds, [])) == sorted(epoch_reads(data, plan, False))
+
+
+def test_kohya_folder_captions_of_another_extension_are_refused_not_replaced(tmp_path):
+    """kohya's default caption extension is .caption; with data.caption_extension .txt the
+    images of a 10_ohwx dog/ folder all trained on "ohwx dog", their captions unread and
+    nothing said (the same folder outside N_name was refused). Now refused, naming the
+    extension to set; with it, the captions are read."""
+    from PIL import Image
+
+    folder = tmp_path / "kohya" / "10_ohwx dog"
+    folder.mkdir(parents=True)
+    for i in range(3):
+        Image.new("RGB", (16, 16)).save(folder / f"img{i}.png")
+        (folder / f"img{i}.caption").write_text(f"ohwx dog, photo {i}")
+    with pytest.raises(ValueError) as exc:
+        plan_data(DataSection(uri=str(tmp_path / "kohya")), Storage())
+    assert str(exc.value) == (
+        f"3 image(s) in kohya N_name folders have no .txt caption but a .caption file beside "
+        f"them (e.g. {folder}/img0.caption), unread: they would train on their folder's class "
+        "tokens. Set data.caption_extension: .caption (kohya's --caption_extension), or remove "
+        "those files to train on the class tokens")
+    data = DataSection(uri=str(tmp_path / "kohya"), caption_extension=".caption")
+    plan = plan_data(data, Storage())
+    rows = list(formats.get_format("captionfolder").iter_rows(data, plan.files, Storage()))
+    assert [r["text"] for r in rows] == [f"ohwx dog, photo {i}" for i in range(3)]
 
 
 def test_detection_order_of_image_folders():

@@ -329,6 +329,21 @@ def test_class_rows_need_a_prompt_and_an_interrupted_folder_is_completed(tiny_mo
                                                   for i in range(3)))
     assert [r["text"] for r in read_user_rows(d, _store(), str(plain / "raylora-generated"), 3)] == ["a dog"] * 3
 
+    # kohya's reg_data_dir layout, 1_dog/ without caption files: the prompt set for them
+    # (data.class_prompt, else the source's) is their caption, not the folder's class
+    # tokens ("dog" it was, beside top-ups generated with the prompt); a caption file wins.
+    reg = tmp_path / "reg" / "1_dog"
+    reg.mkdir(parents=True)
+    for i, row in enumerate(_rows(3)):
+        (reg / f"r{i}.png").write_bytes(row["image"])
+    (reg / "r2.txt").write_text("a dog on a sofa")
+    skip = str(tmp_path / "reg" / "raylora-generated")
+    for given in ({"class_sources": str(tmp_path / "reg"), "class_prompt": "a photo of a dog"},
+                  {"class_sources": [{"uri": str(tmp_path / "reg"), "prompt": "a photo of a dog"}],
+                   "class_prompt": "a dog"}):
+        got = read_user_rows(cfg(format="parquet", **given).data, _store(), skip, 3)
+        assert [r["text"] for r in got] == ["a photo of a dog"] * 2 + ["a dog on a sofa"], given
+
 
 def _class_cfg(tiny_model, demo_data, out, **data):
     from raylora.launch import resolve_paths

@@ -529,7 +529,7 @@ def _work_items(cfg: RayLoraConfig, plan: DataPlan, store: Storage, per_item: in
         if s.format == "captionfolder":  # a file per image: at least min_parts runs
             # Rounded down: runs of n // min_parts images make at least min_parts runs.
             size = max(1, min(per_item, len(s.files) // min_parts))
-        units = get_format(s.format).units(sections[s.index], s.files, store, size)
+        units = get_format(s.format).units(sections[s.index], s.files, store, size, s.repeats)
         for n, (index, start, stop) in enumerate(units):
             items.append({"item": len(items), "k": k, "source": s.index, "index": index,
                           "start": start, "stop": stop, "repeats": reps[index],

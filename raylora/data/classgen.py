@@ -166,10 +166,22 @@ def read_user_rows(d: DataSection, store: Storage, skip_root: str, want: int) ->
             keep = [j for j, f in enumerate(s.files) if not f.startswith(skip_root + "/")
                     and not in_generated_folder(s.uri or section.uri, f)]
             plan.sources[s.index] = s.subset(keep)
+        # A caption folder's images and caption files, as planned: an image in a kohya
+        # N_name folder without a caption file has its folder's class tokens as its text
+        # (reg folder 1_dog: "dog"), which a prompt set for it (the source's, else
+        # data.class_prompt) overrides, as it does where there is no caption: README.
+        from raylora.data.formats.captionfolder import caption_uri
+
+        folder = [s for s in plan.sources if s.format == "captionfolder"]
+        images = {f for s in folder for f in s.files}
+        captioned = {c for s in folder for c in s.companions}
         for row in iter_plan_rows(section, plan, store):
             if len(rows) >= want:
                 break
-            text = row["text"] if row["text"] else prompt
+            where = str(row["key"])
+            tokens_only = (prompt is not None and where in images
+                           and caption_uri(where, section.caption_extension) not in captioned)
+            text = prompt if tokens_only else row["text"] if row["text"] else prompt
             if text is None:
                 raise ValueError(f"{key}: {row['key']} has no caption, and there is no "
                                  "prompt for it (data.class_prompt or the source's prompt)")

@@ -206,13 +206,42 @@ class DataPlan:
     def for_rank(self, rank: int, world: int) -> DataPlan:
         """The files of one worker under ``data.sharding=files``: file i (counted over
         every source) goes to worker i mod world; a file with a deal place
-        (``SourceFiles.deals``: a latent cache's part) to worker place mod world."""
-        subsets, start = [], 0
-        for s in self.sources:
-            places = s.deals if s.deals is not None else range(start, start + len(s.files))
-            subsets.append(s.subset([i for i, d in enumerate(places) if d % world == rank]))
-            start += len(s.files)
+        (``SourceFiles.deals``: a latent cache's part) to worker place mod world.
+
+        Where files repeat (a kohya ``N_name`` folder, a source's ``repeats``), their
+        copies are dealt, not the files: the copies of every file in place order, copy j of
+        them to worker j mod world, and a worker reads a file as many times as it got
+        copies of it. Dealt whole, ``10_a/`` of 3 images beside ``1_b/`` of 3 gave two
+        workers 21 and 12 reads an epoch, and the epoch (the fewest) left 9 of its 33 reads
+        out; dealt as copies they get 17 and 16. A cached part (its deal place its source
+        file's) gets that file's copies, as the uncached run reads them."""
+        places = [s.deals if s.deals is not None else range(start, start + len(s.files))
+                  for s, start in zip(self.sources, np.cumsum([0] + [len(s.files) for s in self.sources]))]
+        if all(r == 1 for s in self.sources for r in s.file_repeats()):
+            subsets = [s.subset([i for i, d in enumerate(p) if d % world == rank])
+                       for s, p in zip(self.sources, places)]
+        else:
+            subsets = self._copies_for_rank(rank, world, places)
         return DataPlan.of([s for s in subsets if s.files] or subsets[:1], self.heldout_dropped)
+
+    def _copies_for_rank(self, rank: int, world: int, places: list) -> list[SourceFiles]:
+        """``for_rank`` where files repeat: each source's files with the copies of them
+        that fall to ``rank``, as ``repeats`` (a file none of whose copies do: left out)."""
+        copies_of: dict[int, int] = {}  # deal place → its copies (its files' repeats)
+        for s, p in zip(self.sources, places):
+            for d, r in zip(p, s.file_repeats()):
+                copies_of[int(d)] = r
+        first, at = {}, 0  # deal place → the place of its first copy among all copies
+        for d in sorted(copies_of):
+            first[d], at = at, at + copies_of[d]
+        out = []
+        for s, p in zip(self.sources, places):
+            mine = [len(range(first[int(d)] + (rank - first[int(d)]) % world,
+                              first[int(d)] + copies_of[int(d)], world)) for d in p]
+            keep = [i for i, k in enumerate(mine) if k]
+            sub = s.subset(keep)
+            out.append(replace(sub, repeats=[mine[i] for i in keep]) if keep else sub)
+        return out
 
     def bucket_rows(self) -> dict[int, int]:
         """Rows per bucket an epoch brings, over every source (data.bucketing)."""
@@ -666,7 +695,8 @@ def read_units(data: DataSection, plan: DataPlan, storage: Storage, unit_rows: i
                 out += [{**base, "kind": "parquet", **p, **copies_of(i, 0)}
                         for p in parquet_parts([f], rows, unit_rows)]
         else:
-            units = get_format(s.format).units(sections[s.index], s.files, storage, unit_rows)
+            units = get_format(s.format).units(sections[s.index], s.files, storage, unit_rows,
+                                               s.repeats)
             out += [{**base, "kind": "unit", "index": i, "start": a, "stop": b,
                      **copies_of(i, a, b)} for i, a, b in units]
     return out

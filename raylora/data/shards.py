@@ -72,9 +72,10 @@ def _caption_folder_items(store: Storage, src: str, files: list[str],
     appended to ``uncaptioned``. A shard holds each image once: the folder's repeats are
     not carried. Keys are the image URIs, as an image folder's (``collect_items`` cuts
     the extension: a stem's own dots stay, ``IMG_1.v1.jpg`` is not ``IMG_1.v2.jpg``)."""
-    from raylora.data.formats.captionfolder import first_folder, kohya_folder
+    from raylora.data.formats.captionfolder import CAPTION_EXTENSIONS, first_folder, kohya_folder
 
     texts = {f[: -len(".txt")] for f in files if f.endswith(".txt")}
+    present = set(files)
     items, repeated = [], set()
     for f in files:
         stem, ext = posixpath.splitext(f)
@@ -90,6 +91,13 @@ def _caption_folder_items(store: Storage, src: str, files: list[str],
                 raise ValueError(f"{stem}.txt: not UTF-8 text ({exc.reason} at byte {exc.start}); "
                                  "save it as UTF-8") from None
         elif folder is not None:
+            # a caption of another extension (kohya's default .caption) would be lost to
+            # the class tokens, as training refuses it (CaptionFolder.check_listing)
+            other = next((stem + e for e in CAPTION_EXTENSIONS if stem + e in present), None)
+            if other is not None:
+                raise ValueError(f"{other}: a caption file that shards build does not read "
+                                 "(it reads .txt): rename the captions to .txt; else the "
+                                 f"image would be written with its folder's class tokens, {folder[1]!r}")
             text = folder[1]
         else:
             if uncaptioned is not None:

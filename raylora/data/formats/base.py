@@ -310,12 +310,13 @@ class ShardFormat:
         raise NotImplementedError
 
     def units(self, data: DataSection, files: list[str], storage: Storage,
-              rows_per_unit: int) -> list[tuple[int, int, int]]:
+              rows_per_unit: int, repeats: list[int] | None = None) -> list[tuple[int, int, int]]:
         """Pieces that read independently, in source order: ``(file index, start, stop)``,
         rows ``start`` to ``stop`` counted from the first row of file ``index`` (stop -1:
         to the end of that file). One per file unless the format's files are not one
         piece each (imagefolder: slices of one row list; captionfolder: runs of images).
-        The rows of a unit have the same ``repeats``."""
+        The rows of a unit have the same ``repeats`` (the plan's, where given: a worker's
+        share of a file's copies under data.sharding=files; else the files' own)."""
         return [(i, 0, -1) for i in range(len(files))]
 
     def iter_unit(self, data: DataSection, files: list[str], storage: Storage,

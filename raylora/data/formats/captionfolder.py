@@ -34,6 +34,10 @@ from raylora.storage import normalize
 
 log = logging.getLogger("raylora.data")
 
+# Caption-file extensions in use (kohya's default .caption, taggers' .txt and .tags, .cap):
+# a same-stem file of one beside an image is a caption, of whatever extension.
+CAPTION_EXTENSIONS = (".txt", ".caption", ".cap", ".tags")
+
 # kohya's subfolder name: repeats, underscore, class tokens.
 KOHYA_FOLDER = re.compile(r"(\d+)_(.+)")
 
@@ -151,6 +155,7 @@ class CaptionFolder(ShardFormat):
         present = set(listing)
         folders = self._folders(data, files)
         weights = [k[0] if k else 1 for k in folders]
+        self._refuse_captions_of_another_extension(data, files, folders, present)
         missing = [(f, w) for f, w, k in zip(files, weights, folders)
                    if k is None and caption_uri(f, data.caption_extension) not in present]
         if not missing or data.captions_optional:  # class images take their prompt
@@ -180,6 +185,25 @@ class CaptionFolder(ShardFormat):
                 "to train them on the empty prompt")
         log.warning("%s: they are dropped as missing_caption", what)
 
+    def _refuse_captions_of_another_extension(self, data, files, folders, present) -> None:
+        """Images in kohya ``N_name`` folders without a caption file but with a same-stem
+        caption of another extension beside them (``cat.caption``, kohya's default, with
+        data.caption_extension .txt): each trained on its folder's class tokens, its own
+        caption unread, without a word. (Outside such folders these images have no
+        caption, which the check below refuses.)"""
+        ext = data.caption_extension
+        stray = [(f, e) for f, k in zip(files, folders)
+                 if k is not None and caption_uri(f, ext) not in present
+                 for e in CAPTION_EXTENSIONS if e != ext and caption_uri(f, e) in present]
+        if stray:
+            found = sorted({e for _, e in stray})
+            raise ValueError(
+                f"{len(stray)} image(s) in kohya N_name folders have no {ext} caption but a "
+                f"{'/'.join(found)} file beside them (e.g. {caption_uri(stray[0][0], found[0])}), "
+                f"unread: they would train on their folder's class tokens. Set "
+                f"data.caption_extension: {found[0]} (kohya's --caption_extension), or remove "
+                "those files to train on the class tokens")
+
     def count_rows(self, data, files, storage):
         return len(files), [1] * len(files)
 
@@ -197,10 +221,10 @@ class CaptionFolder(ShardFormat):
         for f, k in zip(files, self._folders(data, files)):
             yield self.row(data, storage, f, k[1] if k else None)
 
-    def units(self, data, files, storage, rows_per_unit):
+    def units(self, data, files, storage, rows_per_unit, repeats=None):
         # Runs of consecutive images with the same repeats (a unit is read as many times
         # as its rows count), at most rows_per_unit long: (first image, 0, images).
-        reps = self.repeats(data, files) or [1] * len(files)
+        reps = repeats or self.repeats(data, files) or [1] * len(files)
         out, start = [], 0
         for i in range(1, len(files) + 1):
             if i == len(files) or reps[i] != reps[start] or i - start == rows_per_unit:

@@ -243,7 +243,7 @@ class ImageFolder(ShardFormat):
         for i in spread(len(rows), k):
             yield _row(data, storage, rows[i])
 
-    def units(self, data, files, storage, rows_per_unit):
+    def units(self, data, files, storage, rows_per_unit, repeats=None):
         # One metadata list for the folder, not rows per file: slices of that list.
         n = len(_data_rows(data, storage, files))
         return [(0, s, s + rows_per_unit) for s in range(0, n, rows_per_unit)]

@@ -24,7 +24,7 @@ import ray
 import ray.train
 from ray.train import CheckpointUploadMode
 
-from raylora.checkpoint.state import LoopState, load_state
+from raylora.checkpoint.state import POSITION_KEYS, LoopState, load_state
 from raylora.config import RayLoraConfig
 from raylora.entry import WorkerSpec
 from raylora.launch import Plan
@@ -587,6 +587,12 @@ class _Reporter:
         self.save_compiled()
         d = tempfile.mkdtemp(prefix="raylora-ckpt-")
         sd = write_checkpoint(d, self.run, self.rank)
+        # Where every checkpoint is in the run, as its trainer_state.pt holds it: what the
+        # driver plans a rerun's remaining epochs from (launch.resumed_plan) before Ray
+        # starts. Only the final one carried it: a stopped num_epochs run resumed on another
+        # batch size planned from step 0 (3 steps done, 6 planned, epoch 0 left unfinished).
+        scalars = st.scalars()
+        metrics.update({k: scalars[k] for k in POSITION_KEYS})
         if final:
             # Every rank's adapter digest: equal digests prove the DDP replicas stayed
             # bit-identical; the driver records them in raylora.json.

@@ -370,6 +370,46 @@ def test_num_epochs_resumed_on_more_workers_ends_at_the_epochs_end(ray_local, ti
     assert sum(r["world_size"] * 2 for r in rows) == 32
 
 
+def test_a_stopped_num_epochs_run_resumed_on_another_batch_size_ends_at_the_epochs_end(
+        ray_local, tiny_model, demo_data, tmp_path):
+    """A run stopped (SIGTERM: its stop checkpoint) and resumed with another batch size
+    plans its remaining steps from where it stopped. Only a final checkpoint's metrics
+    held the loop's position: the rerun planned from step 0 (stopped at step 3 of 12,
+    it trained 6 steps and called epoch 0 done with 6 of its rows untrained)."""
+    import threading
+    import time
+
+    from raylora import launch
+
+    tree = {
+        "model": {"pretrained": tiny_model},
+        "data": {"uri": demo_data, "resolution": 64, "center_crop": True, "sharding": "files"},
+        "train": {"batch_size": 2, "num_epochs": 1, "learning_rate": 1e-3},
+        "checkpoint": {"every_n_steps": 100},
+        "output": {"uri": str(tmp_path / "out")},
+    }
+
+    def stop_when_fitting():
+        deadline = time.monotonic() + 300
+        while not launch.SIGTERM_HOOKS and time.monotonic() < deadline:
+            time.sleep(0.01)
+        launch.SIGTERM_HOOKS[-1]()
+
+    t = threading.Thread(target=stop_when_fitting, daemon=True)
+    t.start()
+    first = launch.run(validate(tree))
+    t.join(timeout=10)
+    assert first.get("stopped"), first
+    stopped = first["step"]
+    assert 1 <= stopped < 16, stopped
+    # 32 rows: 2 a step before, 1 a step now; the epoch's other 32 - 2s rows, one a step.
+    tree["train"] = {**tree["train"], "batch_size": 1}
+    m = launch.run(validate(tree))["metrics"]
+    assert (m["resumed_from_step"], m["steps"], m["images_seen"]) == (stopped, 32 - stopped, 32)
+    rows = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == list(range(1, 33 - stopped)) and {r["epoch"] for r in rows} == {0}
+
+
 def test_a_local_output_that_a_node_does_not_see_is_refused_before_training(ray_local, tmp_path,
                                                                             monkeypatch):
     """A local output.uri on a cluster of several nodes: Ray Train stopped the run at its

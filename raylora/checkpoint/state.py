@@ -59,6 +59,11 @@ class ResumeRefused(ValueError):
     restart_repeats = True
 
 
+# LoopState's keys that say where a run is (and the workers and batch size that counted
+# it): reported with every checkpoint, for the driver's plan of a resumed run.
+POSITION_KEYS = ("global_step", "epoch", "batches_in_epoch", "images_seen", "world_size", "batch_size")
+
+
 @dataclass
 class LoopState:
     """Where the run is: enough to continue exactly. All plain numbers."""

@@ -503,6 +503,10 @@ def _data_commands(sub):
     return shsub
 
 
+# Subcommands' path arguments (local or a URI) that a user may write with ~.
+PATH_ARGS = ("config", "out", "dest", "src", "model", "adapter", "working_dir", "runtime_env")
+
+
 def main(argv: list[str] | None = None) -> int:
     import os
 
@@ -518,6 +522,16 @@ def main(argv: list[str] | None = None) -> int:
         if not hasattr(args, "overrides") or any(r.startswith("-") or "=" not in r for r in rest):
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         args.overrides = list(args.overrides) + rest
+    # A path option's leading ~ (bash leaves `--out=~/x.png` and a quoted '~/x' as written):
+    # the config's paths expand it (storage.local_path), so these do too. `sample --out`
+    # wrote ./~/x.png while saying ~/x.png; `demo-data '~/d'` made ./~/d, then wrote to ~/d.
+    for name in PATH_ARGS:
+        value = getattr(args, name, None)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(args, name, os.path.expanduser(value))
+        elif isinstance(value, list):  # sample --adapter, given once per adapter
+            setattr(args, name, [os.path.expanduser(v) if isinstance(v, str) and v.startswith("~")
+                                 else v for v in value])
     # This process's signals are handled while it waits in `ray.get` (a run's fit() sits
     # in one), but Ray checks for them there only every this many ms (1000 by default):
     # a SIGTERM then reached the stop handler up to a second late, and fast steps trained

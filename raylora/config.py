@@ -2370,12 +2370,31 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             seen[key] = key_node.start_mark.line
 
 
+def yaml_text(path: str | Path) -> str:
+    """A YAML file's text, as YAML reads a stream: UTF-8 (a byte-order mark dropped), or
+    UTF-16 where a mark says so (what PowerShell 5's ``>`` writes); not the locale's
+    encoding. ValueError naming the file where it is neither (a cp1252 ``café``: Python's
+    "'utf-8' codec can't decode byte 0xe9" named no file). OSError as reading raises it."""
+    import codecs
+
+    raw = Path(path).read_bytes()
+    if raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        return raw.decode("utf-16")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start} is 0x{raw[exc.start]:02x}); "
+                         "save it as UTF-8") from None
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RayLoraConfig:
     path = Path(path)
     try:
-        text = path.read_text()
+        text = yaml_text(path)
     except OSError as exc:
         raise ConfigError([f"{path}: cannot read config file ({exc.strerror})"]) from None
+    except ValueError as exc:
+        raise ConfigError([str(exc)]) from None
     try:
         tree = yaml.load(text, Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as exc:

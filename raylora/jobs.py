@@ -275,9 +275,10 @@ def load_runtime_env(path: str, working_dir: str) -> dict:
     import yaml
     from ray.runtime_env import RuntimeEnv
 
+    from raylora.config import yaml_text
+
     try:
-        with open(path) as f:
-            doc = yaml.safe_load(f)
+        doc = yaml.safe_load(yaml_text(path))
     except OSError as exc:
         raise ValueError(f"{path}: cannot read the runtime_env file ({exc.strerror})") from None
     except yaml.YAMLError as exc:

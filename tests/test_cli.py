@@ -636,3 +636,19 @@ def test_plan_sizes_a_folder_of_configs_only(tiny_model, tmp_path, capsys):
     assert f"GPU: 1.00 GiB (scaling.gpu_memory_gb): fits, {memory.size(2**30 - whole.peak)} to spare" in out
     with pytest.raises(FileNotFoundError, match=r"no weights in .*/unet \(no \.safetensors or \.bin file\)"):
         check_model(str(configs), Storage())  # what train runs (launch.plan)
+
+
+def test_a_path_arguments_tilde_is_the_home_folder(tmp_path, monkeypatch, capsys):
+    """bash leaves `--out=~/x.png` and a quoted '~/d' as written: `sample --out` wrote
+    ./~/x.png while saying ~/x.png, and `demo-data '~/d'` made an empty ./~/d and failed
+    writing ~/d (pyarrow expands ~). Path arguments expand it, as config paths do."""
+    from raylora.cli import main
+
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    assert main(["demo-data", "~/d", "--num", "2", "--shards", "1"]) == 0
+    assert f"raylora: demo data    {home}/d (2 images in 1 shards)" in capsys.readouterr().out
+    assert sorted(os.listdir(home / "d")) == ["_manifest.json", "part-00000.parquet"] and os.listdir(cwd) == []

@@ -499,6 +499,31 @@ def test_a_search_of_what_a_lokr_init_from_fixes_is_refused(key, values):
     validate(tree)
 
 
+def test_a_config_file_is_read_as_yaml_reads_a_stream_and_other_bytes_are_named(tmp_path):
+    """A config saved as cp1252 ("café") gave Python's "'utf-8' codec can't decode byte
+    0xe9 in position 52", naming no file; one PowerShell 5 wrote (UTF-16 with a mark) the
+    same at byte 0. UTF-16 with a mark and UTF-8 with one are read (YAML reads both); other
+    bytes are refused naming the file and the fix."""
+    from raylora import jobs
+
+    text = 'model: {pretrained: m}\ndata: {uri: d, caption_prefix: "café style,"}\noutput: {uri: o}\n'
+    for name, raw in (("utf16.yaml", text.encode("utf-16")), ("bom.yaml", text.encode("utf-8-sig"))):
+        (tmp_path / name).write_bytes(raw)
+        assert load_config(tmp_path / name).data.caption_prefix == "café style,"
+    (tmp_path / "cp1252.yaml").write_bytes(text.encode("cp1252"))
+    with pytest.raises(ConfigError) as exc:
+        load_config(tmp_path / "cp1252.yaml")
+    at = text.encode("cp1252").index(b"\xe9")
+    assert exc.value.problems == [f"{tmp_path}/cp1252.yaml: not UTF-8 text (byte {at} is 0xe9); "
+                                  "save it as UTF-8"]
+    # a --runtime-env file likewise
+    (tmp_path / "env.yaml").write_bytes("env_vars: {NOTE: café}\n".encode("cp1252"))
+    with pytest.raises(ValueError, match=r"env.yaml: not UTF-8 text \(byte 20 is 0xe9\); save it as UTF-8"):
+        jobs.load_runtime_env(str(tmp_path / "env.yaml"), str(tmp_path))
+    (tmp_path / "env.yaml").write_bytes("env_vars: {NOTE: café}\n".encode("utf-16"))
+    assert jobs.load_runtime_env(str(tmp_path / "env.yaml"), str(tmp_path)) == {"env_vars": {"NOTE": "café"}}
+
+
 def test_yaml_merge_keys_merge_and_a_key_beside_them_overrides_the_merged_one(tmp_path):
     """`<<: *anchor` was refused as "could not determine a constructor for the tag
     'tag:yaml.org,2002:merge'". A key given beside `<<` overrides the merged one (not a

@@ -652,3 +652,16 @@ def test_a_path_arguments_tilde_is_the_home_folder(tmp_path, monkeypatch, capsys
     assert main(["demo-data", "~/d", "--num", "2", "--shards", "1"]) == 0
     assert f"raylora: demo data    {home}/d (2 images in 1 shards)" in capsys.readouterr().out
     assert sorted(os.listdir(home / "d")) == ["_manifest.json", "part-00000.parquet"] and os.listdir(cwd) == []
+
+
+def test_demo_data_names_the_option_that_is_out_of_range(tmp_path, capsys):
+    """`demo-data --num 0` blamed --shards ("--shards: 2; between 1 and the number of images
+    (0)"), `--size 0` said PIL's "cannot write empty image"; each names its option now, and
+    writes nothing."""
+    from raylora.cli import main
+
+    for args, said in ((["--num", "0"], "--num: 0; at least 1 image"),
+                       (["--size", "0"], "--size: 0; at least 8 pixels")):
+        assert main(["demo-data", str(tmp_path / "d"), *args]) == 2
+        assert capsys.readouterr().err.strip() == f"raylora: error: {said}"
+        assert not (tmp_path / "d").exists()

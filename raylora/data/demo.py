@@ -76,6 +76,10 @@ def write_parquet_shards(
     ``hf_struct``: store images as the Hugging Face datasets struct ``{bytes, path}``, as
     ``Dataset.to_parquet`` and the hub's parquet exports do.
     """
+    if n < 1:
+        raise ValueError(f"--num: {n}; at least 1 image")
+    if size < 8:  # PIL cannot write an empty image, and the VAE needs 8 pixels a latent
+        raise ValueError(f"--size: {size}; at least 8 pixels")
     if not 1 <= num_shards <= n:
         # 0 shards wrote a manifest of n images and no data; more shards than images, empty ones
         raise ValueError(f"--shards: {num_shards}; between 1 and the number of images ({n})")

@@ -538,11 +538,12 @@ def test_caption_folder_trains_in_buckets_on_two_workers_in_step(uncached, tiny_
     assert m["steps"] == 4 and m["replicas_in_sync"] is True
     meta = json.loads((out / "adapter" / "raylora.json").read_text())
     buckets = meta["data"]["buckets"]
-    # The histogram: distinct images per bucket WxH; 128x32 (the 4:1 image, worker 0's
-    # only) fills no batch on worker 1, so no worker trains it.
+    # The histogram: distinct images per bucket WxH. 128x32, the one 4:1 image, counts 5
+    # times: its copies are dealt to both workers (3 and 2), a batch of 2 on each. (Dealt
+    # whole, it was worker 0's only, filled no batch on worker 1, and never trained.)
     assert buckets["rows"] == {"64x64": 4, "80x48": 4, "48x80": 4, "128x32": 1}
-    # Each worker: 2 images of a bucket x 5 repeats = 10 rows = 5 batches of 2.
-    assert buckets["batches_per_epoch"] == {"64x64": 5, "80x48": 5, "48x80": 5}
+    # Each worker: 20 copies of a bucket's 4 images dealt in turn = 10 rows = 5 batches of 2.
+    assert buckets["batches_per_epoch"] == {"64x64": 5, "80x48": 5, "48x80": 5, "128x32": 1}
     per_step = [buckets["sizes"][r["bucket"]] for r in rows]
     assert len(set(per_step)) >= 2, per_step
     # Every rank trained the same bucket at every step (gathered from each rank's history).
@@ -550,7 +551,7 @@ def test_caption_folder_trains_in_buckets_on_two_workers_in_step(uncached, tiny_
     assert m["replica_bucket_digests"] == [digest, digest] and m["buckets_in_sync"] is True
     # The run log prints the histogram once.
     lines = [ln for ln in summary_lines(summary) if ln.startswith("raylora: buckets")]
-    assert lines == ["raylora: buckets      48x80 4, 64x64 4, 80x48 4, 128x32 1 rows (3 of 4 fill a batch)"]
+    assert lines == ["raylora: buckets      48x80 4, 64x64 4, 80x48 4, 128x32 1 rows (4 of 4 fill a batch)"]
     assert stock_image_change("sd", tiny_model, out / "adapter") > 0
 
 
@@ -573,7 +574,7 @@ def test_bucketed_cached_run_equals_uncached(uncached, tiny_model, tmp_path):
     meta = json.loads((tmp_path / "cached" / "adapter" / "raylora.json").read_text())["data"]
     manifest = json.loads(open(os.path.join(meta["cache_uri"], "manifest.json")).read())
     assert len(manifest["files"]) == 13 and manifest["file_rows"] == [1] * 13
-    assert meta["buckets"]["batches_per_epoch"] == {"64x64": 5, "80x48": 5, "48x80": 5}
+    assert meta["buckets"]["batches_per_epoch"] == {"64x64": 5, "80x48": 5, "48x80": 5, "128x32": 1}
     # the cache stores each image's bucketed latent: per file, its rows per bucket id
     sizes = meta["buckets"]["sizes"]
     counted = {}

@@ -242,6 +242,7 @@ def class_images_line(c: dict) -> str:
 def summary_lines(s: dict) -> list[str]:
     """The end-of-run summary from ``launch.run``'s result."""
     from raylora.checkpoint.export import BASE_COPY, base_in_code, call_args, quoted, quoted_args
+    from raylora.storage import is_local
 
     m = s["metrics"]
     wall = m.get("wall_seconds") or 0.0
@@ -273,7 +274,7 @@ def summary_lines(s: dict) -> list[str]:
     ]
     if note:  # a base in object storage: the call names a local copy of it
         lines.append(f"raylora:              ({BASE_COPY}: {note})")
-    if "://" in s["adapter"] and not s["adapter"].startswith("file://"):
+    if not is_local(s["adapter"]):
         lines.append("raylora:              (diffusers and peft read a local folder: copy the "
                      "adapter folder down first)")
     return lines

@@ -591,8 +591,7 @@ class _Reporter:
         # driver plans a rerun's remaining epochs from (launch.resumed_plan) before Ray
         # starts. Only the final one carried it: a stopped num_epochs run resumed on another
         # batch size planned from step 0 (3 steps done, 6 planned, epoch 0 left unfinished).
-        scalars = st.scalars()
-        metrics.update({k: scalars[k] for k in POSITION_KEYS})
+        metrics.update({k: getattr(st, k) for k in POSITION_KEYS})  # (scalars() copies the history)
         if final:
             # Every rank's adapter digest: equal digests prove the DDP replicas stayed
             # bit-identical; the driver records them in raylora.json.

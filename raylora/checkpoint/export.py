@@ -217,12 +217,10 @@ def base_in_code(pretrained: str) -> tuple[str, str]:
     id or a folder, quoted (a path may hold a ``"``); and what to say beside it, for a
     base in object storage (``s3://``, ``gs://``...), which diffusers cannot read: the call
     names a local copy, the note the URI the run trained."""
-    from raylora.storage import masked
+    from raylora.storage import is_local, local_path, masked
 
-    if "://" not in pretrained:
-        return quoted(pretrained), ""
-    if pretrained.startswith("file://"):
-        return quoted(pretrained[len("file://"):]), ""
+    if is_local(pretrained):
+        return quoted(local_path(pretrained) if pretrained.startswith("file:") else pretrained), ""
     return quoted(BASE_COPY), f"a local copy of {masked(pretrained)}: diffusers reads a folder or a hub id"
 
 

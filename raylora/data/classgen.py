@@ -181,7 +181,7 @@ def read_user_rows(d: DataSection, store: Storage, skip_root: str, want: int) ->
             where = str(row["key"])
             tokens_only = (prompt is not None and where in images
                            and caption_uri(where, section.caption_extension) not in captioned)
-            text = prompt if tokens_only else row["text"] if row["text"] else prompt
+            text = row["text"] if row["text"] and not tokens_only else prompt
             if text is None:
                 raise ValueError(f"{key}: {row['key']} has no caption, and there is no "
                                  "prompt for it (data.class_prompt or the source's prompt)")

@@ -351,6 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--verbose", "-v", action="store_true",
                          help="show Ray's and the model libraries' routine logs "
                               "(same as RAYLORA_VERBOSE=1)")
+        # main() blames a stray argument with the command's usage, not the top one's
+        cmd.set_defaults(usage_of=cmd)
     return p
 
 
@@ -520,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if rest:
         if not hasattr(args, "overrides") or any(r.startswith("-") or "=" not in r for r in rest):
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+            getattr(args, "usage_of", parser).error(f"unrecognized arguments: {' '.join(rest)}")
         args.overrides = list(args.overrides) + rest
     # A path option's leading ~ (bash leaves `--out=~/x.png` and a quoted '~/x' as written):
     # the config's paths expand it (storage.local_path), so these do too. `sample --out`

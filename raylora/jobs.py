@@ -68,7 +68,8 @@ def client(address: str | None):
 
     given = address or os.environ.get("RAY_ADDRESS")
     # A GCS address with no cluster behind it: the SDK waited 40 s, then a stack trace.
-    if given and (problem := ray_address_problem(given, "--address" if address else "RAY_ADDRESS")):
+    if given and (problem := ray_address_problem(given, "--address" if address else "RAY_ADDRESS",
+                                                 dashboard=True)):
         raise ValueError(problem)
     return JobSubmissionClient(given, headers=_auth_headers())
 

@@ -775,23 +775,38 @@ def interrupt_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, _raise_interrupt)
 
 
-def ray_address_problem(address: str, key: str = "RAY_ADDRESS", timeout: float = 5.0) -> str | None:
+def ray_address_problem(address: str, key: str = "RAY_ADDRESS", timeout: float = 5.0,
+                        dashboard: bool = False) -> str | None:
     """Why nothing can be joined at ``RAY_ADDRESS`` (a GCS ``host:port`` or ``ray://``),
     found in at most ``timeout`` seconds; None when something listens there, or for
     addresses ``ray.init`` judges itself (``auto``, ``http://``: it refuses that one at
     once). Why: with no cluster there (a stale RAY_ADDRESS after ``ray stop``), ray.init
-    retried for minutes (over 170 s here, Ray 2.60) before a stack trace."""
+    retried for minutes (over 170 s here, Ray 2.60) before a stack trace.
+    ``dashboard``: the Jobs SDK's address, where ``http(s)://host[:port]`` is the
+    dashboard and is probed too (the SDK's own failure was exit 1, the GCS one's exit 2)."""
     import socket
+    from urllib.parse import urlsplit
 
-    if "://" in address and not address.startswith("ray://"):
+    if dashboard and address.startswith(("http://", "https://")):
+        url = urlsplit(address)
+        try:
+            host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
+        except ValueError:  # a port that is not a number: the SDK names it
+            return None
+        if not host:
+            return None
+    elif "://" in address and not address.startswith("ray://"):
         return None
-    host, sep, port = address.removeprefix("ray://").rpartition(":")
-    if not sep or not port.isdigit():
-        return None
+    else:
+        host, sep, port = address.removeprefix("ray://").rpartition(":")
+        if not sep or not port.isdigit():
+            return None
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
     except OSError as exc:
-        return (f"{key}={address}: no Ray cluster answers there ({exc.strerror or exc}). "
+        from raylora.storage import masked  # a dashboard URL may carry a password
+
+        return (f"{key}={masked(address)}: no Ray cluster answers there ({exc.strerror or exc}). "
                 f"Start it (ray start --head, cluster/local-up.sh) or point {key} at one")
     return None
 

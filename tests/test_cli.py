@@ -25,6 +25,23 @@ def test_validate_prints_resolved_config_with_overrides(tmp_path):
     assert tree["train"]["learning_rate"] == 2e-4
 
 
+@pytest.mark.parametrize("argv, usage", [
+    (["validate", "job.yaml", "--bogus"], "usage: raylora validate "),
+    (["train", "job.yaml", "train.batch_size=2", "--bogus"], "usage: raylora train "),
+    (["shards", "build", "src", "dest", "--bogus"], "usage: raylora shards build "),
+])
+def test_a_stray_argument_is_shown_with_its_commands_usage(argv, usage, capsys):
+    from raylora.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    # the command's options, not the list of fifteen commands, answer what went wrong
+    assert err.startswith(usage), err
+    assert err.rstrip().endswith(f"error: unrecognized arguments: {argv[-1]}")
+
+
 def test_bad_config_exits_2_before_ray_with_every_problem(tmp_path):
     cfg = tmp_path / "job.yaml"
     cfg.write_text(yaml.safe_dump({"model": {"pretrained": "m"}, "data": {"uri": "d"}, "output": {"uri": "o"}}))
@@ -547,6 +564,16 @@ def test_a_ray_address_where_no_cluster_answers_is_named_at_once(tmp_path, tiny_
         listening.listen()
         assert ray_address_problem(f"127.0.0.1:{listening.getsockname()[1]}") is None
     assert ray_address_problem("auto") is ray_address_problem("http://127.0.0.1:8265") is None
+    # The job commands' dashboard URL is probed too: the SDK's failure was exit 1, after the plan.
+    p = _run(["status", "some-job", "--address", f"http://{dead}"], timeout=120)
+    assert p.returncode == 2 and f"--address=http://{dead}: no Ray cluster" in p.stderr, p.stderr
+    assert ray_address_problem(f"https://user:pw@{dead}/", dashboard=True).startswith(
+        f"RAY_ADDRESS=https://***@{dead}/: no Ray cluster answers there")
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        assert ray_address_problem(f"http://127.0.0.1:{listening.getsockname()[1]}",
+                                   dashboard=True) is None
 
 
 def test_shards_build_names_a_bad_source_or_destination_before_ray(tmp_path, capsys, monkeypatch):

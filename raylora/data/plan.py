@@ -227,17 +227,18 @@ class DataPlan:
     def _copies_for_rank(self, rank: int, world: int, places: list) -> list[SourceFiles]:
         """``for_rank`` where files repeat: each source's files with the copies of them
         that fall to ``rank``, as ``repeats`` (a file none of whose copies do: left out)."""
+        places = [[int(d) for d in p] for p in places]  # numpy ints from cumsum, or deals
         copies_of: dict[int, int] = {}  # deal place → its copies (its files' repeats)
         for s, p in zip(self.sources, places):
             for d, r in zip(p, s.file_repeats()):
-                copies_of[int(d)] = r
+                copies_of[d] = r
         first, at = {}, 0  # deal place → the place of its first copy among all copies
         for d in sorted(copies_of):
             first[d], at = at, at + copies_of[d]
         out = []
         for s, p in zip(self.sources, places):
-            mine = [len(range(first[int(d)] + (rank - first[int(d)]) % world,
-                              first[int(d)] + copies_of[int(d)], world)) for d in p]
+            mine = [len(range(first[d] + (rank - first[d]) % world, first[d] + copies_of[d], world))
+                    for d in p]
             keep = [i for i, k in enumerate(mine) if k]
             sub = s.subset(keep)
             out.append(replace(sub, repeats=[mine[i] for i in keep]) if keep else sub)

@@ -68,20 +68,23 @@ def data_roots(uri: str | list[str], beneath: list[str] | None = None, store=Non
     return sorted(roots, key=len, reverse=True)
 
 
+def _unpinned(uri: str) -> str:
+    """A hub URI without its revision (a listing pins its files to a commit, the root a
+    user wrote names none, or a branch); any other URI as it is."""
+    if uri.startswith("hf://"):
+        from raylora.hubfs import unpinned
+
+        return unpinned(uri)
+    return uri
+
+
 def _holds(files: list[str]):
     """``there(path)`` for ``data_roots``: whether ``path`` is one of ``files`` or a folder
-    holding one (a hub listing's commit-pinned names compared without the revision)."""
-    def plain(u: str) -> str:
-        if u.startswith("hf://"):
-            from raylora.hubfs import unpinned
-
-            return unpinned(u)
-        return u
-
-    names = [plain(normalize(f)) for f in files]
+    holding one (hub names compared without the revision)."""
+    names = [_unpinned(normalize(f)) for f in files]
 
     def there(path: str) -> bool:
-        path = plain(path).rstrip("/")
+        path = _unpinned(path).rstrip("/")
         return any(f == path or f.startswith(path + "/") for f in names)
     return there
 
@@ -99,9 +102,7 @@ def below_root(roots: list[str], uri: str) -> str | None:
     listing names its files at a commit (``hf://datasets/o/n@<sha>/...``) where the root
     the user wrote names none (or a branch): they are compared without the revision."""
     if uri.startswith("hf://"):
-        from raylora.hubfs import unpinned
-
-        uri, roots = unpinned(uri), [unpinned(r) if r.startswith("hf://") else r for r in roots]
+        uri, roots = _unpinned(uri), [_unpinned(r) for r in roots]
     root = next((r for r in roots if uri.startswith(r + "/")), None)
     return uri[len(root) + 1:] if root is not None else None
 

@@ -4,17 +4,13 @@
   foreground, its most waiting modules first (``WAITING_FIRST`` there). Only one lane
   starts Rays: by default every Ray's dashboard agent listens on the same port (52365).
 - free: the other ~1200 (config, loss maths, in-process training, ...), at the lowest CPU
-  priority (Linux's SCHED_IDLE, else nice 19) with half the cores' threads, its output kept
-  in a file and printed after.
+  priority with half the cores' threads, its output kept in a file and printed after.
 
 Why: the Ray tests alone leave the 2 cores here ~20 % idle (Ray processes starting and
 waiting on each other, S3 retries' backoff), and the free tests alone need ~500
 CPU-seconds. At nice 19 the free lane takes mostly idle CPU, but it still slowed the
 CPU-bound Ray tests beside it 1.2-1.7x; beside the most waiting ones it costs the Ray lane
-next to nothing (figures in README "Tests"). Why SCHED_IDLE: Ray runs its workers at nice
-15 (Ray's ``worker_niceness``), whose scheduler weight (36) is not far above nice 19's
-(15): a busy free lane took about 30 % of a core from the training workers beside it.
-SCHED_IDLE's weight is 3.
+next to nothing (figures in README "Tests").
 
 ``LANES=1`` (``make test LANES=1``) or a ``--lane`` of one's own runs one plain pytest.
 The exit code is pytest's: the first lane's failure, else 0, or 5 when neither collected
@@ -56,22 +52,6 @@ def lane_args(args: list[str], lane: str) -> list[str]:
     return out + [f"--lane={lane}"]
 
 
-def _lowest_priority() -> None:
-    """In the free lane's process before it runs pytest (its children inherit it)."""
-    os.nice(19)
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):  # not Linux: nice 19 it is
-        pass
-
-
-def _priority(pid: int) -> str:
-    try:
-        return "SCHED_IDLE" if os.sched_getscheduler(pid) == os.SCHED_IDLE else "nice 19"
-    except (AttributeError, OSError):
-        return "nice 19"
-
-
 def main(argv: list[str]) -> int:
     pytest = [sys.executable, "-m", "pytest", HERE]
     if os.environ.get("LANES", "2") == "1" or any(a.startswith("--lane") for a in argv):
@@ -84,13 +64,13 @@ def main(argv: list[str]) -> int:
         t0 = time.monotonic()
         free = subprocess.Popen(pytest + lane_args(argv, "free"), stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=free_env, preexec_fn=_lowest_priority)
+                                env=free_env, preexec_fn=lambda: os.nice(19))
         free_done: list[float] = []  # when it ended, though the ray lane may end later
         watcher = threading.Thread(
             target=lambda: (free.wait(), free_done.append(time.monotonic() - t0)), daemon=True)
         watcher.start()
         try:
-            print(f"lanes: free lane (pid {free.pid}, {_priority(free.pid)}, {threads} thread(s)) writes "
+            print(f"lanes: free lane (pid {free.pid}, nice 19, {threads} thread(s)) writes "
                   f"{log.name}; it is printed after the ray lane below", flush=True)
             ray_code = subprocess.call(pytest + lane_args(argv, "ray"))
             ray_s = time.monotonic() - t0

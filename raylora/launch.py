@@ -804,9 +804,8 @@ def ray_address_problem(address: str, key: str = "RAY_ADDRESS", timeout: float =
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
     except OSError as exc:
-        from raylora.storage import masked  # a dashboard URL may carry a password
-
-        return (f"{key}={masked(address)}: no Ray cluster answers there ({exc.strerror or exc}). "
+        # masked: a dashboard URL may carry a password
+        return (f"{key}={storage.masked(address)}: no Ray cluster answers there ({exc.strerror or exc}). "
                 f"Start it (ray start --head, cluster/local-up.sh) or point {key} at one")
     return None
 

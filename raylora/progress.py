@@ -60,11 +60,13 @@ class Stats:
     first: tuple[int, float] | None = None  # (step, time) of the first row seen
     last_t: float = field(default_factory=time.monotonic)
 
-    def update(self, row: dict, now: float) -> None:
-        loss = row["loss"]
-        if math.isfinite(loss):
+    def take_loss(self, loss: float) -> None:
+        if math.isfinite(loss):  # a skipped (non-finite) step changes neither
             self.loss = loss if self.loss is None else EMA * self.loss + (1 - EMA) * loss
             self.min_loss = loss if self.min_loss is None else min(self.min_loss, loss)
+
+    def update(self, row: dict, now: float) -> None:
+        self.take_loss(row["loss"])
         ips = row["images_per_s"]
         self.images_per_s = ips if self.images_per_s is None else EMA * self.images_per_s + (1 - EMA) * ips
         self.step, self.epoch, self.lr, self.last_t = row["step"], row["epoch"], row["lr"], now
@@ -73,6 +75,14 @@ class Stats:
         # group of 10 timed at 0 s put the first ETA at 0:00 and the next ones at half.
         if self.first is None or now == self.first[1]:
             self.first = (self.step, now)
+
+    def carry(self, carried: dict) -> None:
+        """A resumed run's smoothed loss, as the straight run's driver had it at the
+        checkpoint (``carried``), so the line goes on where it left off instead of
+        starting again from one step's noise. Only into a driver that has seen no row:
+        a restart under the same driver keeps its own."""
+        if self.loss is None:
+            self.loss, self.min_loss = carried.get("loss"), carried.get("min_loss")
 
     def eta_s(self) -> float | None:
         """From the rate since the first row this driver saw (a resumed run starts late)."""
@@ -93,6 +103,17 @@ class Stats:
         pct = 100 * self.step // max(self.total, 1)
         who = f"{label} " if label else ""
         return f"raylora: {who}step {self.step}/{self.total} ({pct}%) {self.fields()}"
+
+
+def carried(history: list[dict]) -> dict:
+    """What ``Stats.carry`` takes, from a restored run's history rows (``LoopState.history``).
+    img/s is left out: it is this attempt's rate (another node, a warm cache), not the
+    earlier one's."""
+    stats = Stats(total=0)
+    for row in history:
+        if row.get("loss") is not None:
+            stats.take_loss(row["loss"])
+    return {"loss": stats.loss, "min_loss": stats.min_loss}
 
 
 @dataclass
@@ -174,6 +195,9 @@ class ProgressPrinter:
 
     def _consume(self, row: dict, now: float) -> None:
         track = self._track(row)
+        if "carried" in row:  # a resumed run's smoothing state, before its first step
+            track.stats.carry(row["carried"])
+            return
         self._note_size(row)
         stats = track.stats
         stats.update(row, now)

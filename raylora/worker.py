@@ -29,7 +29,7 @@ from raylora.config import RayLoraConfig
 from raylora.entry import WorkerSpec
 from raylora.launch import Plan
 from raylora.model.lora import digest
-from raylora.progress import every_n_steps
+from raylora.progress import carried, every_n_steps
 from raylora.storage import complete_upload
 from raylora.train.loop import LoopHooks, LoopSettings, run_loop, sample_hashes
 from raylora.train.fsdp import param_bytes_per_rank
@@ -478,6 +478,9 @@ class _Reporter:
             from raylora.desk import handle
 
             self.board = handle(spec.progress_board)
+            if run.state.history:  # resumed: the printed loss goes on from the checkpoint's
+                self.board.push.remote({"carried": carried(run.state.history),
+                                        "label": spec.progress_label, "total": self.max_steps})
         self.log_every = every_n_steps(cfg.train.log_every_n_steps, self.max_steps)
         self._compiled_saved = False
         # (previous report's step, this one's): the steps a report's train_loss averages.

@@ -50,6 +50,39 @@ def test_the_eta_of_rows_read_back_in_groups_counts_from_the_first_groups_last_r
     assert etas[1:] == [pytest.approx(0.5 * (1000 - step)) for step in (20, 30, 40)]
 
 
+def test_a_resumed_runs_line_goes_on_with_the_smoothed_loss_of_the_straight_run():
+    """A rerun resumed at step 4 printed step 5's raw loss as its smoothed loss: the rank-0
+    worker now sends the restored history's smoothing (``carried``) before its first step."""
+    import io
+
+    from raylora.progress import ProgressPrinter, carried
+
+    losses = [1.0, 0.5, float("nan"), 2.0, 0.25, 0.75]
+    rows = [{"step": i + 1, "epoch": 0, "loss": x, "lr": 1e-3, "images_per_s": 4.0}
+            for i, x in enumerate(losses)]
+
+    def printed(feed):
+        out = io.StringIO()
+        printer = ProgressPrinter(None, 6, every_steps=1, every_s=1e9, stream=out, tty=False)
+        for row in feed:
+            printer._consume(row, 100.0 + row.get("step", 0))
+        # (up to the ETA: a resumed driver has seen one step, no rate yet)
+        return [ln.split(" ETA ")[0] for ln in out.getvalue().splitlines()
+                if ln.startswith("raylora: step 5/")]
+
+    straight = printed(rows)
+    resumed = printed([{"carried": carried(rows[:4]), "total": 6}, *rows[4:]])
+    assert straight == resumed and len(straight) == 1
+    ema = 0.9 * (0.9 * 1.0 + 0.1 * 0.5) + 0.1 * 2.0  # the NaN step skipped
+    assert f"loss {0.9 * ema + 0.1 * 0.25:.4f}" in resumed[0]
+    assert carried(rows[:4]) == {"loss": pytest.approx(ema), "min_loss": 0.5}
+    # Under the same driver (workers restarted), the line keeps the smoothing it has.
+    s = Stats(total=6)
+    s.update(rows[0], 1.0)
+    s.carry({"loss": 9.0, "min_loss": 9.0})
+    assert (s.loss, s.min_loss) == (1.0, 1.0)
+
+
 def test_summary_names_adapter_checkpoints_and_how_to_load():
     lines = summary_lines({
         "metrics": {"steps": 60, "images_seen": 480, "wall_seconds": 48.0, "train_loss_first": 1.2,

@@ -698,6 +698,60 @@ def test_a_live_runs_lease_refuses_a_second_run_a_stale_one_is_taken_over(tmp_pa
     assert json.loads(lease.read_text())["token"] == "raced"
 
 
+def test_the_lease_of_a_killed_run_on_this_machine_is_taken_over_at_once(tmp_path, caplog):
+    """A driver killed with SIGKILL (the OOM killer, kill -9) left its lease, and a rerun
+    on the same machine was refused for LEASE_STALE_S (3 min). Its process is gone and this
+    machine can see that: the rerun takes the lease over at once. A live one is refused;
+    so is a lease from another host or pid namespace, whose pid means nothing here."""
+    import logging
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from raylora.checkpoint import recorded
+    from raylora.config import ConfigError
+    from raylora.storage import Storage
+
+    store, out = Storage(), str(tmp_path / "out")
+    lease = tmp_path / "out" / "lease.json"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\n"
+         "from raylora.checkpoint import recorded\nfrom raylora.storage import Storage\n"
+         f"lease = recorded.held_lease(Storage(), {out!r})\nlease.__enter__()\n"
+         "print('held', flush=True)\ntime.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        held = json.loads(lease.read_text())
+        assert held["pid"] == holder.pid and held["pid_start"] and held["pid_ns"].startswith("pid:")
+        with pytest.raises(ConfigError, match=f"in use by another run .host [^,]+, pid {holder.pid}"):
+            recorded.check_lease(store, out)  # alive
+        holder.send_signal(signal.SIGKILL)
+        deadline = time.time() + 10  # killed, not reaped yet: a zombie is no run
+        while recorded._pid_start(holder.pid) is not None and time.time() < deadline:
+            time.sleep(0.02)
+        assert recorded.check_lease(store, out)["pid"] == holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
+    assert recorded.check_lease(store, out)["pid"] == holder.pid  # reaped too
+    # The same pid, but another process now (a pid reused): that run is gone as well.
+    lease.write_text(json.dumps({**held, "pid": os.getpid()}))
+    assert recorded.check_lease(store, out)["pid"] == os.getpid()
+    # Elsewhere, the pid says nothing: refused until stale, as before.
+    for other in ({"host": "other-host"}, {"pid_ns": "pid:[1]"}, {"boot": "another-boot"},
+                  {"pid_start": None}):
+        lease.write_text(json.dumps({**held, **other}))
+        with pytest.raises(ConfigError, match="is in use by another run"):
+            recorded.check_lease(store, out)
+    lease.write_text(json.dumps(held))
+    with caplog.at_level(logging.WARNING, logger="raylora"), recorded.held_lease(store, out) as mine:
+        assert json.loads(lease.read_text())["token"] == mine["token"]
+    assert f"{lease}: taking over the lease of a run whose process is gone (host " in caplog.text
+    assert f"pid {holder.pid}, started " in caplog.text and "): it was killed" in caplog.text
+    assert not lease.exists()
+
+
 def test_the_lease_on_object_storage(moto_endpoint, monkeypatch):
     """The lease on S3 (no atomic create: written, then read back): taken, refused to
     another process's live run, released."""

@@ -277,6 +277,51 @@ LEASE_SETTLE_S = 1.0
 _PROCESS = uuid.uuid4().hex
 
 
+def _proc_text(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _pid_start(pid: int) -> str | None:
+    """When ``pid`` started (clock ticks since boot, /proc/PID/stat's 22nd field); None
+    when no such process is running here (a zombie, killed but not yet reaped by its
+    parent, is not), or this is not Linux."""
+    stat = _proc_text(f"/proc/{pid}/stat")
+    if stat is None:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()  # (the command name may hold spaces)
+    if len(fields) < 20 or fields[0] in ("Z", "X"):
+        return None
+    return fields[19]
+
+
+def _seen_pids() -> dict:
+    """Where this process's pid means something: this boot of this machine, this pid
+    namespace. A lease written under the same ones names a process this one can look up."""
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return {}
+    boot = _proc_text("/proc/sys/kernel/random/boot_id")
+    return {"boot": boot, "pid_ns": ns} if boot else {}
+
+
+def _gone(held: dict) -> bool:
+    """The lease's run is known dead: written on this host, this boot and pid namespace (a
+    container on the host network has its own), and its pid runs no process, or another
+    one (started at another time). Such a run (kill -9, the OOM killer) is taken over at
+    once, not ``LEASE_STALE_S`` later; anything else waits for its lease to go stale."""
+    here, pid = _seen_pids(), held.get("pid")
+    if (not here or held.get("host") != socket.gethostname() or not isinstance(pid, int)
+            or pid <= 0 or any(held.get(k) != v for k, v in here.items())
+            or not held.get("pid_start")):
+        return False
+    return _pid_start(pid) != held["pid_start"]
+
+
 def check_lease(store, output_uri: str, now: float | None = None) -> dict | None:
     """The lease found at ``output_uri`` when a run may start there: None (there is none),
     this process's own, or a stale or unreadable one, which the run takes over. Raises
@@ -287,7 +332,8 @@ def check_lease(store, output_uri: str, now: float | None = None) -> dict | None
     if held is None or _mine(held):
         return held
     age = _age(held, time.time() if now is None else now)
-    if age is not None and age < LEASE_STALE_S:  # (a clock ahead of ours: negative, live)
+    # (a clock ahead of ours: a negative age, live)
+    if age is not None and age < LEASE_STALE_S and not _gone(held):
         raise ConfigError([_in_use(output_uri, uri, held, age)])
     return held
 
@@ -302,12 +348,17 @@ def held_lease(store, output_uri: str) -> Iterator[dict]:
     found = check_lease(store, output_uri)
     if found is not None and not _mine(found):
         age = _age(found, time.time())
-        log.warning("%s: taking over the lease of a run that stopped renewing it%s (%s): it was "
-                    "killed or lost", uri, f" {_span(age)} ago" if age is not None else "",
-                    _holder(found))
+        if age is not None and age < LEASE_STALE_S:  # (_gone: its process is not running)
+            log.warning("%s: taking over the lease of a run whose process is gone (%s; renewed "
+                        "%s ago): it was killed", uri, _holder(found), _span(age))
+        else:
+            log.warning("%s: taking over the lease of a run that stopped renewing it%s (%s): it "
+                        "was killed or lost", uri, f" {_span(age)} ago" if age is not None else "",
+                        _holder(found))
     now = time.time()
     mine = {"host": socket.gethostname(), "pid": os.getpid(), "started": now, "renewed": now,
-            "process": _PROCESS, "token": uuid.uuid4().hex}
+            "process": _PROCESS, "token": uuid.uuid4().hex, **_seen_pids(),
+            "pid_start": _pid_start(os.getpid())}
     made = _folders_to_make(output_uri)
     store.write_bytes(uri, json.dumps(mine, indent=1).encode())
     time.sleep(LEASE_SETTLE_S)

@@ -45,10 +45,24 @@ class SearchStop:
     ended: bool = False
     parked: dict[str, int | None] = field(default_factory=dict)
     asked_at: float = 0.0
+    # trials not finished (running, pending, paused) at the end of Tune's last step
+    # (EndWhenParked); None: no step ran
+    unfinished: int | None = None
 
     @property
     def stopped(self) -> bool:
         return self.ended or self.stop.expired
+
+    @property
+    def interrupted(self) -> bool:
+        """Tune's loop ended before its trials did: Ctrl-C (Tune's own SIGINT handler saves
+        the search and returns from ``fit()`` with no error, and its result grid shows the
+        trials it stopped as terminated). Its last step still saw them running or pending.
+        (Tune makes a search's trials pending well ahead of running them, so a search
+        interrupted between one trial's end and the next one's start shows one pending.
+        The number of trials is not compared with ``expected_trials``: a searcher may end
+        with fewer, and a finished search must not read as interrupted on every rerun.)"""
+        return bool(self.unfinished)
 
 
 # The search this driver process runs. Tune pickles its callbacks into the search's state
@@ -78,13 +92,17 @@ def search_requests(desk: str, timeout_s: float, sigterm_hooks: list):
 
 
 class EndWhenParked(tune.Callback):
-    """Ends Tune's loop once a stop was asked and every running trial is parked. Runs in
+    """Ends Tune's loop once a stop was asked and every running trial is parked; counts,
+    at each step's end, the trials not finished (``SearchStop.interrupted``). Runs in
     the driver's main thread, between Tune's steps (so the signal reaches Tune's handler
     there). A class at module level: Tune restores it by name from a saved search."""
 
     def on_step_end(self, iteration: int, trials: list, **info) -> None:
         search = _ACTIVE[-1] if _ACTIVE else None
-        if search is None or not search.stop.signalled or search.ended:
+        if search is None:
+            return
+        search.unfinished = sum(t.status not in ("TERMINATED", "ERROR") for t in trials)
+        if not search.stop.signalled or search.ended:
             return
         if time.monotonic() - search.asked_at < POLL_S:
             return

@@ -1184,6 +1184,51 @@ def test_a_stopped_search_resumes_each_trial_from_its_stop(ray_local, tiny_model
 
 
 @pytest.mark.integration
+def test_ctrl_c_ends_a_search_as_interrupted_with_no_results(ray_local, tiny_model, demo_data, tmp_path):
+    """Ctrl-C reaches Tune's own SIGINT handler, which saves the search and returns from
+    fit() with no error: raylora then wrote a results table of the unfinished trials and
+    exported a "best" adapter (exit 0), or failed on a checkpoint still in flight (exit 2,
+    "No such file"). An interrupted search ends as an interrupted run does: exit 130, the
+    same command resumes it (as test_a_stopped_search_resumes_each_trial_from_its_stop
+    shows), no results."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import ray
+
+    out = tmp_path / "out"
+    job = tmp_path / "tune.yaml"
+    job.write_text(yaml.safe_dump({
+        "model": {"pretrained": tiny_model},
+        "data": {"uri": demo_data, "resolution": 64, "center_crop": True},
+        "train": {"batch_size": 2, "max_steps": 40, "seed": 3},
+        "scaling": {"num_workers": WORKERS},
+        "checkpoint": {"every_n_steps": 4},
+        "output": {"uri": str(out)},
+        "tune": {"search_space": {"train.learning_rate": {"grid": [1e-3]}}, "num_samples": 1,
+                 "metric": "train_loss", "scheduler": "fifo"},
+    }))
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    driver = subprocess.Popen([sys.executable, "-m", "raylora", "tune", str(job)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not _recorded_steps(out):
+        assert driver.poll() is None and time.monotonic() < deadline, driver.communicate()
+        time.sleep(0.1)
+    driver.send_signal(signal.SIGINT)
+    stdout, err = driver.communicate(timeout=120)
+    assert driver.returncode == 130, err[-3000:]
+    assert err.rstrip().endswith("raylora: interrupted; run the same command again to resume the "
+                                 "search (each unfinished trial from its latest checkpoint)"), err[-3000:]
+    assert "Error" not in err and "raylora: results" not in stdout, err[-3000:]
+    assert not (out / "tune" / "results.json").exists() and not (out / "best").exists()
+    assert all(m["step"] < 40 for m in _recorded_steps(out).values())
+    assert not (out / "lease.json").exists()  # released: the rerun may start at once
+
+
+@pytest.mark.integration
 def test_two_workers_share_the_heldout_evaluation(ray_local, tiny_model, demo_data, tmp_path):
     """2 DDP workers each evaluate half the held-out items and all-reduce the sums: the run's
     number equals one process evaluating all of them."""

@@ -96,6 +96,21 @@ class MaskedURLs(logging.Filter):
         return True
 
 
+# Ray Tune's logger of "Experiment has been interrupted, but the most recent state was
+# saved. Resume experiment with: Tuner.restore(path=..., trainable=...)": after Ctrl-C or
+# `raylora stop` on a search, a Python call the user does not make (the same `raylora
+# tune` command resumes the search, as the driver's own last line says).
+TUNE_RUN_LOGGER = "ray.tune.tune"
+
+
+class TuneRestoreHint(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            return "Tuner.restore(" not in record.getMessage()
+        except Exception:
+            return True
+
+
 def verbose() -> bool:
     return os.environ.get(VERBOSE_ENV, "").lower() not in ("", "0", "false", "no")
 
@@ -123,6 +138,9 @@ def apply() -> None:
     errors = logging.getLogger(TRAIN_FN_ERROR_LOGGER)
     if not any(isinstance(f, RepeatedErrorTraceback) for f in errors.filters):
         errors.addFilter(RepeatedErrorTraceback())
+    tune_run = logging.getLogger(TUNE_RUN_LOGGER)
+    if not any(isinstance(f, TuneRestoreHint) for f in tune_run.filters):
+        tune_run.addFilter(TuneRestoreHint())
 
 
 def _train_context_logger() -> str:

@@ -1223,6 +1223,7 @@ def test_ctrl_c_ends_a_search_as_interrupted_with_no_results(ray_local, tiny_mod
     assert err.rstrip().endswith("raylora: interrupted; run the same command again to resume the "
                                  "search (each unfinished trial from its latest checkpoint)"), err[-3000:]
     assert "Error" not in err and "raylora: results" not in stdout, err[-3000:]
+    assert "Tuner.restore(" not in err  # Tune's hint of a Python call (raylora.quiet)
     assert not (out / "tune" / "results.json").exists() and not (out / "best").exists()
     assert all(m["step"] < 40 for m in _recorded_steps(out).values())
     assert not (out / "lease.json").exists()  # released: the rerun may start at once

@@ -1095,21 +1095,16 @@ def _recorded_steps(out) -> dict[str, dict]:
             for p in (out / "tune" / "trials").glob("*/checkpoint_manager_snapshot.json")}
 
 
-@pytest.mark.integration
-def test_a_stopped_search_resumes_each_trial_from_its_stop(ray_local, tiny_model, demo_data, tmp_path,
-                                                          capsys):
-    """`raylora stop` (SIGTERM to the search's driver) stops every running trial at a step with
-    a checkpoint of that step, saves the search and says so; the same command resumes each
-    trial from that step, and one results table comes at the end. Another config is
-    refused before Ray, naming what changed."""
-    import signal
+def _search_signalled(tmp_path, tiny_model, demo_data, rates: list, signum):
+    """A 40-step search of ``train.learning_rate`` over ``rates`` (each trial side by side,
+    checkpoints every 4 steps) whose `raylora tune` driver, joined to this module's Ray, gets
+    ``signum`` once a trial has a recorded checkpoint. Returns (out, job, driver, stdout,
+    stderr) once the driver has exited."""
     import subprocess
     import sys
     import time
 
     import ray
-
-    from raylora.cli import main
 
     out = tmp_path / "out"
     job = tmp_path / "tune.yaml"
@@ -1120,12 +1115,9 @@ def test_a_stopped_search_resumes_each_trial_from_its_stop(ray_local, tiny_model
         "scaling": {"num_workers": WORKERS},
         "checkpoint": {"every_n_steps": 4},
         "output": {"uri": str(out)},
-        "tune": {"search_space": {"train.learning_rate": {"grid": [1e-3, 5e-4]}}, "num_samples": 1,
+        "tune": {"search_space": {"train.learning_rate": {"grid": rates}}, "num_samples": 1,
                  "metric": "train_loss", "scheduler": "fifo"},
     }))
-    # The first driver joins this module's Ray and is stopped once a trial has a recorded
-    # checkpoint (step 4 of 40), as `raylora stop` or Kubernetes would stop it. Both trials
-    # run side by side.
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     driver = subprocess.Popen([sys.executable, "-m", "raylora", "tune", str(job)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -1133,8 +1125,26 @@ def test_a_stopped_search_resumes_each_trial_from_its_stop(ray_local, tiny_model
     while not _recorded_steps(out):
         assert driver.poll() is None and time.monotonic() < deadline, driver.communicate()
         time.sleep(0.1)
-    driver.send_signal(signal.SIGTERM)
-    _, err = driver.communicate(timeout=120)
+    driver.send_signal(signum)
+    stdout, err = driver.communicate(timeout=120)
+    return out, job, driver, stdout, err
+
+
+@pytest.mark.integration
+def test_a_stopped_search_resumes_each_trial_from_its_stop(ray_local, tiny_model, demo_data, tmp_path,
+                                                          capsys):
+    """`raylora stop` (SIGTERM to the search's driver) stops every running trial at a step with
+    a checkpoint of that step, saves the search and says so; the same command resumes each
+    trial from that step, and one results table comes at the end. Another config is
+    refused before Ray, naming what changed."""
+    import signal
+
+    from raylora.cli import main
+
+    # The first driver is stopped once a trial has a recorded checkpoint (step 4 of 40), as
+    # `raylora stop` or Kubernetes would stop it. Both trials run side by side.
+    out, job, driver, _, err = _search_signalled(tmp_path, tiny_model, demo_data, [1e-3, 5e-4],
+                                                 signal.SIGTERM)
     assert driver.returncode == 130, err
     assert f"raylora: search stopped (SIGTERM to the driver); its state is in {out / 'tune'}" in err
     assert "raylora: run the same command again to resume the search" in err
@@ -1192,33 +1202,9 @@ def test_ctrl_c_ends_a_search_as_interrupted_with_no_results(ray_local, tiny_mod
     same command resumes it (as test_a_stopped_search_resumes_each_trial_from_its_stop
     shows), no results."""
     import signal
-    import subprocess
-    import sys
-    import time
 
-    import ray
-
-    out = tmp_path / "out"
-    job = tmp_path / "tune.yaml"
-    job.write_text(yaml.safe_dump({
-        "model": {"pretrained": tiny_model},
-        "data": {"uri": demo_data, "resolution": 64, "center_crop": True},
-        "train": {"batch_size": 2, "max_steps": 40, "seed": 3},
-        "scaling": {"num_workers": WORKERS},
-        "checkpoint": {"every_n_steps": 4},
-        "output": {"uri": str(out)},
-        "tune": {"search_space": {"train.learning_rate": {"grid": [1e-3]}}, "num_samples": 1,
-                 "metric": "train_loss", "scheduler": "fifo"},
-    }))
-    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-    driver = subprocess.Popen([sys.executable, "-m", "raylora", "tune", str(job)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while not _recorded_steps(out):
-        assert driver.poll() is None and time.monotonic() < deadline, driver.communicate()
-        time.sleep(0.1)
-    driver.send_signal(signal.SIGINT)
-    stdout, err = driver.communicate(timeout=120)
+    out, _, driver, stdout, err = _search_signalled(tmp_path, tiny_model, demo_data, [1e-3],
+                                                    signal.SIGINT)
     assert driver.returncode == 130, err[-3000:]
     assert err.rstrip().endswith("raylora: interrupted; run the same command again to resume the "
                                  "search (each unfinished trial from its latest checkpoint)"), err[-3000:]

@@ -501,14 +501,15 @@ def run_tune(cfg: RayLoraConfig) -> dict:
                     "timeout_s": cfg.failure.stop_timeout_s, "parked": stops.parked,
                     "max_steps": parked_budgets(grid, stops.parked, tn, budget),
                     "search": storage.join(out, TUNE_DIR)}
-        if stops.stop.signalled:
-            log.warning("SIGTERM came after the last trial's last step had started: the search "
-                        "finished normally, no stop was needed")
         if stops.interrupted:
             # Ctrl-C, through Tune's own handler: its results are not the search's (nor is
             # an adapter of them the best, and a checkpoint in flight may be half there).
-            # Interrupted, exit 130, as a run; the same command resumes the search.
+            # Interrupted, exit 130, as a run; the same command resumes the search. (Before
+            # the line below: a Ctrl-C after a SIGTERM is no search that finished normally.)
             raise KeyboardInterrupt("search interrupted")
+        if stops.stop.signalled:
+            log.warning("SIGTERM came after the last trial's last step had started: the search "
+                        "finished normally, no stop was needed")
         # Raises when too much of what was read was bad; the counts are the whole search's.
         bad = check_bad_records(cfg, base_plan)
         rows = results_table(grid, tn, budget)

@@ -680,8 +680,10 @@ class FlowSection(_Section):
         "dependent dynamic shift from base_shift/max_shift; SD3: its static shift 3.0). A "
         "number: that static shift for every image size (1.0 = none).",
     )
-    loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = Field(
-        "none", description="Per-sample loss weight by σ (diffusers' weighting_scheme)."
+    loss_weighting: Literal["none", "sigma_sqrt", "cosmap", "x0"] = Field(
+        "none", description="Per-sample loss weight by σ (diffusers' weighting_scheme); x0: "
+        "σ², the loss on the clean latents the prediction implies, as diffusers' SD3 "
+        "scripts train by default (--precondition_outputs 1)."
     )
     guidance: float = Field(
         1.0, ge=0,

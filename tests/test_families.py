@@ -23,6 +23,7 @@ from raylora.train.objective import (
     scheduler_objective_kind,
     shift_sigmas,
 )
+from raylora.train.loss import denoising_loss
 
 from raylora.model.tiny import FAMILIES  # every family raylora has a tiny model of
 
@@ -475,6 +476,14 @@ def test_flow_forward_process_target_and_weights():
     torch.testing.assert_close(n.weights, 2 / (math.pi * (1 - 2 * sig + 2 * sig**2)))
     torch.testing.assert_close(flow_loss_weights("sigma_sqrt", torch.tensor([0.5])), torch.tensor([4.0]))
     assert flow_loss_weights("none", sig) is None
+    # x0: the loss diffusers' SD3 scripts train by default (--precondition_outputs 1),
+    # x_σ − σ·pred against x₀, is the velocity loss weighted σ²
+    pred = torch.randn(3, 4, 2, 2)
+    sig = torch.tensor([0.1, 0.5, 0.9])
+    n = FlowMatching(weighting="x0").noised(x, eps, sig)
+    s = sig.view(-1, 1, 1, 1)
+    diffusers = ((n.noisy - s * pred - x) ** 2).mean()
+    torch.testing.assert_close(denoising_loss(pred, n.target, n.weights), diffusers)
 
 
 # ---------------------------------------------------------------- training and stock load

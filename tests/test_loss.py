@@ -231,6 +231,30 @@ def test_sdxl_latents_mean_std_normalise_as_the_sdxl_pipeline_decodes(tiny, tmp_
     assert families.get("sd").latent_stats({**vae_config}) == (0.0, 0.5)
 
 
+def test_the_flow_forward_process_under_bf16_is_the_fp32_sigma_rounded_once():
+    """bf16 latents: x_σ = (1−σ)·x₀ + σ·ε in fp32, rounded once; not on σ rounded to bf16,
+    which toward σ = 1 put the clean latents' share 1 − σ far off the σ the model is told."""
+    from raylora.train.objective import FlowMatching
+
+    g = torch.Generator().manual_seed(0)
+    sigma = torch.tensor([0.001, 0.3, 0.7, 0.9, 0.97, 0.98, 0.99, 0.995])
+    n = len(sigma)
+    lat = torch.randn(n, 16, 64, 64, generator=g).to(torch.bfloat16)
+    noise = torch.randn(n, 16, 64, 64, generator=g).to(torch.bfloat16)
+    out = FlowMatching().noised(lat, noise, sigma)
+    assert out.noisy.dtype == torch.bfloat16 and out.target.dtype == torch.float32
+    assert out.timestep is sigma
+    s, x0, eps = sigma.double().view(-1, 1, 1, 1), lat.double(), noise.double()
+    exact = (1 - s) * x0 + s * eps
+    terms = (1 - s) * x0.abs() + s * eps.abs()
+    assert ((out.noisy.double() - exact).abs() <= exact.abs() * 2**-8 + terms * 2**-21).all()
+    # the clean latents' share (least squares on x₀ of what is left after σ·ε) is 1 − σ
+    share = ((out.noisy.double() - s * eps) * x0).sum((1, 2, 3)) / (x0 ** 2).sum((1, 2, 3))
+    rel = (share / (1 - sigma.double()) - 1).abs()
+    assert rel.max().item() < 0.005, (rel.argmax().item(), rel.max().item())  # was 0.24 at 0.995
+    torch.testing.assert_close(out.target.double(), eps - x0, rtol=2**-23, atol=0)  # one fp32 rounding
+
+
 def test_the_ddpm_forward_process_under_bf16_is_the_fp32_schedule_rounded_once():
     """bf16 latents (mixed_precision bf16): the noisy input is the fp32 forward process
     rounded to bf16 once, not one computed on ᾱ rounded to bf16 (1.0 at t=0,1: no noise)."""

@@ -8,7 +8,8 @@ Two objectives, chosen by the model's scheduler config (``train.prediction_type`
 - ``FlowMatching``: rectified flow, σ in (0, 1), x_σ = (1−σ)·x₀ + σ·ε, target ε − x₀
   (Flux, SD3, Qwen-Image, Z-Image, Wan). σ is drawn from a density (uniform, logit-normal, mode,
   cosmap) and shifted toward noise, statically (``shift``) or by image size (Flux's
-  ``base_shift``/``max_shift``); the loss can be weighted by σ (``sigma_sqrt``, ``cosmap``).
+  ``base_shift``/``max_shift``); the loss can be weighted by σ (``sigma_sqrt``, ``cosmap``,
+  ``x0``). Both compute the forward process in fp32 and round the noisy input once.
 
 Training and the held-out evaluation both call ``noised`` (the forward process exists once).
 The denoiser gets ``Noised.timestep``: the int64 DDPM step, or σ as a float; each model
@@ -35,7 +36,7 @@ from raylora.train.loss import (
 DENSITIES = ("uniform", "logit_normal", "mode", "cosmap")
 EDM = "edm"  # scheduler_objective_kind of an EDM model, which raylora refuses
 BETA_KEYS = ("beta_start", "beta_end", "beta_schedule", "trained_betas")
-WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")
+WEIGHTINGS = ("none", "sigma_sqrt", "cosmap", "x0")
 
 
 def draw_noise(latents: torch.Tensor) -> torch.Tensor:
@@ -169,11 +170,17 @@ def shift_sigmas(sigma: torch.Tensor, shift: float = 1.0, mu: float | None = Non
 
 def flow_loss_weights(kind: str, sigma: torch.Tensor) -> torch.Tensor | None:
     """Per-sample weights ``[B]`` (diffusers' ``compute_loss_weighting_for_sd3``):
-    sigma_sqrt: σ⁻²; cosmap: 2 / (π·(1 − 2σ + 2σ²)); none: None (plain mean)."""
+    sigma_sqrt: σ⁻²; cosmap: 2 / (π·(1 − 2σ + 2σ²)); none: None (plain mean).
+
+    x0: σ², the loss of diffusers' SD3 scripts under their default ``--precondition_outputs
+    1``: they compare the clean latents the prediction implies, x_σ − σ·v, with x₀, and
+    x_σ − σ·v − x₀ = σ·((ε − x₀) − v), so that loss is the velocity loss weighted σ²."""
     if kind == "none":
         return None
     if kind == "sigma_sqrt":
         return sigma.float() ** -2.0
+    if kind == "x0":
+        return sigma.float() ** 2
     if kind == "cosmap":
         return 2 / (math.pi * (1 - 2 * sigma.float() + 2 * sigma.float() ** 2))
     raise ValueError(f"train.flow.loss_weighting: unknown weighting {kind!r} (one of {WEIGHTINGS})")
@@ -269,10 +276,16 @@ class FlowMatching:
 
     def noised(self, latents: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor,
                weighted: bool = True) -> Noised:
-        s = sigma.to(latents.dtype).view(-1, *([1] * (latents.dim() - 1)))
-        noisy = (1 - s) * latents + s * noise
+        """The noisy input in the latents' dtype; the target fp32 (the loss is fp32)."""
+        # In fp32 whatever the latents' dtype, as DDPM.noised: σ rounded to bf16 is up to
+        # 2⁻⁹ off, so toward σ = 1 the clean latents' share 1 − σ was far off the σ the
+        # denoiser is told (σ = 0.995: 0.0039 for 0.005), where the SD3/Flux shifts put
+        # many of their steps.
+        x0, eps = latents.float(), noise.float()
+        s = sigma.float().view(-1, *([1] * (latents.dim() - 1)))
+        noisy = ((1 - s) * x0 + s * eps).to(latents.dtype)
         weights = flow_loss_weights(self.weighting, sigma) if weighted else None
-        return Noised(noisy, sigma, noise - latents, weights)
+        return Noised(noisy, sigma, eps - x0, weights)
 
 
 def is_edm(scheduler_config: dict[str, Any]) -> bool:

@@ -125,9 +125,18 @@ class _Track:
     label: str | None = None  # a search's trial; None: the one run of `raylora train`
     printed_step: int | None = None
     printed_t: float | None = None
+    ended: int | None = None  # a search's trial: the step its results are from
 
     def line(self) -> str:
         return self.stats.line(self.label)
+
+    @property
+    def stopped_early(self) -> bool:
+        return self.ended is not None and self.ended < self.stats.total
+
+    def end_line(self) -> str:
+        return (f"raylora: {self.label} stopped early at step {self.ended}/{self.stats.total} "
+                "by the search's scheduler (its results are that step's)")
 
 
 class ProgressPrinter:
@@ -166,6 +175,8 @@ class ProgressPrinter:
         if self._bar is not None:
             self._bar.close()
         for track in self.tracks.values():
+            if track.stopped_early:  # said so (_consume)
+                continue
             if track.stats.step and track.printed_step != track.stats.step:
                 if self._bar is not None and track.label is None:
                     self._record(track)
@@ -198,6 +209,11 @@ class ProgressPrinter:
         if "carried" in row:  # a resumed run's smoothing state, before its first step
             track.stats.carry(row["carried"])
             return
+        if "ended" in row:  # the search's driver: the step a trial's results are from
+            self._end(track, int(row["ended"]))
+            return
+        if track.ended is not None and row.get("step", 0) > track.ended:
+            return  # the steps of a stopped trial's workers before Tune's stop reached them
         self._note_size(row)
         stats = track.stats
         stats.update(row, now)
@@ -212,6 +228,19 @@ class ProgressPrinter:
                 self._record(track)
         elif due:
             self._print(track)
+
+    def _end(self, track: _Track, step: int) -> None:
+        """A trial ended at ``step``. One the scheduler stopped early (ASHA) has its
+        workers train on until Tune's stop reaches them, and its lines went on past the
+        step its results are from (step 19/30 for results of step 15): it gets a line
+        that says where it stopped, and no more."""
+        track.ended = step
+        if not track.stopped_early:
+            return
+        print(track.end_line(), file=self.stream, flush=True)
+        track.printed_step, track.printed_t = track.stats.step, time.monotonic()
+        self._sink({"step": step, "total": track.stats.total, "loss": None, "eta_s": None,
+                    "line": track.end_line(), "time": time.time(), "label": track.label})
 
     def _note_size(self, row: dict) -> None:
         """A line when the workers' number changed (an elastic run resized; a restart at
@@ -233,11 +262,14 @@ class ProgressPrinter:
         """The line is due: hand it to ``sink`` (progress.json) too."""
         stats = track.stats
         track.printed_step, track.printed_t = stats.step, time.monotonic()
+        self._sink({"step": stats.step, "total": stats.total, "loss": stats.loss,
+                    "eta_s": stats.eta_s(), "line": track.line(), "time": time.time(),
+                    "label": track.label})
+
+    def _sink(self, row: dict) -> None:
         if self.sink is not None:
             try:
-                self.sink({"step": stats.step, "total": stats.total, "loss": stats.loss,
-                           "eta_s": stats.eta_s(), "line": track.line(), "time": time.time(),
-                           "label": track.label})
+                self.sink(row)
             except Exception as exc:  # a storage hiccup must not stop the progress line
                 print(f"raylora: progress.json not written: {exc}", file=sys.stderr)
 

@@ -626,7 +626,7 @@ def _tuner(cfg: RayLoraConfig, base_plan: Plan, out: str, concurrency: int, resu
     from (``trial_config``; default ``cfg``)."""
     from ray import tune
 
-    from raylora.tune_stop import EndWhenParked
+    from raylora.tune_stop import EndWhenParked, TrialEnds
 
     tn = cfg.tune
     seed = tn.seed if tn.seed is not None else cfg.train.seed
@@ -664,7 +664,7 @@ def _tuner(cfg: RayLoraConfig, base_plan: Plan, out: str, concurrency: int, resu
         ),
         # A resumed search gets its callbacks back from the saved state, not from here.
         run_config=tune.RunConfig(name=TUNE_DIR, storage_path=path, storage_filesystem=fs,
-                                  verbose=1, callbacks=[EndWhenParked()]),
+                                  verbose=1, callbacks=[EndWhenParked(), TrialEnds()]),
     )
 
 

@@ -122,6 +122,21 @@ class EndWhenParked(tune.Callback):
             search.stop.actor.release.remote()
 
 
+class TrialEnds(tune.Callback):
+    """Tells the search's progress lines (raylora.progress, through the desk's board) the
+    step each completed trial's results are from: a trial the scheduler stopped early
+    trains on until Tune's stop reaches its workers, and its line went on past that step.
+    Tune calls this for a trial that finished or that its scheduler stopped, not for the
+    trials a Ctrl-C or a stop leaves unfinished. A class at module level, holding nothing:
+    see ``EndWhenParked``."""
+
+    def on_trial_complete(self, iteration: int, trials: list, trial, **info) -> None:
+        search = _ACTIVE[-1] if _ACTIVE else None
+        step = (trial.last_result or {}).get("step")
+        if search is not None and step is not None:
+            search.stop.actor.push.remote({"label": f"trial_{trial.trial_id}", "ended": int(step)})
+
+
 def asked(stop_requests: str | None) -> bool:
     """In a trial: whether the search was asked to stop."""
     if not stop_requests:

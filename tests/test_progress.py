@@ -83,6 +83,42 @@ def test_a_resumed_runs_line_goes_on_with_the_smoothed_loss_of_the_straight_run(
     assert (s.loss, s.min_loss) == (1.0, 1.0)
 
 
+def test_a_trial_stopped_early_says_where_and_prints_no_step_past_it():
+    """A trial ASHA stopped at step 15 printed `step 19/30`: its workers train on until
+    Tune's stop reaches them. The search's driver now sends the step each completed
+    trial's results are from (``tune_stop.TrialEnds``), and the line says it stopped."""
+    import io
+
+    from raylora.progress import ProgressPrinter
+
+    out, sunk = io.StringIO(), []
+    printer = ProgressPrinter(None, 30, every_steps=5, every_s=1e9, stream=out, tty=False,
+                              sink=sunk.append, labelled=True)
+
+    def row(label, step):
+        return {"label": label, "total": 30, "step": step, "epoch": 0, "loss": 0.5,
+                "lr": 1e-4, "images_per_s": 2.0}
+
+    feed = [row("trial_a", s) for s in range(1, 18)] + [row("trial_b", s) for s in range(1, 31)]
+    feed += [{"label": "trial_a", "ended": 15}, {"label": "trial_b", "ended": 30},
+             row("trial_a", 18), row("trial_a", 19), row("trial_a", 20)]
+    for i, r in enumerate(feed):
+        printer._consume(r, 100.0 + i)
+    printer._poll = lambda: None  # (the board: nothing more on it)
+    printer.start().stop()  # each run's last line, as at the search's end
+    lines = out.getvalue().splitlines()
+    steps_a = [int(ln.split()[3].split("/")[0]) for ln in lines if ln.startswith("raylora: trial_a step")]
+    assert steps_a == [5, 10, 15]  # nothing past 17, the last row before the end was known
+    assert lines.count("raylora: trial_a stopped early at step 15/30 by the search's scheduler "
+                       "(its results are that step's)") == 1
+    # a trial that ran its budget: its lines as before, no "stopped early"
+    assert [ln.split()[3] for ln in lines if ln.startswith("raylora: trial_b")] == [
+        "5/30", "10/30", "15/30", "20/30", "25/30", "30/30"]
+    assert not any("trial_b stopped" in ln for ln in lines)
+    # `raylora status` (progress.json) shows the same for the stopped trial
+    assert [r["line"] for r in sunk if r["label"] == "trial_a"][-1].endswith("(its results are that step's)")
+
+
 def test_summary_names_adapter_checkpoints_and_how_to_load():
     lines = summary_lines({
         "metrics": {"steps": 60, "images_seen": 480, "wall_seconds": 48.0, "train_loss_first": 1.2,

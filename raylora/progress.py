@@ -126,6 +126,7 @@ class _Track:
     printed_step: int | None = None
     printed_t: float | None = None
     ended: int | None = None  # a search's trial: the step its results are from
+    said_end: bool = False
 
     def line(self) -> str:
         return self.stats.line(self.label)
@@ -175,7 +176,8 @@ class ProgressPrinter:
         if self._bar is not None:
             self._bar.close()
         for track in self.tracks.values():
-            if track.stopped_early:  # said so (_consume)
+            if track.stopped_early:
+                self._say_end(track)
                 continue
             if track.stats.step and track.printed_step != track.stats.step:
                 if self._bar is not None and track.label is None:
@@ -202,7 +204,10 @@ class ProgressPrinter:
         label = row.get("label")
         if label not in self.tracks:
             self.tracks[label] = _Track(Stats(row.get("total") or self.total), label)
-        return self.tracks[label]
+        track = self.tracks[label]
+        if row.get("total"):  # (a trial's own budget; its end may have come first)
+            track.stats.total = row["total"]
+        return track
 
     def _consume(self, row: dict, now: float) -> None:
         track = self._track(row)
@@ -228,18 +233,26 @@ class ProgressPrinter:
                 self._record(track)
         elif due:
             self._print(track)
+        if track.ended is not None and stats.step >= track.ended:
+            self._say_end(track)
 
     def _end(self, track: _Track, step: int) -> None:
         """A trial ended at ``step``. One the scheduler stopped early (ASHA) has its
         workers train on until Tune's stop reaches them, and its lines went on past the
         step its results are from (step 19/30 for results of step 15): it gets a line
-        that says where it stopped, and no more."""
+        that says where it stopped, and no more. (Said once a row of the trial has given
+        its budget, ``total``: the end may overtake its rows.)"""
         track.ended = step
-        if not track.stopped_early:
+        if track.stats.step:
+            self._say_end(track)
+
+    def _say_end(self, track: _Track) -> None:
+        if not track.stopped_early or track.said_end:
             return
+        track.said_end = True
         print(track.end_line(), file=self.stream, flush=True)
         track.printed_step, track.printed_t = track.stats.step, time.monotonic()
-        self._sink({"step": step, "total": track.stats.total, "loss": None, "eta_s": None,
+        self._sink({"step": track.ended, "total": track.stats.total, "loss": None, "eta_s": None,
                     "line": track.end_line(), "time": time.time(), "label": track.label})
 
     def _note_size(self, row: dict) -> None:

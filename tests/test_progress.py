@@ -95,13 +95,17 @@ def test_a_trial_stopped_early_says_where_and_prints_no_step_past_it():
     printer = ProgressPrinter(None, 30, every_steps=5, every_s=1e9, stream=out, tty=False,
                               sink=sunk.append, labelled=True)
 
-    def row(label, step):
-        return {"label": label, "total": 30, "step": step, "epoch": 0, "loss": 0.5,
+    def row(label, step, total=30):
+        return {"label": label, "total": total, "step": step, "epoch": 0, "loss": 0.5,
                 "lr": 1e-4, "images_per_s": 2.0}
 
     feed = [row("trial_a", s) for s in range(1, 18)] + [row("trial_b", s) for s in range(1, 31)]
     feed += [{"label": "trial_a", "ended": 15}, {"label": "trial_b", "ended": 30},
              row("trial_a", 18), row("trial_a", 19), row("trial_a", 20)]
+    # An end that overtakes the trial's rows: said once they give its own budget (trial_c
+    # ran all of its 5 steps; trial_d, stopped at 2 of its 8, trained on to 4).
+    feed += [{"label": "trial_c", "ended": 5}, *(row("trial_c", s, 5) for s in range(1, 6))]
+    feed += [{"label": "trial_d", "ended": 2}, *(row("trial_d", s, 8) for s in range(1, 5))]
     for i, r in enumerate(feed):
         printer._consume(r, 100.0 + i)
     printer._poll = lambda: None  # (the board: nothing more on it)
@@ -115,6 +119,10 @@ def test_a_trial_stopped_early_says_where_and_prints_no_step_past_it():
     assert [ln.split()[3] for ln in lines if ln.startswith("raylora: trial_b")] == [
         "5/30", "10/30", "15/30", "20/30", "25/30", "30/30"]
     assert not any("trial_b stopped" in ln for ln in lines)
+    assert [ln.split()[3] for ln in lines if ln.startswith("raylora: trial_c")] == ["5/5"]
+    assert [ln for ln in lines if ln.startswith("raylora: trial_d")] == [
+        "raylora: trial_d stopped early at step 2/8 by the search's scheduler (its results are "
+        "that step's)"]
     # `raylora status` (progress.json) shows the same for the stopped trial
     assert [r["line"] for r in sunk if r["label"] == "trial_a"][-1].endswith("(its results are that step's)")
 

@@ -1056,11 +1056,13 @@ def test_search_stops_the_diverging_trial_and_exports_the_best(ray_local, tiny_m
         seen[m[1]] = max(seen.get(m[1], 0), int(m[2]))
     assert set(seen) == {f"trial_{r['trial_id']}" for r in doc["trials"]}
     assert all(seen[f"trial_{r['trial_id']}"] == 8 for r in completed)
-    # The stopped one says where (its workers train on until Tune's stop reaches them).
-    assert (f"raylora: trial_{bad['trial_id']} stopped early at step {bad['steps']}/8 by the "
-            "search's scheduler (its results are that step's)") in printed.splitlines()
-    assert not any(" stopped early " in ln for ln in printed.splitlines()
-                   if bad["trial_id"] not in ln)
+    # Each stopped one says where (its workers train on until Tune's stop reaches them);
+    # ASHA may stop a slower learner at the first rung too.
+    said = [ln for ln in printed.splitlines() if " stopped early " in ln]
+    assert sorted(said) == sorted(
+        f"raylora: trial_{r['trial_id']} stopped early at step {r['steps']}/8 by the search's "
+        "scheduler (its results are that step's)"
+        for r in doc["trials"] if r["status"] == "stopped_early"), said
     # Diverged (a NaN/inf held-out loss) or simply worse than every finished trial.
     assert bad["diverged"] or all(bad["final_eval_loss"] > r["final_eval_loss"] for r in completed)
     assert not any(r["diverged"] for r in completed)

@@ -240,10 +240,11 @@ class ProgressPrinter:
         """A trial ended at ``step``. One the scheduler stopped early (ASHA) has its
         workers train on until Tune's stop reaches them, and its lines went on past the
         step its results are from (step 19/30 for results of step 15): it gets a line
-        that says where it stopped, and no more. (Said once a row of the trial has given
-        its budget, ``total``: the end may overtake its rows.)"""
+        that says where it stopped, and no more. (Said once its rows reach that step, as
+        ``_consume`` says it: the end may overtake them, and until a row has come the
+        trial's own budget, ``total``, is not known either.)"""
         track.ended = step
-        if track.stats.step:
+        if track.stats.step >= step:
             self._say_end(track)
 
     def _say_end(self, track: _Track) -> None:

@@ -106,6 +106,9 @@ def test_a_trial_stopped_early_says_where_and_prints_no_step_past_it():
     # ran all of its 5 steps; trial_d, stopped at 2 of its 8, trained on to 4).
     feed += [{"label": "trial_c", "ended": 5}, *(row("trial_c", s, 5) for s in range(1, 6))]
     feed += [{"label": "trial_d", "ended": 2}, *(row("trial_d", s, 8) for s in range(1, 5))]
+    # ... or overtakes some of them: said after the step it names (trial_e, stopped at 5)
+    feed += [*(row("trial_e", s, 8) for s in range(1, 4)), {"label": "trial_e", "ended": 5},
+             *(row("trial_e", s, 8) for s in range(4, 8))]
     for i, r in enumerate(feed):
         printer._consume(r, 100.0 + i)
     printer._poll = lambda: None  # (the board: nothing more on it)
@@ -122,6 +125,10 @@ def test_a_trial_stopped_early_says_where_and_prints_no_step_past_it():
     assert [ln.split()[3] for ln in lines if ln.startswith("raylora: trial_c")] == ["5/5"]
     assert [ln for ln in lines if ln.startswith("raylora: trial_d")] == [
         "raylora: trial_d stopped early at step 2/8 by the search's scheduler (its results are "
+        "that step's)"]
+    assert [ln.split(" epoch ")[0] for ln in lines if ln.startswith("raylora: trial_e")] == [
+        "raylora: trial_e step 5/8 (62%)",
+        "raylora: trial_e stopped early at step 5/8 by the search's scheduler (its results are "
         "that step's)"]
     # `raylora status` (progress.json) shows the same for the stopped trial
     assert [r["line"] for r in sunk if r["label"] == "trial_a"][-1].endswith("(its results are that step's)")

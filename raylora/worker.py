@@ -13,7 +13,6 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 
@@ -255,7 +254,7 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
     being one pass over the data. ``data.sharding=files``: each worker builds one dataset
     of its own files over the passes the run needs; ``stream``: one worker builds one
     dataset of all of them, several take each pass from a dataset of its own that rank 0
-    splits over them (``_PassSplits``). Pass ``e``'s read order and preprocessing draws
+    splits over them (raylora.data.passes). Pass ``e``'s read order and preprocessing draws
     depend on the seed and ``e`` alone (raylora.data.source.build_dataset), so under
     ``files`` the stream a resumed run opens at its epoch repeats the straight run's."""
     from raylora.data.captions import cut_captions, drop_cached_captions
@@ -264,6 +263,7 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
     from raylora.data.source import (DataPlan, EpochStream, build_dataset, global_share,
                                      pass_batches, pass_blocks)
     from raylora.launch import cached_caption_dropout
+    from raylora.data.passes import PassDataset, pass_board, pass_part
 
     cfg, plan = spec.config, spec.plan
     t, data = cfg.train, cfg.data
@@ -300,14 +300,19 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
     classes = (_class_batches(spec, 0 if elastic else rank, data_seed)
                if plan.class_rows or plan.class_encoded is not None else None)
     last = _passes_needed(spec, 0, per_epoch, world) - 1  # the run's planned last pass
-    board = _pass_board(lambda e: dataset(e, everything, world, epochs=1), rank, world, last) \
-        if not by_files and world > 1 else None
+    board = None
+    if not by_files and world > 1:
+        # Not a closure over dataset(): the actor's process would import this module.
+        make = PassDataset(data, everything, store, plan.model_path, draws_seed, world,
+                           plan.family, plan.bad_records, spec.tokenizer_specs,
+                           spec.config.model.revision, spec.progress_bar)
+        board = pass_board(make, rank, world, last)
 
     def blocks(epoch: int):
         if board is not None:
             # Past the planned passes (epochs shorter than planned) each is opened when
             # the loop asks for it, not read ahead for nothing at the run's end.
-            return pass_blocks(epoch, lambda p: _pass_part(board, p, rank)
+            return pass_blocks(epoch, lambda p: pass_part(board, p, rank, PREFETCH_BATCHES)
                                if p == epoch or p <= last else None, PREFETCH_BATCHES)
         # files, or one worker: nothing to split (no coordinator actor to start, 1-2 s)
         ds = dataset(epoch, mine if by_files else everything, 1)
@@ -349,67 +354,6 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
 
     return EpochStream(open_stream, per_epoch, per_pass=True, convert=_to_device(device),
                        prefetch=PREFETCH_BATCHES)
-
-
-class _PassSplits:
-    """``data.sharding=stream`` on several workers: each pass over the data is a dataset
-    of its own, split over the workers with ``streaming_split(equal=True)``, so every
-    worker gets the same number of that pass's rows (rows // workers, the rest dropped)
-    and trains the same batches of it. One dataset of all passes, split once, is evened
-    out only at its end: a worker handed more of the first pass's rows took the second
-    pass's early, training rows twice in an epoch and others not at all.
-
-    Runs as an actor (``_pass_board``) that each worker asks for its part of a pass when
-    its stream gets there (``part``), at its own pace: no collective between epochs, and
-    the next pass is split ahead (its coordinator actor started) when one is first asked
-    for. The parts reach the workers as Ray return values, so Ray counts each worker's
-    reference and a pass's coordinator (and the blocks it owns) lives until the last
-    worker is done with it; parts pickled out of band (a broadcast) are not counted, and
-    the coordinator died under the workers still reading once rank 0 had finished."""
-
-    def __init__(self, make: Callable, world: int, last: int):
-        self._make, self._world, self._last = make, world, last
-        self._splits: dict = {}  # pass -> its parts, until every worker has taken its own
-        self._taken: dict = {}  # pass -> the ranks that took theirs
-
-    def part(self, p: int, rank: int):
-        taken = self._taken.setdefault(p, set())
-        if rank in taken:  # a second split of it would wait for the others forever
-            raise RuntimeError(f"data.sharding=stream: worker {rank} asked for pass {p} twice")
-        taken.add(rank)
-        parts = self._split(p)
-        if len(taken) == self._world:
-            del self._splits[p]
-        if p + 1 <= self._last and not self._taken.get(p + 1):
-            self._split(p + 1)
-        return parts[rank]
-
-    def _split(self, p: int):
-        if p not in self._splits:
-            self._splits[p] = self._make(p).streaming_split(self._world, equal=True)
-        return self._splits[p]
-
-
-def _pass_board(make: Callable, rank: int, world: int, last: int):
-    """The run's ``_PassSplits`` actor: rank 0 starts it on its node (where the coordinators
-    were made before) and hands the handle to every rank (the actor lives as long as
-    rank 0 holds it: the run's stream)."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    board = [None]
-    if rank == 0:
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-        board[0] = ray.remote(num_cpus=0)(_PassSplits).options(scheduling_strategy=here).remote(
-            make, world, last)
-    torch.distributed.broadcast_object_list(board, src=0)
-    return board[0]
-
-
-def _pass_part(board, p: int, rank: int):
-    """This rank's blocks of pass ``p`` (``_PassSplits``)."""
-    part = ray.get(board.part.remote(p, rank))
-    return part.iter_batches(batch_size=None, batch_format="numpy",
-                             prefetch_batches=PREFETCH_BATCHES)
 
 
 def _micro_batches_per_epoch(spec: WorkerSpec) -> int:

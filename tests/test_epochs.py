@@ -255,11 +255,11 @@ def test_pass_blocks_chains_passes_and_starts_the_next_one_before_the_last_batch
 
 
 def test_pass_splits_hand_each_worker_its_part_of_every_pass_once():
-    """_PassSplits (the stream workers' board): a pass is split once, whichever worker asks
+    """PassSplits (the stream workers' board): a pass is split once, whichever worker asks
     first, the next one ahead (up to the run's planned last pass), each worker gets its
     own part, and a pass is let go once every worker took its part; a pass past the plan
     is split when asked for; a worker asking twice is an error, not a hang."""
-    from raylora import worker
+    from raylora.data.passes import PassSplits
 
     made = []
 
@@ -272,7 +272,7 @@ def test_pass_splits_hand_each_worker_its_part_of_every_pass_once():
             assert equal and n == 2
             return [f"pass {self.p} rank {r}" for r in range(n)]
 
-    board = worker._PassSplits(Dataset, world=2, last=2)
+    board = PassSplits(Dataset, world=2, last=2)
     assert board.part(0, 1) == "pass 0 rank 1" and made == [0, 1]  # pass 1 ahead
     assert board.part(0, 0) == "pass 0 rank 0" and made == [0, 1]
     assert board.part(1, 0) == "pass 1 rank 0" and made == [0, 1, 2]
@@ -402,3 +402,32 @@ def test_one_stream_worker_s_epoch_is_one_pass_when_the_split_keeps_more_rows(
     for ids in epochs:
         assert len(ids) == 26 and len(set(ids)) == 26
     assert len({i for ids in epochs for i in ids}) <= 30  # the training rows alone
+
+
+def test_the_pass_board_actor_process_imports_no_training_stack(base_config):
+    """Ray starts the board (raylora.data.passes.PassSplits) in a process of its own, which
+    imports what its class and the pickled dataset maker come from: Ray Data and raylora's
+    data modules, not torch, peft or diffusers (raylora.worker took ~11 CPU-s to import,
+    on the path to every multi-worker run's first step)."""
+    import subprocess
+    import sys
+
+    from ray import cloudpickle
+
+    from raylora import launch
+    from raylora.config import validate
+    from raylora.data.passes import PassDataset, PassSplits
+
+    cfg = validate(base_config)
+    p = launch.plan(cfg, heldout=False)
+    make = PassDataset(cfg.data, p.data_plan(), cfg.storage.client(), p.model_path, 7, 2,
+                       p.family, p.bad_records, None, None, False)
+    blob = cloudpickle.dumps((PassSplits, make))
+    child = ("import pickle, sys; cls, make = pickle.loads(sys.stdin.buffer.read()); "
+             "assert cls.__module__ == 'raylora.data.passes' and make.plan.rows == 32, make; "
+             "print(sorted(m for m in ('torch', 'peft', 'diffusers', 'transformers', "
+             "'raylora.worker') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", child], input=blob, capture_output=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    assert out.stdout.decode().strip() == "[]"

@@ -11,7 +11,7 @@ whose order is reshuffled every pass (seeded by the pass), and rows come out in 
 shard files (``DataPlan.for_rank``), read in order; under ``data.sharding=stream`` one
 worker reads them all, and several workers take each pass from a dataset of its own, split
 over them with ``streaming_split(equal=True)`` (by an actor rank 0 starts:
-raylora.worker._PassSplits), so that each gets the same share of every pass;
+raylora.data.passes), so that each gets the same share of every pass;
 ``pass_blocks`` chains the passes, the next one started while the current one ends.
 
 On a worker, ``pass_batches`` turns the rows into batches, each pass shuffled on its own

@@ -260,10 +260,10 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
     from raylora.data.captions import cut_captions, drop_cached_captions
     from raylora.data.prior import paired
     from raylora.model import families
-    from raylora.data.source import (DataPlan, EpochStream, build_dataset, global_share,
-                                     pass_batches, pass_blocks)
-    from raylora.launch import cached_caption_dropout
     from raylora.data.passes import PassDataset, pass_board, pass_part
+    from raylora.data.source import (DataPlan, EpochStream, global_share, pass_batches,
+                                     pass_blocks)
+    from raylora.launch import cached_caption_dropout
 
     cfg, plan = spec.config, spec.plan
     t, data = cfg.train, cfg.data
@@ -283,14 +283,10 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
     # files: the worker's own preprocessing draws (an elastic run reads one order everywhere)
     draws_seed = rank_seed(data_seed, rank) if by_files and not elastic else data_seed
 
-    def dataset(epoch: int, data_plan: DataPlan, tasks: int, epochs: int | None = None):
-        ds = build_dataset(data, data_plan, store, model_path=plan.model_path, seed=draws_seed,
-                           num_preprocess_tasks=tasks, family=plan.family,
-                           bad_records=plan.bad_records, tokenizer_specs=spec.tokenizer_specs,
-                           revision=spec.config.model.revision, epoch=epoch,
-                           epochs=epochs or _passes_needed(spec, epoch, per_epoch, world))
-        ds.context.enable_progress_bars = spec.progress_bar
-        return ds
+    def maker(data_plan: DataPlan, tasks: int) -> PassDataset:
+        return PassDataset(data, data_plan, store, plan.model_path, draws_seed, tasks,
+                           plan.family, plan.bad_records, spec.tokenizer_specs,
+                           spec.config.model.revision, spec.progress_bar)
 
     # Prior preservation: class samples appended to every batch (raylora.data.prior), in
     # the prefetch thread like the rest of the stream.
@@ -300,13 +296,9 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
     classes = (_class_batches(spec, 0 if elastic else rank, data_seed)
                if plan.class_rows or plan.class_encoded is not None else None)
     last = _passes_needed(spec, 0, per_epoch, world) - 1  # the run's planned last pass
-    board = None
-    if not by_files and world > 1:
-        # Not a closure over dataset(): the actor's process would import this module.
-        make = PassDataset(data, everything, store, plan.model_path, draws_seed, world,
-                           plan.family, plan.bad_records, spec.tokenizer_specs,
-                           spec.config.model.revision, spec.progress_bar)
-        board = pass_board(make, rank, world, last)
+    # A PassDataset, not a closure here: the board actor's process would import this module.
+    board = pass_board(maker(everything, world), rank, world, last) \
+        if not by_files and world > 1 else None
 
     def blocks(epoch: int):
         if board is not None:
@@ -315,7 +307,8 @@ def _epoch_batches(spec: WorkerSpec, rank: int, world: int, device):
             return pass_blocks(epoch, lambda p: pass_part(board, p, rank, PREFETCH_BATCHES)
                                if p == epoch or p <= last else None, PREFETCH_BATCHES)
         # files, or one worker: nothing to split (no coordinator actor to start, 1-2 s)
-        ds = dataset(epoch, mine if by_files else everything, 1)
+        ds = maker(mine if by_files else everything, 1)(
+            epoch, _passes_needed(spec, epoch, per_epoch, world))
         return ds.iter_batches(batch_size=None, batch_format="numpy",
                                prefetch_batches=PREFETCH_BATCHES)
 

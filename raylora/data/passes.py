@@ -18,8 +18,9 @@ from typing import Any
 
 @dataclass(frozen=True)
 class PassDataset:
-    """``pass -> the Ray dataset of that one pass`` as the workers build it
-    (raylora.data.source.build_dataset), picklable by reference to this module."""
+    """``(pass, passes) -> the Ray dataset of that many passes from that one on`` (one for
+    the board) as the workers build it (raylora.data.source.build_dataset), picklable by
+    reference to this module."""
 
     data: Any  # DataSection
     plan: Any  # DataPlan
@@ -33,13 +34,13 @@ class PassDataset:
     revision: str | None
     progress_bar: bool
 
-    def __call__(self, epoch: int):
+    def __call__(self, epoch: int, epochs: int = 1):
         from raylora.data.source import build_dataset
 
         ds = build_dataset(self.data, self.plan, self.store, model_path=self.model_path,
                            seed=self.seed, num_preprocess_tasks=self.tasks, family=self.family,
                            bad_records=self.bad_records, tokenizer_specs=self.tokenizer_specs,
-                           revision=self.revision, epoch=epoch, epochs=1)
+                           revision=self.revision, epoch=epoch, epochs=epochs)
         ds.context.enable_progress_bars = self.progress_bar
         return ds
 

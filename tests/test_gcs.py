@@ -1,6 +1,6 @@
 """gs:// end to end against a real GCS-compatible server on 127.0.0.1 (tests/gcsemu.py, as
 test_s3.py runs against moto): the base model, the parquet shards, the latent cache and the
-run's output all in a bucket. Two workers train; checkpoints go to the bucket and only the
+run's output all in a bucket. A worker trains; checkpoints go to the bucket and only the
 latest is kept; the adapter is published there and the stock pipeline loads it; the same
 config run again resumes from the bucket; a publish over an adapter already there
 replaces it. The emulator is reached through ``STORAGE_EMULATOR_HOST``, set for this
@@ -79,13 +79,14 @@ def test_a_run_with_model_data_cache_and_output_in_gcs(gcs, ray_gcs, tiny_model,
                  "cache": "latents", "cache_uri": f"{root}/cache"},
         "lora": {"rank": 4},
         "train": {"batch_size": 2, "max_steps": 4, "learning_rate": 5e-3, "seed": 1},
-        "scaling": {"num_workers": 2},
+        # One worker: what is checked here is storage; several workers read and write
+        # object storage in test_s3.py and test_cluster_local.py.
         "checkpoint": {"every_n_steps": 2, "num_to_keep": 1},
         "output": {"uri": f"{root}/runs/a"},
     }
     summary = run(validate(tree))
     m = summary["metrics"]
-    assert m["steps"] == 4 and m["replicas_in_sync"] is True and m["images_seen"] == 4 * 2 * 2
+    assert m["steps"] == 4 and m["images_seen"] == 4 * 2
     files = [f.removeprefix(f"{root}/runs/a/") for f in st.list_files(f"{root}/runs/a")]
     assert {"adapter/manifest.json", "adapter/pytorch_lora_weights.safetensors",
             "adapter/raylora.json", "adapter/README.md"} <= set(files)

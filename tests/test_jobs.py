@@ -62,9 +62,11 @@ def test_submit_status_stop_then_resubmit_resumes_and_finishes(
         monkeypatch.setenv(k, v)
     data = _shards_in_s3(moto_endpoint, "raylora-submit", demo_data)
     out = tmp_path / "out"
+    # One worker (the config has two): what is checked is the job's life, not DDP; a worker
+    # started on 2 cores is ~20 s of each job here.
     overrides = [f"model.pretrained={tiny_model}", f"data.uri={data}", f"output.uri={out}",
                  f"train.max_steps={MAX_STEPS}", "train.batch_size=2", "train.lr_warmup_steps=0",
-                 "train.log_every_n_steps=1", "checkpoint.every_n_steps=100"]
+                 "train.log_every_n_steps=1", "checkpoint.every_n_steps=100", "scaling.num_workers=1"]
     config = os.path.join(REPO, "jobs", "configs", "tiny-local.yaml")
 
     # A config error is refused here, before anything is sent.

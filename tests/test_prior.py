@@ -572,7 +572,6 @@ def _tree(tiny_model, demo_data, class_dir, out):
                  "num_class_images": 4,
                  "class_generation": {"num_inference_steps": 2, "batch_size": 1, "seed": 5}},
         "train": {"batch_size": 2, "max_steps": 2, "learning_rate": 1e-3, "prior_loss_weight": 0.7},
-        "scaling": {"num_workers": 2},
         "checkpoint": {"every_n_steps": 2},
         "output": {"uri": str(out)},
     }
@@ -644,6 +643,8 @@ def test_from_the_latent_cache_prior_preservation_trains_as_uncached_training_do
                          shuffle_buffer_size=0, num_class_images=2,  # the 2 given images
                          validation_uri=str(tmp_path / "heldout"))
         t["train"]["max_steps"] = 4
+        # Two workers: each rank's picks of the class rows must be the same cached and not.
+        t["scaling"] = {"num_workers": 2}
         return validate(t)
 
     def encode_tasks() -> int:

@@ -27,12 +27,15 @@ from raylora.checkpoint.state import POSITION_KEYS, LoopState, load_state
 from raylora.config import RayLoraConfig
 from raylora.entry import WorkerSpec
 from raylora.launch import Plan
-from raylora.model.lora import digest
 from raylora.progress import carried, every_n_steps
 from raylora.storage import complete_upload
 from raylora.train.loop import LoopHooks, LoopSettings, run_loop, sample_hashes
-from raylora.train.fsdp import param_bytes_per_rank
-from raylora.train.setup import attention_planner, build_run, nonfinite_advice, write_checkpoint
+
+# Not imported here: raylora.train.setup, raylora.model.lora and raylora.train.fsdp (peft,
+# transformers, bitsandbytes, FSDP: ~7 s of one core on a 2-core box). The worker imports
+# them when it builds the model, after it started its data stream, so that the stream's
+# first batches (the pass board's and Ray Data's processes starting, shards read, images
+# decoded) are on their way meanwhile (test_epochs.py: test_a_worker_opens_its_data_stream_...).
 
 log = logging.getLogger("raylora.worker")
 
@@ -520,6 +523,10 @@ class _Reporter:
     def on_checkpoint(self, st: LoopState, final: bool) -> None:
         from accelerate.utils import gather_object
 
+        from raylora.model.lora import digest
+        from raylora.train.fsdp import param_bytes_per_rank
+        from raylora.train.setup import write_checkpoint
+
         metrics = self.metrics(st)
         if st.history and "eval_loss" in st.history[-1]:
             self._log_eval(st)
@@ -629,6 +636,8 @@ def restore_rank(checkpoint: ray.train.Checkpoint, rank: int):
 
 def _build(spec: WorkerSpec, accelerator, restored, rank: int, max_steps: int):
     """The training run, resumed from ``restored`` when there is one."""
+    from raylora.train.setup import build_run
+
     run = build_run(spec.config, accelerator, max_steps, rank, restored, pins=spec.plan.pins)
     if restored is not None and rank == 0:
         log.info("resumed from step %d (epoch %d)", run.state.global_step, run.state.epoch)
@@ -707,14 +716,17 @@ def train_loop_per_worker(loop_config: dict) -> None:
     epoch_batches = reporter = None
     failed = False
     try:
-        # The data stream starts before the model is loaded: its first batches (processes
-        # started, shards read, images decoded) are on their way while the weights are.
+        # The data stream starts before the model is loaded, and before the modules that
+        # load it are imported: its first batches (processes started, shards read, images
+        # decoded) are on their way while those are.
         epoch_batches = _epoch_batches(spec, rank, world, accelerator.device)
         epoch_batches.start(restored.loop.epoch if restored is not None else 0)
         try:
             run = _build(spec, accelerator, restored, rank, plan.max_steps)
         finally:
             _remove_scratch(scratch)  # its shards are read into the model and optimizer
+        from raylora.train.setup import attention_planner, nonfinite_advice
+
         watch = _stop_watch(spec, rank, world, accelerator.device)
         reporter = _Reporter(spec, run, rank, watch)
         hooks = LoopHooks(
@@ -758,6 +770,7 @@ def lr_find_per_worker(loop_config: dict) -> None:
     """``raylora lr-find`` on one worker: the range test of ``raylora.train.lr_find`` over
     the real data pipeline, model and optimizer; rows reported once at the end."""
     from raylora.train.lr_find import range_test
+    from raylora.train.setup import build_run
     from raylora.train.step import train_micro_step
 
     _setup_logging()

@@ -86,7 +86,7 @@ def test_a_run_with_model_data_cache_and_output_in_gcs(gcs, ray_gcs, tiny_model,
     }
     summary = run(validate(tree))
     m = summary["metrics"]
-    assert m["steps"] == 4 and m["images_seen"] == 4 * 2
+    assert m["steps"] == 4 and m["replicas_in_sync"] is True and m["images_seen"] == 4 * 2
     files = [f.removeprefix(f"{root}/runs/a/") for f in st.list_files(f"{root}/runs/a")]
     assert {"adapter/manifest.json", "adapter/pytorch_lora_weights.safetensors",
             "adapter/raylora.json", "adapter/README.md"} <= set(files)

@@ -266,7 +266,7 @@ def test_training_reads_webdataset_and_imagefolder_from_s3(s3, ray_s3, shards, t
     }
     summary = run(validate(tree))
     m = summary["metrics"]
-    assert (m["steps"], m["images_seen"]) == (12, 48)
+    assert (m["steps"], m["images_seen"], m["replicas_in_sync"]) == (12, 48, True)
     stored = keys(s3, "runs/formats/")
     assert "runs/formats/adapter/pytorch_lora_weights.safetensors" in stored
     assert "runs/formats/adapter/manifest.json" in stored

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import ray.train
+from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 
 from raylora.config import RayLoraConfig
 from raylora.launch import Plan
@@ -101,3 +102,17 @@ class EndOnRepeated(ray.train.UserCallback):
                 raise ray.train.ControllerError(RepeatedError(
                     f"rank {rank}: {type(cause).__name__}: {cause} (not retried: restarting "
                     "the workers would repeat it; failure.max_failures is for lost workers)"))
+
+
+class NoDatasetsCallback(DatasetsCallback):
+    """Ray Train's ``DatasetsCallback`` for a run given no ``datasets=`` (every raylora run:
+    the workers build their dataset themselves, ``worker._epoch_batches``).
+
+    The stock callback starts a ``DatasetManager`` actor per run even with nothing to
+    split: one more process importing Ray Data, ~1.6 CPU-s of a ~25 CPU-s tiny run on 2
+    cores, and one per Tune trial. This one starts none. It still copies the driver's
+    Ray Data context to the workers (``after_worker_group_start``): the datasets the
+    workers build must see the driver's settings (progress bars off in job logs)."""
+
+    def before_init_train_context(self, workers):
+        return {}  # no shard provider: the workers never ask Ray Train for a dataset shard

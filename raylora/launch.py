@@ -1628,7 +1628,6 @@ def build_trainer(
     lr-find passes its own per-worker function."""
     import ray.data
     import ray.train
-    from ray.train.torch import TorchTrainer
 
     from raylora import quiet
     from raylora.data.tokenize import load_specs
@@ -1653,7 +1652,7 @@ def build_trainer(
                                           revision=loads.model.revision, references=cfg.data.references(),
                                           system_prompt=cfg.model.system_prompt)
     ckpt_fs, ckpt_path = store.fs(storage_uri)
-    return TorchTrainer(
+    return _trainer_class()(
         train_fn or train_loop_per_worker,
         train_loop_config={"spec": spec},
         scaling_config=_scaling_config(cfg.scaling),
@@ -1674,6 +1673,32 @@ def build_trainer(
             logging_config=ray.train.LoggingConfig(log_level=quiet.ray_train_log_level()),
         ),
     )
+
+
+_TRAINER: list = []
+
+
+def _trainer_class():
+    """TorchTrainer, less the per-run ``DatasetManager`` actor Ray Train starts for the
+    datasets it is given: raylora gives it none (``entry.NoDatasetsCallback`` says why).
+    Made on first use: ``ray.train.torch`` imports torch, which ``raylora validate`` and
+    ``raylora plan`` do not need."""
+    if not _TRAINER:
+        from ray.train.torch import TorchTrainer
+        from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+
+        from raylora.entry import NoDatasetsCallback
+
+        class RunTrainer(TorchTrainer):
+            def _create_default_callbacks(self):
+                callbacks = super()._create_default_callbacks()
+                if self.datasets:
+                    return callbacks
+                return [NoDatasetsCallback(train_run_context=self.train_run_context, datasets={})
+                        if type(cb) is DatasetsCallback else cb for cb in callbacks]
+
+        _TRAINER.append(RunTrainer)
+    return _TRAINER[0]
 
 
 def _scaling_config(s):

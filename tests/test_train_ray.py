@@ -63,11 +63,13 @@ def test_two_ddp_workers_train_and_stay_in_sync(first_run):
 
 def test_an_embedded_ray_runs_no_preemption_watcher(first_run):
     """No node of a Ray this process started can be preempted: the run started Ray Train's
-    controller, workers and placement-group cleaner, and no PreemptionWatcher."""
+    controller, workers and placement-group cleaner, and no PreemptionWatcher. Nor a
+    DatasetManager: Ray Train is given no datasets (launch._trainer_class)."""
     started = sorted(a.class_name for a in _STARTED["first_run"])
     assert {"TrainController", "RayTrainWorker", "PlacementGroupCleaner"} <= set(started), started
     assert started.count("RayTrainWorker") == 2
     assert "PreemptionWatcher" not in started, started
+    assert "DatasetManager" not in started, started
 
 
 def test_export_layout_and_metadata(first_run):

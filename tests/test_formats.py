@@ -103,6 +103,63 @@ def test_a_bad_sample_is_reported_at_its_key(shards, tiny_model, fmt):
             "imagefolder": f"img_{BAD:05d}.png", "captionfolder": f"img_{BAD:05d}.png"}[fmt] in example
 
 
+@pytest.mark.parametrize("suffix", [".tar.gz", ".tgz"])
+def test_gzipped_webdataset_shards_are_read_as_their_tars(shards, tmp_path, suffix):
+    """`tar czf` shards: detected as webdataset (an img2dataset parquet beside one still its
+    metadata, not a parquet shard), counted by reading them (no manifest), and read by the
+    plain reader and by Ray Data's row function (``_tar_rows``) as the same tars unzipped."""
+    import gzip
+    import pathlib
+
+    from raylora.data.formats.webdataset import _tar_rows
+
+    uris, texts = shards
+    wds = formats.get_format("webdataset")
+    folder = tmp_path / "gz"
+    folder.mkdir()
+    for tar in sorted(pathlib.Path(uris["webdataset"]).glob("*.tar")):
+        (folder / (tar.name[: -len(".tar")] + suffix)).write_bytes(gzip.compress(tar.read_bytes()))
+    (folder / "shard-00000.parquet").write_bytes(b"img2dataset's per-sample metadata")
+    data = DataSection(uri=str(folder))
+    plan = plan_data(data, Storage())
+    assert plan.format == "webdataset"
+    assert [f.rsplit("/", 1)[1] for f in plan.files] == [f"shard-0000{i}{suffix}" for i in (0, 1)]
+    assert (plan.rows, plan.file_rows) == (N, [4, 2])
+    rows = list(wds.iter_rows(data, plan.files, Storage()))
+    plain = DataSection(uri=uris["webdataset"])
+    tars = list(wds.iter_rows(plain, plan_data(plain, Storage()).files, Storage()))
+    assert [r["text"] for r in rows] == texts
+    assert [r["image"] for r in rows] == [r["image"] for r in tars]
+    assert [r["key"].split("#")[1] for r in rows] == [r["key"].split("#")[1] for r in tars]
+    staged = [r for f in plan.files
+              for r in _tar_rows({"path": f, "bytes": pathlib.Path(f).read_bytes()}, {})]
+    assert [(r["key"], r["text"], r["image"]) for r in staged] == \
+        [(r["key"], r["text"], r["image"]) for r in rows]
+
+
+def test_a_webdataset_txt_caption_is_stripped_as_a_caption_folders_is(tmp_path):
+    """`echo "a red dog" > 00000.txt` ends the caption in a newline: a token of its own to
+    the Qwen and Gemma text encoders, where the caption folder's .txt was stripped."""
+    import io
+    import tarfile
+
+    from PIL import Image
+
+    from raylora.data.formats.webdataset import iter_tar_samples
+
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16), (10, 90, 160)).save(buf, "PNG")
+    shard = io.BytesIO()
+    with tarfile.open(fileobj=shard, mode="w") as tar:
+        for name, payload in (("00000.png", buf.getvalue()), ("00000.txt", b"a red dog\n"),
+                              ("00001.png", buf.getvalue()), ("00001.txt", b"\xef\xbb\xbf two  words \r\n")):
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            tar.addfile(info, io.BytesIO(payload))
+    shard.seek(0)
+    assert [r["text"] for r in iter_tar_samples(shard, "s.tar")] == ["a red dog", "two  words"]
+
+
 def test_ray_reader_gives_the_plain_readers_rows(shards, ray_local):
     from raylora.data.source import read_rows
 

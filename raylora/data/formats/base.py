@@ -89,12 +89,22 @@ def concurrently(fn: Callable, items: Iterable, threads: int = PLAN_THREADS) -> 
         return list(pool.map(fn, items))
 
 
+# A shard's names: plain tars, and gzipped ones (read as a stream all the same).
+TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+
+
+def tar_stem(tar: str) -> str:
+    """``00000`` of ``00000.tar`` / ``00000.tar.gz`` / ``00000.tgz``."""
+    lower = tar.lower()
+    return next(tar[: -len(s)] for s in (".tar.gz", ".tgz", ".tar") if lower.endswith(s))
+
+
 def img2dataset_metadata(files: list[str]) -> set[str]:
     """The parquet files of a listing that img2dataset wrote beside its shards: per-sample
     metadata (url, caption, status, size; no image bytes). Its webdataset output is
     ``00000.tar`` + ``00000.parquet`` + ``00000_stats.json``, its files output a folder
     ``00000/`` + ``00000.parquet``: such a parquet is not a parquet shard to train on."""
-    tars = {f[:-4] for f in files if f.lower().endswith(".tar")}
+    tars = {tar_stem(f) for f in files if f.lower().endswith(TAR_SUFFIXES)}
     folders = {f.rsplit("/", 1)[0] for f in files if "/" in f}
     return {f for f in files if f.lower().endswith(".parquet")
             and (f[:-8] in tars or f[:-8] in folders)}

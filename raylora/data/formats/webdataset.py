@@ -17,8 +17,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from raylora.data.formats.base import (
-    IMAGE_EXTS, MASK_SUFFIX, ShardFormat, concurrently, control_index, control_infix, control_names,
-    decode_text, item_controls, read_manifest,
+    IMAGE_EXTS, MASK_SUFFIX, TAR_SUFFIXES, ShardFormat, concurrently, control_index, control_infix, control_names,
+    decode_text, item_controls, read_manifest, tar_stem,
 )
 from raylora.storage import Storage
 
@@ -62,7 +62,9 @@ def iter_tar_samples(fileobj, source: str, masks: bool = False,
             elif ext in IMAGE_EXTS and current["image"] is None:
                 current["image"] = data
             elif ext == ".txt":
-                current["text"] = decode_text(data)
+                # Stripped as a caption folder's .txt is: `echo "a cat" > KEY.txt` ends it in
+                # a newline, a token of its own to the Qwen and Gemma text encoders.
+                current["text"] = decode_text(data).strip()
             elif ext == ".json":
                 try:
                     current["json"] = json.loads(data)
@@ -140,7 +142,7 @@ SCAN_NOTE_BYTES = 1 << 30
 
 
 def stats_uri(tar: str) -> str:
-    return tar[: -len(".tar")] + STATS_SUFFIX
+    return tar_stem(tar) + STATS_SUFFIX
 
 
 def stats_count(storage: Storage, tar: str, infos: dict[str, pafs.FileInfo]) -> tuple[int | None, str]:
@@ -190,8 +192,8 @@ def _tar_rows(row: dict, uris: dict[str, str]) -> list[dict]:
 
 class WebDataset(ShardFormat):
     name = "webdataset"
-    suffixes = (".tar",)
-    label = ".tar"
+    suffixes = TAR_SUFFIXES
+    label = ".tar (.tar.gz)"
     writable = True
     manifest_schema = {"KEY.<image ext>": "encoded image", "KEY.txt": "caption",
                        "KEY.json": "{key, caption}",

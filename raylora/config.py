@@ -1975,6 +1975,14 @@ LOSS_MEANINGS = {
     "train.prediction_type": "sets the target (ε, v or velocity) the training loss and the "
                              "held-out loss (eval_loss) are measured against",
 }
+# Searched keys that choose the images a trial trains on. Its training loss is measured on
+# them (how easy they are to denoise, not what the adapter learned); so is its held-out
+# loss when data.validation_split holds rows out of them. One data.validation_uri measures
+# every trial on the same images.
+DATA_CHOICES = {
+    "data.uri": "trains each trial on the images of its own data.uri",
+    "data.sources": "trains each trial on the images of its own data.sources",
+}
 
 
 # What sets how the held-out loss is measured, not what the adapter learned: trials that
@@ -2005,6 +2013,17 @@ def _metric_problems(cfg: RayLoraConfig) -> list[str]:
             problems.append(f"{where}: {LOSS_MEANINGS[key]}, so no tune.metric compares trials "
                             f"that differ in it; set {key} and search other keys (compare its "
                             "values by the previews of separate runs: validation.prompts)")
+        elif key in DATA_CHOICES and tn.metric == "train_loss":
+            problems.append(f"{where}: {DATA_CHOICES[key]}, so tune.metric train_loss ranks "
+                            "trials by how easily their images denoise, not by what they "
+                            "learned; use tune.metric: eval_loss with data.validation_uri (one "
+                            "held-out set every trial is measured on)")
+        elif key in DATA_CHOICES and cfg.data.validation_split > 0:
+            problems.append(f"{where}: {DATA_CHOICES[key]}, and data.validation_split holds "
+                            "each trial's rows out of them, so tune.metric eval_loss would "
+                            "rank trials by different held-out images; set "
+                            "data.validation_uri (one held-out set every trial is measured "
+                            "on) in place of data.validation_split")
         elif tn.metric == "eval_loss" and key in EVAL_LOSS_MEANINGS:
             problems.append(f"{where}: {EVAL_LOSS_MEANINGS[key]}, so tune.metric eval_loss "
                             "would rank trials by how each was measured, not by what it "

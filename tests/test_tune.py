@@ -702,10 +702,13 @@ def test_a_search_of_data_uri_trains_each_trial_on_its_own_rows(base_config, dem
     from raylora.data.demo import write_parquet_shards
     from raylora.launch import plan, resolve_paths
 
-    small = tmp_path / "small"
+    small, held = tmp_path / "small", tmp_path / "held"
     write_parquet_shards(small, n=6, num_shards=1, size=64, seed=5)
-    tree = {**base_config, "train": {**base_config["train"], "max_steps": None, "num_epochs": 1},
-            "tune": {"metric": "train_loss", "search_space": {
+    write_parquet_shards(held, n=4, num_shards=1, size=64, seed=6)
+    # every trial measured on one held-out set (test_a_search_of_the_data_...)
+    tree = {**base_config, "data": {**base_config["data"], "validation_uri": str(held)},
+            "train": {**base_config["train"], "max_steps": None, "num_epochs": 1},
+            "tune": {"metric": "eval_loss", "search_space": {
                 "data.uri": {"choice": [demo_data, str(small)]}}}}
     cfg = resolve_paths(validate(tree))
     base = rt.preflight(cfg)
@@ -726,11 +729,11 @@ def test_a_search_of_data_uri_trains_each_trial_on_its_own_rows(base_config, dem
     assert [budget({"data.uri": u}) for u in (str(small), demo_data)] == [3, 16]
     assert rt.longest_budget(cfg, base) == 16
     # The 6-row trial ran its 3 steps: completed (it was "stopped_early" against 16).
-    done = Result(metrics={"step": 3, "train_loss": 0.5, "trial_id": "t_small",
+    done = Result(metrics={"step": 3, "eval_loss": 0.5, "trial_id": "t_small",
                            "checkpoint_path": str(tmp_path / "ckpt"),
                            "config": {"data.uri": str(small)}},
                   checkpoint=None, error=None, path="/t/t_small",
-                  metrics_dataframe=pd.DataFrame([{"step": 3, "train_loss": 0.5,
+                  metrics_dataframe=pd.DataFrame([{"step": 3, "eval_loss": 0.5,
                                                    "checkpoint_path": str(tmp_path / "ckpt")}]))
     [row] = rt.results_table([done], cfg.tune, budget)
     assert (row["steps"], row["status"]) == (3, "completed")
@@ -747,7 +750,9 @@ def test_a_search_of_data_uri_trains_each_trial_on_its_own_rows(base_config, dem
 
     # A drawn value of a range: its trial plans its own data, as `raylora train` would.
     monkeypatch.setattr(rt, "plan", plan)
-    tree["tune"]["search_space"] = {"data.validation_split": {"uniform": [0.1, 0.3]}}
+    tree["data"] = base_config["data"]
+    tree["tune"] = {"metric": "train_loss",
+                    "search_space": {"data.validation_split": {"uniform": [0.1, 0.3]}}}
     cfg = resolve_paths(validate(tree))
     base = rt.preflight(cfg)
     assert len(base.data_variants) == 2  # its two ends, checked before Ray
@@ -759,11 +764,43 @@ def test_a_search_of_data_uri_trains_each_trial_on_its_own_rows(base_config, dem
     assert drawn.heldout_rows > 0
 
     # A value the driver cannot plan is refused before Ray, named by its value.
-    tree["tune"]["search_space"] = {"data.uri": {"choice": [demo_data, str(tmp_path / "missing")]}}
+    tree["data"] = {**base_config["data"], "validation_uri": str(held)}
+    tree["tune"] = {"search_space": {"data.uri": {"choice": [demo_data, str(tmp_path / "missing")]}}}
     with pytest.raises(ConfigError) as err:
         rt.preflight(resolve_paths(validate(tree)))
     assert [p.split(": ")[:2] for p in err.value.problems] == [
         [f"tune.search_space.data.uri={str(tmp_path / 'missing')!r}", "data.uri"]]
+
+
+def test_a_search_of_the_data_ranks_trials_on_one_heldout_set():
+    """A data.uri search ranked trials by losses measured on different images: train_loss
+    on each trial's own training images, eval_loss on the rows data.validation_split held
+    out of each trial's own data. Both are refused, naming the key; eval_loss with
+    data.validation_uri (one held-out set for every trial) searches it."""
+    base = {"model": {"pretrained": "m"}, "output": {"uri": "o"}}
+    for key, values in (("data.uri", ["d1", "d2"]),
+                        ("data.sources", [[{"uri": "d1"}], [{"uri": "d1"}, {"uri": "d2"}]])):
+        data = {"sources": [{"uri": "d1"}]} if key == "data.sources" else {"uri": "d1"}
+        space = {key: {"choice": values}}
+        for held, metric, why in (
+                ({}, "train_loss", "so tune.metric train_loss ranks trials by how easily their "
+                                   "images denoise, not by what they learned; use tune.metric: "
+                                   "eval_loss with data.validation_uri"),
+                ({"validation_split": 0.1}, "train_loss", "so tune.metric train_loss ranks"),
+                ({"validation_split": 0.1}, "eval_loss",
+                 "and data.validation_split holds each trial's rows out of them, so "
+                 "tune.metric eval_loss would rank trials by different held-out images; set "
+                 "data.validation_uri")):
+            with pytest.raises(ConfigError) as err:
+                validate({**base, "data": {**data, **held},
+                          "tune": {"metric": metric, "search_space": space}})
+            mine = [p for p in err.value.problems if p.startswith(f"tune.search_space.{key}:")]
+            assert len(mine) == 1 and why in mine[0], (key, metric, err.value.problems)
+            assert mine[0].startswith(f"tune.search_space.{key}: trains each trial on the images "
+                                      f"of its own {key}, ")
+        cfg = validate({**base, "data": {**data, "validation_uri": "h"},
+                        "tune": {"metric": "eval_loss", "search_space": space}})
+        assert cfg.tune.search_space[key].choice == values
 
 
 def trial_tree_of(cfg, params: dict) -> dict:

@@ -161,7 +161,29 @@ def resolve_paths(cfg: RayLoraConfig) -> RayLoraConfig:
         cfg.lora.init_from = storage.normalize(cfg.lora.init_from)
     # read by rank 0 for its previews, in the run's directory
     cfg.validation.control_images = [norm(c) for c in cfg.validation.control_images]
+    for key, dim in (cfg.tune.search_space if cfg.tune else {}).items():
+        if key in SEARCHED_PLACES and dim.kind in ("choice", "grid"):
+            setattr(dim, dim.kind, [_searched_place(v) for v in getattr(dim, dim.kind)])
     return cfg
+
+
+# Search keys whose values name places (a list of sources: each one's uri and control_uri).
+# A relative one was checked and planned on the driver, then read by each trial in Ray
+# Tune's trial directory and by its workers in theirs, where it named nothing or another
+# folder: made absolute here as the base config's are.
+SEARCHED_PLACES = ("data.uri", "data.control_uri", "data.validation_uri", "data.cache_uri",
+                   "data.sources", "data.class_sources", "data.class_generation.uri",
+                   "lora.init_from", "train.compile_cache_uri")
+
+
+def _searched_place(value):
+    if isinstance(value, str):
+        return storage.normalize(value)
+    if isinstance(value, list):
+        return [_searched_place(v) for v in value]
+    if isinstance(value, dict):  # one of data.sources' or data.class_sources' sections
+        return {k: _searched_place(v) if k in ("uri", "control_uri") else v for k, v in value.items()}
+    return value  # None: lora.init_from's "no adapter"
 
 
 def _inside_data(cfg: RayLoraConfig, places: dict[str, str | None]) -> list[str]:

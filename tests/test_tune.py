@@ -803,6 +803,41 @@ def test_a_search_of_the_data_ranks_trials_on_one_heldout_set():
         assert cfg.tune.search_space[key].choice == values
 
 
+def test_places_a_search_names_are_made_absolute_as_the_base_configs(tmp_path, monkeypatch):
+    """`choice: [a, b]` of data.uri was checked and planned on the driver, then read by each
+    trial in Ray Tune's trial directory and by its workers in theirs, where `b` named
+    nothing (or another folder), and `a`, the base's own folder, was planned again as
+    another. A search value that names a place is made absolute as the base's are;
+    remote URIs and None stay, other keys' values are untouched."""
+    from raylora import tune as rt
+    from raylora.launch import resolve_paths
+
+    monkeypatch.chdir(tmp_path)
+    here = str(tmp_path)
+    tree = {"model": {"pretrained": "/m"}, "data": {"uri": "a", "validation_uri": "h"},
+            "output": {"uri": "o"},
+            "tune": {"search_space": {
+                "data.uri": {"choice": ["a", ["./b", "s3://bucket/c/"]]},
+                "lora.init_from": {"grid": [None, "adapters/x", "hf://user/repo"]},
+                "train.learning_rate": {"choice": [1e-4, 2e-4]}}}}
+    cfg = resolve_paths(validate(tree))
+    space = cfg.tune.search_space
+    assert cfg.data.uri == f"{here}/a"
+    assert space["data.uri"].choice == [f"{here}/a", [f"{here}/b", "s3://bucket/c"]]
+    assert space["lora.init_from"].grid == [None, f"{here}/adapters/x", "hf://user/repo"]
+    assert space["train.learning_rate"].choice == [1e-4, 2e-4]
+    assert resolve_paths(cfg).tune.search_space == space  # once is enough
+    # the base's own folder is the base's data, not a variant to plan
+    assert rt.trial_tree(cfg.to_dict(), {"data.uri": space["data.uri"].choice[0]})["data"] == \
+        cfg.to_dict()["data"]
+    sources = {**tree, "data": {"sources": [{"uri": "a"}], "validation_uri": "h"},
+               "tune": {"search_space": {"data.sources": {"grid": [
+                   [{"uri": "a", "weight": 2}], [{"uri": "a"}, {"uri": "gs://b/d/", "caption_prefix": "ohwx"}]]}}}}
+    grid = resolve_paths(validate(sources)).tune.search_space["data.sources"].grid
+    assert grid == [[{"uri": f"{here}/a", "weight": 2}],
+                    [{"uri": f"{here}/a"}, {"uri": "gs://b/d", "caption_prefix": "ohwx"}]]
+
+
 def trial_tree_of(cfg, params: dict) -> dict:
     from raylora.config import trial_tree
 

@@ -2220,11 +2220,26 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
         raise ConfigError([f"{key}: cannot parse override value {raw!r}: {exc}"]) from None
+    if _drops_a_comment(raw, value):
+        # A command line holds no YAML comment: `data.caption_prefix=photo #1` trained on
+        # "photo". The text is the value (a number key then names it as not a number).
+        value = raw.strip()
     path = key.split(".")
     if path[:2] == SEARCH_SPACE and len(path) > 2:
         return [*SEARCH_SPACE, ".".join(path[2:])], value
     # A list item as the errors name it: data.sources[1].weight → data, sources, 1, weight
     return [p for part in path for p in _indexed(part)], value
+
+
+def _drops_a_comment(raw: str, value: Any) -> bool:
+    """Whether YAML read ``raw`` as ``value`` by dropping a `` #...`` comment from it."""
+    cut = re.search(r"\s#", raw)
+    if cut is None:
+        return False
+    try:
+        return yaml.safe_load(raw[: cut.start()]) == value
+    except yaml.YAMLError:
+        return False  # the # is inside a quoted string or a flow list: YAML's own text
 
 
 def _indexed(part: str) -> list:

@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from raylora.config import (ConfigError, DataSection, RayLoraConfig, apply_overrides, load_config,
-                            trial_tree, validate)
+                            parse_override, trial_tree, validate)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIN = {"model": {"pretrained": "m"}, "data": {"uri": "d"}, "output": {"uri": "o"}}
@@ -59,6 +59,18 @@ def test_overrides_parse_yaml_scalars_and_flow_lists(tmp_path):
     assert cfg.data.random_flip is True
     assert cfg.lora.effective_alpha == 8.0
     assert cfg.data.uri == ["a", "b"]
+
+
+def test_an_override_value_keeps_a_hash_yaml_would_take_for_a_comment():
+    """`data.caption_prefix=photo #1` trained on "photo": YAML read ` #1` as a comment,
+    which a command line never holds. The text is the value; quoted, it is YAML's."""
+    assert parse_override("data.caption_prefix=photo #1") == (["data", "caption_prefix"], "photo #1")
+    assert parse_override("data.caption_prefix='a #2' ") == (["data", "caption_prefix"], "a #2")
+    assert parse_override("lora.target_modules=[to_q, 'x #y']") == (["lora", "target_modules"],
+                                                                    ["to_q", "x #y"])
+    assert parse_override("data.caption_prefix=no#comment") == (["data", "caption_prefix"], "no#comment")
+    with pytest.raises(ConfigError, match="lora.rank: Input should be a valid integer"):
+        validate(apply_overrides(MIN, ["lora.rank=8 #the default is 16"]))
 
 
 def test_a_search_dimension_is_one_override_under_its_dotted_key():

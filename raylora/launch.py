@@ -1711,13 +1711,18 @@ def _trainer_class():
 
         from raylora.entry import NoDatasetsCallback
 
+        def lean(cb: DatasetsCallback) -> NoDatasetsCallback:
+            # the stock callback's own state, whatever its constructor takes in this Ray
+            out = NoDatasetsCallback.__new__(NoDatasetsCallback)
+            out.__dict__.update(cb.__dict__)
+            return out
+
         class RunTrainer(TorchTrainer):
             def _create_default_callbacks(self):
                 callbacks = super()._create_default_callbacks()
                 if self.datasets:
                     return callbacks
-                return [NoDatasetsCallback(train_run_context=self.train_run_context, datasets={})
-                        if type(cb) is DatasetsCallback else cb for cb in callbacks]
+                return [lean(cb) if type(cb) is DatasetsCallback else cb for cb in callbacks]
 
         _TRAINER.append(RunTrainer)
     return _TRAINER[0]

@@ -17,8 +17,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from raylora.data.formats.base import (
-    IMAGE_EXTS, MASK_SUFFIX, TAR_SUFFIXES, ShardFormat, concurrently, control_index, control_infix, control_names,
-    decode_text, item_controls, read_manifest, tar_stem,
+    IMAGE_EXTS, MASK_SUFFIX, TAR_SUFFIXES, ShardFormat, concurrently, control_index, control_infix,
+    control_names, decode_text, item_controls, read_manifest, tar_stem,
 )
 from raylora.storage import Storage
 

@@ -6,6 +6,7 @@ path costs a second, not a cluster start.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -139,19 +140,14 @@ def resolve_paths(cfg: RayLoraConfig) -> RayLoraConfig:
     cfg = cfg.model_copy(deep=True)
     cfg.model.pretrained = resolve_model_path(cfg.model)
     d = cfg.data
-
-    def norm(uris):
-        return None if uris is None else (storage.normalize(uris) if isinstance(uris, str)
-                                           else [storage.normalize(u) for u in uris])
-
     classes = d.class_sources if isinstance(d.class_sources, list) else []
     for section in [d, *(d.sources or []), *classes]:
-        section.uri = norm(section.uri)
+        section.uri = _place(section.uri)
         if getattr(section, "control_uri", None) is not None:  # read by the workers
-            section.control_uri = norm(section.control_uri)
+            section.control_uri = _place(section.control_uri)
     if isinstance(d.class_sources, str):
         d.class_sources = storage.normalize(d.class_sources)
-    d.validation_uri, d.cache_uri = norm(d.validation_uri), norm(d.cache_uri)
+    d.validation_uri, d.cache_uri = _place(d.validation_uri), _place(d.cache_uri)
     if d.class_generation.uri is not None:
         d.class_generation.uri = storage.normalize(d.class_generation.uri)
     cfg.output.uri = storage.normalize(cfg.output.uri)
@@ -160,10 +156,10 @@ def resolve_paths(cfg: RayLoraConfig) -> RayLoraConfig:
     if cfg.lora.init_from:
         cfg.lora.init_from = storage.normalize(cfg.lora.init_from)
     # read by rank 0 for its previews, in the run's directory
-    cfg.validation.control_images = [norm(c) for c in cfg.validation.control_images]
+    cfg.validation.control_images = [_place(c) for c in cfg.validation.control_images]
     for key, dim in (cfg.tune.search_space if cfg.tune else {}).items():
         if key in SEARCHED_PLACES and dim.kind in ("choice", "grid"):
-            setattr(dim, dim.kind, [_searched_place(v) for v in getattr(dim, dim.kind)])
+            setattr(dim, dim.kind, [_place(v) for v in getattr(dim, dim.kind)])
     return cfg
 
 
@@ -176,14 +172,16 @@ SEARCHED_PLACES = ("data.uri", "data.control_uri", "data.validation_uri", "data.
                    "lora.init_from", "train.compile_cache_uri")
 
 
-def _searched_place(value):
+def _place(value):
+    """A place made absolute (``storage.normalize``): a URI, a list of them, or a section
+    of a list of sources as a search value gives it (its uri and control_uri); None stays."""
     if isinstance(value, str):
         return storage.normalize(value)
     if isinstance(value, list):
-        return [_searched_place(v) for v in value]
+        return [_place(v) for v in value]
     if isinstance(value, dict):  # one of data.sources' or data.class_sources' sections
-        return {k: _searched_place(v) if k in ("uri", "control_uri") else v for k, v in value.items()}
-    return value  # None: lora.init_from's "no adapter"
+        return {k: _place(v) if k in ("uri", "control_uri") else v for k, v in value.items()}
+    return value  # None: an unset place, or lora.init_from's "no adapter"
 
 
 def _inside_data(cfg: RayLoraConfig, places: dict[str, str | None]) -> list[str]:
@@ -1697,35 +1695,31 @@ def build_trainer(
     )
 
 
-_TRAINER: list = []
-
-
+@functools.cache
 def _trainer_class():
     """TorchTrainer, less the per-run ``DatasetManager`` actor Ray Train starts for the
     datasets it is given: raylora gives it none (``entry.NoDatasetsCallback`` says why).
     Made on first use: ``ray.train.torch`` imports torch, which ``raylora validate`` and
     ``raylora plan`` do not need."""
-    if not _TRAINER:
-        from ray.train.torch import TorchTrainer
-        from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 
-        from raylora.entry import NoDatasetsCallback
+    from raylora.entry import NoDatasetsCallback
 
-        def lean(cb: DatasetsCallback) -> NoDatasetsCallback:
-            # the stock callback's own state, whatever its constructor takes in this Ray
-            out = NoDatasetsCallback.__new__(NoDatasetsCallback)
-            out.__dict__.update(cb.__dict__)
-            return out
+    def lean(cb: DatasetsCallback) -> NoDatasetsCallback:
+        # the stock callback's own state, whatever its constructor takes in this Ray
+        out = NoDatasetsCallback.__new__(NoDatasetsCallback)
+        out.__dict__.update(cb.__dict__)
+        return out
 
-        class RunTrainer(TorchTrainer):
-            def _create_default_callbacks(self):
-                callbacks = super()._create_default_callbacks()
-                if self.datasets:
-                    return callbacks
-                return [lean(cb) if type(cb) is DatasetsCallback else cb for cb in callbacks]
+    class RunTrainer(TorchTrainer):
+        def _create_default_callbacks(self):
+            callbacks = super()._create_default_callbacks()
+            if self.datasets:
+                return callbacks
+            return [lean(cb) if type(cb) is DatasetsCallback else cb for cb in callbacks]
 
-        _TRAINER.append(RunTrainer)
-    return _TRAINER[0]
+    return RunTrainer
 
 
 def _scaling_config(s):

@@ -392,6 +392,29 @@ def test_every_worker_starts_from_the_version_of_a_stored_adapter_its_plan_liste
     assert started(file, planned(file)).keys() == v0.keys()
 
 
+def test_a_stored_adapter_is_downloaded_without_its_hidden_folders(s3, tmp_path):
+    """lora.init_from in a bucket, uploaded from a git clone: its ``.git/`` (a second copy
+    of the weights) and ``hf download``'s ``.cache/`` were downloaded by every worker,
+    though its version left them out. Now the download is the files the version counts,
+    as a stored model's is; a hidden file of the adapter's own stays."""
+    from raylora.model import lora_init
+    from raylora.storage import Storage, local_sizes
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "pytorch_lora_weights.safetensors").write_bytes(os.urandom(4096))
+    (adapter / "README.md").write_text("card")
+    (adapter / ".gitattributes").write_text("*.safetensors filter=lfs\n")
+    uri, prefix = f"s3://{BUCKET}/adapters/cloned", "adapters/cloned"
+    upload_dir(s3, str(adapter), prefix)
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/.git/lfs/objects/ab/cd/abcd", Body=os.urandom(4096))
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/.cache/huggingface/download/x.metadata", Body=b"x")
+    own = local_sizes(str(adapter))
+    assert {k: v.size for k, v in lora_init.stored_files(uri, Storage()).items()} == own
+    local = lora_init.download(uri, Storage(), str(tmp_path / "down"))
+    assert local_sizes(local) == own
+
+
 def test_publish_replaces_the_adapter_and_removes_a_killed_publishs_staging_copy(s3, tmp_path):
     from raylora.storage import Storage
 

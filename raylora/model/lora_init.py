@@ -263,7 +263,9 @@ def download(uri: str, store: Storage, tmp: str, files: dict | None = None) -> s
             f.write(store.read_bytes(uri))
     else:
         local = os.path.join(tmp, "adapter")
-        store.download_dir(uri, local)
+        # the files its version is made of: not a git clone's .git/ (a second copy of
+        # every weight) or hf download's .cache/, as a stored model's download leaves them
+        store.download_dir(uri, local, keep=lambda name: load.model_file(uri, name))
     return local
 
 

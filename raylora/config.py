@@ -996,6 +996,12 @@ class ValidationSection(_Section):
         "grid under {output.uri}/validation/step_NNNNNN.png.",
     )
     num_inference_steps: int = Field(20, gt=0, le=1000, description="Sampler steps per image.")
+    resolution: int | None = Field(
+        None, gt=0, description="The side in pixels of the square the held-out loss is "
+        "measured at and the previews render at (SimpleTuner's --validation_resolution). "
+        "Default: the largest data.resolution. Set it to search data.resolution: every "
+        "trial is then measured at one size.",
+    )
     guidance_scale: float | None = Field(
         None, ge=0.0, description="Classifier-free guidance scale; default the family's "
         "(SD/SDXL 7.5, SD3 7.0, Flux.1 3.5, Flux.1 Kontext 2.5, Qwen-Image 4.0).",
@@ -1277,6 +1283,10 @@ class RayLoraConfig(_Section):
     @property
     def has_heldout(self) -> bool:
         return self.data.validation_split > 0 or self.data.validation_uri is not None
+
+    def eval_resolution(self) -> int:
+        """The square side held-out rows are scored at and previews render at."""
+        return self.validation.resolution or self.data.max_resolution()
 
     @property
     def compile_mode(self) -> str:
@@ -1596,6 +1606,9 @@ def _unread_checks(cfg: RayLoraConfig) -> list[str]:
             ("validation.num_timesteps", not cfg.has_heldout, "there is no held-out data (its "
              "loss is what it sets the timesteps of)",
              "set data.validation_split or data.validation_uri, or drop it"),
+            ("validation.resolution", not cfg.has_heldout and not cfg.validation.prompts,
+             "there is neither held-out data nor validation.prompts (the size is theirs)",
+             "set one of them or drop it"),
             ("train.groupnorm_fp32", cfg.train.mixed_precision != "bf16", "train.mixed_precision "
              f"is {cfg.train.mixed_precision} (it chooses the GroupNorms' dtype under bf16 only)",
              "drop it"),
@@ -1999,7 +2012,25 @@ EVAL_LOSS_MEANINGS = {
                                    "(eval_loss) is measured on",
     "data.validation_uri": "chooses the held-out rows the held-out loss (eval_loss) is "
                            "measured on",
+    "validation.resolution": "sets the size the held-out loss (eval_loss) is measured at",
 }
+
+
+def _searched_sizes(cfg: RayLoraConfig, key: str, dim: SearchDim) -> list[int]:
+    """The largest training resolution each value of a searched ``data.resolution`` or
+    ``data.sources`` gives (what the held-out loss is measured at without
+    validation.resolution); [] for other keys, or a value the other checks refuse."""
+    field = {"data.resolution": "resolution", "data.sources": "sources"}.get(key)
+    if field is None:
+        return []
+    sizes = []
+    for value in dim.values:
+        try:
+            data = DataSection.model_validate({**cfg.data.model_dump(), field: value})
+        except ValueError:
+            return []
+        sizes.append(data.max_resolution())
+    return sorted(set(sizes))
 
 
 def _metric_problems(cfg: RayLoraConfig) -> list[str]:
@@ -2034,6 +2065,22 @@ def _metric_problems(cfg: RayLoraConfig) -> list[str]:
                             "ranks trials by that, not by what they learned; use tune.metric: "
                             "eval_loss (the held-out loss: unweighted, at fixed timesteps and "
                             "noise) with data.validation_split or data.validation_uri")
+        # A denoising loss at another size is another measurement: the same noise level
+        # hides less of a larger image (why Flux and SD3 shift σ by resolution).
+        sizes = _searched_sizes(cfg, key, tn.search_space[key])
+        if len(sizes) < 2 or (tn.metric == "eval_loss" and cfg.validation.resolution):
+            continue
+        trains = f"trains trials at different sizes ({', '.join(map(str, sizes))} px)"
+        if tn.metric == "train_loss":
+            problems.append(f"{where}: {trains}, so tune.metric train_loss ranks them by their "
+                            "size as much as by what they learned; use tune.metric: eval_loss "
+                            "with validation.resolution (one size every trial's held-out loss "
+                            "is measured at)")
+        else:
+            problems.append(f"{where}: {trains}, and each trial's held-out loss (eval_loss) is "
+                            "measured at its largest data.resolution, so the search would rank "
+                            "them by their size as much as by what they learned; set "
+                            "validation.resolution (one size every trial is measured at)")
     return problems
 
 

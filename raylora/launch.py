@@ -354,6 +354,8 @@ def family_problems(cfg: RayLoraConfig, family, multiple: int, native: str | Non
     given = [("data.resolution", d.resolutions())] + [
         (f"data.sources[{i}].resolution", s.resolution if isinstance(s.resolution, list)
          else [s.resolution]) for i, s in enumerate(d.sources or []) if s.resolution is not None]
+    if cfg.validation.resolution is not None:
+        given.append(("validation.resolution", [cfg.validation.resolution]))
     for key, values in given:
         off = [r for r in values if r % multiple]
         if off:
@@ -432,11 +434,12 @@ def family_problems(cfg: RayLoraConfig, family, multiple: int, native: str | Non
         out.append(f"data.control_inputs: {cfg.data.control_inputs} input images a sample, but "
                    f"{family.pipeline} takes {family.max_references}; several inputs train "
                    f"{takes}")
-    side = cfg.data.max_resolution()
+    side = cfg.eval_resolution()
     if cfg.validation.control_images and side < family.min_reference_side:
+        key = "data.resolution" if cfg.validation.resolution is None else "validation.resolution"
         out.append(f"validation.control_images: {family.pipeline} takes no input image under "
                    f"{family.min_reference_side} px a side, and previews render at "
-                   f"data.resolution {side} px; raise it or drop validation.control_images")
+                   f"{key} {side} px; raise it or drop validation.control_images")
     if family.reference_required and not cfg.data.control_images:
         out.append(f"data.control_images: {family.name} ({family.pipeline}) edits an input "
                    "image and samples only from one: train it on image-edit pairs "

@@ -91,7 +91,8 @@ def _stage_kwargs(purpose: str, spec: WorkerSpec) -> dict:
     return stage_kwargs(purpose, cfg.data, model_path=spec.plan.model_path, family=spec.plan.family,
                         storage=cfg.storage, max_sequence_length=cfg.model.max_sequence_length,
                         tokenizer_specs=spec.tokenizer_specs, revision=cfg.model.revision,
-                        system_prompt=cfg.model.system_prompt)
+                        system_prompt=cfg.model.system_prompt,
+                        heldout_resolution=cfg.eval_resolution())
 
 
 def _heldout_batch(spec: WorkerSpec) -> dict[str, torch.Tensor]:
@@ -108,7 +109,7 @@ def _heldout_batch(spec: WorkerSpec) -> dict[str, torch.Tensor]:
 
         batch = {k: from_column(v) for k, v in heldout.items()}
     else:
-        # Buckets or not: one square size (the largest resolution), so they batch together.
+        # Buckets or not: one square size (cfg.eval_resolution), so they batch together.
         pre = Preprocess(StageSpec(**_stage_kwargs("heldout", spec)))
         batch = {k: torch.from_numpy(v) for k, v in pre(
             {k: np.array([r.get(k) for r in heldout], dtype=object)
@@ -193,7 +194,7 @@ def _previewer(spec: WorkerSpec, run, tracker, rank: int):
             revision=cfg.model.revision, prediction_type=cfg.train.prediction_type,
         )
         return pv.render(pipe, run.family, v.prompts, v.seed, v.num_inference_steps, guidance,
-                         cfg.data.max_resolution(), autocast=acc.autocast, control_images=controls)
+                         cfg.eval_resolution(), autocast=acc.autocast, control_images=controls)
 
     def preview(step: int) -> None:
         with run.ema.swapped_in(run.params) if run.ema is not None else nullcontext():

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from raylora.config import validate
+from raylora.config import ConfigError, validate
 from raylora.data.decode import BadRecord, decode_caption, decode_row, open_image, to_rgb
 from raylora.data.formats import decode_text
 
@@ -419,8 +419,53 @@ def test_heldout_rows_are_the_first_usable_ones_and_all_are_evaluated(base_confi
                               "replace them")
 
 
+def test_validation_resolution_sizes_the_heldout_rows_and_the_previews(base_config, tmp_path):
+    """validation.resolution (SimpleTuner's --validation_resolution): the held-out rows are
+    scored at that square, cached or not, and the previews render at it, whatever
+    data.resolution trains at: a data.resolution search is measured at one size. A size
+    off the family's latent grid is refused before Ray, naming the key."""
+    import torch
+    from inproc import _fresh_accelerator
+    from PIL import Image
+
+    from raylora import worker
+    from raylora.checkpoint.export import _heldout_source
+    from raylora.data.cache import _encode_rows_task, from_column
+    from raylora.entry import WorkerSpec
+    from raylora.launch import plan, resolve_paths
+    from raylora.track import Tracker
+    from raylora.train.setup import build_run
+
+    held = heldout_folder(tmp_path / "held", ["a square 0", "a square 1"])
+    tree = {**base_config, "data": {**base_config["data"], "validation_uri": held},
+            "validation": {"prompts": ["a red circle"], "num_inference_steps": 2}}
+    for side in (None, 32):  # the largest data.resolution (64), or validation.resolution
+        cfg = resolve_paths(validate({**tree, "validation": {**tree["validation"], "resolution": side}}))
+        p = plan(cfg)
+        assert cfg.eval_resolution() == (side or 64)
+        spec = WorkerSpec(cfg, p)
+        assert worker._heldout_batch(spec)["pixel_values"].shape == (2, 3, side or 64, side or 64)
+        encoded, _ = _encode_rows_task(cfg.to_dict(), p.family, p.model_path, {"heldout": p.heldout}, [])
+        # the tiny VAE halves each side: a posterior's mean and log-variance, 4 channels each
+        assert from_column(encoded["heldout"]["latent_params"]).shape == (2, 8, (side or 64) // 2,
+                                                                          (side or 64) // 2)
+    run = build_run(cfg, _fresh_accelerator(1), 4, rank=0)
+    with torch.no_grad():
+        worker._previewer(spec, run, Tracker(), 0)(3)
+    with Image.open(tmp_path / "out" / "validation" / "step_000003.png") as grid:
+        assert grid.size == (32, 32)
+    # raylora.json and the model card say at which size the held-out loss was measured
+    assert _heldout_source(cfg) == f"data.validation_uri={held}, at validation.resolution=32"
+    assert _heldout_source(cfg.model_copy(update={"validation": cfg.validation.model_copy(
+        update={"resolution": None})})) == f"data.validation_uri={held}"
+    with pytest.raises(ConfigError) as err:
+        plan(resolve_paths(validate({**tree, "validation": {"resolution": 33}})))
+    assert err.value.problems == [
+        "validation.resolution: 33 is not a multiple of 2 (the sd latent grid: VAE downsampling "
+        "× patch size)"]
+
+
 def test_no_usable_heldout_row_is_refused_before_ray_naming_the_key(base_config, tmp_path):
-    from raylora.config import ConfigError
     from raylora.data.plan import plan_data
     from raylora.data.split import read_heldout_rows
     from raylora.launch import plan, resolve_paths

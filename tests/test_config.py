@@ -702,16 +702,18 @@ def test_keys_no_run_of_this_config_reads_are_refused():
 
 def test_keys_only_another_setting_reads_are_refused_where_it_is_off():
     """tune.max_t with scheduler fifo (trials ran their whole max_steps), the held-out
-    loss's timesteps without held-out data, bf16's GroupNorm choice under fp32, a shuffle
+    loss's timesteps or size without held-out data (or previews), bf16's GroupNorm choice under fp32, a shuffle
     buffer that bucketing does not use: accepted, and nothing read them."""
-    overrides = ["validation.num_timesteps=16", "train.groupnorm_fp32=true", "data.bucketing=true",
-                 "data.shuffle_buffer_size=16"]
+    overrides = ["validation.num_timesteps=16", "validation.resolution=128",
+                 "train.groupnorm_fp32=true", "data.bucketing=true", "data.shuffle_buffer_size=16"]
     with pytest.raises(ConfigError) as err:
         validate(apply_overrides(MIN, overrides))
     assert err.value.problems == [
         "validation.num_timesteps: set, but there is no held-out data (its loss is what it "
         "sets the timesteps of): nothing reads it; set data.validation_split or "
         "data.validation_uri, or drop it",
+        "validation.resolution: set, but there is neither held-out data nor validation.prompts "
+        "(the size is theirs): nothing reads it; set one of them or drop it",
         "train.groupnorm_fp32: set, but train.mixed_precision is no (it chooses the "
         "GroupNorms' dtype under bf16 only): nothing reads it; drop it",
         "data.shuffle_buffer_size: set, but data.bucketing deals each bucket's batches in its "

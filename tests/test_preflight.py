@@ -273,9 +273,11 @@ def test_a_search_is_sized_at_its_largest_values_together(job):
     from raylora.tune import trial_variants
 
     tree, _, _ = job
+    # trials at several sizes are compared at one (validation.resolution)
+    heldout = {**tree, "data": {**tree["data"], "validation_split": 0.1}, "validation": {"resolution": 64}}
     space = {"train.batch_size": {"choice": [2, 8]}, "data.resolution": {"choice": [64, 128]},
              "train.learning_rate": {"loguniform": [1e-5, 1e-3]}}
-    cfg = validate({**tree, "tune": {"num_samples": 1, "metric": "train_loss", "search_space": space}})
+    cfg = validate({**heldout, "tune": {"num_samples": 1, "metric": "eval_loss", "search_space": space}})
     variants = trial_variants(cfg)
     assert [label for label, _ in variants] == [
         "tune.search_space.train.batch_size=2", "tune.search_space.train.batch_size=8",
@@ -298,7 +300,7 @@ def test_a_search_is_sized_at_its_largest_values_together(job):
     # a categorical key that changes the estimate: each of its values beside the largest
     # of the others
     space["train.gradient_checkpointing"] = {"choice": [False, True]}
-    cfg = validate({**tree, "tune": {"num_samples": 1, "metric": "train_loss", "search_space": space}})
+    cfg = validate({**heldout, "tune": {"num_samples": 1, "metric": "eval_loss", "search_space": space}})
     assert [label for label, _ in trial_variants(cfg)][-2:] == [
         "tune.search_space: train.batch_size=8, data.resolution=128, train.gradient_checkpointing=False",
         "tune.search_space: train.batch_size=8, data.resolution=128, train.gradient_checkpointing=True"]

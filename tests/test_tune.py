@@ -803,6 +803,46 @@ def test_a_search_of_the_data_ranks_trials_on_one_heldout_set():
         assert cfg.tune.search_space[key].choice == values
 
 
+def test_a_search_of_the_training_size_ranks_trials_at_one_size():
+    """A data.resolution search ranked trials by losses at different sizes: train_loss at
+    each trial's own, eval_loss at each trial's largest data.resolution (the same noise
+    level hides less of a larger image). Both are refused, naming the key and the sizes;
+    eval_loss with validation.resolution (every trial measured at one size) searches it,
+    and so does a data.sources search whose sources train at one size. validation.resolution
+    itself is not searched with eval_loss: it sets how the loss is measured."""
+    base = {"model": {"pretrained": "m"}, "output": {"uri": "o"}}
+    held = {"uri": "d1", "resolution": 64, "validation_uri": "h", "bucketing": True}
+    sized = [[{"uri": "d1"}], [{"uri": "d1", "resolution": 128}]]
+    for data, key, values in (({"uri": "d1", "resolution": 64}, "data.resolution", [64, 128]),
+                              ({**held, "uri": None, "sources": sized[0]}, "data.sources", sized)):
+        space = {key: {"grid": values}}
+        for metric, val, why in (
+                ("train_loss", {}, "so tune.metric train_loss ranks them by their size as much "
+                                   "as by what they learned; use tune.metric: eval_loss with "
+                                   "validation.resolution"),
+                ("eval_loss", {}, "and each trial's held-out loss (eval_loss) is measured at "
+                                  "its largest data.resolution, so the search would rank them "
+                                  "by their size as much as by what they learned; set "
+                                  "validation.resolution")):
+            with pytest.raises(ConfigError) as err:
+                validate({**base, "data": {**held, **data}, "validation": val,
+                          "tune": {"metric": metric, "search_space": space}})
+            mine = [p for p in err.value.problems if p.startswith(f"tune.search_space.{key}: trains "
+                                                                  "trials at different sizes (64, 128 px), ")]
+            assert len(mine) == 1 and why in mine[0], (key, metric, err.value.problems)
+        cfg = validate({**base, "data": {**held, **data}, "validation": {"resolution": 96},
+                        "tune": {"metric": "eval_loss", "search_space": space}})
+        assert cfg.eval_resolution() == 96
+    one_size = [[{"uri": "d1"}], [{"uri": "d1"}, {"uri": "d2", "resolution": 64}]]
+    cfg = validate({**base, "data": {**held, "uri": None, "sources": one_size[0]},
+                    "tune": {"metric": "eval_loss", "search_space": {"data.sources": {"grid": one_size}}}})
+    assert cfg.eval_resolution() == 64
+    with pytest.raises(ConfigError, match=r"tune.search_space.validation.resolution: sets the size "
+                                          r"the held-out loss \(eval_loss\) is measured at"):
+        validate({**base, "data": held, "tune": {
+            "metric": "eval_loss", "search_space": {"validation.resolution": {"grid": [64, 128]}}}})
+
+
 def test_places_a_search_names_are_made_absolute_as_the_base_configs(tmp_path, monkeypatch):
     """`choice: [a, b]` of data.uri was checked and planned on the driver, then read by each
     trial in Ray Tune's trial directory and by its workers in theirs, where `b` named
@@ -865,8 +905,11 @@ def test_a_search_of_a_bucketed_resolution_plans_each_trials_buckets(base_config
     tree = {**base_config, "data": {"uri": str(folder), "resolution": 64, "bucketing": True,
                                     "bucket_step": 16},
             "train": {**base_config["train"], "max_steps": None, "num_epochs": 1},
-            "tune": {"metric": "train_loss",
+            # every trial's held-out loss at one size, on one held-out set
+            "validation": {"resolution": 128},
+            "tune": {"metric": "eval_loss",
                      "search_space": {"data.resolution": {"grid": [64, 128]}}}}
+    tree["data"]["validation_uri"] = str(folder)
     cfg = resolve_paths(validate(tree))
     base = rt.preflight(cfg)
     at64, at128 = _trial_plans(monkeypatch, cfg.to_dict(), base, str(tmp_path / "trials"),

@@ -78,10 +78,12 @@ def data_fingerprint(files: list[str], store: Storage) -> str:
 
 def _heldout_source(cfg: RayLoraConfig) -> str:
     d = cfg.data
+    # a size of its own only when set: cards of runs measured at data.resolution read as before
+    at = "" if cfg.validation.resolution is None else f", at validation.resolution={cfg.validation.resolution}"
     if d.validation_uri is not None:
-        return f"data.validation_uri={d.validation_uri}"
+        return f"data.validation_uri={d.validation_uri}{at}"
     if d.validation_split:
-        return f"data.validation_split={d.validation_split:g} of the training rows"
+        return f"data.validation_split={d.validation_split:g} of the training rows{at}"
     return "none"
 
 

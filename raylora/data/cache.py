@@ -679,7 +679,8 @@ def _encode_rows_task(cfg_dict: dict, family: str, model_path: str, sets: dict[s
     # caption for dropout, so a cached run scored rows an uncached one drops.
     heldout = stage_kwargs("heldout", cfg.data, model_path=model_path, family=family,
                            storage=store, max_sequence_length=cfg.model.max_sequence_length,
-                           revision=cfg.model.revision, system_prompt=cfg.model.system_prompt)
+                           revision=cfg.model.revision, system_prompt=cfg.model.system_prompt,
+                           heldout_resolution=cfg.eval_resolution())
     encoded, stage = {}, Preprocess(StageSpec(**heldout))
     for purpose, rows in sets.items():
         if not rows:

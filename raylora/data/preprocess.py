@@ -184,7 +184,7 @@ STAGE_PURPOSES = ("train", "cache", "heldout", "class")
 def stage_kwargs(purpose: str, data, *, model_path: str, family: str, storage,
                  max_sequence_length: int | None = None, tokenizer_specs: tuple | None = None,
                  seed: int = 0, bad_records: str | None = None, revision: str | None = None,
-                 system_prompt: str | None = None) -> dict:
+                 system_prompt: str | None = None, heldout_resolution: int | None = None) -> dict:
     """``StageSpec`` fields for one of the run's four preprocess stages, from the run's
     ``data`` section (plain values: Ray Data passes them to its tasks as kwargs). What
     they share (decode limits, tokenizers, size, storage) is set once here, so the
@@ -197,7 +197,8 @@ def stage_kwargs(purpose: str, data, *, model_path: str, family: str, storage,
       cache: raylora.data.cache); captions encoded as read, blank ones kept for dropout
       as the family's empty prompt (dropout is drawn per step at training);
     - ``heldout`` (the evaluation batch, uncached and encoded for the latent cache alike):
-      centre crop, no flip, one square size, no masks; captions as written, a blank one a
+      centre crop, no flip, one square size (``heldout_resolution``: validation.resolution,
+      default the largest data.resolution), no masks; captions as written, a blank one a
       ``missing_caption`` row whatever the dropout, so every run and trial scores the same
       rows (the driver reads only rows this stage keeps: raylora.data.split);
     - ``class`` (prior preservation): the configured crop and flip; class prompts as
@@ -213,7 +214,9 @@ def stage_kwargs(purpose: str, data, *, model_path: str, family: str, storage,
     if purpose not in STAGE_PURPOSES:
         raise ValueError(f"preprocess stage {purpose!r}: expected one of {STAGE_PURPOSES}")
     kw = dict(
-        tokenizer_path=model_path, resolution=data.max_resolution(), family=family,
+        tokenizer_path=model_path, family=family,
+        resolution=heldout_resolution if purpose == "heldout" and heldout_resolution
+        else data.max_resolution(),
         endpoint_url=storage.endpoint_url, region=storage.region,
         max_sequence_length=max_sequence_length, tokenizer_specs=tokenizer_specs,
         revision=revision, system_prompt=system_prompt, center_crop=True, random_flip=False,

@@ -55,17 +55,6 @@ PEFT_VARIANTS = {"LORA": "lora", "LOKR": "lokr", "LOHA": "loha"}
 # Per variant: the factor that carries the adapter's scale (the delta is linear in it).
 SCALED = {"lora": ("lora_B",), "dora": ("lora_B",), "lokr": ("lokr_w1", "lokr_w1_a"),
           "loha": ("hada_w1_a",)}
-# Families whose kohya files have fused modules (BFL's qkv, Flux.1's linear1: several
-# diffusers layers in one) that diffusers' kohya-Flux.1 / Flux.2 converters split back: of
-# k parts and rank R, into k layers of rank R / k where the up is block-diagonal (raylora's
-# export: rank k·r by design), else of rank R (sd-scripts trains the fused layer whole).
-# (Flux.1 Kontext, Chroma: Flux.1's names; Flux.2: Flux.2 [klein]'s.)
-SPLIT_FUSED = ("flux", "flux2klein")
-# Families whose converter gives each part of a fused module the whole module's rank R
-# instead (diffusers' Z-Image: q, k and v each get the fused down, and their own rows of the
-# up): where the up is block-diagonal each part keeps its own R / k rows of the down and
-# columns of the up (``_own_parts``), so raylora's export starts a run of rank r exactly.
-KEEP_FUSED = ("zimage",)
 
 
 def locate(uri: str, store: Storage) -> tuple[str, str]:
@@ -178,13 +167,15 @@ def _fused() -> list[tuple[re.Pattern, int]]:
     from raylora.checkpoint.kohya import fused_names
     from raylora.model import families
 
-    return [f for name in SPLIT_FUSED + KEEP_FUSED
+    # Each family whose converter loads fused kohya modules (Family.kohya_fused_load):
+    # BFL's qkv, Flux.1's linear1, Z-Image's attention.qkv (several diffusers layers in one)
+    return [f for name in families.names() if families.get(name).kohya_fused_load
             for f in fused_names(families.get(name).kohya_rules)]
 
 
 def _rank_fits(key: str, rank: int) -> set[int]:
     """The run's lora.rank(s) the layer whose down is ``key``, of rank ``rank``, loads into:
-    its own, and for a fused kohya module of k parts (``SPLIT_FUSED``, ``KEEP_FUSED``)
+    its own, and for a fused kohya module of k parts (``Family.kohya_fused_load``)
     rank / k. Only the header is read here, not whether its up is block-diagonal: the
     worker's shape check (``_take_over``) catches the rank the loader did not split to."""
     module = key.split(".", 1)[0]  # kohya: lora_unet_<module>.lora_down.weight
@@ -362,11 +353,12 @@ def stock_state_dict(local: str, family, key: str, uri: str) -> tuple[dict, dict
 
 def _own_parts(sd: dict[str, torch.Tensor], family) -> dict[str, torch.Tensor]:
     """``sd`` (``stock_state_dict``'s) with the parts of each fused kohya module that the
-    ``KEEP_FUSED`` family's converter gave the whole rank R = k·r (the same down each) cut
-    back to their own r: part ``slot``'s rows of the down and columns of the up, where the
-    up's other columns are all zero (raylora's block-diagonal export). An up trained whole
-    (sd-scripts'), or a diffusers file's layers (each its own down), are left as they are."""
-    if family.name not in KEEP_FUSED:
+    family's converter gave the whole rank R = k·r (``kohya_fused_load`` "whole": the same
+    down each) cut back to their own r: part ``slot``'s rows of the down and columns of the
+    up, where the up's other columns are all zero (raylora's block-diagonal export), so
+    that export starts a run of rank r exactly. An up trained whole (sd-scripts'), or a
+    diffusers file's layers (each its own down), are left as they are."""
+    if family.kohya_fused_load != "whole":
         return sd
     rules = [(re.compile(r.pattern), r) for r in family.kohya_rules if len(r.sizes) > 1]
     prefix, down_leaf, up_leaf = family.denoiser + ".", ".lora_A.weight", ".lora_B.weight"

@@ -351,6 +351,13 @@ class Family:
     # empty: the denoiser's own module paths (UNet families).
     kohya_rules: ClassVar[tuple] = ()
     kohya_network: ClassVar[str] = "networks.lora"  # ss_network_module: sd-scripts' module
+    # lora.init_from of a kohya file: how the stock pipeline's converter loads a fused module
+    # (one kohya layer of k diffusers layers, ``kohya_rules``' ``fused``) of rank R:
+    # "split" into k layers of rank R / k where its up is block-diagonal (raylora's export:
+    # rank k·r by design), else R (sd-scripts trains the fused layer whole); "whole": each
+    # part gets the whole rank R, its own rows of the up (raylora.model.lora_init cuts
+    # them back to r); None: the converter reads no fused module of this family's.
+    kohya_fused_load: ClassVar[str | None] = None
     # lora.variant lokr/loha: also write the LyCORIS file (``lora_unet_`` + the denoiser's
     # module path, "." → "_"), the names LyCORIS' kohya loader and ComfyUI's UNet key map
     # read. Off for the DiTs: their loaders expect reference-checkpoint names with fused

@@ -71,6 +71,7 @@ class Flux(Family):
     kohya_export = True
     kohya_rules = KOHYA_RULES
     kohya_network = "networks.lora_flux"
+    kohya_fused_load = "split"  # diffusers' kohya-Flux.1 converter (Kontext, Chroma: its names)
 
     @classmethod
     def cond_keys(cls):

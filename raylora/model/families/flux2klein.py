@@ -97,6 +97,7 @@ class Flux2Klein(Family):
     kohya_export = True
     kohya_rules = KOHYA_RULES
     kohya_network = "networks.lora_flux_2"  # musubi-tuner's
+    kohya_fused_load = "split"  # diffusers' kohya-Flux.2 converter
     # The 2×2 patchify is the VAE side's (encode_pixels): the objective's latents are
     # already one token per position.
     patch = 1

@@ -72,6 +72,7 @@ class Lumina2(ZImage):
     kohya_export = True
     kohya_rules = KOHYA_RULES
     kohya_network = "networks.lora_lumina"  # sd-scripts'
+    kohya_fused_load = None  # Lumina2Pipeline's loader reads no kohya file
     description = "Lumina-Image 2.0 (single-stream DiT, Gemma 2 text encoder)"
 
     # cond_keys, encode_text (hidden_states[-2], the template's tokens kept) and

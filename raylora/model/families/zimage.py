@@ -45,6 +45,7 @@ class ZImage(Family):
     kohya_export = True
     kohya_rules = KOHYA_RULES
     kohya_network = "networks.lora_zimage"  # musubi-tuner's
+    kohya_fused_load = "whole"  # diffusers' Z-Image converter: q, k, v each the fused down
     patch = 2
     # ZImagePipeline's default; Z-Image-Turbo (guidance-distilled) samples at 0.
     default_guidance_scale = 5.0

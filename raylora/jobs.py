@@ -64,7 +64,10 @@ def _auth_headers() -> dict:
 def client(address: str | None):
     from ray.job_submission import JobSubmissionClient
 
+    from raylora import quiet
     from raylora.launch import ray_address_problem
+
+    quiet.apply()  # again: importing the job SDK set its loggers to INFO
 
     given = address or os.environ.get("RAY_ADDRESS")
     # A GCS address with no cluster behind it: the SDK waited 40 s, then a stack trace.

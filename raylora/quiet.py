@@ -45,6 +45,14 @@ QUIET_LOGGERS = {
     # HF_ENDPOINT carries one (https://user:pass@mirror).
     # (huggingface_hub 2.x's client is httpx2; httpx for the other clients)
     **{name: logging.WARNING for name in ("httpx2", "httpcore2", "httpx", "httpcore")},
+    # `raylora submit`, through Ray's job SDK, at every submit: "Ignoring upload to cluster
+    # for these files: [.gitignore]" (the file it reads rules from, which it does upload),
+    # "Creating a file package ...", "Uploading package gcs://...", and the job commands'
+    # "WebSocket closed for job ...". Failures still show. The SDK's modules set INFO on
+    # their loggers when imported: raylora.jobs.client applies these again after that.
+    "ray._private.runtime_env.packaging": logging.WARNING,
+    "ray.dashboard.modules.dashboard_sdk": logging.WARNING,
+    "ray.dashboard.modules.job.sdk": logging.WARNING,
 }
 
 
@@ -111,6 +119,20 @@ class TuneRestoreHint(logging.Filter):
             return True
 
 
+# Ray's job SDK warns at every submit that `.git` and `.venv` are "now ignored by default
+# when packaging the working directory": raylora submit leaves both out itself
+# (raylora.jobs.EXCLUDES), whatever Ray's defaults.
+WORKING_DIR_LOGGER = "ray._private.runtime_env.working_dir"
+
+
+class DefaultExcludeNote(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            return "is now ignored by default when packaging" not in record.getMessage()
+        except Exception:
+            return True
+
+
 def verbose() -> bool:
     return os.environ.get(VERBOSE_ENV, "").lower() not in ("", "0", "false", "no")
 
@@ -141,6 +163,9 @@ def apply() -> None:
     tune_run = logging.getLogger(TUNE_RUN_LOGGER)
     if not any(isinstance(f, TuneRestoreHint) for f in tune_run.filters):
         tune_run.addFilter(TuneRestoreHint())
+    working_dir = logging.getLogger(WORKING_DIR_LOGGER)
+    if not any(isinstance(f, DefaultExcludeNote) for f in working_dir.filters):
+        working_dir.addFilter(DefaultExcludeNote())
 
 
 def _train_context_logger() -> str:

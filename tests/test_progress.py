@@ -256,6 +256,72 @@ def test_a_traceback_is_dropped_only_for_errors_the_driver_prints_as_one_line(mo
             assert text.rstrip().endswith(f"{type(e).__name__}: {e}".rstrip(": "))
 
 
+def test_raylora_submit_packs_its_working_dir_without_rays_packaging_lines(tmp_path, monkeypatch):
+    """Each `raylora submit` printed Ray's job SDK lines: "Directory '.git' is now ignored by
+    default when packaging the working directory" (and '.venv': raylora.jobs.EXCLUDES leaves
+    both out anyway), "Ignoring upload to cluster for these files: [.gitignore]" (the
+    file it reads its rules from). Here Ray's own packing of a working dir, as submit calls
+    it, with the upload left out: quiet, it logs nothing; verbose, those lines."""
+    import logging
+
+    from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
+    from ray.util.debug import reset_log_once
+
+    for d in (".git", ".venv", "raylora"):
+        (tmp_path / d).mkdir()
+    (tmp_path / ".gitignore").write_text("runs/\n")
+    (tmp_path / "raylora" / "x.py").write_text("")
+    uploaded, records = [], []
+
+    class Kept(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    def pack() -> list[str]:
+        records.clear()
+        reset_log_once()  # the default-excludes note is logged once per process
+        upload_working_dir_if_needed({"working_dir": str(tmp_path)}, include_gitignore=True,
+                                     upload_fn=lambda *a, **k: uploaded.append(a[0]))
+        return list(records)
+
+    loggers = [logging.getLogger(n) for n in ("ray._private.runtime_env.packaging",
+                                              quiet.WORKING_DIR_LOGGER)]
+    for lg in loggers:  # what apply() sets goes with the test
+        monkeypatch.setattr(lg, "filters", [])
+        monkeypatch.setattr(lg, "level", logging.NOTSET)
+    handler = Kept(logging.DEBUG)
+    ray_logger = logging.getLogger("ray")
+    ray_logger.addHandler(handler)
+    monkeypatch.setattr(ray_logger, "level", logging.INFO)
+    try:
+        monkeypatch.setenv(quiet.VERBOSE_ENV, "1")
+        quiet.apply()
+        noted = pack()
+        assert [m for m in noted if "is now ignored by default" in m] == [
+            f"Directory {d!r} is now ignored by default when packaging the working directory. To "
+            "disable this behavior, set the `RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES=''` "
+            "environment variable." for d in (".git", ".venv")]
+        assert any(m.startswith("Ignoring upload to cluster for these files:") for m in noted)
+        monkeypatch.delenv(quiet.VERBOSE_ENV)
+        quiet.apply()
+        assert pack() == [] and uploaded == [str(tmp_path)] * 2
+        # Ray's other warnings there still show (an unsafe path in a package, ...)
+        assert all(lg.isEnabledFor(logging.WARNING) for lg in loggers)
+        loggers[1].warning("Tried to delete nonexistent URI: gcs://x.")
+        assert records == ["Tried to delete nonexistent URI: gcs://x."]
+        # Ray's job SDK sets INFO on its loggers when imported ("Uploading package
+        # gcs://..." at each submit): the job commands' client quiets them again
+        from raylora import jobs
+
+        sdk = logging.getLogger("ray.dashboard.modules.dashboard_sdk")
+        monkeypatch.setattr(sdk, "level", logging.INFO)  # as its import left it
+        with pytest.raises(ValueError, match="127.0.0.1:1"):
+            jobs.client("http://127.0.0.1:1")
+        assert sdk.level == logging.WARNING
+    finally:
+        ray_logger.removeHandler(handler)
+
+
 # Noise that quiet mode exists to remove (Ray Train, Ray Data, bitsandbytes, transformers).
 NOISE = ("TrainingReport(", "Checkpoint successfully created", "execution finished",
          "Execution plan of Dataset", "gemm_4bit_forward", "Loading weights",

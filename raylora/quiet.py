@@ -104,33 +104,33 @@ class MaskedURLs(logging.Filter):
         return True
 
 
-# Ray Tune's logger of "Experiment has been interrupted, but the most recent state was
-# saved. Resume experiment with: Tuner.restore(path=..., trainable=...)": after Ctrl-C or
-# `raylora stop` on a search, a Python call the user does not make (the same `raylora
-# tune` command resumes the search, as the driver's own last line says).
-TUNE_RUN_LOGGER = "ray.tune.tune"
+class DropsMessage(logging.Filter):
+    """Drops a logger's records whose message holds ``text``."""
 
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
 
-class TuneRestoreHint(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         try:
-            return "Tuner.restore(" not in record.getMessage()
-        except Exception:
+            return self.text not in record.getMessage()
+        except Exception:  # a record that cannot format itself is logging's to report
             return True
 
 
-# Ray's job SDK warns at every submit that `.git` and `.venv` are "now ignored by default
-# when packaging the working directory": raylora submit leaves both out itself
-# (raylora.jobs.EXCLUDES), whatever Ray's defaults.
 WORKING_DIR_LOGGER = "ray._private.runtime_env.working_dir"
-
-
-class DefaultExcludeNote(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        try:
-            return "is now ignored by default when packaging" not in record.getMessage()
-        except Exception:
-            return True
+# Logger → the text of a message of it a user cannot act on:
+DROPPED_MESSAGES = {
+    # Ray Tune's "Experiment has been interrupted, but the most recent state was saved.
+    # Resume experiment with: Tuner.restore(path=..., trainable=...)": after Ctrl-C or
+    # `raylora stop` on a search, a Python call the user does not make (the same `raylora
+    # tune` command resumes the search, as the driver's own last line says).
+    "ray.tune.tune": "Tuner.restore(",
+    # Ray's job SDK, at every submit: `.git` and `.venv` are "now ignored by default when
+    # packaging the working directory"; raylora submit leaves both out itself
+    # (raylora.jobs.EXCLUDES), whatever Ray's defaults.
+    WORKING_DIR_LOGGER: "is now ignored by default when packaging",
+}
 
 
 def verbose() -> bool:
@@ -160,12 +160,10 @@ def apply() -> None:
     errors = logging.getLogger(TRAIN_FN_ERROR_LOGGER)
     if not any(isinstance(f, RepeatedErrorTraceback) for f in errors.filters):
         errors.addFilter(RepeatedErrorTraceback())
-    tune_run = logging.getLogger(TUNE_RUN_LOGGER)
-    if not any(isinstance(f, TuneRestoreHint) for f in tune_run.filters):
-        tune_run.addFilter(TuneRestoreHint())
-    working_dir = logging.getLogger(WORKING_DIR_LOGGER)
-    if not any(isinstance(f, DefaultExcludeNote) for f in working_dir.filters):
-        working_dir.addFilter(DefaultExcludeNote())
+    for name, text in DROPPED_MESSAGES.items():
+        named = logging.getLogger(name)
+        if not any(isinstance(f, DropsMessage) and f.text == text for f in named.filters):
+            named.addFilter(DropsMessage(text))
 
 
 def _train_context_logger() -> str:

@@ -2017,20 +2017,18 @@ EVAL_LOSS_MEANINGS = {
 
 
 def _searched_sizes(cfg: RayLoraConfig, key: str, dim: SearchDim) -> list[int]:
-    """The largest training resolution each value of a searched ``data.resolution`` or
-    ``data.sources`` gives (what the held-out loss is measured at without
-    validation.resolution); [] for other keys, or a value the other checks refuse."""
-    field = {"data.resolution": "resolution", "data.sources": "sources"}.get(key)
-    if field is None:
+    """The largest training resolution (what the held-out loss is measured at without
+    validation.resolution) that each value of a searched data key gives its trial's
+    config; [] for other keys, or where a value's config does not validate (the checks of
+    each value name why)."""
+    if not key.startswith("data."):
         return []
-    sizes = []
-    for value in dim.values:
-        try:
-            data = DataSection.model_validate({**cfg.data.model_dump(), field: value})
-        except ValueError:
-            return []
-        sizes.append(data.max_resolution())
-    return sorted(set(sizes))
+    base = cfg.to_dict()
+    try:
+        return sorted({RayLoraConfig.model_validate(set_dotted(base, key, value)).data.max_resolution()
+                       for value in dim.values})
+    except (ValidationError, KeyError):
+        return []
 
 
 def _metric_problems(cfg: RayLoraConfig) -> list[str]:

@@ -88,6 +88,12 @@ class Plan:
     # (its JSON, raylora.tune.data_key) → the plan of a config with it, made before Ray
     # starts (raylora.tune.preflight); a trial's own plan is ``replan`` over it.
     data_variants: dict[str, Plan] = field(default_factory=dict, repr=False)
+    # What the family's checks (``family_problems``) judge a config by, kept so that a
+    # search's trials are judged as the base was (raylora.tune.preflight) without
+    # reading the model again: the latent grid (VAE downsampling × patch size) and the
+    # objective its scheduler config names (None: not read).
+    latent_grid: int = 8
+    native_objective: str | None = None
 
     def to_dict(self) -> dict:
         d = asdict(replace(self, data_variants={}))
@@ -98,6 +104,8 @@ class Plan:
         d.pop("class_encoded")
         d.pop("empty_encoded")
         d.pop("data")
+        d.pop("latent_grid")
+        d.pop("native_objective")
         d["sources"] = self.data_plan().summary()
         d["content_files"] = self.data_plan().content_files()
         d.pop("bucket_sizes")
@@ -324,6 +332,7 @@ def plan(cfg: RayLoraConfig, heldout: bool = True) -> Plan:
         raise ConfigError(problems)
     p = _arithmetic(cfg, model_path, data, rows, problems)
     p.family, p.objective, p.model_commit = family.name, objective, commit
+    p.latent_grid, p.native_objective = factor * family.patch, native
     p.pins = pin(cfg.lora.init_from, init_loads)
     return p
 
@@ -465,7 +474,8 @@ def replan(cfg: RayLoraConfig, base: Plan, data: Plan | None = None) -> Plan:
 def _carry(p: Plan, base: Plan, **changes) -> Plan:
     """``p`` (fresh step arithmetic) with what ``base`` learned beyond it: family, cache."""
     keep = {k: getattr(base, k)
-            for k in ("family", "objective", "model_commit", "pins", "cache_uri", "cache_reused",
+            for k in ("family", "objective", "latent_grid", "native_objective", "model_commit",
+                      "pins", "cache_uri", "cache_reused",
                       "heldout_encoded", "bad_records", "class_rows", "class_images", "class_encoded",
                       "empty_encoded")}
     return replace(p, **{**keep, **changes})

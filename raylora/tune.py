@@ -265,6 +265,7 @@ def preflight(cfg: RayLoraConfig) -> Plan:
                     trial_plan(validate(trial_tree(tree, params)), tree, base)
                 except ConfigError as exc:
                     problems.extend(f"{_label(params)}: {p}" for p in exc.problems)
+    problems += family_problems_of_trials(cfg, base)
     tn = cfg.tune
     if not problems and tn.scheduler == "asha" and tn.max_t is not None:
         longest = longest_budget(cfg, base)
@@ -278,6 +279,31 @@ def preflight(cfg: RayLoraConfig) -> Plan:
     if problems:
         raise ConfigError(problems)
     return base
+
+
+def family_problems_of_trials(cfg: RayLoraConfig, base: Plan) -> list[str]:
+    """What the model family's checks (``launch.family_problems``: latent grid, objective,
+    pipeline) refuse in a trial that one searched value gives, as `raylora train` refuses
+    it in a config, named by that value. The base passed them (``plan``); so did the
+    values of data.* keys, each planned whole (``plan_data_variants``), and
+    ``lora.init_from``'s, checked as adapters. Before this, a searched
+    ``validation.resolution`` off the grid was first refused by a trial's workers."""
+    from raylora.config import ConfigError
+    from raylora.launch import family_problems
+    from raylora.model import families, lora_init
+
+    family, tree, out = families.get(base.family), cfg.to_dict(), []
+    for key, dim in cfg.tune.search_space.items():
+        if key.startswith("data.") or key == lora_init.KEY:
+            continue
+        for value in dim.values:
+            try:
+                trial = validate(trial_tree(tree, {key: value}))
+            except ConfigError:  # config.py refused the value alone already
+                continue
+            out += [f"{_label({key: value})}: {p}" for p in
+                    family_problems(trial, family, base.latent_grid, base.native_objective)]
+    return out
 
 
 def step_budget(base_tree: dict, params: dict, base_plan: Plan) -> int:

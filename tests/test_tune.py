@@ -406,6 +406,27 @@ def test_tune_preflight_checks_every_batch_size_against_the_data(base_config):
         preflight(validate(tree))
 
 
+def test_tune_preflight_judges_each_searched_value_by_the_models_family(base_config):
+    """A searched value the family's checks refuse (off the latent grid, a setting the
+    family does not take) is named before Ray, as `raylora train` names it in a config:
+    a searched validation.resolution off the grid was first refused by a trial's workers."""
+    from raylora.tune import preflight
+
+    tree = {**base_config, "data": {**base_config["data"], "validation_split": 0.2},
+            "tune": {"metric": "train_loss", "search_space": {
+                "validation.resolution": {"grid": [32, 33]},
+                "model.system_prompt": {"choice": [None, "Describe the image."]}}}}
+    with pytest.raises(ConfigError) as exc:
+        preflight(validate(tree))
+    assert exc.value.problems == [
+        "tune.search_space.validation.resolution=33: validation.resolution: 33 is not a multiple "
+        "of 2 (the sd latent grid: VAE downsampling × patch size)",
+        "tune.search_space.model.system_prompt='Describe the image.': model.system_prompt: sd "
+        "(StableDiffusionPipeline) takes no system prompt; leave it unset"]
+    tree["tune"]["search_space"] = {"validation.resolution": {"grid": [32, 34]}}
+    assert preflight(validate(tree)).latent_grid == 2
+
+
 def test_a_searched_step_budget_is_each_trials_own_and_asha_stops_none_before_it(base_config, tmp_path):
     """train.max_steps searched over [2, 8] with base 4: ASHA's max_t is the longest budget
     (8: before, the base's 4 cut the 8-step trial and called it completed), each trial is

@@ -289,7 +289,7 @@ def _stop(args) -> int:
 
     state = jobs.stop(args.job, args.address, args.timeout)
     _, line = jobs.status(args.job, args.address)
-    print(f"raylora: job {args.job} {state}" + (f"; {line}" if line else ""))
+    print(jobs.stopped_line(args.job, state, line))
     return 0 if state in jobs.TERMINAL else 1
 
 

@@ -560,6 +560,18 @@ def stop(job: str, address: str | None = None, timeout_s: float = 600) -> str:
     return str(c.get_job_status(job).value)
 
 
+def stopped_line(job: str, state: str, line: str | None) -> str:
+    """What `raylora stop` prints: the job's state and its run's last progress line. A
+    job STOPPED whose run had finished (``progress.FINISHED``: the stop came in the
+    seconds its driver takes to exit after writing the adapter) says so: nothing is left
+    to resume, though Ray records the job as stopped."""
+    from raylora.progress import FINISHED
+
+    if state == "STOPPED" and (line or "").startswith(FINISHED):
+        line += " (the stop came after that: nothing to resume)"
+    return f"raylora: job {job} {state}" + (f"; {line}" if line else "")
+
+
 def follow_logs(job: str, address: str | None, out, wait_s: float = 10) -> str:
     """Print the job's log as it grows (the SDK's websocket tail) until the job ends;
     returns its final state (the tail may close a moment before the state is recorded)."""

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from raylora import desk, preflight, storage
+from raylora import desk, preflight, stop, storage
 from raylora.config import ConfigError, RayLoraConfig, validate
 
 if TYPE_CHECKING:
@@ -1401,7 +1401,7 @@ def run(cfg: RayLoraConfig) -> dict:
 
     pre = checked(cfg, TRAIN)
     if pre.resume and (again := _exported_again(pre)) is not None:
-        return again
+        return _finished(pre.cfg, again)
     with prepared(cfg, TRAIN, pre) as r:
         cfg, p = r.cfg, r.plan
         if cfg.data.cache == "latents":  # the cache's build decoded every row: judge them now
@@ -1414,11 +1414,26 @@ def run(cfg: RayLoraConfig) -> dict:
                     "checkpoint": result.checkpoint.path if result.checkpoint else None}
         if result.checkpoint is None:
             raise RuntimeError("training finished without a checkpoint to export")
-        with result.checkpoint.as_directory() as ckpt_dir:
+        with result.checkpoint.as_directory() as ckpt_dir, stop.exporting(SIGTERM_HOOKS):
             summary = export_run(ckpt_dir, cfg, result.metrics, {**p.to_dict(), **bad})
-        return {**summary, "checkpoints": checkpoints, "rows_decoded": bad.get("rows_decoded"),
-                **({"buckets": p.bucket_summary()} if p.bucket_steps is not None else {}),
-                **({"class_images": p.class_images} if p.class_images else {})}
+        return _finished(cfg, {
+            **summary, "checkpoints": checkpoints, "rows_decoded": bad.get("rows_decoded"),
+            **({"buckets": p.bucket_summary()} if p.bucket_steps is not None else {}),
+            **({"class_images": p.class_images} if p.class_images else {})})
+
+
+def _finished(cfg: RayLoraConfig, summary: dict) -> dict:
+    """``summary`` (the adapter written), after telling ``{output.uri}/progress.json`` that
+    the run finished, where `raylora status` and `raylora stop` read it: a job's driver
+    takes a few seconds more to exit (Ray shuts down), and a stop that comes then leaves
+    the job STOPPED although nothing is left to resume."""
+    from raylora import progress
+
+    try:
+        progress.write_progress(cfg.storage.client(), cfg.output.uri)(progress.finished_row(summary))
+    except Exception as exc:  # the adapter is written: a progress line must not fail the run
+        log.warning("progress.json not written: %s", exc)
+    return summary
 
 
 def _exported_again(pre: Prepared) -> dict | None:
@@ -1453,9 +1468,10 @@ def _exported_again(pre: Prepared) -> dict | None:
     # export replaces, and nothing reads the data again here: carried over, not lost.
     record = p.to_dict() | _trained_data_record(exported)
     if storage.is_local(pre.resume):
-        summary = export_run(storage.local_path(pre.resume), cfg, metrics, record)
+        with stop.exporting(SIGTERM_HOOKS):
+            summary = export_run(storage.local_path(pre.resume), cfg, metrics, record)
     else:
-        with tempfile.TemporaryDirectory(prefix="raylora-final-") as d:
+        with tempfile.TemporaryDirectory(prefix="raylora-final-") as d, stop.exporting(SIGTERM_HOOKS):
             store.download_dir(pre.resume, d)
             summary = export_run(d, cfg, metrics, record)
     return {**summary, "checkpoints": checkpoints, "rows_decoded": record.get("rows_decoded"),
@@ -1625,7 +1641,7 @@ def _repeated(error: BaseException) -> BaseException:
 
 
 def _fit(cfg: RayLoraConfig, p: Plan):
-    from raylora import progress, stop
+    from raylora import progress
     from raylora.checkpoint.recorded import drop_unrecorded
 
     drop_unrecorded(cfg.storage.client(), storage.join(cfg.output.uri, TRAIN_RUN_NAME))

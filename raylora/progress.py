@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 POLL_S = 0.5
 # Under output.uri: the latest progress line, for `raylora status` (raylora.jobs).
 PROGRESS_FILE = "progress.json"
+# Its last line once the adapter is written (``finished_row``): how `raylora stop` tells a
+# job stopped as its driver exited from one stopped with steps left.
+FINISHED = "the run finished"
 # Smoothing of the printed loss and img/s: one step's loss is mostly timestep noise.
 EMA = 0.9
 
@@ -368,6 +371,17 @@ def watch(desk: str, total: int, log_every_n_steps: int | None, log_every_n_seco
             printer.stop()
         except Exception:  # a failed run's error matters, not its last progress line
             pass
+
+
+def finished_row(summary: dict) -> dict:
+    """progress.json's last row: the run trained its steps and its adapter is written
+    (``launch.run``'s summary)."""
+    m = summary["metrics"]
+    n = m["steps"]
+    line = (f"raylora: {FINISHED}: trained {n} step{'' if n == 1 else 's'}, loss {m['train_loss_first']:.5f} → "
+            f"{m['train_loss_last']:.5f}; adapter {summary['adapter']}")
+    return {"step": n, "total": n, "loss": m["train_loss_last"], "eta_s": 0,
+            "finished": True, "line": line, "time": time.time()}
 
 
 def write_progress(store, output_uri: str):

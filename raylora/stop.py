@@ -161,6 +161,30 @@ def driver_requests(desk: str, timeout_s: float, sigterm_hooks: list):
             t.cancel()
 
 
+@contextmanager
+def exporting(sigterm_hooks: list):
+    """Around the export of a run that has trained its last step: a first SIGTERM (a
+    `raylora stop` that came as training ended) lets the export finish, so the adapter is
+    written whole and there is nothing to resume; a second interrupts it (KeyboardInterrupt,
+    as ``launch._raise_interrupt``; the same command exports again). Before, the first one
+    interrupted the export: the run had finished, and a rerun was needed to write it."""
+    asked: list[bool] = []
+
+    def on_sigterm() -> bool:
+        if asked:
+            return False
+        asked.append(True)
+        log.warning("SIGTERM: the run has trained its last step; writing its adapter first "
+                    "(send it again to interrupt)")
+        return True
+
+    sigterm_hooks.append(on_sigterm)
+    try:
+        yield
+    finally:
+        sigterm_hooks.remove(on_sigterm)
+
+
 # --- worker side -------------------------------------------------------------------
 
 _SIGNALLED = threading.Event()

@@ -128,6 +128,19 @@ def test_submit_status_stop_then_resubmit_resumes_and_finishes(
     meta = json.loads((out / "adapter" / "raylora.json").read_text())
     assert meta["metrics"]["resumed_from_step"] == stopped_at
     assert meta["metrics"]["steps"] == MAX_STEPS
+    # Its last progress line says the run finished and where its adapter is; `stop` of it
+    # says the same, and had the stop come as its driver exited (Ray records STOPPED),
+    # that nothing is left to resume.
+    assert main(["status", "rl-resume"]) == 0
+    finished = (f"the run finished: trained {MAX_STEPS} steps, loss {meta['metrics']['train_loss_first']:.5f}"
+                f" → {meta['metrics']['train_loss_last']:.5f}; adapter {out / 'adapter'}")
+    assert capsys.readouterr().out == f"raylora: job rl-resume SUCCEEDED\nraylora: {finished}\n"
+    assert main(["stop", "rl-resume"]) == 0
+    assert capsys.readouterr().out == f"raylora: job rl-resume SUCCEEDED; {finished}\n"
+    line = jobs.status("rl-resume")[1]
+    assert jobs.stopped_line("rl-resume", "STOPPED", line) == (
+        f"raylora: job rl-resume STOPPED; {finished} (the stop came after that: nothing to resume)")
+    assert jobs.stopped_line("rl-stop", "STOPPED", "step 3/6 ...") == "raylora: job rl-stop STOPPED; step 3/6 ..."
 
     assert main(["list"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]

@@ -261,16 +261,30 @@ def test_a_finished_run_run_again_exports_its_final_checkpoint_without_ray(first
     assert local_sizes(str(out)) == files
 
 
-def test_a_stop_asked_on_the_last_step_lets_the_run_finish(ray_local, tiny_model, demo_data, tmp_path, caplog):
+def test_a_stop_asked_on_the_last_step_lets_the_run_finish(ray_local, tiny_model, demo_data, tmp_path,
+                                                           caplog, monkeypatch):
     """The driver's SIGTERM hook (what `raylora stop` and a pod's TERM reach) fires while
     the run's only step trains: the last step never stops, so the run finishes and
-    exports, and the driver says no stop was needed instead of leaving its promise."""
+    exports, and the driver says no stop was needed instead of leaving its promise.
+    A SIGTERM as the export starts lets it finish (it interrupted it: a finished run with
+    no adapter until a rerun), and progress.json then says the run finished, where
+    `raylora status` and `raylora stop` read it."""
+    import json
     import logging
     import signal
     import threading
     import time
 
-    from raylora import launch
+    from raylora import launch, progress
+    from raylora.checkpoint import export
+
+    real_export = export.export_run
+
+    def export_after_a_sigterm(*args, **kwargs):  # a real SIGTERM, as the export starts
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_export(*args, **kwargs)
+
+    monkeypatch.setattr(export, "export_run", export_after_a_sigterm)
 
     tree = {
         "model": {"pretrained": tiny_model},
@@ -289,8 +303,12 @@ def test_a_stop_asked_on_the_last_step_lets_the_run_finish(ray_local, tiny_model
     t = threading.Thread(target=sigterm_when_fitting, daemon=True)
     t.start()
     sigint = signal.getsignal(signal.SIGINT)
-    with caplog.at_level(logging.WARNING):
-        summary = launch.run(validate(tree))
+    sigterm = signal.signal(signal.SIGTERM, launch._raise_interrupt)  # as the CLI's
+    try:
+        with caplog.at_level(logging.WARNING):
+            summary = launch.run(validate(tree))
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
     t.join(timeout=10)
     # The fit ran off the main thread (launch.fit_interruptibly): Ray Train installed no
     # SIGINT handler of its own, so Ctrl-C and the stop timeout still reach this one.
@@ -300,7 +318,15 @@ def test_a_stop_asked_on_the_last_step_lets_the_run_finish(ray_local, tiny_model
     assert os.path.exists(tmp_path / "out" / "adapter" / "pytorch_lora_weights.safetensors")
     said = [r.getMessage() for r in caplog.records if "SIGTERM" in r.getMessage()]
     assert said[0].startswith("SIGTERM: asking the workers to checkpoint and stop at their next step")
-    assert said[-1] == "SIGTERM came after the last step had started: the run finished normally, no stop was needed"
+    assert said[1:] == [
+        "SIGTERM came after the last step had started: the run finished normally, no stop was needed",
+        "SIGTERM: the run has trained its last step; writing its adapter first (send it again to interrupt)"]
+    assert launch.SIGTERM_HOOKS == []
+    row = json.loads((tmp_path / "out" / progress.PROGRESS_FILE).read_text())
+    assert row["finished"] is True and (row["step"], row["total"]) == (1, 1)
+    assert row["line"] == (f"raylora: the run finished: trained 1 step, loss "
+                           f"{summary['metrics']['train_loss_first']:.5f} → "
+                           f"{summary['metrics']['train_loss_last']:.5f}; adapter {summary['adapter']}")
 
 
 def test_a_stop_not_done_within_its_timeout_interrupts_the_driver(ray_local):
